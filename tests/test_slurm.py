@@ -1,0 +1,339 @@
+"""End-to-end tests of submit_smoke_test.sbatch on a real (throwaway) Slurm 22.05 cluster.
+
+tests/slurm_cluster.sh stands up slurmctld + 2 slurmd ("node1", "node2"), each node in its own
+network + UTS namespace with an eth0 on a private bridge, fake GPUs as gres.  The tests submit the
+unmodified repo batch file with small shapes on the sbatch command line, gloo on CPU, and check
+job state, exit code, log, .err and the JSON verdict.
+
+Needs root and the Slurm binaries (Debian: apt-get install slurmd slurmctld slurm-client).
+Skipped otherwise, except with CI=true, where a missing Slurm is an error.
+
+    sudo python -m pytest -v tests/test_slurm.py
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER_SH = REPO / "tests" / "slurm_cluster.sh"
+SBATCH_FILE = REPO / "submit_smoke_test.sbatch"
+TOOL = REPO / "ddp_mesh_ping.py"
+VENV = Path(sys.prefix)  # the venv these tests run in is the one the jobs use
+VENV_PY = VENV / "bin" / "python"
+
+# small shape for a 2-core machine: 2 nodes x 2 ranks
+SHAPE = ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1", "--time=5"]
+AIV_TIMEOUT = "30"
+JOB_WAIT_S = 240
+
+# environment variables of the caller that would change what the batch file does
+_SCRUB = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "AIV_", "NCCL_", "GLOO_", "TORCH_CPP_")
+_SCRUB_EXACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "PYTORCH_ENV")
+
+REQUIRED_TOOLS = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "unshare", "nsenter", "ip")
+
+
+def _ci():
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def _skip_or_fail(reason):
+    if _ci():
+        pytest.fail(f"CI=true but the Slurm tests cannot run: {reason}")
+    pytest.skip(reason)
+
+
+def first_port_candidates(job_id, port_range_text, n=3):
+    """The ports submit_smoke_test.sbatch tries first for job_id (same formula as the batch file)."""
+    upper = int(port_range_text.split()[1])
+    lo = 49152 if upper >= 65535 else max(49152, upper + 1)
+    span = 65536 - lo
+    return [lo + (job_id + i) % span for i in range(n)]
+
+
+class Cluster:
+    def __init__(self, state_dir, workdir):
+        self.state_dir = Path(state_dir)
+        self.workdir = Path(workdir)
+        self.env = dict(os.environ, AIV_SLURM_DIR=str(self.state_dir))
+
+    # -- commands inside the cluster's namespaces --
+    def run(self, *args, env=None, timeout=60, check=False):
+        return subprocess.run(["bash", str(CLUSTER_SH), "exec", *map(str, args)], cwd=self.workdir,
+                              env=env or self.env, capture_output=True, text=True, timeout=timeout,
+                              check=check)
+
+    def node_popen(self, node, *args):
+        return subprocess.Popen(["bash", str(CLUSTER_SH), "exec-node", node, *map(str, args)],
+                                cwd=self.workdir, env=self.env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def node_run(self, node, *args, timeout=30):
+        return subprocess.run(["bash", str(CLUSTER_SH), "exec-node", node, *map(str, args)],
+                              cwd=self.workdir, env=self.env, capture_output=True, text=True,
+                              timeout=timeout, check=True)
+
+    # -- jobs --
+    def job_env(self, **overrides):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(_SCRUB) and k not in _SCRUB_EXACT}
+        env.update(AIV_SLURM_DIR=str(self.state_dir), PYTORCH_ENV=str(VENV), AIV_BACKEND="gloo",
+                   AIV_TIMEOUT=AIV_TIMEOUT)
+        env.update({k: str(v) for k, v in overrides.items()})
+        return env
+
+    def submit(self, *sbatch_args, **env_overrides):
+        r = self.run("sbatch", "--parsable", *sbatch_args, SBATCH_FILE, env=self.job_env(**env_overrides))
+        assert r.returncode == 0, f"sbatch failed: {r.stdout}{r.stderr}"
+        return int(r.stdout.strip().split(";")[0])
+
+    def job_info(self, job_id):
+        r = self.run("scontrol", "show", "job", job_id)
+        assert r.returncode == 0, r.stderr
+        state = re.search(r"\bJobState=(\S+)", r.stdout)
+        code = re.search(r"\bExitCode=(\S+)", r.stdout)
+        return (state.group(1) if state else "?"), (code.group(1) if code else "?"), r.stdout
+
+    def wait(self, job_id, limit=JOB_WAIT_S):
+        t0 = time.monotonic()
+        while True:
+            state, code, text = self.job_info(job_id)
+            if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"):
+                return state, code, time.monotonic() - t0
+            if time.monotonic() - t0 > limit:
+                self.run("scancel", job_id)
+                pytest.fail(f"job {job_id} still {state} after {limit} s:\n{text}")
+            time.sleep(0.25)
+
+    def files(self, job_id):
+        stem = self.workdir / f"ai_infra_smoke_test_{job_id}"
+        return stem.with_suffix(".log"), stem.with_suffix(".err"), stem.with_suffix(".json")
+
+    def outputs(self, job_id):
+        log, err, js = self.files(job_id)
+        return (log.read_text(errors="replace") if log.exists() else "",
+                err.read_text(errors="replace") if err.exists() else "", js)
+
+    def port_range(self, node="node1"):
+        return self.node_run(node, "cat", "/proc/sys/net/ipv4/ip_local_port_range").stdout
+
+    def hold_port(self, node, port):
+        """Listen on 0.0.0.0:port (port 0: any) inside node's network namespace; returns (proc, port)."""
+        code = ("import socket, sys\n"
+                "s = socket.socket()\n"
+                "s.bind(('0.0.0.0', int(sys.argv[1])))\n"
+                "s.listen(8)\n"
+                "print(s.getsockname()[1], flush=True)\n"
+                "sys.stdin.read()\n")
+        p = self.node_popen(node, sys.executable, "-c", code, port)
+        line = p.stdout.readline().strip()
+        if not line.isdigit():
+            p.kill()
+            pytest.fail(f"could not hold port {port} on {node}: {line} {p.stderr.read()}")
+        return p, int(line)
+
+
+def release_port(proc):
+    try:
+        proc.stdin.close()
+        proc.wait(timeout=5)
+    except Exception:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def describe(cluster, job_id):
+    log, err, js = cluster.outputs(job_id)
+    j = js.read_text() if js.exists() else "(no json)"
+    return f"--- log\n{log}\n--- err\n{err[-4000:]}\n--- json\n{j[:2000]}"
+
+
+def load_json(path):
+    import json
+    assert path.exists(), f"no verdict JSON at {path}"
+    return json.loads(path.read_text())
+
+
+def failure_lines(log, check):
+    return [ln.strip() for ln in log.splitlines() if ln.strip().startswith(f"FAILURE: {check}:")]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    missing = [t for t in REQUIRED_TOOLS if shutil.which(t) is None]
+    if missing:
+        _skip_or_fail("Slurm or namespace tools not installed: " + ", ".join(missing)
+                      + " (Debian: apt-get install slurmd slurmctld slurm-client)")
+    if os.geteuid() != 0:
+        _skip_or_fail("needs root (network namespaces, mknod, Slurm daemons)")
+    if not VENV_PY.exists():
+        _skip_or_fail(f"the tests must run in a venv: {VENV_PY} missing (the jobs use PYTORCH_ENV={VENV})")
+    if not TOOL.exists():
+        _skip_or_fail(f"{TOOL} missing")
+    state = tmp_path_factory.mktemp("slurm")
+    work = tmp_path_factory.mktemp("submit")
+    # the batch file's default AIV_SCRIPT is $SLURM_SUBMIT_DIR/ddp_mesh_ping.py
+    (work / "ddp_mesh_ping.py").symlink_to(TOOL)
+    hosts_before = Path("/etc/hosts").read_bytes()
+    env = dict(os.environ, AIV_SLURM_DIR=str(state), SLURM_NODES="2",
+               NODE_CPUS="96", NODE_GPUS="8")  # room for the batch file's default 2x8, 12 CPUs/task
+    r = subprocess.run(["bash", str(CLUSTER_SH), "up"], env=env, capture_output=True, text=True, timeout=180)
+    if r.returncode == 3:
+        _skip_or_fail("slurm_cluster.sh refused to start: " + r.stderr.strip())
+    if r.returncode != 0:
+        subprocess.run(["bash", str(CLUSTER_SH), "down"], env=env, capture_output=True, timeout=120)
+        pytest.fail(f"slurm_cluster.sh up failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    c = Cluster(state, work)
+    c.hosts_before = hosts_before
+    try:
+        yield c
+    finally:
+        d = subprocess.run(["bash", str(CLUSTER_SH), "down"], env=env, capture_output=True, text=True,
+                           timeout=180)
+        assert d.returncode == 0, f"slurm_cluster.sh down failed:\n{d.stdout}\n{d.stderr}"
+
+
+def test_cluster_is_private(cluster):
+    """The host's /etc/hosts and network namespace are untouched; nodes resolve inside."""
+    assert Path("/etc/hosts").read_bytes() == cluster.hosts_before
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    assert "aivbr0" not in links and "veth-aiv" not in links
+    r = cluster.run("getent", "hosts", "node1")
+    assert r.returncode == 0 and r.stdout.split()[0].startswith("10.77.0."), r.stdout
+    assert cluster.node_run("node2", "hostname").stdout.strip() == "node2"
+
+
+def test_default_shape_is_accepted(cluster):
+    """The #SBATCH defaults (2 nodes x 8 tasks x 8 GPUs, 12 CPUs per task) are a valid request."""
+    r = cluster.run("sbatch", "--test-only", SBATCH_FILE, env=cluster.job_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "192 processors on nodes node[1-2]" in r.stderr, r.stderr
+
+
+def test_two_nodes_two_ranks_pass(cluster, capsys, record_property):
+    t0 = time.monotonic()
+    job = cluster.submit(*SHAPE)
+    state, code, _ = cluster.wait(job)
+    took = time.monotonic() - t0
+    record_property("sbatch_to_completed_s", round(took, 2))
+    with capsys.disabled():
+        print(f"\n[slurm] 2 nodes x 2 ranks: sbatch -> {state} in {took:.1f} s (job {job})")
+    assert (state, code) == ("COMPLETED", "0:0"), describe(cluster, job)
+    log, err, js = cluster.outputs(job)
+    assert "Master Node IP/Hostname: node1" in log
+    assert "Total Execution Ranks: 4" in log
+    port = int(re.search(r"^Dynamically Assigned Port: (\d+)$", log, re.M).group(1))
+    assert port == first_port_candidates(job, cluster.port_range())[0]
+    assert "SUCCESS: DDP Multi-Node AllReduce Ring Complete!" in log
+    assert "node1" in log and "node2" in log
+    assert "Traceback" not in log + err, err
+    verdict = load_json(js)
+    assert verdict["verdict"] == "PASS" and verdict["exit_code"] == 0
+    log_path = cluster.files(job)[0]
+    v = subprocess.run([str(VENV_PY), str(TOOL), "--verify-log", str(log_path), "--expect-world-size", "4",
+                        "--expect-nodes", "2", "--expect-ranks-per-node", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_layout_mismatch_fails(cluster):
+    job = cluster.submit(*SHAPE, AIV_EXPECT_RANKS_PER_NODE=3)
+    state, code, _ = cluster.wait(job)
+    assert (state, code) == ("FAILED", "1:0"), describe(cluster, job)
+    log, _, js = cluster.outputs(job)
+    lines = failure_lines(log, "layout")
+    assert lines, describe(cluster, job)
+    assert any(re.search(r"\bnode[12]\b", ln) and "3" in ln and "2" in ln for ln in lines), lines
+    assert load_json(js)["exit_code"] == 1
+
+
+def test_bad_interface_fails_fast(cluster):
+    job = cluster.submit(*SHAPE, NCCL_SOCKET_IFNAME="eth9", GLOO_SOCKET_IFNAME="eth9")
+    state, code, took = cluster.wait(job)
+    assert (state, code) == ("FAILED", "1:0"), describe(cluster, job)
+    log, _, _ = cluster.outputs(job)
+    lines = failure_lines(log, "interface")
+    assert lines, describe(cluster, job)
+    assert any("eth9" in ln and re.search(r"\bnode[12]\b", ln) for ln in lines), lines
+    assert took < float(AIV_TIMEOUT) + 30, f"took {took:.1f} s"  # job limit is 5 min
+
+
+def test_missing_venv_one_line_error(cluster):
+    missing = f"/nonexistent/aiv-venv-{uuid.uuid4().hex[:8]}"
+    job = cluster.submit(*SHAPE, PYTORCH_ENV=missing)
+    state, code, _ = cluster.wait(job)
+    assert (state, code) == ("FAILED", "2:0"), describe(cluster, job)
+    log, err, js = cluster.outputs(job)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("ERROR:") and f"venv not found at {missing}" in lines[0], lines
+    assert "bootstrap_env.sh" in lines[0]
+    assert "Traceback" not in log + err
+    assert "Total Execution Ranks" not in log  # no python ran
+    assert not js.exists()
+
+
+def test_dynamic_port_skips_busy_port(cluster):
+    job = cluster.submit("--hold", *SHAPE)
+    holder = None
+    try:
+        cands = first_port_candidates(job, cluster.port_range())
+        holder, busy = cluster.hold_port("node1", cands[0])
+        r = cluster.run("scontrol", "release", job)
+        assert r.returncode == 0, r.stderr
+        state, code, _ = cluster.wait(job)
+    finally:
+        if holder is not None:
+            release_port(holder)
+        else:
+            cluster.run("scancel", job)
+    assert (state, code) == ("COMPLETED", "0:0"), describe(cluster, job)
+    log, _, _ = cluster.outputs(job)
+    port = int(re.search(r"^Dynamically Assigned Port: (\d+)$", log, re.M).group(1))
+    assert port != busy
+    assert port == cands[1]
+
+
+def test_busy_forced_master_port_fails(cluster):
+    holder, port = cluster.hold_port("node1", 0)
+    try:
+        job = cluster.submit(*SHAPE, MASTER_PORT=port, AIV_TIMEOUT=20)
+        state, code, _ = cluster.wait(job)
+    finally:
+        release_port(holder)
+    assert (state, code) == ("FAILED", "1:0"), describe(cluster, job)
+    log, _, _ = cluster.outputs(job)
+    assert f"Dynamically Assigned Port: {port}" in log
+    lines = failure_lines(log, "rendezvous")
+    assert any(f"node1:{port}" in ln for ln in lines), describe(cluster, job)
+
+
+def test_hostile_env_values_not_evaluated(cluster):
+    tag = uuid.uuid4().hex[:10]
+    marks = [Path(f"/tmp/aiv-hostile-{tag}-{i}") for i in range(8)]
+    job1 = cluster.submit(*SHAPE,
+                          NCCL_SOCKET_IFNAME=f"$(touch {marks[0]})",
+                          GLOO_SOCKET_IFNAME=f"`touch {marks[1]}`;touch {marks[2]}",
+                          NCCL_DEBUG=f"$(touch {marks[3]})",
+                          NCCL_IB_DISABLE=f"a[$(touch {marks[4]})]")
+    job2 = cluster.submit(*SHAPE,
+                          MASTER_PORT=f"$(touch {marks[5]})",
+                          AIV_EXPECT_NODES=f"x[$(touch {marks[6]})]",
+                          AIV_JSON=f"/tmp/aiv-hostile-{tag}-$(touch {marks[7]}).json")
+    s1, c1, _ = cluster.wait(job1)
+    s2, c2, _ = cluster.wait(job2)
+    created = [str(m) for m in marks if m.exists()]
+    for m in marks:
+        m.unlink(missing_ok=True)
+    assert not created, f"environment values were executed: {created}"
+    assert s1 == "FAILED" and s2 == "FAILED", describe(cluster, job1) + describe(cluster, job2)
+    log1, _, _ = cluster.outputs(job1)
+    assert failure_lines(log1, "interface"), describe(cluster, job1)
