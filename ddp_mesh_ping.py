@@ -45,6 +45,7 @@ import json
 import os
 import re
 import resource
+import signal
 import socket
 import struct
 import subprocess
@@ -93,6 +94,8 @@ ENV_ALLOW_NAMES = (
     "SLURM_JOB_PARTITION", "SLURM_CLUSTER_NAME", "SLURM_GPUS_ON_NODE", "SLURM_DISTRIBUTION",
 )
 ENV_DENY_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "KEY", "COOKIE")
+
+PEER_GRACE = 3.0  # seconds rank 0 waits for live peers to report their errors after a failed phase
 
 _T0 = time.monotonic()
 
@@ -389,22 +392,34 @@ def slurm_expected_hosts(env, world):
 
 
 def slurm_expectations(env):
-    """Default expected shape from the Slurm allocation (absent keys: no expectation)."""
+    """Default expected shape from what Slurm launched (the srun step first, then the job).
+
+    Absent keys mean no expectation; an uneven layout (e.g. 2,1) sets no ranks-per-node.
+    """
     out = {}
-    for key, var in (("world_size", "SLURM_NTASKS"), ("nodes", "SLURM_JOB_NUM_NODES"),
-                     ("ranks_per_node", "SLURM_NTASKS_PER_NODE")):
+    for key, names in (("world_size", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")),
+                       ("nodes", ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES"))):
+        for var in names:
+            try:
+                if env.get(var):
+                    out[key] = int(env[var])
+                    break
+            except ValueError:
+                pass
+    layout = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if layout:
         try:
-            if env.get(var):
-                out[key] = int(env[var])
-        except ValueError:
-            pass
-    if "ranks_per_node" not in out and env.get("SLURM_TASKS_PER_NODE"):
-        try:
-            counts = set(parse_tasks_per_node(env["SLURM_TASKS_PER_NODE"]))
+            counts = set(parse_tasks_per_node(layout))
             if len(counts) == 1:
                 out["ranks_per_node"] = counts.pop()
+            return out
         except ValueError:
             pass
+    try:
+        if env.get("SLURM_NTASKS_PER_NODE"):
+            out["ranks_per_node"] = int(env["SLURM_NTASKS_PER_NODE"])
+    except ValueError:
+        pass
     return out
 
 
@@ -1005,11 +1020,19 @@ def judge_day0(records):
 
 
 def judge_local(records):
-    """The local checks each rank ran before any communication."""
-    out = []
+    """The local checks each rank ran before any communication; one finding per distinct
+    reason (ranks of one host that share a misconfiguration are named together)."""
+    merged = {}
     for r in records:
-        out.extend(r.get("local") or [])
-    return [f for f in out if f["status"] != "PASS"]
+        for f in r.get("local") or []:
+            if f["status"] == "PASS":
+                continue
+            key = (f["check"], f["status"], f["reason"])
+            if key in merged:
+                merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
+            else:
+                merged[key] = dict(f)
+    return list(merged.values())
 
 
 def judge_all(records, world_size, expect, ib_hca=None):
@@ -1028,9 +1051,11 @@ def judge_all(records, world_size, expect, ib_hca=None):
 
 
 def judge_pre(records, world_size, expect):
-    """What rank 0 can judge from the roll call alone, before NCCL exists."""
-    return (judge_local(records) + judge_world_size(world_size, expect) + judge_layout(records, expect)
-            + judge_gpu_affinity(records))
+    """What rank 0 can judge from the roll call alone, before NCCL exists. The layout is judged
+    only over a complete roll call: a missing rank is the cause, not a layout fault."""
+    complete = len(records) == world_size
+    return (judge_local(records) + judge_world_size(world_size, expect)
+            + (judge_layout(records, expect) if complete else []) + judge_gpu_affinity(records))
 
 
 def judge_collectives(results, world_size):
@@ -1341,10 +1366,13 @@ def emit(line, stream=None):
 
 
 def first_line(exc):
+    """The one informative line of an exception (no C++ frames, source paths or chatter)."""
     text = str(exc).strip()
     for ln in text.splitlines():
         ln = ln.strip()
         if ln and not ln.startswith(("Exception raised from", "frame #")):
+            ln = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", ln)
+            ln = re.split(r"\.? This is typically caused", ln)[0]
             return f"{type(exc).__name__}: {ln[:300]}"
     return type(exc).__name__
 
@@ -1441,6 +1469,15 @@ class RankRun:
     def progress(self, msg):
         if self.is0:
             emit(f"[{elapsed():9.2f}s] {msg}")
+
+    def failpoint(self, phase):
+        """Test-only fault injection: AIV_FAILPOINT=<die|hang>:<phase>:<rank> kills (SIGKILL) or
+        freezes (SIGSTOP) this rank when it reaches <phase> (rendezvous, init, collective, ddp)."""
+        fp = self.env.get("AIV_FAILPOINT", "")
+        m = re.fullmatch(r"(die|hang):(\w+):(\d+)", fp)
+        if m and m.group(2) == phase and int(m.group(3)) == self.rank:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
 
     def mark(self, name, t0):
         self.phases[name] = round(time.monotonic() - t0, 3)
@@ -1657,7 +1694,7 @@ class RankRun:
                                   master_listen_fd=sock.detach())
         else:
             self.wd.arm("rendezvous", f"connecting to the master {self.addr}:{self.port} from rank {self.rank} "
-                        f"({self.host})", self.T + 15)
+                        f"({self.host})", self.T)
             try:
                 store = dist.TCPStore(self.addr, self.port, None, False, T)
             except Exception as e:
@@ -1665,6 +1702,7 @@ class RankRun:
                                    f"{self.addr}:{self.port}: {first_line(e)}", EXIT_TIMEOUT) from None
         self.store = dist.PrefixStore("aiv/", store)
         self.raw_store = store
+        self.failpoint("rendezvous")
         self.store.set(f"id/{self.rank}", json.dumps(identity, default=str))
         if self.store.add("arrived", 1) == self.world:
             self.store.set("all_arrived", "1")
@@ -1753,6 +1791,7 @@ class RankRun:
         if self.backend == "nccl":
             kw["device_id"] = torch.device("cuda", self.device)
         self.wd.arm("init", f"init_process_group({self.backend})", self.T + 15)
+        self.failpoint("init")
         try:
             dist.init_process_group(**kw)
         except Exception as e:
@@ -1769,6 +1808,7 @@ class RankRun:
             base = torch.arange(n, dtype=torch.int64, device=dev)
             x = base * (r + 1) + r
             s = torch.tensor([r + 1], dtype=torch.int64, device=dev)
+            self.failpoint("collective")
             dist.all_reduce(x)
             dist.all_reduce(s)
             want = base * (w * (w + 1) // 2) + w * (w - 1) // 2
@@ -1784,6 +1824,7 @@ class RankRun:
             yin = torch.randn(16, 10, generator=g).to(dev)
             model = torch.nn.Linear(10, 10).to(dev)
             ddp = DDP(model, device_ids=[self.device] if self.backend == "nccl" else None)
+            self.failpoint("ddp")
             loss = torch.nn.functional.mse_loss(ddp(xin), yin)
             loss.backward()
             grads = torch.cat([p.grad.detach().flatten() for p in model.parameters()]).double()
@@ -1820,7 +1861,7 @@ class RankRun:
             raise PhaseFailure(check, msg, code)
         # rank 0: give live peers a moment to report their own errors, then name the silent ones
         self.wd.arm(check, f"collecting peer errors after: {msg}", 30)
-        deadline = time.monotonic() + min(10.0, self.T)
+        deadline = time.monotonic() + min(PEER_GRACE, self.T / 2)
         while time.monotonic() < deadline:
             try:
                 if self.store.add(f"nerr/{check}", 0) >= self.world:
@@ -1906,8 +1947,8 @@ class RankRun:
         if self.store is not None:
             try:
                 self.store.set(f"err/{check}/{self.rank}", reason)
-                self.wd.arm(check, "waiting for rank 0's verdict", min(60.0, self.T) + 10, code=code)
-                self.store.wait(["gate/final"], datetime.timedelta(seconds=min(60.0, self.T)))
+                self.wd.arm(check, "waiting for rank 0's verdict", self.T + 40, code=code)
+                self.store.wait(["gate/final"], datetime.timedelta(seconds=self.T + 30))
                 val = self.store.get("gate/final").decode()
                 self.wd.disarm()
                 if val != "go":
@@ -1983,9 +2024,13 @@ def launch_local(args, argv, env):
         cenv.setdefault("AIV_EXPECT_RANKS_PER_NODE", str(nproc))
         cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(nproc))
         procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL))
+    # The ranks bound themselves; this is the launcher's own backstop. Once rank 0 has given
+    # its verdict the others get a grace period to read it, then are killed (e.g. a frozen rank).
     deadline = time.monotonic() + 7 * (args.timeout + 60)
     try:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if procs[0].poll() is not None:
+                deadline = min(deadline, time.monotonic() + 5.0)
             time.sleep(0.05)
     except KeyboardInterrupt:
         deadline = 0
@@ -1994,7 +2039,7 @@ def launch_local(args, argv, env):
         p.kill()
     for p in procs:
         p.wait()
-    if alive:
+    if alive and (procs[0] in alive or procs[0].returncode == EXIT_PASS):
         emit(f"FAILURE: launch: local ranks {format_ranges(procs.index(p) for p in alive)} still running at the "
              f"launcher's deadline; killed")
         return EXIT_TIMEOUT
@@ -2002,7 +2047,7 @@ def launch_local(args, argv, env):
     if codes[0] < 0:
         emit(f"FAILURE: launch: rank 0 (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
         return EXIT_FAIL
-    if codes[0] == EXIT_PASS and any(codes):
+    if codes[0] == EXIT_PASS and any(c for p, c in zip(procs, codes, strict=True) if p not in alive):
         bad = [(r, c) for r, c in enumerate(codes) if c]
         emit("FAILURE: launch: rank 0 passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
         return EXIT_FAIL
@@ -2010,13 +2055,24 @@ def launch_local(args, argv, env):
 
 
 # ============================================================================ main
+def _rank_hint(env):
+    """This process's rank when it can be read at all (to print usage errors once, not per rank)."""
+    for var in ("RANK", "SLURM_PROCID"):
+        try:
+            return int(env[var])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     env = dict(os.environ)
     try:
         args = parse_args(argv, env)
     except UsageError as e:
-        emit(f"FAILURE: usage: {e}")
+        if _rank_hint(env) in (None, 0):  # under srun, one line from rank 0 instead of one per rank
+            emit(f"FAILURE: usage: {e}")
         return EXIT_USAGE
     if args.verify_log:
         return run_verify_log(args)
@@ -2025,7 +2081,8 @@ def main(argv=None):
     try:
         contract = read_contract(env)
     except UsageError as e:
-        emit(f"FAILURE: contract: {e}")
+        if _rank_hint(env) in (None, 0):
+            emit(f"FAILURE: contract: {e}")
         return EXIT_USAGE
     if contract is None:
         return launch_local(args, argv, env)

@@ -115,16 +115,19 @@ foreign_daemons() {
   done
 }
 
+# Namespace ids (e.g. "net:[4026532301]") of a holder process, recorded at "up" time so that
+# "down" finds the namespaces' members even if a holder has died.
+record_ns() { # record_ns PID KIND...
+  local p=$1 k
+  shift
+  for k in "$@"; do readlink "/proc/$p/ns/$k" >>"$DIR/run/ns.ids"; done
+}
+
 # PIDs of every process inside the namespaces this cluster created (hub mount ns, hub/node net ns),
 # except the caller itself.
 ns_members() {
   local ids=() f p id h
-  for f in "$DIR"/run/hub.pid "$DIR"/run/node*.ns.pid; do
-    p=$(pid_of "$f" 2>/dev/null) || continue
-    [ -d "/proc/$p" ] || continue
-    case $f in */hub.pid) id=$(readlink "/proc/$p/ns/mnt" 2>/dev/null) && ids+=("$id") ;; esac
-    id=$(readlink "/proc/$p/ns/net" 2>/dev/null) && ids+=("$id")
-  done
+  [ -s "$DIR/run/ns.ids" ] && mapfile -t ids <"$DIR/run/ns.ids"
   [ ${#ids[@]} -gt 0 ] || return 0
   for p in /proc/[0-9]*; do
     p=${p#/proc/}
@@ -284,6 +287,8 @@ cmd_up() {
   chmod 755 "$DIR"
   : >"$DIR/$MARK"
   mkdir -p "$DIR/ctld" "$DIR/run" "$DIR/log" "$DIR/dev"
+  # from here on, a failed "up" undoes itself
+  trap 'say "up failed; cleaning up"; cmd_down >/dev/null 2>&1 || true' EXIT
   for node in $(node_names); do mkdir -p "$DIR/spool/$node"; done
   for ((i = 0; i < NODE_GPUS; i++)); do mknod "$DIR/dev/nvidia$i" c 1 3; done
   write_config
@@ -295,6 +300,7 @@ cmd_up() {
     </dev/null >/dev/null 2>&1
   for ((i = 0; i < 100; i++)); do hub_pid >/dev/null && break; sleep 0.05; done
   h=$(hub_pid) || die "hub namespace holder did not start"
+  record_ns "$h" mnt net
   nsenter --mount="/proc/$h/ns/mnt" -- mount --bind "$DIR/etc/hosts" /etc/hosts
   nsenter --mount="/proc/$h/ns/mnt" -- mount --bind "$DIR/etc/nsswitch.conf" /etc/nsswitch.conf
   # a name-service cache daemon would answer from the host's view: hide its socket in our namespace
@@ -315,6 +321,7 @@ cmd_up() {
       </dev/null >/dev/null 2>&1
     for ((c = 0; c < 100; c++)); do node_ns_pid "$node" >/dev/null && break; sleep 0.05; done
     n=$(node_ns_pid "$node") || die "namespace holder for $node did not start"
+    record_ns "$n" net
     nsenter --net="/proc/$h/ns/net" -- ip link add "veth-aiv$i" type veth peer name eth0 netns "$n"
     nsenter --net="/proc/$h/ns/net" -- ip link set "veth-aiv$i" master "$BR" up
     nsenter --net="/proc/$n/ns/net" -- sh -c "ip addr add $SUBNET.$((10 + i))/24 dev eth0 && ip link set eth0 up && ip link set lo up"
@@ -336,7 +343,6 @@ cmd_up() {
       if [ -s "$f" ] && ! alive "$f" slurmctld slurmctld-wlm slurmd slurmd-wlm; then
         say "daemon of $f died; last log lines:"
         tail -n 8 "$DIR"/log/*.log >&2 || true
-        cmd_down >/dev/null 2>&1 || true
         exit 1
       fi
     done
@@ -345,9 +351,9 @@ cmd_up() {
   if [ "$idle" != "$SLURM_NODES" ]; then
     say "nodes not idle after 30 s: $st"
     tail -n 8 "$DIR"/log/*.log >&2 || true
-    cmd_down >/dev/null 2>&1 || true
     exit 1
   fi
+  trap - EXIT
   say "up in $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s: $SLURM_NODES nodes x $NODE_CPUS CPUs x $NODE_GPUS fake GPUs; state in $DIR"
   say "run client commands with: bash $0 exec sinfo -N   (they must run inside the cluster's namespaces)"
   cat "$DIR/env.sh"
@@ -380,9 +386,9 @@ cmd_down() {
   mapfile -t pids < <(ns_members)
   [ ${#pids[@]} -eq 0 ] || stop_pids 5 "${pids[@]}"
   # the namespaces, veths, bridge and bind mounts vanish with their last process
-  for f in "$DIR"/run/*.pid; do [ -e "$f" ] && rm -f "$f"; done
   h=$(ns_members | tr '\n' ' ')
   [ -z "$h" ] || die "processes left in the cluster's namespaces: $h"
+  rm -f "$DIR"/run/*.pid "$DIR/run/ns.ids"
   say "down (logs kept in $DIR/log)"
 }
 
@@ -406,7 +412,7 @@ cmd_status() {
 }
 
 usage() {
-  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 

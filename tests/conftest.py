@@ -1,0 +1,72 @@
+"""Shared helpers: the tool imported as a module, and a runner for real processes."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "ddp_mesh_ping.py"
+sys.path.insert(0, str(ROOT))
+
+import ddp_mesh_ping as aiv  # noqa: E402
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(extra=None):
+    """The caller's environment without any launch, Slurm, NCCL/gloo or AIV_ variables."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCH_VARS and not k.startswith(("SLURM_", "AIV_", "NCCL_", "GLOO_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: str(v) for k, v in (extra or {}).items()})
+    return env
+
+
+def run_tool(args=(), env=None, timeout=300, cwd=None, user=None):
+    cmd = [sys.executable, str(SCRIPT), *map(str, args)]
+    if user:
+        cmd = ["runuser", "-u", user, "--", *cmd]
+    return subprocess.run(cmd, env=clean_env(env), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def failures(text):
+    return [ln for ln in text.splitlines() if ln.startswith("FAILURE:")]
+
+
+def rec(rank, host="node1", local_rank=None, gpu=None, node=True, versions=None, **kw):
+    """A gathered per-rank record as rank 0 sees it."""
+    r = {"rank": rank, "host": host, "hostname": host, "local_rank": rank if local_rank is None else local_rank,
+         "backend": "nccl" if gpu else "gloo", "device": (gpu or {}).get("index"), "cvd": None,
+         "gpu": gpu, "cpus": "0-15", "local": [],
+         "versions": versions or {"torch": "2.13.0", "cuda": "12.8", "nccl": "2.28.3", "python": "3.11.7"}}
+    if node is True:
+        node = {"os": "Ubuntu 22.04", "kernel": "5.15.0", "driver": "580.1", "cpu_model": "Xeon", "cpus": 96,
+                "mem_total": 1 << 40, "ib": [], "peermem": True, "memlock": "unlimited", "shm": 64 << 30,
+                "imports": {"torchvision": {"ok": True, "version": "0.29.1"},
+                            "torchaudio": {"ok": True, "version": "2.11.1"}}, "ifaces": {}}
+    if node:
+        r["node"] = node
+    r.update(kw)
+    return r
+
+
+def gpu(uuid, pci="0000:1b:00.0", name="NVIDIA H200", numa=0, numa_cpus="0-47", index=0, mem_used=500 << 20):
+    return {"name": name, "vram": 141 << 30, "uuid": uuid, "pci": pci, "numa": numa,
+            "numa_cpus": numa_cpus, "mem_used": mem_used, "index": index}
+
+
+def cluster(nodes=2, per_node=2, with_gpu=False):
+    out = []
+    for n in range(nodes):
+        for lr in range(per_node):
+            r = n * per_node + lr
+            g = gpu(f"GPU-{n}-{lr}", pci=f"0000:{lr:02x}:00.0", index=lr) if with_gpu else None
+            out.append(rec(r, host=f"node{n + 1}", local_rank=lr, gpu=g, node=(lr == 0)))
+    return out
+
+
+@pytest.fixture
+def tool():
+    return aiv

@@ -1,0 +1,364 @@
+"""Tests of bootstrap_env.sh: the real script, run as a subprocess, builds real venvs.
+
+No package index is contacted: the tests write a wheelhouse of tiny stand-in packages named torch,
+torchvision, torchaudio, psutil and numpy (each with a __version__; one broken torchaudio whose
+import raises), and run the script with FIND_LINKS=<wheelhouse>, EXTRA_PIP_ARGS=--no-index and
+specs pinned to those versions.  The machine's own pip configuration is switched off
+(PIP_CONFIG_FILE=/dev/null, no PIP_* variables) so only the wheelhouse is seen.
+
+    python -m pytest -q tests/test_bootstrap.py
+"""
+
+import base64
+import hashlib
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "bootstrap_env.sh"
+RUN_TIMEOUT = 240
+
+KNOBS = ("PYTORCH_ENV", "PYTHON", "TORCH_SPEC", "TORCHVISION_SPEC", "TORCHAUDIO_SPEC", "PSUTIL_SPEC",
+         "NUMPY_SPEC", "INDEX_URL", "FIND_LINKS", "EXTRA_PIP_ARGS", "UPGRADE_PIP",
+         "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+
+TORCH_INIT = '''\
+__version__ = "1.0.0+cpu"
+
+
+class version:
+    cuda = "12.8"
+    hip = None
+
+
+class cuda:
+    @staticmethod
+    def is_available():
+        return False
+
+    @staticmethod
+    def device_count():
+        return 0
+'''
+
+BROKEN_TORCHAUDIO_INIT = '''\
+raise OSError("libtorchaudio.so: cannot load the extension\\n"
+              "undefined symbol: _ZN3c1017fake_symbol_for_testsEv")
+'''
+
+# (distribution, wheel version, files, Requires-Dist)
+FAKES = [
+    ("torch", "1.0.0+cpu", {"torch/__init__.py": TORCH_INIT}, []),
+    ("torchvision", "1.0.0", {"torchvision/__init__.py": '__version__ = "1.0.0"\nimport torch\n'}, ["torch"]),
+    ("torchaudio", "1.0.0", {"torchaudio/__init__.py": '__version__ = "1.0.0"\nimport torch\n'}, ["torch"]),
+    ("torchaudio", "1.0.1", {"torchaudio/__init__.py": BROKEN_TORCHAUDIO_INIT}, ["torch"]),
+    ("psutil", "1.0.0", {"psutil/__init__.py": '__version__ = "1.0.0"\n'}, []),
+    ("numpy", "1.0.0", {"numpy/__init__.py": '__version__ = "1.0.0"\n'}, []),
+]
+
+SPECS = {
+    "TORCH_SPEC": "torch==1.0.0",
+    "TORCHVISION_SPEC": "torchvision==1.0.0",
+    "TORCHAUDIO_SPEC": "torchaudio==1.0.0",
+    "PSUTIL_SPEC": "psutil==1.0.0",
+    "NUMPY_SPEC": "numpy==1.0.0",
+}
+
+EXPECTED_VERSIONS = ["torch 1.0.0+cpu", "torchvision 1.0.0", "torchaudio 1.0.0", "psutil 1.0.0", "numpy 1.0.0"]
+
+
+def write_wheel(wheelhouse, name, version, files, requires):
+    """A pure-Python wheel written directly as a zip (no build backend, no network)."""
+    distinfo = f"{name}-{version}.dist-info"
+    contents = dict(files)
+    contents[f"{distinfo}/METADATA"] = (
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    contents[f"{distinfo}/WHEEL"] = "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    record = []
+    for path, text in contents.items():
+        data = text.encode()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{distinfo}/RECORD,,")
+    contents[f"{distinfo}/RECORD"] = "\n".join(record) + "\n"
+    with zipfile.ZipFile(wheelhouse / f"{name}-{version}-py3-none-any.whl", "w") as zf:
+        for path, text in contents.items():
+            zf.writestr(path, text)
+
+
+def venv_capable_python():
+    """A python3 whose `-m venv` works: the system one first, then PATH's, then this one."""
+    for cand in ("/usr/bin/python3", shutil.which("python3"), sys.executable):
+        if cand and os.access(cand, os.X_OK):
+            r = subprocess.run([cand, "-c", "import venv, ensurepip"], capture_output=True)
+            if r.returncode == 0:
+                return cand
+    return None
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wheelhouse")
+    for name, version, files, requires in FAKES:
+        write_wheel(d, name, version, files, requires)
+    return d
+
+
+@pytest.fixture(scope="module")
+def base_env(wheelhouse):
+    py = venv_capable_python()
+    if py is None:
+        pytest.skip("no python3 with the venv and ensurepip modules here")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in KNOBS}
+    env.update(SPECS)
+    env.update(PYTHON=py, FIND_LINKS=str(wheelhouse), EXTRA_PIP_ARGS="--no-index",
+               PIP_CONFIG_FILE=os.devnull, PIP_NO_INPUT="1")
+    return env
+
+
+def run(env, *args, script=SCRIPT, prefix=(), cwd=None, **overrides):
+    """Run the script with env plus overrides (None removes a variable); the result gets .elapsed."""
+    e = dict(env)
+    for k, v in overrides.items():
+        if v is None:
+            e.pop(k, None)
+        else:
+            e[k] = v
+    t0 = time.monotonic()
+    r = subprocess.run([*prefix, "bash", str(script), *args], env=e, cwd=cwd or REPO,
+                       capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    r.elapsed = time.monotonic() - t0
+    return r
+
+
+def show(r):
+    return f"rc={r.returncode} ({r.elapsed:.1f} s)\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}"
+
+
+def error_lines(r):
+    return [ln for ln in r.stderr.splitlines() if ln.startswith("ERROR")]
+
+
+def tree(root):
+    """(path, size, mtime) of every file in the venv except bytecode caches."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            st = os.lstat(p)
+            out.append((os.path.relpath(p, root), st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
+@pytest.fixture(scope="module")
+def built(base_env, tmp_path_factory):
+    """One fresh build, shared by the tests that only read it."""
+    env_dir = tmp_path_factory.mktemp("shared") / "apps" / "pytorch_env"
+    r = run(base_env, PYTORCH_ENV=str(env_dir))
+    return r, env_dir
+
+
+def test_fresh_build_prints_every_version(built, base_env):
+    r, env_dir = built
+    assert r.returncode == 0, show(r)
+    lines = r.stdout.splitlines()
+    for want in EXPECTED_VERSIONS:
+        assert want in lines, show(r)
+    assert "CUDA available: False (torch built for CUDA 12.8; no usable GPU on this node)" in lines, show(r)
+    assert f"pytorch env at {env_dir} is ready" in r.stdout, show(r)
+    assert lines[-2] == f"Run: {env_dir}/bin/python {REPO}/ddp_mesh_ping.py", show(r)
+    assert f"PYTORCH_ENV={env_dir} sbatch submit_smoke_test.sbatch" in lines[-1], show(r)
+    assert not error_lines(r) and "Traceback" not in r.stderr, show(r)
+    if base_env["PYTHON"].startswith("/usr/bin/"):
+        assert "WARNING" not in r.stderr, show(r)  # a system python: nothing to warn about
+    assert (env_dir / "pyvenv.cfg").is_file()
+    # the packages live in the venv, not somewhere else on the path
+    where = subprocess.run([str(env_dir / "bin" / "python"), "-I", "-c", "import torch; print(torch.__file__)"],
+                           capture_output=True, text=True)
+    assert where.stdout.startswith(str(env_dir)), where
+
+
+def test_rerun_changes_nothing_and_skips_pip(built, base_env):
+    first, env_dir = built
+    assert first.returncode == 0, show(first)
+    before = tree(env_dir)
+    r = run(base_env, PYTORCH_ENV=str(env_dir))
+    assert r.returncode == 0, show(r)
+    assert f"pytorch env at {env_dir} is up to date; nothing changed" in r.stdout, show(r)
+    for want in EXPECTED_VERSIONS:
+        assert want in r.stdout.splitlines(), show(r)
+    assert "==> pip install" not in r.stdout and "upgrading pip" not in r.stdout, show(r)
+    assert r.stdout.splitlines()[-2].startswith("Run: "), show(r)
+    assert tree(env_dir) == before
+    assert r.elapsed < first.elapsed and r.elapsed < 30, (first.elapsed, r.elapsed)
+
+
+def test_broken_package_then_fixed_spec(base_env, tmp_path, wheelhouse):
+    env_dir = tmp_path / "pytorch_env"
+    # the --find-links flag stands in for FIND_LINKS here
+    env = dict(base_env)
+    env.pop("FIND_LINKS")
+    r = run(env, "--find-links", str(wheelhouse), PYTORCH_ENV=str(env_dir), TORCHAUDIO_SPEC="torchaudio==1.0.1")
+    assert r.returncode == 1, show(r)
+    errs = error_lines(r)
+    assert len(errs) == 1, show(r)
+    assert "torchaudio" in errs[0] and errs[0].endswith(
+        "OSError: undefined symbol: _ZN3c1017fake_symbol_for_testsEv"), show(r)
+    assert "Traceback" not in r.stderr, show(r)
+    assert "torch 1.0.0+cpu" in r.stdout.splitlines(), show(r)
+    assert "is ready" not in r.stdout, show(r)
+
+    # same spec again: pip has nothing to do, the import still fails
+    r = run(env, "--find-links", str(wheelhouse), PYTORCH_ENV=str(env_dir), TORCHAUDIO_SPEC="torchaudio==1.0.1")
+    assert r.returncode == 1, show(r)
+    assert len(error_lines(r)) == 1 and "torchaudio" in error_lines(r)[0], show(r)
+    assert "==> pip install" not in r.stdout, show(r)
+
+    # a working spec: the existing venv is updated, not reported as unchanged
+    r = run(env, "--find-links", str(wheelhouse), PYTORCH_ENV=str(env_dir))
+    assert r.returncode == 0, show(r)
+    assert "==> pip install" in r.stdout and "nothing changed" not in r.stdout, show(r)
+    assert "torchaudio 1.0.0" in r.stdout.splitlines(), show(r)
+    assert "creating the venv" not in r.stdout, show(r)
+
+    r = run(env, "--find-links", str(wheelhouse), PYTORCH_ENV=str(env_dir))
+    assert r.returncode == 0 and "nothing changed" in r.stdout, show(r)
+
+
+def test_existing_non_venv_path_is_refused(base_env, tmp_path):
+    data_dir = tmp_path / "pytorch_env"
+    data_dir.mkdir()
+    (data_dir / "results.csv").write_text("keep me\n")
+    r = run(base_env, PYTORCH_ENV=str(data_dir))
+    assert r.returncode == 2, show(r)
+    errs = error_lines(r)
+    assert len(errs) == 1 and str(data_dir) in errs[0] and "not a Python venv" in errs[0], show(r)
+    assert r.stderr.strip() == errs[0], show(r)
+    assert sorted(p.name for p in data_dir.iterdir()) == ["results.csv"]
+
+    a_file = tmp_path / "env_file"
+    a_file.write_text("")
+    r = run(base_env, PYTORCH_ENV=str(a_file))
+    assert r.returncode == 2, show(r)
+    assert len(error_lines(r)) == 1 and "not a directory" in error_lines(r)[0], show(r)
+
+
+def test_empty_directory_is_used_and_private_python_warned(base_env, tmp_path):
+    # an empty directory made beforehand (e.g. by an admin, with the right owner) is used as is
+    env_dir = tmp_path / "pytorch_env"
+    env_dir.mkdir()
+    # a base interpreter only its owner can reach (as with pyenv under /root): the venv would not
+    # run for other users, which is worth a warning, not a refusal
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    os.chmod(private, 0o700)
+    (private / "python3").symlink_to(base_env["PYTHON"])
+    r = run(base_env, PYTORCH_ENV=str(env_dir), PYTHON=str(private / "python3"), UPGRADE_PIP="0")
+    assert r.returncode == 0, show(r)
+    assert (env_dir / "pyvenv.cfg").is_file() and "numpy 1.0.0" in r.stdout.splitlines(), show(r)
+    assert "upgrading pip" not in r.stdout, show(r)
+    warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("WARNING")]
+    assert len(warnings) == 1, show(r)
+    assert f"the venv will link to {private}/python3 (" in warnings[0], show(r)
+    assert "other users cannot run it" in warnings[0], show(r)
+
+
+def _unprivileged_prefix():
+    """Command prefix that runs as an unprivileged user, or () when we already are one."""
+    if os.geteuid() != 0:
+        return ()
+    if shutil.which("runuser"):
+        return ("runuser", "-u", "nobody", "--")
+    if shutil.which("setpriv"):
+        return ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+    pytest.skip("running as root without runuser or setpriv")
+
+
+def test_prefix_not_writable(base_env):
+    prefix = _unprivileged_prefix()
+    # a root-owned world-readable tree; the script is copied in so the unprivileged user can read it
+    top = Path(tempfile.mkdtemp(prefix="aiv-ro-"))
+    try:
+        script = top / "bootstrap_env.sh"
+        shutil.copy(SCRIPT, script)
+        apps = top / "apps"
+        apps.mkdir()
+        target = apps / "pytorch_env"
+        os.chmod(top, 0o755)
+        os.chmod(apps, 0o555)
+        # (the wheelhouse lies under root's private pytest directory: leave FIND_LINKS out)
+        r = run(base_env, script=script, prefix=(*prefix, "env", f"PYTORCH_ENV={target}"), cwd=top,
+                PYTORCH_ENV=str(target), FIND_LINKS=None)
+        assert r.returncode == 2, show(r)
+        errs = error_lines(r)
+        assert len(errs) == 1 and r.stderr.strip() == errs[0], show(r)
+        assert f"cannot create {target}: {apps} is not writable" in errs[0], show(r)
+        assert not target.exists()
+
+        if prefix and not os.path.exists("/shared"):
+            # the default path, run by a user who is not allowed to create /shared
+            r = run(base_env, script=script, prefix=(*prefix, "env", "-u", "PYTORCH_ENV"), cwd=top,
+                    PYTORCH_ENV=None, FIND_LINKS=None)
+            assert r.returncode == 2, show(r)
+            assert "cannot create /shared/apps/pytorch_env: / is not writable by user nobody" in r.stderr, show(r)
+    finally:
+        os.chmod(apps, 0o755)
+        shutil.rmtree(top)
+
+
+def test_python_without_ensurepip(base_env, tmp_path):
+    # what Debian's python3 looks like without python3-venv: `import ensurepip` fails
+    shim = tmp_path / "shim"
+    (shim / "ensurepip").mkdir(parents=True)
+    (shim / "ensurepip" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'ensurepip'\", name='ensurepip')\n")
+    fake_python = tmp_path / "python3"
+    fake_python.write_text(f'#!/bin/sh\nPYTHONPATH={shim} exec {base_env["PYTHON"]} "$@"\n')
+    fake_python.chmod(0o755)
+    target = tmp_path / "pytorch_env"
+    r = run(base_env, PYTORCH_ENV=str(target), PYTHON=str(fake_python))
+    assert r.returncode == 2, show(r)
+    errs = error_lines(r)
+    assert len(errs) == 1 and r.stderr.strip() == errs[0], show(r)
+    assert "ensurepip" in errs[0] and re.search(r"apt-get install python3\.\d+-venv", errs[0]), show(r)
+    assert not target.exists()
+
+    r = run(base_env, PYTORCH_ENV=str(target), PYTHON=str(tmp_path / "no-such-python"))
+    assert r.returncode == 2 and len(error_lines(r)) == 1, show(r)
+    assert not target.exists()
+
+
+def test_help_and_bad_arguments(base_env):
+    r = run(base_env, "--help")
+    assert r.returncode == 0, show(r)
+    for knob in ("PYTORCH_ENV", "PYTHON", "TORCH_SPEC", "TORCHVISION_SPEC", "TORCHAUDIO_SPEC", "PSUTIL_SPEC",
+                 "NUMPY_SPEC", "INDEX_URL", "FIND_LINKS", "EXTRA_PIP_ARGS", "--index-url", "--find-links"):
+        assert knob in r.stdout, knob
+    assert "set -e" not in r.stdout
+    for args in (["--bogus"], ["--index-url"]):
+        r = run(base_env, *args, PYTORCH_ENV="/nonexistent/never/made")
+        assert r.returncode == 2 and len(error_lines(r)) == 1, show(r)
+    r = run(base_env, PYTORCH_ENV="/nonexistent/never/made", FIND_LINKS="/nonexistent/wheelhouse")
+    assert r.returncode == 2 and "FIND_LINKS" in r.stderr, show(r)
+    assert not os.path.exists("/nonexistent")
+
+
+def test_script_is_executable_and_shellcheck_clean():
+    assert os.stat(SCRIPT).st_mode & stat.S_IXUSR
+    assert SCRIPT.read_text().startswith("#!/usr/bin/env bash\n")
+    if not shutil.which("shellcheck"):
+        pytest.skip("shellcheck not installed")
+    r = subprocess.run(["shellcheck", "-S", "style", str(SCRIPT)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

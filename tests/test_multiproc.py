@@ -1,0 +1,198 @@
+"""Real multi-process runs: gloo process groups over loopback, no mocks."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import SCRIPT, aiv, clean_env, failures, run_tool
+
+MARGIN = 25  # seconds a verdict may take beyond --timeout on a loaded 2-core machine
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world, ranks=None, args=(), env=None, per_rank=None, timeout=240, port=None):
+    """Start the given ranks of a world by hand (as srun or torchrun would). -> [(rc, out)], seconds."""
+    port = port or free_port()
+    procs = []
+    t0 = time.monotonic()
+    for r in (range(world) if ranks is None else ranks):
+        e = clean_env(dict(env or {}, RANK=r, LOCAL_RANK=r, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=port, **(per_rank or {}).get(r, {})))
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    out = []
+    for p in procs:
+        try:
+            o, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, _ = p.communicate()
+            o += "\n<killed by test: hang>"
+        out.append((p.returncode, o))
+    return out, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_local_mode_passes(nproc, tmp_path):
+    log = tmp_path / "run.log"
+    r = run_tool(["--nproc", nproc, "--timeout", 120])
+    log.write_text(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert f"Total Execution Ranks: {nproc}" in lines
+    assert lines[-1] == aiv.SUCCESS_LINE and not failures(r.stdout)
+    assert f"Ranks Reported: {nproc}/{nproc}" in lines
+    assert "Traceback" not in r.stdout + r.stderr
+    v = run_tool(["--verify-log", log, "--expect-world-size", nproc, "--expect-nodes", 1,
+                  "--expect-ranks-per-node", nproc])
+    assert v.returncode == 0, v.stdout
+
+
+def test_json_matches_report(tmp_path):
+    jp = tmp_path / "verdict.json"
+    r = run_tool(["--nproc", 2, "--json", jp])
+    assert r.returncode == 0, r.stdout
+    d = json.loads(jp.read_text())
+    assert d["schema_version"] == aiv.SCHEMA_VERSION and d["verdict"] == "PASS" and d["exit_code"] == 0
+    assert d["world_size"] == 2 and d["ranks_reported"] == 2 and [x["rank"] for x in d["ranks"]] == [0, 1]
+    assert d["failures"] == [] and d["failed_hosts"] == [] and d["exclude"] == ""
+    for f in d["findings"]:
+        assert f"[{f['status']}] {f['check']}: {f['reason']}" in r.stdout
+    assert d["collectives"]["ar_sum"] == 3 and d["collectives"]["grads_identical"] is True
+    assert max(len(json.dumps(x)) for x in d["ranks"]) < 4096
+    assert set(d["phases"]) >= {"rendezvous", "init", "telemetry", "collectives"}
+
+
+def test_missing_rank_times_out_naming_it(tmp_path):
+    jp = tmp_path / "v.json"
+    res, secs = spawn(3, ranks=[0, 1], args=["--timeout", 6, "--json", jp])
+    (rc0, out0), (rc1, out1) = res
+    assert rc0 == 3 and rc1 == 3, out0 + out1
+    assert "FAILURE: rendezvous: rank(s) 2 did not check in within 6s (2/3 reported" in out0
+    assert not failures(out1)                 # rank 1 learned rank 0's verdict; it does not repeat it
+    assert secs < 6 + MARGIN
+    d = json.loads(jp.read_text())
+    assert d["exit_code"] == 3 and d["ranks_reported"] == 2
+
+
+def test_expectation_mismatch_fails_layout():
+    r = run_tool(["--nproc", 2, "--expect-ranks-per-node", 3, "--timeout", 60])
+    assert r.returncode == 1
+    assert any(f.startswith("FAILURE: layout: node ") and "runs 2 ranks but 3 per node" in f
+               for f in failures(r.stdout))
+
+
+def test_master_port_in_use_is_named():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        res, _ = spawn(2, ranks=[0], port=port, args=["--timeout", 30])
+    rc, out = res[0]
+    assert rc == 1
+    assert f"FAILURE: rendezvous: address already in use on {socket.gethostname()}:{port}" in out
+    assert time.monotonic() - t0 < 25
+
+
+def test_unreachable_master_every_rank_says_so():
+    res, secs = spawn(2, ranks=[1], env={"MASTER_ADDR": "127.0.0.77"}, args=["--timeout", 4])
+    rc, out = res[0]
+    assert rc == 3
+    (line,) = failures(out)
+    assert "rendezvous" in line and "127.0.0.1:" in line or "127.0.0.77" in line
+    assert secs < 4 + MARGIN
+
+
+def test_bad_interface_on_one_rank_is_named_by_rank_0_fast():
+    res, secs = spawn(2, args=["--timeout", 60], per_rank={1: {"GLOO_SOCKET_IFNAME": "nosuch0"}})
+    (rc0, out0), (rc1, _) = res
+    assert rc0 == 1 and rc1 == 1
+    (line,) = failures(out0)
+    assert line.startswith("FAILURE: interface: GLOO_SOCKET_IFNAME='nosuch0'") and socket.gethostname() in line
+    assert secs < 45            # the verdict comes from the roll call, not from a 60 s timeout
+
+
+def test_peer_killed_mid_collective_is_named():
+    res, secs = spawn(3, args=["--timeout", 15], env={"AIV_FAILPOINT": "die:collective:1"})
+    rc0, out0 = res[0]
+    assert rc0 == 1, out0
+    (line,) = failures(out0)
+    assert line.startswith("FAILURE: collective:") and "no report from rank(s) 1" in line
+    assert res[1][0] == -9 and res[2][0] == 1
+    assert secs < 15 + MARGIN
+
+
+def test_peer_frozen_mid_collective_times_out():
+    res, secs = spawn(2, args=["--timeout", 5], env={"AIV_FAILPOINT": "hang:collective:1"}, timeout=60)
+    rc0, out0 = res[0]
+    assert rc0 == 3, out0
+    assert any("no report from rank(s) 1" in f for f in failures(out0))
+    assert res[1][0] != 0            # killed by the test after rank 0's verdict: a frozen rank cannot exit
+
+
+def test_strict_turns_a_warning_into_failure(tmp_path):
+    d = tmp_path / "sys/class/infiniband/mlx5_0/ports/1"
+    os.makedirs(d)
+    (d / "state").write_text("1: DOWN\n")
+    (d / "rate").write_text("400 Gb/sec (4X NDR)\n")
+    r = run_tool(["--nproc", 2, "--sysfs-root", tmp_path])
+    assert r.returncode == 0 and "[WARN] fabric:" in r.stdout and "mlx5_0:1 is DOWN" in r.stdout
+    s = run_tool(["--nproc", 2, "--sysfs-root", tmp_path, "--strict"])
+    assert s.returncode == 1 and any("FAILURE: fabric:" in f for f in failures(s.stdout))
+
+
+def test_secrets_never_printed(tmp_path):
+    jp = tmp_path / "v.json"
+    secrets = {"HF_TOKEN": "hf_SECRET_1", "AWS_SECRET_ACCESS_KEY": "SECRET_2", "MY_DB_PASSWORD": "SECRET_3",
+               "NCCL_DEBUG": "WARN"}
+    r = run_tool(["--nproc", 2, "--json", jp], env=secrets)
+    assert r.returncode == 0
+    blob = r.stdout + r.stderr + jp.read_text()
+    assert "SECRET" not in blob and "NCCL_DEBUG=WARN" in r.stdout
+
+
+def test_bad_contract_exits_2_without_traceback():
+    r = run_tool([], env={"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0", "MASTER_ADDR": "x",
+                          "MASTER_PORT": "1"})
+    assert r.returncode == 2 and failures(r.stdout) == ["FAILURE: contract: WORLD_SIZE='two' is not an integer"]
+    assert "Traceback" not in r.stderr
+
+
+def test_batch_shell_refuses():
+    r = run_tool([], env={"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
+    assert r.returncode == 2 and "srun" in r.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runuser"), reason="needs root to switch to nobody")
+def test_local_mode_as_unprivileged_user(tmp_path):
+    probe = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-c", "import torch"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        msg = f"nobody cannot run {sys.executable} with torch (build the test venv where all can read it)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    os.chmod(tmp_path, 0o777)
+    script = tmp_path / "ddp_mesh_ping.py"
+    shutil.copy(SCRIPT, script)
+    os.chmod(script, 0o444)
+    work = tmp_path / "work"
+    work.mkdir(mode=0o777)
+    os.chmod(work, 0o777)
+    r = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, str(script), "--nproc", "2",
+                        "--json", str(work / "v.json")], env=clean_env(), cwd=str(work),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1] == aiv.SUCCESS_LINE
+    assert sorted(p.name for p in work.iterdir()) == ["v.json"]     # writes only its JSON
+    assert json.loads((work / "v.json").read_text())["verdict"] == "PASS"

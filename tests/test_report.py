@@ -1,0 +1,123 @@
+"""The rendered report, the JSON beside it, and --verify-log on good and damaged logs."""
+import json
+
+import pytest
+from conftest import aiv, cluster, run_tool
+
+
+def state_for(recs, world=None, findings=None, code=0, backend="nccl"):
+    world = world or len(recs)
+    findings = aiv.judge_all(recs, world, {}) if findings is None else findings
+    return {"world_size": world, "backend": backend, "ranks": recs, "findings": findings,
+            "verdict": "PASS" if code == 0 else "FAIL", "exit_code": code, "elapsed_s": 1.5,
+            "phases": {"init": 0.5}, "failures": aiv.failure_lines(findings),
+            "collectives": {"ar_sum": 10, "ar_expected": 10, "ranks": world, "loss": 0.5,
+                            "grads_identical": True}, "env": {"NCCL_DEBUG": "WARN"}}
+
+
+def log_text(recs, **kw):
+    st = state_for(recs, **kw)
+    return f"Total Execution Ranks: {st['world_size']}\n" + aiv.render_report(st)
+
+
+def test_report_sections_and_success_line():
+    text = log_text(cluster(2, 2, with_gpu=True))
+    for s in ("CLUSTER HARDWARE TOPOLOGY REPORT", "NODE ENVIRONMENT DEEP DIVE",
+              "NETWORK INTERCONNECT & FABRIC STATUS", "FINDINGS", "Ranks Reported: 4/4"):
+        assert s in text
+    assert text.splitlines()[-1] == "SUCCESS: DDP Multi-Node AllReduce Ring Complete!"
+    assert "uuid=GPU-1-1" in text and "node=node2" in text
+
+
+def test_failed_report_has_failure_lines_and_no_success():
+    recs = cluster(2, 2)
+    findings = aiv.judge_all(recs, 4, {"ranks_per_node": 3})
+    text = log_text(recs, findings=findings, code=1)
+    assert aiv.SUCCESS_LINE not in text
+    assert "FAILURE: layout: node node1 runs 2 ranks but 3 per node were expected" in text
+
+
+def test_verify_log_accepts_a_good_log():
+    ok, problems, facts = aiv.verify_log(log_text(cluster(2, 2, with_gpu=True)),
+                                         {"world_size": 4, "nodes": 2, "ranks_per_node": 2})
+    assert ok, problems
+    assert facts["nodes"] == 2 and facts["torch"] == "2.13.0" and facts["nccl"] == "2.28.3"
+
+
+@pytest.mark.parametrize("expect,needle", [
+    ({"world_size": 8}, "expected 8"),
+    ({"nodes": 3}, "expected 3"),
+    ({"ranks_per_node": 4}, "expected 4"),
+])
+def test_verify_log_checks_expectations(expect, needle):
+    ok, problems, _ = aiv.verify_log(log_text(cluster(2, 2)), expect)
+    assert not ok and any(needle in p for p in problems)
+
+
+def damage(text, how):
+    lines = text.splitlines()
+    if how == "truncated":
+        return "\n".join(lines[: len(lines) // 2])
+    if how == "no-success":
+        return "\n".join(ln for ln in lines if not ln.startswith("SUCCESS"))
+    if how == "failure":
+        return text + "\nFAILURE: collective: all_reduce returned wrong values"
+    if how == "garbled-topology":
+        return text.replace("local_ranks=0-1", "local_ranks=0-x", 1)
+    if how == "bad-local-ranks":
+        return text.replace("local_ranks=0-1", "local_ranks=1-2", 1)
+    if how == "no-torch":
+        return "\n".join(ln.replace("torch=2.13.0", "torch=-") for ln in lines)
+    if how == "world-mismatch":
+        return text.replace("Total Execution Ranks: 4", "Total Execution Ranks: 6")
+    if how == "two-totals":
+        return "Total Execution Ranks: 8\n" + text
+    if how == "binary":
+        return "\x00\xff" * 50
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["truncated", "no-success", "failure", "garbled-topology", "bad-local-ranks",
+                                 "no-torch", "world-mismatch", "two-totals", "binary"])
+def test_verify_log_rejects_damaged_logs(how):
+    ok, problems, _ = aiv.verify_log(damage(log_text(cluster(2, 2)), how), {})
+    assert not ok and problems
+
+
+def test_verify_log_tolerates_interleaved_noise():
+    noise = "node2:1234:1300 [1] NCCL INFO Channel 00/0 : 1[1] -> 2[0] [send] via NET/Socket/0"
+    lines = log_text(cluster(2, 2)).splitlines()
+    mixed = "\n".join(x for ln in lines for x in (ln, noise))
+    ok, problems, _ = aiv.verify_log(mixed, {"world_size": 4})
+    assert ok, problems
+
+
+def test_collapsed_report_at_scale_still_verifies():
+    recs = cluster(64, 8, with_gpu=True)
+    recs[8 * 5 + 3]["gpu"]["mem_used"] = 40 << 30          # one deviating node: node6
+    text = log_text(recs)
+    topo = [ln for ln in text.splitlines() if ln.startswith("  node=")]
+    assert len(topo) < 10, topo                              # 64 nodes collapse to a few lines
+    assert any(ln.startswith("  node=node6 nodes=1") for ln in topo)
+    assert sum(1 for ln in text.splitlines() if ln.startswith("    rank=")) == 1   # only the flagged rank
+    ok, problems, facts = aiv.verify_log(text, {"world_size": 512, "nodes": 64, "ranks_per_node": 8})
+    assert ok, problems
+
+
+def test_verify_log_cli_exit_codes(tmp_path):
+    good = tmp_path / "good.log"
+    good.write_text(log_text(cluster(2, 2)))
+    bad = tmp_path / "bad.log"
+    bad.write_text(damage(good.read_text(), "no-success"))
+    assert run_tool(["--verify-log", good, "--expect-world-size", 4]).returncode == 0
+    r = run_tool(["--verify-log", bad])
+    assert r.returncode == 1 and "success marker missing" in r.stdout
+    assert run_tool(["--verify-log", tmp_path / "absent.log"]).returncode == 2
+    assert run_tool(["--verify-log", good, "--expect-nodes", "two"]).returncode == 2
+
+
+def test_json_atomic_write(tmp_path):
+    p = tmp_path / "v.json"
+    aiv.write_json_atomic(str(p), {"a": 1})
+    assert json.loads(p.read_text()) == {"a": 1}
+    assert [x.name for x in tmp_path.iterdir()] == ["v.json"]
