@@ -913,9 +913,11 @@ def judge_versions(records):
                 continue
             values.setdefault(str(get(r)), set()).add(r["host"])
         if len(values) > 1:
+            groups = sorted(values.values(), key=len)
+            # name the deviating nodes (all but the largest group), unless there is no majority
+            odd = groups[:-1] if len(groups[-1]) > len(groups[-2]) else groups
             out.append(finding("versions", sev, f"{label} differs across nodes: {_spread(values)}",
-                               [h for hs in values.values() for h in hs] if sev == "FAIL" else
-                               [h for hs in sorted(values.values(), key=len)[:-1] for h in hs]))
+                               [h for hs in odd for h in hs]))
     if not any(f["status"] == "FAIL" for f in out):
         r0 = records[0]
         v = r0["versions"]
@@ -1081,6 +1083,71 @@ def judge_collectives(results, world_size):
     return out
 
 
+TRANSPORT_BITS = {"P2P": 1, "SHM": 2, "NET/Socket": 4, "NET/IB": 8, "COLLNET": 16, "NVLS": 32, "NET/other": 64}
+
+
+def parse_nccl_transport(text):
+    """Transports NCCL chose, from its own INFO lines ('Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM')."""
+    found = set()
+    for m in re.finditer(r" via (P2P|SHM|NET/\w+|COLLNET|CollNet|NVLS)", text):
+        k = m.group(1)
+        if k.startswith("NET/") and k not in TRANSPORT_BITS:
+            k = "NET/other"
+        found.add(k.upper() if k in ("CollNet",) else k)
+    return sorted(found)
+
+
+def transport_mask(kinds):
+    return sum(TRANSPORT_BITS.get(k, 0) for k in set(kinds))
+
+
+def transport_kinds(mask):
+    return [k for k, b in TRANSPORT_BITS.items() if int(mask) & b]
+
+
+def judge_transport(records, ib_disable=None):
+    """Per node, the transport NCCL used; sockets between nodes while IB is ACTIVE is a FAIL
+    (every correctness check passes, at ~1/100 of the bandwidth)."""
+    per_host = {}
+    for r in records:
+        if r.get("transport") is not None:
+            per_host.setdefault(r["host"], set()).update(r["transport"])
+    if not per_host:
+        return []
+    nodes = {r["host"]: r.get("node") or {} for r in records if r.get("node")}
+    out = []
+    for h, kinds in sorted(per_host.items()):
+        active = [p["port"] for p in nodes.get(h, {}).get("ib") or [] if p["state"] == "ACTIVE"]
+        if "NET/Socket" in kinds and active and str(ib_disable).strip() != "1":
+            out.append(finding("transport", "FAIL", f"{h}: NCCL used NET/Socket although InfiniBand port(s) "
+                               f"{','.join(active[:4])} are ACTIVE and NCCL_IB_DISABLE is not 1 (IB not usable by "
+                               f"NCCL: check the IB verbs libraries, NCCL_IB_HCA, /dev/infiniband access)", [h]))
+    if not out:
+        out.append(finding("transport", "PASS", "NCCL transports: " + "; ".join(
+            f"{'+'.join(sorted(k)) or 'none'} on {compress_hostlist(sorted(hs))}"
+            for k, hs in _invert(per_host).items())))
+    return out
+
+
+def _invert(per_host):
+    out = {}
+    for h, kinds in per_host.items():
+        out.setdefault(tuple(sorted(kinds)), []).append(h)
+    return out
+
+
+def judge_bandwidth(results, min_busbw=None):
+    """results: [{'bytes', 'busbw', ...}] measured on the whole job; FAIL below --min-busbw."""
+    if not results:
+        return []
+    top = max(results, key=lambda b: b["bytes"])
+    txt = ", ".join(f"{human_bytes(b['bytes'])} {b['busbw']:.1f} GB/s" for b in results)
+    if min_busbw is not None and top["busbw"] < min_busbw:
+        return [finding("bandwidth", "FAIL", f"all_reduce busbw {top['busbw']:.1f} GB/s at "
+                        f"{human_bytes(top['bytes'])} is below --min-busbw {min_busbw:g} GB/s ({txt})")]
+    return [finding("bandwidth", "PASS", f"all_reduce busbw: {txt}")]
+
+
 def apply_strict(findings, strict):
     if not strict:
         return findings
@@ -1104,7 +1171,8 @@ def node_signature(rs):
                        g.get("name"), g.get("vram"), rs[0]["versions"], n.get("os"), n.get("kernel"),
                        n.get("driver"), n.get("cpu_model"), n.get("cpus"),
                        [(p["port"], p["state"], p["rate_gbps"]) for p in n.get("ib") or []],
-                       n.get("imports"), n.get("memlock")], sort_keys=True, default=str)
+                       n.get("imports"), n.get("memlock"),
+                       sorted(set().union(*[r.get("transport") or [] for r in rs]))], sort_keys=True, default=str)
 
 
 def group_nodes(records, flagged_hosts, collapse_at=2):
@@ -1190,7 +1258,8 @@ def render_report(state):
         ib = n.get("ib") or []
         ibs = ",".join(f"{p['port']}:{p['state']}:{p['rate_gbps'] or 0:g}Gb/s" for p in ib) or "none"
         ifs = ",".join(f"{k}({v[0] if v else '-'})" for k, v in sorted((n.get("ifaces") or {}).items())) or "-"
-        tr = n.get("transport") or "-"
+        tr = "+".join(sorted(set().union(*[r.get("transport") or [] for r in rs]))) or \
+            ("TCP(gloo)" if state.get("backend") == "gloo" else "-")
         L.append(f"  node={compress_hostlist(hs)} ib={ibs} peermem={'yes' if n.get('peermem') else 'no'} "
                  f"transport={tr} ifaces={ifs if len(hs) == 1 else 'per-node'}")
     env = state.get("env") or {}
@@ -1470,6 +1539,30 @@ class RankRun:
         if self.is0:
             emit(f"[{elapsed():9.2f}s] {msg}")
 
+    def capture_nccl_debug(self):
+        """Send NCCL's INFO lines to a private per-rank file (not the operator's log) to learn the
+        transport it chose. Left alone when the operator set NCCL_DEBUG_FILE or asked for INFO."""
+        if self.args.backend == "gloo" or "NCCL_DEBUG_FILE" in self.env \
+                or self.env.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE"):
+            return None
+        fd, path = tempfile.mkstemp(prefix=f"aiv-nccl-r{self.rank}-", suffix=".log")
+        os.close(fd)
+        os.environ["NCCL_DEBUG_FILE"] = path
+        os.environ["NCCL_DEBUG"] = "INFO"
+        os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
+        return path
+
+    def nccl_transport(self):
+        """Read back the NCCL log: relay its WARN lines as the operator's NCCL_DEBUG asked, return kinds."""
+        if not self.nccl_log:
+            return None
+        text = read_text(self.nccl_log, "", limit=8 << 20) or ""
+        if self.env.get("NCCL_DEBUG", "").upper() in ("WARN", "VERSION"):
+            for ln in text.splitlines():
+                if " NCCL WARN " in ln:
+                    emit(ln, sys.stderr)
+        return parse_nccl_transport(text)
+
     def failpoint(self, phase):
         """Test-only fault injection: AIV_FAILPOINT=<die|hang>:<phase>:<rank> kills (SIGKILL) or
         freezes (SIGSTOP) this rank when it reaches <phase> (rendezvous, init, collective, ddp)."""
@@ -1513,6 +1606,7 @@ class RankRun:
         self.progress(f"contract: rank {self.rank} of {self.world} from {self.c['source']} variables, "
                       f"local_rank {self.local_rank}, master {self.addr}:{self.port}")
         probe = start_import_probe() if self.local_rank == 0 else None
+        self.nccl_log = self.capture_nccl_debug()
         t = time.monotonic()
         # c10d prints a C++ stack trace per failed connect attempt; our FAILURE line says it once.
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
@@ -1587,6 +1681,13 @@ class RankRun:
         t = time.monotonic()
         self.run_collectives()
         self.mark("collectives", t)
+        if self.args.bandwidth:
+            t = time.monotonic()
+            bw = self.run_bandwidth()
+            self.mark("bandwidth", t)
+            if self.is0:
+                self.collectives["bandwidth"] = bw
+                self.collective_findings += judge_bandwidth(bw, self.args.min_busbw)
         if not self.is0:
             return self.learned(self.wait_gate("final"))
         self.findings += apply_strict(self.collective_findings, self.args.strict)
@@ -1830,7 +1931,9 @@ class RankRun:
             grads = torch.cat([p.grad.detach().flatten() for p in model.parameters()]).double()
             lsum = loss.detach().clone()
             dist.all_reduce(lsum)
-            vec = torch.cat([torch.tensor([r, float(ar_ok), ar_sum, loss.item()], dtype=torch.float64,
+            kinds = self.nccl_transport() if self.backend == "nccl" else None
+            tmask = -1.0 if kinds is None else float(transport_mask(kinds))
+            vec = torch.cat([torch.tensor([r, float(ar_ok), ar_sum, loss.item(), tmask], dtype=torch.float64,
                                           device=dev), grads.to(dev)])
             gl = [torch.empty_like(vec) for _ in range(w)] if self.is0 else None
             dist.gather(vec, gl, dst=0)
@@ -1842,11 +1945,51 @@ class RankRun:
             rows = [v.cpu().tolist() for v in gl]
             hosts = {rec["rank"]: rec["host"] for rec in self.records}
             results = [{"rank": int(row[0]), "host": hosts.get(int(row[0]), "?"), "ar_ok": bool(row[1]),
-                        "ar_sum": row[2], "loss": row[3], "grads": row[4:]} for row in rows]
-            self.collective_findings = judge_collectives(results, w)
+                        "ar_sum": row[2], "loss": row[3], "grads": row[5:]} for row in rows]
+            by_rank = {rec["rank"]: rec for rec in self.records}
+            for row in rows:
+                if row[4] >= 0 and int(row[0]) in by_rank:
+                    by_rank[int(row[0])]["transport"] = transport_kinds(row[4])
+            self.collective_findings = judge_collectives(results, w) + judge_transport(
+                self.records, self.env.get("NCCL_IB_DISABLE"))
             self.collectives = {"ar_sum": ar_sum, "ar_expected": w * (w + 1) // 2, "ranks": w,
                                 "loss": avg_loss,
                                 "grads_identical": all(res["grads"] == results[0]["grads"] for res in results)}
+
+    def run_bandwidth(self):
+        """all_reduce bus bandwidth as nccl-tests defines it: busbw = algbw * 2(n-1)/n, warm-up then
+        timed iterations, device-synchronised, the slowest rank's time; GB/s = 1e9 bytes/s."""
+        torch, dist = self.torch, self.dist
+        cuda = self.backend == "nccl"
+        dev = torch.device("cuda", self.device) if cuda else torch.device("cpu")
+        w, out = self.world, []
+        warm, iters = (5, 20) if cuda else (1, 3)
+        for size in self.args.bandwidth:
+            self.wd.arm("bandwidth", f"all_reduce bandwidth at {human_bytes(size)}", self.T + 15)
+            try:
+                x = torch.zeros(max(1, size // 4), dtype=torch.float32, device=dev)
+                for _ in range(warm):
+                    dist.all_reduce(x)
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    dist.all_reduce(x)
+                if cuda:
+                    torch.cuda.synchronize()
+                dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                sec = dt.item()
+                del x
+            except Exception as e:
+                self.phase_error("bandwidth", f"bandwidth probe at {human_bytes(size)}", e)
+            algbw = size / sec / 1e9
+            busbw = algbw * 2 * (w - 1) / w
+            out.append({"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw})
+            self.progress(f"bandwidth: {human_bytes(size)} all_reduce {sec * 1e6:.1f} us, algbw {algbw:.2f} GB/s, "
+                          f"busbw {busbw:.2f} GB/s")
+        self.wd.disarm()
+        return out
 
     def phase_error(self, check, what, exc):
         """A torch error inside a distributed phase: report it and name who went silent."""
@@ -1971,6 +2114,14 @@ class RankRun:
                 self.dist.destroy_process_group()
         except Exception:
             pass
+        if getattr(self, "nccl_log", None):
+            if code == EXIT_PASS:
+                try:
+                    os.unlink(self.nccl_log)
+                except OSError:
+                    pass
+            else:
+                emit(f"rank {self.rank} ({self.host}): NCCL debug log kept at {self.nccl_log}", sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -1,7 +1,9 @@
 """Shared helpers: the tool imported as a module, and a runner for real processes."""
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,16 +14,48 @@ sys.path.insert(0, str(ROOT))
 
 import ddp_mesh_ping as aiv  # noqa: E402
 
+# Site safety settings that must survive (e.g. NVLink multicast off on shared GPU hosts).
+_KEEP_VARS = ("NCCL_NVLS_ENABLE",)
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def clean_env(extra=None):
     """The caller's environment without any launch, Slurm, NCCL/gloo or AIV_ variables."""
     env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCH_VARS and not k.startswith(("SLURM_", "AIV_", "NCCL_", "GLOO_"))}
+           if k not in _LAUNCH_VARS and not k.startswith(("SLURM_", "AIV_", "NCCL_", "GLOO_"))
+           or k in _KEEP_VARS}
     env["PYTHONUNBUFFERED"] = "1"
     env.update({k: str(v) for k, v in (extra or {}).items()})
     return env
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world, ranks=None, args=(), env=None, per_rank=None, timeout=240, port=None):
+    """Start the given ranks of a world by hand (as srun or torchrun would). -> [(rc, out)], seconds."""
+    port = port or free_port()
+    procs = []
+    t0 = time.monotonic()
+    for r in (range(world) if ranks is None else ranks):
+        e = clean_env(dict(env or {}, RANK=r, LOCAL_RANK=r, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=port, **(per_rank or {}).get(r, {})))
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    out = []
+    for p in procs:
+        try:
+            o, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, _ = p.communicate()
+            o += "\n<killed by test: hang>"
+        out.append((p.returncode, o))
+    return out, time.monotonic() - t0
+
 
 
 def run_tool(args=(), env=None, timeout=300, cwd=None, user=None):

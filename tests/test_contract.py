@@ -1,5 +1,6 @@
 """The launch contract and the options: every malformed value is a named error."""
 import pytest
+
 from conftest import aiv
 
 BASE = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
@@ -7,7 +8,8 @@ BASE = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node1
 
 def test_torchrun_names():
     c = aiv.read_contract(BASE)
-    assert (c["rank"], c["world_size"], c["local_rank"], c["master_addr"], c["master_port"]) == (1, 4, 1, "node1", 29500)
+    got = (c["rank"], c["world_size"], c["local_rank"], c["master_addr"], c["master_port"])
+    assert got == (1, 4, 1, "node1", 29500)
     assert c["source"] == "env"
 
 

@@ -1,8 +1,9 @@
 """Slurm hostlist expansion, compression and rank ranges (examples and properties)."""
 import pytest
-from conftest import aiv
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from conftest import aiv
 
 
 @pytest.mark.parametrize("text,hosts", [

@@ -2,6 +2,7 @@
 import socket
 
 import pytest
+
 from conftest import aiv
 
 NAMES = ["lo", "eth0", "eth1", "ens5f0", "docker0", "ib0"]

@@ -189,3 +189,47 @@ def test_ib_ports_from_a_fake_sysfs_tree(tmp_path):
     ports = aiv.read_ib_ports(str(tmp_path))
     assert ports == [ib("mlx5_0:1"), ib("mlx5_1:1", state="DOWN", rate=10.0)]
     assert aiv.read_ib_ports(str(tmp_path / "nothing")) == []
+
+
+NCCL_LOG = """\
+node1:1234:1300 [0] NCCL INFO Using network Socket
+node1:1234:1300 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+node1:1234:1300 [0] NCCL INFO Channel 01/0 : 1[1] -> 2[0] [send] via NET/Socket/0
+node1:1234:1300 [0] NCCL INFO Channel 01/0 : 3[1] -> 0[0] [receive] via NET/IB/0/GDRDMA
+"""
+
+
+def test_parse_nccl_transport_and_mask_roundtrip():
+    kinds = aiv.parse_nccl_transport(NCCL_LOG)
+    assert kinds == ["NET/IB", "NET/Socket", "P2P"]
+    assert aiv.transport_kinds(aiv.transport_mask(kinds)) == ["P2P", "NET/Socket", "NET/IB"]
+    assert aiv.parse_nccl_transport("NCCL INFO Bootstrap : Using eth0") == []
+
+
+def test_transport_socket_fallback_with_active_ib_fails():
+    recs = ib_cluster([[ib("mlx5_0:1")], [ib("mlx5_0:1")]])
+    for r in recs:
+        r["transport"] = ["NET/Socket", "P2P"]
+    (f, g) = aiv.judge_transport(recs)
+    assert f["status"] == "FAIL" and "node1: NCCL used NET/Socket" in f["reason"] and "mlx5_0:1" in f["reason"]
+    assert aiv.verdict_code(aiv.judge_transport(recs, ib_disable="1")) == 0       # sockets on purpose
+    for r in recs:
+        r["transport"] = ["NET/IB", "P2P"]
+    (p,) = aiv.judge_transport(recs)
+    assert p["status"] == "PASS" and "NET/IB+P2P on node[1-2]" in p["reason"]
+
+
+def test_transport_sockets_without_ib_pass_and_unknown_is_silent():
+    recs = cluster(2, 1)
+    assert aiv.judge_transport(recs) == []
+    for r in recs:
+        r["transport"] = ["NET/Socket"]
+    assert statuses(aiv.judge_transport(recs)) == ["PASS"]
+
+
+def test_bandwidth_threshold():
+    res = [{"bytes": 1 << 20, "busbw": 20.0}, {"bytes": 1 << 30, "busbw": 320.0}]
+    assert statuses(aiv.judge_bandwidth(res, 300)) == ["PASS"]
+    (f,) = aiv.judge_bandwidth(res, 400)
+    assert f["status"] == "FAIL" and "320.0 GB/s at 1.0GiB is below --min-busbw 400" in f["reason"]
+    assert aiv.judge_bandwidth([], 1) == []

@@ -5,40 +5,15 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
-from conftest import SCRIPT, aiv, clean_env, failures, run_tool
+
+from conftest import SCRIPT, aiv, clean_env, failures, run_tool, spawn
 
 MARGIN = 25  # seconds a verdict may take beyond --timeout on a loaded 2-core machine
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(world, ranks=None, args=(), env=None, per_rank=None, timeout=240, port=None):
-    """Start the given ranks of a world by hand (as srun or torchrun would). -> [(rc, out)], seconds."""
-    port = port or free_port()
-    procs = []
-    t0 = time.monotonic()
-    for r in (range(world) if ranks is None else ranks):
-        e = clean_env(dict(env or {}, RANK=r, LOCAL_RANK=r, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=port, **(per_rank or {}).get(r, {})))
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    out = []
-    for p in procs:
-        try:
-            o, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            o, _ = p.communicate()
-            o += "\n<killed by test: hang>"
-        out.append((p.returncode, o))
-    return out, time.monotonic() - t0
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
@@ -182,17 +157,29 @@ def test_local_mode_as_unprivileged_user(tmp_path):
         if os.environ.get("CI") == "true":
             pytest.fail(msg)
         pytest.skip(msg)
-    os.chmod(tmp_path, 0o777)
-    script = tmp_path / "ddp_mesh_ping.py"
-    shutil.copy(SCRIPT, script)
-    os.chmod(script, 0o444)
-    work = tmp_path / "work"
-    work.mkdir(mode=0o777)
-    os.chmod(work, 0o777)
-    r = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, str(script), "--nproc", "2",
-                        "--json", str(work / "v.json")], env=clean_env(), cwd=str(work),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.splitlines()[-1] == aiv.SUCCESS_LINE
-    assert sorted(p.name for p in work.iterdir()) == ["v.json"]     # writes only its JSON
-    assert json.loads((work / "v.json").read_text())["verdict"] == "PASS"
+    base = Path(tempfile.mkdtemp(prefix="aiv-nobody-"))      # pytest's tmp_path is private to root
+    try:
+        os.chmod(base, 0o755)
+        script = base / "ddp_mesh_ping.py"
+        shutil.copy(SCRIPT, script)
+        os.chmod(script, 0o444)
+        work = base / "work"
+        work.mkdir()
+        os.chmod(work, 0o777)
+        r = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, str(script), "--nproc", "2",
+                            "--json", str(work / "v.json")], env=clean_env(), cwd=str(work),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.splitlines()[-1] == aiv.SUCCESS_LINE
+        assert sorted(p.name for p in work.iterdir()) == ["v.json"]     # writes only its JSON
+        assert json.loads((work / "v.json").read_text())["verdict"] == "PASS"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_bandwidth_probe_and_min_busbw():
+    r = run_tool(["--nproc", 2, "--bandwidth=64K,1M"])
+    assert r.returncode == 0, r.stdout
+    assert "busbw size=64.0KiB" in r.stdout and "busbw size=1.0MiB" in r.stdout
+    f = run_tool(["--nproc", 2, "--bandwidth=64K", "--min-busbw", 100000])
+    assert f.returncode == 1 and any(x.startswith("FAILURE: bandwidth:") for x in failures(f.stdout))

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+
 from conftest import aiv, cluster, run_tool
 
 

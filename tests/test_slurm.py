@@ -191,7 +191,8 @@ def cluster(tmp_path_factory):
     hosts_before = Path("/etc/hosts").read_bytes()
     env = dict(os.environ, AIV_SLURM_DIR=str(state), SLURM_NODES="2",
                NODE_CPUS="96", NODE_GPUS="8")  # room for the batch file's default 2x8, 12 CPUs/task
-    r = subprocess.run(["bash", str(CLUSTER_SH), "up"], check=False, env=env, capture_output=True, text=True, timeout=180)
+    r = subprocess.run(["bash", str(CLUSTER_SH), "up"], check=False, env=env, capture_output=True, text=True,
+                       timeout=180)
     if r.returncode == 3:
         _skip_or_fail("slurm_cluster.sh refused to start: " + r.stderr.strip())
     if r.returncode != 0:

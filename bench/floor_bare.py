@@ -1,0 +1,20 @@
+"""Bare floor: import torch, init the process group over TCP, one all_reduce, destroy."""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+cuda = torch.cuda.is_available()
+dev = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(dev)
+kw = {"device_id": dev} if cuda else {}
+dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:"
+                        f"{os.environ['MASTER_PORT']}", rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=120), **kw)
+x = torch.ones(1, device=dev)
+dist.all_reduce(x)
+assert x.item() == world
+dist.destroy_process_group()

@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Time to verdict: our full preflight against floors launched the same way, alternated in one run.
+
+  python bench/time_to_verdict.py [--nproc N] [--reps 5]
+
+Each round launches, in turn: the bare floor (import torch, init over TCP, one all_reduce,
+destroy), the DDP floor (the same plus DDP on nn.Linear(10, 10), one forward/backward), the
+naive pre-existing design, and ddp_mesh_ping.py. One process per rank with srun-style
+variables; wall time from the first spawn to the last exit. Prints medians and ratios.
+On CUDA machines the ranks use NCCL (one per GPU), else gloo on CPU.
+"""
+import argparse
+import os
+import statistics
+import sys
+
+from _launch import launch, python
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def gpu_count():
+    try:
+        import torch
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nproc", type=int, default=0, help="ranks (default: GPUs, or 2 on CPU)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--log", help="append rank 0's output of every run here")
+    ap.add_argument("--only", default="bare,ddp,naive,ours", help="comma list of variants")
+    a = ap.parse_args()
+    n = a.nproc or gpu_count() or 2
+    py = python()
+    variants = {"bare": [py, os.path.join(HERE, "floor_bare.py")],
+                "ddp": [py, os.path.join(HERE, "floor_ddp.py")],
+                "naive": [py, os.path.join(HERE, "naive_preflight.py")],
+                "ours": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120"]}
+    chosen = [v for v in a.only.split(",") if v in variants]
+    times = {v: [] for v in chosen}
+    for rep in range(a.reps):
+        for v in chosen:
+            secs, codes, text = launch(variants[v], n, log=a.log)
+            ok = all(c == 0 for c in codes)
+            times[v].append(secs)
+            print(f"round {rep + 1} {v:6s} {secs:6.2f}s exit={codes}" + ("" if ok else "  <-- FAILED"), flush=True)
+            if not ok:
+                print(text[-3000:], file=sys.stderr)
+    print(f"\nranks={n} reps={a.reps}")
+    med = {v: statistics.median(ts) for v, ts in times.items()}
+    for v, ts in times.items():
+        print(f"{v:6s} median {med[v]:6.2f}s  min {min(ts):6.2f}s  max {max(ts):6.2f}s")
+    if "ours" in med:
+        for base in ("bare", "ddp", "naive"):
+            if base in med:
+                print(f"ours / {base:5s} = {med['ours'] / med[base]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The NCCL path on real GPUs. Skipped without CUDA; run on a GPU node with
+    python -m pytest -v tests/test_gpu.py
+(keep site safety variables such as NCCL_NVLS_ENABLE=0 exported where the host requires them)."""
+import json
+
+import pytest
+
+from conftest import aiv, failures, run_tool, spawn
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device on this machine", allow_module_level=True)
+NGPU = torch.cuda.device_count()
+two_gpus = pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+
+
+def test_local_mode_one_rank_per_gpu(tmp_path):
+    log, jp = tmp_path / "gpu.log", tmp_path / "gpu.json"
+    r = run_tool(["--json", jp, "--timeout", 120])
+    log.write_text(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"Total Execution Ranks: {NGPU}" in r.stdout and r.stdout.splitlines()[-1] == aiv.SUCCESS_LINE
+    d = json.loads(jp.read_text())
+    assert d["backend"] == "nccl" and len({x["gpu"]["uuid"] for x in d["ranks"]}) == NGPU
+    assert all(x["gpu"]["pci"] and x["versions"]["nccl"] for x in d["ranks"])
+    if NGPU > 1:
+        assert "peer access" in r.stdout
+        assert any(t in r.stdout for t in ("transport=P2P", "transport=SHM", "transport=NET"))
+    v = run_tool(["--verify-log", log, "--expect-world-size", NGPU])
+    assert v.returncode == 0, v.stdout
+
+
+def test_srun_style_launch():
+    n = min(NGPU, 2)
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": str(n),
+           "SLURM_TASKS_PER_NODE": str(n), "SLURMD_NODENAME": "gpubox"}
+    res, _ = spawn(n, env=env, args=["--timeout", 120])
+    assert [rc for rc, _ in res] == [0] * n, res[0][1]
+    assert "node=gpubox nodes=1 ranks_per_node=%d local_ranks=%s" % (n, "0" if n == 1 else f"0-{n - 1}") in res[0][1]
+
+
+@two_gpus
+def test_two_ranks_on_one_gpu_fail_before_nccl():
+    res, _ = spawn(2, env={"CUDA_VISIBLE_DEVICES": "0"}, args=["--timeout", 60])
+    (rc0, out0), (rc1, _) = res
+    assert rc0 == 1 and rc1 == 1, out0
+    (line,) = failures(out0)
+    assert line.startswith("FAILURE: gpu-affinity: rank 0 (") and "and rank 1 (" in line and "GPU-" in line
+    assert "Duplicate GPU" not in out0 and "init:" not in out0      # judged from the roll call
+
+
+@two_gpus
+def test_local_rank_beyond_visible_gpus_is_named():
+    res, _ = spawn(3, env={"CUDA_VISIBLE_DEVICES": "0,1"}, args=["--timeout", 60])
+    rc0, out0 = res[0]
+    assert rc0 == 1
+    assert any(f.startswith("FAILURE: device: rank 2 (") and "LOCAL_RANK=2 but only 2 GPU(s) visible" in f
+               for f in failures(out0)), out0
+    assert all("Traceback" not in out for _, out in res)
+
+
+def test_numa_and_affinity_reported(tmp_path):
+    jp = tmp_path / "v.json"
+    r = run_tool(["--json", jp])
+    assert r.returncode == 0
+    for x in json.loads(jp.read_text())["ranks"]:
+        assert "numa" in x["gpu"] and x["cpus"]
+    assert "numa=" in r.stdout
+
+
+def test_bandwidth_probe_on_gpus():
+    r = run_tool(["--bandwidth=1M,64M"])
+    assert r.returncode == 0, r.stdout
+    if NGPU > 1:
+        line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("busbw size=64.0MiB"))
+        assert float(line.split("busbw=")[-1].rstrip("GB/s")) > 1.0
