@@ -757,7 +757,7 @@ def collect_gpu(torch_mod, index, root):
     p = torch_mod.cuda.get_device_properties(index)
     pci = None
     if hasattr(p, "pci_bus_id"):
-        pci = f"{getattr(p, 'pci_domain_id', 0):08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        pci = f"{getattr(p, 'pci_domain_id', 0):04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # sysfs form
     uuid = str(getattr(p, "uuid", "") or "") or None
     if uuid and not uuid.startswith(("GPU-", "MIG-")):
         uuid = "GPU-" + uuid
@@ -1631,9 +1631,8 @@ class RankRun:
             node_thread.start()
         self.mark("local", t)
         bad = [f for f in local if f["status"] == "FAIL"]
-        self.progress(f"local: backend {self.backend}, device {self._dev_str()}, "
-                      f"{len(local) - len(bad)} check(s) passed, {len(bad)} failed "
-                      f"(import torch {self.phases['import_torch']:.2f}s)")
+        self.progress(f"local: backend {self.backend}, device {self._dev_str()}, {len(local)} interface/device "
+                      f"check(s), {len(bad)} failed (import torch {self.phases['import_torch']:.2f}s)")
 
         self.rendezvous(identity)
 
