@@ -1524,6 +1524,8 @@ class RankRun:
         self.published = set()
         self.acked = False
         self.expected_acks = self.world - 1
+        self.verdict_at = 0.0
+        self.probe = None
         self.backend = None
         self.device = None
         expect = slurm_expectations(env)
@@ -1605,7 +1607,7 @@ class RankRun:
         self.header()
         self.progress(f"contract: rank {self.rank} of {self.world} from {self.c['source']} variables, "
                       f"local_rank {self.local_rank}, master {self.addr}:{self.port}")
-        probe = start_import_probe() if self.local_rank == 0 else None
+        probe = self.probe = start_import_probe() if self.local_rank == 0 else None
         self.nccl_log = self.capture_nccl_debug()
         t = time.monotonic()
         # c10d prints a C++ stack trace per failed connect attempt; our FAILURE line says it once.
@@ -1615,7 +1617,8 @@ class RankRun:
         self.torch, self.dist = torch, dist
         self.mark("import_torch", t)
         # The DDP constructor imports torch._dynamo lazily (1-7 s); do it while we wait on the network.
-        threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True).start()
+        if self.env.get("AIV_WARM_IMPORTS", "1") != "0":
+            threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True).start()
 
         t = time.monotonic()
         local, gpu = self.local_checks()
@@ -2058,6 +2061,7 @@ class RankRun:
                 self.publish_verdict(code)
             except Exception:
                 pass
+        self.verdict_at = elapsed()
         self.progress(f"verdict: {'PASS' if code == EXIT_PASS else 'FAIL'} (exit {code})")
         st = self.state(code)
         emit(render_report(st))
@@ -2108,11 +2112,17 @@ class RankRun:
     def _exit(self, code):
         """Flush and leave without interpreter teardown (gloo threads can SIGABRT there)."""
         self.wd.arm("verdict", "process group teardown", 20, code=code)
+        if self.probe is not None and self.probe.poll() is None:
+            self.probe.kill()  # an early verdict: leave no child behind
+        t = time.monotonic()
         try:
             if self.dist_ready():
                 self.dist.destroy_process_group()
         except Exception:
             pass
+        if self.env.get("AIV_TRACE") == "1":
+            emit(f"trace rank {self.rank}: verdict at {self.verdict_at:.2f}s, teardown "
+                 f"{time.monotonic() - t:.2f}s, exit at {elapsed():.2f}s", sys.stderr)
         if getattr(self, "nccl_log", None):
             if code == EXIT_PASS:
                 try:

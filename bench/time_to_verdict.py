@@ -5,7 +5,8 @@
 
 Each round launches, in turn: the bare floor (import torch, init over TCP, one all_reduce,
 destroy), the DDP floor (the same plus DDP on nn.Linear(10, 10), one forward/backward), the
-naive pre-existing design, and ddp_mesh_ping.py. One process per rank with srun-style
+naive pre-existing design, ddp_mesh_ping.py, and ddp_mesh_ping.py without its overlapped
+imports (AIV_WARM_IMPORTS=0: the "before" of that optimisation). One process per rank with srun-style
 variables; wall time from the first spawn to the last exit. Prints medians and ratios.
 On CUDA machines the ranks use NCCL (one per GPU), else gloo on CPU.
 """
@@ -33,19 +34,21 @@ def main():
     ap.add_argument("--nproc", type=int, default=0, help="ranks (default: GPUs, or 2 on CPU)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--log", help="append rank 0's output of every run here")
-    ap.add_argument("--only", default="bare,ddp,naive,ours", help="comma list of variants")
+    ap.add_argument("--only", default="bare,ddp,naive,ours,nowarm", help="comma list of variants")
     a = ap.parse_args()
     n = a.nproc or gpu_count() or 2
     py = python()
     variants = {"bare": [py, os.path.join(HERE, "floor_bare.py")],
                 "ddp": [py, os.path.join(HERE, "floor_ddp.py")],
                 "naive": [py, os.path.join(HERE, "naive_preflight.py")],
-                "ours": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120"]}
+                "ours": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120"],
+                "nowarm": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120"]}
+    envs = {"nowarm": {"AIV_WARM_IMPORTS": "0"}}
     chosen = [v for v in a.only.split(",") if v in variants]
     times = {v: [] for v in chosen}
     for rep in range(a.reps):
         for v in chosen:
-            secs, codes, text = launch(variants[v], n, log=a.log)
+            secs, codes, text = launch(variants[v], n, env=envs.get(v), log=a.log)
             ok = all(c == 0 for c in codes)
             times[v].append(secs)
             print(f"round {rep + 1} {v:6s} {secs:6.2f}s exit={codes}" + ("" if ok else "  <-- FAILED"), flush=True)
@@ -56,7 +59,7 @@ def main():
     for v, ts in times.items():
         print(f"{v:6s} median {med[v]:6.2f}s  min {min(ts):6.2f}s  max {max(ts):6.2f}s")
     if "ours" in med:
-        for base in ("bare", "ddp", "naive"):
+        for base in ("bare", "ddp", "naive", "nowarm"):
             if base in med:
                 print(f"ours / {base:5s} = {med['ours'] / med[base]:.3f}")
 

@@ -183,3 +183,72 @@ def test_bandwidth_probe_and_min_busbw():
     assert "busbw size=64.0KiB" in r.stdout and "busbw size=1.0MiB" in r.stdout
     f = run_tool(["--nproc", 2, "--bandwidth=64K", "--min-busbw", 100000])
     assert f.returncode == 1 and any(x.startswith("FAILURE: bandwidth:") for x in failures(f.stdout))
+
+
+def test_unresolvable_master_is_named():
+    res, secs = spawn(2, env={"MASTER_ADDR": "no-such-host.invalid"}, args=["--timeout", 5])
+    (rc0, out0), (rc1, out1) = res
+    assert rc0 == 1 and "FAILURE: rendezvous: MASTER_ADDR=no-such-host.invalid does not resolve" in out0
+    assert rc1 == 3 and "no-such-host.invalid" in failures(out1)[0]
+    assert secs < 5 + MARGIN
+
+
+def _listeners(port):
+    """Local addresses listening on this TCP port, from /proc/net/tcp{,6}."""
+    out = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(path).read().splitlines()[1:]
+        except OSError:
+            continue
+        for ln in lines:
+            f = ln.split()
+            addr, p = f[1].rsplit(":", 1)
+            if int(p, 16) == port and f[3] == "0A":  # LISTEN
+                out.append(addr)
+    return out
+
+
+def test_store_listens_only_on_the_master_address():
+    port = aiv.free_port()
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--timeout", "20"], text=True,
+                            env=clean_env({"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1",
+                                           "MASTER_PORT": port}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not _listeners(port) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        addrs = _listeners(port)
+        assert addrs == ["0100007F"], addrs          # 127.0.0.1 only, not 0.0.0.0 or [::]
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def _leftovers():
+    mine = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(SCRIPT) in cmd and "--verify-log" not in cmd and state != "Z":
+            mine.append((int(pid), cmd[:120]))
+    return mine
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    yield
+    deadline = time.monotonic() + 10
+    while _leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _leftovers()
+    for pid, _ in left:
+        os.kill(pid, 9)
+    assert not left, f"processes left behind: {left}"

@@ -2,6 +2,8 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import aiv, cluster, run_tool
 
@@ -122,3 +124,30 @@ def test_json_atomic_write(tmp_path):
     aiv.write_json_atomic(str(p), {"a": 1})
     assert json.loads(p.read_text()) == {"a": 1}
     assert [x.name for x in tmp_path.iterdir()] == ["v.json"]
+
+
+GOOD = log_text(cluster(2, 2))
+
+
+@given(st.lists(st.sampled_from(GOOD.splitlines() + ["FAILURE: x: y", "garbage ]]] [[[", "node=n[1-", ""]),
+                max_size=80), st.integers(0, 4))
+@settings(max_examples=300, deadline=None)
+def test_verify_log_never_raises_on_shuffled_lines(lines, n):
+    ok, problems, _ = aiv.verify_log("\n".join(lines), {"world_size": n or None})
+    assert ok or problems
+
+
+@given(st.text(max_size=2000))
+@settings(max_examples=300, deadline=None)
+def test_verify_log_never_raises_on_random_text(text):
+    ok, problems, _ = aiv.verify_log(text, {})
+    assert not ok and problems
+
+
+def test_reference_log_verifies():
+    """The committed reference log of a real GPU run must keep passing --verify-log."""
+    from conftest import ROOT
+    text = (ROOT / "reference_output.log").read_text()
+    ok, problems, facts = aiv.verify_log(text, {})
+    assert ok, problems
+    assert facts["backend"] == "nccl" and facts["cuda"] and facts["nccl"]
