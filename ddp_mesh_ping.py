@@ -670,46 +670,58 @@ def _driver_version(root):
     return m.group(1) if m else txt.splitlines()[0][:60]
 
 
+PROBED_PACKAGES = ("torchvision", "torchaudio")
 IMPORT_PROBE = r"""
 import json, sys
-out = {}
-for name in ("torchvision", "torchaudio"):
-    try:
-        mod = __import__(name)
-        out[name] = {"version": getattr(mod, "__version__", "?"), "ok": True}
-    except Exception as e:  # an ABI-broken package is a finding, not a crash
-        msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        out[name] = {"version": None, "ok": False, "error": type(e).__name__ + ": " + msg}
+name = sys.argv[1]
+try:
+    mod = __import__(name)
+    out = {"version": getattr(mod, "__version__", "?"), "ok": True}
+except Exception as e:  # an ABI-broken package is a finding, not a crash
+    msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    out = {"version": None, "ok": False, "error": type(e).__name__ + ": " + msg}
 sys.stdout.write(json.dumps(out))
 """
 
 
 def start_import_probe():
-    """Import torchvision/torchaudio in a child process, off the critical path."""
-    try:
-        return subprocess.Popen([sys.executable, "-c", IMPORT_PROBE], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    except OSError:
-        return None
+    """Import torchvision and torchaudio, each in its own child process, off the critical path
+    (with torch that is seconds of work; an ABI-broken extension may even crash the importer)."""
+    procs = {}
+    for name in PROBED_PACKAGES:
+        try:
+            procs[name] = subprocess.Popen([sys.executable, "-c", IMPORT_PROBE, name], stdout=subprocess.PIPE,
+                                           stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        except OSError as e:
+            procs[name] = e
+    return procs
 
 
-def finish_import_probe(proc, wait_s):
-    if proc is None:
-        return {"torchvision": {"ok": False, "version": None, "error": "probe could not start"}}
-    try:
-        out, _ = proc.communicate(timeout=wait_s)
-        data = json.loads(out or b"{}")
-        if proc.returncode != 0 or not data:
-            raise ValueError(f"probe exited {proc.returncode}")
-        return data
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return {n: {"ok": False, "version": None, "error": f"import took over {wait_s:.0f}s"}
-                for n in ("torchvision", "torchaudio")}
-    except Exception as e:  # a crash (e.g. SIGSEGV from a broken extension) is a finding
-        return {n: {"ok": False, "version": None, "error": f"import probe failed: {e}"}
-                for n in ("torchvision", "torchaudio")}
+def import_probe_done(procs):
+    return all(isinstance(p, OSError) or p.poll() is not None for p in procs.values())
+
+
+def finish_import_probe(procs, wait_s):
+    """{name: {'ok', 'version', 'error'}}; a probe still running after wait_s is killed."""
+    out, deadline = {}, time.monotonic() + wait_s
+    for name, proc in procs.items():
+        if isinstance(proc, OSError):
+            out[name] = {"ok": False, "version": None, "error": f"probe could not start: {proc}"}
+            continue
+        try:
+            left = None if proc.poll() is not None else max(0.01, deadline - time.monotonic())
+            text, _ = proc.communicate(timeout=left)
+            data = json.loads(text or b"{}")
+            if proc.returncode != 0 or not data:
+                raise ValueError(f"probe exited {proc.returncode}")
+            out[name] = data
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            out[name] = {"ok": False, "version": None, "error": f"import took over {wait_s:.0f}s"}
+        except Exception as e:  # a crash (e.g. SIGSEGV from a broken extension) is a finding
+            out[name] = {"ok": False, "version": None, "error": f"import probe failed: {e}"}
+    return out
 
 
 def collect_node_facts(root, torch_mod, backend, device_count):
@@ -1492,7 +1504,7 @@ class Watchdog:
             self._fire(check, what, seconds, code)
 
     def _fire(self, check, what, seconds, code):
-        line = f"FAILURE: {check}: {what} did not complete within {seconds:.0f}s on rank {self.rank} ({self.host})"
+        line = f"FAILURE: {check}: rank {self.rank} ({self.host}): {what} did not complete within {seconds:.0f}s"
         if self.on_fire is not None:
             t = threading.Thread(target=self.on_fire, args=(check, line, code), daemon=True)
             t.start()
@@ -1526,6 +1538,7 @@ class RankRun:
         self.expected_acks = self.world - 1
         self.verdict_at = 0.0
         self.probe = None
+        self.node_facts = None
         self.backend = None
         self.device = None
         expect = slurm_expectations(env)
@@ -1649,8 +1662,10 @@ class RankRun:
         if node_thread is not None:
             node_thread.join(max(1.0, self.T / 4))
             node = node_box.get("facts") or {"error": node_box.get("error", "node facts not collected in time")}
-            node["imports"] = finish_import_probe(probe, min(60.0, self.T / 2))
+            # the import probe usually outlasts this point; its result travels at the end
+            node["imports"] = finish_import_probe(probe, 0) if import_probe_done(probe) else None
             tele["node"] = node
+            self.node_facts = node
         self.wd.arm("telemetry", "gathering telemetry to rank 0", self.T + 15)
         gathered = [None] * self.world if self.is0 else None
         try:
@@ -1690,9 +1705,12 @@ class RankRun:
             if self.is0:
                 self.collectives["bandwidth"] = bw
                 self.collective_findings += judge_bandwidth(bw, self.args.min_busbw)
+        self.post_imports()
         if not self.is0:
             return self.learned(self.wait_gate("final"))
-        self.findings += apply_strict(self.collective_findings, self.args.strict)
+        self.collect_imports()
+        self.findings = apply_strict(judge_all(self.records, self.world, self.expect, self.env.get("NCCL_IB_HCA"))
+                                     + self.collective_findings, self.args.strict)
         code = verdict_code(self.findings)
         self.progress(f"collectives: all_reduce + DDP step on {self.world} rank(s) "
                       f"({self.phases['collectives']:.2f}s)")
@@ -1796,8 +1814,7 @@ class RankRun:
             store = dist.TCPStore(self.addr, self.port, None, True, T, wait_for_workers=False,
                                   master_listen_fd=sock.detach())
         else:
-            self.wd.arm("rendezvous", f"connecting to the master {self.addr}:{self.port} from rank {self.rank} "
-                        f"({self.host})", self.T)
+            self.wd.arm("rendezvous", f"reaching the master {self.addr}:{self.port}", self.T)
             try:
                 store = dist.TCPStore(self.addr, self.port, None, False, T)
             except Exception as e:
@@ -1958,6 +1975,43 @@ class RankRun:
                                 "loss": avg_loss,
                                 "grads_identical": all(res["grads"] == results[0]["grads"] for res in results)}
 
+    def post_imports(self):
+        """Node leaders: the torchvision/torchaudio probe's result, if it was still running at telemetry."""
+        node = self.node_facts
+        if node is None or node.get("imports") is not None:
+            return
+        t = time.monotonic()
+        node["imports"] = finish_import_probe(self.probe, min(60.0, self.T / 2))
+        self.mark("imports", t)
+        if not self.is0:
+            try:
+                self.store.set(f"imports/{self.rank}", json.dumps(node["imports"]))
+            except Exception:
+                pass
+
+    def collect_imports(self):
+        """Rank 0: the import results that other node leaders posted after telemetry (bounded)."""
+        pending = [r for r in self.records if r.get("node") and r["node"].get("imports") is None]
+        if self.node_facts is not None and self.records:
+            self.records[0].get("node", {})["imports"] = self.node_facts.get("imports")
+        pending = [r for r in pending if r["rank"] != 0]
+        if not pending:
+            return
+        keys = [f"imports/{r['rank']}" for r in pending]
+        self.wd.arm("imports", "waiting for the import probes of the node leaders", min(60.0, self.T) + 20,
+                    code=EXIT_TIMEOUT)
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=min(60.0, self.T) + 10))
+        except Exception:
+            pass
+        for r, k in zip(pending, keys, strict=True):
+            try:
+                if self.store.check([k]):
+                    r["node"]["imports"] = json.loads(self.store.get(k))
+            except Exception:
+                pass
+        self.wd.disarm()
+
     def run_bandwidth(self):
         """all_reduce bus bandwidth as nccl-tests defines it: busbw = algbw * 2(n-1)/n, warm-up then
         timed iterations, device-synchronised, the slowest rank's time; GB/s = 1e9 bytes/s."""
@@ -2112,8 +2166,9 @@ class RankRun:
     def _exit(self, code):
         """Flush and leave without interpreter teardown (gloo threads can SIGABRT there)."""
         self.wd.arm("verdict", "process group teardown", 20, code=code)
-        if self.probe is not None and self.probe.poll() is None:
-            self.probe.kill()  # an early verdict: leave no child behind
+        for proc in (self.probe or {}).values():  # an early verdict: leave no child behind
+            if not isinstance(proc, OSError) and proc.poll() is None:
+                proc.kill()
         t = time.monotonic()
         try:
             if self.dist_ready():

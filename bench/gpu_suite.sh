@@ -4,13 +4,13 @@
 #   busbw comparison. Usage: OUT=results REPS=5 bash bench/gpu_suite.sh
 #   PY      python with torch + NCCL            (default: python3)
 #   REPS    time-to-verdict rounds              (default: 5)
-#   STEPS   which steps: tests,reference,ttv,busbw (default: all)
+#   STEPS   which steps: tests,reference,faults,ttv,busbw (default: all)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-gpu-results}
 PY=${PY:-python3}
 REPS=${REPS:-5}
-STEPS=${STEPS:-tests,reference,ttv,busbw}
+STEPS=${STEPS:-tests,reference,faults,ttv,busbw}
 export PYTHONUNBUFFERED=1 BENCH_PYTHON="$PY"
 mkdir -p "$OUT"
 has() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
@@ -29,8 +29,11 @@ if has reference; then
   echo "reference run exit $rc"
   tail -n 3 "$OUT/reference_output.log"
 fi
+if has faults; then
+  PY="$PY" bash bench/gpu_faults.sh 2>&1 | tee "$OUT/faults.txt"
+fi
 if has ttv; then
-  "$PY" bench/time_to_verdict.py --reps "$REPS" 2>&1 | tee "$OUT/time_to_verdict.txt"
+  AIV_TRACE=1 "$PY" bench/time_to_verdict.py --reps "$REPS" --log "$OUT/ttv_rank0.log" 2>&1 | tee "$OUT/time_to_verdict.txt"
 fi
 if has busbw; then
   "$PY" bench/busbw.py --reps 3 2>&1 | tee "$OUT/busbw.txt"

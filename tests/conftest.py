@@ -41,8 +41,8 @@ def spawn(world, ranks=None, args=(), env=None, per_rank=None, timeout=240, port
     procs = []
     t0 = time.monotonic()
     for r in (range(world) if ranks is None else ranks):
-        e = clean_env(dict(env or {}, RANK=r, LOCAL_RANK=r, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=port, **(per_rank or {}).get(r, {})))
+        e = clean_env({"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": port, **(env or {}), **(per_rank or {}).get(r, {})})
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     out = []
