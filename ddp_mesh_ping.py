@@ -1630,6 +1630,7 @@ class RankRun:
         self.torch, self.dist = torch, dist
         self.mark("import_torch", t)
         # The DDP constructor imports torch._dynamo lazily (1-7 s); do it while we wait on the network.
+        # (AIV_WARM_IMPORTS=0 turns this off, for benchmarks.)
         if self.env.get("AIV_WARM_IMPORTS", "1") != "0":
             threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True).start()
 
@@ -1647,8 +1648,9 @@ class RankRun:
             node_thread.start()
         self.mark("local", t)
         bad = [f for f in local if f["status"] == "FAIL"]
-        self.progress(f"local: backend {self.backend}, device {self._dev_str()}, {len(local)} interface/device "
-                      f"check(s), {len(bad)} failed (import torch {self.phases['import_torch']:.2f}s)")
+        ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
+        self.progress(f"local: backend {self.backend}, device {self._dev_str()}, interfaces checked: {ifn}, "
+                      f"{len(bad)} local check(s) failed (import torch {self.phases['import_torch']:.2f}s)")
 
         self.rendezvous(identity)
 
