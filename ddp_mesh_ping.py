@@ -842,7 +842,7 @@ def judge_layout(records, expect):
                                [host], [r["rank"] for r in rs]))
     want_nodes = expect.get("nodes")
     if want_nodes is not None and want_nodes != len(hosts):
-        out.append(finding("layout", "FAIL", f"{len(hosts)} nodes reported ({compress_hostlist(sorted(hosts))}) "
+        out.append(finding("layout", "FAIL", f"{len(hosts)} node(s) reported ({compress_hostlist(sorted(hosts))}) "
                            f"but {want_nodes} were expected"))
     rpn = expect.get("ranks_per_node")
     if rpn is not None:
@@ -1538,6 +1538,7 @@ class RankRun:
         self.expected_acks = self.world - 1
         self.verdict_at = 0.0
         self.probe = None
+        self.nccl_log = None
         self.node_facts = None
         self.backend = None
         self.device = None
@@ -1577,6 +1578,13 @@ class RankRun:
                 if " NCCL WARN " in ln:
                     emit(ln, sys.stderr)
         return parse_nccl_transport(text)
+
+    def _drop_nccl_log(self):
+        try:
+            os.unlink(self.nccl_log)
+        except OSError:
+            pass
+        self.nccl_log = None
 
     def failpoint(self, phase):
         """Test-only fault injection: AIV_FAILPOINT=<die|hang>:<phase>:<rank> kills (SIGKILL) or
@@ -1636,6 +1644,8 @@ class RankRun:
 
         t = time.monotonic()
         local, gpu = self.local_checks()
+        if self.backend != "nccl" and self.nccl_log:  # auto chose gloo: no NCCL log to read
+            self._drop_nccl_log()
         identity = {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(),
                     "local_rank": self.local_rank, "backend": self.backend, "device": self.device,
                     "cvd": self.env.get("CUDA_VISIBLE_DEVICES"), "gpu": gpu,
@@ -2181,13 +2191,10 @@ class RankRun:
             emit(f"trace rank {self.rank}: verdict at {self.verdict_at:.2f}s, teardown "
                  f"{time.monotonic() - t:.2f}s, exit at {elapsed():.2f}s", sys.stderr)
         if getattr(self, "nccl_log", None):
-            if code == EXIT_PASS:
-                try:
-                    os.unlink(self.nccl_log)
-                except OSError:
-                    pass
-            else:
+            if code != EXIT_PASS and os.path.getsize(self.nccl_log) > 0:
                 emit(f"rank {self.rank} ({self.host}): NCCL debug log kept at {self.nccl_log}", sys.stderr)
+            else:
+                self._drop_nccl_log()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -28,7 +28,7 @@ def test_layout_wrong_ranks_per_node_names_node():
 
 def test_layout_wrong_node_count():
     out = aiv.judge_layout(cluster(3, 2), {"nodes": 2})
-    assert any(f["status"] == "FAIL" and "3 nodes reported (node[1-3]) but 2" in f["reason"] for f in out)
+    assert any(f["status"] == "FAIL" and "3 node(s) reported (node[1-3]) but 2" in f["reason"] for f in out)
 
 
 def test_layout_duplicate_and_missing_local_rank():
