@@ -11,6 +11,7 @@ Skipped otherwise, except with CI=true, where a missing Slurm is an error.
     sudo python -m pytest -v tests/test_slurm.py
 """
 
+import json
 import os
 import re
 import shutil
@@ -292,6 +293,27 @@ def test_bad_interface_fails_fast(cluster):
     assert lines, describe(cluster, job)
     assert any("eth9" in ln and re.search(r"\bnode[12]\b", ln) for ln in lines), lines
     assert took < float(AIV_TIMEOUT) + 30, f"took {took:.1f} s"  # job limit is 5 min
+
+
+def test_interface_absent_on_one_node_names_that_node(cluster):
+    """eth1 exists (up, with an address) on node1 only: the verdict names node2, not node1."""
+    # a veth pair with both ends inside node1's namespace (no dummy driver needed)
+    cluster.node_run("node1", "ip", "link", "add", "eth1", "type", "veth", "peer", "name", "eth1p")
+    try:
+        cluster.node_run("node1", "ip", "addr", "add", "10.78.0.1/24", "dev", "eth1")
+        cluster.node_run("node1", "ip", "link", "set", "eth1p", "up")
+        cluster.node_run("node1", "ip", "link", "set", "eth1", "up")
+        job = cluster.submit(*SHAPE, NCCL_SOCKET_IFNAME="eth1", GLOO_SOCKET_IFNAME="eth1")
+        state, code, took = cluster.wait(job)
+    finally:
+        cluster.node_run("node1", "ip", "link", "del", "eth1")
+    assert (state, code) == ("FAILED", "1:0"), describe(cluster, job)
+    log, _, js = cluster.outputs(job)
+    lines = failure_lines(log, "interface")
+    assert lines and all("node2" in ln and "eth1" in ln for ln in lines), lines
+    assert not any("on node1" in ln for ln in lines), lines
+    assert json.loads(js.read_text())["failed_hosts"] == ["node2"]
+    assert took < float(AIV_TIMEOUT) + 30, f"took {took:.1f} s"
 
 
 def test_missing_venv_one_line_error(cluster):
