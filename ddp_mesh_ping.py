@@ -506,6 +506,8 @@ def parse_args(argv, env):
                 injected.append(opt)
             elif val.strip().lower() not in ("0", "false", "no", "off", ""):
                 raise UsageError(f"{var}={val!r} is not a boolean")
+        elif action.nargs == "?" and val.strip().lower() in ("1", "true", "yes", "on"):
+            injected.append(opt)  # AIV_BANDWIDTH=1: the flag with its default value
         else:
             injected.append(f"{opt}={val}")
     return parser.parse_args(injected + list(argv))

@@ -91,6 +91,9 @@ def test_bandwidth_sizes():
     a = aiv.parse_args(["--bandwidth=1M,64MiB,1G"], {})
     assert a.bandwidth == [1 << 20, 64 << 20, 1 << 30]
     assert aiv.parse_args(["--bandwidth"], {}).bandwidth == aiv._sizes(aiv.DEFAULT_BW_SIZES)
+    assert aiv.parse_args([], {"AIV_BANDWIDTH": "1"}).bandwidth == aiv._sizes(aiv.DEFAULT_BW_SIZES)
+    assert aiv.parse_args([], {"AIV_BANDWIDTH": "4M"}).bandwidth == [4 << 20]
+    assert aiv.parse_args([], {}).bandwidth is None
 
 
 def test_slurm_expectations_and_expected_hosts():
