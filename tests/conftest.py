@@ -6,13 +6,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "ddp_mesh_ping.py"
 sys.path.insert(0, str(ROOT))
 
-import ddp_mesh_ping as aiv  # noqa: E402
 
 # Site safety settings that must survive (e.g. NVLink multicast off on shared GPU hosts).
 _KEEP_VARS = ("NCCL_NVLS_ENABLE",)
@@ -100,7 +97,3 @@ def cluster(nodes=2, per_node=2, with_gpu=False):
             out.append(rec(r, host=f"node{n + 1}", local_rank=lr, gpu=g, node=(lr == 0)))
     return out
 
-
-@pytest.fixture
-def tool():
-    return aiv
