@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "ddp_mesh_ping.py"
 sys.path.insert(0, str(ROOT))
 
+import ddp_mesh_ping as aiv  # noqa: E402,F401  (the tool as a module, for the tests)
 
 # Site safety settings that must survive (e.g. NVLink multicast off on shared GPU hosts).
 _KEEP_VARS = ("NCCL_NVLS_ENABLE",)
