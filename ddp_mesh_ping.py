@@ -1224,10 +1224,11 @@ def render_report(state):
     findings = state.get("findings") or []
     flagged = {h for f in findings if f["status"] != "PASS" for h in f["hosts"]}
     show_ranks = len(recs) <= 64
+    groups = group_nodes(recs, flagged)  # identical nodes collapsed once, used by every section
     L += [BAR, "CLUSTER HARDWARE TOPOLOGY REPORT", BAR]
     hosts = _by_host(recs)
     L.append(f"  nodes={len(hosts)} ranks_reported={len(recs)}/{state['world_size']} backend={state['backend']}")
-    for hs, rs in group_nodes(recs, flagged):
+    for hs, rs in groups:
         g = rs[0].get("gpu") or {}
         gpus = f"{len(rs)}x{_q(g.get('name'))}" if g else "cpu"
         tail = f"ranks={format_ranges(r['rank'] for r in rs)}" if len(hs) == 1 else "ranks=various"
@@ -1246,14 +1247,14 @@ def render_report(state):
                  f"pci={_q(g.get('pci'))} numa={_q(g.get('numa'))} cpus={r.get('cpus')}")
     if not show_ranks:
         L.append(f"    ({len(recs)} ranks: per-rank lines shown only for ranks named in a finding; see --json)")
-    for hs, rs in group_nodes(recs, flagged):
+    for hs, rs in groups:
         n = next((r.get("node") for r in rs if r.get("node")), None)
         if n and n.get("peer"):
             L.append(f"  peer access {compress_hostlist(hs)} (row i, col j: 1 = cuda:i can access cuda:j):")
             L.extend(f"    cuda:{i}  {' '.join(row)}" for i, row in enumerate(n["peer"]))
 
     L += [BAR, "NODE ENVIRONMENT DEEP DIVE", BAR]
-    for hs, rs in group_nodes(recs, flagged):
+    for hs, rs in groups:
         n = next((r.get("node") for r in rs if r.get("node")), {}) or {}
         v = rs[0]["versions"]
         imp = n.get("imports") or {}
@@ -1267,7 +1268,7 @@ def render_report(state):
                  f"shm={human_bytes(n.get('shm'))}")
 
     L += [BAR, "NETWORK INTERCONNECT & FABRIC STATUS", BAR]
-    for hs, rs in group_nodes(recs, flagged):
+    for hs, rs in groups:
         n = next((r.get("node") for r in rs if r.get("node")), {}) or {}
         ib = n.get("ib") or []
         ibs = ",".join(f"{p['port']}:{p['state']}:{p['rate_gbps'] or 0:g}Gb/s" for p in ib) or "none"
@@ -1796,7 +1797,7 @@ class RankRun:
         infos.sort(key=lambda i: i[0] != socket.AF_INET)
         fam, _, _, _, sa = infos[0]
         ip = sa[0]
-        multi_node = self.expect.get("nodes", 1) > 1 or int(self.env.get("SLURM_JOB_NUM_NODES", "1") or 1) > 1
+        multi_node = self.expect.get("nodes", 1) > 1  # Slurm's node count is already in the expectation
         bind_ip = ("::" if fam == socket.AF_INET6 else "0.0.0.0") if (ip.startswith("127.") or ip == "::1") \
             and multi_node else ip
         s = socket.socket(fam, socket.SOCK_STREAM)
