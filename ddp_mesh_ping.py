@@ -39,9 +39,12 @@ Stable strings for automation:
 """
 
 import argparse
+import contextlib
 import datetime
 import fcntl
+import hashlib
 import json
+import math
 import os
 import re
 import resource
@@ -80,6 +83,7 @@ CHECKS = (
     "telemetry",     # gather to rank 0 failed or timed out
     "collective",    # wrong all_reduce values, a peer died, a collective timed out
     "ddp",           # DDP step failed or gradients differ across ranks
+    "verdict",       # a rank died or hung after the collectives, before the verdict
     "bandwidth",     # all_reduce bus bandwidth below --min-busbw
     "transport",     # NCCL fell back to sockets although IB is active
     "internal",      # an unexpected error inside the tool (a bug: please report it)
@@ -95,8 +99,6 @@ ENV_ALLOW_NAMES = (
 )
 ENV_DENY_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "KEY", "COOKIE")
 
-PEER_GRACE = 3.0  # seconds rank 0 waits for live peers to report their errors after a failed phase
-
 _T0 = time.monotonic()
 
 
@@ -107,6 +109,8 @@ class UsageError(Exception):
 
 def finding(check, status, reason, hosts=(), ranks=(), code=EXIT_FAIL):
     """One judged fact. status is PASS, WARN or FAIL; code is the exit code a FAIL implies."""
+    if check not in CHECKS:
+        raise ValueError(f"finding() got check {check!r}, which is not in CHECKS")
     f = {"check": check, "status": status, "reason": reason,
          "hosts": sorted(set(hosts)), "ranks": sorted(set(ranks))}
     if status == "FAIL" and code != EXIT_FAIL:
@@ -429,8 +433,15 @@ def _positive_float(text):
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return v
+
+
+def _seconds(text):
+    v = _positive_float(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is below the 1 second minimum")
     return v
 
 
@@ -469,9 +480,12 @@ def build_parser():
                 epilog="Every option can also be set as AIV_<OPTION> (e.g. AIV_TIMEOUT=120).")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="auto: nccl when CUDA is available, else gloo")
-    p.add_argument("--timeout", type=_positive_float, default=300.0,
-                   help="seconds each distributed phase may take (default 300: enough for "
-                        "thousands of ranks importing torch from shared storage)")
+    p.add_argument("--timeout", type=_seconds, default=TIMEOUT_DEFAULT, metavar="SECONDS",
+                   help=f"seconds each phase after the roll call may take: init, telemetry, collective, "
+                        f"ddp, bandwidth, verdict (default {TIMEOUT_DEFAULT:g})")
+    p.add_argument("--rollcall-timeout", type=_seconds, default=ROLLCALL_DEFAULT, metavar="SECONDS",
+                   help=f"seconds for every rank to start and check in; absorbs start-up skew such as "
+                        f"thousands of ranks importing torch from shared storage (default {ROLLCALL_DEFAULT:g})")
     p.add_argument("--expect-world-size", type=_positive_int)
     p.add_argument("--expect-nodes", type=_positive_int)
     p.add_argument("--expect-ranks-per-node", type=_positive_int)
@@ -615,6 +629,46 @@ def count_visible_gpus(env, root="/"):
     except OSError:
         n = len([d for d in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", d)]) if os.path.isdir("/dev") else 0
     return min(n, len(items)) if cvd is not None else n
+
+
+NO_DEVICES = ("", "-1", "NoDevFiles")
+
+
+def gpus_expected(env, root="/"):
+    """Why this rank should have a GPU ('' when it should not): CUDA_VISIBLE_DEVICES names devices,
+    Slurm allocated GPUs (SLURM_*GPUS*), or the NVIDIA driver lists GPUs. CUDA_VISIBLE_DEVICES set to
+    '', -1 or NoDevFiles means a deliberate CPU run."""
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return "" if cvd.strip() in NO_DEVICES else f"CUDA_VISIBLE_DEVICES={cvd}"
+    for k in sorted(env):
+        v = env[k].strip()
+        if re.fullmatch(r"SLURM_\w*GPUS\w*", k) and v and v != "(null)" and (
+                re.search(r"[1-9]", v) or k in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")):
+            return f"{k}={v}"
+    try:
+        if os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")):
+            return "the NVIDIA driver lists GPUs in /proc/driver/nvidia/gpus"
+    except OSError:
+        pass
+    return ""
+
+
+def cuda_problem(torch_mod):
+    """torch's own reason why CUDA is unusable (a CPU build, driver too old, no device, init error)."""
+    if torch_mod.version.cuda is None and getattr(torch_mod.version, "hip", None) is None:
+        return f"torch {torch_mod.__version__} is a CPU-only build"
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if torch_mod.cuda.is_available():
+            return "none"
+    try:
+        torch_mod.cuda.init()
+    except Exception as e:
+        return first_line(e)
+    said = [str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()]
+    return said[0][:300] if said else f"torch {torch_mod.__version__} sees {torch_mod.cuda.device_count()} device(s)"
 
 
 def read_ib_ports(root="/"):
@@ -915,15 +969,11 @@ def judge_versions(records):
               ("driver", "FAIL", lambda r: (r.get("node") or {}).get("driver")),
               ("python", "WARN", lambda r: r["versions"]["python"]),
               ("OS", "WARN", lambda r: (r.get("node") or {}).get("os")),
-              ("kernel", "WARN", lambda r: (r.get("node") or {}).get("kernel")),
-              ("torchvision", "WARN", lambda r: ((r.get("node") or {}).get("imports") or {})
-               .get("torchvision", {}).get("version")),
-              ("torchaudio", "WARN", lambda r: ((r.get("node") or {}).get("imports") or {})
-               .get("torchaudio", {}).get("version"))]
+              ("kernel", "WARN", lambda r: (r.get("node") or {}).get("kernel"))]
     for label, sev, get in fields:
         values = {}
         for r in records:
-            if label in ("driver", "OS", "kernel", "torchvision", "torchaudio") and not r.get("node"):
+            if label in ("driver", "OS", "kernel") and not r.get("node"):
                 continue
             values.setdefault(str(get(r)), set()).add(r["host"])
         if len(values) > 1:
@@ -942,15 +992,23 @@ def judge_versions(records):
 
 
 def judge_imports(records):
-    out = []
+    """torchvision / torchaudio import on every node, at one version across nodes (WARN)."""
+    out, versions = [], {name: {} for name in PROBED_PACKAGES}
     for r in records:
         imp = (r.get("node") or {}).get("imports") or {}
-        for name in ("torchvision", "torchaudio"):
+        for name in PROBED_PACKAGES:
             st = imp.get(name)
             if st and not st.get("ok"):
                 what = "is not installed" if _import_state(st) == "missing" else "does not import"
                 out.append(finding("imports", "WARN", f"{name} {what} on {r['host']}: {st.get('error')}",
                                    [r["host"]]))
+            elif st:
+                versions[name].setdefault(str(st.get("version")), set()).add(r["host"])
+    for name, values in versions.items():
+        if len(values) > 1:
+            odd = sorted(values.values(), key=len)[:-1]
+            out.append(finding("versions", "WARN", f"{name} differs across nodes: {_spread(values)}",
+                               [h for hs in odd for h in hs]))
     return out
 
 
@@ -1051,47 +1109,62 @@ def judge_local(records):
     return list(merged.values())
 
 
-def judge_all(records, world_size, expect, ib_hca=None):
-    """Every check of the gathered data. records: one dict per rank that reported."""
-    out = []
-    out += judge_local(records)
-    out += judge_world_size(world_size, expect)
-    out += judge_layout(records, expect)
-    out += judge_gpu_affinity(records)
-    out += judge_numa(records)
-    out += judge_versions(records)
-    out += judge_imports(records)
-    out += judge_fabric(records, ib_hca)
-    out += judge_day0(records)
-    return out
+def judge_device_use(records):
+    """One backend on every rank; with gloo asked for explicitly, say which GPUs were not exercised."""
+    seen = {}
+    for r in records:
+        seen.setdefault(r.get("backend"), []).append(r)
+    if len(seen) > 1:
+        minority = sorted(seen.values(), key=len)[0]
+        return [finding("device", "FAIL", "ranks chose different backends: " + "; ".join(
+            f"{b} on {compress_hostlist(sorted({r['host'] for r in rs}))}" for b, rs in sorted(seen.items(), key=str)),
+            [r["host"] for r in minority], [r["rank"] for r in minority])]
+    unused = {r["host"]: r["gpus_expected"] for r in records if r.get("backend") == "gloo" and r.get("gpus_expected")
+              and not any(f["check"] == "device" for f in r.get("local") or [])}
+    if unused:
+        return [finding("device", "PASS", f"backend gloo as asked: GPUs present on {compress_hostlist(sorted(unused))} "
+                        f"({next(iter(unused.values()))}) were not exercised")]
+    return []
 
 
 def judge_pre(records, world_size, expect):
-    """What rank 0 can judge from the roll call alone, before NCCL exists. The layout is judged
-    only over a complete roll call: a missing rank is the cause, not a layout fault."""
+    """Stage 1, from the roll call alone, before NCCL exists. The layout is judged only over a
+    complete roll call: a missing rank is the cause, not a layout fault."""
     complete = len(records) == world_size
-    return (judge_local(records) + judge_world_size(world_size, expect)
+    return (judge_local(records) + judge_device_use(records) + judge_world_size(world_size, expect)
             + (judge_layout(records, expect) if complete else []) + judge_gpu_affinity(records))
 
 
-def judge_collectives(results, world_size):
-    """results: per rank {'rank','host','ar_ok','ar_sum','loss','grad_digest'}."""
+def judge_gate(records, ib_hca=None):
+    """Stage 2, from the gathered telemetry, before the collectives: node facts."""
+    return judge_numa(records) + judge_versions(records) + judge_fabric(records, ib_hca) + judge_day0(records)
+
+
+def judge_all(records, world_size, expect, ib_hca=None):
+    """Every check of gathered records, the stages in one call (for tests and benchmarks; the
+    runtime judges each stage once, as its data arrives)."""
+    return judge_pre(records, world_size, expect) + judge_gate(records, ib_hca) + judge_imports(records)
+
+
+def judge_collectives(results, world_size, host_of):
+    """results: per rank {'rank', 'ar_ok', 'ar_sum', 'grads'} (grads: a digest of the gradient bytes)."""
     out = []
     want = world_size * (world_size + 1) // 2
+
+    def who(rs):
+        return ", ".join(f"rank {r['rank']} ({host_of.get(r['rank'], '?')})" for r in rs)
     bad = [r for r in results if not r["ar_ok"] or int(r["ar_sum"]) != want]
     if bad:
-        out.append(finding("collective", "FAIL", "all_reduce returned wrong values on "
-                           + ", ".join(f"{_rank_str(r)} (sum {r['ar_sum']:g}, expected {want})" for r in bad),
-                           [r["host"] for r in bad], [r["rank"] for r in bad]))
+        out.append(finding("collective", "FAIL", "all_reduce returned wrong values on " + ", ".join(
+            f"{who([r])} (sum {r['ar_sum']}, expected {want}{', pattern wrong' if not r['ar_ok'] else ''})"
+            for r in bad), [host_of.get(r["rank"], "?") for r in bad], [r["rank"] for r in bad]))
     else:
         out.append(finding("collective", "PASS", f"all_reduce exact on {len(results)} rank(s): "
                            f"sum {want} = w(w+1)/2, element-wise pattern verified"))
-    ref = results[0]["grads"]
-    diff = [r for r in results if r["grads"] != ref]
+    diff = [r for r in results if r["grads"] != results[0]["grads"]]
     if diff:
-        out.append(finding("ddp", "FAIL", "DDP gradients differ from rank 0's on "
-                           + ", ".join(_rank_str(r) for r in diff), [r["host"] for r in diff],
-                           [r["rank"] for r in diff]))
+        out.append(finding("ddp", "FAIL", "DDP gradients differ from rank 0's on " + who(diff),
+                           [host_of.get(r["rank"], "?") for r in diff], [r["rank"] for r in diff]))
     else:
         out.append(finding("ddp", "PASS", f"DDP gradients identical on {len(results)} rank(s)"))
     return out
@@ -1166,6 +1239,55 @@ def apply_strict(findings, strict):
     if not strict:
         return findings
     return [dict(f, status="FAIL") if f["status"] == "WARN" else f for f in findings]
+
+
+def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=None, silent_hosts=()):
+    """Who did not finish `phase` (one FAIL finding). A rank whose last stamp is before the phase is
+    dead (its process is gone), frozen (stopped), unreachable (its node's monitor went silent),
+    reported an error, or alive but stuck. The culprits are the dead, frozen and unreachable ranks,
+    else those that reported errors, else the stuck ones. Exit code: 1 when a rank is dead, 3 when
+    one is frozen, unreachable or stuck, else `code` (the reported error's).
+
+    stamps: {rank: index in PHASES of its last finished phase}; live: {rank: running|stopped|gone};
+    errors: {rank: its error line}; host_of: {rank: host}."""
+    idx = PHASES.index(phase)
+    late = [r for r in range(world) if stamps.get(r, -1) < idx]
+
+    def kind(r):
+        if live.get(r) == "gone":
+            return "dead"
+        if live.get(r) == "stopped":
+            return "frozen"
+        if host_of.get(r) in silent_hosts:
+            return "silent"
+        return "error" if r in errors else "stuck"
+    groups = {k: [r for r in late if kind(r) == k] for k in ("dead", "frozen", "silent", "error", "stuck")}
+    culprits = groups["dead"] + groups["frozen"] + groups["silent"] or groups["error"] or groups["stuck"]
+    if groups["dead"]:
+        code = EXIT_FAIL
+    elif groups["frozen"] or groups["silent"] or not groups["error"]:
+        code = EXIT_TIMEOUT
+    else:
+        code = code or EXIT_FAIL
+    words = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",
+             "silent": "unreachable (its node stopped reporting)", "error": "reported an error",
+             "stuck": "alive but did not finish"}
+    parts = [f"{_ranks_on_hosts(rs, host_of)} {words[k]}" for k, rs in groups.items() if rs]
+    detail = "; ".join(parts) if parts else "every rank finished it"
+    first_err = next((errors[r] for r in culprits if r in errors), None)
+    reason = (f"{cause}: {detail}; {world - len(late)}/{world} rank(s) finished {phase}"
+              + (f"; first error: {first_err}" if first_err else ""))
+    return finding(PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits, code=code)
+
+
+def _ranks_on_hosts(ranks, host_of, limit=16):
+    """'rank 1 (node2)' or 'ranks 4-7 (node2), 9 (node3)'; at most `limit` hosts, then a count."""
+    by_host = {}
+    for r in sorted(ranks):
+        by_host.setdefault(host_of.get(r, "?"), []).append(r)
+    items = [f"{format_ranges(rs)} ({h})" for h, rs in list(by_host.items())[:limit]]
+    more = f" and {len(by_host) - limit} more node(s)" if len(by_host) > limit else ""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(items) + more
 
 
 # ============================================================================ render
@@ -1438,6 +1560,227 @@ def judge_backend(records):
         + " (CUDA unusable where gloo was chosen?)", [r["host"] for r in minority], [r["rank"] for r in minority])]
 
 
+# ============================================================================ deadlines
+TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
+ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
+NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name the culprits, publish
+RANK0_GRACE = 15.0        # the other ranks wait this long past their own bound before speaking for rank 0
+ACKS_S = 5.0              # rank 0 keeps its store up this long for live ranks to read the verdict
+ERROR_GRACE = 2.0         # after the first error report: time for other reports and liveness to arrive
+
+PHASES = ("local", "rollcall", "init", "telemetry", "collective", "ddp", "bandwidth", "final")
+PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
+               "collective": "collective", "ddp": "ddp", "bandwidth": "bandwidth", "final": "verdict"}
+PHASE_WHAT = {"local": "import torch and the local checks", "rollcall": "the roll call",
+              "init": "init_process_group", "telemetry": "the telemetry gather and judge",
+              "collective": "all_reduce of rank-encoded integers", "ddp": "the DDP step and results gather",
+              "bandwidth": "the bandwidth probe", "final": "the verdict"}
+
+
+def deadlines(timeout, rollcall_timeout):
+    """The one table of bounds: phase -> seconds. `local` and `rollcall` get --rollcall-timeout, every
+    later phase --timeout. Invariant (checked by a test): rank 0 names the culprits within a phase's
+    bound + NAMING_S, which is below the other ranks' backstop (bound + RANK0_GRACE), so rank 0
+    reports before anyone gives up on it."""
+    table = {p: float(timeout) for p in PHASES}
+    table["local"] = table["rollcall"] = float(rollcall_timeout)
+    return table
+
+
+def worst_case(table, bandwidth=False):
+    """The longest a run can take to its verdict: every phase at its bound, then naming and acks."""
+    return sum(s for p, s in table.items() if bandwidth or p != "bandwidth") + NAMING_S + ACKS_S
+
+
+def live_period(nodes):
+    """Seconds between a node monitor's posts: one post per node per period keeps rank 0's store
+    under ~500 operations per second at any scale."""
+    return max(1.0, nodes / 500.0)
+
+
+def fd_limit_problem(world, nodes):
+    """Rank 0's store holds two connections per rank (main and listener) and one per node monitor.
+    Raise the soft RLIMIT_NOFILE to the hard limit; a hard limit too low is a message, else None."""
+    need = 2 * world + nodes + 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < need:
+        return (f"the open-files hard limit (ulimit -Hn) is {hard}, below the {need} the store needs for "
+                f"{world} ranks on {nodes} node(s) (2 per rank + 1 per node + 64): raise it for the job")
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return None
+
+
+# ============================================================================ liveness
+def proc_stat(pid, root="/"):
+    """(state letter, start time) from /proc/<pid>/stat, or None when there is no such process."""
+    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
+    if not text or ")" not in text:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return (fields[0], fields[19]) if len(fields) > 19 else None
+
+
+def liveness(stat, first):
+    """running / stopped / gone for a process first seen as `first` (None: never visible here)."""
+    if first is None:
+        return "unknown"
+    if stat is None or stat[0] in "ZXx" or stat[1] != first[1]:
+        return "gone"
+    return "stopped" if stat[0] in "Tt" else "running"
+
+
+def node_monitor(cfg):
+    """A node leader's child: posts the state of its node's ranks to the store every cfg['period']
+    seconds. It runs outside the ranks, so it never needs a rank's GIL (NCCL init can hold it for
+    seconds). Ends when its ranks are all gone, the store is gone, or cfg['lifetime'] passes."""
+    import torch.distributed as dist
+    raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=30))
+    proto = StoreProtocol(dist.PrefixStore(cfg["prefix"], raw))
+    pids = {int(r): int(p) for r, p in cfg["ranks"]}
+    first = {r: proc_stat(p) for r, p in pids.items()}
+    end, seq = time.monotonic() + cfg["lifetime"], 0
+    while time.monotonic() < end:
+        states = {r: liveness(proc_stat(p), first[r]) for r, p in pids.items()}
+        proto.post_live(cfg["host"], seq, states)
+        if all(s in ("gone", "unknown") for s in states.values()):
+            break
+        seq += 1
+        time.sleep(cfg["period"])
+    return 0
+
+
+# ============================================================================ store protocol
+class StoreProtocol:
+    """The run's side channel: one TCPStore that every rank reaches, served by rank 0 (or, under
+    torchrun, by the agent). A TCPStore client serialises its operations, so each thread that
+    blocks on the store has its own connection (clone()). Every key, under one prefix:
+
+      id/<rank>      identity at the roll call (JSON)             each rank
+      arrived        ranks checked in (counter); all_arrived      each rank; the last one
+      node/<host>    [[rank, pid], ...] of a node, for its monitor rank 0
+      stamp/<rank>   index in PHASES of the last phase finished   each rank
+      live/<host>    {"seq": n, "ranks": {rank: state}}           each node's monitor
+      gate/<name>    rank 0's go after the roll call and the judge rank 0
+      errors, nerr   error lines (JSON, appended) and their count  any rank
+      verdict        rank 0's exit code: listeners exit with it   rank 0
+      acks           ranks that read the verdict                  each rank
+    """
+
+    def __init__(self, store, raw=None, prefix=None):
+        self.store, self.raw, self.prefix = store, raw, prefix
+
+    @classmethod
+    def open(cls, dist, addr, port, timeout, prefix, listen_fd=None):
+        """Serve the store on a socket rank 0 bound itself (listen_fd), or connect to it."""
+        t = datetime.timedelta(seconds=timeout)
+        if listen_fd is None:
+            raw = dist.TCPStore(addr, port, None, False, t)
+        else:
+            raw = dist.TCPStore(addr, port, None, True, t, wait_for_workers=False, master_listen_fd=listen_fd)
+        return cls(dist.PrefixStore(prefix, raw), raw, prefix)
+
+    def clone(self):
+        return StoreProtocol(self.store.clone(), None, self.prefix)
+
+    def _wait(self, keys, seconds):
+        self.store.wait(keys, datetime.timedelta(seconds=max(0.001, seconds)))
+
+    # -- roll call
+    def check_in(self, rank, identity, world):
+        self.store.multi_set([f"id/{rank}", f"stamp/{rank}"], [json.dumps(identity, default=str), "0"])
+        if self.store.add("arrived", 1) == world:
+            self.store.set("all_arrived", "1")
+
+    def wait_all(self, seconds):
+        try:
+            self._wait(["all_arrived"], seconds)
+            return True
+        except Exception:
+            return False
+
+    def missing(self, world):
+        return [r for r in range(world) if not self.store.check([f"id/{r}"])]
+
+    def identities(self, ranks):
+        return [json.loads(v) for v in self.store.multi_get([f"id/{r}" for r in ranks])] if ranks else []
+
+    def prepare(self, records):
+        """Rank 0, before the go: each node's ranks and PIDs, empty liveness and error keys (so that
+        no later read waits on a key that was never written)."""
+        nodes = {}
+        for rec in records:
+            nodes.setdefault(rec["host"], []).append([rec["rank"], rec["pid"]])
+        keys = [f"node/{h}" for h in nodes] + [f"live/{h}" for h in nodes] + ["errors"]
+        vals = [json.dumps(v) for v in nodes.values()] + ["{}"] * len(nodes) + [""]
+        self.store.multi_set(keys, vals)
+
+    def node_ranks(self, host):
+        return json.loads(self.store.get(f"node/{host}"))
+
+    # -- progress and liveness
+    def stamp(self, rank, phase):
+        self.store.set(f"stamp/{rank}", str(PHASES.index(phase)))
+
+    def stamps(self, world):
+        return {r: int(v) for r, v in enumerate(self.store.multi_get([f"stamp/{r}" for r in range(world)]))}
+
+    def post_live(self, host, seq, states):
+        self.store.set(f"live/{host}", json.dumps({"seq": seq, "ranks": states}))
+
+    def live(self, hosts):
+        return {h: json.loads(v) for h, v in zip(hosts, self.store.multi_get([f"live/{h}" for h in hosts]),
+                                                 strict=True)}
+
+    def settled_live(self, hosts, budget):
+        """Liveness once every node has posted after this call (or its ranks are all gone), within
+        `budget` seconds. -> ({rank: state}, hosts that stayed silent)."""
+        first, end = self.live(hosts), time.monotonic() + budget
+        while True:
+            cur = self.live(hosts)
+            silent = {h for h in hosts if cur[h].get("seq", -1) <= first[h].get("seq", -1)
+                      and not (cur[h].get("ranks") and all(s == "gone" for s in cur[h]["ranks"].values()))}
+            if not silent or time.monotonic() >= end:
+                break
+            time.sleep(0.2)
+        return {int(r): s for snap in cur.values() for r, s in (snap.get("ranks") or {}).items()}, silent
+
+    # -- gates, errors, verdict
+    def open_gate(self, name, value="go"):
+        self.store.set(f"gate/{name}", value)
+
+    def wait_gate(self, name, seconds):
+        self._wait([f"gate/{name}"], seconds)
+        return self.store.get(f"gate/{name}").decode()
+
+    def report_error(self, rank, phase, line, code):
+        self.store.append("errors", json.dumps({"rank": rank, "phase": phase, "line": line, "code": code}) + "\n")
+        self.store.add("nerr", 1)
+
+    def error_count(self):
+        return self.store.add("nerr", 0)
+
+    def errors(self):
+        out = {}
+        for ln in self.store.get("errors").decode(errors="replace").splitlines():
+            e = json.loads(ln)
+            out.setdefault(int(e["rank"]), e["line"])
+        return out
+
+    def publish_verdict(self, code):
+        self.store.set("verdict", str(code))
+
+    def wait_verdict(self, seconds):
+        self._wait(["verdict"], seconds)
+        return int(self.store.get("verdict"))
+
+    def ack(self):
+        self.store.add("acks", 1)
+
+    def acks(self):
+        return self.store.add("acks", 0)
+
+
 # ============================================================================ runtime
 _PRINT_LOCK = threading.Lock()
 
@@ -1461,32 +1804,33 @@ def first_line(exc):
     return type(exc).__name__
 
 
-class PhaseFailure(Exception):
-    """A judged failure that ends the run on this rank: (check, reason, code)."""
+class Verdict(Exception):
+    """The run ends here with this exit code; `findings` are added to what rank 0 reports."""
 
-    def __init__(self, check, reason, code=EXIT_FAIL):
-        super().__init__(reason)
-        self.check, self.reason, self.code = check, reason, code
+    def __init__(self, code, findings=()):
+        super().__init__(code)
+        self.code, self.findings = code, list(findings)
+
+
+def failed(check, reason, code=EXIT_FAIL, hosts=(), ranks=()):
+    return Verdict(code, [finding(check, "FAIL", reason, hosts, ranks, code=code)])
 
 
 class Watchdog:
-    """Bounds every phase. On expiry: the FAILURE line, flush, os._exit(code).
+    """Bounds the phase in progress from a thread of its own. While armed it calls tick(phase) every
+    `period` seconds and expire(phase) once the bound passes; both may end the process with
+    os._exit, which works while the main thread is blocked in a collective (a signal handler would
+    run only after the collective returned)."""
 
-    torch's own timeouts do not bound every hang (a store peer that accepts and never
-    answers, a hung NCCL kernel), and a signal handler cannot interrupt a blocked
-    collective; a thread calling os._exit can.
-    """
-
-    def __init__(self, rank, host):
-        self.rank, self.host = rank, host
-        self.on_fire = None
+    def __init__(self, expire, tick=None, period=1.0):
+        self.expire, self.tick, self.period = expire, tick, period
         self._cv = threading.Condition()
         self._armed = None
         threading.Thread(target=self._loop, name="aiv-watchdog", daemon=True).start()
 
-    def arm(self, check, what, seconds, code=EXIT_TIMEOUT):
+    def arm(self, phase, seconds):
         with self._cv:
-            self._armed = (check, what, time.monotonic() + seconds, seconds, code)
+            self._armed = (phase, time.monotonic() + seconds)
             self._cv.notify()
 
     def disarm(self):
@@ -1499,64 +1843,476 @@ class Watchdog:
             with self._cv:
                 while self._armed is None:
                     self._cv.wait()
-                check, what, deadline, seconds, code = self._armed
-                left = deadline - time.monotonic()
-                if left > 0:
-                    self._cv.wait(left)
+                armed = self._armed
+                self._cv.wait(max(0.0, min(self.period, armed[1] - time.monotonic())))
+                if self._armed != armed:
                     continue
-            self._fire(check, what, seconds, code)
+                expired = time.monotonic() >= armed[1]
+            if expired:
+                self.expire(armed[0])
+            elif self.tick is not None:
+                try:
+                    self.tick(armed[0])
+                except Exception:
+                    pass
 
-    def _fire(self, check, what, seconds, code):
-        line = f"FAILURE: {check}: rank {self.rank} ({self.host}): {what} did not complete within {seconds:.0f}s"
-        if self.on_fire is not None:
-            t = threading.Thread(target=self.on_fire, args=(check, line, code), daemon=True)
-            t.start()
-            t.join(10)
-        emit(line)
-        sys.stderr.flush()
-        os._exit(code)
+
+PROGRESS = {
+    "contract": "contract: rank {rank} of {world} from {source} variables, local_rank {local_rank}, master {master}",
+    "local": "local: backend {backend}, device {device}, interfaces checked: {ifaces}, {failed} local check(s) "
+             "failed (import torch {import_s:.2f}s)",
+    "rollcall_open": "rendezvous: store at {master}, roll call of {world} rank(s) within {seconds:g}s",
+    "rollcall": "rendezvous: {present}/{world} rank(s) checked in ({secs:.2f}s); pre-init checks (layout, "
+                "GPU affinity, device, local) {result}",
+    "init": "init: {backend} process group of {world} ready ({secs:.2f}s)",
+    "telemetry": "telemetry: gathered from {ranks} rank(s), max {size} B per rank ({secs:.2f}s); node checks: "
+                 "{counts}",
+    "collective": "collective: all_reduce of rank-encoded integers on {world} rank(s) ({secs:.2f}s)",
+    "ddp": "ddp: DDP step on nn.Linear(10, 10), results gathered ({secs:.2f}s)",
+    "bandwidth": "bandwidth: {size} all_reduce {us:.1f} us, algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s",
+    "verdict": "verdict: {verdict} (exit {code}); findings: {counts}",
+}
+
+
+def _counts(findings):
+    return ", ".join(f"{sum(f['status'] == s for f in findings)} {s}" for s in ("PASS", "WARN", "FAIL"))
 
 
 class RankRun:
-    """One rank of the preflight: the phases in order, each bounded."""
+    """One rank of the preflight: the phases of PHASES in order, each under deadline(phase).
+
+    Every way a run ends goes through Verdict: rank 0 turns it into the report and publishes the
+    exit code on the store; the other ranks report their error (if any) and exit with rank 0's code,
+    which a listener thread reads even while the main thread is blocked in a collective."""
 
     def __init__(self, args, contract, env):
         self.args, self.c, self.env = args, contract, env
-        self.rank, self.world = contract["rank"], contract["world_size"]
-        self.local_rank = contract["local_rank"]
+        self.rank, self.world, self.local_rank = contract["rank"], contract["world_size"], contract["local_rank"]
         self.is0 = self.rank == 0
         self.host = env.get("SLURMD_NODENAME") or socket.gethostname()
-        self.T = float(args.timeout)
         self.addr, self.port = contract["master_addr"], contract["master_port"]
-        self.wd = Watchdog(self.rank, self.host)
-        self.wd.on_fire = self._on_watchdog
-        self.store = None
-        self.phases = {}
-        self.findings = []
-        self.records = []
-        self.collectives = None
-        self.collective_findings = []
-        self.published = set()
-        self.acked = False
-        self.expected_acks = self.world - 1
-        self.verdict_at = 0.0
-        self.probe = None
-        self.nccl_log = None
-        self.node_facts = None
-        self.backend = None
-        self.device = None
-        expect = slurm_expectations(env)
-        for key in ("world_size", "nodes", "ranks_per_node"):
-            val = getattr(args, "expect_" + key)
-            if val is not None:
-                expect[key] = val
-        self.expect = expect
+        self.D = deadlines(args.timeout, args.rollcall_timeout)
+        self.expect = dict(slurm_expectations(env), **{k: getattr(args, "expect_" + k) for k in
+                                                       ("world_size", "nodes", "ranks_per_node")
+                                                       if getattr(args, "expect_" + k) is not None})
         self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, [], [], {}
+        self.proto = self.poll = self.master = self.probe = self.monitor = self.nccl_log = None
+        self.backend = self.device = self.collectives = self.results = self.alarm_at = None
+        self.identity = self.node_box = None
+        self.gone = set()  # ranks rank 0 found dead or frozen: no acknowledgement to wait for
+        self.verdict_lock, self.ack_lock, self.acked = threading.Lock(), threading.Lock(), False
+        self.wd = Watchdog(self.on_expire, self.on_tick if self.is0 else None)
 
-    # ---------------------------------------------------------------- output
-    def progress(self, msg):
+    # ---------------------------------------------------------------- flow
+    def run(self):
+        self.header()
+        try:
+            for phase in PHASES:
+                with self.deadline(phase):
+                    getattr(self, "phase_" + phase)()
+            raise Verdict(EXIT_FAIL, [finding("internal", "FAIL", "the phases ended without a verdict")])
+        except Verdict as v:
+            self.end(v)
+        except BaseException as e:  # a bug still ends in one line and an exit code
+            import traceback
+            traceback.print_exc(file=sys.stderr)
+            self.end(failed("internal", f"rank {self.rank} ({self.host}): {first_line(e)}"))
+
+    @contextlib.contextmanager
+    def deadline(self, phase):
+        """Arm the watchdog with the phase's bound (the other ranks add RANK0_GRACE after the roll call,
+        so that rank 0 speaks first); a torch error inside becomes this rank's Verdict; stamp on success."""
+        self.phase, t = phase, time.monotonic()
+        bound = self.D[phase] + (NAMING_S if self.is0 and phase == "rollcall" else 0)
+        self.wd.arm(phase, bound + (RANK0_GRACE if not self.is0 and phase != "local" else 0))
+        try:
+            yield
+        except Verdict:
+            raise
+        except Exception as e:
+            raise self.phase_error(phase, e) from None
+        finally:
+            self.wd.disarm()
+            self.times[phase] = round(time.monotonic() - t, 3)
+        if self.proto is not None:
+            self.proto.stamp(self.rank, phase)
+
+    def end(self, v):
+        """Rank 0: the verdict. Others: report, then take rank 0's verdict (or speak for the node)."""
         if self.is0:
-            emit(f"[{elapsed():9.2f}s] {msg}")
+            self.conclude(v.code, v.findings, self.proto)
+        if self.proto is not None:
+            try:
+                self.wd.arm(self.phase, self.D[self.phase] + RANK0_GRACE)
+                self.exit(self.take_verdict(self.proto, self.D[self.phase] + RANK0_GRACE))
+            except Exception:
+                pass
+        self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
+        self.exit(v.code)
+
+    def phase_error(self, phase, exc):
+        """A torch error inside a phase. Others: post it and stop. Rank 0: post it, give the others
+        ERROR_GRACE to post theirs, then name who did not finish the phase."""
+        line = f"rank {self.rank} ({self.host}): {PHASE_WHAT[phase]} failed: {first_line(exc)}"
+        code = EXIT_TIMEOUT if re.search(r"[Tt]imed? ?out|timeout", str(exc)) else EXIT_FAIL
+        if self.proto is not None:
+            try:
+                self.proto.report_error(self.rank, phase, line, code)
+            except Exception:
+                pass
+        if not self.is0 or self.poll is None:
+            return failed(PHASE_CHECK[phase], line, code, [self.host], [self.rank])
+        time.sleep(ERROR_GRACE)
+        return Verdict(code, [self.unfinished(phase, self.proto, f"{PHASE_WHAT[phase]} failed", code)])
+
+    # ---------------------------------------------------------------- phases
+    def phase_local(self):
+        self.probe = start_import_probe() if self.local_rank == 0 else None
+        self.nccl_log = self.capture_nccl_debug()
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the communicator and raise
+        self.progress("contract", rank=self.rank, world=self.world, source=self.c["source"],
+                      local_rank=self.local_rank, master=f"{self.addr}:{self.port}")
+        t = time.monotonic()
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        self.times["import_torch"] = round(time.monotonic() - t, 3)
+        if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
+            threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True).start()
+        local, gpu = self.local_checks()
+        if self.backend != "nccl" and self.nccl_log:
+            self._drop_nccl_log()
+        self.identity = {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(),
+                         "local_rank": self.local_rank, "backend": self.backend, "device": self.device,
+                         "cvd": self.env.get("CUDA_VISIBLE_DEVICES"), "gpu": gpu,
+                         "gpus_expected": gpus_expected(self.env, self.args.sysfs_root) or None,
+                         "cpus": format_ranges(_cpu_affinity()), "versions": torch_versions(torch),
+                         "local": local, "pid": os.getpid()}
+        if self.local_rank == 0:
+            self.node_box = {}
+            threading.Thread(target=self._collect_node, args=(self.node_box,), daemon=True).start()
+        ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
+        self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
+                      failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
+
+    def phase_rollcall(self):
+        R = self.D["rollcall"]
+        if self.is0:
+            problem = fd_limit_problem(self.world, self.expect.get("nodes") or self.world)
+            if problem:
+                raise failed("rendezvous", f"rank 0 ({self.host}): {problem}", hosts=[self.host])
+            fd = self._listen_socket().detach()
+            self.proto = StoreProtocol.open(self.dist, self.addr, self.port, R, "aiv", listen_fd=fd)
+            self.progress("rollcall_open", master=f"{self.addr}:{self.port}", world=self.world, seconds=R)
+        else:
+            try:
+                self.proto = StoreProtocol.open(self.dist, self.addr, self.port, R, "aiv")
+            except Exception as e:
+                raise failed("rendezvous", f"rank {self.rank} ({self.host}) cannot reach the master "
+                             f"{self.addr}:{self.port}: {first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
+            threading.Thread(target=self.listen, name="aiv-listener", daemon=True).start()
+        self.failpoint("rendezvous")
+        self.proto.check_in(self.rank, self.identity, self.world)
+        if self.is0:
+            self.roll_call()
+        else:
+            self.wd.arm("rollcall", R + RANK0_GRACE)  # counted from our arrival: rank 0 may start late
+            self.master = json.loads(self.proto.wait_gate("roll", R + RANK0_GRACE))
+        if self.local_rank == 0:
+            self.start_monitor()
+
+    def roll_call(self):
+        """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
+        t, R = time.monotonic(), self.D["rollcall"]
+        missing = [] if self.proto.wait_all(R) else self.proto.missing(self.world)
+        present = [r for r in range(self.world) if r not in set(missing)]
+        self.records = self.proto.identities(present)
+        self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
+        if missing:
+            where = slurm_expected_hosts(self.env, self.world)
+            names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
+            more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
+            self.findings.append(finding("rendezvous", "FAIL", f"rank(s) {names}{more} did not check in within "
+                                         f"{R:g}s ({len(present)}/{self.world} reported at {self.addr}:{self.port})",
+                                         [where[r] for r in missing if r in where], missing, code=EXIT_TIMEOUT))
+        self.findings += apply_strict(judge_pre(self.records, self.world, self.expect), self.args.strict)
+        code = verdict_code(self.findings)
+        self.progress("rollcall", present=len(present), world=self.world, secs=time.monotonic() - t,
+                      result="FAIL" if code else "pass")
+        if code:
+            raise Verdict(code)
+        self.proto.prepare(self.records)
+        self.poll = self.proto.clone()
+        self.wd.period = live_period(len(set(self.host_of.values())))
+        self.master = {"host": self.host, "pid": os.getpid(), "nodes": len(set(self.host_of.values()))}
+        self.proto.open_gate("roll", json.dumps(self.master))
+
+    def phase_init(self):
+        kw = {"backend": self.backend, "rank": self.rank, "world_size": self.world,
+              "store": self.dist.PrefixStore("pg", self.proto.raw or self.proto.store),
+              "timeout": datetime.timedelta(seconds=self.D["init"] + 30)}  # ours fires first
+        if self.backend == "nccl":
+            kw["device_id"] = self.torch.device("cuda", self.device)
+        self.failpoint("init")
+        t = time.monotonic()
+        self.dist.init_process_group(**kw)
+        self.progress("init", backend=self.backend, world=self.world, secs=time.monotonic() - t)
+
+    def phase_telemetry(self):
+        t = time.monotonic()
+        tele = dict(self.identity)
+        if self.node_box is not None:
+            tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
+        gathered = [None] * self.world if self.is0 else None
+        self.dist.gather_object(tele, gathered, dst=0)
+        if not self.is0:
+            self.proto.wait_gate("judge", self.D["telemetry"] + RANK0_GRACE)
+            return
+        self.records = gathered
+        gate = apply_strict(judge_gate(gathered, self.env.get("NCCL_IB_HCA")), self.args.strict)
+        self.findings += gate
+        self.progress("telemetry", ranks=len(gathered), secs=time.monotonic() - t, counts=_counts(gate),
+                      size=max(len(json.dumps(r, default=str)) for r in gathered))
+        if verdict_code(self.findings):
+            raise Verdict(verdict_code(self.findings))
+        self.proto.open_gate("judge")
+
+    def phase_collective(self):
+        torch, w, r, t = self.torch, self.world, self.rank, time.monotonic()
+        base = torch.arange(1 << 16, dtype=torch.int64, device=self._device())
+        x, s = base * (r + 1) + r, torch.tensor([r + 1], dtype=torch.int64, device=self._device())
+        self.failpoint("collective")
+        self.dist.all_reduce(x)
+        self.dist.all_reduce(s)
+        want = base * (w * (w + 1) // 2) + w * (w - 1) // 2
+        self.results = {"rank": r, "ar_ok": bool(torch.equal(x, want)), "ar_sum": int(s.item())}
+        self.progress("collective", world=w, secs=time.monotonic() - t)
+
+    def phase_ddp(self):
+        torch, dist, dev, t = self.torch, self.dist, self._device(), time.monotonic()
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        g = torch.Generator().manual_seed(1234 + self.rank)
+        xin, yin = torch.randn(16, 10, generator=g).to(dev), torch.randn(16, 10, generator=g).to(dev)
+        model = torch.nn.Linear(10, 10).to(dev)
+        ddp = DDP(model, device_ids=[self.device] if self.backend == "nccl" else None)
+        self.failpoint("ddp")
+        loss = torch.nn.functional.mse_loss(ddp(xin), yin)
+        loss.backward()
+        grads = torch.cat([p.grad.detach().flatten() for p in model.parameters()]).double().cpu()
+        lsum = loss.detach().clone()
+        dist.all_reduce(lsum)
+        self.results.update(loss=loss.item(), grads=hashlib.sha256(grads.numpy().tobytes()).hexdigest(),
+                            transport=self.nccl_transport() if self.backend == "nccl" else None,
+                            imports=self.import_results())
+        gathered = [None] * self.world if self.is0 else None
+        dist.gather_object(self.results, gathered, dst=0)
+        if self.is0:
+            self.results = gathered
+            self.collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
+                                "ranks": self.world, "loss": lsum.item() / self.world,
+                                "grads_identical": len({res["grads"] for res in gathered}) == 1}
+        self.progress("ddp", secs=time.monotonic() - t)
+
+    def phase_bandwidth(self):
+        if self.args.bandwidth:
+            bw = [self.bandwidth_at(size) for size in self.args.bandwidth]
+            if self.is0:
+                self.collectives["bandwidth"] = bw
+
+    def phase_final(self):
+        """Rank 0 judges what the collectives returned; the others wait for its verdict."""
+        if not self.is0:
+            self.exit(self.take_verdict(self.proto, self.D["final"] + RANK0_GRACE))
+        for res in self.results:
+            rec = next((x for x in self.records if x["rank"] == res["rank"]), None)
+            if rec is not None:
+                rec["transport"] = res.get("transport")
+                if rec.get("node") is not None and res.get("imports") is not None:
+                    rec["node"]["imports"] = res["imports"]
+        final = (judge_imports(self.records) + judge_collectives(self.results, self.world, self.host_of)
+                 + judge_transport(self.records, self.env.get("NCCL_IB_DISABLE"))
+                 + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw))
+        self.findings += apply_strict(final, self.args.strict)
+        raise Verdict(verdict_code(self.findings))
+
+    # ---------------------------------------------------------------- the verdict
+    def conclude(self, code, findings, client):
+        """Rank 0 only, from whichever thread gets here first (the main thread or the watchdog):
+        publish the code, print the report, write the JSON, keep the store up for the acks, exit."""
+        self.verdict_lock.acquire()  # a second caller waits here until the first one exits the process
+        self.findings = self.findings + list(findings)
+        code = verdict_code(self.findings) or code
+        if client is not None:
+            try:
+                client.publish_verdict(code)
+            except Exception:
+                pass
+        self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code,
+                      counts=_counts(self.findings))
+        st = self.state(code)
+        emit(render_report(st))
+        self.write_json(st)
+        if client is not None:
+            self.wait_acks(client, len([r for r in self.host_of if r and r not in self.gone]))
+        self.exit(code)
+
+    def wait_acks(self, client, n):
+        end = time.monotonic() + min(ACKS_S, self.D["final"])
+        while n > 0 and time.monotonic() < end:
+            try:
+                if client.acks() >= n:
+                    return
+            except Exception:
+                return
+            time.sleep(0.02)
+
+    def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT):
+        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports."""
+        hosts = sorted(set(self.host_of.values()))
+        try:
+            live, silent = client.settled_live(hosts, NAMING_S - 1)
+            stamps, errors = client.stamps(self.world), client.errors()
+        except Exception as e:
+            return finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the "
+                           f"ranks: {first_line(e)}", code=EXIT_TIMEOUT)
+        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
+        return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent)
+
+    def on_expire(self, phase):
+        """The watchdog's bound passed. Rank 0 names who did not finish; another rank speaks for itself
+        (before the roll call) or for rank 0, which gave no verdict in time."""
+        bound = self.D[phase]
+        cause = f"{PHASE_WHAT[phase]} did not complete within {bound:g}s"
+        if self.is0:
+            if self.poll is None:
+                self.conclude(EXIT_TIMEOUT, [finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {cause}",
+                                                     [self.host], [0], code=EXIT_TIMEOUT)], self.proto)
+            self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, cause)], self.poll)
+        if self.master is None:
+            self.speak_for_node(f"FAILURE: {PHASE_CHECK[phase]}: rank {self.rank} ({self.host}): {cause}")
+        else:
+            self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from rank 0 "
+                                f"({self.master['host']}) within {bound + RANK0_GRACE:g}s of {phase}: rank 0 is "
+                                f"frozen, hung or unreachable{self.rank0_state()}")
+        self.exit(EXIT_TIMEOUT)
+
+    def on_tick(self, phase):
+        """Rank 0, every liveness period during a phase after the roll call: a rank whose process is
+        gone ends the phase at once; an error report ends it ERROR_GRACE later."""
+        if self.poll is None or phase in ("local", "rollcall"):
+            return
+        dead = any(s == "gone" for snap in self.poll.live(sorted(set(self.host_of.values()))).values()
+                   for s in (snap.get("ranks") or {}).values())
+        if self.alarm_at is None and (dead or self.poll.error_count()):
+            self.alarm_at = time.monotonic()
+        if dead or (self.alarm_at is not None and time.monotonic() - self.alarm_at >= ERROR_GRACE):
+            self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, f"{PHASE_WHAT[phase]} failed")], self.poll)
+
+    def listen(self):
+        """Non-zero ranks: block on the verdict key on a connection of our own and exit with it."""
+        client = self.proto.clone()
+        try:
+            code = self.take_verdict(client, worst_case(self.D, True) + RANK0_GRACE)
+        except Exception as e:
+            host0 = (self.master or {}).get("host", self.addr)
+            self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
+                                f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
+                                f"({first_line(e)})")
+            self.exit(EXIT_TIMEOUT)
+        self.exit(code)
+
+    def take_verdict(self, client, seconds):
+        code = client.wait_verdict(seconds)
+        with self.ack_lock:
+            if not self.acked:
+                self.acked = True
+                try:
+                    client.ack()
+                except Exception:  # rank 0 stopped waiting for acks: the code is what matters
+                    pass
+        return code
+
+    def speak_for_node(self, text):
+        """Lines a rank prints for itself or for rank 0: once per node. The first local rank (lowest
+        first) to mark a node-local file keyed by job, step, port and launcher (under an fcntl lock)
+        speaks; the others stay silent. Returns whether this rank spoke."""
+        time.sleep(min(self.local_rank, 20) * 0.05)
+        key = "-".join(re.sub(r"\W", "_", self.env.get(v, "x")) for v in ("SLURM_JOB_ID", "SLURM_STEP_ID"))
+        path = os.path.join(tempfile.gettempdir(), f"aiv-{key}-{self.port}-{os.getppid()}.said")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
+            if os.read(fd, 1):
+                return False
+            os.write(fd, str(self.rank).encode())
+        except OSError:
+            pass  # no node-local coordination here: better a line twice than never
+        emit(text)
+        return True
+
+    def speak_for_rank0(self, line):
+        """Rank 0 gave no verdict: say so once per node, and leave a FAIL JSON naming rank 0's host
+        where rank 0 left none (the batch file ends the step once a verdict JSON exists)."""
+        if not self.speak_for_node(line) or not self.args.json or os.path.exists(self.args.json):
+            return
+        host0 = (self.master or {}).get("host", self.addr)
+        self.write_json({"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+                         "verdict": "FAIL", "exit_code": EXIT_TIMEOUT, "world_size": self.world,
+                         "failures": [line], "failed_hosts": [host0], "exclude": host0,
+                         "written_by": f"rank {self.rank} ({self.host})"})
+
+    def rank0_state(self):
+        m = self.master or {}
+        if m.get("host") != self.host or not m.get("pid"):
+            return ""
+        st = liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
+        return f" (rank 0's process on this node is {st})"
+
+    def exit(self, code):
+        """Flush and leave without interpreter teardown (gloo threads can SIGABRT there)."""
+        for proc in list((self.probe or {}).values()) + [self.monitor]:
+            if proc is not None and not isinstance(proc, OSError) and proc.poll() is None:
+                proc.kill()
+        if self.nccl_log:
+            if code != EXIT_PASS and os.path.getsize(self.nccl_log) > 0:
+                emit(f"rank {self.rank} ({self.host}): NCCL debug log kept at {self.nccl_log}", sys.stderr)
+            else:
+                self._drop_nccl_log()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    # ---------------------------------------------------------------- helpers of the phases
+    def progress(self, key, **kw):
+        if self.is0:
+            emit(f"[{elapsed():9.2f}s] " + PROGRESS[key].format(**kw))
+
+    def header(self):
+        if not self.is0:
+            return
+        emit(BAR)
+        emit(f"ai-infra-validator {VERSION} ddp_mesh_ping  {self.started_at}  host={self.host}")
+        emit(f"Total Execution Ranks: {self.world}")
+        emit(f"Master: {self.addr}:{self.port} (port from {self.c['port_source']})  deadlines: roll call "
+             f"{self.D['rollcall']:g}s, each later phase {self.D['init']:g}s  expect: "
+             + (" ".join(f"{k}={v}" for k, v in sorted(self.expect.items())) or "none"))
+        emit(BAR)
+
+    def failpoint(self, phase):
+        """Test-only fault injection: AIV_FAILPOINT=<die|hang>:<phase>:<rank> kills (SIGKILL) or
+        freezes (SIGSTOP) this rank when it reaches <phase> (rendezvous, init, collective, ddp)."""
+        m = re.fullmatch(r"(die|hang):(\w+):(\d+)", self.env.get("AIV_FAILPOINT", ""))
+        if m and m.group(2) == phase and int(m.group(3)) == self.rank:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
+
+    def _device(self):
+        return self.torch.device("cuda", self.device) if self.backend == "nccl" else self.torch.device("cpu")
+
+    def _dev_str(self):
+        return f"cuda:{self.device}" if self.device is not None else "cpu"
 
     def capture_nccl_debug(self):
         """Send NCCL's INFO lines to a private per-rank file (not the operator's log) to learn the
@@ -1589,194 +2345,52 @@ class RankRun:
             pass
         self.nccl_log = None
 
-    def failpoint(self, phase):
-        """Test-only fault injection: AIV_FAILPOINT=<die|hang>:<phase>:<rank> kills (SIGKILL) or
-        freezes (SIGSTOP) this rank when it reaches <phase> (rendezvous, init, collective, ddp)."""
-        fp = self.env.get("AIV_FAILPOINT", "")
-        m = re.fullmatch(r"(die|hang):(\w+):(\d+)", fp)
-        if m and m.group(2) == phase and int(m.group(3)) == self.rank:
-            sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
-
-    def mark(self, name, t0):
-        self.phases[name] = round(time.monotonic() - t0, 3)
-
-    def header(self):
-        if not self.is0:
-            return
-        emit(BAR)
-        emit(f"ai-infra-validator {VERSION} ddp_mesh_ping  {self.started_at}  host={self.host}")
-        emit(f"Total Execution Ranks: {self.world}")
-        emit(f"Master: {self.addr}:{self.port} (port from {self.c['port_source']})  "
-             f"timeout per phase: {self.T:g}s  expect: "
-             + (" ".join(f"{k}={v}" for k, v in sorted(self.expect.items())) or "none"))
-        emit(BAR)
-
-    # ---------------------------------------------------------------- flow
-    def run(self):
-        code = EXIT_FAIL
-        try:
-            code = self._run()
-        except _Finished as e:
-            code = e.code
-        except PhaseFailure as e:
-            code = self._fail(e.check, e.reason, e.code)
-        except BaseException as e:  # a bug must still end in one line and an exit code
-            import traceback
-            traceback.print_exc(file=sys.stderr)
-            code = self._fail("internal", f"rank {self.rank} ({self.host}): {first_line(e)}", EXIT_FAIL)
-        self._exit(code)
-
-    def _run(self):
-        self.header()
-        self.progress(f"contract: rank {self.rank} of {self.world} from {self.c['source']} variables, "
-                      f"local_rank {self.local_rank}, master {self.addr}:{self.port}")
-        probe = self.probe = start_import_probe() if self.local_rank == 0 else None
-        self.nccl_log = self.capture_nccl_debug()
-        t = time.monotonic()
-        # c10d prints a C++ stack trace per failed connect attempt; our FAILURE line says it once.
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-        import torch
-        import torch.distributed as dist
-        self.torch, self.dist = torch, dist
-        self.mark("import_torch", t)
-        # The DDP constructor imports torch._dynamo lazily (1-7 s); do it while we wait on the network.
-        # (AIV_WARM_IMPORTS=0 turns this off, for benchmarks.)
-        if self.env.get("AIV_WARM_IMPORTS", "1") != "0":
-            threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True).start()
-
-        t = time.monotonic()
-        local, gpu = self.local_checks()
-        if self.backend != "nccl" and self.nccl_log:  # auto chose gloo: no NCCL log to read
-            self._drop_nccl_log()
-        identity = {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(),
-                    "local_rank": self.local_rank, "backend": self.backend, "device": self.device,
-                    "cvd": self.env.get("CUDA_VISIBLE_DEVICES"), "gpu": gpu,
-                    "cpus": format_ranges(_cpu_affinity()), "versions": torch_versions(torch),
-                    "local": local, "pid": os.getpid()}
-        node_box = {}
-        node_thread = None
-        if self.local_rank == 0:
-            node_thread = threading.Thread(target=self._collect_node, args=(node_box,), daemon=True)
-            node_thread.start()
-        self.mark("local", t)
-        bad = [f for f in local if f["status"] == "FAIL"]
-        ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
-        self.progress(f"local: backend {self.backend}, device {self._dev_str()}, interfaces checked: {ifn}, "
-                      f"{len(bad)} local check(s) failed (import torch {self.phases['import_torch']:.2f}s)")
-
-        self.rendezvous(identity)
-
-        t = time.monotonic()
-        self.init_process_group()
-        self.mark("init", t)
-        self.progress(f"init: {self.backend} process group of {self.world} ready ({self.phases['init']:.2f}s)")
-
-        t = time.monotonic()
-        tele = dict(identity)
-        if node_thread is not None:
-            node_thread.join(max(1.0, self.T / 4))
-            node = node_box.get("facts") or {"error": node_box.get("error", "node facts not collected in time")}
-            # the import probe usually outlasts this point; its result travels at the end
-            node["imports"] = finish_import_probe(probe, 0) if import_probe_done(probe) else None
-            tele["node"] = node
-            self.node_facts = node
-        self.wd.arm("telemetry", "gathering telemetry to rank 0", self.T + 15)
-        gathered = [None] * self.world if self.is0 else None
-        try:
-            dist.gather_object(tele, gathered, dst=0)
-        except Exception as e:
-            self.phase_error("telemetry", "telemetry", e)
-        self.wd.disarm()
-        self.mark("telemetry", t)
-
-        if self.is0:
-            t = time.monotonic()
-            self.records = gathered
-            sizes = [len(json.dumps(r, default=str)) for r in gathered]
-            self.findings = apply_strict(judge_all(gathered, self.world, self.expect,
-                                                   self.env.get("NCCL_IB_HCA")), self.args.strict)
-            self.mark("judge", t)
-            counts = {s: sum(f["status"] == s for f in self.findings) for s in ("PASS", "WARN", "FAIL")}
-            self.progress(f"telemetry: gathered from {len(gathered)} rank(s), max {max(sizes)} B per rank "
-                          f"({self.phases['telemetry']:.2f}s); judge: {counts['PASS']} PASS, "
-                          f"{counts['WARN']} WARN, {counts['FAIL']} FAIL")
-            code = verdict_code(self.findings)
-            self.gate("judge", code if code else "go")
-            if code:
-                return self.finish(code)
-        else:
-            val = self.wait_gate("judge")
-            if val != "go":
-                return self.learned(val)
-
-        t = time.monotonic()
-        self.run_collectives()
-        self.mark("collectives", t)
-        if self.args.bandwidth:
-            t = time.monotonic()
-            bw = self.run_bandwidth()
-            self.mark("bandwidth", t)
-            if self.is0:
-                self.collectives["bandwidth"] = bw
-                self.collective_findings += judge_bandwidth(bw, self.args.min_busbw)
-        self.post_imports()
-        if not self.is0:
-            return self.learned(self.wait_gate("final"))
-        self.collect_imports()
-        self.findings = apply_strict(judge_all(self.records, self.world, self.expect, self.env.get("NCCL_IB_HCA"))
-                                     + self.collective_findings, self.args.strict)
-        code = verdict_code(self.findings)
-        self.progress(f"collectives: all_reduce + DDP step on {self.world} rank(s) "
-                      f"({self.phases['collectives']:.2f}s)")
-        return self.finish(code)
-
-    # ---------------------------------------------------------------- local
-    def _dev_str(self):
-        return f"cuda:{self.device}" if self.device is not None else "cpu"
-
     def local_checks(self):
-        """Checks before any communication. Returns (findings, gpu facts or None)."""
+        """Checks before any communication. Returns (findings, gpu facts or None). With --backend auto
+        a rank that is expected to have GPUs (gpus_expected) but cannot use CUDA FAILs: never a CPU run."""
         import importlib.util
         torch, dist = self.torch, self.dist
-        out, gpu = [], None
+        out, gpu, who = [], None, f"rank {self.rank} ({self.host})"
         if importlib.util.find_spec("numpy") is None:
             out.append(finding("local", "FAIL", f"numpy is not importable by {sys.executable} on {self.host} "
-                               f"(object collectives need it: pip install numpy)", [self.host], [self.rank]))
-        backend = self.args.backend
+                               f"(object collectives need it: pip install numpy)", [self.host]))
+        backend, expected = self.args.backend, gpus_expected(self.env, self.args.sysfs_root)
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "gloo" and expected:
+                out.append(finding("device", "FAIL", f"{who}: GPUs expected ({expected}) but CUDA is unusable: "
+                                   f"{cuda_problem(torch)}", [self.host]))
         self.backend = backend
-        if backend == "nccl":
-            if not torch.cuda.is_available():
-                out.append(finding("device", "FAIL", f"--backend nccl but CUDA is not available on {self.host} "
-                                   f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
-                                   f"{self.env.get('CUDA_VISIBLE_DEVICES', 'unset')})", [self.host], [self.rank]))
-            elif not dist.is_nccl_available():
-                out.append(finding("local", "FAIL", f"torch {torch.__version__} on {self.host} has no NCCL",
-                                   [self.host], [self.rank]))
-            else:
-                count = torch.cuda.device_count()
-                dev = 0 if count == 1 else self.local_rank
-                if dev >= count:
-                    out.append(finding("device", "FAIL", f"rank {self.rank} ({self.host}): LOCAL_RANK={self.local_rank}"
-                                       f" but only {count} GPU(s) visible (CUDA_VISIBLE_DEVICES="
-                                       f"{self.env.get('CUDA_VISIBLE_DEVICES', 'unset')})", [self.host], [self.rank]))
-                else:
-                    try:
-                        torch.cuda.set_device(dev)
-                        self.device = dev
-                        gpu = collect_gpu(torch, dev, self.args.sysfs_root)
-                    except Exception as e:
-                        out.append(finding("device", "FAIL", f"rank {self.rank} ({self.host}): cuda:{dev} "
-                                           f"unusable: {first_line(e)}", [self.host], [self.rank]))
+        if backend == "nccl" and not torch.cuda.is_available():
+            out.append(finding("device", "FAIL", f"{who}: --backend nccl but CUDA is unusable: "
+                               f"{cuda_problem(torch)}", [self.host]))
+        elif backend == "nccl" and not dist.is_nccl_available():
+            out.append(finding("local", "FAIL", f"torch {torch.__version__} on {self.host} has no NCCL", [self.host]))
+        elif backend == "nccl":
+            gpu = self._take_gpu(out, who)
         elif not dist.is_gloo_available():
-            out.append(finding("local", "FAIL", f"torch {torch.__version__} on {self.host} has no gloo",
-                               [self.host], [self.rank]))
+            out.append(finding("local", "FAIL", f"torch {torch.__version__} on {self.host} has no gloo", [self.host]))
         out += check_interfaces(self.env, list_interfaces(), self.host)
         for f in out:
             f["ranks"] = [self.rank]
         return out, gpu
+
+    def _take_gpu(self, out, who):
+        torch = self.torch
+        count = torch.cuda.device_count()
+        dev = 0 if count == 1 else self.local_rank
+        if dev >= count:
+            out.append(finding("device", "FAIL", f"{who}: LOCAL_RANK={self.local_rank} but only {count} GPU(s) "
+                               f"visible (CUDA_VISIBLE_DEVICES={self.env.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                               [self.host]))
+            return None
+        try:
+            torch.cuda.set_device(dev)
+            self.device = dev
+            return collect_gpu(torch, dev, self.args.sysfs_root)
+        except Exception as e:
+            out.append(finding("device", "FAIL", f"{who}: cuda:{dev} unusable: {first_line(e)}", [self.host]))
+            return None
 
     def _collect_node(self, box):
         try:
@@ -1785,15 +2399,33 @@ class RankRun:
         except Exception as e:
             box["error"] = first_line(e)
 
-    # ---------------------------------------------------------------- rendezvous
+    def import_results(self):
+        """Node leaders: the torchvision/torchaudio probe started at launch (usually done by now)."""
+        if self.probe is None:
+            return None
+        t = time.monotonic()
+        out = finish_import_probe(self.probe, min(60.0, self.D["ddp"] / 2))
+        self.times["imports"] = round(time.monotonic() - t, 3)
+        return out
+
+    def start_monitor(self):
+        """Node leaders: the liveness monitor of this node's ranks, a child process (node_monitor)."""
+        cfg = {"addr": self.addr, "port": self.port, "prefix": self.proto.prefix, "host": self.host,
+               "ranks": self.proto.node_ranks(self.host), "period": live_period(self.master["nodes"]),
+               "lifetime": worst_case(self.D, True)}
+        self.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
+                                        env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+
     def _listen_socket(self):
         """Rank 0 binds the store's socket itself: only where MASTER_ADDR points, named errors."""
         import errno
         try:
             infos = socket.getaddrinfo(self.addr, self.port, type=socket.SOCK_STREAM)
         except socket.gaierror as e:
-            raise PhaseFailure("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank 0's host "
-                               f"{self.host}: {e.strerror}") from None
+            raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank 0's host "
+                         f"{self.host}: {e.strerror}", hosts=[self.host]) from None
         infos.sort(key=lambda i: i[0] != socket.AF_INET)
         fam, _, _, _, sa = infos[0]
         ip = sa[0]
@@ -1808,301 +2440,38 @@ class RankRun:
         except OSError as e:
             s.close()
             if e.errno == errno.EADDRINUSE:
-                raise PhaseFailure("rendezvous", f"address already in use on {self.host}:{self.port} "
-                                   f"(MASTER_ADDR={self.addr}, MASTER_PORT={self.port}): another process "
-                                   f"listens there; pick a free MASTER_PORT") from None
-            if e.errno == errno.EADDRNOTAVAIL:
-                raise PhaseFailure("rendezvous", f"MASTER_ADDR={self.addr} resolves to {ip}, which is not an "
-                                   f"address of rank 0's host {self.host}: MASTER_ADDR must name the node "
-                                   f"running rank 0") from None
-            raise PhaseFailure("rendezvous", f"cannot listen on {bind_ip}:{self.port} on {self.host}: "
-                               f"{e.strerror}") from None
+                why = (f"address already in use on {self.host}:{self.port} (MASTER_ADDR={self.addr}, "
+                       f"MASTER_PORT={self.port}): another process listens there; pick a free MASTER_PORT")
+            elif e.errno == errno.EADDRNOTAVAIL:
+                why = (f"MASTER_ADDR={self.addr} resolves to {ip}, which is not an address of rank 0's host "
+                       f"{self.host}: MASTER_ADDR must name the node running rank 0")
+            else:
+                why = f"cannot listen on {bind_ip}:{self.port} on {self.host}: {e.strerror}"
+            raise failed("rendezvous", why, hosts=[self.host]) from None
         return s
 
-    def rendezvous(self, identity):
-        dist = self.dist
-        t = time.monotonic()
-        T = datetime.timedelta(seconds=self.T)
-        if self.is0:
-            self.wd.arm("rendezvous", f"starting the store on {self.addr}:{self.port}", 60)
-            sock = self._listen_socket()
-            store = dist.TCPStore(self.addr, self.port, None, True, T, wait_for_workers=False,
-                                  master_listen_fd=sock.detach())
-        else:
-            self.wd.arm("rendezvous", f"reaching the master {self.addr}:{self.port}", self.T)
-            try:
-                store = dist.TCPStore(self.addr, self.port, None, False, T)
-            except Exception as e:
-                raise PhaseFailure("rendezvous", f"rank {self.rank} ({self.host}) cannot reach the master "
-                                   f"{self.addr}:{self.port}: {first_line(e)}", EXIT_TIMEOUT) from None
-        self.store = dist.PrefixStore("aiv/", store)
-        self.raw_store = store
-        self.failpoint("rendezvous")
-        self.store.set(f"id/{self.rank}", json.dumps(identity, default=str))
-        if self.store.add("arrived", 1) == self.world:
-            self.store.set("all_arrived", "1")
-        if not self.is0:
-            self.wait_gate("roll", what=f"waiting for rank 0's roll call at {self.addr}:{self.port}")
-            self.mark("rendezvous", t)
-            return
-        self.progress(f"rendezvous: store listening on {self.addr}:{self.port}, roll call of {self.world} rank(s)")
-        self.wd.arm("rendezvous", "the roll call", self.T + 30)
-        try:
-            self.store.wait(["all_arrived"], T)
-            missing = []
-        except Exception:
-            missing = [r for r in range(self.world) if not self.store.check([f"id/{r}"])]
-        present = [r for r in range(self.world) if r not in set(missing)]
-        self.records = [json.loads(v) for v in self.store.multi_get([f"id/{r}" for r in present])]
-        self.mark("rendezvous", t)
-        findings = []
-        if missing:
-            where = slurm_expected_hosts(self.env, self.world)
-            names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
-            more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
-            findings.append(finding("rendezvous", "FAIL", f"rank(s) {names}{more} did not check in within "
-                                    f"{self.T:g}s ({len(present)}/{self.world} reported at {self.addr}:{self.port})",
-                                    [where[r] for r in missing if r in where], missing, code=EXIT_TIMEOUT))
-        findings += apply_strict(judge_backend(self.records) + judge_pre(self.records, self.world, self.expect),
-                                 self.args.strict)
-        self.findings = findings
-        code = verdict_code(findings)
-        self.progress(f"rendezvous: {len(present)}/{self.world} rank(s) checked in "
-                      f"({self.phases['rendezvous']:.2f}s); pre-init checks (layout, GPU affinity, local) "
-                      f"{'FAIL' if code else 'pass'}")
-        self.wd.disarm()
-        self.expected_acks = len(present) - 1
-        if code:
-            raise _Finished(self.finish(code))
-        self.gate("roll", "go")
-
-    GATES = ("roll", "judge", "final")
-
-    def gate(self, name, value):
-        """Rank 0 publishes a decision every other rank waits for."""
-        self.store.set(f"gate/{name}", str(value))
-        self.published.add(name)
-
-    def publish_verdict(self, code):
-        """Rank 0: every gate not yet opened carries the exit code, wherever the others wait."""
-        for name in self.GATES:
-            if name not in self.published:
-                self.gate(name, code if code else "go")
-
-    def wait_gate(self, name, what=None):
-        """Non-zero ranks: wait (bounded) for rank 0's decision; 'go' or an exit code."""
-        what = what or f"waiting for rank 0's decision after {name}"
-        self.wd.arm("rendezvous" if name == "roll" else name, what, self.T + 45)
-        try:
-            self.store.wait([f"gate/{name}"], datetime.timedelta(seconds=self.T + 30))
-            val = self.store.get(f"gate/{name}").decode()
-        except Exception as e:
-            raise PhaseFailure("rendezvous" if name == "roll" else name,
-                               f"rank {self.rank} ({self.host}) lost rank 0 at {self.addr}:{self.port} while "
-                               f"{what}: {first_line(e)}", EXIT_TIMEOUT) from None
-        self.wd.disarm()
-        if name != "final" and val != "go":
-            raise _Finished(self.learned(val))
-        return val
-
-    def learned(self, val):
-        """A non-zero rank learned the verdict: acknowledge it (rank 0 keeps the store up until then)."""
-        if not self.acked:
-            self.acked = True
-            try:
-                self.store.add("acks", 1)
-            except Exception:
-                pass
-        return EXIT_PASS if val == "go" else int(val)
-
-    # ---------------------------------------------------------------- init / collectives
-    def init_process_group(self):
-        torch, dist = self.torch, self.dist
-        # gloo honours this timeout and raises; NCCL's watchdog would abort the process, so
-        # NCCL gets more time than our own watchdog, which then reports first.
-        pg_timeout = self.T if self.backend == "gloo" else self.T + 120
-        kw = {"backend": self.backend, "store": dist.PrefixStore("pg/", self.raw_store), "rank": self.rank,
-              "world_size": self.world, "timeout": datetime.timedelta(seconds=pg_timeout)}
-        if self.backend == "nccl":
-            kw["device_id"] = torch.device("cuda", self.device)
-        self.wd.arm("init", f"init_process_group({self.backend})", self.T + 15)
-        self.failpoint("init")
-        try:
-            dist.init_process_group(**kw)
-        except Exception as e:
-            self.phase_error("init", "init", e)
-        self.wd.disarm()
-
-    def run_collectives(self):
-        torch, dist = self.torch, self.dist
-        dev = torch.device("cuda", self.device) if self.backend == "nccl" else torch.device("cpu")
-        w, r = self.world, self.rank
-        self.wd.arm("collective", "all_reduce of rank-encoded integers", self.T + 15)
-        try:
-            n = 1 << 16
-            base = torch.arange(n, dtype=torch.int64, device=dev)
-            x = base * (r + 1) + r
-            s = torch.tensor([r + 1], dtype=torch.int64, device=dev)
-            self.failpoint("collective")
-            dist.all_reduce(x)
-            dist.all_reduce(s)
-            want = base * (w * (w + 1) // 2) + w * (w - 1) // 2
-            ar_ok = bool(torch.equal(x, want))
-            ar_sum = int(s.item())
-        except Exception as e:
-            self.phase_error("collective", "all_reduce", e)
-        self.wd.arm("ddp", "DDP step on nn.Linear(10, 10)", self.T + 15)
-        try:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            g = torch.Generator().manual_seed(1234 + r)
-            xin = torch.randn(16, 10, generator=g).to(dev)
-            yin = torch.randn(16, 10, generator=g).to(dev)
-            model = torch.nn.Linear(10, 10).to(dev)
-            ddp = DDP(model, device_ids=[self.device] if self.backend == "nccl" else None)
-            self.failpoint("ddp")
-            loss = torch.nn.functional.mse_loss(ddp(xin), yin)
-            loss.backward()
-            grads = torch.cat([p.grad.detach().flatten() for p in model.parameters()]).double()
-            lsum = loss.detach().clone()
-            dist.all_reduce(lsum)
-            kinds = self.nccl_transport() if self.backend == "nccl" else None
-            tmask = -1.0 if kinds is None else float(transport_mask(kinds))
-            vec = torch.cat([torch.tensor([r, float(ar_ok), ar_sum, loss.item(), tmask], dtype=torch.float64,
-                                          device=dev), grads.to(dev)])
-            gl = [torch.empty_like(vec) for _ in range(w)] if self.is0 else None
-            dist.gather(vec, gl, dst=0)
-            avg_loss = lsum.item() / w
-        except Exception as e:
-            self.phase_error("ddp", "DDP step", e)
-        self.wd.disarm()
-        if self.is0:
-            rows = [v.cpu().tolist() for v in gl]
-            hosts = {rec["rank"]: rec["host"] for rec in self.records}
-            results = [{"rank": int(row[0]), "host": hosts.get(int(row[0]), "?"), "ar_ok": bool(row[1]),
-                        "ar_sum": row[2], "loss": row[3], "grads": row[5:]} for row in rows]
-            by_rank = {rec["rank"]: rec for rec in self.records}
-            for row in rows:
-                if row[4] >= 0 and int(row[0]) in by_rank:
-                    by_rank[int(row[0])]["transport"] = transport_kinds(row[4])
-            self.collective_findings = judge_collectives(results, w) + judge_transport(
-                self.records, self.env.get("NCCL_IB_DISABLE"))
-            self.collectives = {"ar_sum": ar_sum, "ar_expected": w * (w + 1) // 2, "ranks": w,
-                                "loss": avg_loss,
-                                "grads_identical": all(res["grads"] == results[0]["grads"] for res in results)}
-
-    def post_imports(self):
-        """Node leaders: the torchvision/torchaudio probe's result, if it was still running at telemetry."""
-        node = self.node_facts
-        if node is None or node.get("imports") is not None:
-            return
-        t = time.monotonic()
-        node["imports"] = finish_import_probe(self.probe, min(60.0, self.T / 2))
-        self.mark("imports", t)
-        if not self.is0:
-            try:
-                self.store.set(f"imports/{self.rank}", json.dumps(node["imports"]))
-            except Exception:
-                pass
-
-    def collect_imports(self):
-        """Rank 0: the import results that other node leaders posted after telemetry (bounded)."""
-        pending = [r for r in self.records if r.get("node") and r["node"].get("imports") is None]
-        if self.node_facts is not None and self.records:
-            self.records[0].get("node", {})["imports"] = self.node_facts.get("imports")
-        pending = [r for r in pending if r["rank"] != 0]
-        if not pending:
-            return
-        keys = [f"imports/{r['rank']}" for r in pending]
-        self.wd.arm("imports", "waiting for the import probes of the node leaders", min(60.0, self.T) + 20,
-                    code=EXIT_TIMEOUT)
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=min(60.0, self.T) + 10))
-        except Exception:
-            pass
-        for r, k in zip(pending, keys, strict=True):
-            try:
-                if self.store.check([k]):
-                    r["node"]["imports"] = json.loads(self.store.get(k))
-            except Exception:
-                pass
-        self.wd.disarm()
-
-    def run_bandwidth(self):
+    def bandwidth_at(self, size):
         """all_reduce bus bandwidth as nccl-tests defines it: busbw = algbw * 2(n-1)/n, warm-up then
         timed iterations, device-synchronised, the slowest rank's time; GB/s = 1e9 bytes/s."""
-        torch, dist = self.torch, self.dist
-        cuda = self.backend == "nccl"
-        dev = torch.device("cuda", self.device) if cuda else torch.device("cpu")
-        w, out = self.world, []
-        warm, iters = (5, 20) if cuda else (1, 3)
-        for size in self.args.bandwidth:
-            self.wd.arm("bandwidth", f"all_reduce bandwidth at {human_bytes(size)}", self.T + 15)
-            try:
-                x = torch.zeros(max(1, size // 4), dtype=torch.float32, device=dev)
-                for _ in range(warm):
-                    dist.all_reduce(x)
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    dist.all_reduce(x)
-                if cuda:
-                    torch.cuda.synchronize()
-                dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                sec = dt.item()
-                del x
-            except Exception as e:
-                self.phase_error("bandwidth", f"bandwidth probe at {human_bytes(size)}", e)
-            algbw = size / sec / 1e9
-            busbw = algbw * 2 * (w - 1) / w
-            out.append({"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw})
-            self.progress(f"bandwidth: {human_bytes(size)} all_reduce {sec * 1e6:.1f} us, algbw {algbw:.2f} GB/s, "
-                          f"busbw {busbw:.2f} GB/s")
-        self.wd.disarm()
-        return out
+        torch, dist, dev = self.torch, self.dist, self._device()
+        sync = torch.cuda.synchronize if self.backend == "nccl" else (lambda: None)
+        warm, iters = (5, 20) if self.backend == "nccl" else (1, 3)
+        x = torch.zeros(max(1, size // 4), dtype=torch.float32, device=dev)
+        for _ in range(warm):
+            dist.all_reduce(x)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        sync()
+        dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        sec = dt.item()
+        algbw = size / sec / 1e9
+        busbw = algbw * 2 * (self.world - 1) / self.world
+        self.progress("bandwidth", size=human_bytes(size), us=sec * 1e6, algbw=algbw, busbw=busbw)
+        return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
 
-    def phase_error(self, check, what, exc):
-        """A torch error inside a distributed phase: report it and name who went silent."""
-        msg = f"{what} failed on rank {self.rank} ({self.host}): {first_line(exc)}"
-        code = EXIT_TIMEOUT if re.search(r"[Tt]imed? ?out|timeout", str(exc)) else EXIT_FAIL
-        try:
-            self.store.set(f"err/{check}/{self.rank}", msg)
-            self.store.add(f"nerr/{check}", 1)
-        except Exception:
-            pass
-        if not self.is0:
-            raise PhaseFailure(check, msg, code)
-        # rank 0: give live peers a moment to report their own errors, then name the silent ones
-        self.wd.arm(check, f"collecting peer errors after: {msg}", 30)
-        deadline = time.monotonic() + min(PEER_GRACE, self.T / 2)
-        while time.monotonic() < deadline:
-            try:
-                if self.store.add(f"nerr/{check}", 0) >= self.world:
-                    break
-            except Exception:
-                break
-            time.sleep(0.1)
-        reported, silent = [], []
-        for rr in range(1, self.world):
-            try:
-                if self.store.check([f"err/{check}/{rr}"]):
-                    reported.append(rr)
-                else:
-                    silent.append(rr)
-            except Exception:
-                break
-        self.expected_acks = self.world - 1 - len(silent)
-        hosts = {rec["rank"]: rec["host"] for rec in self.records}
-        detail = msg
-        if silent:
-            detail += ("; no report from rank(s) " + ", ".join(f"{x} ({hosts.get(x, '?')})" for x in silent[:32])
-                       + (" ..." if len(silent) > 32 else "") + " (dead or hung)")
-        elif reported:
-            detail += f"; {len(reported)} other rank(s) reported errors too"
-        raise PhaseFailure(check, detail, code)
-
-    # ---------------------------------------------------------------- verdict
     def state(self, code):
         fails = failure_lines(self.findings)
         failed_hosts = sorted({h for f in self.findings if f["status"] == "FAIL" for h in f["hosts"]})
@@ -2111,8 +2480,8 @@ class RankRun:
                 "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
                 "world_size": self.world, "ranks_reported": len(self.records), "backend": self.backend,
                 "master": f"{self.addr}:{self.port}", "expect": self.expect, "strict": bool(self.args.strict),
-                "elapsed_s": round(elapsed(), 3), "phases": self.phases, "findings": self.findings,
-                "failures": fails, "failed_hosts": failed_hosts,
+                "deadlines": self.D, "elapsed_s": round(elapsed(), 3), "phases": self.times,
+                "findings": self.findings, "failures": fails, "failed_hosts": failed_hosts,
                 "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
                 "collectives": self.collectives, "ranks": self.records, "env": safe_env(self.env)}
 
@@ -2122,97 +2491,6 @@ class RankRun:
                 write_json_atomic(self.args.json, state)
             except OSError as e:
                 emit(f"WARNING: could not write --json {self.args.json}: {e.strerror}", sys.stderr)
-
-    def finish(self, code):
-        """Rank 0: publish the verdict, print the report, write JSON, let the others exit."""
-        if self.store is not None:
-            try:
-                self.publish_verdict(code)
-            except Exception:
-                pass
-        self.verdict_at = elapsed()
-        self.progress(f"verdict: {'PASS' if code == EXIT_PASS else 'FAIL'} (exit {code})")
-        st = self.state(code)
-        emit(render_report(st))
-        self.write_json(st)
-        if self.store is not None:
-            self.wait_acks(self.expected_acks)
-        return code
-
-    def wait_acks(self, n):
-        """Keep the store up until every live rank has read the verdict (bounded)."""
-        limit = min(30.0, self.T)
-        deadline = time.monotonic() + limit
-        self.wd.arm("verdict", "waiting for ranks to read the verdict", limit + 10, code=verdict_code(self.findings))
-        while n > 0 and time.monotonic() < deadline:
-            try:
-                if self.store.add("acks", 0) >= n:
-                    break
-            except Exception:
-                break
-            time.sleep(0.02)
-        self.wd.disarm()
-
-    def _fail(self, check, reason, code):
-        """This rank cannot go on. Rank 0 turns it into the verdict; another rank takes rank 0's
-        verdict when it can get it, and says its own failure only when it cannot."""
-        if self.is0:
-            self.findings.append(finding(check, "FAIL", reason, code=code))
-            return self.finish(code)
-        if self.store is not None:
-            try:
-                self.store.set(f"err/{check}/{self.rank}", reason)
-                self.wd.arm(check, "waiting for rank 0's verdict", self.T + 40, code=code)
-                self.store.wait(["gate/final"], datetime.timedelta(seconds=self.T + 30))
-                val = self.store.get("gate/final").decode()
-                self.wd.disarm()
-                if val != "go":
-                    return self.learned(val)
-            except Exception:
-                pass
-        emit(f"FAILURE: {check}: {reason}")
-        return code
-
-    def _on_watchdog(self, check, line, code):
-        if self.is0:
-            self.findings.append(finding(check, "FAIL", line.split(": ", 2)[-1], code=code))
-            self.write_json(self.state(code))
-
-    def _exit(self, code):
-        """Flush and leave without interpreter teardown (gloo threads can SIGABRT there)."""
-        self.wd.arm("verdict", "process group teardown", 20, code=code)
-        for proc in (self.probe or {}).values():  # an early verdict: leave no child behind
-            if not isinstance(proc, OSError) and proc.poll() is None:
-                proc.kill()
-        t = time.monotonic()
-        try:
-            if self.dist_ready():
-                self.dist.destroy_process_group()
-        except Exception:
-            pass
-        if self.env.get("AIV_TRACE") == "1":
-            emit(f"trace rank {self.rank}: verdict at {self.verdict_at:.2f}s, teardown "
-                 f"{time.monotonic() - t:.2f}s, exit at {elapsed():.2f}s", sys.stderr)
-        if getattr(self, "nccl_log", None):
-            if code != EXIT_PASS and os.path.getsize(self.nccl_log) > 0:
-                emit(f"rank {self.rank} ({self.host}): NCCL debug log kept at {self.nccl_log}", sys.stderr)
-            else:
-                self._drop_nccl_log()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-    def dist_ready(self):
-        d = getattr(self, "dist", None)
-        return d is not None and d.is_available() and d.is_initialized()
-
-
-class _Finished(Exception):
-    """A decision reached early (e.g. at the roll call): unwind to the exit with this code."""
-
-    def __init__(self, code):
-        super().__init__(code)
-        self.code = code
 
 
 def _warm_imports():
@@ -2231,18 +2509,35 @@ def free_port(host="127.0.0.1"):
         return s.getsockname()[1]
 
 
+def launch_plan(args, env, root="/"):
+    """Local mode: {'nproc', 'backend'} (backend: the flag to add, None to let each rank choose), or
+    a UsageError. One rank per visible GPU; where GPUs are expected but none is visible, still one rank
+    per listed device, so that each rank FAILs naming torch's reason instead of a CPU run passing."""
+    if args.backend == "gloo":
+        return {"nproc": args.nproc or 2, "backend": None}
+    gpus = count_visible_gpus(env, root)
+    if not gpus and gpus_expected(env, root):
+        cvd = env.get("CUDA_VISIBLE_DEVICES")
+        gpus = len([x for x in cvd.split(",") if x.strip()]) if cvd else 1
+    if args.backend == "nccl" and not gpus:
+        raise UsageError(f"--backend nccl but no GPU is visible on {socket.gethostname()} and none is expected")
+    if gpus:
+        return {"nproc": args.nproc or gpus, "backend": None}
+    return {"nproc": args.nproc or 2, "backend": "gloo"}
+
+
 def launch_local(args, argv, env):
     """No distributed environment: become the launcher, one rank per GPU or --nproc CPU ranks."""
-    gpus = count_visible_gpus(env) if args.backend != "gloo" else 0
-    if args.backend == "nccl" and gpus == 0:
-        emit(f"FAILURE: device: --backend nccl but no GPU is visible on {socket.gethostname()}")
-        return EXIT_FAIL
-    backend = "nccl" if gpus > 0 else "gloo"
-    nproc = args.nproc or (gpus if backend == "nccl" else 2)
+    try:
+        plan = launch_plan(args, env)
+    except UsageError as e:
+        emit(f"FAILURE: usage: {e}")
+        return EXIT_USAGE
+    nproc = plan["nproc"]
     port = int(env.get("MASTER_PORT") or free_port())
     cmd = [sys.executable, os.path.abspath(__file__)] + list(argv)
-    if not any(a == "--backend" or a.startswith("--backend=") for a in argv):
-        cmd.append(f"--backend={backend}")
+    if plan["backend"] and not any(a == "--backend" or a.startswith("--backend=") for a in argv):
+        cmd.append(f"--backend={plan['backend']}")
     procs = []
     for r in range(nproc):
         cenv = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
@@ -2253,11 +2548,13 @@ def launch_local(args, argv, env):
         procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL))
     # The ranks bound themselves; this is the launcher's own backstop. Once rank 0 has given
     # its verdict the others get a grace period to read it, then are killed (e.g. a frozen rank).
-    deadline = time.monotonic() + 7 * (args.timeout + 60)
+    deadline = time.monotonic() + worst_case(deadlines(args.timeout, args.rollcall_timeout), True) + 30
     try:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if procs[0].poll() is not None:
                 deadline = min(deadline, time.monotonic() + 5.0)
+            elif all(p.poll() is not None for p in procs[1:]):  # rank 0 alone: reporting, or frozen
+                deadline = min(deadline, time.monotonic() + NAMING_S + ACKS_S + 5.0)
             time.sleep(0.05)
     except KeyboardInterrupt:
         deadline = 0
@@ -2295,6 +2592,11 @@ def _rank_hint(env):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     env = dict(os.environ)
+    if "_AIV_NODE_MONITOR" in env:  # a node leader's liveness monitor (see node_monitor)
+        try:
+            return node_monitor(json.loads(env["_AIV_NODE_MONITOR"]))
+        except Exception:
+            return 0
     try:
         args = parse_args(argv, env)
     except UsageError as e:
