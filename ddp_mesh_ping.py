@@ -1408,12 +1408,26 @@ def verify_log(text, expect):
     return not problems, problems, facts
 
 
-def run_verify_log(args):
+def _verify_log_origin(argv):
+    """Where the --verify-log value came from: the flag (or an abbreviation of it), else AIV_VERIFY_LOG."""
+    for a in argv:
+        opt = a.split("=", 1)[0]
+        if len(opt) > 2 and "--verify-log".startswith(opt):
+            return "--verify-log"
+    return "AIV_VERIFY_LOG"
+
+
+def run_verify_log(args, argv=()):
+    """--verify-log FILE: 0 the log shows a clean PASS, 1 it does not, 2 no readable file was named."""
+    origin = _verify_log_origin(argv)
+    if not args.verify_log.strip():
+        print(f"FAILURE: usage: {origin} is empty; give the path of a saved log")
+        return EXIT_USAGE
     try:
         with open(args.verify_log, "rb") as f:
             text = f.read(256 << 20).decode("utf-8", errors="replace")
     except OSError as e:
-        print(f"verify-log: cannot read {args.verify_log}: {e.strerror}", file=sys.stderr)
+        print(f"FAILURE: usage: {origin}: cannot read {args.verify_log}: {e.strerror or e}")
         return EXIT_USAGE
     expect = {"world_size": args.expect_world_size, "nodes": args.expect_nodes,
               "ranks_per_node": args.expect_ranks_per_node}
@@ -2301,8 +2315,8 @@ def main(argv=None):
         if _rank_hint(env) in (None, 0):  # under srun, one line from rank 0 instead of one per rank
             emit(f"FAILURE: usage: {e}")
         return EXIT_USAGE
-    if args.verify_log:
-        return run_verify_log(args)
+    if args.verify_log is not None:
+        return run_verify_log(args, argv)
     if args.min_busbw and not args.bandwidth:
         args.bandwidth = _sizes(DEFAULT_BW_SIZES)
     try:
