@@ -14,7 +14,8 @@ def state_for(recs, world=None, findings=None, code=0, backend="nccl"):
     return {"world_size": world, "backend": backend, "ranks": recs, "findings": findings,
             "verdict": "PASS" if code == 0 else "FAIL", "exit_code": code, "elapsed_s": 1.5,
             "phases": {"init": 0.5}, "failures": aiv.failure_lines(findings),
-            "collectives": {"ar_sum": 10, "ar_expected": 10, "ranks": world, "loss": 0.5,
+            "collectives": {"ar_sum": world * (world + 1) // 2, "ar_expected": world * (world + 1) // 2,
+                            "ranks": world, "loss": 0.5,
                             "grads_identical": True}, "env": {"NCCL_DEBUG": "WARN"}}
 
 
