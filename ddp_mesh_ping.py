@@ -427,6 +427,57 @@ def slurm_expectations(env):
     return out
 
 
+# ============================================================================ deadlines
+TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
+ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
+NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name the culprits, publish
+RANK0_GRACE = 15.0        # the other ranks wait this long past their own bound before speaking for rank 0
+ACKS_S = 5.0              # rank 0 keeps its store up this long for live ranks to read the verdict
+ERROR_GRACE = 2.0         # after the first error report: time for other reports and liveness to arrive
+
+PHASES = ("local", "rollcall", "init", "telemetry", "collective", "ddp", "bandwidth", "final")
+PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
+               "collective": "collective", "ddp": "ddp", "bandwidth": "bandwidth", "final": "verdict"}
+PHASE_WHAT = {"local": "import torch and the local checks", "rollcall": "the roll call",
+              "init": "init_process_group", "telemetry": "the telemetry gather and judge",
+              "collective": "all_reduce of rank-encoded integers", "ddp": "the DDP step and results gather",
+              "bandwidth": "the bandwidth probe", "final": "the verdict"}
+
+
+def deadlines(timeout, rollcall_timeout):
+    """The one table of bounds: phase -> seconds. `local` and `rollcall` get --rollcall-timeout, every
+    later phase --timeout. Invariant (checked by a test): rank 0 names the culprits within a phase's
+    bound + NAMING_S, which is below the other ranks' backstop (bound + RANK0_GRACE), so rank 0
+    reports before anyone gives up on it."""
+    table = {p: float(timeout) for p in PHASES}
+    table["local"] = table["rollcall"] = float(rollcall_timeout)
+    return table
+
+
+def worst_case(table, bandwidth=False):
+    """The longest a run can take to its verdict: every phase at its bound, then naming and acks."""
+    return sum(s for p, s in table.items() if bandwidth or p != "bandwidth") + NAMING_S + ACKS_S
+
+
+def live_period(nodes):
+    """Seconds between a node monitor's posts: one post per node per period keeps rank 0's store
+    under ~500 operations per second at any scale."""
+    return max(1.0, nodes / 500.0)
+
+
+def fd_limit_problem(world, nodes):
+    """Rank 0's store holds two connections per rank (main and listener) and one per node monitor.
+    Raise the soft RLIMIT_NOFILE to the hard limit; a hard limit too low is a message, else None."""
+    need = 2 * world + nodes + 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < need:
+        return (f"the open-files hard limit (ulimit -Hn) is {hard}, below the {need} the store needs for "
+                f"{world} ranks on {nodes} node(s) (2 per rank + 1 per node + 64): raise it for the job")
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return None
+
+
 # ============================================================================ options
 def _positive_float(text):
     try:
@@ -1706,70 +1757,6 @@ def run_verify_log(args, argv=()):
     print(f"verify-log: {'PASS' if ok else 'FAIL'} {args.verify_log} world_size={facts.get('world_size')} "
           f"nodes={facts.get('nodes')} torch={facts.get('torch')}")
     return EXIT_PASS if ok else EXIT_FAIL
-
-
-def judge_backend(records):
-    """All ranks must use one backend (auto picks gloo where CUDA is broken)."""
-    seen = {}
-    for r in records:
-        seen.setdefault(r.get("backend"), []).append(r)
-    if len(seen) <= 1:
-        return []
-    minority = sorted(seen.values(), key=len)[0]
-    return [finding("device", "FAIL", "ranks chose different backends: " + "; ".join(
-        f"{b} on {compress_hostlist(sorted({r['host'] for r in rs}))}" for b, rs in sorted(seen.items(), key=str))
-        + " (CUDA unusable where gloo was chosen?)", [r["host"] for r in minority], [r["rank"] for r in minority])]
-
-
-# ============================================================================ deadlines
-TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
-ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
-NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name the culprits, publish
-RANK0_GRACE = 15.0        # the other ranks wait this long past their own bound before speaking for rank 0
-ACKS_S = 5.0              # rank 0 keeps its store up this long for live ranks to read the verdict
-ERROR_GRACE = 2.0         # after the first error report: time for other reports and liveness to arrive
-
-PHASES = ("local", "rollcall", "init", "telemetry", "collective", "ddp", "bandwidth", "final")
-PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
-               "collective": "collective", "ddp": "ddp", "bandwidth": "bandwidth", "final": "verdict"}
-PHASE_WHAT = {"local": "import torch and the local checks", "rollcall": "the roll call",
-              "init": "init_process_group", "telemetry": "the telemetry gather and judge",
-              "collective": "all_reduce of rank-encoded integers", "ddp": "the DDP step and results gather",
-              "bandwidth": "the bandwidth probe", "final": "the verdict"}
-
-
-def deadlines(timeout, rollcall_timeout):
-    """The one table of bounds: phase -> seconds. `local` and `rollcall` get --rollcall-timeout, every
-    later phase --timeout. Invariant (checked by a test): rank 0 names the culprits within a phase's
-    bound + NAMING_S, which is below the other ranks' backstop (bound + RANK0_GRACE), so rank 0
-    reports before anyone gives up on it."""
-    table = {p: float(timeout) for p in PHASES}
-    table["local"] = table["rollcall"] = float(rollcall_timeout)
-    return table
-
-
-def worst_case(table, bandwidth=False):
-    """The longest a run can take to its verdict: every phase at its bound, then naming and acks."""
-    return sum(s for p, s in table.items() if bandwidth or p != "bandwidth") + NAMING_S + ACKS_S
-
-
-def live_period(nodes):
-    """Seconds between a node monitor's posts: one post per node per period keeps rank 0's store
-    under ~500 operations per second at any scale."""
-    return max(1.0, nodes / 500.0)
-
-
-def fd_limit_problem(world, nodes):
-    """Rank 0's store holds two connections per rank (main and listener) and one per node monitor.
-    Raise the soft RLIMIT_NOFILE to the hard limit; a hard limit too low is a message, else None."""
-    need = 2 * world + nodes + 64
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < need:
-        return (f"the open-files hard limit (ulimit -Hn) is {hard}, below the {need} the store needs for "
-                f"{world} ranks on {nodes} node(s) (2 per rank + 1 per node + 64): raise it for the job")
-    if soft != resource.RLIM_INFINITY and soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return None
 
 
 # ============================================================================ liveness
