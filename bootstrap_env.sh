@@ -11,12 +11,19 @@
 #   bash bootstrap_env.sh
 #   PYTORCH_ENV=$HOME/pytorch_env bash bootstrap_env.sh
 #   bash bootstrap_env.sh --index-url https://download.pytorch.org/whl/cu128
+#   EXTRA_INDEX_URL=https://pypi.org/simple bash bootstrap_env.sh --index-url https://download.pytorch.org/whl/cpu
 #   EXTRA_PIP_ARGS=--no-index bash bootstrap_env.sh --find-links /shared/wheelhouse   # offline
 #
+# Download size: the default torch (PyPI's) is a CUDA build, about 3 GB of wheels (torch and the
+# nvidia-* CUDA libraries), even on a machine without GPUs.  The .../whl/cpu line above installs
+# a CPU build instead (about 250 MB in all): enough for local mode and CPU-only machines, not for
+# GPU nodes.  The last line installs from a local wheelhouse, without any download.
+#
 # Options (each one wins over its environment variable):
-#   --index-url URL     same as INDEX_URL
-#   --find-links DIR    same as FIND_LINKS
-#   -h, --help          print this text
+#   --index-url URL        same as INDEX_URL
+#   --extra-index-url URL  same as EXTRA_INDEX_URL (repeat it for more than one)
+#   --find-links DIR       same as FIND_LINKS
+#   -h, --help             print this text
 #
 # Environment variables [default]:
 #   PYTORCH_ENV       where the venv goes [/shared/apps/pytorch_env]
@@ -32,9 +39,10 @@
 #                     that package out.  Keep torch pinned: an unpinned torch may pull a
 #                     different multi-GB CUDA build.
 #   INDEX_URL         package index used instead of PyPI (pip --index-url): a local mirror, or a
-#                     CUDA-specific PyTorch index such as https://download.pytorch.org/whl/cu128
-#                     (if that index lacks psutil or numpy, also pass
-#                     EXTRA_PIP_ARGS="--extra-index-url https://pypi.org/simple") [pip's own setting]
+#                     PyTorch index such as https://download.pytorch.org/whl/cu128 (CUDA 12.8)
+#                     or https://download.pytorch.org/whl/cpu (CPU only) [pip's own setting]
+#   EXTRA_INDEX_URL   more indexes, separated by whitespace (pip --extra-index-url); when
+#                     INDEX_URL lacks psutil or numpy: https://pypi.org/simple [pip's own setting]
 #   FIND_LINKS        wheelhouse directory (or URL) searched for packages (pip --find-links) [unset]
 #   EXTRA_PIP_ARGS    more arguments for pip install, split on whitespace (no quoting, no globbing),
 #                     e.g. "--no-index" offline, "--force-reinstall" to reinstall everything [empty]
@@ -46,13 +54,30 @@
 #      directory is used; any other existing directory is refused, never overwritten);
 #   2. upgrades pip in it and installs every spec with the venv's pip in one resolution, so the
 #      versions fit together or pip says why they don't;
-#   3. imports torch, torchvision, torchaudio, psutil and numpy with the venv's python and prints
+#   3. records the request in PYTORCH_ENV/bootstrap_env.record: the python (its real path and
+#      version), every spec, and the package sources: index URL, extra index URLs, find-links
+#      (from the options and variables above, the same pip options in EXTRA_PIP_ARGS, or else
+#      PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS; pip.conf files are not read; the
+#      user:password part of a URL is masked);
+#   4. imports torch, torchvision, torchaudio, psutil and numpy with the venv's python and prints
 #      one "name version" line each, then "CUDA available: ..." (False is expected on a node
 #      without GPUs, such as a login node; the preflight checks the GPUs on the compute nodes).
 #   Files are created with umask 022, readable by every user whose jobs run the preflight.
-#   Re-running is safe and fast: when the venv already satisfies every spec (pip --dry-run,
-#   offline, against what is installed) and every package imports, pip installs nothing and the
-#   script says "nothing changed".
+#   Re-running is safe and fast.  Its request (python, specs, package sources; an unset one
+#   counts as unset, so re-run with the same settings) is compared with the record:
+#   - the same, and the installed versions still fit every spec: pip is not run, the packages
+#     are imported and the script says "nothing changed";
+#   - another python: the venv is rebuilt from scratch with it;
+#   - another package source: every package is reinstalled from it (pip --force-reinstall), as
+#     the same version may be another build (CUDA or CPU);
+#   - another spec: pip installs it; a package whose spec is empty now is uninstalled.
+#   It then prints what it changed and records the new request, e.g.
+#     changed: index-url https://download.pytorch.org/whl/cu126 -> https://download.pytorch.org/whl/cu128
+#   Other EXTRA_PIP_ARGS are not compared; packages no longer needed (e.g. the nvidia-* ones
+#   after a switch to a CPU build) stay: remove the venv to start clean.  A venv without a record (made by an older
+#   bootstrap_env.sh) is checked as before, offline with pip --dry-run against what is
+#   installed, and the request is recorded; if that venv came from another index or wheelhouse,
+#   re-run once with EXTRA_PIP_ARGS=--force-reinstall.
 #
 # Exit codes: 0 ready; 1 install error (pip failed, or a package does not import); 2 usage or
 # setup error (bad option, PYTHON without venv/ensurepip, PYTORCH_ENV not writable or not a venv).
@@ -82,10 +107,12 @@ TORCHAUDIO_SPEC=${TORCHAUDIO_SPEC-torchaudio==2.11.1}
 PSUTIL_SPEC=${PSUTIL_SPEC-psutil}
 NUMPY_SPEC=${NUMPY_SPEC:-numpy}
 INDEX_URL=${INDEX_URL:-}
+EXTRA_INDEX_URL=${EXTRA_INDEX_URL:-}
 FIND_LINKS=${FIND_LINKS:-}
 EXTRA_PIP_ARGS=${EXTRA_PIP_ARGS:-}
 UPGRADE_PIP=${UPGRADE_PIP:-1}
 
+extra_index_opts=()
 while [ $# -gt 0 ]; do
   case $1 in
     -h | --help)
@@ -101,6 +128,15 @@ while [ $# -gt 0 ]; do
       INDEX_URL=${1#*=}
       shift
       ;;
+    --extra-index-url)
+      [ $# -ge 2 ] || fail 2 "--extra-index-url needs a URL (see --help)"
+      extra_index_opts+=("$2")
+      shift 2
+      ;;
+    --extra-index-url=*)
+      extra_index_opts+=("${1#*=}")
+      shift
+      ;;
     --find-links)
       [ $# -ge 2 ] || fail 2 "--find-links needs a directory (see --help)"
       FIND_LINKS=$2
@@ -113,6 +149,7 @@ while [ $# -gt 0 ]; do
     *) fail 2 "unknown argument: $1 (see --help)" ;;
   esac
 done
+if [ ${#extra_index_opts[@]} -gt 0 ]; then EXTRA_INDEX_URL=${extra_index_opts[*]}; fi
 
 case $UPGRADE_PIP in
   0 | 1) ;;
@@ -133,17 +170,21 @@ if [ -n "$FIND_LINKS" ]; then
     *)
       [ -e "$FIND_LINKS" ] || fail 2 "FIND_LINKS: no such directory: $FIND_LINKS"
       case $FIND_LINKS in /*) ;; *) FIND_LINKS=$PWD/$FIND_LINKS ;; esac
+      while [ "${FIND_LINKS%/}" != "$FIND_LINKS" ] && [ "$FIND_LINKS" != / ]; do FIND_LINKS=${FIND_LINKS%/}; done
       ;;
   esac
 fi
 
-# EXTRA_PIP_ARGS: split on whitespace only (read -a neither evaluates nor globs)
+# EXTRA_PIP_ARGS and EXTRA_INDEX_URL: split on whitespace only (read -a neither evaluates nor globs)
 EXTRA_ARGS=()
 read -r -d '' -a EXTRA_ARGS <<<"$EXTRA_PIP_ARGS" || true
+EXTRA_INDEXES=()
+read -r -d '' -a EXTRA_INDEXES <<<"$EXTRA_INDEX_URL" || true
 
 PIP_COMMON=(--disable-pip-version-check ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
 PIP_OPTS=("${PIP_COMMON[@]}")
 if [ -n "$INDEX_URL" ]; then PIP_OPTS+=(--index-url "$INDEX_URL"); fi
+for url in ${EXTRA_INDEXES[@]+"${EXTRA_INDEXES[@]}"}; do PIP_OPTS+=(--extra-index-url "$url"); done
 if [ -n "$FIND_LINKS" ]; then PIP_OPTS+=(--find-links "$FIND_LINKS"); fi
 
 # specs, and the module each one must make importable (same order)
@@ -160,6 +201,52 @@ add_spec torchvision "$TORCHVISION_SPEC"
 add_spec torchaudio "$TORCHAUDIO_SPEC"
 add_spec psutil "$PSUTIL_SPEC"
 add_spec numpy "$NUMPY_SPEC"
+
+# the values EXTRA_PIP_ARGS gives pip option $1 (long form) or $2 (short form, or empty), one a line
+pip_arg_values() {
+  local long=$1 short=$2 a take=0
+  for a in ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}; do
+    if [ "$take" = 1 ]; then
+      printf '%s\n' "$a"
+      take=0
+    elif [ "$a" = "$long" ] || { [ -n "$short" ] && [ "$a" = "$short" ]; }; then
+      take=1
+    elif [ "${a#"$long"=}" != "$a" ]; then
+      printf '%s\n' "${a#"$long"=}"
+    elif [ -n "$short" ] && [ "${a#"$short"}" != "$a" ]; then
+      printf '%s\n' "${a#"$short"}"
+    fi
+  done
+}
+# its arguments (each split on whitespace) joined by single spaces
+words() {
+  local w=()
+  read -r -d '' -a w <<<"$*" || true
+  local IFS=' '
+  printf '%s' "${w[*]-}"
+}
+# masks the user and password part of every URL: the record and the output are world-readable
+redact() { printf '%s' "$1" | sed -E 's#://[^/@[:space:]]*@#://****@#g'; }
+
+# ---- the request: what the venv should be built with, compared with the record of the last build ----
+RECORD=$PYTORCH_ENV/bootstrap_env.record
+KEYS=(python index-url extra-index-url find-links torch torchvision torchaudio psutil numpy)
+src_index=$INDEX_URL
+if [ -z "$src_index" ]; then src_index=$(pip_arg_values --index-url -i | tail -n 1); fi
+if [ -z "$src_index" ]; then src_index=${PIP_INDEX_URL:-}; fi
+src_extra=$(words ${EXTRA_INDEXES[@]+"${EXTRA_INDEXES[@]}"} "$(pip_arg_values --extra-index-url '')")
+if [ -z "$src_extra" ]; then src_extra=$(words "${PIP_EXTRA_INDEX_URL:-}"); fi
+src_find=$(words "$FIND_LINKS" "$(pip_arg_values --find-links -f)")
+if [ -z "$src_find" ]; then src_find=$(words "${PIP_FIND_LINKS:-}"); fi
+# REQ[0], the python, is filled in once PYTHON is known to run
+REQ=("" "$src_index" "$src_extra" "$src_find"
+  "$TORCH_SPEC" "$TORCHVISION_SPEC" "$TORCHAUDIO_SPEC" "$PSUTIL_SPEC" "$NUMPY_SPEC")
+for i in "${!REQ[@]}"; do
+  case ${REQ[i]} in
+    *$'\n'*) fail 2 "the ${KEYS[i]} setting contains a newline: give one value on one line" ;;
+  esac
+  REQ[i]=$(redact "${REQ[i]}")
+done
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 VPY=$PYTORCH_ENV/bin/python
@@ -291,6 +378,153 @@ need_writable() {
   fi
 }
 
+# Prints "<real path of the interpreter a venv made by this python links to> (Python X.Y)".
+# shellcheck disable=SC2016  # python code, not shell
+ID_CHECK='
+import os, sys
+exe = getattr(sys, "_base_executable", None) or sys.executable
+print("%s (Python %d.%d)" % (os.path.realpath(exe), sys.version_info[0], sys.version_info[1]))
+'
+
+# Prints, for each spec in argv that names a version range, "name X installed, SPEC wanted" when the
+# installed version is outside it (joined by "; "); nothing when all fit.  Reads package metadata
+# only (pip is not run); specs it cannot parse (wheel paths, URLs) are left to the record.
+# shellcheck disable=SC2016  # python code, not shell
+SPEC_CHECK='
+import importlib.metadata as md, sys
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    try:
+        from pip._vendor.packaging.requirements import Requirement
+    except ImportError:
+        sys.exit(0)
+bad = []
+for spec in sys.argv[1:]:
+    try:
+        req = Requirement(spec)
+    except Exception:
+        continue
+    if req.url or (req.marker is not None and not req.marker.evaluate()):
+        continue
+    try:
+        have = md.version(req.name)
+    except md.PackageNotFoundError:
+        bad.append("%s not installed, %s wanted" % (req.name, spec))
+        continue
+    if not req.specifier.contains(have, prereleases=True):
+        bad.append("%s %s installed, %s wanted" % (req.name, have, spec))
+print("; ".join(bad))
+'
+
+# Fills REQ[0] and pyver from PYTHON; fails when it is missing or does not run.
+request_python() {
+  command -v "$PYTHON" >/dev/null 2>&1 || fail 2 "PYTHON=$PYTHON: no such interpreter (set PYTHON to a python3 that has the venv module)"
+  REQ[0]=$("$PYTHON" -I -c "$ID_CHECK" 2>/dev/null) || fail 2 "PYTHON=$PYTHON does not run"
+  pyver=${REQ[0]##*(Python }
+  pyver=${pyver%)}
+}
+
+# Fails unless PYTHON can create a venv with pip in it; warns when other users could not run it.
+python_can_create() {
+  local blocked
+  "$PYTHON" -c 'import venv' >/dev/null 2>&1 ||
+    fail 2 "$PYTHON (Python $pyver) has no venv module; install it (Debian/Ubuntu: apt-get install python$pyver-venv) or set PYTHON to a python3 that has it"
+  "$PYTHON" -c 'import ensurepip' >/dev/null 2>&1 ||
+    fail 2 "$PYTHON (Python $pyver) lacks ensurepip, so python -m venv cannot put pip into the venv; install it (Debian/Ubuntu: apt-get install python$pyver-venv) or set PYTHON to a python3 that has it"
+  # a venv links to its base interpreter: other users' jobs need every directory on the way to it
+  blocked=$("$PYTHON" -I -c "$ACCESS_CHECK" 2>/dev/null) || blocked=""
+  if [ -n "$blocked" ]; then
+    warn "the venv will link to $blocked: other users cannot run it; for a venv shared by everyone's jobs set PYTHON to a system or shared-filesystem python (e.g. PYTHON=/usr/bin/python3)"
+  fi
+}
+
+# Reads the record into REC (same order as KEYS); false when there is none, or it names no python.
+REC=()
+read_record() {
+  local line key i
+  [ -f "$RECORD" ] && [ -r "$RECORD" ] || return 1
+  while IFS= read -r line || [ -n "$line" ]; do
+    key=${line%%=*}
+    for i in "${!KEYS[@]}"; do
+      if [ "${KEYS[i]}" = "$key" ]; then REC[i]=${line#*=}; fi
+    done
+  done <"$RECORD" || return 1
+  [ -n "${REC[0]:-}" ]
+}
+
+# Writes the request as the record (replacing the file in one step); false when it cannot.
+write_record() {
+  local tmp=$RECORD.$$ i
+  {
+    echo "# bootstrap_env.sh: what this venv was built with; a re-run compares its request with this"
+    for i in "${!KEYS[@]}"; do printf '%s=%s\n' "${KEYS[i]}" "${REQ[i]}"; done
+  } >"$tmp" 2>/dev/null && mv -f "$tmp" "$RECORD" 2>/dev/null && return 0
+  rm -f "$tmp" 2>/dev/null
+  return 1
+}
+record_or_warn() {
+  write_record && return 0
+  warn "could not write $RECORD (not writable by user $(whoami_)?); the next run checks the venv with pip instead"
+  return 1
+}
+
+# A value as the change line shows it.
+shown() {
+  if [ -n "$2" ]; then
+    printf '%s' "$2"
+    return
+  fi
+  case $1 in
+    index-url) printf '(pip default)' ;;
+    extra-index-url | find-links) printf '(none)' ;;
+    *) printf '(left out)' ;;
+  esac
+}
+
+# Compares REQ with REC: CHANGES (one item per difference), PY_CHANGED, SRC_CHANGED, REMOVED (the
+# packages whose spec is empty now).
+CHANGES=()
+REMOVED=()
+PY_CHANGED=0
+SRC_CHANGED=0
+compare_record() {
+  local i key old new
+  for i in "${!KEYS[@]}"; do
+    key=${KEYS[i]}
+    old=${REC[i]:-}
+    new=${REQ[i]}
+    [ "$old" != "$new" ] || continue
+    case $key in
+      python)
+        PY_CHANGED=1
+        CHANGES+=("python $old -> $new")
+        ;;
+      index-url | extra-index-url | find-links)
+        SRC_CHANGED=1
+        CHANGES+=("$key $(shown "$key" "$old") -> $(shown "$key" "$new")")
+        ;;
+      *)
+        CHANGES+=("$(shown "$key" "$old") -> $(shown "$key" "$new")")
+        if [ -z "$new" ]; then REMOVED+=("$key"); fi
+        ;;
+    esac
+  done
+}
+changes_text() {
+  local out="" c
+  for c in "${CHANGES[@]}"; do out=${out:+$out; }$c; done
+  printf '%s' "$out"
+}
+
+up_to_date() {
+  say "checking the venv at $PYTORCH_ENV ($VPY)"
+  check_imports || exit 1
+  echo "pytorch env at $PYTORCH_ENV is up to date; nothing changed ($((SECONDS - START)) s)"
+  next_steps
+  exit 0
+}
+
 # ---- what is at PYTORCH_ENV now: nothing, an empty directory, or a venv ----
 state=absent
 if [ -L "$PYTORCH_ENV" ] && [ ! -e "$PYTORCH_ENV" ]; then
@@ -307,47 +541,79 @@ elif [ -e "$PYTORCH_ENV" ]; then
   fi
 fi
 
+# create: a new venv; rebuild: a new venv in place of the old one; update: pip install into it
+action=create
+have_record=0
 if [ "$state" = venv ]; then
-  if [ ! -x "$VPY" ] || ! "$VPY" -I -c '' >/dev/null 2>&1; then
-    base_home=$(sed -n 's/^home *= *//p' "$PYTORCH_ENV/pyvenv.cfg" 2>/dev/null | head -n 1)
-    fail 2 "the venv at $PYTORCH_ENV does not run for user $(whoami_): $VPY fails (is its base python in ${base_home:-?} missing, or not accessible to this user?); fix that, or remove the venv and re-run"
+  request_python
+  venv_runs=0
+  if [ -x "$VPY" ] && "$VPY" -I -c '' >/dev/null 2>&1; then venv_runs=1; fi
+  if read_record; then
+    have_record=1
+    compare_record
+  elif [ "$venv_runs" = 1 ]; then
+    # no record: the python is the one thing known about how the venv was built
+    REC=("$("$VPY" -I -c "$ID_CHECK" 2>/dev/null || true)")
+    if [ -n "${REC[0]}" ] && [ "${REC[0]}" != "${REQ[0]}" ]; then
+      PY_CHANGED=1
+      CHANGES=("python ${REC[0]} -> ${REQ[0]}")
+    fi
   fi
-  if ! "$VPY" -m pip --version >/dev/null 2>&1; then
+  if [ "$PY_CHANGED" = 1 ]; then
+    action=rebuild
+  else
+    action=update
+    if [ "$venv_runs" = 0 ]; then
+      base_home=$(sed -n 's/^home *= *//p' "$PYTORCH_ENV/pyvenv.cfg" 2>/dev/null | head -n 1)
+      fail 2 "the venv at $PYTORCH_ENV does not run for user $(whoami_): $VPY fails (is its base python in ${base_home:-?} missing, or not accessible to this user?); fix that, or remove the venv and re-run"
+    fi
+    # fast path: built with this very request and the packages still fit it -> pip is not run
+    drift=""
+    if [ "$have_record" = 1 ] && [ ${#CHANGES[@]} -eq 0 ] && ! forces_install; then
+      drift=$("$VPY" -I -c "$SPEC_CHECK" "${SPECS[@]}" 2>/dev/null) || drift=""
+      if [ -z "$drift" ]; then up_to_date; fi
+    fi
+    if ! "$VPY" -m pip --version >/dev/null 2>&1; then
+      need_writable "$PYTORCH_ENV"
+      say "the venv at $PYTORCH_ENV has no pip; adding it with ensurepip"
+      out=$("$VPY" -m ensurepip --upgrade --default-pip 2>&1) ||
+        fail 2 "the venv at $PYTORCH_ENV has no pip and ensurepip failed: $(last_line "$out"); remove it and re-run"
+    fi
+    if [ "$have_record" = 0 ] && ! forces_install; then
+      say "the venv at $PYTORCH_ENV has no record of what it was built with (an older bootstrap_env.sh made it); checking its packages with pip"
+      if satisfied; then
+        if record_or_warn; then
+          say "recorded this request in $RECORD (if the venv came from another index or wheelhouse, re-run once with EXTRA_PIP_ARGS=--force-reinstall)"
+        fi
+        up_to_date
+      fi
+      say "the venv at $PYTORCH_ENV does not satisfy every spec yet; updating it"
+    elif [ ${#CHANGES[@]} -gt 0 ]; then
+      say "the venv at $PYTORCH_ENV was built with another request; updating it: $(changes_text)"
+    elif [ -n "$drift" ]; then
+      say "the packages in the venv at $PYTORCH_ENV no longer match their specs ($drift); updating it"
+    else
+      say "EXTRA_PIP_ARGS asks pip to reinstall or upgrade; updating the venv at $PYTORCH_ENV"
+    fi
     need_writable "$PYTORCH_ENV"
-    say "the venv at $PYTORCH_ENV has no pip; adding it with ensurepip"
-    out=$("$VPY" -m ensurepip --upgrade --default-pip 2>&1) ||
-      fail 2 "the venv at $PYTORCH_ENV has no pip and ensurepip failed: $(last_line "$out"); remove it and re-run"
+    need_writable "$PYTORCH_ENV/bin"
+    purelib=$("$VPY" -I -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    need_writable "$purelib"
   fi
-  # fast path: every spec already satisfied and every package imports -> pip is not run
-  if ! forces_install && satisfied; then
-    say "checking the venv at $PYTORCH_ENV ($VPY)"
-    check_imports || exit 1
-    echo "pytorch env at $PYTORCH_ENV is up to date; nothing changed ($((SECONDS - START)) s)"
-    next_steps
-    exit 0
+fi
+
+if [ "$action" != update ]; then
+  venv_args=()
+  if [ "$action" = rebuild ]; then
+    say "the venv at $PYTORCH_ENV was built with another python; rebuilding it from scratch: $(changes_text)"
+    venv_args=(--clear)
   fi
-  say "the venv at $PYTORCH_ENV does not satisfy every spec yet; updating it"
   need_writable "$PYTORCH_ENV"
-  need_writable "$PYTORCH_ENV/bin"
-  purelib=$("$VPY" -I -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  need_writable "$purelib"
-else
-  need_writable "$PYTORCH_ENV"
-  command -v "$PYTHON" >/dev/null 2>&1 || fail 2 "PYTHON=$PYTHON: no such interpreter (set PYTHON to a python3 that has the venv module)"
-  pyver=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) ||
-    fail 2 "PYTHON=$PYTHON does not run"
-  "$PYTHON" -c 'import venv' >/dev/null 2>&1 ||
-    fail 2 "$PYTHON (Python $pyver) has no venv module; install it (Debian/Ubuntu: apt-get install python$pyver-venv) or set PYTHON to a python3 that has it"
-  "$PYTHON" -c 'import ensurepip' >/dev/null 2>&1 ||
-    fail 2 "$PYTHON (Python $pyver) lacks ensurepip, so python -m venv cannot put pip into the venv; install it (Debian/Ubuntu: apt-get install python$pyver-venv) or set PYTHON to a python3 that has it"
-  # a venv links to its base interpreter: other users' jobs need every directory on the way to it
-  blocked=$("$PYTHON" -I -c "$ACCESS_CHECK" 2>/dev/null) || blocked=""
-  if [ -n "$blocked" ]; then
-    warn "the venv will link to $blocked: other users cannot run it; for a venv shared by everyone's jobs set PYTHON to a system or shared-filesystem python (e.g. PYTHON=/usr/bin/python3)"
-  fi
+  if [ "$action" = create ]; then request_python; fi
+  python_can_create
   say "creating the venv at $PYTORCH_ENV with $PYTHON (Python $pyver)"
-  if ! out=$("$PYTHON" -m venv "$PYTORCH_ENV" 2>&1); then
-    # leave nothing half-made behind: the path was absent or empty before
+  if ! out=$("$PYTHON" -m venv ${venv_args[@]+"${venv_args[@]}"} "$PYTORCH_ENV" 2>&1); then
+    # leave nothing half-made behind: an empty directory is built afresh by the next run
     if [ "$state" = absent ]; then
       rm -rf -- "$PYTORCH_ENV"
     else
@@ -364,9 +630,23 @@ if [ "$UPGRADE_PIP" = 1 ]; then
   fi
 fi
 
+install_opts=("${PIP_OPTS[@]}")
+if [ "$action" = update ]; then
+  if [ ${#REMOVED[@]} -gt 0 ]; then
+    say "pip uninstall ${REMOVED[*]} (spec now empty)"
+    "$VPY" -m pip uninstall --yes --disable-pip-version-check "${REMOVED[@]}" ||
+      fail 1 "pip could not uninstall ${REMOVED[*]} from $PYTORCH_ENV (pip's messages above say why)"
+  fi
+  if [ "$SRC_CHANGED" = 1 ]; then
+    say "the package source changed: reinstalling every package from it"
+    install_opts+=(--force-reinstall)
+  fi
+fi
 say "pip install ${SPECS[*]}"
-"$VPY" -m pip install "${PIP_OPTS[@]}" "${SPECS[@]}" ||
+"$VPY" -m pip install "${install_opts[@]}" "${SPECS[@]}" ||
   fail 1 "pip could not install ${SPECS[*]} into $PYTORCH_ENV (pip's messages above say why)"
+record_or_warn || true
+if [ ${#CHANGES[@]} -gt 0 ]; then echo "changed: $(changes_text)"; fi
 
 say "checking the venv at $PYTORCH_ENV ($VPY)"
 check_imports || exit 1

@@ -29,7 +29,7 @@ SCRIPT = REPO / "bootstrap_env.sh"
 RUN_TIMEOUT = 240
 
 KNOBS = ("PYTORCH_ENV", "PYTHON", "TORCH_SPEC", "TORCHVISION_SPEC", "TORCHAUDIO_SPEC", "PSUTIL_SPEC",
-         "NUMPY_SPEC", "INDEX_URL", "FIND_LINKS", "EXTRA_PIP_ARGS", "UPGRADE_PIP",
+         "NUMPY_SPEC", "INDEX_URL", "EXTRA_INDEX_URL", "FIND_LINKS", "EXTRA_PIP_ARGS", "UPGRADE_PIP",
          "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 
 TORCH_INIT = '''\
@@ -64,6 +64,7 @@ FAKES = [
     ("torchaudio", "1.0.1", {"torchaudio/__init__.py": BROKEN_TORCHAUDIO_INIT}, ["torch"]),
     ("psutil", "1.0.0", {"psutil/__init__.py": '__version__ = "1.0.0"\n'}, []),
     ("numpy", "1.0.0", {"numpy/__init__.py": '__version__ = "1.0.0"\n'}, []),
+    ("numpy", "1.0.1", {"numpy/__init__.py": '__version__ = "1.0.1"\n'}, []),
 ]
 
 SPECS = {
@@ -205,6 +206,165 @@ def test_rerun_changes_nothing_and_skips_pip(built, base_env):
     assert r.elapsed < first.elapsed and r.elapsed < 30, (first.elapsed, r.elapsed)
 
 
+def installed(env_dir, name):
+    """The version of distribution `name` in the venv (None: not installed), read by the venv's python."""
+    r = subprocess.run([str(env_dir / "bin" / "python"), "-I", "-c",
+                        f"import importlib.metadata as m; print(m.version({name!r}))"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def record(env_dir):
+    """The record as a dict."""
+    lines = (env_dir / "bootstrap_env.record").read_text().splitlines()
+    return dict(ln.split("=", 1) for ln in lines if not ln.startswith("#"))
+
+
+def changed_line(r):
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("changed: ")]
+    assert len(lines) == 1, show(r)
+    return lines[0]
+
+
+def torch_wheel(where, version):
+    write_wheel(where, "torch", version, {"torch/__init__.py": TORCH_INIT.replace("1.0.0+cpu", version)}, [])
+
+
+def without_pip_cli(env_dir):
+    """Makes `python -m pip` impossible in the venv until the returned function is called."""
+    main = next(env_dir.glob("lib/python3*/site-packages/pip/__main__.py"))
+    off = main.with_name("__main__.py.off")
+    main.rename(off)
+    return lambda: off.rename(main)
+
+
+def copy_of_built(built, tmp_path):
+    """A copy of the shared fresh build, for tests that change it (quicker than building one)."""
+    first, src = built
+    assert first.returncode == 0, show(first)
+    env_dir = tmp_path / "pytorch_env"
+    shutil.copytree(src, env_dir, symlinks=True)
+    return env_dir
+
+
+def test_changed_source_or_spec_updates_the_venv(built, base_env, tmp_path, wheelhouse):
+    env_dir = copy_of_built(built, tmp_path)
+    env = dict(base_env, UPGRADE_PIP="0", PYTORCH_ENV=str(env_dir))
+    assert installed(env_dir, "torch") == "1.0.0+cpu"
+    assert record(env_dir)["find-links"] == str(wheelhouse)
+    assert record(env_dir)["torch"] == "torch==1.0.0"
+
+    # another wheelhouse with another build of the same pinned version: pip alone would keep the
+    # installed one (torch==1.0.0 is satisfied by 1.0.0+cpu); the bootstrap reinstalls from there
+    other = tmp_path / "wheelhouse-cu126"
+    other.mkdir()
+    for whl in wheelhouse.glob("*.whl"):
+        if not whl.name.startswith("torch-"):
+            shutil.copy(whl, other)
+    torch_wheel(other, "1.0.0+cu126")
+    r = run(env, "--find-links", str(other))
+    assert r.returncode == 0, show(r)
+    assert changed_line(r) == f"changed: find-links {wheelhouse} -> {other}", show(r)
+    assert "torch 1.0.0+cu126" in r.stdout.splitlines(), show(r)
+    assert installed(env_dir, "torch") == "1.0.0+cu126"
+    assert "nothing changed" not in r.stdout and "creating the venv" not in r.stdout, show(r)
+    assert f"pytorch env at {env_dir} is ready" in r.stdout, show(r)
+    assert record(env_dir)["find-links"] == str(other)
+
+    # the same request again: nothing to do, and pip is not even started (it could not be)
+    before = tree(env_dir)
+    restore = without_pip_cli(env_dir)
+    try:
+        r = run(env, FIND_LINKS=str(other))
+    finally:
+        restore()
+    assert r.returncode == 0, show(r)
+    assert f"pytorch env at {env_dir} is up to date; nothing changed" in r.stdout, show(r)
+    assert "torch 1.0.0+cu126" in r.stdout.splitlines(), show(r)
+    steps = [ln for ln in r.stdout.splitlines() if ln.startswith("==> ")]
+    assert steps == [f"==> checking the venv at {env_dir} ({env_dir}/bin/python)"], show(r)
+    assert "changed: " not in r.stdout and not r.stderr, show(r)
+    assert tree(env_dir) == before
+
+    # a package index instead of the wheelhouse, and another torch version from it
+    index = tmp_path / "index"
+    for whl in other.glob("*.whl"):
+        if not whl.name.startswith("torch-"):
+            name = whl.name.split("-")[0]
+            (index / name).mkdir(parents=True, exist_ok=True)
+            shutil.copy(whl, index / name)
+    (index / "torch").mkdir()
+    torch_wheel(index / "torch", "1.0.1")
+    for d in index.iterdir():
+        links = "".join(f'<a href="{w.name}">{w.name}</a>\n' for w in d.glob("*.whl"))
+        (d / "index.html").write_text(f"<html><body>\n{links}</body></html>\n")
+    url = index.as_uri()
+    r = run(env, "--index-url", url, FIND_LINKS=None, EXTRA_PIP_ARGS=None, TORCH_SPEC="torch==1.0.1")
+    assert r.returncode == 0, show(r)
+    assert changed_line(r) == (f"changed: index-url (pip default) -> {url}; find-links {other} -> (none); "
+                               "torch==1.0.0 -> torch==1.0.1"), show(r)
+    assert installed(env_dir, "torch") == "1.0.1"
+    assert "torch 1.0.1" in r.stdout.splitlines(), show(r)
+    rec = record(env_dir)
+    assert (rec["index-url"], rec["find-links"], rec["torch"]) == (url, "", "torch==1.0.1")
+
+    # a package left out is uninstalled; the rest stays
+    r = run(env, "--index-url", url, FIND_LINKS=None, EXTRA_PIP_ARGS=None, TORCH_SPEC="torch==1.0.1",
+            TORCHAUDIO_SPEC="")
+    assert r.returncode == 0, show(r)
+    assert changed_line(r) == "changed: torchaudio==1.0.0 -> (left out)", show(r)
+    assert installed(env_dir, "torchaudio") is None
+    assert not list(env_dir.glob("lib/python3*/site-packages/torchaudio"))
+    assert not [ln for ln in r.stdout.splitlines() if ln.startswith("torchaudio ")], show(r)
+    assert installed(env_dir, "torch") == "1.0.1"
+
+    r = run(env, "--index-url", url, FIND_LINKS=None, EXTRA_PIP_ARGS=None, TORCH_SPEC="torch==1.0.1",
+            TORCHAUDIO_SPEC="")
+    assert r.returncode == 0 and "nothing changed" in r.stdout and "==> pip" not in r.stdout, show(r)
+
+
+def test_venv_without_record_other_python_and_drift(built, base_env, tmp_path, wheelhouse):
+    env_dir = copy_of_built(built, tmp_path)
+    env = dict(base_env, UPGRADE_PIP="0", PYTORCH_ENV=str(env_dir))
+    rec_file = env_dir / "bootstrap_env.record"
+    written = rec_file.read_text()
+    version = subprocess.run([base_env["PYTHON"], "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True).stdout.strip()
+    assert record(env_dir)["python"] == f"{os.path.realpath(base_env['PYTHON'])} (Python {version})", written
+
+    # a venv from an older bootstrap (no record): checked with pip as before, then recorded
+    rec_file.unlink()
+    r = run(env)
+    assert r.returncode == 0, show(r)
+    assert "has no record" in r.stdout and "nothing changed" in r.stdout, show(r)
+    assert "==> pip install" not in r.stdout and "changed: " not in r.stdout, show(r)
+    assert rec_file.read_text() == written
+
+    # installed packages changed by hand: the record is not trusted blindly
+    pip = subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index",
+                          "--find-links", str(wheelhouse), "numpy==1.0.1"],
+                         capture_output=True, text=True, env=base_env)
+    assert pip.returncode == 0, pip.stderr
+    r = run(env)
+    assert r.returncode == 0, show(r)
+    assert "(numpy 1.0.1 installed, numpy==1.0.0 wanted)" in r.stdout, show(r)
+    assert "numpy 1.0.0" in r.stdout.splitlines() and installed(env_dir, "numpy") == "1.0.0", show(r)
+
+    # recorded with another python: the venv is rebuilt with this one
+    old_python = "/opt/python3.9/bin/python3.9 (Python 3.9)"
+    rec_file.write_text(written.replace(record(env_dir)["python"], old_python))
+    marker = env_dir / "left-by-the-old-venv"
+    marker.write_text("")
+    r = run(env)
+    assert r.returncode == 0, show(r)
+    assert changed_line(r) == f"changed: python {old_python} -> {record(env_dir)['python']}", show(r)
+    assert "rebuilding it from scratch" in r.stdout and "creating the venv" in r.stdout, show(r)
+    assert not marker.exists()
+    assert rec_file.read_text() == written
+    for want in EXPECTED_VERSIONS:
+        assert want in r.stdout.splitlines(), show(r)
+
+
 def test_broken_package_then_fixed_spec(base_env, tmp_path, wheelhouse):
     env_dir = tmp_path / "pytorch_env"
     # the --find-links flag stands in for FIND_LINKS here
@@ -344,10 +504,11 @@ def test_help_and_bad_arguments(base_env):
     r = run(base_env, "--help")
     assert r.returncode == 0, show(r)
     for knob in ("PYTORCH_ENV", "PYTHON", "TORCH_SPEC", "TORCHVISION_SPEC", "TORCHAUDIO_SPEC", "PSUTIL_SPEC",
-                 "NUMPY_SPEC", "INDEX_URL", "FIND_LINKS", "EXTRA_PIP_ARGS", "--index-url", "--find-links"):
+                 "NUMPY_SPEC", "INDEX_URL", "EXTRA_INDEX_URL", "FIND_LINKS", "EXTRA_PIP_ARGS", "UPGRADE_PIP",
+                 "--index-url", "--extra-index-url", "--find-links"):
         assert knob in r.stdout, knob
     assert "set -e" not in r.stdout
-    for args in (["--bogus"], ["--index-url"]):
+    for args in (["--bogus"], ["--index-url"], ["--extra-index-url"]):
         r = run(base_env, *args, PYTORCH_ENV="/nonexistent/never/made")
         assert r.returncode == 2 and len(error_lines(r)) == 1, show(r)
     r = run(base_env, PYTORCH_ENV="/nonexistent/never/made", FIND_LINKS="/nonexistent/wheelhouse")
