@@ -2,8 +2,9 @@
 
 tests/slurm_cluster.sh stands up slurmctld + 2 slurmd ("node1", "node2"), each node in its own
 network + UTS namespace with an eth0 on a private bridge, fake GPUs as gres.  The tests submit the
-unmodified repo batch file with small shapes on the sbatch command line, gloo on CPU, and check
-job state, exit code, log, .err and the JSON verdict.
+unmodified repo batch file with small shapes on the sbatch command line and AIV_BACKEND=gloo (CPU),
+no interface variables unless a test is about them, and check job state, exit code, log, .err and
+the JSON verdict.
 
 Needs root and the Slurm binaries (Debian: apt-get install slurmd slurmctld slurm-client).
 Skipped otherwise, except with CI=true, where a missing Slurm is an error.
@@ -84,6 +85,9 @@ class Cluster:
 
     # -- jobs --
     def job_env(self, **overrides):
+        """What a job sees: the caller's environment without Slurm/NCCL/gloo/AIV settings (so no
+        interface variables), plus the venv and AIV_BACKEND=gloo.  gloo is explicit: the fake GPUs
+        set CUDA_VISIBLE_DEVICES, and with GPUs expected but no usable CUDA, 'auto' fails."""
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(_SCRUB) and k not in _SCRUB_EXACT}
         env.update(AIV_SLURM_DIR=str(self.state_dir), PYTORCH_ENV=str(VENV), AIV_BACKEND="gloo",
@@ -239,6 +243,8 @@ def test_two_nodes_two_ranks_pass(cluster, capsys, record_property):
     log, err, js = cluster.outputs(job)
     assert "Master Node IP/Hostname: node1" in log
     assert "Total Execution Ranks: 4" in log
+    unset = "(unset: NCCL/gloo choose)"
+    assert f"Interfaces: NCCL_SOCKET_IFNAME={unset} GLOO_SOCKET_IFNAME={unset}" in log, log
     port = int(re.search(r"^Dynamically Assigned Port: (\d+)$", log, re.MULTILINE).group(1))
     assert port == first_port_candidates(job, cluster.port_range())[0]
     assert "SUCCESS: DDP Multi-Node AllReduce Ring Complete!" in log
@@ -247,6 +253,7 @@ def test_two_nodes_two_ranks_pass(cluster, capsys, record_property):
     assert "Traceback" not in log + err, err
     verdict = load_json(js)
     assert verdict["verdict"] == "PASS" and verdict["exit_code"] == 0
+    assert not {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} & set(verdict["env"]), verdict["env"]
     log_path = cluster.files(job)[0]
     v = subprocess.run([str(VENV_PY), str(TOOL), "--verify-log", str(log_path), "--expect-world-size", "4",
                         "--expect-nodes", "2", "--expect-ranks-per-node", "2"],
