@@ -194,8 +194,9 @@ def cluster(tmp_path_factory):
     # the batch file's default AIV_SCRIPT is $SLURM_SUBMIT_DIR/ddp_mesh_ping.py
     (work / "ddp_mesh_ping.py").symlink_to(TOOL)
     hosts_before = Path("/etc/hosts").read_bytes()
-    env = dict(os.environ, AIV_SLURM_DIR=str(state), SLURM_NODES="2",
-               NODE_CPUS="96", NODE_GPUS="8")  # room for the batch file's default 2x8, 12 CPUs/task
+    # 8 GPUs on a node of only 16 CPUs: the batch file's default shape (2 x 8 ranks, 1 CPU each)
+    # must fit nodes smaller than the usual 8-GPU server
+    env = dict(os.environ, AIV_SLURM_DIR=str(state), SLURM_NODES="2", NODE_CPUS="16", NODE_GPUS="8")
     r = subprocess.run(["bash", str(CLUSTER_SH), "up"], check=False, env=env, capture_output=True, text=True,
                        timeout=180)
     if r.returncode == 3:
@@ -225,10 +226,11 @@ def test_cluster_is_private(cluster):
 
 
 def test_default_shape_is_accepted(cluster):
-    """The #SBATCH defaults (2 nodes x 8 tasks x 8 GPUs, 12 CPUs per task) are a valid request."""
+    """The #SBATCH defaults (2 nodes x 8 tasks x 8 GPUs, Slurm's default 1 CPU per task) are a
+    valid request on 16-CPU nodes."""
     r = cluster.run("sbatch", "--test-only", SBATCH_FILE, env=cluster.job_env())
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "192 processors on nodes node[1-2]" in r.stderr, r.stderr
+    assert "16 processors on nodes node[1-2]" in r.stderr, r.stderr
 
 
 def test_two_nodes_two_ranks_pass(cluster, capsys, record_property):
