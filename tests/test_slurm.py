@@ -325,6 +325,20 @@ def test_interface_absent_on_one_node_names_that_node(cluster):
     assert took < float(AIV_TIMEOUT) + 30, f"took {took:.1f} s"
 
 
+def test_pythonpath_does_not_shadow_the_venv(cluster, tmp_path):
+    """A PYTHONPATH with a broken torch and a bogus PYTHONHOME in the submitter's environment: the
+    job clears both and runs the venv alone."""
+    shadow = tmp_path / "shadow"
+    (shadow / "torch").mkdir(parents=True)
+    (shadow / "torch" / "__init__.py").write_text("raise ImportError('torch shadowed through PYTHONPATH')\n")
+    job = cluster.submit("--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1", "--time=5",
+                         PYTHONPATH=shadow, PYTHONHOME="/nonexistent/aiv-pythonhome")
+    state, code, _ = cluster.wait(job)
+    assert (state, code) == ("COMPLETED", "0:0"), describe(cluster, job)
+    log, err, _ = cluster.outputs(job)
+    assert "shadowed" not in log + err
+
+
 def test_missing_venv_one_line_error(cluster):
     missing = f"/nonexistent/aiv-venv-{uuid.uuid4().hex[:8]}"
     job = cluster.submit(*SHAPE, PYTORCH_ENV=missing)
