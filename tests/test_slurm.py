@@ -95,10 +95,25 @@ class Cluster:
         env.update({k: str(v) for k, v in overrides.items()})
         return env
 
-    def submit(self, *sbatch_args, **env_overrides):
-        r = self.run("sbatch", "--parsable", *sbatch_args, SBATCH_FILE, env=self.job_env(**env_overrides))
+    def submit(self, *sbatch_args, script_args=(), **env_overrides):
+        """sbatch [sbatch_args] submit_smoke_test.sbatch [script_args] (the latter go to ddp_mesh_ping.py)."""
+        r = self.run("sbatch", "--parsable", *sbatch_args, SBATCH_FILE, *script_args,
+                     env=self.job_env(**env_overrides))
         assert r.returncode == 0, f"sbatch failed: {r.stdout}{r.stderr}"
         return int(r.stdout.strip().split(";")[0])
+
+    def jobcomp_times(self, job_id, wait_s=10):
+        """(StartTime, EndTime) in epoch seconds from the jobcomp/filetxt record (whole seconds)."""
+        path = self.state_dir / "log" / "jobcomp.txt"
+        deadline = time.monotonic() + wait_s
+        while True:
+            text = path.read_text(errors="replace") if path.exists() else ""
+            m = re.search(rf"^JobId={job_id} .*?\bStartTime=(\S+) EndTime=(\S+)", text, re.MULTILINE)
+            if m:
+                return tuple(time.mktime(time.strptime(v, "%Y-%m-%dT%H:%M:%S")) for v in m.groups())
+            if time.monotonic() > deadline:
+                pytest.fail(f"no jobcomp record for job {job_id} in {path}:\n{text[-2000:]}")
+            time.sleep(0.2)
 
     def job_info(self, job_id):
         r = self.run("scontrol", "show", "job", job_id)
@@ -256,6 +271,7 @@ def test_two_nodes_two_ranks_pass(cluster, capsys, record_property):
     verdict = load_json(js)
     assert verdict["verdict"] == "PASS" and verdict["exit_code"] == 0
     assert not {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} & set(verdict["env"]), verdict["env"]
+    assert "ending the step" not in log  # every rank ended by itself
     log_path = cluster.files(job)[0]
     v = subprocess.run([str(VENV_PY), str(TOOL), "--verify-log", str(log_path), "--expect-world-size", "4",
                         "--expect-nodes", "2", "--expect-ranks-per-node", "2"],
@@ -375,19 +391,51 @@ def test_dynamic_port_skips_busy_port(cluster):
     assert port == cands[1]
 
 
-def test_busy_forced_master_port_fails(cluster):
+def test_busy_forced_master_port_fails(cluster, capsys, record_property):
+    """Rank 0 fails at once; the other ranks would wait out their 120 s deadline, but the job ends
+    with the verdict: AIV_STEP_GRACE (10 s) after the JSON appears the batch file ends the step."""
     holder, port = cluster.hold_port("node1", 0)
     try:
-        # rank 0 fails at once; the other ranks give up after their own deadline (AIV_TIMEOUT + grace)
-        job = cluster.submit(*SHAPE, MASTER_PORT=port, AIV_TIMEOUT=5)
+        job = cluster.submit(*SHAPE, MASTER_PORT=port, AIV_TIMEOUT=120)
         state, code, _ = cluster.wait(job)
     finally:
         release_port(holder)
     assert (state, code) == ("FAILED", "1:0"), describe(cluster, job)
-    log, _, _ = cluster.outputs(job)
+    log, _, js = cluster.outputs(job)
     assert f"Dynamically Assigned Port: {port}" in log
     lines = failure_lines(log, "rendezvous")
     assert any(f"node1:{port}" in ln for ln in lines), describe(cluster, job)
+    assert "ending the step" in log, describe(cluster, job)
+    # rank 0 writes the JSON right after its FAILURE line: its mtime is the verdict's time
+    _, end = cluster.jobcomp_times(job)
+    after = end - js.stat().st_mtime  # EndTime has whole seconds (rounded down)
+    record_property("job_end_after_verdict_s", round(after, 2))
+    with capsys.disabled():
+        print(f"\n[slurm] busy MASTER_PORT: job ended {after:.1f} s after rank 0's FAILURE line (job {job})")
+    assert after <= 15, f"job ended {after:.1f} s after the verdict\n{describe(cluster, job)}"
+
+
+def test_rank0_dies_batch_file_writes_fail_json(cluster, capsys, record_property):
+    """Rank 0 is SIGKILLed at the roll call: no verdict from the preflight.  The batch file notices,
+    ends the step long before the others' --timeout 20, writes a FAIL verdict naming node1, exit 3."""
+    job = cluster.submit(*SHAPE, script_args=("--timeout", "20"), AIV_FAILPOINT="die:rendezvous:0")
+    state, code, _ = cluster.wait(job)
+    assert (state, code) == ("FAILED", "3:0"), describe(cluster, job)
+    log, _, js = cluster.outputs(job)
+    verdict = load_json(js)
+    assert verdict["written_by"] == "submit_smoke_test.sbatch", verdict
+    assert verdict["schema_version"] == 1 and verdict["tool"] == "ai-infra-validator"
+    assert (verdict["verdict"], verdict["exit_code"]) == ("FAIL", 3), verdict
+    assert verdict["failed_hosts"] == ["node1"] and verdict["exclude"] == "node1", verdict
+    assert len(verdict["failures"]) == 1, verdict
+    line = verdict["failures"][0]
+    assert re.fullmatch(r"FAILURE: rendezvous: rank 0 on node1 left no verdict \(srun exit code \d+\)", line), line
+    assert line in failure_lines(log, "rendezvous"), describe(cluster, job)
+    start, end = cluster.jobcomp_times(job)
+    record_property("rank0_dead_job_s", end - start)
+    with capsys.disabled():
+        print(f"\n[slurm] rank 0 killed at the roll call: job ran {end - start:.0f} s (job {job})")
+    assert end - start <= 15, f"job ran {end - start:.0f} s\n{describe(cluster, job)}"
 
 
 def test_hostile_env_values_not_evaluated(cluster):
