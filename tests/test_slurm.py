@@ -2,8 +2,9 @@
 
 tests/slurm_cluster.sh stands up slurmctld + 2 slurmd ("node1", "node2"), each node in its own
 network + UTS namespace with an eth0 on a private bridge, fake GPUs as gres.  The tests submit the
-unmodified repo batch file with small shapes on the sbatch command line, gloo on CPU, and check
-job state, exit code, log, .err and the JSON verdict.
+unmodified repo batch file with small shapes on the sbatch command line and AIV_BACKEND=gloo (CPU),
+no interface variables unless a test is about them, and check job state, exit code, log, .err and
+the JSON verdict.
 
 Needs root and the Slurm binaries (Debian: apt-get install slurmd slurmctld slurm-client).
 Skipped otherwise, except with CI=true, where a missing Slurm is an error.
@@ -84,6 +85,9 @@ class Cluster:
 
     # -- jobs --
     def job_env(self, **overrides):
+        """What a job sees: the caller's environment without Slurm/NCCL/gloo/AIV settings (so no
+        interface variables), plus the venv and AIV_BACKEND=gloo.  gloo is explicit: the fake GPUs
+        set CUDA_VISIBLE_DEVICES, and with GPUs expected but no usable CUDA, 'auto' fails."""
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(_SCRUB) and k not in _SCRUB_EXACT}
         env.update(AIV_SLURM_DIR=str(self.state_dir), PYTORCH_ENV=str(VENV), AIV_BACKEND="gloo",
@@ -91,10 +95,25 @@ class Cluster:
         env.update({k: str(v) for k, v in overrides.items()})
         return env
 
-    def submit(self, *sbatch_args, **env_overrides):
-        r = self.run("sbatch", "--parsable", *sbatch_args, SBATCH_FILE, env=self.job_env(**env_overrides))
+    def submit(self, *sbatch_args, script_args=(), **env_overrides):
+        """sbatch [sbatch_args] submit_smoke_test.sbatch [script_args] (the latter go to ddp_mesh_ping.py)."""
+        r = self.run("sbatch", "--parsable", *sbatch_args, SBATCH_FILE, *script_args,
+                     env=self.job_env(**env_overrides))
         assert r.returncode == 0, f"sbatch failed: {r.stdout}{r.stderr}"
         return int(r.stdout.strip().split(";")[0])
+
+    def jobcomp_times(self, job_id, wait_s=10):
+        """(StartTime, EndTime) in epoch seconds from the jobcomp/filetxt record (whole seconds)."""
+        path = self.state_dir / "log" / "jobcomp.txt"
+        deadline = time.monotonic() + wait_s
+        while True:
+            text = path.read_text(errors="replace") if path.exists() else ""
+            m = re.search(rf"^JobId={job_id} .*?\bStartTime=(\S+) EndTime=(\S+)", text, re.MULTILINE)
+            if m:
+                return tuple(time.mktime(time.strptime(v, "%Y-%m-%dT%H:%M:%S")) for v in m.groups())
+            if time.monotonic() > deadline:
+                pytest.fail(f"no jobcomp record for job {job_id} in {path}:\n{text[-2000:]}")
+            time.sleep(0.2)
 
     def job_info(self, job_id):
         r = self.run("scontrol", "show", "job", job_id)
@@ -190,8 +209,9 @@ def cluster(tmp_path_factory):
     # the batch file's default AIV_SCRIPT is $SLURM_SUBMIT_DIR/ddp_mesh_ping.py
     (work / "ddp_mesh_ping.py").symlink_to(TOOL)
     hosts_before = Path("/etc/hosts").read_bytes()
-    env = dict(os.environ, AIV_SLURM_DIR=str(state), SLURM_NODES="2",
-               NODE_CPUS="96", NODE_GPUS="8")  # room for the batch file's default 2x8, 12 CPUs/task
+    # 8 GPUs on a node of only 16 CPUs: the batch file's default shape (2 x 8 ranks, 1 CPU each)
+    # must fit nodes smaller than the usual 8-GPU server
+    env = dict(os.environ, AIV_SLURM_DIR=str(state), SLURM_NODES="2", NODE_CPUS="16", NODE_GPUS="8")
     r = subprocess.run(["bash", str(CLUSTER_SH), "up"], check=False, env=env, capture_output=True, text=True,
                        timeout=180)
     if r.returncode == 3:
@@ -221,10 +241,11 @@ def test_cluster_is_private(cluster):
 
 
 def test_default_shape_is_accepted(cluster):
-    """The #SBATCH defaults (2 nodes x 8 tasks x 8 GPUs, 12 CPUs per task) are a valid request."""
+    """The #SBATCH defaults (2 nodes x 8 tasks x 8 GPUs, Slurm's default 1 CPU per task) are a
+    valid request on 16-CPU nodes."""
     r = cluster.run("sbatch", "--test-only", SBATCH_FILE, env=cluster.job_env())
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "192 processors on nodes node[1-2]" in r.stderr, r.stderr
+    assert "16 processors on nodes node[1-2]" in r.stderr, r.stderr
 
 
 def test_two_nodes_two_ranks_pass(cluster, capsys, record_property):
@@ -239,6 +260,8 @@ def test_two_nodes_two_ranks_pass(cluster, capsys, record_property):
     log, err, js = cluster.outputs(job)
     assert "Master Node IP/Hostname: node1" in log
     assert "Total Execution Ranks: 4" in log
+    unset = "(unset: NCCL/gloo choose)"
+    assert f"Interfaces: NCCL_SOCKET_IFNAME={unset} GLOO_SOCKET_IFNAME={unset}" in log, log
     port = int(re.search(r"^Dynamically Assigned Port: (\d+)$", log, re.MULTILINE).group(1))
     assert port == first_port_candidates(job, cluster.port_range())[0]
     assert "SUCCESS: DDP Multi-Node AllReduce Ring Complete!" in log
@@ -247,6 +270,8 @@ def test_two_nodes_two_ranks_pass(cluster, capsys, record_property):
     assert "Traceback" not in log + err, err
     verdict = load_json(js)
     assert verdict["verdict"] == "PASS" and verdict["exit_code"] == 0
+    assert not {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} & set(verdict["env"]), verdict["env"]
+    assert "ending the step" not in log  # every rank ended by itself
     log_path = cluster.files(job)[0]
     v = subprocess.run([str(VENV_PY), str(TOOL), "--verify-log", str(log_path), "--expect-world-size", "4",
                         "--expect-nodes", "2", "--expect-ranks-per-node", "2"],
@@ -316,6 +341,20 @@ def test_interface_absent_on_one_node_names_that_node(cluster):
     assert took < float(AIV_TIMEOUT) + 30, f"took {took:.1f} s"
 
 
+def test_pythonpath_does_not_shadow_the_venv(cluster, tmp_path):
+    """A PYTHONPATH with a broken torch and a bogus PYTHONHOME in the submitter's environment: the
+    job clears both and runs the venv alone."""
+    shadow = tmp_path / "shadow"
+    (shadow / "torch").mkdir(parents=True)
+    (shadow / "torch" / "__init__.py").write_text("raise ImportError('torch shadowed through PYTHONPATH')\n")
+    job = cluster.submit("--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1", "--time=5",
+                         PYTHONPATH=shadow, PYTHONHOME="/nonexistent/aiv-pythonhome")
+    state, code, _ = cluster.wait(job)
+    assert (state, code) == ("COMPLETED", "0:0"), describe(cluster, job)
+    log, err, _ = cluster.outputs(job)
+    assert "shadowed" not in log + err
+
+
 def test_missing_venv_one_line_error(cluster):
     missing = f"/nonexistent/aiv-venv-{uuid.uuid4().hex[:8]}"
     job = cluster.submit(*SHAPE, PYTORCH_ENV=missing)
@@ -352,19 +391,51 @@ def test_dynamic_port_skips_busy_port(cluster):
     assert port == cands[1]
 
 
-def test_busy_forced_master_port_fails(cluster):
+def test_busy_forced_master_port_fails(cluster, capsys, record_property):
+    """Rank 0 fails at once; the other ranks would wait out their 120 s deadline, but the job ends
+    with the verdict: AIV_STEP_GRACE (10 s) after the JSON appears the batch file ends the step."""
     holder, port = cluster.hold_port("node1", 0)
     try:
-        # rank 0 fails at once; the other ranks give up after their own deadline (AIV_TIMEOUT + grace)
-        job = cluster.submit(*SHAPE, MASTER_PORT=port, AIV_TIMEOUT=5)
+        job = cluster.submit(*SHAPE, MASTER_PORT=port, AIV_TIMEOUT=120)
         state, code, _ = cluster.wait(job)
     finally:
         release_port(holder)
     assert (state, code) == ("FAILED", "1:0"), describe(cluster, job)
-    log, _, _ = cluster.outputs(job)
+    log, _, js = cluster.outputs(job)
     assert f"Dynamically Assigned Port: {port}" in log
     lines = failure_lines(log, "rendezvous")
     assert any(f"node1:{port}" in ln for ln in lines), describe(cluster, job)
+    assert "ending the step" in log, describe(cluster, job)
+    # rank 0 writes the JSON right after its FAILURE line: its mtime is the verdict's time
+    _, end = cluster.jobcomp_times(job)
+    after = end - js.stat().st_mtime  # EndTime has whole seconds (rounded down)
+    record_property("job_end_after_verdict_s", round(after, 2))
+    with capsys.disabled():
+        print(f"\n[slurm] busy MASTER_PORT: job ended {after:.1f} s after rank 0's FAILURE line (job {job})")
+    assert after <= 15, f"job ended {after:.1f} s after the verdict\n{describe(cluster, job)}"
+
+
+def test_rank0_dies_batch_file_writes_fail_json(cluster, capsys, record_property):
+    """Rank 0 is SIGKILLed at the roll call: no verdict from the preflight.  The batch file notices,
+    ends the step long before the others' --timeout 20, writes a FAIL verdict naming node1, exit 3."""
+    job = cluster.submit(*SHAPE, script_args=("--timeout", "20"), AIV_FAILPOINT="die:rendezvous:0")
+    state, code, _ = cluster.wait(job)
+    assert (state, code) == ("FAILED", "3:0"), describe(cluster, job)
+    log, _, js = cluster.outputs(job)
+    verdict = load_json(js)
+    assert verdict["written_by"] == "submit_smoke_test.sbatch", verdict
+    assert verdict["schema_version"] == 1 and verdict["tool"] == "ai-infra-validator"
+    assert (verdict["verdict"], verdict["exit_code"]) == ("FAIL", 3), verdict
+    assert verdict["failed_hosts"] == ["node1"] and verdict["exclude"] == "node1", verdict
+    assert len(verdict["failures"]) == 1, verdict
+    line = verdict["failures"][0]
+    assert re.fullmatch(r"FAILURE: rendezvous: rank 0 on node1 left no verdict \(srun exit code \d+\)", line), line
+    assert line in failure_lines(log, "rendezvous"), describe(cluster, job)
+    start, end = cluster.jobcomp_times(job)
+    record_property("rank0_dead_job_s", end - start)
+    with capsys.disabled():
+        print(f"\n[slurm] rank 0 killed at the roll call: job ran {end - start:.0f} s (job {job})")
+    assert end - start <= 15, f"job ran {end - start:.0f} s\n{describe(cluster, job)}"
 
 
 def test_hostile_env_values_not_evaluated(cluster):
