@@ -1197,9 +1197,11 @@ def judge_all(records, world_size, expect, ib_hca=None):
     return judge_pre(records, world_size, expect) + judge_gate(records, ib_hca) + judge_imports(records)
 
 
-def judge_collectives(results, world_size, host_of):
-    """results: per rank {'rank', 'ar_ok', 'ar_sum', 'grads'} (grads: a digest of the gradient bytes)."""
+def judge_collectives(results, world_size, host_of=None):
+    """results: per rank {'rank', 'ar_ok', 'ar_sum', 'grads'} (grads: a digest of the gradient bytes);
+    host_of: rank -> host (default: each result's own 'host')."""
     out = []
+    host_of = host_of or {r["rank"]: r.get("host", "?") for r in results}
     want = world_size * (world_size + 1) // 2
 
     def who(rs):

@@ -1,6 +1,8 @@
 """Every judge function on plain data: a passing and a failing case each."""
 import os
 
+import pytest
+
 from conftest import aiv, cluster, gpu, rec
 
 
@@ -149,8 +151,21 @@ def test_local_findings_pass_through_and_backend_mix():
     (f,) = aiv.judge_local(recs)
     assert f["hosts"] == ["node2"]
     recs[1]["backend"] = "nccl"
-    (b,) = aiv.judge_backend(recs)
+    (b,) = aiv.judge_device_use(recs)
     assert b["status"] == "FAIL" and "different backends" in b["reason"]
+
+
+def test_gloo_asked_on_gpu_nodes_says_gpus_were_not_exercised():
+    recs = cluster(2, 1)
+    for r in recs:
+        r["gpus_expected"] = "CUDA_VISIBLE_DEVICES=0"
+    (b,) = aiv.judge_device_use(recs)
+    assert b["status"] == "PASS" and "not exercised" in b["reason"] and "node[1-2]" in b["reason"]
+
+
+def test_finding_refuses_a_check_name_outside_checks():
+    with pytest.raises(ValueError, match="not in CHECKS"):
+        aiv.finding("judge", "FAIL", "x")
 
 
 def test_collectives_exact_and_gradients():
@@ -169,7 +184,7 @@ def test_strict_turns_warn_into_fail_and_codes():
     fs = [aiv.finding("day0", "WARN", "x"), aiv.finding("layout", "PASS", "y")]
     assert aiv.verdict_code(fs) == 0
     assert aiv.verdict_code(aiv.apply_strict(fs, True)) == 1
-    assert aiv.verdict_code([aiv.finding("rendezvous", "FAIL", "z", code=3), aiv.finding("a", "FAIL", "b")]) == 3
+    assert aiv.verdict_code([aiv.finding("rendezvous", "FAIL", "z", code=3), aiv.finding("layout", "FAIL", "b")]) == 3
 
 
 def test_judge_all_on_a_healthy_cluster_has_no_fail():
