@@ -2093,11 +2093,12 @@ class RankRun:
         if self.is0:
             self.conclude(v.code, v.findings, self.proto)
         if self.proto is not None:
+            self.wd.arm(self.phase, self.D[self.phase] + RANK0_GRACE)
             try:
-                self.wd.arm(self.phase, self.D[self.phase] + RANK0_GRACE)
-                self.exit(self.take_verdict(self.proto, self.D[self.phase] + RANK0_GRACE))
-            except Exception:
-                pass
+                code = self.take_verdict(self.proto, self.D[self.phase] + RANK0_GRACE)
+            except Exception as e:  # rank 0's store is gone: that, not our own error, is the news
+                self.lost_rank0(e)
+            self.exit(code)
         self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
         self.exit(v.code)
 
@@ -2341,6 +2342,8 @@ class RankRun:
                                                      [self.host], [0], code=EXIT_TIMEOUT)], self.proto)
             self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, cause)], self.poll)
         if self.master is None:
+            if phase == "rollcall" and self.proto is None:
+                cause = f"cannot reach the master {self.addr}:{self.port}: no store answered within {bound:g}s"
             self.speak_for_node(f"FAILURE: {PHASE_CHECK[phase]}: rank {self.rank} ({self.host}): {cause}")
         else:
             self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from rank 0 "
@@ -2366,12 +2369,14 @@ class RankRun:
         try:
             code = self.take_verdict(client, worst_case(self.D, True) + RANK0_GRACE)
         except Exception as e:
-            host0 = (self.master or {}).get("host", self.addr)
-            self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
-                                f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
-                                f"({first_line(e)})")
-            self.exit(EXIT_TIMEOUT)
+            self.lost_rank0(e)
         self.exit(code)
+
+    def lost_rank0(self, exc):
+        host0 = (self.master or {}).get("host", self.addr)
+        self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) during "
+                             f"{self.phase}: its store at {self.addr}:{self.port} is gone ({first_line(exc)})")
+        self.exit(EXIT_TIMEOUT)
 
     def take_verdict(self, client, seconds):
         code = client.wait_verdict(seconds)

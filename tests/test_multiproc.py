@@ -44,12 +44,13 @@ def test_json_matches_report(tmp_path):
         assert f"[{f['status']}] {f['check']}: {f['reason']}" in r.stdout
     assert d["collectives"]["ar_sum"] == 3 and d["collectives"]["grads_identical"] is True
     assert max(len(json.dumps(x)) for x in d["ranks"]) < 4096
-    assert set(d["phases"]) >= {"rendezvous", "init", "telemetry", "collectives"}
+    assert set(d["phases"]) >= {"rollcall", "init", "telemetry", "collective", "ddp"}
+    assert d["deadlines"]["rollcall"] == aiv.ROLLCALL_DEFAULT and d["deadlines"]["init"] == aiv.TIMEOUT_DEFAULT
 
 
 def test_missing_rank_times_out_naming_it(tmp_path):
     jp = tmp_path / "v.json"
-    res, secs = spawn(3, ranks=[0, 1], args=["--timeout", 6, "--json", jp])
+    res, secs = spawn(3, ranks=[0, 1], args=["--rollcall-timeout", 6, "--json", jp])
     (rc0, out0), (rc1, out1) = res
     assert rc0 == 3 and rc1 == 3, out0 + out1
     assert "FAILURE: rendezvous: rank(s) 2 did not check in within 6s (2/3 reported" in out0
@@ -80,12 +81,12 @@ def test_master_port_in_use_is_named():
 
 
 def test_unreachable_master_every_rank_says_so():
-    res, secs = spawn(2, ranks=[1], env={"MASTER_ADDR": "127.0.0.77"}, args=["--timeout", 4])
+    res, secs = spawn(2, ranks=[1], env={"MASTER_ADDR": "127.0.0.77"}, args=["--rollcall-timeout", 4])
     rc, out = res[0]
     assert rc == 3
     (line,) = failures(out)
     assert line.startswith("FAILURE: rendezvous: rank 1 (") and "master 127.0.0.77:" in line
-    assert secs < 4 + MARGIN
+    assert secs < 4 + aiv.RANK0_GRACE + MARGIN
 
 
 def test_bad_interface_on_one_rank_is_named_by_rank_0_fast():
@@ -95,33 +96,6 @@ def test_bad_interface_on_one_rank_is_named_by_rank_0_fast():
     (line,) = failures(out0)
     assert line.startswith("FAILURE: interface: GLOO_SOCKET_IFNAME='nosuch0'") and socket.gethostname() in line
     assert secs < 45            # the verdict comes from the roll call, not from a 60 s timeout
-
-
-def test_peer_killed_mid_collective_is_named():
-    res, secs = spawn(3, args=["--timeout", 15], env={"AIV_FAILPOINT": "die:collective:1"})
-    rc0, out0 = res[0]
-    assert rc0 == 1, out0
-    (line,) = failures(out0)
-    assert line.startswith("FAILURE: collective:") and "no report from rank(s) 1" in line
-    assert res[1][0] == -9 and res[2][0] == 1
-    assert secs < 15 + MARGIN
-
-
-def test_peer_frozen_mid_collective_times_out():
-    port = aiv.free_port()
-    t0 = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), "--timeout", "5"], text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT,
-                              env=clean_env({"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1",
-                                             "MASTER_PORT": port, "AIV_FAILPOINT": "hang:collective:1"}))
-             for r in range(2)]
-    out0, _ = procs[0].communicate(timeout=120)
-    secs = time.monotonic() - t0
-    procs[1].kill()                       # a frozen (SIGSTOPped) rank cannot exit by itself
-    procs[1].communicate()
-    assert procs[0].returncode == 3, out0
-    assert any("no report from rank(s) 1" in f for f in failures(out0))
-    assert secs < 5 + MARGIN
 
 
 def test_strict_turns_a_warning_into_failure(tmp_path):
@@ -195,11 +169,11 @@ def test_bandwidth_probe_and_min_busbw():
 
 
 def test_unresolvable_master_is_named():
-    res, secs = spawn(2, env={"MASTER_ADDR": "no-such-host.invalid"}, args=["--timeout", 5])
+    res, secs = spawn(2, env={"MASTER_ADDR": "no-such-host.invalid"}, args=["--rollcall-timeout", 5])
     (rc0, out0), (rc1, out1) = res
     assert rc0 == 1 and "FAILURE: rendezvous: MASTER_ADDR=no-such-host.invalid does not resolve" in out0
     assert rc1 == 3 and "no-such-host.invalid" in failures(out1)[0]
-    assert secs < 5 + MARGIN
+    assert secs < 5 + aiv.RANK0_GRACE + MARGIN
 
 
 def _listeners(port):

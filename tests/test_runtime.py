@@ -1,0 +1,223 @@
+"""The runtime's parts, each on its own: the deadline table, naming who did not finish, process
+liveness from /proc, the store protocol on a real TCPStore, the watchdog, GPU expectation."""
+import datetime
+import os
+import signal
+import subprocess
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from conftest import aiv
+
+
+@pytest.mark.parametrize("timeout,rollcall", [(1, 1), (5, 300), (120, 300), (3600, 60)])
+def test_deadline_table_keeps_rank_0_ahead_of_everyone(timeout, rollcall):
+    table = aiv.deadlines(timeout, rollcall)
+    assert set(table) == set(aiv.PHASES) == set(aiv.PHASE_CHECK) == set(aiv.PHASE_WHAT)
+    assert table["rollcall"] == table["local"] == rollcall
+    assert all(table[p] == timeout for p in aiv.PHASES if p not in ("local", "rollcall"))
+    for p in aiv.PHASES:  # rank 0 names culprits before any other rank gives up on it
+        assert table[p] + aiv.NAMING_S < table[p] + aiv.RANK0_GRACE
+    assert aiv.worst_case(table) == 2 * rollcall + 5 * timeout + aiv.NAMING_S + aiv.ACKS_S
+    assert aiv.worst_case(table, bandwidth=True) == aiv.worst_case(table) + timeout
+    assert all(aiv.PHASE_CHECK[p] in aiv.CHECKS for p in aiv.PHASES)
+
+
+def test_liveness_period_keeps_rank_0_under_1k_ops_per_second():
+    for nodes in (1, 2, 64, 512, 4096, 65536):
+        assert nodes / aiv.live_period(nodes) <= 500 and aiv.live_period(nodes) >= 1.0
+
+
+HOSTS = {0: "n1", 1: "n1", 2: "n2", 3: "n2"}
+COLL = aiv.PHASES.index("collective")
+
+
+def unfinished(stamps, live, errors=None, silent=(), code=None):
+    return aiv.judge_unfinished("collective", "all_reduce did not complete within 8s", 4, HOSTS, stamps, live,
+                                errors or {}, code, silent)
+
+
+def test_a_dead_rank_is_the_culprit_not_those_waiting_on_it():
+    f = unfinished({0: COLL - 1, 1: COLL - 1, 2: COLL - 1, 3: COLL - 1},
+                   {0: "running", 1: "running", 2: "gone", 3: "running"})
+    assert f["status"] == "FAIL" and f["check"] == "collective" and aiv.verdict_code([f]) == aiv.EXIT_FAIL
+    assert f["ranks"] == [2] and f["hosts"] == ["n2"]
+    assert "rank 2 (n2) dead (process gone)" in f["reason"] and "ranks 0-1 (n1), 3 (n2) alive" in f["reason"]
+
+
+def test_frozen_and_silent_ranks_time_out_with_exit_3():
+    f = unfinished({r: COLL - 1 for r in range(4)}, {0: "running", 1: "stopped", 2: "running", 3: "running"},
+                   silent={"n2"})
+    assert aiv.verdict_code([f]) == aiv.EXIT_TIMEOUT and f["ranks"] == [1, 2, 3] and f["hosts"] == ["n1", "n2"]
+    assert "frozen (process stopped)" in f["reason"] and "unreachable (its node stopped reporting)" in f["reason"]
+
+
+def test_finished_ranks_are_never_named():
+    f = unfinished({0: COLL - 1, 1: COLL, 2: COLL, 3: COLL - 1}, {r: "running" for r in range(4)})
+    assert f["ranks"] == [0, 3] and "2/4 rank(s) finished collective" in f["reason"]
+
+
+def test_reported_errors_name_their_ranks_with_their_own_code():
+    f = unfinished({r: COLL - 1 for r in range(4)}, {r: "running" for r in range(4)},
+                   errors={3: "rank 3 (n2): all_reduce failed: RuntimeError: boom"}, code=aiv.EXIT_FAIL)
+    assert f["ranks"] == [3] and aiv.verdict_code([f]) == aiv.EXIT_FAIL and "first error: rank 3 (n2)" in f["reason"]
+
+
+def test_many_culprits_are_listed_per_node_and_bounded():
+    hosts = {r: f"n{r // 8:03d}" for r in range(8 * 40)}
+    f = aiv.judge_unfinished("init", "init", 320, hosts, {r: 1 for r in range(320)},
+                             {r: "gone" for r in range(320)}, {}, None, ())
+    assert len(f["ranks"]) == 320 and "and 24 more node(s)" in f["reason"] and len(f["reason"]) < 1200
+
+
+def test_liveness_of_a_real_process():
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        first = aiv.proc_stat(p.pid)
+        assert first is not None and aiv.liveness(aiv.proc_stat(p.pid), first) == "running"
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        assert aiv.liveness(aiv.proc_stat(p.pid), first) == "stopped"
+        os.kill(p.pid, signal.SIGCONT)
+        p.kill()
+        p.wait()
+        assert aiv.liveness(aiv.proc_stat(p.pid), first) == "gone"
+        assert aiv.liveness(("S", "other-start"), first) == "gone"        # the PID was reused
+        assert aiv.liveness(None, None) == "unknown"                       # never visible here
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    yield server
+    del server
+
+
+def proto_for(server):
+    return aiv.StoreProtocol.open(dist, "127.0.0.1", server.port, 10, "aiv")
+
+
+def test_store_protocol_roll_call_stamps_errors_and_verdict(store):
+    p0, p1 = proto_for(store), proto_for(store)
+    p1.check_in(1, {"rank": 1, "host": "n2", "pid": 11}, 3)
+    p0.check_in(0, {"rank": 0, "host": "n1", "pid": 10}, 3)
+    assert not p0.wait_all(0.3) and p0.missing(3) == [2]
+    recs = p0.identities([0, 1])
+    assert [r["host"] for r in recs] == ["n1", "n2"]
+    p0.prepare(recs)
+    assert p1.node_ranks("n2") == [[1, 11]] and p0.live(["n1", "n2"]) == {"n1": {}, "n2": {}}
+    p1.stamp(1, "init")
+    assert p0.stamps(2) == {0: 0, 1: aiv.PHASES.index("init")}
+    p1.report_error(1, "init", "rank 1 (n2): init failed: X", 1)
+    assert p0.error_count() == 1 and p0.errors() == {1: "rank 1 (n2): init failed: X"}
+    got = {}
+    listener = p1.clone()
+    t = threading.Thread(target=lambda: got.update(code=listener.wait_verdict(10)))
+    t.start()
+    p0.publish_verdict(3)
+    t.join(10)
+    assert got == {"code": 3}
+
+
+def test_settled_liveness_waits_for_fresh_posts_and_names_silent_nodes(store):
+    p0, mon = proto_for(store), proto_for(store)
+    p0.prepare([{"rank": 0, "host": "n1", "pid": 1}, {"rank": 1, "host": "n2", "pid": 2}])
+    mon.post_live("n1", 0, {"0": "running"})
+
+    def later():
+        time.sleep(0.5)
+        mon.post_live("n1", 1, {"0": "running"})
+    threading.Thread(target=later).start()
+    t0 = time.monotonic()
+    live, silent = p0.settled_live(["n1", "n2"], 2.0)
+    assert live == {0: "running"} and silent == {"n2"} and 1.9 < time.monotonic() - t0 < 4
+
+
+def test_node_monitor_posts_the_state_of_its_ranks(store):
+    sleeper = subprocess.Popen(["sleep", "60"])
+    cfg = {"addr": "127.0.0.1", "port": store.port, "prefix": "aiv", "host": "n1",
+           "ranks": [[0, os.getpid()], [1, sleeper.pid]], "period": 0.2, "lifetime": 6}
+    p0 = proto_for(store)
+    p0.prepare([{"rank": 0, "host": "n1", "pid": os.getpid()}])
+    t = threading.Thread(target=aiv.node_monitor, args=(cfg,), daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while p0.live(["n1"])["n1"].get("ranks", {}).get("1") != "running" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        live, _ = p0.settled_live(["n1"], 3)
+        assert live == {0: "running", 1: "stopped"}
+        os.kill(sleeper.pid, signal.SIGKILL)
+        sleeper.wait()
+        live, _ = p0.settled_live(["n1"], 3)
+        assert live == {0: "running", 1: "gone"}
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+        t.join(10)                                            # its lifetime bounds it
+
+
+def test_watchdog_ticks_then_expires_once_per_arming():
+    events = []
+    wd = aiv.Watchdog(expire=lambda ph: events.append(("expire", ph)),
+                      tick=lambda ph: events.append(("tick", ph)), period=0.1)
+    wd.arm("init", 0.45)
+    time.sleep(0.8)
+    wd.disarm()
+    assert events[-1] == ("expire", "init") and events.count(("tick", "init")) >= 3
+    n = len(events)
+    wd.arm("ddp", 5)
+    wd.disarm()
+    time.sleep(0.3)
+    assert len(events) == n                                    # disarmed: nothing fires
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, ""),
+    ({"CUDA_VISIBLE_DEVICES": ""}, ""), ({"CUDA_VISIBLE_DEVICES": "-1"}, ""),
+    ({"CUDA_VISIBLE_DEVICES": "NoDevFiles", "SLURM_GPUS_ON_NODE": "8"}, ""),
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, "CUDA_VISIBLE_DEVICES=0,1"),
+    ({"SLURM_GPUS_ON_NODE": "8"}, "SLURM_GPUS_ON_NODE=8"), ({"SLURM_GPUS_ON_NODE": "0"}, ""),
+    ({"SLURM_JOB_GPUS": "0"}, "SLURM_JOB_GPUS=0"), ({"SLURM_GPUS_PER_NODE": "h200:8"}, "SLURM_GPUS_PER_NODE=h200:8"),
+])
+def test_gpus_expected(env, expected, tmp_path):
+    assert aiv.gpus_expected(env, str(tmp_path)) == expected
+
+
+def test_gpus_expected_from_the_driver(tmp_path):
+    (tmp_path / "proc/driver/nvidia/gpus/0000:1b:00.0").mkdir(parents=True)
+    assert "NVIDIA driver" in aiv.gpus_expected({}, str(tmp_path))
+    assert aiv.gpus_expected({"CUDA_VISIBLE_DEVICES": ""}, str(tmp_path)) == ""
+
+
+def args(**kw):
+    base = {"backend": "auto", "nproc": None}
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_launch_plan_never_turns_expected_gpus_into_a_cpu_run(tmp_path):
+    root = str(tmp_path)
+    assert aiv.launch_plan(args(), {}, root) == {"nproc": 2, "backend": "gloo"}
+    assert aiv.launch_plan(args(), {"CUDA_VISIBLE_DEVICES": "0,1,2"}, root) == {"nproc": 3, "backend": None}
+    assert aiv.launch_plan(args(backend="gloo"), {"CUDA_VISIBLE_DEVICES": "0,1"}, root)["backend"] is None
+    assert aiv.launch_plan(args(nproc=4), {}, root)["nproc"] == 4
+    with pytest.raises(aiv.UsageError):
+        aiv.launch_plan(args(backend="nccl"), {}, root)
+
+
+def test_fd_limit_problem_names_the_shortfall():
+    soft, hard = aiv.resource.getrlimit(aiv.resource.RLIMIT_NOFILE)
+    if hard == aiv.resource.RLIM_INFINITY:
+        pytest.skip("no hard limit here")
+    assert aiv.fd_limit_problem(1, 1) is None
+    msg = aiv.fd_limit_problem(hard, 1)
+    assert msg and f"is {hard}, below the {2 * hard + 65}" in msg
