@@ -23,7 +23,7 @@
 # 2 setup failed, 124 the time limit was hit.  Daemons are stopped by PID, namespaces vanish with their processes.
 #
 # Knobs (environment):
-#   DEB_DIR (.debs)  OUT (/tmp/aiv-gpu-slurm-out)  STATE_DIR (/tmp/aiv-gpu-slurm)  SCENARIOS ("raw fixed cgroup")
+#   DEB_DIR (.debs)  OUT (/tmp/aiv-gpu-slurm-out)  STATE_DIR (/tmp/aiv-gpu-slurm)  SCENARIOS ("raw fixed cgroup die hang")
 #   PYTHON (python3 on PATH: the interpreter with torch; the jobs see it as $STATE_DIR/pyenv/bin/python)
 #   TIME_LIMIT_S (400: hard stop of the cluster part, teardown included; the whole script ends at most ~45 s later)
 #   JOB_WAIT_S (150: per job)  JOB_AIV_TIMEOUT (60: AIV_TIMEOUT of the preflight)  NODE_CPUS (4)
@@ -310,7 +310,7 @@ net_down() {
 
 write_conf() { # $1 = scenario
   local sc=$1 task proctrack gres ngres prolog="" first
-  case $sc in raw) first=100 ;; fixed) first=200 ;; cgroup) first=300 ;; *) first=900 ;; esac
+  case $sc in raw) first=100 ;; fixed) first=200 ;; cgroup) first=300 ;; die) first=400 ;; hang) first=500 ;; *) first=900 ;; esac
   mkdir -p "$S/log/$sc"
   if [ "$sc" = cgroup ]; then
     task=task/cgroup proctrack=proctrack/cgroup gres=gpu,nic ngres=gpu:1,nic:1
@@ -324,7 +324,7 @@ write_conf() { # $1 = scenario
     } >"$S/etc/gres.conf"
   else
     task=task/none proctrack=proctrack/linuxproc gres=gpu ngres=gpu:1
-    [ "$sc" = fixed ] && prolog="TaskProlog=$S/etc/taskprolog.sh"
+    case $sc in fixed | die | hang) prolog="TaskProlog=$S/etc/taskprolog.sh" ;; esac
     printf 'CgroupPlugin=autodetect\nIgnoreSystemd=yes\n' >"$S/etc/cgroup.conf"
     printf 'AutoDetect=off\nNodeName=node1 Name=gpu File=%s\nNodeName=node2 Name=gpu File=%s\n' "$GPU0" "$GPU1" >"$S/etc/gres.conf"
   fi
@@ -505,6 +505,24 @@ if sc == "raw" and backend == "nccl":
             problems.append(f"gpu-affinity names {m.group(0)}, not one of this host's GPUs")
     if success:
         problems.append("SUCCESS line printed although both ranks share a GPU")
+elif sc in ("die", "hang"):
+    want_code = "1" if sc == "die" else "3"
+    word = "dead (process gone)" if sc == "die" else "frozen (process stopped)"
+    if (state, code) != ("FAILED", want_code + ":0"):
+        problems.append(f"job {state} {code}, expected FAILED {want_code}:0")
+    if not any(ln.startswith("FAILURE: collective:") and f"rank 1 (node2) {word}" in ln for ln in fails):
+        problems.append(f"no 'FAILURE: collective:' line naming rank 1 (node2) {word}")
+    if js is not None and (js.get("failed_hosts") != ["node2"] or str(js.get("exit_code")) != want_code):
+        problems.append(f"JSON failed_hosts={js.get('failed_hosts')} exit_code={js.get('exit_code')}")
+    if f"Verdict: FAIL exit={want_code}" not in log or "FINDINGS" not in log:
+        problems.append("no report and Verdict line")
+    t = {k: float(v) for v, k in re.findall(r"^\[\s*([\d.]+)s\] (telemetry|verdict):", log, re.M)}
+    limit = float((js or {}).get("deadlines", {}).get("collective", 0)) + 5
+    if len(t) < 2 or t["verdict"] - t["telemetry"] > limit:
+        problems.append(f"verdict not within --timeout + 5 s of the collective's start: {t}")
+    info.append("verdict %.2fs after the collective began (bound %.0fs)" % (t.get("verdict", -1) - t.get("telemetry", 0), limit))
+    if success:
+        problems.append("SUCCESS line printed")
 else:
     if (state, code) != ("COMPLETED", "0:0"):
         problems.append(f"job {state} {code}, expected COMPLETED 0:0")
@@ -521,7 +539,7 @@ else:
                 problems.append(f"rank {r.get('rank')} on {r.get('host')} ran on {uuid(r)}, expected {want}")
 # what the tasks saw in CUDA_VISIBLE_DEVICES: Slurm's node-local index, or the remapped UUID
 for r in ranks:
-    want = node_gpu.get(r.get("host"), "?") if sc == "fixed" else "0"
+    want = node_gpu.get(r.get("host"), "?") if sc in ("fixed", "die", "hang") else "0"
     if r.get("cvd") != want:
         problems.append(f"rank {r.get('rank')} on {r.get('host')}: CUDA_VISIBLE_DEVICES={r.get('cvd')}, expected {want}")
 
@@ -564,6 +582,8 @@ run_scenario() { # $1 = scenario; appends to summary, writes $OUT/<scenario>.txt
   local exports="ALL,PYTORCH_ENV=$S/pyenv,NCCL_SOCKET_IFNAME=eth0,GLOO_SOCKET_IFNAME=eth0"
   exports+=",NCCL_NVLS_ENABLE=0,TORCH_SYMM_MEM_DISABLE_MULTICAST=1,NVSHMEM_DISABLE_NVLS=1,AIV_TIMEOUT=$JOB_AIV_TIMEOUT"
   [ "$BACKEND" = gloo ] && exports+=",AIV_BACKEND=gloo"
+  # die / hang: as fixed, and rank 1 (node2) is SIGKILLed / SIGSTOPped when it reaches the all_reduce
+  case $sc in die | hang) exports+=",AIV_FAILPOINT=$sc:collective:1" ;; esac
   local cmd=("$BIN/sbatch" --parsable --nodes=2 --ntasks-per-node=1 --gpus-per-node=1 --cpus-per-task=2 --time=5
     "--export=$exports" "$REPO/submit_smoke_test.sbatch")
   t0=$(now_ms)
@@ -634,7 +654,7 @@ inner() {
   trap on_signal TERM INT HUP
   CGFB=0
   SOFT_END=$((T0 + (TIME_LIMIT_S - 45) * 1000))
-  SCENARIOS=${SCENARIOS:-raw fixed cgroup}
+  SCENARIOS=${SCENARIOS:-raw fixed cgroup die hang}
   JOB_WAIT_S=${JOB_WAIT_S:-150}
   JOB_AIV_TIMEOUT=${JOB_AIV_TIMEOUT:-60}
   NODE_CPUS=${NODE_CPUS:-4}
