@@ -1394,17 +1394,32 @@ def _import_state(st):
     return "missing" if "ModuleNotFoundError" in (st.get("error") or "") else "BROKEN"
 
 
+def _phase_times(phases):
+    """'import_torch=3.19 local=3.60 rollcall=0.63 ...' in the order of the run (JSON sorts its keys)."""
+    order = ("import_torch",) + PHASES + ("imports",)
+    keys = sorted(phases, key=lambda k: (order.index(k) if k in order else len(order), k))
+    return " ".join(f"{k}={phases[k]:.2f}" for k in keys)
+
+
 def render_report(state):
-    """The whole report as text. state: the dict also written as JSON."""
-    L = []
+    """The whole report as text. state: the dict also written as JSON. Identical nodes are grouped
+    once (every flagged node alone) and each section renders the groups."""
     recs = state.get("ranks") or []
-    findings = state.get("findings") or []
-    flagged = {h for f in findings if f["status"] != "PASS" for h in f["hosts"]}
-    show_ranks = len(recs) <= 64
-    groups = group_nodes(recs, flagged)  # identical nodes collapsed once, used by every section
-    L += [BAR, "CLUSTER HARDWARE TOPOLOGY REPORT", BAR]
-    hosts = _by_host(recs)
-    L.append(f"  nodes={len(hosts)} ranks_reported={len(recs)}/{state['world_size']} backend={state['backend']}")
+    flagged = {h for f in state.get("findings") or [] if f["status"] != "PASS" for h in f["hosts"]}
+    groups = group_nodes(recs, flagged)
+    out = []
+    for section in (_render_topology, _render_environment, _render_fabric, _render_collectives, _render_findings):
+        out += section(state, recs, groups)
+    return "\n".join(out)
+
+
+def _node_of(rs):
+    return next((r.get("node") for r in rs if r.get("node")), {}) or {}
+
+
+def _render_topology(state, recs, groups):
+    L = [BAR, "CLUSTER HARDWARE TOPOLOGY REPORT", BAR,
+         f"  nodes={len(_by_host(recs))} ranks_reported={len(recs)}/{state['world_size']} backend={state['backend']}"]
     for hs, rs in groups:
         g = rs[0].get("gpu") or {}
         gpus = f"{len(rs)}x{_q(g.get('name'))}" if g else "cpu"
@@ -1413,42 +1428,46 @@ def render_report(state):
         locs_s = format_ranges(locs) if len(set(locs)) == len(locs) else ",".join(map(str, locs))
         L.append(f"  node={compress_hostlist(hs)} nodes={len(hs)} ranks_per_node={len(rs)} "
                  f"local_ranks={locs_s} {tail} gpus={gpus}")
-    flagged_ranks = {r for f in findings if f["status"] != "PASS" for r in f["ranks"]}
+    show_all = len(recs) <= 64
+    flagged_ranks = {r for f in state.get("findings") or [] if f["status"] != "PASS" for r in f["ranks"]}
     for r in sorted(recs, key=lambda r: r["rank"]):
-        if not show_ranks and r["rank"] not in flagged_ranks:
-            continue
-        g = r.get("gpu") or {}
-        dev = f"cuda:{r['device']}" if r.get("device") is not None else "cpu"
-        L.append(f"    rank={r['rank']} node={r['host']} local_rank={r['local_rank']} device={dev} "
-                 f"gpu={_q(g.get('name'))} vram={human_bytes(g.get('vram')) if g else '-'} uuid={_q(g.get('uuid'))} "
-                 f"pci={_q(g.get('pci'))} numa={_q(g.get('numa'))} cpus={r.get('cpus')}")
-    if not show_ranks:
+        if show_all or r["rank"] in flagged_ranks:
+            g = r.get("gpu") or {}
+            dev = f"cuda:{r['device']}" if r.get("device") is not None else "cpu"
+            L.append(f"    rank={r['rank']} node={r['host']} local_rank={r['local_rank']} device={dev} "
+                     f"gpu={_q(g.get('name'))} vram={human_bytes(g.get('vram')) if g else '-'} "
+                     f"uuid={_q(g.get('uuid'))} pci={_q(g.get('pci'))} numa={_q(g.get('numa'))} "
+                     f"cpus={_q(r.get('cpus'))}")
+    if not show_all:
         L.append(f"    ({len(recs)} ranks: per-rank lines shown only for ranks named in a finding; see --json)")
     for hs, rs in groups:
-        n = next((r.get("node") for r in rs if r.get("node")), None)
-        if n and n.get("peer"):
+        n = _node_of(rs)
+        if n.get("peer"):
             L.append(f"  peer access {compress_hostlist(hs)} (row i, col j: 1 = cuda:i can access cuda:j):")
             L.extend(f"    cuda:{i}  {' '.join(row)}" for i, row in enumerate(n["peer"]))
+    return L
 
-    L += [BAR, "NODE ENVIRONMENT DEEP DIVE", BAR]
+
+def _render_environment(state, recs, groups):
+    L = [BAR, "NODE ENVIRONMENT DEEP DIVE", BAR]
     for hs, rs in groups:
-        n = next((r.get("node") for r in rs if r.get("node")), {}) or {}
-        v = rs[0]["versions"]
-        imp = n.get("imports") or {}
-        iv = {name: _import_state(imp.get(name)) for name in ("torchvision", "torchaudio")}
+        n, v = _node_of(rs), rs[0]["versions"]
+        iv = {name: _import_state((n.get("imports") or {}).get(name)) for name in PROBED_PACKAGES}
+        memlock = n.get("memlock") if n.get("memlock") == "unlimited" else human_bytes(n.get("memlock"))
         L.append(f"  node={compress_hostlist(hs)} os={_q(n.get('os'))} kernel={_q(n.get('kernel'))} "
-                 f"cpu={_q(n.get('cpu_model'))} cpus={n.get('cpus')} mem={human_bytes(n.get('mem_total'))} "
+                 f"cpu={_q(n.get('cpu_model'))} cpus={_q(n.get('cpus'))} mem={human_bytes(n.get('mem_total'))} "
                  f"driver={_q(n.get('driver'))}")
         L.append(f"    torch={v['torch']} cuda={_q(v['cuda'])} nccl={_q(v['nccl'])} python={v['python']} "
-                 f"torchvision={iv['torchvision']} torchaudio={iv['torchaudio']} "
-                 f"memlock={n.get('memlock') if n.get('memlock') == 'unlimited' else human_bytes(n.get('memlock'))} "
+                 f"torchvision={iv['torchvision']} torchaudio={iv['torchaudio']} memlock={memlock} "
                  f"shm={human_bytes(n.get('shm'))}")
+    return L
 
-    L += [BAR, "NETWORK INTERCONNECT & FABRIC STATUS", BAR]
+
+def _render_fabric(state, recs, groups):
+    L = [BAR, "NETWORK INTERCONNECT & FABRIC STATUS", BAR]
     for hs, rs in groups:
-        n = next((r.get("node") for r in rs if r.get("node")), {}) or {}
-        ib = n.get("ib") or []
-        ibs = ",".join(f"{p['port']}:{p['state']}:{p['rate_gbps'] or 0:g}Gb/s" for p in ib) or "none"
+        n = _node_of(rs)
+        ibs = ",".join(f"{p['port']}:{p['state']}:{p['rate_gbps'] or 0:g}Gb/s" for p in n.get("ib") or []) or "none"
         ifs = ",".join(f"{k}({v[0] if v else '-'})" for k, v in sorted((n.get("ifaces") or {}).items())) or "-"
         tr = "+".join(sorted(set().union(*[r.get("transport") or [] for r in rs]))) or \
             ("TCP(gloo)" if state.get("backend") == "gloo" else "-")
@@ -1456,31 +1475,36 @@ def render_report(state):
                  f"transport={tr} ifaces={ifs if len(hs) == 1 else 'per-node'}")
     env = state.get("env") or {}
     shown = " ".join(f"{k}={_q(v)}" for k, v in env.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_")))
-    L.append("  env: " + (shown or "(no NCCL_/GLOO_ variables set)"))
+    L.append("  env as set in the job: " + (shown or "(no NCCL_/GLOO_ variables set)"))
+    loaded = sorted({r["versions"].get("nccl") for r in recs if r["versions"].get("nccl")})
+    if "NCCL_VERSION" in env and loaded:
+        L.append(f"    (NCCL_VERSION is a variable of the image; the NCCL torch loaded is {', '.join(loaded)})")
+    return L
 
+
+def _render_collectives(state, recs, groups):
     coll = state.get("collectives")
-    if coll:
-        L += [BAR, "COLLECTIVES", BAR]
-        L.append(f"  all_reduce exact: sum={coll['ar_sum']:g} expected={coll['ar_expected']} "
-                 f"on {coll['ranks']} rank(s)")
-        L.append(f"  DDP nn.Linear(10,10): global average loss={coll['loss']:.6f} "
-                 f"gradients_identical={'yes' if coll['grads_identical'] else 'NO'}")
-        for b in coll.get("bandwidth") or []:
-            L.append(f"  busbw size={human_bytes(b['bytes'])} time={b['time_us']:.1f}us "
-                     f"algbw={b['algbw']:.2f}GB/s busbw={b['busbw']:.2f}GB/s")
+    if not coll:
+        return []
+    L = [BAR, "COLLECTIVES", BAR,
+         f"  all_reduce exact: sum={coll['ar_sum']} expected={coll['ar_expected']} on {coll['ranks']} rank(s)",
+         f"  DDP nn.Linear(10,10): global average loss={coll['loss']:.6f} "
+         f"gradients_identical={'yes' if coll['grads_identical'] else 'NO'}"]
+    for b in coll.get("bandwidth") or []:
+        L.append(f"  busbw size={human_bytes(b['bytes'])} time={b['time_us']:.1f}us "
+                 f"algbw={b['algbw']:.2f}GB/s busbw={b['busbw']:.2f}GB/s")
+    return L
 
-    L += [BAR, "FINDINGS", BAR]
-    for f in findings:
-        L.append(f"  [{f['status']}] {f['check']}: {f['reason']}")
-    L.append(BAR)
-    L.append(f"Ranks Reported: {len(recs)}/{state['world_size']}")
-    L.append(f"Verdict: {state['verdict']} exit={state['exit_code']} elapsed={state['elapsed_s']:.2f}s "
-             f"phases={' '.join(f'{k}={v:.2f}' for k, v in (state.get('phases') or {}).items())}")
-    for line in state.get("failures") or []:
-        L.append(line)
+
+def _render_findings(state, recs, groups):
+    L = [BAR, "FINDINGS", BAR] + [f"  [{f['status']}] {f['check']}: {f['reason']}" for f in state.get("findings") or []]
+    L += [BAR, f"Ranks Reported: {len(recs)}/{state['world_size']}",
+          f"Verdict: {state['verdict']} exit={state['exit_code']} elapsed={state['elapsed_s']:.2f}s "
+          f"phases={_phase_times(state.get('phases') or {})}"]
+    L += state.get("failures") or []
     if state["verdict"] == "PASS":
         L.append(SUCCESS_LINE)
-    return "\n".join(L)
+    return L
 
 
 def failure_lines(findings):
@@ -2026,6 +2050,11 @@ PROGRESS = {
 }
 
 
+HEADER = (BAR, "ai-infra-validator {version} ddp_mesh_ping  {started}  host={host}", "Total Execution Ranks: {world}",
+          "Master: {master} (port from {port_source})  deadlines: roll call {rollcall:g}s, each later phase "
+          "{timeout:g}s  expect: {expect}", BAR)
+
+
 def _counts(findings):
     return ", ".join(f"{sum(f['status'] == s for f in findings)} {s}" for s in ("PASS", "WARN", "FAIL"))
 
@@ -2448,15 +2477,11 @@ class RankRun:
             emit(f"[{elapsed():9.2f}s] " + PROGRESS[key].format(**kw))
 
     def header(self):
-        if not self.is0:
-            return
-        emit(BAR)
-        emit(f"ai-infra-validator {VERSION} ddp_mesh_ping  {self.started_at}  host={self.host}")
-        emit(f"Total Execution Ranks: {self.world}")
-        emit(f"Master: {self.addr}:{self.port} (port from {self.c['port_source']})  deadlines: roll call "
-             f"{self.D['rollcall']:g}s, each later phase {self.D['init']:g}s  expect: "
-             + (" ".join(f"{k}={v}" for k, v in sorted(self.expect.items())) or "none"))
-        emit(BAR)
+        if self.is0:
+            emit("\n".join(HEADER).format(
+                version=VERSION, started=self.started_at, host=self.host, world=self.world,
+                master=f"{self.addr}:{self.port}", port_source=self.c["port_source"], rollcall=self.D["rollcall"],
+                timeout=self.D["init"], expect=" ".join(f"{k}={v}" for k, v in sorted(self.expect.items())) or "none"))
 
     def failpoint(self, phase):
         """Test-only fault injection: AIV_FAILPOINT=<die|hang>:<phase>:<rank> kills (SIGKILL) or
