@@ -1980,6 +1980,27 @@ def first_line(exc):
     return type(exc).__name__
 
 
+def speak_once_per_node(text, env, local_rank=0, topic="run"):
+    """Lines a rank prints for itself or for rank 0 when rank 0 cannot: once per node. The first local
+    rank (lowest first) to mark a node-local file keyed by job, step, launcher (the parent process all
+    ranks of a node share under srun, torchrun and local mode) and topic, under an fcntl lock, prints;
+    the others stay silent. Returns whether this process printed."""
+    time.sleep(min(max(local_rank, 0), 20) * 0.05)
+    key = "-".join(re.sub(r"\W", "_", str(x)) for x in (env.get("SLURM_JOB_ID", "x"), env.get("SLURM_STEP_ID", "x"),
+                                                          topic, os.getppid()))
+    path = os.path.join(tempfile.gettempdir(), f"aiv-{key}.said")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
+        if os.read(fd, 1):
+            return False
+        os.write(fd, b"1")
+    except OSError:
+        pass  # no node-local coordination here: better a line twice than never
+    emit(text)
+    return True
+
+
 class Verdict(Exception):
     """The run ends here with this exit code; `findings` are added to what rank 0 reports."""
 
@@ -2422,22 +2443,7 @@ class RankRun:
         return code
 
     def speak_for_node(self, text):
-        """Lines a rank prints for itself or for rank 0: once per node. The first local rank (lowest
-        first) to mark a node-local file keyed by job, step, port and launcher (under an fcntl lock)
-        speaks; the others stay silent. Returns whether this rank spoke."""
-        time.sleep(min(self.local_rank, 20) * 0.05)
-        key = "-".join(re.sub(r"\W", "_", self.env.get(v, "x")) for v in ("SLURM_JOB_ID", "SLURM_STEP_ID"))
-        path = os.path.join(tempfile.gettempdir(), f"aiv-{key}-{self.port}-{os.getppid()}.said")
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
-            if os.read(fd, 1):
-                return False
-            os.write(fd, str(self.rank).encode())
-        except OSError:
-            pass  # no node-local coordination here: better a line twice than never
-        emit(text)
-        return True
+        return speak_once_per_node(text, self.env, self.local_rank, self.port)
 
     def speak_for_rank0(self, line):
         """Rank 0 gave no verdict: say so once per node, and leave a FAIL JSON naming rank 0's host
