@@ -1813,8 +1813,10 @@ def node_monitor(cfg):
     import torch.distributed as dist
     raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=30))
     proto = StoreProtocol(dist.PrefixStore(cfg["prefix"], raw))
-    pids = {int(r): int(p) for r, p in cfg["ranks"]}
-    first = {r: proc_stat(p) for r, p in pids.items()}
+    pids = {int(x[0]): int(x[1]) for x in cfg["ranks"]}
+    # each rank's own start time (from the roll call) tells a rank that died before we looked from
+    # a PID we cannot see; without it, the first look is the reference
+    first = {int(x[0]): ("", x[2]) if len(x) > 2 and x[2] else proc_stat(int(x[1])) for x in cfg["ranks"]}
     end, seq = time.monotonic() + cfg["lifetime"], 0
     while time.monotonic() < end:
         states = {r: liveness(proc_stat(p), first[r]) for r, p in pids.items()}
@@ -1886,7 +1888,7 @@ class StoreProtocol:
         no later read waits on a key that was never written)."""
         nodes = {}
         for rec in records:
-            nodes.setdefault(rec["host"], []).append([rec["rank"], rec["pid"]])
+            nodes.setdefault(rec["host"], []).append([rec["rank"], rec["pid"], rec.get("pid_start")])
         keys = [f"node/{h}" for h in nodes] + [f"live/{h}" for h in nodes] + ["errors"]
         vals = [json.dumps(v) for v in nodes.values()] + ["{}"] * len(nodes) + [""]
         self.store.multi_set(keys, vals)
@@ -2192,7 +2194,7 @@ class RankRun:
                          "cvd": self.env.get("CUDA_VISIBLE_DEVICES"), "gpu": gpu,
                          "gpus_expected": gpus_expected(self.env, self.args.sysfs_root) or None,
                          "cpus": format_ranges(_cpu_affinity()), "versions": torch_versions(torch),
-                         "local": local, "pid": os.getpid()}
+                         "local": local, "pid": os.getpid(), "pid_start": (proc_stat(os.getpid()) or ("", ""))[1]}
         if self.local_rank == 0:
             self.node_box = {}
             threading.Thread(target=self._collect_node, args=(self.node_box,), daemon=True).start()

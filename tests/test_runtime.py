@@ -113,7 +113,7 @@ def test_store_protocol_roll_call_stamps_errors_and_verdict(store):
     recs = p0.identities([0, 1])
     assert [r["host"] for r in recs] == ["n1", "n2"]
     p0.prepare(recs)
-    assert p1.node_ranks("n2") == [[1, 11]] and p0.live(["n1", "n2"]) == {"n1": {}, "n2": {}}
+    assert p1.node_ranks("n2") == [[1, 11, None]] and p0.live(["n1", "n2"]) == {"n1": {}, "n2": {}}
     p1.stamp(1, "init")
     assert p0.stamps(2) == {0: 0, 1: aiv.PHASES.index("init")}
     p1.report_error(1, "init", "rank 1 (n2): init failed: X", 1)
