@@ -427,6 +427,36 @@ def slurm_expectations(env):
     return out
 
 
+def under_torchrun(env):
+    return "TORCHELASTIC_RUN_ID" in env
+
+
+def launcher_store(env):
+    """(key prefix, serve) of the side channel. torch's rule (_create_c10d_store): with
+    TORCHELASTIC_USE_AGENT_STORE=True every rank, rank 0 included, is a client of the agent's store at
+    MASTER_ADDR:MASTER_PORT; otherwise rank 0 serves it. The agent's store outlives worker restarts,
+    so the keys carry the run id and the restart count."""
+    if not under_torchrun(env):
+        return "aiv", True
+    prefix = f"aiv/{env['TORCHELASTIC_RUN_ID']}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return prefix, env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() != "true"
+
+
+def launcher_expectations(env):
+    """The expected shape from the launcher: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE / GROUP_WORLD_SIZE
+    (under `srun torchrun`, Slurm's task counts are agents, not ranks), else what Slurm launched."""
+    if not under_torchrun(env):
+        return slurm_expectations(env)
+    out = {}
+    for key, var in (("world_size", "WORLD_SIZE"), ("ranks_per_node", "LOCAL_WORLD_SIZE"),
+                     ("nodes", "GROUP_WORLD_SIZE")):
+        try:
+            out[key] = int(env[var])
+        except (KeyError, ValueError):
+            pass
+    return out
+
+
 # ============================================================================ deadlines
 TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
 ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
@@ -667,6 +697,33 @@ def check_interfaces(env, ifaces, host):
             out.append(finding("interface", "FAIL", f"GLOO_SOCKET_IFNAME={val!r}: {what} is absent, down or has "
                                f"no address on {host}; interfaces here: {_iface_summary(ifaces)}", [host]))
     return out
+
+
+def gloo_address(env, ifaces, hostname=None):
+    """The interface and address gloo binds: GLOO_SOCKET_IFNAME's; else, as gloo does, the hostname's
+    address when it resolves (Debian maps the hostname to 127.0.1.1, a loopback address), else the
+    loopback address. -> {'iface', 'addr', 'how', 'loopback'}."""
+    spec = (env.get("GLOO_SOCKET_IFNAME") or "").split(",")[0].strip()
+    if spec:
+        addrs = (ifaces.get(spec) or {}).get("addrs") or [None]
+        out = {"iface": spec, "addr": addrs[0], "how": "GLOO_SOCKET_IFNAME"}
+    else:
+        host = hostname or socket.gethostname()
+        try:
+            addr = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+            how = f"hostname {host} resolves to it"
+        except OSError:
+            addr, how = "127.0.0.1", f"hostname {host} does not resolve: gloo falls back to loopback"
+        owner = next((n for n, i in ifaces.items() if addr in i["addrs"]), "lo" if addr.startswith("127.") else "?")
+        out = {"iface": owner, "addr": addr, "how": how}
+    out["loopback"] = bool(out["addr"]) and (out["addr"].startswith("127.") or out["addr"] == "::1")
+    return out
+
+
+def parse_nccl_ifaces(text):
+    """Interfaces NCCL chose, from its INFO lines ('NET/Socket : Using [0]eth0:10.0.0.1<0>')."""
+    found = re.findall(r"(?:NET/Socket|Bootstrap) ?: Using (?:\[\d+\])?([\w.\-]+:[0-9A-Fa-f.:]+)<\d+>", text)
+    return sorted(set(found))
 
 
 # ============================================================================ collect
@@ -1180,12 +1237,34 @@ def judge_device_use(records):
     return []
 
 
+def judge_gloo_address(records):
+    """A multi-node gloo run whose chosen address is loopback cannot connect across nodes (FAIL); else
+    say which interface and address gloo uses on each node."""
+    gl = [r for r in records if r.get("backend") == "gloo" and r.get("gloo")]
+    if not gl:
+        return []
+    hosts = {r["host"] for r in records}
+    loop = {r["host"]: r["gloo"] for r in gl if r["gloo"]["loopback"]}
+    if len(hosts) > 1 and loop:
+        g = next(iter(loop.values()))
+        return [finding("interface", "FAIL", f"gloo would use the loopback address {g['addr']} on "
+                        f"{compress_hostlist(sorted(loop))} ({g['how']}) in a {len(hosts)}-node run: set "
+                        f"GLOO_SOCKET_IFNAME to the interface that reaches the other nodes, or map the hostname "
+                        f"to that interface's address", sorted(loop), [r["rank"] for r in gl if r["host"] in loop])]
+    used = {}
+    for r in gl:
+        used.setdefault(f"{r['gloo']['iface']}({r['gloo']['addr']})", set()).add(r["host"])
+    return [finding("interface", "PASS", "gloo uses " + "; ".join(
+        f"{k} on {compress_hostlist(sorted(v))}" for k, v in sorted(used.items())))]
+
+
 def judge_pre(records, world_size, expect):
     """Stage 1, from the roll call alone, before NCCL exists. The layout is judged only over a
     complete roll call: a missing rank is the cause, not a layout fault."""
     complete = len(records) == world_size
     return (judge_local(records) + judge_device_use(records) + judge_world_size(world_size, expect)
-            + (judge_layout(records, expect) if complete else []) + judge_gpu_affinity(records))
+            + (judge_layout(records, expect) if complete else []) + judge_gpu_affinity(records)
+            + (judge_gloo_address(records) if complete else []))
 
 
 def judge_gate(records, ib_hca=None):
@@ -1304,11 +1383,14 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
     one is frozen, unreachable or stuck, else `code` (the reported error's).
 
     stamps: {rank: index in PHASES of its last finished phase}; live: {rank: running|stopped|gone};
-    errors: {rank: its error line}; host_of: {rank: host}."""
+    errors: {rank: {'line', 'term'}} (term: the rank reported a SIGTERM: not a culprit while others are);
+    host_of: {rank: host}."""
     idx = PHASES.index(phase)
     late = [r for r in range(world) if stamps.get(r, -1) < idx]
 
     def kind(r):
+        if errors.get(r, {}).get("term"):
+            return "terminated"
         if live.get(r) == "gone":
             return "dead"
         if live.get(r) == "stopped":
@@ -1316,8 +1398,10 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
         if host_of.get(r) in silent_hosts:
             return "silent"
         return "error" if r in errors else "stuck"
-    groups = {k: [r for r in late if kind(r) == k] for k in ("dead", "frozen", "silent", "error", "stuck")}
-    culprits = groups["dead"] + groups["frozen"] + groups["silent"] or groups["error"] or groups["stuck"]
+    kinds = ("dead", "frozen", "silent", "error", "stuck", "terminated")
+    groups = {k: [r for r in late if kind(r) == k] for k in kinds}
+    culprits = (groups["dead"] + groups["frozen"] + groups["silent"] or groups["error"] or groups["stuck"]
+                or groups["terminated"])
     if groups["dead"]:
         code = EXIT_FAIL
     elif groups["frozen"] or groups["silent"] or not groups["error"]:
@@ -1326,10 +1410,10 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
         code = code or EXIT_FAIL
     words = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",
              "silent": "unreachable (its node stopped reporting)", "error": "reported an error",
-             "stuck": "alive but did not finish"}
+             "stuck": "alive but did not finish", "terminated": "terminated by SIGTERM (the launcher stopped it)"}
     parts = [f"{_ranks_on_hosts(rs, host_of)} {words[k]}" for k, rs in groups.items() if rs]
     detail = "; ".join(parts) if parts else "every rank finished it"
-    first_err = next((errors[r] for r in culprits if r in errors), None)
+    first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
     reason = (f"{cause}: {detail}; {world - len(late)}/{world} rank(s) finished {phase}"
               + (f"; first error: {first_err}" if first_err else ""))
     return finding(PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits, code=code)
@@ -1471,8 +1555,11 @@ def _render_fabric(state, recs, groups):
         ifs = ",".join(f"{k}({v[0] if v else '-'})" for k, v in sorted((n.get("ifaces") or {}).items())) or "-"
         tr = "+".join(sorted(set().union(*[r.get("transport") or [] for r in rs]))) or \
             ("TCP(gloo)" if state.get("backend") == "gloo" else "-")
+        used = sorted({f"{r['gloo']['iface']}({r['gloo']['addr']})" for r in rs if r.get("gloo")}
+                      | set().union(*[r.get("nccl_net") or [] for r in rs]))
         L.append(f"  node={compress_hostlist(hs)} ib={ibs} peermem={'yes' if n.get('peermem') else 'no'} "
-                 f"transport={tr} ifaces={ifs if len(hs) == 1 else 'per-node'}")
+                 f"transport={tr} ifaces={ifs if len(hs) == 1 else 'per-node'} "
+                 f"used={(','.join(used) or '-') if len(hs) == 1 else 'per-node'}")
     env = state.get("env") or {}
     shown = " ".join(f"{k}={_q(v)}" for k, v in env.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_")))
     L.append("  env as set in the job: " + (shown or "(no NCCL_/GLOO_ variables set)"))
@@ -1931,18 +2018,21 @@ class StoreProtocol:
         self._wait([f"gate/{name}"], seconds)
         return self.store.get(f"gate/{name}").decode()
 
-    def report_error(self, rank, phase, line, code):
-        self.store.append("errors", json.dumps({"rank": rank, "phase": phase, "line": line, "code": code}) + "\n")
+    def report_error(self, rank, phase, line, code, term=False):
+        entry = {"rank": rank, "phase": phase, "line": line, "code": code, "term": term}
+        self.store.append("errors", json.dumps(entry) + "\n")
         self.store.add("nerr", 1)
 
     def error_count(self):
         return self.store.add("nerr", 0)
 
     def errors(self):
+        """{rank: {'line', 'term'}}: the first report of each rank (term: it was terminated by SIGTERM)."""
         out = {}
         for ln in self.store.get("errors").decode(errors="replace").splitlines():
             e = json.loads(ln)
-            out.setdefault(int(e["rank"]), e["line"])
+            entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False})
+            entry["term"] = entry["term"] or bool(e.get("term"))
         return out
 
     def publish_verdict(self, code):
@@ -2096,7 +2186,7 @@ class RankRun:
         self.host = env.get("SLURMD_NODENAME") or socket.gethostname()
         self.addr, self.port = contract["master_addr"], contract["master_port"]
         self.D = deadlines(args.timeout, args.rollcall_timeout)
-        self.expect = dict(slurm_expectations(env), **{k: getattr(args, "expect_" + k) for k in
+        self.expect = dict(launcher_expectations(env), **{k: getattr(args, "expect_" + k) for k in
                                                        ("world_size", "nodes", "ranks_per_node")
                                                        if getattr(args, "expect_" + k) is not None})
         self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -2110,6 +2200,8 @@ class RankRun:
 
     # ---------------------------------------------------------------- flow
     def run(self):
+        """main() blocked SIGTERM in every thread before this object existed; one thread takes it."""
+        threading.Thread(target=self.on_sigterm, name="aiv-sigterm", daemon=True).start()
         self.header()
         try:
             for phase in PHASES:
@@ -2176,7 +2268,11 @@ class RankRun:
         self.probe = start_import_probe() if self.local_rank == 0 else None
         self.nccl_log = self.capture_nccl_debug()
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the communicator and raise
+        # abort the communicator and raise, never kill the process (1, torchrun's default, kills rank 0
+        # before its verdict); an operator's own setting outside torchrun is kept
+        if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ or (
+                under_torchrun(self.env) and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"):
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
         self.progress("contract", rank=self.rank, world=self.world, source=self.c["source"],
                       local_rank=self.local_rank, master=f"{self.addr}:{self.port}")
         t = time.monotonic()
@@ -2193,6 +2289,7 @@ class RankRun:
                          "local_rank": self.local_rank, "backend": self.backend, "device": self.device,
                          "cvd": self.env.get("CUDA_VISIBLE_DEVICES"), "gpu": gpu,
                          "gpus_expected": gpus_expected(self.env, self.args.sysfs_root) or None,
+                         "gloo": gloo_address(self.env, list_interfaces()) if self.backend == "gloo" else None,
                          "cpus": format_ranges(_cpu_affinity()), "versions": torch_versions(torch),
                          "local": local, "pid": os.getpid(), "pid_start": (proc_stat(os.getpid()) or ("", ""))[1]}
         if self.local_rank == 0:
@@ -2203,20 +2300,22 @@ class RankRun:
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
 
     def phase_rollcall(self):
-        R = self.D["rollcall"]
-        if self.is0:
+        R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)
+        if self.is0 and serve:
             problem = fd_limit_problem(self.world, self.expect.get("nodes") or self.world)
             if problem:
                 raise failed("rendezvous", f"rank 0 ({self.host}): {problem}", hosts=[self.host])
             fd = self._listen_socket().detach()
-            self.proto = StoreProtocol.open(self.dist, self.addr, self.port, R, "aiv", listen_fd=fd)
-            self.progress("rollcall_open", master=f"{self.addr}:{self.port}", world=self.world, seconds=R)
+            self.proto = StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd)
         else:
             try:
-                self.proto = StoreProtocol.open(self.dist, self.addr, self.port, R, "aiv")
+                self.proto = StoreProtocol.open(self.dist, self.addr, self.port, R, prefix)
             except Exception as e:
-                raise failed("rendezvous", f"rank {self.rank} ({self.host}) cannot reach the master "
-                             f"{self.addr}:{self.port}: {first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
+                raise failed("rendezvous", f"rank {self.rank} ({self.host}) cannot reach the "
+                             f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
+                             f"{first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
+        self.progress("rollcall_open", master=f"{self.addr}:{self.port}", world=self.world, seconds=R)
+        if not self.is0:
             threading.Thread(target=self.listen, name="aiv-listener", daemon=True).start()
         self.failpoint("rendezvous")
         self.proto.check_in(self.rank, self.identity, self.world)
@@ -2257,7 +2356,7 @@ class RankRun:
 
     def phase_init(self):
         kw = {"backend": self.backend, "rank": self.rank, "world_size": self.world,
-              "store": self.dist.PrefixStore("pg", self.proto.raw or self.proto.store),
+              "store": self.dist.PrefixStore(self.proto.prefix + "/pg", self.proto.raw),
               "timeout": datetime.timedelta(seconds=self.D["init"] + 30)}  # ours fires first
         if self.backend == "nccl":
             kw["device_id"] = self.torch.device("cuda", self.device)
@@ -2311,6 +2410,8 @@ class RankRun:
         dist.all_reduce(lsum)
         self.results.update(loss=loss.item(), grads=hashlib.sha256(grads.numpy().tobytes()).hexdigest(),
                             transport=self.nccl_transport() if self.backend == "nccl" else None,
+                            nccl_net=parse_nccl_ifaces(read_text(self.nccl_log, "", 8 << 20) or "") if self.nccl_log
+                            else None,
                             imports=self.import_results())
         gathered = [None] * self.world if self.is0 else None
         dist.gather_object(self.results, gathered, dst=0)
@@ -2334,7 +2435,7 @@ class RankRun:
         for res in self.results:
             rec = next((x for x in self.records if x["rank"] == res["rank"]), None)
             if rec is not None:
-                rec["transport"] = res.get("transport")
+                rec["transport"], rec["nccl_net"] = res.get("transport"), res.get("nccl_net")
                 if rec.get("node") is not None and res.get("imports") is not None:
                     rec["node"]["imports"] = res["imports"]
         final = (judge_imports(self.records) + judge_collectives(self.results, self.world, self.host_of)
@@ -2374,11 +2475,11 @@ class RankRun:
                 return
             time.sleep(0.02)
 
-    def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT):
+    def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
         """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports."""
         hosts = sorted(set(self.host_of.values()))
         try:
-            live, silent = client.settled_live(hosts, NAMING_S - 1)
+            live, silent = client.settled_live(hosts, budget)
             stamps, errors = client.stamps(self.world), client.errors()
         except Exception as e:
             return finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the "
@@ -2417,6 +2518,30 @@ class RankRun:
             self.alarm_at = time.monotonic()
         if dead or (self.alarm_at is not None and time.monotonic() - self.alarm_at >= ERROR_GRACE):
             self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, f"{PHASE_WHAT[phase]} failed")], self.poll)
+
+    def on_sigterm(self):
+        """SIGTERM: a launcher (torchrun, when another worker died) or the batch file stopping the step.
+        Rank 0 gives its verdict within NAMING_S, naming who did not finish the phase; the others post
+        that they were terminated (so that rank 0 does not take them for dead) and exit 143."""
+        signal.sigwait({signal.SIGTERM})
+        phase, why = self.phase, f"{PHASE_WHAT[self.phase]} was interrupted by SIGTERM (launcher or step kill)"
+        if not self.is0:
+            if self.proto is not None:
+                line = f"rank {self.rank} ({self.host}): terminated by SIGTERM during {phase}"
+                t = threading.Thread(target=lambda: self.proto.clone().report_error(self.rank, phase, line,
+                                                                                    EXIT_TIMEOUT, term=True),
+                                     daemon=True)
+                t.start()
+                t.join(1.0)
+            self.exit(128 + signal.SIGTERM)
+        if self.verdict_lock.locked():  # the verdict is being given already
+            return
+        if self.poll is None:
+            self.conclude(EXIT_TIMEOUT, [finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {why}",
+                                                 [self.host], [0], code=EXIT_TIMEOUT)], self.proto)
+        time.sleep(0.5)  # the others' 'terminated' reports
+        client = self.proto.clone()
+        self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, client, why, budget=NAMING_S - 2.5)], client)
 
     def listen(self):
         """Non-zero ranks: block on the verdict key on a connection of our own and exit with it."""
@@ -2806,6 +2931,7 @@ def main(argv=None):
         return EXIT_USAGE
     if contract is None:
         return launch_local(args, argv, env)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by RankRun.on_sigterm only
     RankRun(args, contract, env).run()
     return EXIT_FAIL  # not reached: run() always exits the process
 

@@ -64,7 +64,7 @@ def test_finished_ranks_are_never_named():
 
 def test_reported_errors_name_their_ranks_with_their_own_code():
     f = unfinished({r: COLL - 1 for r in range(4)}, {r: "running" for r in range(4)},
-                   errors={3: "rank 3 (n2): all_reduce failed: RuntimeError: boom"}, code=aiv.EXIT_FAIL)
+                   errors={3: {"line": "rank 3 (n2): all_reduce failed: RuntimeError: boom"}}, code=aiv.EXIT_FAIL)
     assert f["ranks"] == [3] and aiv.verdict_code([f]) == aiv.EXIT_FAIL and "first error: rank 3 (n2)" in f["reason"]
 
 
@@ -117,7 +117,7 @@ def test_store_protocol_roll_call_stamps_errors_and_verdict(store):
     p1.stamp(1, "init")
     assert p0.stamps(2) == {0: 0, 1: aiv.PHASES.index("init")}
     p1.report_error(1, "init", "rank 1 (n2): init failed: X", 1)
-    assert p0.error_count() == 1 and p0.errors() == {1: "rank 1 (n2): init failed: X"}
+    assert p0.error_count() == 1 and p0.errors() == {1: {"line": "rank 1 (n2): init failed: X", "term": False}}
     got = {}
     listener = p1.clone()
     t = threading.Thread(target=lambda: got.update(code=listener.wait_verdict(10)))

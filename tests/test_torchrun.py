@@ -1,0 +1,131 @@
+"""torchrun, for real: the agent serves the store (every rank is its client), the keys carry the run
+id, torchrun's own shape is the expectation, a dead worker makes the agent SIGTERM the others and
+rank 0 still names it, and two agents in two network namespaces with their own hostnames make a
+2-node run."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPT, aiv, clean_env, failures, free_port
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+if not TORCHRUN.exists():
+    pytest.skip(f"no torchrun beside {sys.executable}", allow_module_level=True)
+
+
+def torchrun(*args, env=None, timeout=180, prefix=()):
+    cmd = [*prefix, str(TORCHRUN), *map(str, args)]
+    return subprocess.run(cmd, env=clean_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+def test_standalone_passes_with_torchruns_shape():
+    r = torchrun("--standalone", "--nproc-per-node", 2, SCRIPT, "--timeout", 60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Total Execution Ranks: 2" in r.stdout and aiv.SUCCESS_LINE in r.stdout
+    assert "expect: nodes=1 ranks_per_node=2 world_size=2" in r.stdout       # torchrun's shape
+    assert "address already in use" not in r.stdout
+
+
+def test_static_rendezvous_passes():
+    r = torchrun("--nnodes", 1, "--nproc-per-node", 2, "--master-addr", "127.0.0.1", "--master-port", free_port(),
+                 SCRIPT, "--timeout", 60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert aiv.SUCCESS_LINE in r.stdout
+
+
+@pytest.mark.parametrize("fault,word,code", [("die", "dead (process gone)", 1),
+                                             ("hang", "frozen (process stopped)", 3)])
+def test_failpoints_under_torchrun_give_the_named_verdict(fault, word, code, tmp_path):
+    """die: the agent SIGTERMs the others at once and rank 0 gives its verdict on the signal; hang:
+    rank 0's own deadline names the frozen rank (the agent then kills the stopped worker)."""
+    jp = tmp_path / "v.json"
+    t0 = time.monotonic()
+    r = torchrun("--standalone", "--nproc-per-node", 3, SCRIPT, "--timeout", 8, "--json", jp,
+                 env={"AIV_FAILPOINT": f"{fault}:collective:1"}, timeout=240)
+    assert r.returncode != 0                               # torchrun's code: some worker exited non-zero
+    lines = failures(r.stdout)
+    assert len(lines) == 1 and lines[0].startswith("FAILURE: collective:") and "rank 1 (" in lines[0], r.stdout
+    assert word in lines[0] and "Traceback" not in r.stdout
+    d = json.loads(jp.read_text())
+    assert d["exit_code"] == code and d["failed_hosts"] and [f["ranks"] for f in d["findings"]
+                                                            if f["status"] == "FAIL"] == [[1]]
+    assert time.monotonic() - t0 < 120
+
+
+# ---------------------------------------------------------------- two agents, two namespaces
+def _skip_or_fail(msg):
+    if os.environ.get("CI") == "true":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def sh(*cmd):
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def two_namespaces():
+    """aivtr1 (10.79.0.1) and aivtr2 (10.79.0.2), joined by a veth pair named eth0 on both sides."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        _skip_or_fail("needs root, ip (iproute2) and unshare (util-linux) for network namespaces")
+    tag = str(os.getpid() % 10000)
+    ns = [f"aivtr{tag}a", f"aivtr{tag}b"]
+    try:
+        for n in ns:
+            sh("ip", "netns", "add", n)
+        sh("ip", "link", "add", f"aivt{tag}a", "type", "veth", "peer", "name", f"aivt{tag}b")
+        for i, n in enumerate(ns):
+            dev = f"aivt{tag}{'ab'[i]}"
+            sh("ip", "link", "set", dev, "netns", n)
+            sh("ip", "-n", n, "link", "set", dev, "name", "eth0")
+            sh("ip", "-n", n, "addr", "add", f"10.79.0.{i + 1}/24", "dev", "eth0")
+            sh("ip", "-n", n, "link", "set", "eth0", "up")
+            sh("ip", "-n", n, "link", "set", "lo", "up")
+        yield ns
+    finally:
+        for n in ns:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=30)
+
+
+def two_node_run(ns, extra_env=None):
+    port = 29611
+    procs = []
+    for i, n in enumerate(ns):
+        cmd = ["ip", "netns", "exec", n, "unshare", "--uts", "sh", "-c",
+               f'hostname tnode{i + 1} && exec "$@"', "sh", str(TORCHRUN), "--nnodes", "2", "--node-rank", str(i),
+               "--nproc-per-node", "1", "--master-addr", "10.79.0.1", "--master-port", str(port),
+               str(SCRIPT), "--timeout", "30", "--rollcall-timeout", "60"]
+        procs.append(subprocess.Popen(cmd, env=clean_env(extra_env), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        outs.append((p.returncode, out))
+    return outs
+
+
+def test_two_agents_in_two_namespaces_make_a_two_node_run(two_namespaces):
+    (rc1, out1), (rc2, out2) = two_node_run(two_namespaces, {"GLOO_SOCKET_IFNAME": "eth0"})
+    assert rc1 == 0 and rc2 == 0, out1 + out2
+    assert "Total Execution Ranks: 2" in out1 and aiv.SUCCESS_LINE in out1
+    assert "nodes=2 ranks_reported=2/2" in out1 and "node=tnode1 " in out1 and "node=tnode2 " in out1
+    assert "[PASS] interface: gloo uses eth0(10.79.0.1) on tnode1; eth0(10.79.0.2) on tnode2" in out1
+
+
+def test_two_nodes_on_gloos_loopback_fallback_fail_the_interface_check(two_namespaces):
+    """No GLOO_SOCKET_IFNAME and hostnames that do not resolve: gloo would bind loopback on each node."""
+    (rc1, out1), (rc2, out2) = two_node_run(two_namespaces)
+    assert rc1 != 0 and rc2 != 0
+    (line,) = failures(out1)
+    assert line.startswith("FAILURE: interface: gloo would use the loopback address") and "tnode[1-2]" in line
+    assert "init:" not in out1                                     # judged at the roll call
