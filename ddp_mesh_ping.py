@@ -722,8 +722,10 @@ def gloo_address(env, ifaces, hostname=None):
 
 def parse_nccl_ifaces(text):
     """Interfaces NCCL chose, from its INFO lines ('NET/Socket : Using [0]eth0:10.0.0.1<0>')."""
-    found = re.findall(r"(?:NET/Socket|Bootstrap) ?: Using (?:\[\d+\])?([\w.\-]+:[0-9A-Fa-f.:]+)<\d+>", text)
-    return sorted(set(found))
+    found = set()
+    for line in re.findall(r"(?:NET/Socket|Bootstrap) ?: Using (.*)", text):
+        found.update(re.findall(r"(?:\[\d+\])?([\w.\-]+:[0-9A-Fa-f.:]+)<\d+>", line))
+    return sorted(found)
 
 
 # ============================================================================ collect
@@ -861,10 +863,6 @@ def start_import_probe():
         except OSError as e:
             procs[name] = e
     return procs
-
-
-def import_probe_done(procs):
-    return all(isinstance(p, OSError) or p.poll() is not None for p in procs.values())
 
 
 def finish_import_probe(procs, wait_s):
@@ -1304,7 +1302,7 @@ def judge_collectives(results, world_size, host_of=None):
     return out
 
 
-TRANSPORT_BITS = {"P2P": 1, "SHM": 2, "NET/Socket": 4, "NET/IB": 8, "COLLNET": 16, "NVLS": 32, "NET/other": 64}
+NCCL_TRANSPORTS = ("P2P", "SHM", "NET/Socket", "NET/IB", "COLLNET", "NVLS", "NET/other")
 
 
 def parse_nccl_transport(text):
@@ -1312,18 +1310,10 @@ def parse_nccl_transport(text):
     found = set()
     for m in re.finditer(r" via (P2P|SHM|NET/\w+|COLLNET|CollNet|NVLS)", text):
         k = m.group(1)
-        if k.startswith("NET/") and k not in TRANSPORT_BITS:
+        if k.startswith("NET/") and k not in NCCL_TRANSPORTS:
             k = "NET/other"
         found.add(k.upper() if k in ("CollNet",) else k)
     return sorted(found)
-
-
-def transport_mask(kinds):
-    return sum(TRANSPORT_BITS.get(k, 0) for k in set(kinds))
-
-
-def transport_kinds(mask):
-    return [k for k, b in TRANSPORT_BITS.items() if int(mask) & b]
 
 
 def judge_transport(records, ib_disable=None):

@@ -214,11 +214,13 @@ node1:1234:1300 [0] NCCL INFO Channel 01/0 : 3[1] -> 0[0] [receive] via NET/IB/0
 """
 
 
-def test_parse_nccl_transport_and_mask_roundtrip():
+def test_parse_nccl_transport_and_interfaces():
     kinds = aiv.parse_nccl_transport(NCCL_LOG)
     assert kinds == ["NET/IB", "NET/Socket", "P2P"]
-    assert aiv.transport_kinds(aiv.transport_mask(kinds)) == ["P2P", "NET/Socket", "NET/IB"]
     assert aiv.parse_nccl_transport("NCCL INFO Bootstrap : Using eth0") == []
+    text = ("node1:1:1 [0] NCCL INFO Bootstrap : Using eth0:10.77.0.11<0>\n"
+            "node1:1:1 [0] NCCL INFO NET/Socket : Using [0]eth0:10.77.0.11<0> [1]ib0:10.8.0.1<0>\n")
+    assert aiv.parse_nccl_ifaces(text) == ["eth0:10.77.0.11", "ib0:10.8.0.1"]
 
 
 def test_transport_socket_fallback_with_active_ib_fails():
