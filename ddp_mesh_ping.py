@@ -1887,13 +1887,15 @@ def node_monitor(cfg):
     """A node leader's child: posts the state of its node's ranks to the store every cfg['period']
     seconds. It runs outside the ranks, so it never needs a rank's GIL (NCCL init can hold it for
     seconds). Ends when its ranks are all gone, the store is gone, or cfg['lifetime'] passes."""
-    import torch.distributed as dist
-    raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=30))
-    proto = StoreProtocol(dist.PrefixStore(cfg["prefix"], raw))
     pids = {int(x[0]): int(x[1]) for x in cfg["ranks"]}
     # each rank's own start time (from the roll call) tells a rank that died before we looked from
     # a PID we cannot see; without it, the first look is the reference
     first = {int(x[0]): ("", x[2]) if len(x) > 2 and x[2] else proc_stat(int(x[1])) for x in cfg["ranks"]}
+    import torch.distributed as dist
+    if all(liveness(proc_stat(p), first[r]) == "gone" for r, p in pids.items()):
+        return 0  # the run ended while we imported torch
+    raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=5))
+    proto = StoreProtocol(dist.PrefixStore(cfg["prefix"], raw))
     end, seq = time.monotonic() + cfg["lifetime"], 0
     while time.monotonic() < end:
         states = {r: liveness(proc_stat(p), first[r]) for r, p in pids.items()}
