@@ -86,6 +86,7 @@ CHECKS = (
     "verdict",       # a rank died or hung after the collectives, before the verdict
     "bandwidth",     # all_reduce bus bandwidth below --min-busbw
     "transport",     # NCCL fell back to sockets although IB is active
+    "manifest",      # a node drifted from the accepted --manifest (FAIL or WARN by field)
     "internal",      # an unexpected error inside the tool (a bug: please report it)
 )
 
@@ -580,6 +581,12 @@ def build_parser():
                    help=f"measure all_reduce bus bandwidth (default sizes {DEFAULT_BW_SIZES})")
     p.add_argument("--min-busbw", type=_positive_float, metavar="GBPS",
                    help="FAIL when the largest size's busbw is below this (GB/s, 1e9 B/s)")
+    p.add_argument("--save-manifest", metavar="PATH",
+                   help="on a PASS with no WARN, save (merge into) the accepted state of the nodes as a manifest")
+    p.add_argument("--manifest", metavar="PATH", help="judge this run against a saved manifest (check 'manifest')")
+    p.add_argument("--diff-manifest", nargs=2, metavar=("A", "B"),
+                   help="print the differences between two manifests and exit: 0 equal, 1 different, 2 unreadable")
+    p.set_defaults(manifest_data=None)  # the --manifest file, read up front by rank 0 (manifest_preflight)
     p.add_argument("--sysfs-root", default="/", help="root for /sys and /proc/driver reads (tests)")
     p.add_argument("--version", action="version", version=f"ai-infra-validator {VERSION}")
     return p
@@ -888,7 +895,7 @@ def finish_import_probe(procs, wait_s):
     return out
 
 
-def collect_node_facts(root, torch_mod, backend, device_count):
+def collect_node_facts(root, torch_mod, backend, device_count, env=None):
     """Facts collected once per node (by local rank 0). Missing sources -> None."""
     shm = None
     try:
@@ -910,6 +917,7 @@ def collect_node_facts(root, torch_mod, backend, device_count):
         "ifaces": {n: i["addrs"][:1] for n, i in list_interfaces().items() if _usable(i)},
         "gpus_visible": device_count,
         "peer": None,
+        "env": node_env(env) if env is not None else None,  # manifest: this node's NCCL_/GLOO_ settings
     }
     if backend == "nccl" and device_count > 1:
         try:
@@ -954,7 +962,8 @@ def collect_gpu(torch_mod, index, root):
     except Exception:
         pass
     return {"name": p.name, "vram": int(p.total_memory), "uuid": uuid, "pci": pci,
-            "numa": numa, "numa_cpus": numa_cpus, "mem_used": used}
+            "numa": numa, "numa_cpus": numa_cpus, "mem_used": used,
+            **pci_link(root, pci)}  # manifest: PCIe link width and speed
 
 
 def torch_versions(torch_mod):
@@ -1419,6 +1428,506 @@ def _ranks_on_hosts(ranks, host_of, limit=16):
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(items) + more
 
 
+# ============================================================================ manifest
+# Accept once, gate forever. --save-manifest PATH writes the state a clean PASS (no WARN) saw, grouped
+# by node class and keeping the hosts each value was accepted on; --manifest PATH judges later runs
+# against it (check `manifest`); --diff-manifest A B prints what changed between two files.
+# In memory a class is "expanded": {'hosts': set, 'values': {field: {host: value}}, ...}; on disk each
+# field is a list of variants {'value': v, 'hosts': hostlist} (see the README's schema).
+MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_TOOL = "ai-infra-validator"
+NODE_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")
+PCI_LINK_FILES = ("current_link_width", "current_link_speed", "max_link_width", "max_link_speed")
+INTRA_TRANSPORTS = ("P2P", "SHM", "NVLS")  # the rest (NET/*, COLLNET) carry the path between nodes
+TRANSPORT_RANK = {"NET/Socket": 0, "NET/other": 1, "SHM": 2, "P2P": 3, "NET/IB": 4, "COLLNET": 5, "NVLS": 5}
+BAND_MIN_RUNS = 3  # a speed band judges only once this many accepted runs built it (see merge_bands)
+
+
+def node_env(env):
+    """A node's own NCCL_/GLOO_/TORCH_NCCL_ settings, through the report's allow-list (safe_env)."""
+    return {k: v for k, v in safe_env(env).items() if k.startswith(NODE_ENV_PREFIXES)}
+
+
+def pci_link(root, pci):
+    """PCIe link facts of a device from sysfs: widths as lanes, speeds in GT/s; None where absent."""
+    out = dict.fromkeys(PCI_LINK_FILES)
+    for name in PCI_LINK_FILES if pci else ():
+        m = re.match(r"\s*(\d+(?:\.\d+)?)", read_text(os.path.join(root, "sys/bus/pci/devices", pci.lower(), name))
+                     or "")
+        if m:
+            out[name] = int(float(m.group(1))) if name.endswith("width") else float(m.group(1))
+    return out
+
+
+def _always_fail(old, new):
+    return "FAIL"
+
+
+def _always_warn(old, new):
+    return "WARN"
+
+
+def _lower_fails(old, new):
+    """A downgrade (below the accepted) FAILs; an upgrade is a change to review (WARN)."""
+    try:
+        return "FAIL" if new < old else "WARN"
+    except TypeError:  # a hand-edited value of another type: not comparable, so not known to be better
+        return "FAIL"
+
+
+def _transport_severity(old, new):
+    """FAIL when the path lost its best transport or gained a worse one (NET/IB -> NET/Socket, P2P -> SHM)."""
+    o = [TRANSPORT_RANK.get(k, 1) for k in old if isinstance(k, str)] if isinstance(old, list) else []
+    n = [TRANSPORT_RANK.get(k, 1) for k in new]
+    return "FAIL" if not o or max(n) < max(o) or min(n) < min(o) else "WARN"
+
+
+# (field, what a finding calls it, severity of a change old -> new). Order: how findings are listed.
+MANIFEST_FIELDS = (
+    ("driver", "driver", _always_fail), ("cuda", "CUDA", _always_fail), ("nccl", "NCCL", _always_fail),
+    ("torch", "torch", _always_fail), ("gpu_model", "GPU model", _always_fail),
+    ("gpus_per_node", "GPUs per node", _always_fail), ("gpu_memory", "GPU memory", _always_fail),
+    ("ib_ports", "IB port count", _always_fail), ("ib_rate", "IB rate", _always_fail),
+    ("pcie_width", "PCIe link width", _lower_fails), ("pcie_speed", "PCIe link speed", _lower_fails),
+    ("transport_intra", "NCCL transport within the node", _transport_severity),
+    ("transport_inter", "NCCL transport between nodes", _transport_severity),
+    ("torchvision", "torchvision", _always_warn), ("torchaudio", "torchaudio", _always_warn),
+    ("python", "Python", _always_warn), ("kernel", "kernel", _always_warn), ("os", "OS", _always_warn),
+    ("ib_state", "IB port state", _always_warn), ("ifaces", "interfaces", _always_warn),
+    ("env", "environment", _always_warn),
+)
+FIELD_NAMES = tuple(f[0] for f in MANIFEST_FIELDS)
+
+
+def _low(values):
+    vals = [v for v in values if v is not None]
+    return min(vals) if vals else None
+
+
+def _gpu_fields(rs, node):
+    gs = [r["gpu"] for r in rs if r.get("gpu")]
+    if not gs:
+        return dict.fromkeys(("gpu_model", "gpus_per_node", "gpu_memory", "pcie_width", "pcie_speed"))
+    distinct = {g.get("uuid") or g.get("pci") or i for i, g in enumerate(gs)}
+    return {"gpu_model": "+".join(sorted({str(g.get("name")) for g in gs})),
+            "gpus_per_node": max(len(distinct), node.get("gpus_visible") or 0),
+            "gpu_memory": _low(g.get("vram") for g in gs),
+            "pcie_width": _low(g.get("current_link_width") for g in gs),
+            "pcie_speed": _low(g.get("current_link_speed") for g in gs)}
+
+
+def _node_fields(node):
+    ib, imports = node.get("ib"), node.get("imports") or {}
+    active = [p["rate_gbps"] for p in ib or [] if p.get("state") == "ACTIVE" and p.get("rate_gbps")]
+    down = [f"{p.get('port')} {p.get('state')}" for p in ib or [] if p.get("state") != "ACTIVE"]
+    return {"driver": node.get("driver"), "kernel": node.get("kernel"), "os": node.get("os"),
+            "ib_ports": len(ib) if ib is not None else None, "ib_rate": min(active) if active else None,
+            "ib_state": (", ".join(down) or "all ACTIVE") if ib else None,
+            "ifaces": sorted(node["ifaces"]) if node.get("ifaces") is not None else None,
+            "env": node.get("env"),
+            **{name: (None if _import_state(imports.get(name)) == "-" else _import_state(imports.get(name)))
+               for name in PROBED_PACKAGES}}
+
+
+def _transport_fields(rs):
+    seen = [r["transport"] for r in rs if r.get("transport") is not None]
+    kinds = sorted(set().union(*seen)) if seen else []
+    intra = [k for k in kinds if k in INTRA_TRANSPORTS]
+    inter = [k for k in kinds if k not in INTRA_TRANSPORTS]
+    return {"transport_intra": intra or None, "transport_inter": inter or None}  # a path not used: unmeasured
+
+
+def host_view(rs):
+    """(fields, class key) of one node from its rank records; a field this run did not measure is None."""
+    rs = sorted(rs, key=lambda r: r.get("local_rank", 0))
+    node = next((r["node"] for r in rs if r.get("node")), {}) or {}
+    v = rs[0].get("versions") or {}
+    fields = dict(_gpu_fields(rs, node), **_node_fields(node), **_transport_fields(rs),
+                  **{k: v.get(k) for k in ("torch", "cuda", "nccl", "python")})
+    rates = [p["rate_gbps"] for p in node.get("ib") or [] if p.get("rate_gbps")]
+    key = {"gpu_model": fields["gpu_model"], "gpus_per_node": fields["gpus_per_node"],
+           "ib_ports": fields["ib_ports"], "ib_rate_gbps": max(rates) if rates else None}
+    return {f: fields[f] for f in FIELD_NAMES}, key
+
+
+def class_name(key):
+    """'NVIDIA H200 x8, IB 8x400G': GPU model x GPUs per node x fabric shape (IB port count and rate)."""
+    gpu = f"{key.get('gpu_model')} x{key.get('gpus_per_node')}" if key.get("gpu_model") else "no GPU"
+    n = key.get("ib_ports")
+    ib = "IB unknown" if n is None else f"IB {n}x{key.get('ib_rate_gbps') or 0:g}G" if n else "no IB"
+    return f"{gpu}, {ib}"
+
+
+def _canon(v):
+    return json.dumps(v, sort_keys=True, default=str)
+
+
+def _hosts_in(x):
+    return list(x) if isinstance(x, list) else expand_hostlist(x) if x else []
+
+
+def _hosts_out(hosts):
+    """A Slurm hostlist string when it expands back to exactly these names, else the sorted list."""
+    hs = sorted(set(hosts))
+    text = compress_hostlist(hs)
+    try:
+        return text if sorted(expand_hostlist(text)) == hs else hs
+    except ValueError:
+        return hs
+
+
+def _hl(hosts):
+    return compress_hostlist(sorted(set(hosts))) or "-"
+
+
+def _expand_class(c):
+    values = {}
+    for field, variants in (c.get("fields") or {}).items():
+        for var in variants:
+            for h in _hosts_in(var.get("hosts")):
+                values.setdefault(field, {})[h] = var["value"]
+    return {"key": c.get("key") or {}, "hosts": set(_hosts_in(c.get("hosts"))), "values": values,
+            "runs": c.get("runs", 1), "first_accepted_at": c.get("first_accepted_at"),
+            "last_accepted_at": c.get("last_accepted_at"), "bands": c.get("bands") or {}}
+
+
+def _pack_class(x):
+    fields = {}
+    for field in sorted(x["values"], key=lambda f: (FIELD_NAMES.index(f) if f in FIELD_NAMES else 99, f)):
+        groups = {}
+        for h, v in x["values"][field].items():
+            groups.setdefault(_canon(v), (v, []))[1].append(h)
+        fields[field] = [{"value": v, "hosts": _hosts_out(hs)}
+                         for v, hs in sorted(groups.values(), key=lambda g: (-len(g[1]), _canon(g[0])))]
+    return {"key": x["key"], "hosts": _hosts_out(x["hosts"]), "runs": x["runs"],
+            "first_accepted_at": x["first_accepted_at"], "last_accepted_at": x["last_accepted_at"],
+            "fields": fields, "bands": x["bands"]}
+
+
+def _manifest_doc(classes, written_at):
+    return {"schema_version": MANIFEST_SCHEMA_VERSION, "tool": MANIFEST_TOOL, "version": VERSION,
+            "written_at": written_at, "classes": {k: _pack_class(x) for k, x in sorted(classes.items()) if x["hosts"]}}
+
+
+def manifest_from_records(records, written_at):
+    """The manifest of one accepted run: each node under its class, every measured field per host."""
+    classes = {}
+    for h, rs in sorted(_by_host(records).items()):
+        fields, key = host_view(rs)
+        x = classes.setdefault(class_name(key), {"key": key, "hosts": set(), "values": {}, "runs": 1, "bands": {},
+                                                 "first_accepted_at": written_at, "last_accepted_at": written_at})
+        x["hosts"].add(h)
+        for f, v in fields.items():
+            if v is not None:
+                x["values"].setdefault(f, {})[h] = v
+    return _manifest_doc(classes, written_at)
+
+
+def merge_bands(old, new):
+    """Bands widen: {name: {'ref', 'lo', 'hi', 'runs'}} -> lo the lowest, hi the highest, ref the mean
+    weighted by runs, runs added up. A band judges only from BAND_MIN_RUNS runs on."""
+    out = dict(old)
+    for name, b in new.items():
+        a = old.get(name)
+        if not a:
+            out[name] = b
+            continue
+        runs = a.get("runs", 1) + b.get("runs", 1)
+        out[name] = {"lo": min(a["lo"], b["lo"]), "hi": max(a["hi"], b["hi"]), "runs": runs,
+                     "ref": (a["ref"] * a.get("runs", 1) + b["ref"] * b.get("runs", 1)) / runs}
+    return out
+
+
+def merge_manifests(old, new):
+    """A save onto an existing manifest. Classes add up (hosts union); a host accepted again takes this run's
+    values (fields this run did not measure keep their earlier ones) and leaves any other class it was in;
+    bands widen. The written_at is the new one."""
+    if not old:
+        return new
+    out = {k: _expand_class(c) for k, c in old["classes"].items()}
+    for key, c in new["classes"].items():
+        n = _expand_class(c)
+        for other_key, o in out.items():
+            if other_key != key:
+                o["hosts"] -= n["hosts"]
+                for hv in o["values"].values():
+                    for h in n["hosts"]:
+                        hv.pop(h, None)
+        o = out.setdefault(key, dict(n, hosts=set(), values={}, runs=0, bands={}))
+        o["hosts"] |= n["hosts"]
+        for field, hv in n["values"].items():
+            o["values"].setdefault(field, {}).update(hv)
+        o.update(runs=o["runs"] + n["runs"], bands=merge_bands(o["bands"], n["bands"]),
+                 first_accepted_at=min(filter(None, [o["first_accepted_at"], n["first_accepted_at"]]), default=None),
+                 last_accepted_at=max(filter(None, [o["last_accepted_at"], n["last_accepted_at"]]), default=None))
+    return _manifest_doc(out, new["written_at"])
+
+
+def _fmt(field, v):
+    if v is None:
+        return "-"
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and field in ("gpu_memory", "ib_rate", "pcie_speed"):
+        return f"{int(v) >> 20} MiB" if field == "gpu_memory" else f"{v:g} {'Gb/s' if field == 'ib_rate' else 'GT/s'}"
+    if field == "pcie_width":
+        return f"x{v}"
+    if isinstance(v, list):
+        return ",".join(map(str, v)) or "none"
+    return str(v)
+
+
+def _changes(field, old, new):
+    """[(label, old text, new text)] of one host's change; the environment per variable."""
+    if field != "env":
+        return [(field, _fmt(field, old), _fmt(field, new))]
+    old, new = (x if isinstance(x, dict) else {} for x in (old, new))
+    return [(f"env.{k}", old.get(k, "(unset)"), new.get(k, "(unset)"))
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def _most_common(hv):
+    counts = {}
+    for v in hv.values():
+        counts.setdefault(_canon(v), [v, 0])[1] += 1
+    return max(counts.values(), key=lambda c: (c[1], _canon(c[0])))[0] if counts else None
+
+
+def _host_index(classes):
+    return {h: k for k, x in sorted(classes.items()) for h in sorted(x["hosts"])}
+
+
+def _judge_host(h, fields, cls, listed, drift, unchecked):
+    """Compare one node's fields with its class: its own accepted values when listed, else any of the class's."""
+    for field, _, severity in MANIFEST_FIELDS:
+        hv = cls["values"].get(field) or {}
+        accepted = ([hv[h]] if h in hv else []) if listed else list(hv.values())
+        new = fields[field]
+        if new is None or not accepted:
+            unchecked.add(field)
+            continue
+        if _canon(new) in {_canon(v) for v in accepted}:
+            continue
+        old = accepted[0] if listed else _most_common(hv)
+        text = "; ".join(f"{lab[4:]} {o} -> {n}" if field == "env" else f"{o} -> {n}"
+                         for lab, o, n in _changes(field, old, new))
+        drift.setdefault((field, severity(old, new)), {}).setdefault(text, []).append(h)
+
+
+def judge_manifest(manifest, records):
+    """This run against an accepted manifest (None: no --manifest). A listed host is judged field by field
+    against its own accepted values in the class it was accepted in; an unlisted host by its class key
+    (an unknown class is a WARN). Unmeasured fields are not checked; hosts not in this run are not judged."""
+    if not manifest:
+        return []
+    classes = {k: _expand_class(c) for k, c in manifest["classes"].items()}
+    index, drift, unchecked, unknown, counts = _host_index(classes), {}, set(), {}, [0, 0]
+    for h, rs in sorted(_by_host(records).items()):
+        fields, key = host_view(rs)
+        listed = h in index
+        cls = classes.get(index[h] if listed else class_name(key))
+        if cls is None:
+            unknown.setdefault(class_name(key), []).append(h)
+            continue
+        counts[0 if listed else 1] += 1
+        _judge_host(h, fields, cls, listed, drift, unchecked)
+    return _manifest_findings(drift, unknown, counts, unchecked, sorted(classes))
+
+
+def _manifest_findings(drift, unknown, counts, unchecked, accepted):
+    out = []
+    labels = {f: lab for f, lab, _ in MANIFEST_FIELDS}
+    for (field, sev), texts in sorted(drift.items(), key=lambda d: (d[0][1] != "FAIL", FIELD_NAMES.index(d[0][0]))):
+        hosts = [h for hs in texts.values() for h in hs]
+        out.append(finding("manifest", sev, f"{labels[field]} differs from the manifest: " + "; ".join(
+            f"{t} on {_hl(hs)}" for t, hs in sorted(texts.items())), hosts))
+    for key, hosts in sorted(unknown.items()):
+        out.append(finding("manifest", "WARN", f"{_hl(hosts)} not in the manifest, and its class '{key}' was never "
+                           f"accepted (accepted: {'; '.join(accepted) or 'none'})", hosts))
+    if not out:
+        skipped = [f for f in FIELD_NAMES if f in unchecked]
+        out.append(finding("manifest", "PASS", f"{counts[0] + counts[1]} node(s) match the manifest ({counts[0]} "
+                           f"listed, {counts[1]} judged by class)" + (f"; not checked (not measured): "
+                                                                      f"{', '.join(skipped)}" if skipped else "")))
+    return out
+
+
+def _class_problem(name, c):
+    if not isinstance(c, dict):
+        return f"class '{name}' is not an object"
+    try:
+        _hosts_in(c.get("hosts"))
+        for field, variants in (c.get("fields") or {}).items():
+            if not isinstance(variants, list) or not all(isinstance(v, dict) and "value" in v for v in variants):
+                return f"class '{name}': field '{field}' is not a list of {{value, hosts}}"
+            for v in variants:
+                _hosts_in(v.get("hosts"))
+    except (ValueError, TypeError, AttributeError) as e:
+        return f"class '{name}': bad hosts ({e})"
+    if not isinstance(c.get("fields", {}), dict) or not isinstance(c.get("bands", {}), dict):
+        return f"class '{name}': 'fields' and 'bands' must be objects"
+    return None
+
+
+def manifest_problem(data):
+    """Why data is not a manifest this tool can use (one line), or None."""
+    if not isinstance(data, dict) or data.get("tool") != MANIFEST_TOOL:
+        return "not an ai-infra-validator manifest (no \"tool\": \"ai-infra-validator\")"
+    sv = data.get("schema_version")
+    if not isinstance(sv, int) or isinstance(sv, bool) or sv < 1:
+        return f"schema_version {sv!r} is not a positive integer"
+    if sv > MANIFEST_SCHEMA_VERSION:
+        return (f"schema_version {sv} is newer than the {MANIFEST_SCHEMA_VERSION} this tool reads (written by "
+                f"ai-infra-validator {data.get('version', '?')}, this is {VERSION}): use that version or newer")
+    if not isinstance(data.get("classes"), dict):
+        return "'classes' is missing or not an object"
+    seen = {}
+    for name, c in data["classes"].items():
+        problem = _class_problem(name, c)
+        if problem:
+            return problem
+        for h in _hosts_in(c.get("hosts")):
+            if h in seen:
+                return f"host {h} is listed in two classes: '{seen[h]}' and '{name}'"
+            seen[h] = name
+    return None
+
+
+def load_manifest(path, origin):
+    """The manifest at path, or UsageError naming origin (the option) and the problem in one line."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(64 << 20).decode("utf-8", errors="replace")
+    except OSError as e:
+        raise UsageError(f"{origin} {path}: cannot read it: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"{origin} {path}: not a manifest (not JSON: {e})") from None
+    problem = manifest_problem(data)
+    if problem:
+        raise UsageError(f"{origin} {path}: {problem}")
+    return data
+
+
+def manifest_preflight(args):
+    """Rank 0 and the local launcher, before torch is imported: --manifest must be a readable manifest of a
+    schema this tool reads (kept in args.manifest_data for the judge); --save-manifest's directory must
+    exist and be writable, and a file already there must be a manifest to merge into. UsageError: exit 2."""
+    if args.manifest:
+        args.manifest_data = load_manifest(args.manifest, "--manifest")
+    path = args.save_manifest
+    if not path:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"--save-manifest {path} is a directory; name the file to write")
+    if not os.path.isdir(d):
+        raise UsageError(f"--save-manifest {path}: directory {d} does not exist")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise UsageError(f"--save-manifest {path}: directory {d} is not writable by uid {os.getuid()}")
+    if os.path.exists(path):
+        load_manifest(path, "--save-manifest")
+
+
+def manifest_refusal(state):
+    """Why this run's state may not be accepted ('' when it may: a PASS with no WARN)."""
+    if state.get("verdict") != "PASS":
+        return f"the verdict is {state.get('verdict')} (exit {state.get('exit_code')})"
+    warns = [f for f in state.get("findings") or [] if f["status"] == "WARN"]
+    if warns:
+        return f"{len(warns)} WARN finding(s) ({', '.join(sorted({f['check'] for f in warns}))})"
+    return ""
+
+
+@contextlib.contextmanager
+def _file_lock(path):
+    """Serialise read-merge-write of one manifest across jobs (a lock file beside it; best effort)."""
+    fd = None
+    try:
+        fd = os.open(os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.lock"),
+                     os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def save_manifest(path, state, written_at):
+    """Merge this run's accepted state into the manifest at path (atomically). -> the report's note."""
+    why = manifest_refusal(state)
+    if why:
+        return f"manifest not saved to {path}: {why}; a manifest is saved only from a PASS with no WARN"
+    try:
+        with _file_lock(path):
+            old = load_manifest(path, "--save-manifest") if os.path.exists(path) else None
+            new = manifest_from_records(state.get("ranks") or [], written_at)
+            write_json_atomic(path, merge_manifests(old, new))
+    except (OSError, UsageError) as e:
+        return f"manifest not saved to {path}: {e}"
+    hosts = sum(len(_hosts_in(c["hosts"])) for c in new["classes"].values())
+    return (f"manifest saved to {path}: {hosts} node(s) accepted in {len(new['classes'])} class(es) "
+            f"({'; '.join(new['classes'])})" + (", merged into the existing file" if old else ""))
+
+
+def note_manifest_save(args, state):
+    """Rank 0 at the verdict, with --save-manifest: save on a clean PASS; either way a note in the report."""
+    if getattr(args, "save_manifest", None):
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        state.setdefault("notes", []).append(save_manifest(args.save_manifest, state, now))
+
+
+def diff_manifests(a, b):
+    """Lines 'class/field: old -> new (hosts)' from manifest a to b: hosts joining or leaving a class; per
+    field, hosts in both whose value changed and new hosts whose value is none of a's; bands."""
+    ca = {k: _expand_class(c) for k, c in a["classes"].items()}
+    cb = {k: _expand_class(c) for k, c in b["classes"].items()}
+    out = []
+    for key in sorted(set(ca) | set(cb)):
+        x, y = ca.get(key), cb.get(key)
+        hx, hy = (x or {}).get("hosts", set()), (y or {}).get("hosts", set())
+        if hx != hy:
+            out.append(f"{key}/hosts: {_hl(hx)} -> {_hl(hy)} ({_hl(hx ^ hy)})")
+        if x and y:
+            out += _diff_fields(key, x["values"], y["values"])
+            if _canon(x["bands"]) != _canon(y["bands"]):
+                out.append(f"{key}/bands: {_canon(x['bands'])} -> {_canon(y['bands'])} ({_hl(hx | hy)})")
+    return out
+
+
+def _diff_fields(key, va, vb):
+    out = []
+    for field in sorted(set(va) | set(vb), key=lambda f: (FIELD_NAMES.index(f) if f in FIELD_NAMES else 99, f)):
+        a, b = va.get(field, {}), vb.get(field, {})
+        known, groups = {_canon(v) for v in a.values()}, {}
+        for h, new in sorted(b.items()):
+            if h not in a and _canon(new) in known:
+                continue
+            old = a[h] if h in a else _most_common(a)
+            for label, o, n in (_changes(field, old, new) if _canon(old) != _canon(new) else []):
+                groups.setdefault((label, o, n), []).append(h)
+        out += [f"{key}/{label}: {o} -> {n} ({_hl(hs)})" for (label, o, n), hs in sorted(groups.items())]
+    return out
+
+
+def run_diff_manifest(paths):
+    """--diff-manifest A B (no torch): one line per difference; 0 equal, 1 different, 2 a file unusable."""
+    try:
+        a, b = (load_manifest(p, "--diff-manifest") for p in paths)
+    except UsageError as e:
+        emit(f"FAILURE: usage: {e}")
+        return EXIT_USAGE
+    lines = diff_manifests(a, b)
+    for ln in lines:
+        emit(ln)
+    emit(f"diff-manifest: {len(lines)} difference(s) from {paths[0]} to {paths[1]}" if lines else
+         f"diff-manifest: {paths[0]} and {paths[1]} are equal", sys.stderr)
+    return EXIT_FAIL if lines else EXIT_PASS
+
+
+
 # ============================================================================ render
 BAR = "=" * 78
 
@@ -1575,6 +2084,7 @@ def _render_collectives(state, recs, groups):
 
 def _render_findings(state, recs, groups):
     L = [BAR, "FINDINGS", BAR] + [f"  [{f['status']}] {f['check']}: {f['reason']}" for f in state.get("findings") or []]
+    L += [f"  NOTE: {n}" for n in state.get("notes") or []]
     L += [BAR, f"Ranks Reported: {len(recs)}/{state['world_size']}",
           f"Verdict: {state['verdict']} exit={state['exit_code']} elapsed={state['elapsed_s']:.2f}s "
           f"phases={_phase_times(state.get('phases') or {})}"]
@@ -2432,7 +2942,8 @@ class RankRun:
                     rec["node"]["imports"] = res["imports"]
         final = (judge_imports(self.records) + judge_collectives(self.results, self.world, self.host_of)
                  + judge_transport(self.records, self.env.get("NCCL_IB_DISABLE"))
-                 + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw))
+                 + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw)
+                 + judge_manifest(self.args.manifest_data, self.records))  # manifest: drift from the accepted
         self.findings += apply_strict(final, self.args.strict)
         raise Verdict(verdict_code(self.findings))
 
@@ -2451,6 +2962,7 @@ class RankRun:
         self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code,
                       counts=_counts(self.findings))
         st = self.state(code)
+        note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS with no WARN only
         emit(render_report(st))
         self.write_json(st)
         if client is not None:
@@ -2703,7 +3215,7 @@ class RankRun:
     def _collect_node(self, box):
         try:
             count = self.torch.cuda.device_count() if self.backend == "nccl" else 0
-            box["facts"] = collect_node_facts(self.args.sysfs_root, self.torch, self.backend, count)
+            box["facts"] = collect_node_facts(self.args.sysfs_root, self.torch, self.backend, count, self.env)
         except Exception as e:
             box["error"] = first_line(e)
 
@@ -2913,6 +3425,8 @@ def main(argv=None):
         return EXIT_USAGE
     if args.verify_log is not None:
         return run_verify_log(args, argv)
+    if args.diff_manifest is not None:  # manifest: compare two files, no torch
+        return run_diff_manifest(args.diff_manifest)
     if args.min_busbw and not args.bandwidth:
         args.bandwidth = _sizes(DEFAULT_BW_SIZES)
     try:
@@ -2921,6 +3435,12 @@ def main(argv=None):
         if _rank_hint(env) in (None, 0):
             emit(f"FAILURE: contract: {e}")
         return EXIT_USAGE
+    if contract is None or contract["rank"] == 0:  # manifest: read and check the files before torch and NCCL
+        try:
+            manifest_preflight(args)
+        except UsageError as e:
+            emit(f"FAILURE: usage: {e}")
+            return EXIT_USAGE
     if contract is None:
         return launch_local(args, argv, env)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by RankRun.on_sigterm only

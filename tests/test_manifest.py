@@ -1,0 +1,514 @@
+"""Known-good manifests: saved on a clean PASS, judged against (check `manifest`), merged, diffed.
+Pure tests of the judge on plain records, and real local-mode runs for what is a process matter."""
+import copy
+import json
+import time
+
+import pytest
+
+from conftest import aiv, cluster, failures, gpu, rec, run_tool, spawn
+
+T0 = "2030-01-01T00:00:00+00:00"
+
+
+def ib(n=8, rate=400.0, state="ACTIVE"):
+    return [{"port": f"mlx5_{i}:1", "state": state, "rate_gbps": rate, "link_layer": "InfiniBand"} for i in range(n)]
+
+
+def gpu_node(host, first_rank=0, per_node=2, model="NVIDIA H200", ports=8, width=16, speed=32.0,
+             transport=("P2P", "NET/IB"), env=None):
+    """Rank records of one GPU node with IB, PCIe link facts, transports and its own environment."""
+    out = []
+    for lr in range(per_node):
+        g = dict(gpu(f"GPU-{host}-{lr}", pci=f"0000:{lr:02x}:00.0", name=model, index=lr),
+                 current_link_width=width, current_link_speed=speed, max_link_width=16, max_link_speed=32.0)
+        r = rec(first_rank + lr, host=host, local_rank=lr, gpu=g, node=(lr == 0),
+                transport=list(transport) if transport is not None else None)
+        if lr == 0:
+            r["node"].update(ib=ib(ports), gpus_visible=per_node, env=dict(env or {"NCCL_IB_HCA": "mlx5"}),
+                             ifaces={"eth0": ["10.0.0.1"], "ib0": ["10.1.0.1"], "lo": ["127.0.0.1"]})
+        out.append(r)
+    return out
+
+
+def gpu_cluster(hosts=("node1", "node2"), **kw):
+    out = []
+    for h in hosts:
+        out += gpu_node(h, first_rank=len(out), **kw)
+    return out
+
+
+def saved(records, when=T0):
+    return aiv.manifest_from_records(records, when)
+
+
+def by_status(findings, status):
+    return [f for f in findings if f["status"] == status]
+
+
+def only_finding(findings, status):
+    got = by_status(findings, status)
+    assert len(got) == 1, findings
+    return got[0]
+
+
+# ---------------------------------------------------------------- collect
+def test_node_env_keeps_only_nccl_gloo_settings_through_the_allow_list():
+    env = {"NCCL_IB_HCA": "mlx5", "GLOO_SOCKET_IFNAME": "eth0", "TORCH_NCCL_BLOCKING_WAIT": "1",
+           "AIV_TIMEOUT": "60", "SLURM_JOB_ID": "7", "NCCL_IB_KEY": "x", "PATH": "/bin"}
+    assert aiv.node_env(env) == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": "mlx5", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+
+
+def test_node_facts_carry_the_nodes_own_environment():
+    facts = aiv.collect_node_facts("/", None, "gloo", 0, env={"NCCL_SOCKET_NTHREADS": "4", "HOME": "/root"})
+    assert facts["env"] == {"NCCL_SOCKET_NTHREADS": "4"}
+    assert aiv.collect_node_facts("/", None, "gloo", 0)["env"] is None
+
+
+def test_pci_link_read_from_sysfs_root_and_absent_is_none(tmp_path):
+    d = tmp_path / "sys/bus/pci/devices/0000:1b:00.0"
+    d.mkdir(parents=True)
+    for name, text in (("current_link_width", "8\n"), ("current_link_speed", "16.0 GT/s PCIe\n"),
+                       ("max_link_width", "16\n"), ("max_link_speed", "Unknown\n")):
+        (d / name).write_text(text)
+    assert aiv.pci_link(str(tmp_path), "0000:1B:00.0") == {
+        "current_link_width": 8, "current_link_speed": 16.0, "max_link_width": 16, "max_link_speed": None}
+    assert set(aiv.pci_link(str(tmp_path), "0000:99:00.0").values()) == {None}
+    assert set(aiv.pci_link(str(tmp_path), None).values()) == {None}
+
+
+# ---------------------------------------------------------------- classes and save
+def test_class_key_is_gpu_model_count_and_fabric_shape():
+    fields, key = aiv.host_view(gpu_node("node1"))
+    assert aiv.class_name(key) == "NVIDIA H200 x2, IB 8x400G"
+    assert fields["transport_intra"] == ["P2P"] and fields["transport_inter"] == ["NET/IB"]
+    assert fields["pcie_width"] == 16 and fields["ib_ports"] == 8 and fields["env"] == {"NCCL_IB_HCA": "mlx5"}
+    _, cpu_key = aiv.host_view(cluster(1, 2))
+    assert aiv.class_name(cpu_key) == "no GPU, no IB"
+
+
+def test_saved_manifest_is_versioned_and_grouped_by_class():
+    m = saved(gpu_cluster(("node1", "node2")) + gpu_cluster(("h100a",), model="NVIDIA H100"))
+    assert m["schema_version"] == aiv.MANIFEST_SCHEMA_VERSION and m["tool"] == "ai-infra-validator"
+    assert m["written_at"] == T0 and aiv.manifest_problem(m) is None
+    h200 = m["classes"]["NVIDIA H200 x2, IB 8x400G"]
+    assert h200["hosts"] == "node[1-2]" and h200["bands"] == {} and h200["runs"] == 1
+    assert h200["fields"]["driver"] == [{"value": "580.1", "hosts": "node[1-2]"}]
+    assert h200["fields"]["transport_inter"] == [{"value": ["NET/IB"], "hosts": "node[1-2]"}]
+    assert m["classes"]["NVIDIA H100 x2, IB 8x400G"]["hosts"] == "h100a"
+    assert json.loads(json.dumps(m)) == m
+
+
+def test_unmeasured_fields_are_not_saved():
+    m = saved(cluster(1, 2))                                   # gloo: no GPU, no transport
+    fields = m["classes"]["no GPU, no IB"]["fields"]
+    assert "transport_inter" not in fields and "gpu_model" not in fields and "torch" in fields
+
+
+def test_refusal_unless_pass_without_warn():
+    ok = {"verdict": "PASS", "exit_code": 0, "findings": [aiv.finding("layout", "PASS", "fine")]}
+    assert aiv.manifest_refusal(ok) == ""
+    warned = dict(ok, findings=[aiv.finding("fabric", "WARN", "mlx5_1:1 is DOWN")])
+    assert aiv.manifest_refusal(warned) == "1 WARN finding(s) (fabric)"
+    assert aiv.manifest_refusal(dict(ok, verdict="FAIL", exit_code=1)) == "the verdict is FAIL (exit 1)"
+
+
+def test_hostlist_fallback_for_names_that_do_not_round_trip():
+    assert aiv._hosts_out(["node2", "node1"]) == "node[1-2]"
+    assert aiv._hosts_out(["a[1]", "b,c"]) == ["a[1]", "b,c"]
+    assert aiv._hosts_in(["a[1]"]) == ["a[1]"] and aiv._hosts_in("n[1-2]") == ["n1", "n2"]
+
+
+# ---------------------------------------------------------------- merge
+def test_two_saves_with_different_hosts_add_up():
+    a = saved(gpu_cluster(("node1", "node2")))
+    b = saved(gpu_cluster(("node3",)) + gpu_cluster(("h100a",), model="NVIDIA H100"), "2030-02-01T00:00:00+00:00")
+    m = aiv.merge_manifests(a, b)
+    h200 = m["classes"]["NVIDIA H200 x2, IB 8x400G"]
+    assert h200["hosts"] == "node[1-3]" and h200["runs"] == 2
+    assert h200["first_accepted_at"] == T0 and h200["last_accepted_at"].startswith("2030-02")
+    assert h200["fields"]["torch"] == [{"value": "2.13.0", "hosts": "node[1-3]"}]
+    assert m["classes"]["NVIDIA H100 x2, IB 8x400G"]["hosts"] == "h100a"
+    assert m["written_at"].startswith("2030-02") and aiv.manifest_problem(m) is None
+
+
+def test_reaccepted_host_takes_new_values_keeps_unmeasured_ones_and_leaves_its_old_class():
+    a = saved(gpu_cluster(("node1", "node2")))
+    again = gpu_cluster(("node1",), transport=None)            # no transports measured this time
+    again[0]["node"]["driver"] = "590.2"
+    m = aiv.merge_manifests(a, saved(again))
+    f = m["classes"]["NVIDIA H200 x2, IB 8x400G"]["fields"]
+    assert {v["value"]: v["hosts"] for v in f["driver"]} == {"580.1": "node2", "590.2": "node1"}
+    assert f["transport_inter"] == [{"value": ["NET/IB"], "hosts": "node[1-2]"}]  # kept from the first save
+    moved = aiv.merge_manifests(m, saved(gpu_cluster(("node2",), ports=4)))
+    assert moved["classes"]["NVIDIA H200 x2, IB 8x400G"]["hosts"] == "node1"
+    assert moved["classes"]["NVIDIA H200 x2, IB 4x400G"]["hosts"] == "node2"
+    assert aiv.manifest_problem(moved) is None
+
+
+def test_bands_widen_and_count_runs():
+    old = {"busbw_1G": {"ref": 100.0, "lo": 95.0, "hi": 105.0, "runs": 1}}
+    new = {"busbw_1G": {"ref": 110.0, "lo": 108.0, "hi": 112.0, "runs": 1}, "busbw_16M": {"ref": 5, "lo": 4,
+                                                                                           "hi": 6, "runs": 1}}
+    b = aiv.merge_bands(old, new)
+    assert b["busbw_1G"] == {"ref": 105.0, "lo": 95.0, "hi": 112.0, "runs": 2} and b["busbw_16M"]["runs"] == 1
+    a, n = saved(cluster(1, 2)), saved(cluster(1, 2))
+    a["classes"]["no GPU, no IB"]["bands"], n["classes"]["no GPU, no IB"]["bands"] = old, new
+    assert aiv.merge_manifests(a, n)["classes"]["no GPU, no IB"]["bands"]["busbw_1G"]["hi"] == 112.0
+
+
+# ---------------------------------------------------------------- judge
+def test_same_state_passes_and_names_what_was_not_checked():
+    recs = gpu_cluster(("node1", "node2"))
+    f = only_finding(aiv.judge_manifest(saved(recs), recs), "PASS")
+    assert f["check"] == "manifest" and "2 node(s) match the manifest (2 listed, 0 judged by class)" in f["reason"]
+    assert aiv.judge_manifest(None, recs) == []
+
+
+def test_listed_host_that_lost_an_hca_fails_against_its_own_class():
+    m = saved(gpu_cluster(("node1", "node2")))
+    recs = gpu_node("node1") + gpu_node("node2", first_rank=2, ports=7)
+    out = aiv.judge_manifest(m, recs)
+    f = only_finding(out, "FAIL")
+    assert f["reason"] == "IB port count differs from the manifest: 8 -> 7 on node2" and f["hosts"] == ["node2"]
+    assert not any("never accepted" in x["reason"] for x in out)      # not an unknown class
+
+
+def test_listed_host_with_another_gpu_model_fails():
+    m = saved(gpu_cluster(("node1", "node2")))
+    recs = gpu_node("node1") + gpu_node("node2", first_rank=2, model="NVIDIA H100 80GB HBM3")
+    f = only_finding(aiv.judge_manifest(m, recs), "FAIL")
+    assert f["reason"] == "GPU model differs from the manifest: NVIDIA H200 -> NVIDIA H100 80GB HBM3 on node2"
+
+
+def test_unlisted_host_of_a_known_class_is_judged_by_class():
+    m = saved(gpu_cluster(("node1", "node2")))
+    f = only_finding(aiv.judge_manifest(m, gpu_node("node9")), "PASS")
+    assert "(0 listed, 1 judged by class)" in f["reason"]
+    odd = gpu_node("node9")
+    odd[0]["versions"] = dict(odd[0]["versions"], torch="2.12.0")
+    f = only_finding(aiv.judge_manifest(m, odd), "FAIL")
+    assert f["reason"] == "torch differs from the manifest: 2.13.0 -> 2.12.0 on node9"
+
+
+def test_unlisted_host_of_an_unknown_class_warns_naming_it():
+    m = saved(gpu_cluster(("node1",)))
+    recs = gpu_node("node1") + gpu_node("b200x", first_rank=2, model="NVIDIA B200")
+    f = only_finding(aiv.judge_manifest(m, recs), "WARN")
+    assert f["hosts"] == ["b200x"] and "'NVIDIA B200 x2, IB 8x400G' was never accepted" in f["reason"]
+    assert "accepted: NVIDIA H200 x2, IB 8x400G" in f["reason"]
+
+
+def test_subset_run_reports_no_absent_hosts():
+    m = saved(gpu_cluster(("node1", "node2", "node3", "node4")))
+    (f,) = aiv.judge_manifest(m, gpu_node("node3"))
+    assert f["status"] == "PASS" and f["hosts"] == [] and "1 node(s) match" in f["reason"]
+
+
+def test_gloo_run_does_not_check_transport_or_gpus():
+    m = saved(gpu_cluster(("node1", "node2")))
+    recs = cluster(2, 2)                                                  # same hosts, gloo on CPU
+    for r in recs:
+        if r.get("node"):
+            r["node"].update(ib=ib(), ifaces={"eth0": [], "ib0": [], "lo": []}, env={"NCCL_IB_HCA": "mlx5"})
+    f = only_finding(aiv.judge_manifest(m, recs), "PASS")
+    assert "transport_intra, transport_inter" in f["reason"] and "gpu_model" in f["reason"]
+
+
+def test_transport_downgrade_fails_and_a_new_fast_path_warns():
+    m = saved(gpu_cluster(("node1", "node2")))
+    recs = gpu_node("node1") + gpu_node("node2", first_rank=2, transport=("P2P", "NET/Socket"))
+    f = only_finding(aiv.judge_manifest(m, recs), "FAIL")
+    assert f["reason"] == "NCCL transport between nodes differs from the manifest: NET/IB -> NET/Socket on node2"
+    m2 = saved(gpu_cluster(("node1",), transport=("SHM", "NET/IB")))
+    f = only_finding(aiv.judge_manifest(m2, gpu_node("node1")), "WARN")
+    assert "SHM -> P2P on node1" in f["reason"]
+
+
+def test_pcie_downgrade_fails_upgrade_warns_absent_not_checked():
+    m = saved(gpu_cluster(("node1", "node2"), width=8))
+    recs = gpu_node("node1", width=4) + gpu_node("node2", first_rank=2, width=16)
+    out = aiv.judge_manifest(m, recs)
+    assert only_finding(out, "FAIL")["reason"] == "PCIe link width differs from the manifest: x8 -> x4 on node1"
+    assert only_finding(out, "WARN")["reason"] == "PCIe link width differs from the manifest: x8 -> x16 on node2"
+    absent = gpu_node("node1", width=None, speed=None)
+    f = only_finding(aiv.judge_manifest(m, absent), "PASS")
+    assert "pcie_width, pcie_speed" in f["reason"]
+
+
+def test_warn_fields_and_strict():
+    m = saved(gpu_cluster(("node1", "node2")))
+    recs = gpu_cluster(("node1", "node2"), env={"NCCL_IB_HCA": "mlx5", "NCCL_ALGO": "Tree"})
+    for r in recs:
+        if r.get("node"):
+            r["node"]["kernel"] = "6.8.0"
+    out = aiv.judge_manifest(m, recs)
+    assert [f["status"] for f in out] == ["WARN", "WARN"] and not by_status(out, "FAIL")
+    assert out[0]["reason"] == "kernel differs from the manifest: 5.15.0 -> 6.8.0 on node[1-2]"
+    assert out[1]["reason"] == "environment differs from the manifest: NCCL_ALGO (unset) -> Tree on node[1-2]"
+    assert {f["status"] for f in aiv.apply_strict(out, True)} == {"FAIL"}
+
+
+def test_every_fail_field_fails_and_one_finding_per_field():
+    m = saved(gpu_cluster(("node1", "node2", "node3")))
+    recs = gpu_cluster(("node1", "node2", "node3"))
+    for r in recs:
+        r["versions"] = dict(r["versions"], cuda="13.0", nccl="2.29.1")
+        if r.get("node"):
+            r["node"]["driver"] = "590.1"
+    out = aiv.judge_manifest(m, recs)
+    assert [f["reason"].split(" differs")[0] for f in out] == ["driver", "CUDA", "NCCL"]
+    assert all(f["status"] == "FAIL" and f["hosts"] == ["node1", "node2", "node3"] for f in out)
+    assert out[0]["reason"] == "driver differs from the manifest: 580.1 -> 590.1 on node[1-3]"
+
+
+def test_hand_edited_values_of_another_type_fail_without_a_crash():
+    m = saved(gpu_cluster(("node1",)))
+    f = m["classes"]["NVIDIA H200 x2, IB 8x400G"]["fields"]
+    f["pcie_width"][0]["value"], f["transport_inter"][0]["value"], f["env"][0]["value"] = "16", "NET/IB", ["x"]
+    f["gpu_memory"][0]["value"] = "lots"
+    out = aiv.judge_manifest(m, gpu_node("node1"))
+    assert [x["reason"].split(" differs")[0] for x in by_status(out, "FAIL")] == [
+        "GPU memory", "PCIe link width", "NCCL transport between nodes"]
+    assert [x["reason"].split(" differs")[0] for x in by_status(out, "WARN")] == ["environment"]
+
+
+def test_judge_is_fast_at_scale():
+    recs = gpu_cluster(tuple(f"gpu{i:03d}" for i in range(1, 513)), per_node=8)
+    m = saved(recs)
+    t = time.monotonic()
+    assert only_finding(aiv.judge_manifest(m, recs), "PASS")
+    assert time.monotonic() - t < 5
+    hosts = m["classes"]["NVIDIA H200 x8, IB 8x400G"]["hosts"]
+    assert isinstance(hosts, str) and aiv.expand_hostlist(hosts) == [f"gpu{i:03d}" for i in range(1, 513)]
+
+
+# ---------------------------------------------------------------- schema checks and diff
+@pytest.mark.parametrize("data, words", [
+    ([], "not an ai-infra-validator manifest"),
+    ({"tool": "other", "schema_version": 1, "classes": {}}, "not an ai-infra-validator manifest"),
+    ({"tool": "ai-infra-validator", "schema_version": "1", "classes": {}}, "is not a positive integer"),
+    ({"tool": "ai-infra-validator", "schema_version": 1}, "'classes' is missing"),
+    ({"tool": "ai-infra-validator", "schema_version": 1, "classes": {"c": {"hosts": "n[2-1]"}}}, "bad hosts"),
+    ({"tool": "ai-infra-validator", "schema_version": 1, "classes": {"c": {"hosts": "n1", "fields": {"x": 3}}}},
+     "field 'x' is not a list"),
+    ({"tool": "ai-infra-validator", "schema_version": 1,
+      "classes": {"a": {"hosts": "n1"}, "b": {"hosts": "n[1-2]"}}}, "host n1 is listed in two classes"),
+])
+def test_malformed_manifests_are_named(data, words):
+    assert words in aiv.manifest_problem(data)
+
+
+def test_newer_schema_names_both_versions():
+    m = dict(saved(cluster(1, 2)), schema_version=aiv.MANIFEST_SCHEMA_VERSION + 1, version="9.9.9")
+    p = aiv.manifest_problem(m)
+    assert f"schema_version {aiv.MANIFEST_SCHEMA_VERSION + 1} is newer than the {aiv.MANIFEST_SCHEMA_VERSION}" in p
+    assert "9.9.9" in p
+
+
+def test_diff_lines_per_difference():
+    a = saved(gpu_cluster(("node1", "node2")))
+    assert aiv.diff_manifests(a, copy.deepcopy(a)) == []
+    recs = gpu_cluster(("node1", "node2", "node3"), env={"NCCL_IB_HCA": "mlx5", "NCCL_ALGO": "Ring"})
+    recs[0]["node"]["driver"] = "590.1"
+    b = saved(recs)
+    b["classes"]["NVIDIA H200 x2, IB 8x400G"]["bands"] = {"busbw_1G": {"ref": 1, "lo": 1, "hi": 1, "runs": 1}}
+    lines = aiv.diff_manifests(a, b)
+    k = "NVIDIA H200 x2, IB 8x400G"
+    assert f"{k}/hosts: node[1-2] -> node[1-3] (node3)" in lines
+    assert f"{k}/driver: 580.1 -> 590.1 (node1)" in lines
+    assert f"{k}/env.NCCL_ALGO: (unset) -> Ring (node[1-3])" in lines
+    assert any(ln.startswith(f"{k}/bands: {{}} -> ") for ln in lines)
+    assert len(lines) == 4
+    c = aiv.merge_manifests(a, saved(gpu_cluster(("h100a",), model="NVIDIA H100")))
+    assert aiv.diff_manifests(a, c) == ["NVIDIA H100 x2, IB 8x400G/hosts: - -> h100a (h100a)"]
+
+
+# ---------------------------------------------------------------- real processes
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory):
+    """torchvision and torchaudio stand-ins, so that a CPU run here has no imports WARN to refuse a save."""
+    d = tmp_path_factory.mktemp("stubs")
+    for name, version in (("torchvision", "0.0.1+stub"), ("torchaudio", "0.0.2+stub")):
+        (d / name).mkdir()
+        (d / name / "__init__.py").write_text(f'__version__ = "{version}"\n')
+    return {"PYTHONPATH": str(d)}
+
+
+@pytest.fixture(scope="module")
+def accepted(tmp_path_factory, stubs):
+    """A manifest saved from a passing 2-rank CPU run of this machine: (path, that run, its JSON)."""
+    d = tmp_path_factory.mktemp("accepted")
+    path, jp = d / "m.json", d / "run.json"
+    r = run_tool(["--nproc", 2, "--timeout", 60, "--save-manifest", path, "--json", jp], env=stubs)
+    return path, r, json.loads(jp.read_text())
+
+
+def test_save_on_a_passing_cpu_run_then_judge_the_same_machine(accepted, stubs, tmp_path):
+    path, r, d = accepted
+    host = d["ranks"][0]["host"]
+    assert r.returncode == 0 and not failures(r.stdout), r.stdout + r.stderr
+    assert f"  NOTE: manifest saved to {path}: 1 node(s) accepted in 1 class(es) (no GPU, no IB)" in r.stdout
+    assert d["notes"] == [r.stdout.split("NOTE: ")[1].splitlines()[0]]
+    m = json.loads(path.read_text())
+    assert aiv.manifest_problem(m) is None and list(m["classes"]) == ["no GPU, no IB"]
+    f = m["classes"]["no GPU, no IB"]["fields"]
+    assert f["torchvision"] == [{"value": "0.0.1+stub", "hosts": host}] and f["env"] == [{"value": {}, "hosts": host}]
+    j = run_tool(["--nproc", 2, "--timeout", 60, "--manifest", path], env=stubs)
+    assert j.returncode == 0 and j.stdout.splitlines()[-1] == aiv.SUCCESS_LINE, j.stdout
+    assert "  [PASS] manifest: 1 node(s) match the manifest (1 listed, 0 judged by class)" in j.stdout
+
+
+def test_edited_field_fails_naming_old_and_new(accepted, stubs, tmp_path):
+    path, _, d = accepted
+    m = json.loads(path.read_text())
+    torch_now = d["ranks"][0]["versions"]["torch"]
+    m["classes"]["no GPU, no IB"]["fields"]["torch"][0]["value"] = "1.0.0"
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(m))
+    r = run_tool(["--nproc", 2, "--timeout", 60, "--manifest", edited], env=stubs)
+    assert r.returncode == 1, r.stdout
+    host = d["ranks"][0]["host"]
+    assert failures(r.stdout) == [f"FAILURE: manifest: torch differs from the manifest: 1.0.0 -> {torch_now} on {host}"]
+
+
+def test_changed_nccl_variable_warns_naming_the_node_and_is_not_saved(accepted, stubs, tmp_path):
+    path, _, d = accepted
+    out = tmp_path / "again.json"
+    r = run_tool(["--nproc", 2, "--timeout", 60, "--manifest", path, "--save-manifest", out],
+                 env=dict(stubs, NCCL_SOCKET_NTHREADS="4"))
+    host = d["ranks"][0]["host"]
+    assert r.returncode == 0 and not failures(r.stdout), r.stdout
+    assert (f"  [WARN] manifest: environment differs from the manifest: NCCL_SOCKET_NTHREADS (unset) -> 4 on {host}"
+            in r.stdout)
+    assert f"  NOTE: manifest not saved to {out}: 1 WARN finding(s) (manifest)" in r.stdout
+    assert not out.exists()
+
+
+def test_save_onto_an_existing_manifest_merges_hosts(accepted, stubs, tmp_path):
+    path, _, d = accepted
+    m = json.loads(path.read_text())
+    c = m["classes"]["no GPU, no IB"]
+    host = d["ranks"][0]["host"]
+    c["hosts"] = "otherbox"
+    for variants in c["fields"].values():
+        for v in variants:
+            v["hosts"] = "otherbox"
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps(m))
+    r = run_tool(["--nproc", 2, "--timeout", 60, "--save-manifest", both], env=stubs)
+    assert r.returncode == 0 and "merged into the existing file" in r.stdout, r.stdout
+    merged = json.loads(both.read_text())["classes"]["no GPU, no IB"]
+    assert sorted(aiv._hosts_in(merged["hosts"])) == sorted(["otherbox", host]) and merged["runs"] == 2
+
+
+def test_not_saved_on_a_run_with_warnings(tmp_path):
+    path = tmp_path / "m.json"
+    r = run_tool(["--nproc", 2, "--timeout", 60, "--save-manifest", path])   # no torchvision here: WARN
+    assert r.returncode == 0 and not failures(r.stdout), r.stdout
+    assert f"  NOTE: manifest not saved to {path}: 2 WARN finding(s) (imports); a manifest is saved only" in r.stdout
+    assert not path.exists()
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", "not a manifest (not JSON"),
+    ('{"tool": "ai-infra-validator", "schema_version": 99, "classes": {}, "version": "7.0.0"}',
+     f"schema_version 99 is newer than the {aiv.MANIFEST_SCHEMA_VERSION} this tool reads"),
+    (None, "cannot read it"),
+])
+def test_unusable_manifest_is_a_usage_error_with_one_line(tmp_path, content, words):
+    p = write(tmp_path, "m.json", content) if content is not None else tmp_path / "missing.json"
+    for args, env in ((["--nproc", 2, "--manifest", p], None), (["--nproc", 2], {"AIV_MANIFEST": p})):
+        r = run_tool(args, env=env, timeout=60)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stdout.splitlines() == [r.stdout.strip()] and r.stdout.startswith(f"FAILURE: usage: --manifest {p}: ")
+        assert words in r.stdout and r.stderr == ""
+
+
+def test_rank0_under_a_launcher_says_it_before_the_roll_call(tmp_path):
+    p = write(tmp_path, "m.json", "garbage")
+    t = time.monotonic()
+    ((rc, out),), _ = spawn(2, ranks=[0], args=["--manifest", p, "--rollcall-timeout", 60])
+    assert rc == 2 and out.strip().splitlines() == [f"FAILURE: usage: --manifest {p}: not a manifest (not JSON: "
+                                                    f"Expecting value: line 1 column 1 (char 0))"]
+    assert time.monotonic() - t < 30
+
+
+def test_save_manifest_directory_checked_up_front(tmp_path):
+    r = run_tool(["--nproc", 2, "--save-manifest", tmp_path / "nodir" / "m.json"], timeout=60)
+    assert r.returncode == 2 and r.stdout.strip() == (f"FAILURE: usage: --save-manifest {tmp_path}/nodir/m.json: "
+                                                      f"directory {tmp_path}/nodir does not exist")
+    bad = write(tmp_path, "bad.json", "[]")
+    r = run_tool(["--nproc", 2, "--save-manifest", bad], timeout=60)
+    assert r.returncode == 2 and "not an ai-infra-validator manifest" in r.stdout
+    r = run_tool(["--nproc", 2, "--save-manifest", tmp_path], timeout=60)
+    assert r.returncode == 2 and "is a directory" in r.stdout
+
+
+def diff_env(tmp_path):
+    """A torch that cannot be imported: --diff-manifest must not need it."""
+    (tmp_path / "notorch" / "torch").mkdir(parents=True)
+    (tmp_path / "notorch" / "torch" / "__init__.py").write_text("raise ImportError('torch imported')\n")
+    return {"PYTHONPATH": str(tmp_path / "notorch")}
+
+
+def test_diff_manifest_exit_codes_without_torch(tmp_path):
+    a = saved(gpu_cluster(("node1", "node2")))
+    b = copy.deepcopy(a)
+    b["classes"]["NVIDIA H200 x2, IB 8x400G"]["fields"]["driver"][0]["value"] = "590.1"
+    pa, pa2, pb = (write(tmp_path, n, json.dumps(x)) for n, x in (("a.json", a), ("a2.json", a), ("b.json", b)))
+    env = diff_env(tmp_path)
+    r = run_tool(["--diff-manifest", pa, pa2], env=env, timeout=60)
+    assert r.returncode == 0 and r.stdout == "" and "are equal" in r.stderr, r.stdout + r.stderr
+    r = run_tool(["--diff-manifest", pa, pb], env=env, timeout=60)
+    assert r.returncode == 1 and r.stdout.splitlines() == ["NVIDIA H200 x2, IB 8x400G/driver: 580.1 -> 590.1 "
+                                                           "(node[1-2])"], r.stdout + r.stderr
+    r = run_tool(["--diff-manifest", pa, tmp_path / "none.json"], env=env, timeout=60)
+    assert r.returncode == 2 and r.stdout.startswith("FAILURE: usage: --diff-manifest ") and "cannot read" in r.stdout
+    r = run_tool(["--diff-manifest", pa, write(tmp_path, "g.json", "{")], env=env, timeout=60)
+    assert r.returncode == 2 and len(r.stdout.splitlines()) == 1
+
+
+def test_report_note_is_rendered_and_verify_log_still_passes(tmp_path):
+    recs = cluster(1, 2)
+    findings = aiv.judge_all(recs, 2, {})
+    state = {"world_size": 2, "backend": "gloo", "ranks": recs, "findings": findings, "verdict": "PASS",
+             "exit_code": 0, "elapsed_s": 1.0, "phases": {}, "failures": [], "env": {},
+             "collectives": {"ar_sum": 3, "ar_expected": 3, "ranks": 2, "loss": 0.5, "grads_identical": True},
+             "notes": ["manifest not saved to m.json: 1 WARN finding(s) (fabric); a manifest is saved only ..."]}
+    text = "Total Execution Ranks: 2\n" + aiv.render_report(state)
+    assert "  NOTE: manifest not saved to m.json" in text
+    ok, problems, _ = aiv.verify_log(text, {})
+    assert ok, problems
+
+
+def test_manifest_is_a_stable_check_name():
+    assert "manifest" in aiv.CHECKS
+
+
+def test_gpu_run_saves_gpu_pcie_and_transport_then_matches(tmp_path, stubs):
+    """On a CUDA machine (skipped elsewhere): the NCCL path fills the GPU, PCIe and transport fields."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    path, jp = tmp_path / "gpu.json", tmp_path / "run.json"
+    r = run_tool(["--timeout", 120, "--save-manifest", path, "--json", jp], env=stubs)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(jp.read_text())
+    g = d["ranks"][0]["gpu"]
+    assert set(aiv.PCI_LINK_FILES) <= set(g) and "env" in d["ranks"][0]["node"]
+    if not path.exists():
+        pytest.skip(f"this machine's run has WARNs: {d['notes']}")
+    (c,) = json.loads(path.read_text())["classes"].values()
+    assert c["key"]["gpu_model"] == g["name"] and c["key"]["gpus_per_node"] >= len(d["ranks"])
+    assert {"driver", "cuda", "nccl", "gpu_memory"} <= set(c["fields"])
+    assert ("pcie_width" in c["fields"]) == (g["current_link_width"] is not None)
+    assert ("transport_intra" in c["fields"]) == (len(d["ranks"]) > 1)
+    j = run_tool(["--timeout", 120, "--manifest", path], env=stubs)
+    assert j.returncode == 0 and "  [PASS] manifest: 1 node(s) match the manifest (1 listed" in j.stdout, j.stdout
