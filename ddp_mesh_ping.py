@@ -88,6 +88,9 @@ CHECKS = (
     "transport",     # NCCL fell back to sockets although IB is active
     "manifest",      # a node drifted from the accepted --manifest (FAIL or WARN by field)
     "internal",      # an unexpected error inside the tool (a bug: please report it)
+    "gpu-perf",      # performance screen: a GPU's matmul TFLOPS or memory GB/s below its model's peers
+    "intra-node",    # performance screen: a node's all_reduce busbw inside the node below the other nodes'
+    "inter-node",    # performance screen: a node, a node's rail (HCA) or a link slow between nodes
 )
 
 # Environment variables the report may print. Nothing else is ever echoed.
@@ -1926,6 +1929,585 @@ def run_diff_manifest(paths):
          f"diff-manifest: {paths[0]} and {paths[1]} are equal", sys.stderr)
     return EXIT_FAIL if lines else EXIT_PASS
 
+
+# ============================================================================ screen
+# The performance screen finds the slow or broken part: a GPU, a node's NVLink/PCIe, a node's NIC on
+# one rail, a whole node's network, or one path between two nodes. The runtime measures; these pure
+# functions plan the rounds and judge plain data. Units: TFLOPS = 1e12 FLOP/s, GB/s = 1e9 B/s.
+#
+# Every judgement compares a value with a robust reference of its peers (same GPU model for GPU
+# numbers; all intra-node groups; all inter-node pair measurements). Faults only LOWER numbers, so the
+# reference is the upper quartile (the maximum below SCREEN_QUARTILE_MIN values): up to three
+# quarters of the values may be low without dragging it down (at 4 nodes, half of all pair
+# measurements involve a bad node). A WARN must also lie outside the peers' own noise
+# (SCREEN_NOISE_SIGMAS standard deviations, estimated from the upper half of the values), so
+# run-to-run noise over thousands of measurements names no one; a FAIL needs no such margin.
+#
+# Flow for the runtime (rank 0 plans and judges, every rank measures):
+#   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
+#   per node, one all_reduce group -> per_node rows for judge_intra
+#   rounds = screen_rounds(nodes); for each round i (1, 2; 1..3 for N = 3), every group at once, one
+#   2- or 3-rank group per rail (local rank r with local rank r of the partners) -> results rows
+#   plan = screen_third_round(results); plan['groups'] non-empty: measure them as round 3
+#   findings = judge_screen(screen) (or the three judges); report = render_performance(screen)
+SCREEN_GPU_FAIL = 0.80      # GPU TFLOPS or memory GB/s below 0.80 of its model's reference: FAIL
+SCREEN_GPU_WARN = 0.90      # ... below 0.90: WARN
+SCREEN_NET_FAIL = 0.70      # all_reduce busbw (intra-node group, inter-node pair) below 0.70 of the reference: FAIL
+SCREEN_NET_WARN = 0.85      # ... below 0.85: WARN
+SCREEN_CPU_FAIL = 0.10      # cpu=True: FAIL only below 0.10 of the reference and never WARN (ranks share cores)
+SCREEN_NOISE_SIGMAS = 6.0   # a WARN must also lie this many peer standard deviations below the reference
+SCREEN_QUARTILE_MIN = 4     # fewer values: the reference is their maximum
+SCREEN_SPREAD_MIN = 8       # fewer values: no noise estimate (the WARN fraction alone decides)
+SCREEN_LIST_MAX = 16        # more flagged GPUs or nodes than this: one finding lists the first ones and a count
+SCREEN_RENDER_ALL = 16      # up to this many nodes the PERFORMANCE section shows every node and every group
+SCREEN_RENDER_SLOW = 32     # beyond that, at most this many slow groups are listed (then a count)
+
+
+def _screen_key(name):
+    """Natural order of node names: gpu-2 before gpu-10."""
+    return [(0, int(t), t) if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", str(name)) if t]
+
+
+def _screen_sorted(names):
+    return sorted(set(names), key=_screen_key)
+
+
+def screen_rounds(nodes):
+    """The schedule's rounds of inter-node groups. nodes: node names (any order, duplicates ignored).
+    -> [round, ...], round = [group, ...], group = tuple of node names in natural sorted order s[0..N-1].
+
+    N >= 4, h = N // 2: round 1 pairs s[i] with s[i + h] (the two halves, so in rack-ordered names
+    every pair crosses the fabric), round 2 pairs s[i] with s[h + (i + 1) % h]: the partner shifted by
+    one, never the same for h >= 2. Odd N: the last node s[N-1] joins round 1's last pair and round 2's
+    first pair (groups of three); for N >= 7 no two nodes share a group in both rounds. Every node is
+    in exactly one group per round. The number of rounds never grows with N.
+    Exceptions, because groups of 2 and 3 cannot do better:
+      N = 2: one round, the single pair (a fault can only be named as the pair).
+      N = 3: three rounds, the three pairs, one per round (the third node idles); a group of three
+             cannot tell its members apart. No suspect round follows: every pair is measured.
+      N = 5: one pair meets twice (s[3] and s[4]: round 2's group of three must take two members of
+             one round-1 group); the suspect round separates them.
+      N < 2: no rounds."""
+    s = _screen_sorted(nodes)
+    n = len(s)
+    if n < 2:
+        return []
+    if n == 2:
+        return [[(s[0], s[1])]]
+    if n == 3:
+        return [[(s[0], s[1])], [(s[0], s[2])], [(s[1], s[2])]]
+    h = n // 2
+    r1 = [[s[i], s[i + h]] for i in range(h)]
+    r2 = [[s[i], s[h + (i + 1) % h]] for i in range(h)]
+    if n % 2:
+        r1[-1].append(s[-1])
+        r2[0].append(s[-1])
+    return [[tuple(g) for g in r1], [tuple(g) for g in r2]]
+
+
+def suspect_round(suspects, passing, met=()):
+    """The third round: each suspect paired with a distinct passing node.
+    suspects: node names; passing: node names in order of preference (nodes that were in no slow
+    measurement first); met: groups already measured (tuples of names), whose pairs are avoided while
+    another passing node is free. -> [(suspect, passing_node), ...] in natural order of the suspects,
+    [] without suspects, or None when there are more suspects than passing nodes: the fault is
+    widespread and no third round is run (judge_pairs then FAILs naming every suspect)."""
+    sus = _screen_sorted(suspects)
+    if not sus:
+        return []
+    taken = set(sus)
+    free = [p for p in dict.fromkeys(passing) if p not in taken]
+    if len(sus) > len(free):
+        return None
+    seen = {frozenset((a, b)) for g in met for a in g for b in g if a != b}
+    out = []
+    for s in sus:
+        pick = next((p for p in free if frozenset((s, p)) not in seen), free[0])
+        free.remove(pick)
+        out.append((s, pick))
+    return out
+
+
+def _screen_quantile(v, q):
+    """q-quantile of the sorted list v, linear interpolation."""
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def _screen_median(values):
+    v = sorted(values)
+    return _screen_quantile(v, 0.5) if v else None
+
+
+def screen_reference(values):
+    """Robust reference of peer measurements (None values are skipped).
+    -> {'ref': float|None, 'spread': float, 'count': int, 'how': 'upper quartile'|'maximum'}.
+    ref: the upper quartile, or the maximum below SCREEN_QUARTILE_MIN values. spread: the peers'
+    standard deviation estimated from the upper half of the values only (their population standard
+    deviation / 0.6028, the ratio for the upper half of a normal distribution), so low outliers do not
+    widen it; 0.0 below SCREEN_SPREAD_MIN values."""
+    v = sorted(float(x) for x in values if x is not None)
+    n = len(v)
+    if not n:
+        return {"ref": None, "spread": 0.0, "count": 0, "how": "maximum"}
+    quart = n >= SCREEN_QUARTILE_MIN
+    spread = 0.0
+    if n >= SCREEN_SPREAD_MIN:
+        top = v[n // 2:]
+        mean = sum(top) / len(top)
+        spread = math.sqrt(sum((x - mean) ** 2 for x in top) / len(top)) / 0.6028
+    return {"ref": _screen_quantile(v, 0.75) if quart else v[-1], "spread": spread, "count": n,
+            "how": "upper quartile" if quart else "maximum"}
+
+
+def screen_fractions(kind, cpu=False):
+    """(fail_fraction, warn_fraction or None) for kind 'gpu' or 'net'; cpu=True: (SCREEN_CPU_FAIL, None)."""
+    if cpu:
+        return SCREEN_CPU_FAIL, None
+    return (SCREEN_GPU_FAIL, SCREEN_GPU_WARN) if kind == "gpu" else (SCREEN_NET_FAIL, SCREEN_NET_WARN)
+
+
+def screen_level(value, ref, fail, warn=None, floor=None):
+    """'FAIL', 'WARN' or 'OK' for one value. ref: a screen_reference() dict; fail, warn: fractions of
+    ref['ref'] (warn None: never WARN); floor: an absolute minimum (below it: FAIL), or None. A value of
+    None (not measured) is 0.0. A WARN also needs the value SCREEN_NOISE_SIGMAS spreads below ref."""
+    value = 0.0 if value is None else float(value)
+    if floor is not None and value < floor:
+        return "FAIL"
+    r = ref.get("ref")
+    if not r or r <= 0:
+        return "OK"
+    if value < fail * r:
+        return "FAIL"
+    if warn is not None and value < warn * r and value < r - SCREEN_NOISE_SIGMAS * ref.get("spread", 0.0):
+        return "WARN"
+    return "OK"
+
+
+def _screen_worst(levels):
+    return "FAIL" if "FAIL" in levels else "WARN" if "WARN" in levels else "OK"
+
+
+def _screen_ref_text(ref, unit, noun=""):
+    return f"{ref['ref']:.1f} {unit} ({ref['how']} of {ref['count']}{' ' + noun if noun else ''})"
+
+
+def _screen_rule(kind, cpu):
+    fail, warn = screen_fractions(kind, cpu)
+    if cpu:
+        return (f"CPU ranks share cores, so their numbers are not comparable: only values below {fail:.2f} "
+                f"of the reference FAIL and nothing WARNs")
+    return f"FAIL below {fail:.2f}, WARN below {warn:.2f} of the reference"
+
+
+def _screen_names(names, limit=4):
+    names = list(names)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(map(str, names[:limit])) + more
+
+
+SCREEN_GPU_METRICS = (("tflops", "TFLOPS", "min_tflops"), ("hbm_gbps", "GB/s memory", "min_hbm"))
+
+
+def _gpu_flags(per_rank, floors, cpu):
+    """-> (refs {(model, metric): ref}, flags {rank: (entry, [(metric, level, text)])})."""
+    fail, warn = screen_fractions("gpu", cpu)
+    by_model, refs, flags = {}, {}, {}
+    for r in per_rank:
+        by_model.setdefault(r.get("model") or "unknown", []).append(r)
+    for model, rs in sorted(by_model.items()):
+        for metric, unit, floor_name in SCREEN_GPU_METRICS:
+            ref = refs[(model, metric)] = screen_reference(r.get(metric) for r in rs)
+            for r in rs:
+                if r.get(metric) is None:
+                    continue
+                v, floor = float(r[metric]), floors.get(floor_name)
+                level = screen_level(v, ref, fail, warn, floor)
+                if level == "OK":
+                    continue
+                why = (f"below the floor {floor:g} {unit}" if floor is not None and v < floor
+                       else f"{v / ref['ref']:.2f} of the {model} reference {_screen_ref_text(ref, unit)}")
+                flags.setdefault(r["rank"], (r, []))[1].append((metric, level, f"{v:.1f} {unit}: {why}"))
+    return refs, flags
+
+
+def _gpu_who(r):
+    return (f"rank {r['rank']} on {r.get('host')} (local rank {r.get('local_rank')}, GPU {r.get('uuid') or '-'}, "
+            f"{r.get('model') or 'unknown model'})")
+
+
+def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
+    """Per-GPU compute and memory speed against the other GPUs of the same model.
+    per_rank: [{'rank': int, 'host': str, 'local_rank': int, 'uuid': str|None, 'model': str|None,
+                'tflops': float|None (dense matmul, bf16 on GPU, fp32 on CPU, in 1e12 FLOP/s),
+                'hbm_gbps': float|None (device-memory copy, 1e9 B/s)}]; None: not measured (skipped).
+    min_tflops, min_hbm: absolute floors (FAIL below), or None.
+    References per model and metric (screen_reference); below SCREEN_GPU_FAIL of it FAIL, below
+    SCREEN_GPU_WARN WARN. cpu=True: ranks sharing cores give numbers that are not comparable, so only
+    values below SCREEN_CPU_FAIL of the reference FAIL and nothing WARNs.
+    -> findings under 'gpu-perf': one per flagged rank naming rank, host, local rank and GPU UUID (one
+    finding per status listing them when more than SCREEN_LIST_MAX ranks are flagged), or one PASS
+    giving each model's references and the count of GPUs."""
+    per_rank = list(per_rank or [])
+    if not per_rank:
+        return []
+    refs, flags = _gpu_flags(per_rank, {"min_tflops": min_tflops, "min_hbm": min_hbm}, cpu)
+    if not flags:
+        models = sorted({m for m, _ in refs})
+        txt = "; ".join(f"{m}: " + ", ".join(_screen_ref_text(refs[(m, k)], u) for k, u, _ in SCREEN_GPU_METRICS
+                                             if refs[(m, k)]["count"]) for m in models)
+        return [finding("gpu-perf", "PASS", f"GPU speed within the reference on {len(per_rank)} GPU(s): {txt} "
+                        f"({_screen_rule('gpu', cpu)})")]
+    items = sorted(flags.items())
+    rule = _screen_rule("gpu", cpu)
+    if len(items) <= SCREEN_LIST_MAX:
+        return [finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
+                        f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl) + f"; {rule}", [r.get("host")], [rk])
+                for rk, (r, fl) in items]
+    out = []
+    for status in ("FAIL", "WARN"):
+        sel = [(rk, r, fl) for rk, (r, fl) in items if _screen_worst([lv for _, lv, _ in fl]) == status]
+        if sel:
+            shown = "; ".join(f"{_gpu_who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
+            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
+            hosts = [r.get("host") for _, r, _ in sel]
+            out.append(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} node(s): "
+                               f"{shown}{more} ({rule})", hosts, [rk for rk, _, _ in sel]))
+    return out
+
+
+def judge_intra(per_node, min_busbw=None, cpu=False):
+    """Intra-node all_reduce bus bandwidth (one group of all local ranks per node, one round) against
+    the other nodes. per_node: [{'host': str, 'busbw': float|None (1e9 B/s; None: the group failed,
+    judged as 0.0)}]; min_busbw: absolute floor (FAIL below) or None.
+    Reference over all nodes (screen_reference); below SCREEN_NET_FAIL of it FAIL, below SCREEN_NET_WARN
+    WARN; cpu=True: only below SCREEN_CPU_FAIL FAILs, nothing WARNs (the numbers are CPU-bound).
+    -> findings under 'intra-node': one per flagged node (one per status listing them beyond
+    SCREEN_LIST_MAX nodes), or one PASS giving the reference and the count of nodes."""
+    per_node = list(per_node or [])
+    if not per_node:
+        return []
+    fail, warn = screen_fractions("net", cpu)
+    ref = screen_reference(p.get("busbw") for p in per_node)
+    rule = _screen_rule("net", cpu)
+    flagged = []
+    for p in sorted(per_node, key=lambda p: _screen_key(p["host"])):
+        level = screen_level(p.get("busbw"), ref, fail, warn, min_busbw)
+        if level != "OK":
+            v = float(p.get("busbw") or 0.0)
+            why = (f"below the floor {min_busbw:g} GB/s" if min_busbw is not None and v < min_busbw
+                   else f"{v / ref['ref']:.2f} of the reference {_screen_ref_text(ref, 'GB/s')}")
+            flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {v:.1f} GB/s: {why}"))
+    if not flagged:
+        return [finding("intra-node", "PASS", f"intra-node busbw on {len(per_node)} node(s): reference "
+                        f"{_screen_ref_text(ref, 'GB/s')} ({rule})")]
+    if len(flagged) <= SCREEN_LIST_MAX:
+        return [finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node; {rule}", [h])
+                for lv, h, txt in flagged]
+    out = []
+    for status in ("FAIL", "WARN"):
+        sel = [f for f in flagged if f[0] == status]
+        if sel:
+            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
+            out.append(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
+                               + "; ".join(t for _, _, t in sel[:SCREEN_LIST_MAX]) + f"{more} ({rule})",
+                               [h for _, h, _ in sel]))
+    return out
+
+
+def _pair_evidence(results, levels):
+    """{(node, rail): {'slow': {partners (frozenset): [index]}, 'ok': [index]}} over every measurement."""
+    ev = {}
+    for i, (m, level) in enumerate(zip(results, levels, strict=True)):
+        group = frozenset(m["nodes"])
+        for n in group:
+            e = ev.setdefault((n, m["rail"]), {"slow": {}, "ok": []})
+            if level == "OK":
+                e["ok"].append(i)
+            else:
+                e["slow"].setdefault(group - {n}, []).append(i)
+    return ev
+
+
+def _pair_culprits(ev):
+    """Node-rails slow with two different partners (or partner groups) and fine with none: the node.
+    A node slow only because two of its partners were bad is fine with its suspect-round partner (a
+    node that passed), and so is cleared here."""
+    return {k for k, e in ev.items() if len(e["slow"]) >= 2 and not e["ok"]}
+
+
+def _pair_links(results, levels, culprits):
+    """Indices of slow measurements that no culprit node explains: the link or path between the members."""
+    return [i for i, (m, level) in enumerate(zip(results, levels, strict=True))
+            if level != "OK" and not any((n, m["rail"]) in culprits for n in m["nodes"])]
+
+
+def screen_diagnose(results, min_busbw=None, cpu=False):
+    """Localisation over inter-node measurements (the shapes of judge_pairs). -> {
+      'ref': screen_reference of all busbw, 'levels': ['FAIL'|'WARN'|'OK' per result],
+      'rails': sorted rails, 'nodes': sorted nodes, 'culprits': {(node, rail)},
+      'links': [index of a slow measurement no culprit explains], 'suspects': [node],
+      'passing': [node not a suspect, those in no slow measurement first], 'clean': [node in no slow measurement],
+      'widespread': bool, 'final': bool (round 3 measured), 'two_nodes': bool}.
+    suspects: culprit nodes and every member of an unexplained slow group. Widespread: before round 3,
+    more suspects than passing nodes (N >= 3), or no node passed at all."""
+    fail, warn = screen_fractions("net", cpu)
+    ref = screen_reference(m.get("busbw") for m in results)
+    levels = [screen_level(m.get("busbw"), ref, fail, warn, min_busbw) for m in results]
+    nodes = _screen_sorted(n for m in results for n in m["nodes"])
+    culprits = _pair_culprits(_pair_evidence(results, levels))
+    links = _pair_links(results, levels, culprits)
+    sus = {n for n, _ in culprits} | {n for i in links for n in results[i]["nodes"]}
+    dirty = {n for m, lv in zip(results, levels, strict=True) if lv != "OK" for n in m["nodes"]}
+    clean = [n for n in nodes if n not in dirty]
+    passing = clean + [n for n in nodes if n in dirty and n not in sus]
+    final = any(m.get("round") == 3 for m in results)
+    two = len(nodes) == 2
+    wide = bool(sus) and not two and (not passing or (not final and len(sus) > len(passing)))
+    return {"ref": ref, "levels": levels, "rails": sorted({m["rail"] for m in results}), "nodes": nodes,
+            "culprits": culprits, "links": links, "suspects": _screen_sorted(sus), "passing": passing,
+            "clean": clean, "widespread": wide, "final": final, "two_nodes": two}
+
+
+def screen_third_round(results, min_busbw=None, cpu=False):
+    """After the schedule's rounds (rounds 1 and 2; all three for N = 3): what to measure next.
+    results: as judge_pairs. -> {'groups': [(suspect, passing_node)] to measure as round 3 (every rail),
+    [] when nothing is needed (no suspect, two nodes, or round 3 already measured), or None when the
+    fault is widespread (run nothing more: judge_pairs FAILs naming every suspect);
+    'suspects': [node], 'passing': [node]}."""
+    d = screen_diagnose(results, min_busbw, cpu)
+    out = {"suspects": d["suspects"], "passing": d["passing"], "groups": []}
+    if d["final"] or d["two_nodes"] or not d["suspects"]:
+        return out
+    met = {tuple(m["nodes"]) for m in results}
+    out["groups"] = None if d["widespread"] else suspect_round(d["suspects"], d["passing"], met)
+    return out
+
+
+def _screen_hca(m, node):
+    h = m.get("hca")
+    return h.get(node) if isinstance(h, dict) else h
+
+
+def _screen_rails_text(rails, all_rails):
+    rails = sorted(rails)
+    if len(rails) > 1 and rails == all_rails:
+        return f"every rail ({format_ranges(rails)})"
+    return ("rail " if len(rails) == 1 else "rails ") + format_ranges(rails)
+
+
+def _pair_node_findings(results, d):
+    """One finding per culprit node: its rails (every rail: the node as a whole), HCAs, partners, speed."""
+    ev = _pair_evidence(results, d["levels"])
+    ref, out = d["ref"]["ref"], []
+    by_node = {}
+    for n, rail in d["culprits"]:
+        by_node.setdefault(n, []).append(rail)
+    for n in _screen_sorted(by_node):
+        rails = sorted(by_node[n])
+        own = sorted({m["rail"] for m in results if n in m["nodes"]})
+        parts, statuses, bws = [], [], []
+        for rail in rails:
+            idx = sorted(i for ids in ev[(n, rail)]["slow"].values() for i in ids)
+            # consistent evidence: the node is at least as bad as its least bad slow measurement
+            statuses.append("WARN" if "WARN" in [d["levels"][i] for i in idx] else "FAIL")
+            hca = next((h for i in idx for h in [_screen_hca(results[i], n)] if h), None)
+            bw = _screen_median([float(results[i].get("busbw") or 0.0) for i in idx])
+            parts.append(f"local rank {rail}" + (f" (HCA {hca})" if hca else "") + f" {bw:.1f} GB/s = {bw / ref:.2f}")
+            bws.append(bw)
+        partners = _screen_sorted(p for rail in rails for ps in ev[(n, rail)]["slow"] for p in ps)
+        whole = len(rails) > 1 and rails == own
+        if whole:
+            bw = _screen_median(bws)
+            speed = f"busbw median {bw:.1f} GB/s = {bw / ref:.2f}"
+            where = ("a node-wide network fault (its NICs or their switch ports together, or the host side: "
+                     "PCIe, firmware)")
+        else:
+            speed = "; ".join(parts)
+            where = "its NIC, cable or switch port on " + ("that rail" if len(rails) == 1 else "those rails")
+        out.append(finding("inter-node", _screen_worst(statuses),
+                           f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])} with "
+                           f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none: "
+                           f"{speed} of the reference {ref:.1f} GB/s: {where}", [n]))
+    return out
+
+
+def _pair_link_findings(results, d):
+    """One finding per group whose slow measurements no culprit explains: the link or path between them."""
+    ev = _pair_evidence(results, d["levels"])
+    ref, groups = d["ref"]["ref"], {}
+    for i in d["links"]:
+        groups.setdefault(tuple(_screen_sorted(results[i]["nodes"])), []).append(i)
+    out = []
+    for g in sorted(groups, key=lambda g: [_screen_key(x) for x in g]):
+        idx = groups[g]
+        rails = sorted({results[i]["rail"] for i in idx})
+        bw = _screen_median([float(results[i].get("busbw") or 0.0) for i in idx])
+        fine = [n for n in g if any(ev[(n, results[i]["rail"])]["ok"] for i in idx)]
+        if d["two_nodes"]:
+            what = f"nodes {g[0]} and {g[1]} are slow together (two nodes only: the pair is named, it cannot be split)"
+        elif len(g) == 3:
+            what = f"the paths among {', '.join(g)} are slow (a group of three: the pair cannot be told apart)"
+        else:
+            what = f"the link or path between {g[0]} and {g[1]} is slow"
+        alone = ("both are fine with other partners" if len(fine) == len(g) else
+                 f"{_screen_names([n for n in g if n not in fine])} measured with no other partner there")
+        alone = "" if d["two_nodes"] else f"; {alone}"
+        rails_txt = _screen_rails_text(rails, d["rails"])
+        out.append(finding("inter-node", _screen_worst([d["levels"][i] for i in idx]),
+                           f"{what} on {rails_txt}: busbw {bw:.1f} GB/s = {bw / ref:.2f} of the reference "
+                           f"{ref:.1f} GB/s{alone}", list(g)))
+    return out
+
+
+def judge_pairs(results, min_busbw=None, cpu=False):
+    """Inter-node bus bandwidth, localised to a node, a node's rail or a link.
+    results: [{'round': 1|2|3, 'nodes': (a, b) or (a, b, c), 'rail': int (the local rank: each local
+               rank measured with the same local rank on the partner nodes, one group per rail),
+               'busbw': float (1e9 B/s; None: the group failed, judged as 0.0),
+               'hca': str (the HCA this rail uses, same name on every node) | {node: str} | None}],
+    every round's measurements together (rounds 1-2 to plan the suspect round, all rounds to judge).
+    min_busbw: absolute floor (FAIL below) or None; cpu=True: only below SCREEN_CPU_FAIL FAILs and
+    nothing WARNs (gloo over loopback is CPU-bound: never a culprit out of noise).
+    Reference: every measurement (screen_reference). Each is FAIL/WARN/OK (screen_level with
+    SCREEN_NET_FAIL/SCREEN_NET_WARN). Localisation, per rail:
+      a node slow with two different partners (or groups) and fine with none: that node on that rail
+        (the HCA named when known); on every rail: the node as a whole;
+      a slow group none of whose members is such a node: the link or path between them (both named);
+        a node slow only beside bad partners is fine with its suspect-round partner and is cleared;
+      two nodes only: the pair is named;
+      more suspects than passing nodes before round 3 (or no node passing): widespread, one FAIL
+        naming every suspect.
+    -> (findings under 'inter-node', suspects: sorted node names implicated: before round 3 the nodes
+        to give suspect_round, after it the nodes the findings name). One PASS finding with the
+        reference and the count of measurements when nothing is slow."""
+    results = list(results or [])
+    if not results:
+        return [], []
+    d = screen_diagnose(results, min_busbw, cpu)
+    ref, sus = d["ref"], d["suspects"]
+    if not sus:
+        spread = f", spread {100 * ref['spread'] / ref['ref']:.1f}%" if ref["spread"] and ref["ref"] else ""
+        return [finding("inter-node", "PASS", f"inter-node busbw: reference "
+                        f"{_screen_ref_text(ref, 'GB/s', 'measurements')} over {len(d['rails'])} rail(s) and "
+                        f"{len(d['nodes'])} node(s){spread}; "
+                        f"none slow ({_screen_rule('net', cpu)})")], []
+    if d["widespread"]:
+        slow = sum(lv != "OK" for lv in d["levels"])
+        return [finding("inter-node", "FAIL", f"widespread: {len(sus)} node(s) implicated, more than the "
+                        f"{len(d['passing'])} that passed, so no single node or link is to blame (a switch, "
+                        f"the fabric or its configuration): {slow}/{len(results)} measurement(s) slow against "
+                        f"the reference {ref['ref']:.1f} GB/s; suspects: {compress_hostlist(sus)}", sus)], sus
+    return _pair_node_findings(results, d) + _pair_link_findings(results, d), sus
+
+
+def judge_screen(screen):
+    """Every screen judgement. screen: the dict render_performance takes. -> findings."""
+    cpu = bool(screen.get("cpu"))
+    return (judge_gpu_perf(screen.get("gpu") or [], screen.get("min_tflops"), screen.get("min_hbm"), cpu)
+            + judge_intra(screen.get("intra") or [], screen.get("min_busbw_intra"), cpu)
+            + judge_pairs(screen.get("pairs") or [], screen.get("min_busbw_inter"), cpu)[0])
+
+
+def _perf_gpu_lines(screen, cpu):
+    per_rank, intra = screen.get("gpu") or [], screen.get("intra") or []
+    refs, flags = _gpu_flags(per_rank, screen, cpu)
+    fail, warn = screen_fractions("net", cpu)
+    iref = screen_reference(p.get("busbw") for p in intra)
+    ibw = {p["host"]: p.get("busbw") for p in intra}
+    ilv = {p["host"]: screen_level(p.get("busbw"), iref, fail, warn, screen.get("min_busbw_intra")) for p in intra}
+    L = [f"  gpu reference {m}: " + ", ".join(_screen_ref_text(refs[(m, k)], u, "GPUs")
+                                             for k, u, _ in SCREEN_GPU_METRICS if refs[(m, k)]["count"])
+         for m in sorted({m for m, _ in refs})]
+    if intra:
+        L.append(f"  intra-node reference: {_screen_ref_text(iref, 'GB/s', 'nodes')}")
+    by_host = {}
+    for r in per_rank:
+        by_host.setdefault(r.get("host"), []).append(r)
+    hosts = _screen_sorted(set(by_host) | set(ibw))
+    rows, healthy = [], []
+    for h in hosts:
+        rs = by_host.get(h, [])
+        tf = [float(r["tflops"]) for r in rs if r.get("tflops") is not None]
+        hb = [float(r["hbm_gbps"]) for r in rs if r.get("hbm_gbps") is not None]
+        bad = [(rk, fl) for rk, (r, fl) in flags.items() if r.get("host") == h]
+        marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, fl in bad for k, lv, _ in fl]
+        if ilv.get(h, "OK") != "OK":
+            marks.append(f"intra [{ilv[h]}]")
+        cells = (f"gpus={len(rs)} tflops min/med={min(tf):.1f}/{_screen_median(tf):.1f} " if tf else f"gpus={len(rs)} ")
+        cells += f"mem min/med={min(hb):.0f}/{_screen_median(hb):.0f}GB/s " if hb else ""
+        cells += f"intra={ibw[h]:.1f}GB/s" if ibw.get(h) is not None else "intra=-"
+        rows.append((h, cells, marks, tf, hb))
+        if not marks:
+            healthy.append((h, tf, hb))
+    collapse = len(hosts) > SCREEN_RENDER_ALL
+    for h, cells, marks, _, _ in rows:
+        if marks or not collapse:
+            L.append(f"  node={h} {cells}" + (f"  <- slow: {', '.join(marks)}" if marks else ""))
+    if collapse and healthy:
+        tf = [x for _, t, _ in healthy for x in t]
+        hb = [x for _, _, b in healthy for x in b]
+        ib = [float(ibw[h]) for h, _, _ in healthy if ibw.get(h) is not None]
+        rng = " ".join(f"{k}={min(v):.1f}-{max(v):.1f}" for k, v in (("tflops", tf), ("mem", hb), ("intra", ib)) if v)
+        L.append(f"  node={compress_hostlist([h for h, _, _ in healthy])} nodes={len(healthy)} {rng} (healthy)")
+    return L
+
+
+def _perf_pair_lines(screen, cpu):
+    results = list(screen.get("pairs") or [])
+    if not results:
+        return []
+    d = screen_diagnose(results, screen.get("min_busbw_inter"), cpu)
+    ref = d["ref"]
+    per_rail = {rail: screen_reference(m.get("busbw") for m in results if m["rail"] == rail) for rail in d["rails"]}
+    rounds = {}
+    for m in results:
+        rounds.setdefault(m.get("round"), set()).add(tuple(m["nodes"]))
+    slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
+    L = [f"  inter-node reference: {_screen_ref_text(ref, 'GB/s', 'measurements')}; per rail: "
+         + " ".join(f"{rail}:{per_rail[rail]['ref']:.1f}" for rail in d["rails"]),
+         "  groups per round: " + " ".join(f"{r}:{len(g)}" for r, g in sorted(rounds.items(), key=lambda x: str(x[0])))
+         + f"; {len(results)} measurement(s), {len(slow)} slow"]
+    by_group = {}
+    for i, m in enumerate(results):
+        by_group.setdefault((m.get("round"), tuple(m["nodes"])), []).append(i)
+    show_all = len(d["nodes"]) <= SCREEN_RENDER_ALL
+    listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
+    for rnd, g in listed[: None if show_all else SCREEN_RENDER_SLOW]:
+        idx = sorted(by_group[(rnd, g)], key=lambda i: results[i]["rail"])
+        cells = " ".join(f"{float(results[i].get('busbw') or 0):.1f}" + ("!" if d["levels"][i] != "OK" else "")
+                         for i in idx)
+        bad = [i for i in idx if d["levels"][i] != "OK"]
+        tail = (f"  <- slow rail {format_ranges(results[i]['rail'] for i in bad)} "
+                f"[{_screen_worst([d['levels'][i] for i in bad])}]") if bad else ""
+        L.append(f"    round {rnd} {' <-> '.join(g)} GB/s by rail {format_ranges(results[i]['rail'] for i in idx)}: "
+                 f"{cells}{tail}")
+    if not show_all and len(listed) > SCREEN_RENDER_SLOW:
+        L.append(f"    ... and {len(listed) - SCREEN_RENDER_SLOW} more slow group(s) (see --json)")
+    if not show_all:
+        L.append(f"    ({len(by_group) - len(listed)} group(s) with every rail within the reference not shown)")
+    return L
+
+
+def render_performance(screen):
+    """The PERFORMANCE section as report lines. screen: {
+      'gpu': judge_gpu_perf's per_rank, 'intra': judge_intra's per_node, 'pairs': judge_pairs' results
+      (each optional), 'cpu': bool, 'min_tflops', 'min_hbm', 'min_busbw_intra', 'min_busbw_inter': floors or None}.
+    Per node: TFLOPS min/median over its GPUs, memory GB/s min/median, intra-node busbw; per group and
+    round the busbw of each rail (a slow rail's value marked '!', the row ending '<- slow ... [FAIL]').
+    Above SCREEN_RENDER_ALL nodes the healthy nodes collapse into one line with their ranges and only
+    slow groups are listed (at most SCREEN_RENDER_SLOW, then a count), with the per-rail reference."""
+    cpu = bool(screen.get("cpu"))
+    L = [BAR, "PERFORMANCE", BAR]
+    if cpu:
+        L.append(f"  (CPU ranks: numbers are not comparable across ranks; only values below "
+                 f"{SCREEN_CPU_FAIL:.2f} of the reference are judged)")
+    if screen.get("gpu") or screen.get("intra"):
+        L += _perf_gpu_lines(screen, cpu)
+    L += _perf_pair_lines(screen, cpu)
+    return L
 
 
 # ============================================================================ render

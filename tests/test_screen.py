@@ -1,0 +1,458 @@
+"""Performance screen on plain data: the rounds, the suspect round, the judges and the report lines."""
+import random
+from itertools import combinations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import aiv
+
+RAILS = list(range(4))
+BASE = 40.0
+
+
+def names(n, prefix="node"):
+    return [f"{prefix}{i + 1}" for i in range(n)]
+
+
+def pairs_of(rnd):
+    return {frozenset(p) for g in rnd for p in combinations(g, 2)}
+
+
+# ------------------------------------------------------------------ rounds
+def check_rounds(nodes, rounds):
+    s = sorted(set(nodes), key=aiv._screen_key)
+    n = len(s)
+    if n == 2:
+        assert rounds == [[(s[0], s[1])]]
+        return
+    if n == 3:
+        assert len(rounds) == 3 and all(len(r) == 1 and len(r[0]) == 2 for r in rounds)
+        assert set().union(*map(pairs_of, rounds)) == {frozenset(p) for p in combinations(s, 2)}
+        return
+    assert len(rounds) == 2
+    for rnd in rounds:
+        flat = [x for g in rnd for x in g]
+        assert sorted(flat, key=aiv._screen_key) == s, "every node in exactly one group per round"
+        sizes = sorted(len(g) for g in rnd)
+        assert sizes == [2] * (n // 2 - 1) + [3 if n % 2 else 2]
+        assert all(list(g) == sorted(g, key=aiv._screen_key) for g in rnd)
+    repeated = pairs_of(rounds[0]) & pairs_of(rounds[1])
+    if n == 5:   # groups of 2 and 3 cannot avoid it: round 2's triple takes two of one round-1 group
+        assert repeated == {frozenset((s[3], s[4]))}
+    else:
+        assert not repeated, f"N={n}: pairs meet twice: {repeated}"
+
+
+def test_rounds_properties_2_to_200():
+    for n in range(2, 201):
+        nodes = names(n)
+        rounds = aiv.screen_rounds(nodes)
+        check_rounds(nodes, rounds)
+        shuffled = nodes[:]
+        random.Random(n).shuffle(shuffled)
+        assert aiv.screen_rounds(shuffled) == rounds, "deterministic, whatever the input order"
+        assert aiv.screen_rounds(nodes + nodes[:3]) == rounds, "duplicates ignored"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.text(alphabet="abz09-", min_size=1, max_size=6), min_size=2, max_size=40))
+def test_rounds_properties_any_names(nodes):
+    nodes = sorted(nodes)
+    check_rounds(nodes, aiv.screen_rounds(nodes))
+    assert aiv.screen_rounds(list(reversed(nodes))) == aiv.screen_rounds(nodes)
+
+
+def test_rounds_small_and_natural_order():
+    assert aiv.screen_rounds([]) == [] and aiv.screen_rounds(["a"]) == []
+    assert aiv.screen_rounds(["b", "a"]) == [[("a", "b")]]
+    assert aiv.screen_rounds(["n10", "n2", "n1", "n3"]) == [[("n1", "n3"), ("n2", "n10")],
+                                                            [("n1", "n10"), ("n2", "n3")]]
+    # the two halves: in rack-ordered names every pair of both rounds crosses the fabric
+    r = aiv.screen_rounds(names(8))
+    assert r[0][0] == ("node1", "node5") and r[1][0] == ("node1", "node6")
+    r7 = aiv.screen_rounds(names(7))
+    assert r7 == [[("node1", "node4"), ("node2", "node5"), ("node3", "node6", "node7")],
+                  [("node1", "node5", "node7"), ("node2", "node6"), ("node3", "node4")]]
+
+
+# ------------------------------------------------------------------ suspect round
+def test_suspect_round_pairs_each_suspect_with_a_distinct_passing_node():
+    assert aiv.suspect_round(["n3", "n1"], ["n2", "n4", "n5"]) == [("n1", "n2"), ("n3", "n4")]
+    assert aiv.suspect_round([], ["n1"]) == []
+    assert aiv.suspect_round(["n1", "n2"], ["n3"]) is None, "more suspects than passing: widespread"
+    assert aiv.suspect_round(["n1"], ["n1"]) is None, "a suspect never counts as passing"
+
+
+def test_suspect_round_avoids_partners_already_met():
+    got = aiv.suspect_round(["n1", "n2"], ["n3", "n4"], met=[("n1", "n3"), ("n2", "n4", "n9")])
+    assert got == [("n1", "n4"), ("n2", "n3")]
+    # no new partner left: a met one is still used
+    assert aiv.suspect_round(["n1"], ["n3"], met=[("n1", "n3")]) == [("n1", "n3")]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(4, 60), st.data())
+def test_suspect_round_property(n, data):
+    nodes = names(n)
+    sus = data.draw(st.lists(st.sampled_from(nodes), unique=True, max_size=n))
+    passing = [x for x in nodes if x not in sus]
+    got = aiv.suspect_round(sus, passing, met=aiv.screen_rounds(nodes)[0])
+    if len(sus) > len(passing):
+        assert got is None
+    else:
+        assert sorted(a for a, _ in got) == sorted(sus)
+        assert len({b for _, b in got}) == len(got) and {b for _, b in got} <= set(passing)
+
+
+# ------------------------------------------------------------------ a simulated fabric
+def fabric(bad_nodes=None, bad_links=None, factor=0.5, noise=0.0, seed=0, base=BASE, spread=None):
+    """busbw(group, rail): base x factor per planted fault in the group x (1 + Gaussian noise);
+    spread=(lo, hi): every value uniform in [lo, hi] (CPU-like numbers) before the faults."""
+    rng = random.Random(seed)
+    bad_nodes = {k: set(v) for k, v in (bad_nodes or {}).items()}
+    bad_links = {frozenset(k): set(v) for k, v in (bad_links or {}).items()}
+
+    def busbw(group, rail):
+        v = rng.uniform(*spread) if spread else base * (1.0 + rng.gauss(0.0, noise))
+        for n, rails in bad_nodes.items():
+            if n in group and rail in rails:
+                v *= factor
+        for link, rails in bad_links.items():
+            if link <= set(group) and rail in rails:
+                v *= factor
+        return v
+    return busbw
+
+
+def measure(rnd, groups, busbw, rails=RAILS):
+    return [{"round": rnd, "nodes": tuple(g), "rail": r, "busbw": busbw(g, r), "hca": f"mlx5_{r}"}
+            for g in groups for r in rails]
+
+
+def screen(nodes, busbw, rails=RAILS, min_busbw=None, cpu=False):
+    """The whole inter-node flow as the runtime runs it. -> (findings, suspects, results, plan)."""
+    results = []
+    for i, groups in enumerate(aiv.screen_rounds(nodes), 1):
+        results += measure(i, groups, busbw, rails)
+    plan = aiv.screen_third_round(results, min_busbw, cpu)
+    if plan["groups"]:
+        results += measure(3, plan["groups"], busbw, rails)
+    findings, suspects = aiv.judge_pairs(results, min_busbw, cpu)
+    return findings, suspects, results, plan
+
+
+def flagged(findings):
+    return [f for f in findings if f["status"] != "PASS"]
+
+
+def schedule_pairs(nodes):
+    return [g for rnd in aiv.screen_rounds(nodes) for g in rnd if len(g) == 2]
+
+
+# ------------------------------------------------------------------ localisation
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_node_slow_on_one_rail_is_named_with_rail_and_hca(n):
+    nodes = names(n)
+    for bad in nodes:
+        findings, suspects, _, _ = screen(nodes, fabric({bad: {2}}, noise=0.02, seed=n))
+        (f,) = flagged(findings)
+        assert f["status"] == "FAIL" and f["check"] == "inter-node" and f["hosts"] == [bad]
+        assert f"node {bad} is slow on rail 2" in f["reason"] and "HCA mlx5_2" in f["reason"]
+        assert "local rank 2" in f["reason"] and suspects == [bad]
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_node_slow_on_every_rail_is_the_node(n):
+    nodes = names(n)
+    for bad in nodes:
+        findings, suspects, _, _ = screen(nodes, fabric({bad: RAILS}, noise=0.02, seed=n))
+        (f,) = flagged(findings)
+        assert f["status"] == "FAIL" and f["hosts"] == [bad] and suspects == [bad]
+        assert f"node {bad} is slow on every rail (0-3)" in f["reason"] and "node-wide" in f["reason"]
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_slow_link_names_both_nodes(n):
+    nodes = names(n)
+    for a, b in schedule_pairs(nodes):
+        findings, suspects, results, plan = screen(nodes, fabric(bad_links={(a, b): RAILS}, noise=0.02, seed=n))
+        (f,) = flagged(findings)
+        assert f["status"] == "FAIL" and f["hosts"] == sorted([a, b]) and suspects == sorted([a, b])
+        assert f"the link or path between {a} and {b} is slow on every rail" in f["reason"]
+        assert "both are fine with other partners" in f["reason"]
+        if n > 3:   # the suspect round paired each with a node that passed: fine there, so the link
+            assert sorted(s for s, _ in plan["groups"]) == sorted([a, b])
+
+
+def test_slow_link_on_one_rail():
+    nodes = names(8)
+    findings, _, _, _ = screen(nodes, fabric(bad_links={("node2", "node6"): {1}}))
+    (f,) = flagged(findings)
+    assert "between node2 and node6 is slow on rail 1:" in f["reason"] and f["hosts"] == ["node2", "node6"]
+
+
+def test_n4_half_of_the_measurements_involve_the_bad_node():
+    nodes = names(4)
+    results = []
+    bw = fabric({"node1": RAILS})
+    for i, groups in enumerate(aiv.screen_rounds(nodes), 1):
+        results += measure(i, groups, bw)
+    assert sum(r["busbw"] < BASE for r in results) == len(results) / 2
+    # node1 met node3 and node4; node2 never saw a slow measurement: it comes first and is new to node1
+    assert aiv.screen_third_round(results) == {"suspects": ["node1"], "passing": ["node2", "node3", "node4"],
+                                               "groups": [("node1", "node2")]}
+
+
+def test_node_between_two_bad_partners_is_cleared_by_the_suspect_round():
+    nodes = names(8)
+    r1, r2 = aiv.screen_rounds(nodes)
+    x = "node1"
+    a = next(g for g in r1 if x in g)[1]
+    b = next(g for g in r2 if x in g)[1]
+    findings, suspects, results, plan = screen(nodes, fabric({a: {0}, b: {0}}))
+    assert x in plan["suspects"] and x not in suspects
+    assert sorted(h for f in flagged(findings) for h in f["hosts"]) == sorted([a, b])
+
+
+@pytest.mark.parametrize("n", [5, 7, 9])
+def test_odd_n_groups_of_three(n):
+    nodes = names(n)
+    for bad in nodes:
+        findings, suspects, _, _ = screen(nodes, fabric({bad: {3}}))
+        (f,) = flagged(findings)
+        assert f["hosts"] == [bad] and suspects == [bad] and "rail 3" in f["reason"]
+
+
+def test_slow_path_inside_a_group_of_three_names_the_group():
+    nodes = names(7)
+    findings, _, _, _ = screen(nodes, fabric(bad_links={("node6", "node7"): RAILS}))
+    (f,) = flagged(findings)
+    assert "the paths among node3, node6, node7" in f["reason"] and f["hosts"] == ["node3", "node6", "node7"]
+
+
+def test_two_nodes_name_the_pair():
+    nodes = names(2)
+    findings, suspects, results, plan = screen(nodes, fabric({"node2": {1}}, noise=0.01))
+    assert plan["groups"] == [] and len(results) == len(RAILS)
+    (f,) = flagged(findings)
+    assert f["status"] == "FAIL" and f["hosts"] == ["node1", "node2"] and suspects == ["node1", "node2"]
+    assert "nodes node1 and node2 are slow together (two nodes only" in f["reason"] and "rail 1" in f["reason"]
+    assert "widespread" not in f["reason"]
+
+
+def test_widespread_more_suspects_than_passing():
+    nodes = names(8)
+    bad = ["node1", "node2", "node3", "node6", "node8"]   # on rail 0: 7 of its 8 pairs slow
+    findings, suspects, results, plan = screen(nodes, fabric({b: {0} for b in bad}))
+    assert plan["groups"] is None and not any(r["round"] == 3 for r in results)
+    (f,) = flagged(findings)
+    assert f["status"] == "FAIL" and f["reason"].startswith("widespread:")
+    assert set(bad) <= set(f["hosts"]) and f["hosts"] == suspects
+    assert len(suspects) > len(plan["passing"])
+
+
+def test_every_pair_below_the_floor_is_widespread():
+    findings, suspects, _, plan = screen(names(6), fabric(), min_busbw=BASE * 2)
+    (f,) = flagged(findings)
+    assert plan["groups"] is None and "widespread" in f["reason"] and suspects == names(6)
+    # at N = 3 every pair was measured: no node passed, still widespread
+    (f3,) = flagged(screen(names(3), fabric(), min_busbw=BASE * 2)[0])
+    assert "widespread" in f3["reason"] and f3["hosts"] == names(3)
+
+
+def test_floor_names_a_node_the_relative_judge_accepts():
+    # node4 at 0.8x: above the FAIL fraction, but under an absolute floor of 35 GB/s
+    findings, _, _, _ = screen(names(8), fabric({"node4": RAILS}, factor=0.8), min_busbw=35.0)
+    (f,) = flagged(findings)
+    assert f["status"] == "FAIL" and f["hosts"] == ["node4"]
+
+
+def test_warn_level_node():
+    findings, _, _, _ = screen(names(8), fabric({"node5": {0}}, factor=0.8))
+    (f,) = flagged(findings)
+    assert f["status"] == "WARN" and f["hosts"] == ["node5"]
+
+
+def test_pass_says_reference_and_count():
+    findings, suspects, results, plan = screen(names(8), fabric(noise=0.05, seed=3))
+    (f,) = findings
+    assert f["status"] == "PASS" and suspects == [] and plan["groups"] == []
+    assert f"of {len(results)} measurements" in f["reason"] and "upper quartile" in f["reason"]
+    assert aiv.judge_pairs([]) == ([], [])
+
+
+def test_noise_at_scale_names_no_one():
+    # 5% Gaussian noise over 64 nodes x 8 rails: WARN needs the value outside the peers' spread too
+    rails = list(range(8))
+    for seed in range(5):
+        findings, _, _, _ = screen(names(64), fabric(noise=0.05, seed=seed), rails=rails)
+        assert [f["status"] for f in findings] == ["PASS"]
+
+
+def test_cpu_noise_names_no_one_but_a_400x_slower_link_is_named():
+    nodes = names(8)
+    for seed in range(5):
+        findings, _, _, _ = screen(nodes, fabric(spread=(10.0, 30.0), seed=seed), cpu=True)
+        assert [f["status"] for f in findings] == ["PASS"] and "CPU ranks share cores" in findings[0]["reason"]
+    loud = [screen(nodes, fabric(spread=(10.0, 30.0), seed=s))[0] for s in range(5)]
+    assert any(flagged(f) for f in loud), "the same numbers judged as GPU numbers do flag"
+    a, b = schedule_pairs(nodes)[2]
+    findings, _, _, _ = screen(nodes, fabric(bad_links={(a, b): RAILS}, factor=1 / 400, spread=(10.0, 30.0)),
+                               cpu=True)
+    (f,) = flagged(findings)
+    assert f["status"] == "FAIL" and f["hosts"] == sorted([a, b]) and "link or path" in f["reason"]
+
+
+def test_hca_per_node_and_failed_measurement():
+    nodes = names(4)
+    results = []
+    for i, groups in enumerate(aiv.screen_rounds(nodes), 1):
+        for g in groups:
+            for r in RAILS:
+                bad = "node2" in g and r == 1
+                results.append({"round": i, "nodes": g, "rail": r, "busbw": None if bad else BASE,
+                                "hca": {n: f"mlx5_{r}" if n != "node2" else "mlx5_7" for n in g}})
+    plan = aiv.screen_third_round(results)
+    assert plan["groups"] == [("node2", "node1")] or plan["groups"][0][0] == "node2"
+    (f,) = flagged(aiv.judge_pairs(results)[0])
+    assert "node node2 is slow on rail 1" in f["reason"] and "HCA mlx5_7" in f["reason"]
+
+
+# ------------------------------------------------------------------ reference and levels
+def test_reference_upper_quartile_or_maximum():
+    assert aiv.screen_reference([1.0, 2.0, 3.0])["ref"] == 3.0
+    r = aiv.screen_reference([10.0, 10.0, 5.0, 5.0])
+    assert r["ref"] == 10.0 and r["how"] == "upper quartile" and r["count"] == 4
+    assert aiv.screen_reference([None])["ref"] is None
+    # up to three quarters low do not drag it down; the spread comes from the upper half only
+    assert aiv.screen_reference([10.0] * 30 + [1.0] * 70)["ref"] == 10.0
+    r = aiv.screen_reference([10.0] * 50 + [1.0] * 50)
+    assert r["ref"] == 10.0 and r["spread"] == 0.0
+
+
+def test_level_thresholds():
+    ref = aiv.screen_reference([100.0] * 10)
+    assert aiv.screen_level(69.9, ref, 0.70, 0.85) == "FAIL"
+    assert aiv.screen_level(84.0, ref, 0.70, 0.85) == "WARN"
+    assert aiv.screen_level(86.0, ref, 0.70, 0.85) == "OK"
+    assert aiv.screen_level(84.0, ref, 0.10, None) == "OK"
+    assert aiv.screen_level(99.0, ref, 0.70, 0.85, floor=100.0) == "FAIL"
+    assert aiv.screen_level(None, ref, 0.70, 0.85) == "FAIL"
+    noisy = dict(ref, spread=5.0)   # a WARN must lie 6 spreads below the reference: 70 here
+    assert aiv.screen_level(80.0, noisy, 0.70, 0.85) == "OK"
+    assert aiv.screen_fractions("gpu") == (0.80, 0.90) and aiv.screen_fractions("net", cpu=True) == (0.10, None)
+
+
+# ------------------------------------------------------------------ GPU and intra-node
+def gpus(nodes=2, per_node=8, tflops=800.0, hbm=3800.0, model="NVIDIA H200", start=0, seed=0, jitter=0.01):
+    rng = random.Random(seed)
+    out = []
+    for n in range(nodes):
+        for lr in range(per_node):
+            rank = start + n * per_node + lr
+            out.append({"rank": rank, "host": f"node{n + 1}", "local_rank": lr, "uuid": f"GPU-{rank:04d}-aaaa",
+                        "model": model, "tflops": tflops * (1 + rng.uniform(-jitter, jitter)),
+                        "hbm_gbps": hbm * (1 + rng.uniform(-jitter, jitter))})
+    return out
+
+
+def test_gpu_perf_pass():
+    (f,) = aiv.judge_gpu_perf(gpus())
+    assert f["status"] == "PASS" and f["check"] == "gpu-perf" and "16 GPU(s)" in f["reason"]
+    assert "TFLOPS (upper quartile of 16)" in f["reason"] and aiv.judge_gpu_perf([]) == []
+
+
+def test_gpu_perf_outlier_names_rank_host_uuid():
+    rs = gpus()
+    rs[11]["tflops"] *= 0.6
+    rs[3]["hbm_gbps"] *= 0.85
+    out = aiv.judge_gpu_perf(rs)
+    assert [(f["status"], f["ranks"], f["hosts"]) for f in out] == [("WARN", [3], ["node1"]), ("FAIL", [11], ["node2"])]
+    assert "rank 11 on node2 (local rank 3, GPU GPU-0011-aaaa, NVIDIA H200)" in out[1]["reason"]
+    assert "TFLOPS" in out[1]["reason"] and "GB/s memory" in out[0]["reason"]
+
+
+def test_gpu_perf_models_judged_apart_and_floors():
+    rs = gpus(model="NVIDIA H200") + gpus(tflops=300.0, hbm=2000.0, model="NVIDIA A100", start=16)
+    assert [f["status"] for f in aiv.judge_gpu_perf(rs)] == ["PASS"]
+    out = aiv.judge_gpu_perf(rs, min_tflops=500.0)
+    assert all(f["status"] == "FAIL" for f in out)
+    assert sorted(r for f in out for r in f["ranks"]) == list(range(16, 32))
+    assert "below the floor 500 TFLOPS" in out[0]["reason"]
+
+
+def test_gpu_perf_many_outliers_collapse():
+    rs = gpus(nodes=8)
+    for r in rs[:20]:
+        r["hbm_gbps"] *= 0.5
+    (f,) = aiv.judge_gpu_perf(rs)
+    assert f["status"] == "FAIL" and len(f["ranks"]) == 20 and "20 GPU(s) slow on 3 node(s)" in f["reason"]
+    assert "and 4 more" in f["reason"]
+
+
+def test_gpu_perf_cpu_is_loose():
+    rs = gpus(jitter=0.5, seed=4)   # 3x apart: shared cores
+    rs[0]["tflops"] = rs[1]["tflops"] / 2
+    (f,) = aiv.judge_gpu_perf(rs, cpu=True)
+    assert f["status"] == "PASS" and "nothing WARNs" in f["reason"]
+    rs[5]["tflops"] = 1.0
+    out = aiv.judge_gpu_perf(rs, cpu=True)
+    assert [(f["status"], f["ranks"]) for f in out] == [("FAIL", [5])]
+
+
+def test_intra_node():
+    per_node = [{"host": f"node{i}", "busbw": 360.0 + i} for i in range(1, 9)]
+    (f,) = aiv.judge_intra(per_node)
+    assert f["status"] == "PASS" and "of 8 nodes" not in f["reason"] and "(upper quartile of 8)" in f["reason"]
+    per_node[4]["busbw"] = 200.0
+    per_node[6]["busbw"] = 300.0
+    out = aiv.judge_intra(per_node)
+    assert [(f["status"], f["hosts"]) for f in out] == [("FAIL", ["node5"]), ("WARN", ["node7"])]
+    assert "node5: intra-node all_reduce busbw 200.0 GB/s" in out[0]["reason"]
+    out = aiv.judge_intra(per_node, min_busbw=350.0)
+    assert [f["hosts"] for f in out] == [["node5"], ["node7"]] and "below the floor 350" in out[1]["reason"]
+    assert [f["status"] for f in aiv.judge_intra(per_node, cpu=True)] == ["PASS"]
+    assert aiv.judge_intra([]) == []
+
+
+def test_checks_registered():
+    assert {"gpu-perf", "intra-node", "inter-node"} <= set(aiv.CHECKS)
+
+
+# ------------------------------------------------------------------ report lines
+def test_render_small_cluster_shows_everything_and_marks_outliers():
+    nodes = names(4)
+    _, _, results, _ = screen(nodes, fabric({"node2": {1}}))
+    rs = gpus(nodes=4, per_node=2)
+    rs[3]["tflops"] *= 0.5
+    intra = [{"host": n, "busbw": 300.0} for n in nodes]
+    lines = aiv.render_performance({"gpu": rs, "intra": intra, "pairs": results})
+    text = "\n".join(lines)
+    assert lines[1] == "PERFORMANCE" and sum(ln.startswith("  node=") for ln in lines) == 4
+    assert "node=node2 gpus=2 tflops min/med=" in text and "<- slow: tflops rank 3 [FAIL]" in text
+    assert "GB/s by rail 0-3:" in text and "! " in text and "<- slow rail 1 [FAIL]" in text
+    assert sum("<->" in ln for ln in lines) == len({(r["round"], r["nodes"]) for r in results})
+    assert aiv.judge_screen({"gpu": rs, "intra": intra, "pairs": results})
+
+
+def test_render_512_nodes_is_compact():
+    nodes = [f"gpu-{i + 1:04d}" for i in range(512)]
+    rails = list(range(8))
+    _, _, results, _ = screen(nodes, fabric({"gpu-0017": {3}}, noise=0.03, seed=7), rails=rails)
+    rs = gpus(nodes=512, per_node=8, seed=1)
+    for r in rs:
+        r["host"] = nodes[int(r["host"][4:]) - 1]
+    intra = [{"host": n, "busbw": 360.0} for n in nodes]
+    lines = aiv.render_performance({"gpu": rs, "intra": intra, "pairs": results})
+    assert len(lines) < 20
+    text = "\n".join(lines)
+    assert "node=gpu-[0001-0512] nodes=512" in text and "(healthy)" in text
+    assert sum("<->" in ln and "gpu-0017" in ln and "<- slow rail 3 [FAIL]" in ln for ln in lines) == 3
+    assert "per rail: 0:" in text and "group(s) with every rail within the reference not shown" in text
+
+
+def test_render_cpu_note():
+    lines = aiv.render_performance({"cpu": True, "pairs": measure(1, [("a", "b")], fabric())})
+    assert any("CPU ranks" in ln for ln in lines)
