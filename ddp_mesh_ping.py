@@ -29,8 +29,9 @@ Launch:
 
 Exit codes: 0 PASS, 1 FAIL (a check failed), 2 USAGE (bad flags or launch contract,
 nothing attempted), 3 TIMEOUT (a deadline passed: missing ranks, unreachable master,
-a collective that never completed). Every option can also be set through an
-environment variable AIV_<OPTION> (e.g. AIV_TIMEOUT=120); the command line wins.
+a collective that never completed). Every mistake in a flag, variable or launch variable is one
+FAILURE line and exit 2. Every option but --verify-log can also be set through an environment
+variable AIV_<OPTION> (e.g. AIV_TIMEOUT=120); the command line wins.
 
 Stable strings for automation:
   Total Execution Ranks: N
@@ -41,6 +42,7 @@ Stable strings for automation:
 import argparse
 import contextlib
 import datetime
+import difflib
 import fcntl
 import hashlib
 import json
@@ -108,7 +110,12 @@ _T0 = time.monotonic()
 
 # ============================================================================ helpers
 class UsageError(Exception):
-    """A malformed flag or launch contract: nothing was attempted (exit 2)."""
+    """A malformed flag, variable or launch contract: nothing was attempted (exit 2). own: the mistake
+    is in this rank's own values (RANK, LOCAL_RANK, ...), which rank 0 cannot see."""
+
+    def __init__(self, message, own=False):
+        super().__init__(message)
+        self.own = own
 
 
 def finding(check, status, reason, hosts=(), ranks=(), code=EXIT_FAIL):
@@ -290,18 +297,21 @@ def safe_env(env):
 
 
 # ============================================================================ contract
+OWN_VARS = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID")  # differ per rank: rank 0 cannot see them
+
+
 def _int_var(env, name, lo=None, hi=None):
-    raw = env.get(name)
+    raw, own = env.get(name), name in OWN_VARS
     if raw is None or raw.strip() == "":
-        raise UsageError(f"{name} is empty")
+        raise UsageError(f"{name} is empty", own)
     try:
         val = int(raw.strip())
     except ValueError:
-        raise UsageError(f"{name}={raw!r} is not an integer") from None
+        raise UsageError(f"{name}={raw!r} is not an integer", own) from None
     if lo is not None and val < lo:
-        raise UsageError(f"{name}={val} is below {lo}")
+        raise UsageError(f"{name}={val} is below {lo}", own)
     if hi is not None and val > hi:
-        raise UsageError(f"{name}={val} is above {hi}")
+        raise UsageError(f"{name}={val} is above {hi}", own)
     return val
 
 
@@ -323,35 +333,32 @@ def in_batch_shell(env):
             and "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env)
 
 
-def read_contract(env):
-    """The launch contract as a dict, or None for local mode. Raises UsageError."""
-    if "RANK" not in env and "SLURM_PROCID" not in env:
-        if "SLURM_JOB_ID" in env and in_batch_shell(env):
-            raise UsageError("running in the Slurm batch shell, not as an srun task: launch it with "
-                             "srun (one task per GPU), e.g. srun python ddp_mesh_ping.py")
-        return None
-    if in_batch_shell(env):
-        raise UsageError("SLURM_PROCID is set but no srun step started this process (batch shell): "
-                         "launch it with srun (one task per GPU), e.g. srun python ddp_mesh_ping.py")
-    names = {
-        "rank": _pick(env, "RANK", "SLURM_PROCID"),
-        "world_size": _pick(env, "WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"),
-        "local_rank": _pick(env, "LOCAL_RANK", "SLURM_LOCALID"),
-    }
-    for key, var in names.items():
-        if var is None:
-            wanted = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK"}[key]
-            raise UsageError(f"{wanted} is not set (nor its Slurm fallback)")
-    world = _int_var(env, names["world_size"], lo=1, hi=1_000_000)
-    rank = _int_var(env, names["rank"], lo=0)
-    if rank >= world:
-        raise UsageError(f"{names['rank']}={rank} is not below {names['world_size']}={world}")
-    local_rank = _int_var(env, names["local_rank"], lo=0, hi=1023)
-    if local_rank > rank:
-        raise UsageError(f"{names['local_rank']}={local_rank} is larger than {names['rank']}={rank}")
+def _no_rank(env):
+    """No RANK (nor SLURM_PROCID): local mode, unless the environment is half a launch contract."""
+    if "SLURM_JOB_ID" in env and in_batch_shell(env):
+        raise UsageError("running in the Slurm batch shell, not as an srun task: launch it with "
+                         "srun (one task per GPU), e.g. srun python ddp_mesh_ping.py")
+    partial = [f"{v}={env[v]!r}" for v in ("WORLD_SIZE", "LOCAL_RANK") if v in env]
+    if partial:
+        raise UsageError(" and ".join(partial) + (" are" if len(partial) > 1 else " is") + " set but RANK is not: a "
+                         "rank needs RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; unset them all to "
+                         "run in local mode", own=True)
 
-    addr_var = "MASTER_ADDR"
-    addr = env.get("MASTER_ADDR")
+
+def _rank_names(env):
+    """The variables that give rank, world size and local rank (torchrun's names, then Slurm's)."""
+    names = {"RANK": _pick(env, "RANK", "SLURM_PROCID"),
+             "WORLD_SIZE": _pick(env, "WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"),
+             "LOCAL_RANK": _pick(env, "LOCAL_RANK", "SLURM_LOCALID")}
+    for wanted, var in names.items():
+        if var is None:
+            raise UsageError(f"{wanted} is not set (nor its Slurm fallback)", own=wanted != "WORLD_SIZE")
+    return names
+
+
+def _master(env):
+    """(address, the variable it came from, port, the variable it came from)."""
+    addr_var, addr = "MASTER_ADDR", env.get("MASTER_ADDR")
     if addr is None and env.get("SLURM_JOB_NODELIST"):
         addr_var = "SLURM_JOB_NODELIST"
         try:
@@ -363,19 +370,34 @@ def read_contract(env):
     addr = addr.strip()
     if not addr or not re.fullmatch(r"[A-Za-z0-9_.:%\-\[\]]{1,253}", addr):
         raise UsageError(f"{addr_var}={addr!r} is not a host name or address")
-    addr = addr.strip("[]")
-
     if "MASTER_PORT" in env:
-        port = _int_var(env, "MASTER_PORT", lo=1, hi=65535)
-        port_src = "MASTER_PORT"
-    elif "SLURM_JOB_ID" in env:
-        port = derive_port(_int_var(env, "SLURM_JOB_ID", lo=0))
-        port_src = "SLURM_JOB_ID"
-    else:
-        raise UsageError("MASTER_PORT is not set (nor SLURM_JOB_ID to derive one)")
+        return addr.strip("[]"), addr_var, _int_var(env, "MASTER_PORT", lo=1, hi=65535), "MASTER_PORT"
+    if "SLURM_JOB_ID" in env:
+        return addr.strip("[]"), addr_var, derive_port(_int_var(env, "SLURM_JOB_ID", lo=0)), "SLURM_JOB_ID"
+    raise UsageError("MASTER_PORT is not set (nor SLURM_JOB_ID to derive one)")
+
+
+def read_contract(env):
+    """The launch contract as a dict, or None for local mode. Raises UsageError (own=True when the
+    mistake is in this rank's own values)."""
+    if "RANK" not in env and "SLURM_PROCID" not in env:
+        _no_rank(env)
+        return None
+    if in_batch_shell(env):
+        raise UsageError("SLURM_PROCID is set but no srun step started this process (batch shell): "
+                         "launch it with srun (one task per GPU), e.g. srun python ddp_mesh_ping.py")
+    names = _rank_names(env)
+    world = _int_var(env, names["WORLD_SIZE"], lo=1, hi=1_000_000)
+    rank = _int_var(env, names["RANK"], lo=0)
+    if rank >= world:
+        raise UsageError(f"{names['RANK']}={rank} is not below {names['WORLD_SIZE']}={world}", own=True)
+    local_rank = _int_var(env, names["LOCAL_RANK"], lo=0, hi=1023)
+    if local_rank > rank:
+        raise UsageError(f"{names['LOCAL_RANK']}={local_rank} is larger than {names['RANK']}={rank}", own=True)
+    addr, _, port, port_src = _master(env)
     return {"rank": rank, "world_size": world, "local_rank": local_rank,
             "master_addr": addr, "master_port": port, "port_source": port_src,
-            "source": "slurm" if names["rank"] == "SLURM_PROCID" else "env"}
+            "source": "slurm" if names["RANK"] == "SLURM_PROCID" else "env"}
 
 
 def slurm_expected_hosts(env, world):
@@ -515,20 +537,36 @@ def fd_limit_problem(world, nodes):
 
 
 # ============================================================================ options
-def _positive_float(text):
+# One grammar for every flag and AIV_* variable: on = 1/on/yes/true, off = 0/off/no/false (any case);
+# sizes are bytes with binary K/M/G suffixes (1M = 2^20); an empty value is a mistake, not a default.
+# Converters raise ValueError(the predicate: "is not a number"); parse_args names the flag or the
+# variable as the user wrote it.
+ON_WORDS, OFF_WORDS = ("1", "on", "yes", "true"), ("0", "off", "no", "false")
+SECONDS_MAX = 86400.0      # a phase bound above a day is a typo (and overflows the store's timedelta)
+SIZE_MAX = 64 << 30        # one all_reduce buffer: more than any GPU holds is a typo
+DEFAULT_BW_SIZES = "1M,16M,256M,1G"
+
+
+def _number(text):
     try:
-        v = float(text)
+        return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise ValueError("is not a number") from None
+
+
+def _positive_float(text):
+    v = _number(text)
     if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+        raise ValueError("is not a finite number > 0")
     return v
 
 
 def _seconds(text):
-    v = _positive_float(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is below the 1 second minimum")
+    v = _number(text)
+    if not math.isfinite(v):
+        raise ValueError("is not a finite number of seconds")
+    if not 1 <= v <= SECONDS_MAX:
+        raise ValueError(f"is outside 1-{SECONDS_MAX:g} seconds")
     return v
 
 
@@ -536,88 +574,170 @@ def _positive_int(text):
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise ValueError("is not an integer") from None
     if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+        raise ValueError("is below 1")
     return v
 
 
+def _switch(text):
+    word = text.strip().lower()
+    if word in ON_WORDS or word in OFF_WORDS:
+        return word in ON_WORDS
+    raise ValueError("is neither on (1/on/yes/true) nor off (0/off/no/false)")
+
+
 def _sizes(text):
+    """'1M,64MiB,1G' -> bytes; an on word: the default sizes; 0 or an off word: None (no probe)."""
+    word = text.strip().lower()
+    if word in ON_WORDS or word in OFF_WORDS:
+        return _sizes(DEFAULT_BW_SIZES) if word in ON_WORDS else None
     out = []
     for part in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", part, re.I)
+        m = re.fullmatch(r"\s*([0-9]+)\s*(?:([KMG])(?:iB)?)?\s*", part, re.I)
         if not m:
-            raise argparse.ArgumentTypeError(f"bad size {part!r} (e.g. 1M,64M,1G)")
-        mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2).upper()]
-        out.append(int(m.group(1)) * mult)
+            raise ValueError(f"is not a list of sizes (bytes with binary K/M/G suffixes, e.g. {DEFAULT_BW_SIZES}; "
+                             f"0 or off for none)")
+        n = int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[(m.group(2) or "").upper()]
+        if not 1 <= n <= SIZE_MAX:
+            raise ValueError(f"has a size outside 1 B-{human_bytes(SIZE_MAX)}")
+        out.append(n)
     return out
 
 
-DEFAULT_BW_SIZES = "1M,16M,256M,1G"
+def _backend(text):
+    if text not in ("auto", "nccl", "gloo"):
+        raise ValueError("is not auto, nccl or gloo")
+    return text
+
+
+def _directory(text):
+    if not os.path.isdir(text):
+        raise ValueError("is not a directory")
+    return text
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        raise UsageError(message)
+        raise UsageError(message[len("argument "):] if message.startswith("argument ") else message)
+
+
+WANT = {_backend: "auto, nccl or gloo", _seconds: "a number of seconds", _positive_int: "a whole number",
+        _switch: "on or off", _sizes: "sizes, on or off", _positive_float: "a number", str: "a path",
+        _directory: "a directory"}  # what an empty value should have been
+
+
+def _opt(p, flag, conv, shown, text, env=True, want=None, **kw):
+    """One option: its converter, its variable (AIV_<OPTION>, or none), its default as --help and the
+    README show it, and what an empty value should have been."""
+    var = "AIV_" + flag[2:].upper().replace("-", "_") if env else None
+    a = p.add_argument(flag, help=f"{text} (default: {shown}; variable: {var or 'none'})", **kw)
+    a.conv, a.env, a.shown, a.want = conv, var, shown, want or WANT[conv]
+    return a
+
+
+def _epilog():
+    return "\n".join((
+        "Values: on = 1/on/yes/true, off = 0/off/no/false (any case); sizes are bytes with binary K/M/G",
+        f"suffixes (1M = 2^20); seconds are 1-{SECONDS_MAX:g}. Flags are spelled out in full. A malformed or",
+        "empty flag, AIV_* variable or launch variable is one FAILURE line and exit 2; nothing runs.",
+        f"--nproc: at most {RANKS_PER_CORE} ranks per CPU core this process may use, and one rank per",
+        f"{human_bytes(RANK_MEM_CPU)} (CPU) or {human_bytes(RANK_MEM_GPU)} (GPU) of MemAvailable or of what the "
+        "memory cgroup has left.",
+        "--verify-log has no variable: an exported AIV_VERIFY_LOG would turn every later run, Slurm jobs",
+        "included, into a log check; setting it is a usage error.",
+        "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT."))
 
 
 def build_parser():
-    p = _Parser(prog="ddp_mesh_ping.py", description=__doc__.split("\n")[0],
-                formatter_class=argparse.RawDescriptionHelpFormatter,
-                epilog="Every option can also be set as AIV_<OPTION> (e.g. AIV_TIMEOUT=120).")
-    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="auto: nccl when CUDA is available, else gloo")
-    p.add_argument("--timeout", type=_seconds, default=TIMEOUT_DEFAULT, metavar="SECONDS",
-                   help=f"seconds each phase after the roll call may take: init, telemetry, collective, "
-                        f"ddp, bandwidth, verdict (default {TIMEOUT_DEFAULT:g})")
-    p.add_argument("--rollcall-timeout", type=_seconds, default=ROLLCALL_DEFAULT, metavar="SECONDS",
-                   help=f"seconds for every rank to start and check in; absorbs start-up skew such as "
-                        f"thousands of ranks importing torch from shared storage (default {ROLLCALL_DEFAULT:g})")
-    p.add_argument("--expect-world-size", type=_positive_int)
-    p.add_argument("--expect-nodes", type=_positive_int)
-    p.add_argument("--expect-ranks-per-node", type=_positive_int)
-    p.add_argument("--strict", action="store_true", help="treat every WARN as a FAIL")
-    p.add_argument("--json", metavar="PATH", help="write the verdict as JSON (rank 0)")
-    p.add_argument("--nproc", type=_positive_int, help="local mode: number of CPU ranks (default 2)")
-    p.add_argument("--verify-log", metavar="FILE", help="check a saved log and exit")
-    p.add_argument("--bandwidth", nargs="?", const=DEFAULT_BW_SIZES, type=_sizes, metavar="SIZES",
-                   help=f"measure all_reduce bus bandwidth (default sizes {DEFAULT_BW_SIZES})")
-    p.add_argument("--min-busbw", type=_positive_float, metavar="GBPS",
-                   help="FAIL when the largest size's busbw is below this (GB/s, 1e9 B/s)")
-    p.add_argument("--save-manifest", metavar="PATH",
-                   help="on a PASS with no WARN, save (merge into) the accepted state of the nodes as a manifest")
-    p.add_argument("--manifest", metavar="PATH", help="judge this run against a saved manifest (check 'manifest')")
-    p.add_argument("--diff-manifest", nargs=2, metavar=("A", "B"),
-                   help="print the differences between two manifests and exit: 0 equal, 1 different, 2 unreadable")
+    p = _Parser(prog="ddp_mesh_ping.py", description=__doc__.split("\n")[0], add_help=False, allow_abbrev=False,
+                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
+    p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    _opt(p, "--backend", _backend, "auto", "auto: nccl when CUDA is available, else gloo", default="auto",
+         metavar="{auto,nccl,gloo}")
+    _opt(p, "--timeout", _seconds, f"{TIMEOUT_DEFAULT:g}", "seconds each phase after the roll call may take: init, "
+         "telemetry, collective, ddp, bandwidth, verdict", default=TIMEOUT_DEFAULT, metavar="SECONDS")
+    _opt(p, "--rollcall-timeout", _seconds, f"{ROLLCALL_DEFAULT:g}", "seconds for every rank to start and check "
+         "in; absorbs start-up skew such as thousands of ranks importing torch from shared storage",
+         default=ROLLCALL_DEFAULT, metavar="SECONDS")
+    for what, text in (("world-size", "N ranks in all"), ("nodes", "N nodes"),
+                       ("ranks-per-node", "N ranks on every node")):
+        _opt(p, f"--expect-{what}", _positive_int, "from Slurm", f"FAIL unless the run has {text}", metavar="N")
+    _opt(p, "--strict", _switch, "off", "treat every WARN as a FAIL; no value: on", nargs="?", const="on",
+         default=False, metavar="on/off")
+    _opt(p, "--json", str, "none", "rank 0 writes the verdict as JSON here; tried before the run", metavar="PATH")
+    _opt(p, "--nproc", _positive_int, "GPUs, or 2", "local mode: number of ranks (see the rule below)", metavar="N")
+    _opt(p, "--bandwidth", _sizes, "off", f"measure all_reduce bus bandwidth; no value or on: {DEFAULT_BW_SIZES}; "
+         "0 or off: no probe", nargs="?", const="on", metavar="SIZES")
+    _opt(p, "--min-busbw", _positive_float, "none", "FAIL when the largest size's busbw is below this (GB/s, "
+         "1e9 B/s); implies --bandwidth", metavar="GBPS")
+    _opt(p, "--verify-log", str, "none", "check a saved log and exit", env=False, metavar="FILE",
+         want="the path of a saved log")
+    _opt(p, "--save-manifest", str, "none", "on a PASS with no WARN, save (merge into) the accepted state of the "
+         "nodes as a manifest", metavar="PATH")
+    _opt(p, "--manifest", str, "none", "judge this run against a saved manifest (check 'manifest')", metavar="PATH")
+    _opt(p, "--diff-manifest", str, "none", "print the differences between two manifests and exit: 0 equal, "
+         "1 different, 2 unreadable", env=False, nargs=2, metavar=("A", "B"))
     p.set_defaults(manifest_data=None)  # the --manifest file, read up front by rank 0 (manifest_preflight)
-    p.add_argument("--sysfs-root", default="/", help="root for /sys and /proc/driver reads (tests)")
-    p.add_argument("--version", action="version", version=f"ai-infra-validator {VERSION}")
+    _opt(p, "--sysfs-root", _directory, "/", "root for /sys and /proc/driver reads (tests)", default="/", metavar="DIR")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
     return p
 
 
+_UNSET = object()
+REMOVED_VARS = {"AIV_VERIFY_LOG": "is no longer read (left exported it turned every later run, Slurm jobs "
+                                  "included, into a log check): unset it and use --verify-log FILE"}
+
+
+def _given(action, name, value):
+    """A flag's or variable's text, converted; UsageError naming it as the user wrote it."""
+    if isinstance(value, list):  # nargs=2 (--diff-manifest A B)
+        return [_given(action, name, v) for v in value]
+    if not value.strip():
+        raise UsageError(f"{name} is empty; give {action.want}" + (", or unset it" if name.startswith("AIV_") else ""))
+    try:
+        return action.conv(value)
+    except ValueError as e:
+        raise UsageError(f"{name}={value!r} {e}") from None
+
+
+def _leftover(extra, parser):
+    """The first argument argparse did not take, as a usage error (with the likely flag meant)."""
+    arg = extra[0]
+    if arg in ("-", "--") or not arg.startswith("-"):
+        return UsageError(f"unexpected argument {arg!r}: ddp_mesh_ping.py takes options only (see --help)")
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1) if arg.startswith("--") else []
+    return UsageError(f"unknown option {arg!r}" + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
+
+
 def parse_args(argv, env):
-    """Flags win over AIV_<OPTION> environment variables."""
+    """Flags win over AIV_<OPTION> variables; every value goes through its option's converter, and the
+    result records where each came from (args.origin: dest -> the flag or variable). UsageError else."""
+    for var, why in REMOVED_VARS.items():
+        if var in env:
+            raise UsageError(f"{var}={env[var]!r} {why}")
     parser = build_parser()
-    injected = []
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    for action in parser._actions:
-        opt = next((o for o in action.option_strings if o.startswith("--")), None)
-        if not opt or opt in ("--help", "--version"):
+    opts = [a for a in parser._actions if hasattr(a, "conv")]
+    ns, extra = parser.parse_known_args(list(argv), argparse.Namespace(**{a.dest: _UNSET for a in opts}))
+    if extra:
+        raise _leftover(extra, parser)
+    ns.origin = {}
+    for a in opts:
+        flag, raw = a.option_strings[0], getattr(ns, a.dest)
+        if raw is _UNSET and a.env in env:
+            flag, raw = a.env, env[a.env]
+        if raw is _UNSET:
+            setattr(ns, a.dest, a.default)
             continue
-        var = "AIV_" + opt[2:].upper().replace("-", "_")
-        if var not in env or opt in given:
-            continue
-        val = env[var]
-        if action.nargs == 0:  # store_true
-            if val.strip().lower() in ("1", "true", "yes", "on"):
-                injected.append(opt)
-            elif val.strip().lower() not in ("0", "false", "no", "off", ""):
-                raise UsageError(f"{var}={val!r} is not a boolean")
-        elif action.nargs == "?" and val.strip().lower() in ("1", "true", "yes", "on"):
-            injected.append(opt)  # AIV_BANDWIDTH=1: the flag with its default value
-        else:
-            injected.append(f"{opt}={val}")
-    return parser.parse_args(injected + list(argv))
+        ns.origin[a.dest] = flag
+        setattr(ns, a.dest, _given(a, flag, raw))
+    if ns.min_busbw and not ns.bandwidth:
+        if "bandwidth" in ns.origin:
+            raise UsageError(f"{ns.origin['min_busbw']} needs the bandwidth probe, which "
+                             f"{ns.origin['bandwidth']} turns off")
+        ns.bandwidth = _sizes(DEFAULT_BW_SIZES)
+    return ns
 
 
 # ============================================================================ interfaces
@@ -2925,26 +3045,14 @@ def verify_log(text, expect, strict=False):
     return not problems, problems, facts
 
 
-def _verify_log_origin(argv):
-    """Where the --verify-log value came from: the flag (or an abbreviation of it), else AIV_VERIFY_LOG."""
-    for a in argv:
-        opt = a.split("=", 1)[0]
-        if len(opt) > 2 and "--verify-log".startswith(opt):
-            return "--verify-log"
-    return "AIV_VERIFY_LOG"
-
-
 def run_verify_log(args, argv=()):
-    """--verify-log FILE: 0 the log shows a clean PASS, 1 it does not, 2 no readable file was named."""
-    origin = _verify_log_origin(argv)
-    if not args.verify_log.strip():
-        print(f"FAILURE: usage: {origin} is empty; give the path of a saved log")
-        return EXIT_USAGE
+    """--verify-log FILE (never empty: plan() refuses that): 0 the log shows a clean PASS, 1 it does not,
+    2 the file cannot be read."""
     try:
         with open(args.verify_log, "rb") as f:
             text = f.read(256 << 20).decode("utf-8", errors="replace")
     except OSError as e:
-        print(f"FAILURE: usage: {origin}: cannot read {args.verify_log}: {e.strerror or e}")
+        print(f"FAILURE: usage: --verify-log: cannot read {args.verify_log}: {e.strerror or e}")
         return EXIT_USAGE
     expect = {"world_size": args.expect_world_size, "nodes": args.expect_nodes,
               "ranks_per_node": args.expect_ranks_per_node}
@@ -3904,6 +4012,130 @@ def _warm_imports():
         pass
 
 
+# ============================================================================ plan
+# --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the
+# interpreter, torch and a gloo group; measured with 2 and 4 ranks), and the node's import probe and
+# liveness monitor add ~0.3 GiB once: 512 MiB per CPU rank covers both. A rank that drives a GPU also
+# holds a CUDA context in host memory: 1.5 GiB. A rank is idle but for its start (import torch, 1-2
+# CPU seconds) and milliseconds of collectives, so 4 ranks per core start within seconds, far inside
+# the roll-call bound, and leave the machine usable. Only an explicit --nproc is held to this rule.
+RANKS_PER_CORE = 4
+RANK_MEM_CPU = 512 << 20
+RANK_MEM_GPU = 1536 << 20
+# Set by a launcher that starts several ranks per node (srun, torchrun, mpirun, local mode): then a
+# rank's own usage error is said once per node. A process started by hand has no siblings: it speaks.
+LAUNCHER_VARS = ("SLURM_STEP_ID", "SLURM_STEPID", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE",
+                 "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def usable_cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def mem_available(root="/"):
+    """Bytes this process may still use: MemAvailable, lowered to what a cgroup v2 memory limit has
+    left; None when unknown."""
+    m = re.search(r"^MemAvailable:\s+(\d+) kB", read_text(os.path.join(root, "proc/meminfo"), ""), re.M)
+    avail = int(m.group(1)) << 10 if m else None
+    m = re.search(r"^0::/(\S*)", read_text(os.path.join(root, "proc/self/cgroup"), ""), re.M)
+    if m:
+        d = os.path.join(root, "sys/fs/cgroup", m.group(1))
+        limit = read_text(os.path.join(d, "memory.max"), "").strip()
+        used = read_text(os.path.join(d, "memory.current"), "").strip()
+        if limit.isdigit() and used.isdigit():
+            left = max(0, int(limit) - int(used))
+            avail = left if avail is None else min(avail, left)
+    return avail
+
+
+def check_nproc(args, gpu, root="/"):
+    """An explicit --nproc beyond what this machine holds (the rule above) is a usage error."""
+    n, name = args.nproc, getattr(args, "origin", {}).get("nproc", "--nproc")
+    cores, avail, per = usable_cores(), mem_available(root), RANK_MEM_GPU if gpu else RANK_MEM_CPU
+    if n > RANKS_PER_CORE * cores:
+        raise UsageError(f"{name}={n} is more ranks than this machine holds: at most {RANKS_PER_CORE} per CPU "
+                         f"core, {RANKS_PER_CORE * cores} on the {cores} core(s) this process may use")
+    if avail is not None and n * per > avail:
+        raise UsageError(f"{name}={n} is more ranks than this machine holds: {n} x {human_bytes(per)} per "
+                         f"{'GPU' if gpu else 'CPU'} rank, but {human_bytes(avail)} of memory is available")
+
+
+def json_problem(path):
+    """Why rank 0 could not write its verdict to path (None: it can): the directory must exist and take
+    a new file, which is tried by creating and removing one."""
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "is a directory"
+    if not os.path.exists(d):
+        return f"names directory {d}, which does not exist"
+    if not os.path.isdir(d):
+        return f"names {d}, which is not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".aiv-probe-", dir=d)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"cannot be written: no file can be created in {d} ({e.strerror or e})"
+    return None
+
+
+def check_json_target(args):
+    """--json PATH, tried by rank 0 and the local launcher before torch is imported: a verdict that
+    cannot be written is a usage error now, not a warning after the run."""
+    problem = json_problem(args.json) if args.json is not None else None
+    if problem:
+        name = getattr(args, "origin", {}).get("json", "--json")
+        raise UsageError(" ".join(f"FAILURE: usage: {name}={args.json!r} {problem}".split()))
+
+
+def _line(check, e):
+    """A UsageError from a check, as the exact line to print (one line, whatever the input held)."""
+    return UsageError(" ".join(f"FAILURE: {check}: {e}".split()), own=e.own)
+
+
+def _local(args, env, root):
+    """Local mode's launch plan: launch_plan's, plus the port (None: a free one at launch)."""
+    try:
+        port = _int_var(env, "MASTER_PORT", lo=1, hi=65535) if "MASTER_PORT" in env else None
+    except UsageError as e:
+        raise _line("contract", e) from None
+    try:
+        return dict(launch_plan(args, env, root), port=port)
+    except UsageError as e:
+        raise _line("usage", e) from None
+
+
+def plan(argv, env, root="/"):
+    """(argv, env) -> what this process does, without importing torch or writing anything:
+    {"mode": "help"|"version", "text"}, {"mode": "verify-log", "args"}, {"mode": "rank", "args",
+    "contract"} or {"mode": "local", "args", "launch"}; with "check_json" where this process is the one
+    to try --json. Raises UsageError whose message is the exact line to print."""
+    argv = list(argv)
+    words = argv[:argv.index("--")] if "--" in argv else argv
+    if "-h" in words or "--help" in words:
+        return {"mode": "help", "text": build_parser().format_help()}
+    if "--version" in words:
+        return {"mode": "version", "text": f"ai-infra-validator {VERSION}"}
+    try:
+        args = parse_args(argv, env)
+    except UsageError as e:
+        raise _line("usage", e) from None
+    if args.verify_log is not None:
+        return {"mode": "verify-log", "args": args}
+    if args.diff_manifest is not None:
+        return {"mode": "diff-manifest", "args": args}
+    try:
+        contract = read_contract(env)
+    except UsageError as e:
+        raise _line("contract", e) from None
+    if contract is not None:
+        return {"mode": "rank", "args": args, "contract": contract, "check_json": contract["rank"] == 0}
+    return {"mode": "local", "args": args, "launch": _local(args, env, root), "check_json": True}
+
+
 # ============================================================================ local mode
 def free_port(host="127.0.0.1"):
     with socket.socket() as s:
@@ -3914,32 +4146,32 @@ def free_port(host="127.0.0.1"):
 def launch_plan(args, env, root="/"):
     """Local mode: {'nproc', 'backend'} (backend: the flag to add, None to let each rank choose), or
     a UsageError. One rank per visible GPU; where GPUs are expected but none is visible, still one rank
-    per listed device, so that each rank FAILs naming torch's reason instead of a CPU run passing."""
+    per listed device, so that each rank FAILs naming torch's reason instead of a CPU run passing.
+    An explicit --nproc is held to what the machine holds (check_nproc)."""
     if args.backend == "gloo":
-        return {"nproc": args.nproc or 2, "backend": None}
-    gpus = count_visible_gpus(env, root)
-    if not gpus and gpus_expected(env, root):
-        cvd = env.get("CUDA_VISIBLE_DEVICES")
-        gpus = len([x for x in cvd.split(",") if x.strip()]) if cvd else 1
-    if args.backend == "nccl" and not gpus:
-        raise UsageError(f"--backend nccl but no GPU is visible on {socket.gethostname()} and none is expected")
-    if gpus:
-        return {"nproc": args.nproc or gpus, "backend": None}
-    return {"nproc": args.nproc or 2, "backend": "gloo"}
+        out = {"nproc": args.nproc or 2, "backend": None}
+    else:
+        gpus = count_visible_gpus(env, root)
+        if not gpus and gpus_expected(env, root):
+            cvd = env.get("CUDA_VISIBLE_DEVICES")
+            gpus = len([x for x in cvd.split(",") if x.strip()]) if cvd else 1
+        if args.backend == "nccl" and not gpus:
+            name = getattr(args, "origin", {}).get("backend", "--backend")
+            raise UsageError(f"{name}=nccl but no GPU is visible on {socket.gethostname()} and none is expected")
+        out = {"nproc": args.nproc or gpus, "backend": None} if gpus else {"nproc": args.nproc or 2, "backend": "gloo"}
+    if args.nproc:
+        check_nproc(args, gpu=args.backend != "gloo" and out["backend"] is None, root=root)
+    return out
 
 
-def launch_local(args, argv, env):
-    """No distributed environment: become the launcher, one rank per GPU or --nproc CPU ranks."""
-    try:
-        plan = launch_plan(args, env)
-    except UsageError as e:
-        emit(f"FAILURE: usage: {e}")
-        return EXIT_USAGE
-    nproc = plan["nproc"]
-    port = int(env.get("MASTER_PORT") or free_port())
+def launch_local(args, argv, env, launch):
+    """No distributed environment: become the launcher, one rank per GPU or --nproc CPU ranks, as
+    plan() planned it (launch: its 'nproc', 'backend' and 'port')."""
+    nproc = launch["nproc"]
+    port = launch["port"] or free_port()
     cmd = [sys.executable, os.path.abspath(__file__)] + list(argv)
-    if plan["backend"] and not any(a == "--backend" or a.startswith("--backend=") for a in argv):
-        cmd.append(f"--backend={plan['backend']}")
+    if launch["backend"] and not any(a == "--backend" or a.startswith("--backend=") for a in argv):
+        cmd.append(f"--backend={launch['backend']}")
     procs = []
     for r in range(nproc):
         cenv = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
@@ -3991,6 +4223,33 @@ def _rank_hint(env):
     return None
 
 
+def _speak_for_node(line, env):
+    """A rank's own usage error: once per node among the ranks one launcher started (the marker is
+    keyed by the launcher's identity and start time, and by MASTER_PORT, so every launch speaks)."""
+    try:
+        local_rank = int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID") or 0)
+    except ValueError:
+        local_rank = 0
+    parent_start = (proc_stat(os.getppid()) or ("", ""))[1]
+    topic = f"usage-{parent_start}-{env.get('MASTER_PORT', '')}-{env.get('TORCHELASTIC_RESTART_COUNT', '')}"
+    speak_once_per_node(line, env, local_rank, topic[:120])
+
+
+def report_usage(e, env):
+    """Print a usage error's one line where it belongs; returns EXIT_USAGE. A process started by hand
+    speaks. Under a launcher, rank 0 speaks for what every rank shares (flags, AIV_* variables, WORLD_SIZE,
+    MASTER_*), and a rank whose own values are wrong (or unreadable) speaks once per node, since rank 0
+    cannot see them. argparse's usage text goes to stderr with a flag's line."""
+    line, rank = str(e), _rank_hint(env)
+    if any(v in env for v in LAUNCHER_VARS) and (e.own or rank is None):
+        _speak_for_node(line, env)
+    elif not any(v in env for v in LAUNCHER_VARS) or rank == 0:
+        emit(line)
+        if line.startswith("FAILURE: usage:"):
+            emit(build_parser().format_usage().rstrip() + "  (--help for more)", sys.stderr)
+    return EXIT_USAGE
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     env = dict(os.environ)
@@ -4000,33 +4259,28 @@ def main(argv=None):
         except Exception:
             return 0
     try:
-        args = parse_args(argv, env)
+        p = plan(argv, env)
+        if p.get("check_json"):
+            check_json_target(p["args"])
     except UsageError as e:
-        if _rank_hint(env) in (None, 0):  # under srun, one line from rank 0 instead of one per rank
-            emit(f"FAILURE: usage: {e}")
-        return EXIT_USAGE
-    if args.verify_log is not None:
-        return run_verify_log(args, argv)
-    if args.diff_manifest is not None:  # manifest: compare two files, no torch
-        return run_diff_manifest(args.diff_manifest)
-    if args.min_busbw and not args.bandwidth:
-        args.bandwidth = _sizes(DEFAULT_BW_SIZES)
-    try:
-        contract = read_contract(env)
-    except UsageError as e:
-        if _rank_hint(env) in (None, 0):
-            emit(f"FAILURE: contract: {e}")
-        return EXIT_USAGE
-    if contract is None or contract["rank"] == 0:  # manifest: read and check the files before torch and NCCL
+        return report_usage(e, env)
+    if p["mode"] in ("help", "version"):
+        emit(p["text"].rstrip())
+        return EXIT_PASS
+    if p["mode"] == "verify-log":
+        return run_verify_log(p["args"], argv)
+    if p["mode"] == "diff-manifest":  # compare two files, no torch
+        return run_diff_manifest(p["args"].diff_manifest)
+    if p["mode"] == "local" or p["contract"]["rank"] == 0:  # read and check the manifests before torch and NCCL
         try:
-            manifest_preflight(args)
+            manifest_preflight(p["args"])
         except UsageError as e:
             emit(f"FAILURE: usage: {e}")
             return EXIT_USAGE
-    if contract is None:
-        return launch_local(args, argv, env)
+    if p["mode"] == "local":
+        return launch_local(p["args"], argv, env, p["launch"])
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by RankRun.on_sigterm only
-    RankRun(args, contract, env).run()
+    RankRun(p["args"], p["contract"], env).run()
     return EXIT_FAIL  # not reached: run() always exits the process
 
 

@@ -314,26 +314,32 @@ def test_cli_strict_flag_and_variable(tmp_path):
     assert run_tool(["--verify-log", p], env={"AIV_STRICT": "1"}, timeout=60).returncode == 1
 
 
-def test_cli_passes_a_slurm_log_given_through_the_variable(tmp_path):
+def test_cli_passes_a_slurm_log_with_expectations_from_variables(tmp_path):
     p = tmp_path / "ai_infra_smoke_test_4711.log"
     p.write_text(SLURM)
-    r = run_tool([], env={"AIV_VERIFY_LOG": p, "AIV_EXPECT_WORLD_SIZE": "4", "AIV_EXPECT_NODES": "2"}, timeout=60)
+    r = run_tool(["--verify-log", p], env={"AIV_EXPECT_WORLD_SIZE": "4", "AIV_EXPECT_NODES": "2"}, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines() == [f"verify-log: PASS {p} world_size=4 nodes=2 torch=2.13.0"]
 
 
-@pytest.mark.parametrize("args,env,name", [
-    (["--verify-log", ""], {}, "--verify-log"),
-    (["--verify-log="], {}, "--verify-log"),
-    (["--verify-log", "  "], {}, "--verify-log"),
-    ([], {"AIV_VERIFY_LOG": ""}, "AIV_VERIFY_LOG"),
-    (["--verify-log", ""], {"AIV_VERIFY_LOG": "x.log"}, "--verify-log"),
-], ids=["flag", "flag-equals", "blank", "variable", "flag-wins"])
-def test_empty_path_is_a_usage_error_not_a_run(args, env, name):
+@pytest.mark.parametrize("env", [{"AIV_VERIFY_LOG": "x.log"}, {"AIV_VERIFY_LOG": ""}], ids=["set", "empty"])
+@pytest.mark.parametrize("args", [[], ["--verify-log", "y.log"]], ids=["run", "flag"])
+def test_the_variable_is_refused_never_a_silent_log_check(args, env):
+    """Left exported, AIV_VERIFY_LOG would turn a Slurm job into a log check of an old PASS: refused."""
     r = run_tool(args, env=env, timeout=60)
-    out = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2, r.stdout + r.stderr
-    assert out == [f"FAILURE: usage: {name} is empty; give the path of a saved log"]
+    assert r.stdout.splitlines() == [f"FAILURE: usage: AIV_VERIFY_LOG={env['AIV_VERIFY_LOG']!r} is no longer read "
+                                     "(left exported it turned every later run, Slurm jobs included, into a log "
+                                     "check): unset it and use --verify-log FILE"]
+
+
+@pytest.mark.parametrize("args", [["--verify-log", ""], ["--verify-log="], ["--verify-log", "  "]],
+                         ids=["flag", "flag-equals", "blank"])
+def test_empty_path_is_a_usage_error_not_a_run(args):
+    r = run_tool(args, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout.splitlines() == ["FAILURE: usage: --verify-log is empty; give the path of a saved log"]
+    assert r.stderr.startswith("usage: ddp_mesh_ping.py") and "Traceback" not in r.stderr
 
 
 def test_unreadable_path_is_a_usage_error(tmp_path):
@@ -341,8 +347,8 @@ def test_unreadable_path_is_a_usage_error(tmp_path):
     out = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2
     assert out == [f"FAILURE: usage: --verify-log: cannot read {tmp_path / 'absent.log'}: No such file or directory"]
-    r = run_tool([], env={"AIV_VERIFY_LOG": tmp_path}, timeout=60)
-    assert r.returncode == 2 and r.stdout.startswith("FAILURE: usage: AIV_VERIFY_LOG: cannot read ")
+    r = run_tool(["--verify-log", tmp_path], timeout=60)
+    assert r.returncode == 2 and r.stdout.startswith("FAILURE: usage: --verify-log: cannot read ")
 
 
 def test_empty_file_fails(tmp_path):
