@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import aiv
+
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_SH = REPO / "tests" / "slurm_cluster.sh"
 SBATCH_FILE = REPO / "submit_smoke_test.sbatch"
@@ -462,3 +464,28 @@ def test_hostile_env_values_not_evaluated(cluster):
     assert (s2, c2) == ("FAILED", "2:0"), describe(cluster, job2)
     log1, _, _ = cluster.outputs(job1)
     assert any(str(marks[0]) in ln for ln in failure_lines(log1, "interface")), describe(cluster, job1)
+
+
+def test_manifest_drift_on_one_node_is_named_on_that_node_only(cluster):
+    """Accept the cluster (the manifest built from a passing job's own records), then give node2 one
+    more interface: the next job run against the manifest names that drift on node2 and nowhere else."""
+    job = cluster.submit(*SHAPE)
+    state, code, _ = cluster.wait(job)
+    assert (state, code) == ("COMPLETED", "0:0"), describe(cluster, job)
+    records = json.loads(cluster.outputs(job)[2].read_text())["ranks"]
+    path = cluster.workdir / "accepted-manifest.json"
+    path.write_text(json.dumps(aiv.manifest_from_records(records, "2026-01-01T00:00:00+00:00")))
+    cluster.node_run("node2", "ip", "link", "add", "eth1", "type", "veth", "peer", "name", "eth1p")
+    try:
+        cluster.node_run("node2", "ip", "addr", "add", "10.78.0.2/24", "dev", "eth1")
+        cluster.node_run("node2", "ip", "link", "set", "eth1p", "up")
+        cluster.node_run("node2", "ip", "link", "set", "eth1", "up")
+        job = cluster.submit(*SHAPE, AIV_MANIFEST=str(path))
+        state, code, _ = cluster.wait(job)
+    finally:
+        cluster.node_run("node2", "ip", "link", "del", "eth1")
+    log, _, js = cluster.outputs(job)
+    drift = [ln.strip() for ln in log.splitlines() if ln.strip().startswith(("[WARN] manifest:", "[FAIL] manifest:"))]
+    assert drift and all("node2" in ln and "node1" not in ln for ln in drift), log
+    assert any("eth1" in ln for ln in drift), drift
+    assert (state, code) == ("COMPLETED", "0:0"), describe(cluster, job)     # a WARN field: no FAIL without --strict
