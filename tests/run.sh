@@ -3,7 +3,8 @@
 # hypothesis and ruff, then runs pytest over tests/. Extra arguments go to pytest.
 #   AIV_TEST_ENV     where the test venv lives          (default: .venv-test in the repo)
 #   PYTHON           interpreter that creates it         (default: python3)
-#   TEST_TORCH_SPEC  torch to test against               (default: torch==2.13.0, the CPU wheel)
+#   TEST_TORCH_SPEC  torch to test against               (default: torch==2.13.0; a CPU build where
+#                    pip's index serves one, e.g. PIP_INDEX_URL=https://download.pytorch.org/whl/cpu)
 # The Slurm tests (tests/test_slurm.py) run only as root with slurmctld/slurmd installed and
 # skip with a reason otherwise; .ci/run installs Slurm so that they always run in CI.
 set -euo pipefail
