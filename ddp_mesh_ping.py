@@ -16,6 +16,9 @@ Phases (each prints one progress line on rank 0):
   init        torch.distributed.init_process_group on that store
   telemetry   per-rank and per-node facts gathered to rank 0 (gather_object)
   judge       small pure checks over the gathered data -> PASS / WARN / FAIL
+  screen      performance screen (--skip-screen skips it): each GPU's matmul TFLOPS and memory GB/s,
+              all_reduce busbw inside each node, then between pairs of nodes per rail in two rounds
+              and a third for suspects; names the slow GPU, node, rail or link
   collectives exact all_reduce with a closed-form sum, DDP step on nn.Linear(10, 10),
               gradients compared across ranks, loss all_reduced
   verdict     report, one FAILURE line per failed check, or the success line
@@ -1022,7 +1025,7 @@ SCREEN_BLOCKS = 5
 SCREEN_MATMUL_N = {"gpu": 8192, "cpu": 256}            # square matmul: bf16 on GPU, fp32 on CPU
 SCREEN_COPY_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}  # device-memory copy; GB/s counts read + write
 SCREEN_AR_BYTES = {"gpu": 128 << 20, "cpu": 1 << 20}   # all_reduce message of the busbw rounds
-SCREEN_AR_ITERS = {"gpu": (3, 12), "cpu": (1, 4)}      # warm-up and timed iterations (median / best)
+SCREEN_AR_ITERS = {"gpu": (3, 12), "cpu": (1, 8)}      # warm-up and timed iterations (median / best)
 SCREEN_SMI_S = 3.0    # nvidia-smi must answer within this while the GPU stays loaded; else no such facts
 SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks_throttle_reasons.active", "temperature.gpu", "power.draw",
               "ecc.errors.uncorrected.volatile.total", "remapped_rows.pending", "remapped_rows.failure")
@@ -1127,7 +1130,9 @@ def _timed_rate(fn, sync, work, kind, during=None):
 
 
 def _matmul_rate(torch_mod, dev, kind, sync, during, load_until):
-    n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32 if kind == "cpu" else torch_mod.bfloat16
+    n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
+    if kind == "gpu":  # bf16 where the GPU has it (Ampere on), else fp16: the model's peers run the same
+        dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
     a, b = (torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
     c = torch_mod.empty(n, n, device=dev, dtype=dtype)
 
@@ -1144,7 +1149,7 @@ def _copy_rate(torch_mod, dev, kind, sync):
 
 
 def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
-    """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp32 on one CPU thread),
+    """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
     'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
     the PCIe link from sysfs, nvidia-smi's clocks, limits, ECC, row remapping where it answers)."""
     cpu = kind == "cpu"
@@ -1164,6 +1169,18 @@ def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
         else:
             torch_mod.cuda.empty_cache()
     return {"tflops": round(tflops, 3), "hbm_gbps": round(hbm, 3), **facts, **smi}
+
+
+def can_split(torch_mod, dist):
+    """Whether torch.distributed.split_group (torch >= 2.6) can split the default NCCL group (its
+    backend supports splitting); else the screen enumerates every group with new_subgroups_by_enumeration."""
+    if not hasattr(dist, "split_group"):
+        return False
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        return bool(pg._get_backend(torch_mod.device("cuda")).supports_splitting)
+    except Exception:
+        return False
 
 
 def screen_busbw(torch_mod, dist, group, nranks, dev, kind):
@@ -2302,8 +2319,15 @@ def _screen_worst(levels):
     return "FAIL" if "FAIL" in levels else "WARN" if "WARN" in levels else "OK"
 
 
+def _sn(x):
+    """A screen number for the report: one decimal from 1 up, two significant digits below (CPU runs
+    measure GB/s and TFLOPS in hundredths)."""
+    x = float(x)
+    return f"{x:.1f}" if abs(x) >= 1 or x == 0 else f"{x:.2g}"
+
+
 def _screen_ref_text(ref, unit, noun=""):
-    return f"{ref['ref']:.1f} {unit} ({ref['how']} of {ref['count']}{' ' + noun if noun else ''})"
+    return f"{_sn(ref['ref'])} {unit} ({ref['how']} of {ref['count']}{' ' + noun if noun else ''})"
 
 
 def _screen_rule(kind, cpu):
@@ -2341,7 +2365,7 @@ def _gpu_flags(per_rank, floors, cpu):
                     continue
                 why = (f"below the floor {floor:g} {unit}" if floor is not None and v < floor
                        else f"{v / ref['ref']:.2f} of the {model} reference {_screen_ref_text(ref, unit)}")
-                flags.setdefault(r["rank"], (r, []))[1].append((metric, level, f"{v:.1f} {unit}: {why}"))
+                flags.setdefault(r["rank"], (r, []))[1].append((metric, level, f"{_sn(v)} {unit}: {why}"))
     return refs, flags
 
 
@@ -2411,7 +2435,7 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
             v = float(p.get("busbw") or 0.0)
             why = (f"below the floor {min_busbw:g} GB/s" if min_busbw is not None and v < min_busbw
                    else f"{v / ref['ref']:.2f} of the reference {_screen_ref_text(ref, 'GB/s')}")
-            flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {v:.1f} GB/s: {why}"))
+            flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {_sn(v)} GB/s: {why}"))
     if not flagged:
         return [finding("intra-node", "PASS", f"intra-node busbw on {len(per_node)} node(s): reference "
                         f"{_screen_ref_text(ref, 'GB/s')} ({rule})")]
@@ -2527,13 +2551,13 @@ def _pair_node_findings(results, d):
             statuses.append("WARN" if "WARN" in [d["levels"][i] for i in idx] else "FAIL")
             hca = next((h for i in idx for h in [_screen_hca(results[i], n)] if h), None)
             bw = _screen_median([float(results[i].get("busbw") or 0.0) for i in idx])
-            parts.append(f"local rank {rail}" + (f" (HCA {hca})" if hca else "") + f" {bw:.1f} GB/s = {bw / ref:.2f}")
+            parts.append(f"local rank {rail}" + (f" (HCA {hca})" if hca else "") + f" {_sn(bw)} GB/s = {bw / ref:.2f}")
             bws.append(bw)
         partners = _screen_sorted(p for rail in rails for ps in ev[(n, rail)]["slow"] for p in ps)
         whole = len(rails) > 1 and rails == own
         if whole:
             bw = _screen_median(bws)
-            speed = f"busbw median {bw:.1f} GB/s = {bw / ref:.2f}"
+            speed = f"busbw median {_sn(bw)} GB/s = {bw / ref:.2f}"
             where = ("a node-wide network fault (its NICs or their switch ports together, or the host side: "
                      "PCIe, firmware)")
         else:
@@ -2542,7 +2566,7 @@ def _pair_node_findings(results, d):
         out.append(finding("inter-node", _screen_worst(statuses),
                            f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])} with "
                            f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none: "
-                           f"{speed} of the reference {ref:.1f} GB/s: {where}", [n]))
+                           f"{speed} of the reference {_sn(ref)} GB/s: {where}", [n]))
     return out
 
 
@@ -2569,8 +2593,8 @@ def _pair_link_findings(results, d):
         alone = "" if d["two_nodes"] else f"; {alone}"
         rails_txt = _screen_rails_text(rails, d["rails"])
         out.append(finding("inter-node", _screen_worst([d["levels"][i] for i in idx]),
-                           f"{what} on {rails_txt}: busbw {bw:.1f} GB/s = {bw / ref:.2f} of the reference "
-                           f"{ref:.1f} GB/s{alone}", list(g)))
+                           f"{what} on {rails_txt}: busbw {_sn(bw)} GB/s = {bw / ref:.2f} of the reference "
+                           f"{_sn(ref)} GB/s{alone}", list(g)))
     return out
 
 
@@ -2611,7 +2635,7 @@ def judge_pairs(results, min_busbw=None, cpu=False):
         return [finding("inter-node", "FAIL", f"widespread: {len(sus)} node(s) implicated, more than the "
                         f"{len(d['passing'])} that passed, so no single node or link is to blame (a switch, "
                         f"the fabric or its configuration): {slow}/{len(results)} measurement(s) slow against "
-                        f"the reference {ref['ref']:.1f} GB/s; suspects: {compress_hostlist(sus)}", sus)], sus
+                        f"the reference {_sn(ref['ref'])} GB/s; suspects: {compress_hostlist(sus)}", sus)], sus
     return _pair_node_findings(results, d) + _pair_link_findings(results, d), sus
 
 
@@ -2648,9 +2672,9 @@ def _perf_gpu_lines(screen, cpu):
         marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, fl in bad for k, lv, _ in fl]
         if ilv.get(h, "OK") != "OK":
             marks.append(f"intra [{ilv[h]}]")
-        cells = (f"gpus={len(rs)} tflops min/med={min(tf):.1f}/{_screen_median(tf):.1f} " if tf else f"gpus={len(rs)} ")
+        cells = f"gpus={len(rs)} " + (f"tflops min/med={_sn(min(tf))}/{_sn(_screen_median(tf))} " if tf else "")
         cells += f"mem min/med={min(hb):.0f}/{_screen_median(hb):.0f}GB/s " if hb else ""
-        cells += f"intra={ibw[h]:.1f}GB/s" if ibw.get(h) is not None else "intra=-"
+        cells += f"intra={_sn(ibw[h])}GB/s" if ibw.get(h) is not None else "intra=-"
         rows.append((h, cells, marks, tf, hb))
         if not marks:
             healthy.append((h, tf, hb))
@@ -2662,7 +2686,7 @@ def _perf_gpu_lines(screen, cpu):
         tf = [x for _, t, _ in healthy for x in t]
         hb = [x for _, _, b in healthy for x in b]
         ib = [float(ibw[h]) for h, _, _ in healthy if ibw.get(h) is not None]
-        rng = " ".join(f"{k}={min(v):.1f}-{max(v):.1f}" for k, v in (("tflops", tf), ("mem", hb), ("intra", ib)) if v)
+        rng = " ".join(f"{k}={_sn(min(v))}-{_sn(max(v))}" for k, v in (("tflops", tf), ("mem", hb), ("intra", ib)) if v)
         L.append(f"  node={compress_hostlist([h for h, _, _ in healthy])} nodes={len(healthy)} {rng} (healthy)")
     return L
 
@@ -2679,7 +2703,7 @@ def _perf_pair_lines(screen, cpu):
         rounds.setdefault(m.get("round"), set()).add(tuple(m["nodes"]))
     slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
     L = [f"  inter-node reference: {_screen_ref_text(ref, 'GB/s', 'measurements')}; per rail: "
-         + " ".join(f"{rail}:{per_rail[rail]['ref']:.1f}" for rail in d["rails"]),
+         + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
          "  groups per round: " + " ".join(f"{r}:{len(g)}" for r, g in sorted(rounds.items(), key=lambda x: str(x[0])))
          + f"; {len(results)} measurement(s), {len(slow)} slow"]
     by_group = {}
@@ -2689,7 +2713,7 @@ def _perf_pair_lines(screen, cpu):
     listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
     for rnd, g in listed[: None if show_all else SCREEN_RENDER_SLOW]:
         idx = sorted(by_group[(rnd, g)], key=lambda i: results[i]["rail"])
-        cells = " ".join(f"{float(results[i].get('busbw') or 0):.1f}" + ("!" if d["levels"][i] != "OK" else "")
+        cells = " ".join(f"{_sn(float(results[i].get('busbw') or 0))}" + ("!" if d["levels"][i] != "OK" else "")
                          for i in idx)
         bad = [i for i in idx if d["levels"][i] != "OK"]
         tail = (f"  <- slow rail {format_ranges(results[i]['rail'] for i in bad)} "
@@ -2706,9 +2730,12 @@ def _perf_pair_lines(screen, cpu):
 def render_performance(screen):
     """The PERFORMANCE section as report lines. screen: {
       'gpu': judge_gpu_perf's per_rank, 'intra': judge_intra's per_node, 'pairs': judge_pairs' results
-      (each optional), 'cpu': bool, 'min_tflops', 'min_hbm', 'min_busbw_intra', 'min_busbw_inter': floors or None}.
-    Per node: TFLOPS min/median over its GPUs, memory GB/s min/median, intra-node busbw; per group and
-    round the busbw of each rail (a slow rail's value marked '!', the row ending '<- slow ... [FAIL]').
+      (each optional), 'cpu': bool, 'min_tflops', 'min_hbm', 'min_busbw_intra', 'min_busbw_inter': floors or None,
+      'splits': {round: seconds its group creation took} (optional)}; a per_rank row may carry the facts
+      read under load (GPU_FACT_KEYS).
+    Per node: TFLOPS min/median over its GPUs, memory GB/s min/median, intra-node busbw; the facts under
+    load summed up, each GPU with a problem on a line of its own; per group and round the busbw of each
+    rail (a slow rail's value marked '!', the row ending '<- slow ... [FAIL]'); the group creation times.
     Above SCREEN_RENDER_ALL nodes the healthy nodes collapse into one line with their ranges and only
     slow groups are listed (at most SCREEN_RENDER_SLOW, then a count), with the per-rail reference."""
     cpu = bool(screen.get("cpu"))
@@ -2809,7 +2836,8 @@ def _perf_cost_lines(screen):
     made = screen.get("splits") or {}
     if not made:
         return []
-    return ["  groups made (slowest rank): " + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())]
+    return ["  group creation (each group's last member, the slowest group): "
+            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())]
 
 
 # -- the runtime's plain data: the rounds' groups, each rank's part, the rows the judges take, who hung
@@ -2876,6 +2904,14 @@ def screen_measured(groups, posts):
             slow = min(ps, key=lambda p: p["busbw"])
             out.append(dict(g, busbw=slow["busbw"], time_us=slow.get("time_us")))
     return out
+
+
+def screen_creation(groups, posts):
+    """Seconds a round's group creation took: per group its last member's time (the others also waited
+    for the last to arrive), the slowest group's; 0.0 when nothing was created."""
+    per = [min(posts[r].get("split_s") or 0.0 for r in g["ranks"] if r in posts)
+           for g in groups if any(r in posts for r in g["ranks"])]
+    return max(per, default=0.0)
 
 
 def screen_gpu_rows(records, posts, cpu=False):
@@ -3746,7 +3782,7 @@ class RankRun:
         self.proto = self.poll = self.master = self.probe = self.monitor = self.nccl_log = None
         self.backend = self.device = self.collectives = self.results = self.alarm_at = None
         self.identity = self.node_box = None
-        self.screen = self.my_plan = None  # the screen's results (rank 0) and this rank's groups
+        self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
         self.gone = set()  # ranks rank 0 found dead or frozen: no acknowledgement to wait for
         self.verdict_lock, self.ack_lock, self.acked = threading.Lock(), threading.Lock(), False
@@ -3838,7 +3874,8 @@ class RankRun:
         self.torch, self.dist = torch, dist
         self.times["import_torch"] = round(time.monotonic() - t, 3)
         if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
-            threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True).start()
+            self.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
+            self.warm.start()
         local, gpu = self.local_checks()
         if self.backend != "nccl" and self.nccl_log:
             self._drop_nccl_log()
@@ -3950,6 +3987,7 @@ class RankRun:
         if self.is0:
             self.screen_start()
         self.failpoint("screen-gpu")
+        self.quiesce()
         g = self.identity.get("gpu") or {}
         row = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
                                  self.args.sysfs_root)
@@ -4031,7 +4069,7 @@ class RankRun:
 
     def screen_publish(self, name, rounds):
         self.proto.screen_publish(name, screen_rank_plans(rounds, self.world))
-        if self.backend == "nccl" and not hasattr(self.dist, "split_group"):  # every rank enumerates every group
+        if self.backend == "nccl" and not can_split(self.torch, self.dist):  # every rank enumerates every group
             self.proto.screen_publish(name, {"all": {n: [g["ranks"] for g in gs] for n, gs in rounds}})
 
     def plan(self):
@@ -4063,7 +4101,7 @@ class RankRun:
         kw = {"timeout": datetime.timedelta(seconds=self.D[self.phase] + 30)}  # our bound fires first
         if self.backend != "nccl":
             group = dist.new_group(mine or [self.rank], use_local_synchronization=True, **kw)
-        elif hasattr(dist, "split_group"):
+        elif can_split(self.torch, dist):
             import inspect
             params = inspect.signature(dist.split_group).parameters
             group = dist.split_group(split_ranks=[mine or entry["other"]],
@@ -4087,14 +4125,17 @@ class RankRun:
                 cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
                 raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
             out[name] = self.proto.screen_posts(name)
-            made = max((p.get("split_s") or 0.0 for p in out[name].values()), default=0.0)
+            made = screen_creation(self.round_groups().get(name) or [], out[name])
             if made:
                 self.screen["splits"][name] = made
         return out
 
+    def round_groups(self):
+        return dict(r for rs in self.screen_rounds.values() for r in rs)
+
     def screen_pair_rows(self, names):
         """Rank 0: judge_pairs' rows of the rounds `names` (their posts collected)."""
-        groups = dict(r for rs in self.screen_rounds.values() for r in rs)
+        groups = self.round_groups()
         posts = self.screen_collect(names)
         return [{"round": int(n[1:]), "nodes": m["nodes"], "rail": m["rail"], "busbw": m["busbw"], "hca": None,
                  "ranks": m["ranks"], "time_us": m["time_us"]}
@@ -4116,7 +4157,7 @@ class RankRun:
         if not rows:
             return none
         bws = [r["busbw"] for r in rows]
-        made = max((self.screen["splits"].get(n, 0.0) for n in names), default=0.0)
+        made = sum(self.screen["splits"].get(n, 0.0) for n in names)
         return (f"{len(rows)} group measurement(s) in {len(names)} round(s), busbw min/median "
                 f"{min(bws):.2f}/{_screen_median(bws):.2f} GB/s, groups made in {made:.2f}s")
 
@@ -4475,14 +4516,29 @@ class RankRun:
         except Exception as e:
             box["error"] = first_line(e)
 
-    def import_results(self):
-        """Node leaders: the torchvision/torchaudio probe started at launch (usually done by now)."""
-        if self.probe is None:
-            return None
+    def import_results(self, wait_s=None):
+        """Node leaders: the torchvision/torchaudio probe started at launch (usually done by now); taken
+        once (the screen takes it early, so that it measures a quiet node)."""
+        if self.probe is None or self.imports is not None:
+            return self.imports
         t = time.monotonic()
-        out = finish_import_probe(self.probe, min(60.0, self.D["ddp"] / 2))
+        self.imports = finish_import_probe(self.probe, min(60.0, self.D["ddp"] / 2) if wait_s is None else wait_s)
         self.times["imports"] = round(time.monotonic() - t, 3)
-        return out
+        return self.imports
+
+    def quiesce(self):
+        """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
+        node leader the import probe and the node monitor's start, which imports torch), each wait
+        bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly."""
+        wait = self.D[self.phase] / 4
+        if self.warm is not None:
+            self.warm.join(timeout=wait)
+        self.import_results(min(60.0, wait))
+        end = time.monotonic() + wait
+        while self.monitor is not None and time.monotonic() < end and self.monitor.poll() is None:
+            if "seq" in self.proto.live([self.host])[self.host]:
+                break
+            time.sleep(0.05)
 
     def start_monitor(self):
         """Node leaders: the liveness monitor of this node's ranks, a child process (node_monitor)."""

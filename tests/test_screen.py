@@ -580,4 +580,8 @@ def test_gpu_facts_judged_and_rendered():
     text = "\n".join(aiv.render_performance({"gpu": [ok, bad], "splits": {"intra": 0.05, "p1": 0.12}}))
     assert "under load (2 GPU(s)): PCIe at its maximum width and speed on 1/2; SM clock min/median 1200/1590" in text
     assert "clock limits: hw-thermal on 1, sw-power-cap on 1" in text and "rank 1 n1 GPU-b: PCIe link x8" in text
-    assert "groups made (slowest rank): the intra-node round 0.05s, round 1 0.12s" in text
+    assert "group creation (each group's last member, the slowest group): the intra-node round 0.05s, round 1 0.12s" \
+        in text
+    groups = [{"ranks": [0, 2]}, {"ranks": [1, 3]}]
+    posts = {0: {"split_s": 0.9}, 2: {"split_s": 0.05}, 1: {"split_s": 0.02}, 3: {"split_s": 0.4}}
+    assert aiv.screen_creation(groups, posts) == 0.05 and aiv.screen_creation([], {}) == 0.0
