@@ -16,6 +16,9 @@ Phases (each prints one progress line on rank 0):
   init        torch.distributed.init_process_group on that store
   telemetry   per-rank and per-node facts gathered to rank 0 (gather_object)
   judge       small pure checks over the gathered data -> PASS / WARN / FAIL
+  screen      performance screen (--skip-screen skips it): each GPU's matmul TFLOPS and memory GB/s,
+              all_reduce busbw inside each node, then between pairs of nodes per rail in two rounds
+              and a third for suspects; names the slow GPU, node, rail or link
   collectives exact all_reduce with a closed-form sum, DDP step on nn.Linear(10, 10),
               gradients compared across ranks, loss all_reduced
   verdict     report, one FAILURE line per failed check, or the success line
@@ -50,6 +53,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
 import struct
@@ -491,11 +495,18 @@ RANK0_GRACE = 15.0        # the other ranks wait this long past their own bound 
 ACKS_S = 5.0              # rank 0 keeps its store up this long for live ranks to read the verdict
 ERROR_GRACE = 2.0         # after the first error report: time for other reports and liveness to arrive
 
-PHASES = ("local", "rollcall", "init", "telemetry", "collective", "ddp", "bandwidth", "final")
+PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-intra", "screen-pairs", "screen-suspect",
+          "collective", "ddp", "bandwidth", "final")
+SCREEN_PHASES = ("screen-gpu", "screen-intra", "screen-pairs", "screen-suspect")  # skipped with --skip-screen
 PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
+               "screen-gpu": "gpu-perf", "screen-intra": "intra-node", "screen-pairs": "inter-node",
+               "screen-suspect": "inter-node",
                "collective": "collective", "ddp": "ddp", "bandwidth": "bandwidth", "final": "verdict"}
 PHASE_WHAT = {"local": "import torch and the local checks", "rollcall": "the roll call",
               "init": "init_process_group", "telemetry": "the telemetry gather and judge",
+              "screen-gpu": "the GPU screen (matmul and memory copy)",
+              "screen-intra": "the intra-node all_reduce screen", "screen-pairs": "the inter-node pair rounds",
+              "screen-suspect": "the suspect round and the screen's judgement",
               "collective": "all_reduce of rank-encoded integers", "ddp": "the DDP step and results gather",
               "bandwidth": "the bandwidth probe", "final": "the verdict"}
 
@@ -510,9 +521,10 @@ def deadlines(timeout, rollcall_timeout):
     return table
 
 
-def worst_case(table, bandwidth=False):
+def worst_case(table, bandwidth=False, screen=True):
     """The longest a run can take to its verdict: every phase at its bound, then naming and acks."""
-    return sum(s for p, s in table.items() if bandwidth or p != "bandwidth") + NAMING_S + ACKS_S
+    return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth")
+               and (screen or p not in SCREEN_PHASES)) + NAMING_S + ACKS_S
 
 
 def live_period(nodes):
@@ -679,6 +691,17 @@ def build_parser():
     _opt(p, "--diff-manifest", str, "none", "print the differences between two manifests and exit: 0 equal, "
          "1 different, 2 unreadable", env=False, nargs=2, metavar=("A", "B"))
     p.set_defaults(manifest_data=None)  # the --manifest file, read up front by rank 0 (manifest_preflight)
+    # performance screen (section `screen`): on by default, floors in the units of the report
+    _opt(p, "--skip-screen", _switch, "off", "skip the performance screen (GPU matmul and memory, intra-node and "
+         "inter-node busbw); no value: on", nargs="?", const="on", default=False, metavar="on/off")
+    _opt(p, "--min-tflops", _positive_float, "none", "screen: FAIL a GPU whose dense matmul is below this (bf16 on "
+         "GPU, fp32 on CPU)", metavar="TFLOPS")
+    _opt(p, "--min-hbm", _positive_float, "none", "screen: FAIL a GPU whose device-memory copy is below this (GB/s, "
+         "read + write)", metavar="GBPS")
+    _opt(p, "--min-busbw-intra", _positive_float, "none", "screen: FAIL a node whose all_reduce busbw inside the "
+         "node is below this (GB/s)", metavar="GBPS")
+    _opt(p, "--min-busbw-inter", _positive_float, "none", "screen: FAIL an inter-node measurement (a pair on one "
+         "rail) below this busbw (GB/s)", metavar="GBPS")
     _opt(p, "--sysfs-root", _directory, "/", "root for /sys and /proc/driver reads (tests)", default="/", metavar="DIR")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     return p
@@ -1052,6 +1075,17 @@ def collect_node_facts(root, torch_mod, backend, device_count, env=None):
     return facts
 
 
+def loopback_domain():
+    """Which loopback this process reaches: the kernel's boot id and its network namespace (two node names
+    of one machine and namespace talk over 127.0.0.1 fine), or None where either is unreadable."""
+    boot = (read_text("/proc/sys/kernel/random/boot_id") or "").strip()
+    try:
+        ns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        return None
+    return f"{boot}/{ns}" if boot else None
+
+
 def _cpu_affinity():
     try:
         return sorted(os.sched_getaffinity(0))
@@ -1099,6 +1133,195 @@ def torch_versions(torch_mod):
         nccl = None
     return {"torch": torch_mod.__version__, "cuda": torch_mod.version.cuda, "nccl": nccl,
             "python": ".".join(map(str, sys.version_info[:3]))}
+
+
+# ============================================================================ screen collect
+# What the performance screen measures (section `screen` judges it). GPU: each measurement runs about
+# SCREEN_TARGET_S of timed work after a warm-up, in SCREEN_BLOCKS device-synchronised blocks, and the
+# median block counts. CPU (gloo runs, CI): tiny sizes on one thread and the best block, because the
+# ranks share cores and only a gross fault can be told from their noise.
+SCREEN_TARGET_S = {"gpu": 0.3, "cpu": 0.02}            # seconds of timed work per measurement
+SCREEN_BLOCKS = 5
+SCREEN_MATMUL_N = {"gpu": 8192, "cpu": 256}            # square matmul: bf16 on GPU, fp32 on CPU
+SCREEN_COPY_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}  # device-memory copy; GB/s counts read + write
+SCREEN_AR_BYTES = {"gpu": 128 << 20, "cpu": 1 << 20}   # all_reduce message of the busbw rounds
+SCREEN_AR_ITERS = {"gpu": (3, 12), "cpu": (1, 8)}      # warm-up and timed iterations (median / best)
+SCREEN_SMI_S = 3.0    # nvidia-smi must answer within this while the GPU stays loaded; else no such facts
+SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks_throttle_reasons.active", "temperature.gpu", "power.draw",
+              "ecc.errors.uncorrected.volatile.total", "remapped_rows.pending", "remapped_rows.failure")
+SMI_KEYS = ("sm_mhz", "sm_max_mhz", "throttle", "temp_c", "power_w", "ecc_uncorrected", "remap_pending",
+            "remap_failure")
+SMI_RENAMED = {"clocks_throttle_reasons.active": "clocks_event_reasons.active"}  # drivers that dropped the old name
+
+
+def parse_smi(text):
+    """nvidia-smi --format=csv,noheader,nounits for SMI_FIELDS -> {SMI_KEYS: value}; [N/A], [Not
+    Supported] and unparsable values are left out, a line of the wrong shape gives {}."""
+    line = next((ln for ln in (text or "").splitlines() if ln.strip()), "")
+    vals = [v.strip() for v in line.split(",")]
+    if len(vals) != len(SMI_KEYS):
+        return {}
+    out = {}
+    for key, v in zip(SMI_KEYS, vals, strict=True):
+        try:
+            if key == "throttle":
+                out[key] = int(v, 16)
+            elif key.startswith("remap_"):
+                if v.lower() in ("yes", "no"):
+                    out[key] = v.lower() == "yes"
+            else:
+                out[key] = float(v)
+        except ValueError:
+            continue
+    return out
+
+
+class SmiProbe:
+    """nvidia-smi's view of one GPU, asked in a child process while the caller keeps the GPU loaded:
+    clocks, active clock limits, temperature, power, ECC and row remapping. No nvidia-smi, a field
+    it does not know (under both names) or no answer within SCREEN_SMI_S: those facts are absent."""
+
+    def __init__(self, uuid):
+        self.exe = shutil.which("nvidia-smi") if uuid else None
+        self.uuid, self.proc, self.t0 = uuid, None, time.monotonic()
+        self.variants = [SMI_FIELDS, tuple(SMI_RENAMED.get(f, f) for f in SMI_FIELDS)]
+        self._start()
+
+    def _start(self):
+        self.proc = None
+        if self.exe and self.variants:
+            cmd = [self.exe, "--query-gpu=" + ",".join(self.variants.pop(0)), "--format=csv,noheader,nounits",
+                   "-i", self.uuid]
+            try:
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                             stderr=subprocess.DEVNULL, text=True)
+            except OSError:
+                self.proc = None
+
+    def finish(self, load):
+        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts."""
+        while self.proc is not None:
+            if self.proc.poll() is None:
+                if time.monotonic() - self.t0 > SCREEN_SMI_S:
+                    self.proc.kill()
+                    self.proc.wait()
+                    return {}
+                load()
+                continue
+            text = self.proc.stdout.read()
+            self.proc.stdout.close()
+            if self.proc.returncode == 0:
+                return parse_smi(text)
+            self._start()
+        return {}
+
+
+def pcie_under_load(root, pci):
+    """The GPU's PCIe link read while it works (an idle GPU may train its link down to save power)."""
+    link = pci_link(root, pci)
+    keys = (("pcie_width", "current_link_width"), ("pcie_width_max", "max_link_width"),
+            ("pcie_speed", "current_link_speed"), ("pcie_speed_max", "max_link_speed"))
+    return {k: link[f] for k, f in keys if link.get(f) is not None}
+
+
+def _timed_rate(fn, sync, work, kind, during=None):
+    """Units of `work` per second of fn(): warm-up, a calibration, then SCREEN_BLOCKS blocks of about
+    SCREEN_TARGET_S together; the median block on GPU, the best one on CPU. during() runs once while
+    the middle block is queued (the device busy)."""
+    fn()
+    fn()
+    sync()
+    t = time.perf_counter()
+    fn()
+    fn()
+    sync()
+    one = max((time.perf_counter() - t) / 2, 1e-7)
+    per_block = max(1, int(SCREEN_TARGET_S[kind] / SCREEN_BLOCKS / one))
+    times = []
+    for i in range(SCREEN_BLOCKS):
+        t = time.perf_counter()
+        for _ in range(per_block):
+            fn()
+        if during is not None and i == SCREEN_BLOCKS // 2:
+            during()
+        sync()
+        times.append(time.perf_counter() - t)
+    return work * per_block / (_screen_median(times) if kind == "gpu" else min(times))
+
+
+def _matmul_rate(torch_mod, dev, kind, sync, during, load_until):
+    n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
+    if kind == "gpu":  # bf16 where the GPU has it (Ampere on), else fp16: the model's peers run the same
+        dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
+    a, b = (torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
+    c = torch_mod.empty(n, n, device=dev, dtype=dtype)
+
+    def mm():
+        torch_mod.mm(a, b, out=c)
+    rate = _timed_rate(mm, sync, 2 * n ** 3 / 1e12, kind, during)
+    return rate, load_until(lambda: (mm(), sync()))
+
+
+def _copy_rate(torch_mod, dev, kind, sync):
+    src = torch_mod.ones(SCREEN_COPY_BYTES[kind], dtype=torch_mod.uint8, device=dev)
+    dst = torch_mod.empty_like(src)
+    return _timed_rate(lambda: dst.copy_(src), sync, 2 * src.numel() / 1e9, kind)
+
+
+def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
+    """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
+    'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
+    the PCIe link from sysfs, nvidia-smi's clocks, limits, ECC, row remapping where it answers)."""
+    cpu = kind == "cpu"
+    sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
+    threads, facts = torch_mod.get_num_threads(), {}
+    probe = None if cpu else SmiProbe(uuid)  # started now: it samples while the matmul runs
+    if cpu:
+        torch_mod.set_num_threads(1)
+    try:
+        tflops, smi = _matmul_rate(torch_mod, dev, kind, sync,
+                                   (lambda: facts.update(pcie_under_load(root, pci))) if pci else None,
+                                   probe.finish if probe is not None else (lambda load: {}))
+        hbm = _copy_rate(torch_mod, dev, kind, sync)
+    finally:
+        if cpu:
+            torch_mod.set_num_threads(threads)
+        else:
+            torch_mod.cuda.empty_cache()
+    return {"tflops": round(tflops, 3), "hbm_gbps": round(hbm, 3), **facts, **smi}
+
+
+def can_split(torch_mod, dist):
+    """Whether torch.distributed.split_group (torch >= 2.6) can split the default NCCL group (its
+    backend supports splitting); else the screen enumerates every group with new_subgroups_by_enumeration."""
+    if not hasattr(dist, "split_group"):
+        return False
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        return bool(pg._get_backend(torch_mod.device("cuda")).supports_splitting)
+    except Exception:
+        return False
+
+
+def screen_busbw(torch_mod, dist, group, nranks, dev, kind):
+    """all_reduce bus bandwidth of one group as nccl-tests defines it (busbw = algbw x 2(n-1)/n, GB/s =
+    1e9 B/s) at SCREEN_AR_BYTES: warm-up, then each iteration timed device-synchronised; the median
+    iteration on GPU, the best on CPU. -> (busbw, seconds per iteration)."""
+    sync = (lambda: None) if kind == "cpu" else (lambda: torch_mod.cuda.synchronize(dev))
+    warm, iters = SCREEN_AR_ITERS[kind]
+    size = SCREEN_AR_BYTES[kind]
+    x = torch_mod.zeros(size // 4, dtype=torch_mod.float32, device=dev)
+    for _ in range(warm):
+        dist.all_reduce(x, group=group)
+    sync()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        sync()
+        times.append(time.perf_counter() - t)
+    sec = _screen_median(times) if kind == "gpu" else min(times)
+    return size / sec / 1e9 * 2 * (nranks - 1) / nranks, sec
 
 
 # ============================================================================ judge
@@ -1374,8 +1597,9 @@ def judge_gloo_address(records):
     if not gl:
         return []
     hosts = {r["host"] for r in records}
+    machines = {r.get("loopback") or r["host"] for r in records}  # node names sharing one loopback are one
     loop = {r["host"]: r["gloo"] for r in gl if r["gloo"]["loopback"]}
-    if len(hosts) > 1 and loop:
+    if len(machines) > 1 and loop:
         g = next(iter(loop.values()))
         return [finding("interface", "FAIL", f"gloo would use the loopback address {g['addr']} on "
                         f"{compress_hostlist(sorted(loop))} ({g['how']}) in a {len(hosts)}-node run: set "
@@ -1497,6 +1721,25 @@ def apply_strict(findings, strict):
     return [dict(f, status="FAIL") if f["status"] == "WARN" else f for f in findings]
 
 
+UNFINISHED_WORDS = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",
+                    "silent": "unreachable (its node stopped reporting)", "error": "reported an error",
+                    "stuck": "alive but did not finish",
+                    "terminated": "terminated by SIGTERM (the launcher stopped it)"}
+
+
+def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
+    """A rank that did not finish: one key of UNFINISHED_WORDS (see judge_unfinished)."""
+    if errors.get(r, {}).get("term"):
+        return "terminated"
+    if live.get(r) == "gone":
+        return "dead"
+    if live.get(r) == "stopped":
+        return "frozen"
+    if host_of.get(r) in silent_hosts:
+        return "silent"
+    return "error" if r in errors else "stuck"
+
+
 def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=None, silent_hosts=()):
     """Who did not finish `phase` (one FAIL finding). A rank whose last stamp is before the phase is
     dead (its process is gone), frozen (stopped), unreachable (its node's monitor went silent),
@@ -1509,19 +1752,8 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
     host_of: {rank: host}."""
     idx = PHASES.index(phase)
     late = [r for r in range(world) if stamps.get(r, -1) < idx]
-
-    def kind(r):
-        if errors.get(r, {}).get("term"):
-            return "terminated"
-        if live.get(r) == "gone":
-            return "dead"
-        if live.get(r) == "stopped":
-            return "frozen"
-        if host_of.get(r) in silent_hosts:
-            return "silent"
-        return "error" if r in errors else "stuck"
-    kinds = ("dead", "frozen", "silent", "error", "stuck", "terminated")
-    groups = {k: [r for r in late if kind(r) == k] for k in kinds}
+    groups = {k: [r for r in late if unfinished_kind(r, live, errors, host_of, silent_hosts) == k]
+              for k in UNFINISHED_WORDS}
     culprits = (groups["dead"] + groups["frozen"] + groups["silent"] or groups["error"] or groups["stuck"]
                 or groups["terminated"])
     if groups["dead"]:
@@ -1530,10 +1762,7 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
         code = EXIT_TIMEOUT
     else:
         code = code or EXIT_FAIL
-    words = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",
-             "silent": "unreachable (its node stopped reporting)", "error": "reported an error",
-             "stuck": "alive but did not finish", "terminated": "terminated by SIGTERM (the launcher stopped it)"}
-    parts = [f"{_ranks_on_hosts(rs, host_of)} {words[k]}" for k, rs in groups.items() if rs]
+    parts = [f"{_ranks_on_hosts(rs, host_of)} {UNFINISHED_WORDS[k]}" for k, rs in groups.items() if rs]
     detail = "; ".join(parts) if parts else "every rank finished it"
     first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
     reason = (f"{cause}: {detail}; {world - len(late)}/{world} rank(s) finished {phase}"
@@ -2210,8 +2439,15 @@ def _screen_worst(levels):
     return "FAIL" if "FAIL" in levels else "WARN" if "WARN" in levels else "OK"
 
 
+def _sn(x):
+    """A screen number for the report: one decimal from 1 up, two significant digits below (CPU runs
+    measure GB/s and TFLOPS in hundredths)."""
+    x = float(x)
+    return f"{x:.1f}" if abs(x) >= 1 or x == 0 else f"{x:.2g}"
+
+
 def _screen_ref_text(ref, unit, noun=""):
-    return f"{ref['ref']:.1f} {unit} ({ref['how']} of {ref['count']}{' ' + noun if noun else ''})"
+    return f"{_sn(ref['ref'])} {unit} ({ref['how']} of {ref['count']}{' ' + noun if noun else ''})"
 
 
 def _screen_rule(kind, cpu):
@@ -2249,7 +2485,7 @@ def _gpu_flags(per_rank, floors, cpu):
                     continue
                 why = (f"below the floor {floor:g} {unit}" if floor is not None and v < floor
                        else f"{v / ref['ref']:.2f} of the {model} reference {_screen_ref_text(ref, unit)}")
-                flags.setdefault(r["rank"], (r, []))[1].append((metric, level, f"{v:.1f} {unit}: {why}"))
+                flags.setdefault(r["rank"], (r, []))[1].append((metric, level, f"{_sn(v)} {unit}: {why}"))
     return refs, flags
 
 
@@ -2319,7 +2555,7 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
             v = float(p.get("busbw") or 0.0)
             why = (f"below the floor {min_busbw:g} GB/s" if min_busbw is not None and v < min_busbw
                    else f"{v / ref['ref']:.2f} of the reference {_screen_ref_text(ref, 'GB/s')}")
-            flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {v:.1f} GB/s: {why}"))
+            flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {_sn(v)} GB/s: {why}"))
     if not flagged:
         return [finding("intra-node", "PASS", f"intra-node busbw on {len(per_node)} node(s): reference "
                         f"{_screen_ref_text(ref, 'GB/s')} ({rule})")]
@@ -2435,13 +2671,13 @@ def _pair_node_findings(results, d):
             statuses.append("WARN" if "WARN" in [d["levels"][i] for i in idx] else "FAIL")
             hca = next((h for i in idx for h in [_screen_hca(results[i], n)] if h), None)
             bw = _screen_median([float(results[i].get("busbw") or 0.0) for i in idx])
-            parts.append(f"local rank {rail}" + (f" (HCA {hca})" if hca else "") + f" {bw:.1f} GB/s = {bw / ref:.2f}")
+            parts.append(f"local rank {rail}" + (f" (HCA {hca})" if hca else "") + f" {_sn(bw)} GB/s = {bw / ref:.2f}")
             bws.append(bw)
         partners = _screen_sorted(p for rail in rails for ps in ev[(n, rail)]["slow"] for p in ps)
         whole = len(rails) > 1 and rails == own
         if whole:
             bw = _screen_median(bws)
-            speed = f"busbw median {bw:.1f} GB/s = {bw / ref:.2f}"
+            speed = f"busbw median {_sn(bw)} GB/s = {bw / ref:.2f}"
             where = ("a node-wide network fault (its NICs or their switch ports together, or the host side: "
                      "PCIe, firmware)")
         else:
@@ -2450,7 +2686,7 @@ def _pair_node_findings(results, d):
         out.append(finding("inter-node", _screen_worst(statuses),
                            f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])} with "
                            f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none: "
-                           f"{speed} of the reference {ref:.1f} GB/s: {where}", [n]))
+                           f"{speed} of the reference {_sn(ref)} GB/s: {where}", [n]))
     return out
 
 
@@ -2477,8 +2713,8 @@ def _pair_link_findings(results, d):
         alone = "" if d["two_nodes"] else f"; {alone}"
         rails_txt = _screen_rails_text(rails, d["rails"])
         out.append(finding("inter-node", _screen_worst([d["levels"][i] for i in idx]),
-                           f"{what} on {rails_txt}: busbw {bw:.1f} GB/s = {bw / ref:.2f} of the reference "
-                           f"{ref:.1f} GB/s{alone}", list(g)))
+                           f"{what} on {rails_txt}: busbw {_sn(bw)} GB/s = {bw / ref:.2f} of the reference "
+                           f"{_sn(ref)} GB/s{alone}", list(g)))
     return out
 
 
@@ -2519,7 +2755,7 @@ def judge_pairs(results, min_busbw=None, cpu=False):
         return [finding("inter-node", "FAIL", f"widespread: {len(sus)} node(s) implicated, more than the "
                         f"{len(d['passing'])} that passed, so no single node or link is to blame (a switch, "
                         f"the fabric or its configuration): {slow}/{len(results)} measurement(s) slow against "
-                        f"the reference {ref['ref']:.1f} GB/s; suspects: {compress_hostlist(sus)}", sus)], sus
+                        f"the reference {_sn(ref['ref'])} GB/s; suspects: {compress_hostlist(sus)}", sus)], sus
     return _pair_node_findings(results, d) + _pair_link_findings(results, d), sus
 
 
@@ -2556,9 +2792,9 @@ def _perf_gpu_lines(screen, cpu):
         marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, fl in bad for k, lv, _ in fl]
         if ilv.get(h, "OK") != "OK":
             marks.append(f"intra [{ilv[h]}]")
-        cells = (f"gpus={len(rs)} tflops min/med={min(tf):.1f}/{_screen_median(tf):.1f} " if tf else f"gpus={len(rs)} ")
+        cells = f"gpus={len(rs)} " + (f"tflops min/med={_sn(min(tf))}/{_sn(_screen_median(tf))} " if tf else "")
         cells += f"mem min/med={min(hb):.0f}/{_screen_median(hb):.0f}GB/s " if hb else ""
-        cells += f"intra={ibw[h]:.1f}GB/s" if ibw.get(h) is not None else "intra=-"
+        cells += f"intra={_sn(ibw[h])}GB/s" if ibw.get(h) is not None else "intra=-"
         rows.append((h, cells, marks, tf, hb))
         if not marks:
             healthy.append((h, tf, hb))
@@ -2570,7 +2806,7 @@ def _perf_gpu_lines(screen, cpu):
         tf = [x for _, t, _ in healthy for x in t]
         hb = [x for _, _, b in healthy for x in b]
         ib = [float(ibw[h]) for h, _, _ in healthy if ibw.get(h) is not None]
-        rng = " ".join(f"{k}={min(v):.1f}-{max(v):.1f}" for k, v in (("tflops", tf), ("mem", hb), ("intra", ib)) if v)
+        rng = " ".join(f"{k}={_sn(min(v))}-{_sn(max(v))}" for k, v in (("tflops", tf), ("mem", hb), ("intra", ib)) if v)
         L.append(f"  node={compress_hostlist([h for h, _, _ in healthy])} nodes={len(healthy)} {rng} (healthy)")
     return L
 
@@ -2587,7 +2823,7 @@ def _perf_pair_lines(screen, cpu):
         rounds.setdefault(m.get("round"), set()).add(tuple(m["nodes"]))
     slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
     L = [f"  inter-node reference: {_screen_ref_text(ref, 'GB/s', 'measurements')}; per rail: "
-         + " ".join(f"{rail}:{per_rail[rail]['ref']:.1f}" for rail in d["rails"]),
+         + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
          "  groups per round: " + " ".join(f"{r}:{len(g)}" for r, g in sorted(rounds.items(), key=lambda x: str(x[0])))
          + f"; {len(results)} measurement(s), {len(slow)} slow"]
     by_group = {}
@@ -2597,7 +2833,7 @@ def _perf_pair_lines(screen, cpu):
     listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
     for rnd, g in listed[: None if show_all else SCREEN_RENDER_SLOW]:
         idx = sorted(by_group[(rnd, g)], key=lambda i: results[i]["rail"])
-        cells = " ".join(f"{float(results[i].get('busbw') or 0):.1f}" + ("!" if d["levels"][i] != "OK" else "")
+        cells = " ".join(f"{_sn(float(results[i].get('busbw') or 0))}" + ("!" if d["levels"][i] != "OK" else "")
                          for i in idx)
         bad = [i for i in idx if d["levels"][i] != "OK"]
         tail = (f"  <- slow rail {format_ranges(results[i]['rail'] for i in bad)} "
@@ -2614,9 +2850,12 @@ def _perf_pair_lines(screen, cpu):
 def render_performance(screen):
     """The PERFORMANCE section as report lines. screen: {
       'gpu': judge_gpu_perf's per_rank, 'intra': judge_intra's per_node, 'pairs': judge_pairs' results
-      (each optional), 'cpu': bool, 'min_tflops', 'min_hbm', 'min_busbw_intra', 'min_busbw_inter': floors or None}.
-    Per node: TFLOPS min/median over its GPUs, memory GB/s min/median, intra-node busbw; per group and
-    round the busbw of each rail (a slow rail's value marked '!', the row ending '<- slow ... [FAIL]').
+      (each optional), 'cpu': bool, 'min_tflops', 'min_hbm', 'min_busbw_intra', 'min_busbw_inter': floors or None,
+      'splits': {round: seconds its group creation took} (optional)}; a per_rank row may carry the facts
+      read under load (GPU_FACT_KEYS).
+    Per node: TFLOPS min/median over its GPUs, memory GB/s min/median, intra-node busbw; the facts under
+    load summed up, each GPU with a problem on a line of its own; per group and round the busbw of each
+    rail (a slow rail's value marked '!', the row ending '<- slow ... [FAIL]'); the group creation times.
     Above SCREEN_RENDER_ALL nodes the healthy nodes collapse into one line with their ranges and only
     slow groups are listed (at most SCREEN_RENDER_SLOW, then a count), with the per-rail reference."""
     cpu = bool(screen.get("cpu"))
@@ -2626,8 +2865,223 @@ def render_performance(screen):
                  f"{SCREEN_CPU_FAIL:.2f} of the reference are judged)")
     if screen.get("gpu") or screen.get("intra"):
         L += _perf_gpu_lines(screen, cpu)
-    L += _perf_pair_lines(screen, cpu)
+    L += _perf_fact_lines(screen) + _perf_pair_lines(screen, cpu) + _perf_cost_lines(screen)
     return L
+
+
+# -- facts read under load: the GPU's PCIe link, clock limits, ECC and row remapping
+THROTTLE_IGNORED = 0x1 | 0x2   # GPU idle, application clocks setting: not a slowdown
+THROTTLE_REASONS = {0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x10: "sync-boost", 0x20: "sw-thermal",
+                    0x40: "hw-thermal", 0x80: "hw-power-brake", 0x100: "display-clocks"}
+THROTTLE_FAULTS = 0x8 | 0x20 | 0x40 | 0x80  # heat, a power brake or the board slowing the clocks: a WARN
+GPU_FACT_KEYS = ("pcie_width", "pcie_width_max", "pcie_speed", "pcie_speed_max", "sm_mhz", "sm_max_mhz",
+                 "throttle", "temp_c", "power_w", "ecc_uncorrected", "remap_pending", "remap_failure")
+
+
+def throttle_names(mask):
+    """Names of the active clock limits in an NVML bitmask, the idle and application-clock bits left out."""
+    mask = int(mask or 0) & ~THROTTLE_IGNORED
+    names = [n for bit, n in sorted(THROTTLE_REASONS.items()) if mask & bit]
+    rest = mask & ~sum(THROTTLE_REASONS)
+    return names + ([hex(rest)] if rest else [])
+
+
+def gpu_fact_problems(row):
+    """[(status, text)] for one GPU's facts under load (a judge_gpu_perf row with GPU_FACT_KEYS, each
+    optional): PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS, uncorrected
+    ECC errors since the driver loaded or a pending row remap (WARN), a failed row remap (FAIL)."""
+    out, g = [], row.get
+    if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
+        out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
+    if g("pcie_speed") and g("pcie_speed_max") and g("pcie_speed") < g("pcie_speed_max"):
+        out.append(("WARN", f"PCIe link {g('pcie_speed'):g} of {g('pcie_speed_max'):g} GT/s under load"))
+    if int(g("throttle") or 0) & THROTTLE_FAULTS:
+        clock = f" (SM {g('sm_mhz'):g} of {g('sm_max_mhz'):g} MHz)" if g("sm_mhz") and g("sm_max_mhz") else ""
+        out.append(("WARN", f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}{clock}"))
+    if g("ecc_uncorrected"):
+        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded"))
+    if g("remap_failure"):
+        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it)"))
+    elif g("remap_pending"):
+        out.append(("WARN", "row remapping pending: reset the GPU to apply it"))
+    return out
+
+
+def judge_gpu_facts(per_rank):
+    """Findings under 'gpu-perf' from the facts read while the matmul ran (gpu_fact_problems): one per GPU
+    with a problem, or beyond SCREEN_LIST_MAX GPUs one per status listing the first ones and a count.
+    No PASS finding: judge_gpu_perf gives it."""
+    flagged = [(r, p) for r in sorted(per_rank or [], key=lambda r: r["rank"]) for p in [gpu_fact_problems(r)] if p]
+    items = [(_screen_worst([s for s, _ in p]), r, "; ".join(t for _, t in p)) for r, p in flagged]
+    if len(items) <= SCREEN_LIST_MAX:
+        return [finding("gpu-perf", st, f"{_gpu_who(r)}: {txt}", [r.get("host")], [r["rank"]]) for st, r, txt in items]
+    out = []
+    for status in ("FAIL", "WARN"):
+        sel = [(r, txt) for st, r, txt in items if st == status]
+        if sel:
+            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
+            out.append(finding("gpu-perf", status, f"{len(sel)} GPU(s) with a problem under load: " + "; ".join(
+                f"{_gpu_who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
+                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel]))
+    return out
+
+
+def _perf_fact_lines(screen):
+    rows = [r for r in screen.get("gpu") or [] if any(r.get(k) is not None for k in GPU_FACT_KEYS)]
+    if not rows:
+        return []
+    links = [r for r in rows if r.get("pcie_width") and r.get("pcie_speed")]
+    full = sum(r["pcie_width"] >= (r.get("pcie_width_max") or 0) and r["pcie_speed"] >= (r.get("pcie_speed_max") or 0)
+               for r in links)
+    sm = [float(r["sm_mhz"]) for r in rows if r.get("sm_mhz") is not None]
+    limits = {}
+    for r in rows:
+        for n in throttle_names(r.get("throttle")):
+            limits[n] = limits.get(n, 0) + 1
+    parts = [f"PCIe at its maximum width and speed on {full}/{len(links)}" if links else "PCIe link not readable",
+             f"SM clock min/median {min(sm):.0f}/{_screen_median(sm):.0f} MHz" if sm else "clocks not read",
+             "clock limits: " + (", ".join(f"{n} on {k}" for n, k in sorted(limits.items())) or "none"),
+             f"uncorrected ECC errors on {sum(bool(r.get('ecc_uncorrected')) for r in rows)}"]
+    L = [f"  under load ({len(rows)} GPU(s)): " + "; ".join(parts)]
+    bad = [(r, gpu_fact_problems(r)) for r in rows]
+    bad = [(r, p) for r, p in bad if p]
+    L += [f"    rank {r['rank']} {r.get('host')} {r.get('uuid') or '-'}: " + "; ".join(t for _, t in p)
+          for r, p in bad[:SCREEN_RENDER_SLOW]]
+    if len(bad) > SCREEN_RENDER_SLOW:
+        L.append(f"    ... and {len(bad) - SCREEN_RENDER_SLOW} more GPU(s) (see --json)")
+    return L
+
+
+def _perf_cost_lines(screen):
+    made = screen.get("splits") or {}
+    if not made:
+        return []
+    return ["  group creation (each group's last member, the slowest group): "
+            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())]
+
+
+# -- the runtime's plain data: the rounds' groups, each rank's part, the rows the judges take, who hung
+def screen_round_label(name):
+    """'intra' -> 'the intra-node round', 'p2' -> 'round 2'."""
+    return "the intra-node round" if name == "intra" else f"round {name[1:]}"
+
+
+def screen_layout(records):
+    """{host: {local_rank: rank}} from the gathered records."""
+    by_node = {}
+    for r in records:
+        by_node.setdefault(r["host"], {})[r["local_rank"]] = r["rank"]
+    return by_node
+
+
+def screen_rail_groups(node_groups, by_node):
+    """Per group of nodes, one group per rail (a local rank present on each of them):
+    [{'ranks': sorted global ranks, 'nodes': [host, ...], 'rail': local rank}]."""
+    out = []
+    for nodes in node_groups:
+        rails = set.intersection(*(set(by_node.get(n, {})) for n in nodes))
+        out += [{"ranks": sorted(by_node[n][rail] for n in nodes), "nodes": list(nodes), "rail": rail}
+                for rail in sorted(rails)]
+    return out
+
+
+def screen_plan(records):
+    """The screen's rounds of groups, in the order they run: [(name, groups)]: 'intra' (one group of
+    all the ranks of each node with two or more, rail None), then 'p1', 'p2' (and 'p3' for three
+    nodes) from screen_rounds, one group per rail (screen_rail_groups). records: the gathered
+    records ({'rank', 'host', 'local_rank'})."""
+    by_node = screen_layout(records)
+    intra = [{"ranks": sorted(lr.values()), "nodes": [h], "rail": None}
+             for h, lr in sorted(by_node.items(), key=lambda x: _screen_key(x[0])) if len(lr) > 1]
+    return [("intra", intra)] + [(f"p{i}", screen_rail_groups(rnd, by_node))
+                                 for i, rnd in enumerate(screen_rounds(by_node), 1)]
+
+
+def screen_rank_plans(rounds, world):
+    """Each rank's part of the rounds: {rank: {name: entry}}; entry = {'mode': 'none' (no group in the
+    round), 'world' (one group of every rank: the default group serves) or 'split' (the groups are
+    split off the default group), 'g': this rank's group (sorted ranks) or None, and with 'split' for a
+    rank in no group 'other': a group of the round (NCCL's split needs one to leave)}."""
+    plans = {r: {} for r in range(world)}
+    for name, groups in rounds:
+        mode = "none" if not groups else \
+            "world" if len(groups) == 1 and groups[0]["ranks"] == list(range(world)) else "split"
+        mine = {r: g["ranks"] for g in groups for r in g["ranks"]}
+        for r in range(world):
+            e = plans[r][name] = {"mode": mode, "g": mine.get(r)}
+            if mode == "split" and r not in mine:
+                e["other"] = groups[0]["ranks"]
+    return plans
+
+
+def screen_measured(groups, posts):
+    """The groups whose members all posted a busbw, each with the slowest member's busbw and time:
+    [dict(group, busbw=, time_us=)]. posts: {rank: {'busbw', 'time_us', ...}}."""
+    out = []
+    for g in groups:
+        ps = [posts.get(r) for r in g["ranks"]]
+        if all(p and p.get("busbw") is not None for p in ps):
+            slow = min(ps, key=lambda p: p["busbw"])
+            out.append(dict(g, busbw=slow["busbw"], time_us=slow.get("time_us")))
+    return out
+
+
+def screen_creation(groups, posts):
+    """Seconds a round's group creation took: per group its last member's time (the others also waited
+    for the last to arrive), the slowest group's; 0.0 when nothing was created."""
+    per = [min(posts[r].get("split_s") or 0.0 for r in g["ranks"] if r in posts)
+           for g in groups if any(r in posts for r in g["ranks"])]
+    return max(per, default=0.0)
+
+
+def screen_gpu_rows(records, posts, cpu=False):
+    """judge_gpu_perf's per_rank rows: each posting rank's record facts and its measurement."""
+    out = []
+    for rec in sorted(records, key=lambda r: r["rank"]):
+        p = posts.get(rec["rank"])
+        if p is not None:
+            g = rec.get("gpu") or {}
+            out.append({"rank": rec["rank"], "host": rec["host"], "local_rank": rec["local_rank"],
+                        "uuid": g.get("uuid"), "model": g.get("name") or ("cpu" if cpu else None),
+                        **{k: v for k, v in p.items() if k != "rank"}})
+    return out
+
+
+def _screen_group_words(g):
+    if g.get("rail") is None:
+        return f"the intra-node group of {g['nodes'][0]} (ranks {format_ranges(g['ranks'])})"
+    if len(g["nodes"]) == 2:
+        return f"link between {g['nodes'][0]} and {g['nodes'][1]} on rail {g['rail']}"
+    return f"links among {', '.join(g['nodes'])} on rail {g['rail']}"
+
+
+def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=()):
+    """Who did not finish a screen round (one FAIL finding under PHASE_CHECK[phase]), or None when every
+    rank posted every round. rounds: [(name, groups)] of the phase in the order they ran; posted: {name:
+    ranks that posted it}; how: 'did not complete within 30s', 'failed', ...; live, errors, silent_hosts
+    as judge_unfinished. The first round some rank did not post names its groups with a member missing
+    (the node pair and rail, or the node) and the missing ranks in no group of it. Culprits: the dead,
+    frozen or unreachable ranks among them, else every member of those groups (both ends of a link)."""
+    todo = [(n, gs, m) for n, gs in rounds for m in [sorted(set(range(world)) - set(posted.get(n) or ()))] if m]
+    if not todo:
+        return None
+    name, groups, missing = todo[0]
+    hung = [g for g in groups if set(g["ranks"]) & set(missing)]
+    loose = sorted(set(missing) - {r for g in hung for r in g["ranks"]})
+    kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in missing}
+    hard = [r for r in missing if kinds[r] in ("dead", "frozen", "silent")]
+    culprits = hard or sorted({r for g in hung for r in g["ranks"]} | set(loose))
+    what = [_screen_group_words(g) for g in hung[:8]] + ([f"{len(hung) - 8} more group(s)"] if len(hung) > 8 else [])
+    what += [f"{_ranks_on_hosts(loose, host_of)} (in no group of {screen_round_label(name)})"] if loose else []
+    states = "; ".join(f"{_ranks_on_hosts(rs, host_of)} {UNFINISHED_WORDS[k]}" for k in UNFINISHED_WORDS
+                       for rs in [[r for r in missing if kinds[r] == k]] if rs)
+    first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
+    reason = (f"{'; '.join(what)} {how} ({states}); {world - len(missing)}/{world} rank(s) finished "
+              f"{screen_round_label(name)}" + (f"; first error: {first_err}" if first_err else ""))
+    code = EXIT_FAIL if any(kinds[r] == "dead" for r in missing) else \
+        EXIT_FAIL if all(kinds[r] in ("error", "terminated") for r in missing) else EXIT_TIMEOUT
+    return finding(PHASE_CHECK[phase], "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits),
+                   culprits, code=code)
 
 
 # ============================================================================ render
@@ -2693,7 +3147,8 @@ def render_report(state):
     flagged = {h for f in state.get("findings") or [] if f["status"] != "PASS" for h in f["hosts"]}
     groups = group_nodes(recs, flagged)
     out = []
-    for section in (_render_topology, _render_environment, _render_fabric, _render_collectives, _render_findings):
+    for section in (_render_topology, _render_environment, _render_fabric, _render_collectives, _render_performance,
+                    _render_findings):
         out += section(state, recs, groups)
     return "\n".join(out)
 
@@ -2784,6 +3239,10 @@ def _render_collectives(state, recs, groups):
     return L
 
 
+def _render_performance(state, recs, groups):
+    return render_performance(state["screen"]) if state.get("screen") else []
+
+
 def _render_findings(state, recs, groups):
     L = [BAR, "FINDINGS", BAR] + [f"  [{f['status']}] {f['check']}: {f['reason']}" for f in state.get("findings") or []]
     L += [f"  NOTE: {n}" for n in state.get("notes") or []]
@@ -2822,7 +3281,7 @@ def write_json_atomic(path, data):
 # DDP gradients, no [FAIL] finding (no [WARN] either under --strict), and counts that agree with
 # each other. Progress lines ("[  1.23s] phase: ...") are never read: they are not a stable format.
 LOG_SECTIONS = ("CLUSTER HARDWARE TOPOLOGY REPORT", "NODE ENVIRONMENT DEEP DIVE",
-                "NETWORK INTERCONNECT & FABRIC STATUS", "COLLECTIVES", "FINDINGS")
+                "NETWORK INTERCONNECT & FABRIC STATUS", "COLLECTIVES", "PERFORMANCE", "FINDINGS")
 _LOG_FAILURE = re.compile(r"(?:\[[^\]]*\]\s*)?FAILURE:")   # also "[host:rank] FAILURE: ..."
 _LOG_FINDING = re.compile(r"\[(PASS|WARN|FAIL)\]\s+\S+?:")
 _LOG_SUM = re.compile(r"all_reduce exact:\s*sum=(\S+)\s+expected=(\S+)\s+on\s+(\S+)\s+rank")
@@ -3092,9 +3551,10 @@ def node_monitor(cfg):
     # a PID we cannot see; without it, the first look is the reference
     first = {int(x[0]): ("", x[2]) if len(x) > 2 and x[2] else proc_stat(int(x[1])) for x in cfg["ranks"]}
     import torch.distributed as dist
-    if all(liveness(proc_stat(p), first[r]) == "gone" for r, p in pids.items()):
-        return 0  # the run ended while we imported torch
-    raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=5))
+    # ranks gone while we imported torch: the run ended (its store is gone: the connect fails within 1 s)
+    # or they died, which is news for rank 0: one post, then the loop ends
+    ended = all(liveness(proc_stat(p), first[r]) == "gone" for r, p in pids.items())
+    raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=1 if ended else 5))
     proto = StoreProtocol(dist.PrefixStore(cfg["prefix"], raw))
     end, seq = time.monotonic() + cfg["lifetime"], 0
     while time.monotonic() < end:
@@ -3122,6 +3582,16 @@ class StoreProtocol:
       errors, nerr   error lines (JSON, appended) and their count  any rank
       verdict        rank 0's exit code: listeners exit with it   rank 0
       acks           ranks that read the verdict                  each rank
+      screen/plan/<rank>, screen/plan3/<rank>                     rank 0
+                     the rank's groups of the screen rounds (JSON, screen_rank_plans): intra, p1, p2
+                     (p3 for 3 nodes), then the suspect round p3
+      screen/<round> the round's measurements, one JSON line per rank (appended): gpu, intra, p1-p3
+                     (every rank posts every round it reaches, also outside any group)   each rank
+      screen/<round>/n, screen/<round>/all  posts counted; set by the last of the world  each rank
+      gate/screen    rank 0's go after the screen's judgement     rank 0
+    Measurements travel here, not through a collective of the world, so that a hung group of two
+    nodes cannot hang the others: rank 0 waits for the keys within the phase's bound and names the
+    groups whose members did not post.
     """
 
     def __init__(self, store, raw=None, prefix=None):
@@ -3201,6 +3671,36 @@ class StoreProtocol:
                 break
             time.sleep(0.2)
         return {int(r): s for snap in cur.values() for r, s in (snap.get("ranks") or {}).items()}, silent
+
+    # -- performance screen
+    def screen_publish(self, name, plans):
+        """Rank 0: each rank's part of a plan ({rank: dict}) under screen/<name>/<rank>, in one write."""
+        ranks = sorted(plans)
+        self.store.multi_set([f"screen/{name}/{r}" for r in ranks], [json.dumps(plans[r]) for r in ranks])
+
+    def screen_plan(self, name, rank, seconds):
+        self._wait([f"screen/{name}/{rank}"], seconds)
+        return json.loads(self.store.get(f"screen/{name}/{rank}"))
+
+    def screen_post(self, rnd, rank, data, world):
+        self.store.append(f"screen/{rnd}", json.dumps(dict(data, rank=rank)) + "\n")
+        if self.store.add(f"screen/{rnd}/n", 1) == world:
+            self.store.set(f"screen/{rnd}/all", "1")
+
+    def screen_wait(self, rnd, seconds):
+        """Whether every rank posted the round within `seconds`."""
+        try:
+            self._wait([f"screen/{rnd}/all"], seconds)
+            return True
+        except Exception:
+            return False
+
+    def screen_posts(self, rnd):
+        """{rank: its post} of a round, so far."""
+        if not self.store.check([f"screen/{rnd}"]):
+            return {}
+        lines = self.store.get(f"screen/{rnd}").decode(errors="replace").splitlines()
+        return {int(e["rank"]): e for e in map(json.loads, filter(None, lines))}
 
     # -- gates, errors, verdict
     def open_gate(self, name, value="go"):
@@ -3351,6 +3851,10 @@ PROGRESS = {
     "collective": "collective: all_reduce of rank-encoded integers on {world} rank(s) ({secs:.2f}s)",
     "ddp": "ddp: DDP step on nn.Linear(10, 10), results gathered ({secs:.2f}s)",
     "bandwidth": "bandwidth: {size} all_reduce {us:.1f} us, algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s",
+    "screen_gpu": "screen-gpu: {n} {what}: matmul {tflops} TFLOPS, memory copy {hbm} GB/s (min/median) ({secs:.2f}s)",
+    "screen_intra": "screen-intra: {detail} ({secs:.2f}s)",
+    "screen_pairs": "screen-pairs: {detail} ({secs:.2f}s)",
+    "screen_suspect": "screen-suspect: {detail}; screen findings: {counts} ({secs:.2f}s)",
     "verdict": "verdict: {verdict} (exit {code}); findings: {counts}",
 }
 
@@ -3386,6 +3890,8 @@ class RankRun:
         self.proto = self.poll = self.master = self.probe = self.monitor = self.nccl_log = None
         self.backend = self.device = self.collectives = self.results = self.alarm_at = None
         self.identity = self.node_box = None
+        self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
+        self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
         self.gone = set()  # ranks rank 0 found dead or frozen: no acknowledgement to wait for
         self.verdict_lock, self.ack_lock, self.acked = threading.Lock(), threading.Lock(), False
         self.wd = Watchdog(self.on_expire, self.on_tick if self.is0 else None)
@@ -3397,8 +3903,10 @@ class RankRun:
         self.header()
         try:
             for phase in PHASES:
+                if phase in SCREEN_PHASES and self.args.skip_screen:
+                    continue
                 with self.deadline(phase):
-                    getattr(self, "phase_" + phase)()
+                    getattr(self, "phase_" + phase.replace("-", "_"))()
             raise Verdict(EXIT_FAIL, [finding("internal", "FAIL", "the phases ended without a verdict")])
         except Verdict as v:
             self.end(v)
@@ -3412,6 +3920,7 @@ class RankRun:
         """Arm the watchdog with the phase's bound (the other ranks add RANK0_GRACE after the roll call,
         so that rank 0 speaks first); a torch error inside becomes this rank's Verdict; stamp on success."""
         self.phase, t = phase, time.monotonic()
+        self.phase_t0 = t
         bound = self.D[phase] + (NAMING_S if self.is0 and phase == "rollcall" else 0)
         self.wd.arm(phase, bound + (RANK0_GRACE if not self.is0 and phase != "local" else 0))
         try:
@@ -3473,11 +3982,13 @@ class RankRun:
         self.torch, self.dist = torch, dist
         self.times["import_torch"] = round(time.monotonic() - t, 3)
         if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
-            threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True).start()
+            self.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
+            self.warm.start()
         local, gpu = self.local_checks()
         if self.backend != "nccl" and self.nccl_log:
             self._drop_nccl_log()
         self.identity = {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(),
+                         "loopback": loopback_domain(),
                          "local_rank": self.local_rank, "backend": self.backend, "device": self.device,
                          "cvd": self.env.get("CUDA_VISIBLE_DEVICES"), "gpu": gpu,
                          "gpus_expected": gpus_expected(self.env, self.args.sysfs_root) or None,
@@ -3575,6 +4086,202 @@ class RankRun:
         if verdict_code(self.findings):
             raise Verdict(verdict_code(self.findings))
         self.proto.open_gate("judge")
+
+    # ---------------------------------------------------------------- the performance screen
+    def phase_screen_gpu(self):
+        """Every rank at once: its device's matmul and memory-copy speed, and on GPU the facts read under
+        load, posted on the store. Rank 0 first publishes every rank's groups of the rounds to come."""
+        t = time.monotonic()
+        if self.is0:
+            self.screen_start()
+        self.failpoint("screen-gpu")
+        self.quiesce()
+        g = self.identity.get("gpu") or {}
+        row = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
+                                 self.args.sysfs_root)
+        self.proto.screen_post("gpu", self.rank, row, self.world)
+        if not self.is0:
+            return
+        rows = self.screen["gpu"] = screen_gpu_rows(self.records, self.screen_collect(["gpu"])["gpu"],
+                                                    self.screen["cpu"])
+        tf, hb = [r["tflops"] for r in rows], [r["hbm_gbps"] for r in rows]
+        self.progress("screen_gpu", n=len(rows), what="CPU rank(s)" if self.screen["cpu"] else "GPU(s)",
+                      tflops=f"{min(tf):.2f}/{_screen_median(tf):.2f}", hbm=f"{min(hb):.1f}/{_screen_median(hb):.1f}",
+                      secs=time.monotonic() - t)
+
+    def phase_screen_intra(self):
+        """All ranks of each node in one group (one split of the world): all_reduce busbw inside the node."""
+        t = time.monotonic()
+        self.failpoint("screen-intra")
+        self.screen_round("intra", self.plan()["intra"])
+        if self.is0:
+            got = screen_measured(self.screen_rounds["screen-intra"][0][1], self.screen_collect(["intra"])["intra"])
+            self.screen["intra"] = [{"host": m["nodes"][0], "busbw": m["busbw"], "ranks": m["ranks"],
+                                     "time_us": m["time_us"]} for m in got]
+            self.progress("screen_intra", detail=self._bw_detail(got, ["intra"], "no node runs two or more ranks"),
+                          secs=time.monotonic() - t)
+
+    def phase_screen_pairs(self):
+        """Rounds 1 and 2 (all three for three nodes): per group of nodes and rail, the same local rank of
+        each node in one group (one split of the world per round); all_reduce busbw between nodes."""
+        t = time.monotonic()
+        self.failpoint("screen-pairs")
+        names = sorted(n for n in self.plan() if n != "intra")
+        for name in names:
+            self.screen_round(name, self.plan()[name])
+        if self.is0:
+            rows = self.screen_pair_rows(names)
+            self.screen["pairs"] = rows
+            self.progress("screen_pairs", detail=self._bw_detail(rows, names, "one node: no pairs between nodes"),
+                          secs=time.monotonic() - t)
+
+    def phase_screen_suspect(self):
+        """Round 3: each suspect of rounds 1-2 with a node that passed, every rail (rank 0 plans it on the
+        store). Then rank 0 judges the whole screen: a FAIL ends the run before the full-job collectives."""
+        t = time.monotonic()
+        if self.is0:
+            self.screen_third()
+        self.failpoint("screen-suspect")
+        plan = self.proto.screen_plan("plan3", self.rank, self.D[self.phase] + RANK0_GRACE)
+        for name in sorted(plan):
+            self.screen_round(name, plan[name])
+        if not self.is0:
+            self.proto.wait_gate("screen", self.D[self.phase] + RANK0_GRACE)
+            return
+        rows = self.screen_pair_rows(sorted(plan))
+        self.screen["pairs"] += rows
+        found = apply_strict(judge_screen(self.screen) + judge_gpu_facts(self.screen.get("gpu")), self.args.strict)
+        self.findings += found
+        self.progress("screen_suspect", detail=self._third_detail(rows), counts=_counts(found),
+                      secs=time.monotonic() - t)
+        if verdict_code(self.findings):
+            raise Verdict(verdict_code(self.findings))
+        self.proto.open_gate("screen")
+
+    def screen_start(self):
+        """Rank 0: the rounds' groups from the gathered records; each rank's part on the store."""
+        rounds, a = screen_plan(self.records), self.args
+        self.screen_rounds = {"screen-intra": rounds[:1], "screen-pairs": rounds[1:], "screen-suspect": []}
+        self.screen = {"cpu": self.backend != "nccl", "min_tflops": a.min_tflops, "min_hbm": a.min_hbm,
+                       "min_busbw_intra": a.min_busbw_intra, "min_busbw_inter": a.min_busbw_inter,
+                       "gpu": [], "intra": [], "pairs": [], "splits": {}}
+        self.screen_publish("plan", rounds)
+
+    def screen_third(self):
+        """Rank 0: round 3 from the measurements so far (screen_third_round); each rank's part on the store."""
+        third = screen_third_round(self.screen["pairs"], self.args.min_busbw_inter, self.screen["cpu"])
+        groups = screen_rail_groups(third["groups"] or [], screen_layout(self.records))
+        self.screen["third"] = third
+        self.screen_rounds["screen-suspect"] = [("p3", groups)] if groups else []
+        self.screen_publish("plan3", self.screen_rounds["screen-suspect"])
+
+    def screen_publish(self, name, rounds):
+        self.proto.screen_publish(name, screen_rank_plans(rounds, self.world))
+        if self.backend == "nccl" and not can_split(self.torch, self.dist):  # every rank enumerates every group
+            self.proto.screen_publish(name, {"all": {n: [g["ranks"] for g in gs] for n, gs in rounds}})
+
+    def plan(self):
+        """This rank's part of the rounds 'intra', 'p1', 'p2' (and 'p3' for three nodes)."""
+        if self.my_plan is None:
+            self.my_plan = self.proto.screen_plan("plan", self.rank, self.D[self.phase] + RANK0_GRACE)
+        return self.my_plan
+
+    def screen_round(self, name, entry):
+        """This rank's part of one round: its group, made here; the group's all_reduce busbw; the post
+        (every rank posts, also outside any group, so that rank 0 sees who finished the round)."""
+        group, made = self.screen_group(name, entry)
+        post = {"split_s": round(made, 3)}
+        if group is not None:
+            bw, sec = screen_busbw(self.torch, self.dist, group, len(entry["g"]), self._device(), self._kind())
+            post.update(busbw=round(bw, 4), time_us=round(sec * 1e6, 1))
+        self.proto.screen_post(name, self.rank, post, self.world)
+
+    def screen_group(self, name, entry):
+        """(this rank's group of the round or None, seconds its creation took). One creation per round: on
+        NCCL one collective call of every rank splits the world (split_group; new_subgroups_by_enumeration
+        before torch 2.6); on gloo only the members meet (new_group with local synchronisation), and a rank
+        in no group makes a group of itself, so that every rank's count of groups (part of torch's hashed
+        group names) stays equal. Groups are kept, never destroyed: a destroy can hang on a broken peer,
+        and the process ends soon after."""
+        mine, dist, t = entry.get("g"), self.dist, time.monotonic()
+        if entry["mode"] != "split":
+            return (dist.group.WORLD if entry["mode"] == "world" else None), 0.0
+        kw = {"timeout": datetime.timedelta(seconds=self.D[self.phase] + 30)}  # our bound fires first
+        if self.backend != "nccl":
+            group = dist.new_group(mine or [self.rank], use_local_synchronization=True, **kw)
+        elif can_split(self.torch, dist):
+            import inspect
+            params = inspect.signature(dist.split_group).parameters
+            group = dist.split_group(split_ranks=[mine or entry["other"]],
+                                     **{k: v for k, v in kw.items() if k in params})
+        else:
+            src = "plan3" if self.phase == "screen-suspect" else "plan"
+            every = self.proto.screen_plan(src, "all", self.D[self.phase])[name]
+            group = dist.new_subgroups_by_enumeration(every, **kw)[0]
+        self.screen_groups.append(group)
+        made = time.monotonic() - t
+        self.times[f"groups-{name}"] = round(made, 3)
+        return (group if mine else None), made
+
+    def screen_collect(self, names):
+        """Rank 0: every rank's posts of the rounds, waited for within the phase's bound. A round left
+        incomplete ends the run here, naming its groups (as the watchdog does when rank 0 is itself
+        blocked in one)."""
+        end, out = self.phase_t0 + self.D[self.phase], {}
+        for name in names:
+            if not self.proto.screen_wait(name, end - time.monotonic()):
+                cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
+                raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+            out[name] = self.proto.screen_posts(name)
+            made = screen_creation(self.round_groups().get(name) or [], out[name])
+            if made:
+                self.screen["splits"][name] = made
+        return out
+
+    def round_groups(self):
+        return dict(r for rs in self.screen_rounds.values() for r in rs)
+
+    def screen_pair_rows(self, names):
+        """Rank 0: judge_pairs' rows of the rounds `names` (their posts collected)."""
+        groups = self.round_groups()
+        posts = self.screen_collect(names)
+        return [{"round": int(n[1:]), "nodes": m["nodes"], "rail": m["rail"], "busbw": m["busbw"], "hca": None,
+                 "ranks": m["ranks"], "time_us": m["time_us"]}
+                for n in names for m in screen_measured(groups[n], posts[n])]
+
+    def screen_unfinished(self, phase, client, cause, live, errors, silent, stamps):
+        """Rank 0, a screen phase that did not finish: (the finding naming the groups whose members did not
+        post a round, or None; the stamps for judge_unfinished, where a post of the GPU round counts as
+        finishing it: rank 0 posts before it waits for the others)."""
+        if phase == "screen-gpu":
+            posted, idx = set(client.screen_posts("gpu")), PHASES.index(phase)
+            return None, {r: max(s, idx) if r in posted else s for r, s in stamps.items()}
+        rounds = self.screen_rounds.get(phase) or []
+        posted = {n: set(client.screen_posts(n)) for n, _ in rounds}
+        how = cause[len(PHASE_WHAT[phase]):].strip() if cause.startswith(PHASE_WHAT[phase]) else cause
+        return screen_stuck(phase, how, self.world, rounds, posted, self.host_of, live, errors, silent), stamps
+
+    def _bw_detail(self, rows, names, none):
+        if not rows:
+            return none
+        bws = [r["busbw"] for r in rows]
+        made = sum(self.screen["splits"].get(n, 0.0) for n in names)
+        return (f"{len(rows)} group measurement(s) in {len(names)} round(s), busbw min/median "
+                f"{min(bws):.2f}/{_screen_median(bws):.2f} GB/s, groups made in {made:.2f}s")
+
+    def _third_detail(self, rows):
+        third = self.screen.get("third") or {}
+        if not self.screen["pairs"]:
+            return "no pairs between nodes"
+        if third.get("groups") is None:
+            return f"widespread: {len(third.get('suspects') or [])} suspect node(s), no round 3"
+        if not rows:
+            return "no round 3 (" + ("no suspect" if not third.get("suspects") else "every pair measured") + ")"
+        return (f"round 3 for suspect(s) {_screen_names(third['suspects'])}: "
+                + self._bw_detail(rows, ["p3"], ""))
+
+    def _kind(self):
+        return "gpu" if self.backend == "nccl" else "cpu"
 
     def phase_collective(self):
         torch, w, r, t = self.torch, self.world, self.rank, time.monotonic()
@@ -3679,6 +4386,13 @@ class RankRun:
             return finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the "
                            f"ranks: {first_line(e)}", code=EXIT_TIMEOUT)
         self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
+        if phase in SCREEN_PHASES and self.screen is not None:
+            try:
+                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps)
+            except Exception:
+                f = None
+            if f is not None:
+                return f
         return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent)
 
     def on_expire(self, phase):
@@ -3812,8 +4526,9 @@ class RankRun:
 
     def failpoint(self, phase):
         """Test-only fault injection: AIV_FAILPOINT=<die|hang>:<phase>:<rank> kills (SIGKILL) or
-        freezes (SIGSTOP) this rank when it reaches <phase> (rendezvous, init, collective, ddp)."""
-        m = re.fullmatch(r"(die|hang):(\w+):(\d+)", self.env.get("AIV_FAILPOINT", ""))
+        freezes (SIGSTOP) this rank when it reaches <phase> (rendezvous, init, screen-gpu, screen-intra,
+        screen-pairs, screen-suspect, collective, ddp)."""
+        m = re.fullmatch(r"(die|hang):([\w-]+):(\d+)", self.env.get("AIV_FAILPOINT", ""))
         if m and m.group(2) == phase and int(m.group(3)) == self.rank:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
@@ -3909,14 +4624,29 @@ class RankRun:
         except Exception as e:
             box["error"] = first_line(e)
 
-    def import_results(self):
-        """Node leaders: the torchvision/torchaudio probe started at launch (usually done by now)."""
-        if self.probe is None:
-            return None
+    def import_results(self, wait_s=None):
+        """Node leaders: the torchvision/torchaudio probe started at launch (usually done by now); taken
+        once (the screen takes it early, so that it measures a quiet node)."""
+        if self.probe is None or self.imports is not None:
+            return self.imports
         t = time.monotonic()
-        out = finish_import_probe(self.probe, min(60.0, self.D["ddp"] / 2))
+        self.imports = finish_import_probe(self.probe, min(60.0, self.D["ddp"] / 2) if wait_s is None else wait_s)
         self.times["imports"] = round(time.monotonic() - t, 3)
-        return out
+        return self.imports
+
+    def quiesce(self):
+        """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
+        node leader the import probe and the node monitor's start, which imports torch), each wait
+        bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly."""
+        wait = self.D[self.phase] / 4
+        if self.warm is not None:
+            self.warm.join(timeout=wait)
+        self.import_results(min(60.0, wait))
+        end = time.monotonic() + wait
+        while self.monitor is not None and time.monotonic() < end and self.monitor.poll() is None:
+            if "seq" in self.proto.live([self.host])[self.host]:
+                break
+            time.sleep(0.05)
 
     def start_monitor(self):
         """Node leaders: the liveness monitor of this node's ranks, a child process (node_monitor)."""
@@ -3993,7 +4723,8 @@ class RankRun:
                 "deadlines": self.D, "elapsed_s": round(elapsed(), 3), "phases": self.times,
                 "findings": self.findings, "failures": fails, "failed_hosts": failed_hosts,
                 "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
-                "collectives": self.collectives, "ranks": self.records, "env": safe_env(self.env)}
+                "collectives": self.collectives, "screen": self.screen, "ranks": self.records,
+                "env": safe_env(self.env)}
 
     def write_json(self, state):
         if self.args.json:

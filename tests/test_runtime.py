@@ -22,8 +22,9 @@ def test_deadline_table_keeps_rank_0_ahead_of_everyone(timeout, rollcall):
     assert all(table[p] == timeout for p in aiv.PHASES if p not in ("local", "rollcall"))
     for p in aiv.PHASES:  # rank 0 names culprits before any other rank gives up on it
         assert table[p] + aiv.NAMING_S < table[p] + aiv.RANK0_GRACE
-    assert aiv.worst_case(table) == 2 * rollcall + 5 * timeout + aiv.NAMING_S + aiv.ACKS_S
+    assert aiv.worst_case(table) == 2 * rollcall + 9 * timeout + aiv.NAMING_S + aiv.ACKS_S
     assert aiv.worst_case(table, bandwidth=True) == aiv.worst_case(table) + timeout
+    assert aiv.worst_case(table, screen=False) == aiv.worst_case(table) - len(aiv.SCREEN_PHASES) * timeout
     assert all(aiv.PHASE_CHECK[p] in aiv.CHECKS for p in aiv.PHASES)
 
 

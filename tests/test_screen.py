@@ -456,3 +456,132 @@ def test_render_512_nodes_is_compact():
 def test_render_cpu_note():
     lines = aiv.render_performance({"cpu": True, "pairs": measure(1, [("a", "b")], fabric())})
     assert any("CPU ranks" in ln for ln in lines)
+
+
+# ------------------------------------------------------------------ the runtime's plain data
+def recs(layout):
+    """[{'rank', 'host', 'local_rank'}] for {host: ranks on it}, ranks numbered in order."""
+    out, r = [], 0
+    for h, n in layout.items():
+        for lr in range(n):
+            out.append({"rank": r, "host": h, "local_rank": lr})
+            r += 1
+    return out
+
+
+def test_plan_intra_then_rounds_one_group_per_rail():
+    rounds = aiv.screen_plan(recs({"node1": 2, "node2": 2, "node3": 2, "node4": 2}))
+    assert [n for n, _ in rounds] == ["intra", "p1", "p2"]
+    intra = dict(rounds)["intra"]
+    assert [g["ranks"] for g in intra] == [[0, 1], [2, 3], [4, 5], [6, 7]] and intra[0]["rail"] is None
+    p1 = dict(rounds)["p1"]   # node1-node3, node2-node4, rails 0 and 1
+    assert [(g["nodes"], g["rail"], g["ranks"]) for g in p1] == [
+        (["node1", "node3"], 0, [0, 4]), (["node1", "node3"], 1, [1, 5]),
+        (["node2", "node4"], 0, [2, 6]), (["node2", "node4"], 1, [3, 7])]
+    three = aiv.screen_plan(recs({"a": 1, "b": 1, "c": 1}))
+    assert [n for n, _ in three] == ["intra", "p1", "p2", "p3"] and dict(three)["intra"] == []
+    # a rail missing on one node of a pair: no group for it
+    uneven = dict(aiv.screen_plan(recs({"a": 2, "b": 1})))
+    assert [(g["rail"], g["ranks"]) for g in uneven["p1"]] == [(0, [0, 2])]
+    assert aiv.screen_plan(recs({"solo": 3})) == [("intra", [{"ranks": [0, 1, 2], "nodes": ["solo"], "rail": None}])]
+
+
+def test_rank_plans_modes():
+    one = aiv.screen_rank_plans(aiv.screen_plan(recs({"solo": 3})), 3)
+    assert one[1] == {"intra": {"mode": "world", "g": [0, 1, 2]}}
+    rounds = aiv.screen_plan(recs({"a": 1, "b": 1, "c": 1}))
+    plans = aiv.screen_rank_plans(rounds, 3)
+    assert plans[0]["intra"] == {"mode": "none", "g": None}
+    assert plans[0]["p1"] == {"mode": "split", "g": [0, 1]}
+    assert plans[2]["p1"] == {"mode": "split", "g": None, "other": [0, 1]}   # idle in round 1
+    two = aiv.screen_rank_plans(aiv.screen_plan(recs({"a": 1, "b": 1})), 2)
+    assert two[1]["p1"] == {"mode": "world", "g": [0, 1]}
+
+
+def test_measured_takes_the_slowest_member_and_skips_incomplete_groups():
+    groups = [{"ranks": [0, 2], "nodes": ["a", "c"], "rail": 0}, {"ranks": [1, 3], "nodes": ["b", "d"], "rail": 0}]
+    posts = {0: {"busbw": 2.0, "time_us": 5}, 2: {"busbw": 1.5, "time_us": 7}, 1: {"busbw": 3.0}}
+    assert aiv.screen_measured(groups, posts) == [dict(groups[0], busbw=1.5, time_us=7)]
+
+
+def test_gpu_rows_join_records_and_posts():
+    records = [aiv_rec for aiv_rec in recs({"n1": 2})]
+    records[0]["gpu"] = {"uuid": "GPU-a", "name": "NVIDIA H200"}
+    rows = aiv.screen_gpu_rows(records, {0: {"rank": 0, "tflops": 700.0, "hbm_gbps": 3900.0, "sm_mhz": 1980.0}})
+    assert rows == [{"rank": 0, "host": "n1", "local_rank": 0, "uuid": "GPU-a", "model": "NVIDIA H200",
+                     "tflops": 700.0, "hbm_gbps": 3900.0, "sm_mhz": 1980.0}]
+    assert aiv.screen_gpu_rows(records, {1: {"tflops": 0.1}}, cpu=True)[0]["model"] == "cpu"
+
+
+HOSTS4 = {0: "node1", 1: "node2", 2: "node3", 3: "node4"}
+
+
+def stuck(posted, live=None, errors=None, how="did not complete within 8s", world=4, silent=()):
+    rounds = aiv.screen_plan(recs({h: 1 for h in HOSTS4.values()}))[1:]
+    return aiv.screen_stuck("screen-pairs", how, world, rounds, posted, HOSTS4,
+                            live or {r: "running" for r in range(world)}, errors or {}, silent)
+
+
+def test_stuck_names_the_link_and_both_ends():
+    f = stuck({"p1": {0, 2}, "p2": set()})
+    assert f["check"] == "inter-node" and f["status"] == "FAIL" and aiv.verdict_code([f]) == aiv.EXIT_TIMEOUT
+    assert f["reason"].startswith("link between node2 and node4 on rail 0 did not complete within 8s (ranks 1 (node2), "
+                                  "3 (node4) alive but did not finish); 2/4 rank(s) finished round 1")
+    assert f["hosts"] == ["node2", "node4"] and f["ranks"] == [1, 3]
+
+
+def test_stuck_blames_a_frozen_or_dead_member_only():
+    f = stuck({"p1": {0, 2}}, live={0: "running", 1: "stopped", 2: "running", 3: "running"})
+    assert "rank 1 (node2) frozen (process stopped); rank 3 (node4) alive but did not finish" in f["reason"]
+    assert f["hosts"] == ["node2"] and f["ranks"] == [1] and aiv.verdict_code([f]) == aiv.EXIT_TIMEOUT
+    f = stuck({"p1": {0, 1, 2, 3}, "p2": {1, 2}}, live={0: "running", 1: "running", 2: "running", 3: "gone"},
+              how="failed")
+    assert f["reason"].startswith("link between node1 and node4 on rail 0 failed (")
+    assert f["hosts"] == ["node4"] and "finished round 2" in f["reason"] and aiv.verdict_code([f]) == aiv.EXIT_FAIL
+
+
+def test_stuck_none_when_every_round_was_posted_and_intra_words():
+    assert stuck({"p1": {0, 1, 2, 3}, "p2": {0, 1, 2, 3}}) is None
+    rounds = aiv.screen_plan(recs({"node1": 2, "node2": 2}))[:1]
+    f = aiv.screen_stuck("screen-intra", "did not complete within 5s", 4, rounds, {"intra": {0, 1}},
+                         {0: "node1", 1: "node1", 2: "node2", 3: "node2"}, {}, {})
+    assert f["check"] == "intra-node" and f["hosts"] == ["node2"]
+    assert f["reason"].startswith("the intra-node group of node2 (ranks 2-3) did not complete within 5s")
+
+
+def test_parse_smi():
+    line = "1980, 1980, 0x0000000000000004, 45, 650.12, 0, No, No\n"
+    assert aiv.parse_smi(line) == {"sm_mhz": 1980.0, "sm_max_mhz": 1980.0, "throttle": 4, "temp_c": 45.0,
+                                   "power_w": 650.12, "ecc_uncorrected": 0.0, "remap_pending": False,
+                                   "remap_failure": False}
+    na = aiv.parse_smi("1410, 1410, 0x0000000000000000, 40, [N/A], [N/A], [N/A], [N/A]")
+    assert set(na) == {"sm_mhz", "sm_max_mhz", "throttle", "temp_c"}
+    assert aiv.parse_smi("") == {} and aiv.parse_smi("Field \"x\" is not a valid field to query.") == {}
+
+
+def test_smi_probe_without_nvidia_smi_is_empty(monkeypatch):
+    monkeypatch.setattr(aiv.shutil, "which", lambda name: None)
+    calls = []
+    assert aiv.SmiProbe("GPU-x").finish(lambda: calls.append(1)) == {} and not calls
+
+
+def test_gpu_facts_judged_and_rendered():
+    ok = {"rank": 0, "host": "n1", "local_rank": 0, "uuid": "GPU-a", "model": "H200", "tflops": 700.0,
+          "hbm_gbps": 3900.0, "pcie_width": 16, "pcie_width_max": 16, "pcie_speed": 32.0, "pcie_speed_max": 32.0,
+          "sm_mhz": 1980.0, "sm_max_mhz": 1980.0, "throttle": 0x4 | 0x1, "ecc_uncorrected": 0.0}
+    bad = dict(ok, rank=1, uuid="GPU-b", pcie_width=8, throttle=0x40, sm_mhz=1200.0, remap_pending=True)
+    assert aiv.gpu_fact_problems(ok) == [] and aiv.judge_gpu_facts([ok]) == []
+    (f,) = aiv.judge_gpu_facts([ok, bad])
+    assert f["status"] == "WARN" and f["ranks"] == [1] and f["hosts"] == ["n1"]
+    assert "PCIe link x8 of x16 under load" in f["reason"] and "hw-thermal (SM 1200 of 1980 MHz)" in f["reason"]
+    assert "row remapping pending" in f["reason"]
+    assert aiv.judge_gpu_facts([dict(ok, remap_failure=True)])[0]["status"] == "FAIL"
+    assert aiv.throttle_names(0x1 | 0x2 | 0x4 | 0x8) == ["sw-power-cap", "hw-slowdown"]
+    text = "\n".join(aiv.render_performance({"gpu": [ok, bad], "splits": {"intra": 0.05, "p1": 0.12}}))
+    assert "under load (2 GPU(s)): PCIe at its maximum width and speed on 1/2; SM clock min/median 1200/1590" in text
+    assert "clock limits: hw-thermal on 1, sw-power-cap on 1" in text and "rank 1 n1 GPU-b: PCIe link x8" in text
+    assert "group creation (each group's last member, the slowest group): the intra-node round 0.05s, round 1 0.12s" \
+        in text
+    groups = [{"ranks": [0, 2]}, {"ranks": [1, 3]}]
+    posts = {0: {"split_s": 0.9}, 2: {"split_s": 0.05}, 1: {"split_s": 0.02}, 3: {"split_s": 0.4}}
+    assert aiv.screen_creation(groups, posts) == 0.05 and aiv.screen_creation([], {}) == 0.0

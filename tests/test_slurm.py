@@ -1,7 +1,9 @@
 """End-to-end tests of submit_smoke_test.sbatch on a real (throwaway) Slurm 22.05 cluster.
 
-tests/slurm_cluster.sh stands up slurmctld + 2 slurmd ("node1", "node2"), each node in its own
-network + UTS namespace with an eth0 on a private bridge, fake GPUs as gres.  The tests submit the
+tests/slurm_cluster.sh stands up slurmctld + 4 slurmd ("node1" .. "node4"), each node in its own
+network + UTS namespace with an eth0 on a private bridge, fake GPUs as gres.  Most jobs use two of
+the nodes; the performance screen's use all four (4 x 1 rank), one with a node's link slowed by a
+tbf qdisc on both ends of its veth.  The tests submit the
 unmodified repo batch file with small shapes on the sbatch command line and AIV_BACKEND=gloo (CPU),
 no interface variables unless a test is about them, and check job state, exit code, log, .err and
 the JSON verdict.
@@ -213,7 +215,7 @@ def cluster(tmp_path_factory):
     hosts_before = Path("/etc/hosts").read_bytes()
     # 8 GPUs on a node of only 16 CPUs: the batch file's default shape (2 x 8 ranks, 1 CPU each)
     # must fit nodes smaller than the usual 8-GPU server
-    env = dict(os.environ, AIV_SLURM_DIR=str(state), SLURM_NODES="2", NODE_CPUS="16", NODE_GPUS="8")
+    env = dict(os.environ, AIV_SLURM_DIR=str(state), SLURM_NODES="4", NODE_CPUS="16", NODE_GPUS="8")
     r = subprocess.run(["bash", str(CLUSTER_SH), "up"], check=False, env=env, capture_output=True, text=True,
                        timeout=180)
     if r.returncode == 3:
@@ -489,3 +491,69 @@ def test_manifest_drift_on_one_node_is_named_on_that_node_only(cluster):
     assert drift and all("node2" in ln and "node1" not in ln for ln in drift), log
     assert any("eth1" in ln for ln in drift), drift
     assert (state, code) == ("COMPLETED", "0:0"), describe(cluster, job)     # a WARN field: no FAIL without --strict
+
+
+# ---------------------------------------------------------------- the performance screen on 4 nodes
+SHAPE_4X1 = ["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1", "--time=5"]
+TBF = ["root", "tbf", "rate", "50mbit", "burst", "64kb", "latency", "200ms"]
+SCREEN_CHECKS = ("gpu-perf", "intra-node", "inter-node")
+SCREEN_PHASES_ORDER = ("screen-gpu", "screen-intra", "screen-pairs", "screen-suspect")
+
+
+def pair_summary(screen):
+    return " ".join(f"r{p['round']}:{'-'.join(n[4:] for n in p['nodes'])}={p['busbw']:.3f}" for p in screen["pairs"])
+
+
+@pytest.mark.parametrize("run", [1, 2, 3])
+def test_screen_on_four_healthy_nodes_names_nobody(cluster, run, capsys):
+    """4 nodes x 1 rank over the bridge: rounds 1 and 2 pair every node with two others; nobody slow."""
+    job = cluster.submit(*SHAPE_4X1)
+    state, code, took = cluster.wait(job)
+    assert (state, code) == ("COMPLETED", "0:0"), describe(cluster, job)
+    log, _, js = cluster.outputs(job)
+    v = load_json(js)
+    assert v["failed_hosts"] == [] and "PERFORMANCE" in log
+    assert [f for f in v["findings"] if f["check"] in SCREEN_CHECKS and f["status"] != "PASS"] == []
+    sc = v["screen"]
+    assert sorted(tuple(p["nodes"]) for p in sc["pairs"]) == [("node1", "node3"), ("node1", "node4"),
+                                                             ("node2", "node3"), ("node2", "node4")]
+    with capsys.disabled():
+        print(f"\n[slurm] screen 4x1 run {run}: {took:.1f} s, busbw GB/s {pair_summary(sc)}, groups made "
+              f"{sc['splits']}, phases " + " ".join(f"{p}={v['phases'][p]:.2f}" for p in SCREEN_PHASES_ORDER))
+
+
+def test_screen_names_the_node_behind_a_slow_link(cluster, capsys):
+    """node3's link rate-limited both ways (tbf, 50 Mbit/s, on the bridge side of its veth and on its
+    eth0): node3, and only node3, is named under inter-node, after round 3 paired it with a good node."""
+    hub_dev, node = "veth-aiv3", "node3"
+    added = []
+    try:
+        r = cluster.run("tc", "qdisc", "add", "dev", hub_dev, *TBF)
+        assert r.returncode == 0, r.stderr
+        added.append(("hub", hub_dev))
+        cluster.node_run(node, "tc", "qdisc", "add", "dev", "eth0", *TBF)
+        added.append((node, "eth0"))
+        job = cluster.submit(*SHAPE_4X1)
+        state, code, took = cluster.wait(job)
+    finally:
+        for where, dev in added:
+            if where == "hub":
+                cluster.run("tc", "qdisc", "del", "dev", dev, "root")
+            else:
+                cluster.node_run(where, "tc", "qdisc", "del", "dev", dev, "root")
+    assert (state, code) == ("FAILED", "1:0"), describe(cluster, job)
+    log, _, js = cluster.outputs(job)
+    v = load_json(js)
+    fails = [(f["check"], f["hosts"]) for f in v["findings"] if f["status"] == "FAIL"]
+    assert fails == [("inter-node", ["node3"])], describe(cluster, job)
+    assert v["failed_hosts"] == ["node3"] and v["exclude"] == "node3"
+    assert [f for f in v["findings"] if f["status"] == "WARN" and f["check"] in SCREEN_CHECKS] == []
+    (line,) = failure_lines(log, "inter-node")
+    assert "node node3 is slow on rail 0 with 3 different partner(s) (node1, node2, node4)" in line, line
+    sc = v["screen"]
+    assert sc["third"]["groups"] == [["node3", "node4"]]
+    slow = {tuple(p["nodes"]) for p in sc["pairs"] if p["busbw"] < 0.1 * max(q["busbw"] for q in sc["pairs"])}
+    assert slow == {("node1", "node3"), ("node2", "node3"), ("node3", "node4")}, pair_summary(sc)
+    assert "COLLECTIVES" not in log                   # the screen's FAIL comes before the full-job collectives
+    with capsys.disabled():
+        print(f"\n[slurm] screen, node3 at 50 Mbit/s: {took:.1f} s, busbw GB/s {pair_summary(sc)}; {line}")
