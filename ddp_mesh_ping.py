@@ -1288,7 +1288,7 @@ def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
             torch_mod.set_num_threads(threads)
         else:
             torch_mod.cuda.empty_cache()
-    return {"tflops": round(tflops, 3), "hbm_gbps": round(hbm, 3), **facts, **smi}
+    return {"tflops": float(f"{tflops:.4g}"), "hbm_gbps": float(f"{hbm:.4g}"), **facts, **smi}
 
 
 def can_split(torch_mod, dist):
@@ -4193,7 +4193,7 @@ class RankRun:
         post = {"split_s": round(made, 3)}
         if group is not None:
             bw, sec = screen_busbw(self.torch, self.dist, group, len(entry["g"]), self._device(), self._kind())
-            post.update(busbw=round(bw, 4), time_us=round(sec * 1e6, 1))
+            post.update(busbw=float(f"{bw:.4g}"), time_us=round(sec * 1e6, 1))
         self.proto.screen_post(name, self.rank, post, self.world)
 
     def screen_group(self, name, entry):

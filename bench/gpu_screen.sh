@@ -124,9 +124,12 @@ perf = [f for f in d.get("findings") or [] if f["check"] == "gpu-perf" and f["st
 for f in perf:
     print(f"loaded: [{f['status']}] gpu-perf: {f['reason']}")
 named = any(f["status"] == "FAIL" and f["ranks"] == [1] and uuid and uuid in f["reason"] for f in perf)
-others = [f for f in perf if f["ranks"] != [1]]
+others = [f for f in perf if f["ranks"] != [1] and f["status"] == "FAIL"]
 print(f"loaded: verdict {d.get('verdict')}, GPU 1 (rank 1, {uuid}) named under gpu-perf: {'yes' if named else 'NO'}; "
-      f"other GPUs named: {len(others)}")
+      f"other GPUs failed: {len(others)}")
+for f in u.get("findings") or []:
+    if f["status"] != "PASS":
+        print(f"unloaded: [{f['status']}] {f['check']}: {f['reason']}")
 print(f"unloaded: verdict {u.get('verdict')}")
 print("LOAD", "OK" if named and not others and u.get("verdict") == "PASS" else "NOT MET")
 PYEOF
