@@ -4525,13 +4525,20 @@ class RankRun:
                 timeout=self.D["init"], expect=" ".join(f"{k}={v}" for k, v in sorted(self.expect.items())) or "none"))
 
     def failpoint(self, phase):
-        """Test-only fault injection: AIV_FAILPOINT=<die|hang>:<phase>:<rank> kills (SIGKILL) or
-        freezes (SIGSTOP) this rank when it reaches <phase> (rendezvous, init, screen-gpu, screen-intra,
-        screen-pairs, screen-suspect, collective, ddp)."""
-        m = re.fullmatch(r"(die|hang):([\w-]+):(\d+)", self.env.get("AIV_FAILPOINT", ""))
-        if m and m.group(2) == phase and int(m.group(3)) == self.rank:
-            sys.stdout.flush()
+        """Test-only fault injection: AIV_FAILPOINT=<die|hang|pause=S>:<phase>:<rank> kills (SIGKILL),
+        freezes (SIGSTOP) or pauses for S seconds this rank when it reaches <phase> (rendezvous, init,
+        screen-gpu, screen-intra, screen-pairs, screen-suspect, collective, ddp). A pause first creates
+        the file AIV_FAILPOINT_MARK, if set: a test breaks something (a link) while the run waits."""
+        m = re.fullmatch(r"(die|hang|pause=(\d+)):([\w-]+):(\d+)", self.env.get("AIV_FAILPOINT", ""))
+        if not (m and m.group(3) == phase and int(m.group(4)) == self.rank):
+            return
+        sys.stdout.flush()
+        if m.group(2) is None:
             os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
+        if self.env.get("AIV_FAILPOINT_MARK"):
+            with open(self.env["AIV_FAILPOINT_MARK"], "w") as f:
+                f.write(f"{phase} {self.rank}\n")
+        time.sleep(int(m.group(2)))
 
     def _device(self):
         return self.torch.device("cuda", self.device) if self.backend == "nccl" else self.torch.device("cpu")

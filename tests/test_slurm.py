@@ -557,3 +557,33 @@ def test_screen_names_the_node_behind_a_slow_link(cluster, capsys):
     assert "COLLECTIVES" not in log                   # the screen's FAIL comes before the full-job collectives
     with capsys.disabled():
         print(f"\n[slurm] screen, node3 at 50 Mbit/s: {took:.1f} s, busbw GB/s {pair_summary(sc)}; {line}")
+
+
+def test_screen_names_a_node_whose_link_goes_down_after_the_roll_call(cluster, capsys):
+    """Rank 0 pauses after the roll call (test failpoint); meanwhile node3's eth0 goes down: node3,
+    and only node3, is named within the deadline (its monitor falls silent, its ranks never finish)."""
+    mark = cluster.workdir / f"paused-{uuid.uuid4().hex}"
+    job = cluster.submit(*SHAPE_4X1, AIV_FAILPOINT="pause=8:init:0", AIV_FAILPOINT_MARK=str(mark))
+    js = cluster.files(job)[2]
+    deadline = time.monotonic() + 120
+    while not mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert mark.exists(), describe(cluster, job)
+    t_down = time.monotonic()
+    cluster.node_run("node3", "ip", "link", "set", "eth0", "down")
+    try:
+        while not js.exists() and time.monotonic() - t_down < float(AIV_TIMEOUT) + 60:
+            time.sleep(0.2)
+        verdict_after = time.monotonic() - t_down
+    finally:
+        cluster.node_run("node3", "ip", "link", "set", "eth0", "up")
+    state, code, _ = cluster.wait(job)
+    v = load_json(js)
+    assert v["failed_hosts"] == ["node3"] and v["exit_code"] in (1, 3), describe(cluster, job)
+    assert (state, code) == ("FAILED", f"{v['exit_code']}:0"), describe(cluster, job)
+    fails = [ln for ln in cluster.outputs(job)[0].splitlines() if ln.startswith("FAILURE:")]
+    assert fails and all("node3" in ln for ln in fails), fails
+    # the pause (8 s) + the phase's bound + naming, from the moment the link went down
+    assert verdict_after < 8 + float(AIV_TIMEOUT) + aiv.NAMING_S + 5, f"verdict {verdict_after:.1f} s after"
+    with capsys.disabled():
+        print(f"\n[slurm] node3's link down after the roll call: verdict {verdict_after:.1f} s later; {fails[0]}")
