@@ -2207,6 +2207,76 @@ def _file_lock(path):
             os.close(fd)
 
 
+BAND_SLACK = 0.9      # a measurement below this fraction of its band's lowest accepted value is "below the band"
+BAND_SLACK_CPU = 0.1  # on CPU ranks share cores: only a collapse counts (as in the screen's own judge)
+
+
+def _band_samples(screen, host_class):
+    """{class: {band: [values]}} from the screen of one run: GPU matmul TFLOPS and memory GB/s per GPU,
+    intra-node busbw per node, inter-node busbw per pair and rail (when both nodes are of one class)."""
+    out = {}
+
+    def add(cls, band, v):
+        if cls is not None and isinstance(v, (int, float)) and v > 0:
+            out.setdefault(cls, {}).setdefault(band, []).append(float(v))
+    for g in (screen or {}).get("gpu") or []:
+        add(host_class.get(g.get("host")), "gpu.tflops", g.get("tflops"))
+        add(host_class.get(g.get("host")), "gpu.hbm_gbps", g.get("hbm_gbps"))
+    for n in (screen or {}).get("intra") or []:
+        add(host_class.get(n.get("host")), "intra.busbw", n.get("busbw"))
+    for pr in (screen or {}).get("pairs") or []:
+        classes = {host_class.get(h) for h in pr.get("nodes") or ()}
+        if len(classes) == 1:
+            add(classes.pop(), "inter.busbw", pr.get("busbw"))
+    return out
+
+
+def screen_bands(screen, records):
+    """The speed bands of one accepted run, per node class: {class: {band: {'ref', 'lo', 'hi', 'runs': 1}}}.
+    ref is the screen's own reference (upper quartile of the peers), lo/hi the extremes; merge_bands widens
+    them over accepted runs, and they judge from BAND_MIN_RUNS runs on."""
+    host_class = {h: class_name(host_view(rs)[1]) for h, rs in _by_host(records).items()}
+    out = {}
+    for cls, bands in _band_samples(screen, host_class).items():
+        out[cls] = {b: {"ref": screen_reference(v)["ref"], "lo": min(v), "hi": max(v), "runs": 1}
+                    for b, v in sorted(bands.items())}
+    return out
+
+
+def judge_bands(manifest, records, screen):
+    """This run's screen against the accepted bands of each node's class (bands of BAND_MIN_RUNS runs or
+    more): a measurement below BAND_SLACK (on CPU BAND_SLACK_CPU) x the band's lowest accepted value
+    FAILs, naming its host(s)."""
+    if not manifest or not screen:
+        return []
+    host_class = {h: class_name(host_view(rs)[1]) for h, rs in _by_host(records).items()}
+    slack = BAND_SLACK_CPU if screen.get("cpu") else BAND_SLACK
+    out = []
+    for g in screen.get("gpu") or []:
+        for band, v in (("gpu.tflops", g.get("tflops")), ("gpu.hbm_gbps", g.get("hbm_gbps"))):
+            out += _below_band(manifest, host_class.get(g.get("host")), band, v, [g.get("host")], slack)
+    for n in screen.get("intra") or []:
+        out += _below_band(manifest, host_class.get(n.get("host")), "intra.busbw", n.get("busbw"), [n.get("host")],
+                           slack)
+    for pr in screen.get("pairs") or []:
+        hosts = list(pr.get("nodes") or ())
+        classes = {host_class.get(h) for h in hosts}
+        if len(classes) == 1:
+            out += _below_band(manifest, classes.pop(), "inter.busbw", pr.get("busbw"), hosts, slack)
+    return out
+
+
+def _below_band(manifest, cls, band, value, hosts, slack):
+    b = ((manifest.get("classes") or {}).get(cls) or {}).get("bands", {}).get(band)
+    if not b or b.get("runs", 1) < BAND_MIN_RUNS or not isinstance(value, (int, float)):
+        return []
+    if value >= slack * b["lo"]:
+        return []
+    return [finding("manifest", "FAIL", f"{band} {value:.4g} on {compress_hostlist(sorted(hosts))} is below the "
+                    f"accepted band of {cls} ({b['lo']:.4g}-{b['hi']:.4g}, reference {b['ref']:.4g}, "
+                    f"{b['runs']} runs; FAIL below {slack:g} x its lowest)", hosts)]
+
+
 def save_manifest(path, state, written_at):
     """Merge this run's accepted state into the manifest at path (atomically). -> the report's note."""
     why = manifest_refusal(state)
@@ -2216,6 +2286,9 @@ def save_manifest(path, state, written_at):
         with _file_lock(path):
             old = load_manifest(path, "--save-manifest") if os.path.exists(path) else None
             new = manifest_from_records(state.get("ranks") or [], written_at)
+            for cls, bands in screen_bands(state.get("screen"), state.get("ranks") or []).items():
+                if cls in new["classes"]:
+                    new["classes"][cls]["bands"] = bands
             write_json_atomic(path, merge_manifests(old, new))
     except (OSError, UsageError) as e:
         return f"manifest not saved to {path}: {e}"
@@ -4340,7 +4413,8 @@ class RankRun:
         final = (judge_imports(self.records) + judge_collectives(self.results, self.world, self.host_of)
                  + judge_transport(self.records, self.env.get("NCCL_IB_DISABLE"))
                  + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw)
-                 + judge_manifest(self.args.manifest_data, self.records))  # manifest: drift from the accepted
+                 + judge_manifest(self.args.manifest_data, self.records)
+                 + judge_bands(self.args.manifest_data, self.records, self.screen))  # manifest: drift from the accepted
         self.findings += apply_strict(final, self.args.strict)
         raise Verdict(verdict_code(self.findings))
 

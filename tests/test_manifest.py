@@ -512,3 +512,45 @@ def test_gpu_run_saves_gpu_pcie_and_transport_then_matches(tmp_path, stubs):
     assert ("transport_intra" in c["fields"]) == (len(d["ranks"]) > 1)
     j = run_tool(["--timeout", 120, "--manifest", path], env=stubs)
     assert j.returncode == 0 and "  [PASS] manifest: 1 node(s) match the manifest (1 listed" in j.stdout, j.stdout
+
+
+# ---------------------------------------------------------------- speed bands from the performance screen
+def band_screen(tflops=(100.0, 100.0, 98.0, 101.0), inter=(20.0, 21.0), cpu=False):
+    hosts = ["node1", "node2", "node3", "node4"]
+    return {"cpu": cpu,
+            "gpu": [{"rank": i, "host": h, "local_rank": 0, "uuid": f"GPU-{i}", "model": "cpu",
+                     "tflops": t, "hbm_gbps": 50.0} for i, (h, t) in enumerate(zip(hosts, tflops, strict=True))],
+            "intra": [{"host": h, "busbw": 5.0} for h in hosts],
+            "pairs": [{"round": 1, "nodes": ["node1", "node3"], "rail": 0, "busbw": inter[0]},
+                      {"round": 1, "nodes": ["node2", "node4"], "rail": 0, "busbw": inter[1]}]}
+
+
+def test_bands_are_saved_per_class_and_widen_over_accepted_runs():
+    recs = cluster(4, 1)
+    cls = aiv.class_name(aiv.host_view([recs[0]])[1])
+    b1 = aiv.screen_bands(band_screen(), recs)[cls]
+    assert set(b1) == {"gpu.tflops", "gpu.hbm_gbps", "intra.busbw", "inter.busbw"}
+    assert b1["gpu.tflops"]["lo"] == 98.0 and b1["gpu.tflops"]["hi"] == 101.0 and b1["gpu.tflops"]["runs"] == 1
+    b2 = aiv.screen_bands(band_screen(tflops=(90.0, 95.0, 96.0, 97.0)), recs)[cls]
+    merged = aiv.merge_bands(b1, b2)
+    assert merged["gpu.tflops"]["lo"] == 90.0 and merged["gpu.tflops"]["hi"] == 101.0
+    assert merged["gpu.tflops"]["runs"] == 2
+
+
+def test_speed_below_the_band_fails_naming_the_node_once_the_band_has_enough_runs():
+    recs = cluster(4, 1)
+    manifest = aiv.manifest_from_records(recs, "2026-01-01T00:00:00+00:00")
+    cls = next(iter(manifest["classes"]))
+    bands = {}
+    for _ in range(aiv.BAND_MIN_RUNS - 1):
+        bands = aiv.merge_bands(bands, aiv.screen_bands(band_screen(), recs)[cls])
+    manifest["classes"][cls]["bands"] = bands
+    slow = band_screen(tflops=(100.0, 60.0, 99.0, 100.0), inter=(5.0, 21.0))
+    assert aiv.judge_bands(manifest, recs, slow) == []                   # too few accepted runs: not judged
+    manifest["classes"][cls]["bands"] = aiv.merge_bands(bands, aiv.screen_bands(band_screen(), recs)[cls])
+    out = aiv.judge_bands(manifest, recs, slow)
+    assert [(f["status"], f["check"], f["hosts"]) for f in out] == [("FAIL", "manifest", ["node2"]),
+                                                                    ("FAIL", "manifest", ["node1", "node3"])]
+    assert "gpu.tflops 60 on node2 is below the accepted band" in out[0]["reason"]
+    assert aiv.judge_bands(manifest, recs, band_screen()) == []          # as accepted: nothing
+    assert aiv.judge_bands(manifest, recs, dict(slow, cpu=True)) == []   # CPU: only a collapse counts
