@@ -4057,15 +4057,16 @@ class RankRun:
         if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
             self.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
             self.warm.start()
-        local, gpu = self.local_checks()
+        ifaces, expected = list_interfaces(), gpus_expected(self.env, self.args.sysfs_root)
+        local, gpu = self.local_checks(ifaces, expected)
         if self.backend != "nccl" and self.nccl_log:
             self._drop_nccl_log()
         self.identity = {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(),
                          "loopback": loopback_domain(),
                          "local_rank": self.local_rank, "backend": self.backend, "device": self.device,
                          "cvd": self.env.get("CUDA_VISIBLE_DEVICES"), "gpu": gpu,
-                         "gpus_expected": gpus_expected(self.env, self.args.sysfs_root) or None,
-                         "gloo": gloo_address(self.env, list_interfaces()) if self.backend == "gloo" else None,
+                         "gpus_expected": expected or None,
+                         "gloo": gloo_address(self.env, ifaces) if self.backend == "gloo" else None,
                          "cpus": format_ranges(_cpu_affinity()), "versions": torch_versions(torch),
                          "local": local, "pid": os.getpid(), "pid_start": (proc_stat(os.getpid()) or ("", ""))[1]}
         if self.local_rank == 0:
@@ -4381,10 +4382,7 @@ class RankRun:
         lsum = loss.detach().clone()
         dist.all_reduce(lsum)
         self.results.update(loss=loss.item(), grads=hashlib.sha256(grads.numpy().tobytes()).hexdigest(),
-                            transport=self.nccl_transport() if self.backend == "nccl" else None,
-                            nccl_net=parse_nccl_ifaces(read_text(self.nccl_log, "", 8 << 20) or "") if self.nccl_log
-                            else None,
-                            imports=self.import_results())
+                            imports=self.import_results(), **self.nccl_log_facts())
         gathered = [None] * self.world if self.is0 else None
         dist.gather_object(self.results, gathered, dst=0)
         if self.is0:
@@ -4633,16 +4631,17 @@ class RankRun:
         os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
         return path
 
-    def nccl_transport(self):
-        """Read back the NCCL log: relay its WARN lines as the operator's NCCL_DEBUG asked, return kinds."""
-        if not self.nccl_log:
-            return None
+    def nccl_log_facts(self):
+        """Read back the NCCL log once: relay its WARN lines as the operator's NCCL_DEBUG asked, and return
+        {'transport': kinds, 'nccl_net': interfaces} (both None without a private log)."""
+        if not self.nccl_log:  # gloo, or the operator's own NCCL_DEBUG=INFO / NCCL_DEBUG_FILE
+            return {"transport": None, "nccl_net": None}
         text = read_text(self.nccl_log, "", limit=8 << 20) or ""
         if self.env.get("NCCL_DEBUG", "").upper() in ("WARN", "VERSION"):
             for ln in text.splitlines():
                 if " NCCL WARN " in ln:
                     emit(ln, sys.stderr)
-        return parse_nccl_transport(text)
+        return {"transport": parse_nccl_transport(text), "nccl_net": parse_nccl_ifaces(text)}
 
     def _drop_nccl_log(self):
         try:
@@ -4651,16 +4650,17 @@ class RankRun:
             pass
         self.nccl_log = None
 
-    def local_checks(self):
+    def local_checks(self, ifaces, expected):
         """Checks before any communication. Returns (findings, gpu facts or None). With --backend auto
-        a rank that is expected to have GPUs (gpus_expected) but cannot use CUDA FAILs: never a CPU run."""
+        a rank that is expected to have GPUs (expected: gpus_expected's reason) but cannot use CUDA FAILs:
+        never a CPU run."""
         import importlib.util
         torch, dist = self.torch, self.dist
         out, gpu, who = [], None, f"rank {self.rank} ({self.host})"
         if importlib.util.find_spec("numpy") is None:
             out.append(finding("local", "FAIL", f"numpy is not importable by {sys.executable} on {self.host} "
                                f"(object collectives need it: pip install numpy)", [self.host]))
-        backend, expected = self.args.backend, gpus_expected(self.env, self.args.sysfs_root)
+        backend = self.args.backend
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "gloo" and expected:
@@ -4676,7 +4676,7 @@ class RankRun:
             gpu = self._take_gpu(out, who)
         elif not dist.is_gloo_available():
             out.append(finding("local", "FAIL", f"torch {torch.__version__} on {self.host} has no gloo", [self.host]))
-        out += check_interfaces(self.env, list_interfaces(), self.host)
+        out += check_interfaces(self.env, ifaces, self.host)
         for f in out:
             f["ranks"] = [self.rank]
         return out, gpu
