@@ -67,6 +67,9 @@ VERSION = "1.0.0"
 SCHEMA_VERSION = 1
 SUCCESS_LINE = "SUCCESS: DDP Multi-Node AllReduce Ring Complete!"
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
+EXIT_INTERNAL = 4     # a bug in the tool: no host is blamed
+EXIT_INTERRUPTED = 5  # the run was stopped from outside (scancel, time limit, preemption, Ctrl-C): no host is blamed
+HOST_CODES = (EXIT_FAIL, EXIT_USAGE, EXIT_TIMEOUT)  # codes of findings that carry evidence about the cluster
 
 # The stable names that follow "FAILURE:" (documented in the README).
 CHECKS = (
@@ -93,7 +96,8 @@ CHECKS = (
     "bandwidth",     # all_reduce bus bandwidth below --min-busbw
     "transport",     # NCCL fell back to sockets although IB is active
     "manifest",      # a node drifted from the accepted --manifest (FAIL or WARN by field)
-    "internal",      # an unexpected error inside the tool (a bug: please report it)
+    "internal",      # an unexpected error inside the tool (a bug: please report it; exit 4, no host blamed)
+    "interrupted",   # SIGTERM/SIGINT stopped the run (scancel, time limit, preemption; exit 5, no host blamed)
     "gpu-perf",      # performance screen: a GPU's matmul TFLOPS or memory GB/s below its model's peers
     "intra-node",    # performance screen: a node's all_reduce busbw inside the node below the other nodes'
     "inter-node",    # performance screen: a node, a node's rail (HCA) or a link slow between nodes
@@ -134,9 +138,11 @@ def finding(check, status, reason, hosts=(), ranks=(), code=EXIT_FAIL):
 
 
 def verdict_code(findings):
-    """0 when nothing FAILed, else the largest exit code the failures imply (1 or 3)."""
-    fails = [f for f in findings if f["status"] == "FAIL"]
-    return max((f.get("code", EXIT_FAIL) for f in fails), default=EXIT_PASS)
+    """0 when nothing FAILed, else the largest exit code the failures imply. Evidence about the cluster
+    (1, 2, 3) wins over the tool's own error (4) and an interruption (5): a rank that died before the
+    run was stopped is still the news."""
+    codes = [f.get("code", EXIT_FAIL) for f in findings if f["status"] == "FAIL"]
+    return max([c for c in codes if c in HOST_CODES] or codes, default=EXIT_PASS)
 
 
 def elapsed():
@@ -1724,13 +1730,18 @@ def apply_strict(findings, strict):
 UNFINISHED_WORDS = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",
                     "silent": "unreachable (its node stopped reporting)", "error": "reported an error",
                     "stuck": "alive but did not finish",
-                    "terminated": "terminated by SIGTERM (the launcher stopped it)"}
+                    "terminated": "terminated by a signal (scancel, the time limit, preemption or the launcher)",
+                    "internal": "hit an error inside the tool"}
+STOPPED_WORDS = "the run was stopped from outside, not by a fault of the cluster: no host is blamed"
 
 
 def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
     """A rank that did not finish: one key of UNFINISHED_WORDS (see judge_unfinished)."""
-    if errors.get(r, {}).get("term"):
+    e = errors.get(r, {})
+    if e.get("term"):
         return "terminated"
+    if e.get("internal"):
+        return "internal"
     if live.get(r) == "gone":
         return "dead"
     if live.get(r) == "stopped":
@@ -1740,34 +1751,48 @@ def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
     return "error" if r in errors else "stuck"
 
 
+def _unfinished_culprits(groups):
+    """(culprits, check or None, code) of judge_unfinished. Dead, frozen and unreachable ranks are
+    evidence that persists. Errors and stuck ranks are blamed only when nothing else explains them: never
+    once a rank was terminated by a signal or hit the tool's own error (they are its consequence)."""
+    culprits = groups["dead"] + groups["frozen"] + groups["silent"]
+    if culprits:
+        return culprits, None, EXIT_FAIL if groups["dead"] else EXIT_TIMEOUT
+    if groups["terminated"]:
+        return [], "interrupted", EXIT_INTERRUPTED
+    if groups["internal"]:
+        return [], "internal", EXIT_INTERNAL
+    if groups["error"]:
+        return groups["error"], None, None
+    return groups["stuck"], None, EXIT_TIMEOUT
+
+
 def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=None, silent_hosts=()):
     """Who did not finish `phase` (one FAIL finding). A rank whose last stamp is before the phase is
-    dead (its process is gone), frozen (stopped), unreachable (its node's monitor went silent),
-    reported an error, or alive but stuck. The culprits are the dead, frozen and unreachable ranks,
-    else those that reported errors, else the stuck ones. Exit code: 1 when a rank is dead, 3 when
-    one is frozen, unreachable or stuck, else `code` (the reported error's).
+    dead (its process is gone), frozen (stopped), unreachable (its node's monitor went silent), was
+    terminated by a signal, hit the tool's own error, reported an error, or is alive but stuck. The
+    culprits: see _unfinished_culprits. A run stopped by a signal with no other culprit is check
+    `interrupted` (exit 5), one stopped by the tool's own error `internal` (exit 4), naming no host.
+    Exit code otherwise: 1 when a rank is dead, 3 when one is frozen, unreachable or stuck, else `code`
+    (the reported error's).
 
     stamps: {rank: index in PHASES of its last finished phase}; live: {rank: running|stopped|gone};
-    errors: {rank: {'line', 'term'}} (term: the rank reported a SIGTERM: not a culprit while others are);
-    host_of: {rank: host}."""
+    errors: {rank: {'line', 'term', 'internal'}}; host_of: {rank: host}."""
     idx = PHASES.index(phase)
     late = [r for r in range(world) if stamps.get(r, -1) < idx]
     groups = {k: [r for r in late if unfinished_kind(r, live, errors, host_of, silent_hosts) == k]
               for k in UNFINISHED_WORDS}
-    culprits = (groups["dead"] + groups["frozen"] + groups["silent"] or groups["error"] or groups["stuck"]
-                or groups["terminated"])
-    if groups["dead"]:
-        code = EXIT_FAIL
-    elif groups["frozen"] or groups["silent"] or not groups["error"]:
-        code = EXIT_TIMEOUT
-    else:
-        code = code or EXIT_FAIL
+    culprits, check, ccode = _unfinished_culprits(groups)
+    code = ccode or code or EXIT_FAIL
     parts = [f"{_ranks_on_hosts(rs, host_of)} {UNFINISHED_WORDS[k]}" for k, rs in groups.items() if rs]
     detail = "; ".join(parts) if parts else "every rank finished it"
-    first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
+    first_err = next((errors[r]["line"] for r in culprits or late if r in errors), None)
     reason = (f"{cause}: {detail}; {world - len(late)}/{world} rank(s) finished {phase}"
-              + (f"; first error: {first_err}" if first_err else ""))
-    return finding(PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits, code=code)
+              + (f"; first error: {first_err}" if first_err else "")
+              + (f"; {STOPPED_WORDS}" if check == "interrupted" else "")
+              + ("; a bug in the tool, not a fault of the cluster: no host is blamed" if check == "internal" else ""))
+    return finding(check or PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits,
+                   code=code)
 
 
 def _ranks_on_hosts(ranks, host_of, limit=16):
@@ -3143,6 +3168,10 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
     loose = sorted(set(missing) - {r for g in hung for r in g["ranks"]})
     kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in missing}
     hard = [r for r in missing if kinds[r] in ("dead", "frozen", "silent")]
+    stopped = [r for r in missing if kinds[r] in ("terminated", "internal")]
+    if stopped and not hard:  # a signal or the tool's own error, not the group's link: as judge_unfinished
+        return judge_unfinished(phase, f"{screen_round_label(name)} {how}", world, host_of,
+                                {r: -1 if r in missing else PHASES.index(phase) for r in range(world)}, live, errors)
     culprits = hard or sorted({r for g in hung for r in g["ranks"]} | set(loose))
     what = [_screen_group_words(g) for g in hung[:8]] + ([f"{len(hung) - 8} more group(s)"] if len(hung) > 8 else [])
     what += [f"{_ranks_on_hosts(loose, host_of)} (in no group of {screen_round_label(name)})"] if loose else []
@@ -3783,8 +3812,8 @@ class StoreProtocol:
         self._wait([f"gate/{name}"], seconds)
         return self.store.get(f"gate/{name}").decode()
 
-    def report_error(self, rank, phase, line, code, term=False):
-        entry = {"rank": rank, "phase": phase, "line": line, "code": code, "term": term}
+    def report_error(self, rank, phase, line, code, term=False, internal=False):
+        entry = {"rank": rank, "phase": phase, "line": line, "code": code, "term": term, "internal": internal}
         self.store.append("errors", json.dumps(entry) + "\n")
         self.store.add("nerr", 1)
 
@@ -3792,12 +3821,14 @@ class StoreProtocol:
         return self.store.add("nerr", 0)
 
     def errors(self):
-        """{rank: {'line', 'term'}}: the first report of each rank (term: it was terminated by SIGTERM)."""
+        """{rank: {'line', 'term', 'internal'}}: the first report of each rank (term: it was terminated by a
+        signal; internal: it hit the tool's own error)."""
         out = {}
         for ln in self.store.get("errors").decode(errors="replace").splitlines():
             e = json.loads(ln)
-            entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False})
+            entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False, "internal": False})
             entry["term"] = entry["term"] or bool(e.get("term"))
+            entry["internal"] = entry["internal"] or bool(e.get("internal"))
         return out
 
     def publish_verdict(self, code):
@@ -3835,6 +3866,42 @@ def first_line(exc):
             ln = re.split(r"\.? This is typically caused", ln)[0]
             return f"{type(exc).__name__}: {ln[:300]}"
     return type(exc).__name__
+
+
+def is_tool_error(exc):
+    """An exception that says nothing about the cluster: a bug in the tool (check `internal`, exit 4, no
+    host blamed). torch reports distributed, CUDA and NCCL failures as RuntimeError (DistError,
+    DistBackendError, OutOfMemoryError, AcceleratorError), the network as OSError or TimeoutError."""
+    return not isinstance(exc, (RuntimeError, OSError, TimeoutError, MemoryError))
+
+
+def where_raised(exc):
+    """The innermost function of this file in the exception's traceback ('?' when none)."""
+    import traceback
+    here = os.path.abspath(__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == here]
+    return frames[-1].name if frames else "?"
+
+
+def internal_finding(exc, who):
+    """The FAIL for the tool's own error: `<exception> in <function>`, no host, exit 4."""
+    return finding("internal", "FAIL", f"{first_line(exc)} in {where_raised(exc)} ({who}): a bug in the tool, not "
+                   f"a fault of the cluster: no host is blamed (the traceback is on stderr)", code=EXIT_INTERNAL)
+
+
+def print_traceback(exc):
+    import traceback
+    with contextlib.suppress(Exception):
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+
+
+def bounded(fn, seconds, default=None):
+    """fn() on a thread of its own; `default` when it raises or takes longer than `seconds`."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    return box[0] if box else default
 
 
 def speak_once_per_node(text, env, local_rank=0, topic="run"):
@@ -3971,32 +4038,38 @@ class RankRun:
 
     # ---------------------------------------------------------------- flow
     def run(self):
-        """main() blocked SIGTERM in every thread before this object existed; one thread takes it."""
-        threading.Thread(target=self.on_sigterm, name="aiv-sigterm", daemon=True).start()
-        self.header()
+        """main() blocked SIGTERM and SIGINT in every thread before this object existed; one thread takes them."""
+        threading.Thread(target=self.on_signal, name="aiv-signals", daemon=True).start()
         try:
+            self.header()
             for phase in PHASES:
                 if phase in SCREEN_PHASES and self.args.skip_screen:
                     continue
                 with self.deadline(phase):
                     getattr(self, "phase_" + phase.replace("-", "_"))()
-            raise Verdict(EXIT_FAIL, [finding("internal", "FAIL", "the phases ended without a verdict")])
+            raise Verdict(EXIT_INTERNAL, [finding("internal", "FAIL", "the phases ended without a verdict",
+                                                  code=EXIT_INTERNAL)])
         except Verdict as v:
             self.end(v)
-        except BaseException as e:  # a bug still ends in one line and an exit code
-            import traceback
-            traceback.print_exc(file=sys.stderr)
-            self.end(failed("internal", f"rank {self.rank} ({self.host}): {first_line(e)}"))
+        except BaseException as e:  # a bug still ends in one line and an exit code, blaming no host
+            print_traceback(e)
+            self.end(Verdict(EXIT_INTERNAL, [internal_finding(e, f"rank {self.rank} on {self.host}")]))
 
     @contextlib.contextmanager
     def deadline(self, phase):
-        """Arm the watchdog with the phase's bound (the other ranks add RANK0_GRACE after the roll call,
-        so that rank 0 speaks first); a torch error inside becomes this rank's Verdict; stamp on success."""
+        """Arm the watchdog with the phase's bound; a torch error inside becomes this rank's Verdict, any
+        other exception the tool's own (`internal`); stamp on success. Rank 0 speaks first in every phase:
+        after the roll call every phase starts at a gate rank 0 opens (phase_gate), and the other ranks
+        count their bound + RANK0_GRACE from that gate, however late rank 0 got there."""
         self.phase, t = phase, time.monotonic()
         self.phase_t0 = t
-        bound = self.D[phase] + (NAMING_S if self.is0 and phase == "rollcall" else 0)
-        self.wd.arm(phase, bound + (RANK0_GRACE if not self.is0 and phase != "local" else 0))
+        self.failpoint(phase, only=("skew",))
         try:
+            if PHASES.index(phase) > PHASES.index("rollcall") and self.proto is not None:
+                self.phase_gate(phase)
+            bound = self.D[phase] + (NAMING_S if self.is0 and phase == "rollcall" else 0)
+            self.wd.arm(phase, bound + (RANK0_GRACE if not self.is0 and phase != "local" else 0))
+            self.failpoint(phase, only=("raise",))
             yield
         except Verdict:
             raise
@@ -4007,6 +4080,16 @@ class RankRun:
             self.times[phase] = round(time.monotonic() - t, 3)
         if self.proto is not None:
             self.proto.stamp(self.rank, phase)
+
+    def phase_gate(self, phase):
+        """Rank 0 opens the phase's gate; the others wait for it, bounded as the phase itself (rank 0 opens
+        it, or gives a verdict, within the previous phase's bound + NAMING_S of the previous gate)."""
+        if self.is0:
+            self.proto.open_gate("phase/" + phase)
+            return
+        wait = self.D[phase] + RANK0_GRACE
+        self.wd.arm(phase, wait)
+        self.proto.wait_gate("phase/" + phase, wait + NAMING_S)  # the watchdog speaks before this raises
 
     def end(self, v):
         """Rank 0: the verdict. Others: report, then take rank 0's verdict (or speak for the node)."""
@@ -4023,8 +4106,11 @@ class RankRun:
         self.exit(v.code)
 
     def phase_error(self, phase, exc):
-        """A torch error inside a phase. Others: post it and stop. Rank 0: post it, give the others
-        ERROR_GRACE to post theirs, then name who did not finish the phase."""
+        """An error inside a phase. The tool's own (is_tool_error): the `internal` verdict, no host. A torch
+        error: others post it and stop; rank 0 posts it, gives the others ERROR_GRACE to post theirs, then
+        names who did not finish the phase."""
+        if is_tool_error(exc):
+            return self.internal_error(phase, exc)
         line = f"rank {self.rank} ({self.host}): {PHASE_WHAT[phase]} failed: {first_line(exc)}"
         code = EXIT_TIMEOUT if re.search(r"[Tt]imed? ?out|timeout", str(exc)) else EXIT_FAIL
         if self.proto is not None:
@@ -4036,6 +4122,16 @@ class RankRun:
             return failed(PHASE_CHECK[phase], line, code, [self.host], [self.rank])
         time.sleep(ERROR_GRACE)
         return Verdict(code, [self.unfinished(phase, self.proto, f"{PHASE_WHAT[phase]} failed", code)])
+
+    def internal_error(self, phase, exc):
+        """The tool's own error in a phase: posted (so that rank 0 blames nobody for it), then a Verdict."""
+        print_traceback(exc)
+        f = internal_finding(exc, f"rank {self.rank} on {self.host}, during {phase}")
+        if self.proto is not None:
+            with contextlib.suppress(Exception):
+                self.proto.report_error(self.rank, phase, f"rank {self.rank} ({self.host}): {f['reason']}",
+                                        EXIT_INTERNAL, internal=True)
+        return Verdict(EXIT_INTERNAL, [f])
 
     # ---------------------------------------------------------------- phases
     def phase_local(self):
@@ -4418,25 +4514,49 @@ class RankRun:
 
     # ---------------------------------------------------------------- the verdict
     def conclude(self, code, findings, client):
-        """Rank 0 only, from whichever thread gets here first (the main thread or the watchdog):
-        publish the code, print the report, write the JSON, keep the store up for the acks, exit."""
+        """Rank 0 only, from whichever thread gets here first (the main thread, the watchdog or the signal
+        thread): the verdict (give_verdict), then exit. Whatever fails inside, the process still exits,
+        with the verdict or with `internal` (exit 4); it never keeps the lock and lives on."""
         self.verdict_lock.acquire()  # a second caller waits here until the first one exits the process
+        try:
+            code = self.give_verdict(code, findings, client)
+        except BaseException as e:
+            print_traceback(e)
+            with contextlib.suppress(BaseException):
+                emit(f"FAILURE: internal: {first_line(e)} in {where_raised(e)} (rank 0 on {self.host}, giving the "
+                     "verdict): a bug in the tool, not a fault of the cluster: no host is blamed")
+            code = verdict_code(self.findings) or EXIT_INTERNAL
+        self.exit(code)
+
+    def give_verdict(self, code, findings, client):
+        """Publish the code, print the report, write the JSON; then save the manifest (bounded) and keep the
+        store up for the acks. A report that cannot be rendered is an `internal` FAIL with the FAILURE
+        lines alone; the JSON is written either way. -> the exit code."""
         self.findings = self.findings + list(findings)
-        code = verdict_code(self.findings) or code
+        try:
+            self.failpoint("report", only=("raise",))
+            st = self.state(verdict_code(self.findings) or code)
+            text = render_report(st)
+        except Exception as e:
+            print_traceback(e)
+            self.findings.append(internal_finding(e, f"rank 0 on {self.host}, rendering the report"))
+            st = self.state(verdict_code(self.findings) or code)
+            text = "\n".join(failure_lines(self.findings))
+        code = st["exit_code"]
         if client is not None:
-            try:
+            with contextlib.suppress(Exception):
                 client.publish_verdict(code)
-            except Exception:
-                pass
         self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code,
                       counts=_counts(self.findings))
-        st = self.state(code)
-        note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS with no WARN only
-        emit(render_report(st))
+        emit(text)
         self.write_json(st)
+        if getattr(self.args, "save_manifest", None):  # after the report and the JSON: shared storage may be slow
+            note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS with no WARN only
+            emit("\n".join(st.get("notes") or []))
+            self.write_json(st)
         if client is not None:
             self.wait_acks(client, len([r for r in self.host_of if r and r not in self.gone]))
-        self.exit(code)
+        return code
 
     def wait_acks(self, client, n):
         end = time.monotonic() + min(ACKS_S, self.D["final"])
@@ -4468,8 +4588,20 @@ class RankRun:
         return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent)
 
     def on_expire(self, phase):
-        """The watchdog's bound passed. Rank 0 names who did not finish; another rank speaks for itself
-        (before the roll call) or for rank 0, which gave no verdict in time."""
+        """The watchdog's bound passed (see expire). Never lets the bound itself fail: the tool's own error
+        here still ends the process with `internal`."""
+        try:
+            self.expire(phase)
+        except BaseException as e:
+            print_traceback(e)
+            if self.is0:
+                self.conclude(EXIT_INTERNAL, [internal_finding(e, f"rank 0 on {self.host}, at the {phase} bound")],
+                              None)
+            self.exit(EXIT_INTERNAL)
+
+    def expire(self, phase):
+        """Rank 0 names who did not finish; another rank speaks for itself (before the roll call) or for
+        rank 0, which gave no verdict in time."""
         bound = self.D[phase]
         cause = f"{PHASE_WHAT[phase]} did not complete within {bound:g}s"
         if self.is0:
@@ -4499,29 +4631,43 @@ class RankRun:
         if dead or (self.alarm_at is not None and time.monotonic() - self.alarm_at >= ERROR_GRACE):
             self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, f"{PHASE_WHAT[phase]} failed")], self.poll)
 
-    def on_sigterm(self):
-        """SIGTERM: a launcher (torchrun, when another worker died) or the batch file stopping the step.
-        Rank 0 gives its verdict within NAMING_S, naming who did not finish the phase; the others post
-        that they were terminated (so that rank 0 does not take them for dead) and exit 143."""
-        signal.sigwait({signal.SIGTERM})
-        phase, why = self.phase, f"{PHASE_WHAT[self.phase]} was interrupted by SIGTERM (launcher or step kill)"
+    def on_signal(self):
+        """SIGTERM or SIGINT: scancel, the time limit, preemption, a launcher (torchrun, when another worker
+        died), Ctrl-C. The others post that they were terminated (so that rank 0 does not take them for
+        dead) and exit 128 + the signal. Rank 0 gives its verdict within NAMING_S: `interrupted` (exit 5),
+        naming no host, unless a rank was already dead or frozen before the signal (interruption)."""
+        signum = signal.sigwait({signal.SIGTERM, signal.SIGINT})
+        name, phase = signal.Signals(signum).name, self.phase
         if not self.is0:
             if self.proto is not None:
-                line = f"rank {self.rank} ({self.host}): terminated by SIGTERM during {phase}"
-                t = threading.Thread(target=lambda: self.proto.clone().report_error(self.rank, phase, line,
-                                                                                    EXIT_TIMEOUT, term=True),
-                                     daemon=True)
-                t.start()
-                t.join(1.0)
-            self.exit(128 + signal.SIGTERM)
+                line = f"rank {self.rank} ({self.host}): terminated by {name} during {phase}"
+                bounded(lambda: self.proto.clone().report_error(self.rank, phase, line, EXIT_INTERRUPTED, term=True),
+                        1.0)
+            self.exit(128 + signum)
         if self.verdict_lock.locked():  # the verdict is being given already
             return
-        if self.poll is None:
-            self.conclude(EXIT_TIMEOUT, [finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {why}",
-                                                 [self.host], [0], code=EXIT_TIMEOUT)], self.proto)
-        time.sleep(0.5)  # the others' 'terminated' reports
-        client = self.proto.clone()
-        self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, client, why, budget=NAMING_S - 2.5)], client)
+        client = bounded(self.proto.clone, 1.0) if self.proto is not None else None
+        self.conclude(EXIT_INTERRUPTED, [self.interruption(phase, name, client)], client)
+
+    def interruption(self, phase, name, client):
+        """Rank 0's finding for a signal during `phase`: liveness as it was when the signal came (the ranks
+        it stops are not yet gone), then, NAMING_S / 10 later, the others' reports."""
+        why = (f"{PHASE_WHAT[phase]} was interrupted by {name} (scancel, the time limit, preemption, the launcher "
+               "or Ctrl-C)")
+        if self.poll is None or client is None:  # before the roll call ended: nobody to name
+            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
+                           code=EXIT_INTERRUPTED)
+        hosts = sorted(set(self.host_of.values()))
+        snap = bounded(lambda: client.live(hosts), 1.5, {})
+        time.sleep(NAMING_S / 10)
+        seen = bounded(lambda: (client.stamps(self.world), client.errors()), 1.5)
+        if seen is None:
+            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
+                           code=EXIT_INTERRUPTED)
+        stamps, errors = seen
+        errors[0] = {"line": f"rank 0 ({self.host}): {name}", "term": True, "internal": False}
+        live = {int(r): st for snap_h in snap.values() for r, st in (snap_h.get("ranks") or {}).items()}
+        return judge_unfinished(phase, why, self.world, self.host_of, stamps, live, errors)
 
     def listen(self):
         """Non-zero ranks: block on the verdict key on a connection of our own and exit with it."""
@@ -4596,21 +4742,28 @@ class RankRun:
                 master=f"{self.addr}:{self.port}", port_source=self.c["port_source"], rollcall=self.D["rollcall"],
                 timeout=self.D["init"], expect=" ".join(f"{k}={v}" for k, v in sorted(self.expect.items())) or "none"))
 
-    def failpoint(self, phase):
-        """Test-only fault injection: AIV_FAILPOINT=<die|hang|pause=S>:<phase>:<rank> kills (SIGKILL),
-        freezes (SIGSTOP) or pauses for S seconds this rank when it reaches <phase> (rendezvous, init,
-        screen-gpu, screen-intra, screen-pairs, screen-suspect, collective, ddp). A pause first creates
-        the file AIV_FAILPOINT_MARK, if set: a test breaks something (a link) while the run waits."""
-        m = re.fullmatch(r"(die|hang|pause=(\d+)):([\w-]+):(\d+)", self.env.get("AIV_FAILPOINT", ""))
-        if not (m and m.group(3) == phase and int(m.group(4)) == self.rank):
-            return
-        sys.stdout.flush()
-        if m.group(2) is None:
-            os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
-        if self.env.get("AIV_FAILPOINT_MARK"):
-            with open(self.env["AIV_FAILPOINT_MARK"], "w") as f:
-                f.write(f"{phase} {self.rank}\n")
-        time.sleep(int(m.group(2)))
+    def failpoint(self, phase, only=("die", "hang", "pause")):
+        """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
+          die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
+                              (rendezvous, init, screen-gpu, screen-intra, screen-pairs, screen-suspect,
+                              collective, ddp); a pause first creates the file AIV_FAILPOINT_MARK, if set,
+                              so that a test breaks something (a link) while the run waits
+          raise               the tool's own error (AssertionError) at the start of a phase of PHASES, or
+                              in the verdict's report (<phase> = report)
+          skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
+        for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
+            m = re.fullmatch(r"(die|hang|raise|(pause|skew)=(\d+)):([\w-]+):(\d+)", item)
+            if not (m and m.group(4) == phase and int(m.group(5)) == self.rank and (m.group(2) or m.group(1)) in only):
+                continue
+            sys.stdout.flush()
+            if m.group(1) == "raise":
+                raise AssertionError(f"failpoint {item}")
+            if m.group(3) is None:
+                os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
+            if m.group(2) == "pause" and self.env.get("AIV_FAILPOINT_MARK"):
+                with open(self.env["AIV_FAILPOINT_MARK"], "w") as f:
+                    f.write(f"{phase} {self.rank}\n")
+            time.sleep(int(m.group(3)))
 
     def _device(self):
         return self.torch.device("cuda", self.device) if self.backend == "nccl" else self.torch.device("cpu")
@@ -5091,7 +5244,7 @@ def main(argv=None):
             return EXIT_USAGE
     if p["mode"] == "local":
         return launch_local(p["args"], argv, env, p["launch"])
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by RankRun.on_sigterm only
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # taken by RankRun.on_signal only
     RankRun(p["args"], p["contract"], env).run()
     return EXIT_FAIL  # not reached: run() always exits the process
 

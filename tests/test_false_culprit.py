@@ -1,0 +1,216 @@
+"""The false-culprit matrix: benign disturbances of a healthy run name no host in failed_hosts/exclude.
+
+Real processes on loopback; SLURMD_NODENAME per rank makes each rank a node of its own (node1, node2,
+...), so that "which host is blamed" is observable. Every disturbance here is one an operator meets on
+a healthy cluster: scancel, the time limit or preemption (SIGTERM to every rank, in every phase), a
+launcher stopping one rank, Ctrl-C, the tool's own bug (an exception injected with the `raise`
+failpoint in each phase and in the report), and ranks entering a phase far apart (the `skew`
+failpoint). The real faults next to them (a rank frozen before the signal, a rank hung after a late
+start) are still named, alone.
+"""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPT, aiv, clean_env, failures, free_port
+
+
+def nodes(world):
+    return {r: {"SLURMD_NODENAME": f"node{r + 1}", "LOCAL_RANK": 0} for r in range(world)}
+
+
+def start(world, env, args=()):
+    port = free_port()
+    procs = []
+    for r in range(world):
+        e = clean_env({"RANK": r, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                       "AIV_WARM_IMPORTS": "0", **env, **nodes(world)[r]})
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return procs
+
+
+def finish(procs, timeout=120):
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, e = p.communicate()
+            e += "\n<killed by test: hang>"
+        out.append((p.returncode, o, e))
+    return out
+
+
+def wait_for(pred, seconds=90):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def verdict(tmp_path, out):
+    js = tmp_path / "v.json"
+    assert js.exists(), out[0]
+    return json.loads(js.read_text())
+
+
+def describe(out):
+    return "\n".join(f"--- rank {r} rc={rc}\n{o}\n{e[-3000:]}" for r, (rc, o, e) in enumerate(out))
+
+
+SIGNAL_PHASES = ["rendezvous", "init", "screen-gpu", "screen-intra", "collective", "ddp"]
+
+
+@pytest.mark.parametrize("phase", SIGNAL_PHASES)
+def test_sigterm_to_every_rank_names_nobody(tmp_path, phase):
+    """scancel / the time limit / preemption while rank 1 is inside `phase` (paused there): the verdict
+    is `interrupted`, exit 5, within NAMING_S of the signal, and no host is blamed, rank 0's included."""
+    mark = tmp_path / "mark"
+    procs = start(3, {"AIV_FAILPOINT": f"pause=90:{phase}:1", "AIV_FAILPOINT_MARK": mark,
+                      "AIV_JSON": tmp_path / "v.json"}, ("--timeout", 60, "--rollcall-timeout", 60))
+    assert wait_for(mark.exists), finish([p for p in procs if p.kill() or True])
+    time.sleep(0.3)
+    t = time.monotonic()
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    procs[0].wait(60)
+    took = time.monotonic() - t
+    out = finish(procs)
+    v = verdict(tmp_path, out)
+    assert out[0][0] == aiv.EXIT_INTERRUPTED, describe(out)
+    assert (v["failed_hosts"], v["exclude"], v["exit_code"]) == ([], "", aiv.EXIT_INTERRUPTED), v
+    lines = failures(out[0][1])
+    assert lines and all(ln.startswith("FAILURE: interrupted: ") for ln in lines), describe(out)
+    assert "no host is blamed" in lines[0]
+    assert "Traceback" not in out[0][2], describe(out)
+    assert took <= aiv.NAMING_S + 3, f"verdict {took:.1f} s after the signal\n{describe(out)}"
+
+
+def test_sigint_at_the_roll_call_is_an_interruption(tmp_path):
+    """Ctrl-C while rank 0 waits at the roll call for a rank that has not arrived: no traceback, exit 5."""
+    mark = tmp_path / "mark"
+    procs = start(2, {"AIV_FAILPOINT": "pause=90:rendezvous:1", "AIV_FAILPOINT_MARK": mark,
+                      "AIV_JSON": tmp_path / "v.json"})
+    assert wait_for(mark.exists)
+    time.sleep(0.5)
+    procs[0].send_signal(signal.SIGINT)
+    procs[0].wait(30)
+    procs[1].send_signal(signal.SIGINT)
+    out = finish(procs)
+    v = verdict(tmp_path, out)
+    assert out[0][0] == aiv.EXIT_INTERRUPTED and v["failed_hosts"] == [], describe(out)
+    assert "interrupted by SIGINT" in failures(out[0][1])[0]
+    assert "Traceback" not in out[0][2] + out[1][2], describe(out)
+
+
+def test_sigterm_to_one_rank_names_nobody(tmp_path):
+    """A launcher stops rank 1 alone inside the collective: the others' errors are its consequence."""
+    mark = tmp_path / "mark"
+    procs = start(3, {"AIV_FAILPOINT": "pause=90:collective:1", "AIV_FAILPOINT_MARK": mark,
+                      "AIV_JSON": tmp_path / "v.json"}, ("--timeout", 60))
+    assert wait_for(mark.exists)
+    procs[1].send_signal(signal.SIGTERM)
+    out = finish(procs)
+    v = verdict(tmp_path, out)
+    assert out[0][0] == aiv.EXIT_INTERRUPTED, describe(out)
+    assert v["failed_hosts"] == [], v["failures"]
+    assert failures(out[0][1])[0].startswith("FAILURE: interrupted: "), describe(out)
+    assert "rank 1 (node2) terminated by a signal" in failures(out[0][1])[0]
+
+
+def test_rank_frozen_before_the_signal_is_still_named_alone(tmp_path):
+    """Rank 2 froze inside the collective; then the job is cancelled. Rank 2's host alone is blamed."""
+    procs = start(3, {"AIV_FAILPOINT": "hang:collective:2", "AIV_JSON": tmp_path / "v.json"}, ("--timeout", 60))
+    assert wait_for(lambda: (aiv.proc_stat(procs[2].pid) or ("R",))[0] in "Tt")
+    time.sleep(2.5)  # a liveness post (period 1 s) after the freeze
+    for p in procs[:2]:
+        p.send_signal(signal.SIGTERM)
+    procs[0].wait(30)
+    procs[2].kill()
+    out = finish(procs)
+    v = verdict(tmp_path, out)
+    assert v["failed_hosts"] == ["node3"], (v["failures"], describe(out))
+    assert out[0][0] == aiv.EXIT_TIMEOUT, describe(out)
+    assert "rank 2 (node3) frozen" in v["failures"][0]
+
+
+RAISES = [("rollcall", 1), ("telemetry", 1), ("screen-intra", 1), ("collective", 1), ("final", 1),
+          ("local", 0), ("init", 0), ("screen-gpu", 0), ("ddp", 0), ("final", 0), ("report", 0)]
+
+
+@pytest.mark.parametrize("phase,rank", RAISES)
+def test_the_tools_own_error_names_no_host(tmp_path, phase, rank):
+    """An exception that is not the cluster's (the `raise` failpoint: AssertionError) in a phase or in the
+    report: `FAILURE: internal: <exception> in <function>`, exit 4, no host, the report and JSON written."""
+    procs = start(2, {"AIV_FAILPOINT": f"raise:{phase}:{rank}", "AIV_JSON": tmp_path / "v.json"},
+                  ("--timeout", 30))
+    out = finish(procs)
+    v = verdict(tmp_path, out)
+    assert out[0][0] == aiv.EXIT_INTERNAL, describe(out)
+    assert (v["failed_hosts"], v["exit_code"], v["verdict"]) == ([], aiv.EXIT_INTERNAL, "FAIL"), v
+    lines = failures(out[0][1])
+    assert any(ln.startswith("FAILURE: internal: ") and "in failpoint" in ln for ln in lines), describe(out)
+    assert all(ln.startswith("FAILURE: internal: ") for ln in lines), lines
+    assert "Verdict: FAIL exit=4" in out[0][1] or phase == "report", describe(out)
+    assert "Traceback" in out[rank][2], "the traceback goes to stderr for the bug report"
+
+
+def test_late_rank0_still_speaks_first(tmp_path):
+    """Rank 0 enters the collective 16 s after the others (skew), and rank 2 then freezes there. The
+    others count their bound from rank 0's gate, so rank 0 names rank 2 alone before anyone gives up
+    on rank 0 (without the gate ranks 1-2 would give up at bound + RANK0_GRACE = 23 s after their own
+    start, 7 s after rank 0's: before rank 0's verdict at its bound, 8 s)."""
+    procs = start(3, {"AIV_FAILPOINT": "skew=16:collective:0,hang:collective:2", "AIV_JSON": tmp_path / "v.json"},
+                  ("--timeout", 8))
+    procs[0].wait(90)
+    procs[2].kill()
+    out = finish(procs)
+    v = verdict(tmp_path, out)
+    assert "written_by" not in v, v
+    assert v["failed_hosts"] == ["node3"] and out[0][0] == aiv.EXIT_TIMEOUT, describe(out)
+    assert "rank 0 is frozen" not in out[1][1] + out[1][2], describe(out)
+    assert out[1][0] == aiv.EXIT_TIMEOUT, describe(out)
+
+
+def test_verdict_code_prefers_the_clusters_evidence():
+    """A dead rank before an interruption or next to the tool's own error is still the news."""
+    f = aiv.finding
+    dead = f("collective", "FAIL", "rank 1 dead", ["node2"], [1])
+    stop = f("interrupted", "FAIL", "stopped", code=aiv.EXIT_INTERRUPTED)
+    bug = f("internal", "FAIL", "bug", code=aiv.EXIT_INTERNAL)
+    assert aiv.verdict_code([stop, dead]) == aiv.EXIT_FAIL
+    assert aiv.verdict_code([bug, stop]) == aiv.EXIT_INTERRUPTED
+    assert aiv.verdict_code([bug]) == aiv.EXIT_INTERNAL
+
+
+def test_judge_unfinished_blames_no_one_for_consequences_of_a_signal():
+    """Unit: rank 1 terminated, rank 0 reported the collective's error, rank 2 stuck: nobody blamed;
+    the same with rank 3 frozen: rank 3 alone."""
+    host_of = {r: f"node{r + 1}" for r in range(4)}
+    stamps = {r: aiv.PHASES.index("ddp") for r in range(4)}
+    errors = {0: {"line": "rank 0: all_reduce failed", "term": False, "internal": False},
+              1: {"line": "rank 1: terminated", "term": True, "internal": False}}
+    live = {0: "running", 1: "gone", 2: "running", 3: "running"}
+    f = aiv.judge_unfinished("collective", "x", 4, host_of, stamps | {0: 0, 1: 0, 2: 0}, live, errors)
+    assert (f["check"], f["hosts"], f.get("code")) == ("interrupted", [], aiv.EXIT_INTERRUPTED), f
+    f = aiv.judge_unfinished("collective", "x", 4, host_of, {r: 0 for r in range(4)}, live | {3: "stopped"}, errors)
+    assert (f["check"], f["hosts"]) == ("collective", ["node4"]), f
+    errors[1] = {"line": "rank 1: bug", "term": False, "internal": True}
+    f = aiv.judge_unfinished("collective", "x", 4, host_of, {r: 0 for r in range(4)}, live, errors)
+    assert (f["check"], f["hosts"], f.get("code")) == ("internal", [], aiv.EXIT_INTERNAL), f
+
+
+def test_failpoint_doc_names_every_kind():
+    doc = aiv.RankRun.failpoint.__doc__
+    for kind in ("die", "hang", "pause=S", "raise", "skew=S"):
+        assert kind in doc
+    assert Path(SCRIPT).read_text().count("self.failpoint(") >= 10
