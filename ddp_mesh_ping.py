@@ -32,7 +32,8 @@ Launch:
 
 Exit codes: 0 PASS, 1 FAIL (a check failed), 2 USAGE (bad flags or launch contract,
 nothing attempted), 3 TIMEOUT (a deadline passed: missing ranks, unreachable master,
-a collective that never completed). Every mistake in a flag, variable or launch variable is one
+a collective that never completed), 4 INTERNAL (the tool's own error: no host blamed),
+5 INTERRUPTED (SIGTERM/SIGINT: scancel, the time limit, preemption, Ctrl-C: no host blamed). Every mistake in a flag, variable or launch variable is one
 FAILURE line and exit 2. Every option but --verify-log can also be set through an environment
 variable AIV_<OPTION> (e.g. AIV_TIMEOUT=120); the command line wins.
 
@@ -3361,19 +3362,29 @@ def failure_lines(findings):
     return [f"FAILURE: {f['check']}: {f['reason']}" for f in findings if f["status"] == "FAIL"]
 
 
-def write_json_atomic(path, data):
+def write_json_atomic(path, data, first=False):
+    """Write JSON so that a reader sees the old file or the whole new one. first: only when no file is
+    there yet (the first writer wins, atomically: a hard link that fails when the path exists), for the
+    ranks and the batch file that write a verdict when rank 0 left none. -> whether it was written."""
     d = os.path.dirname(os.path.abspath(path)) or "."
     fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=".json", dir=d)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True, default=str)
             f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
+        if not first:
+            os.replace(tmp, path)
+            return True
         try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
             os.unlink(tmp)
-        except OSError:
-            pass
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
 
 
@@ -4704,7 +4715,7 @@ class RankRun:
         if not self.speak_for_node(line) or not self.args.json or os.path.exists(self.args.json):
             return
         host0 = (self.master or {}).get("host", self.addr)
-        self.write_json({"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+        self.write_json(first=True, state={"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
                          "verdict": "FAIL", "exit_code": EXIT_TIMEOUT, "world_size": self.world,
                          "failures": [line], "failed_hosts": [host0], "exclude": host0,
                          "written_by": f"rank {self.rank} ({self.host})"})
@@ -4960,10 +4971,10 @@ class RankRun:
                 "collectives": self.collectives, "screen": self.screen, "ranks": self.records,
                 "env": safe_env(self.env)}
 
-    def write_json(self, state):
+    def write_json(self, state, first=False):
         if self.args.json:
             try:
-                write_json_atomic(self.args.json, state)
+                write_json_atomic(self.args.json, state, first)
             except OSError as e:
                 emit(f"WARNING: could not write --json {self.args.json}: {e.strerror}", sys.stderr)
 

@@ -420,26 +420,64 @@ def test_busy_forced_master_port_fails(cluster, capsys, record_property):
 
 
 def test_rank0_dies_batch_file_writes_fail_json(cluster, capsys, record_property):
-    """Rank 0 is SIGKILLed at the roll call: no verdict from the preflight.  The batch file notices,
-    ends the step long before the others' --timeout 20, writes a FAIL verdict naming node1, exit 3."""
+    """Rank 0 is SIGKILLed at the roll call: no verdict from the preflight.  Whoever notices first writes
+    the FAIL verdict naming node1, exit 3, long before the others' --timeout 20: the batch file (rank 0's
+    python ended without a JSON) or rank 2 on node2 (its store connection to rank 0 is gone).  The
+    first writer wins, atomically; the other never replaces it."""
     job = cluster.submit(*SHAPE, script_args=("--timeout", "20"), AIV_FAILPOINT="die:rendezvous:0")
     state, code, _ = cluster.wait(job)
     assert (state, code) == ("FAILED", "3:0"), describe(cluster, job)
     log, _, js = cluster.outputs(job)
     verdict = load_json(js)
-    assert verdict["written_by"] == "submit_smoke_test.sbatch", verdict
     assert verdict["schema_version"] == 1 and verdict["tool"] == "ai-infra-validator"
     assert (verdict["verdict"], verdict["exit_code"]) == ("FAIL", 3), verdict
     assert verdict["failed_hosts"] == ["node1"] and verdict["exclude"] == "node1", verdict
     assert len(verdict["failures"]) == 1, verdict
     line = verdict["failures"][0]
-    assert re.fullmatch(r"FAILURE: rendezvous: rank 0 on node1 left no verdict \(srun exit code \d+\)", line), line
+    if verdict["written_by"] == "submit_smoke_test.sbatch":
+        assert re.fullmatch(r"FAILURE: rendezvous: rank 0 on node1 left no verdict \(srun exit code \d+\)", line), line
+    else:
+        assert re.fullmatch(r"rank [23] \(node2\)", verdict["written_by"]), verdict
+        assert re.match(r"FAILURE: rendezvous: rank [23] \(node2\) lost rank 0 \(node1\)", line), line
     assert line in failure_lines(log, "rendezvous"), describe(cluster, job)
     start, end = cluster.jobcomp_times(job)
     record_property("rank0_dead_job_s", end - start)
     with capsys.disabled():
-        print(f"\n[slurm] rank 0 killed at the roll call: job ran {end - start:.0f} s (job {job})")
+        print(f"\n[slurm] rank 0 killed at the roll call: job ran {end - start:.0f} s, verdict JSON written by "
+              f"{verdict['written_by']} (job {job})")
     assert end - start <= 15, f"job ran {end - start:.0f} s\n{describe(cluster, job)}"
+
+
+@pytest.mark.parametrize("phase", ["rendezvous", "collective"])
+def test_scancel_names_nobody(cluster, capsys, phase):
+    """scancel while rank 1 waits inside `phase` (at the roll call: rank 0 waits for it): rank 0 takes the
+    SIGTERM and gives the `interrupted` verdict (exit 5) inside KillWait, naming no host; the batch file
+    says the job was cancelled; no rank outlives the job."""
+    mark = cluster.workdir / f"paused-{uuid.uuid4().hex}"
+    job = cluster.submit(*SHAPE, AIV_FAILPOINT=f"pause=120:{phase}:1", AIV_FAILPOINT_MARK=str(mark))
+    deadline = time.monotonic() + 120
+    while not mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert mark.exists(), describe(cluster, job)
+    time.sleep(0.5)
+    cluster.run("scancel", job)
+    state, _, _ = cluster.wait(job)
+    log, _, js = cluster.outputs(job)
+    assert state == "CANCELLED", describe(cluster, job)
+    v = load_json(js)
+    assert (v["exit_code"], v["failed_hosts"], v["exclude"]) == (aiv.EXIT_INTERRUPTED, [], ""), describe(cluster, job)
+    assert v["failures"] and all(ln.startswith("FAILURE: interrupted: ") for ln in v["failures"]), v
+    assert "written_by" not in v, "rank 0 gave the verdict itself, inside KillWait"
+    assert "ai-infra-validator: the job was cancelled (SIGTERM" in log, describe(cluster, job)
+    def left():  # this cluster's ranks only: their command line holds the submit directory's path
+        return subprocess.run(["pgrep", "-f", str(cluster.workdir / "ddp_mesh_ping.py")], capture_output=True,
+                              text=True).stdout.split()
+    deadline = time.monotonic() + 15  # KillWait (5 s) and slurmstepd's clean-up
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    with capsys.disabled():
+        print(f"\n[slurm] scancel during {phase}: {v['failures'][0]}")
+    assert not left(), f"preflight processes outlived the cancelled job: {left()}"
 
 
 def test_hostile_env_values_not_evaluated(cluster):
