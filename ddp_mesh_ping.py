@@ -33,9 +33,10 @@ Launch:
 Exit codes: 0 PASS, 1 FAIL (a check failed), 2 USAGE (bad flags or launch contract,
 nothing attempted), 3 TIMEOUT (a deadline passed: missing ranks, unreachable master,
 a collective that never completed), 4 INTERNAL (the tool's own error: no host blamed),
-5 INTERRUPTED (SIGTERM/SIGINT: scancel, the time limit, preemption, Ctrl-C: no host blamed). Every mistake in a flag, variable or launch variable is one
-FAILURE line and exit 2. Every option but --verify-log can also be set through an environment
-variable AIV_<OPTION> (e.g. AIV_TIMEOUT=120); the command line wins.
+5 INTERRUPTED (SIGTERM/SIGINT: scancel, the time limit, preemption, Ctrl-C: no host blamed).
+Every mistake in a flag, variable or launch variable is one FAILURE line and exit 2. Every option
+but --verify-log can also be set through an environment variable AIV_<OPTION> (e.g.
+AIV_TIMEOUT=120); the command line wins.
 
 Stable strings for automation:
   Total Execution Ranks: N
@@ -665,7 +666,7 @@ def _epilog():
         "memory cgroup has left.",
         "--verify-log has no variable: an exported AIV_VERIFY_LOG would turn every later run, Slurm jobs",
         "included, into a log check; setting it is a usage error.",
-        "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT."))
+        "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT, 4 INTERNAL, 5 INTERRUPTED."))
 
 
 def build_parser():
@@ -4670,6 +4671,11 @@ class RankRun:
                            code=EXIT_INTERRUPTED)
         hosts = sorted(set(self.host_of.values()))
         snap = bounded(lambda: client.live(hosts), 1.5, {})
+        live = {int(r): st for snap_h in snap.values() for r, st in (snap_h.get("ranks") or {}).items()}
+        # this node's ranks read directly: a worker that died just before the launcher's SIGTERM (torchrun
+        # stops the others at once) is gone here, even when the monitor has not posted it yet
+        live.update({rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec.get("pid_start") or ""))
+                     for rec in self.records if rec.get("host") == self.host and rec.get("pid_start")})
         time.sleep(NAMING_S / 10)
         seen = bounded(lambda: (client.stamps(self.world), client.errors()), 1.5)
         if seen is None:
@@ -4677,7 +4683,6 @@ class RankRun:
                            code=EXIT_INTERRUPTED)
         stamps, errors = seen
         errors[0] = {"line": f"rank 0 ({self.host}): {name}", "term": True, "internal": False}
-        live = {int(r): st for snap_h in snap.values() for r, st in (snap_h.get("ranks") or {}).items()}
         return judge_unfinished(phase, why, self.world, self.host_of, stamps, live, errors)
 
     def listen(self):
@@ -4715,10 +4720,10 @@ class RankRun:
         if not self.speak_for_node(line) or not self.args.json or os.path.exists(self.args.json):
             return
         host0 = (self.master or {}).get("host", self.addr)
-        self.write_json(first=True, state={"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+        self.write_json({"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
                          "verdict": "FAIL", "exit_code": EXIT_TIMEOUT, "world_size": self.world,
                          "failures": [line], "failed_hosts": [host0], "exclude": host0,
-                         "written_by": f"rank {self.rank} ({self.host})"})
+                         "written_by": f"rank {self.rank} ({self.host})"}, first=True)
 
     def rank0_state(self):
         m = self.master or {}
