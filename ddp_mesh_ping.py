@@ -689,8 +689,8 @@ def build_parser():
          "1e9 B/s); implies --bandwidth", metavar="GBPS")
     _opt(p, "--verify-log", str, "none", "check a saved log and exit", env=False, metavar="FILE",
          want="the path of a saved log")
-    _opt(p, "--save-manifest", str, "none", "on a PASS with no WARN, save (merge into) the accepted state of the "
-         "nodes as a manifest", metavar="PATH")
+    _opt(p, "--save-manifest", str, "none", "on a PASS, save (merge into) the accepted state of the nodes as a "
+         "manifest, its WARNs recorded as accepted", metavar="PATH")
     _opt(p, "--manifest", str, "none", "judge this run against a saved manifest (check 'manifest')", metavar="PATH")
     _opt(p, "--diff-manifest", str, "none", "print the differences between two manifests and exit: 0 equal, "
          "1 different, 2 unreadable", env=False, nargs=2, metavar=("A", "B"))
@@ -2169,7 +2169,8 @@ def _judge_host(h, fields, cls, listed, drift, unchecked):
 def judge_manifest(manifest, records, screen=None):
     """This run against an accepted manifest (None: no --manifest). A listed host is judged field by field
     against its own accepted values in the class it was accepted in; an unlisted host by its class key
-    (an unknown class is a WARN). Unmeasured fields are not checked; hosts not in this run are not judged."""
+    (an unknown class is a WARN). The PCIe link is the screen's reading under load (screen: this run's screen,
+    None when skipped). Unmeasured fields are not checked; hosts not in this run are not judged."""
     if not manifest:
         return []
     classes = {k: _expand_class(c) for k, c in manifest["classes"].items()}
@@ -4707,7 +4708,7 @@ class RankRun:
         self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code,
                       counts=_counts(self.findings))
         st = self.state(code)
-        note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS with no WARN only
+        note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
         emit(render_report(st))
         self.write_json(st)
         if client is not None:
