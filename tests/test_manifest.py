@@ -443,6 +443,9 @@ def test_schema_1_is_refused_with_what_to_do(tmp_path):
     path = write(tmp_path, "v1.json", json.dumps(old))
     with pytest.raises(aiv.UsageError, match=rf"^--manifest {path}: schema_version 1 is an old manifest"):
         aiv.load_manifest(str(path), "--manifest")
+    r = run_tool(["--nproc", 2, "--save-manifest", path], timeout=60)     # not merged into, not overwritten
+    assert r.returncode == 2 and r.stdout.startswith(f"FAILURE: usage: --save-manifest {path}: schema_version 1 is")
+    assert json.loads(path.read_text()) == old
 
 
 def test_newer_schema_names_both_versions():
@@ -583,8 +586,16 @@ def write(tmp_path, name, text):
     return p
 
 
+def without_lo():
+    """A manifest of schema 2 whose speed band lacks 'lo' (once a verdict: KeyError: 'lo'): refused up front."""
+    m, _, _ = valid_manifest()
+    del m["classes"][H200]["bands"]["gpu.tflops/NVIDIA H200"]["lo"]
+    return json.dumps(m)
+
+
 @pytest.mark.parametrize("content, words", [
     ("{not json", "not a manifest (not JSON"),
+    (without_lo(), f'{C}.bands["gpu.tflops/NVIDIA H200"]: "lo" is missing'),
     ('{"tool": "ai-infra-validator", "schema_version": 99, "classes": {}, "version": "7.0.0"}',
      f"schema_version 99 is newer than the {aiv.MANIFEST_SCHEMA_VERSION} this tool reads"),
     (None, "cannot read it"),
@@ -674,8 +685,10 @@ def test_gpu_run_saves_gpu_pcie_and_transport_then_matches(tmp_path, stubs):
         pytest.skip(f"this machine's run has WARNs: {d['notes']}")
     (c,) = json.loads(path.read_text())["classes"].values()
     assert c["key"]["gpu_model"] == g["name"] and c["key"]["gpus_per_node"] >= len(d["ranks"])
+    assert c["key"]["gpus_per_node"] == (aiv.driver_gpu_count() or c["key"]["gpus_per_node"])
     assert {"driver", "cuda", "nccl", "gpu_memory"} <= set(c["fields"])
-    assert ("pcie_width" in c["fields"]) == (g["current_link_width"] is not None)
+    load = (d.get("screen") or {}).get("gpu") or []                      # the PCIe link read under load
+    assert ("pcie_width" in c["fields"]) == any(x.get("pcie_width") is not None for x in load)
     assert ("transport_intra" in c["fields"]) == (len(d["ranks"]) > 1)
     j = run_tool(["--timeout", 120, "--manifest", path], env=stubs)
     assert j.returncode == 0 and "  [PASS] manifest: 1 node(s) match the manifest (1 listed" in j.stdout, j.stdout
