@@ -2270,22 +2270,28 @@ def _object_problem(where, x, allowed, required=()):
             f"{where}: {_qn(missing[0])} is missing" if missing else None)
 
 
+def _span_problem(where, w):
+    """A band or one run of its window: ref, lo, hi finite and above 0, lo not above hi."""
+    bad = next((k for k in ("ref", "lo", "hi") if not (_is_num(w[k]) and w[k] > 0)), None)
+    if bad:
+        return f"{where}.{bad}: {json.dumps(w[bad], default=str)[:60]} is not a finite number > 0"
+    return f"{where}: lo {w['lo']:g} is above hi {w['hi']:g}" if w["lo"] > w["hi"] else None
+
+
 def _band_problem(where, b):
-    problem = _object_problem(where, b, ("ref", "lo", "hi", "runs", "window"), ("ref", "lo", "hi", "runs", "window"))
+    keys = ("ref", "lo", "hi", "runs", "window")
+    problem = _object_problem(where, b, keys, keys) or _span_problem(where, b)
     if problem:
         return problem
     if not (_is_count(b["runs"]) and b["runs"] >= 1):
         return f"{where}.runs: {json.dumps(b['runs'], default=str)[:60]} is not an integer >= 1"
     if not isinstance(b["window"], list) or not b["window"]:
         return f"{where}.window: not a non-empty list"
-    for i, w in enumerate([b, *b["window"]]):
-        at = where if i == 0 else f"{where}.window[{i - 1}]"
-        problem = i and _object_problem(at, w, ("ref", "lo", "hi"), ("ref", "lo", "hi"))
-        bad = problem or next((k for k in ("ref", "lo", "hi") if not (_is_num(w[k]) and w[k] > 0)), None)
-        if bad:
-            return problem or f"{at}.{bad}: {json.dumps(w[bad], default=str)[:60]} is not a finite number > 0"
-        if w["lo"] > w["hi"]:
-            return f"{at}: lo {w['lo']:g} is above hi {w['hi']:g}"
+    for i, w in enumerate(b["window"]):
+        at = f"{where}.window[{i}]"
+        problem = _object_problem(at, w, ("ref", "lo", "hi"), ("ref", "lo", "hi")) or _span_problem(at, w)
+        if problem:
+            return problem
     return None
 
 
