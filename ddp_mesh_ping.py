@@ -2358,7 +2358,7 @@ def _schema_problem(data):
     if sv < MANIFEST_SCHEMA_VERSION:
         return (f"schema_version {sv} is an old manifest (its node classes and speed bands follow the GPUs a job "
                 f"was given, not the node's own); this tool reads {MANIFEST_SCHEMA_VERSION}: move the file aside "
-                f"and accept the nodes again with --save-manifest (compare with --diff-manifest after)")
+                f"and accept the nodes again with --save-manifest")
     return None
 
 
