@@ -502,6 +502,8 @@ NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name t
 RANK0_GRACE = 15.0        # the other ranks wait this long past their own bound before speaking for rank 0
 ACKS_S = 5.0              # rank 0 keeps its store up this long for live ranks to read the verdict
 ERROR_GRACE = 2.0         # after the first error report: time for other reports and liveness to arrive
+MANIFEST_LOCK_S = 10.0    # rank 0 at the verdict: the most it waits for another job's lock on a --save-manifest file
+LOCK_RETRY_S = 0.2        # how often that lock is tried again (non-blocking) while another job holds it
 
 PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-intra", "screen-pairs", "screen-suspect",
           "collective", "ddp", "bandwidth", "final")
@@ -521,11 +523,13 @@ PHASE_WHAT = {"local": "import torch and the local checks", "rollcall": "the rol
 
 def deadlines(timeout, rollcall_timeout):
     """The one table of bounds: phase -> seconds. `local` and `rollcall` get --rollcall-timeout, every
-    later phase --timeout. Invariant (checked by a test): rank 0 names the culprits within a phase's
-    bound + NAMING_S, which is below the other ranks' backstop (bound + RANK0_GRACE), so rank 0
+    later phase --timeout; `manifest-lock` (MANIFEST_LOCK_S, not a phase) bounds the wait for a
+    --save-manifest file's lock at the verdict. Invariant (checked by a test): rank 0 names the culprits
+    within a phase's bound + NAMING_S, which is below the other ranks' backstop (bound + RANK0_GRACE), so rank 0
     reports before anyone gives up on it."""
     table = {p: float(timeout) for p in PHASES}
     table["local"] = table["rollcall"] = float(rollcall_timeout)
+    table["manifest-lock"] = MANIFEST_LOCK_S  # not a phase: part of the verdict, with --save-manifest only
     return table
 
 
@@ -693,8 +697,8 @@ def build_parser():
          "1e9 B/s); implies --bandwidth", metavar="GBPS")
     _opt(p, "--verify-log", str, "none", "check a saved log and exit", env=False, metavar="FILE",
          want="the path of a saved log")
-    _opt(p, "--save-manifest", str, "none", "on a PASS with no WARN, save (merge into) the accepted state of the "
-         "nodes as a manifest", metavar="PATH")
+    _opt(p, "--save-manifest", str, "none", "on a PASS, save (merge into) the accepted state of the nodes as a "
+         "manifest, its WARNs recorded as accepted", metavar="PATH")
     _opt(p, "--manifest", str, "none", "judge this run against a saved manifest (check 'manifest')", metavar="PATH")
     _opt(p, "--diff-manifest", str, "none", "print the differences between two manifests and exit: 0 equal, "
          "1 different, 2 unreadable", env=False, nargs=2, metavar=("A", "B"))
@@ -904,6 +908,15 @@ def count_visible_gpus(env, root="/"):
     return min(n, len(items)) if cvd is not None else n
 
 
+def driver_gpu_count(root="/"):
+    """The node's own GPU count: the NVIDIA driver's list (/proc/driver/nvidia/gpus), whatever share of it
+    the job was given (CUDA_VISIBLE_DEVICES, --gpus-per-node); None where the driver lists none."""
+    try:
+        return len(os.listdir(os.path.join(root, "proc/driver/nvidia/gpus"))) or None
+    except OSError:
+        return None
+
+
 NO_DEVICES = ("", "-1", "NoDevFiles")
 
 
@@ -1070,6 +1083,7 @@ def collect_node_facts(root, torch_mod, backend, device_count, env=None):
         "shm": shm,
         "ifaces": {n: i["addrs"][:1] for n, i in list_interfaces().items() if _usable(i)},
         "gpus_visible": device_count,
+        "gpus_driver": driver_gpu_count(root),  # manifest: the node's own GPU count (its class)
         "peer": None,
         "env": node_env(env) if env is not None else None,  # manifest: this node's NCCL_/GLOO_ settings
     }
@@ -1808,18 +1822,21 @@ def _ranks_on_hosts(ranks, host_of, limit=16):
 
 
 # ============================================================================ manifest
-# Accept once, gate forever. --save-manifest PATH writes the state a clean PASS (no WARN) saw, grouped
-# by node class and keeping the hosts each value was accepted on; --manifest PATH judges later runs
-# against it (check `manifest`); --diff-manifest A B prints what changed between two files.
+# Accept once, gate forever. --save-manifest PATH writes the state a PASS saw (its WARNs recorded as
+# accepted), grouped by node class and keeping the hosts each value was accepted on; --manifest PATH
+# judges later runs against it (check `manifest`); --diff-manifest A B prints what changed between two
+# files. A class is what a node is, not what a job was given: the node's own GPU count (the driver's
+# list), bands keyed by what they depend on (GPU model; ranks per node; rails per pair).
 # In memory a class is "expanded": {'hosts': set, 'values': {field: {host: value}}, ...}; on disk each
 # field is a list of variants {'value': v, 'hosts': hostlist} (see the README's schema).
-MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_SCHEMA_VERSION = 2  # 1: classes and bands keyed by the job's GPUs; refused with how to re-save
 MANIFEST_TOOL = "ai-infra-validator"
 NODE_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")
 PCI_LINK_FILES = ("current_link_width", "current_link_speed", "max_link_width", "max_link_speed")
 INTRA_TRANSPORTS = ("P2P", "SHM", "NVLS")  # the rest (NET/*, COLLNET) carry the path between nodes
 TRANSPORT_RANK = {"NET/Socket": 0, "NET/other": 1, "SHM": 2, "P2P": 3, "NET/IB": 4, "COLLNET": 5, "NVLS": 5}
 BAND_MIN_RUNS = 3  # a speed band judges only once this many accepted runs built it (see merge_bands)
+BAND_WINDOW = 5    # a band spans the last this many accepted runs (older ones age out; see merge_bands)
 
 
 def node_env(env):
@@ -1883,16 +1900,23 @@ def _low(values):
     return min(vals) if vals else None
 
 
-def _gpu_fields(rs, node):
+def _gpu_fields(rs, node, load):
+    """GPU fields of a node: its own GPU count from the driver's list (else the most its ranks could
+    see), each model's memory, the PCIe link read under load by the screen (load: {rank: screen row})."""
     gs = [r["gpu"] for r in rs if r.get("gpu")]
     if not gs:
         return dict.fromkeys(("gpu_model", "gpus_per_node", "gpu_memory", "pcie_width", "pcie_speed"))
     distinct = {g.get("uuid") or g.get("pci") or i for i, g in enumerate(gs)}
+    memory = {}
+    for g in gs:
+        if isinstance(g.get("vram"), int) and g["vram"] > 0:
+            memory[str(g.get("name"))] = max(memory.get(str(g.get("name")), 0), g["vram"])
+    links = [load[r["rank"]] for r in rs if r.get("rank") in load]
     return {"gpu_model": "+".join(sorted({str(g.get("name")) for g in gs})),
-            "gpus_per_node": max(len(distinct), node.get("gpus_visible") or 0),
-            "gpu_memory": _low(g.get("vram") for g in gs),
-            "pcie_width": _low(g.get("current_link_width") for g in gs),
-            "pcie_speed": _low(g.get("current_link_speed") for g in gs)}
+            "gpus_per_node": node.get("gpus_driver") or max(len(distinct), node.get("gpus_visible") or 0),
+            "gpu_memory": memory or None,
+            "pcie_width": _low(x.get("pcie_width") for x in links),
+            "pcie_speed": _low(x.get("pcie_speed") for x in links)}
 
 
 def _node_fields(node):
@@ -1916,12 +1940,18 @@ def _transport_fields(rs):
     return {"transport_intra": intra or None, "transport_inter": inter or None}  # a path not used: unmeasured
 
 
-def host_view(rs):
-    """(fields, class key) of one node from its rank records; a field this run did not measure is None."""
+def screen_load(screen):
+    """{rank: the screen's GPU row} (its PCIe link read under load), {} when the screen did not run."""
+    return {g["rank"]: g for g in (screen or {}).get("gpu") or [] if isinstance(g, dict) and "rank" in g}
+
+
+def host_view(rs, load=None):
+    """(fields, class key) of one node from its rank records and the screen's rows (screen_load); a field
+    this run did not measure is None."""
     rs = sorted(rs, key=lambda r: r.get("local_rank", 0))
     node = next((r["node"] for r in rs if r.get("node")), {}) or {}
     v = rs[0].get("versions") or {}
-    fields = dict(_gpu_fields(rs, node), **_node_fields(node), **_transport_fields(rs),
+    fields = dict(_gpu_fields(rs, node, load or {}), **_node_fields(node), **_transport_fields(rs),
                   **{k: v.get(k) for k in ("torch", "cuda", "nccl", "python")})
     rates = [p["rate_gbps"] for p in node.get("ib") or [] if p.get("rate_gbps")]
     key = {"gpu_model": fields["gpu_model"], "gpus_per_node": fields["gpus_per_node"],
@@ -1983,37 +2013,96 @@ def _pack_class(x):
             "fields": fields, "bands": x["bands"]}
 
 
-def _manifest_doc(classes, written_at):
+def _manifest_doc(classes, written_at, accepted=()):
     return {"schema_version": MANIFEST_SCHEMA_VERSION, "tool": MANIFEST_TOOL, "version": VERSION,
-            "written_at": written_at, "classes": {k: _pack_class(x) for k, x in sorted(classes.items()) if x["hosts"]}}
+            "written_at": written_at, "classes": {k: _pack_class(x) for k, x in sorted(classes.items()) if x["hosts"]},
+            "accepted_warns": list(accepted)}
 
 
-def manifest_from_records(records, written_at):
-    """The manifest of one accepted run: each node under its class, every measured field per host."""
-    classes = {}
+def manifest_from_records(records, written_at, screen=None, findings=()):
+    """The manifest of one accepted run: each node under its class, every measured field per host, the
+    class's speed bands from the screen, and the run's WARNs as accepted (accepted_warns)."""
+    classes, load = {}, screen_load(screen)
     for h, rs in sorted(_by_host(records).items()):
-        fields, key = host_view(rs)
+        fields, key = host_view(rs, load)
         x = classes.setdefault(class_name(key), {"key": key, "hosts": set(), "values": {}, "runs": 1, "bands": {},
                                                  "first_accepted_at": written_at, "last_accepted_at": written_at})
         x["hosts"].add(h)
         for f, v in fields.items():
             if v is not None:
                 x["values"].setdefault(f, {})[h] = v
-    return _manifest_doc(classes, written_at)
+    for cls, bands in screen_bands(screen, records).items():
+        if cls in classes:
+            classes[cls]["bands"] = bands
+    return _manifest_doc(classes, written_at, accepted_warns(findings or (), written_at))
+
+
+def _band_from(window, runs):
+    """A band over its window of accepted runs [{'ref', 'lo', 'hi'}]: lo the lowest, hi the highest, ref the mean."""
+    return {"ref": sum(w["ref"] for w in window) / len(window), "lo": min(w["lo"] for w in window),
+            "hi": max(w["hi"] for w in window), "runs": runs, "window": window}
 
 
 def merge_bands(old, new):
-    """Bands widen: {name: {'ref', 'lo', 'hi', 'runs'}} -> lo the lowest, hi the highest, ref the mean
-    weighted by runs, runs added up. A band judges only from BAND_MIN_RUNS runs on."""
+    """Bands over a window: {name: {'ref', 'lo', 'hi', 'runs', 'window'}} -> the window holds the last
+    BAND_WINDOW accepted runs (a slow run long ago ages out instead of lowering the band for ever), lo/hi/ref
+    are taken over it, runs count every accepted run. A band judges only from BAND_MIN_RUNS runs on."""
     out = dict(old)
     for name, b in new.items():
         a = old.get(name)
         if not a:
             out[name] = b
             continue
-        runs = a.get("runs", 1) + b.get("runs", 1)
-        out[name] = {"lo": min(a["lo"], b["lo"]), "hi": max(a["hi"], b["hi"]), "runs": runs,
-                     "ref": (a["ref"] * a.get("runs", 1) + b["ref"] * b.get("runs", 1)) / runs}
+        window = [{k: w[k] for k in ("ref", "lo", "hi")} for w in (a.get("window") or [a]) + (b.get("window") or [b])]
+        out[name] = _band_from(window[-BAND_WINDOW:], a.get("runs", 1) + b.get("runs", 1))
+    return out
+
+
+def warn_key(f):
+    """A WARN's stable key: its check and reason with its own hosts and the decimal numbers in it (rates,
+    sizes, times that vary from run to run) masked, so that a WARN accepted on gpu[001-016] is known again
+    on a subset of them. Where the masking misses, the WARN shows as new: never silently accepted."""
+    text, hosts = f["reason"], sorted(set(f.get("hosts") or ()), key=len, reverse=True)
+    for h in ([compress_hostlist(sorted(hosts))] if hosts else []) + hosts:
+        text = text.replace(h, "<host>")
+    return f"{f['check']}: " + re.sub(r"\d+\.\d+", "<n>", text)
+
+
+def accepted_warns(findings, when):
+    """This run's WARNs as a save accepts them: [{'check', 'key', 'hosts', 'reason', 'accepted_at'}]. The
+    `manifest` check's own WARNs are not kept: the save takes the new values, so they are gone."""
+    out = {}
+    for f in findings:
+        if f["status"] == "WARN" and f["check"] != "manifest":
+            e = out.setdefault(warn_key(f), {"check": f["check"], "key": warn_key(f), "hosts": set(),
+                                             "reason": f["reason"], "accepted_at": when})
+            e["hosts"] |= set(f.get("hosts") or ())
+    return [dict(e, hosts=_hosts_out(e["hosts"])) for _, e in sorted(out.items())]
+
+
+def merge_accepted(old, new, run_hosts):
+    """Accepted WARNs after a save of the nodes run_hosts: their earlier acceptances give way to this run's."""
+    out = {}
+    for e in old:
+        hs = set(_hosts_in(e.get("hosts"))) - run_hosts
+        if hs or not e.get("hosts"):
+            out[e["key"]] = dict(e, hosts=hs)
+    for e in new:
+        prev = out.get(e["key"])
+        out[e["key"]] = dict(e, hosts=set(_hosts_in(e.get("hosts"))) | (prev["hosts"] if prev else set()))
+    return [dict(e, hosts=_hosts_out(e["hosts"])) for _, e in sorted(out.items())]
+
+
+def mark_accepted(manifest, findings):
+    """findings with each WARN the manifest accepted (same key, its hosts among the accepted ones) marked
+    'accepted': True (rendered '(accepted in manifest)'); a new WARN stays a plain WARN."""
+    index = {}
+    for e in (manifest or {}).get("accepted_warns") or []:
+        index.setdefault(e["key"], set()).update(_hosts_in(e.get("hosts")))
+    out = []
+    for f in findings:
+        hs = index.get(warn_key(f)) if f["status"] == "WARN" else None
+        out.append(dict(f, accepted=True) if hs is not None and set(f.get("hosts") or ()) <= hs else f)
     return out
 
 
@@ -2023,6 +2112,8 @@ def merge_manifests(old, new):
     bands widen. The written_at is the new one."""
     if not old:
         return new
+    run_hosts = {h for c in new["classes"].values() for h in _hosts_in(c.get("hosts"))}
+    accepted = merge_accepted(old.get("accepted_warns") or [], new.get("accepted_warns") or [], run_hosts)
     out = {k: _expand_class(c) for k, c in old["classes"].items()}
     for key, c in new["classes"].items():
         n = _expand_class(c)
@@ -2039,12 +2130,14 @@ def merge_manifests(old, new):
         o.update(runs=o["runs"] + n["runs"], bands=merge_bands(o["bands"], n["bands"]),
                  first_accepted_at=min(filter(None, [o["first_accepted_at"], n["first_accepted_at"]]), default=None),
                  last_accepted_at=max(filter(None, [o["last_accepted_at"], n["last_accepted_at"]]), default=None))
-    return _manifest_doc(out, new["written_at"])
+    return _manifest_doc(out, new["written_at"], accepted)
 
 
 def _fmt(field, v):
     if v is None:
         return "-"
+    if field == "gpu_memory" and isinstance(v, dict):
+        return ", ".join(f"{m} {_fmt(field, n)}" for m, n in sorted(v.items()))
     if isinstance(v, (int, float)) and not isinstance(v, bool) and field in ("gpu_memory", "ib_rate", "pcie_speed"):
         return f"{int(v) >> 20} MiB" if field == "gpu_memory" else f"{v:g} {'Gb/s' if field == 'ib_rate' else 'GT/s'}"
     if field == "pcie_width":
@@ -2074,33 +2167,44 @@ def _host_index(classes):
     return {h: k for k, x in sorted(classes.items()) for h in sorted(x["hosts"])}
 
 
+def _project(field, new, accepted):
+    """gpu_memory is compared model by model, for the models both sides know: a job given some GPUs of a
+    mixed node sees fewer models, and a changed model is gpu_model's finding already."""
+    if field != "gpu_memory" or not isinstance(new, dict):
+        return new, accepted
+    known = {m for a in accepted if isinstance(a, dict) for m in a}
+    new = {m: v for m, v in new.items() if m in known} or None
+    return new, [{m: a[m] for m in new or () if m in a} if isinstance(a, dict) else a for a in accepted]
+
+
 def _judge_host(h, fields, cls, listed, drift, unchecked):
     """Compare one node's fields with its class: its own accepted values when listed, else any of the class's."""
     for field, _, severity in MANIFEST_FIELDS:
         hv = cls["values"].get(field) or {}
-        accepted = ([hv[h]] if h in hv else []) if listed else list(hv.values())
-        new = fields[field]
+        new, accepted = _project(field, fields[field], ([hv[h]] if h in hv else []) if listed else list(hv.values()))
         if new is None or not accepted:
             unchecked.add(field)
             continue
         if _canon(new) in {_canon(v) for v in accepted}:
             continue
-        old = accepted[0] if listed else _most_common(hv)
+        old = accepted[0] if listed else _most_common(dict(enumerate(accepted)))
         text = "; ".join(f"{lab[4:]} {o} -> {n}" if field == "env" else f"{o} -> {n}"
                          for lab, o, n in _changes(field, old, new))
         drift.setdefault((field, severity(old, new)), {}).setdefault(text, []).append(h)
 
 
-def judge_manifest(manifest, records):
+def judge_manifest(manifest, records, screen=None):
     """This run against an accepted manifest (None: no --manifest). A listed host is judged field by field
     against its own accepted values in the class it was accepted in; an unlisted host by its class key
-    (an unknown class is a WARN). Unmeasured fields are not checked; hosts not in this run are not judged."""
+    (an unknown class is a WARN). The PCIe link is the screen's reading under load (screen: this run's screen,
+    None when skipped). Unmeasured fields are not checked; hosts not in this run are not judged."""
     if not manifest:
         return []
     classes = {k: _expand_class(c) for k, c in manifest["classes"].items()}
     index, drift, unchecked, unknown, counts = _host_index(classes), {}, set(), {}, [0, 0]
+    load = screen_load(screen)
     for h, rs in sorted(_by_host(records).items()):
-        fields, key = host_view(rs)
+        fields, key = host_view(rs, load)
         listed = h in index
         cls = classes.get(index[h] if listed else class_name(key))
         if cls is None:
@@ -2129,45 +2233,185 @@ def _manifest_findings(drift, unknown, counts, unchecked, accepted):
     return out
 
 
-def _class_problem(name, c):
-    if not isinstance(c, dict):
-        return f"class '{name}' is not an object"
+def _is_num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_count(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_texts(v):
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _is_memory(v):
+    return isinstance(v, dict) and bool(v) and all(_is_count(n) and n > 0 for n in v.values())
+
+
+def _is_env(v):
+    return isinstance(v, dict) and all(isinstance(x, str) for x in v.values())
+
+
+# What a manifest value must be, by kind: (test, words for the problem line).
+VALUE_KINDS = {"text": (lambda v: isinstance(v, str), "a string"), "count": (_is_count, "an integer >= 0"),
+               "rate": (lambda v: _is_num(v) and v > 0, "a finite number > 0"),
+               "memory": (_is_memory, "an object {GPU model: bytes > 0}"), "names": (_is_texts, "a list of strings"),
+               "env": (_is_env, "an object {variable: string}"),
+               "when": (lambda v: v is None or isinstance(v, str), "a string or null")}
+FIELD_KINDS = dict({f: "text" for f in FIELD_NAMES}, gpus_per_node="count", ib_ports="count", pcie_width="count",
+                   ib_rate="rate", pcie_speed="rate", gpu_memory="memory", transport_intra="names",
+                   transport_inter="names", ifaces="names", env="env")
+KEY_KINDS = {"gpu_model": "text", "gpus_per_node": "count", "ib_ports": "count", "ib_rate_gbps": "rate"}
+CLASS_KEYS = ("key", "hosts", "runs", "first_accepted_at", "last_accepted_at", "fields", "bands")
+ACCEPTED_KINDS = {"check": "text", "key": "text", "reason": "text", "accepted_at": "when"}
+
+
+def _qn(name):
+    return json.dumps(name)
+
+
+def _kind_problem(where, v, kind):
+    ok, words = VALUE_KINDS[kind]
+    return None if ok(v) else f"{where}: {json.dumps(v, default=str)[:60]} is not {words}"
+
+
+def _hosts_problem(where, x):
+    if isinstance(x, list):
+        return None if all(isinstance(h, str) and h for h in x) else f"{where}: a list of host names must hold names"
+    if not isinstance(x, str):
+        return f"{where}: {json.dumps(x, default=str)[:60]} is not a hostlist"
     try:
-        _hosts_in(c.get("hosts"))
-        for field, variants in (c.get("fields") or {}).items():
-            if not isinstance(variants, list) or not all(isinstance(v, dict) and "value" in v for v in variants):
-                return f"class '{name}': field '{field}' is not a list of {{value, hosts}}"
-            for v in variants:
-                _hosts_in(v.get("hosts"))
-    except (ValueError, TypeError, AttributeError) as e:
-        return f"class '{name}': bad hosts ({e})"
-    if not isinstance(c.get("fields", {}), dict) or not isinstance(c.get("bands", {}), dict):
-        return f"class '{name}': 'fields' and 'bands' must be objects"
+        expand_hostlist(x) if x else None
+    except (ValueError, TypeError) as e:
+        return f"{where}: {x[:60]!r} is not a hostlist ({e})"
     return None
 
 
-def manifest_problem(data):
-    """Why data is not a manifest this tool can use (one line), or None."""
-    if not isinstance(data, dict) or data.get("tool") != MANIFEST_TOOL:
-        return "not an ai-infra-validator manifest (no \"tool\": \"ai-infra-validator\")"
+def _object_problem(where, x, allowed, required=()):
+    if not isinstance(x, dict):
+        return f"{where}: not an object"
+    extra = [k for k in x if k not in allowed]
+    missing = [k for k in required if k not in x]
+    return (f"{where}: unknown key {_qn(extra[0])}" if extra else
+            f"{where}: {_qn(missing[0])} is missing" if missing else None)
+
+
+def _span_problem(where, w):
+    """A band or one run of its window: ref, lo, hi finite and above 0, lo not above hi."""
+    bad = next((k for k in ("ref", "lo", "hi") if not (_is_num(w[k]) and w[k] > 0)), None)
+    if bad:
+        return f"{where}.{bad}: {json.dumps(w[bad], default=str)[:60]} is not a finite number > 0"
+    return f"{where}: lo {w['lo']:g} is above hi {w['hi']:g}" if w["lo"] > w["hi"] else None
+
+
+def _band_problem(where, b):
+    keys = ("ref", "lo", "hi", "runs", "window")
+    problem = _object_problem(where, b, keys, keys) or _span_problem(where, b)
+    if problem:
+        return problem
+    if not (_is_count(b["runs"]) and b["runs"] >= 1):
+        return f"{where}.runs: {json.dumps(b['runs'], default=str)[:60]} is not an integer >= 1"
+    if not isinstance(b["window"], list) or not b["window"]:
+        return f"{where}.window: not a non-empty list"
+    for i, w in enumerate(b["window"]):
+        at = f"{where}.window[{i}]"
+        problem = _object_problem(at, w, ("ref", "lo", "hi"), ("ref", "lo", "hi")) or _span_problem(at, w)
+        if problem:
+            return problem
+    return None
+
+
+def _fields_problem(where, fields):
+    if not isinstance(fields, dict):
+        return f"{where}: not an object"
+    for field, variants in fields.items():
+        at = f"{where}.{field}"
+        if field not in FIELD_KINDS:
+            return f"{at}: unknown field (known: {', '.join(FIELD_NAMES)})"
+        if not isinstance(variants, list):
+            return f"{at}: not a list of {{value, hosts}}"
+        for i, var in enumerate(variants):
+            problem = (_object_problem(f"{at}[{i}]", var, ("value", "hosts"), ("value", "hosts"))
+                       or _kind_problem(f"{at}[{i}].value", var["value"], FIELD_KINDS[field])
+                       or _hosts_problem(f"{at}[{i}].hosts", var["hosts"]))
+            if problem:
+                return problem
+    return None
+
+
+def _class_problem(name, c):
+    where = f"classes[{_qn(name)}]"
+    problem = (_object_problem(where, c, CLASS_KEYS, CLASS_KEYS)
+               or _object_problem(f"{where}.key", c["key"], KEY_KINDS, KEY_KINDS)
+               or next(filter(None, (_kind_problem(f"{where}.key.{k}", c["key"][k], kind)
+                                     for k, kind in KEY_KINDS.items() if c["key"][k] is not None)), None)
+               or _hosts_problem(f"{where}.hosts", c["hosts"])
+               or (None if _is_count(c["runs"]) and c["runs"] >= 1 else
+                   f"{where}.runs: {json.dumps(c['runs'], default=str)[:60]} is not an integer >= 1")
+               or _kind_problem(f"{where}.first_accepted_at", c["first_accepted_at"], "when")
+               or _kind_problem(f"{where}.last_accepted_at", c["last_accepted_at"], "when")
+               or _fields_problem(f"{where}.fields", c["fields"]))
+    if problem:
+        return problem
+    if not isinstance(c["bands"], dict):
+        return f"{where}.bands: not an object"
+    return next(filter(None, (_band_problem(f"{where}.bands[{_qn(k)}]", b) for k, b in c["bands"].items())), None)
+
+
+def _accepted_problem(entries):
+    if not isinstance(entries, list):
+        return "accepted_warns: not a list"
+    for i, e in enumerate(entries):
+        at = f"accepted_warns[{i}]"
+        problem = (_object_problem(at, e, (*ACCEPTED_KINDS, "hosts"), (*ACCEPTED_KINDS, "hosts"))
+                   or next(filter(None, (_kind_problem(f"{at}.{k}", e[k], kind) for k, kind in ACCEPTED_KINDS.items())),
+                           None)
+                   or _hosts_problem(f"{at}.hosts", e["hosts"]))
+        if problem:
+            return problem
+        if e["check"] not in CHECKS:
+            return f"{at}.check: {e['check'][:60]!r} is not a check name"
+    return None
+
+
+def _schema_problem(data):
     sv = data.get("schema_version")
     if not isinstance(sv, int) or isinstance(sv, bool) or sv < 1:
         return f"schema_version {sv!r} is not a positive integer"
     if sv > MANIFEST_SCHEMA_VERSION:
         return (f"schema_version {sv} is newer than the {MANIFEST_SCHEMA_VERSION} this tool reads (written by "
                 f"ai-infra-validator {data.get('version', '?')}, this is {VERSION}): use that version or newer")
-    if not isinstance(data.get("classes"), dict):
-        return "'classes' is missing or not an object"
+    if sv < MANIFEST_SCHEMA_VERSION:
+        return (f"schema_version {sv} is an old manifest (its node classes and speed bands follow the GPUs a job "
+                f"was given, not the node's own); this tool reads {MANIFEST_SCHEMA_VERSION}: move the file aside "
+                f"and accept the nodes again with --save-manifest")
+    return None
+
+
+def manifest_problem(data):
+    """Why data is not a manifest this tool can use (one line naming the field: classes["C"].bands["B"].lo),
+    or None. Every field of every class is checked, so that a manifest that loads is judged without error."""
+    if not isinstance(data, dict) or data.get("tool") != MANIFEST_TOOL:
+        return "not an ai-infra-validator manifest (no \"tool\": \"ai-infra-validator\")"
+    top = ("schema_version", "tool", "version", "written_at", "classes", "accepted_warns")
+    problem = (_schema_problem(data) or _object_problem("manifest", data, top, top)
+               or _kind_problem("version", data["version"], "text")
+               or _kind_problem("written_at", data["written_at"], "when"))
+    if problem:
+        return problem
+    if not isinstance(data["classes"], dict):
+        return "classes: not an object"
     seen = {}
     for name, c in data["classes"].items():
         problem = _class_problem(name, c)
         if problem:
             return problem
-        for h in _hosts_in(c.get("hosts")):
+        for h in _hosts_in(c["hosts"]):
             if h in seen:
                 return f"host {h} is listed in two classes: '{seen[h]}' and '{name}'"
             seen[h] = name
-    return None
+    return _accepted_problem(data["accepted_warns"])
 
 
 def load_manifest(path, origin):
@@ -2208,94 +2452,108 @@ def manifest_preflight(args):
 
 
 def manifest_refusal(state):
-    """Why this run's state may not be accepted ('' when it may: a PASS with no WARN)."""
+    """Why this run's state may not be accepted ('' when it may: a PASS; its WARNs are saved as accepted)."""
     if state.get("verdict") != "PASS":
         return f"the verdict is {state.get('verdict')} (exit {state.get('exit_code')})"
-    warns = [f for f in state.get("findings") or [] if f["status"] == "WARN"]
-    if warns:
-        return f"{len(warns)} WARN finding(s) ({', '.join(sorted({f['check'] for f in warns}))})"
     return ""
 
 
+class LockTimeout(Exception):
+    """The manifest's lock file stayed held by another job for the whole MANIFEST_LOCK_S."""
+
+
 @contextlib.contextmanager
-def _file_lock(path):
-    """Serialise read-merge-write of one manifest across jobs (a lock file beside it; best effort)."""
-    fd = None
+def _file_lock(path, budget=None):
+    """Serialise read-merge-write of one manifest across jobs with a `.NAME.lock` file beside it. The lock is
+    tried without blocking (LOCK_NB) every LOCK_RETRY_S until budget seconds (MANIFEST_LOCK_S) have passed,
+    then LockTimeout: a hung holder or a stuck lock on shared storage never hangs the verdict. A directory
+    where no lock file can be created (or a file system without flock) is not locked (best effort)."""
+    budget = MANIFEST_LOCK_S if budget is None else budget
     try:
         fd = os.open(os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.lock"),
-                     os.O_CREAT | os.O_RDWR, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+                     os.O_CREAT | os.O_RDWR, _new_file_mode(path))
     except OSError:
-        pass
+        fd = None
     try:
+        _take_lock(fd, time.monotonic() + budget, budget)
         yield
     finally:
         if fd is not None:
             os.close(fd)
 
 
+def _take_lock(fd, until, budget):
+    while fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= until:
+                raise LockTimeout(f"another job held its lock file for {budget:g}s") from None
+            time.sleep(min(LOCK_RETRY_S, max(0.0, until - time.monotonic())))
+        except OSError:
+            return  # flock unsupported here: unlocked, as before
+
+
 BAND_SLACK = 0.9      # a measurement below this fraction of its band's lowest accepted value is "below the band"
 BAND_SLACK_CPU = 0.1  # on CPU ranks share cores: only a collapse counts (as in the screen's own judge)
 
 
-def _band_samples(screen, host_class):
-    """{class: {band: [values]}} from the screen of one run: GPU matmul TFLOPS and memory GB/s per GPU,
-    intra-node busbw per node, inter-node busbw per pair and rail (when both nodes are of one class)."""
-    out = {}
-
-    def add(cls, band, v):
-        if cls is not None and isinstance(v, (int, float)) and v > 0:
-            out.setdefault(cls, {}).setdefault(band, []).append(float(v))
-    for g in (screen or {}).get("gpu") or []:
-        add(host_class.get(g.get("host")), "gpu.tflops", g.get("tflops"))
-        add(host_class.get(g.get("host")), "gpu.hbm_gbps", g.get("hbm_gbps"))
-    for n in (screen or {}).get("intra") or []:
-        add(host_class.get(n.get("host")), "intra.busbw", n.get("busbw"))
-    for pr in (screen or {}).get("pairs") or []:
-        classes = {host_class.get(h) for h in pr.get("nodes") or ()}
+def _band_points(screen, host_class):
+    """(class, band, value, hosts) of each measurement of one screen, the band named by what the value
+    depends on: 'gpu.tflops/<model>', 'gpu.hbm_gbps/<model>' per GPU, 'intra.busbw/<n> ranks' per node
+    (ranks per node), 'inter.busbw/<k> rails' per pair of nodes of one class (rails the pair ran at once)."""
+    screen = screen or {}
+    for g in screen.get("gpu") or []:
+        cls, model = host_class.get(g.get("host")), g.get("model") or "unknown"
+        yield cls, f"gpu.tflops/{model}", g.get("tflops"), [g.get("host")]
+        yield cls, f"gpu.hbm_gbps/{model}", g.get("hbm_gbps"), [g.get("host")]
+    for n in screen.get("intra") or []:
+        yield host_class.get(n.get("host")), f"intra.busbw/{len(n.get('ranks') or ())} ranks", n.get("busbw"), \
+            [n.get("host")]
+    pairs, rails = screen.get("pairs") or [], {}
+    for pr in pairs:
+        k = (pr.get("round"), tuple(sorted(pr.get("nodes") or ())))
+        rails[k] = rails.get(k, 0) + 1
+    for pr in pairs:
+        hosts = sorted(pr.get("nodes") or ())
+        classes = {host_class.get(h) for h in hosts}
         if len(classes) == 1:
-            add(classes.pop(), "inter.busbw", pr.get("busbw"))
-    return out
+            yield classes.pop(), f"inter.busbw/{rails[(pr.get('round'), tuple(hosts))]} rails", pr.get("busbw"), hosts
+
+
+def _host_classes(records):
+    return {h: class_name(host_view(rs)[1]) for h, rs in _by_host(records).items()}
 
 
 def screen_bands(screen, records):
-    """The speed bands of one accepted run, per node class: {class: {band: {'ref', 'lo', 'hi', 'runs': 1}}}.
-    ref is the screen's own reference (upper quartile of the peers), lo/hi the extremes; merge_bands widens
-    them over accepted runs, and they judge from BAND_MIN_RUNS runs on."""
-    host_class = {h: class_name(host_view(rs)[1]) for h, rs in _by_host(records).items()}
-    out = {}
-    for cls, bands in _band_samples(screen, host_class).items():
-        out[cls] = {b: {"ref": screen_reference(v)["ref"], "lo": min(v), "hi": max(v), "runs": 1}
-                    for b, v in sorted(bands.items())}
-    return out
+    """The speed bands of one accepted run, per node class: {class: {band: {'ref', 'lo', 'hi', 'runs': 1,
+    'window': [one entry]}}}. ref is the screen's own reference (upper quartile of the peers), lo/hi the
+    extremes; merge_bands keeps the last BAND_WINDOW accepted runs, and they judge from BAND_MIN_RUNS runs on."""
+    samples = {}
+    for cls, band, v, _ in _band_points(screen, _host_classes(records)):
+        if cls is not None and _is_num(v) and v > 0:
+            samples.setdefault(cls, {}).setdefault(band, []).append(float(v))
+    return {cls: {b: _band_from([{"ref": screen_reference(v)["ref"], "lo": min(v), "hi": max(v)}], 1)
+                  for b, v in sorted(bands.items())} for cls, bands in samples.items()}
 
 
 def judge_bands(manifest, records, screen):
     """This run's screen against the accepted bands of each node's class (bands of BAND_MIN_RUNS runs or
-    more): a measurement below BAND_SLACK (on CPU BAND_SLACK_CPU) x the band's lowest accepted value
-    FAILs, naming its host(s)."""
+    more, of the same GPU model, ranks per node or rails per pair): a measurement below BAND_SLACK (on CPU
+    BAND_SLACK_CPU) x the band's lowest value in its window FAILs, naming its host(s)."""
     if not manifest or not screen:
         return []
-    host_class = {h: class_name(host_view(rs)[1]) for h, rs in _by_host(records).items()}
     slack = BAND_SLACK_CPU if screen.get("cpu") else BAND_SLACK
     out = []
-    for g in screen.get("gpu") or []:
-        for band, v in (("gpu.tflops", g.get("tflops")), ("gpu.hbm_gbps", g.get("hbm_gbps"))):
-            out += _below_band(manifest, host_class.get(g.get("host")), band, v, [g.get("host")], slack)
-    for n in screen.get("intra") or []:
-        out += _below_band(manifest, host_class.get(n.get("host")), "intra.busbw", n.get("busbw"), [n.get("host")],
-                           slack)
-    for pr in screen.get("pairs") or []:
-        hosts = list(pr.get("nodes") or ())
-        classes = {host_class.get(h) for h in hosts}
-        if len(classes) == 1:
-            out += _below_band(manifest, classes.pop(), "inter.busbw", pr.get("busbw"), hosts, slack)
+    for cls, band, v, hosts in _band_points(screen, _host_classes(records)):
+        out += _below_band(manifest, cls, band, v, hosts, slack)
     return out
 
 
 def _below_band(manifest, cls, band, value, hosts, slack):
     b = ((manifest.get("classes") or {}).get(cls) or {}).get("bands", {}).get(band)
-    if not b or b.get("runs", 1) < BAND_MIN_RUNS or not isinstance(value, (int, float)):
+    if not b or b.get("runs", 1) < BAND_MIN_RUNS or not _is_num(value):
         return []
     if value >= slack * b["lo"]:
         return []
@@ -2305,27 +2563,33 @@ def _below_band(manifest, cls, band, value, hosts, slack):
 
 
 def save_manifest(path, state, written_at):
-    """Merge this run's accepted state into the manifest at path (atomically). -> the report's note."""
+    """Merge this run's accepted state into the manifest at path (atomically, under _file_lock's bounded lock:
+    state's deadlines['manifest-lock'], else MANIFEST_LOCK_S). -> the report's note. A PASS saves, its WARNs
+    recorded as accepted; a FAIL never saves. A save that cannot take the lock in time or cannot write also
+    adds a WARN finding to state['findings'] naming the file (no host: the nodes are not at fault)."""
     why = manifest_refusal(state)
     if why:
-        return f"manifest not saved to {path}: {why}; a manifest is saved only from a PASS with no WARN"
+        return f"manifest not saved to {path}: {why}; a manifest is saved only from a PASS"
     try:
-        with _file_lock(path):
+        with _file_lock(path, (state.get("deadlines") or {}).get("manifest-lock")):
             old = load_manifest(path, "--save-manifest") if os.path.exists(path) else None
-            new = manifest_from_records(state.get("ranks") or [], written_at)
-            for cls, bands in screen_bands(state.get("screen"), state.get("ranks") or []).items():
-                if cls in new["classes"]:
-                    new["classes"][cls]["bands"] = bands
+            new = manifest_from_records(state.get("ranks") or [], written_at, state.get("screen"),
+                                        state.get("findings") or [])
             write_json_atomic(path, merge_manifests(old, new))
-    except (OSError, UsageError) as e:
-        return f"manifest not saved to {path}: {e}"
+    except (OSError, UsageError, LockTimeout) as e:
+        note = f"manifest not saved to {path}: {e}"
+        state.setdefault("findings", []).append(finding("manifest", "WARN", note))
+        return note
     hosts = sum(len(_hosts_in(c["hosts"])) for c in new["classes"].values())
+    warns = new["accepted_warns"]
     return (f"manifest saved to {path}: {hosts} node(s) accepted in {len(new['classes'])} class(es) "
-            f"({'; '.join(new['classes'])})" + (", merged into the existing file" if old else ""))
+            f"({'; '.join(new['classes'])})" + (", merged into the existing file" if old else "")
+            + (f"; {len(warns)} WARN(s) accepted ({', '.join(sorted({w['check'] for w in warns}))})" if warns else ""))
 
 
 def note_manifest_save(args, state):
-    """Rank 0 at the verdict, with --save-manifest: save on a clean PASS; either way a note in the report."""
+    """Rank 0 at the verdict, with --save-manifest: save on a PASS (WARNs accepted); either way a note in the
+    report, and a WARN finding when the file could not be locked or written (save_manifest)."""
     if getattr(args, "save_manifest", None):
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         state.setdefault("notes", []).append(save_manifest(args.save_manifest, state, now))
@@ -2346,6 +2610,9 @@ def diff_manifests(a, b):
             out += _diff_fields(key, x["values"], y["values"])
             if _canon(x["bands"]) != _canon(y["bands"]):
                 out.append(f"{key}/bands: {_canon(x['bands'])} -> {_canon(y['bands'])} ({_hl(hx | hy)})")
+    wa, wb = ({e["key"]: set(_hosts_in(e["hosts"])) for e in m.get("accepted_warns") or []} for m in (a, b))
+    out += [f"accepted WARN {k}: {_hl(wa.get(k, ()))} -> {_hl(wb.get(k, ()))}"
+            for k in sorted(set(wa) | set(wb)) if wa.get(k) != wb.get(k)]
     return out
 
 
@@ -3348,7 +3615,8 @@ def _render_performance(state, recs, groups):
 
 
 def _render_findings(state, recs, groups):
-    L = [BAR, "FINDINGS", BAR] + [f"  [{f['status']}] {f['check']}: {f['reason']}" for f in state.get("findings") or []]
+    L = [BAR, "FINDINGS", BAR] + [f"  [{f['status']}] {f['check']}: {f['reason']}" + (
+        " (accepted in manifest)" if f.get("accepted") else "") for f in state.get("findings") or []]
     L += [f"  NOTE: {n}" for n in state.get("notes") or []]
     L += [BAR, f"Ranks Reported: {len(recs)}/{state['world_size']}",
           f"Verdict: {state['verdict']} exit={state['exit_code']} elapsed={state['elapsed_s']:.2f}s "
@@ -3363,13 +3631,28 @@ def failure_lines(findings):
     return [f"FAILURE: {f['check']}: {f['reason']}" for f in findings if f["status"] == "FAIL"]
 
 
+def _new_file_mode(path):
+    """The mode a file at path gets: an existing file's own mode, else 0666 & ~umask (0644 under 022), as
+    open(2) would give it, so that a teammate can read a verdict JSON or manifest the umask lets them."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
 def write_json_atomic(path, data, first=False):
-    """Write JSON so that a reader sees the old file or the whole new one. first: only when no file is
-    there yet (the first writer wins, atomically: a hard link that fails when the path exists), for the
-    ranks and the batch file that write a verdict when rank 0 left none. -> whether it was written."""
+    """Write data as JSON to path atomically (a temporary file beside it, then a rename), with the mode
+    _new_file_mode gives (mkstemp's own 0600 would hide the file from everyone else). first: only when
+    no file is there yet (the first writer wins, atomically: a hard link that fails when the path
+    exists), for the ranks and the batch file that write a verdict when rank 0 left none. -> whether
+    it was written."""
     d = os.path.dirname(os.path.abspath(path)) or "."
+    mode = _new_file_mode(path)
     fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=".json", dir=d)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True, default=str)
             f.write("\n")
@@ -4519,7 +4802,7 @@ class RankRun:
         final = (judge_imports(self.records) + judge_collectives(self.results, self.world, self.host_of)
                  + judge_transport(self.records, self.env.get("NCCL_IB_DISABLE"))
                  + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw)
-                 + judge_manifest(self.args.manifest_data, self.records)
+                 + judge_manifest(self.args.manifest_data, self.records, self.screen)
                  + judge_bands(self.args.manifest_data, self.records, self.screen))  # manifest: drift from the accepted
         self.findings += apply_strict(final, self.args.strict)
         raise Verdict(verdict_code(self.findings))
@@ -4563,8 +4846,10 @@ class RankRun:
         emit(text)
         self.write_json(st)
         if getattr(self.args, "save_manifest", None):  # after the report and the JSON: shared storage may be slow
-            note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS with no WARN only
-            emit("\n".join(st.get("notes") or []))
+            before = len(st["findings"])
+            note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
+            emit("\n".join([f"  [{f['status']}] {f['check']}: {f['reason']}" for f in st["findings"][before:]]
+                           + [f"  NOTE: {n}" for n in st.get("notes") or []]))
             self.write_json(st)
         if client is not None:
             self.wait_acks(client, len([r for r in self.host_of if r and r not in self.gone]))
@@ -4971,7 +5256,8 @@ class RankRun:
                 "world_size": self.world, "ranks_reported": len(self.records), "backend": self.backend,
                 "master": f"{self.addr}:{self.port}", "expect": self.expect, "strict": bool(self.args.strict),
                 "deadlines": self.D, "elapsed_s": round(elapsed(), 3), "phases": self.times,
-                "findings": self.findings, "failures": fails, "failed_hosts": failed_hosts,
+                "findings": mark_accepted(self.args.manifest_data, self.findings), "failures": fails,
+                "failed_hosts": failed_hosts,
                 "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
                 "collectives": self.collectives, "screen": self.screen, "ranks": self.records,
                 "env": safe_env(self.env)}

@@ -17,12 +17,13 @@ from conftest import aiv
 @pytest.mark.parametrize("timeout,rollcall", [(1, 1), (5, 300), (120, 300), (3600, 60)])
 def test_deadline_table_keeps_rank_0_ahead_of_everyone(timeout, rollcall):
     table = aiv.deadlines(timeout, rollcall)
-    assert set(table) == set(aiv.PHASES) == set(aiv.PHASE_CHECK) == set(aiv.PHASE_WHAT)
-    assert table["rollcall"] == table["local"] == rollcall
+    assert set(table) - {"manifest-lock"} == set(aiv.PHASES) == set(aiv.PHASE_CHECK) == set(aiv.PHASE_WHAT)
+    assert table["rollcall"] == table["local"] == rollcall and table["manifest-lock"] == aiv.MANIFEST_LOCK_S
     assert all(table[p] == timeout for p in aiv.PHASES if p not in ("local", "rollcall"))
     for p in aiv.PHASES:  # rank 0 names culprits before any other rank gives up on it
         assert table[p] + aiv.NAMING_S < table[p] + aiv.RANK0_GRACE
-    assert aiv.worst_case(table) == 2 * rollcall + 9 * timeout + aiv.NAMING_S + aiv.ACKS_S
+    assert aiv.worst_case(table) == (2 * rollcall + 9 * timeout + aiv.MANIFEST_LOCK_S + aiv.NAMING_S
+                                     + aiv.ACKS_S)
     assert aiv.worst_case(table, bandwidth=True) == aiv.worst_case(table) + timeout
     assert aiv.worst_case(table, screen=False) == aiv.worst_case(table) - len(aiv.SCREEN_PHASES) * timeout
     assert all(aiv.PHASE_CHECK[p] in aiv.CHECKS for p in aiv.PHASES)
