@@ -501,6 +501,7 @@ ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ra
 NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name the culprits, publish
 RANK0_GRACE = 15.0        # the other ranks wait this long past their own bound before speaking for rank 0
 ACKS_S = 5.0              # rank 0 keeps its store up this long for live ranks to read the verdict
+ACKS_SIGNALLED_S = 1.0    # ... or this long once rank 0 itself was signalled (the others are, too: KillWait runs)
 ERROR_GRACE = 2.0         # after the first error report: time for other reports and liveness to arrive
 MANIFEST_LOCK_S = 10.0    # rank 0 at the verdict: the most it waits for another job's lock on a --save-manifest file
 LOCK_RETRY_S = 0.2        # how often that lock is tried again (non-blocking) while another job holds it
@@ -4139,6 +4140,9 @@ class StoreProtocol:
     def acks(self):
         return self.store.add("acks", 0)
 
+    def arrived(self):
+        return self.store.add("arrived", 0)
+
 
 # ============================================================================ runtime
 _PRINT_LOCK = threading.Lock()
@@ -4193,7 +4197,11 @@ def print_traceback(exc):
 def bounded(fn, seconds, default=None):
     """fn() on a thread of its own; `default` when it raises or takes longer than `seconds`."""
     box = []
-    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+
+    def call():
+        with contextlib.suppress(Exception):
+            box.append(fn())
+    t = threading.Thread(target=call, daemon=True)
     t.start()
     t.join(seconds)
     return box[0] if box else default
@@ -4328,6 +4336,8 @@ class RankRun:
         self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
         self.gone = set()  # ranks rank 0 found dead or frozen: no acknowledgement to wait for
+        self.acks_s = ACKS_S  # how long rank 0 keeps its store up for the acknowledgements
+        self.verdict_seen = None  # the others: rank 0's exit code, once read
         self.verdict_lock, self.ack_lock, self.acked = threading.Lock(), threading.Lock(), False
         self.wd = Watchdog(self.on_expire, self.on_tick if self.is0 else None)
 
@@ -4852,11 +4862,18 @@ class RankRun:
                            + [f"  NOTE: {n}" for n in st.get("notes") or []]))
             self.write_json(st)
         if client is not None:
-            self.wait_acks(client, len([r for r in self.host_of if r and r not in self.gone]))
+            self.wait_acks(client, self.listeners(client))
         return code
 
+    def listeners(self, client):
+        """How many ranks will acknowledge the verdict: the live ones after the roll call, before it those
+        that checked in so far (each has a listener on the verdict key)."""
+        if self.host_of:
+            return len([r for r in self.host_of if r and r not in self.gone])
+        return max(0, bounded(client.arrived, 1.0, 1) - 1) if self.proto is not None else 0
+
     def wait_acks(self, client, n):
-        end = time.monotonic() + min(ACKS_S, self.D["final"])
+        end = time.monotonic() + min(self.acks_s, self.D["final"])
         while n > 0 and time.monotonic() < end:
             try:
                 if client.acks() >= n:
@@ -4944,6 +4961,7 @@ class RankRun:
         if self.verdict_lock.locked():  # the verdict is being given already
             return
         client = bounded(self.proto.clone, 1.0) if self.proto is not None else None
+        self.acks_s = ACKS_SIGNALLED_S
         self.conclude(EXIT_INTERRUPTED, [self.interruption(phase, name, client)], client)
 
     def interruption(self, phase, name, client):
@@ -4968,6 +4986,8 @@ class RankRun:
                            code=EXIT_INTERRUPTED)
         stamps, errors = seen
         errors[0] = {"line": f"rank 0 ({self.host}): {name}", "term": True, "internal": False}
+        # the signalled ranks will not acknowledge: the job's KillWait (often 30 s) must not pass on the acks
+        self.gone |= {r for r, e in errors.items() if e.get("term")} | {r for r, st in live.items() if st != "running"}
         return judge_unfinished(phase, why, self.world, self.host_of, stamps, live, errors)
 
     def listen(self):
@@ -4980,6 +5000,8 @@ class RankRun:
         self.exit(code)
 
     def lost_rank0(self, exc):
+        if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
+            self.exit(self.verdict_seen)
         host0 = (self.master or {}).get("host", self.addr)
         self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) during "
                              f"{self.phase}: its store at {self.addr}:{self.port} is gone ({first_line(exc)})")
@@ -4987,6 +5009,7 @@ class RankRun:
 
     def take_verdict(self, client, seconds):
         code = client.wait_verdict(seconds)
+        self.verdict_seen = code
         with self.ack_lock:
             if not self.acked:
                 self.acked = True

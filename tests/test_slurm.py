@@ -462,13 +462,19 @@ def test_scancel_names_nobody(cluster, capsys, phase):
     time.sleep(0.5)
     cluster.run("scancel", job)
     state, _, _ = cluster.wait(job)
-    log, _, js = cluster.outputs(job)
     assert state == "CANCELLED", describe(cluster, job)
+    deadline = time.monotonic() + 15  # Slurm says CANCELLED at once; the batch shell ends within KillWait
+    while "ai-infra-validator: job exit code" not in cluster.outputs(job)[0] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log, _, js = cluster.outputs(job)
     v = load_json(js)
     assert (v["exit_code"], v["failed_hosts"], v["exclude"]) == (aiv.EXIT_INTERRUPTED, [], ""), describe(cluster, job)
     assert v["failures"] and all(ln.startswith("FAILURE: interrupted: ") for ln in v["failures"]), v
     assert "written_by" not in v, "rank 0 gave the verdict itself, inside KillWait"
     assert "ai-infra-validator: the job was cancelled (SIGTERM" in log, describe(cluster, job)
+    assert "ai-infra-validator: job exit code 5" in log, describe(cluster, job)
+    said = [ln for ln in log.splitlines() if ln.startswith("FAILURE:")]
+    assert said and all(ln.startswith("FAILURE: interrupted: ") for ln in said), said  # nobody "lost rank 0"
     def left():  # this cluster's ranks only: their command line holds the submit directory's path
         return subprocess.run(["pgrep", "-f", str(cluster.workdir / "ddp_mesh_ping.py")], capture_output=True,
                               text=True).stdout.split()
