@@ -3558,12 +3558,35 @@ def _verify_expect(expect, facts, rpn_seen, problems):
         problems.append(f"ranks per node {sorted(rpn_seen)}, expected {expect['ranks_per_node']}")
 
 
+_LOG_KEEP = re.compile(r"Total Execution Ranks:|Verdict:|Ranks Reported:|node=|nodes=|\b(?:torch|cuda|nccl)=")
+
+
+def _log_relevant(s):
+    """Whether a stripped log line can matter to any check below (the others are dropped while reading)."""
+    return (s in LOG_SECTIONS or s == SUCCESS_LINE or bool(_LOG_FAILURE.match(s) or _LOG_FINDING.match(s)
+            or _LOG_SUM.match(s) or _LOG_GRADS.match(s) or _LOG_KEEP.search(s)))
+
+
+LOG_CHUNK = 1 << 20  # a line longer than this is read in pieces, each judged as a line of its own
+
+
+def read_log_lines(f):
+    """The relevant stripped lines of a binary log file, read to its end one line (or LOG_CHUNK) at a
+    time: memory holds the lines that matter, never the file."""
+    out = []
+    for raw in iter(lambda: f.readline(LOG_CHUNK), b""):
+        out += [s for s in (x.strip() for x in raw.decode("utf-8", errors="replace").splitlines())
+                if _log_relevant(s)]
+    return out
+
+
 def verify_log(text, expect, strict=False):
-    """Automation's check of a saved log. Returns (ok, problems, facts); ok only for a clean PASS.
+    """Automation's check of a saved log (its text, or read_log_lines' list). Returns (ok, problems,
+    facts); ok only for a clean PASS.
 
     strict: a [WARN] finding is a problem too (as --strict makes it a FAIL in a run)."""
     problems, facts = [], {"backend": None}
-    lines = [ln.strip() for ln in text.splitlines()]
+    lines = [ln.strip() for ln in text.splitlines()] if isinstance(text, str) else list(text)
     sections = _log_sections(lines)
     _verify_totals(lines, problems, facts)
     _verify_markers(lines, problems)
@@ -3582,7 +3605,7 @@ def run_verify_log(args, argv=()):
     2 the file cannot be read."""
     try:
         with open(args.verify_log, "rb") as f:
-            text = f.read(256 << 20).decode("utf-8", errors="replace")
+            text = read_log_lines(f)
     except OSError as e:
         print(f"FAILURE: usage: --verify-log: cannot read {args.verify_log}: {e.strerror or e}")
         return EXIT_USAGE
