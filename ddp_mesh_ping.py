@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import datetime
 import difflib
+import errno
 import fcntl
 import hashlib
 import json
@@ -3607,15 +3608,15 @@ def run_verify_log(args, argv=()):
         with open(args.verify_log, "rb") as f:
             text = read_log_lines(f)
     except OSError as e:
-        print(f"FAILURE: usage: --verify-log: cannot read {args.verify_log}: {e.strerror or e}")
+        emit(f"FAILURE: usage: --verify-log: cannot read {args.verify_log}: {e.strerror or e}")
         return EXIT_USAGE
     expect = {"world_size": args.expect_world_size, "nodes": args.expect_nodes,
               "ranks_per_node": args.expect_ranks_per_node}
     ok, problems, facts = verify_log(text, expect, strict=args.strict)
     for p in problems:
-        print(f"verify-log: MISSING/BAD: {p}")
-    print(f"verify-log: {'PASS' if ok else 'FAIL'} {args.verify_log} world_size={facts.get('world_size')} "
-          f"nodes={facts.get('nodes')} torch={facts.get('torch')}")
+        emit(f"verify-log: MISSING/BAD: {p}")
+    emit(f"verify-log: {'PASS' if ok else 'FAIL'} {args.verify_log} world_size={facts.get('world_size')} "
+         f"nodes={facts.get('nodes')} torch={facts.get('torch')}")
     return EXIT_PASS if ok else EXIT_FAIL
 
 
@@ -3842,10 +3843,37 @@ _PRINT_LOCK = threading.Lock()
 
 
 def emit(line, stream=None):
+    """Print a line. A reader that went away (`| head`, a closed terminal) never stops the run: the
+    stream's descriptor is pointed at /dev/null and the run goes on to its verdict and its JSON."""
     with _PRINT_LOCK:
         stream = stream or sys.stdout
-        stream.write(line + "\n")
-        stream.flush()
+        try:
+            stream.write(line + "\n")
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+            drop_stream(stream)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.EIO):
+                raise
+            drop_stream(stream)
+
+
+def drop_stream(stream):
+    """Point a dead stream's descriptor at /dev/null: later writes and the flush at exit are silent."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
+    except (OSError, ValueError):
+        pass
+
+
+def flush_all():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            drop_stream(stream)
 
 
 def first_line(exc):
@@ -4603,8 +4631,7 @@ class RankRun:
                 emit(f"rank {self.rank} ({self.host}): NCCL debug log kept at {self.nccl_log}", sys.stderr)
             else:
                 self._drop_nccl_log()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush_all()
         os._exit(code)
 
     # ---------------------------------------------------------------- helpers of the phases
@@ -4627,7 +4654,7 @@ class RankRun:
         m = re.fullmatch(r"(die|hang|pause=(\d+)):([\w-]+):(\d+)", self.env.get("AIV_FAILPOINT", ""))
         if not (m and m.group(3) == phase and int(m.group(4)) == self.rank):
             return
-        sys.stdout.flush()
+        flush_all()
         if m.group(2) is None:
             os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
         if self.env.get("AIV_FAILPOINT_MARK"):
@@ -4764,7 +4791,6 @@ class RankRun:
 
     def _listen_socket(self):
         """Rank 0 binds the store's socket itself: only where MASTER_ADDR points, named errors."""
-        import errno
         try:
             infos = socket.getaddrinfo(self.addr, self.port, type=socket.SOCK_STREAM)
         except socket.gaierror as e:
