@@ -1346,6 +1346,30 @@ def judge_world_size(world_size, expect):
     return [finding("world-size", "PASS", f"WORLD_SIZE={world_size} as expected")]
 
 
+def stray_reason(rank, world, world0, first):
+    """Why a process that checked in is not a rank of rank 0's run (None: it is one). first: the
+    'pid P on HOST' that claimed this rank before it (None: its claim came first)."""
+    if world != world0 or rank >= world0:
+        beyond = f"RANK={rank} is not a rank of rank 0's world of {world0}" if rank >= world0 else ""
+        other = f"it was launched with WORLD_SIZE={world}, rank 0 with WORLD_SIZE={world0}" if world != world0 else ""
+        return "world-size", "; ".join(x for x in (beyond, other) if x)
+    if first is not None:
+        return "rendezvous", f"RANK={rank} is claimed twice: first by {first}"
+    return None
+
+
+def judge_strays(strays):
+    """One FAIL per process refused at the roll call (stray_reason): the launch started a process that
+    is not a rank of this run. The stray's host is named; the rank it claimed is its own."""
+    out = []
+    for x in sorted(strays, key=lambda x: (x["rank"], x["host"], x["pid"])):
+        out.append(finding(x["check"], "FAIL", f"a process with RANK={x['rank']} (pid {x['pid']} on {x['host']}) "
+                           f"joined the roll call but is not a rank of this run: {x['why']}; two launches share "
+                           f"MASTER_ADDR:MASTER_PORT, or the launcher gave out RANK/WORLD_SIZE wrong",
+                           [x["host"]], [x["rank"]]))
+    return out
+
+
 def judge_layout(records, expect):
     """Nodes count, ranks per node, local ranks 0..k-1 exactly once on every node."""
     out = []
@@ -3711,10 +3735,35 @@ class StoreProtocol:
         self.store.wait(keys, datetime.timedelta(seconds=max(0.001, seconds)))
 
     # -- roll call
-    def check_in(self, rank, identity, world):
+    def publish_world(self, world):
+        """Rank 0, before its check-in: the world size every rank is held to."""
+        self.store.set("world", str(world))
+
+    def check_in(self, rank, identity, world, seconds):
+        """Claim the rank (the first claimant's 'pid P on HOST' stays in who/<rank>) and check in; a
+        process that is no rank of rank 0's world (stray_reason) is posted under `strays` instead, and
+        wakes rank 0's roll call. -> None, or the stray's (check, reason)."""
+        self._wait(["world"], seconds)
+        world0, who = int(self.store.get("world")), f"pid {identity['pid']} on {identity['host']}"
+        stray = stray_reason(rank, world, world0, None)  # a stray of another world claims no rank
+        if stray is None:
+            got = self.store.compare_set(f"who/{rank}", "", who).decode(errors="replace")
+            stray = stray_reason(rank, world, world0, None if got == who else got)
+        if stray is not None:
+            entry = {"rank": rank, "host": identity["host"], "pid": identity["pid"], "check": stray[0],
+                     "why": stray[1]}
+            self.store.append("strays", json.dumps(entry) + "\n")
+            self.store.set("all_arrived", "stray")
+            return stray
         self.store.multi_set([f"id/{rank}", f"stamp/{rank}"], [json.dumps(identity, default=str), "0"])
         if self.store.add("arrived", 1) == world:
             self.store.set("all_arrived", "1")
+        return None
+
+    def strays(self):
+        if not self.store.check(["strays"]):
+            return []
+        return [json.loads(ln) for ln in self.store.get("strays").decode(errors="replace").splitlines() if ln]
 
     def wait_all(self, seconds):
         try:
@@ -4143,14 +4192,20 @@ class RankRun:
                              f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
                              f"{first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
         self.progress("rollcall_open", master=f"{self.addr}:{self.port}", world=self.world, seconds=R)
-        if not self.is0:
-            threading.Thread(target=self.listen, name="aiv-listener", daemon=True).start()
         self.failpoint("rendezvous")
-        self.proto.check_in(self.rank, self.identity, self.world)
+        if self.is0:
+            self.proto.publish_world(self.world)
+        else:
+            self.wd.arm("rollcall", R + RANK0_GRACE)  # counted from our arrival: rank 0 may start late
+        stray = self.proto.check_in(self.rank, self.identity, self.world, R + RANK0_GRACE)
+        if stray is not None:  # not a rank of this run: rank 0 names it; it takes no verdict of that run
+            self.speak_for_node(f"FAILURE: {stray[0]}: rank {self.rank} ({self.host}, pid {os.getpid()}) is not a "
+                                f"rank of the run at {self.addr}:{self.port}: {stray[1]}")
+            self.exit(EXIT_FAIL)
         if self.is0:
             self.roll_call()
         else:
-            self.wd.arm("rollcall", R + RANK0_GRACE)  # counted from our arrival: rank 0 may start late
+            threading.Thread(target=self.listen, name="aiv-listener", daemon=True).start()
             self.master = json.loads(self.proto.wait_gate("roll", R + RANK0_GRACE))
         if self.local_rank == 0:
             self.start_monitor()
@@ -4158,12 +4213,17 @@ class RankRun:
     def roll_call(self):
         """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
         t, R = time.monotonic(), self.D["rollcall"]
-        missing = [] if self.proto.wait_all(R) else self.proto.missing(self.world)
+        complete, strays = self.proto.wait_all(R), self.proto.strays()
+        if strays:  # woken by a stray: the other strays of its launch get a moment to post too
+            time.sleep(ERROR_GRACE)
+            strays = self.proto.strays()
+            self.findings += judge_strays(strays)
+        missing = [] if complete and not strays else self.proto.missing(self.world)
         absent = set(missing)
         present = [r for r in range(self.world) if r not in absent]
         self.records = self.proto.identities(present)
         self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
-        if missing:
+        if missing and not strays:  # ranks still starting when a stray ended the roll call are not late
             where = slurm_expected_hosts(self.env, self.world)
             names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
             more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
@@ -4463,7 +4523,8 @@ class RankRun:
                  + judge_transport(self.records, self.env.get("NCCL_IB_DISABLE"))
                  + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw)
                  + judge_manifest(self.args.manifest_data, self.records)
-                 + judge_bands(self.args.manifest_data, self.records, self.screen))  # manifest: drift from the accepted
+                 + judge_bands(self.args.manifest_data, self.records, self.screen)  # manifest: drift from the accepted
+                 + judge_strays(self.proto.strays()))  # a stray that came after the roll call: never a PASS
         self.findings += apply_strict(final, self.args.strict)
         raise Verdict(verdict_code(self.findings))
 

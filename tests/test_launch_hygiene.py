@@ -4,7 +4,9 @@ import json
 import subprocess
 import sys
 
-from conftest import SCRIPT, clean_env
+from conftest import SCRIPT, aiv, clean_env, failures, spawn
+
+SUCCESS_LINE = aiv.SUCCESS_LINE
 
 
 def test_dead_stdout_never_stops_the_run(tmp_path):
@@ -20,3 +22,45 @@ def test_dead_stdout_never_stops_the_run(tmp_path):
     assert tool.returncode == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
     assert json.loads(jp.read_text())["verdict"] == "PASS"
+
+
+# ---------------------------------------------------------------------------- the roll call's identity checks
+def _fails(res):
+    return [ln for _, out in res for ln in out.splitlines() if ln.startswith("FAILURE:")]
+
+
+def test_two_processes_with_one_rank_fail_naming_both():
+    """Rank 0 and two processes with RANK=1: never '2/2 checked in', PASS."""
+    res, _ = spawn(2, ranks=[0, 1, 1], args=["--skip-screen", "--rollcall-timeout", 60])
+    assert res[0][0] == 1 and all(rc != 0 for rc, _ in res), res
+    (line,) = [ln for ln in failures(res[0][1]) if "claimed twice" in ln]
+    assert line.startswith("FAILURE: rendezvous: a process with RANK=1 (pid ") and "first by pid " in line
+    assert SUCCESS_LINE not in res[0][1]
+
+
+def test_a_rank_beyond_the_world_is_named_at_the_roll_call():
+    """A stray RANK=2 launched with WORLD_SIZE=3 joins a 2-rank run: all three FAIL, rank 0 names it."""
+    res, secs = spawn(2, ranks=[0, 1, 2], per_rank={2: {"WORLD_SIZE": 3}}, args=["--rollcall-timeout", 60])
+    assert [rc for rc, _ in res] == [1, 1, 1], res
+    (line,) = failures(res[0][1])
+    assert line.startswith("FAILURE: world-size: a process with RANK=2 (pid ")
+    assert "RANK=2 is not a rank of rank 0's world of 2; it was launched with WORLD_SIZE=3" in line
+    assert "pre-init checks (layout, GPU affinity, device, local) FAIL" in res[0][1]  # at the roll call
+    assert secs < 45  # named at the roll call, long before its 60 s bound
+
+
+def test_ranks_that_disagree_on_world_size_are_named_not_waited_out():
+    res, secs = spawn(2, per_rank={1: {"WORLD_SIZE": 3}}, args=["--rollcall-timeout", 60])
+    assert [rc for rc, _ in res] == [1, 1], res
+    (line,) = failures(res[0][1])
+    assert line.startswith("FAILURE: world-size: a process with RANK=1 (pid ")
+    assert "it was launched with WORLD_SIZE=3, rank 0 with WORLD_SIZE=2" in line
+    assert secs < 45
+
+
+def test_stray_reason():
+    assert aiv.stray_reason(1, 2, 2, None) is None
+    assert aiv.stray_reason(1, 2, 2, "pid 7 on a")[0] == "rendezvous"
+    assert aiv.stray_reason(2, 3, 2, None)[0] == "world-size"
+    assert aiv.stray_reason(1, 3, 2, "pid 7 on a") == ("world-size", "it was launched with WORLD_SIZE=3, rank 0 "
+                                                                     "with WORLD_SIZE=2")
