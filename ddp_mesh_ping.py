@@ -713,6 +713,26 @@ REMOVED_VARS = {"AIV_VERIFY_LOG": "is no longer read (left exported it turned ev
                                   "included, into a log check): unset it and use --verify-log FILE"}
 
 
+# AIV_* variables that are no option of the tool, by their owner (a test checks this list against the
+# names those files use). Any other AIV_* variable is a usage error naming the closest known one.
+OWNED_VARS = {
+    "the tool": ("AIV_FAILPOINT", "AIV_FAILPOINT_MARK", "AIV_WARM_IMPORTS"),
+    "submit_smoke_test.sbatch": ("AIV_CPU_BIND", "AIV_SCRIPT", "AIV_STEP_GRACE", "AIV_STEP_KILL_WAIT"),
+    "tests and bench": ("AIV_SLURM_DIR", "AIV_SLURM_INSTALL", "AIV_SLURM_SUBNET", "AIV_TEST_ENV", "AIV_TRACE"),
+}
+
+
+def unknown_var(env, parser):
+    """The first AIV_* variable nobody reads, as a usage error naming the closest known one (None: none)."""
+    known = [a.env for a in parser._actions if getattr(a, "env", None)]
+    known += [v for names in OWNED_VARS.values() for v in names] + list(REMOVED_VARS)
+    for var in sorted(v for v in env if v.startswith("AIV_") and v not in known):
+        near = difflib.get_close_matches(var, known, n=1, cutoff=0.6)
+        return UsageError(f"{var}={env[var][:60]!r} is not a variable of ddp_mesh_ping.py"
+                          + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
+    return None
+
+
 def _given(action, name, value):
     """A flag's or variable's text, converted; UsageError naming it as the user wrote it."""
     if isinstance(value, list):  # nargs=2 (--diff-manifest A B)
@@ -742,6 +762,8 @@ def parse_args(argv, env):
         if var in env:
             raise UsageError(f"{var}={env[var]!r} {why}")
     parser = build_parser()
+    if unknown_var(env, parser):
+        raise unknown_var(env, parser)
     opts = [a for a in parser._actions if hasattr(a, "conv")]
     ns, extra = parser.parse_known_args(list(argv), argparse.Namespace(**{a.dest: _UNSET for a in opts}))
     if extra:

@@ -1,10 +1,11 @@
 """Launch hygiene with real processes: a reader that goes away, the local launcher killed, what a run
 leaves in /tmp, the roll call's identity checks, a foreign listener on MASTER_PORT, unknown variables."""
 import json
+import re
 import subprocess
 import sys
 
-from conftest import SCRIPT, aiv, clean_env, failures, spawn
+from conftest import ROOT, SCRIPT, aiv, clean_env, failures, run_tool, spawn
 
 SUCCESS_LINE = aiv.SUCCESS_LINE
 
@@ -64,3 +65,25 @@ def test_stray_reason():
     assert aiv.stray_reason(2, 3, 2, None)[0] == "world-size"
     assert aiv.stray_reason(1, 3, 2, "pid 7 on a") == ("world-size", "it was launched with WORLD_SIZE=3, rank 0 "
                                                                      "with WORLD_SIZE=2")
+
+
+# ---------------------------------------------------------------------------- unknown AIV_* variables
+def test_a_misspelled_variable_is_a_usage_error_naming_the_closest():
+    r = run_tool(["--nproc", 2], env={"AIV_TIMOUT": "5"}, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert failures(r.stdout) == ["FAILURE: usage: AIV_TIMOUT='5' is not a variable of ddp_mesh_ping.py "
+                                  "(did you mean AIV_TIMEOUT?)"]
+    assert "Traceback" not in r.stderr
+
+
+def test_variables_of_the_batch_file_bootstrap_tests_and_bench_are_known():
+    """OWNED_VARS is exactly the AIV_* names the repository uses beyond the options: it cannot drift."""
+    files = [ROOT / "ddp_mesh_ping.py", ROOT / "submit_smoke_test.sbatch", ROOT / "bootstrap_env.sh",
+             ROOT / ".ci" / "run", *(ROOT / "tests").glob("*.sh"), *(ROOT / "tests").glob("test_*.py"),
+             *(ROOT / "bench").iterdir()]
+    files = [f for f in files if f.name != "test_launch_hygiene.py"]
+    used = {m for f in files for m in re.findall(r"\bAIV_[A-Z0-9_]*[A-Z0-9]\b", f.read_text(errors="replace"))}
+    options = {a.env for a in aiv.build_parser()._actions if getattr(a, "env", None)}
+    owned = {v for names in aiv.OWNED_VARS.values() for v in names}
+    assert used - options - set(aiv.REMOVED_VARS) == owned
+    assert aiv.plan([], {v: "1" for v in owned}) is not None  # none of them is refused
