@@ -87,3 +87,17 @@ def test_variables_of_the_batch_file_bootstrap_tests_and_bench_are_known():
     owned = {v for names in aiv.OWNED_VARS.values() for v in names}
     assert used - options - set(aiv.REMOVED_VARS) == owned
     assert aiv.plan([], {v: "1" for v in owned}) is not None  # none of them is refused
+
+
+def test_the_batch_files_time_limit_covers_the_worst_case():
+    """--time above the worst case with the default bounds and --bandwidth, the other ranks' wait for
+    rank 0 and the step's grace and kill wait: a hung run is named before Slurm kills the job."""
+    text = (ROOT / "submit_smoke_test.sbatch").read_text()
+    h, m, s = map(int, re.search(r"^#SBATCH --time=(\d+):(\d\d):(\d\d)$", text, re.M).groups())
+    grace = int(re.search(r"^AIV_STEP_GRACE=\$\{AIV_STEP_GRACE:-(\d+)\}$", text, re.M).group(1))
+    kill = int(re.search(r"^AIV_STEP_KILL_WAIT=\$\{AIV_STEP_KILL_WAIT:-(\d+)\}$", text, re.M).group(1))
+    worst = aiv.worst_case(aiv.deadlines(aiv.TIMEOUT_DEFAULT, aiv.ROLLCALL_DEFAULT), bandwidth=True)
+    assert h * 3600 + m * 60 + s >= worst + aiv.RANK0_GRACE + grace + kill + 60  # a minute to start python
+    readme = (ROOT / "README.md").read_text()
+    assert f"--time={h:02d}:{m:02d}:{s:02d}" in readme and "--time=00:15:00" not in readme
+    assert f"`AIV_TIMEOUT` (seconds per distributed phase, default {aiv.TIMEOUT_DEFAULT:g})" in readme
