@@ -4207,6 +4207,9 @@ class RankRun:
             fd = self._listen_socket().detach()
             self.proto = StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd)
         else:
+            # the connect and the store's first answer within R + NAMING_S: a listener that accepts
+            # but never answers as a store (another service on MASTER_PORT) is named by on_expire
+            self.wd.arm("rollcall", R + NAMING_S - 1)
             try:
                 self.proto = StoreProtocol.open(self.dist, self.addr, self.port, R, prefix)
             except Exception as e:
@@ -4216,6 +4219,7 @@ class RankRun:
         self.progress("rollcall_open", master=f"{self.addr}:{self.port}", world=self.world, seconds=R)
         self.failpoint("rendezvous")
         if self.is0:
+            self.wd.arm("rollcall", R + NAMING_S)  # as deadline() armed it (the connect may have re-armed it)
             self.proto.publish_world(self.world)
         else:
             self.wd.arm("rollcall", R + RANK0_GRACE)  # counted from our arrival: rank 0 may start late
@@ -4606,20 +4610,30 @@ class RankRun:
         (before the roll call) or for rank 0, which gave no verdict in time."""
         bound = self.D[phase]
         cause = f"{PHASE_WHAT[phase]} did not complete within {bound:g}s"
+        if phase == "rollcall" and self.proto is None:  # still connecting to the store
+            cause = self.unanswered(bound + NAMING_S)
         if self.is0:
             if self.poll is None:
                 self.conclude(EXIT_TIMEOUT, [finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {cause}",
                                                      [self.host], [0], code=EXIT_TIMEOUT)], self.proto)
             self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, cause)], self.poll)
         if self.master is None:
-            if phase == "rollcall" and self.proto is None:
-                cause = f"cannot reach the master {self.addr}:{self.port}: no store answered within {bound:g}s"
             self.speak_for_node(f"FAILURE: {PHASE_CHECK[phase]}: rank {self.rank} ({self.host}): {cause}")
         else:
             self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from rank 0 "
                                 f"({self.master['host']}) within {bound + RANK0_GRACE:g}s of {phase}: rank 0 is "
                                 f"frozen, hung or unreachable{self.rank0_state()}")
         self.exit(EXIT_TIMEOUT)
+
+    def unanswered(self, seconds):
+        """Why the store's connect did not finish: a listener that accepts but never answers, or none."""
+        try:
+            socket.create_connection((self.addr, self.port), timeout=0.8).close()
+        except OSError:
+            return f"cannot reach the master {self.addr}:{self.port}: no store answered within {seconds:g}s"
+        return (f"something on MASTER_PORT ({self.addr}:{self.port}) accepts connections but does not answer as "
+                f"the job's store (no answer within {seconds:g}s): another service or a stale process holds "
+                f"the port; pick a free MASTER_PORT")
 
     def on_tick(self, phase):
         """Rank 0, every liveness period during a phase after the roll call: a rank whose process is

@@ -2,8 +2,11 @@
 leaves in /tmp, the roll call's identity checks, a foreign listener on MASTER_PORT, unknown variables."""
 import json
 import re
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 from conftest import ROOT, SCRIPT, aiv, clean_env, failures, run_tool, spawn
 
@@ -101,3 +104,35 @@ def test_the_batch_files_time_limit_covers_the_worst_case():
     readme = (ROOT / "README.md").read_text()
     assert f"--time={h:02d}:{m:02d}:{s:02d}" in readme and "--time=00:15:00" not in readme
     assert f"`AIV_TIMEOUT` (seconds per distributed phase, default {aiv.TIMEOUT_DEFAULT:g})" in readme
+
+
+# ---------------------------------------------------------------------------- a foreign listener on MASTER_PORT
+def test_a_listener_that_never_answers_is_named_within_the_bound():
+    """Something accepts on MASTER_PORT and never answers: the client rank names it (rc 3) within the roll
+    call's bound + NAMING_S of its first connection, long before the bound + RANK0_GRACE backstop."""
+    held, first = [], []
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+
+    def accept():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            first.append(first[0] if first else time.monotonic())
+            held.append(c)  # held open, never answered
+    threading.Thread(target=accept, daemon=True).start()
+    R, port = 10, srv.getsockname()[1]
+    res, _ = spawn(2, ranks=[1], port=port, args=["--rollcall-timeout", R], timeout=120)
+    done = time.monotonic()
+    srv.close()
+    rc, out = res[0]
+    assert rc == 3, out
+    (line,) = failures(out)
+    assert line.startswith("FAILURE: rendezvous: rank 1 (") and f"something on MASTER_PORT (127.0.0.1:{port})" in line
+    assert "accepts connections but does not answer as the job's store" in line, line
+    print(f"named {done - first[0]:.1f}s after the first connection")
+    assert first and done - first[0] < R + aiv.RANK0_GRACE  # ordering: named before the old backstop
+    assert done - first[0] < R + aiv.NAMING_S + 5  # generous: + 5 s for the exit on a loaded machine
