@@ -3688,7 +3688,9 @@ def liveness(stat, first):
 def node_monitor(cfg):
     """A node leader's child: posts the state of its node's ranks to the store every cfg['period']
     seconds. It runs outside the ranks, so it never needs a rank's GIL (NCCL init can hold it for
-    seconds). Ends when its ranks are all gone, the store is gone, or cfg['lifetime'] passes."""
+    seconds). Ends when its ranks are all gone, the store is gone, or cfg['lifetime'] passes. A store
+    on the port that is not its run's (cfg['run'], the roll call's nonce: its run ended while it
+    started, and the next run serves the port) gets no post: it would name the next run's ranks gone."""
     pids = {int(x[0]): int(x[1]) for x in cfg["ranks"]}
     # each rank's own start time (from the roll call) tells a rank that died before we looked from
     # a PID we cannot see; without it, the first look is the reference
@@ -3699,6 +3701,8 @@ def node_monitor(cfg):
     ended = all(liveness(proc_stat(p), first[r]) == "gone" for r, p in pids.items())
     raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=1 if ended else 5))
     proto = StoreProtocol(dist.PrefixStore(cfg["prefix"], raw))
+    if cfg.get("run") and not proto.is_run(cfg["run"]):  # its run ended; a later run serves this port now
+        return 0
     end, seq = time.monotonic() + cfg["lifetime"], 0
     while time.monotonic() < end:
         states = {r: liveness(proc_stat(p), first[r]) for r, p in pids.items()}
@@ -3739,6 +3743,7 @@ class StoreProtocol:
 
     def __init__(self, store, raw=None, prefix=None):
         self.store, self.raw, self.prefix = store, raw, prefix
+        self.run = None  # the run's nonce, once published (rank 0) or read at the check-in
 
     @classmethod
     def open(cls, dist, addr, port, timeout, prefix, listen_fd=None):
@@ -3758,15 +3763,17 @@ class StoreProtocol:
 
     # -- roll call
     def publish_world(self, world):
-        """Rank 0, before its check-in: the world size every rank is held to."""
-        self.store.set("world", str(world))
+        """Rank 0, before its check-in: the world size every rank is held to, and the run's nonce."""
+        self.run = os.urandom(6).hex()
+        self.store.set("world", json.dumps({"world": world, "run": self.run}))
 
     def check_in(self, rank, identity, world, seconds):
         """Claim the rank (the first claimant's 'pid P on HOST' stays in who/<rank>) and check in; a
         process that is no rank of rank 0's world (stray_reason) is posted under `strays` instead, and
         wakes rank 0's roll call. -> None, or the stray's (check, reason)."""
         self._wait(["world"], seconds)
-        world0, who = int(self.store.get("world")), f"pid {identity['pid']} on {identity['host']}"
+        w = json.loads(self.store.get("world"))
+        world0, self.run, who = int(w["world"]), w["run"], f"pid {identity['pid']} on {identity['host']}"
         stray = stray_reason(rank, world, world0, None)  # a stray of another world claims no rank
         if stray is None:
             got = self.store.compare_set(f"who/{rank}", "", who).decode(errors="replace")
@@ -3781,6 +3788,10 @@ class StoreProtocol:
         if self.store.add("arrived", 1) == world:
             self.store.set("all_arrived", "1")
         return None
+
+    def is_run(self, run):
+        """Whether this store is the run whose nonce is `run`."""
+        return self.store.check(["world"]) and json.loads(self.store.get("world")).get("run") == run
 
     def strays(self):
         if not self.store.check(["strays"]):
@@ -3959,22 +3970,33 @@ def first_line(exc):
     return type(exc).__name__
 
 
+MARK_TTL = 30.0  # seconds a node's "said" marker silences its siblings; an older one is another run's
+
+
 def speak_once_per_node(text, env, local_rank=0, topic="run"):
     """Lines a rank prints for itself or for rank 0 when rank 0 cannot: once per node. The first local
     rank (lowest first) to mark a node-local file keyed by job, step, launcher (the parent process all
-    ranks of a node share under srun, torchrun and local mode) and topic, under an fcntl lock, prints;
-    the others stay silent. Returns whether this process printed."""
+    ranks of a node share under srun, torchrun and local mode: its pid and start time) and topic (the
+    port, and the run's nonce once the roll call gave one), under an fcntl lock, prints; the others
+    stay silent. A marker older than MARK_TTL never silences a later run. Returns whether this
+    process printed."""
     time.sleep(min(max(local_rank, 0), 20) * 0.05)
+    parent = (os.getppid(), (proc_stat(os.getppid()) or ("", ""))[1])  # pid and start time: one launch
     key = "-".join(re.sub(r"\W", "_", str(x)) for x in (env.get("SLURM_JOB_ID", "x"), env.get("SLURM_STEP_ID", "x"),
-                                                          topic, os.getppid()))
-    path = os.path.join(tempfile.gettempdir(), f"aiv-{key}.said")
+                                                          topic, *parent))
+    path = os.path.join(tempfile.gettempdir(), f"aiv-{key[:200]}.said")
     try:
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
-        if os.read(fd, 1):
-            return False
-        os.write(fd, b"1")
-    except OSError:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
+            said = os.read(fd, 32).decode(errors="replace")
+            if said and time.time() - float(said or 0) < MARK_TTL:
+                return False
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, f"{time.time():.3f}".ljust(32).encode())  # older than MARK_TTL: another run's
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
         pass  # no node-local coordination here: better a line twice than never
     emit(text)
     return True
@@ -4089,6 +4111,7 @@ class RankRun:
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
         self.gone = set()  # ranks rank 0 found dead or frozen: no acknowledgement to wait for
         self.verdict_lock, self.ack_lock, self.acked = threading.Lock(), threading.Lock(), False
+        self.speak_lock = threading.Lock()  # speak_for_rank0: one thread speaks and writes the JSON
         self.wd = Watchdog(self.on_expire, self.on_tick if self.is0 else None)
 
     # ---------------------------------------------------------------- flow
@@ -4698,11 +4721,15 @@ class RankRun:
         return code
 
     def speak_for_node(self, text):
-        return speak_once_per_node(text, self.env, self.local_rank, self.port)
+        run = getattr(self.proto, "run", None) or ""  # the roll call's nonce: this run, not an earlier one
+        return speak_once_per_node(text, self.env, self.local_rank, f"{self.port}-{run}")
 
     def speak_for_rank0(self, line):
         """Rank 0 gave no verdict: say so once per node, and leave a FAIL JSON naming rank 0's host
-        where rank 0 left none (the batch file ends the step once a verdict JSON exists)."""
+        where rank 0 left none (the batch file ends the step once a verdict JSON exists). The listener
+        and the main thread can both get here: the second waits (for ever: the first exits) until
+        the first has written the JSON."""
+        self.speak_lock.acquire()
         if not self.speak_for_node(line) or not self.args.json or os.path.exists(self.args.json):
             return
         host0 = (self.master or {}).get("host", self.addr)
@@ -4881,6 +4908,7 @@ class RankRun:
         cfg = {"addr": self.addr, "port": self.port, "prefix": self.proto.prefix, "host": self.host,
                "ranks": self.proto.node_ranks(self.host), "period": live_period(self.master["nodes"]),
                "lifetime": worst_case(self.D, True)}
+        cfg["run"] = self.proto.run  # it posts into this run's store only, never into a later run's
         self.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
                                         env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -5122,9 +5150,40 @@ def launch_plan(args, env, root="/"):
     return out
 
 
+def die_with_parent(sig):
+    """A Popen preexec_fn: the child gets `sig` when the process that started it dies (prctl
+    PR_SET_PDEATHSIG), and ends at once where that process is already gone."""
+    import ctypes
+    libc, parent = ctypes.CDLL(None, use_errno=True), os.getpid()
+
+    def arm():
+        libc.prctl(1, int(sig), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(EXIT_TIMEOUT)
+    return arm
+
+
+class Forward:
+    """The local launcher's SIGTERM and SIGINT: passed to its ranks as SIGTERM (they give their verdict);
+    the launcher then waits for them, bounded, and exits with it."""
+
+    def __init__(self, procs):
+        self.procs, self.sig = procs, None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.take)
+
+    def take(self, signum, frame):
+        self.sig = self.sig or signum
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    p.send_signal(signal.SIGTERM)
+
+
 def launch_local(args, argv, env, launch):
     """No distributed environment: become the launcher, one rank per GPU or --nproc CPU ranks, as
-    plan() planned it (launch: its 'nproc', 'backend' and 'port')."""
+    plan() planned it (launch: its 'nproc', 'backend' and 'port'). The ranks die with the launcher
+    (die_with_parent); its SIGTERM/SIGINT reach them (Forward)."""
     nproc = launch["nproc"]
     port = launch["port"] or free_port()
     cmd = [sys.executable, os.path.abspath(__file__)] + list(argv)
@@ -5137,19 +5196,18 @@ def launch_local(args, argv, env, launch):
         cenv.setdefault("AIV_EXPECT_NODES", "1")
         cenv.setdefault("AIV_EXPECT_RANKS_PER_NODE", str(nproc))
         cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(nproc))
-        procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=die_with_parent(signal.SIGTERM)))
+    fwd = Forward(procs)
     # The ranks bound themselves; this is the launcher's own backstop. Once rank 0 has given
     # its verdict the others get a grace period to read it, then are killed (e.g. a frozen rank).
     deadline = time.monotonic() + worst_case(deadlines(args.timeout, args.rollcall_timeout), True) + 30
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if procs[0].poll() is not None:
-                deadline = min(deadline, time.monotonic() + 5.0)
-            elif all(p.poll() is not None for p in procs[1:]):  # rank 0 alone: reporting, or frozen
-                deadline = min(deadline, time.monotonic() + NAMING_S + ACKS_S + 5.0)
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        deadline = 0
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if procs[0].poll() is not None:
+            deadline = min(deadline, time.monotonic() + 5.0)
+        elif fwd.sig or all(p.poll() is not None for p in procs[1:]):  # rank 0 reporting, or frozen
+            deadline = min(deadline, time.monotonic() + NAMING_S + ACKS_S + 5.0)
+        time.sleep(0.05)
     alive = [p for p in procs if p.poll() is None]
     for p in alive:
         p.kill()
@@ -5160,6 +5218,10 @@ def launch_local(args, argv, env, launch):
              f"launcher's deadline; killed")
         return EXIT_TIMEOUT
     codes = [p.returncode for p in procs]
+    if codes[0] < 0 and fwd.sig:
+        emit(f"FAILURE: launch: the launcher was interrupted by {signal.Signals(fwd.sig).name} before rank 0 "
+             f"(pid {procs[0].pid}) gave a verdict")
+        return EXIT_TIMEOUT
     if codes[0] < 0:
         emit(f"FAILURE: launch: rank 0 (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
         return EXIT_FAIL

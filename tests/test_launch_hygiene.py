@@ -1,14 +1,18 @@
 """Launch hygiene with real processes: a reader that goes away, the local launcher killed, what a run
 leaves in /tmp, the roll call's identity checks, a foreign listener on MASTER_PORT, unknown variables."""
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 
-from conftest import ROOT, SCRIPT, aiv, clean_env, failures, run_tool, spawn
+import psutil
+
+from conftest import ROOT, SCRIPT, aiv, clean_env, failures, free_port, run_tool, spawn
 
 SUCCESS_LINE = aiv.SUCCESS_LINE
 
@@ -136,3 +140,65 @@ def test_a_listener_that_never_answers_is_named_within_the_bound():
     print(f"named {done - first[0]:.1f}s after the first connection")
     assert first and done - first[0] < R + aiv.RANK0_GRACE  # ordering: named before the old backstop
     assert done - first[0] < R + aiv.NAMING_S + 5  # generous: + 5 s for the exit on a loaded machine
+
+
+# ---------------------------------------------------------------------------- the local launcher killed
+def _start_paused(tmp_path):
+    """Local mode, 2 ranks, rank 0 paused in init (after the roll call): -> (launcher, its ranks, json)."""
+    mark, jp = tmp_path / "mark", tmp_path / "v.json"
+    env = clean_env({"AIV_FAILPOINT": "pause=120:init:0", "AIV_FAILPOINT_MARK": mark})
+    p = subprocess.Popen([sys.executable, str(SCRIPT), "--nproc", "2", "--skip-screen", "--json", str(jp)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    end = time.monotonic() + 120
+    while not mark.exists() and time.monotonic() < end and p.poll() is None:
+        time.sleep(0.1)
+    assert mark.exists(), p.communicate()[0]
+    ranks = [c for c in psutil.Process(p.pid).children() if c.cmdline()[1:2] == [str(SCRIPT)]]
+    assert len(ranks) == 2
+    return p, ranks, jp
+
+
+def test_sigterm_to_the_launcher_reaches_its_ranks_and_it_exits_with_their_verdict(tmp_path):
+    p, ranks, jp = _start_paused(tmp_path)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks), out
+    d = json.loads(jp.read_text())  # rank 0's verdict on the interrupted run
+    assert d["verdict"] == "FAIL" and p.returncode == d["exit_code"] != 0, out
+    assert "interrupted by SIGTERM" in out and "Traceback" not in out
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    p, ranks, _ = _start_paused(tmp_path)
+    p.kill()
+    p.communicate(timeout=30)
+    gone, alive = psutil.wait_procs(ranks, timeout=60)
+    assert not alive, alive
+
+
+# ---------------------------------------------------------------------------- what a run leaves in /tmp
+def test_two_immediate_re_runs_on_one_port_both_speak_and_write_json(tmp_path):
+    """Rank 0 dies in the collective: rank 1 speaks for it and leaves the JSON, on every run, even from the
+    same parent process on the same port (the node's 'said' marker is this run's only)."""
+    port = free_port()
+    for i in range(2):
+        jp = tmp_path / f"v{i}.json"
+        res, _ = spawn(2, port=port, env={"AIV_FAILPOINT": "die:collective:0"}, args=["--skip-screen", "--json", jp])
+        (rc0, _), (rc1, out1) = res
+        assert rc1 == 3 and any("rank 0" in ln for ln in failures(out1)), (i, out1)
+        assert json.loads(jp.read_text())["written_by"].startswith("rank 1 "), i
+
+
+def test_a_monitor_of_an_ended_run_never_posts_into_the_next_one():
+    import datetime
+
+    import torch.distributed as dist
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    p0 = aiv.StoreProtocol.open(dist, "127.0.0.1", server.port, 10, "aiv")
+    p0.publish_world(1)
+    p0.store.set("live/n1", "{}")
+    me = [0, os.getpid(), (aiv.proc_stat(os.getpid()) or ("", ""))[1]]
+    cfg = {"addr": "127.0.0.1", "port": server.port, "prefix": "aiv", "host": "n1", "ranks": [me],
+           "period": 0.1, "lifetime": 0.3}
+    assert aiv.node_monitor(dict(cfg, run="an-earlier-run")) == 0 and p0.live(["n1"]) == {"n1": {}}
+    assert aiv.node_monitor(dict(cfg, run=p0.run)) == 0 and p0.live(["n1"])["n1"]["ranks"] == {"0": "running"}
