@@ -3720,6 +3720,10 @@ class StoreProtocol:
     torchrun, by the agent). A TCPStore client serialises its operations, so each thread that
     blocks on the store has its own connection (clone()). Every key, under one prefix:
 
+      world          {"world": N, "run": nonce}: the world size every rank is held to, and the
+                     run's nonce (said markers, node monitors)   rank 0, before its check-in
+      who/<rank>     'pid P on HOST' of the rank's first claimant (compare_set)   each rank
+      strays         processes refused at the check-in (JSON lines, stray_reason)   a stray
       id/<rank>      identity at the roll call (JSON)             each rank
       arrived        ranks checked in (counter); all_arrived      each rank; the last one
       node/<host>    [[rank, pid], ...] of a node, for its monitor rank 0
