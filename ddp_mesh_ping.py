@@ -48,6 +48,7 @@ import argparse
 import contextlib
 import datetime
 import difflib
+import errno
 import fcntl
 import hashlib
 import json
@@ -725,6 +726,26 @@ REMOVED_VARS = {"AIV_VERIFY_LOG": "is no longer read (left exported it turned ev
                                   "included, into a log check): unset it and use --verify-log FILE"}
 
 
+# AIV_* variables that are no option of the tool, by their owner (a test checks this list against the
+# names those files use). Any other AIV_* variable is a usage error naming the closest known one.
+OWNED_VARS = {
+    "the tool": ("AIV_FAILPOINT", "AIV_FAILPOINT_MARK", "AIV_WARM_IMPORTS"),
+    "submit_smoke_test.sbatch": ("AIV_CPU_BIND", "AIV_SCRIPT", "AIV_STEP_GRACE", "AIV_STEP_KILL_WAIT"),
+    "tests and bench": ("AIV_SLURM_DIR", "AIV_SLURM_INSTALL", "AIV_SLURM_SUBNET", "AIV_TEST_ENV", "AIV_TRACE"),
+}
+
+
+def unknown_var(env, parser):
+    """The first AIV_* variable nobody reads, as a usage error naming the closest known one (None: none)."""
+    known = [a.env for a in parser._actions if getattr(a, "env", None)]
+    known += [v for names in OWNED_VARS.values() for v in names] + list(REMOVED_VARS)
+    for var in sorted(v for v in env if v.startswith("AIV_") and v not in known):
+        near = difflib.get_close_matches(var, known, n=1, cutoff=0.6)
+        return UsageError(f"{var}={env[var][:60]!r} is not a variable of ddp_mesh_ping.py"
+                          + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
+    return None
+
+
 def _given(action, name, value):
     """A flag's or variable's text, converted; UsageError naming it as the user wrote it."""
     if isinstance(value, list):  # nargs=2 (--diff-manifest A B)
@@ -754,6 +775,8 @@ def parse_args(argv, env):
         if var in env:
             raise UsageError(f"{var}={env[var]!r} {why}")
     parser = build_parser()
+    if unknown_var(env, parser):
+        raise unknown_var(env, parser)
     opts = [a for a in parser._actions if hasattr(a, "conv")]
     ns, extra = parser.parse_known_args(list(argv), argparse.Namespace(**{a.dest: _UNSET for a in opts}))
     if extra:
@@ -1366,6 +1389,30 @@ def judge_world_size(world_size, expect):
     if want != world_size:
         return [finding("world-size", "FAIL", f"WORLD_SIZE={world_size} but {want} ranks were expected")]
     return [finding("world-size", "PASS", f"WORLD_SIZE={world_size} as expected")]
+
+
+def stray_reason(rank, world, world0, first):
+    """Why a process that checked in is not a rank of rank 0's run (None: it is one). first: the
+    'pid P on HOST' that claimed this rank before it (None: its claim came first)."""
+    if world != world0 or rank >= world0:
+        beyond = f"RANK={rank} is not a rank of rank 0's world of {world0}" if rank >= world0 else ""
+        other = f"it was launched with WORLD_SIZE={world}, rank 0 with WORLD_SIZE={world0}" if world != world0 else ""
+        return "world-size", "; ".join(x for x in (beyond, other) if x)
+    if first is not None:
+        return "rendezvous", f"RANK={rank} is claimed twice: first by {first}"
+    return None
+
+
+def judge_strays(strays):
+    """One FAIL per process refused at the roll call (stray_reason): the launch started a process that
+    is not a rank of this run. The stray's host is named; the rank it claimed is its own."""
+    out = []
+    for x in sorted(strays, key=lambda x: (x["rank"], x["host"], x["pid"])):
+        out.append(finding(x["check"], "FAIL", f"a process with RANK={x['rank']} (pid {x['pid']} on {x['host']}) "
+                           f"joined the roll call but is not a rank of this run: {x['why']}; two launches share "
+                           f"MASTER_ADDR:MASTER_PORT, or the launcher gave out RANK/WORLD_SIZE wrong",
+                           [x["host"]], [x["rank"]]))
+    return out
 
 
 def judge_layout(records, expect):
@@ -3883,12 +3930,35 @@ def _verify_expect(expect, facts, rpn_seen, problems):
         problems.append(f"ranks per node {sorted(rpn_seen)}, expected {expect['ranks_per_node']}")
 
 
+_LOG_KEEP = re.compile(r"Total Execution Ranks:|Verdict:|Ranks Reported:|node=|nodes=|\b(?:torch|cuda|nccl)=")
+
+
+def _log_relevant(s):
+    """Whether a stripped log line can matter to any check below (the others are dropped while reading)."""
+    return (s in LOG_SECTIONS or s == SUCCESS_LINE or bool(_LOG_FAILURE.match(s) or _LOG_FINDING.match(s)
+            or _LOG_SUM.match(s) or _LOG_GRADS.match(s) or _LOG_KEEP.search(s)))
+
+
+LOG_CHUNK = 1 << 20  # a line longer than this is read in pieces, each judged as a line of its own
+
+
+def read_log_lines(f):
+    """The relevant stripped lines of a binary log file, read to its end one line (or LOG_CHUNK) at a
+    time: memory holds the lines that matter, never the file."""
+    out = []
+    for raw in iter(lambda: f.readline(LOG_CHUNK), b""):
+        out += [s for s in (x.strip() for x in raw.decode("utf-8", errors="replace").splitlines())
+                if _log_relevant(s)]
+    return out
+
+
 def verify_log(text, expect, strict=False):
-    """Automation's check of a saved log. Returns (ok, problems, facts); ok only for a clean PASS.
+    """Automation's check of a saved log (its text, or read_log_lines' list). Returns (ok, problems,
+    facts); ok only for a clean PASS.
 
     strict: a [WARN] finding is a problem too (as --strict makes it a FAIL in a run)."""
     problems, facts = [], {"backend": None}
-    lines = [ln.strip() for ln in text.splitlines()]
+    lines = [ln.strip() for ln in text.splitlines()] if isinstance(text, str) else list(text)
     sections = _log_sections(lines)
     _verify_totals(lines, problems, facts)
     _verify_markers(lines, problems)
@@ -3907,17 +3977,17 @@ def run_verify_log(args, argv=()):
     2 the file cannot be read."""
     try:
         with open(args.verify_log, "rb") as f:
-            text = f.read(256 << 20).decode("utf-8", errors="replace")
+            text = read_log_lines(f)
     except OSError as e:
-        print(f"FAILURE: usage: --verify-log: cannot read {args.verify_log}: {e.strerror or e}")
+        emit(f"FAILURE: usage: --verify-log: cannot read {args.verify_log}: {e.strerror or e}")
         return EXIT_USAGE
     expect = {"world_size": args.expect_world_size, "nodes": args.expect_nodes,
               "ranks_per_node": args.expect_ranks_per_node}
     ok, problems, facts = verify_log(text, expect, strict=args.strict)
     for p in problems:
-        print(f"verify-log: MISSING/BAD: {p}")
-    print(f"verify-log: {'PASS' if ok else 'FAIL'} {args.verify_log} world_size={facts.get('world_size')} "
-          f"nodes={facts.get('nodes')} torch={facts.get('torch')}")
+        emit(f"verify-log: MISSING/BAD: {p}")
+    emit(f"verify-log: {'PASS' if ok else 'FAIL'} {args.verify_log} world_size={facts.get('world_size')} "
+         f"nodes={facts.get('nodes')} torch={facts.get('torch')}")
     return EXIT_PASS if ok else EXIT_FAIL
 
 
@@ -3943,7 +4013,9 @@ def liveness(stat, first):
 def node_monitor(cfg):
     """A node leader's child: posts the state of its node's ranks to the store every cfg['period']
     seconds. It runs outside the ranks, so it never needs a rank's GIL (NCCL init can hold it for
-    seconds). Ends when its ranks are all gone, the store is gone, or cfg['lifetime'] passes."""
+    seconds). Ends when its ranks are all gone, the store is gone, or cfg['lifetime'] passes. A store
+    on the port that is not its run's (cfg['run'], the roll call's nonce: its run ended while it
+    started, and the next run serves the port) gets no post: it would name the next run's ranks gone."""
     pids = {int(x[0]): int(x[1]) for x in cfg["ranks"]}
     # each rank's own start time (from the roll call) tells a rank that died before we looked from
     # a PID we cannot see; without it, the first look is the reference
@@ -3954,6 +4026,8 @@ def node_monitor(cfg):
     ended = all(liveness(proc_stat(p), first[r]) == "gone" for r, p in pids.items())
     raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=1 if ended else 5))
     proto = StoreProtocol(dist.PrefixStore(cfg["prefix"], raw))
+    if cfg.get("run") and not proto.is_run(cfg["run"]):  # its run ended; a later run serves this port now
+        return 0
     end, seq = time.monotonic() + cfg["lifetime"], 0
     while time.monotonic() < end:
         states = {r: liveness(proc_stat(p), first[r]) for r, p in pids.items()}
@@ -3971,6 +4045,10 @@ class StoreProtocol:
     torchrun, by the agent). A TCPStore client serialises its operations, so each thread that
     blocks on the store has its own connection (clone()). Every key, under one prefix:
 
+      world          {"world": N, "run": nonce}: the world size every rank is held to, and the
+                     run's nonce (said markers, node monitors)   rank 0, before its check-in
+      who/<rank>     'pid P on HOST' of the rank's first claimant (compare_set)   each rank
+      strays         processes refused at the check-in (JSON lines, stray_reason)   a stray
       id/<rank>      identity at the roll call (JSON)             each rank
       arrived        ranks checked in (counter); all_arrived      each rank; the last one
       node/<host>    [[rank, pid], ...] of a node, for its monitor rank 0
@@ -3994,6 +4072,7 @@ class StoreProtocol:
 
     def __init__(self, store, raw=None, prefix=None):
         self.store, self.raw, self.prefix = store, raw, prefix
+        self.run = None  # the run's nonce, once published (rank 0) or read at the check-in
 
     @classmethod
     def open(cls, dist, addr, port, timeout, prefix, listen_fd=None):
@@ -4012,10 +4091,41 @@ class StoreProtocol:
         self.store.wait(keys, datetime.timedelta(seconds=max(0.001, seconds)))
 
     # -- roll call
-    def check_in(self, rank, identity, world):
+    def publish_world(self, world):
+        """Rank 0, before its check-in: the world size every rank is held to, and the run's nonce."""
+        self.run = os.urandom(6).hex()
+        self.store.set("world", json.dumps({"world": world, "run": self.run}))
+
+    def check_in(self, rank, identity, world, seconds):
+        """Claim the rank (the first claimant's 'pid P on HOST' stays in who/<rank>) and check in; a
+        process that is no rank of rank 0's world (stray_reason) is posted under `strays` instead, and
+        wakes rank 0's roll call. -> None, or the stray's (check, reason)."""
+        self._wait(["world"], seconds)
+        w = json.loads(self.store.get("world"))
+        world0, self.run, who = int(w["world"]), w["run"], f"pid {identity['pid']} on {identity['host']}"
+        stray = stray_reason(rank, world, world0, None)  # a stray of another world claims no rank
+        if stray is None:
+            got = self.store.compare_set(f"who/{rank}", "", who).decode(errors="replace")
+            stray = stray_reason(rank, world, world0, None if got == who else got)
+        if stray is not None:
+            entry = {"rank": rank, "host": identity["host"], "pid": identity["pid"], "check": stray[0],
+                     "why": stray[1]}
+            self.store.append("strays", json.dumps(entry) + "\n")
+            self.store.set("all_arrived", "stray")
+            return stray
         self.store.multi_set([f"id/{rank}", f"stamp/{rank}"], [json.dumps(identity, default=str), "0"])
         if self.store.add("arrived", 1) == world:
             self.store.set("all_arrived", "1")
+        return None
+
+    def is_run(self, run):
+        """Whether this store is the run whose nonce is `run`."""
+        return self.store.check(["world"]) and json.loads(self.store.get("world")).get("run") == run
+
+    def strays(self):
+        if not self.store.check(["strays"]):
+            return []
+        return [json.loads(ln) for ln in self.store.get("strays").decode(errors="replace").splitlines() if ln]
 
     def wait_all(self, seconds):
         try:
@@ -4149,10 +4259,37 @@ _PRINT_LOCK = threading.Lock()
 
 
 def emit(line, stream=None):
+    """Print a line. A reader that went away (`| head`, a closed terminal) never stops the run: the
+    stream's descriptor is pointed at /dev/null and the run goes on to its verdict and its JSON."""
     with _PRINT_LOCK:
         stream = stream or sys.stdout
-        stream.write(line + "\n")
-        stream.flush()
+        try:
+            stream.write(line + "\n")
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+            drop_stream(stream)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.EIO):
+                raise
+            drop_stream(stream)
+
+
+def drop_stream(stream):
+    """Point a dead stream's descriptor at /dev/null: later writes and the flush at exit are silent."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
+    except (OSError, ValueError):
+        pass
+
+
+def flush_all():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            drop_stream(stream)
 
 
 def first_line(exc):
@@ -4207,22 +4344,33 @@ def bounded(fn, seconds, default=None):
     return box[0] if box else default
 
 
+MARK_TTL = 30.0  # seconds a node's "said" marker silences its siblings; an older one is another run's
+
+
 def speak_once_per_node(text, env, local_rank=0, topic="run"):
     """Lines a rank prints for itself or for rank 0 when rank 0 cannot: once per node. The first local
     rank (lowest first) to mark a node-local file keyed by job, step, launcher (the parent process all
-    ranks of a node share under srun, torchrun and local mode) and topic, under an fcntl lock, prints;
-    the others stay silent. Returns whether this process printed."""
+    ranks of a node share under srun, torchrun and local mode: its pid and start time) and topic (the
+    port, and the run's nonce once the roll call gave one), under an fcntl lock, prints; the others
+    stay silent. A marker older than MARK_TTL never silences a later run. Returns whether this
+    process printed."""
     time.sleep(min(max(local_rank, 0), 20) * 0.05)
+    parent = (os.getppid(), (proc_stat(os.getppid()) or ("", ""))[1])  # pid and start time: one launch
     key = "-".join(re.sub(r"\W", "_", str(x)) for x in (env.get("SLURM_JOB_ID", "x"), env.get("SLURM_STEP_ID", "x"),
-                                                          topic, os.getppid()))
-    path = os.path.join(tempfile.gettempdir(), f"aiv-{key}.said")
+                                                          topic, *parent))
+    path = os.path.join(tempfile.gettempdir(), f"aiv-{key[:200]}.said")
     try:
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
-        if os.read(fd, 1):
-            return False
-        os.write(fd, b"1")
-    except OSError:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
+            said = os.read(fd, 32).decode(errors="replace")
+            if said and time.time() - float(said or 0) < MARK_TTL:
+                return False
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, f"{time.time():.3f}".ljust(32).encode())  # older than MARK_TTL: another run's
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
         pass  # no node-local coordination here: better a line twice than never
     emit(text)
     return True
@@ -4339,6 +4487,7 @@ class RankRun:
         self.acks_s = ACKS_S  # how long rank 0 keeps its store up for the acknowledgements
         self.verdict_seen = None  # the others: rank 0's exit code, once read
         self.verdict_lock, self.ack_lock, self.acked = threading.Lock(), threading.Lock(), False
+        self.speak_lock = threading.Lock()  # speak_for_rank0: one thread speaks and writes the JSON
         self.wd = Watchdog(self.on_expire, self.on_tick if self.is0 else None)
 
     # ---------------------------------------------------------------- flow
@@ -4486,6 +4635,9 @@ class RankRun:
             fd = self._listen_socket().detach()
             self.proto = StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd)
         else:
+            # the connect and the store's first answer within R + NAMING_S: a listener that accepts
+            # but never answers as a store (another service on MASTER_PORT) is named by on_expire
+            self.wd.arm("rollcall", R + NAMING_S - 1)
             try:
                 self.proto = StoreProtocol.open(self.dist, self.addr, self.port, R, prefix)
             except Exception as e:
@@ -4493,14 +4645,21 @@ class RankRun:
                              f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
                              f"{first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
         self.progress("rollcall_open", master=f"{self.addr}:{self.port}", world=self.world, seconds=R)
-        if not self.is0:
-            threading.Thread(target=self.listen, name="aiv-listener", daemon=True).start()
         self.failpoint("rendezvous")
-        self.proto.check_in(self.rank, self.identity, self.world)
+        if self.is0:
+            self.wd.arm("rollcall", R + NAMING_S)  # as deadline() armed it (the connect may have re-armed it)
+            self.proto.publish_world(self.world)
+        else:
+            self.wd.arm("rollcall", R + RANK0_GRACE)  # counted from our arrival: rank 0 may start late
+        stray = self.proto.check_in(self.rank, self.identity, self.world, R + RANK0_GRACE)
+        if stray is not None:  # not a rank of this run: rank 0 names it; it takes no verdict of that run
+            self.speak_for_node(f"FAILURE: {stray[0]}: rank {self.rank} ({self.host}, pid {os.getpid()}) is not a "
+                                f"rank of the run at {self.addr}:{self.port}: {stray[1]}")
+            self.exit(EXIT_FAIL)
         if self.is0:
             self.roll_call()
         else:
-            self.wd.arm("rollcall", R + RANK0_GRACE)  # counted from our arrival: rank 0 may start late
+            threading.Thread(target=self.listen, name="aiv-listener", daemon=True).start()
             self.master = json.loads(self.proto.wait_gate("roll", R + RANK0_GRACE))
         if self.local_rank == 0:
             self.start_monitor()
@@ -4508,12 +4667,17 @@ class RankRun:
     def roll_call(self):
         """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
         t, R = time.monotonic(), self.D["rollcall"]
-        missing = [] if self.proto.wait_all(R) else self.proto.missing(self.world)
+        complete, strays = self.proto.wait_all(R), self.proto.strays()
+        if strays:  # woken by a stray: the other strays of its launch get a moment to post too
+            time.sleep(ERROR_GRACE)
+            strays = self.proto.strays()
+            self.findings += judge_strays(strays)
+        missing = [] if complete and not strays else self.proto.missing(self.world)
         absent = set(missing)
         present = [r for r in range(self.world) if r not in absent]
         self.records = self.proto.identities(present)
         self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
-        if missing:
+        if missing and not strays:  # ranks still starting when a stray ended the roll call are not late
             where = slurm_expected_hosts(self.env, self.world)
             names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
             more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
@@ -4813,7 +4977,8 @@ class RankRun:
                  + judge_transport(self.records, self.env.get("NCCL_IB_DISABLE"))
                  + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw)
                  + judge_manifest(self.args.manifest_data, self.records, self.screen)
-                 + judge_bands(self.args.manifest_data, self.records, self.screen))  # manifest: drift from the accepted
+                 + judge_bands(self.args.manifest_data, self.records, self.screen)  # manifest: drift from the accepted
+                 + judge_strays(self.proto.strays()))  # a stray that came after the roll call: never a PASS
         self.findings += apply_strict(final, self.args.strict)
         raise Verdict(verdict_code(self.findings))
 
@@ -4918,20 +5083,30 @@ class RankRun:
         rank 0, which gave no verdict in time."""
         bound = self.D[phase]
         cause = f"{PHASE_WHAT[phase]} did not complete within {bound:g}s"
+        if phase == "rollcall" and self.proto is None:  # still connecting to the store
+            cause = self.unanswered(bound + NAMING_S)
         if self.is0:
             if self.poll is None:
                 self.conclude(EXIT_TIMEOUT, [finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {cause}",
                                                      [self.host], [0], code=EXIT_TIMEOUT)], self.proto)
             self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, cause)], self.poll)
         if self.master is None:
-            if phase == "rollcall" and self.proto is None:
-                cause = f"cannot reach the master {self.addr}:{self.port}: no store answered within {bound:g}s"
             self.speak_for_node(f"FAILURE: {PHASE_CHECK[phase]}: rank {self.rank} ({self.host}): {cause}")
         else:
             self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from rank 0 "
                                 f"({self.master['host']}) within {bound + RANK0_GRACE:g}s of {phase}: rank 0 is "
                                 f"frozen, hung or unreachable{self.rank0_state()}")
         self.exit(EXIT_TIMEOUT)
+
+    def unanswered(self, seconds):
+        """Why the store's connect did not finish: a listener that accepts but never answers, or none."""
+        try:
+            socket.create_connection((self.addr, self.port), timeout=0.8).close()
+        except OSError:
+            return f"cannot reach the master {self.addr}:{self.port}: no store answered within {seconds:g}s"
+        return (f"something on MASTER_PORT ({self.addr}:{self.port}) accepts connections but does not answer as "
+                f"the job's store (no answer within {seconds:g}s): another service or a stale process holds "
+                f"the port; pick a free MASTER_PORT")
 
     def on_tick(self, phase):
         """Rank 0, every liveness period during a phase after the roll call: a rank whose process is
@@ -5020,11 +5195,15 @@ class RankRun:
         return code
 
     def speak_for_node(self, text):
-        return speak_once_per_node(text, self.env, self.local_rank, self.port)
+        run = getattr(self.proto, "run", None) or ""  # the roll call's nonce: this run, not an earlier one
+        return speak_once_per_node(text, self.env, self.local_rank, f"{self.port}-{run}")
 
     def speak_for_rank0(self, line):
         """Rank 0 gave no verdict: say so once per node, and leave a FAIL JSON naming rank 0's host
-        where rank 0 left none (the batch file ends the step once a verdict JSON exists)."""
+        where rank 0 left none (the batch file ends the step once a verdict JSON exists). The listener
+        and the main thread can both get here: the second waits (for ever: the first exits) until
+        the first has written the JSON."""
+        self.speak_lock.acquire()
         if not self.speak_for_node(line) or not self.args.json or os.path.exists(self.args.json):
             return
         host0 = (self.master or {}).get("host", self.addr)
@@ -5050,8 +5229,7 @@ class RankRun:
                 emit(f"rank {self.rank} ({self.host}): NCCL debug log kept at {self.nccl_log}", sys.stderr)
             else:
                 self._drop_nccl_log()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush_all()
         os._exit(code)
 
     # ---------------------------------------------------------------- helpers of the phases
@@ -5079,7 +5257,7 @@ class RankRun:
             m = re.fullmatch(r"(die|hang|raise|(pause|skew)=(\d+)):([\w-]+):(\d+)", item)
             if not (m and m.group(4) == phase and int(m.group(5)) == self.rank and (m.group(2) or m.group(1)) in only):
                 continue
-            sys.stdout.flush()
+            flush_all()
             if m.group(1) == "raise":
                 raise AssertionError(f"failpoint {item}")
             if m.group(3) is None:
@@ -5211,6 +5389,7 @@ class RankRun:
         cfg = {"addr": self.addr, "port": self.port, "prefix": self.proto.prefix, "host": self.host,
                "ranks": self.proto.node_ranks(self.host), "period": live_period(self.master["nodes"]),
                "lifetime": worst_case(self.D, True)}
+        cfg["run"] = self.proto.run  # it posts into this run's store only, never into a later run's
         self.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
                                         env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -5218,7 +5397,6 @@ class RankRun:
 
     def _listen_socket(self):
         """Rank 0 binds the store's socket itself: only where MASTER_ADDR points, named errors."""
-        import errno
         try:
             infos = socket.getaddrinfo(self.addr, self.port, type=socket.SOCK_STREAM)
         except socket.gaierror as e:
@@ -5454,9 +5632,40 @@ def launch_plan(args, env, root="/"):
     return out
 
 
+def die_with_parent(sig):
+    """A Popen preexec_fn: the child gets `sig` when the process that started it dies (prctl
+    PR_SET_PDEATHSIG), and ends at once where that process is already gone."""
+    import ctypes
+    libc, parent = ctypes.CDLL(None, use_errno=True), os.getpid()
+
+    def arm():
+        libc.prctl(1, int(sig), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(EXIT_TIMEOUT)
+    return arm
+
+
+class Forward:
+    """The local launcher's SIGTERM and SIGINT: passed to its ranks as SIGTERM (they give their verdict);
+    the launcher then waits for them, bounded, and exits with it."""
+
+    def __init__(self, procs):
+        self.procs, self.sig = procs, None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.take)
+
+    def take(self, signum, frame):
+        self.sig = self.sig or signum
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    p.send_signal(signal.SIGTERM)
+
+
 def launch_local(args, argv, env, launch):
     """No distributed environment: become the launcher, one rank per GPU or --nproc CPU ranks, as
-    plan() planned it (launch: its 'nproc', 'backend' and 'port')."""
+    plan() planned it (launch: its 'nproc', 'backend' and 'port'). The ranks die with the launcher
+    (die_with_parent); its SIGTERM/SIGINT reach them (Forward)."""
     nproc = launch["nproc"]
     port = launch["port"] or free_port()
     cmd = [sys.executable, os.path.abspath(__file__)] + list(argv)
@@ -5469,19 +5678,18 @@ def launch_local(args, argv, env, launch):
         cenv.setdefault("AIV_EXPECT_NODES", "1")
         cenv.setdefault("AIV_EXPECT_RANKS_PER_NODE", str(nproc))
         cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(nproc))
-        procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=die_with_parent(signal.SIGTERM)))
+    fwd = Forward(procs)
     # The ranks bound themselves; this is the launcher's own backstop. Once rank 0 has given
     # its verdict the others get a grace period to read it, then are killed (e.g. a frozen rank).
     deadline = time.monotonic() + worst_case(deadlines(args.timeout, args.rollcall_timeout), True) + 30
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if procs[0].poll() is not None:
-                deadline = min(deadline, time.monotonic() + 5.0)
-            elif all(p.poll() is not None for p in procs[1:]):  # rank 0 alone: reporting, or frozen
-                deadline = min(deadline, time.monotonic() + NAMING_S + ACKS_S + 5.0)
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        deadline = 0
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if procs[0].poll() is not None:
+            deadline = min(deadline, time.monotonic() + 5.0)
+        elif fwd.sig or all(p.poll() is not None for p in procs[1:]):  # rank 0 reporting, or frozen
+            deadline = min(deadline, time.monotonic() + NAMING_S + ACKS_S + 5.0)
+        time.sleep(0.05)
     alive = [p for p in procs if p.poll() is None]
     for p in alive:
         p.kill()
@@ -5492,6 +5700,10 @@ def launch_local(args, argv, env, launch):
              f"launcher's deadline; killed")
         return EXIT_TIMEOUT
     codes = [p.returncode for p in procs]
+    if codes[0] < 0 and fwd.sig:
+        emit(f"FAILURE: launch: the launcher was interrupted by {signal.Signals(fwd.sig).name} before rank 0 "
+             f"(pid {procs[0].pid}) gave a verdict")
+        return EXIT_TIMEOUT
     if codes[0] < 0:
         emit(f"FAILURE: launch: rank 0 (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
         return EXIT_FAIL

@@ -75,8 +75,10 @@ def check_plan_or_line(argv, env):
         return None
     if p["mode"] in ("help", "version"):
         return p
-    assert p["mode"] in ("local", "rank", "verify-log")
+    assert p["mode"] in ("local", "rank", "verify-log", "diff-manifest")
     a = p["args"]
+    if p["mode"] == "diff-manifest":  # two paths (a stray word after the flag's one value is the second)
+        assert len(a.diff_manifest) == 2 and all(x.strip() for x in a.diff_manifest), a.diff_manifest
     assert 1 <= a.timeout <= aiv.SECONDS_MAX and 1 <= a.rollcall_timeout <= aiv.SECONDS_MAX
     assert a.backend in ("auto", "nccl", "gloo") and a.strict in (True, False)
     assert a.bandwidth is None or all(1 <= n <= aiv.SIZE_MAX for n in a.bandwidth)

@@ -109,9 +109,10 @@ def proto_for(server):
 
 def test_store_protocol_roll_call_stamps_errors_and_verdict(store):
     p0, p1 = proto_for(store), proto_for(store)
-    p1.check_in(1, {"rank": 1, "host": "n2", "pid": 11}, 3)
-    p0.check_in(0, {"rank": 0, "host": "n1", "pid": 10}, 3)
-    assert not p0.wait_all(0.3) and p0.missing(3) == [2]
+    p0.publish_world(3)
+    assert p1.check_in(1, {"rank": 1, "host": "n2", "pid": 11}, 3, 5) is None
+    assert p0.check_in(0, {"rank": 0, "host": "n1", "pid": 10}, 3, 5) is None
+    assert not p0.wait_all(0.3) and p0.missing(3) == [2] and p0.strays() == []
     recs = p0.identities([0, 1])
     assert [r["host"] for r in recs] == ["n1", "n2"]
     p0.prepare(recs)
@@ -128,6 +129,20 @@ def test_store_protocol_roll_call_stamps_errors_and_verdict(store):
     p0.publish_verdict(3)
     t.join(10)
     assert got == {"code": 3}
+
+
+def test_store_protocol_refuses_a_second_claim_and_another_world(store):
+    p0, p1, dup, other = (proto_for(store) for _ in range(4))
+    p0.publish_world(2)
+    assert p0.check_in(0, {"rank": 0, "host": "n1", "pid": 10}, 2, 5) is None
+    assert other.check_in(1, {"rank": 1, "host": "n9", "pid": 90}, 3, 5)[0] == "world-size"
+    assert p0.wait_all(0.3) and p0.missing(2) == [1]  # the stray woke the roll call; it claimed nothing
+    assert p1.check_in(1, {"rank": 1, "host": "n2", "pid": 11}, 2, 5) is None
+    assert dup.check_in(1, {"rank": 1, "host": "n3", "pid": 12}, 2, 5) == (
+        "rendezvous", "RANK=1 is claimed twice: first by pid 11 on n2")
+    assert p0.missing(2) == [] and [(x["host"], x["check"]) for x in p0.strays()] == [
+        ("n9", "world-size"), ("n3", "rendezvous")]
+    assert [f["hosts"] for f in aiv.judge_strays(p0.strays())] == [["n3"], ["n9"]]
 
 
 def test_settled_liveness_waits_for_fresh_posts_and_names_silent_nodes(store):

@@ -4,8 +4,10 @@ Base logs: the committed reference_output.log of a real GPU run, a Slurm job log
 file's header, noise from NCCL and from other ranks interleaved), a 1,416-rank log whose sum
 is printed in exponent form, and random passing logs rendered from judged records.
 """
+import io
 import re
 import string
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -109,7 +111,11 @@ any_base = st.one_of(st.sampled_from(sorted(BASES.values())), passing_logs())
 
 
 def verify(text, strict=False, **expect):
-    return aiv.verify_log(text, expect, strict=strict)
+    """The judgement of a log's text; the file reader's relevant lines must be judged the same."""
+    got = aiv.verify_log(text, expect, strict=strict)
+    streamed = aiv.verify_log(aiv.read_log_lines(io.BytesIO(text.encode("utf-8", "replace"))), expect, strict=strict)
+    assert streamed == got or not text.isascii(), (streamed, got)
+    return got
 
 
 # ---------------------------------------------------------------------------- the bases pass
@@ -356,3 +362,24 @@ def test_empty_file_fails(tmp_path):
     p.write_text("")
     r = run_tool(["--verify-log", p], timeout=60)
     assert r.returncode == 1 and "verify-log: MISSING/BAD: success marker missing" in r.stdout
+
+
+def test_a_failure_past_300_mb_is_read(tmp_path):
+    """The whole file is read, line by line: a FAILURE line after a 300 MB hole (a sparse file) fails."""
+    p = tmp_path / "long.log"
+    with open(p, "wb") as f:
+        f.write(REFERENCE.encode())
+        f.seek(300 << 20, io.SEEK_CUR)
+        f.write(b"\nFAILURE: collective: rank 3 (node2): all_reduce returned 7, expected 10\n")
+    assert p.stat().st_size > 300 << 20 and aiv.verify_log(REFERENCE, {})[0]
+    t = time.monotonic()
+    r = run_tool(["--verify-log", p], timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "verify-log: MISSING/BAD: failure reported: FAILURE: collective: rank 3 (node2)" in r.stdout
+    assert time.monotonic() - t < 100  # generous: about a second on a laptop
+
+
+def test_only_lines_that_matter_are_kept():
+    noise = "\n".join(f"step {i} loss=0.{i} lr=3e-4 tokens/s=1.2e6" for i in range(10000))
+    kept = aiv.read_log_lines(io.BytesIO((noise + "\n" + REFERENCE + "\n" + noise).encode()))
+    assert len(kept) < len(REFERENCE.splitlines()) and aiv.verify_log(kept, {}) == aiv.verify_log(REFERENCE, {})
