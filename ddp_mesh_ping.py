@@ -4422,6 +4422,9 @@ class Watchdog:
                 expired = time.monotonic() >= armed[1]
             if expired:
                 self.expire(armed[0])
+                with self._cv:  # once per arming (expire usually ends the process)
+                    if self._armed == armed:
+                        self._armed = None
             elif self.tick is not None:
                 try:
                     self.tick(armed[0])
