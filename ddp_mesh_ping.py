@@ -4999,6 +4999,7 @@ class RankRun:
                 "deadlines": self.D, "elapsed_s": round(elapsed(), 3), "phases": self.times,
                 "findings": self.findings, "failures": fails, "failed_hosts": failed_hosts,
                 "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
+                "suspect_links": (self.screen or {}).get("suspect_links") or [],
                 "collectives": self.collectives, "screen": self.screen, "ranks": self.records,
                 "env": safe_env(self.env)}
 
