@@ -2357,8 +2357,9 @@ def run_diff_manifest(paths):
 # one rail, a whole node's network, or one path between two nodes. The runtime measures; these pure
 # functions plan the rounds and judge plain data. Units: TFLOPS = 1e12 FLOP/s, GB/s = 1e9 B/s.
 #
-# Every judgement compares a value with a robust reference of its peers (same GPU model for GPU
-# numbers; all intra-node groups; all inter-node pair measurements). Faults only LOWER numbers, so the
+# Every judgement compares a value with a robust reference of its peers, like for like (same GPU model
+# for GPU numbers; same ranks per node and GPU model for intra-node groups; same rail for inter-node
+# pair measurements). Faults only LOWER numbers, so the
 # reference is the upper quartile (the maximum below SCREEN_QUARTILE_MIN values): up to three
 # quarters of the values may be low without dragging it down (at 4 nodes, half of all pair
 # measurements involve a bad node). A WARN must also lie outside the peers' own noise
@@ -2368,9 +2369,12 @@ def run_diff_manifest(paths):
 # Flow for the runtime (rank 0 plans and judges, every rank measures):
 #   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
 #   per node, one all_reduce group -> per_node rows for judge_intra
-#   rounds = screen_rounds(nodes); for each round i (1, 2; 1..3 for N = 3), every group at once, one
-#   2- or 3-rank group per rail (local rank r with local rank r of the partners) -> results rows
-#   plan = screen_third_round(results); plan['groups'] non-empty: measure them as round 3
+#   rounds = screen_rounds(nodes); for each round i (1, 2; 1..3 for N = 3), every group at once (a
+#   gate), one 2- or 3-rank group per rail (local rank r with local rank r of the partners) -> rows;
+#   then screen_remeasure_plan(rows, earlier rows, k) for k = 1..3, each a gated round of the slow
+#   groups, merged by screen_best (the best value counts) -> results rows
+#   plan = screen_third_round(results); plan['groups'] non-empty: measure them as round 3 (and re-measure)
+#   suspect links (a slow pair whose ends are fine elsewhere) name no host: screen_suspect_links
 #   findings = judge_screen(screen) (or the three judges); report = render_performance(screen)
 SCREEN_GPU_FAIL = 0.80      # GPU TFLOPS or memory GB/s below 0.80 of its model's reference: FAIL
 SCREEN_GPU_WARN = 0.90      # ... below 0.90: WARN
