@@ -2699,8 +2699,9 @@ def run_diff_manifest(paths):
 # one rail, a whole node's network, or one path between two nodes. The runtime measures; these pure
 # functions plan the rounds and judge plain data. Units: TFLOPS = 1e12 FLOP/s, GB/s = 1e9 B/s.
 #
-# Every judgement compares a value with a robust reference of its peers (same GPU model for GPU
-# numbers; all intra-node groups; all inter-node pair measurements). Faults only LOWER numbers, so the
+# Every judgement compares a value with a robust reference of its peers, like for like (same GPU model
+# for GPU numbers; same ranks per node and GPU model for intra-node groups; same rail for inter-node
+# pair measurements). Faults only LOWER numbers, so the
 # reference is the upper quartile (the maximum below SCREEN_QUARTILE_MIN values): up to three
 # quarters of the values may be low without dragging it down (at 4 nodes, half of all pair
 # measurements involve a bad node). A WARN must also lie outside the peers' own noise
@@ -2710,9 +2711,12 @@ def run_diff_manifest(paths):
 # Flow for the runtime (rank 0 plans and judges, every rank measures):
 #   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
 #   per node, one all_reduce group -> per_node rows for judge_intra
-#   rounds = screen_rounds(nodes); for each round i (1, 2; 1..3 for N = 3), every group at once, one
-#   2- or 3-rank group per rail (local rank r with local rank r of the partners) -> results rows
-#   plan = screen_third_round(results); plan['groups'] non-empty: measure them as round 3
+#   rounds = screen_rounds(nodes); for each round i (1, 2; 1..3 for N = 3), every group at once (a
+#   gate), one 2- or 3-rank group per rail (local rank r with local rank r of the partners) -> rows;
+#   then screen_remeasure_plan(rows, earlier rows, k) for k = 1..3, each a gated round of the slow
+#   groups, merged by screen_best (the best value counts) -> results rows
+#   plan = screen_third_round(results); plan['groups'] non-empty: measure them as round 3 (and re-measure)
+#   suspect links (a slow pair whose ends are fine elsewhere) name no host: screen_suspect_links
 #   findings = judge_screen(screen) (or the three judges); report = render_performance(screen)
 SCREEN_GPU_FAIL = 0.80      # GPU TFLOPS or memory GB/s below 0.80 of its model's reference: FAIL
 SCREEN_GPU_WARN = 0.90      # ... below 0.90: WARN
@@ -2722,6 +2726,7 @@ SCREEN_CPU_FAIL = 0.10      # cpu=True: FAIL only below 0.10 of the reference an
 SCREEN_NOISE_SIGMAS = 6.0   # a WARN must also lie this many peer standard deviations below the reference
 SCREEN_QUARTILE_MIN = 4     # fewer values: the reference is their maximum
 SCREEN_SPREAD_MIN = 8       # fewer values: no noise estimate (the WARN fraction alone decides)
+SCREEN_REMEASURE_ROUNDS = 3  # after each pair round: slow measurements re-measured (r1 all, r2 and r3 half each)
 SCREEN_LIST_MAX = 16        # more flagged GPUs or nodes than this: one finding lists the first ones and a count
 SCREEN_RENDER_ALL = 16      # up to this many nodes the PERFORMANCE section shows every node and every group
 SCREEN_RENDER_SLOW = 32     # beyond that, at most this many slow groups are listed (then a count)
@@ -2850,6 +2855,42 @@ def screen_level(value, ref, fail, warn=None, floor=None):
     return "OK"
 
 
+def screen_remeasure_plan(rows, before, k, min_busbw=None, cpu=False):
+    """Re-measure round k (1..SCREEN_REMEASURE_ROUNDS) after a pair round: the round's measurements
+    `rows` (each with 'tries', 1 when measured once) that are slow (below WARN, or FAIL on CPU) against
+    the rails' references of `before` + `rows`. k = 1: every slow one, together; k = 2 and 3: the
+    still-slow ones in two halves (every other one in natural order, then the rest), so every slow
+    measurement is re-measured at most twice and a load that only the full round causes is lifted.
+    -> [{'ranks', 'nodes', 'rail'}] (the round's groups, already made), [] when nothing is to redo."""
+    if not rows:
+        return []
+    _, levels = screen_pair_levels(list(before) + list(rows), min_busbw, cpu)
+    slow = [m for m, lv in zip(rows, levels[len(before):], strict=True) if lv != "OK"]
+    slow.sort(key=lambda m: ([_screen_key(n) for n in m["nodes"]], m["rail"]))
+    if k == 2:
+        slow = slow[::2]
+    elif k > 2:
+        slow = [m for m in slow if m.get("tries", 1) < 3]
+    return [{"ranks": list(m["ranks"]), "nodes": list(m["nodes"]), "rail": m["rail"]} for m in slow]
+
+
+def screen_best(rows, redone):
+    """rows with re-measurements merged: per (nodes, rail) the best busbw counts; 'tries' counts the
+    measurements and 'first' keeps the first value (a re-measured row). redone: screen_measured rows."""
+    best = {(tuple(m["nodes"]), m["rail"]): m for m in redone}
+    out = []
+    for m in rows:
+        r = best.get((tuple(m["nodes"]), m["rail"]))
+        if r is None:
+            out.append(m)
+            continue
+        tries = m.get("tries", 1) + 1
+        keep = m if (m.get("busbw") or 0.0) >= (r.get("busbw") or 0.0) else dict(m, busbw=r["busbw"],
+                                                                               time_us=r.get("time_us"))
+        out.append(dict(keep, tries=tries, first=m.get("first", m.get("busbw"))))
+    return out
+
+
 def _screen_worst(levels):
     return "FAIL" if "FAIL" in levels else "WARN" if "WARN" in levels else "OK"
 
@@ -2949,31 +2990,56 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
     return out
 
 
+def _intra_class(p):
+    """Like for like: (ranks per node, GPU model) of an intra-node row."""
+    return (len(p.get("ranks") or ()) or None, p.get("model"))
+
+
+def _intra_class_text(key):
+    rpn, model = key
+    return ", ".join(x for x in (f"{rpn} ranks" if rpn else "", model or "") if x) or "all nodes"
+
+
+def intra_levels(per_node, min_busbw=None, cpu=False):
+    """-> ({class: screen_reference}, {host: (level, class)}) for judge_intra's rows; the reference is
+    taken per (ranks per node, GPU model) class (_intra_class)."""
+    fail, warn = screen_fractions("net", cpu)
+    by_cls = {}
+    for p in per_node:
+        by_cls.setdefault(_intra_class(p), []).append(p)
+    refs = {k: screen_reference(p.get("busbw") for p in ps) for k, ps in by_cls.items()}
+    return refs, {p["host"]: (screen_level(p.get("busbw"), refs[_intra_class(p)], fail, warn, min_busbw),
+                              _intra_class(p)) for p in per_node}
+
+
 def judge_intra(per_node, min_busbw=None, cpu=False):
     """Intra-node all_reduce bus bandwidth (one group of all local ranks per node, one round) against
-    the other nodes. per_node: [{'host': str, 'busbw': float|None (1e9 B/s; None: the group failed,
-    judged as 0.0)}]; min_busbw: absolute floor (FAIL below) or None.
-    Reference over all nodes (screen_reference); below SCREEN_NET_FAIL of it FAIL, below SCREEN_NET_WARN
-    WARN; cpu=True: only below SCREEN_CPU_FAIL FAILs, nothing WARNs (the numbers are CPU-bound).
+    the other nodes of its class. per_node: [{'host': str, 'busbw': float|None (1e9 B/s; None: the group
+    failed, judged as 0.0), 'ranks': [rank, ...] (optional), 'model': GPU model (optional)}];
+    min_busbw: absolute floor (FAIL below) or None.
+    Reference per (ranks per node, GPU model) (screen_reference); below SCREEN_NET_FAIL of it FAIL, below
+    SCREEN_NET_WARN WARN; cpu=True: only below SCREEN_CPU_FAIL FAILs, nothing WARNs (CPU-bound numbers).
     -> findings under 'intra-node': one per flagged node (one per status listing them beyond
-    SCREEN_LIST_MAX nodes), or one PASS giving the reference and the count of nodes."""
+    SCREEN_LIST_MAX nodes), or one PASS giving the references and the count of nodes."""
     per_node = list(per_node or [])
     if not per_node:
         return []
-    fail, warn = screen_fractions("net", cpu)
-    ref = screen_reference(p.get("busbw") for p in per_node)
+    refs, levels = intra_levels(per_node, min_busbw, cpu)
     rule = _screen_rule("net", cpu)
     flagged = []
     for p in sorted(per_node, key=lambda p: _screen_key(p["host"])):
-        level = screen_level(p.get("busbw"), ref, fail, warn, min_busbw)
+        level, cls = levels[p["host"]]
         if level != "OK":
-            v = float(p.get("busbw") or 0.0)
+            v, ref = float(p.get("busbw") or 0.0), refs[cls]
             why = (f"below the floor {min_busbw:g} GB/s" if min_busbw is not None and v < min_busbw
-                   else f"{v / ref['ref']:.2f} of the reference {_screen_ref_text(ref, 'GB/s')}")
+                   else f"{v / ref['ref']:.2f} of the reference {_screen_ref_text(ref, 'GB/s')}"
+                   + (f" of {_intra_class_text(cls)}" if len(refs) > 1 else ""))
             flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {_sn(v)} GB/s: {why}"))
     if not flagged:
+        txt = "; ".join((f"{_intra_class_text(k)}: " if len(refs) > 1 else "") + _screen_ref_text(r, "GB/s")
+                        for k, r in sorted(refs.items(), key=str))
         return [finding("intra-node", "PASS", f"intra-node busbw on {len(per_node)} node(s): reference "
-                        f"{_screen_ref_text(ref, 'GB/s')} ({rule})")]
+                        f"{txt} ({rule})")]
     if len(flagged) <= SCREEN_LIST_MAX:
         return [finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node; {rule}", [h])
                 for lv, h, txt in flagged]
@@ -3015,31 +3081,74 @@ def _pair_links(results, levels, culprits):
             if level != "OK" and not any((n, m["rail"]) in culprits for n in m["nodes"])]
 
 
+def screen_rail_refs(results):
+    """Like for like: {rail: screen_reference of that rail's measurements}. A rail whose own reference is
+    below SCREEN_NET_FAIL of the median of the rails' references (slow nearly everywhere) is judged
+    against that median instead, so a rail that is broken on most nodes still fails."""
+    refs = {rail: screen_reference(m.get("busbw") for m in results if m["rail"] == rail)
+            for rail in sorted({m["rail"] for m in results})}
+    mid = _screen_median([r["ref"] for r in refs.values() if r["ref"]])
+    for rail, r in refs.items():
+        if mid and (r["ref"] or 0.0) < SCREEN_NET_FAIL * mid:
+            refs[rail] = dict(r, ref=mid, how="median of the rails")
+    return refs
+
+
+def screen_pair_levels(results, min_busbw=None, cpu=False):
+    """-> (refs per rail, ['FAIL'|'WARN'|'OK' per measurement against its rail's reference])."""
+    fail, warn = screen_fractions("net", cpu)
+    refs = screen_rail_refs(results)
+    return refs, [screen_level(m.get("busbw"), refs[m["rail"]], fail, warn, min_busbw) for m in results]
+
+
 def screen_diagnose(results, min_busbw=None, cpu=False):
     """Localisation over inter-node measurements (the shapes of judge_pairs). -> {
-      'ref': screen_reference of all busbw, 'levels': ['FAIL'|'WARN'|'OK' per result],
-      'rails': sorted rails, 'nodes': sorted nodes, 'culprits': {(node, rail)},
-      'links': [index of a slow measurement no culprit explains], 'suspects': [node],
-      'passing': [node not a suspect, those in no slow measurement first], 'clean': [node in no slow measurement],
-      'widespread': bool, 'final': bool (round 3 measured), 'two_nodes': bool}.
-    suspects: culprit nodes and every member of an unexplained slow group. Widespread: before round 3,
-    more suspects than passing nodes (N >= 3), or no node passed at all."""
-    fail, warn = screen_fractions("net", cpu)
-    ref = screen_reference(m.get("busbw") for m in results)
-    levels = [screen_level(m.get("busbw"), ref, fail, warn, min_busbw) for m in results]
+      'ref': screen_reference of all busbw (for the report), 'refs': {rail: reference} (the judge's),
+      'levels': ['FAIL'|'WARN'|'OK' per result], 'rails': sorted rails, 'nodes': sorted nodes,
+      'culprits': {(node, rail)}, 'links': [index of a slow measurement no culprit explains],
+      'suspect_links': [index of such a measurement whose every member is fine with another partner on
+      that rail], 'suspects': [node], 'passing': [node not a suspect, those in no slow measurement first],
+      'clean': [node in no slow measurement], 'widespread': bool, 'final': bool (round 3 measured),
+      'two_nodes': bool}.
+    suspects: culprit nodes and every member of an unexplained slow group (after round 3 only those of
+    links that are not suspect links). Widespread: before round 3, more suspects than passing nodes
+    (N >= 3), or no node passed at all."""
+    refs, levels = screen_pair_levels(results, min_busbw, cpu)
     nodes = _screen_sorted(n for m in results for n in m["nodes"])
-    culprits = _pair_culprits(_pair_evidence(results, levels))
+    ev = _pair_evidence(results, levels)
+    culprits = _pair_culprits(ev)
     links = _pair_links(results, levels, culprits)
-    sus = {n for n, _ in culprits} | {n for i in links for n in results[i]["nodes"]}
+    two = len(nodes) == 2
+    final = any(m.get("round") == 3 for m in results)
+    lone = [] if two else [i for i in links if all(ev[(n, results[i]["rail"])]["ok"] for n in results[i]["nodes"])]
+    named = [i for i in links if i not in lone] if final else links
+    sus = {n for n, _ in culprits} | {n for i in named for n in results[i]["nodes"]}
     dirty = {n for m, lv in zip(results, levels, strict=True) if lv != "OK" for n in m["nodes"]}
     clean = [n for n in nodes if n not in dirty]
     passing = clean + [n for n in nodes if n in dirty and n not in sus]
-    final = any(m.get("round") == 3 for m in results)
-    two = len(nodes) == 2
     wide = bool(sus) and not two and (not passing or (not final and len(sus) > len(passing)))
-    return {"ref": ref, "levels": levels, "rails": sorted({m["rail"] for m in results}), "nodes": nodes,
-            "culprits": culprits, "links": links, "suspects": _screen_sorted(sus), "passing": passing,
-            "clean": clean, "widespread": wide, "final": final, "two_nodes": two}
+    return {"ref": screen_reference(m.get("busbw") for m in results), "refs": refs, "levels": levels,
+            "rails": sorted(refs), "nodes": nodes, "culprits": culprits, "links": links, "suspect_links": lone,
+            "suspects": _screen_sorted(sus), "passing": passing, "clean": clean, "widespread": wide,
+            "final": final, "two_nodes": two}
+
+
+def screen_suspect_links(results, min_busbw=None, cpu=False):
+    """The JSON's suspect_links: slow pair measurements whose two ends are both fine with their other
+    partners on that rail (after re-measurement): [{'hosts': [a, b], 'rail', 'busbw', 'ratio'}]. These
+    name no host in failed_hosts or exclude: the path between them (ECMP, a switch, another tenant) is
+    the suspect, not either node."""
+    results = list(results or [])
+    if not results:
+        return []
+    d = screen_diagnose(results, min_busbw, cpu)
+    out = []
+    for i in d["suspect_links"]:
+        m = results[i]
+        bw, ref = float(m.get("busbw") or 0.0), d["refs"][m["rail"]]["ref"] or 1.0
+        out.append({"hosts": _screen_sorted(m["nodes"]), "rail": m["rail"], "busbw": float(f"{bw:.4g}"),
+                    "ratio": round(bw / ref, 3)})
+    return out
 
 
 def screen_third_round(results, min_busbw=None, cpu=False):
@@ -3072,27 +3181,26 @@ def _screen_rails_text(rails, all_rails):
 def _pair_node_findings(results, d):
     """One finding per culprit node: its rails (every rail: the node as a whole), HCAs, partners, speed."""
     ev = _pair_evidence(results, d["levels"])
-    ref, out = d["ref"]["ref"], []
-    by_node = {}
+    out, by_node = [], {}
     for n, rail in d["culprits"]:
         by_node.setdefault(n, []).append(rail)
     for n in _screen_sorted(by_node):
         rails = sorted(by_node[n])
         own = sorted({m["rail"] for m in results if n in m["nodes"]})
-        parts, statuses, bws = [], [], []
+        parts, statuses, ratios = [], [], []
         for rail in rails:
             idx = sorted(i for ids in ev[(n, rail)]["slow"].values() for i in ids)
             # consistent evidence: the node is at least as bad as its least bad slow measurement
             statuses.append("WARN" if "WARN" in [d["levels"][i] for i in idx] else "FAIL")
             hca = next((h for i in idx for h in [_screen_hca(results[i], n)] if h), None)
-            bw = _screen_median([float(results[i].get("busbw") or 0.0) for i in idx])
-            parts.append(f"local rank {rail}" + (f" (HCA {hca})" if hca else "") + f" {_sn(bw)} GB/s = {bw / ref:.2f}")
-            bws.append(bw)
+            bw, ref = _screen_median([float(results[i].get("busbw") or 0.0) for i in idx]), d["refs"][rail]["ref"]
+            parts.append(f"local rank {rail}" + (f" (HCA {hca})" if hca else "")
+                         + f" {_sn(bw)} GB/s = {bw / ref:.2f} of the rail's reference {_sn(ref)} GB/s")
+            ratios.append(bw / ref)
         partners = _screen_sorted(p for rail in rails for ps in ev[(n, rail)]["slow"] for p in ps)
         whole = len(rails) > 1 and rails == own
         if whole:
-            bw = _screen_median(bws)
-            speed = f"busbw median {_sn(bw)} GB/s = {bw / ref:.2f}"
+            speed = f"busbw median {_screen_median(ratios):.2f} of the rails' references"
             where = ("a node-wide network fault (its NICs or their switch ports together, or the host side: "
                      "PCIe, firmware)")
         else:
@@ -3100,25 +3208,28 @@ def _pair_node_findings(results, d):
             where = "its NIC, cable or switch port on " + ("that rail" if len(rails) == 1 else "those rails")
         out.append(finding("inter-node", _screen_worst(statuses),
                            f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])} with "
-                           f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none: "
-                           f"{speed} of the reference {_sn(ref)} GB/s: {where}", [n]))
+                           f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none, "
+                           f"after re-measurement: {speed}: {where}", [n]))
     return out
 
 
 def _pair_link_findings(results, d):
-    """One finding per group whose slow measurements no culprit explains: the link or path between them."""
-    ev = _pair_evidence(results, d["levels"])
-    ref, groups = d["ref"]["ref"], {}
+    """One finding per group whose slow measurements no culprit explains: the link or path between them.
+    Both ends fine with other partners (after round 3): a suspect link, WARN at most, naming no host."""
+    ev, groups = _pair_evidence(results, d["levels"]), {}
     for i in d["links"]:
         groups.setdefault(tuple(_screen_sorted(results[i]["nodes"])), []).append(i)
     out = []
     for g in sorted(groups, key=lambda g: [_screen_key(x) for x in g]):
         idx = groups[g]
         rails = sorted({results[i]["rail"] for i in idx})
-        bw = _screen_median([float(results[i].get("busbw") or 0.0) for i in idx])
-        fine = [n for n in g if any(ev[(n, results[i]["rail"])]["ok"] for i in idx)]
+        ratio = _screen_median([float(results[i].get("busbw") or 0.0) / d["refs"][results[i]["rail"]]["ref"]
+                                for i in idx])
+        fine = [n for n in g if all(ev[(n, results[i]["rail"])]["ok"] for i in idx)]
+        lone = d["final"] and all(i in d["suspect_links"] for i in idx)
         if d["two_nodes"]:
-            what = f"nodes {g[0]} and {g[1]} are slow together (two nodes only: the pair is named, it cannot be split)"
+            what = (f"nodes {g[0]} and {g[1]} are slow together (two nodes only: the pair is named, it cannot "
+                    f"be split)")
         elif len(g) == 3:
             what = f"the paths among {', '.join(g)} are slow (a group of three: the pair cannot be told apart)"
         else:
@@ -3126,10 +3237,13 @@ def _pair_link_findings(results, d):
         alone = ("both are fine with other partners" if len(fine) == len(g) else
                  f"{_screen_names([n for n in g if n not in fine])} measured with no other partner there")
         alone = "" if d["two_nodes"] else f"; {alone}"
-        rails_txt = _screen_rails_text(rails, d["rails"])
-        out.append(finding("inter-node", _screen_worst([d["levels"][i] for i in idx]),
-                           f"{what} on {rails_txt}: busbw {_sn(bw)} GB/s = {bw / ref:.2f} of the reference "
-                           f"{_sn(ref)} GB/s{alone}", list(g)))
+        status = _screen_worst([d["levels"][i] for i in idx])
+        if lone:
+            alone += " (a suspect link: the path between them, no host is excluded for it)"
+            status = "WARN" if status != "OK" else status
+        out.append(finding("inter-node", status, f"{what} on {_screen_rails_text(rails, d['rails'])}: busbw "
+                           f"{ratio:.2f} of the rail's reference after re-measurement{alone}",
+                           [] if lone else list(g)))
     return out
 
 
@@ -3137,18 +3251,21 @@ def judge_pairs(results, min_busbw=None, cpu=False):
     """Inter-node bus bandwidth, localised to a node, a node's rail or a link.
     results: [{'round': 1|2|3, 'nodes': (a, b) or (a, b, c), 'rail': int (the local rank: each local
                rank measured with the same local rank on the partner nodes, one group per rail),
-               'busbw': float (1e9 B/s; None: the group failed, judged as 0.0),
+               'busbw': float (1e9 B/s, the best of the measurement and its re-measurements; None: the
+               group failed, judged as 0.0),
                'hca': str (the HCA this rail uses, same name on every node) | {node: str} | None}],
     every round's measurements together (rounds 1-2 to plan the suspect round, all rounds to judge).
     min_busbw: absolute floor (FAIL below) or None; cpu=True: only below SCREEN_CPU_FAIL FAILs and
     nothing WARNs (gloo over loopback is CPU-bound: never a culprit out of noise).
-    Reference: every measurement (screen_reference). Each is FAIL/WARN/OK (screen_level with
+    Reference: per rail (screen_rail_refs). Each is FAIL/WARN/OK (screen_level with
     SCREEN_NET_FAIL/SCREEN_NET_WARN). Localisation, per rail:
       a node slow with two different partners (or groups) and fine with none: that node on that rail
         (the HCA named when known); on every rail: the node as a whole;
-      a slow group none of whose members is such a node: the link or path between them (both named);
+      a slow group none of whose members is such a node: the link or path between them; when every
+        member is fine with another partner there, a suspect link (WARN at most, no host named, the
+        JSON's suspect_links); else both named;
         a node slow only beside bad partners is fine with its suspect-round partner and is cleared;
-      two nodes only: the pair is named;
+      two nodes only: the pair is named (slow after re-measurement: nothing can localise it);
       more suspects than passing nodes before round 3 (or no node passing): widespread, one FAIL
         naming every suspect.
     -> (findings under 'inter-node', suspects: sorted node names implicated: before round 3 the nodes
@@ -3159,7 +3276,7 @@ def judge_pairs(results, min_busbw=None, cpu=False):
         return [], []
     d = screen_diagnose(results, min_busbw, cpu)
     ref, sus = d["ref"], d["suspects"]
-    if not sus:
+    if not sus and not d["links"]:
         spread = f", spread {100 * ref['spread'] / ref['ref']:.1f}%" if ref["spread"] and ref["ref"] else ""
         return [finding("inter-node", "PASS", f"inter-node busbw: reference "
                         f"{_screen_ref_text(ref, 'GB/s', 'measurements')} over {len(d['rails'])} rail(s) and "
@@ -3170,7 +3287,8 @@ def judge_pairs(results, min_busbw=None, cpu=False):
         return [finding("inter-node", "FAIL", f"widespread: {len(sus)} node(s) implicated, more than the "
                         f"{len(d['passing'])} that passed, so no single node or link is to blame (a switch, "
                         f"the fabric or its configuration): {slow}/{len(results)} measurement(s) slow against "
-                        f"the reference {_sn(ref['ref'])} GB/s; suspects: {compress_hostlist(sus)}", sus)], sus
+                        f"the rails' references after re-measurement; suspects: {compress_hostlist(sus)}",
+                        sus)], sus
     return _pair_node_findings(results, d) + _pair_link_findings(results, d), sus
 
 
@@ -3185,15 +3303,15 @@ def judge_screen(screen):
 def _perf_gpu_lines(screen, cpu):
     per_rank, intra = screen.get("gpu") or [], screen.get("intra") or []
     refs, flags = _gpu_flags(per_rank, screen, cpu)
-    fail, warn = screen_fractions("net", cpu)
-    iref = screen_reference(p.get("busbw") for p in intra)
+    irefs, ilevels = intra_levels(intra, screen.get("min_busbw_intra"), cpu)
     ibw = {p["host"]: p.get("busbw") for p in intra}
-    ilv = {p["host"]: screen_level(p.get("busbw"), iref, fail, warn, screen.get("min_busbw_intra")) for p in intra}
+    ilv = {h: lv for h, (lv, _) in ilevels.items()}
     L = [f"  gpu reference {m}: " + ", ".join(_screen_ref_text(refs[(m, k)], u, "GPUs")
                                              for k, u, _ in SCREEN_GPU_METRICS if refs[(m, k)]["count"])
          for m in sorted({m for m, _ in refs})]
-    if intra:
-        L.append(f"  intra-node reference: {_screen_ref_text(iref, 'GB/s', 'nodes')}")
+    for k, iref in sorted(irefs.items(), key=str):
+        L.append(f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
+                 f"{_screen_ref_text(iref, 'GB/s', 'nodes')}")
     by_host = {}
     for r in per_rank:
         by_host.setdefault(r.get("host"), []).append(r)
@@ -4486,6 +4604,7 @@ class RankRun:
         self.identity = self.node_box = None
         self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
+        self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
         self.gone = set()  # ranks rank 0 found dead or frozen: no acknowledgement to wait for
         self.acks_s = ACKS_S  # how long rank 0 keeps its store up for the acknowledgements
         self.verdict_seen = None  # the others: rank 0's exit code, once read
@@ -4547,6 +4666,7 @@ class RankRun:
         wait = self.D[phase] + RANK0_GRACE
         self.wd.arm(phase, wait)
         self.proto.wait_gate("phase/" + phase, wait + NAMING_S)  # the watchdog speaks before this raises
+        self.phase_t0 = time.monotonic()  # the phase's own waits count from rank 0's start too
 
     def end(self, v):
         """Rank 0: the verdict. Others: report, then take rank 0's verdict (or speak for the node)."""
@@ -4758,7 +4878,9 @@ class RankRun:
         self.screen_round("intra", self.plan()["intra"])
         if self.is0:
             got = screen_measured(self.screen_rounds["screen-intra"][0][1], self.screen_collect(["intra"])["intra"])
+            model = {r["rank"]: (r.get("gpu") or {}).get("name") for r in self.records}
             self.screen["intra"] = [{"host": m["nodes"][0], "busbw": m["busbw"], "ranks": m["ranks"],
+                                     "model": model.get(m["ranks"][0]),
                                      "time_us": m["time_us"]} for m in got]
             self.progress("screen_intra", detail=self._bw_detail(got, ["intra"], "no node runs two or more ranks"),
                           secs=time.monotonic() - t)
@@ -4769,10 +4891,11 @@ class RankRun:
         t = time.monotonic()
         self.failpoint("screen-pairs")
         names = sorted(n for n in self.plan() if n != "intra")
+        rows = []
         for name in names:
             self.screen_round(name, self.plan()[name])
+            rows += self.screen_remeasure(name, rows if self.is0 else [])
         if self.is0:
-            rows = self.screen_pair_rows(names)
             self.screen["pairs"] = rows
             self.progress("screen_pairs", detail=self._bw_detail(rows, names, "one node: no pairs between nodes"),
                           secs=time.monotonic() - t)
@@ -4785,13 +4908,16 @@ class RankRun:
             self.screen_third()
         self.failpoint("screen-suspect")
         plan = self.proto.screen_plan("plan3", self.rank, self.D[self.phase] + RANK0_GRACE)
+        rows = []
         for name in sorted(plan):
             self.screen_round(name, plan[name])
+            rows += self.screen_remeasure(name, self.screen["pairs"] + rows if self.is0 else [])
         if not self.is0:
             self.proto.wait_gate("screen", self.D[self.phase] + RANK0_GRACE)
             return
-        rows = self.screen_pair_rows(sorted(plan))
         self.screen["pairs"] += rows
+        self.screen["suspect_links"] = screen_suspect_links(self.screen["pairs"], self.args.min_busbw_inter,
+                                                            self.screen["cpu"])
         found = apply_strict(judge_screen(self.screen) + judge_gpu_facts(self.screen.get("gpu")), self.args.strict)
         self.findings += found
         self.progress("screen_suspect", detail=self._third_detail(rows), counts=_counts(found),
@@ -4832,11 +4958,58 @@ class RankRun:
         """This rank's part of one round: its group, made here; the group's all_reduce busbw; the post
         (every rank posts, also outside any group, so that rank 0 sees who finished the round)."""
         group, made = self.screen_group(name, entry)
+        self.my_groups[name] = group
+        self.round_gate(name)
         post = {"split_s": round(made, 3)}
         if group is not None:
             bw, sec = screen_busbw(self.torch, self.dist, group, len(entry["g"]), self._device(), self._kind())
             post.update(busbw=float(f"{bw:.4g}"), time_us=round(sec * 1e6, 1))
         self.proto.screen_post(name, self.rank, post, self.world)
+
+    def round_gate(self, name):
+        """Every group of a round starts together: each rank posts that its group is made; rank 0, once
+        every rank has (within the phase's bound, else it names the round's groups), opens the gate."""
+        self.proto.screen_post(f"{name}-ready", self.rank, {}, self.world)
+        end = self.phase_t0 + self.D[self.phase]
+        if not self.is0:
+            self.proto.wait_gate(f"round-{name}", end + RANK0_GRACE + NAMING_S - time.monotonic())
+            return
+        if not self.proto.screen_wait(f"{name}-ready", end - time.monotonic()):
+            cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+        self.failpoint(f"round-{name}")  # a test holds the run here (pause=S) between two rounds
+        self.proto.open_gate(f"round-{name}")
+
+    def screen_remeasure(self, name, before):
+        """After pair round `name`: its slow measurements re-measured with the groups already made, in up to
+        SCREEN_REMEASURE_ROUNDS gated rounds <name>r1..r3 (screen_remeasure_plan: r1 all of them, r2 and r3
+        half each); the best value counts (screen_best). Rank 0 decides against `before` and the round and
+        publishes each re-measure round on the store. -> rank 0: the round's rows; others: []."""
+        rows = self.screen_pair_rows([name]) if self.is0 else []
+        for k in range(1, SCREEN_REMEASURE_ROUNDS + 1):
+            redo = f"{name}r{k}"
+            if self.is0:
+                todo = screen_remeasure_plan(rows, before, k, self.args.min_busbw_inter, self.screen["cpu"])
+                if todo:  # for screen_stuck: the rounds in the order they run
+                    rnds = self.screen_rounds[self.phase]
+                    at = max(i for i, (n, _) in enumerate(rnds) if n == name or n.startswith(name + "r"))
+                    rnds.insert(at + 1, (redo, todo))
+                self.proto.screen_publish(f"redo-{redo}", {"all": todo})
+            todo = self.proto.screen_plan(f"redo-{redo}", "all", self.phase_t0 + self.D[self.phase]
+                                          + RANK0_GRACE - time.monotonic())
+            if not todo:
+                break
+            mine = next((g for g in todo if self.rank in g["ranks"]), None)
+            self.round_gate(redo)
+            post = {}
+            if mine is not None:
+                bw, sec = screen_busbw(self.torch, self.dist, self.my_groups[name], len(mine["ranks"]),
+                                       self._device(), self._kind())
+                post = {"busbw": float(f"{bw:.4g}"), "time_us": round(sec * 1e6, 1)}
+            self.proto.screen_post(redo, self.rank, post, self.world)
+            if self.is0:
+                rows = screen_best(rows, screen_measured(todo, self.screen_collect([redo])[redo]))
+        return rows
 
     def screen_group(self, name, entry):
         """(this rank's group of the round or None, seconds its creation took). One creation per round: on
@@ -4899,9 +5072,15 @@ class RankRun:
             posted, idx = set(client.screen_posts("gpu")), PHASES.index(phase)
             return None, {r: max(s, idx) if r in posted else s for r, s in stamps.items()}
         rounds = self.screen_rounds.get(phase) or []
-        posted = {n: set(client.screen_posts(n)) for n, _ in rounds}
+        posted = {n: self.round_posted(client, n) for n, _ in rounds}
         how = cause[len(PHASE_WHAT[phase]):].strip() if cause.startswith(PHASE_WHAT[phase]) else cause
         return screen_stuck(phase, how, self.world, rounds, posted, self.host_of, live, errors, silent), stamps
+
+    def round_posted(self, client, name):
+        """Ranks that did their part of a round: posted it, or, while the round's start gate is not complete,
+        posted that their group was made (they wait at the gate for the others, not stuck themselves)."""
+        ready = set(client.screen_posts(f"{name}-ready"))
+        return set(client.screen_posts(name)) | (ready if len(ready) < self.world else set())
 
     def _bw_detail(self, rows, names, none):
         if not rows:
@@ -5251,7 +5430,8 @@ class RankRun:
         """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
           die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
                               (rendezvous, init, screen-gpu, screen-intra, screen-pairs, screen-suspect,
-                              collective, ddp); a pause first creates the file AIV_FAILPOINT_MARK, if set,
+                              collective, ddp; round-<name>: rank 0 before it opens a screen round's gate,
+                              e.g. round-p2); a pause first creates the file AIV_FAILPOINT_MARK, if set,
                               so that a test breaks something (a link) while the run waits
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, or
                               in the verdict's report (<phase> = report)
@@ -5463,6 +5643,7 @@ class RankRun:
                 "findings": mark_accepted(self.args.manifest_data, self.findings), "failures": fails,
                 "failed_hosts": failed_hosts,
                 "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
+                "suspect_links": (self.screen or {}).get("suspect_links") or [],
                 "collectives": self.collectives, "screen": self.screen, "ranks": self.records,
                 "env": safe_env(self.env)}
 

@@ -3,6 +3,7 @@ pairs); SLURMD_NODENAME per rank makes one machine look like several nodes, so t
 rounds, their groups and a hang inside one of them run for real."""
 import json
 
+import pytest
 from test_hangs import SLACK, Ranks, progress_at
 
 from conftest import aiv, failures, run_tool
@@ -110,3 +111,29 @@ def test_a_dead_rank_in_a_node_group_names_that_node(tmp_path):
     assert json.loads(jp.read_text())["failed_hosts"] == ["node2"]
     took = progress_at(out0, "verdict:") - progress_at(out0, "screen-gpu:")
     assert took <= 10, f"a dead rank is named at once, not at the bound: {took:.1f}s"
+
+
+@pytest.mark.parametrize("phase,late", [("screen-intra", 0), ("screen-pairs", 1)])
+def test_a_late_rank_is_not_blamed_for_another_ranks_hang(tmp_path, phase, late):
+    """Rank 0 speaks first in every screen phase: one rank enters the phase `skew` s late (more than
+    RANK0_GRACE and more than half the bound) while rank 3 freezes in it.
+    Each rank's bound starts at rank 0's gate, so rank 0 names only the frozen rank, and no rank gives up
+    on rank 0 first."""
+    jp, bound, skew = tmp_path / "v.json", 20, 17
+    assert skew > aiv.RANK0_GRACE and skew > bound / 2   # without the gate the others' backstop fires first
+    w = Ranks(4, ["--timeout", bound, "--json", jp],
+              env={"AIV_FAILPOINT": f"hang:{phase}:3,skew={skew}:{phase}:{late}"},
+              per_rank=fake_nodes({"node1": 2, "node2": 2}))
+    try:
+        w.wait([0, 1, 2])
+    finally:
+        w.kill_rest()
+    out0 = w.out[0]
+    assert w.rc(0) == aiv.EXIT_TIMEOUT, out0
+    (line,) = failures(out0)
+    assert f"did not complete within {bound}s" in line and "rank 3 (node2) frozen (process stopped)" in line, line
+    d = json.loads(jp.read_text())
+    assert d["failed_hosts"] == ["node2"] and [f["ranks"] for f in d["findings"] if f["status"] == "FAIL"] == [[3]]
+    for r in (1, 2):
+        assert w.rc(r) == aiv.EXIT_TIMEOUT and not failures(w.out[r]), w.out[r]
+        assert "rank 0 is frozen" not in w.out[r]

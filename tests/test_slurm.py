@@ -631,3 +631,45 @@ def test_screen_names_a_node_whose_link_goes_down_after_the_roll_call(cluster, c
     assert verdict_after < 8 + float(AIV_TIMEOUT) + aiv.NAMING_S + 5, f"verdict {verdict_after:.1f} s after"
     with capsys.disabled():
         print(f"\n[slurm] node3's link down after the roll call: verdict {verdict_after:.1f} s later; {fails[0]}")
+
+
+def test_screen_a_link_slow_only_in_the_first_pair_round_names_nobody(cluster, capsys):
+    """node3's link rate-limited (tbf, both ways) until rank 0 holds the run between pair rounds 1 and 2
+    (test failpoint pause at round-p2's gate): round 1's node1 <-> node3 stays slow through its
+    re-measurement, node3 and node1 are fine with their other partners afterwards, so the pair is a
+    suspect link (a WARN, in suspect_links) and no host is named or excluded."""
+    hub_dev, node = "veth-aiv3", "node3"
+    mark = cluster.workdir / f"paused-{uuid.uuid4().hex}"
+    added = []
+    try:
+        r = cluster.run("tc", "qdisc", "add", "dev", hub_dev, *TBF)
+        assert r.returncode == 0, r.stderr
+        added.append(("hub", hub_dev))
+        cluster.node_run(node, "tc", "qdisc", "add", "dev", "eth0", *TBF)
+        added.append((node, "eth0"))
+        job = cluster.submit(*SHAPE_4X1, AIV_FAILPOINT="pause=6:round-p2:0", AIV_FAILPOINT_MARK=str(mark))
+        deadline = time.monotonic() + 180
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert mark.exists(), describe(cluster, job)
+    finally:
+        for where, dev in added:
+            if where == "hub":
+                cluster.run("tc", "qdisc", "del", "dev", dev, "root")
+            else:
+                cluster.node_run(where, "tc", "qdisc", "del", "dev", dev, "root")
+    state, code, took = cluster.wait(job)
+    assert (state, code) == ("COMPLETED", "0:0"), describe(cluster, job)
+    log, _, js = cluster.outputs(job)
+    v = load_json(js)
+    assert v["failed_hosts"] == [] and v["exclude"] == "", describe(cluster, job)
+    assert [(x["hosts"], x["rail"]) for x in v["suspect_links"]] == [(["node1", "node3"], 0)], v["suspect_links"]
+    (warn,) = [f for f in v["findings"] if f["check"] in SCREEN_CHECKS and f["status"] != "PASS"]
+    assert warn["status"] == "WARN" and warn["hosts"] == [] and "suspect link" in warn["reason"], warn
+    sc = v["screen"]
+    (r1,) = [p for p in sc["pairs"] if p["round"] == 1 and p["nodes"] == ["node1", "node3"]]
+    assert r1["tries"] >= 2, r1                       # re-measured while still limited, still slow
+    assert sorted(s for s, _ in sc["third"]["groups"]) == ["node1", "node3"]
+    with capsys.disabled():
+        print(f"\n[slurm] screen, node3 at 50 Mbit/s in round 1 only: {took:.1f} s, busbw GB/s {pair_summary(sc)}; "
+              f"{warn['reason']}")
