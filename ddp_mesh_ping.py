@@ -506,6 +506,16 @@ ACKS_SIGNALLED_S = 1.0    # ... or this long once rank 0 itself was signalled (t
 ERROR_GRACE = 2.0         # after the first error report: time for other reports and liveness to arrive
 MANIFEST_LOCK_S = 10.0    # rank 0 at the verdict: the most it waits for another job's lock on a --save-manifest file
 LOCK_RETRY_S = 0.2        # how often that lock is tried again (non-blocking) while another job holds it
+# The small waits inside a phase, each also inside the phase's bound (the table below):
+STORE_OP_S = 1.0          # one store operation off the main thread (a report after a signal, a clone, a counter)
+SNAPSHOT_S = 1.5          # rank 0, after a signal: one read of liveness, of the stamps and of the reports
+TERM_REPORTS_S = 0.5      # rank 0, after a signal: time for the other ranks' "terminated" reports to arrive
+TORCH_BACKSTOP_S = 30.0   # torch's own process-group timeout lies this far past our bound: ours fires first
+IMPORT_PROBE_S = 60.0     # torchvision/torchaudio import probe: at most this, T/2 at the verdict, T/4 before the screen
+MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks are gone already: the run ended)
+PROBE_CONNECT_S = 0.8     # a raw TCP connect that tells "no listener" from "a listener that never answers"
+MARK_TTL = 30.0           # seconds a node's "said" marker silences its siblings; an older one is another run's
+LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
 
 PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-intra", "screen-pairs", "screen-suspect",
           "collective", "ddp", "bandwidth", "final")
@@ -4143,7 +4153,8 @@ def node_monitor(cfg):
     # ranks gone while we imported torch: the run ended (its store is gone: the connect fails within 1 s)
     # or they died, which is news for rank 0: one post, then the loop ends
     ended = all(liveness(proc_stat(p), first[r]) == "gone" for r, p in pids.items())
-    raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=1 if ended else 5))
+    wait = datetime.timedelta(seconds=1 if ended else MONITOR_CONNECT_S)
+    raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, wait)
     proto = StoreProtocol(dist.PrefixStore(cfg["prefix"], raw))
     if cfg.get("run") and not proto.is_run(cfg["run"]):  # its run ended; a later run serves this port now
         return 0
@@ -4463,7 +4474,6 @@ def bounded(fn, seconds, default=None):
     return box[0] if box else default
 
 
-MARK_TTL = 30.0  # seconds a node's "said" marker silences its siblings; an older one is another run's
 
 
 def speak_once_per_node(text, env, local_rank=0, topic="run"):
@@ -4823,7 +4833,7 @@ class RankRun:
     def phase_init(self):
         kw = {"backend": self.backend, "rank": self.rank, "world_size": self.world,
               "store": self.dist.PrefixStore(self.proto.prefix + "/pg", self.proto.raw),
-              "timeout": datetime.timedelta(seconds=self.D["init"] + 30)}  # ours fires first
+              "timeout": datetime.timedelta(seconds=self.D["init"] + TORCH_BACKSTOP_S)}  # ours fires first
         if self.backend == "nccl":
             kw["device_id"] = self.torch.device("cuda", self.device)
         self.failpoint("init")
@@ -5022,7 +5032,7 @@ class RankRun:
         mine, dist, t = entry.get("g"), self.dist, time.monotonic()
         if entry["mode"] != "split":
             return (dist.group.WORLD if entry["mode"] == "world" else None), 0.0
-        kw = {"timeout": datetime.timedelta(seconds=self.D[self.phase] + 30)}  # our bound fires first
+        kw = {"timeout": datetime.timedelta(seconds=self.D[self.phase] + TORCH_BACKSTOP_S)}  # our bound fires first
         if self.backend != "nccl":
             group = dist.new_group(mine or [self.rank], use_local_synchronization=True, **kw)
         elif can_split(self.torch, dist):
@@ -5218,7 +5228,7 @@ class RankRun:
         that checked in so far (each has a listener on the verdict key)."""
         if self.host_of:
             return len([r for r in self.host_of if r and r not in self.gone])
-        return max(0, bounded(client.arrived, 1.0, 1) - 1) if self.proto is not None else 0
+        return max(0, bounded(client.arrived, STORE_OP_S, 1) - 1) if self.proto is not None else 0
 
     def wait_acks(self, client, n):
         end = time.monotonic() + min(self.acks_s, self.D["final"])
@@ -5284,7 +5294,7 @@ class RankRun:
     def unanswered(self, seconds):
         """Why the store's connect did not finish: a listener that accepts but never answers, or none."""
         try:
-            socket.create_connection((self.addr, self.port), timeout=0.8).close()
+            socket.create_connection((self.addr, self.port), timeout=PROBE_CONNECT_S).close()
         except OSError:
             return f"cannot reach the master {self.addr}:{self.port}: no store answered within {seconds:g}s"
         return (f"something on MASTER_PORT ({self.addr}:{self.port}) accepts connections but does not answer as "
@@ -5314,31 +5324,31 @@ class RankRun:
             if self.proto is not None:
                 line = f"rank {self.rank} ({self.host}): terminated by {name} during {phase}"
                 bounded(lambda: self.proto.clone().report_error(self.rank, phase, line, EXIT_INTERRUPTED, term=True),
-                        1.0)
+                        STORE_OP_S)
             self.exit(128 + signum)
         if self.verdict_lock.locked():  # the verdict is being given already
             return
-        client = bounded(self.proto.clone, 1.0) if self.proto is not None else None
+        client = bounded(self.proto.clone, STORE_OP_S) if self.proto is not None else None
         self.acks_s = ACKS_SIGNALLED_S
         self.conclude(EXIT_INTERRUPTED, [self.interruption(phase, name, client)], client)
 
     def interruption(self, phase, name, client):
         """Rank 0's finding for a signal during `phase`: liveness as it was when the signal came (the ranks
-        it stops are not yet gone), then, NAMING_S / 10 later, the others' reports."""
+        it stops are not yet gone), then, TERM_REPORTS_S later, the others' reports."""
         why = (f"{PHASE_WHAT[phase]} was interrupted by {name} (scancel, the time limit, preemption, the launcher "
                "or Ctrl-C)")
         if self.poll is None or client is None:  # before the roll call ended: nobody to name
             return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
                            code=EXIT_INTERRUPTED)
         hosts = sorted(set(self.host_of.values()))
-        snap = bounded(lambda: client.live(hosts), 1.5, {})
+        snap = bounded(lambda: client.live(hosts), SNAPSHOT_S, {})
         live = {int(r): st for snap_h in snap.values() for r, st in (snap_h.get("ranks") or {}).items()}
         # this node's ranks read directly: a worker that died just before the launcher's SIGTERM (torchrun
         # stops the others at once) is gone here, even when the monitor has not posted it yet
         live.update({rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec.get("pid_start") or ""))
                      for rec in self.records if rec.get("host") == self.host and rec.get("pid_start")})
-        time.sleep(NAMING_S / 10)
-        seen = bounded(lambda: (client.stamps(self.world), client.errors()), 1.5)
+        time.sleep(TERM_REPORTS_S)
+        seen = bounded(lambda: (client.stamps(self.world), client.errors()), SNAPSHOT_S)
         if seen is None:
             return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
                            code=EXIT_INTERRUPTED)
@@ -5550,7 +5560,8 @@ class RankRun:
         if self.probe is None or self.imports is not None:
             return self.imports
         t = time.monotonic()
-        self.imports = finish_import_probe(self.probe, min(60.0, self.D["ddp"] / 2) if wait_s is None else wait_s)
+        wait_s = min(IMPORT_PROBE_S, self.D["ddp"] / 2) if wait_s is None else wait_s
+        self.imports = finish_import_probe(self.probe, wait_s)
         self.times["imports"] = round(time.monotonic() - t, 3)
         return self.imports
 
@@ -5561,7 +5572,7 @@ class RankRun:
         wait = self.D[self.phase] / 4
         if self.warm is not None:
             self.warm.join(timeout=wait)
-        self.import_results(min(60.0, wait))
+        self.import_results(min(IMPORT_PROBE_S, wait))
         end = time.monotonic() + wait
         while self.monitor is not None and time.monotonic() < end and self.monitor.poll() is None:
             if "seq" in self.proto.live([self.host])[self.host]:
@@ -5868,7 +5879,7 @@ def launch_local(args, argv, env, launch):
     fwd = Forward(procs)
     # The ranks bound themselves; this is the launcher's own backstop. Once rank 0 has given
     # its verdict the others get a grace period to read it, then are killed (e.g. a frozen rank).
-    deadline = time.monotonic() + worst_case(deadlines(args.timeout, args.rollcall_timeout), True) + 30
+    deadline = time.monotonic() + worst_case(deadlines(args.timeout, args.rollcall_timeout), True) + LAUNCHER_SLACK_S
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if procs[0].poll() is not None:
             deadline = min(deadline, time.monotonic() + 5.0)
@@ -5886,9 +5897,9 @@ def launch_local(args, argv, env, launch):
         return EXIT_TIMEOUT
     codes = [p.returncode for p in procs]
     if codes[0] < 0 and fwd.sig:
-        emit(f"FAILURE: launch: the launcher was interrupted by {signal.Signals(fwd.sig).name} before rank 0 "
-             f"(pid {procs[0].pid}) gave a verdict")
-        return EXIT_TIMEOUT
+        emit(f"FAILURE: interrupted: the launcher was interrupted by {signal.Signals(fwd.sig).name} before rank 0 "
+             f"(pid {procs[0].pid}) gave a verdict; {STOPPED_WORDS}")
+        return EXIT_INTERRUPTED
     if codes[0] < 0:
         emit(f"FAILURE: launch: rank 0 (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
         return EXIT_FAIL
