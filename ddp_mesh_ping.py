@@ -43,6 +43,16 @@ Stable strings for automation:
   SUCCESS: DDP Multi-Node AllReduce Ring Complete!
   FAILURE: <check>: <reason>        (check names: see CHECKS below)
 """
+# Where things live (one section per concern, in this order; search for "==== <name>"):
+#   helpers         finding(), verdict_code(), hostlists, ranges           contract   the launch variables
+#   deadlines       deadlines(): every bound, and the small waits beside it  options    the one parser
+#   interfaces      NCCL/GLOO_SOCKET_IFNAME                                 collect    facts of a rank and node
+#   screen collect  what the performance screen measures                    judge      pure checks of plain data
+#   manifest        --save-manifest / --manifest / --diff-manifest          screen     the screen's pure judges
+#   render          the report                                              verify-log --verify-log
+#   liveness        the node monitor                                        store protocol  the side channel's keys
+#   runtime         RankRun: the phases, each under deadline(); who blames whom: judge_unfinished (judge)
+#   plan, local mode, main   what a command line becomes, local launcher, the entry point
 
 import argparse
 import contextlib
