@@ -96,7 +96,7 @@ def test_a_dead_or_frozen_rank_is_named_by_rank_0(fault, phase, tmp_path):
 
 def test_rank_0_frozen_is_said_once_per_node_and_leaves_a_json(tmp_path):
     jp = tmp_path / "v.json"
-    w = Ranks(3, ["--timeout", 4, "--json", jp], env={"AIV_FAILPOINT": "hang:collective:0"})
+    w = Ranks(3, ["--timeout", T, "--json", jp], env={"AIV_FAILPOINT": "hang:collective:0"})
     try:
         w.wait([1, 2])
     finally:
