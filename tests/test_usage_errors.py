@@ -62,7 +62,7 @@ def test_json_in_a_file_not_a_directory_is_refused_before_the_run(tmp_path):
 
 def test_rank_1_with_its_own_bad_value_speaks_and_rank_0_names_it_missing():
     """Rank 0 cannot see rank 1's LOCAL_RANK: rank 1 says it (once for its node); rank 0 reports the roll call."""
-    res, _ = spawn(2, args=["--rollcall-timeout", 2, "--timeout", 30], env={"LOCAL_WORLD_SIZE": 2},
+    res, _ = spawn(2, args=["--rollcall-timeout", 15, "--timeout", 30], env={"LOCAL_WORLD_SIZE": 2},
                    per_rank={1: {"LOCAL_RANK": "abc"}}, timeout=120)
     (rc0, out0), (rc1, out1) = res
     assert rc1 == 2 and failures(out1) == ["FAILURE: contract: LOCAL_RANK='abc' is not an integer"], out1
