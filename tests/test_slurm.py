@@ -14,6 +14,7 @@ Skipped otherwise, except with CI=true, where a missing Slurm is an error.
     sudo python -m pytest -v tests/test_slurm.py
 """
 
+import contextlib
 import json
 import os
 import re
@@ -566,25 +567,32 @@ def test_screen_on_four_healthy_nodes_names_nobody(cluster, run, capsys):
               f"{sc['splits']}, phases " + " ".join(f"{p}={v['phases'][p]:.2f}" for p in SCREEN_PHASES_ORDER))
 
 
-def test_screen_names_the_node_behind_a_slow_link(cluster, capsys):
-    """node3's link rate-limited both ways (tbf, 50 Mbit/s, on the bridge side of its veth and on its
-    eth0): node3, and only node3, is named under inter-node, after round 3 paired it with a good node."""
-    hub_dev, node = "veth-aiv3", "node3"
-    added = []
+@contextlib.contextmanager
+def slowed_link(cluster, node):
+    """The node's link rate-limited both ways (TBF on the bridge side of its veth and on its eth0) while
+    the block runs; removed afterwards, whatever happens."""
+    hub_dev, added = f"veth-aiv{node.removeprefix('node')}", []
     try:
         r = cluster.run("tc", "qdisc", "add", "dev", hub_dev, *TBF)
         assert r.returncode == 0, r.stderr
         added.append(("hub", hub_dev))
         cluster.node_run(node, "tc", "qdisc", "add", "dev", "eth0", *TBF)
         added.append((node, "eth0"))
-        job = cluster.submit(*SHAPE_4X1)
-        state, code, took = cluster.wait(job)
+        yield
     finally:
         for where, dev in added:
             if where == "hub":
                 cluster.run("tc", "qdisc", "del", "dev", dev, "root")
             else:
                 cluster.node_run(where, "tc", "qdisc", "del", "dev", dev, "root")
+
+
+def test_screen_names_the_node_behind_a_slow_link(cluster, capsys):
+    """node3's link rate-limited both ways (tbf, 50 Mbit/s, on the bridge side of its veth and on its
+    eth0): node3, and only node3, is named under inter-node, after round 3 paired it with a good node."""
+    with slowed_link(cluster, "node3"):
+        job = cluster.submit(*SHAPE_4X1)
+        state, code, took = cluster.wait(job)
     assert (state, code) == ("FAILED", "1:0"), describe(cluster, job)
     log, _, js = cluster.outputs(job)
     v = load_json(js)
@@ -638,26 +646,13 @@ def test_screen_a_link_slow_only_in_the_first_pair_round_names_nobody(cluster, c
     (test failpoint pause at round-p2's gate): round 1's node1 <-> node3 stays slow through its
     re-measurement, node3 and node1 are fine with their other partners afterwards, so the pair is a
     suspect link (a WARN, in suspect_links) and no host is named or excluded."""
-    hub_dev, node = "veth-aiv3", "node3"
     mark = cluster.workdir / f"paused-{uuid.uuid4().hex}"
-    added = []
-    try:
-        r = cluster.run("tc", "qdisc", "add", "dev", hub_dev, *TBF)
-        assert r.returncode == 0, r.stderr
-        added.append(("hub", hub_dev))
-        cluster.node_run(node, "tc", "qdisc", "add", "dev", "eth0", *TBF)
-        added.append((node, "eth0"))
+    with slowed_link(cluster, "node3"):
         job = cluster.submit(*SHAPE_4X1, AIV_FAILPOINT="pause=6:round-p2:0", AIV_FAILPOINT_MARK=str(mark))
         deadline = time.monotonic() + 180
         while not mark.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert mark.exists(), describe(cluster, job)
-    finally:
-        for where, dev in added:
-            if where == "hub":
-                cluster.run("tc", "qdisc", "del", "dev", dev, "root")
-            else:
-                cluster.node_run(where, "tc", "qdisc", "del", "dev", dev, "root")
     state, code, took = cluster.wait(job)
     assert (state, code) == ("COMPLETED", "0:0"), describe(cluster, job)
     log, _, js = cluster.outputs(job)
