@@ -51,7 +51,8 @@ Stable strings for automation:
 #   manifest        --save-manifest / --manifest / --diff-manifest          screen     the screen's pure judges
 #   render          the report                                              verify-log --verify-log
 #   liveness        the node monitor                                        store protocol  the side channel's keys
-#   runtime         RankRun: the phases, each under deadline(); who blames whom: judge_unfinished (judge)
+#   runtime         RankRun: the phases, each under deadline(); its roles Coordinator (rank 0, the verdict),
+#                   Follower (the others), ScreenRunner (the screen); who blames whom: judge_unfinished (judge)
 #   plan, local mode, main   what a command line becomes, local launcher, the entry point
 
 import argparse
@@ -4601,276 +4602,12 @@ def _counts(findings):
     return ", ".join(f"{sum(f['status'] == s for f in findings)} {s}" for s in ("PASS", "WARN", "FAIL"))
 
 
-class RankRun:
-    """One rank of the preflight: the phases of PHASES in order, each under deadline(phase).
+class ScreenRunner:
+    """The performance screen's four phases (SCREEN_PHASES), a role of every rank: its own
+    measurements, its groups and the gates between rounds; on rank 0 also the plan of the rounds, the
+    collection of every rank's posts and the screen's judgement. Mixed into RankRun: the plumbing it
+    uses (store, watchdog, deadlines, devices) is the rank's."""
 
-    Every way a run ends goes through Verdict: rank 0 turns it into the report and publishes the
-    exit code on the store; the other ranks report their error (if any) and exit with rank 0's code,
-    which a listener thread reads even while the main thread is blocked in a collective."""
-
-    def __init__(self, args, contract, env):
-        self.args, self.c, self.env = args, contract, env
-        self.rank, self.world, self.local_rank = contract["rank"], contract["world_size"], contract["local_rank"]
-        self.is0 = self.rank == 0
-        self.host = env.get("SLURMD_NODENAME") or socket.gethostname()
-        self.addr, self.port = contract["master_addr"], contract["master_port"]
-        self.D = deadlines(args.timeout, args.rollcall_timeout)
-        self.expect = dict(launcher_expectations(env), **{k: getattr(args, "expect_" + k) for k in
-                                                       ("world_size", "nodes", "ranks_per_node")
-                                                       if getattr(args, "expect_" + k) is not None})
-        self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, [], [], {}
-        self.proto = self.poll = self.master = self.probe = self.monitor = self.nccl_log = None
-        self.backend = self.device = self.collectives = self.results = self.alarm_at = None
-        self.identity = self.node_box = None
-        self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
-        self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
-        self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
-        self.gone = set()  # ranks rank 0 found dead or frozen: no acknowledgement to wait for
-        self.acks_s = ACKS_S  # how long rank 0 keeps its store up for the acknowledgements
-        self.verdict_seen = None  # the others: rank 0's exit code, once read
-        self.verdict_lock, self.ack_lock, self.acked = threading.Lock(), threading.Lock(), False
-        self.speak_lock = threading.Lock()  # speak_for_rank0: one thread speaks and writes the JSON
-        self.wd = Watchdog(self.on_expire, self.on_tick if self.is0 else None)
-
-    # ---------------------------------------------------------------- flow
-    def run(self):
-        """main() blocked SIGTERM and SIGINT in every thread before this object existed; one thread takes them."""
-        threading.Thread(target=self.on_signal, name="aiv-signals", daemon=True).start()
-        try:
-            self.header()
-            for phase in PHASES:
-                if phase in SCREEN_PHASES and self.args.skip_screen:
-                    continue
-                with self.deadline(phase):
-                    getattr(self, "phase_" + phase.replace("-", "_"))()
-            raise Verdict(EXIT_INTERNAL, [finding("internal", "FAIL", "the phases ended without a verdict",
-                                                  code=EXIT_INTERNAL)])
-        except Verdict as v:
-            self.end(v)
-        except BaseException as e:  # a bug still ends in one line and an exit code, blaming no host
-            print_traceback(e)
-            self.end(Verdict(EXIT_INTERNAL, [internal_finding(e, f"rank {self.rank} on {self.host}")]))
-
-    @contextlib.contextmanager
-    def deadline(self, phase):
-        """Arm the watchdog with the phase's bound; a torch error inside becomes this rank's Verdict, any
-        other exception the tool's own (`internal`); stamp on success. Rank 0 speaks first in every phase:
-        after the roll call every phase starts at a gate rank 0 opens (phase_gate), and the other ranks
-        count their bound + RANK0_GRACE from that gate, however late rank 0 got there."""
-        self.phase, t = phase, time.monotonic()
-        self.phase_t0 = t
-        self.failpoint(phase, only=("skew",))
-        try:
-            if PHASES.index(phase) > PHASES.index("rollcall") and self.proto is not None:
-                self.phase_gate(phase)
-            bound = self.D[phase] + (NAMING_S if self.is0 and phase == "rollcall" else 0)
-            self.wd.arm(phase, bound + (RANK0_GRACE if not self.is0 and phase != "local" else 0))
-            self.failpoint(phase, only=("raise",))
-            yield
-        except Verdict:
-            raise
-        except Exception as e:
-            raise self.phase_error(phase, e) from None
-        finally:
-            self.wd.disarm()
-            self.times[phase] = round(time.monotonic() - t, 3)
-        if self.proto is not None:
-            self.proto.stamp(self.rank, phase)
-
-    def phase_gate(self, phase):
-        """Rank 0 opens the phase's gate; the others wait for it, bounded as the phase itself (rank 0 opens
-        it, or gives a verdict, within the previous phase's bound + NAMING_S of the previous gate)."""
-        if self.is0:
-            self.proto.open_gate("phase/" + phase)
-            return
-        wait = self.D[phase] + RANK0_GRACE
-        self.wd.arm(phase, wait)
-        self.proto.wait_gate("phase/" + phase, wait + NAMING_S)  # the watchdog speaks before this raises
-        self.phase_t0 = time.monotonic()  # the phase's own waits count from rank 0's start too
-
-    def end(self, v):
-        """Rank 0: the verdict. Others: report, then take rank 0's verdict (or speak for the node)."""
-        if self.is0:
-            self.conclude(v.code, v.findings, self.proto)
-        if self.proto is not None:
-            self.wd.arm(self.phase, self.D[self.phase] + RANK0_GRACE)
-            try:
-                code = self.take_verdict(self.proto, self.D[self.phase] + RANK0_GRACE)
-            except Exception as e:  # rank 0's store is gone: that, not our own error, is the news
-                self.lost_rank0(e)
-            self.exit(code)
-        self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
-        self.exit(v.code)
-
-    def phase_error(self, phase, exc):
-        """An error inside a phase. The tool's own (is_tool_error): the `internal` verdict, no host. A torch
-        error: others post it and stop; rank 0 posts it, gives the others ERROR_GRACE to post theirs, then
-        names who did not finish the phase."""
-        if is_tool_error(exc):
-            return self.internal_error(phase, exc)
-        line = f"rank {self.rank} ({self.host}): {PHASE_WHAT[phase]} failed: {first_line(exc)}"
-        code = EXIT_TIMEOUT if re.search(r"[Tt]imed? ?out|timeout", str(exc)) else EXIT_FAIL
-        if self.proto is not None:
-            try:
-                self.proto.report_error(self.rank, phase, line, code)
-            except Exception:
-                pass
-        if not self.is0 or self.poll is None:
-            return failed(PHASE_CHECK[phase], line, code, [self.host], [self.rank])
-        time.sleep(ERROR_GRACE)
-        return Verdict(code, [self.unfinished(phase, self.proto, f"{PHASE_WHAT[phase]} failed", code)])
-
-    def internal_error(self, phase, exc):
-        """The tool's own error in a phase: posted (so that rank 0 blames nobody for it), then a Verdict."""
-        print_traceback(exc)
-        f = internal_finding(exc, f"rank {self.rank} on {self.host}, during {phase}")
-        if self.proto is not None:
-            with contextlib.suppress(Exception):
-                self.proto.report_error(self.rank, phase, f"rank {self.rank} ({self.host}): {f['reason']}",
-                                        EXIT_INTERNAL, internal=True)
-        return Verdict(EXIT_INTERNAL, [f])
-
-    # ---------------------------------------------------------------- phases
-    def phase_local(self):
-        self.probe = start_import_probe() if self.local_rank == 0 else None
-        self.nccl_log = self.capture_nccl_debug()
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
-        # abort the communicator and raise, never kill the process (1, torchrun's default, kills rank 0
-        # before its verdict); an operator's own setting outside torchrun is kept
-        if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ or (
-                under_torchrun(self.env) and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"):
-            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-        self.progress("contract", rank=self.rank, world=self.world, source=self.c["source"],
-                      local_rank=self.local_rank, master=f"{self.addr}:{self.port}")
-        t = time.monotonic()
-        import torch
-        import torch.distributed as dist
-        self.torch, self.dist = torch, dist
-        self.times["import_torch"] = round(time.monotonic() - t, 3)
-        if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
-            self.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
-            self.warm.start()
-        ifaces, expected = list_interfaces(), gpus_expected(self.env, self.args.sysfs_root)
-        local, gpu = self.local_checks(ifaces, expected)
-        if self.backend != "nccl" and self.nccl_log:
-            self._drop_nccl_log()
-        self.identity = {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(),
-                         "loopback": loopback_domain(),
-                         "local_rank": self.local_rank, "backend": self.backend, "device": self.device,
-                         "cvd": self.env.get("CUDA_VISIBLE_DEVICES"), "gpu": gpu,
-                         "gpus_expected": expected or None,
-                         "gloo": gloo_address(self.env, ifaces) if self.backend == "gloo" else None,
-                         "cpus": format_ranges(_cpu_affinity()), "versions": torch_versions(torch),
-                         "local": local, "pid": os.getpid(), "pid_start": (proc_stat(os.getpid()) or ("", ""))[1]}
-        if self.local_rank == 0:
-            self.node_box = {}
-            threading.Thread(target=self._collect_node, args=(self.node_box,), daemon=True).start()
-        ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
-        self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
-                      failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
-
-    def phase_rollcall(self):
-        R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)
-        if self.is0 and serve:
-            problem = fd_limit_problem(self.world, self.expect.get("nodes") or self.world)
-            if problem:
-                raise failed("rendezvous", f"rank 0 ({self.host}): {problem}", hosts=[self.host])
-            fd = self._listen_socket().detach()
-            self.proto = StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd)
-        else:
-            # the connect and the store's first answer within R + NAMING_S: a listener that accepts
-            # but never answers as a store (another service on MASTER_PORT) is named by on_expire
-            self.wd.arm("rollcall", R + NAMING_S - 1)
-            try:
-                self.proto = StoreProtocol.open(self.dist, self.addr, self.port, R, prefix)
-            except Exception as e:
-                raise failed("rendezvous", f"rank {self.rank} ({self.host}) cannot reach the "
-                             f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
-                             f"{first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
-        self.progress("rollcall_open", master=f"{self.addr}:{self.port}", world=self.world, seconds=R)
-        self.failpoint("rendezvous")
-        if self.is0:
-            self.wd.arm("rollcall", R + NAMING_S)  # as deadline() armed it (the connect may have re-armed it)
-            self.proto.publish_world(self.world)
-        else:
-            self.wd.arm("rollcall", R + RANK0_GRACE)  # counted from our arrival: rank 0 may start late
-        stray = self.proto.check_in(self.rank, self.identity, self.world, R + RANK0_GRACE)
-        if stray is not None:  # not a rank of this run: rank 0 names it; it takes no verdict of that run
-            self.speak_for_node(f"FAILURE: {stray[0]}: rank {self.rank} ({self.host}, pid {os.getpid()}) is not a "
-                                f"rank of the run at {self.addr}:{self.port}: {stray[1]}")
-            self.exit(EXIT_FAIL)
-        if self.is0:
-            self.roll_call()
-        else:
-            threading.Thread(target=self.listen, name="aiv-listener", daemon=True).start()
-            self.master = json.loads(self.proto.wait_gate("roll", R + RANK0_GRACE))
-        if self.local_rank == 0:
-            self.start_monitor()
-
-    def roll_call(self):
-        """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
-        t, R = time.monotonic(), self.D["rollcall"]
-        complete, strays = self.proto.wait_all(R), self.proto.strays()
-        if strays:  # woken by a stray: the other strays of its launch get a moment to post too
-            time.sleep(ERROR_GRACE)
-            strays = self.proto.strays()
-            self.findings += judge_strays(strays)
-        missing = [] if complete and not strays else self.proto.missing(self.world)
-        absent = set(missing)
-        present = [r for r in range(self.world) if r not in absent]
-        self.records = self.proto.identities(present)
-        self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
-        if missing and not strays:  # ranks still starting when a stray ended the roll call are not late
-            where = slurm_expected_hosts(self.env, self.world)
-            names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
-            more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
-            self.findings.append(finding("rendezvous", "FAIL", f"rank(s) {names}{more} did not check in within "
-                                         f"{R:g}s ({len(present)}/{self.world} reported at {self.addr}:{self.port})",
-                                         [where[r] for r in missing if r in where], missing, code=EXIT_TIMEOUT))
-        self.findings += apply_strict(judge_pre(self.records, self.world, self.expect), self.args.strict)
-        code = verdict_code(self.findings)
-        self.progress("rollcall", present=len(present), world=self.world, secs=time.monotonic() - t,
-                      result="FAIL" if code else "pass")
-        if code:
-            raise Verdict(code)
-        self.proto.prepare(self.records)
-        self.poll = self.proto.clone()
-        self.wd.period = live_period(len(set(self.host_of.values())))
-        self.master = {"host": self.host, "pid": os.getpid(), "nodes": len(set(self.host_of.values()))}
-        self.proto.open_gate("roll", json.dumps(self.master))
-
-    def phase_init(self):
-        kw = {"backend": self.backend, "rank": self.rank, "world_size": self.world,
-              "store": self.dist.PrefixStore(self.proto.prefix + "/pg", self.proto.raw),
-              "timeout": datetime.timedelta(seconds=self.D["init"] + TORCH_BACKSTOP_S)}  # ours fires first
-        if self.backend == "nccl":
-            kw["device_id"] = self.torch.device("cuda", self.device)
-        self.failpoint("init")
-        t = time.monotonic()
-        self.dist.init_process_group(**kw)
-        self.progress("init", backend=self.backend, world=self.world, secs=time.monotonic() - t)
-
-    def phase_telemetry(self):
-        t = time.monotonic()
-        tele = dict(self.identity)
-        if self.node_box is not None:
-            tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
-        gathered = [None] * self.world if self.is0 else None
-        self.dist.gather_object(tele, gathered, dst=0)
-        if not self.is0:
-            self.proto.wait_gate("judge", self.D["telemetry"] + RANK0_GRACE)
-            return
-        self.records = gathered
-        gate = apply_strict(judge_gate(gathered, self.env.get("NCCL_IB_HCA")), self.args.strict)
-        self.findings += gate
-        self.progress("telemetry", ranks=len(gathered), secs=time.monotonic() - t, counts=_counts(gate),
-                      size=max(len(json.dumps(r, default=str)) for r in gathered))
-        if verdict_code(self.findings):
-            raise Verdict(verdict_code(self.findings))
-        self.proto.open_gate("judge")
-
-    # ---------------------------------------------------------------- the performance screen
     def phase_screen_gpu(self):
         """Every rank at once: its device's matmul and memory-copy speed, and on GPU the facts read under
         load, posted on the store. Rank 0 first publishes every rank's groups of the rounds to come."""
@@ -5125,6 +4862,205 @@ class RankRun:
     def _kind(self):
         return "gpu" if self.backend == "nccl" else "cpu"
 
+
+class RankRun(ScreenRunner):
+    """What every rank runs: the phases of PHASES in order, each under deadline(phase), and the plumbing
+    they share. The two roles are subclasses (for_rank picks one):
+
+      Coordinator  rank 0: serves the store, holds the roll call, judges every phase, owns the verdict
+                   (the report, the JSON, the exit code published on the store)
+      Follower     every other rank: reports its own error (if any) and exits with rank 0's code, which
+                   a listener thread reads even while the main thread is blocked in a collective; speaks
+                   for rank 0 when rank 0 gives no verdict in time
+
+    Every way a run ends goes through Verdict and end(). The hooks a role defines: end, phase_bound,
+    enter_phase, own_error, open_store, after_check_in, phase_rollcall's arming, phase_telemetry,
+    results_gathered, phase_final, expire, signalled, progress, header."""
+
+    on_tick = None  # the Coordinator's liveness tick; the others have none
+
+    @staticmethod
+    def for_rank(args, contract, env):
+        return (Coordinator if contract["rank"] == 0 else Follower)(args, contract, env)
+
+    def __init__(self, args, contract, env):
+        self.args, self.c, self.env = args, contract, env
+        self.rank, self.world, self.local_rank = contract["rank"], contract["world_size"], contract["local_rank"]
+        self.is0 = self.rank == 0
+        self.host = env.get("SLURMD_NODENAME") or socket.gethostname()
+        self.addr, self.port = contract["master_addr"], contract["master_port"]
+        self.D = deadlines(args.timeout, args.rollcall_timeout)
+        self.expect = dict(launcher_expectations(env), **{k: getattr(args, "expect_" + k) for k in
+                                                       ("world_size", "nodes", "ranks_per_node")
+                                                       if getattr(args, "expect_" + k) is not None})
+        self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, [], [], {}
+        self.proto = self.poll = self.master = self.probe = self.monitor = self.nccl_log = None
+        self.backend = self.device = self.collectives = self.results = self.bandwidth = None
+        self.identity = self.node_box = None
+        self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
+        self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
+        self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
+        self.speak_lock = threading.Lock()  # speak_for_rank0: one thread speaks and writes the JSON
+        self.wd = Watchdog(self.on_expire, self.on_tick)
+
+    # ---------------------------------------------------------------- flow
+    def run(self):
+        """main() blocked SIGTERM and SIGINT in every thread before this object existed; one thread takes them."""
+        threading.Thread(target=self.on_signal, name="aiv-signals", daemon=True).start()
+        try:
+            self.header()
+            for phase in PHASES:
+                if phase in SCREEN_PHASES and self.args.skip_screen:
+                    continue
+                with self.deadline(phase):
+                    getattr(self, "phase_" + phase.replace("-", "_"))()
+            raise Verdict(EXIT_INTERNAL, [finding("internal", "FAIL", "the phases ended without a verdict",
+                                                  code=EXIT_INTERNAL)])
+        except Verdict as v:
+            self.end(v)
+        except BaseException as e:  # a bug still ends in one line and an exit code, blaming no host
+            print_traceback(e)
+            self.end(Verdict(EXIT_INTERNAL, [internal_finding(e, f"rank {self.rank} on {self.host}")]))
+
+    @contextlib.contextmanager
+    def deadline(self, phase):
+        """Arm the watchdog with the phase's bound (phase_bound); a torch error inside becomes this rank's
+        Verdict, any other exception the tool's own (`internal`); stamp on success. Rank 0 speaks first in
+        every phase: after the roll call every phase starts at a gate rank 0 opens (enter_phase), and the
+        other ranks count their bound + RANK0_GRACE from that gate, however late rank 0 got there."""
+        self.phase, t = phase, time.monotonic()
+        self.phase_t0 = t
+        self.failpoint(phase, only=("skew",))
+        try:
+            if PHASES.index(phase) > PHASES.index("rollcall") and self.proto is not None:
+                self.enter_phase(phase)
+            self.wd.arm(phase, self.phase_bound(phase))
+            self.failpoint(phase, only=("raise",))
+            yield
+        except Verdict:
+            raise
+        except Exception as e:
+            raise self.phase_error(phase, e) from None
+        finally:
+            self.wd.disarm()
+            self.times[phase] = round(time.monotonic() - t, 3)
+        if self.proto is not None:
+            self.proto.stamp(self.rank, phase)
+
+    def phase_error(self, phase, exc):
+        """An error inside a phase. The tool's own (is_tool_error): the `internal` verdict, no host. A torch
+        error: posted on the store, then the role's own_error."""
+        if is_tool_error(exc):
+            return self.internal_error(phase, exc)
+        line = f"rank {self.rank} ({self.host}): {PHASE_WHAT[phase]} failed: {first_line(exc)}"
+        code = EXIT_TIMEOUT if re.search(r"[Tt]imed? ?out|timeout", str(exc)) else EXIT_FAIL
+        if self.proto is not None:
+            try:
+                self.proto.report_error(self.rank, phase, line, code)
+            except Exception:
+                pass
+        return self.own_error(phase, line, code)
+
+    def own_error(self, phase, line, code):
+        """A rank's own torch error in a phase: its host, its rank (rank 0 overrides this once it can name
+        who did not finish the phase)."""
+        return failed(PHASE_CHECK[phase], line, code, [self.host], [self.rank])
+
+    def internal_error(self, phase, exc):
+        """The tool's own error in a phase: posted (so that rank 0 blames nobody for it), then a Verdict."""
+        print_traceback(exc)
+        f = internal_finding(exc, f"rank {self.rank} on {self.host}, during {phase}")
+        if self.proto is not None:
+            with contextlib.suppress(Exception):
+                self.proto.report_error(self.rank, phase, f"rank {self.rank} ({self.host}): {f['reason']}",
+                                        EXIT_INTERNAL, internal=True)
+        return Verdict(EXIT_INTERNAL, [f])
+
+    # ---------------------------------------------------------------- phases
+    def phase_local(self):
+        self.probe = start_import_probe() if self.local_rank == 0 else None
+        self.nccl_log = self.capture_nccl_debug()
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
+        # abort the communicator and raise, never kill the process (1, torchrun's default, kills rank 0
+        # before its verdict); an operator's own setting outside torchrun is kept
+        if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ or (
+                under_torchrun(self.env) and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"):
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        self.progress("contract", rank=self.rank, world=self.world, source=self.c["source"],
+                      local_rank=self.local_rank, master=f"{self.addr}:{self.port}")
+        t = time.monotonic()
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        self.times["import_torch"] = round(time.monotonic() - t, 3)
+        if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
+            self.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
+            self.warm.start()
+        ifaces, expected = list_interfaces(), gpus_expected(self.env, self.args.sysfs_root)
+        local, gpu = self.local_checks(ifaces, expected)
+        if self.backend != "nccl" and self.nccl_log:
+            self._drop_nccl_log()
+        self.identity = {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(),
+                         "loopback": loopback_domain(),
+                         "local_rank": self.local_rank, "backend": self.backend, "device": self.device,
+                         "cvd": self.env.get("CUDA_VISIBLE_DEVICES"), "gpu": gpu,
+                         "gpus_expected": expected or None,
+                         "gloo": gloo_address(self.env, ifaces) if self.backend == "gloo" else None,
+                         "cpus": format_ranges(_cpu_affinity()), "versions": torch_versions(torch),
+                         "local": local, "pid": os.getpid(), "pid_start": (proc_stat(os.getpid()) or ("", ""))[1]}
+        if self.local_rank == 0:
+            self.node_box = {}
+            threading.Thread(target=self._collect_node, args=(self.node_box,), daemon=True).start()
+        ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
+        self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
+                      failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
+
+    def phase_rollcall(self):
+        R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)
+        self.proto = self.open_store(R, prefix, serve)
+        self.progress("rollcall_open", master=f"{self.addr}:{self.port}", world=self.world, seconds=R)
+        self.failpoint("rendezvous")
+        self.before_check_in(R)
+        stray = self.proto.check_in(self.rank, self.identity, self.world, R + RANK0_GRACE)
+        if stray is not None:  # not a rank of this run: rank 0 names it; it takes no verdict of that run
+            self.speak_for_node(f"FAILURE: {stray[0]}: rank {self.rank} ({self.host}, pid {os.getpid()}) is not a "
+                                f"rank of the run at {self.addr}:{self.port}: {stray[1]}")
+            self.exit(EXIT_FAIL)
+        self.after_check_in(R)
+        if self.local_rank == 0:
+            self.start_monitor()
+
+    def open_store(self, R, prefix, serve):
+        """Connect to the store (rank 0's, or torchrun's agent's). The connect and the store's first answer
+        within R + NAMING_S: a listener that accepts but never answers as a store (another service on
+        MASTER_PORT) is named by expire (unanswered)."""
+        self.wd.arm("rollcall", R + NAMING_S - 1)
+        try:
+            return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix)
+        except Exception as e:
+            raise failed("rendezvous", f"rank {self.rank} ({self.host}) cannot reach the "
+                         f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
+                         f"{first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
+
+    def phase_init(self):
+        kw = {"backend": self.backend, "rank": self.rank, "world_size": self.world,
+              "store": self.dist.PrefixStore(self.proto.prefix + "/pg", self.proto.raw),
+              "timeout": datetime.timedelta(seconds=self.D["init"] + TORCH_BACKSTOP_S)}  # ours fires first
+        if self.backend == "nccl":
+            kw["device_id"] = self.torch.device("cuda", self.device)
+        self.failpoint("init")
+        t = time.monotonic()
+        self.dist.init_process_group(**kw)
+        self.progress("init", backend=self.backend, world=self.world, secs=time.monotonic() - t)
+
+    def phase_telemetry(self):
+        tele = dict(self.identity)
+        if self.node_box is not None:
+            tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
+        self.dist.gather_object(tele, None, dst=0)
+        self.proto.wait_gate("judge", self.D["telemetry"] + RANK0_GRACE)
+
     def phase_collective(self):
         torch, w, r, t = self.torch, self.world, self.rank, time.monotonic()
         base = torch.arange(1 << 16, dtype=torch.int64, device=self._device())
@@ -5153,153 +5089,35 @@ class RankRun:
                             imports=self.import_results(), **self.nccl_log_facts())
         gathered = [None] * self.world if self.is0 else None
         dist.gather_object(self.results, gathered, dst=0)
-        if self.is0:
-            self.results = gathered
-            self.collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
-                                "ranks": self.world, "loss": lsum.item() / self.world,
-                                "grads_identical": len({res["grads"] for res in gathered}) == 1}
+        self.results_gathered(gathered, lsum.item())
         self.progress("ddp", secs=time.monotonic() - t)
+
+    def results_gathered(self, gathered, loss_sum):
+        """Rank 0 keeps what the DDP phase gathered; the others have nothing to keep."""
 
     def phase_bandwidth(self):
         if self.args.bandwidth:
-            bw = [self.bandwidth_at(size) for size in self.args.bandwidth]
-            if self.is0:
-                self.collectives["bandwidth"] = bw
+            self.bandwidth = [self.bandwidth_at(size) for size in self.args.bandwidth]
 
-    def phase_final(self):
-        """Rank 0 judges what the collectives returned; the others wait for its verdict."""
-        if not self.is0:
-            self.exit(self.take_verdict(self.proto, self.D["final"] + RANK0_GRACE))
-        for res in self.results:
-            rec = next((x for x in self.records if x["rank"] == res["rank"]), None)
-            if rec is not None:
-                rec["transport"], rec["nccl_net"] = res.get("transport"), res.get("nccl_net")
-                if rec.get("node") is not None and res.get("imports") is not None:
-                    rec["node"]["imports"] = res["imports"]
-        final = (judge_imports(self.records) + judge_collectives(self.results, self.world, self.host_of)
-                 + judge_transport(self.records, self.env.get("NCCL_IB_DISABLE"))
-                 + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw)
-                 + judge_manifest(self.args.manifest_data, self.records, self.screen)
-                 + judge_bands(self.args.manifest_data, self.records, self.screen)  # manifest: drift from the accepted
-                 + judge_strays(self.proto.strays()))  # a stray that came after the roll call: never a PASS
-        self.findings += apply_strict(final, self.args.strict)
-        raise Verdict(verdict_code(self.findings))
-
-    # ---------------------------------------------------------------- the verdict
-    def conclude(self, code, findings, client):
-        """Rank 0 only, from whichever thread gets here first (the main thread, the watchdog or the signal
-        thread): the verdict (give_verdict), then exit. Whatever fails inside, the process still exits,
-        with the verdict or with `internal` (exit 4); it never keeps the lock and lives on."""
-        self.verdict_lock.acquire()  # a second caller waits here until the first one exits the process
-        try:
-            code = self.give_verdict(code, findings, client)
-        except BaseException as e:
-            print_traceback(e)
-            with contextlib.suppress(BaseException):
-                emit(f"FAILURE: internal: {first_line(e)} in {where_raised(e)} (rank 0 on {self.host}, giving the "
-                     "verdict): a bug in the tool, not a fault of the cluster: no host is blamed")
-            code = verdict_code(self.findings) or EXIT_INTERNAL
-        self.exit(code)
-
-    def give_verdict(self, code, findings, client):
-        """Publish the code, print the report, write the JSON; then save the manifest (bounded) and keep the
-        store up for the acks. A report that cannot be rendered is an `internal` FAIL with the FAILURE
-        lines alone; the JSON is written either way. -> the exit code."""
-        self.findings = self.findings + list(findings)
-        try:
-            self.failpoint("report", only=("raise",))
-            st = self.state(verdict_code(self.findings) or code)
-            text = render_report(st)
-        except Exception as e:
-            print_traceback(e)
-            self.findings.append(internal_finding(e, f"rank 0 on {self.host}, rendering the report"))
-            st = self.state(verdict_code(self.findings) or code)
-            text = "\n".join(failure_lines(self.findings))
-        code = st["exit_code"]
-        if client is not None:
-            with contextlib.suppress(Exception):
-                client.publish_verdict(code)
-        self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code,
-                      counts=_counts(self.findings))
-        emit(text)
-        self.write_json(st)
-        if getattr(self.args, "save_manifest", None):  # after the report and the JSON: shared storage may be slow
-            before = len(st["findings"])
-            note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
-            emit("\n".join([f"  [{f['status']}] {f['check']}: {f['reason']}" for f in st["findings"][before:]]
-                           + [f"  NOTE: {n}" for n in st.get("notes") or []]))
-            self.write_json(st)
-        if client is not None:
-            self.wait_acks(client, self.listeners(client))
-        return code
-
-    def listeners(self, client):
-        """How many ranks will acknowledge the verdict: the live ones after the roll call, before it those
-        that checked in so far (each has a listener on the verdict key)."""
-        if self.host_of:
-            return len([r for r in self.host_of if r and r not in self.gone])
-        return max(0, bounded(client.arrived, STORE_OP_S, 1) - 1) if self.proto is not None else 0
-
-    def wait_acks(self, client, n):
-        end = time.monotonic() + min(self.acks_s, self.D["final"])
-        while n > 0 and time.monotonic() < end:
-            try:
-                if client.acks() >= n:
-                    return
-            except Exception:
-                return
-            time.sleep(0.02)
-
-    def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
-        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports."""
-        hosts = sorted(set(self.host_of.values()))
-        try:
-            live, silent = client.settled_live(hosts, budget)
-            stamps, errors = client.stamps(self.world), client.errors()
-        except Exception as e:
-            return finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the "
-                           f"ranks: {first_line(e)}", code=EXIT_TIMEOUT)
-        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
-        if phase in SCREEN_PHASES and self.screen is not None:
-            try:
-                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps)
-            except Exception:
-                f = None
-            if f is not None:
-                return f
-        return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent)
-
+    # ---------------------------------------------------------------- bounds, signals, the way out
     def on_expire(self, phase):
-        """The watchdog's bound passed (see expire). Never lets the bound itself fail: the tool's own error
-        here still ends the process with `internal`."""
+        """The watchdog's bound passed (the role's expire). Never lets the bound itself fail: the tool's own
+        error here still ends the process with `internal`."""
         try:
             self.expire(phase)
         except BaseException as e:
             print_traceback(e)
-            if self.is0:
-                self.conclude(EXIT_INTERNAL, [internal_finding(e, f"rank 0 on {self.host}, at the {phase} bound")],
-                              None)
+            self.expire_failed(phase, e)
             self.exit(EXIT_INTERNAL)
 
-    def expire(self, phase):
-        """Rank 0 names who did not finish; another rank speaks for itself (before the roll call) or for
-        rank 0, which gave no verdict in time."""
-        bound = self.D[phase]
-        cause = f"{PHASE_WHAT[phase]} did not complete within {bound:g}s"
+    def expire_failed(self, phase, exc):
+        """The tool's own error at a bound: rank 0 gives the `internal` verdict; the others just exit 4."""
+
+    def expiry_cause(self, phase):
+        cause = f"{PHASE_WHAT[phase]} did not complete within {self.D[phase]:g}s"
         if phase == "rollcall" and self.proto is None:  # still connecting to the store
-            cause = self.unanswered(bound + NAMING_S)
-        if self.is0:
-            if self.poll is None:
-                self.conclude(EXIT_TIMEOUT, [finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {cause}",
-                                                     [self.host], [0], code=EXIT_TIMEOUT)], self.proto)
-            self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, cause)], self.poll)
-        if self.master is None:
-            self.speak_for_node(f"FAILURE: {PHASE_CHECK[phase]}: rank {self.rank} ({self.host}): {cause}")
-        else:
-            self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from rank 0 "
-                                f"({self.master['host']}) within {bound + RANK0_GRACE:g}s of {phase}: rank 0 is "
-                                f"frozen, hung or unreachable{self.rank0_state()}")
-        self.exit(EXIT_TIMEOUT)
+            cause = self.unanswered(self.D[phase] + NAMING_S)
+        return cause
 
     def unanswered(self, seconds):
         """Why the store's connect did not finish: a listener that accepts but never answers, or none."""
@@ -5311,116 +5129,16 @@ class RankRun:
                 f"the job's store (no answer within {seconds:g}s): another service or a stale process holds "
                 f"the port; pick a free MASTER_PORT")
 
-    def on_tick(self, phase):
-        """Rank 0, every liveness period during a phase after the roll call: a rank whose process is
-        gone ends the phase at once; an error report ends it ERROR_GRACE later."""
-        if self.poll is None or phase in ("local", "rollcall"):
-            return
-        dead = any(s == "gone" for snap in self.poll.live(sorted(set(self.host_of.values()))).values()
-                   for s in (snap.get("ranks") or {}).values())
-        if self.alarm_at is None and (dead or self.poll.error_count()):
-            self.alarm_at = time.monotonic()
-        if dead or (self.alarm_at is not None and time.monotonic() - self.alarm_at >= ERROR_GRACE):
-            self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, f"{PHASE_WHAT[phase]} failed")], self.poll)
-
     def on_signal(self):
         """SIGTERM or SIGINT: scancel, the time limit, preemption, a launcher (torchrun, when another worker
-        died), Ctrl-C. The others post that they were terminated (so that rank 0 does not take them for
-        dead) and exit 128 + the signal. Rank 0 gives its verdict within NAMING_S: `interrupted` (exit 5),
-        naming no host, unless a rank was already dead or frozen before the signal (interruption)."""
+        died), Ctrl-C. main() blocked both in every thread before this object existed; this thread takes
+        them and hands them to the role (signalled)."""
         signum = signal.sigwait({signal.SIGTERM, signal.SIGINT})
-        name, phase = signal.Signals(signum).name, self.phase
-        if not self.is0:
-            if self.proto is not None:
-                line = f"rank {self.rank} ({self.host}): terminated by {name} during {phase}"
-                bounded(lambda: self.proto.clone().report_error(self.rank, phase, line, EXIT_INTERRUPTED, term=True),
-                        STORE_OP_S)
-            self.exit(128 + signum)
-        if self.verdict_lock.locked():  # the verdict is being given already
-            return
-        client = bounded(self.proto.clone, STORE_OP_S) if self.proto is not None else None
-        self.acks_s = ACKS_SIGNALLED_S
-        self.conclude(EXIT_INTERRUPTED, [self.interruption(phase, name, client)], client)
-
-    def interruption(self, phase, name, client):
-        """Rank 0's finding for a signal during `phase`: liveness as it was when the signal came (the ranks
-        it stops are not yet gone), then, TERM_REPORTS_S later, the others' reports."""
-        why = (f"{PHASE_WHAT[phase]} was interrupted by {name} (scancel, the time limit, preemption, the launcher "
-               "or Ctrl-C)")
-        if self.poll is None or client is None:  # before the roll call ended: nobody to name
-            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
-                           code=EXIT_INTERRUPTED)
-        hosts = sorted(set(self.host_of.values()))
-        snap = bounded(lambda: client.live(hosts), SNAPSHOT_S, {})
-        live = {int(r): st for snap_h in snap.values() for r, st in (snap_h.get("ranks") or {}).items()}
-        # this node's ranks read directly: a worker that died just before the launcher's SIGTERM (torchrun
-        # stops the others at once) is gone here, even when the monitor has not posted it yet
-        live.update({rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec.get("pid_start") or ""))
-                     for rec in self.records if rec.get("host") == self.host and rec.get("pid_start")})
-        time.sleep(TERM_REPORTS_S)
-        seen = bounded(lambda: (client.stamps(self.world), client.errors()), SNAPSHOT_S)
-        if seen is None:
-            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
-                           code=EXIT_INTERRUPTED)
-        stamps, errors = seen
-        errors[0] = {"line": f"rank 0 ({self.host}): {name}", "term": True, "internal": False}
-        # the signalled ranks will not acknowledge: the job's KillWait (often 30 s) must not pass on the acks
-        self.gone |= {r for r, e in errors.items() if e.get("term")} | {r for r, st in live.items() if st != "running"}
-        return judge_unfinished(phase, why, self.world, self.host_of, stamps, live, errors)
-
-    def listen(self):
-        """Non-zero ranks: block on the verdict key on a connection of our own and exit with it."""
-        client = self.proto.clone()
-        try:
-            code = self.take_verdict(client, worst_case(self.D, True) + RANK0_GRACE)
-        except Exception as e:
-            self.lost_rank0(e)
-        self.exit(code)
-
-    def lost_rank0(self, exc):
-        if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
-            self.exit(self.verdict_seen)
-        host0 = (self.master or {}).get("host", self.addr)
-        self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) during "
-                             f"{self.phase}: its store at {self.addr}:{self.port} is gone ({first_line(exc)})")
-        self.exit(EXIT_TIMEOUT)
-
-    def take_verdict(self, client, seconds):
-        code = client.wait_verdict(seconds)
-        self.verdict_seen = code
-        with self.ack_lock:
-            if not self.acked:
-                self.acked = True
-                try:
-                    client.ack()
-                except Exception:  # rank 0 stopped waiting for acks: the code is what matters
-                    pass
-        return code
+        self.signalled(signum, signal.Signals(signum).name, self.phase)
 
     def speak_for_node(self, text):
         run = getattr(self.proto, "run", None) or ""  # the roll call's nonce: this run, not an earlier one
         return speak_once_per_node(text, self.env, self.local_rank, f"{self.port}-{run}")
-
-    def speak_for_rank0(self, line):
-        """Rank 0 gave no verdict: say so once per node, and leave a FAIL JSON naming rank 0's host
-        where rank 0 left none (the batch file ends the step once a verdict JSON exists). The listener
-        and the main thread can both get here: the second waits (for ever: the first exits) until
-        the first has written the JSON."""
-        self.speak_lock.acquire()
-        if not self.speak_for_node(line) or not self.args.json or os.path.exists(self.args.json):
-            return
-        host0 = (self.master or {}).get("host", self.addr)
-        self.write_json({"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-                         "verdict": "FAIL", "exit_code": EXIT_TIMEOUT, "world_size": self.world,
-                         "failures": [line], "failed_hosts": [host0], "exclude": host0,
-                         "written_by": f"rank {self.rank} ({self.host})"}, first=True)
-
-    def rank0_state(self):
-        m = self.master or {}
-        if m.get("host") != self.host or not m.get("pid"):
-            return ""
-        st = liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
-        return f" (rank 0's process on this node is {st})"
 
     def exit(self, code):
         """Flush and leave without interpreter teardown (gloo threads can SIGABRT there)."""
@@ -5437,15 +5155,10 @@ class RankRun:
 
     # ---------------------------------------------------------------- helpers of the phases
     def progress(self, key, **kw):
-        if self.is0:
-            emit(f"[{elapsed():9.2f}s] " + PROGRESS[key].format(**kw))
+        """Rank 0 prints the progress lines (Coordinator); the others are silent."""
 
     def header(self):
-        if self.is0:
-            emit("\n".join(HEADER).format(
-                version=VERSION, started=self.started_at, host=self.host, world=self.world,
-                master=f"{self.addr}:{self.port}", port_source=self.c["port_source"], rollcall=self.D["rollcall"],
-                timeout=self.D["init"], expect=" ".join(f"{k}={v}" for k, v in sorted(self.expect.items())) or "none"))
+        """Rank 0 prints the header (Coordinator)."""
 
     def failpoint(self, phase, only=("die", "hang", "pause")):
         """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
@@ -5600,6 +5313,331 @@ class RankRun:
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL)
 
+    def bandwidth_at(self, size):
+        """all_reduce bus bandwidth as nccl-tests defines it: busbw = algbw * 2(n-1)/n, warm-up then
+        timed iterations, device-synchronised, the slowest rank's time; GB/s = 1e9 bytes/s."""
+        torch, dist, dev = self.torch, self.dist, self._device()
+        sync = torch.cuda.synchronize if self.backend == "nccl" else (lambda: None)
+        warm, iters = (5, 20) if self.backend == "nccl" else (1, 3)
+        x = torch.zeros(max(1, size // 4), dtype=torch.float32, device=dev)
+        for _ in range(warm):
+            dist.all_reduce(x)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        sync()
+        dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        sec = dt.item()
+        algbw = size / sec / 1e9
+        busbw = algbw * 2 * (self.world - 1) / self.world
+        self.progress("bandwidth", size=human_bytes(size), us=sec * 1e6, algbw=algbw, busbw=busbw)
+        return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
+
+    def write_json(self, state, first=False):
+        if self.args.json:
+            try:
+                write_json_atomic(self.args.json, state, first)
+            except OSError as e:
+                emit(f"WARNING: could not write --json {self.args.json}: {e.strerror}", sys.stderr)
+
+
+class Coordinator(RankRun):
+    """Rank 0: serves the store, holds the roll call, judges what each phase gathered and owns the
+    verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
+    the watchdog, the signal thread); it names who did not finish a phase (unfinished) from the
+    stamps, the node monitors' liveness and the error reports."""
+
+    def __init__(self, args, contract, env):
+        self.alarm_at = None  # on_tick: when the first error report was seen
+        self.gone = set()  # ranks found dead or frozen: no acknowledgement to wait for
+        self.acks_s = ACKS_S  # how long the store stays up for the acknowledgements
+        self.verdict_lock = threading.Lock()
+        super().__init__(args, contract, env)
+
+    # ---------------------------------------------------------------- flow
+    def end(self, v):
+        self.conclude(v.code, v.findings, self.proto)
+
+    def phase_bound(self, phase):
+        return self.D[phase] + (NAMING_S if phase == "rollcall" else 0)
+
+    def enter_phase(self, phase):
+        """Rank 0 opens every phase's gate after the roll call."""
+        self.proto.open_gate("phase/" + phase)
+
+    def own_error(self, phase, line, code):
+        """Rank 0's own torch error: once the roll call is done, ERROR_GRACE for the others' reports, then
+        the finding naming who did not finish the phase."""
+        if self.poll is None:
+            return super().own_error(phase, line, code)
+        time.sleep(ERROR_GRACE)
+        return Verdict(code, [self.unfinished(phase, self.proto, f"{PHASE_WHAT[phase]} failed", code)])
+
+    # ---------------------------------------------------------------- phases
+    def open_store(self, R, prefix, serve):
+        """Rank 0 serves the store on a socket it bound itself, unless torchrun's agent serves it."""
+        if not serve:
+            return super().open_store(R, prefix, serve)
+        problem = fd_limit_problem(self.world, self.expect.get("nodes") or self.world)
+        if problem:
+            raise failed("rendezvous", f"rank 0 ({self.host}): {problem}", hosts=[self.host])
+        fd = self._listen_socket().detach()
+        return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd)
+
+    def before_check_in(self, R):
+        self.wd.arm("rollcall", R + NAMING_S)  # as deadline() armed it (the connect may have re-armed it)
+        self.proto.publish_world(self.world)
+
+    def after_check_in(self, R):
+        self.roll_call()
+
+    def roll_call(self):
+        """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
+        t, R = time.monotonic(), self.D["rollcall"]
+        complete, strays = self.proto.wait_all(R), self.proto.strays()
+        if strays:  # woken by a stray: the other strays of its launch get a moment to post too
+            time.sleep(ERROR_GRACE)
+            strays = self.proto.strays()
+            self.findings += judge_strays(strays)
+        missing = [] if complete and not strays else self.proto.missing(self.world)
+        absent = set(missing)
+        present = [r for r in range(self.world) if r not in absent]
+        self.records = self.proto.identities(present)
+        self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
+        if missing and not strays:  # ranks still starting when a stray ended the roll call are not late
+            where = slurm_expected_hosts(self.env, self.world)
+            names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
+            more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
+            self.findings.append(finding("rendezvous", "FAIL", f"rank(s) {names}{more} did not check in within "
+                                         f"{R:g}s ({len(present)}/{self.world} reported at {self.addr}:{self.port})",
+                                         [where[r] for r in missing if r in where], missing, code=EXIT_TIMEOUT))
+        self.findings += apply_strict(judge_pre(self.records, self.world, self.expect), self.args.strict)
+        code = verdict_code(self.findings)
+        self.progress("rollcall", present=len(present), world=self.world, secs=time.monotonic() - t,
+                      result="FAIL" if code else "pass")
+        if code:
+            raise Verdict(code)
+        self.proto.prepare(self.records)
+        self.poll = self.proto.clone()
+        self.wd.period = live_period(len(set(self.host_of.values())))
+        self.master = {"host": self.host, "pid": os.getpid(), "nodes": len(set(self.host_of.values()))}
+        self.proto.open_gate("roll", json.dumps(self.master))
+
+    def phase_telemetry(self):
+        t = time.monotonic()
+        tele = dict(self.identity)
+        if self.node_box is not None:
+            tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
+        gathered = [None] * self.world
+        self.dist.gather_object(tele, gathered, dst=0)
+        self.records = gathered
+        gate = apply_strict(judge_gate(gathered, self.env.get("NCCL_IB_HCA")), self.args.strict)
+        self.findings += gate
+        self.progress("telemetry", ranks=len(gathered), secs=time.monotonic() - t, counts=_counts(gate),
+                      size=max(len(json.dumps(r, default=str)) for r in gathered))
+        if verdict_code(self.findings):
+            raise Verdict(verdict_code(self.findings))
+        self.proto.open_gate("judge")
+
+    def phase_bandwidth(self):
+        super().phase_bandwidth()
+        if self.bandwidth:
+            self.collectives["bandwidth"] = self.bandwidth
+
+    def results_gathered(self, gathered, loss_sum):
+        self.results = gathered
+        self.collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
+                            "ranks": self.world, "loss": loss_sum / self.world,
+                            "grads_identical": len({res["grads"] for res in gathered}) == 1}
+
+    def phase_final(self):
+        """Judge what the collectives returned: the verdict."""
+        for res in self.results:
+            rec = next((x for x in self.records if x["rank"] == res["rank"]), None)
+            if rec is not None:
+                rec["transport"], rec["nccl_net"] = res.get("transport"), res.get("nccl_net")
+                if rec.get("node") is not None and res.get("imports") is not None:
+                    rec["node"]["imports"] = res["imports"]
+        final = (judge_imports(self.records) + judge_collectives(self.results, self.world, self.host_of)
+                 + judge_transport(self.records, self.env.get("NCCL_IB_DISABLE"))
+                 + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw)
+                 + judge_manifest(self.args.manifest_data, self.records, self.screen)
+                 + judge_bands(self.args.manifest_data, self.records, self.screen)  # manifest: drift from the accepted
+                 + judge_strays(self.proto.strays()))  # a stray that came after the roll call: never a PASS
+        self.findings += apply_strict(final, self.args.strict)
+        raise Verdict(verdict_code(self.findings))
+
+    # ---------------------------------------------------------------- the verdict
+    def conclude(self, code, findings, client):
+        """Rank 0 only, from whichever thread gets here first (the main thread, the watchdog or the signal
+        thread): the verdict (give_verdict), then exit. Whatever fails inside, the process still exits,
+        with the verdict or with `internal` (exit 4); it never keeps the lock and lives on."""
+        self.verdict_lock.acquire()  # a second caller waits here until the first one exits the process
+        try:
+            code = self.give_verdict(code, findings, client)
+        except BaseException as e:
+            print_traceback(e)
+            with contextlib.suppress(BaseException):
+                emit(f"FAILURE: internal: {first_line(e)} in {where_raised(e)} (rank 0 on {self.host}, giving the "
+                     "verdict): a bug in the tool, not a fault of the cluster: no host is blamed")
+            code = verdict_code(self.findings) or EXIT_INTERNAL
+        self.exit(code)
+
+    def give_verdict(self, code, findings, client):
+        """Publish the code, print the report, write the JSON; then save the manifest (bounded) and keep the
+        store up for the acks. A report that cannot be rendered is an `internal` FAIL with the FAILURE
+        lines alone; the JSON is written either way. -> the exit code."""
+        self.findings = self.findings + list(findings)
+        try:
+            self.failpoint("report", only=("raise",))
+            st = self.state(verdict_code(self.findings) or code)
+            text = render_report(st)
+        except Exception as e:
+            print_traceback(e)
+            self.findings.append(internal_finding(e, f"rank 0 on {self.host}, rendering the report"))
+            st = self.state(verdict_code(self.findings) or code)
+            text = "\n".join(failure_lines(self.findings))
+        code = st["exit_code"]
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.publish_verdict(code)
+        self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code,
+                      counts=_counts(self.findings))
+        emit(text)
+        self.write_json(st)
+        if getattr(self.args, "save_manifest", None):  # after the report and the JSON: shared storage may be slow
+            before = len(st["findings"])
+            note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
+            emit("\n".join([f"  [{f['status']}] {f['check']}: {f['reason']}" for f in st["findings"][before:]]
+                           + [f"  NOTE: {n}" for n in st.get("notes") or []]))
+            self.write_json(st)
+        if client is not None:
+            self.wait_acks(client, self.listeners(client))
+        return code
+
+    def listeners(self, client):
+        """How many ranks will acknowledge the verdict: the live ones after the roll call, before it those
+        that checked in so far (each has a listener on the verdict key)."""
+        if self.host_of:
+            return len([r for r in self.host_of if r and r not in self.gone])
+        return max(0, bounded(client.arrived, STORE_OP_S, 1) - 1) if self.proto is not None else 0
+
+    def wait_acks(self, client, n):
+        end = time.monotonic() + min(self.acks_s, self.D["final"])
+        while n > 0 and time.monotonic() < end:
+            try:
+                if client.acks() >= n:
+                    return
+            except Exception:
+                return
+            time.sleep(0.02)
+
+    def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
+        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports."""
+        hosts = sorted(set(self.host_of.values()))
+        try:
+            live, silent = client.settled_live(hosts, budget)
+            stamps, errors = client.stamps(self.world), client.errors()
+        except Exception as e:
+            return finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the "
+                           f"ranks: {first_line(e)}", code=EXIT_TIMEOUT)
+        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
+        if phase in SCREEN_PHASES and self.screen is not None:
+            try:
+                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps)
+            except Exception:
+                f = None
+            if f is not None:
+                return f
+        return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent)
+
+    def state(self, code):
+        fails = failure_lines(self.findings)
+        failed_hosts = sorted({h for f in self.findings if f["status"] == "FAIL" for h in f["hosts"]})
+        return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+                "started_at": self.started_at, "host": self.host,
+                "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
+                "world_size": self.world, "ranks_reported": len(self.records), "backend": self.backend,
+                "master": f"{self.addr}:{self.port}", "expect": self.expect, "strict": bool(self.args.strict),
+                "deadlines": self.D, "elapsed_s": round(elapsed(), 3), "phases": self.times,
+                "findings": mark_accepted(self.args.manifest_data, self.findings), "failures": fails,
+                "failed_hosts": failed_hosts,
+                "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
+                "suspect_links": (self.screen or {}).get("suspect_links") or [],
+                "collectives": self.collectives, "screen": self.screen, "ranks": self.records,
+                "env": safe_env(self.env)}
+
+    # ---------------------------------------------------------------- bounds and signals
+    def expire(self, phase):
+        """The bound passed: name who did not finish (before the roll call ended, only rank 0 itself)."""
+        cause = self.expiry_cause(phase)
+        if self.poll is None:
+            self.conclude(EXIT_TIMEOUT, [finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {cause}",
+                                                 [self.host], [0], code=EXIT_TIMEOUT)], self.proto)
+        self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, cause)], self.poll)
+
+    def expire_failed(self, phase, exc):
+        self.conclude(EXIT_INTERNAL, [internal_finding(exc, f"rank 0 on {self.host}, at the {phase} bound")], None)
+
+    def on_tick(self, phase):
+        """Rank 0, every liveness period during a phase after the roll call: a rank whose process is
+        gone ends the phase at once; an error report ends it ERROR_GRACE later."""
+        if self.poll is None or phase in ("local", "rollcall"):
+            return
+        dead = any(s == "gone" for snap in self.poll.live(sorted(set(self.host_of.values()))).values()
+                   for s in (snap.get("ranks") or {}).values())
+        if self.alarm_at is None and (dead or self.poll.error_count()):
+            self.alarm_at = time.monotonic()
+        if dead or (self.alarm_at is not None and time.monotonic() - self.alarm_at >= ERROR_GRACE):
+            self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, f"{PHASE_WHAT[phase]} failed")], self.poll)
+
+    def signalled(self, signum, name, phase):
+        """The verdict within NAMING_S: `interrupted` (exit 5), naming no host, unless a rank was already
+        dead or frozen before the signal (interruption)."""
+        if self.verdict_lock.locked():  # the verdict is being given already
+            return
+        client = bounded(self.proto.clone, STORE_OP_S) if self.proto is not None else None
+        self.acks_s = ACKS_SIGNALLED_S
+        self.conclude(EXIT_INTERRUPTED, [self.interruption(phase, name, client)], client)
+
+    def interruption(self, phase, name, client):
+        """Rank 0's finding for a signal during `phase`: liveness as it was when the signal came (the ranks
+        it stops are not yet gone), then, TERM_REPORTS_S later, the others' reports."""
+        why = (f"{PHASE_WHAT[phase]} was interrupted by {name} (scancel, the time limit, preemption, the launcher "
+               "or Ctrl-C)")
+        if self.poll is None or client is None:  # before the roll call ended: nobody to name
+            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
+                           code=EXIT_INTERRUPTED)
+        hosts = sorted(set(self.host_of.values()))
+        snap = bounded(lambda: client.live(hosts), SNAPSHOT_S, {})
+        live = {int(r): st for snap_h in snap.values() for r, st in (snap_h.get("ranks") or {}).items()}
+        # this node's ranks read directly: a worker that died just before the launcher's SIGTERM (torchrun
+        # stops the others at once) is gone here, even when the monitor has not posted it yet
+        live.update({rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec.get("pid_start") or ""))
+                     for rec in self.records if rec.get("host") == self.host and rec.get("pid_start")})
+        time.sleep(TERM_REPORTS_S)
+        seen = bounded(lambda: (client.stamps(self.world), client.errors()), SNAPSHOT_S)
+        if seen is None:
+            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
+                           code=EXIT_INTERRUPTED)
+        stamps, errors = seen
+        errors[0] = {"line": f"rank 0 ({self.host}): {name}", "term": True, "internal": False}
+        # the signalled ranks will not acknowledge: the job's KillWait (often 30 s) must not pass on the acks
+        self.gone |= {r for r, e in errors.items() if e.get("term")} | {r for r, st in live.items() if st != "running"}
+        return judge_unfinished(phase, why, self.world, self.host_of, stamps, live, errors)
+
+    # ---------------------------------------------------------------- output
+    def progress(self, key, **kw):
+        emit(f"[{elapsed():9.2f}s] " + PROGRESS[key].format(**kw))
+
+    def header(self):
+        emit("\n".join(HEADER).format(
+            version=VERSION, started=self.started_at, host=self.host, world=self.world,
+            master=f"{self.addr}:{self.port}", port_source=self.c["port_source"], rollcall=self.D["rollcall"],
+            timeout=self.D["init"], expect=" ".join(f"{k}={v}" for k, v in sorted(self.expect.items())) or "none"))
+
     def _listen_socket(self):
         """Rank 0 binds the store's socket itself: only where MASTER_ADDR points, named errors."""
         try:
@@ -5631,50 +5669,123 @@ class RankRun:
             raise failed("rendezvous", why, hosts=[self.host]) from None
         return s
 
-    def bandwidth_at(self, size):
-        """all_reduce bus bandwidth as nccl-tests defines it: busbw = algbw * 2(n-1)/n, warm-up then
-        timed iterations, device-synchronised, the slowest rank's time; GB/s = 1e9 bytes/s."""
-        torch, dist, dev = self.torch, self.dist, self._device()
-        sync = torch.cuda.synchronize if self.backend == "nccl" else (lambda: None)
-        warm, iters = (5, 20) if self.backend == "nccl" else (1, 3)
-        x = torch.zeros(max(1, size // 4), dtype=torch.float32, device=dev)
-        for _ in range(warm):
-            dist.all_reduce(x)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(x)
-        sync()
-        dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        sec = dt.item()
-        algbw = size / sec / 1e9
-        busbw = algbw * 2 * (self.world - 1) / self.world
-        self.progress("bandwidth", size=human_bytes(size), us=sec * 1e6, algbw=algbw, busbw=busbw)
-        return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
 
-    def state(self, code):
-        fails = failure_lines(self.findings)
-        failed_hosts = sorted({h for f in self.findings if f["status"] == "FAIL" for h in f["hosts"]})
-        return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-                "started_at": self.started_at, "host": self.host,
-                "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
-                "world_size": self.world, "ranks_reported": len(self.records), "backend": self.backend,
-                "master": f"{self.addr}:{self.port}", "expect": self.expect, "strict": bool(self.args.strict),
-                "deadlines": self.D, "elapsed_s": round(elapsed(), 3), "phases": self.times,
-                "findings": mark_accepted(self.args.manifest_data, self.findings), "failures": fails,
-                "failed_hosts": failed_hosts,
-                "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
-                "suspect_links": (self.screen or {}).get("suspect_links") or [],
-                "collectives": self.collectives, "screen": self.screen, "ranks": self.records,
-                "env": safe_env(self.env)}
+class Follower(RankRun):
+    """Every rank but 0: enters each phase at rank 0's gate, reports its own error, and exits with rank
+    0's verdict, read from the store by a listener thread even while the main thread is blocked in a
+    collective. When rank 0 gives none in time, it speaks for rank 0, once per node."""
 
-    def write_json(self, state, first=False):
-        if self.args.json:
+    def __init__(self, args, contract, env):
+        self.verdict_seen = None  # rank 0's exit code, once read
+        self.ack_lock, self.acked = threading.Lock(), False
+        super().__init__(args, contract, env)
+
+    # ---------------------------------------------------------------- flow
+    def end(self, v):
+        """Report (done by phase_error), then take rank 0's verdict; before the roll call, speak for the node."""
+        if self.proto is not None:
+            self.wd.arm(self.phase, self.D[self.phase] + RANK0_GRACE)
             try:
-                write_json_atomic(self.args.json, state, first)
-            except OSError as e:
-                emit(f"WARNING: could not write --json {self.args.json}: {e.strerror}", sys.stderr)
+                code = self.take_verdict(self.proto, self.D[self.phase] + RANK0_GRACE)
+            except Exception as e:  # rank 0's store is gone: that, not our own error, is the news
+                self.lost_rank0(e)
+            self.exit(code)
+        self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
+        self.exit(v.code)
+
+    def phase_bound(self, phase):
+        return self.D[phase] + (RANK0_GRACE if phase != "local" else 0)
+
+    def enter_phase(self, phase):
+        """Wait for rank 0's gate, bounded as the phase itself (rank 0 opens it, or gives a verdict, within
+        the previous phase's bound + NAMING_S of the previous gate)."""
+        wait = self.D[phase] + RANK0_GRACE
+        self.wd.arm(phase, wait)
+        self.proto.wait_gate("phase/" + phase, wait + NAMING_S)  # the watchdog speaks before this raises
+        self.phase_t0 = time.monotonic()  # the phase's own waits count from rank 0's start too
+
+    # ---------------------------------------------------------------- phases
+    def before_check_in(self, R):
+        self.wd.arm("rollcall", R + RANK0_GRACE)  # counted from our arrival: rank 0 may start late
+
+    def after_check_in(self, R):
+        threading.Thread(target=self.listen, name="aiv-listener", daemon=True).start()
+        self.master = json.loads(self.proto.wait_gate("roll", R + RANK0_GRACE))
+
+    def phase_final(self):
+        """Rank 0 judges; this rank waits for its verdict."""
+        self.exit(self.take_verdict(self.proto, self.D["final"] + RANK0_GRACE))
+
+    # ---------------------------------------------------------------- rank 0's verdict
+    def listen(self):
+        """Non-zero ranks: block on the verdict key on a connection of our own and exit with it."""
+        client = self.proto.clone()
+        try:
+            code = self.take_verdict(client, worst_case(self.D, True) + RANK0_GRACE)
+        except Exception as e:
+            self.lost_rank0(e)
+        self.exit(code)
+
+    def take_verdict(self, client, seconds):
+        code = client.wait_verdict(seconds)
+        self.verdict_seen = code
+        with self.ack_lock:
+            if not self.acked:
+                self.acked = True
+                try:
+                    client.ack()
+                except Exception:  # rank 0 stopped waiting for acks: the code is what matters
+                    pass
+        return code
+
+    def lost_rank0(self, exc):
+        if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
+            self.exit(self.verdict_seen)
+        host0 = (self.master or {}).get("host", self.addr)
+        self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) during "
+                             f"{self.phase}: its store at {self.addr}:{self.port} is gone ({first_line(exc)})")
+        self.exit(EXIT_TIMEOUT)
+
+    def expire(self, phase):
+        """Speak for this rank (before the roll call) or for rank 0, which gave no verdict in time."""
+        cause = self.expiry_cause(phase)
+        if self.master is None:
+            self.speak_for_node(f"FAILURE: {PHASE_CHECK[phase]}: rank {self.rank} ({self.host}): {cause}")
+        else:
+            self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from rank 0 "
+                                f"({self.master['host']}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "
+                                f"is frozen, hung or unreachable{self.rank0_state()}")
+        self.exit(EXIT_TIMEOUT)
+
+    def signalled(self, signum, name, phase):
+        """Post that this rank was terminated (so that rank 0 does not take it for dead), exit 128 + signal."""
+        if self.proto is not None:
+            line = f"rank {self.rank} ({self.host}): terminated by {name} during {phase}"
+            bounded(lambda: self.proto.clone().report_error(self.rank, phase, line, EXIT_INTERRUPTED, term=True),
+                    STORE_OP_S)
+        self.exit(128 + signum)
+
+    def speak_for_rank0(self, line):
+        """Rank 0 gave no verdict: say so once per node, and leave a FAIL JSON naming rank 0's host
+        where rank 0 left none (the batch file ends the step once a verdict JSON exists). The listener
+        and the main thread can both get here: the second waits (for ever: the first exits) until
+        the first has written the JSON."""
+        self.speak_lock.acquire()
+        if not self.speak_for_node(line) or not self.args.json or os.path.exists(self.args.json):
+            return
+        host0 = (self.master or {}).get("host", self.addr)
+        self.write_json({"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+                         "verdict": "FAIL", "exit_code": EXIT_TIMEOUT, "world_size": self.world,
+                         "failures": [line], "failed_hosts": [host0], "exclude": host0,
+                         "written_by": f"rank {self.rank} ({self.host})"}, first=True)
+
+    def rank0_state(self):
+        m = self.master or {}
+        if m.get("host") != self.host or not m.get("pid"):
+            return ""
+        st = liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
+        return f" (rank 0's process on this node is {st})"
+
 
 
 def _warm_imports():
@@ -5988,7 +6099,7 @@ def main(argv=None):
     if p["mode"] == "local":
         return launch_local(p["args"], argv, env, p["launch"])
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # taken by RankRun.on_signal only
-    RankRun(p["args"], p["contract"], env).run()
+    RankRun.for_rank(p["args"], p["contract"], env).run()
     return EXIT_FAIL  # not reached: run() always exits the process
 
 
