@@ -4874,7 +4874,7 @@ class RankRun(ScreenRunner):
                    for rank 0 when rank 0 gives no verdict in time
 
     Every way a run ends goes through Verdict and end(). The hooks a role defines: end, phase_bound,
-    enter_phase, own_error, open_store, after_check_in, phase_rollcall's arming, phase_telemetry,
+    enter_phase, own_error, open_store, before_check_in, after_check_in, phase_telemetry,
     results_gathered, phase_final, expire, signalled, progress, header."""
 
     on_tick = None  # the Coordinator's liveness tick; the others have none

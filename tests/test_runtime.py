@@ -240,3 +240,18 @@ def test_fd_limit_problem_names_the_shortfall():
     assert aiv.fd_limit_problem(1, 1) is None
     msg = aiv.fd_limit_problem(hard, 1)
     assert msg and f"is {hard}, below the {2 * hard + 65}" in msg
+
+
+def test_roles_keep_to_their_own_part():
+    """Rank 0 alone gives the verdict; the others alone take it or speak for rank 0; every rank runs the
+    screen. A role that gains the other's part (the interleaving the split removed) fails here."""
+    verdict = {"conclude", "give_verdict", "unfinished", "interruption", "roll_call", "state", "wait_acks"}
+    follow = {"listen", "take_verdict", "lost_rank0", "speak_for_rank0", "rank0_state"}
+    screen = {n for n in vars(aiv.ScreenRunner) if n.startswith("phase_screen_")}
+    assert len(screen) == len(aiv.SCREEN_PHASES)
+    assert verdict <= set(vars(aiv.Coordinator)) and not verdict & set(dir(aiv.Follower))
+    assert follow <= set(vars(aiv.Follower)) and not follow & set(dir(aiv.Coordinator))
+    assert issubclass(aiv.Coordinator, aiv.ScreenRunner) and issubclass(aiv.Follower, aiv.ScreenRunner)
+    for role in (aiv.Coordinator, aiv.Follower):  # each role defines every hook the shared flow calls
+        for hook in ("end", "phase_bound", "enter_phase", "before_check_in", "after_check_in", "expire", "signalled"):
+            assert hook in vars(role), (role.__name__, hook)
