@@ -5054,11 +5054,15 @@ class RankRun(ScreenRunner):
         self.dist.init_process_group(**kw)
         self.progress("init", backend=self.backend, world=self.world, secs=time.monotonic() - t)
 
-    def phase_telemetry(self):
+    def telemetry(self):
+        """This rank's identity and, on a node leader, the node's facts: what the telemetry gather sends."""
         tele = dict(self.identity)
         if self.node_box is not None:
             tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
-        self.dist.gather_object(tele, None, dst=0)
+        return tele
+
+    def phase_telemetry(self):
+        self.dist.gather_object(self.telemetry(), None, dst=0)
         self.proto.wait_gate("judge", self.D["telemetry"] + RANK0_GRACE)
 
     def phase_collective(self):
@@ -5426,12 +5430,8 @@ class Coordinator(RankRun):
         self.proto.open_gate("roll", json.dumps(self.master))
 
     def phase_telemetry(self):
-        t = time.monotonic()
-        tele = dict(self.identity)
-        if self.node_box is not None:
-            tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
-        gathered = [None] * self.world
-        self.dist.gather_object(tele, gathered, dst=0)
+        t, gathered = time.monotonic(), [None] * self.world
+        self.dist.gather_object(self.telemetry(), gathered, dst=0)
         self.records = gathered
         gate = apply_strict(judge_gate(gathered, self.env.get("NCCL_IB_HCA")), self.args.strict)
         self.findings += gate
