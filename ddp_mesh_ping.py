@@ -11,7 +11,8 @@ Phases (each prints one progress line on rank 0):
               (fallback: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / first host of
               SLURM_JOB_NODELIST / a port derived from SLURM_JOB_ID)
   local       backend, GPU device, NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, numpy
-  rendezvous  roll call through a TCPStore on MASTER_ADDR:MASTER_PORT; rank 0 judges
+  rendezvous  roll call through a TCPStore on MASTER_ADDR:MASTER_PORT, every value signed with
+              the job's secret AIV_JOB_SECRET (HMAC-SHA256, bound to the run); rank 0 judges
               layout and GPU affinity before any NCCL communicator exists
   init        torch.distributed.init_process_group on that store
   telemetry   per-rank and per-node facts gathered to rank 0 (gather_object)
@@ -50,7 +51,7 @@ Stable strings for automation:
 #   screen collect  what the performance screen measures                    judge      pure checks of plain data
 #   manifest        --save-manifest / --manifest / --diff-manifest          screen     the screen's pure judges
 #   render          the report                                              verify-log --verify-log
-#   liveness        the node monitor                                        store protocol  the side channel's keys
+#   liveness        the node monitor                                        store protocol  the side channel: keys, Seal
 #   runtime         RankRun: the phases, each under deadline(); its roles Coordinator (rank 0, the verdict),
 #                   Follower (the others), ScreenRunner (the screen); who blames whom: judge_unfinished (judge)
 #   plan, local mode, main   what a command line becomes, local launcher, the entry point
@@ -62,6 +63,8 @@ import difflib
 import errno
 import fcntl
 import hashlib
+import hmac
+import ipaddress
 import json
 import math
 import os
@@ -519,6 +522,8 @@ MANIFEST_LOCK_S = 10.0    # rank 0 at the verdict: the most it waits for another
 LOCK_RETRY_S = 0.2        # how often that lock is tried again (non-blocking) while another job holds it
 # The small waits inside a phase, each also inside the phase's bound (the table below):
 STORE_OP_S = 1.0          # one store operation off the main thread (a report after a signal, a clone, a counter)
+AUDIT_S = 1.0             # rank 0 at the verdict: every value on the store checked once more (StoreProtocol.audit)
+FORGED_POLL_S = 0.1       # a reader that refused a value not of this run looks again this often, within its wait
 SNAPSHOT_S = 1.5          # rank 0, after a signal: one read of liveness, of the stamps and of the reports
 TERM_REPORTS_S = 0.5      # rank 0, after a signal: time for the other ranks' "terminated" reports to arrive
 TORCH_BACKSTOP_S = 30.0   # torch's own process-group timeout lies this far past our bound: ours fires first
@@ -750,7 +755,7 @@ REMOVED_VARS = {"AIV_VERIFY_LOG": "is no longer read (left exported it turned ev
 # AIV_* variables that are no option of the tool, by their owner (a test checks this list against the
 # names those files use). Any other AIV_* variable is a usage error naming the closest known one.
 OWNED_VARS = {
-    "the tool": ("AIV_FAILPOINT", "AIV_FAILPOINT_MARK", "AIV_WARM_IMPORTS"),
+    "the tool": ("AIV_FAILPOINT", "AIV_FAILPOINT_MARK", "AIV_JOB_SECRET", "AIV_WARM_IMPORTS"),
     "submit_smoke_test.sbatch": ("AIV_CPU_BIND", "AIV_SCRIPT", "AIV_STEP_GRACE", "AIV_STEP_KILL_WAIT"),
     "tests and bench": ("AIV_SIM_NODES", "AIV_SIM_TRIALS", "AIV_SLURM_DIR", "AIV_SLURM_INSTALL", "AIV_SLURM_SUBNET",
                         "AIV_TEST_ENV", "AIV_TRACE"),
@@ -763,7 +768,9 @@ def unknown_var(env, parser):
     known += [v for names in OWNED_VARS.values() for v in names] + list(REMOVED_VARS)
     for var in sorted(v for v in env if v.startswith("AIV_") and v not in known):
         near = difflib.get_close_matches(var, known, n=1, cutoff=0.6)
-        return UsageError(f"{var}={env[var][:60]!r} is not a variable of ddp_mesh_ping.py"
+        secret = any(w in name for name in [var] + near for w in ENV_DENY_WORDS)  # a misspelled AIV_JOB_SECRET too
+        shown = "(value not shown)" if secret else repr(env[var][:60])
+        return UsageError(f"{var}={shown} is not a variable of ddp_mesh_ping.py"
                           + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
     return None
 
@@ -799,6 +806,7 @@ def parse_args(argv, env):
     parser = build_parser()
     if unknown_var(env, parser):
         raise unknown_var(env, parser)
+    job_secret(env)  # too short: a usage error (its value is never shown)
     opts = [a for a in parser._actions if hasattr(a, "conv")]
     ns, extra = parser.parse_known_args(list(argv), argparse.Namespace(**{a.dest: _UNSET for a in opts}))
     if extra:
@@ -1435,6 +1443,75 @@ def judge_strays(strays):
                            f"MASTER_ADDR:MASTER_PORT, or the launcher gave out RANK/WORLD_SIZE wrong",
                            [x["host"]], [x["rank"]]))
     return out
+
+
+def forged_what(key, claim):
+    """What a refused store value claimed to be, in words (the claim is quoted, never believed)."""
+    try:
+        c = json.loads(claim)
+    except ValueError:
+        c = None
+    c = c if isinstance(c, dict) else {}
+    kind, _, rest = key.partition("/")
+    who = f" claiming rank {c['rank']}" if "rank" in c else ""
+    if kind == "id":
+        return f"a record for rank {rest}" + (f" (claiming host {c['host']})" if c.get("host") else "")
+    if kind == "screen" and "/" not in rest:
+        return f"a screen post{who} in round {rest}"
+    words = {"stamp": f"a progress stamp for rank {rest}", "live": f"a liveness post for node {rest}",
+             "errors": f"an error report{who}", "gate": f"rank 0's gate {rest}", "ack": f"an acknowledgement "
+             f"for rank {rest}", "verdict": f"the verdict (claiming exit code {claim[:8]})", "world": "the world "
+             "record", "who": f"a claim on rank {rest} ({claim[:80]})", "strays": f"a stray's record{who}",
+             "node": f"the rank list of node {rest}", "all_arrived": "the roll call's all-arrived mark",
+             "forged": "a report of a refused value", "screen": f"the screen plan {rest}"}
+    return words.get(kind, f"the value of {key}")
+
+
+def judge_forged(forged, master, limit=4):
+    """One FAIL per store value that was refused (Seal): something outside the job wrote to the store, or
+    a rank runs without the job's secret. Tamper findings name no host, and while one stands nobody is
+    excluded: the run's own evidence came through that store (Coordinator.state)."""
+    out = []
+    for e in forged[:limit]:
+        hint = ", or a rank of this job was started without its AIV_JOB_SECRET" if "unsigned" in e["why"] else ""
+        f = finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: something "
+                    f"outside the job writes to MASTER_PORT ({master}){hint}; no host is excluded on this run's "
+                    "evidence")
+        f["tamper"] = True
+        out.append(f)
+    if len(forged) > limit:
+        out[-1]["reason"] += f" ({len(forged) - limit} more refused value(s) not shown)"
+    return out
+
+
+def judge_channel(authenticated, nodes, master):
+    """Whether the side channel was authenticated: PASS with the job's secret, WARN without one on more
+    than one node (anything that reaches MASTER_PORT could write the roll call and the verdict)."""
+    if authenticated:
+        return [finding("rendezvous", "PASS", "side channel authenticated: every value on the store carried the "
+                        "job's secret (HMAC-SHA256) and this run's id")]
+    if nodes > 1:
+        return [finding("rendezvous", "WARN", f"side channel not authenticated: AIV_JOB_SECRET is not set, so "
+                        f"anything that reaches MASTER_PORT ({master}) can write the roll call, the culprits and "
+                        "the verdict; submit_smoke_test.sbatch sets one, under torchrun export one (README)")]
+    return []
+
+
+def judge_store_peers(peers, allowed, authenticated, master):
+    """Connections to rank 0's store from an address that is no node of the run (peers, allowed: IP
+    strings): WARN when every value is authenticated anyway, FAIL (no host excluded) when not."""
+    outside = sorted(set(peers) - set(allowed))
+    if not outside:
+        return []
+    what = (f"{len(outside)} connection source(s) to the store at {master} outside the run's nodes: "
+            f"{', '.join(outside[:8])}{' ...' if len(outside) > 8 else ''}")
+    if authenticated:
+        return [finding("rendezvous", "WARN", f"{what}; every value it holds carried the job's secret, so none "
+                        "of theirs was believed")]
+    f = finding("rendezvous", "FAIL", f"{what}; the side channel is not authenticated (AIV_JOB_SECRET unset), so "
+                "what they wrote cannot be told from the run's own records; no host is excluded on this run's evidence")
+    f["tamper"] = True
+    return [f]
 
 
 def judge_layout(records, expect):
@@ -4166,7 +4243,10 @@ def node_monitor(cfg):
     ended = all(liveness(proc_stat(p), first[r]) == "gone" for r, p in pids.items())
     wait = datetime.timedelta(seconds=1 if ended else MONITOR_CONNECT_S)
     raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, wait)
-    proto = StoreProtocol(dist.PrefixStore(cfg["prefix"], raw))
+    seal = Seal(job_secret(os.environ), run_base(os.environ))  # the secret travels in the environment only
+    seal.run = cfg.get("run")
+    proto = StoreProtocol(dist.PrefixStore(cfg["prefix"], raw), seal=seal)
+    proto.tells = True  # what it refuses (a liveness post written over its own) goes to rank 0
     if cfg.get("run") and not proto.is_run(cfg["run"]):  # its run ended; a later run serves this port now
         return 0
     end, seq = time.monotonic() + cfg["lifetime"], 0
@@ -4181,13 +4261,110 @@ def node_monitor(cfg):
 
 
 # ============================================================================ store protocol
+def norm_ip(text):
+    """'0000:...:0001' -> '::1', '::ffff:10.0.0.1' -> '10.0.0.1' (None: not an address)."""
+    try:
+        ip = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
+
+
+def store_peers(port):
+    """The remote addresses of the TCP connections this process accepted on `port` (rank 0's store):
+    a set of IPs, None when psutil cannot tell."""
+    try:
+        import psutil
+        me = psutil.Process()
+        conns = me.net_connections("tcp") if hasattr(me, "net_connections") else me.connections("tcp")
+    except Exception:
+        return None
+    return {norm_ip(c.raddr.ip) for c in conns if c.laddr and c.laddr.port == port and c.raddr} - {None}
+
+
+SECRET_VAR, SECRET_MIN = "AIV_JOB_SECRET", 32  # the job's secret: the batch file and local mode make 64 hex digits
+
+
+def job_secret(env):
+    """The job's secret (bytes), None when unset; UsageError when it is too weak to authenticate. The
+    value is never echoed: not here, not in the report, the JSON or the manifest."""
+    raw = env.get(SECRET_VAR)
+    if raw is None:
+        return None
+    if len(raw.strip()) < SECRET_MIN:
+        raise UsageError(f"{SECRET_VAR} is set but holds {len(raw.strip())} character(s), fewer than {SECRET_MIN}: too "
+                         "weak to authenticate the side channel; unset it, or export a fresh one: export "
+                         f"{SECRET_VAR}=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
+    return raw.strip().encode()
+
+
+def run_base(env):
+    """'<job>.<step>' from Slurm ('' outside Slurm): the part of the run id that binds a record to its job."""
+    return ".".join(env.get(v, "") for v in ("SLURM_JOB_ID", "SLURM_STEP_ID")).strip(".")
+
+
+class Forged(Exception):
+    """A store value that is not this run's: it did not carry the job's secret, or it was replayed
+    from another run. key: the store key; claim: what the value said it was (never believed)."""
+
+    def __init__(self, key, raw, why):
+        super().__init__(f"{key}: {why}")
+        self.key, self.raw, self.why = key, raw, why
+
+
+class Seal:
+    """Every value on the side channel is '<tag>|<run id>|<payload>', tag = HMAC-SHA256 of (run id, key,
+    payload) with the job's secret ('-' without one). The run id is '<job>.<step>.<nonce>'; rank 0 picks
+    the nonce and publishes the run id in the world record, so a record of another run (another job,
+    step or roll call) is refused even when it carries the secret. Without a secret, values are only
+    checked for their run id: the report says the channel is not authenticated."""
+
+    def __init__(self, secret=None, base=""):
+        self.secret, self.base, self.run = secret, base, None
+
+    @property
+    def authenticated(self):
+        return self.secret is not None
+
+    def tag(self, run, key, payload):
+        if self.secret is None:
+            return "-"
+        return hmac.new(self.secret, f"{run}\0{key}\0{payload}".encode(), hashlib.sha256).hexdigest()
+
+    def seal(self, key, payload, run=None):
+        run = run or self.run
+        return f"{self.tag(run, key, payload)}|{run}|{payload}"
+
+    def unseal(self, key, value, world=False):
+        """The payload of a value under `key`, or Forged. world: the world record, which sets the run id
+        (its job and step must be ours, when we know them)."""
+        text = value.decode(errors="replace") if isinstance(value, bytes) else value
+        parts = text.split("|", 2)
+        if len(parts) != 3 or not parts[1]:
+            raise Forged(key, text, "did not carry the job's secret" if self.secret is not None
+                         else "was not written by this tool (no run id)")
+        tag, run, payload = parts
+        if self.secret is not None and not hmac.compare_digest(tag, self.tag(run, key, payload)):
+            raise Forged(key, payload, "did not carry the job's secret" + (" (it is unsigned)" if tag == "-" else ""))
+        if world:
+            if self.base and run.rsplit(".", 1)[0] != self.base:
+                raise Forged(key, payload, f"is a record of another job or step (run {run}, this is {self.base})")
+        elif run != self.run:
+            raise Forged(key, payload, f"is a replay of another run (run {run}, this is {self.run})")
+        return payload
+
+
 class StoreProtocol:
     """The run's side channel: one TCPStore that every rank reaches, served by rank 0 (or, under
     torchrun, by the agent). A TCPStore client serialises its operations, so each thread that
-    blocks on the store has its own connection (clone()). Every key, under one prefix:
+    blocks on the store has its own connection (clone()). Every value is sealed (Seal: the job's
+    secret and the run id); a value that does not unseal is never believed: it is dropped and kept in
+    `forged` (shared by the clones), and a rank other than 0 reports it to rank 0 under `forged`.
+    Counters (arrived, nerr, acks, screen/<round>/n) cannot be signed: they only wake a reader, who
+    then counts the sealed records. Every key, under one prefix:
 
-      world          {"world": N, "run": nonce}: the world size every rank is held to, and the
-                     run's nonce (said markers, node monitors)   rank 0, before its check-in
+      world          {"world": N, "run": run id}: the world size every rank is held to, and the
+                     run id every value is bound to (said markers, node monitors)   rank 0, first
       who/<rank>     'pid P on HOST' of the rank's first claimant (compare_set)   each rank
       strays         processes refused at the check-in (JSON lines, stray_reason)   a stray
       id/<rank>      identity at the roll call (JSON)             each rank
@@ -4197,8 +4374,9 @@ class StoreProtocol:
       live/<host>    {"seq": n, "ranks": {rank: state}}           each node's monitor
       gate/<name>    rank 0's go after the roll call and the judge rank 0
       errors, nerr   error lines (JSON, appended) and their count  any rank
+      forged         values a rank refused (JSON lines: key, why, claim)   any rank but 0
       verdict        rank 0's exit code: listeners exit with it   rank 0
-      acks           ranks that read the verdict                  each rank
+      ack/<rank>, acks  a rank read the verdict; how many did (counter)   each rank
       screen/plan/<rank>, screen/plan3/<rank>                     rank 0
                      the rank's groups of the screen rounds (JSON, screen_rank_plans): intra, p1, p2
                      (p3 for 3 nodes), then the suspect round p3
@@ -4208,78 +4386,220 @@ class StoreProtocol:
       gate/screen    rank 0's go after the screen's judgement     rank 0
     Measurements travel here, not through a collective of the world, so that a hung group of two
     nodes cannot hang the others: rank 0 waits for the keys within the phase's bound and names the
-    groups whose members did not post.
+    groups whose members did not post. Nothing here is unpickled: every payload is JSON or a number.
     """
 
-    def __init__(self, store, raw=None, prefix=None):
+    def __init__(self, store, raw=None, prefix=None, seal=None, shared=None):
         self.store, self.raw, self.prefix = store, raw, prefix
-        self.run = None  # the run's nonce, once published (rank 0) or read at the check-in
+        self.seal = seal if seal is not None else Seal()
+        # shared by the clones: forged [{key, why, claim, seen_by}], mine {key: the sealed value this process
+        # wrote last}, lists {appended keys read} (what audit() checks again at the verdict)
+        self.shared = shared if shared is not None else {"forged": [], "mine": {}, "lists": set()}
+        self.forged = self.shared["forged"]
+        self.rank = self.world = None
+        self.tells = False  # refusals are reported to rank 0 (every process but rank 0's)
 
     @classmethod
-    def open(cls, dist, addr, port, timeout, prefix, listen_fd=None):
+    def open(cls, dist, addr, port, timeout, prefix, listen_fd=None, seal=None):
         """Serve the store on a socket rank 0 bound itself (listen_fd), or connect to it."""
         t = datetime.timedelta(seconds=timeout)
         if listen_fd is None:
             raw = dist.TCPStore(addr, port, None, False, t)
         else:
             raw = dist.TCPStore(addr, port, None, True, t, wait_for_workers=False, master_listen_fd=listen_fd)
-        return cls(dist.PrefixStore(prefix, raw), raw, prefix)
+        return cls(dist.PrefixStore(prefix, raw), raw, prefix, seal)
 
     def clone(self):
-        return StoreProtocol(self.store.clone(), None, self.prefix)
+        c = StoreProtocol(self.store.clone(), None, self.prefix, self.seal, self.shared)
+        c.rank, c.world, c.tells = self.rank, self.world, self.tells
+        return c
+
+    @property
+    def run(self):
+        """The run id (rank 0 publishes it; the others read it at the check-in)."""
+        return self.seal.run
 
     def _wait(self, keys, seconds):
         self.store.wait(keys, datetime.timedelta(seconds=max(0.001, seconds)))
 
+    # -- sealing
+    def _set(self, key, payload):
+        """Write a key only this process writes (or writes first), as compare_set from the value it wrote
+        last: a value someone else put there in between comes back, and is refused unless it unseals (a
+        forger that writes before the owner is found by the owner; one that writes after, by audit())."""
+        val = self.seal.seal(key, payload)
+        got = self.store.compare_set(key, self.shared["mine"].get(key, ""), val)
+        if got != val.encode():
+            self._open(key, got)
+            self.store.set(key, val)
+        self.shared["mine"][key] = val
+
+    def _multi_set(self, keys, payloads):
+        vals = [self.seal.seal(k, p) for k, p in zip(keys, payloads, strict=True)]
+        self.store.multi_set(keys, vals)
+        self.shared["mine"].update(zip(keys, vals, strict=True))
+
+    def _append(self, key, payload):
+        self.store.append(key, self.seal.seal(key, payload) + "\n")
+
+    def _open(self, key, value, default=None):
+        """The payload of a sealed value; `default` (and the forgery kept) when it does not unseal."""
+        try:
+            return self.seal.unseal(key, value)
+        except Forged as e:
+            self.refuse(e)
+            return default
+
+    def _lines(self, key):
+        """The payloads of an appended key's sealed lines (forged lines dropped)."""
+        self.shared["lists"].add(key)
+        if not self.store.check([key]):
+            return []
+        lines = self.store.get(key).decode(errors="replace").splitlines()
+        return [p for p in (self._open(key, ln) for ln in lines if ln) if p is not None]
+
+    def _wait_valid(self, key, seconds):
+        """Wait for `key` to hold a value that unseals, within `seconds` (a forged value is refused and
+        waited past: the real writer may still overwrite it). TimeoutError when none came."""
+        end = time.monotonic() + seconds
+        while True:
+            self._wait([key], end - time.monotonic())
+            payload = self._open(key, self.store.get(key))
+            if payload is not None:
+                return payload
+            if time.monotonic() >= end:
+                raise TimeoutError(f"{key} held no value of this run within {seconds:g}s")
+            time.sleep(FORGED_POLL_S)
+
+    def refuse(self, exc):
+        """Keep a forgery (once per key and reason); a rank other than 0 also tells rank 0 (best effort)."""
+        claim = exc.raw if isinstance(exc.raw, str) else str(exc.raw)
+        try:
+            said = json.loads(claim)
+        except ValueError:
+            said = None
+        if isinstance(said, dict):  # what it claimed to be, for the line: its rank and host
+            claim = json.dumps({k: said[k] for k in ("rank", "host") if k in said})
+        entry = {"key": exc.key, "why": exc.why, "claim": claim[:300], "seen_by": self.rank}
+        if any(e["key"] == entry["key"] and e["why"] == entry["why"] for e in self.forged):
+            return
+        self.forged.append(entry)
+        if self.tells and self.seal.run:
+            with contextlib.suppress(Exception):
+                self._append("forged", json.dumps(entry))
+
+    def forgeries(self):
+        """Rank 0: every forgery seen, its own and those the others reported."""
+        for e in map(json.loads, self._lines("forged")):
+            if not any(f["key"] == e.get("key") and f["why"] == e.get("why") for f in self.forged):
+                self.forged.append(e)
+        return list(self.forged)
+
     # -- roll call
     def publish_world(self, world):
-        """Rank 0, before its check-in: the world size every rank is held to, and the run's nonce."""
-        self.run = os.urandom(6).hex()
-        self.store.set("world", json.dumps({"world": world, "run": self.run}))
+        """Rank 0, before its check-in: the world size every rank is held to, and the run id."""
+        nonce = os.urandom(8).hex()
+        self.seal.run, self.world = f"{self.seal.base}.{nonce}" if self.seal.base else nonce, world
+        self._set("world", json.dumps({"world": world, "run": self.seal.run}))
+
+    def read_world(self, value):
+        """The world record -> {'world', 'run'} (Forged when it is not this job's, or its run id is not the
+        one it is sealed with)."""
+        payload = self.seal.unseal("world", value, world=True)
+        w = json.loads(payload)
+        if value.decode(errors="replace").split("|", 2)[1] != w.get("run"):
+            raise Forged("world", payload, "carries a run id other than the one it is sealed with")
+        return w
+
+    def adopt_run(self):
+        """Before its check-in (an error, a signal): take the run id from the world record, if there is one
+        that unseals, so that the report is bound to this run. -> whether a run id is known."""
+        try:
+            if self.store.check(["world"]):
+                self.seal.run = self.read_world(self.store.get("world"))["run"]
+        except Forged as e:
+            self.refuse(e)
+        return self.seal.run is not None
 
     def check_in(self, rank, identity, world, seconds):
         """Claim the rank (the first claimant's 'pid P on HOST' stays in who/<rank>) and check in; a
         process that is no rank of rank 0's world (stray_reason) is posted under `strays` instead, and
-        wakes rank 0's roll call. -> None, or the stray's (check, reason)."""
-        self._wait(["world"], seconds)
-        w = json.loads(self.store.get("world"))
-        world0, self.run, who = int(w["world"]), w["run"], f"pid {identity['pid']} on {identity['host']}"
+        wakes rank 0's roll call. A claim that does not unseal is refused (and reported) and replaced
+        by ours. -> None, or the stray's (check, reason)."""
+        end = time.monotonic() + seconds
+        while True:
+            self._wait(["world"], end - time.monotonic())
+            try:
+                w = self.read_world(self.store.get("world"))
+                break
+            except Forged as e:
+                self.refuse(e)
+                if time.monotonic() >= end:
+                    raise TimeoutError(f"the world record held no record of this job within {seconds:g}s") from None
+                time.sleep(FORGED_POLL_S)
+        world0, self.seal.run, self.world, self.rank = int(w["world"]), w["run"], int(w["world"]), rank
+        self.tells = rank != 0
+        if self.forged and self.tells:  # refused before the run id was known: rank 0 hears of them now
+            for e in list(self.forged):
+                with contextlib.suppress(Exception):
+                    self._append("forged", json.dumps(dict(e, seen_by=rank)))
+        who = self.seal.seal(f"who/{rank}", f"pid {identity['pid']} on {identity['host']}")
         stray = stray_reason(rank, world, world0, None)  # a stray of another world claims no rank
         if stray is None:
-            got = self.store.compare_set(f"who/{rank}", "", who).decode(errors="replace")
-            stray = stray_reason(rank, world, world0, None if got == who else got)
+            got = self.store.compare_set(f"who/{rank}", "", who)
+            if got != who.encode() and self._open(f"who/{rank}", got) is None:  # a forged claim: ours instead
+                got = self.store.compare_set(f"who/{rank}", got, who)
+            first = None if got == who.encode() else self._open(f"who/{rank}", got, "an unreadable claim")
+            stray = stray_reason(rank, world, world0, first)
         if stray is not None:
             entry = {"rank": rank, "host": identity["host"], "pid": identity["pid"], "check": stray[0],
                      "why": stray[1]}
-            self.store.append("strays", json.dumps(entry) + "\n")
-            self.store.set("all_arrived", "stray")
+            self._append("strays", json.dumps(entry))
+            self._set("all_arrived", "stray")
             return stray
-        self.store.multi_set([f"id/{rank}", f"stamp/{rank}"], [json.dumps(identity, default=str), "0"])
+        self._set(f"id/{rank}", json.dumps(identity, default=str))
+        self._set(f"stamp/{rank}", "0")
         if self.store.add("arrived", 1) == world:
-            self.store.set("all_arrived", "1")
+            self._set("all_arrived", "1")
         return None
 
     def is_run(self, run):
-        """Whether this store is the run whose nonce is `run`."""
-        return self.store.check(["world"]) and json.loads(self.store.get("world")).get("run") == run
-
-    def strays(self):
-        if not self.store.check(["strays"]):
-            return []
-        return [json.loads(ln) for ln in self.store.get("strays").decode(errors="replace").splitlines() if ln]
-
-    def wait_all(self, seconds):
+        """Whether this store is the run whose run id is `run`."""
+        if not self.store.check(["world"]):
+            return False
         try:
-            self._wait(["all_arrived"], seconds)
-            return True
-        except Exception:
+            return self.read_world(self.store.get("world")).get("run") == run
+        except Forged as e:
+            self.refuse(e)
             return False
 
+    def strays(self):
+        return [json.loads(p) for p in self._lines("strays")]
+
+    def wait_all(self, seconds):
+        """Whether all_arrived was set within `seconds` (a wake-up only: the records are what counts)."""
+        try:
+            self._wait(["all_arrived"], seconds)
+        except Exception:
+            return False
+        return self._open("all_arrived", self.store.get("all_arrived")) is not None
+
+    def all_in(self, world):
+        """Whether every rank's record is there (one round trip)."""
+        return self.store.check([f"id/{r}" for r in range(world)])
+
     def missing(self, world):
+        if self.all_in(world):
+            return []
         return [r for r in range(world) if not self.store.check([f"id/{r}"])]
 
     def identities(self, ranks):
-        return [json.loads(v) for v in self.store.multi_get([f"id/{r}" for r in ranks])] if ranks else []
+        """The identities of `ranks` that unseal (a forged one is kept in `forged`, not returned)."""
+        if not ranks:
+            return []
+        vals = self.store.multi_get([f"id/{r}" for r in ranks])
+        out = [self._open(f"id/{r}", v) for r, v in zip(ranks, vals, strict=True)]
+        return [json.loads(p) for p in out if p is not None]
 
     def prepare(self, records):
         """Rank 0, before the go: each node's ranks and PIDs, empty liveness and error keys (so that
@@ -4287,26 +4607,30 @@ class StoreProtocol:
         nodes = {}
         for rec in records:
             nodes.setdefault(rec["host"], []).append([rec["rank"], rec["pid"], rec.get("pid_start")])
-        keys = [f"node/{h}" for h in nodes] + [f"live/{h}" for h in nodes] + ["errors"]
-        vals = [json.dumps(v) for v in nodes.values()] + ["{}"] * len(nodes) + [""]
-        self.store.multi_set(keys, vals)
+        self._multi_set([f"node/{h}" for h in nodes] + [f"live/{h}" for h in nodes],
+                        [json.dumps(v) for v in nodes.values()] + ["{}"] * len(nodes))
+        self.store.set("errors", "")
 
     def node_ranks(self, host):
-        return json.loads(self.store.get(f"node/{host}"))
+        """A node's [[rank, pid, start], ...] (None when the record does not unseal)."""
+        payload = self._open(f"node/{host}", self.store.get(f"node/{host}"))
+        return None if payload is None else json.loads(payload)
 
     # -- progress and liveness
     def stamp(self, rank, phase):
-        self.store.set(f"stamp/{rank}", str(PHASES.index(phase)))
+        self._set(f"stamp/{rank}", str(PHASES.index(phase)))
 
     def stamps(self, world):
-        return {r: int(v) for r, v in enumerate(self.store.multi_get([f"stamp/{r}" for r in range(world)]))}
+        """{rank: index in PHASES}; a forged stamp counts as the check-in's (0)."""
+        vals = self.store.multi_get([f"stamp/{r}" for r in range(world)])
+        return {r: int(self._open(f"stamp/{r}", v, "0")) for r, v in enumerate(vals)}
 
     def post_live(self, host, seq, states):
-        self.store.set(f"live/{host}", json.dumps({"seq": seq, "ranks": states}))
+        self._set(f"live/{host}", json.dumps({"seq": seq, "ranks": states}))
 
     def live(self, hosts):
-        return {h: json.loads(v) for h, v in zip(hosts, self.store.multi_get([f"live/{h}" for h in hosts]),
-                                                 strict=True)}
+        vals = self.store.multi_get([f"live/{h}" for h in hosts])
+        return {h: json.loads(self._open(f"live/{h}", v, "{}")) for h, v in zip(hosts, vals, strict=True)}
 
     def settled_live(self, hosts, budget):
         """Liveness once every node has posted after this call (or its ranks are all gone), within
@@ -4325,74 +4649,118 @@ class StoreProtocol:
     def screen_publish(self, name, plans):
         """Rank 0: each rank's part of a plan ({rank: dict}) under screen/<name>/<rank>, in one write."""
         ranks = sorted(plans)
-        self.store.multi_set([f"screen/{name}/{r}" for r in ranks], [json.dumps(plans[r]) for r in ranks])
+        self._multi_set([f"screen/{name}/{r}" for r in ranks], [json.dumps(plans[r]) for r in ranks])
 
     def screen_plan(self, name, rank, seconds):
-        self._wait([f"screen/{name}/{rank}"], seconds)
-        return json.loads(self.store.get(f"screen/{name}/{rank}"))
+        return json.loads(self._wait_valid(f"screen/{name}/{rank}", seconds))
 
     def screen_post(self, rnd, rank, data, world):
-        self.store.append(f"screen/{rnd}", json.dumps(dict(data, rank=rank)) + "\n")
+        self._append(f"screen/{rnd}", json.dumps(dict(data, rank=rank)))
         if self.store.add(f"screen/{rnd}/n", 1) == world:
-            self.store.set(f"screen/{rnd}/all", "1")
+            self._set(f"screen/{rnd}/all", "1")
 
     def screen_wait(self, rnd, seconds):
-        """Whether every rank posted the round within `seconds`."""
-        try:
-            self._wait([f"screen/{rnd}/all"], seconds)
-            return True
-        except Exception:
-            return False
+        """Whether every rank posted the round within `seconds`: screen/<round>/all wakes the wait, the
+        sealed posts of the whole world end it."""
+        end = time.monotonic() + seconds
+        while True:
+            try:
+                self._wait([f"screen/{rnd}/all"], end - time.monotonic())
+            except Exception:
+                return False
+            if self.world is None or len(self.screen_posts(rnd)) >= self.world:
+                return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(FORGED_POLL_S)
 
     def screen_posts(self, rnd):
-        """{rank: its post} of a round, so far."""
-        if not self.store.check([f"screen/{rnd}"]):
-            return {}
-        lines = self.store.get(f"screen/{rnd}").decode(errors="replace").splitlines()
-        return {int(e["rank"]): e for e in map(json.loads, filter(None, lines))}
+        """{rank: its post} of a round, so far (sealed posts only)."""
+        return {int(e["rank"]): e for e in map(json.loads, self._lines(f"screen/{rnd}"))}
 
     # -- gates, errors, verdict
     def open_gate(self, name, value="go"):
-        self.store.set(f"gate/{name}", value)
+        self._set(f"gate/{name}", value)
 
     def wait_gate(self, name, seconds):
-        self._wait([f"gate/{name}"], seconds)
-        return self.store.get(f"gate/{name}").decode()
+        return self._wait_valid(f"gate/{name}", seconds)
 
     def report_error(self, rank, phase, line, code, term=False, internal=False):
+        if self.seal.run is None and not self.adopt_run():  # no run to report into yet
+            return
         entry = {"rank": rank, "phase": phase, "line": line, "code": code, "term": term, "internal": internal}
-        self.store.append("errors", json.dumps(entry) + "\n")
+        self._append("errors", json.dumps(entry))
         self.store.add("nerr", 1)
 
     def error_count(self):
+        """Error reports posted (a counter: a wake-up; errors() holds the sealed reports)."""
         return self.store.add("nerr", 0)
 
     def errors(self):
         """{rank: {'line', 'term', 'internal'}}: the first report of each rank (term: it was terminated by a
         signal; internal: it hit the tool's own error)."""
         out = {}
-        for ln in self.store.get("errors").decode(errors="replace").splitlines():
-            e = json.loads(ln)
+        for e in map(json.loads, self._lines("errors")):
             entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False, "internal": False})
             entry["term"] = entry["term"] or bool(e.get("term"))
             entry["internal"] = entry["internal"] or bool(e.get("internal"))
         return out
 
     def publish_verdict(self, code):
-        self.store.set("verdict", str(code))
+        self._set("verdict", str(code))
+
+    def verdict_holds(self, code):
+        """Rank 0, while it waits for the acks: whether the verdict key still holds its sealed code
+        (a value written over it from outside is refused by every listener)."""
+        return self._open("verdict", self.store.get("verdict")) == str(code)
 
     def wait_verdict(self, seconds):
-        self._wait(["verdict"], seconds)
-        return int(self.store.get("verdict"))
+        return int(self._wait_valid("verdict", seconds))
 
-    def ack(self):
+    def ack(self, rank):
+        self._set(f"ack/{rank}", "1")
         self.store.add("acks", 1)
 
     def acks(self):
         return self.store.add("acks", 0)
 
+    def acked(self, ranks):
+        """Whether every one of `ranks` left its sealed acknowledgement."""
+        keys = [f"ack/{r}" for r in ranks]
+        if not keys or not self.store.check(keys):
+            return not keys
+        return all(self._open(k, v) == "1" for k, v in zip(keys, self.store.multi_get(keys), strict=True))
+
     def arrived(self):
         return self.store.add("arrived", 0)
+
+    def audit(self, ranks, hosts):
+        """Rank 0, before it publishes the verdict: every value the run wrote, checked once more, so that a
+        value written from outside is found even where nobody read it after (a stamp on a passing run,
+        a screen post after its round was judged). Rank 0's own values must still be its own; each
+        rank's identity, claim and stamp, each node's liveness, and every appended list read so far
+        must unseal; a verdict key before the verdict is foreign. -> the forgeries (forgeries())."""
+        mine = dict(self.shared["mine"])
+        keys = self._existing(sorted(mine))
+        for k, v in zip(keys, self._values(keys), strict=True):
+            if v.decode(errors="replace") != mine[k]:
+                self._open(k, v)  # written over: refused unless it is one of this run's values
+        others = [f"{kind}/{r}" for r in ranks for kind in ("id", "who", "stamp")] + [f"live/{h}" for h in hosts]
+        others = self._existing([k for k in others if k not in mine] + ([] if "verdict" in mine else ["verdict"]))
+        for k, v in zip(others, self._values(others), strict=True):
+            self._open(k, v)
+        for key in sorted(self.shared["lists"] | {"errors", "strays"}):
+            self._lines(key)
+        return self.forgeries()
+
+    def _existing(self, keys):
+        """The keys of `keys` that exist (one round trip when all do): a read never waits for a key."""
+        if not keys or self.store.check(keys):
+            return keys
+        return [k for k in keys if self.store.check([k])]
+
+    def _values(self, keys):
+        return self.store.multi_get(keys) if keys else []
 
 
 # ============================================================================ runtime
@@ -4902,6 +5270,7 @@ class RankRun(ScreenRunner):
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
         self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
         self.speak_lock = threading.Lock()  # speak_for_rank0: one thread speaks and writes the JSON
+        self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
         self.wd = Watchdog(self.on_expire, self.on_tick)
 
     # ---------------------------------------------------------------- flow
@@ -5008,7 +5377,8 @@ class RankRun(ScreenRunner):
                          "gpus_expected": expected or None,
                          "gloo": gloo_address(self.env, ifaces) if self.backend == "gloo" else None,
                          "cpus": format_ranges(_cpu_affinity()), "versions": torch_versions(torch),
-                         "local": local, "pid": os.getpid(), "pid_start": (proc_stat(os.getpid()) or ("", ""))[1]}
+                         "local": local, "pid": os.getpid(), "pid_start": (proc_stat(os.getpid()) or ("", ""))[1],
+                         "addrs": sorted({norm_ip(a) for i in ifaces.values() for a in i["addrs"]} - {None})}
         if self.local_rank == 0:
             self.node_box = {}
             threading.Thread(target=self._collect_node, args=(self.node_box,), daemon=True).start()
@@ -5037,7 +5407,7 @@ class RankRun(ScreenRunner):
         MASTER_PORT) is named by expire (unanswered)."""
         self.wd.arm("rollcall", R + NAMING_S - 1)
         try:
-            return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix)
+            return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, seal=self.seal)
         except Exception as e:
             raise failed("rendezvous", f"rank {self.rank} ({self.host}) cannot reach the "
                          f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
@@ -5308,9 +5678,11 @@ class RankRun(ScreenRunner):
 
     def start_monitor(self):
         """Node leaders: the liveness monitor of this node's ranks, a child process (node_monitor)."""
+        ranks = self.proto.node_ranks(self.host)
+        if ranks is None:  # refused (kept in forged, reported): no monitor posts on a list rank 0 did not write
+            return
         cfg = {"addr": self.addr, "port": self.port, "prefix": self.proto.prefix, "host": self.host,
-               "ranks": self.proto.node_ranks(self.host), "period": live_period(self.master["nodes"]),
-               "lifetime": worst_case(self.D, True)}
+               "ranks": ranks, "period": live_period(self.master["nodes"]), "lifetime": worst_case(self.D, True)}
         cfg["run"] = self.proto.run  # it posts into this run's store only, never into a later run's
         self.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
                                         env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
@@ -5358,6 +5730,7 @@ class Coordinator(RankRun):
         self.gone = set()  # ranks found dead or frozen: no acknowledgement to wait for
         self.acks_s = ACKS_S  # how long the store stays up for the acknowledgements
         self.verdict_lock = threading.Lock()
+        self.serving = False
         super().__init__(args, contract, env)
 
     # ---------------------------------------------------------------- flow
@@ -5382,13 +5755,14 @@ class Coordinator(RankRun):
     # ---------------------------------------------------------------- phases
     def open_store(self, R, prefix, serve):
         """Rank 0 serves the store on a socket it bound itself, unless torchrun's agent serves it."""
+        self.serving = serve  # a store of its own: rank 0 sees who connects to it
         if not serve:
             return super().open_store(R, prefix, serve)
         problem = fd_limit_problem(self.world, self.expect.get("nodes") or self.world)
         if problem:
             raise failed("rendezvous", f"rank 0 ({self.host}): {problem}", hosts=[self.host])
         fd = self._listen_socket().detach()
-        return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd)
+        return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd, seal=self.seal)
 
     def before_check_in(self, R):
         self.wd.arm("rollcall", R + NAMING_S)  # as deadline() armed it (the connect may have re-armed it)
@@ -5400,7 +5774,7 @@ class Coordinator(RankRun):
     def roll_call(self):
         """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
         t, R = time.monotonic(), self.D["rollcall"]
-        complete, strays = self.proto.wait_all(R), self.proto.strays()
+        complete, strays = self.wait_roll(t + R)
         if strays:  # woken by a stray: the other strays of its launch get a moment to post too
             time.sleep(ERROR_GRACE)
             strays = self.proto.strays()
@@ -5409,6 +5783,10 @@ class Coordinator(RankRun):
         absent = set(missing)
         present = [r for r in range(self.world) if r not in absent]
         self.records = self.proto.identities(present)
+        if self.proto.forged:  # a record not of this run: nothing it says is believed, nobody is blamed for it
+            self.progress("rollcall", present=len(self.records), world=self.world, secs=time.monotonic() - t,
+                          result="FAIL")
+            raise Verdict(EXIT_FAIL)
         self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
         if missing and not strays:  # ranks still starting when a stray ended the roll call are not late
             where = slurm_expected_hosts(self.env, self.world)
@@ -5428,6 +5806,26 @@ class Coordinator(RankRun):
         self.wd.period = live_period(len(set(self.host_of.values())))
         self.master = {"host": self.host, "pid": os.getpid(), "nodes": len(set(self.host_of.values()))}
         self.proto.open_gate("roll", json.dumps(self.master))
+
+    def wait_roll(self, end):
+        """The roll call's wait, until `end`: all_arrived wakes it, every rank's record ends it (a counter
+        bumped from outside wakes it early, not ends it). Each second it checks that the world record is
+        still its own. -> (complete, strays)."""
+        mine = self.proto.store.get("world")
+        while True:
+            complete = self.proto.wait_all(min(1.0, end - time.monotonic()))
+            strays, now = self.proto.strays(), time.monotonic()
+            held = self.proto.store.get("world")
+            if held != mine:  # written over: put ours back (so the ranks can read the verdict), refuse theirs
+                self.proto.store.set("world", mine)
+                self.proto.refuse(Forged("world", held.decode(errors="replace").split("|")[-1],
+                                         "was written over by something other than rank 0"))
+            if strays or self.proto.forged or now >= end:
+                return complete and self.proto.all_in(self.world), strays
+            if complete and self.proto.all_in(self.world):
+                return True, strays
+            if complete:  # woken before every record was there
+                time.sleep(FORGED_POLL_S)
 
     def phase_telemetry(self):
         t, gathered = time.monotonic(), [None] * self.world
@@ -5490,6 +5888,7 @@ class Coordinator(RankRun):
         store up for the acks. A report that cannot be rendered is an `internal` FAIL with the FAILURE
         lines alone; the JSON is written either way. -> the exit code."""
         self.findings = self.findings + list(findings)
+        self.findings += self.side_channel(client)
         try:
             self.failpoint("report", only=("raise",))
             st = self.state(verdict_code(self.findings) or code)
@@ -5514,22 +5913,48 @@ class Coordinator(RankRun):
                            + [f"  NOTE: {n}" for n in st.get("notes") or []]))
             self.write_json(st)
         if client is not None:
-            self.wait_acks(client, self.listeners(client))
+            self.wait_acks(client, self.listeners(client), code)
         return code
 
-    def listeners(self, client):
-        """How many ranks will acknowledge the verdict: the live ones after the roll call, before it those
-        that checked in so far (each has a listener on the verdict key)."""
-        if self.host_of:
-            return len([r for r in self.host_of if r and r not in self.gone])
-        return max(0, bounded(client.arrived, STORE_OP_S, 1) - 1) if self.proto is not None else 0
+    def side_channel(self, client):
+        """The side channel's findings at the verdict: every value refused (judge_forged), connections
+        from outside the run's nodes (judge_store_peers), and whether the channel was authenticated."""
+        master = f"{self.addr}:{self.port}"
+        forged = list(self.proto.forged) if self.proto is not None else []
+        if client is not None:
+            ranks, hosts = sorted(self.host_of), sorted(set(self.host_of.values()))
+            forged = bounded(lambda: client.clone().audit(ranks, hosts), AUDIT_S) or forged  # its own connection
+        out = judge_forged(forged, master)
+        if self.serving and self.records:
+            allowed = {a for rec in self.records for a in rec.get("addrs") or ()}
+            peers = {ip for ip in store_peers(self.port) or () if not ipaddress.ip_address(ip).is_loopback}
+            out += judge_store_peers(peers, allowed, self.seal.authenticated, master)
+        if self.records and not forged:
+            out += judge_channel(self.seal.authenticated, len({rec["host"] for rec in self.records}), master)
+        return out
 
-    def wait_acks(self, client, n):
-        end = time.monotonic() + min(self.acks_s, self.D["final"])
+    def listeners(self, client):
+        """Who will acknowledge the verdict: (ranks, how many). After the roll call the live ranks; before
+        it (None, the number that checked in so far): each has a listener on the verdict key."""
+        if self.host_of:
+            ranks = [r for r in self.host_of if r and r not in self.gone]
+            return ranks, len(ranks)
+        return None, max(0, bounded(client.arrived, STORE_OP_S, 1) - 1) if self.proto is not None else 0
+
+    def wait_acks(self, client, listeners, code):
+        """Keep the store up until every listener acknowledged (their sealed ack/<rank>; the counter only
+        wakes the check), within ACKS_S. A verdict written over from outside is put back at once."""
+        (ranks, n), end, polls = listeners, time.monotonic() + min(self.acks_s, self.D["final"]), 0
         while n > 0 and time.monotonic() < end:
             try:
-                if client.acks() >= n:
+                if client.acks() >= n and (ranks is None or client.acked(ranks)):
                     return
+                polls += 1
+                if polls % 5 == 0 and not client.verdict_holds(code):
+                    client.publish_verdict(code)
+                    emit(f"WARNING: rendezvous: the verdict key at {self.addr}:{self.port} was written over from "
+                         "outside the job after the verdict; rank 0 put its own back (no rank takes a forged code)",
+                         sys.stderr)
             except Exception:
                 return
             time.sleep(0.02)
@@ -5556,6 +5981,8 @@ class Coordinator(RankRun):
     def state(self, code):
         fails = failure_lines(self.findings)
         failed_hosts = sorted({h for f in self.findings if f["status"] == "FAIL" for h in f["hosts"]})
+        if any(f.get("tamper") and f["status"] == "FAIL" for f in self.findings):
+            failed_hosts = []  # the evidence came through a store written from outside: nobody is excluded
         return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
                 "started_at": self.started_at, "host": self.host,
                 "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
@@ -5586,9 +6013,11 @@ class Coordinator(RankRun):
         gone ends the phase at once; an error report ends it ERROR_GRACE later."""
         if self.poll is None or phase in ("local", "rollcall"):
             return
+        if self.poll.forgeries():  # a value not of this run: the run ends, nobody blamed (side_channel)
+            self.conclude(EXIT_FAIL, [], self.poll)
         dead = any(s == "gone" for snap in self.poll.live(sorted(set(self.host_of.values()))).values()
                    for s in (snap.get("ranks") or {}).values())
-        if self.alarm_at is None and (dead or self.poll.error_count()):
+        if self.alarm_at is None and (dead or (self.poll.error_count() and self.poll.errors())):
             self.alarm_at = time.monotonic()
         if dead or (self.alarm_at is not None and time.monotonic() - self.alarm_at >= ERROR_GRACE):
             self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, f"{PHASE_WHAT[phase]} failed")], self.poll)
@@ -5733,7 +6162,7 @@ class Follower(RankRun):
             if not self.acked:
                 self.acked = True
                 try:
-                    client.ack()
+                    client.ack(self.rank)
                 except Exception:  # rank 0 stopped waiting for acks: the code is what matters
                     pass
         return code
@@ -5742,20 +6171,20 @@ class Follower(RankRun):
         if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
             self.exit(self.verdict_seen)
         host0 = (self.master or {}).get("host", self.addr)
-        self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) during "
-                             f"{self.phase}: its store at {self.addr}:{self.port} is gone ({first_line(exc)})")
-        self.exit(EXIT_TIMEOUT)
+        self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
+                                       f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
+                                       f"({first_line(exc)})"))
 
     def expire(self, phase):
         """Speak for this rank (before the roll call) or for rank 0, which gave no verdict in time."""
         cause = self.expiry_cause(phase)
-        if self.master is None:
+        if self.master is None and not (self.proto is not None and self.proto.forged):
             self.speak_for_node(f"FAILURE: {PHASE_CHECK[phase]}: rank {self.rank} ({self.host}): {cause}")
-        else:
-            self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from rank 0 "
-                                f"({self.master['host']}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "
-                                f"is frozen, hung or unreachable{self.rank0_state()}")
-        self.exit(EXIT_TIMEOUT)
+            self.exit(EXIT_TIMEOUT)
+        host0 = (self.master or {}).get("host", self.addr)
+        self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from "
+                                       f"rank 0 ({host0}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "
+                                       f"is frozen, hung or unreachable{self.rank0_state()}"))
 
     def signalled(self, signum, name, phase):
         """Post that this rank was terminated (so that rank 0 does not take it for dead), exit 128 + signal."""
@@ -5767,17 +6196,22 @@ class Follower(RankRun):
 
     def speak_for_rank0(self, line):
         """Rank 0 gave no verdict: say so once per node, and leave a FAIL JSON naming rank 0's host
-        where rank 0 left none (the batch file ends the step once a verdict JSON exists). The listener
-        and the main thread can both get here: the second waits (for ever: the first exits) until
-        the first has written the JSON."""
+        where rank 0 left none (the batch file ends the step once a verdict JSON exists). A rank that
+        refused a forged value names that instead, and nobody (judge_forged). The listener and the main
+        thread can both get here: the second waits (for ever: the first exits) until the first has
+        written the JSON. -> the exit code."""
         self.speak_lock.acquire()
+        host0, code = [(self.master or {}).get("host", self.addr)], EXIT_TIMEOUT
+        if self.proto is not None and self.proto.forged:
+            line = "\n".join(failure_lines(judge_forged(self.proto.forged, f"{self.addr}:{self.port}")))
+            host0, code = [], EXIT_FAIL
         if not self.speak_for_node(line) or not self.args.json or os.path.exists(self.args.json):
-            return
-        host0 = (self.master or {}).get("host", self.addr)
+            return code
         self.write_json({"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-                         "verdict": "FAIL", "exit_code": EXIT_TIMEOUT, "world_size": self.world,
-                         "failures": [line], "failed_hosts": [host0], "exclude": host0,
+                         "verdict": "FAIL", "exit_code": code, "world_size": self.world,
+                         "failures": line.splitlines(), "failed_hosts": host0, "exclude": ",".join(host0),
                          "written_by": f"rank {self.rank} ({self.host})"}, first=True)
+        return code
 
     def rank0_state(self):
         m = self.master or {}
@@ -5981,16 +6415,17 @@ class Forward:
 
 def launch_local(args, argv, env, launch):
     """No distributed environment: become the launcher, one rank per GPU or --nproc CPU ranks, as
-    plan() planned it (launch: its 'nproc', 'backend' and 'port'). The ranks die with the launcher
-    (die_with_parent); its SIGTERM/SIGINT reach them (Forward)."""
+    plan() planned it (launch: its 'nproc', 'backend' and 'port'). The ranks share a fresh
+    AIV_JOB_SECRET (unless one is exported), die with the launcher (die_with_parent) and get its
+    SIGTERM/SIGINT (Forward)."""
     nproc = launch["nproc"]
     port = launch["port"] or free_port()
     cmd = [sys.executable, os.path.abspath(__file__)] + list(argv)
     if launch["backend"] and not any(a == "--backend" or a.startswith("--backend=") for a in argv):
         cmd.append(f"--backend={launch['backend']}")
-    procs = []
+    procs, secret = [], {} if SECRET_VAR in env else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
     for r in range(nproc):
-        cenv = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+        cenv = dict(env, **secret, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
         cenv.setdefault("AIV_EXPECT_NODES", "1")
         cenv.setdefault("AIV_EXPECT_RANKS_PER_NODE", str(nproc))

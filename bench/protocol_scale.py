@@ -136,14 +136,17 @@ class Worker:
         threading.stack_size(512 << 10)
         t = mono()
         self.main, self.listener = {}, {}
+        secret = aiv.job_secret(os.environ)  # the job's secret comes in the environment, as in a rank
         for r in self.ranks:
-            self.main[r] = aiv.StoreProtocol.open(dist, ADDR, cfg["port"], STORE_TIMEOUT_S, PREFIX)
+            self.main[r] = aiv.StoreProtocol.open(dist, ADDR, cfg["port"], STORE_TIMEOUT_S, PREFIX,
+                                                  seal=aiv.Seal(secret))
             self.listener[r] = self.main[r].clone()
         self.monitors = []
         for n in cfg["nodes"]:  # as node_monitor connects: a raw client and the prefix
             raw = dist.TCPStore(ADDR, cfg["port"], None, False, datetime.timedelta(seconds=STORE_TIMEOUT_S))
             ranks = list(range(n * self.rpn, min((n + 1) * self.rpn, self.world)))
-            self.monitors.append((host_name(n), aiv.StoreProtocol(dist.PrefixStore(PREFIX, raw)), ranks))
+            self.monitors.append((host_name(n), aiv.StoreProtocol(dist.PrefixStore(PREFIX, raw),
+                                                                  seal=aiv.Seal(secret)), ranks))
         self.connect_s = mono() - t
         self.heard = {}
         self.listeners = [threading.Thread(target=self._listen, args=(r,), daemon=True) for r in self.ranks]
@@ -158,7 +161,7 @@ class Worker:
         try:
             code = client.wait_verdict(WAIT_S)
             t = mono()
-            client.ack()
+            client.ack(r)
             self.heard[r] = (code, t, mono())
         except Exception as e:
             self.heard[r] = f"{type(e).__name__}: {e}"
@@ -166,7 +169,7 @@ class Worker:
     def _rollcall(self, proto, r, gate, out):
         try:
             t0 = mono()
-            proto.check_in(r, identity(r, self.rpn), self.world)
+            proto.check_in(r, identity(r, self.rpn), self.world, WAIT_S)
             t1 = mono()
             if gate:
                 proto.wait_gate("roll", WAIT_S)
@@ -192,7 +195,8 @@ class Worker:
         if prefix == PREFIX:
             protos = self.main
         else:
-            protos = {r: aiv.StoreProtocol(self.dist.PrefixStore(prefix, p.raw), p.raw, prefix)
+            protos = {r: aiv.StoreProtocol(self.dist.PrefixStore(prefix, p.raw), p.raw, prefix,
+                                           aiv.Seal(aiv.job_secret(os.environ)))
                       for r, p in self.main.items()}
         out = {}
         threads = [threading.Thread(target=self._rollcall, args=(protos[r], r, gate, out), daemon=True)
@@ -217,6 +221,8 @@ class Worker:
 
     def cmd_monitors_start(self, period, overrides, t0):
         over = {int(r): s for r, s in overrides}
+        for _, proto, _ in self.monitors:  # a node monitor gets the run id from its node leader (cfg["run"])
+            proto.seal.run = self.main[self.ranks[0]].run
         self.mon_thread = threading.Thread(target=self._monitor_loop, args=(period, over, t0), daemon=True)
         self.mon_thread.start()
         return {"monitors": len(self.monitors)}
@@ -323,9 +329,11 @@ def expected_shape(world, rpn):
 
 def scenario_missing(dist, proto0, pool, world, rpn, deadline_s, miss):
     """One rank never checks in: the roll call's deadline path, as in roll_call."""
-    p0 = aiv.StoreProtocol(dist.PrefixStore(MISS_PREFIX, proto0.raw), proto0.raw, MISS_PREFIX)
+    p0 = aiv.StoreProtocol(dist.PrefixStore(MISS_PREFIX, proto0.raw), proto0.raw, MISS_PREFIX,
+                           aiv.Seal(proto0.seal.secret))
+    p0.publish_world(world)
     pool.send("rollcall", prefix=MISS_PREFIX, skip=[miss], gate=False)
-    p0.check_in(0, identity(0, rpn), world)
+    p0.check_in(0, identity(0, rpn), world, WAIT_S)
     t0 = mono()
     arrived = p0.wait_all(deadline_s)
     t_dl = mono()
@@ -350,8 +358,9 @@ def scenario_missing(dist, proto0, pool, world, rpn, deadline_s, miss):
 
 def scenario_rollcall(proto0, pool, world, rpn, deadline_s):
     """Every rank checks in and waits for the gate; rank 0 as in roll_call."""
+    proto0.publish_world(world)
     pool.send("rollcall", prefix=PREFIX, skip=[], gate=True)
-    proto0.check_in(0, identity(0, rpn), world)
+    proto0.check_in(0, identity(0, rpn), world, WAIT_S)
     t_in0 = mono()
     arrived = proto0.wait_all(deadline_s)
     t_all = mono()
@@ -455,25 +464,29 @@ def scenario_phase(proto0, poll, pool, world, host_of, deadline_s, frozen, dead,
         "stamps_multiget_s_max": max(walls["stamps"])}
 
 
-def scenario_verdict(poll, pool, world, code):
-    """conclude: publish on the poll client, wait_acks' loop (20 ms) until every listener acked."""
+def scenario_verdict(poll, pool, world, host_of, code):
+    """conclude: the audit of every value on the store (give_verdict, before it publishes), publish on the
+    poll client, wait_acks' loop (20 ms) until every listener's sealed ack is there."""
     pool.send("verdict", timeout=WAIT_S)  # the workers report once their listeners returned
+    t_a = mono()
+    forged = poll.audit(sorted(host_of), sorted(set(host_of.values())))
     t0 = mono()
     poll.publish_verdict(code)
     t_pub = mono()
-    n, acks, end = world - 1, 0, t0 + WAIT_S
+    n, acks, end, ranks = world - 1, 0, t0 + WAIT_S, list(range(1, world))
     while mono() < end:
         acks = poll.acks()
-        if acks >= n:
+        if acks >= n and poll.acked(ranks):
             break
         time.sleep(0.02)
     t_ack = mono()
+    assert forged == [], forged[:3]
     replies = pool.collect(WAIT_S)
     heard = sum(r["heard"] for r in replies)
     codes = sorted({c for r in replies for c in r["codes"]})
     assert acks >= n and heard == n and codes == [code], (acks, heard, codes, [r["errors"] for r in replies])
     returned = [t for r in replies for t in r["returned"]]
-    return {"publish_s": t_pub - t0, "all_returned_s": max(returned) - t0,
+    return {"audit_s": t0 - t_a, "publish_s": t_pub - t0, "all_returned_s": max(returned) - t0,
             "returned_median_s": statistics.median(returned) - t0,
             "all_acked_s": max(t for r in replies for t in r["acked"]) - t0, "acks_seen_s": t_ack - t0,
             "acks": acks, "within_acks_bound": t_ack - t0 <= aiv.ACKS_S}
@@ -518,7 +531,10 @@ def table(res):
          f"{ms(c['live_multiget_s_median'])} / {ms(c['live_multiget_s_max'])}", ""),
         ("", f"  one stamps({w}) multi_get: median / max",
          f"{ms(c['stamps_multiget_s_median'])} / {ms(c['stamps_multiget_s_max'])}", ""),
-        ("5", f"publish_verdict -> acks() == {w - 1}", ms(d["acks_seen_s"]), f"<= ACKS_S {aiv.ACKS_S:g} s"),
+        ("5", f"audit: every value on the store verified once more ({w} ranks)", ms(d["audit_s"]), f"<= AUDIT_S "
+         f"{aiv.AUDIT_S:g} s"),
+        ("", f"publish_verdict -> every sealed ack/<rank> of {w - 1} there", ms(d["acks_seen_s"]),
+         f"<= ACKS_S {aiv.ACKS_S:g} s"),
         ("", "  listeners back from wait_verdict: median / last (client side)",
          f"{ms(d['returned_median_s'])} / {ms(d['all_returned_s'])}", ""),
     ]
@@ -543,6 +559,8 @@ def main():
     ap.add_argument("--host-net", action="store_true", help="skip the private network namespace (resolver "
                     "lookups of 127.0.0.1 leave the host, one per connection)")
     ap.add_argument("--json", metavar="OUT", help="write the numbers here")
+    ap.add_argument("--no-secret", action="store_true", help="no AIV_JOB_SECRET: values carry the run id only, "
+                    "no HMAC (the cost of signing is the difference to a run without this flag)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -573,7 +591,12 @@ def main():
     s.bind((ADDR, 0))
     s.listen(min(4096, max(128, world)))
     port = s.getsockname()[1]
-    proto0 = aiv.StoreProtocol.open(dist, ADDR, port, aiv.ROLLCALL_DEFAULT, PREFIX, listen_fd=s.detach())
+    if args.no_secret:
+        os.environ.pop("AIV_JOB_SECRET", None)
+    else:  # as the batch file does: in the environment, which the workers inherit, never on a command line
+        os.environ["AIV_JOB_SECRET"] = os.environ.get("AIV_JOB_SECRET") or os.urandom(32).hex()
+    seal = aiv.Seal(aiv.job_secret(os.environ))
+    proto0 = aiv.StoreProtocol.open(dist, ADDR, port, aiv.ROLLCALL_DEFAULT, PREFIX, listen_fd=s.detach(), seal=seal)
 
     bounds = [1 + (world - 1) * i // nw for i in range(nw + 1)]
     cfgs = [{"port": port, "world": world, "rpn": rpn, "lo": bounds[i], "hi": bounds[i + 1],
@@ -594,6 +617,7 @@ def main():
         setup = {"workers_ready_s": mono() - t, "connect_s_max": max(r["connect_s"] for r in ready),
                  "connections": sum(r["connections"] for r in ready), "worker_nofile": ready[0]["nofile"]}
         res = {"ranks": world, "ranks_per_node": rpn, "nodes": nodes, "workers": nw, "network": net,
+               "authenticated": seal.authenticated,
                "torch": torch.__version__, "rank0_nofile": nofile0, "setup": setup}
         res["missing"] = scenario_missing(dist, proto0, pool, world, rpn, args.rollcall_deadline, world // 2 + 3)
         poll, host_of, res["rollcall"] = scenario_rollcall(proto0, pool, world, rpn, aiv.ROLLCALL_DEFAULT)
@@ -601,7 +625,7 @@ def main():
         stuck = sorted({world * (2 * i + 1) // (2 * args.stuck) + 1 for i in range(args.stuck)} - {0, frozen, dead})
         res["phase"] = scenario_phase(proto0, poll, pool, world, host_of, args.phase_deadline,
                                       frozen, dead, stuck, args.reps)
-        res["verdict"] = scenario_verdict(poll, pool, world, res["phase"]["finding_code"])
+        res["verdict"] = scenario_verdict(poll, pool, world, host_of, res["phase"]["finding_code"])
     finally:
         byes = pool.close()
         timer.cancel()
@@ -614,7 +638,8 @@ def main():
     cpu1 = host_cpu()
     res["host_cpu_busy_s"] = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
     print(f"protocol_scale: {world} ranks ({nodes} nodes x {rpn}), {nw} worker processes, "
-          f"{setup['connections']} client connections ({net}); torch {res['torch']}")
+          f"{setup['connections']} client connections ({net}); torch {res['torch']}; values "
+          f"{'signed (HMAC-SHA256, AIV_JOB_SECRET)' if seal.authenticated else 'unsigned (--no-secret)'}")
     print(f"RLIMIT_NOFILE raised soft -> hard in every process: rank 0 (store server) {nofile0[0]}, "
           f"workers {setup['worker_nofile'][0]}; setup {setup['workers_ready_s']:.1f} s "
           f"(connections {setup['connect_s_max']:.1f} s)")

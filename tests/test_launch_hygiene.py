@@ -83,6 +83,14 @@ def test_a_misspelled_variable_is_a_usage_error_naming_the_closest():
     assert "Traceback" not in r.stderr
 
 
+def test_a_misspelled_secret_is_named_but_its_value_never_shown():
+    secret = "5d1c0ffee" * 8
+    r = run_tool(["--nproc", 2], env={"AIV_JOB_SECRT": secret}, timeout=60)
+    assert r.returncode == 2 and failures(r.stdout) == ["FAILURE: usage: AIV_JOB_SECRT=(value not shown) is not a "
+                                                        "variable of ddp_mesh_ping.py (did you mean AIV_JOB_SECRET?)"]
+    assert secret not in r.stdout + r.stderr
+
+
 def test_variables_of_the_batch_file_bootstrap_tests_and_bench_are_known():
     """OWNED_VARS is exactly the AIV_* names the repository uses beyond the options: it cannot drift."""
     files = [ROOT / "ddp_mesh_ping.py", ROOT / "submit_smoke_test.sbatch", ROOT / "bootstrap_env.sh",
@@ -93,7 +101,8 @@ def test_variables_of_the_batch_file_bootstrap_tests_and_bench_are_known():
     options = {a.env for a in aiv.build_parser()._actions if getattr(a, "env", None)}
     owned = {v for names in aiv.OWNED_VARS.values() for v in names}
     assert used - options - set(aiv.REMOVED_VARS) == owned
-    assert aiv.plan([], {v: "1" for v in owned}) is not None  # none of them is refused
+    values = {v: "1" * (aiv.SECRET_MIN if v == aiv.SECRET_VAR else 1) for v in owned}
+    assert aiv.plan([], values) is not None  # none of them is refused
 
 
 def test_the_batch_files_time_limit_covers_the_worst_case():

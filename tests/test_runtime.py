@@ -147,6 +147,8 @@ def test_store_protocol_refuses_a_second_claim_and_another_world(store):
 
 def test_settled_liveness_waits_for_fresh_posts_and_names_silent_nodes(store):
     p0, mon = proto_for(store), proto_for(store)
+    p0.publish_world(2)
+    mon.seal.run = p0.run  # a node monitor is given the run id (cfg["run"])
     p0.prepare([{"rank": 0, "host": "n1", "pid": 1}, {"rank": 1, "host": "n2", "pid": 2}])
     mon.post_live("n1", 0, {"0": "running"})
 
@@ -164,6 +166,8 @@ def test_node_monitor_posts_the_state_of_its_ranks(store):
     cfg = {"addr": "127.0.0.1", "port": store.port, "prefix": "aiv", "host": "n1",
            "ranks": [[0, os.getpid()], [1, sleeper.pid]], "period": 0.2, "lifetime": 6}
     p0 = proto_for(store)
+    p0.publish_world(2)
+    cfg["run"] = p0.run
     p0.prepare([{"rank": 0, "host": "n1", "pid": os.getpid()}])
     t = threading.Thread(target=aiv.node_monitor, args=(cfg,), daemon=True)
     t.start()

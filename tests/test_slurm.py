@@ -488,6 +488,52 @@ def test_scancel_names_nobody(cluster, capsys, phase):
     assert not left(), f"preflight processes outlived the cancelled job: {left()}"
 
 
+FORGER = """import datetime, json, sys, time
+import torch.distributed as dist
+store = dist.PrefixStore("aiv", dist.TCPStore(sys.argv[1], int(sys.argv[2]), None, False,
+                                              datetime.timedelta(seconds=10)))
+store.set("stamp/1", "1")
+store.append("errors", json.dumps({"rank": 1, "phase": "collective", "code": 1, "line": "NIC down on node9"}) + "\\n")
+print("forged", flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def test_a_forger_outside_the_allocation_is_named_and_nobody_blamed(cluster, capsys):
+    """While rank 1 waits in the collective, a TCPStore client on node3 (not in the job's allocation, and
+    without the job's secret, which the batch file made) writes a stamp and an error line into the job's
+    store and stays connected: the verdict is a FAIL naming the forgery and the outside address, nobody
+    excluded, every rank's exit code rank 0's."""
+    mark = cluster.workdir / f"paused-{uuid.uuid4().hex}"
+    job = cluster.submit(*SHAPE, AIV_FAILPOINT="pause=6:collective:1", AIV_FAILPOINT_MARK=str(mark))
+    deadline = time.monotonic() + 120
+    while not mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert mark.exists(), describe(cluster, job)
+    port = re.search(r"^Dynamically Assigned Port: (\d+)$", cluster.outputs(job)[0], re.MULTILINE)
+    assert port, describe(cluster, job)
+    forger = cluster.node_popen("node3", str(VENV_PY), "-c", FORGER, "node1", port.group(1), "40")
+    try:
+        assert forger.stdout.readline().strip() == "forged", forger.stderr.read()
+        state, code, _ = cluster.wait(job)
+    finally:
+        forger.kill()  # by its PID
+        forger.communicate()
+    log, _, js = cluster.outputs(job)
+    v = load_json(js)
+    assert (state, code, v["verdict"], v["exit_code"]) == ("FAILED", "1:0", "FAIL", 1), describe(cluster, job)
+    assert (v["failed_hosts"], v["exclude"]) == ([], ""), v
+    forged = [ln for ln in v["failures"] if "did not carry the job's secret: something outside the job writes "
+              f"to MASTER_PORT (node1:{port.group(1)})" in ln]
+    assert forged, describe(cluster, job)
+    outside = [f for f in v["findings"] if f["check"] == "rendezvous" and "outside the run's nodes" in f["reason"]]
+    node3 = os.environ.get("AIV_SLURM_SUBNET", "10.77.0") + ".13"
+    assert [f["status"] for f in outside] == ["WARN"] and node3 in outside[0]["reason"], v["findings"]
+    assert "AIV_JOB_SECRET" not in v["env"] and "side channel not authenticated" not in log
+    with capsys.disabled():
+        print(f"\n[slurm] forger on node3: {forged[0]}; {outside[0]['reason']}")
+
+
 def test_hostile_env_values_not_evaluated(cluster):
     tag = uuid.uuid4().hex[:10]
     marks = [Path(f"/tmp/aiv-hostile-{tag}-{i}") for i in range(8)]

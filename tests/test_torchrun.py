@@ -114,12 +114,20 @@ def two_node_run(ns, extra_env=None):
     return outs
 
 
-def test_two_agents_in_two_namespaces_make_a_two_node_run(two_namespaces):
-    (rc1, out1), (rc2, out2) = two_node_run(two_namespaces, {"GLOO_SOCKET_IFNAME": "eth0"})
+@pytest.mark.parametrize("secret", [None, "e1" * 32])
+def test_two_agents_in_two_namespaces_make_a_two_node_run(two_namespaces, secret):
+    """With AIV_JOB_SECRET exported before both torchruns (README) the side channel is authenticated;
+    without it the run passes with the WARN that says so."""
+    env = {"GLOO_SOCKET_IFNAME": "eth0", **({"AIV_JOB_SECRET": secret} if secret else {})}
+    (rc1, out1), (rc2, out2) = two_node_run(two_namespaces, env)
     assert rc1 == 0 and rc2 == 0, out1 + out2
     assert "Total Execution Ranks: 2" in out1 and aiv.SUCCESS_LINE in out1
     assert "nodes=2 ranks_reported=2/2" in out1 and "node=tnode1 " in out1 and "node=tnode2 " in out1
     assert "[PASS] interface: gloo uses eth0(10.79.0.1) on tnode1; eth0(10.79.0.2) on tnode2" in out1
+    if secret:
+        assert "[PASS] rendezvous: side channel authenticated" in out1 and secret not in out1 + out2
+    else:
+        assert "[WARN] rendezvous: side channel not authenticated: AIV_JOB_SECRET is not set" in out1
 
 
 def test_two_nodes_on_gloos_loopback_fallback_fail_the_interface_check(two_namespaces):
