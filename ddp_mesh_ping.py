@@ -1506,8 +1506,8 @@ def judge_store_peers(peers, allowed, authenticated, master):
     what = (f"{len(outside)} connection source(s) to the store at {master} outside the run's nodes: "
             f"{', '.join(outside[:8])}{' ...' if len(outside) > 8 else ''}")
     if authenticated:
-        return [finding("rendezvous", "WARN", f"{what}; every value it holds carried the job's secret, so none "
-                        "of theirs was believed")]
+        return [finding("rendezvous", "WARN", f"{what}; the side channel is authenticated, so nothing they wrote "
+                        "was believed")]
     f = finding("rendezvous", "FAIL", f"{what}; the side channel is not authenticated (AIV_JOB_SECRET unset), so "
                 "what they wrote cannot be told from the run's own records; no host is excluded on this run's evidence")
     f["tamper"] = True
@@ -5928,9 +5928,10 @@ class Coordinator(RankRun):
         if self.serving and self.records:
             allowed = {a for rec in self.records for a in rec.get("addrs") or ()}
             peers = {ip for ip in store_peers(self.port) or () if not ipaddress.ip_address(ip).is_loopback}
-            out += judge_store_peers(peers, allowed, self.seal.authenticated, master)
+            out += apply_strict(judge_store_peers(peers, allowed, self.seal.authenticated, master), self.args.strict)
         if self.records and not forged:
-            out += judge_channel(self.seal.authenticated, len({rec["host"] for rec in self.records}), master)
+            nodes = len({rec["host"] for rec in self.records})
+            out += apply_strict(judge_channel(self.seal.authenticated, nodes, master), self.args.strict)
         return out
 
     def listeners(self, client):
