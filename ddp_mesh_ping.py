@@ -4746,7 +4746,9 @@ class StoreProtocol:
             if v.decode(errors="replace") != mine[k]:
                 self._open(k, v)  # written over: refused unless it is one of this run's values
         others = [f"{kind}/{r}" for r in ranks for kind in ("id", "who", "stamp")] + [f"live/{h}" for h in hosts]
-        others = self._existing([k for k in others if k not in mine] + ([] if "verdict" in mine else ["verdict"]))
+        others = self._existing([k for k in others if k not in mine])
+        if "verdict" not in mine and self.store.check(["verdict"]):  # there before rank 0's: foreign
+            others.append("verdict")
         for k, v in zip(others, self._values(others), strict=True):
             self._open(k, v)
         for key in sorted(self.shared["lists"] | {"errors", "strays"}):
