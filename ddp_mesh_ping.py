@@ -6442,7 +6442,7 @@ def launch_local(args, argv, env, launch):
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if procs[0].poll() is not None:
             deadline = min(deadline, time.monotonic() + 5.0)
-        elif fwd.sig or all(p.poll() is not None for p in procs[1:]):  # rank 0 reporting, or frozen
+        elif fwd.sig or (procs[1:] and all(p.poll() is not None for p in procs[1:])):  # rank 0 reporting, or frozen
             deadline = min(deadline, time.monotonic() + NAMING_S + ACKS_S + 5.0)
         time.sleep(0.05)
     alive = [p for p in procs if p.poll() is None]

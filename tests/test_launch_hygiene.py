@@ -177,6 +177,16 @@ def test_sigterm_to_the_launcher_reaches_its_ranks_and_it_exits_with_their_verdi
     assert "interrupted by SIGTERM" in out and "Traceback" not in out
 
 
+def test_a_one_rank_local_run_gets_its_whole_bound_from_the_launcher():
+    """One rank and no others: the launcher's short end-game (rank 0 reporting, the others gone) must not
+    start at launch. It did: a one-GPU run slower than 15 s (NAMING_S + ACKS_S + 5) was killed, exit 3."""
+    t = time.monotonic()
+    r = run_tool(["--nproc", 1, "--skip-screen", "--timeout", 60], env={"AIV_FAILPOINT": "pause=16:collective:0"},
+                 timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert aiv.SUCCESS_LINE in r.stdout and time.monotonic() - t > 16
+
+
 def test_ranks_die_with_a_killed_launcher(tmp_path):
     p, ranks, _ = _start_paused(tmp_path)
     p.kill()
