@@ -24,8 +24,13 @@ No process group, no torch collective. Runs, in order:
      running) but never stamp: the finding mentions them, but they are no culprits next to a dead rank.
   4. the steady state of 3: the store operations issued per second, and the wall time of one
      live(hosts) and one stamps(world) multi_get.
-  5. the verdict: publish_verdict; every listener returns from wait_verdict and acks; time until
-     acks() == ranks - 1.
+  5. the verdict: the audit of every value on the store (give_verdict runs it before it publishes),
+     publish_verdict; every listener returns from wait_verdict and acks; time until every sealed
+     ack/<rank> is there.
+
+Every value is signed with a fresh AIV_JOB_SECRET, put in the environment the workers inherit (never
+on a command line), as the batch file does; --no-secret runs unsigned: the difference is the cost of
+signing.
 
 Every process raises its RLIMIT_NOFILE soft limit to the hard limit (the store holds 2 connections
 per rank + 1 per node). The run happens inside a private network namespace with only a loopback
