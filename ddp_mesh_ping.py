@@ -4305,7 +4305,7 @@ def run_base(env):
 
 class Forged(Exception):
     """A store value that is not this run's: it did not carry the job's secret, or it was replayed
-    from another run. key: the store key; claim: what the value said it was (never believed)."""
+    from another run. key: the store key; raw: what the value said (quoted, never believed)."""
 
     def __init__(self, key, raw, why):
         super().__init__(f"{key}: {why}")
