@@ -143,7 +143,9 @@ def test_reference_log_with_other_times_hosts_addresses_and_loss_passes(data):
     """Edits that change nothing about the verdict: timings, host name, IPs, port, loss, date."""
     d = data.draw
     t = REFERENCE
-    t = re.sub(r"(?<=:)59421\b", lambda m: str(d(st.integers(1, 65535))), t)
+    port = re.search(r"^Master: [^ ]+:(\d+) ", REFERENCE, re.M).group(1)
+    started = re.search(r"ddp_mesh_ping  (\S{19})", REFERENCE).group(1)
+    t = re.sub(rf"(?<=:){port}\b", lambda m: str(d(st.integers(1, 65535))), t)
     t = re.sub(r"\b\d{1,3}(?:\.\d{1,3}){3}\b", lambda m: str(d(st.ip_addresses(v=4))), t)
     t = re.sub(r"\bvm\b", d(hostnames), t)
     t = re.sub(r"^\[\s*\d+\.\d+s\]", lambda m: f"[{d(times):9.2f}s]", t, flags=re.M)
@@ -151,7 +153,7 @@ def test_reference_log_with_other_times_hosts_addresses_and_loss_passes(data):
     t = re.sub(r"loss=\d+\.\d+", lambda m: f"loss={d(st.floats(0, 1e6)):.6f}", t)
     t = re.sub(r"^Verdict: .*$", lambda m: re.sub(r"=\d+\.\d+", lambda _: f"={d(times):.2f}", m.group(0)),
                t, flags=re.M)
-    t = t.replace("2026-11-30T03:31:36", d(st.datetimes()).strftime("%Y-%m-%dT%H:%M:%S"))
+    t = t.replace(started, d(st.datetimes()).strftime("%Y-%m-%dT%H:%M:%S"))
     ok, problems, _ = verify(t)
     assert ok, problems
 
@@ -240,6 +242,8 @@ def edit(text, old, new, count=1):
 
 R = REFERENCE
 VERDICT = next(ln for ln in R.splitlines() if ln.startswith("Verdict:"))
+N = int(re.search(r"^Total Execution Ranks: (\d+)$", R, re.M).group(1))  # the reference run's world
+S = N * (N + 1) // 2  # its all_reduce sum
 EDITS = {
     "verdict-fail": (edit(R, "Verdict: PASS exit=0", "Verdict: FAIL exit=1"), "verdict is 'Verdict: FAIL exit=1'"),
     "verdict-timeout": (edit(R, "Verdict: PASS exit=0", "Verdict: FAIL exit=3"), "not 'Verdict: PASS exit=0'"),
@@ -248,14 +252,19 @@ EDITS = {
                      "'Verdict:' lines disagree"),
     "fail-finding": (edit(R, "  [PASS] fabric:", "  [FAIL] fabric:"), "finding: [FAIL] fabric: no InfiniBand"),
     "grads-differ": (edit(R, "gradients_identical=yes", "gradients_identical=NO"), "gradients_identical=NO"),
-    "wrong-sum": (edit(R, "sum=3 expected=3", "sum=2 expected=3"), "all_reduce sum=2 but expected=3"),
-    "wrong-expected": (edit(R, "sum=3 expected=3", "sum=4 expected=4"), "all_reduce expected=4 but 2 ranks sum to 3"),
-    "wrong-rank-count": (edit(R, "expected=3 on 2 rank(s)", "expected=3 on 1 rank(s)"), "all_reduce ran on 1 rank(s)"),
+    "wrong-sum": (edit(R, f"sum={S} expected={S}", f"sum={S + 1} expected={S}"),
+                  f"all_reduce sum={S + 1} but expected={S}"),
+    "wrong-expected": (edit(R, f"sum={S} expected={S}", f"sum={S + 1} expected={S + 1}"),
+                       f"all_reduce expected={S + 1} but {N} ranks sum to {S}"),
+    "wrong-rank-count": (edit(R, f"expected={S} on {N} rank(s)", f"expected={S} on {N + 1} rank(s)"),
+                         f"all_reduce ran on {N + 1} rank(s)"),
     "no-sum": (re.sub(r".*all_reduce exact:.*\n", "", R), "no 'all_reduce exact"),
     "no-grads": (re.sub(r".*gradients_identical=.*\n", "", R), "no 'gradients_identical="),
-    "missing-rank": (edit(R, "Ranks Reported: 2/2", "Ranks Reported: 1/2"), "Ranks Reported: 1/2: 1 of 2 rank(s)"),
-    "other-world": (edit(R, "Ranks Reported: 2/2", "Ranks Reported: 3/3"), "out of 3 rank(s) but Total Execution"),
-    "no-ranks-reported": (edit(R, "Ranks Reported: 2/2\n", ""), "no 'Ranks Reported"),
+    "missing-rank": (edit(R, f"Ranks Reported: {N}/{N}", f"Ranks Reported: {N - 1}/{N}"),
+                     f"Ranks Reported: {N - 1}/{N}: {N - 1} of {N} rank(s)"),
+    "other-world": (edit(R, f"Ranks Reported: {N}/{N}", f"Ranks Reported: {N + 1}/{N + 1}"),
+                    f"out of {N + 1} rank(s) but Total Execution"),
+    "no-ranks-reported": (edit(R, f"Ranks Reported: {N}/{N}\n", ""), "no 'Ranks Reported"),
     "failure-line": (R + "FAILURE: collective: all_reduce returned wrong values\n", "failure reported"),
     "rank-failure-line": (R + "[node2:3] FAILURE: rendezvous: master unreachable\n", "failure reported"),
     "no-findings": (edit(R, "\nFINDINGS\n", "\n"), "no FINDINGS section"),
