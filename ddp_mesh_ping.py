@@ -4458,15 +4458,17 @@ class StoreProtocol:
         lines = self.store.get(key).decode(errors="replace").splitlines()
         return [p for p in (self._open(key, ln) for ln in lines if ln) if p is not None]
 
-    def _wait_valid(self, key, seconds):
-        """Wait for `key` to hold a value that unseals, within `seconds` (a forged value is refused and
-        waited past: the real writer may still overwrite it). TimeoutError when none came."""
-        end = time.monotonic() + seconds
+    def _wait_valid(self, key, seconds, read=None):
+        """Wait for `key` to hold a value that unseals (read: value -> payload, or Forged; default unseal),
+        within `seconds`. A forged value is refused and waited past: the real writer may still overwrite
+        it. TimeoutError when none came."""
+        end, read = time.monotonic() + seconds, read or (lambda v: self.seal.unseal(key, v))
         while True:
             self._wait([key], end - time.monotonic())
-            payload = self._open(key, self.store.get(key))
-            if payload is not None:
-                return payload
+            try:
+                return read(self.store.get(key))
+            except Forged as e:
+                self.refuse(e)
             if time.monotonic() >= end:
                 raise TimeoutError(f"{key} held no value of this run within {seconds:g}s")
             time.sleep(FORGED_POLL_S)
@@ -4481,7 +4483,7 @@ class StoreProtocol:
         if isinstance(said, dict):  # what it claimed to be, for the line: its rank and host
             claim = json.dumps({k: said[k] for k in ("rank", "host") if k in said})
         entry = {"key": exc.key, "why": exc.why, "claim": claim[:300], "seen_by": self.rank}
-        if any(e["key"] == entry["key"] and e["why"] == entry["why"] for e in self.forged):
+        if self._known(entry):
             return
         self.forged.append(entry)
         if self.tells and self.seal.run:
@@ -4490,10 +4492,12 @@ class StoreProtocol:
 
     def forgeries(self):
         """Rank 0: every forgery seen, its own and those the others reported."""
-        for e in map(json.loads, self._lines("forged")):
-            if not any(f["key"] == e.get("key") and f["why"] == e.get("why") for f in self.forged):
-                self.forged.append(e)
+        self.forged.extend(e for e in map(json.loads, self._lines("forged")) if not self._known(e))
         return list(self.forged)
+
+    def _known(self, entry):
+        """Whether a forgery of this key, for this reason, is kept already."""
+        return any(f["key"] == entry.get("key") and f["why"] == entry.get("why") for f in self.forged)
 
     # -- roll call
     def publish_world(self, world):
@@ -4511,14 +4515,22 @@ class StoreProtocol:
             raise Forged("world", payload, "carries a run id other than the one it is sealed with")
         return w
 
+    def _world(self):
+        """The world record if there is one that unseals (a forged one is refused), else None; never waits."""
+        if not self.store.check(["world"]):
+            return None
+        try:
+            return self.read_world(self.store.get("world"))
+        except Forged as e:
+            self.refuse(e)
+            return None
+
     def adopt_run(self):
         """Before its check-in (an error, a signal): take the run id from the world record, if there is one
         that unseals, so that the report is bound to this run. -> whether a run id is known."""
-        try:
-            if self.store.check(["world"]):
-                self.seal.run = self.read_world(self.store.get("world"))["run"]
-        except Forged as e:
-            self.refuse(e)
+        w = self._world()
+        if w is not None:
+            self.seal.run = w["run"]
         return self.seal.run is not None
 
     def check_in(self, rank, identity, world, seconds):
@@ -4526,17 +4538,7 @@ class StoreProtocol:
         process that is no rank of rank 0's world (stray_reason) is posted under `strays` instead, and
         wakes rank 0's roll call. A claim that does not unseal is refused (and reported) and replaced
         by ours. -> None, or the stray's (check, reason)."""
-        end = time.monotonic() + seconds
-        while True:
-            self._wait(["world"], end - time.monotonic())
-            try:
-                w = self.read_world(self.store.get("world"))
-                break
-            except Forged as e:
-                self.refuse(e)
-                if time.monotonic() >= end:
-                    raise TimeoutError(f"the world record held no record of this job within {seconds:g}s") from None
-                time.sleep(FORGED_POLL_S)
+        w = self._wait_valid("world", seconds, self.read_world)
         world0, self.seal.run, self.world, self.rank = int(w["world"]), w["run"], int(w["world"]), rank
         self.tells = rank != 0
         if self.forged and self.tells:  # refused before the run id was known: rank 0 hears of them now
@@ -4565,13 +4567,8 @@ class StoreProtocol:
 
     def is_run(self, run):
         """Whether this store is the run whose run id is `run`."""
-        if not self.store.check(["world"]):
-            return False
-        try:
-            return self.read_world(self.store.get("world")).get("run") == run
-        except Forged as e:
-            self.refuse(e)
-            return False
+        w = self._world()
+        return w is not None and w.get("run") == run
 
     def strays(self):
         return [json.loads(p) for p in self._lines("strays")]

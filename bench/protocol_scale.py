@@ -141,7 +141,7 @@ class Worker:
         threading.stack_size(512 << 10)
         t = mono()
         self.main, self.listener = {}, {}
-        secret = aiv.job_secret(os.environ)  # the job's secret comes in the environment, as in a rank
+        self.secret = secret = aiv.job_secret(os.environ)  # the job's secret comes in the environment, as in a rank
         for r in self.ranks:
             self.main[r] = aiv.StoreProtocol.open(dist, ADDR, cfg["port"], STORE_TIMEOUT_S, PREFIX,
                                                   seal=aiv.Seal(secret))
@@ -201,7 +201,7 @@ class Worker:
             protos = self.main
         else:
             protos = {r: aiv.StoreProtocol(self.dist.PrefixStore(prefix, p.raw), p.raw, prefix,
-                                           aiv.Seal(aiv.job_secret(os.environ)))
+                                           aiv.Seal(self.secret))
                       for r, p in self.main.items()}
         out = {}
         threads = [threading.Thread(target=self._rollcall, args=(protos[r], r, gate, out), daemon=True)

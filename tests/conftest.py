@@ -43,16 +43,39 @@ def spawn(world, ranks=None, args=(), env=None, per_rank=None, timeout=240, port
                        "MASTER_PORT": port, **(env or {}), **(per_rank or {}).get(r, {})})
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    return [(rc, o) for rc, o, _ in finish(procs, timeout)], time.monotonic() - t0
+
+
+def finish(procs, timeout=120):
+    """Each process's (returncode, stdout, stderr), killed after `timeout` (marked '<killed by test: hang>'
+    on stderr, or on stdout when stderr goes there)."""
     out = []
     for p in procs:
         try:
-            o, _ = p.communicate(timeout=timeout)
+            o, e = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             p.kill()
-            o, _ = p.communicate()
-            o += "\n<killed by test: hang>"
-        out.append((p.returncode, o))
-    return out, time.monotonic() - t0
+            o, e = p.communicate()
+            if e is None:
+                o += "\n<killed by test: hang>"
+            else:
+                e += "\n<killed by test: hang>"
+        out.append((p.returncode, o, e))
+    return out
+
+
+def wait_for(pred, seconds=90):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def describe(out):
+    """finish()'s results, rank by rank, for an assertion message."""
+    return "\n".join(f"--- rank {r} rc={rc}\n{o}\n{(e or '')[-3000:]}" for r, (rc, o, e) in enumerate(out))
 
 
 

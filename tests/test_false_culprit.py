@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, aiv, clean_env, failures, free_port
+from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port, wait_for
 
 
 def nodes(world):
@@ -35,36 +35,10 @@ def start(world, env, args=()):
     return procs
 
 
-def finish(procs, timeout=120):
-    out = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            o, e = p.communicate()
-            e += "\n<killed by test: hang>"
-        out.append((p.returncode, o, e))
-    return out
-
-
-def wait_for(pred, seconds=90):
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def verdict(tmp_path, out):
     js = tmp_path / "v.json"
     assert js.exists(), out[0]
     return json.loads(js.read_text())
-
-
-def describe(out):
-    return "\n".join(f"--- rank {r} rc={rc}\n{o}\n{e[-3000:]}" for r, (rc, o, e) in enumerate(out))
 
 
 SIGNAL_PHASES = ["rendezvous", "init", "screen-gpu", "screen-intra", "collective", "ddp"]

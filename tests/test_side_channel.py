@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import SCRIPT, aiv, clean_env, failures, free_port, run_tool
+from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port, run_tool, wait_for
 
 SECRET = "5d1c0ffee" * 8  # 72 characters: the tests' job secret
 
@@ -35,41 +35,11 @@ def start(world, env, args=(), port=None):
     return procs, port
 
 
-def finish(procs, timeout=120):
-    out = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            o, e = p.communicate()
-            e += "\n<killed by test: hang>"
-        out.append((p.returncode, o, e))
-    return out
-
-
-def describe(out):
-    return "\n".join(f"--- rank {r} rc={rc}\n{o}\n{e[-3000:]}" for r, (rc, o, e) in enumerate(out))
-
-
-def wait_for(pred, seconds=90):
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def forger(port):
     """A plain TCPStore client on the run's port, under the run's key prefix: no secret."""
     import torch.distributed as dist
     raw = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
     return dist.PrefixStore("aiv", raw)
-
-
-def payload(value):
-    return value.decode().split("|", 2)[2]
 
 
 def forge(store, kind, phase):
