@@ -456,7 +456,7 @@ def test_scancel_names_nobody(cluster, capsys, phase):
     SIGTERM and gives the `interrupted` verdict (exit 5) inside KillWait, naming no host; the batch file
     says the job was cancelled; no rank outlives the job."""
     mark = cluster.workdir / f"paused-{uuid.uuid4().hex}"
-    job = cluster.submit(*SHAPE, AIV_FAILPOINT=f"pause=120:{phase}:1", AIV_FAILPOINT_MARK=str(mark))
+    job = cluster.submit(*SHAPE, AIV_FAILPOINT=f"pause=120:{phase}:1", AIV_FAILPOINT_MARK=str(mark), AIV_DRAIN="on")
     deadline = time.monotonic() + 120
     while not mark.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -473,6 +473,7 @@ def test_scancel_names_nobody(cluster, capsys, phase):
     assert (v["exit_code"], v["failed_hosts"], v["exclude"]) == (aiv.EXIT_INTERRUPTED, [], ""), describe(cluster, job)
     assert v["failures"] and all(ln.startswith("FAILURE: interrupted: ") for ln in v["failures"]), v
     assert "written_by" not in v, "rank 0 gave the verdict itself, inside KillWait"
+    assert v["drain_command"] == "" and "interrupted" in v["drain"]["skipped"] and drained(cluster) == {}, v["drain"]
     assert "ai-infra-validator: the job was cancelled (SIGTERM" in log, describe(cluster, job)
     assert "ai-infra-validator: job exit code 5" in log, describe(cluster, job)
     said = [ln for ln in log.splitlines() if ln.startswith("FAILURE:")]
@@ -715,3 +716,144 @@ def test_screen_a_link_slow_only_in_the_first_pair_round_names_nobody(cluster, c
     with capsys.disabled():
         print(f"\n[slurm] screen, node3 at 50 Mbit/s in round 1 only: {took:.1f} s, busbw GB/s {pair_summary(sc)}; "
               f"{warn['reason']}")
+
+
+# ---------------------------------------------------------------- where the verdict goes: drain, metrics, page, gate
+TRAIN = """#!/bin/bash
+#SBATCH --job-name=train
+#SBATCH --ntasks-per-node=1
+#SBATCH --time=2
+#SBATCH --output=train_%j.out
+srun hostname
+"""
+
+
+def node_states(cluster, nodes="node[1-4]"):
+    r = cluster.run("scontrol", "show", "node", "-o", nodes)
+    assert r.returncode == 0, r.stderr
+    return aiv.parse_scontrol_nodes(r.stdout)
+
+
+def drained(cluster):
+    return {n: why for n, (st, why) in node_states(cluster).items() if "DRAIN" in st}
+
+
+@contextlib.contextmanager
+def resume_after(cluster, nodes="node[1-4]"):
+    """Whatever happens, every node is back in service afterwards (the documented resume)."""
+    try:
+        yield
+    finally:
+        for n in drained(cluster):
+            cluster.run("scontrol", "update", f"nodename={n}", "state=resume")
+
+
+def job_field(cluster, job, field):
+    m = re.search(rf"\b{field}=(\S+)", cluster.job_info(job)[2])
+    return m.group(1) if m else ""
+
+
+def wait_pending_reason(cluster, job, reason, limit=30):
+    deadline = time.monotonic() + limit
+    while job_field(cluster, job, "Reason") != reason and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return job_field(cluster, job, "JobState"), job_field(cluster, job, "Reason")
+
+
+def test_drain_on_drains_the_slow_node_alone_and_the_gate_holds_training(cluster, capsys):
+    """node3's link rate-limited, AIV_DRAIN=on, --metrics: node3 alone is DRAIN with the tool's reason; the
+    metrics parse and say so; the page beside the log outlines node3; a training job submitted with
+    --dependency=afterok on the preflight never starts; the preflight resubmitted with --exclude from the
+    JSON passes, and the training job behind it runs on the nodes that passed."""
+    from prometheus_client.parser import text_string_to_metric_families
+    train = cluster.workdir / "train.sbatch"
+    train.write_text(TRAIN)
+    metrics = cluster.workdir / f"aiv-{uuid.uuid4().hex}.prom"
+    with resume_after(cluster):
+        with slowed_link(cluster, "node3"):
+            job = cluster.submit(*SHAPE_4X1, AIV_DRAIN="on", AIV_METRICS=str(metrics))
+            r = cluster.run("sbatch", "--parsable", f"--dependency=afterok:{job}", "--nodes=1", train,
+                            env=cluster.job_env())
+            assert r.returncode == 0, r.stderr
+            held = int(r.stdout.strip().split(";")[0])
+            state, code, _ = cluster.wait(job)
+        assert (state, code) == ("FAILED", "1:0"), describe(cluster, job)
+        log, _, js = cluster.outputs(job)
+        v = load_json(js)
+        assert v["failed_hosts"] == ["node3"] and v["drain"]["done"] and v["drain"]["hosts"] == ["node3"], v["drain"]
+        now = drained(cluster)
+        assert list(now) == ["node3"], now
+        assert now["node3"].startswith("aiv: inter-node: node node3 is slow") and now["node3"].endswith(f"(job {job})")
+        assert f"DRAIN: drained node3: {v['drain_command']}" in log, describe(cluster, job)
+        shown = cluster.run("scontrol", "show", "node", "node3").stdout
+        # the metrics: atomically written, parseable, node3 failed and only node3
+        fams = {f.name: f for f in text_string_to_metric_families(metrics.read_text())}
+        status = {s.labels["node"]: s.value for s in fams["aiv_node_status"].samples}
+        assert status == {"node1": 0, "node2": 0, "node3": 2, "node4": 0}, status
+        assert fams["aiv_verdict_pass"].samples[0].value == 0 and fams["aiv_exit_code"].samples[0].value == 1
+        assert not [p for p in cluster.workdir.iterdir() if p.name.startswith(".aiv-")]  # no temporary left
+        # the page beside the log
+        page = cluster.workdir / f"ai_infra_smoke_test_{job}.html"
+        html = page.read_text()
+        assert 'id="verdict"' in html and "FAIL" in html and 'class="culprit' in html and "node3" in html
+        # the gate: training never starts behind a FAIL
+        assert wait_pending_reason(cluster, held, "DependencyNeverSatisfied") == ("PENDING", "DependencyNeverSatisfied")
+        cluster.run("scancel", held)
+        # resubmitted without the culprit: PASS, and the training job behind it runs
+        job2 = cluster.submit("--nodes=3", *SHAPE_4X1[1:], f"--exclude={v['exclude']}")
+        r = cluster.run("sbatch", "--parsable", f"--dependency=afterok:{job2}", "--nodes=3", train,
+                        env=cluster.job_env())
+        train2 = int(r.stdout.strip().split(";")[0])
+        assert cluster.wait(job2)[:2] == ("COMPLETED", "0:0"), describe(cluster, job2)
+        assert cluster.wait(train2)[:2] == ("COMPLETED", "0:0")
+        ran = (cluster.workdir / f"train_{train2}.out").read_text().split()
+        assert sorted(ran) == ["node1", "node2", "node4"], ran
+    assert drained(cluster) == {}  # `scontrol update nodename=node3 state=resume` puts it back
+    with capsys.disabled():
+        print(f"\n[slurm] --drain on, node3 at 50 Mbit/s (job {job}): {v['drain_command']}\n"
+              + "\n".join("    " + ln.strip() for ln in shown.splitlines() if re.search(r"State=|Reason=", ln))
+              + "\n    metrics: " + " ".join(f"{k}={int(x)}" for k, x in sorted(status.items()))
+              + f"\n    resubmitted --exclude={v['exclude']}: job {job2} PASS, training job {train2} ran on {ran}")
+
+
+def test_drain_on_a_widespread_cause_drains_nobody_and_says_why(cluster, capsys):
+    """Every node's link rate-limited under an inter-node floor: every measurement slow, every node a
+    suspect, none passing: widespread. With AIV_DRAIN=on nobody is drained, and the report says why."""
+    with resume_after(cluster), contextlib.ExitStack() as stack:
+        for n in ("node1", "node2", "node3", "node4"):
+            stack.enter_context(slowed_link(cluster, n))
+        job = cluster.submit(*SHAPE_4X1, AIV_DRAIN="on", AIV_MIN_BUSBW_INTER="0.05")
+        state, code, _ = cluster.wait(job)
+        assert drained(cluster) == {}
+    log, _, js = cluster.outputs(job)
+    v = load_json(js)
+    assert (state, code) == ("FAILED", "1:0") and v["drain"]["hosts"] == [], describe(cluster, job)
+    (line,) = [ln.strip() for ln in log.splitlines() if "DRAIN: nothing drained" in ln]
+    assert "the cause is widespread" in line and v["drain_command"] == "", line
+    with capsys.disabled():
+        print(f"\n[slurm] every link at 50 Mbit/s, AIV_DRAIN=on: {line}")
+
+
+def test_drain_apply_against_slurmctld_keeps_a_foreign_reason_and_quotes_a_refusal(cluster):
+    """The real scontrol: node4 drained by an operator for a bad fan keeps that reason; an unprivileged
+    user's scontrol drains nothing and is a WARN."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import ddp_mesh_ping as aiv\n"
+            "p = aiv.drain_plan([aiv.finding('gpu-perf', 'FAIL', 'slow GPU', [sys.argv[2]])], 'on', 4, '9')\n"
+            "print(json.dumps(aiv.drain_apply(p)))\n")
+    with resume_after(cluster):
+        assert cluster.run("scontrol", "update", "nodename=node4", "state=drain", "reason=bad fan").returncode == 0
+        r = cluster.run(VENV_PY, "-c", code, REPO, "node4")
+        plan, warns = json.loads(r.stdout)
+        assert warns == [] and not plan["done"] and plan["kept"] == {"node4": "bad fan"}, r.stdout + r.stderr
+        assert drained(cluster) == {"node4": "bad fan"}
+        wrapper = cluster.workdir / "bin" / "scontrol"
+        wrapper.parent.mkdir(exist_ok=True)
+        wrapper.write_text(f'#!/bin/bash\nexec runuser -u nobody -- {shutil.which("scontrol")} "$@"\n')
+        wrapper.chmod(0o755)
+        env = dict(cluster.env, PATH=f"{wrapper.parent}:{os.environ['PATH']}")
+        r = cluster.run(VENV_PY, "-c", code, REPO, "node2", env=env)
+        plan, (warn,) = json.loads(r.stdout)
+        # slurmctld refuses an unprivileged update (or, where nobody cannot read the test cluster's private
+        # configuration, scontrol never answers): either way a WARN, within DRAIN_S, and nothing drained
+        assert warn["status"] == "WARN" and warn["reason"].startswith("nothing drained: "), warn
+        assert drained(cluster) == {"node4": "bad fan"}
