@@ -88,11 +88,12 @@ def _browser_or_skip():
     return webdriver, Service
 
 
-def test_browser(tmp_path, fault_page):
+def check_in_browser(page, culprit, rail, shot):
+    """Open the page file in headless Chromium: no SEVERE console entry, the verdict FAIL, the culprit listed
+    and outlined, the rail's heat map drawn; the whole page's screenshot kept as `shot` in $AIV_ARTIFACTS
+    (default ci-artifacts/). -> the screenshot's path."""
     webdriver, Service = _browser_or_skip()
     from selenium.webdriver.common.by import By
-    page = tmp_path / "report.html"
-    page.write_text(fault_page)
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"):
@@ -100,17 +101,24 @@ def test_browser(tmp_path, fault_page):
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     drv = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     try:
-        drv.get(page.as_uri())
+        drv.get(Path(page).as_uri())
         assert "FAIL" in drv.find_element(By.ID, "verdict").text
-        assert BAD in drv.find_element(By.ID, "culprits").text
+        assert culprit in drv.find_element(By.ID, "culprits").text
         outlined = drv.find_elements(By.CSS_SELECTOR, ".culprit")
-        assert outlined and any(e.get_attribute("data-host") == BAD for e in outlined)
-        assert drv.find_element(By.ID, "heatmap-rail-3")
+        assert outlined and any(e.get_attribute("data-host") == culprit for e in outlined)
+        assert drv.find_element(By.ID, f"heatmap-rail-{rail}")
         severe = [e for e in drv.get_log("browser") if e.get("level") == "SEVERE"]
         assert not severe, severe
         art = Path(os.environ.get("AIV_ARTIFACTS") or ROOT / "ci-artifacts")
         art.mkdir(parents=True, exist_ok=True)
         drv.set_window_size(1280, min(drv.execute_script("return document.body.scrollHeight") + 100, 8000))
-        assert drv.save_screenshot(str(art / "html_report.png"))
+        assert drv.save_screenshot(str(art / shot))
+        return art / shot
     finally:
         drv.quit()
+
+
+def test_browser(tmp_path, fault_page):
+    page = tmp_path / "report.html"
+    page.write_text(fault_page)
+    check_in_browser(page, BAD, 3, "html_report.png")

@@ -796,6 +796,8 @@ def test_drain_on_drains_the_slow_node_alone_and_the_gate_holds_training(cluster
         page = cluster.workdir / f"ai_infra_smoke_test_{job}.html"
         html = page.read_text()
         assert 'id="verdict"' in html and "FAIL" in html and 'class="culprit' in html and "node3" in html
+        from test_html import check_in_browser
+        shot = check_in_browser(page, "node3", 0, "slurm_node3_drained.png")
         # the gate: training never starts behind a FAIL
         assert wait_pending_reason(cluster, held, "DependencyNeverSatisfied") == ("PENDING", "DependencyNeverSatisfied")
         cluster.run("scancel", held)
@@ -813,7 +815,8 @@ def test_drain_on_drains_the_slow_node_alone_and_the_gate_holds_training(cluster
         print(f"\n[slurm] --drain on, node3 at 50 Mbit/s (job {job}): {v['drain_command']}\n"
               + "\n".join("    " + ln.strip() for ln in shown.splitlines() if re.search(r"State=|Reason=", ln))
               + "\n    metrics: " + " ".join(f"{k}={int(x)}" for k, x in sorted(status.items()))
-              + f"\n    resubmitted --exclude={v['exclude']}: job {job2} PASS, training job {train2} ran on {ran}")
+              + f"\n    resubmitted --exclude={v['exclude']}: job {job2} PASS, training job {train2} ran on {ran}"
+              + f"\n    page: {page.stat().st_size} bytes, screenshot {shot}")
 
 
 def test_drain_on_a_widespread_cause_drains_nobody_and_says_why(cluster, capsys):
