@@ -3928,20 +3928,21 @@ def _new_file_mode(path):
         return 0o666 & ~mask
 
 
-def write_json_atomic(path, data, first=False):
-    """Write data as JSON to path atomically (a temporary file beside it, then a rename), with the mode
-    _new_file_mode gives (mkstemp's own 0600 would hide the file from everyone else). first: only when
-    no file is there yet (the first writer wins, atomically: a hard link that fails when the path
-    exists), for the ranks and the batch file that write a verdict when rank 0 left none. -> whether
-    it was written."""
+def write_text_atomic(path, text, suffix=".tmp", first=False):
+    """Write text to path atomically: a temporary file beside it whose name never ends like the target (a
+    textfile collector reading *.prom never reads half a file), with the mode _new_file_mode gives (mkstemp's
+    own 0600 would hide the file from everyone else), then a rename. first: only when no file is there yet
+    (the first writer wins, atomically: a hard link that fails when the path exists), for the ranks and the
+    batch file that write a verdict when rank 0 left none. -> whether it was written."""
     d = os.path.dirname(os.path.abspath(path)) or "."
     mode = _new_file_mode(path)
-    fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=".json", dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=suffix, dir=d)
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True, default=str)
-            f.write("\n")
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         if not first:
             os.replace(tmp, path)
             return True
@@ -3956,6 +3957,11 @@ def write_json_atomic(path, data, first=False):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path, data, first=False):
+    """data as JSON, through write_text_atomic."""
+    return write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True, default=str) + "\n", ".json", first)
 
 
 # ============================================================================ outputs
@@ -4109,25 +4115,6 @@ def render_drain(drain):
     if drain.get("done"):
         return L + [f"  DRAIN: drained {compress_hostlist(drain['hosts'])}: {drain['command']}"]
     return L + (["  DRAIN: not drained (see the drain finding)"] if drain["hosts"] else [])
-
-
-def write_text_atomic(path, text, suffix=".tmp"):
-    """Write text to path atomically: a temporary file beside it whose name never ends like the target
-    (a textfile collector reading *.prom never reads half a file), the mode _new_file_mode gives, a rename."""
-    d = os.path.dirname(os.path.abspath(path)) or "."
-    mode = _new_file_mode(path)
-    fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=suffix, dir=d)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _metrics_escape(value):
