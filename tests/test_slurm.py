@@ -442,12 +442,19 @@ def test_rank0_dies_batch_file_writes_fail_json(cluster, capsys, record_property
         assert writer and writer[2] == ("node1" if writer[1] == "1" else "node2"), verdict
         assert line.startswith(f"FAILURE: rendezvous: {verdict['written_by']} lost rank 0 (node1)"), line
     assert line in failure_lines(log, "rendezvous"), describe(cluster, job)
+    # Two bounds, each on what this tool controls: the verdict comes long before --timeout 20 (whoever
+    # notices first writes it), and the job ends within AIV_STEP_GRACE (10 s) of it. The ranks that had not
+    # reached the store when rank 0 died (a slow import on a loaded machine) wait for it until the batch file
+    # ends the step, so the job's whole length is the verdict's time plus up to that grace.
     start, end = cluster.jobcomp_times(job)
+    verdict_at = js.stat().st_mtime - start  # StartTime/EndTime have whole seconds (rounded down)
+    record_property("rank0_dead_verdict_s", round(verdict_at, 2))
     record_property("rank0_dead_job_s", end - start)
     with capsys.disabled():
-        print(f"\n[slurm] rank 0 killed at the roll call: job ran {end - start:.0f} s, verdict JSON written by "
-              f"{verdict['written_by']} (job {job})")
-    assert end - start <= 15, f"job ran {end - start:.0f} s\n{describe(cluster, job)}"
+        print(f"\n[slurm] rank 0 killed at the roll call: verdict after {verdict_at:.1f} s, written by "
+              f"{verdict['written_by']}; job ran {end - start:.0f} s (job {job})")
+    assert verdict_at <= 15, f"verdict {verdict_at:.1f} s after the job's start\n{describe(cluster, job)}"
+    assert end - js.stat().st_mtime <= 15, f"job ran {end - start:.0f} s\n{describe(cluster, job)}"
 
 
 @pytest.mark.parametrize("phase", ["rendezvous", "collective"])
