@@ -364,7 +364,8 @@ def gpus(nodes=2, per_node=8, tflops=800.0, hbm=3800.0, model="NVIDIA H200", sta
 def test_gpu_perf_pass():
     (f,) = aiv.judge_gpu_perf(gpus())
     assert f["status"] == "PASS" and f["check"] == "gpu-perf" and "16 GPU(s)" in f["reason"]
-    assert "TFLOPS (upper quartile of 16)" in f["reason"] and aiv.judge_gpu_perf([]) == []
+    assert "against 16 peers (reference 8" in f["reason"] and "TFLOPS, upper quartile)" in f["reason"]
+    assert "the table row H200 SXM (660.0 TFLOPS)" in f["reason"] and aiv.judge_gpu_perf([]) == []
 
 
 def test_gpu_perf_outlier_names_rank_host_uuid():
