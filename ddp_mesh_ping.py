@@ -4634,7 +4634,9 @@ def _html_gpu_levels(screen):
             v, ref = r.get(metric), refs[(r.get("model") or "unknown", metric)]
             if v is None or not ref["ref"]:
                 continue
-            lv = screen_level(v, ref, fail, warn, floors[metric])
+            row = None if (screen or {}).get("cpu") else gpu_table_row(r.get("model"))
+            lv = _screen_worst([screen_level(v, ref if ref["count"] >= 2 else {}, fail, warn, floors[metric]),
+                                table_level(v, (row or {}).get(metric))])  # as judge_gpu_perf: peers, floor, table
             out.setdefault(r.get("rank"), {})[metric] = (float(v), float(v) / ref["ref"], lv)
     return out, refs
 

@@ -775,3 +775,10 @@ def test_band_names_come_from_the_manifest_bands_that_judge():
                                      "gpu.hbm_gbps/NVIDIA H200": dict(band, runs=1)}}}}
     assert aiv.screen_band_names(m, recs, screen) == ["gpu.tflops/NVIDIA H200"]
     assert aiv.screen_band_names(None, recs, screen) == []
+
+
+def test_page_levels_agree_with_the_table():
+    levels, _ = aiv._html_gpu_levels({"cpu": False, "gpu": [one_gpu(305.6, 1839.0)]})
+    assert levels[0]["tflops"][2] == "FAIL" and levels[0]["hbm_gbps"][2] == "FAIL"
+    levels, _ = aiv._html_gpu_levels({"cpu": False, "gpu": [one_gpu(680.0, 4213.0)]})
+    assert levels[0]["tflops"][2] == "OK"
