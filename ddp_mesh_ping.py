@@ -3419,7 +3419,16 @@ def screen_diagnose(results, min_busbw=None, cpu=False):
     return {"ref": screen_reference(m.get("busbw") for m in results), "refs": refs, "levels": levels,
             "rails": sorted(refs), "nodes": nodes, "culprits": culprits, "links": links, "suspect_links": lone,
             "suspects": _screen_sorted(sus), "passing": passing, "clean": clean, "widespread": wide,
-            "final": final, "two_nodes": two}
+            "final": final, "two_nodes": two, "min_busbw": min_busbw}
+
+
+def _pair_floor_text(results, idx, d):
+    """'; ... below the floor' when measurements idx fell below --min-busbw-inter: the floor FAILs them
+    whatever their ratio to the rail's reference."""
+    f = d.get("min_busbw")
+    below = [i for i in idx if f is not None and float(results[i].get("busbw") or 0.0) < f]
+    return (f"; {len(below)} measurement(s) below the floor {f:g} GB/s (--min-busbw-inter: the floor FAILs them)"
+            if below else "")
 
 
 def screen_suspect_links(results, min_busbw=None, cpu=False):
@@ -3495,10 +3504,11 @@ def _pair_node_findings(results, d):
         else:
             speed = "; ".join(parts)
             where = "its NIC, cable or switch port on " + ("that rail" if len(rails) == 1 else "those rails")
+        every = sorted(i for rail in rails for ids in ev[(n, rail)]["slow"].values() for i in ids)
         out.append(finding("inter-node", _screen_worst(statuses),
                            f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])} with "
                            f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none, "
-                           f"after re-measurement: {speed}: {where}", [n]))
+                           f"after re-measurement: {speed}: {where}{_pair_floor_text(results, every, d)}", [n]))
     return out
 
 
@@ -3531,7 +3541,8 @@ def _pair_link_findings(results, d):
             alone += " (a suspect link: the path between them, no host is excluded for it)"
             status = "WARN" if status != "OK" else status
         out.append(finding("inter-node", status, f"{what} on {_screen_rails_text(rails, d['rails'])}: busbw "
-                           f"{ratio:.2f} of the rail's reference after re-measurement{alone}",
+                           f"{ratio:.2f} of the rail's reference after re-measurement{alone}"
+                           f"{_pair_floor_text(results, idx, d)}",
                            [] if lone else list(g)))
     return out
 
@@ -3570,13 +3581,16 @@ def judge_pairs(results, min_busbw=None, cpu=False):
         return [finding("inter-node", "PASS", f"inter-node busbw: reference "
                         f"{_screen_ref_text(ref, 'GB/s', 'measurements')} over {len(d['rails'])} rail(s) and "
                         f"{len(d['nodes'])} node(s){spread}; "
-                        f"none slow ({_screen_rule('net', cpu)})")], []
+                        + (f"none slow ({_screen_rule('net', cpu)})" if ref["count"] >= 2 else
+                           "not judged against peers (one measurement is its own reference)"))], []
     if d["widespread"]:
         slow = sum(lv != "OK" for lv in d["levels"])
         return [dict(finding("inter-node", "FAIL", f"widespread: {len(sus)} node(s) implicated, more than the "
                              f"{len(d['passing'])} that passed, so no single node or link is to blame (a switch, "
                              f"the fabric or its configuration): {slow}/{len(results)} measurement(s) slow against "
-                             f"the rails' references after re-measurement; suspects: {compress_hostlist(sus)}",
+                             f"the rails' references or the floor after re-measurement; suspects: "
+                             f"{compress_hostlist(sus)}"
+                             f"{_pair_floor_text(results, [i for i, lv in enumerate(d['levels']) if lv != 'OK'], d)}",
                              sus), widespread=True)], sus
     return _pair_node_findings(results, d) + _pair_link_findings(results, d), sus
 
@@ -3614,7 +3628,7 @@ def screen_judged_against(screen, bands=None):
     if pairs:
         band = None if band_set is None else next((b for b in sorted(band_set) if b.startswith("inter.busbw/")), "")
         rails = len({m["rail"] for m in pairs})
-        out.append(screen_against(f"inter-node busbw over {rails} rail(s)", len(pairs), "measurement", "rails",
+        out.append(screen_against(f"inter-node busbw over {rails} rail(s)", len(pairs), "measurement", "rail",
                                   screen_reference(m.get("busbw") for m in pairs), "GB/s", None,
                                   screen.get("min_busbw_inter"), "min_busbw_inter", band,
                                   "none exists for inter-node busbw"))

@@ -260,6 +260,7 @@ def test_every_pair_below_the_floor_is_widespread():
     findings, suspects, _, plan = screen(names(6), fabric(), min_busbw=BASE * 2)
     (f,) = flagged(findings)
     assert plan["groups"] is None and "widespread" in f["reason"] and suspects == names(6)
+    assert "below the floor 80 GB/s (--min-busbw-inter: the floor FAILs them)" in f["reason"]
     # at N = 3 every pair was measured: no node passed, still widespread
     (f3,) = flagged(screen(names(3), fabric(), min_busbw=BASE * 2)[0])
     assert "widespread" in f3["reason"] and f3["hosts"] == names(3)
@@ -270,6 +271,7 @@ def test_floor_names_a_node_the_relative_judge_accepts():
     findings, _, _, _ = screen(names(8), fabric({"node4": RAILS}, factor=0.8), min_busbw=35.0)
     (f,) = flagged(findings)
     assert f["status"] == "FAIL" and f["hosts"] == ["node4"]
+    assert "below the floor 35 GB/s (--min-busbw-inter: the floor FAILs them)" in f["reason"]
 
 
 def test_warn_level_node():
