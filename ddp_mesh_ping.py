@@ -117,7 +117,7 @@ CHECKS = (
     "manifest",      # a node drifted from the accepted --manifest (FAIL or WARN by field)
     "internal",      # an unexpected error inside the tool (a bug: please report it; exit 4, no host blamed)
     "interrupted",   # SIGTERM/SIGINT stopped the run (scancel, time limit, preemption; exit 5, no host blamed)
-    "gpu-perf",      # performance screen: a GPU's matmul TFLOPS or memory GB/s below its model's peers
+    "gpu-perf",      # performance screen: a GPU's matmul TFLOPS or memory GB/s below its model's peers or table row
     "intra-node",    # performance screen: a node's all_reduce busbw inside the node below the other nodes'
     "inter-node",    # performance screen: a node, a node's rail (HCA) or a link slow between nodes
     "drain",         # --drain on: scontrol missing, refused or silent (WARN only: never changes the verdict)
@@ -2825,7 +2825,10 @@ def run_diff_manifest(paths):
 # quarters of the values may be low without dragging it down (at 4 nodes, half of all pair
 # measurements involve a bad node). A WARN must also lie outside the peers' own noise
 # (SCREEN_NOISE_SIGMAS standard deviations, estimated from the upper half of the values), so
-# run-to-run noise over thousands of measurements names no one; a FAIL needs no such margin.
+# run-to-run noise over thousands of measurements names no one; a FAIL needs no such margin. A GPU is
+# also judged against its model's row of the per-model table (GPU_TABLE), whatever the number of its
+# peers, and every value against its floor (--min-*); screen_judged_against says, per measurement, which
+# of these it had (a single value is no peer reference: its own maximum).
 #
 # Flow for the runtime (rank 0 plans and judges, every rank measures):
 #   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
@@ -3103,8 +3106,8 @@ def _table_rule():
 
 def screen_against(what, count, noun, kind, peers, unit, table=None, floor=None, floor_name=None, band=None,
                    no_table=""):
-    """What one measurement was judged against, as plain data and one line of text. what: e.g. 'TFLOPS of
-    NVIDIA H200'; count: how many values of it, each a noun ('GPU', 'node') of its kind ('model', 'class');
+    """What one measurement was judged against, as plain data and one line of text. what: e.g. 'matmul
+    TFLOPS of NVIDIA H200'; count: how many values of it, each a noun ('GPU', 'node') of its kind ('model', 'class');
     peers: their screen_reference, a reference only from 2 values on (one value is its own maximum);
     table: {'row', 'ref'} or None (no_table: why there is none); floor: the --min-* value (floor_name its
     key) or None; band: the manifest band's name, '' for none, None when not known here (left out).
@@ -3142,7 +3145,7 @@ def screen_against(what, count, noun, kind, peers, unit, table=None, floor=None,
 def gpu_refs(per_rank, floors, cpu=False, bands=None):
     """Per model and metric what the GPUs were judged against: {(model, metric): {'peers': screen_reference,
     'table': {'row', 'ref'}|None (never on CPU), 'floor': float|None, 'against': screen_against(...)}}.
-    bands: {band name: True} of the manifest's judging bands, or None when not known here."""
+    bands: the names of the manifest's judging bands (screen_band_names), or None when not known here."""
     by_model, out = {}, {}
     for r in per_rank:
         by_model.setdefault(r.get("model") or "unknown", []).append(r)
