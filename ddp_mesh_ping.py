@@ -117,7 +117,7 @@ CHECKS = (
     "manifest",      # a node drifted from the accepted --manifest (FAIL or WARN by field)
     "internal",      # an unexpected error inside the tool (a bug: please report it; exit 4, no host blamed)
     "interrupted",   # SIGTERM/SIGINT stopped the run (scancel, time limit, preemption; exit 5, no host blamed)
-    "gpu-perf",      # performance screen: a GPU's matmul TFLOPS or memory GB/s below its model's peers
+    "gpu-perf",      # performance screen: a GPU's matmul TFLOPS or memory GB/s below its model's peers or table row
     "intra-node",    # performance screen: a node's all_reduce busbw inside the node below the other nodes'
     "inter-node",    # performance screen: a node, a node's rail (HCA) or a link slow between nodes
     "drain",         # --drain on: scontrol missing, refused or silent (WARN only: never changes the verdict)
@@ -2825,7 +2825,10 @@ def run_diff_manifest(paths):
 # quarters of the values may be low without dragging it down (at 4 nodes, half of all pair
 # measurements involve a bad node). A WARN must also lie outside the peers' own noise
 # (SCREEN_NOISE_SIGMAS standard deviations, estimated from the upper half of the values), so
-# run-to-run noise over thousands of measurements names no one; a FAIL needs no such margin.
+# run-to-run noise over thousands of measurements names no one; a FAIL needs no such margin. A GPU is
+# also judged against its model's row of the per-model table (GPU_TABLE), whatever the number of its
+# peers, and every value against its floor (--min-*); screen_judged_against says, per measurement, which
+# of these it had (a single value is no peer reference: its own maximum).
 #
 # Flow for the runtime (rank 0 plans and judges, every rank measures):
 #   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
@@ -2849,6 +2852,58 @@ SCREEN_REMEASURE_ROUNDS = 3  # after each pair round: slow measurements re-measu
 SCREEN_LIST_MAX = 16        # more flagged GPUs or nodes than this: one finding lists the first ones and a count
 SCREEN_RENDER_ALL = 16      # up to this many nodes the PERFORMANCE section shows every node and every group
 SCREEN_RENDER_SLOW = 32     # beyond that, at most this many slow groups are listed (then a count)
+
+
+# Per-model table: what a healthy GPU of a model reaches in this screen's own measurements (the
+# SCREEN_MATMUL_N^3 bf16 matmul, the SCREEN_COPY_BYTES device copy counted read + write). Peers cannot
+# see what all of them share (a second job on every GPU, a node or a cluster slow throughout, a job on
+# one GPU), so a GPU whose model has a row is ALSO judged against it, whatever the number of its peers:
+# below SCREEN_TABLE_FAIL of the row FAIL, below SCREEN_TABLE_WARN WARN. Rows sit below what healthy
+# GPUs reach (a false FAIL stops a job for nothing); a row taken from a spec or another benchmark rather
+# than measured by this tool sits lower still. Key: the name torch reports (torch.cuda.get_device_name),
+# lower-cased, whitespace collapsed, matched by the row's pattern; PCIe and NVL boards (lower power and
+# clocks) never match a row (GPU_TABLE_EXCLUDE). Add a row: its name, a pattern that matches only that
+# board, TFLOPS and GB/s from a clean run of this tool on a healthy, idle GPU (the screen-gpu progress
+# line) lowered by a few percent, and a comment saying where the numbers come from.
+SCREEN_TABLE_FAIL = 0.70    # GPU TFLOPS or memory GB/s below 0.70 of its model's row: FAIL
+SCREEN_TABLE_WARN = 0.85    # ... below 0.85: WARN
+GPU_TABLE_EXCLUDE = r"\b(pcie|nvl)\b"
+GPU_TABLE = (  # (row, pattern, TFLOPS, GB/s)
+    # measured by this tool on H200 SXM 141 GB: 670-686 TFLOPS, 4,212-4,213 GB/s (20 back-to-back
+    # matmuls elsewhere: 760-790); set below the lowest run. "NVIDIA H200" (not GH200, not H200 NVL)
+    ("H200 SXM", r"\bh200\b", 660.0, 4100.0),
+    # not measured here: the same GH100 compute at 700 W as the H200 (MAMF best shape 794.5 TFLOPS,
+    # stas00/ml-engineering), so below the H200 row; HBM3 spec 3,350 GB/s x 0.88 (this tool's H200 copy
+    # against its 4,800 spec) = 2,950, set conservatively at 2,800. "NVIDIA H100 80GB HBM3"
+    ("H100 SXM", r"\bh100\b.*\b(hbm3|sxm\d?)\b", 620.0, 2800.0),
+    # not measured here: MAMF 271.2 TFLOPS x 0.86 (this tool's 8192^3 against the back-to-back H200 number)
+    # = 233, set at 220; HBM2e spec 2,039 / 1,555 GB/s x 0.88 = 1,790 / 1,370, set at 1,650 / 1,250
+    ("A100 SXM 80GB", r"\ba100\b.*\bsxm\d?\b.*\b80 ?gb\b", 220.0, 1650.0),   # "NVIDIA A100-SXM4-80GB"
+    ("A100 SXM 40GB", r"\ba100\b.*\bsxm\d?\b.*\b40 ?gb\b", 220.0, 1250.0),   # "NVIDIA A100-SXM4-40GB"
+    # not measured here: MAMF 1,745 TFLOPS x 0.86 = 1,500, set at 1,350 (boards ship at 1,000 W and
+    # more); HBM3e spec 8,000 GB/s x 0.88 = 7,040, set at 6,200. "NVIDIA B200" (not GB200)
+    ("B200", r"\bb200\b", 1350.0, 6200.0),
+)
+
+
+def gpu_table_row(model):
+    """The GPU_TABLE row for a device name (case and spacing ignored) -> {'row', 'tflops', 'hbm_gbps'}, or
+    None: no row, a PCIe or NVL board, no name."""
+    name = " ".join(str(model or "").lower().split())
+    if not name or re.search(GPU_TABLE_EXCLUDE, name):
+        return None
+    for row, pattern, tflops, gbps in GPU_TABLE:
+        if re.search(pattern, name):
+            return {"row": row, "tflops": tflops, "hbm_gbps": gbps}
+    return None
+
+
+def table_level(value, ref):
+    """'FAIL', 'WARN' or 'OK' of a value against a table number (None: 'OK'); a value of None is 0.0."""
+    if not ref:
+        return "OK"
+    v = 0.0 if value is None else float(value)
+    return "FAIL" if v < SCREEN_TABLE_FAIL * ref else "WARN" if v < SCREEN_TABLE_WARN * ref else "OK"
 
 
 def _screen_key(name):
@@ -3040,28 +3095,106 @@ def _screen_names(names, limit=4):
 
 
 SCREEN_GPU_METRICS = (("tflops", "TFLOPS", "min_tflops"), ("hbm_gbps", "GB/s memory", "min_hbm"))
+SCREEN_GPU_LABELS = {"tflops": "matmul TFLOPS", "hbm_gbps": "memory GB/s"}
+SCREEN_FLOOR_OPTIONS = {"min_tflops": "--min-tflops", "min_hbm": "--min-hbm", "min_busbw_intra": "--min-busbw-intra",
+                        "min_busbw_inter": "--min-busbw-inter"}
 
 
-def _gpu_flags(per_rank, floors, cpu):
-    """-> (refs {(model, metric): ref}, flags {rank: (entry, [(metric, level, text)])})."""
-    fail, warn = screen_fractions("gpu", cpu)
-    by_model, refs, flags = {}, {}, {}
+def _table_rule():
+    return f"FAIL below {SCREEN_TABLE_FAIL:.2f}, WARN below {SCREEN_TABLE_WARN:.2f} of the row"
+
+
+def screen_against(what, count, noun, kind, peers, unit, table=None, floor=None, floor_name=None, band=None,
+                   no_table=""):
+    """What one measurement was judged against, as plain data and one line of text. what: e.g. 'matmul
+    TFLOPS of NVIDIA H200'; count: how many values of it, each a noun ('GPU', 'node') of its kind ('model', 'class');
+    peers: their screen_reference, a reference only from 2 values on (one value is its own maximum);
+    table: {'row', 'ref'} or None (no_table: why there is none); floor: the --min-* value (floor_name its
+    key) or None; band: the manifest band's name, '' for none, None when not known here (left out).
+    -> {'measurement', 'count', 'peers': {'ref', 'how', 'count'}|None, 'table', 'floor', 'band', 'judged',
+    'missing': [what it was not judged against], 'text'}."""
+    p = {k: peers[k] for k in ("ref", "how", "count")} if peers.get("count", 0) >= 2 and peers.get("ref") else None
+    s = "s" if count != 1 else ""
+    got, miss = [], []  # miss: (as an item of 'not against', as an item of 'no reference')
+    if p:
+        got.append(f"{p['count']} peers (reference {_sn(p['ref'])} {unit}, {p['how']})")
+    else:
+        alone = f"{count} {noun}{s} of its {kind}" if count == 1 else f"{count} {noun}{s} of its {kind}, none measured"
+        miss.append((f"peers ({alone})", alone))
+    if table:
+        got.append(f"the table row {table['row']} ({_sn(table['ref'])} {unit})")
+    else:
+        miss.append((f"a table row{' (' + no_table + ')' if no_table else ''}",
+                     f"no table row{' (' + no_table + ')' if no_table else ''}"))
+    if floor is not None:
+        got.append(f"the floor {floor:g} {unit} ({SCREEN_FLOOR_OPTIONS.get(floor_name, 'floor')})")
+    else:
+        miss.append(("a floor", "no floor"))
+    if band is not None:
+        if band:
+            got.append(f"the manifest band {band}")
+        else:
+            miss.append(("a manifest band", "no manifest band"))
+    head = f"{what} ({count} {noun}{s})"
+    text = (f"{head}: no reference: {', '.join(n for _, n in miss)}" if not got else
+            f"{head}: against {', '.join(got)}" + (f"; not against {', '.join(m for m, _ in miss)}" if miss else ""))
+    return {"measurement": what, "count": count, "peers": p, "table": table, "floor": floor,
+            "band": band or None, "judged": bool(got), "missing": [m for m, _ in miss], "text": text}
+
+
+def gpu_refs(per_rank, floors, cpu=False, bands=None):
+    """Per model and metric what the GPUs were judged against: {(model, metric): {'peers': screen_reference,
+    'table': {'row', 'ref'}|None (never on CPU), 'floor': float|None, 'against': screen_against(...)}}.
+    bands: the names of the manifest's judging bands (screen_band_names), or None when not known here."""
+    by_model, out = {}, {}
     for r in per_rank:
         by_model.setdefault(r.get("model") or "unknown", []).append(r)
     for model, rs in sorted(by_model.items()):
+        row = None if cpu else gpu_table_row(model)
         for metric, unit, floor_name in SCREEN_GPU_METRICS:
-            ref = refs[(model, metric)] = screen_reference(r.get(metric) for r in rs)
-            for r in rs:
-                if r.get(metric) is None:
-                    continue
-                v, floor = float(r[metric]), floors.get(floor_name)
-                level = screen_level(v, ref, fail, warn, floor)
-                if level == "OK":
-                    continue
-                why = (f"below the floor {floor:g} {unit}" if floor is not None and v < floor
-                       else f"{v / ref['ref']:.2f} of the {model} reference {_screen_ref_text(ref, unit)}")
-                flags.setdefault(r["rank"], (r, []))[1].append((metric, level, f"{_sn(v)} {unit}: {why}"))
-    return refs, flags
+            peers = screen_reference(r.get(metric) for r in rs)
+            table = {"row": row["row"], "ref": row[metric]} if row else None
+            floor = floors.get(floor_name)
+            band = None if bands is None else (f"gpu.{metric}/{model}" if f"gpu.{metric}/{model}" in bands else "")
+            noun = "rank" if cpu else "GPU"
+            out[(model, metric)] = {
+                "peers": peers, "table": table, "floor": floor,
+                "against": screen_against(f"{SCREEN_GPU_LABELS[metric]} of {model}", len(rs), noun, "model", peers,
+                                          unit.split()[0], table, floor, floor_name, band,
+                                          "CPU ranks" if cpu else "")}
+    return out
+
+
+def _gpu_flags(per_rank, floors, cpu):
+    """-> (refs {(model, metric): peers' screen_reference}, flags {rank: (entry, [(metric, level, text)])}).
+    Each value against its floor, its model's table row and its peers (from 2 GPUs of the model on); the
+    text names every reference it fell below, each with its rule."""
+    fail, warn = screen_fractions("gpu", cpu)
+    allrefs, flags = gpu_refs(per_rank, floors, cpu), {}
+    for r in per_rank:
+        model = r.get("model") or "unknown"
+        for metric, unit, floor_name in SCREEN_GPU_METRICS:
+            if r.get(metric) is None:
+                continue
+            ref = allrefs[(model, metric)]
+            v, floor, table, peers = float(r[metric]), ref["floor"], ref["table"], ref["peers"]
+            why = []
+            if floor is not None and v < floor:
+                why.append(("FAIL", f"below the floor {floor:g} {unit} ({SCREEN_FLOOR_OPTIONS[floor_name]}, "
+                                    f"the floor decided)"))
+            lv = table_level(v, table["ref"]) if table else "OK"
+            if lv != "OK":
+                why.append((lv, f"{v / table['ref']:.2f} of the table row {table['row']} ({_sn(table['ref'])} "
+                                f"{unit.split()[0]}; {_table_rule()})"))
+            lv = screen_level(v, peers, fail, warn) if peers["count"] >= 2 else "OK"
+            if lv != "OK":
+                why.append((lv, f"{v / peers['ref']:.2f} of the {model} peers' reference "
+                                f"{_screen_ref_text(peers, unit)} ({_screen_rule('gpu', cpu)})"))
+            if why:
+                level = _screen_worst([w for w, _ in why])
+                flags.setdefault(r["rank"], (r, []))[1].append(
+                    (metric, level, f"{_sn(v)} {unit} [{level}]: " + " and ".join(t for _, t in why)))
+    return {k: x["peers"] for k, x in allrefs.items()}, dict(sorted(flags.items()))
 
 
 def _gpu_who(r):
@@ -3070,32 +3203,50 @@ def _gpu_who(r):
 
 
 def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
-    """Per-GPU compute and memory speed against the other GPUs of the same model.
+    """Per-GPU compute and memory speed against its model's table row (GPU_TABLE), the other GPUs of the
+    same model and the floors.
     per_rank: [{'rank': int, 'host': str, 'local_rank': int, 'uuid': str|None, 'model': str|None,
                 'tflops': float|None (dense matmul, bf16 on GPU, fp32 on CPU, in 1e12 FLOP/s),
                 'hbm_gbps': float|None (device-memory copy, 1e9 B/s)}]; None: not measured (skipped).
     min_tflops, min_hbm: absolute floors (FAIL below), or None.
-    References per model and metric (screen_reference); below SCREEN_GPU_FAIL of it FAIL, below
-    SCREEN_GPU_WARN WARN. cpu=True: ranks sharing cores give numbers that are not comparable, so only
-    values below SCREEN_CPU_FAIL of the reference FAIL and nothing WARNs.
+    Table (GPU only, whatever the number of GPUs): below SCREEN_TABLE_FAIL of the row FAIL, below
+    SCREEN_TABLE_WARN WARN. Peers (from 2 GPUs of a model on; references per model and metric,
+    screen_reference): below SCREEN_GPU_FAIL FAIL, below SCREEN_GPU_WARN WARN. cpu=True: no table; ranks
+    sharing cores give numbers that are not comparable, so only values below SCREEN_CPU_FAIL of the
+    peers' reference FAIL and nothing WARNs. The worst level counts; the text names what decided it.
     -> findings under 'gpu-perf': one per flagged rank naming rank, host, local rank and GPU UUID (one
     finding per status listing them when more than SCREEN_LIST_MAX ranks are flagged), or one PASS
-    giving each model's references and the count of GPUs."""
+    saying what each model was judged against (or that nothing was) and the count of GPUs."""
     per_rank = list(per_rank or [])
     if not per_rank:
         return []
-    refs, flags = _gpu_flags(per_rank, {"min_tflops": min_tflops, "min_hbm": min_hbm}, cpu)
+    floors = {"min_tflops": min_tflops, "min_hbm": min_hbm}
+    _, flags = _gpu_flags(per_rank, floors, cpu)
+    allrefs = gpu_refs(per_rank, floors, cpu)
     if not flags:
-        models = sorted({m for m, _ in refs})
-        txt = "; ".join(f"{m}: " + ", ".join(_screen_ref_text(refs[(m, k)], u) for k, u, _ in SCREEN_GPU_METRICS
-                                             if refs[(m, k)]["count"]) for m in models)
-        return [finding("gpu-perf", "PASS", f"GPU speed within the reference on {len(per_rank)} GPU(s): {txt} "
-                        f"({_screen_rule('gpu', cpu)})")]
-    items = sorted(flags.items())
-    rule = _screen_rule("gpu", cpu)
+        against = [x["against"] for x in allrefs.values()]
+        unjudged = sum(not a["judged"] for a in against)
+        head = (f"GPU speed within the reference on {len(per_rank)} GPU(s)" if not unjudged else
+                f"GPU speed on {len(per_rank)} GPU(s), {unjudged} of {len(against)} measurement(s) judged against "
+                f"nothing")
+        rules = ([f"peers: {_screen_rule('gpu', cpu)}"] if any(a["peers"] for a in against) else []) \
+            + ([f"table: {_table_rule()}"] if any(a["table"] for a in against) else [])
+        return [finding("gpu-perf", "PASS", f"{head}: " + "; ".join(a["text"] for a in against)
+                        + (f" ({'; '.join(rules)})" if rules else ""))]
+    items = list(flags.items())
+
+    def unused(r):
+        lack = {}
+        for k, _, _ in SCREEN_GPU_METRICS:
+            for m in allrefs[(r.get("model") or "unknown", k)]["against"]["missing"]:
+                lack.setdefault(m, []).append(SCREEN_GPU_LABELS[k])
+        return "not judged against " + ", ".join(
+            m if len(ks) == len(SCREEN_GPU_METRICS) else f"{m} for {' and '.join(ks)}" for m, ks in lack.items()) \
+            if lack else ""
     if len(items) <= SCREEN_LIST_MAX:
         return [finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                        f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl) + f"; {rule}", [r.get("host")], [rk])
+                        f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
+                        + (f"; {unused(r)}" if unused(r) else ""), [r.get("host")], [rk])
                 for rk, (r, fl) in items]
     out = []
     for status in ("FAIL", "WARN"):
@@ -3105,7 +3256,7 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
             hosts = [r.get("host") for _, r, _ in sel]
             out.append(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} node(s): "
-                               f"{shown}{more} ({rule})", hosts, [rk for rk, _, _ in sel]))
+                               f"{shown}{more}", hosts, [rk for rk, _, _ in sel]))
     return out
 
 
@@ -3127,8 +3278,24 @@ def intra_levels(per_node, min_busbw=None, cpu=False):
     for p in per_node:
         by_cls.setdefault(_intra_class(p), []).append(p)
     refs = {k: screen_reference(p.get("busbw") for p in ps) for k, ps in by_cls.items()}
-    return refs, {p["host"]: (screen_level(p.get("busbw"), refs[_intra_class(p)], fail, warn, min_busbw),
+    peers = {k: r if r["count"] >= 2 else {} for k, r in refs.items()}  # one node is its own maximum: no peers
+    return refs, {p["host"]: (screen_level(p.get("busbw"), peers[_intra_class(p)], fail, warn, min_busbw),
                               _intra_class(p)) for p in per_node}
+
+
+def intra_against(per_node, min_busbw=None, bands=None):
+    """What each class of intra-node rows was judged against (screen_against): its peers from 2 nodes on, the
+    floor, the manifest band; never a table (no per-model numbers for NVLink/NVSwitch/PCIe busbw)."""
+    by_cls = {}
+    for p in per_node:
+        by_cls.setdefault(_intra_class(p), []).append(p)
+    out = {}
+    for k, ps in sorted(by_cls.items(), key=str):
+        band = None if bands is None else next((b for b in [f"intra.busbw/{k[0] or 0} ranks"] if b in bands), "")
+        out[k] = screen_against(f"intra-node busbw of {_intra_class_text(k)}", len(ps), "node", "class",
+                                screen_reference(p.get("busbw") for p in ps), "GB/s", None, min_busbw,
+                                "min_busbw_intra", band, "none exists for intra-node busbw")
+    return out
 
 
 def judge_intra(per_node, min_busbw=None, cpu=False):
@@ -3150,17 +3317,23 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
         level, cls = levels[p["host"]]
         if level != "OK":
             v, ref = float(p.get("busbw") or 0.0), refs[cls]
-            why = (f"below the floor {min_busbw:g} GB/s" if min_busbw is not None and v < min_busbw
+            why = (f"below the floor {min_busbw:g} GB/s (--min-busbw-intra, the floor decided)"
+                   if min_busbw is not None and v < min_busbw
                    else f"{v / ref['ref']:.2f} of the reference {_screen_ref_text(ref, 'GB/s')}"
-                   + (f" of {_intra_class_text(cls)}" if len(refs) > 1 else ""))
+                   + (f" of {_intra_class_text(cls)}" if len(refs) > 1 else "") + f" ({rule})")
             flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {_sn(v)} GB/s: {why}"))
     if not flagged:
+        against = intra_against(per_node, min_busbw).values()
+        if not all(a["peers"] for a in against):
+            judged = "" if all(a["judged"] for a in against) else ", not judged"
+            return [finding("intra-node", "PASS", f"intra-node busbw on {len(per_node)} node(s){judged}: "
+                            + "; ".join(a["text"] for a in against))]
         txt = "; ".join((f"{_intra_class_text(k)}: " if len(refs) > 1 else "") + _screen_ref_text(r, "GB/s")
                         for k, r in sorted(refs.items(), key=str))
         return [finding("intra-node", "PASS", f"intra-node busbw on {len(per_node)} node(s): reference "
                         f"{txt} ({rule})")]
     if len(flagged) <= SCREEN_LIST_MAX:
-        return [finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node; {rule}", [h])
+        return [finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node", [h])
                 for lv, h, txt in flagged]
     out = []
     for status in ("FAIL", "WARN"):
@@ -3168,7 +3341,7 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
         if sel:
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
             out.append(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
-                               + "; ".join(t for _, _, t in sel[:SCREEN_LIST_MAX]) + f"{more} ({rule})",
+                               + "; ".join(t for _, _, t in sel[:SCREEN_LIST_MAX]) + more,
                                [h for _, h, _ in sel]))
     return out
 
@@ -3249,7 +3422,16 @@ def screen_diagnose(results, min_busbw=None, cpu=False):
     return {"ref": screen_reference(m.get("busbw") for m in results), "refs": refs, "levels": levels,
             "rails": sorted(refs), "nodes": nodes, "culprits": culprits, "links": links, "suspect_links": lone,
             "suspects": _screen_sorted(sus), "passing": passing, "clean": clean, "widespread": wide,
-            "final": final, "two_nodes": two}
+            "final": final, "two_nodes": two, "min_busbw": min_busbw}
+
+
+def _pair_floor_text(results, idx, d):
+    """'; ... below the floor' when measurements idx fell below --min-busbw-inter: the floor FAILs them
+    whatever their ratio to the rail's reference."""
+    f = d.get("min_busbw")
+    below = [i for i in idx if f is not None and float(results[i].get("busbw") or 0.0) < f]
+    return (f"; {len(below)} measurement(s) below the floor {f:g} GB/s (--min-busbw-inter: the floor FAILs them)"
+            if below else "")
 
 
 def screen_suspect_links(results, min_busbw=None, cpu=False):
@@ -3325,10 +3507,11 @@ def _pair_node_findings(results, d):
         else:
             speed = "; ".join(parts)
             where = "its NIC, cable or switch port on " + ("that rail" if len(rails) == 1 else "those rails")
+        every = sorted(i for rail in rails for ids in ev[(n, rail)]["slow"].values() for i in ids)
         out.append(finding("inter-node", _screen_worst(statuses),
                            f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])} with "
                            f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none, "
-                           f"after re-measurement: {speed}: {where}", [n]))
+                           f"after re-measurement: {speed}: {where}{_pair_floor_text(results, every, d)}", [n]))
     return out
 
 
@@ -3361,7 +3544,8 @@ def _pair_link_findings(results, d):
             alone += " (a suspect link: the path between them, no host is excluded for it)"
             status = "WARN" if status != "OK" else status
         out.append(finding("inter-node", status, f"{what} on {_screen_rails_text(rails, d['rails'])}: busbw "
-                           f"{ratio:.2f} of the rail's reference after re-measurement{alone}",
+                           f"{ratio:.2f} of the rail's reference after re-measurement{alone}"
+                           f"{_pair_floor_text(results, idx, d)}",
                            [] if lone else list(g)))
     return out
 
@@ -3400,13 +3584,16 @@ def judge_pairs(results, min_busbw=None, cpu=False):
         return [finding("inter-node", "PASS", f"inter-node busbw: reference "
                         f"{_screen_ref_text(ref, 'GB/s', 'measurements')} over {len(d['rails'])} rail(s) and "
                         f"{len(d['nodes'])} node(s){spread}; "
-                        f"none slow ({_screen_rule('net', cpu)})")], []
+                        + (f"none slow ({_screen_rule('net', cpu)})" if ref["count"] >= 2 else
+                           "not judged against peers (one measurement is its own reference)"))], []
     if d["widespread"]:
         slow = sum(lv != "OK" for lv in d["levels"])
         return [dict(finding("inter-node", "FAIL", f"widespread: {len(sus)} node(s) implicated, more than the "
                              f"{len(d['passing'])} that passed, so no single node or link is to blame (a switch, "
                              f"the fabric or its configuration): {slow}/{len(results)} measurement(s) slow against "
-                             f"the rails' references after re-measurement; suspects: {compress_hostlist(sus)}",
+                             f"the rails' references or the floor after re-measurement; suspects: "
+                             f"{compress_hostlist(sus)}"
+                             f"{_pair_floor_text(results, [i for i, lv in enumerate(d['levels']) if lv != 'OK'], d)}",
                              sus), widespread=True)], sus
     return _pair_node_findings(results, d) + _pair_link_findings(results, d), sus
 
@@ -3419,6 +3606,38 @@ def judge_screen(screen):
             + judge_pairs(screen.get("pairs") or [], screen.get("min_busbw_inter"), cpu)[0])
 
 
+def screen_band_names(manifest, records, screen):
+    """The manifest's speed bands that judge this run's measurements (as judge_bands: BAND_MIN_RUNS runs or
+    more, in the class of one of the run's nodes) -> sorted band names, [] without a manifest."""
+    classes, out = (manifest or {}).get("classes") or {}, set()
+    for cls, band, _, _ in _band_points(screen, _host_classes(records or [])):
+        b = ((classes.get(cls) or {}).get("bands") or {}).get(band)
+        if b and b.get("runs", 1) >= BAND_MIN_RUNS:
+            out.add(band)
+    return sorted(out)
+
+
+def screen_judged_against(screen, bands=None):
+    """Per measurement, what it was judged against (screen_against): each GPU model's matmul TFLOPS and
+    memory GB/s (peers, the table row, the floor), each class of intra-node busbw (peers, the floor; no
+    table exists), the inter-node busbw (the measurements of the rails, the floor; no table exists), and
+    with bands (screen_band_names' list; None: no manifest given) the manifest band. -> [entry], in the
+    JSON as screen['judged_against'] and in the PERFORMANCE section."""
+    cpu, band_set = bool(screen.get("cpu")), None if bands is None else set(bands)
+    floors = {k: screen.get(k) for k in SCREEN_FLOOR_OPTIONS}
+    out = [x["against"] for x in gpu_refs(screen.get("gpu") or [], floors, cpu, band_set).values()]
+    out += list(intra_against(screen.get("intra") or [], screen.get("min_busbw_intra"), band_set).values())
+    pairs = screen.get("pairs") or []
+    if pairs:
+        band = None if band_set is None else next((b for b in sorted(band_set) if b.startswith("inter.busbw/")), "")
+        rails = len({m["rail"] for m in pairs})
+        out.append(screen_against(f"inter-node busbw over {rails} rail(s)", len(pairs), "measurement", "rail",
+                                  screen_reference(m.get("busbw") for m in pairs), "GB/s", None,
+                                  screen.get("min_busbw_inter"), "min_busbw_inter", band,
+                                  "none exists for inter-node busbw"))
+    return out
+
+
 def _perf_gpu_lines(screen, cpu):
     per_rank, intra = screen.get("gpu") or [], screen.get("intra") or []
     refs, flags = _gpu_flags(per_rank, screen, cpu)
@@ -3427,10 +3646,12 @@ def _perf_gpu_lines(screen, cpu):
     ilv = {h: lv for h, (lv, _) in ilevels.items()}
     L = [f"  gpu reference {m}: " + ", ".join(_screen_ref_text(refs[(m, k)], u, "GPUs")
                                              for k, u, _ in SCREEN_GPU_METRICS if refs[(m, k)]["count"])
-         for m in sorted({m for m, _ in refs})]
+         if max(refs[(m, k)]["count"] for k, _, _ in SCREEN_GPU_METRICS) >= 2 else
+         f"  gpu reference {m}: none among peers (1 GPU of its model)" for m in sorted({m for m, _ in refs})]
     for k, iref in sorted(irefs.items(), key=str):
         L.append(f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
-                 f"{_screen_ref_text(iref, 'GB/s', 'nodes')}")
+                 + (_screen_ref_text(iref, 'GB/s', 'nodes') if iref["count"] >= 2 else
+                    "none among peers (1 node of its class)"))
     by_host = {}
     for r in per_rank:
         by_host.setdefault(r.get("host"), []).append(r)
@@ -3518,6 +3739,8 @@ def render_performance(screen):
     if screen.get("gpu") or screen.get("intra"):
         L += _perf_gpu_lines(screen, cpu)
     L += _perf_fact_lines(screen) + _perf_pair_lines(screen, cpu) + _perf_cost_lines(screen)
+    if screen.get("judged_against"):
+        L += ["  judged against (per measurement):"] + [f"    {a['text']}" for a in screen["judged_against"]]
     return L
 
 
@@ -4428,7 +4651,9 @@ def _html_gpu_levels(screen):
             v, ref = r.get(metric), refs[(r.get("model") or "unknown", metric)]
             if v is None or not ref["ref"]:
                 continue
-            lv = screen_level(v, ref, fail, warn, floors[metric])
+            row = None if (screen or {}).get("cpu") else gpu_table_row(r.get("model"))
+            lv = _screen_worst([screen_level(v, ref if ref["count"] >= 2 else {}, fail, warn, floors[metric]),
+                                table_level(v, (row or {}).get(metric))])  # as judge_gpu_perf: peers, floor, table
             out.setdefault(r.get("rank"), {})[metric] = (float(v), float(v) / ref["ref"], lv)
     return out, refs
 
@@ -5842,6 +6067,8 @@ class ScreenRunner:
         self.screen["suspect_links"] = screen_suspect_links(self.screen["pairs"], self.args.min_busbw_inter,
                                                             self.screen["cpu"])
         found = apply_strict(judge_screen(self.screen) + judge_gpu_facts(self.screen.get("gpu")), self.args.strict)
+        self.screen["judged_against"] = screen_judged_against(  # no --manifest: no band, said as such
+            self.screen, screen_band_names(self.args.manifest_data, self.records, self.screen))
         self.findings += found
         self.progress("screen_suspect", detail=self._third_detail(rows), counts=_counts(found),
                       secs=time.monotonic() - t)

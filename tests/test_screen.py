@@ -260,6 +260,7 @@ def test_every_pair_below_the_floor_is_widespread():
     findings, suspects, _, plan = screen(names(6), fabric(), min_busbw=BASE * 2)
     (f,) = flagged(findings)
     assert plan["groups"] is None and "widespread" in f["reason"] and suspects == names(6)
+    assert "below the floor 80 GB/s (--min-busbw-inter: the floor FAILs them)" in f["reason"]
     # at N = 3 every pair was measured: no node passed, still widespread
     (f3,) = flagged(screen(names(3), fabric(), min_busbw=BASE * 2)[0])
     assert "widespread" in f3["reason"] and f3["hosts"] == names(3)
@@ -270,6 +271,7 @@ def test_floor_names_a_node_the_relative_judge_accepts():
     findings, _, _, _ = screen(names(8), fabric({"node4": RAILS}, factor=0.8), min_busbw=35.0)
     (f,) = flagged(findings)
     assert f["status"] == "FAIL" and f["hosts"] == ["node4"]
+    assert "below the floor 35 GB/s (--min-busbw-inter: the floor FAILs them)" in f["reason"]
 
 
 def test_warn_level_node():
@@ -364,7 +366,8 @@ def gpus(nodes=2, per_node=8, tflops=800.0, hbm=3800.0, model="NVIDIA H200", sta
 def test_gpu_perf_pass():
     (f,) = aiv.judge_gpu_perf(gpus())
     assert f["status"] == "PASS" and f["check"] == "gpu-perf" and "16 GPU(s)" in f["reason"]
-    assert "TFLOPS (upper quartile of 16)" in f["reason"] and aiv.judge_gpu_perf([]) == []
+    assert "against 16 peers (reference 8" in f["reason"] and "TFLOPS, upper quartile)" in f["reason"]
+    assert "the table row H200 SXM (660.0 TFLOPS)" in f["reason"] and aiv.judge_gpu_perf([]) == []
 
 
 def test_gpu_perf_outlier_names_rank_host_uuid():
@@ -664,3 +667,120 @@ def test_intra_reference_per_ranks_per_node_and_model():
     per_node[9]["busbw"] = 60.0
     (f,) = aiv.judge_intra(per_node)
     assert f["status"] == "FAIL" and f["hosts"] == ["c1"] and "of 8 ranks, A100" in f["reason"]
+
+
+# ------------------------------------------------------------------ the per-model table
+def one_gpu(tflops, hbm, model="NVIDIA H200", rank=0):
+    return {"rank": rank, "host": "vm", "local_rank": rank, "uuid": f"GPU-{rank:04d}", "model": model,
+            "tflops": tflops, "hbm_gbps": hbm}
+
+
+def test_table_matches_device_names_and_never_a_pcie_or_nvl_board():
+    row = lambda name: (aiv.gpu_table_row(name) or {}).get("row")  # noqa: E731
+    assert row("NVIDIA H200") == "H200 SXM" and row("  nvidia   h200 ") == "H200 SXM"
+    assert row("NVIDIA H100 80GB HBM3") == "H100 SXM" and row("NVIDIA H100 SXM5 80GB") == "H100 SXM"
+    assert row("NVIDIA A100-SXM4-80GB") == "A100 SXM 80GB" and row("NVIDIA A100-SXM4-40GB") == "A100 SXM 40GB"
+    assert row("NVIDIA B200") == "B200"
+    for other in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA GH200 480GB", "NVIDIA GB200",
+                  "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe", "NVIDIA H100", "NVIDIA H800",
+                  "Tesla V100-SXM2-32GB", "cpu", "", None):
+        assert aiv.gpu_table_row(other) is None, other
+    assert aiv.gpu_table_row("NVIDIA A100-SXM4-80GB")["hbm_gbps"] > aiv.gpu_table_row("NVIDIA A100-SXM4-40GB")[
+        "hbm_gbps"]
+
+
+def test_readme_lists_every_table_row_with_its_numbers():
+    from conftest import ROOT
+    text = (ROOT / "README.md").read_text()
+    rows = {ln.split("|")[1].strip(): ln.split("|")[3:5] for ln in text.splitlines()
+            if ln.startswith("| ") and ln.count("|") == 6 and "matches" not in ln}
+    for name, _, tflops, gbps in aiv.GPU_TABLE:
+        assert [x.strip() for x in rows[name]] == [f"{tflops:g}", f"{gbps:g}"], name
+
+
+def test_one_h200_slowed_by_a_second_job_fails_against_the_table():
+    (f,) = aiv.judge_gpu_perf([one_gpu(305.6, 1839.0)])
+    assert f["status"] == "FAIL" and f["ranks"] == [0] and f["hosts"] == ["vm"]
+    r = f["reason"]
+    assert r.startswith("rank 0 on vm (local rank 0, GPU GPU-0000, NVIDIA H200): 305.6 TFLOPS [FAIL]: 0.46 of the "
+                        "table row H200 SXM (660.0 TFLOPS; FAIL below 0.70, WARN below 0.85 of the row)")
+    assert "1839.0 GB/s memory [FAIL]: 0.45 of the table row H200 SXM" in r
+    assert "not judged against peers (1 GPU of its model), a floor" in r and "of the reference" not in r
+    (f,) = aiv.judge_gpu_perf([one_gpu(680.0, 4213.0)])
+    assert f["status"] == "PASS" and "against the table row H200 SXM (660.0 TFLOPS)" in f["reason"]
+    assert "not against peers (1 GPU of its model), a floor" in f["reason"]
+    (f,) = aiv.judge_gpu_perf([one_gpu(540.0, 4213.0)])   # 0.82 of the row: WARN
+    assert f["status"] == "WARN" and "540.0 TFLOPS [WARN]: 0.82 of the table row" in f["reason"]
+
+
+def test_uniformly_slow_node_fails_against_the_table_though_its_peers_agree():
+    rs = [one_gpu(680.0 * 0.6, 4213.0 * 0.6, rank=i) for i in range(8)]
+    out = aiv.judge_gpu_perf(rs)
+    assert [(f["status"], f["ranks"]) for f in out] == [("FAIL", [i]) for i in range(8)]
+    assert all("of the table row H200 SXM" in f["reason"] and "peers' reference" not in f["reason"] for f in out)
+    rs = [one_gpu(680.0 * 0.6, 4213.0 * 0.6, model="NVIDIA H100 PCIe", rank=i) for i in range(8)]
+    (f,) = aiv.judge_gpu_perf(rs)   # no row: the peers alone cannot see it, and the report says what it used
+    assert f["status"] == "PASS" and "against 8 peers" in f["reason"] and "not against a table row" in f["reason"]
+
+
+def test_unknown_model_alone_says_no_reference_and_a_floor_says_it_decided():
+    (f,) = aiv.judge_gpu_perf([one_gpu(100.0, 900.0, model="NVIDIA X9")])
+    assert f["status"] == "PASS" and "judged against nothing" in f["reason"]
+    assert "matmul TFLOPS of NVIDIA X9 (1 GPU): no reference: 1 GPU of its model, no table row, no floor" in f["reason"]
+    (f,) = aiv.judge_gpu_perf([one_gpu(100.0, 900.0, model="NVIDIA X9")], min_tflops=500.0)
+    assert f["status"] == "FAIL" and "below the floor 500 TFLOPS (--min-tflops, the floor decided)" in f["reason"]
+    assert "of the reference" not in f["reason"] and "of the row" not in f["reason"]
+    (f,) = aiv.judge_intra([{"host": "vm", "busbw": 100.0, "ranks": list(range(8))}], min_busbw=350.0)
+    assert f["status"] == "FAIL" and "(--min-busbw-intra, the floor decided)" in f["reason"]
+    assert "of the reference" not in f["reason"]
+
+
+def test_cpu_ranks_have_no_table_row():
+    refs = aiv.gpu_refs([one_gpu(0.1, 50.0, rank=i) for i in range(2)], {}, cpu=True)
+    assert all(x["table"] is None and "a table row (CPU ranks)" in x["against"]["missing"] for x in refs.values())
+    assert [f["status"] for f in aiv.judge_gpu_perf([one_gpu(0.1, 50.0, rank=i) for i in range(2)], cpu=True)] \
+        == ["PASS"]
+
+
+def test_one_node_intra_busbw_says_it_had_no_reference():
+    (f,) = aiv.judge_intra([{"host": "vm", "busbw": 12.0, "ranks": list(range(8)), "model": "NVIDIA H200"}])
+    assert f["status"] == "PASS" and "not judged" in f["reason"] and "(maximum of 1)" not in f["reason"]
+    assert "no reference: 1 node of its class, no table row (none exists for intra-node busbw), no floor" in f["reason"]
+
+
+def test_judged_against_per_measurement_peers_table_band_floor():
+    screen = {"cpu": False, "min_tflops": 300.0, "min_hbm": None, "min_busbw_intra": None, "min_busbw_inter": None,
+              "gpu": [one_gpu(680.0, 4213.0, rank=i) for i in range(8)] + [one_gpu(99.0, 99.0, "NVIDIA X9", 8)],
+              "intra": [{"host": "vm", "busbw": 400.0, "ranks": list(range(8)), "model": "NVIDIA H200"}],
+              "pairs": []}
+    ja = {a["measurement"]: a for a in aiv.screen_judged_against(screen, ["gpu.tflops/NVIDIA H200"])}
+    t = ja["matmul TFLOPS of NVIDIA H200"]
+    assert t["peers"]["count"] == 8 and t["table"] == {"row": "H200 SXM", "ref": 660.0} and t["floor"] == 300.0
+    assert t["band"] == "gpu.tflops/NVIDIA H200" and t["judged"] and t["missing"] == []
+    assert ja["memory GB/s of NVIDIA H200"]["missing"] == ["a floor", "a manifest band"]
+    assert ja["memory GB/s of NVIDIA X9"]["text"] == ("memory GB/s of NVIDIA X9 (1 GPU): no reference: 1 GPU of its "
+                                                      "model, no table row, no floor, no manifest band")
+    intra = ja["intra-node busbw of 8 ranks, NVIDIA H200"]
+    assert not intra["judged"] and "no table row (none exists for intra-node busbw)" in intra["text"]
+    lines = aiv.render_performance(dict(screen, judged_against=list(ja.values())))
+    assert "  judged against (per measurement):" in lines
+    assert "  gpu reference NVIDIA X9: none among peers (1 GPU of its model)" in lines
+    assert any(ln.startswith("    matmul TFLOPS of NVIDIA H200 (8 GPUs): against 8 peers") for ln in lines)
+
+
+def test_band_names_come_from_the_manifest_bands_that_judge():
+    recs = [{"rank": 0, "host": "vm", "local_rank": 0}]
+    screen = {"gpu": [one_gpu(680.0, 4213.0)]}
+    cls = aiv._host_classes(recs)["vm"]
+    band = {"ref": 680.0, "lo": 670.0, "hi": 690.0, "runs": aiv.BAND_MIN_RUNS}
+    m = {"classes": {cls: {"bands": {"gpu.tflops/NVIDIA H200": band,
+                                     "gpu.hbm_gbps/NVIDIA H200": dict(band, runs=1)}}}}
+    assert aiv.screen_band_names(m, recs, screen) == ["gpu.tflops/NVIDIA H200"]
+    assert aiv.screen_band_names(None, recs, screen) == []
+
+
+def test_page_levels_agree_with_the_table():
+    levels, _ = aiv._html_gpu_levels({"cpu": False, "gpu": [one_gpu(305.6, 1839.0)]})
+    assert levels[0]["tflops"][2] == "FAIL" and levels[0]["hbm_gbps"][2] == "FAIL"
+    levels, _ = aiv._html_gpu_levels({"cpu": False, "gpu": [one_gpu(680.0, 4213.0)]})
+    assert levels[0]["tflops"][2] == "OK"

@@ -40,6 +40,13 @@ def test_local_run_screens_and_shows_performance(tmp_path):
     assert all(g["tflops"] > 0 and g["hbm_gbps"] > 0 for g in sc["gpu"])
     assert [(i["host"], i["ranks"]) for i in sc["intra"]] == [(d["host"], [0, 1, 2])] and sc["pairs"] == []
     assert set(aiv.SCREEN_PHASES) <= set(d["phases"])
+    ja = {a["measurement"]: a for a in sc["judged_against"]}   # what each measurement was judged against
+    assert ja["matmul TFLOPS of cpu"]["peers"]["count"] == 3 and ja["matmul TFLOPS of cpu"]["table"] is None
+    assert ja["memory GB/s of cpu"]["missing"] == ["a table row (CPU ranks)", "a floor", "a manifest band"]
+    intra = ja["intra-node busbw of 3 ranks"]
+    assert not intra["judged"] and intra["peers"] is None
+    assert f"    {intra['text']}" in out and "no reference: 1 node of its class" in intra["text"]
+    assert "  judged against (per measurement):" in out and "not against a table row (CPU ranks)" in out
     v = run_tool(["--verify-log", log, "--expect-world-size", 3, "--expect-nodes", 1])
     assert v.returncode == 0, v.stdout
 
