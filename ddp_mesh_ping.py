@@ -6685,7 +6685,7 @@ class RankRun(ScreenRunner):
         """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
           die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
                               (rendezvous, init, screen-gpu, screen-intra, screen-pairs, screen-suspect,
-                              collective, ddp; round-<name>: rank 0 before it opens a screen round's gate,
+                              soak, collective, ddp; round-<name>: rank 0 before it opens a screen round's gate,
                               e.g. round-p2); a pause first creates the file AIV_FAILPOINT_MARK, if set,
                               so that a test breaks something (a link) while the run waits
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, or
