@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_hangs import HOST, Ranks
 
-from conftest import aiv, failures, run_tool
+from conftest import aiv, failures, rec, run_tool
 
 
 def gpu(rank, first=700.0, last=None, host="gpu-1", seen=0x4, samples=30, temp=68.0, counts=None, **kw):
@@ -75,10 +75,10 @@ def test_no_telemetry_says_so():
     assert "no GPU telemetry on CPU" in "\n".join(aiv.render_soak({"seconds": 2, "cpu": True, "gpus": cpu}))
 
 
-def test_cpu_decay_is_a_warn_only():
-    (f,) = aiv.judge_soak([gpu(0, first=0.08, last=0.02, telemetry=None)], cpu=True)
-    assert f["status"] == "WARN"
-    assert [f["status"] for f in aiv.judge_soak([gpu(0, first=0.08, last=0.05)], cpu=True)] == ["PASS"]
+def test_cpu_decay_is_shown_not_judged():
+    """CPU ranks share cores with each other and the machine's other work: their decay is that noise."""
+    (f,) = aiv.judge_soak([gpu(0, first=0.08, last=0.02, telemetry=None, samples=0)], cpu=True)
+    assert f["status"] == "PASS" and "the slowest held 0.25 of its first window" in f["reason"]
 
 
 def test_too_short_to_time_and_empty():
@@ -109,8 +109,18 @@ def test_windows_and_summary():
                           {"temp_c": 70}])
     assert s == {"samples": 3, "temp_max_c": 88, "sm_min_mhz": 1410, "sm_max_seen_mhz": 1980, "sm_rated_mhz": 1980,
                  "power_max_w": 700.0, "throttle_seen": 0x4c,
-                 "throttle_counts": {"sw-power-cap": 2, "hw-slowdown": 1, "hw-thermal": 1}}
+                 "throttle_counts": {"sw-power-cap": 2, "hw-slowdown": 1, "hw-thermal": 1},
+                 "throttle_reasons": ["sw-power-cap", "hw-slowdown", "hw-thermal"]}
     assert aiv.soak_summary([])["throttle_seen"] is None
+
+
+def test_rows_carry_the_record_facts_and_the_verdict():
+    recs = [rec(r, host="gpu-1", gpu={"index": r, "name": "NVIDIA H200", "uuid": f"GPU-{r}"}) for r in range(2)]
+    posts = {r: {k: v for k, v in gpu(r, last=500.0 if r else None).items()
+                 if k not in ("host", "local_rank", "device", "uuid", "model")} for r in range(2)}
+    rows = aiv.soak_rows(recs, posts)
+    assert [(r["rank"], r["device"], r["uuid"], r["model"], r["verdict"]) for r in rows] == \
+        [(0, 0, "GPU-0", "NVIDIA H200", "PASS"), (1, 1, "GPU-1", "NVIDIA H200", "FAIL")]
 
 
 def test_render_shows_every_gpu_and_its_verdict():
@@ -176,7 +186,8 @@ def test_local_run_soaks_and_reports(tmp_path):
     d = json.loads(jp.read_text())
     sk = d["soak"]
     assert sk["seconds"] == 2 and sk["cpu"] is True and [g["rank"] for g in sk["gpus"]] == [0, 1]
-    assert all(g["tflops_first"] > 0 and g["tflops_last"] > 0 and g["telemetry"] is None for g in sk["gpus"])
+    assert all(g["tflops_first"] > 0 and g["tflops_last"] > 0 and g["telemetry"] is None and g["verdict"] == "PASS"
+               and g["model"] == "cpu" and g["throttle_reasons"] == [] for g in sk["gpus"])
     assert d["phases"]["soak"] >= 2 and d["deadlines"]["soak"] == 62
     assert run_tool(["--verify-log", log, "--expect-world-size", 2]).returncode == 0
 
