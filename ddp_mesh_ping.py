@@ -20,6 +20,8 @@ Phases (each prints one progress line on rank 0):
   screen      performance screen (--skip-screen skips it): each GPU's matmul TFLOPS and memory GB/s,
               all_reduce busbw inside each node, then between pairs of nodes per rail in two rounds
               and a third for suspects; names the slow GPU, node, rail or link
+  soak        with --soak SECONDS: bf16 matmul on every GPU at once for SECONDS, clocks, temperature,
+              power and clock-event reasons sampled; names the GPU that slows down, overheats or brakes
   collectives exact all_reduce with a closed-form sum, DDP step on nn.Linear(10, 10),
               gradients compared across ranks, loss all_reduced
   verdict     report, one FAILURE line per failed check, or the success line
@@ -48,8 +50,8 @@ Stable strings for automation:
 #   helpers         finding(), verdict_code(), hostlists, ranges           contract   the launch variables
 #   deadlines       deadlines(): every bound, and the small waits beside it  options    the one parser
 #   interfaces      NCCL/GLOO_SOCKET_IFNAME                                 collect    facts of a rank and node
-#   screen collect  what the performance screen measures                    judge      pure checks of plain data
-#   manifest        --save-manifest / --manifest / --diff-manifest          screen     the screen's pure judges
+#   screen collect  what the performance screen and the soak measure        judge      pure checks of plain data
+#   manifest        --save-manifest / --manifest / --diff-manifest          screen     the screen's and soak's judges
 #   render          the report                                              verify-log --verify-log
 #   liveness        the node monitor                                        store protocol  the side channel: keys, Seal
 #   runtime         RankRun: the phases, each under deadline(); its roles Coordinator (rank 0, the verdict),
