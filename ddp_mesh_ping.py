@@ -1480,26 +1480,33 @@ def nvml_reader(uuid):
 
 
 class SoakSampler:
-    """One GPU's telemetry every SOAK_SAMPLE_S while the soak runs, from a daemon thread: NVML where
-    pynvml is importable and knows the GPU, else nvidia-smi (SmiProbe, each call within SCREEN_SMI_S),
-    else nothing (source None; always on CPU). stop() waits at most SCREEN_SMI_S + 1 s for the thread."""
+    """One GPU's telemetry every SOAK_SAMPLE_S while the soak runs, from a daemon thread that also opens
+    the source (so that not even NVML's start can stall the load): NVML where pynvml is importable and
+    knows the GPU, else nvidia-smi (SmiProbe, each call within SCREEN_SMI_S), else nothing (source None;
+    always on CPU, where uuid is None). stop() waits at most SCREEN_SMI_S + 1 s for the thread."""
 
     def __init__(self, uuid):
-        self.samples, self.t0, self._stop = [], time.monotonic(), threading.Event()
-        read = nvml_reader(uuid) if uuid else None
-        self.source = "nvml" if read else ("nvidia-smi" if uuid and shutil.which("nvidia-smi") else None)
-        if self.source == "nvidia-smi":
-            def read():
-                return SmiProbe(uuid).finish(lambda: time.sleep(0.05))
-        self.read, self.thread = read, None
-        if self.source:
+        self.uuid, self.source, self.samples, self.t0 = uuid, None, [], time.monotonic()
+        self._stop, self.thread = threading.Event(), None
+        if uuid:
             self.thread = threading.Thread(target=self._loop, name="aiv-soak-sampler", daemon=True)
             self.thread.start()
 
+    def _reader(self):
+        read = nvml_reader(self.uuid)
+        if read:
+            self.source = "nvml"
+            return read
+        if shutil.which("nvidia-smi"):
+            self.source = "nvidia-smi"
+            return lambda: SmiProbe(self.uuid).finish(lambda: time.sleep(0.05))
+        return None
+
     def _loop(self):
-        while not self._stop.is_set():
+        read = self._reader()
+        while read and not self._stop.is_set():
             t = time.monotonic()
-            s = {k: v for k, v in (self.read() or {}).items() if k in SOAK_TELEMETRY and v is not None}
+            s = {k: v for k, v in (read() or {}).items() if k in SOAK_TELEMETRY and v is not None}
             if s:
                 self.samples.append(dict(s, t=round(t - self.t0, 2)))
             self._stop.wait(max(0.0, SOAK_SAMPLE_S - (time.monotonic() - t)))

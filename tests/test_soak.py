@@ -2,6 +2,7 @@
 with a real nvidia-smi stand-in (answering, and never answering), and real gloo runs: a pass with the
 SOAK section and the JSON, a soak longer than --timeout that blames no one, a rank frozen in the soak."""
 import json
+import re
 import sys
 import time
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from test_hangs import HOST, Ranks
 
-from conftest import aiv, failures, rec, run_tool
+from conftest import ROOT, aiv, failures, rec, run_tool
 
 
 def gpu(rank, first=700.0, last=None, host="gpu-1", seen=0x4, samples=30, temp=68.0, counts=None, **kw):
@@ -212,3 +213,14 @@ def test_a_rank_frozen_in_the_soak_is_named():
     (line,) = failures(w.out[0])
     assert line.startswith("FAILURE: soak: the soak (sustained matmul on every GPU at once) did not complete")
     assert f"rank 1 ({HOST}) frozen (process stopped)" in line and "rank 2" not in line, line
+
+
+def test_the_batch_files_time_limit_covers_a_60s_soak():
+    """The README's promise: the batch file's --time covers the worst case with AIV_SOAK=60."""
+    text = (ROOT / "submit_smoke_test.sbatch").read_text()
+    h, m, s = map(int, re.search(r"^#SBATCH --time=(\d+):(\d\d):(\d\d)$", text, re.M).groups())
+    grace = int(re.search(r"^AIV_STEP_GRACE=\$\{AIV_STEP_GRACE:-(\d+)\}$", text, re.M).group(1))
+    kill = int(re.search(r"^AIV_STEP_KILL_WAIT=\$\{AIV_STEP_KILL_WAIT:-(\d+)\}$", text, re.M).group(1))
+    worst = aiv.worst_case(aiv.deadlines(aiv.TIMEOUT_DEFAULT, aiv.ROLLCALL_DEFAULT, 60), bandwidth=True, soak=True)
+    assert h * 3600 + m * 60 + s >= worst + aiv.RANK0_GRACE + grace + kill + 60
+    assert "with a soak of up to 60 s (`AIV_SOAK=60 sbatch ...`)" in " ".join((ROOT / "README.md").read_text().split())
