@@ -1440,7 +1440,6 @@ def screen_busbw(torch_mod, dist, group, nranks, dev, kind):
     return size / sec / 1e9 * 2 * (nranks - 1) / nranks, sec
 
 
-
 # -- the soak (--soak SECONDS): every GPU under sustained matmul at once, its TFLOPS timed in blocks and
 # its telemetry sampled from a thread of its own, so that a slow NVML or nvidia-smi never stalls the load.
 # Section `screen` judges the rows (judge_soak).
@@ -3799,7 +3798,6 @@ def _perf_cost_lines(screen):
             + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())]
 
 
-
 # -- the soak (--soak SECONDS): a GPU that holds its speed for a second may not hold it for a minute. A
 # failing fan, dried thermal paste, blocked airflow or a power brake shows after tens of seconds of load:
 # the matmul slows (last window against the first) or the driver reports why the clocks dropped.
@@ -3828,7 +3826,7 @@ def soak_problems(row, cpu=False):
                                f"window) over {g('seconds') or 0:g}s of load{cap}"))
     if seen & SOAK_FAULTS:
         counts = g("throttle_counts") or {}
-        names = [n for n in throttle_names(seen & SOAK_FAULTS)]
+        names = throttle_names(seen & SOAK_FAULTS)
         ev = [f"max {g('temp_max_c'):g} C" if g("temp_max_c") is not None else None,
               f"SM {g('sm_min_mhz'):g}-{g('sm_max_seen_mhz'):g} MHz" + (
                   f" of {g('sm_rated_mhz'):g}" if g("sm_rated_mhz") else "") if g("sm_min_mhz") is not None else None,
@@ -3881,8 +3879,9 @@ def judge_soak(rows, cpu=False):
                  ("no GPU telemetry on CPU" if cpu else f"no telemetry on {len(none)} GPU(s) (neither NVML nor "
                   f"nvidia-smi answered): judged on TFLOPS alone") if none else None]
         secs = max(float(r.get("seconds") or 0) for r in rows)
-        return [finding("soak", "PASS", f"{len(rows)} {'CPU rank(s)' if cpu else 'GPU(s)'} held their speed over "
-                        f"{secs:g}s of load at once: " + "; ".join(p for p in parts if p))]
+        lead = (f"{len(rows)} CPU rank(s) ran {secs:g}s of load at once (decay not judged: ranks share cores)" if cpu
+                else f"{len(rows)} GPU(s) held their speed over {secs:g}s of load at once")
+        return [finding("soak", "PASS", f"{lead}: " + "; ".join(p for p in parts if p))]
     if len(items) <= SCREEN_LIST_MAX:
         return [finding("soak", st, f"{_soak_who(r)}: {txt}", [r.get("host")], [r["rank"]]) for st, r, txt in items]
     out = []
@@ -3938,6 +3937,7 @@ def render_soak(soak):
     if len(show) < len(rows):
         L.append(f"  ({len(rows) - len(show)} GPU(s) that held up not shown; see --json)")
     return L
+
 
 # -- the runtime's plain data: the rounds' groups, each rank's part, the rows the judges take, who hung
 def screen_round_label(name):
