@@ -20,6 +20,8 @@ Phases (each prints one progress line on rank 0):
   screen      performance screen (--skip-screen skips it): each GPU's matmul TFLOPS and memory GB/s,
               all_reduce busbw inside each node, then between pairs of nodes per rail in two rounds
               and a third for suspects; names the slow GPU, node, rail or link
+  soak        with --soak SECONDS: bf16 matmul on every GPU at once for SECONDS, clocks, temperature,
+              power and clock-event reasons sampled; names the GPU that slows down, overheats or brakes
   collectives exact all_reduce with a closed-form sum, DDP step on nn.Linear(10, 10),
               gradients compared across ranks, loss all_reduced
   verdict     report, one FAILURE line per failed check, or the success line
@@ -48,8 +50,8 @@ Stable strings for automation:
 #   helpers         finding(), verdict_code(), hostlists, ranges           contract   the launch variables
 #   deadlines       deadlines(): every bound, and the small waits beside it  options    the one parser
 #   interfaces      NCCL/GLOO_SOCKET_IFNAME                                 collect    facts of a rank and node
-#   screen collect  what the performance screen measures                    judge      pure checks of plain data
-#   manifest        --save-manifest / --manifest / --diff-manifest          screen     the screen's pure judges
+#   screen collect  what the performance screen and the soak measure        judge      pure checks of plain data
+#   manifest        --save-manifest / --manifest / --diff-manifest          screen     the screen's and soak's judges
 #   render          the report                                              verify-log --verify-log
 #   liveness        the node monitor                                        store protocol  the side channel: keys, Seal
 #   runtime         RankRun: the phases, each under deadline(); its roles Coordinator (rank 0, the verdict),
@@ -120,6 +122,7 @@ CHECKS = (
     "gpu-perf",      # performance screen: a GPU's matmul TFLOPS or memory GB/s below its model's peers or table row
     "intra-node",    # performance screen: a node's all_reduce busbw inside the node below the other nodes'
     "inter-node",    # performance screen: a node, a node's rail (HCA) or a link slow between nodes
+    "soak",          # --soak: a GPU's matmul speed decayed under sustained load, or its clocks slowed for heat or power
     "drain",         # --drain on: scontrol missing, refused or silent (WARN only: never changes the verdict)
 )
 
@@ -538,36 +541,39 @@ DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scont
 LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
 
 PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-intra", "screen-pairs", "screen-suspect",
-          "collective", "ddp", "bandwidth", "final")
+          "soak", "collective", "ddp", "bandwidth", "final")
 SCREEN_PHASES = ("screen-gpu", "screen-intra", "screen-pairs", "screen-suspect")  # skipped with --skip-screen
 PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
                "screen-gpu": "gpu-perf", "screen-intra": "intra-node", "screen-pairs": "inter-node",
-               "screen-suspect": "inter-node",
+               "screen-suspect": "inter-node", "soak": "soak",
                "collective": "collective", "ddp": "ddp", "bandwidth": "bandwidth", "final": "verdict"}
 PHASE_WHAT = {"local": "import torch and the local checks", "rollcall": "the roll call",
               "init": "init_process_group", "telemetry": "the telemetry gather and judge",
               "screen-gpu": "the GPU screen (matmul and memory copy)",
               "screen-intra": "the intra-node all_reduce screen", "screen-pairs": "the inter-node pair rounds",
               "screen-suspect": "the suspect round and the screen's judgement",
+              "soak": "the soak (sustained matmul on every GPU at once)",
               "collective": "all_reduce of rank-encoded integers", "ddp": "the DDP step and results gather",
               "bandwidth": "the bandwidth probe", "final": "the verdict"}
 
 
-def deadlines(timeout, rollcall_timeout):
-    """The one table of bounds: phase -> seconds. `local` and `rollcall` get --rollcall-timeout, every
+def deadlines(timeout, rollcall_timeout, soak=0.0):
+    """The one table of bounds: phase -> seconds. `local` and `rollcall` get --rollcall-timeout, `soak`
+    its --soak seconds + --timeout (the load itself, then what any phase does), every other
     later phase --timeout; `manifest-lock` (MANIFEST_LOCK_S, not a phase) bounds the wait for a
     --save-manifest file's lock at the verdict. Invariant (checked by a test): rank 0 names the culprits
     within a phase's bound + NAMING_S, which is below the other ranks' backstop (bound + RANK0_GRACE), so rank 0
     reports before anyone gives up on it."""
     table = {p: float(timeout) for p in PHASES}
     table["local"] = table["rollcall"] = float(rollcall_timeout)
+    table["soak"] = float(timeout) + float(soak)
     table["manifest-lock"] = MANIFEST_LOCK_S  # not a phase: part of the verdict, with --save-manifest only
     return table
 
 
-def worst_case(table, bandwidth=False, screen=True):
+def worst_case(table, bandwidth=False, screen=True, soak=False):
     """The longest a run can take to its verdict: every phase at its bound, then naming and acks."""
-    return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth")
+    return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
                and (screen or p not in SCREEN_PHASES)) + NAMING_S + ACKS_S
 
 
@@ -623,6 +629,16 @@ def _seconds(text):
         raise ValueError("is not a finite number of seconds")
     if not 1 <= v <= SECONDS_MAX:
         raise ValueError(f"is outside 1-{SECONDS_MAX:g} seconds")
+    return v
+
+
+def _soak(text):
+    """--soak: 0 or an off word: no soak; else seconds of load, 1 to SECONDS_MAX."""
+    if text.strip().lower() in OFF_WORDS:
+        return 0.0
+    v = _number(text)
+    if not (math.isfinite(v) and (v == 0 or 1 <= v <= SECONDS_MAX)):
+        raise ValueError(f"is not 0 (off) or 1-{SECONDS_MAX:g} seconds")
     return v
 
 
@@ -686,7 +702,8 @@ class _Parser(argparse.ArgumentParser):
 
 WANT = {_backend: "auto, nccl or gloo", _seconds: "a number of seconds", _positive_int: "a whole number",
         _switch: "on or off", _sizes: "sizes, on or off", _positive_float: "a number", str: "a path",
-        _directory: "a directory", _drain_mode: "off, recommend or on"}  # what an empty value should have been
+        _directory: "a directory", _drain_mode: "off, recommend or on",
+        _soak: "a number of seconds, or 0 for no soak"}  # what an empty value should have been
 
 
 def _opt(p, flag, conv, shown, text, env=True, want=None, **kw):
@@ -752,6 +769,9 @@ def build_parser():
          "node is below this (GB/s)", metavar="GBPS")
     _opt(p, "--min-busbw-inter", _positive_float, "none", "screen: FAIL an inter-node measurement (a pair on one "
          "rail) below this busbw (GB/s)", metavar="GBPS")
+    _opt(p, "--soak", _soak, "0", "after the screen, bf16 matmul on every GPU at once for SECONDS (fp32 on CPU), "
+         "sampling clocks, temperature, power and clock-event reasons; FAIL a GPU whose speed decays or whose "
+         "clocks slow for heat or a power brake; 0: no soak", default=0.0, metavar="SECONDS")
     # where the verdict goes besides the log and the JSON (section `outputs`)
     _opt(p, "--drain", _drain_mode, "recommend", "on a FAIL whose culprits are hosts: 'on' drains them in Slurm "
          f"(scontrol, reason '{DRAIN_PREFIX} ...'), 'recommend' prints the command, 'off' neither",
@@ -1419,6 +1439,172 @@ def screen_busbw(torch_mod, dist, group, nranks, dev, kind):
     sec = _screen_median(times) if kind == "gpu" else min(times)
     return size / sec / 1e9 * 2 * (nranks - 1) / nranks, sec
 
+
+# -- the soak (--soak SECONDS): every GPU under sustained matmul at once, its TFLOPS timed in blocks and
+# its telemetry sampled from a thread of its own, so that a slow NVML or nvidia-smi never stalls the load.
+# Section `screen` judges the rows (judge_soak).
+SOAK_BLOCK_S = {"gpu": 0.25, "cpu": 0.05}  # one timed block of matmuls, device-synchronised
+SOAK_WINDOW_BLOCKS = 8   # a window: the median (GPU) or best (CPU) of this many blocks (fewer in a short soak)
+SOAK_SAMPLE_S = 1.0      # telemetry period: NVML (nvidia-ml-py), else nvidia-smi in a child bounded by SCREEN_SMI_S
+SOAK_WINDOWS_MAX = 64    # at most this many windows kept per GPU (longer soaks: wider windows)
+SOAK_TELEMETRY = ("sm_mhz", "sm_max_mhz", "throttle", "temp_c", "power_w")
+
+
+def nvml_reader(uuid):
+    """A function reading one GPU's SOAK_TELEMETRY through NVML (nvidia-ml-py's pynvml), each value
+    skipped where NVML refuses it; None when pynvml is missing or does not know the GPU."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    except Exception:
+        return None
+    reasons = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+               or getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
+    calls = (("sm_mhz", lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+             ("sm_max_mhz", lambda: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)),
+             ("temp_c", lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+             ("power_w", lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
+             ("throttle", lambda: reasons(h)))
+
+    def read():
+        out = {}
+        for key, call in calls:
+            try:
+                out[key] = call()
+            except Exception:
+                continue
+        return out
+    return read
+
+
+class SoakSampler:
+    """One GPU's telemetry every SOAK_SAMPLE_S while the soak runs, from a daemon thread that also opens
+    the source (so that not even NVML's start can stall the load): NVML where pynvml is importable and
+    knows the GPU, else nvidia-smi (SmiProbe, each call within SCREEN_SMI_S), else nothing (source None;
+    always on CPU, where uuid is None). stop() waits at most SCREEN_SMI_S + 1 s for the thread."""
+
+    def __init__(self, uuid):
+        self.uuid, self.source, self.samples, self.t0 = uuid, None, [], time.monotonic()
+        self._stop, self.thread = threading.Event(), None
+        if uuid:
+            self.thread = threading.Thread(target=self._loop, name="aiv-soak-sampler", daemon=True)
+            self.thread.start()
+
+    def _reader(self):
+        read = nvml_reader(self.uuid)
+        if read:
+            self.source = "nvml"
+            return read
+        if shutil.which("nvidia-smi"):
+            self.source = "nvidia-smi"
+            return lambda: SmiProbe(self.uuid).finish(lambda: time.sleep(0.05))
+        return None
+
+    def _loop(self):
+        read = self._reader()
+        while read and not self._stop.is_set():
+            t = time.monotonic()
+            s = {k: v for k, v in (read() or {}).items() if k in SOAK_TELEMETRY and v is not None}
+            if s:
+                self.samples.append(dict(s, t=round(t - self.t0, 2)))
+            self._stop.wait(max(0.0, SOAK_SAMPLE_S - (time.monotonic() - t)))
+
+    def stop(self):
+        self._stop.set()
+        if self.thread is not None:
+            self.thread.join(SCREEN_SMI_S + 1.0)
+        return list(self.samples)
+
+
+def soak_windows(blocks, cpu=False):
+    """TFLOPS of consecutive blocks -> (window size in blocks, one value per window: the median of its
+    blocks on GPU, the best on CPU). Up to SOAK_WINDOW_BLOCKS blocks a window, at least 4 windows where
+    there are 4 blocks; the window widens past SOAK_WINDOWS_MAX windows; a partial last window is
+    joined to the window before."""
+    n = len(blocks)
+    if not n:
+        return 0, []
+    w = max(1, min(SOAK_WINDOW_BLOCKS, n // 4), math.ceil(n / SOAK_WINDOWS_MAX))
+    chunks = [blocks[i:i + w] for i in range(0, n - w + 1, w)]
+    if n % w and len(chunks) > 1:
+        chunks[-1] = chunks[-1] + blocks[len(chunks) * w:]
+    pick = max if cpu else _screen_median
+    return w, [float(f"{pick(c):.4g}") for c in chunks]
+
+
+def soak_summary(samples):
+    """A soak's telemetry samples -> the row's fields: samples, max temperature, min/max SM clock, the
+    rated max SM clock, max power, the clock-event reasons seen (OR of the masks) and per reason name the
+    count of samples that showed it."""
+    def col(k):
+        return [float(s[k]) for s in samples if s.get(k) is not None]
+    out = {"samples": len(samples)}
+    for key, k, f in (("temp_max_c", "temp_c", max), ("sm_min_mhz", "sm_mhz", min), ("sm_max_seen_mhz", "sm_mhz", max),
+                      ("sm_rated_mhz", "sm_max_mhz", max), ("power_max_w", "power_w", max)):
+        v = col(k)
+        out[key] = round(f(v), 1) if v else None
+    masks = [int(s["throttle"]) for s in samples if s.get("throttle") is not None]
+    seen = 0
+    for m in masks:
+        seen |= m
+    out["throttle_seen"] = seen if masks else None
+    out["throttle_reasons"] = throttle_names(seen)
+    out["throttle_counts"] = {n: sum(n in throttle_names(m) for m in masks) for n in throttle_names(seen)}
+    return out
+
+
+def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None):
+    """One rank's soak: square matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread) in blocks
+    of about SOAK_BLOCK_S for `seconds`, while SoakSampler reads the GPU. start(): called once the
+    operands are made and warm, before the timed load (the gate that starts every GPU together).
+    -> the row judge_soak takes (without the rank's record facts)."""
+    cpu = kind == "cpu"
+    sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
+    n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
+    if not cpu:
+        dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
+    threads = torch_mod.get_num_threads()
+    if cpu:
+        torch_mod.set_num_threads(1)
+    try:
+        a, b = (torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
+        c = torch_mod.empty(n, n, device=dev, dtype=dtype)
+        for _ in range(2):
+            torch_mod.mm(a, b, out=c)
+        sync()
+        t = time.perf_counter()
+        for _ in range(2):
+            torch_mod.mm(a, b, out=c)
+        sync()
+        per_block = max(1, int(SOAK_BLOCK_S[kind] / max((time.perf_counter() - t) / 2, 1e-7)))
+        if start is not None:
+            start()
+        sampler = SoakSampler(None if cpu else uuid)
+        blocks, t0 = [], time.perf_counter()
+        try:
+            while time.perf_counter() - t0 < seconds:
+                t = time.perf_counter()
+                for _ in range(per_block):
+                    torch_mod.mm(a, b, out=c)
+                sync()
+                blocks.append(2 * n ** 3 * per_block / 1e12 / max(time.perf_counter() - t, 1e-9))
+            loaded = time.perf_counter() - t0
+        finally:
+            samples = sampler.stop()
+    finally:
+        if cpu:
+            torch_mod.set_num_threads(threads)
+        else:
+            with contextlib.suppress(Exception):
+                del a, b, c
+                torch_mod.cuda.empty_cache()
+    w, windows = soak_windows(blocks, cpu)
+    return {"dtype": str(dtype).replace("torch.", ""), "seconds": round(loaded, 2), "blocks": len(blocks),
+            "window_s": round(loaded * w / max(len(blocks), 1), 2),
+            "tflops_windows": windows, "tflops_first": windows[0] if windows else None,
+            "tflops_last": windows[-1] if windows else None, "telemetry": sampler.source,
+            **soak_summary(samples)}
 
 # ============================================================================ judge
 def _by_host(records):
@@ -3835,6 +4021,147 @@ def _perf_cost_lines(screen):
             + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())]
 
 
+# -- the soak (--soak SECONDS): a GPU that holds its speed for a second may not hold it for a minute. A
+# failing fan, dried thermal paste, blocked airflow or a power brake shows after tens of seconds of load:
+# the matmul slows (last window against the first) or the driver reports why the clocks dropped.
+SOAK_DECAY_FAIL = 0.90   # GPU: the last window's TFLOPS below 0.90 of the first: FAIL
+SOAK_DECAY_WARN = 0.95   # ... below 0.95: WARN
+SOAK_FAULTS = 0x8 | 0x20 | 0x40 | 0x80  # HW slowdown, SW thermal, HW thermal, HW power brake: FAIL
+SOAK_POWER_CAP = 0x4     # SW power cap: normal for a GPU at full load (H100/H200); only noted, its decay judged
+
+
+def soak_problems(row, cpu=False):
+    """[(status, text)] for one GPU's soak (a judge_soak row): its speed decay (tflops_last against
+    tflops_first: below SOAK_DECAY_FAIL FAIL, below SOAK_DECAY_WARN WARN; on CPU not judged: ranks share
+    cores with each other and with whatever else runs, so their decay is that noise)
+    and clock-event reasons of SOAK_FAULTS seen in any sample (FAIL, with the samples that showed them,
+    max temperature, SM clocks and max power). A SW power cap alone is no problem; with a decay the text
+    says it was active."""
+    out, g = [], row.get
+    seen = int(g("throttle_seen") or 0)
+    cap = " while the SW power cap was active" if seen & SOAK_POWER_CAP else ""
+    first, last = g("tflops_first"), g("tflops_last")
+    if first and last is not None and first > 0:
+        ratio = last / first
+        level = None if cpu else "FAIL" if ratio < SOAK_DECAY_FAIL else "WARN" if ratio < SOAK_DECAY_WARN else None
+        if level:
+            out.append((level, f"matmul slowed from {_sn(first)} to {_sn(last)} TFLOPS ({ratio:.2f} of the first "
+                               f"window) over {g('seconds') or 0:g}s of load{cap}"))
+    if seen & SOAK_FAULTS:
+        counts = g("throttle_counts") or {}
+        names = throttle_names(seen & SOAK_FAULTS)
+        ev = [f"max {g('temp_max_c'):g} C" if g("temp_max_c") is not None else None,
+              f"SM {g('sm_min_mhz'):g}-{g('sm_max_seen_mhz'):g} MHz" + (
+                  f" of {g('sm_rated_mhz'):g}" if g("sm_rated_mhz") else "") if g("sm_min_mhz") is not None else None,
+              f"max {g('power_max_w'):g} W" if g("power_max_w") is not None else None]
+        out.append(("FAIL", "clocks slowed under sustained load: " + ", ".join(
+            f"{n} in {counts.get(n, '?')}/{g('samples') or '?'} samples" for n in names)
+            + "".join(f"; {e}" for e in ev if e)))
+    return out
+
+
+def soak_verdict(row, cpu=False):
+    """One GPU's soak verdict: PASS, WARN or FAIL (soak_problems' worst)."""
+    worst = _screen_worst([s for s, _ in soak_problems(row, cpu)])
+    return "PASS" if worst == "OK" else worst
+
+
+def _soak_who(r):
+    dev = f"cuda:{r['device']}" if r.get("device") is not None else "cpu"
+    return (f"rank {r['rank']} on {r.get('host')} (GPU {dev}, local rank {r.get('local_rank')}, "
+            f"{r.get('uuid') or 'UUID unknown'}, {r.get('model') or 'unknown model'})")
+
+
+def judge_soak(rows, cpu=False):
+    """The soak's findings under 'soak'. rows: [{'rank', 'host', 'local_rank', 'device' (CUDA index or
+    None), 'uuid', 'model', 'seconds' (of load), 'tflops_first', 'tflops_last' (window values, 1e12
+    FLOP/s; None: too short to time), 'telemetry' ('nvml', 'nvidia-smi' or None), 'samples',
+    'temp_max_c', 'sm_min_mhz', 'sm_max_seen_mhz', 'sm_rated_mhz', 'power_max_w', 'throttle_seen'
+    (OR of the clock-event masks, None: not read), 'throttle_counts' {name: samples}}]; cpu: gloo ranks.
+    -> one finding per GPU with a problem (soak_problems; beyond SCREEN_LIST_MAX one per status listing
+    the first ones and a count), or one PASS saying how far the slowest GPU held its speed, the hottest
+    GPU, the clock limits seen, and where there was no telemetry (CPU, or neither NVML nor nvidia-smi)."""
+    rows = sorted(rows or [], key=lambda r: r["rank"])
+    if not rows:
+        return []
+    items = [(_screen_worst([s for s, _ in p]), r, "; ".join(t for _, t in p))
+             for r in rows for p in [soak_problems(r, cpu)] if p]
+    if not items:
+        ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
+                  r.get("tflops_last") is not None]
+        temps = [r["temp_max_c"] for r in rows if r.get("temp_max_c") is not None]
+        limits = {}
+        for r in rows:
+            for n in throttle_names(r.get("throttle_seen")):
+                limits[n] = limits.get(n, 0) + 1
+        none = [r for r in rows if not r.get("telemetry") or not r.get("samples")]
+        parts = [f"the slowest held {min(ratios):.2f} of its first window" if ratios else "too short to time windows",
+                 f"max temperature {max(temps):g} C" if temps else None,
+                 ("clock limits seen: " + ", ".join(f"{n} on {k}" for n, k in sorted(limits.items()))) if limits
+                 else None,
+                 ("no GPU telemetry on CPU" if cpu else f"no telemetry on {len(none)} GPU(s) (neither NVML nor "
+                  f"nvidia-smi answered): judged on TFLOPS alone") if none else None]
+        secs = max(float(r.get("seconds") or 0) for r in rows)
+        lead = (f"{len(rows)} CPU rank(s) ran {secs:g}s of load at once (decay not judged: ranks share cores)" if cpu
+                else f"{len(rows)} GPU(s) held their speed over {secs:g}s of load at once")
+        return [finding("soak", "PASS", f"{lead}: " + "; ".join(p for p in parts if p))]
+    if len(items) <= SCREEN_LIST_MAX:
+        return [finding("soak", st, f"{_soak_who(r)}: {txt}", [r.get("host")], [r["rank"]]) for st, r, txt in items]
+    out = []
+    for status in ("FAIL", "WARN"):
+        sel = [(r, txt) for st, r, txt in items if st == status]
+        if sel:
+            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
+            out.append(finding("soak", status, f"{len(sel)} GPU(s) did not hold up under sustained load: " + "; ".join(
+                f"{_soak_who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
+                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel]))
+    return out
+
+
+def _soak_n(v):
+    return "-" if v is None else f"{v:g}"
+
+
+def soak_rows(records, posts, cpu=False):
+    """judge_soak's rows: screen_gpu_rows' (each posting rank's record facts and its post) with the CUDA
+    index and the GPU's verdict (soak_verdict)."""
+    dev = {rec["rank"]: rec.get("device") for rec in records}
+    rows = [dict(r, device=dev.get(r["rank"])) for r in screen_gpu_rows(records, posts, cpu)]
+    return [dict(r, verdict=soak_verdict(r, cpu)) for r in rows]
+
+
+def render_soak(soak):
+    """The SOAK section as report lines. soak: {'seconds' (asked), 'cpu', 'dtype', 'n' (matmul size),
+    'gpus': judge_soak's rows}. One line per GPU (above 64 only the GPUs with a problem, then a count)."""
+    rows, cpu = soak.get("gpus") or [], bool(soak.get("cpu"))
+    src = sorted({r.get("telemetry") for r in rows if r.get("telemetry")})
+    L = [BAR, "SOAK", BAR,
+         f"  {soak.get('seconds', 0):g}s of {soak.get('dtype')} matmul ({soak.get('n')}x{soak.get('n')}) on "
+         f"{len(rows)} {'CPU rank(s)' if cpu else 'GPU(s)'} at once; telemetry: "
+         + (", ".join(src) if src else "none" + (" (no GPU telemetry on CPU)" if cpu else ""))
+         + (f"; decay FAIL below {SOAK_DECAY_FAIL:.2f}, WARN below {SOAK_DECAY_WARN:.2f} of the first window"
+            if not cpu else "; CPU ranks share cores: decay shown, not judged")]
+    show = [r for r in rows if len(rows) <= 64 or soak_problems(r, cpu)]
+    for r in show:
+        first, last = r.get("tflops_first"), r.get("tflops_last")
+        ratio = f" ({last / first:.2f})" if first and last is not None else ""
+        dev = f"cuda:{r['device']}" if r.get("device") is not None else "cpu"
+        cells = [f"rank={r['rank']} node={r.get('host')} gpu={dev} uuid={_q(r.get('uuid'))}",
+                 f"tflops first/last={_sn(first) if first else '-'}/{_sn(last) if last is not None else '-'}{ratio}"]
+        if r.get("samples"):
+            cells += [f"temp_max={_soak_n(r.get('temp_max_c'))}C",
+                      f"sm_mhz min/max={_soak_n(r.get('sm_min_mhz'))}/{_soak_n(r.get('sm_max_seen_mhz'))} "
+                      f"(rated {_soak_n(r.get('sm_rated_mhz'))})",
+                      f"power_max={_soak_n(r.get('power_max_w'))}W",
+                      "limits=" + (",".join(throttle_names(r.get("throttle_seen"))) or "none")]
+        elif not cpu:
+            cells.append("telemetry=none")
+        L.append("  " + " ".join(cells) + f" [{soak_verdict(r, cpu)}]")
+    if len(show) < len(rows):
+        L.append(f"  ({len(rows) - len(show)} GPU(s) that held up not shown; see --json)")
+    return L
+
+
 # -- the runtime's plain data: the rounds' groups, each rank's part, the rows the judges take, who hung
 def screen_round_label(name):
     """'intra' -> 'the intra-node round', 'p2' -> 'round 2'."""
@@ -4027,7 +4354,7 @@ def render_report(state):
     groups = group_nodes(recs, flagged)
     out = []
     for section in (_render_topology, _render_environment, _render_fabric, _render_collectives, _render_performance,
-                    _render_findings):
+                    _render_soak, _render_findings):
         out += section(state, recs, groups)
     return "\n".join(out)
 
@@ -4120,6 +4447,10 @@ def _render_collectives(state, recs, groups):
 
 def _render_performance(state, recs, groups):
     return render_performance(state["screen"]) if state.get("screen") else []
+
+
+def _render_soak(state, recs, groups):
+    return render_soak(state["soak"]) if state.get("soak") else []
 
 
 def _render_findings(state, recs, groups):
@@ -5979,6 +6310,7 @@ PROGRESS = {
     "screen_intra": "screen-intra: {detail} ({secs:.2f}s)",
     "screen_pairs": "screen-pairs: {detail} ({secs:.2f}s)",
     "screen_suspect": "screen-suspect: {detail}; screen findings: {counts} ({secs:.2f}s)",
+    "soak": "soak: {n} {what} loaded at once for {seconds:g}s: {detail}; soak findings: {counts} ({secs:.2f}s)",
     "verdict": "verdict: {verdict} (exit {code}); findings: {counts}",
 }
 
@@ -6281,7 +6613,7 @@ class RankRun(ScreenRunner):
         self.is0 = self.rank == 0
         self.host = env.get("SLURMD_NODENAME") or socket.gethostname()
         self.addr, self.port = contract["master_addr"], contract["master_port"]
-        self.D = deadlines(args.timeout, args.rollcall_timeout)
+        self.D = deadlines(args.timeout, args.rollcall_timeout, args.soak)
         self.expect = dict(launcher_expectations(env), **{k: getattr(args, "expect_" + k) for k in
                                                        ("world_size", "nodes", "ranks_per_node")
                                                        if getattr(args, "expect_" + k) is not None})
@@ -6292,6 +6624,7 @@ class RankRun(ScreenRunner):
         self.backend = self.device = self.collectives = self.results = self.bandwidth = None
         self.identity = self.node_box = None
         self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
+        self.soak = None  # rank 0: the soak's rows and settings (--soak)
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
         self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
         self.speak_lock = threading.Lock()  # speak_for_rank0: one thread speaks and writes the JSON
@@ -6305,7 +6638,7 @@ class RankRun(ScreenRunner):
         try:
             self.header()
             for phase in PHASES:
-                if phase in SCREEN_PHASES and self.args.skip_screen:
+                if (phase in SCREEN_PHASES and self.args.skip_screen) or (phase == "soak" and not self.args.soak):
                     continue
                 with self.deadline(phase):
                     getattr(self, "phase_" + phase.replace("-", "_"))()
@@ -6461,6 +6794,37 @@ class RankRun(ScreenRunner):
         self.dist.gather_object(self.telemetry(), None, dst=0)
         self.proto.wait_gate("judge", self.D["telemetry"] + RANK0_GRACE)
 
+    def phase_soak(self):
+        """--soak: every rank loads its own device for --soak seconds, all starting at one gate once their
+        operands are warm (every GPU heats together); rank 0 collects every rank's row, judges them
+        (judge_soak) and ends the run on a FAIL before the collectives."""
+        t = time.monotonic()
+        self.failpoint("soak")
+        g = self.identity.get("gpu") or {}
+        row = soak_measure(self.torch, self._device(), self._kind(), self.args.soak, g.get("uuid"),
+                           lambda: self.round_gate("soak"))
+        self.proto.screen_post("soak", self.rank, row, self.world)
+        if not self.is0:
+            return
+        if not self.proto.screen_wait("soak", self.phase_t0 + self.D[self.phase] - time.monotonic()):
+            cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+        cpu = self._kind() == "cpu"
+        rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
+        self.soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
+                     "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
+        found = apply_strict(judge_soak(rows, cpu), self.args.strict)
+        self.findings += found
+        ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
+                  r.get("tflops_last") is not None]
+        temps = [r["temp_max_c"] for r in rows if r.get("temp_max_c") is not None]
+        detail = (f"TFLOPS last/first window min {min(ratios):.2f}" if ratios else "too short to time windows") + (
+            f", max temperature {max(temps):g} C" if temps else ", no GPU telemetry" + (" on CPU" if cpu else ""))
+        self.progress("soak", n=len(rows), what="CPU rank(s)" if cpu else "GPU(s)", seconds=self.args.soak,
+                      detail=detail, counts=_counts(found), secs=time.monotonic() - t)
+        if verdict_code(self.findings):
+            raise Verdict(verdict_code(self.findings))
+
     def phase_collective(self):
         torch, w, r, t = self.torch, self.world, self.rank, time.monotonic()
         base = torch.arange(1 << 16, dtype=torch.int64, device=self._device())
@@ -6564,7 +6928,7 @@ class RankRun(ScreenRunner):
         """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
           die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
                               (rendezvous, init, screen-gpu, screen-intra, screen-pairs, screen-suspect,
-                              collective, ddp; round-<name>: rank 0 before it opens a screen round's gate,
+                              soak, collective, ddp; round-<name>: rank 0 before it opens a screen round's gate,
                               e.g. round-p2); a pause first creates the file AIV_FAILPOINT_MARK, if set,
                               so that a test breaks something (a link) while the run waits
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, or
@@ -6708,7 +7072,8 @@ class RankRun(ScreenRunner):
         if ranks is None:  # refused (kept in forged, reported): no monitor posts on a list rank 0 did not write
             return
         cfg = {"addr": self.addr, "port": self.port, "prefix": self.proto.prefix, "host": self.host,
-               "ranks": ranks, "period": live_period(self.master["nodes"]), "lifetime": worst_case(self.D, True)}
+               "ranks": ranks, "period": live_period(self.master["nodes"]),
+               "lifetime": worst_case(self.D, True, soak=bool(self.args.soak))}
         cfg["run"] = self.proto.run  # it posts into this run's store only, never into a later run's
         self.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
                                         env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
@@ -7031,6 +7396,10 @@ class Coordinator(RankRun):
             return finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the "
                            f"ranks: {first_line(e)}", code=EXIT_TIMEOUT)
         self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
+        if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
+            with contextlib.suppress(Exception):
+                done, idx = self.round_posted(client, "soak"), PHASES.index(phase)
+                stamps = {r: max(s, idx) if r in done else s for r, s in stamps.items()}
         if phase in SCREEN_PHASES and self.screen is not None:
             try:
                 f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps)
@@ -7057,7 +7426,7 @@ class Coordinator(RankRun):
                 "suspect_links": (self.screen or {}).get("suspect_links") or [],
                 "drain": self.drain, "drain_command": (self.drain or {}).get("command") or "",
                 "phase_starts": self.starts,
-                "collectives": self.collectives, "screen": self.screen, "ranks": self.records,
+                "collectives": self.collectives, "screen": self.screen, "soak": self.soak, "ranks": self.records,
                 "env": safe_env(self.env)}
 
     # ---------------------------------------------------------------- bounds and signals
@@ -7214,7 +7583,7 @@ class Follower(RankRun):
         """Non-zero ranks: block on the verdict key on a connection of our own and exit with it."""
         client = self.proto.clone()
         try:
-            code = self.take_verdict(client, worst_case(self.D, True) + RANK0_GRACE)
+            code = self.take_verdict(client, worst_case(self.D, True, soak=bool(self.args.soak)) + RANK0_GRACE)
         except Exception as e:
             self.lost_rank0(e)
         self.exit(code)
@@ -7501,7 +7870,8 @@ def launch_local(args, argv, env, launch):
     fwd = Forward(procs)
     # The ranks bound themselves; this is the launcher's own backstop. Once rank 0 has given
     # its verdict the others get a grace period to read it, then are killed (e.g. a frozen rank).
-    deadline = time.monotonic() + worst_case(deadlines(args.timeout, args.rollcall_timeout), True) + LAUNCHER_SLACK_S
+    deadline = time.monotonic() + worst_case(deadlines(args.timeout, args.rollcall_timeout, args.soak), True,
+                                             soak=bool(args.soak)) + LAUNCHER_SLACK_S
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if procs[0].poll() is not None:
             deadline = min(deadline, time.monotonic() + 5.0)

@@ -74,3 +74,21 @@ def test_bandwidth_probe_on_gpus():
     if NGPU > 1:
         line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("busbw size=64.0MiB"))
         assert float(line.split("busbw=")[-1].rstrip("GB/s")) > 1.0
+
+
+def test_soak_on_every_gpu(tmp_path):
+    """--soak 20: every GPU loaded at once, its TFLOPS windows and (through NVML or nvidia-smi) its clocks,
+    temperature, power and clock-event reasons sampled; a healthy GPU passes (a SW power cap is normal)."""
+    jp = tmp_path / "soak.json"
+    r = run_tool(["--soak", 20, "--json", jp, "--timeout", 120])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"] soak: {NGPU} GPU(s) loaded at once for 20s: TFLOPS last/first window min" in r.stdout
+    assert "\nSOAK\n" in r.stdout and f"[PASS] soak: {NGPU} GPU(s) held their speed over" in r.stdout
+    sk = json.loads(jp.read_text())["soak"]
+    assert sk["cpu"] is False and sk["dtype"] == "bfloat16" and len(sk["gpus"]) == NGPU
+    for g in sk["gpus"]:
+        assert g["verdict"] == "PASS" and g["uuid"] and g["device"] is not None, g
+        assert g["tflops_first"] > 10 and 0.95 <= g["tflops_last"] / g["tflops_first"] and len(g["tflops_windows"]) >= 4
+        assert g["telemetry"] in ("nvml", "nvidia-smi") and g["samples"] >= 5, g
+        assert g["temp_max_c"] and g["sm_min_mhz"] and g["sm_rated_mhz"] and g["power_max_w"], g
+        assert not (g["throttle_seen"] or 0) & aiv.SOAK_FAULTS, g

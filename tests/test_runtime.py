@@ -19,7 +19,7 @@ def test_deadline_table_keeps_rank_0_ahead_of_everyone(timeout, rollcall):
     table = aiv.deadlines(timeout, rollcall)
     assert set(table) - {"manifest-lock"} == set(aiv.PHASES) == set(aiv.PHASE_CHECK) == set(aiv.PHASE_WHAT)
     assert table["rollcall"] == table["local"] == rollcall and table["manifest-lock"] == aiv.MANIFEST_LOCK_S
-    assert all(table[p] == timeout for p in aiv.PHASES if p not in ("local", "rollcall"))
+    assert all(table[p] == timeout for p in aiv.PHASES if p not in ("local", "rollcall"))  # "soak": + --soak (0)
     for p in aiv.PHASES:  # rank 0 names culprits before any other rank gives up on it
         assert table[p] + aiv.NAMING_S < table[p] + aiv.RANK0_GRACE
     assert aiv.worst_case(table) == (2 * rollcall + 9 * timeout + aiv.MANIFEST_LOCK_S + aiv.NAMING_S
@@ -27,6 +27,11 @@ def test_deadline_table_keeps_rank_0_ahead_of_everyone(timeout, rollcall):
     assert aiv.worst_case(table, bandwidth=True) == aiv.worst_case(table) + timeout
     assert aiv.worst_case(table, screen=False) == aiv.worst_case(table) - len(aiv.SCREEN_PHASES) * timeout
     assert all(aiv.PHASE_CHECK[p] in aiv.CHECKS for p in aiv.PHASES)
+    soaked = aiv.deadlines(timeout, rollcall, soak=600)  # the soak's bound: its seconds + --timeout
+    assert soaked["soak"] == timeout + 600 and {p: s for p, s in soaked.items() if p != "soak"} == \
+        {p: s for p, s in table.items() if p != "soak"}
+    assert aiv.worst_case(soaked, soak=True) == aiv.worst_case(table) + timeout + 600
+    assert aiv.worst_case(soaked) == aiv.worst_case(table)  # without --soak the phase never runs
 
 
 def test_liveness_period_keeps_rank_0_under_1k_ops_per_second():
