@@ -2666,27 +2666,38 @@ BAND_SLACK = 0.9      # a measurement below this fraction of its band's lowest a
 BAND_SLACK_CPU = 0.1  # on CPU ranks share cores: only a collapse counts (as in the screen's own judge)
 
 
+def _band_gpu_words(g):
+    """'node1 GPU 3 (GPU-..., rank 3)': the GPU of one screen row by node, local index, UUID and rank."""
+    uuid = f"{g['uuid']}, " if g.get("uuid") else ""
+    return f"{g.get('host')} GPU {g.get('local_rank', '-')} ({uuid}rank {g.get('rank', '-')})"
+
+
 def _band_points(screen, host_class):
-    """(class, band, value, hosts) of each measurement of one screen, the band named by what the value
-    depends on: 'gpu.tflops/<model>', 'gpu.hbm_gbps/<model>' per GPU, 'intra.busbw/<n> ranks' per node
-    (ranks per node), 'inter.busbw/<k> rails' per pair of nodes of one class (rails the pair ran at once)."""
+    """(class, band, value, hosts, ranks, where) of each measurement of one screen, the band named by what the
+    value depends on: 'gpu.tflops/<model>', 'gpu.hbm_gbps/<model>' per GPU, 'intra.busbw/<n> ranks' per node
+    (ranks per node), 'inter.busbw/<k> rails' per pair of nodes of one class (rails the pair ran at once).
+    ranks: the ranks measured; where: the words naming them (a GPU by node, index, UUID and rank)."""
     screen = screen or {}
     for g in screen.get("gpu") or []:
         cls, model = host_class.get(g.get("host")), g.get("model") or "unknown"
-        yield cls, f"gpu.tflops/{model}", g.get("tflops"), [g.get("host")]
-        yield cls, f"gpu.hbm_gbps/{model}", g.get("hbm_gbps"), [g.get("host")]
+        ranks, where = [g["rank"]] if g.get("rank") is not None else [], _band_gpu_words(g)
+        yield cls, f"gpu.tflops/{model}", g.get("tflops"), [g.get("host")], ranks, where
+        yield cls, f"gpu.hbm_gbps/{model}", g.get("hbm_gbps"), [g.get("host")], ranks, where
     for n in screen.get("intra") or []:
-        yield host_class.get(n.get("host")), f"intra.busbw/{len(n.get('ranks') or ())} ranks", n.get("busbw"), \
-            [n.get("host")]
+        ranks = list(n.get("ranks") or ())
+        yield host_class.get(n.get("host")), f"intra.busbw/{len(ranks)} ranks", n.get("busbw"), \
+            [n.get("host")], ranks, f"{n.get('host')} (ranks {format_ranges(ranks) or '-'})"
     pairs, rails = screen.get("pairs") or [], {}
     for pr in pairs:
         k = (pr.get("round"), tuple(sorted(pr.get("nodes") or ())))
         rails[k] = rails.get(k, 0) + 1
     for pr in pairs:
-        hosts = sorted(pr.get("nodes") or ())
+        hosts, ranks = sorted(pr.get("nodes") or ()), list(pr.get("ranks") or ())
         classes = {host_class.get(h) for h in hosts}
         if len(classes) == 1:
-            yield classes.pop(), f"inter.busbw/{rails[(pr.get('round'), tuple(hosts))]} rails", pr.get("busbw"), hosts
+            rail = f" rail {pr['rail']}" if pr.get("rail") is not None else ""
+            yield classes.pop(), f"inter.busbw/{rails[(pr.get('round'), tuple(hosts))]} rails", pr.get("busbw"), \
+                hosts, ranks, f"{compress_hostlist(hosts)}{rail} (ranks {format_ranges(ranks) or '-'})"
 
 
 def _host_classes(records):
@@ -2698,7 +2709,7 @@ def screen_bands(screen, records):
     'window': [one entry]}}}. ref is the screen's own reference (upper quartile of the peers), lo/hi the
     extremes; merge_bands keeps the last BAND_WINDOW accepted runs, and they judge from BAND_MIN_RUNS runs on."""
     samples = {}
-    for cls, band, v, _ in _band_points(screen, _host_classes(records)):
+    for cls, band, v, *_ in _band_points(screen, _host_classes(records)):
         if cls is not None and _is_num(v) and v > 0:
             samples.setdefault(cls, {}).setdefault(band, []).append(float(v))
     return {cls: {b: _band_from([{"ref": screen_reference(v)["ref"], "lo": min(v), "hi": max(v)}], 1)
@@ -2713,20 +2724,20 @@ def judge_bands(manifest, records, screen):
         return []
     slack = BAND_SLACK_CPU if screen.get("cpu") else BAND_SLACK
     out = []
-    for cls, band, v, hosts in _band_points(screen, _host_classes(records)):
-        out += _below_band(manifest, cls, band, v, hosts, slack)
+    for cls, band, v, hosts, ranks, where in _band_points(screen, _host_classes(records)):
+        out += _below_band(manifest, cls, band, v, hosts, slack, ranks, where)
     return out
 
 
-def _below_band(manifest, cls, band, value, hosts, slack):
+def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None):
     b = ((manifest.get("classes") or {}).get(cls) or {}).get("bands", {}).get(band)
     if not b or b.get("runs", 1) < BAND_MIN_RUNS or not _is_num(value):
         return []
     if value >= slack * b["lo"]:
         return []
-    return [finding("manifest", "FAIL", f"{band} {value:.4g} on {compress_hostlist(sorted(hosts))} is below the "
-                    f"accepted band of {cls} ({b['lo']:.4g}-{b['hi']:.4g}, reference {b['ref']:.4g}, "
-                    f"{b['runs']} runs; FAIL below {slack:g} x its lowest)", hosts)]
+    return [finding("manifest", "FAIL", f"{band} {value:.4g} on {where or compress_hostlist(sorted(hosts))} is "
+                    f"below the accepted band of {cls} ({b['lo']:.4g}-{b['hi']:.4g}, reference {b['ref']:.4g}, "
+                    f"{b['runs']} runs; FAIL below {slack:g} x its lowest)", hosts, ranks)]
 
 
 def save_manifest(path, state, written_at):
