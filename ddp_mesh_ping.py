@@ -165,6 +165,48 @@ def verdict_code(findings):
     return max([c for c in codes if c in HOST_CODES] or codes, default=EXIT_PASS)
 
 
+STATUS_RANK = {"PASS": 0, "WARN": 1, "FAIL": 2}
+
+
+def finding_rows(findings):
+    """The report's FINDINGS rows: [(status, check, reason)], one row per check and node set, never a
+    contradiction. WARN/FAIL findings of one check that name the same node(s) are one row (the worst
+    status, their reasons joined by ' | '); an identical reason twice is said once. A PASS counts the nodes
+    in its hosts (no hosts: every node): a node with a WARN or FAIL under the same check is taken out of it,
+    the row dropped when none is left, else saying which nodes it does not cover ('(except node3: see its
+    FAIL row)'). The findings themselves (JSON, FAILURE lines) are untouched."""
+    worst, rows, at = {}, [], {}  # worst: {check: {host: the worst status a WARN/FAIL gives it}}
+    for f in findings:
+        if f["status"] != "PASS":
+            per = worst.setdefault(f["check"], {})
+            for h in f["hosts"]:
+                per[h] = max(per.get(h, "WARN"), f["status"], key=STATUS_RANK.get)
+    for f in findings:
+        text = f["reason"] + (" (accepted in manifest)" if f.get("accepted") else "")
+        if f["status"] == "PASS":
+            per = worst.get(f["check"], {})
+            off = sorted({h for h in f["hosts"] if h in per} if f["hosts"] else per)
+            if off and len(off) == len(set(f["hosts"])):
+                continue
+            if off:
+                text += (f" (except {compress_hostlist(off)}: see its "
+                         f"{max((per[h] for h in off), key=STATUS_RANK.get)} row)")
+            rows.append([f["status"], f["check"], [text]])
+            continue
+        key = (f["check"], tuple(sorted(set(f["hosts"])))) if f["hosts"] else None
+        row = at.get(key) if key else None
+        if row is None:
+            row = [f["status"], f["check"], []]
+            rows.append(row)
+            if key:
+                at[key] = row
+        if STATUS_RANK.get(f["status"], 0) > STATUS_RANK.get(row[0], 0):
+            row[0] = f["status"]
+        if text not in row[2]:
+            row[2].append(text)
+    return [(st, check, " | ".join(texts)) for st, check, texts in rows]
+
+
 def elapsed():
     return time.monotonic() - _T0
 
@@ -2368,8 +2410,9 @@ def judge_manifest(manifest, records, screen=None):
     if not manifest:
         return []
     classes = {k: _expand_class(c) for k, c in manifest["classes"].items()}
-    index, drift, unchecked, unknown, counts = _host_index(classes), {}, set(), {}, [0, 0]
+    index, drift, unchecked, unknown, counts = _host_index(classes), {}, set(), {}, [[], []]
     load = screen_load(screen)
+    slow = {h for f in judge_bands(manifest, records, screen) for h in f["hosts"]}  # not a match: judge_bands FAILs it
     for h, rs in sorted(_by_host(records).items()):
         fields, key = host_view(rs, load)
         listed = h in index
@@ -2377,12 +2420,14 @@ def judge_manifest(manifest, records, screen=None):
         if cls is None:
             unknown.setdefault(class_name(key), []).append(h)
             continue
-        counts[0 if listed else 1] += 1
+        if h not in slow:
+            counts[0 if listed else 1].append(h)
         _judge_host(h, fields, cls, listed, drift, unchecked)
     return _manifest_findings(drift, unknown, counts, unchecked, sorted(classes))
 
 
 def _manifest_findings(drift, unknown, counts, unchecked, accepted):
+    """counts: [listed hosts, hosts judged by class] that match (the PASS names them)."""
     out = []
     labels = {f: lab for f, lab, _ in MANIFEST_FIELDS}
     for (field, sev), texts in sorted(drift.items(), key=lambda d: (d[0][1] != "FAIL", FIELD_NAMES.index(d[0][0]))):
@@ -2392,11 +2437,12 @@ def _manifest_findings(drift, unknown, counts, unchecked, accepted):
     for key, hosts in sorted(unknown.items()):
         out.append(finding("manifest", "WARN", f"{_hl(hosts)} not in the manifest, and its class '{key}' was never "
                            f"accepted (accepted: {'; '.join(accepted) or 'none'})", hosts))
-    if not out:
+    if not out and counts[0] + counts[1]:
         skipped = [f for f in FIELD_NAMES if f in unchecked]
-        out.append(finding("manifest", "PASS", f"{counts[0] + counts[1]} node(s) match the manifest ({counts[0]} "
-                           f"listed, {counts[1]} judged by class)" + (f"; not checked (not measured): "
-                                                                      f"{', '.join(skipped)}" if skipped else "")))
+        out.append(finding("manifest", "PASS", f"{len(counts[0]) + len(counts[1])} node(s) match the manifest "
+                           f"({len(counts[0])} listed, {len(counts[1])} judged by class)"
+                           + (f"; not checked (not measured): {', '.join(skipped)}" if skipped else ""),
+                           counts[0] + counts[1]))
     return out
 
 
@@ -3911,8 +3957,8 @@ def _render_performance(state, recs, groups):
 
 
 def _render_findings(state, recs, groups):
-    L = [BAR, "FINDINGS", BAR] + [f"  [{f['status']}] {f['check']}: {f['reason']}" + (
-        " (accepted in manifest)" if f.get("accepted") else "") for f in state.get("findings") or []]
+    L = [BAR, "FINDINGS", BAR] + [f"  [{st}] {check}: {text}" for st, check, text in
+                                   finding_rows(state.get("findings") or [])]
     L += [f"  NOTE: {n}" for n in state.get("notes") or []]
     L += [BAR, f"Ranks Reported: {len(recs)}/{state['world_size']}",
           f"Verdict: {state['verdict']} exit={state['exit_code']} elapsed={state['elapsed_s']:.2f}s "
