@@ -577,6 +577,8 @@ MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks a
 PROBE_CONNECT_S = 0.8     # a raw TCP connect that tells "no listener" from "a listener that never answers"
 MARK_TTL = 30.0           # seconds a node's "said" marker silences its siblings; an older one is another run's
 DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scontrol calls (show, update) together
+NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
+                          # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
 LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
 
 PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-intra", "screen-pairs", "screen-suspect",
@@ -1285,22 +1287,21 @@ SCREEN_COPY_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}  # device-memory copy; GB
 SCREEN_AR_BYTES = {"gpu": 128 << 20, "cpu": 1 << 20}   # all_reduce message of the busbw rounds
 SCREEN_AR_ITERS = {"gpu": (3, 12), "cpu": (1, 8)}      # warm-up and timed iterations (median / best)
 SCREEN_SMI_S = 3.0    # nvidia-smi must answer within this while the GPU stays loaded; else no such facts
-SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks_throttle_reasons.active", "temperature.gpu", "power.draw",
-              "ecc.errors.uncorrected.volatile.total", "remapped_rows.pending", "remapped_rows.failure")
-SMI_KEYS = ("sm_mhz", "sm_max_mhz", "throttle", "temp_c", "power_w", "ecc_uncorrected", "remap_pending",
-            "remap_failure")
+SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks_throttle_reasons.active", "temperature.gpu", "power.draw")
+SMI_KEYS = ("sm_mhz", "sm_max_mhz", "throttle", "temp_c", "power_w")
+SMI_WHAT = "SM clock, clock limits, temperature and power under load"  # what SmiProbe reads, as a note names it
 SMI_RENAMED = {"clocks_throttle_reasons.active": "clocks_event_reasons.active"}  # drivers that dropped the old name
 
 
-def parse_smi(text):
-    """nvidia-smi --format=csv,noheader,nounits for SMI_FIELDS -> {SMI_KEYS: value}; [N/A], [Not
-    Supported] and unparsable values are left out, a line of the wrong shape gives {}."""
+def parse_smi(text, keys=SMI_KEYS):
+    """nvidia-smi --format=csv,noheader,nounits for SMI_FIELDS -> {SMI_KEYS: value} (keys: the names of the
+    fields asked); [N/A], [Not Supported] and unparsable values are left out, a line of the wrong shape gives {}."""
     line = next((ln for ln in (text or "").splitlines() if ln.strip()), "")
     vals = [v.strip() for v in line.split(",")]
-    if len(vals) != len(SMI_KEYS):
+    if len(vals) != len(keys):
         return {}
     out = {}
-    for key, v in zip(SMI_KEYS, vals, strict=True):
+    for key, v in zip(keys, vals, strict=True):
         try:
             if key == "throttle":
                 out[key] = int(v, 16)
@@ -1314,10 +1315,85 @@ def parse_smi(text):
     return out
 
 
+NODE_SMI_FIELDS = ("uuid", "ecc.errors.uncorrected.volatile.total", "remapped_rows.pending", "remapped_rows.failure")
+NODE_SMI_KEYS = ("uuid", "ecc_uncorrected", "remap_pending", "remap_failure")
+NODE_SMI_WHAT = "uncorrected ECC errors and row remapping"  # what the node's call reads, as a note names it
+
+
+def parse_node_smi(text):
+    """The node's one nvidia-smi answer (NODE_SMI_FIELDS, one line per GPU) -> {uuid: {key: value}}; a line of
+    the wrong shape or without a UUID is left out."""
+    out = {}
+    for line in (text or "").splitlines():
+        vals = [v.strip() for v in line.split(",")]
+        if len(vals) == len(NODE_SMI_KEYS) and vals[0].startswith(("GPU-", "MIG-")):
+            out[vals[0]] = parse_smi(",".join(vals[1:]), NODE_SMI_KEYS[1:])
+    return out
+
+
+def read_node_smi(exe, bound=NODE_SMI_S, box=None):
+    """One nvidia-smi call for every GPU of the node (no -i), killed past bound seconds: {'gpus': {uuid: facts}}
+    or {'unread': why, 'bound': bound}. The node leader calls it once; rank 0 gives each rank its GPU's row.
+    box: where the child is kept (box['proc']) for whoever stops waiting for it earlier."""
+    cmd = [exe, "--query-gpu=" + ",".join(NODE_SMI_FIELDS), "--format=csv,noheader,nounits"]
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)  # its own group: a wrapper's children die too
+    except OSError as e:
+        return {"unread": f"nvidia-smi could not start: {e.strerror or e}", "bound": bound}
+    if box is not None:
+        box["proc"] = proc
+    try:
+        out, err = proc.communicate(timeout=bound)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"unread": f"nvidia-smi gave no answer within {bound:g}s", "bound": bound}
+    if proc.returncode != 0:
+        why = next((ln.strip() for ln in (err or out or "").splitlines() if ln.strip()), "")[:160]
+        return {"unread": f"nvidia-smi exited {proc.returncode}" + (f": {why}" if why else ""), "bound": bound}
+    return {"gpus": parse_node_smi(out)}
+
+
+def start_node_smi():
+    """Node leaders, at launch: read_node_smi in a thread, off the critical path -> its box, or None where
+    nvidia-smi is not on PATH (a node without it pays one PATH lookup)."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    box = {"t0": time.monotonic(), "done": threading.Event()}
+
+    def run():
+        try:
+            box["smi"] = read_node_smi(exe, NODE_SMI_S, box)
+        except Exception as e:  # the facts are then "not read", never silently absent
+            box["smi"] = {"unread": f"nvidia-smi failed: {first_line(e)}", "bound": NODE_SMI_S}
+        finally:
+            box["done"].set()
+    threading.Thread(target=run, name="aiv-node-smi", daemon=True).start()
+    return box
+
+
+def finish_node_smi(box, most_s):
+    """The node's nvidia-smi facts for the telemetry: waited for until NODE_SMI_S after its start, and at most
+    most_s now; an answer not in by then is {'unread': ..., 'bound': seconds it had}."""
+    box["done"].wait(max(0.0, min(most_s, box["t0"] + NODE_SMI_S - time.monotonic())))
+    if "smi" in box:
+        return box["smi"]
+    if box.get("proc") is not None:  # not waited for any longer: it does not outlive the run
+        with contextlib.suppress(OSError):
+            os.killpg(box["proc"].pid, signal.SIGKILL)
+    had = time.monotonic() - box["t0"]
+    return {"unread": f"nvidia-smi gave no answer within {had:.0f}s", "bound": round(had, 1)}
+
+
 class SmiProbe:
     """nvidia-smi's view of one GPU, asked in a child process while the caller keeps the GPU loaded:
-    clocks, active clock limits, temperature, power, ECC and row remapping. No nvidia-smi, a field
-    it does not know (under both names) or no answer within SCREEN_SMI_S: those facts are absent."""
+    clocks, active clock limits, temperature and power. One per rank (not one per node like read_node_smi):
+    these facts mean something only while this GPU works, and the ranks of a node load their GPUs at
+    slightly different times. No nvidia-smi or a field it does not know (under both names): those facts
+    are absent; no answer within SCREEN_SMI_S: {'smi_unread': SCREEN_SMI_S}, which the report shows."""
 
     def __init__(self, uuid):
         self.exe = shutil.which("nvidia-smi") if uuid else None
@@ -1343,7 +1419,7 @@ class SmiProbe:
                 if time.monotonic() - self.t0 > SCREEN_SMI_S:
                     self.proc.kill()
                     self.proc.wait()
-                    return {}
+                    return {"smi_unread": SCREEN_SMI_S}
                 load()
                 continue
             text = self.proc.stdout.read()
@@ -1784,6 +1860,33 @@ def judge_day0(records):
         if has_ib and g and not n.get("peermem"):
             out.append(finding("day0", "WARN", f"{h}: InfiniBand present but nvidia_peermem is not loaded "
                                f"(no GPUDirect RDMA)", [h]))
+    return out + judge_node_smi(records)
+
+
+def judge_node_smi(records):
+    """A WARN per node whose GPU facts from its one nvidia-smi call (node.smi) were not read: no answer within
+    its bound (NODE_SMI_S), an error, or no row for a rank's GPU. It names the node, the GPUs (index, UUID,
+    rank), what was not read and the bound: facts never read are never a silent PASS."""
+    out = []
+    for h, rs in sorted(_by_host(records).items()):
+        smi = next((r["node"].get("smi") for r in rs if r.get("node")), None)
+        if not smi:
+            continue
+        gpus = sorted((r for r in rs if (r.get("gpu") or {}).get("uuid")), key=lambda r: r["local_rank"])
+        missing = gpus if smi.get("unread") else [r for r in gpus if r["gpu"]["uuid"].startswith("GPU-")
+                                                  and r["gpu"]["uuid"] not in (smi.get("gpus") or {})]
+        if not smi.get("unread") and not missing:
+            continue
+        who = ", ".join(f"GPU {r['local_rank']} ({r['gpu']['uuid']}, rank {r['rank']})" for r in missing[:4]) + (
+            f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        if smi.get("unread"):
+            bound = f"{smi.get('bound', NODE_SMI_S):g}s"
+            text = (f"{h}: {smi['unread']}" + ("" if bound in smi["unread"] else f" (bound {bound})")
+                    + f": {NODE_SMI_WHAT} not read for {who or 'its GPUs'}; a slow nvidia-smi is often NVML "
+                    f"starting without persistence mode (nvidia-smi -pm 1, or nvidia-persistenced)")
+        else:
+            text = f"{h}: nvidia-smi listed no row for {who}: {NODE_SMI_WHAT} not read"
+        out.append(finding("day0", "WARN", text, [h], [r["rank"] for r in (missing or rs)]))
     return out
 
 
@@ -3636,6 +3739,15 @@ def judge_gpu_facts(per_rank):
 
 
 def _perf_fact_lines(screen):
+    unread = [r for r in screen.get("gpu") or [] if r.get("smi_unread")]
+    L = [f"  not read (nvidia-smi gave no answer within {r['smi_unread']:g}s): {SMI_WHAT} of rank {r['rank']} "
+         f"{r.get('host')} GPU {r.get('local_rank')} {r.get('uuid') or '-'}" for r in unread[:SCREEN_RENDER_SLOW]]
+    if len(unread) > SCREEN_RENDER_SLOW:
+        L.append(f"    ... and {len(unread) - SCREEN_RENDER_SLOW} more GPU(s) not read (see --json)")
+    return _perf_read_lines(screen) + L
+
+
+def _perf_read_lines(screen):
     rows = [r for r in screen.get("gpu") or [] if any(r.get(k) is not None for k in GPU_FACT_KEYS)]
     if not rows:
         return []
@@ -3744,7 +3856,11 @@ def screen_creation(groups, posts):
 
 
 def screen_gpu_rows(records, posts, cpu=False):
-    """judge_gpu_perf's per_rank rows: each posting rank's record facts and its measurement."""
+    """judge_gpu_perf's per_rank rows: each posting rank's record facts and its measurement, with its GPU's
+    row of its node's one nvidia-smi call (node.smi.gpus, by UUID: ECC and row remapping) where there is one."""
+    smi = {}
+    for rec in records:
+        smi.update((((rec.get("node") or {}).get("smi") or {}).get("gpus")) or {})
     out = []
     for rec in sorted(records, key=lambda r: r["rank"]):
         p = posts.get(rec["rank"])
@@ -3752,7 +3868,7 @@ def screen_gpu_rows(records, posts, cpu=False):
             g = rec.get("gpu") or {}
             out.append({"rank": rec["rank"], "host": rec["host"], "local_rank": rec["local_rank"],
                         "uuid": g.get("uuid"), "model": g.get("name") or ("cpu" if cpu else None),
-                        **{k: v for k, v in p.items() if k != "rank"}})
+                        **(smi.get(g.get("uuid")) or {}), **{k: v for k, v in p.items() if k != "rank"}})
     return out
 
 
@@ -6121,6 +6237,7 @@ class RankRun(ScreenRunner):
         self.proto = self.poll = self.master = self.probe = self.monitor = self.nccl_log = None
         self.backend = self.device = self.collectives = self.results = self.bandwidth = None
         self.identity = self.node_box = None
+        self.smi_box = None  # node leaders: the node's one nvidia-smi call (start_node_smi)
         self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
         self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
@@ -6238,6 +6355,7 @@ class RankRun(ScreenRunner):
         if self.local_rank == 0:
             self.node_box = {}
             threading.Thread(target=self._collect_node, args=(self.node_box,), daemon=True).start()
+            self.smi_box = start_node_smi()
         ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
         self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
@@ -6285,6 +6403,8 @@ class RankRun(ScreenRunner):
         tele = dict(self.identity)
         if self.node_box is not None:
             tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
+            if self.smi_box is not None:  # waited for within NODE_SMI_S of its start, a quarter of this phase at most
+                tele["node"] = dict(tele["node"], smi=finish_node_smi(self.smi_box, self.D["telemetry"] / 4))
         return tele
 
     def phase_telemetry(self):
