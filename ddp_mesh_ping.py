@@ -1485,7 +1485,8 @@ def _copy_rate(torch_mod, dev, kind, sync):
 def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
     """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
     'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
-    the PCIe link from sysfs, nvidia-smi's clocks, limits, ECC, row remapping where it answers)."""
+    the PCIe link from sysfs, nvidia-smi's clocks, limits, temperature, power where it answers in time,
+    else 'smi_unread')."""
     cpu = kind == "cpu"
     sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
     threads, facts = torch_mod.get_num_threads(), {}
@@ -3699,9 +3700,10 @@ def throttle_names(mask):
 
 
 def gpu_fact_problems(row):
-    """[(status, text)] for one GPU's facts under load (a judge_gpu_perf row with GPU_FACT_KEYS, each
-    optional): PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS, uncorrected
-    ECC errors since the driver loaded or a pending row remap (WARN), a failed row remap (FAIL)."""
+    """[(status, text)] for one GPU's facts (a judge_gpu_perf row with GPU_FACT_KEYS, each optional): under
+    load, PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS; from its node's one
+    nvidia-smi call (read_node_smi), uncorrected ECC errors since the driver loaded or a pending row remap
+    (WARN), a failed row remap (FAIL)."""
     out, g = [], row.get
     if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
         out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
@@ -3720,7 +3722,7 @@ def gpu_fact_problems(row):
 
 
 def judge_gpu_facts(per_rank):
-    """Findings under 'gpu-perf' from the facts read while the matmul ran (gpu_fact_problems): one per GPU
+    """Findings under 'gpu-perf' from each GPU's facts (gpu_fact_problems): one per GPU
     with a problem, or beyond SCREEN_LIST_MAX GPUs one per status listing the first ones and a count.
     No PASS finding: judge_gpu_perf gives it."""
     flagged = [(r, p) for r in sorted(per_rank or [], key=lambda r: r["rank"]) for p in [gpu_fact_problems(r)] if p]
