@@ -168,6 +168,48 @@ def verdict_code(findings):
     return max([c for c in codes if c in HOST_CODES] or codes, default=EXIT_PASS)
 
 
+STATUS_RANK = {"PASS": 0, "WARN": 1, "FAIL": 2}
+
+
+def finding_rows(findings):
+    """The report's FINDINGS rows: [(status, check, reason)], one row per check and node set, never a
+    contradiction. WARN/FAIL findings of one check that name the same node(s) are one row (the worst
+    status, their reasons joined by ' | '); an identical reason twice is said once. A PASS counts the nodes
+    in its hosts (no hosts: every node): a node with a WARN or FAIL under the same check is taken out of it,
+    the row dropped when none is left, else saying which nodes it does not cover ('(except node3: see its
+    FAIL row)'). The findings themselves (JSON, FAILURE lines) are untouched."""
+    worst, rows, at = {}, [], {}  # worst: {check: {host: the worst status a WARN/FAIL gives it}}
+    for f in findings:
+        if f["status"] != "PASS":
+            per = worst.setdefault(f["check"], {})
+            for h in f["hosts"]:
+                per[h] = max(per.get(h, "WARN"), f["status"], key=STATUS_RANK.get)
+    for f in findings:
+        text = f["reason"] + (" (accepted in manifest)" if f.get("accepted") else "")
+        if f["status"] == "PASS":
+            per = worst.get(f["check"], {})
+            off = sorted({h for h in f["hosts"] if h in per} if f["hosts"] else per)
+            if off and len(off) == len(set(f["hosts"])):
+                continue
+            if off:
+                text += (f" (except {compress_hostlist(off)}: see its "
+                         f"{max((per[h] for h in off), key=STATUS_RANK.get)} row)")
+            rows.append([f["status"], f["check"], [text]])
+            continue
+        key = (f["check"], tuple(sorted(set(f["hosts"])))) if f["hosts"] else None
+        row = at.get(key) if key else None
+        if row is None:
+            row = [f["status"], f["check"], []]
+            rows.append(row)
+            if key:
+                at[key] = row
+        if STATUS_RANK.get(f["status"], 0) > STATUS_RANK.get(row[0], 0):
+            row[0] = f["status"]
+        if text not in row[2]:
+            row[2].append(text)
+    return [(st, check, " | ".join(texts)) for st, check, texts in rows]
+
+
 def elapsed():
     return time.monotonic() - _T0
 
@@ -538,6 +580,8 @@ MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks a
 PROBE_CONNECT_S = 0.8     # a raw TCP connect that tells "no listener" from "a listener that never answers"
 MARK_TTL = 30.0           # seconds a node's "said" marker silences its siblings; an older one is another run's
 DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scontrol calls (show, update) together
+NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
+                          # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
 LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
 
 PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-intra", "screen-pairs", "screen-suspect",
@@ -1263,22 +1307,21 @@ SCREEN_COPY_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}  # device-memory copy; GB
 SCREEN_AR_BYTES = {"gpu": 128 << 20, "cpu": 1 << 20}   # all_reduce message of the busbw rounds
 SCREEN_AR_ITERS = {"gpu": (3, 12), "cpu": (1, 8)}      # warm-up and timed iterations (median / best)
 SCREEN_SMI_S = 3.0    # nvidia-smi must answer within this while the GPU stays loaded; else no such facts
-SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks_throttle_reasons.active", "temperature.gpu", "power.draw",
-              "ecc.errors.uncorrected.volatile.total", "remapped_rows.pending", "remapped_rows.failure")
-SMI_KEYS = ("sm_mhz", "sm_max_mhz", "throttle", "temp_c", "power_w", "ecc_uncorrected", "remap_pending",
-            "remap_failure")
+SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks_throttle_reasons.active", "temperature.gpu", "power.draw")
+SMI_KEYS = ("sm_mhz", "sm_max_mhz", "throttle", "temp_c", "power_w")
+SMI_WHAT = "SM clock, clock limits, temperature and power under load"  # what SmiProbe reads, as a note names it
 SMI_RENAMED = {"clocks_throttle_reasons.active": "clocks_event_reasons.active"}  # drivers that dropped the old name
 
 
-def parse_smi(text):
-    """nvidia-smi --format=csv,noheader,nounits for SMI_FIELDS -> {SMI_KEYS: value}; [N/A], [Not
-    Supported] and unparsable values are left out, a line of the wrong shape gives {}."""
+def parse_smi(text, keys=SMI_KEYS):
+    """nvidia-smi --format=csv,noheader,nounits for SMI_FIELDS -> {SMI_KEYS: value} (keys: the names of the
+    fields asked); [N/A], [Not Supported] and unparsable values are left out, a line of the wrong shape gives {}."""
     line = next((ln for ln in (text or "").splitlines() if ln.strip()), "")
     vals = [v.strip() for v in line.split(",")]
-    if len(vals) != len(SMI_KEYS):
+    if len(vals) != len(keys):
         return {}
     out = {}
-    for key, v in zip(SMI_KEYS, vals, strict=True):
+    for key, v in zip(keys, vals, strict=True):
         try:
             if key == "throttle":
                 out[key] = int(v, 16)
@@ -1292,10 +1335,85 @@ def parse_smi(text):
     return out
 
 
+NODE_SMI_FIELDS = ("uuid", "ecc.errors.uncorrected.volatile.total", "remapped_rows.pending", "remapped_rows.failure")
+NODE_SMI_KEYS = ("uuid", "ecc_uncorrected", "remap_pending", "remap_failure")
+NODE_SMI_WHAT = "uncorrected ECC errors and row remapping"  # what the node's call reads, as a note names it
+
+
+def parse_node_smi(text):
+    """The node's one nvidia-smi answer (NODE_SMI_FIELDS, one line per GPU) -> {uuid: {key: value}}; a line of
+    the wrong shape or without a UUID is left out."""
+    out = {}
+    for line in (text or "").splitlines():
+        vals = [v.strip() for v in line.split(",")]
+        if len(vals) == len(NODE_SMI_KEYS) and vals[0].startswith(("GPU-", "MIG-")):
+            out[vals[0]] = parse_smi(",".join(vals[1:]), NODE_SMI_KEYS[1:])
+    return out
+
+
+def read_node_smi(exe, bound=NODE_SMI_S, box=None):
+    """One nvidia-smi call for every GPU of the node (no -i), killed past bound seconds: {'gpus': {uuid: facts}}
+    or {'unread': why, 'bound': bound}. The node leader calls it once; rank 0 gives each rank its GPU's row.
+    box: where the child is kept (box['proc']) for whoever stops waiting for it earlier."""
+    cmd = [exe, "--query-gpu=" + ",".join(NODE_SMI_FIELDS), "--format=csv,noheader,nounits"]
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)  # its own group: a wrapper's children die too
+    except OSError as e:
+        return {"unread": f"nvidia-smi could not start: {e.strerror or e}", "bound": bound}
+    if box is not None:
+        box["proc"] = proc
+    try:
+        out, err = proc.communicate(timeout=bound)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"unread": f"nvidia-smi gave no answer within {bound:g}s", "bound": bound}
+    if proc.returncode != 0:
+        why = next((ln.strip() for ln in (err or out or "").splitlines() if ln.strip()), "")[:160]
+        return {"unread": f"nvidia-smi exited {proc.returncode}" + (f": {why}" if why else ""), "bound": bound}
+    return {"gpus": parse_node_smi(out)}
+
+
+def start_node_smi():
+    """Node leaders, at launch: read_node_smi in a thread, off the critical path -> its box, or None where
+    nvidia-smi is not on PATH (a node without it pays one PATH lookup)."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    box = {"t0": time.monotonic(), "done": threading.Event()}
+
+    def run():
+        try:
+            box["smi"] = read_node_smi(exe, NODE_SMI_S, box)
+        except Exception as e:  # the facts are then "not read", never silently absent
+            box["smi"] = {"unread": f"nvidia-smi failed: {first_line(e)}", "bound": NODE_SMI_S}
+        finally:
+            box["done"].set()
+    threading.Thread(target=run, name="aiv-node-smi", daemon=True).start()
+    return box
+
+
+def finish_node_smi(box, most_s):
+    """The node's nvidia-smi facts for the telemetry: waited for until NODE_SMI_S after its start, and at most
+    most_s now; an answer not in by then is {'unread': ..., 'bound': seconds it had}."""
+    box["done"].wait(max(0.0, min(most_s, box["t0"] + NODE_SMI_S - time.monotonic())))
+    if "smi" in box:
+        return box["smi"]
+    if box.get("proc") is not None:  # not waited for any longer: it does not outlive the run
+        with contextlib.suppress(OSError):
+            os.killpg(box["proc"].pid, signal.SIGKILL)
+    had = time.monotonic() - box["t0"]
+    return {"unread": f"nvidia-smi gave no answer within {had:.0f}s", "bound": round(had, 1)}
+
+
 class SmiProbe:
     """nvidia-smi's view of one GPU, asked in a child process while the caller keeps the GPU loaded:
-    clocks, active clock limits, temperature, power, ECC and row remapping. No nvidia-smi, a field
-    it does not know (under both names) or no answer within SCREEN_SMI_S: those facts are absent."""
+    clocks, active clock limits, temperature and power. One per rank (not one per node like read_node_smi):
+    these facts mean something only while this GPU works, and the ranks of a node load their GPUs at
+    slightly different times. No nvidia-smi or a field it does not know (under both names): those facts
+    are absent; no answer within SCREEN_SMI_S: {'smi_unread': SCREEN_SMI_S}, which the report shows."""
 
     def __init__(self, uuid):
         self.exe = shutil.which("nvidia-smi") if uuid else None
@@ -1321,7 +1439,7 @@ class SmiProbe:
                 if time.monotonic() - self.t0 > SCREEN_SMI_S:
                     self.proc.kill()
                     self.proc.wait()
-                    return {}
+                    return {"smi_unread": SCREEN_SMI_S}
                 load()
                 continue
             text = self.proc.stdout.read()
@@ -1387,7 +1505,8 @@ def _copy_rate(torch_mod, dev, kind, sync):
 def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
     """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
     'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
-    the PCIe link from sysfs, nvidia-smi's clocks, limits, ECC, row remapping where it answers)."""
+    the PCIe link from sysfs, nvidia-smi's clocks, limits, temperature, power where it answers in time,
+    else 'smi_unread')."""
     cpu = kind == "cpu"
     sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
     threads, facts = torch_mod.get_num_threads(), {}
@@ -1928,6 +2047,33 @@ def judge_day0(records):
         if has_ib and g and not n.get("peermem"):
             out.append(finding("day0", "WARN", f"{h}: InfiniBand present but nvidia_peermem is not loaded "
                                f"(no GPUDirect RDMA)", [h]))
+    return out + judge_node_smi(records)
+
+
+def judge_node_smi(records):
+    """A WARN per node whose GPU facts from its one nvidia-smi call (node.smi) were not read: no answer within
+    its bound (NODE_SMI_S), an error, or no row for a rank's GPU. It names the node, the GPUs (index, UUID,
+    rank), what was not read and the bound: facts never read are never a silent PASS."""
+    out = []
+    for h, rs in sorted(_by_host(records).items()):
+        smi = next((r["node"].get("smi") for r in rs if r.get("node")), None)
+        if not smi:
+            continue
+        gpus = sorted((r for r in rs if (r.get("gpu") or {}).get("uuid")), key=lambda r: r["local_rank"])
+        missing = gpus if smi.get("unread") else [r for r in gpus if r["gpu"]["uuid"].startswith("GPU-")
+                                                  and r["gpu"]["uuid"] not in (smi.get("gpus") or {})]
+        if not smi.get("unread") and not missing:
+            continue
+        who = ", ".join(f"GPU {r['local_rank']} ({r['gpu']['uuid']}, rank {r['rank']})" for r in missing[:4]) + (
+            f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        if smi.get("unread"):
+            bound = f"{smi.get('bound', NODE_SMI_S):g}s"
+            text = (f"{h}: {smi['unread']}" + ("" if bound in smi["unread"] else f" (bound {bound})")
+                    + f": {NODE_SMI_WHAT} not read for {who or 'its GPUs'}; a slow nvidia-smi is often NVML "
+                    f"starting without persistence mode (nvidia-smi -pm 1, or nvidia-persistenced)")
+        else:
+            text = f"{h}: nvidia-smi listed no row for {who}: {NODE_SMI_WHAT} not read"
+        out.append(finding("day0", "WARN", text, [h], [r["rank"] for r in (missing or rs)]))
     return out
 
 
@@ -2554,8 +2700,9 @@ def judge_manifest(manifest, records, screen=None):
     if not manifest:
         return []
     classes = {k: _expand_class(c) for k, c in manifest["classes"].items()}
-    index, drift, unchecked, unknown, counts = _host_index(classes), {}, set(), {}, [0, 0]
+    index, drift, unchecked, unknown, counts = _host_index(classes), {}, set(), {}, [[], []]
     load = screen_load(screen)
+    slow = {h for f in judge_bands(manifest, records, screen) for h in f["hosts"]}  # not a match: judge_bands FAILs it
     for h, rs in sorted(_by_host(records).items()):
         fields, key = host_view(rs, load)
         listed = h in index
@@ -2563,12 +2710,14 @@ def judge_manifest(manifest, records, screen=None):
         if cls is None:
             unknown.setdefault(class_name(key), []).append(h)
             continue
-        counts[0 if listed else 1] += 1
+        if h not in slow:
+            counts[0 if listed else 1].append(h)
         _judge_host(h, fields, cls, listed, drift, unchecked)
     return _manifest_findings(drift, unknown, counts, unchecked, sorted(classes))
 
 
 def _manifest_findings(drift, unknown, counts, unchecked, accepted):
+    """counts: [listed hosts, hosts judged by class] that match (the PASS names them)."""
     out = []
     labels = {f: lab for f, lab, _ in MANIFEST_FIELDS}
     for (field, sev), texts in sorted(drift.items(), key=lambda d: (d[0][1] != "FAIL", FIELD_NAMES.index(d[0][0]))):
@@ -2578,11 +2727,12 @@ def _manifest_findings(drift, unknown, counts, unchecked, accepted):
     for key, hosts in sorted(unknown.items()):
         out.append(finding("manifest", "WARN", f"{_hl(hosts)} not in the manifest, and its class '{key}' was never "
                            f"accepted (accepted: {'; '.join(accepted) or 'none'})", hosts))
-    if not out:
+    if not out and counts[0] + counts[1]:
         skipped = [f for f in FIELD_NAMES if f in unchecked]
-        out.append(finding("manifest", "PASS", f"{counts[0] + counts[1]} node(s) match the manifest ({counts[0]} "
-                           f"listed, {counts[1]} judged by class)" + (f"; not checked (not measured): "
-                                                                      f"{', '.join(skipped)}" if skipped else "")))
+        out.append(finding("manifest", "PASS", f"{len(counts[0]) + len(counts[1])} node(s) match the manifest "
+                           f"({len(counts[0])} listed, {len(counts[1])} judged by class)"
+                           + (f"; not checked (not measured): {', '.join(skipped)}" if skipped else ""),
+                           counts[0] + counts[1]))
     return out
 
 
@@ -2852,27 +3002,38 @@ BAND_SLACK = 0.9      # a measurement below this fraction of its band's lowest a
 BAND_SLACK_CPU = 0.1  # on CPU ranks share cores: only a collapse counts (as in the screen's own judge)
 
 
+def _band_gpu_words(g):
+    """'node1 GPU 3 (GPU-..., rank 3)': the GPU of one screen row by node, local index, UUID and rank."""
+    uuid = f"{g['uuid']}, " if g.get("uuid") else ""
+    return f"{g.get('host')} GPU {g.get('local_rank', '-')} ({uuid}rank {g.get('rank', '-')})"
+
+
 def _band_points(screen, host_class):
-    """(class, band, value, hosts) of each measurement of one screen, the band named by what the value
-    depends on: 'gpu.tflops/<model>', 'gpu.hbm_gbps/<model>' per GPU, 'intra.busbw/<n> ranks' per node
-    (ranks per node), 'inter.busbw/<k> rails' per pair of nodes of one class (rails the pair ran at once)."""
+    """(class, band, value, hosts, ranks, where) of each measurement of one screen, the band named by what the
+    value depends on: 'gpu.tflops/<model>', 'gpu.hbm_gbps/<model>' per GPU, 'intra.busbw/<n> ranks' per node
+    (ranks per node), 'inter.busbw/<k> rails' per pair of nodes of one class (rails the pair ran at once).
+    ranks: the ranks measured; where: the words naming them (a GPU by node, index, UUID and rank)."""
     screen = screen or {}
     for g in screen.get("gpu") or []:
         cls, model = host_class.get(g.get("host")), g.get("model") or "unknown"
-        yield cls, f"gpu.tflops/{model}", g.get("tflops"), [g.get("host")]
-        yield cls, f"gpu.hbm_gbps/{model}", g.get("hbm_gbps"), [g.get("host")]
+        ranks, where = [g["rank"]] if g.get("rank") is not None else [], _band_gpu_words(g)
+        yield cls, f"gpu.tflops/{model}", g.get("tflops"), [g.get("host")], ranks, where
+        yield cls, f"gpu.hbm_gbps/{model}", g.get("hbm_gbps"), [g.get("host")], ranks, where
     for n in screen.get("intra") or []:
-        yield host_class.get(n.get("host")), f"intra.busbw/{len(n.get('ranks') or ())} ranks", n.get("busbw"), \
-            [n.get("host")]
+        ranks = list(n.get("ranks") or ())
+        yield host_class.get(n.get("host")), f"intra.busbw/{len(ranks)} ranks", n.get("busbw"), \
+            [n.get("host")], ranks, f"{n.get('host')} (ranks {format_ranges(ranks) or '-'})"
     pairs, rails = screen.get("pairs") or [], {}
     for pr in pairs:
         k = (pr.get("round"), tuple(sorted(pr.get("nodes") or ())))
         rails[k] = rails.get(k, 0) + 1
     for pr in pairs:
-        hosts = sorted(pr.get("nodes") or ())
+        hosts, ranks = sorted(pr.get("nodes") or ()), list(pr.get("ranks") or ())
         classes = {host_class.get(h) for h in hosts}
         if len(classes) == 1:
-            yield classes.pop(), f"inter.busbw/{rails[(pr.get('round'), tuple(hosts))]} rails", pr.get("busbw"), hosts
+            rail = f" rail {pr['rail']}" if pr.get("rail") is not None else ""
+            yield classes.pop(), f"inter.busbw/{rails[(pr.get('round'), tuple(hosts))]} rails", pr.get("busbw"), \
+                hosts, ranks, f"{compress_hostlist(hosts)}{rail} (ranks {format_ranges(ranks) or '-'})"
 
 
 def _host_classes(records):
@@ -2884,7 +3045,7 @@ def screen_bands(screen, records):
     'window': [one entry]}}}. ref is the screen's own reference (upper quartile of the peers), lo/hi the
     extremes; merge_bands keeps the last BAND_WINDOW accepted runs, and they judge from BAND_MIN_RUNS runs on."""
     samples = {}
-    for cls, band, v, _ in _band_points(screen, _host_classes(records)):
+    for cls, band, v, *_ in _band_points(screen, _host_classes(records)):
         if cls is not None and _is_num(v) and v > 0:
             samples.setdefault(cls, {}).setdefault(band, []).append(float(v))
     return {cls: {b: _band_from([{"ref": screen_reference(v)["ref"], "lo": min(v), "hi": max(v)}], 1)
@@ -2899,20 +3060,20 @@ def judge_bands(manifest, records, screen):
         return []
     slack = BAND_SLACK_CPU if screen.get("cpu") else BAND_SLACK
     out = []
-    for cls, band, v, hosts in _band_points(screen, _host_classes(records)):
-        out += _below_band(manifest, cls, band, v, hosts, slack)
+    for cls, band, v, hosts, ranks, where in _band_points(screen, _host_classes(records)):
+        out += _below_band(manifest, cls, band, v, hosts, slack, ranks, where)
     return out
 
 
-def _below_band(manifest, cls, band, value, hosts, slack):
+def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None):
     b = ((manifest.get("classes") or {}).get(cls) or {}).get("bands", {}).get(band)
     if not b or b.get("runs", 1) < BAND_MIN_RUNS or not _is_num(value):
         return []
     if value >= slack * b["lo"]:
         return []
-    return [finding("manifest", "FAIL", f"{band} {value:.4g} on {compress_hostlist(sorted(hosts))} is below the "
-                    f"accepted band of {cls} ({b['lo']:.4g}-{b['hi']:.4g}, reference {b['ref']:.4g}, "
-                    f"{b['runs']} runs; FAIL below {slack:g} x its lowest)", hosts)]
+    return [finding("manifest", "FAIL", f"{band} {value:.4g} on {where or compress_hostlist(sorted(hosts))} is "
+                    f"below the accepted band of {cls} ({b['lo']:.4g}-{b['hi']:.4g}, reference {b['ref']:.4g}, "
+                    f"{b['runs']} runs; FAIL below {slack:g} x its lowest)", hosts, ranks)]
 
 
 def save_manifest(path, state, written_at):
@@ -3948,9 +4109,10 @@ def throttle_names(mask):
 
 
 def gpu_fact_problems(row):
-    """[(status, text)] for one GPU's facts under load (a judge_gpu_perf row with GPU_FACT_KEYS, each
-    optional): PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS, uncorrected
-    ECC errors since the driver loaded or a pending row remap (WARN), a failed row remap (FAIL)."""
+    """[(status, text)] for one GPU's facts (a judge_gpu_perf row with GPU_FACT_KEYS, each optional): under
+    load, PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS; from its node's one
+    nvidia-smi call (read_node_smi), uncorrected ECC errors since the driver loaded or a pending row remap
+    (WARN), a failed row remap (FAIL)."""
     out, g = [], row.get
     if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
         out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
@@ -3969,7 +4131,7 @@ def gpu_fact_problems(row):
 
 
 def judge_gpu_facts(per_rank):
-    """Findings under 'gpu-perf' from the facts read while the matmul ran (gpu_fact_problems): one per GPU
+    """Findings under 'gpu-perf' from each GPU's facts (gpu_fact_problems): one per GPU
     with a problem, or beyond SCREEN_LIST_MAX GPUs one per status listing the first ones and a count.
     No PASS finding: judge_gpu_perf gives it."""
     flagged = [(r, p) for r in sorted(per_rank or [], key=lambda r: r["rank"]) for p in [gpu_fact_problems(r)] if p]
@@ -3988,6 +4150,15 @@ def judge_gpu_facts(per_rank):
 
 
 def _perf_fact_lines(screen):
+    unread = [r for r in screen.get("gpu") or [] if r.get("smi_unread")]
+    L = [f"  not read (nvidia-smi gave no answer within {r['smi_unread']:g}s): {SMI_WHAT} of rank {r['rank']} "
+         f"{r.get('host')} GPU {r.get('local_rank')} {r.get('uuid') or '-'}" for r in unread[:SCREEN_RENDER_SLOW]]
+    if len(unread) > SCREEN_RENDER_SLOW:
+        L.append(f"    ... and {len(unread) - SCREEN_RENDER_SLOW} more GPU(s) not read (see --json)")
+    return _perf_read_lines(screen) + L
+
+
+def _perf_read_lines(screen):
     rows = [r for r in screen.get("gpu") or [] if any(r.get(k) is not None for k in GPU_FACT_KEYS)]
     if not rows:
         return []
@@ -4237,7 +4408,11 @@ def screen_creation(groups, posts):
 
 
 def screen_gpu_rows(records, posts, cpu=False):
-    """judge_gpu_perf's per_rank rows: each posting rank's record facts and its measurement."""
+    """judge_gpu_perf's per_rank rows: each posting rank's record facts and its measurement, with its GPU's
+    row of its node's one nvidia-smi call (node.smi.gpus, by UUID: ECC and row remapping) where there is one."""
+    smi = {}
+    for rec in records:
+        smi.update((((rec.get("node") or {}).get("smi") or {}).get("gpus")) or {})
     out = []
     for rec in sorted(records, key=lambda r: r["rank"]):
         p = posts.get(rec["rank"])
@@ -4245,7 +4420,7 @@ def screen_gpu_rows(records, posts, cpu=False):
             g = rec.get("gpu") or {}
             out.append({"rank": rec["rank"], "host": rec["host"], "local_rank": rec["local_rank"],
                         "uuid": g.get("uuid"), "model": g.get("name") or ("cpu" if cpu else None),
-                        **{k: v for k, v in p.items() if k != "rank"}})
+                        **(smi.get(g.get("uuid")) or {}), **{k: v for k, v in p.items() if k != "rank"}})
     return out
 
 
@@ -4454,8 +4629,8 @@ def _render_soak(state, recs, groups):
 
 
 def _render_findings(state, recs, groups):
-    L = [BAR, "FINDINGS", BAR] + [f"  [{f['status']}] {f['check']}: {f['reason']}" + (
-        " (accepted in manifest)" if f.get("accepted") else "") for f in state.get("findings") or []]
+    L = [BAR, "FINDINGS", BAR] + [f"  [{st}] {check}: {text}" for st, check, text in
+                                   finding_rows(state.get("findings") or [])]
     L += [f"  NOTE: {n}" for n in state.get("notes") or []]
     L += [BAR, f"Ranks Reported: {len(recs)}/{state['world_size']}",
           f"Verdict: {state['verdict']} exit={state['exit_code']} elapsed={state['elapsed_s']:.2f}s "
@@ -6623,6 +6798,7 @@ class RankRun(ScreenRunner):
         self.proto = self.poll = self.master = self.probe = self.monitor = self.nccl_log = None
         self.backend = self.device = self.collectives = self.results = self.bandwidth = None
         self.identity = self.node_box = None
+        self.smi_box = None  # node leaders: the node's one nvidia-smi call (start_node_smi)
         self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
         self.soak = None  # rank 0: the soak's rows and settings (--soak)
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
@@ -6741,6 +6917,7 @@ class RankRun(ScreenRunner):
         if self.local_rank == 0:
             self.node_box = {}
             threading.Thread(target=self._collect_node, args=(self.node_box,), daemon=True).start()
+            self.smi_box = start_node_smi()
         ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
         self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
@@ -6788,6 +6965,8 @@ class RankRun(ScreenRunner):
         tele = dict(self.identity)
         if self.node_box is not None:
             tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
+            if self.smi_box is not None:  # waited for within NODE_SMI_S of its start, a quarter of this phase at most
+                tele["node"] = dict(tele["node"], smi=finish_node_smi(self.smi_box, self.D["telemetry"] / 4))
         return tele
 
     def phase_telemetry(self):

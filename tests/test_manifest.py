@@ -279,7 +279,7 @@ def test_unlisted_host_of_an_unknown_class_warns_naming_it():
 def test_subset_run_reports_no_absent_hosts():
     m = saved(gpu_cluster(("node1", "node2", "node3", "node4")))
     (f,) = aiv.judge_manifest(m, gpu_node("node3"))
-    assert f["status"] == "PASS" and f["hosts"] == [] and "1 node(s) match" in f["reason"]
+    assert f["status"] == "PASS" and f["hosts"] == ["node3"] and "1 node(s) match" in f["reason"]
 
 
 def test_gloo_run_does_not_check_transport_or_gpus():
@@ -564,7 +564,8 @@ def test_saved_over_warnings_which_are_then_judged_accepted_and_a_new_warn_still
     j = run_tool(["--nproc", 2, "--timeout", 60, "--manifest", path], env={"NCCL_SOCKET_NTHREADS": "4"})
     assert j.returncode == 0 and not failures(j.stdout), j.stdout
     warns = [ln for ln in j.stdout.splitlines() if ln.startswith("  [WARN]")]
-    assert len(warns) == 3 and sum(ln.endswith(" (accepted in manifest)") for ln in warns) == 2, warns
+    assert len(warns) == 2 and sum(ln.endswith(" (accepted in manifest)") for ln in warns) == 1, warns  # one row
+    assert sum(ln.count(" (accepted in manifest)") for ln in warns) == 2, warns  # per check and node: both WARNs
     assert [ln for ln in warns if "accepted" not in ln][0].startswith("  [WARN] manifest: environment differs")
     f = tmp_path / "run.log"
     f.write_text(j.stdout)
@@ -742,9 +743,56 @@ def test_speed_below_the_band_fails_naming_the_node_once_the_band_has_enough_run
     out = aiv.judge_bands(manifest, recs, slow)
     assert [(f["status"], f["check"], f["hosts"]) for f in out] == [("FAIL", "manifest", ["node2"]),
                                                                     ("FAIL", "manifest", ["node1", "node3"])]
-    assert "gpu.tflops/cpu 60 on node2 is below the accepted band" in out[0]["reason"]
+    assert "gpu.tflops/cpu 60 on node2 GPU 0 (GPU-1, rank 1) is below the accepted band" in out[0]["reason"]
+    assert out[0]["ranks"] == [1]                                        # the GPU's rank, not []
+    assert "node[1,3] rail 0" in out[1]["reason"]
     assert aiv.judge_bands(manifest, recs, band_screen()) == []          # as accepted: nothing
     assert aiv.judge_bands(manifest, recs, dict(slow, cpu=True)) == []   # CPU: only a collapse counts
+
+
+def test_a_node_below_its_band_is_not_counted_as_matching_the_manifest():
+    """The manifest's PASS counts only nodes judge_bands does not FAIL, and names them in its hosts."""
+    recs = cluster(4, 1)
+    manifest = aiv.manifest_from_records(recs, "2026-01-01T00:00:00+00:00")
+    cls = next(iter(manifest["classes"]))
+    bands = {}
+    for _ in range(aiv.BAND_MIN_RUNS):
+        bands = aiv.merge_bands(bands, aiv.screen_bands(band_screen(), recs)[cls])
+    manifest["classes"][cls]["bands"] = bands
+    (ok,) = aiv.judge_manifest(manifest, recs, band_screen())
+    assert ok["status"] == "PASS" and ok["hosts"] == ["node1", "node2", "node3", "node4"]
+    slow = band_screen(tflops=(100.0, 60.0, 99.0, 100.0))
+    (ok,) = aiv.judge_manifest(manifest, recs, slow)
+    assert ok["hosts"] == ["node1", "node3", "node4"] and ok["reason"].startswith("3 node(s) match the manifest")
+    one = [r for r in recs if r["host"] == "node2"]
+    assert aiv.judge_manifest(manifest, one, slow) == []                  # its only node is below: no PASS
+    assert [f["status"] for f in aiv.judge_bands(manifest, one, slow)] == ["FAIL"]
+
+
+def test_band_fail_names_the_gpu_and_its_rank_and_the_group_ranks():
+    """A slow GPU is named by node, index, UUID and rank, and its rank is in the finding's ranks; a slow
+    node's intra-node group or a slow pair carries the ranks measured."""
+    recs = cluster(4, 1)
+    manifest = aiv.manifest_from_records(recs, "2026-01-01T00:00:00+00:00")
+    cls = next(iter(manifest["classes"]))
+    bands = {}
+    for _ in range(aiv.BAND_MIN_RUNS):
+        bands = aiv.merge_bands(bands, aiv.screen_bands(band_screen(), recs)[cls])
+    manifest["classes"][cls]["bands"] = bands
+    slow = band_screen(tflops=(100.0, 100.0, 99.0, 100.0))
+    slow["gpu"][2].update(local_rank=5, hbm_gbps=10.0, uuid=None)
+    slow["intra"][3]["busbw"] = 1.0
+    slow["pairs"][1].update(busbw=1.0, ranks=[1, 3])
+    out = aiv.judge_bands(manifest, recs, slow)
+    by_band = {f["reason"].split(" ")[0]: f for f in out}
+    gpu = by_band["gpu.hbm_gbps/cpu"]
+    assert gpu["hosts"] == ["node3"] and gpu["ranks"] == [2]
+    assert "10 on node3 GPU 5 (rank 2) is below" in gpu["reason"]   # no UUID known: index and rank
+    intra = by_band["intra.busbw/2"]
+    assert intra["hosts"] == ["node4"] and intra["ranks"] == [3, 7] and "node4 (ranks 3,7)" in intra["reason"]
+    pair = by_band["inter.busbw/1"]
+    assert pair["hosts"] == ["node2", "node4"] and pair["ranks"] == [1, 3]
+    assert "node[2,4] rail 0 (ranks 1,3)" in pair["reason"]
 
 
 # ---------------------------------------------------------------- accepted WARNs

@@ -40,8 +40,11 @@ def test_json_matches_report(tmp_path):
     assert d["schema_version"] == aiv.SCHEMA_VERSION and d["verdict"] == "PASS" and d["exit_code"] == 0
     assert d["world_size"] == 2 and d["ranks_reported"] == 2 and [x["rank"] for x in d["ranks"]] == [0, 1]
     assert d["failures"] == [] and d["failed_hosts"] == [] and d["exclude"] == ""
+    lines = r.stdout.splitlines()
+    for st, check, text in aiv.finding_rows(d["findings"]):   # one row per check and node
+        assert f"  [{st}] {check}: {text}" in lines
     for f in d["findings"]:
-        assert f"[{f['status']}] {f['check']}: {f['reason']}" in r.stdout
+        assert f["reason"] in r.stdout
     assert d["collectives"]["ar_sum"] == 3 and d["collectives"]["grads_identical"] is True
     assert max(len(json.dumps(x)) for x in d["ranks"]) < 4096
     assert set(d["phases"]) >= {"rollcall", "init", "telemetry", "collective", "ddp"}

@@ -152,3 +152,58 @@ def test_reference_log_verifies():
     ok, problems, facts = aiv.verify_log(text, {})
     assert ok, problems
     assert facts["backend"] == "nccl" and facts["cuda"] and facts["nccl"]
+
+
+# ---------------------------------------------------------------- FINDINGS rows: one per check and node
+def test_finding_rows_never_pass_a_node_that_has_a_warn_or_fail_under_the_same_check():
+    F = aiv.finding
+    findings = [F("manifest", "PASS", "1 node(s) match the manifest", ["node1"]),
+                F("manifest", "FAIL", "gpu.tflops/H200 500 on node1 GPU 3 is below the band", ["node1"], [3]),
+                F("manifest", "FAIL", "gpu.hbm_gbps/H200 3000 on node1 GPU 3 is below the band", ["node1"], [3]),
+                F("fabric", "PASS", "8 port(s) ACTIVE on 2 node(s)", ["node1", "node2"]),
+                F("fabric", "WARN", "node2 mlx5_0:1 is DOWN", ["node2"]),
+                F("gpu-perf", "PASS", "GPU speed within the reference on 16 GPU(s)"),
+                F("gpu-perf", "WARN", "rank 9 on node2: ECC errors", ["node2"], [9]),
+                F("layout", "PASS", "2 node(s) x 8 rank(s)")]
+    rows = aiv.finding_rows(findings)
+    assert rows == [
+        ("FAIL", "manifest", "gpu.tflops/H200 500 on node1 GPU 3 is below the band | "
+                             "gpu.hbm_gbps/H200 3000 on node1 GPU 3 is below the band"),
+        ("PASS", "fabric", "8 port(s) ACTIVE on 2 node(s) (except node2: see its WARN row)"),
+        ("WARN", "fabric", "node2 mlx5_0:1 is DOWN"),
+        ("PASS", "gpu-perf", "GPU speed within the reference on 16 GPU(s) (except node2: see its WARN row)"),
+        ("WARN", "gpu-perf", "rank 9 on node2: ECC errors"),
+        ("PASS", "layout", "2 node(s) x 8 rank(s)")]
+    # every (check, node) pair is in one row only, and a PASS row never stands unqualified beside a problem
+    for check in {f["check"] for f in findings}:
+        bad = [r for r in rows if r[1] == check and r[0] != "PASS"]
+        assert len(bad) == len({tuple(f["hosts"]) for f in findings if f["check"] == check and f["status"] != "PASS"})
+        for st_, _, text in rows:
+            if st_ == "PASS" and _ == check and bad:
+                assert "(except " in text
+    # the findings themselves and their FAILURE lines are untouched: one line per failed finding
+    assert len(aiv.failure_lines(findings)) == 2 and findings[0]["status"] == "PASS"
+
+
+def test_finding_rows_worst_status_wins_and_a_repeated_reason_is_said_once():
+    F = aiv.finding
+    a = F("day0", "WARN", "node1: /dev/shm is 64 MiB", ["node1"])
+    rows = aiv.finding_rows([a, dict(a), F("day0", "FAIL", "node1: something worse", ["node1"]),
+                             F("day0", "WARN", "no host named", []), F("day0", "WARN", "no host named either", [])])
+    assert rows == [("FAIL", "day0", "node1: /dev/shm is 64 MiB | node1: something worse"),
+                    ("WARN", "day0", "no host named"), ("WARN", "day0", "no host named either")]
+    acc = dict(F("imports", "WARN", "node1: torchvision missing", ["node1"]), accepted=True)
+    assert aiv.finding_rows([acc]) == [("WARN", "imports", "node1: torchvision missing (accepted in manifest)")]
+
+
+def test_report_of_a_band_fail_shows_no_pass_for_its_node():
+    recs = cluster(1, 2)
+    F = aiv.finding
+    findings = [F("manifest", "PASS", "1 node(s) match the manifest (1 listed, 0 judged by class)", ["node1"]),
+                F("manifest", "FAIL", "gpu.tflops/cpu 1 on node1 GPU 0 (rank 0) is below the band", ["node1"], [0]),
+                F("manifest", "FAIL", "gpu.hbm_gbps/cpu 1 on node1 GPU 0 (rank 0) is below the band", ["node1"], [0])]
+    text = aiv.render_report(state_for(recs, findings=findings, code=1))
+    rows = [ln for ln in text.splitlines() if ln.startswith("  [")]
+    assert rows == ["  [FAIL] manifest: gpu.tflops/cpu 1 on node1 GPU 0 (rank 0) is below the band | "
+                    "gpu.hbm_gbps/cpu 1 on node1 GPU 0 (rank 0) is below the band"]
+    assert sum(ln.startswith("FAILURE: manifest: ") for ln in text.splitlines()) == 2
