@@ -6541,7 +6541,7 @@ class RankRun(ScreenRunner):
             for ln in lines:
                 emit(who + ln, sys.stderr)
             if more:
-                emit(f"{who}{more} more NCCL WARN line(s) not shown", sys.stderr)
+                emit(f"{who}{more} more of NCCL's WARN lines not shown", sys.stderr)
 
     def _drop_nccl_log(self):
         try:
