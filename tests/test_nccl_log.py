@@ -30,7 +30,8 @@ def chan(idx, net="IB", tail="/GDRDMA", n=4, proxy=""):
     (USING_IB, {0: "mlx5_0", 1: "mlx5_1", 2: "mlx5_2", 3: "mlx5_3"}),
     (USING_ROCE, {0: "mlx5_10", 1: "mlx5_11"}),
     (USING_MERGED, {0: "mlx5_2+mlx5_3", 1: "mlx5_0+mlx5_1"}),
-    (P + "NET/IBext_v8 : Using [0]mlx5_0:1/IB [1]mlx5_0:2/IB [RO]; OOB ib0:10.0.0.7<0>\n", {0: "mlx5_0", 1: "mlx5_0:2"}),
+    (P + "NET/IBext_v8 : Using [0]mlx5_0:1/IB [1]mlx5_0:2/IB [RO]; OOB ib0:10.0.0.7<0>\n",
+     {0: "mlx5_0", 1: "mlx5_0:2"}),
     (PREAMBLE, {}),  # sockets and the plugin line list no HCA
     (P + "NET/Plugin: Using internal network plugin.\n" + USING_IB + P + "NET/IB : No device found.\n",
      {0: "mlx5_0", 1: "mlx5_1", 2: "mlx5_2", 3: "mlx5_3"}),
@@ -173,7 +174,7 @@ def pair_rows(bad, hca_of):
             for r in RAILS:
                 ranks = [rank(h, r) for h in g]
                 posts = {k: {"busbw": 45.0 * (0.4 if bad in g and r == 2 else 1.0), "hca": hca_of(h, r)}
-                         for k, h in zip(ranks, g)}
+                         for k, h in zip(ranks, g, strict=True)}
                 m = aiv.screen_measured([{"nodes": tuple(g), "rail": r, "ranks": ranks}], posts)[0]
                 rows.append({"round": i, "nodes": m["nodes"], "rail": r, "busbw": m["busbw"],
                              "hca": aiv.screen_pair_hca(ranks, posts, records()), "ranks": ranks})
