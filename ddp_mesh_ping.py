@@ -569,6 +569,7 @@ ERROR_GRACE = 2.0         # after the first error report: time for other reports
 MANIFEST_LOCK_S = 10.0    # rank 0 at the verdict: the most it waits for another job's lock on a --save-manifest file
 LOCK_RETRY_S = 0.2        # how often that lock is tried again (non-blocking) while another job holds it
 # The small waits inside a phase, each also inside the phase's bound (the table below):
+NCCL_RELAY_S = 1.0        # a rank's exit: the most it waits for another thread relaying its NCCL WARN lines
 STORE_OP_S = 1.0          # one store operation off the main thread (a report after a signal, a clone, a counter)
 AUDIT_S = 1.0             # rank 0 at the verdict: every value on the store checked once more (StoreProtocol.audit)
 FORGED_POLL_S = 0.1       # a reader that refused a value not of this run looks again this often, within its wait
@@ -1031,6 +1032,61 @@ def parse_nccl_ifaces(text):
     return sorted(found)
 
 
+def parse_nccl_nics(text):
+    """The network devices NCCL listed, by its index: {0: 'mlx5_0', 1: 'mlx5_1:2'} from 'NET/IB : Using
+    [0]mlx5_0:1/IB [1]mlx5_1:2/RoCE [RO]; OOB ib0:10.0.0.1<0>' (port 1 left out; a merged device
+    '[0]={[0] mlx5_2:1/RoCE, [1] mlx5_3:1/RoCE}' is 'mlx5_2+mlx5_3'). Any network but sockets; the last list."""
+    nics = {}
+    for line in re.findall(r"NET/(?!Socket\b)[\w.\-]+ ?: Using ([^;\n]*)", text):
+        cur = {}
+        for idx, body in re.findall(r"\[(\d+)\](=\{[^}]*\}|[^\s\[]+)", line):
+            devs = re.findall(r"([\w.\-]+):(\d+)", body)
+            if devs:
+                cur[int(idx)] = "+".join(d if p == "1" else f"{d}:{p}" for d, p in devs)
+        if cur:
+            nics = cur
+    return nics
+
+
+def parse_nccl_hca(text, since=0):
+    """The HCA this rank's NCCL traffic went through: the device (parse_nccl_nics) most of its network
+    connections used ('Channel 00/0 : 0[0] -> 8[0] [send] via NET/IB/2/GDRDMA', 'via NET/IBext_v8/2', PXN
+    'via NET/IB/2(5)/GDRDMA'), counted in the log from offset `since` (the latest communicators), else in the
+    whole log; ties: the lowest index. None: no network connection of a known device in the log; '': its
+    network connections all went over sockets (no HCA carries them)."""
+    nics = parse_nccl_nics(text)
+    for part in ((text[since:], text) if since else (text,)):
+        counts, other = {}, False
+        for kind, idx in re.findall(r"\] via NET/([\w.\-]+)/(\d+)", part):
+            if kind != "Socket" and int(idx) in nics:
+                counts[int(idx)] = counts.get(int(idx), 0) + 1
+            other = other or kind != "Socket"
+        if counts:
+            return nics[max(sorted(counts), key=counts.get)]
+        if part and re.search(r"\] via NET/Socket/", part) and not other:
+            return ""
+    return None
+
+
+NCCL_WARN_RELAY = 20  # NCCL WARN lines a rank relays to stderr as it exits; the rest are counted
+
+
+def nccl_warn_lines(text, limit=NCCL_WARN_RELAY):
+    """NCCL's own WARN lines of a log: (the first `limit`, how many more)."""
+    lines = [ln.rstrip() for ln in text.splitlines() if " NCCL WARN " in ln]
+    return lines[:limit], max(0, len(lines) - limit)
+
+
+def nccl_debug_file(env, host=None, pid=None):
+    """The operator's NCCL_DEBUG_FILE as NCCL expands it for this process (%h: host name up to the first
+    dot, %p: pid, %%: %); None when unset."""
+    spec = env.get("NCCL_DEBUG_FILE")
+    if not spec:
+        return None
+    host = (host or socket.gethostname()).split(".")[0]
+    return re.sub(r"%([hp%])", lambda m: {"h": host, "p": str(pid or os.getpid()), "%": "%"}[m.group(1)], spec)
+
+
 # ============================================================================ collect
 def count_visible_gpus(env, root="/"):
     """GPU count without importing torch (for the local launcher)."""
@@ -1117,6 +1173,38 @@ def read_ib_ports(root="/"):
                         "rate_gbps": float(m.group(1)) if m else None,
                         "link_layer": (read_text(os.path.join(d, "link_layer"), "") or "").strip() or None})
     return out
+
+
+PCI_NODE = re.compile(r"pci[0-9a-f]{4}:[0-9a-f]{2}|[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", re.I)
+
+
+def _pci_chain(path):
+    """The PCI path of a sysfs device link: ['pci0000:00', '0000:00:01.0', '0000:01:00.0', ...]
+    (host bridge, then each bridge and switch port down to the device); [] where the link is absent."""
+    if not os.path.exists(path):
+        return []
+    return [c.lower() for c in os.path.realpath(path).split(os.sep) if PCI_NODE.fullmatch(c)]
+
+
+def nearest_hca(root, pci, spec=None):
+    """The InfiniBand/RoCE device (/sys/class/infiniband/<hca>/device) nearest a GPU (its bus id,
+    /sys/bus/pci/devices/<pci>) in the PCI tree: the longest common PCI path (behind the GPU's own PCIe
+    switch, then its root port, then its host bridge), among the devices NCCL_IB_HCA (spec) selects, those
+    with an ACTIVE port first (NCCL uses no other); equals: the lowest name. None: no bus id or no device."""
+    gpu = _pci_chain(os.path.join(root, "sys/bus/pci/devices", pci.lower())) if pci else []
+    if not gpu:
+        return None
+    ports = ib_hca_select(spec, read_ib_ports(root))
+    best = None
+    for dev in sorted({p["port"].split(":")[0] for p in ports}, key=_screen_key):
+        chain = _pci_chain(os.path.join(root, "sys/class/infiniband", dev, "device"))
+        if not chain:
+            continue
+        active = any(p["state"] == "ACTIVE" for p in ports if p["port"].split(":")[0] == dev)
+        key = (active, len(os.path.commonprefix([gpu, chain])))
+        if best is None or key > best[0]:
+            best = (key, dev)
+    return best[1] if best else None
 
 
 def _cpu_model():
@@ -3819,6 +3907,18 @@ def _screen_hca(m, node):
     return h.get(node) if isinstance(h, dict) else h
 
 
+def _screen_hca_text(results, idx, nodes):
+    """' (HCA mlx5_2)' for the nodes' HCA in measurements idx of one rail, ' (HCA node1 mlx5_2, node3
+    mlx5_3)' where they differ; '' where none is known."""
+    hcas = {n: next((h for i in idx for h in [_screen_hca(results[i], n)] if h), None) for n in nodes}
+    known = {n: h for n, h in hcas.items() if h}
+    if not known:
+        return ""
+    if len(set(known.values())) == 1 and len(known) == len(nodes):
+        return f" (HCA {next(iter(known.values()))})"
+    return " (HCA " + ", ".join(f"{n} {h}" for n, h in known.items()) + ")"
+
+
 def _screen_rails_text(rails, all_rails):
     rails = sorted(rails)
     if len(rails) > 1 and rails == all_rails:
@@ -3842,11 +3942,15 @@ def _pair_node_findings(results, d):
             statuses.append("WARN" if "WARN" in [d["levels"][i] for i in idx] else "FAIL")
             hca = next((h for i in idx for h in [_screen_hca(results[i], n)] if h), None)
             bw, ref = _screen_median([float(results[i].get("busbw") or 0.0) for i in idx]), d["refs"][rail]["ref"]
-            parts.append(f"local rank {rail}" + (f" (HCA {hca})" if hca else "")
+            parts.append(f"local rank {rail}" + (f" (HCA {hca})" if hca and len(rails) > 1 else "")
                          + f" {_sn(bw)} GB/s = {bw / ref:.2f} of the rail's reference {_sn(ref)} GB/s")
             ratios.append(bw / ref)
         partners = _screen_sorted(p for rail in rails for ps in ev[(n, rail)]["slow"] for p in ps)
         whole = len(rails) > 1 and rails == own
+        named = ""  # one rail: its HCA on this node beside it (node3 rail 2 (HCA mlx5_2))
+        if len(rails) == 1:
+            named = _screen_hca_text(results, sorted(i for ids in ev[(n, rails[0])]["slow"].values() for i in ids),
+                                     [n])
         if whole:
             speed = f"busbw median {_screen_median(ratios):.2f} of the rails' references"
             where = ("a node-wide network fault (its NICs or their switch ports together, or the host side: "
@@ -3856,7 +3960,7 @@ def _pair_node_findings(results, d):
             where = "its NIC, cable or switch port on " + ("that rail" if len(rails) == 1 else "those rails")
         every = sorted(i for rail in rails for ids in ev[(n, rail)]["slow"].values() for i in ids)
         out.append(finding("inter-node", _screen_worst(statuses),
-                           f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])} with "
+                           f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])}{named} with "
                            f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none, "
                            f"after re-measurement: {speed}: {where}{_pair_floor_text(results, every, d)}", [n]))
     return out
@@ -3890,7 +3994,8 @@ def _pair_link_findings(results, d):
         if lone:
             alone += " (a suspect link: the path between them, no host is excluded for it)"
             status = "WARN" if status != "OK" else status
-        out.append(finding("inter-node", status, f"{what} on {_screen_rails_text(rails, d['rails'])}: busbw "
+        named = _screen_hca_text(results, idx, g) if len(rails) == 1 else ""
+        out.append(finding("inter-node", status, f"{what} on {_screen_rails_text(rails, d['rails'])}{named}: busbw "
                            f"{ratio:.2f} of the rail's reference after re-measurement{alone}"
                            f"{_pair_floor_text(results, idx, d)}",
                            [] if lone else list(g)))
@@ -4397,6 +4502,22 @@ def screen_measured(groups, posts):
             slow = min(ps, key=lambda p: p["busbw"])
             out.append(dict(g, busbw=slow["busbw"], time_us=slow.get("time_us")))
     return out
+
+
+def screen_pair_hca(ranks, posts, records):
+    """{host: HCA} of a pair group's ranks: what each rank's NCCL log showed (its post's 'hca'), else the
+    HCA nearest its GPU in sysfs (its record's gpu 'hca'); None where none is known ('' in a post: sockets,
+    no HCA, and no sysfs guess either)."""
+    recs = {r["rank"]: r for r in records}
+    out = {}
+    for r in ranks:
+        h = (posts.get(r) or {}).get("hca")
+        rec = recs.get(r) or {}
+        if h is None:
+            h = (rec.get("gpu") or {}).get("hca")
+        if h and rec.get("host"):
+            out[rec["host"]] = h
+    return out or None
 
 
 def screen_creation(groups, posts):
@@ -5375,7 +5496,8 @@ def _html_heatmap(pairs, rail, d, failed, size):
     ref = d["refs"][rail]
     bad = _html_rail_bad(pairs, rail, d, failed)
     nslow = sum(1 for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK")
-    hca = next((m.get("hca") for m in pairs if m["rail"] == rail and isinstance(m.get("hca"), str)), None)
+    hcas = {n: h for m in pairs if m["rail"] == rail for n in m["nodes"] for h in [_screen_hca(m, n)] if h}
+    hca = ", ".join(sorted(set(hcas.values()), key=_screen_key)) or None
     cap = (f"rail {_html_e(rail)}{' (' + _html_e(hca) + ')' if hca else ''}: reference {_html_n(ref['ref'])} GB/s "
            f"({_html_e(ref['how'])} of {ref['count']}), {nslow} slow"
            + (f", culprit {_html_e(compress_hostlist(bad))}" if bad else ""))
@@ -6621,7 +6743,16 @@ class ScreenRunner:
         if group is not None:
             bw, sec = screen_busbw(self.torch, self.dist, group, len(entry["g"]), self._device(), self._kind())
             post.update(busbw=float(f"{bw:.4g}"), time_us=round(sec * 1e6, 1))
+            if self.phase != "screen-intra" and self.nccl_log:
+                post["hca"] = self.nccl_hca()
         self.proto.screen_post(name, self.rank, post, self.world)
+
+    def nccl_hca(self):
+        """The HCA of this rank's connections since the last call (a pair round's communicator), from NCCL's
+        log (parse_nccl_hca)."""
+        text = read_text(self.nccl_log, "", limit=8 << 20) or ""
+        since, self.nccl_seen = self.nccl_seen, len(text)
+        return parse_nccl_hca(text, since)
 
     def round_gate(self, name):
         """Every group of a round starts together: each rank posts that its group is made; rank 0, once
@@ -6717,7 +6848,8 @@ class ScreenRunner:
         """Rank 0: judge_pairs' rows of the rounds `names` (their posts collected)."""
         groups = self.round_groups()
         posts = self.screen_collect(names)
-        return [{"round": int(n[1:]), "nodes": m["nodes"], "rail": m["rail"], "busbw": m["busbw"], "hca": None,
+        return [{"round": int(n[1:]), "nodes": m["nodes"], "rail": m["rail"], "busbw": m["busbw"],
+                 "hca": screen_pair_hca(m["ranks"], posts[n], self.records),
                  "ranks": m["ranks"], "time_us": m["time_us"]}
                 for n in names for m in screen_measured(groups[n], posts[n])]
 
@@ -6804,6 +6936,8 @@ class RankRun(ScreenRunner):
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
         self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
         self.speak_lock = threading.Lock()  # speak_for_rank0: one thread speaks and writes the JSON
+        self.nccl_seen = 0  # how much of the NCCL log nccl_hca has read
+        self.relay_lock, self.relayed = threading.Lock(), threading.Event()  # exit: NCCL WARN lines, once
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
         self.wd = Watchdog(self.on_expire, self.on_tick)
 
@@ -6905,6 +7039,8 @@ class RankRun(ScreenRunner):
         local, gpu = self.local_checks(ifaces, expected)
         if self.backend != "nccl" and self.nccl_log:
             self._drop_nccl_log()
+        if gpu is not None:  # the HCA a pair round names where NCCL's log does not say
+            gpu["hca"] = nearest_hca(self.args.sysfs_root, gpu.get("pci"), self.env.get("NCCL_IB_HCA"))
         self.identity = {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(),
                          "loopback": loopback_domain(),
                          "local_rank": self.local_rank, "backend": self.backend, "device": self.device,
@@ -7084,10 +7220,18 @@ class RankRun(ScreenRunner):
         return speak_once_per_node(text, self.env, self.local_rank, f"{self.port}-{run}")
 
     def exit(self, code):
-        """Flush and leave without interpreter teardown (gloo threads can SIGABRT there)."""
+        """Flush and leave without interpreter teardown (gloo threads can SIGABRT there). Every way out of a
+        rank passes here: its NCCL WARN lines are relayed first (relay_nccl_warns)."""
         for proc in list((self.probe or {}).values()) + [self.monitor]:
             if proc is not None and not isinstance(proc, OSError) and proc.poll() is None:
                 proc.kill()
+        if self.relay_lock.acquire(blocking=False):
+            try:
+                self.relay_nccl_warns()
+            finally:
+                self.relayed.set()
+        else:  # another thread is relaying them: let it finish, bounded
+            self.relayed.wait(NCCL_RELAY_S)
         if self.nccl_log:
             if code != EXIT_PASS and os.path.getsize(self.nccl_log) > 0:
                 emit(f"rank {self.rank} ({self.host}): NCCL debug log kept at {self.nccl_log}", sys.stderr)
@@ -7147,16 +7291,27 @@ class RankRun(ScreenRunner):
         return path
 
     def nccl_log_facts(self):
-        """Read back the NCCL log once: relay its WARN lines as the operator's NCCL_DEBUG asked, and return
-        {'transport': kinds, 'nccl_net': interfaces} (both None without a private log)."""
+        """Read back the NCCL log: {'transport': kinds, 'nccl_net': interfaces} (both None without a private
+        log). Its WARN lines are relayed at exit."""
         if not self.nccl_log:  # gloo, or the operator's own NCCL_DEBUG=INFO / NCCL_DEBUG_FILE
             return {"transport": None, "nccl_net": None}
         text = read_text(self.nccl_log, "", limit=8 << 20) or ""
-        if self.env.get("NCCL_DEBUG", "").upper() in ("WARN", "VERSION"):
-            for ln in text.splitlines():
-                if " NCCL WARN " in ln:
-                    emit(ln, sys.stderr)
         return {"transport": parse_nccl_transport(text), "nccl_net": parse_nccl_ifaces(text)}
+
+    def relay_nccl_warns(self):
+        """Relay this rank's NCCL WARN lines to stderr once, as it exits by any path: from the private NCCL
+        log, else from the operator's NCCL_DEBUG_FILE. The file may sit in a job-private TMPDIR that Slurm
+        deletes; the job's stderr stays. At most NCCL_WARN_RELAY lines, the rest counted."""
+        path = self.nccl_log or nccl_debug_file(self.env)
+        if not path:
+            return
+        with contextlib.suppress(Exception):  # a relay never changes the exit
+            lines, more = nccl_warn_lines(read_text(path, "", limit=8 << 20) or "")
+            who = f"rank {self.rank} ({self.host}): "
+            for ln in lines:
+                emit(who + ln, sys.stderr)
+            if more:
+                emit(f"{who}{more} more of NCCL's WARN lines not shown", sys.stderr)
 
     def _drop_nccl_log(self):
         try:

@@ -193,7 +193,7 @@ def test_slow_link_on_one_rail():
     nodes = names(8)
     findings, _, _, _ = screen(nodes, fabric(bad_links={("node2", "node6"): {1}}))
     (f,) = flagged(findings)
-    assert "between node2 and node6 is slow on rail 1:" in f["reason"] and f["hosts"] == []
+    assert "between node2 and node6 is slow on rail 1 (HCA mlx5_1):" in f["reason"] and f["hosts"] == []
 
 
 def test_n4_half_of_the_measurements_involve_the_bad_node():
