@@ -15,7 +15,7 @@ Phases (each prints one progress line on rank 0):
               the job's secret AIV_JOB_SECRET (HMAC-SHA256, bound to the run); rank 0 judges
               layout and GPU affinity before any NCCL communicator exists
   init        torch.distributed.init_process_group on that store
-  telemetry   per-rank and per-node facts gathered to rank 0 (gather_object)
+  telemetry   per-rank and per-node facts posted to the store, read by rank 0 in one read
   judge       small pure checks over the gathered data -> PASS / WARN / FAIL
   screen      performance screen (--skip-screen skips it): each GPU's matmul TFLOPS and memory GB/s,
               all_reduce busbw inside each node, then between pairs of nodes per rail in two rounds
@@ -587,6 +587,7 @@ LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; th
 
 PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-intra", "screen-pairs", "screen-suspect",
           "soak", "collective", "ddp", "bandwidth", "final")
+FAN_IN = {"telemetry": "telemetry", "ddp": "results"}  # phase -> what each rank posts to rank 0 through the store
 SCREEN_PHASES = ("screen-gpu", "screen-intra", "screen-pairs", "screen-suspect")  # skipped with --skip-screen
 PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
                "screen-gpu": "gpu-perf", "screen-intra": "intra-node", "screen-pairs": "inter-node",
@@ -1871,6 +1872,8 @@ def forged_what(key, claim):
         return f"a record for rank {rest}" + (f" (claiming host {c['host']})" if c.get("host") else "")
     if kind == "screen" and "/" not in rest:
         return f"a screen post{who} in round {rest}"
+    if kind == "posts" and "/" not in rest:
+        return f"a {rest} post{who}"
     words = {"stamp": f"a progress stamp for rank {rest}", "live": f"a liveness post for node {rest}",
              "errors": f"an error report{who}", "gate": f"rank 0's gate {rest}", "ack": f"an acknowledgement "
              f"for rank {rest}", "verdict": f"the verdict (claiming exit code {claim[:8]})", "world": "the world "
@@ -6035,9 +6038,14 @@ class StoreProtocol:
                      (every rank posts every round it reaches, also outside any group)   each rank
       screen/<round>/n, screen/<round>/all  posts counted; set by the last of the world  each rank
       gate/screen    rank 0's go after the screen's judgement     rank 0
+      posts/<name>   a fan-in to rank 0, one JSON line per rank (appended): telemetry (identity and
+                     node facts), results (the collectives' and DDP step's)   each rank
+      posts/<name>/n, posts/<name>/all  posts counted; set by the last of the world   each rank
     Measurements travel here, not through a collective of the world, so that a hung group of two
     nodes cannot hang the others: rank 0 waits for the keys within the phase's bound and names the
-    groups whose members did not post. Nothing here is unpickled: every payload is JSON or a number.
+    groups whose members did not post. The telemetry and the results come here too (not gather_object,
+    which on NCCL is world - 1 point-to-point connections into rank 0): rank 0 reads the whole world's
+    posts in one read of one key. Nothing here is unpickled: every payload is JSON or a number.
     """
 
     def __init__(self, store, raw=None, prefix=None, seal=None, shared=None):
@@ -6325,6 +6333,33 @@ class StoreProtocol:
     def screen_posts(self, rnd):
         """{rank: its post} of a round, so far (sealed posts only)."""
         return {int(e["rank"]): e for e in map(json.loads, self._lines(f"screen/{rnd}"))}
+
+    # -- fan-in to rank 0: the telemetry and the results
+    def post(self, name, rank, data):
+        """This rank's part of the fan-in `name`: one sealed JSON line appended to posts/<name>; the last
+        rank of the world to post sets posts/<name>/all (the counter only wakes rank 0)."""
+        self._append(f"posts/{name}", json.dumps(dict(data, rank=rank), default=str))
+        if self.store.add(f"posts/{name}/n", 1) == self.world:
+            self._set(f"posts/{name}/all", "1")
+
+    def posts(self, name):
+        """{rank: its post} of the fan-in `name`, so far: one read of the list (sealed posts only)."""
+        return {int(e["rank"]): e for e in map(json.loads, self._lines(f"posts/{name}"))}
+
+    def wait_posts(self, name, seconds):
+        """{rank: its post} once the whole world posted `name`, or what came within `seconds`:
+        posts/<name>/all wakes the wait, the sealed posts of the whole world end it (a forged line or a
+        counter bumped from outside only makes rank 0 read again, every FORGED_POLL_S)."""
+        end = time.monotonic() + seconds
+        while True:
+            try:
+                self._wait([f"posts/{name}/all"], end - time.monotonic())
+            except Exception:  # the bound passed (a store that is gone raises in the read below)
+                return self.posts(name)
+            got = self.posts(name)
+            if len(got) >= self.world or time.monotonic() >= end:
+                return got
+            time.sleep(FORGED_POLL_S)
 
     # -- gates, errors, verdict
     def open_gate(self, name, value="go"):
@@ -7017,7 +7052,6 @@ class RankRun(ScreenRunner):
 
     # ---------------------------------------------------------------- phases
     def phase_local(self):
-        self.probe = start_import_probe() if self.local_rank == 0 else None
         self.nccl_log = self.capture_nccl_debug()
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
         # abort the communicator and raise, never kill the process (1, torchrun's default, kills rank 0
@@ -7070,8 +7104,9 @@ class RankRun(ScreenRunner):
                                 f"rank of the run at {self.addr}:{self.port}: {stray[1]}")
             self.exit(EXIT_FAIL)
         self.after_check_in(R)
-        if self.local_rank == 0:
+        if self.local_rank == 0:  # after the go: the node's own imports of torch never slow the roll call
             self.start_monitor()
+            self.probe = start_import_probe()
 
     def open_store(self, R, prefix, serve):
         """Connect to the store (rank 0's, or torchrun's agent's). The connect and the store's first answer
@@ -7106,7 +7141,8 @@ class RankRun(ScreenRunner):
         return tele
 
     def phase_telemetry(self):
-        self.dist.gather_object(self.telemetry(), None, dst=0)
+        self.failpoint("telemetry")
+        self.proto.post("telemetry", self.rank, self.telemetry())
         self.proto.wait_gate("judge", self.D["telemetry"] + RANK0_GRACE)
 
     def phase_soak(self):
@@ -7166,13 +7202,12 @@ class RankRun(ScreenRunner):
         dist.all_reduce(lsum)
         self.results.update(loss=loss.item(), grads=hashlib.sha256(grads.numpy().tobytes()).hexdigest(),
                             imports=self.import_results(), **self.nccl_log_facts())
-        gathered = [None] * self.world if self.is0 else None
-        dist.gather_object(self.results, gathered, dst=0)
-        self.results_gathered(gathered, lsum.item())
+        self.proto.post("results", self.rank, self.results)
+        self.results_gathered(lsum.item())
         self.progress("ddp", secs=time.monotonic() - t)
 
-    def results_gathered(self, gathered, loss_sum):
-        """Rank 0 keeps what the DDP phase gathered; the others have nothing to keep."""
+    def results_gathered(self, loss_sum):
+        """Rank 0 gathers every rank's results from the store and keeps them; the others have nothing to keep."""
 
     def phase_bandwidth(self):
         if self.args.bandwidth:
@@ -7250,7 +7285,7 @@ class RankRun(ScreenRunner):
     def failpoint(self, phase, only=("die", "hang", "pause")):
         """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
           die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
-                              (rendezvous, init, screen-gpu, screen-intra, screen-pairs, screen-suspect,
+                              (rendezvous, init, telemetry, screen-gpu, screen-intra, screen-pairs, screen-suspect,
                               soak, collective, ddp; round-<name>: rank 0 before it opens a screen round's gate,
                               e.g. round-p2); a pause first creates the file AIV_FAILPOINT_MARK, if set,
                               so that a test breaks something (a link) while the run waits
@@ -7376,7 +7411,7 @@ class RankRun(ScreenRunner):
             box["error"] = first_line(e)
 
     def import_results(self, wait_s=None):
-        """Node leaders: the torchvision/torchaudio probe started at launch (usually done by now); taken
+        """Node leaders: the torchvision/torchaudio probe started at the roll call's go (usually done by now); taken
         once (the screen takes it early, so that it measures a quiet node)."""
         if self.probe is None or self.imports is not None:
             return self.imports
@@ -7553,8 +7588,10 @@ class Coordinator(RankRun):
                 time.sleep(FORGED_POLL_S)
 
     def phase_telemetry(self):
-        t, gathered = time.monotonic(), [None] * self.world
-        self.dist.gather_object(self.telemetry(), gathered, dst=0)
+        t = time.monotonic()
+        self.failpoint("telemetry")
+        self.proto.post("telemetry", 0, self.telemetry())
+        gathered = self.fan_in("telemetry")
         self.records = gathered
         gate = apply_strict(judge_gate(gathered, self.env.get("NCCL_IB_HCA")), self.args.strict)
         self.findings += gate
@@ -7569,7 +7606,20 @@ class Coordinator(RankRun):
         if self.bandwidth:
             self.collectives["bandwidth"] = self.bandwidth
 
-    def results_gathered(self, gathered, loss_sum):
+    def fan_in(self, name):
+        """Rank 0: every rank's post of `name` (its own first) from the store, in rank order, within what
+        is left of the phase's bound. A refused post ends the run (side_channel names it, nobody is
+        blamed); ranks that did not post are named by unfinished (a rank that posted finished its part)."""
+        posts = self.proto.wait_posts(name, self.phase_t0 + self.D[self.phase] - time.monotonic())
+        if self.proto.forged:
+            raise Verdict(EXIT_FAIL)
+        if len(posts) < self.world:
+            cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+        return [posts[r] for r in range(self.world)]
+
+    def results_gathered(self, loss_sum):
+        gathered = self.fan_in("results")
         self.results = gathered
         self.collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
                             "ranks": self.world, "loss": loss_sum / self.world,
@@ -7733,6 +7783,10 @@ class Coordinator(RankRun):
         if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
             with contextlib.suppress(Exception):
                 done, idx = self.round_posted(client, "soak"), PHASES.index(phase)
+                stamps = {r: max(s, idx) if r in done else s for r, s in stamps.items()}
+        if phase in FAN_IN:  # a rank that posted its telemetry or results finished its part: it waits for rank 0
+            with contextlib.suppress(Exception):
+                done, idx = set(client.posts(FAN_IN[phase])), PHASES.index(phase)
                 stamps = {r: max(s, idx) if r in done else s for r, s in stamps.items()}
         if phase in SCREEN_PHASES and self.screen is not None:
             try:
