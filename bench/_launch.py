@@ -13,11 +13,23 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(cmd, nproc, env=None, timeout=600, log=None):
-    """-> (seconds, [exit codes], combined output of rank 0)."""
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch(cmd, nproc, env=None, timeout=600, log=None, local=False):
+    """-> (seconds, [exit codes], combined output of rank 0). local: one process that starts its own
+    ranks (ddp_mesh_ping.py --nproc N), without any launch variable."""
     port = free_port()
     procs = []
     t0 = time.monotonic()
+    if local:
+        e = {k: v for k, v in dict(os.environ, **(env or {})).items() if k not in LAUNCH_VARS}
+        p = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        text, _ = p.communicate(timeout=timeout)
+        if log:
+            with open(log, "a") as f:
+                f.write(text)
+        return time.monotonic() - t0, [p.returncode], text
     for r in range(nproc):
         e = dict(os.environ, **(env or {}), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
                  LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

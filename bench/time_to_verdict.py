@@ -1,17 +1,24 @@
 #!/usr/bin/env python3
 """Time to verdict: our full preflight against floors launched the same way, alternated in one run.
 
-  python bench/time_to_verdict.py [--nproc N] [--reps 5]
+  python bench/time_to_verdict.py [--nproc N] [--reps 5] [--local] [--before OLD.py]
 
 Each round launches, in turn: the bare floor (import torch, init over TCP, one all_reduce,
 destroy), the DDP floor (the same plus DDP on nn.Linear(10, 10), one forward/backward), the
 naive pre-existing design, ddp_mesh_ping.py, and ddp_mesh_ping.py without its overlapped
 imports (AIV_WARM_IMPORTS=0: the "before" of that optimisation). One process per rank with srun-style
-variables; wall time from the first spawn to the last exit. Prints medians and ratios.
+variables; wall time from the first spawn to the last exit. Prints medians and ratios, and for
+ddp_mesh_ping.py the median of each phase from its `Verdict: ... phases=` line.
+
+  --local        ddp_mesh_ping.py runs in local mode (--nproc N: its own launcher starts the ranks)
+  --before PATH  adds "before": another version of ddp_mesh_ping.py (e.g. the main branch's:
+                 git show main:ddp_mesh_ping.py > /tmp/before.py), launched as "ours" is, interleaved
+
 On CUDA machines the ranks use NCCL (one per GPU), else gloo on CPU.
 """
 import argparse
 import os
+import re
 import statistics
 import sys
 
@@ -29,12 +36,20 @@ def gpu_count():
         return 0
 
 
+def phase_times(text):
+    """{phase: seconds} from the tool's `Verdict: ... phases=a=1.0 b=2.0` line ({} without one)."""
+    m = re.search(r"^Verdict: .* phases=(.*)$", text, re.MULTILINE)
+    return {k: float(v) for k, v in re.findall(r"([\w-]+)=([\d.]+)", m.group(1))} if m else {}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=0, help="ranks (default: GPUs, or 2 on CPU)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--log", help="append rank 0's output of every run here")
-    ap.add_argument("--only", default="bare,ddp,naive,ours,nowarm", help="comma list of variants")
+    ap.add_argument("--only", default="bare,ddp,naive,ours,nowarm,before", help="comma list of variants")
+    ap.add_argument("--local", action="store_true", help="ddp_mesh_ping.py in local mode (--nproc N)")
+    ap.add_argument("--before", help="another version of ddp_mesh_ping.py to time beside ours")
     a = ap.parse_args()
     n = a.nproc or gpu_count() or 2
     py = python()
@@ -43,18 +58,25 @@ def main():
                 "naive": [py, os.path.join(HERE, "naive_preflight.py")],
                 "ours": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120"],
                 "nowarm": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120"]}
+    if a.before:
+        variants["before"] = [py, os.path.abspath(a.before), "--timeout", "120"]
+    tools = {"ours", "nowarm", "before"}
+    if a.local:
+        for v in tools & set(variants):
+            variants[v] += ["--nproc", str(n)]
     envs = {"nowarm": {"AIV_WARM_IMPORTS": "0"}}
     chosen = [v for v in a.only.split(",") if v in variants]
-    times = {v: [] for v in chosen}
+    times, phases = {v: [] for v in chosen}, {v: [] for v in chosen}
     for rep in range(a.reps):
         for v in chosen:
-            secs, codes, text = launch(variants[v], n, env=envs.get(v), log=a.log)
+            secs, codes, text = launch(variants[v], n, env=envs.get(v), log=a.log, local=a.local and v in tools)
             ok = all(c == 0 for c in codes)
             times[v].append(secs)
+            phases[v].append(phase_times(text))
             print(f"round {rep + 1} {v:6s} {secs:6.2f}s exit={codes}" + ("" if ok else "  <-- FAILED"), flush=True)
             if not ok:
                 print(text[-3000:], file=sys.stderr)
-    print(f"\nranks={n} reps={a.reps}")
+    print(f"\nranks={n} reps={a.reps}" + (" (ddp_mesh_ping.py in local mode)" if a.local else ""))
     med = {v: statistics.median(ts) for v, ts in times.items()}
     for v, ts in times.items():
         print(f"{v:6s} median {med[v]:6.2f}s  min {min(ts):6.2f}s  max {max(ts):6.2f}s")
@@ -62,6 +84,15 @@ def main():
         for base in ("bare", "ddp", "naive", "nowarm"):
             if base in med:
                 print(f"ours / {base:5s} = {med['ours'] / med[base]:.3f}")
+    names = [p for v in chosen for run in phases[v] for p in run]
+    names = list(dict.fromkeys(names))
+    if names:
+        print("\nphase medians (s), from each run's Verdict line:")
+        print(f"{'phase':15s}" + "".join(f"{v:>9s}" for v in chosen if any(phases[v])))
+        for p in names:
+            row = [statistics.median([run[p] for run in phases[v] if p in run] or [float("nan")])
+                   for v in chosen if any(phases[v])]
+            print(f"{p:15s}" + "".join(f"{x:9.2f}" for x in row))
 
 
 if __name__ == "__main__":
