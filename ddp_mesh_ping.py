@@ -1241,7 +1241,8 @@ def _driver_version(root):
 
 PROBED_PACKAGES = ("torchvision", "torchaudio")
 IMPORT_PROBE = r"""
-import json, sys
+import json, os, sys
+os.nice(10)  # behind the ranks' own work on a node with few cores
 name = sys.argv[1]
 try:
     mod = __import__(name)
@@ -1254,8 +1255,9 @@ sys.stdout.write(json.dumps(out))
 
 
 def start_import_probe():
-    """Import torchvision and torchaudio, each in its own child process, off the critical path
-    (with torch that is seconds of work; an ABI-broken extension may even crash the importer)."""
+    """Import torchvision and torchaudio, each in its own child process, off the critical path: started at
+    the roll call's go, at nice 10 (with torch that is seconds of work; an ABI-broken extension may even
+    crash the importer)."""
     procs = {}
     for name in PROBED_PACKAGES:
         try:
@@ -5891,15 +5893,13 @@ def node_monitor(cfg):
     # each rank's own start time (from the roll call) tells a rank that died before we looked from
     # a PID we cannot see; without it, the first look is the reference
     first = {int(x[0]): ("", x[2]) if len(x) > 2 and x[2] else proc_stat(int(x[1])) for x in cfg["ranks"]}
-    import torch.distributed as dist
-    # ranks gone while we imported torch: the run ended (its store is gone: the connect fails within 1 s)
+    # ranks gone before we connect: the run ended (its store is gone: the connect fails within 1 s)
     # or they died, which is news for rank 0: one post, then the loop ends
     ended = all(liveness(proc_stat(p), first[r]) == "gone" for r, p in pids.items())
-    wait = datetime.timedelta(seconds=1 if ended else MONITOR_CONNECT_S)
-    raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, wait)
+    store = monitor_store(cfg, 1 if ended else MONITOR_CONNECT_S)
     seal = Seal(job_secret(os.environ), run_base(os.environ))  # the secret travels in the environment only
     seal.run = cfg.get("run")
-    proto = StoreProtocol(dist.PrefixStore(cfg["prefix"], raw), seal=seal)
+    proto = StoreProtocol(store, seal=seal)
     proto.tells = True  # what it refuses (a liveness post written over its own) goes to rank 0
     if cfg.get("run") and not proto.is_run(cfg["run"]):  # its run ended; a later run serves this port now
         return 0
@@ -5912,6 +5912,97 @@ def node_monitor(cfg):
         seq += 1
         time.sleep(cfg["period"])
     return 0
+
+
+def monitor_store(cfg, wait_s):
+    """The node monitor's store client: LightStore (no import of torch: the monitor posts within a second
+    of the go, not after seconds of importing torch beside the ranks' init), once it sees the world
+    record rank 0 wrote through torch's client (same keys on the wire) and a set, check, get and
+    compare_set on a key of its own came back as written; else torch's own TCPStore client (a later
+    torch that speaks another protocol costs the import, never a silent node). _AIV_MONITOR_TORCH=1
+    takes torch's client at once."""
+    if os.environ.get("_AIV_MONITOR_TORCH") != "1":
+        light = None
+        try:
+            light = LightStore(cfg["addr"], cfg["port"], cfg["prefix"], wait_s)
+            key, mark = f"monitor/{cfg['host']}", f"{os.getpid()}.{time.time():.6f}"
+            light.set(key, mark)
+            if light.check(["world", key]) and light.get(key) == mark.encode() \
+                    and light.compare_set(key, mark, mark + ".1") == (mark + ".1").encode():
+                return light
+        except (OSError, struct.error):
+            pass
+        if light is not None:
+            light.close()
+    import torch.distributed as dist
+    raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=wait_s))
+    return dist.PrefixStore(cfg["prefix"], raw)
+
+
+class LightStore:
+    """The five store operations a node monitor needs (set, check, get, compare_set, append) over a plain
+    socket, in the wire format of torch's TCPStore (c10d: a query byte, then each key or value as a
+    64-bit little-endian length and its bytes; a check answers one byte, 0 = ready; a get or
+    compare_set answers a value). Keys are '/<prefix>/<key>', as torch's TCPStore and PrefixStore
+    put them on the wire. Never trusted before monitor_store's round trips."""
+
+    VALIDATE, SET, COMPARE_SET, GET, CHECK, APPEND = 0, 1, 2, 3, 5, 9
+    MAGIC = 0x3C85F7CE  # the client's first word: the server drops a connection without it
+
+    def __init__(self, addr, port, prefix, timeout):
+        self.prefix, end = prefix, time.monotonic() + timeout
+        while True:  # as torch's client does: a refused connect is tried again (a full backlog at the go)
+            try:
+                self.sock = socket.create_connection((addr, port), timeout=max(0.1, end - time.monotonic()))
+                break
+            except OSError:
+                if time.monotonic() >= end:
+                    raise
+                time.sleep(0.1)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(struct.pack("<BI", self.VALIDATE, self.MAGIC))
+
+    def close(self):
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    @staticmethod
+    def _blob(value):
+        value = value if isinstance(value, bytes) else str(value).encode()
+        return struct.pack("<Q", len(value)) + value
+
+    def _key(self, key):
+        return self._blob(f"/{self.prefix}/{key}")  # torch's client puts '/' before every key
+
+    def _read(self, n):
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("the store closed the connection")
+            buf += chunk
+        return buf
+
+    def _value(self):
+        return self._read(struct.unpack("<Q", self._read(8))[0])
+
+    def set(self, key, value):
+        self.sock.sendall(bytes([self.SET]) + self._key(key) + self._blob(value))
+
+    def append(self, key, value):
+        self.sock.sendall(bytes([self.APPEND]) + self._key(key) + self._blob(value))
+
+    def check(self, keys):
+        self.sock.sendall(struct.pack("<BQ", self.CHECK, len(keys)) + b"".join(map(self._key, keys)))
+        return self._read(1) == b"\0"
+
+    def get(self, key):
+        self.sock.sendall(bytes([self.GET]) + self._key(key))
+        return self._value()
+
+    def compare_set(self, key, expected, desired):
+        self.sock.sendall(bytes([self.COMPARE_SET]) + self._key(key) + self._blob(expected) + self._blob(desired))
+        return self._value()
 
 
 # ============================================================================ store protocol

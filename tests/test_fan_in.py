@@ -8,12 +8,14 @@ Real ranks, real gloo, a real TCPStore; loopback only.
 import datetime
 import json
 import socket
+import subprocess
+import sys
 
 import pytest
 from test_hangs import SLACK, Ranks, T, progress_at
 from test_side_channel import SECRET, assert_forgery_named, forger, judged, start
 
-from conftest import aiv, describe, failures, finish, free_port, wait_for
+from conftest import ROOT, aiv, clean_env, describe, failures, finish, free_port, wait_for
 
 HOST = socket.gethostname()
 
@@ -106,3 +108,51 @@ def test_a_forged_post_is_refused_and_named_and_nobody_blamed(tmp_path, name, ph
     assert any(ln.startswith(f"FAILURE: rendezvous: a {name} post claiming rank 1 did not carry the job's secret")
                for ln in v["failures"]), v["failures"]
     assert "node9" not in v["failed_hosts"] and "SUCCESS" not in out[0][1]
+
+
+# ---------------------------------------------------------------- the node monitor without torch
+@pytest.mark.parametrize("libuv", [True, False])
+def test_the_monitors_client_speaks_torchs_store_protocol(libuv):
+    import torch.distributed as dist
+    port = free_port()
+    srv = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=5), wait_for_workers=False,
+                        use_libuv=libuv)
+    torch_side = dist.PrefixStore("aiv", srv)
+    torch_side.set("world", "w")
+    light = aiv.monitor_store({"addr": "127.0.0.1", "port": port, "prefix": "aiv", "host": "n1"}, 5)
+    assert isinstance(light, aiv.LightStore)
+    assert light.check(["world"]) and light.get("world") == b"w" and not light.check(["world", "absent"])
+    light.set("live/n1", "a|b|{}")
+    assert torch_side.get("live/n1") == b"a|b|{}"
+    assert light.compare_set("live/n1", "a|b|{}", "x") == b"x" and light.compare_set("live/n1", "no", "y") == b"x"
+    light.append("forged", "1\n")
+    light.append("forged", "2\n")
+    assert torch_side.get("forged") == b"1\n2\n"
+    light.close()
+
+
+def test_the_monitor_takes_torchs_client_where_its_own_does_not_see_rank0s_record():
+    import torch.distributed as dist
+    port = free_port()
+    srv = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    dist.PrefixStore("other", srv).set("world", "w")  # no world record under the monitor's prefix
+    got = aiv.monitor_store({"addr": "127.0.0.1", "port": port, "prefix": "aiv", "host": "n1"}, 2)
+    assert isinstance(got, dist.PrefixStore)
+
+
+def test_the_node_monitor_posts_without_importing_torch(tmp_path):
+    """The monitor, as a process of its own, posts its ranks' liveness and never imports torch."""
+    import torch.distributed as dist
+    port = free_port()
+    srv = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    p0 = aiv.StoreProtocol(dist.PrefixStore("aiv", srv), srv, "aiv")
+    p0.publish_world(1)
+    p0.prepare([{"rank": 0, "host": "n1", "pid": 1}])
+    cfg = {"addr": "127.0.0.1", "port": port, "prefix": "aiv", "host": "n1", "ranks": [[0, 1]], "period": 0.2,
+           "lifetime": 1, "run": p0.run}
+    code = ("import json, sys; sys.path.insert(0, sys.argv[2]); import ddp_mesh_ping as aiv; "
+            "aiv.node_monitor(json.loads(sys.argv[1])); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cfg), str(ROOT)], env=clean_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out
+    assert p0.live(["n1"])["n1"].get("ranks") == {"0": "running"}
