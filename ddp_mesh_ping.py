@@ -6117,6 +6117,7 @@ class StoreProtocol:
       node/<host>    [[rank, pid], ...] of a node, for its monitor rank 0
       stamp/<rank>   index in PHASES of the last phase finished   each rank
       live/<host>    {"seq": n, "ranks": {rank: state}}           each node's monitor
+      monitor/<host> the monitor's check of its own client (unsigned: read by nobody else)   each node's monitor
       gate/<name>    rank 0's go after the roll call and the judge rank 0
       errors, nerr   error lines (JSON, appended) and their count  any rank
       forged         values a rank refused (JSON lines: key, why, claim)   any rank but 0
@@ -7514,7 +7515,7 @@ class RankRun(ScreenRunner):
 
     def quiesce(self):
         """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
-        node leader the import probe and the node monitor's start, which imports torch), each wait
+        node leader the import probe and the node monitor's first post), each wait
         bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly."""
         wait = self.D[self.phase] / 4
         if self.warm is not None:
