@@ -5959,6 +5959,7 @@ class LightStore:
                 if time.monotonic() >= end:
                     raise
                 time.sleep(0.1)
+        self.sock.settimeout(timeout)  # each later operation, as torch's client bounds them
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.sendall(struct.pack("<BI", self.VALIDATE, self.MAGIC))
 
