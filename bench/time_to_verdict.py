@@ -81,7 +81,7 @@ def main():
     for v, ts in times.items():
         print(f"{v:6s} median {med[v]:6.2f}s  min {min(ts):6.2f}s  max {max(ts):6.2f}s")
     if "ours" in med:
-        for base in ("bare", "ddp", "naive", "nowarm"):
+        for base in ("bare", "ddp", "naive", "nowarm", "before"):
             if base in med:
                 print(f"ours / {base:5s} = {med['ours'] / med[base]:.3f}")
     names = [p for v in chosen for run in phases[v] for p in run]
