@@ -123,12 +123,12 @@ def test_the_monitors_client_speaks_torchs_store_protocol(libuv):
     light = aiv.monitor_store({"addr": "127.0.0.1", "port": port, "prefix": "aiv", "host": "n1"}, 5)
     assert isinstance(light, aiv.LightStore)
     assert light.check(["world"]) and light.get("world") == b"w" and not light.check(["world", "absent"])
-    light.set("live/n1", "a|b|{}")
-    assert torch_side.get("live/n1") == b"a|b|{}"
+    light.set("live/n1", "a|b|{}")  # a set or append has no answer: a round trip on its connection orders it
+    assert light.check(["live/n1"]) and torch_side.get("live/n1") == b"a|b|{}"
     assert light.compare_set("live/n1", "a|b|{}", "x") == b"x" and light.compare_set("live/n1", "no", "y") == b"x"
     light.append("forged", "1\n")
     light.append("forged", "2\n")
-    assert torch_side.get("forged") == b"1\n2\n"
+    assert light.check(["forged"]) and torch_side.get("forged") == b"1\n2\n"
     light.close()
 
 
