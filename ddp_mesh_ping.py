@@ -1546,10 +1546,12 @@ def pcie_under_load(root, pci):
     return {k: link[f] for k, f in keys if link.get(f) is not None}
 
 
-def _timed_rate(fn, sync, work, kind, during=None):
+def _timed_rate(fn, sync, work, kind, during=None, events=None):
     """Units of `work` per second of fn(): warm-up, a calibration, then SCREEN_BLOCKS blocks of about
     SCREEN_TARGET_S together; the median block on GPU, the best one on CPU. during() runs once while
-    the middle block is queued (the device busy)."""
+    the middle block is queued (the device busy). events: a function giving a (start, end) pair of CUDA
+    events recorded on the measuring stream: each block is then timed on the device, between its own
+    two events, not by the host clock (another thread's work on this process does not count)."""
     fn()
     fn()
     sync()
@@ -1561,17 +1563,21 @@ def _timed_rate(fn, sync, work, kind, during=None):
     per_block = max(1, int(SCREEN_TARGET_S[kind] / SCREEN_BLOCKS / one))
     times = []
     for i in range(SCREEN_BLOCKS):
-        t = time.perf_counter()
+        t, ev = time.perf_counter(), events() if events is not None else None
+        if ev is not None:
+            ev[0].record()
         for _ in range(per_block):
             fn()
+        if ev is not None:
+            ev[1].record()
         if during is not None and i == SCREEN_BLOCKS // 2:
             during()
         sync()
-        times.append(time.perf_counter() - t)
+        times.append(ev[0].elapsed_time(ev[1]) / 1e3 if ev is not None else time.perf_counter() - t)
     return work * per_block / (_screen_median(times) if kind == "gpu" else min(times))
 
 
-def _matmul_rate(torch_mod, dev, kind, sync, during, load_until):
+def _matmul_rate(torch_mod, dev, kind, sync, during, load_until, events=None):
     n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
     if kind == "gpu":  # bf16 where the GPU has it (Ampere on), else fp16: the model's peers run the same
         dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
@@ -1580,32 +1586,43 @@ def _matmul_rate(torch_mod, dev, kind, sync, during, load_until):
 
     def mm():
         torch_mod.mm(a, b, out=c)
-    rate = _timed_rate(mm, sync, 2 * n ** 3 / 1e12, kind, during)
+    rate = _timed_rate(mm, sync, 2 * n ** 3 / 1e12, kind, during, events)
     return rate, load_until(lambda: (mm(), sync()))
 
 
-def _copy_rate(torch_mod, dev, kind, sync):
+def _copy_rate(torch_mod, dev, kind, sync, events=None):
     src = torch_mod.ones(SCREEN_COPY_BYTES[kind], dtype=torch_mod.uint8, device=dev)
     dst = torch_mod.empty_like(src)
-    return _timed_rate(lambda: dst.copy_(src), sync, 2 * src.numel() / 1e9, kind)
+    return _timed_rate(lambda: dst.copy_(src), sync, 2 * src.numel() / 1e9, kind, events=events)
 
 
 def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
     """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
     'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
     the PCIe link from sysfs, nvidia-smi's clocks, limits, temperature, power where it answers in time,
-    else 'smi_unread')."""
+    else 'smi_unread'). Safe on a thread of its own while the main thread builds the process group
+    (ScreenRunner.start_screen_gpu): on GPU it sets the device for its thread, queues everything on a
+    stream of its own, waits for that stream only and times each block with CUDA events on it."""
     cpu = kind == "cpu"
-    sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
     threads, facts = torch_mod.get_num_threads(), {}
+    stream = events = None
+    sync = (lambda: None) if cpu else None
+    if not cpu:
+        torch_mod.cuda.set_device(dev)  # the current device is per thread
+        stream = torch_mod.cuda.Stream(device=dev)
+        sync = stream.synchronize
+
+        def events():
+            return tuple(torch_mod.cuda.Event(enable_timing=True) for _ in range(2))
     probe = None if cpu else SmiProbe(uuid)  # started now: it samples while the matmul runs
     if cpu:
         torch_mod.set_num_threads(1)
     try:
-        tflops, smi = _matmul_rate(torch_mod, dev, kind, sync,
-                                   (lambda: facts.update(pcie_under_load(root, pci))) if pci else None,
-                                   probe.finish if probe is not None else (lambda load: {}))
-        hbm = _copy_rate(torch_mod, dev, kind, sync)
+        with (contextlib.nullcontext() if cpu else torch_mod.cuda.stream(stream)):
+            tflops, smi = _matmul_rate(torch_mod, dev, kind, sync,
+                                       (lambda: facts.update(pcie_under_load(root, pci))) if pci else None,
+                                       probe.finish if probe is not None else (lambda load: {}), events)
+            hbm = _copy_rate(torch_mod, dev, kind, sync, events)
     finally:
         if cpu:
             torch_mod.set_num_threads(threads)
@@ -6627,17 +6644,56 @@ class ScreenRunner:
     collection of every rank's posts and the screen's judgement. Mixed into RankRun: the plumbing it
     uses (store, watchdog, deadlines, devices) is the rank's."""
 
+    def start_screen_gpu(self, gpu):
+        """After the local checks: this rank's device measurement (screen_measure_gpu) on a thread of its own,
+        while the main thread waits at the roll call and in init_process_group; the screen-gpu phase only
+        collects it (finish_screen_gpu). Why the overlap leaves the measurement honest: NCCL's communicator
+        init is CPU-side bootstrap, topology and buffer allocation, no heavy kernels; the measurement runs on
+        its own stream, each block timed by CUDA events on that stream, and the median of SCREEN_BLOCKS
+        blocks absorbs a block that something else slowed. On CPU (gloo) the same thread runs the small
+        one-thread matmul while gloo connects; the CPU screen judges only gross faults. The DDP imports'
+        thread starts after it (start_warm), so that its seconds of Python imports do not contend with it."""
+        box = self.screen_box = {"done": threading.Event()}
+        g, dev, kind = gpu or {}, self._device(), self._kind()
+
+        def run():
+            try:
+                box["start_s"] = round(time.monotonic() - _T0, 3)
+                self.failpoint("screen-measure", only=("pause", "raise"))  # a slow or failing measurement
+                box["row"] = screen_measure_gpu(self.torch, dev, kind, g.get("uuid"), g.get("pci"),
+                                                self.args.sysfs_root)
+            except BaseException as e:  # handed to the screen-gpu phase, which raises it there
+                box["error"] = e
+            finally:
+                box["end_s"] = round(time.monotonic() - _T0, 3)
+                box["done"].set()
+        threading.Thread(target=run, name="aiv-screen-gpu", daemon=True).start()
+
+    def finish_screen_gpu(self):
+        """The measurement started after the local checks, waited for within the phase's bound (the watchdog
+        names this rank if it never ends); its error is this phase's error. -> the row to post, with
+        when it ran and when this rank's init finished (seconds from the rank's start)."""
+        if self.screen_box is None:  # not started after the local checks: measured now
+            self.start_screen_gpu(self.identity.get("gpu"))
+        box = self.screen_box  # the watchdog fires at the phase's bound, before this wait ends
+        box["done"].wait(max(0.0, self.phase_t0 + self.phase_bound(self.phase) + 1 - time.monotonic()))
+        if not box["done"].is_set():
+            raise TimeoutError(f"the device measurement did not finish within {self.D[self.phase]:g}s")
+        if "error" in box:
+            raise box["error"]
+        init_end = self.starts.get("init", 0.0) + self.times.get("init", 0.0)
+        return dict(box["row"], measured_s=[box["start_s"], box["end_s"]], init_end_s=round(init_end, 3))
+
     def phase_screen_gpu(self):
-        """Every rank at once: its device's matmul and memory-copy speed, and on GPU the facts read under
-        load, posted on the store. Rank 0 first publishes every rank's groups of the rounds to come."""
+        """Every rank at once: its device's matmul and memory-copy speed (measured since the local checks:
+        start_screen_gpu), and on GPU the facts read under load, posted on the store. Rank 0 first
+        publishes every rank's groups of the rounds to come."""
         t = time.monotonic()
         if self.is0:
             self.screen_start()
         self.failpoint("screen-gpu")
-        self.quiesce()
-        g = self.identity.get("gpu") or {}
-        row = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
-                                 self.args.sysfs_root)
+        row = self.finish_screen_gpu()
+        self.quiesce()  # the background work this rank still has, done before the rounds between ranks
         self.proto.screen_post("gpu", self.rank, row, self.world)
         if not self.is0:
             return
@@ -6932,6 +6988,8 @@ class RankRun(ScreenRunner):
         self.identity = self.node_box = None
         self.smi_box = None  # node leaders: the node's one nvidia-smi call (start_node_smi)
         self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
+        self.screen_box = None  # this rank's device measurement, on its own thread since the local checks
+        self.ddp_parts = None  # the DDP step's model and inputs, made on the DDP imports' thread
         self.soak = None  # rank 0: the soak's rows and settings (--soak)
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
         self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
@@ -7032,11 +7090,15 @@ class RankRun(ScreenRunner):
         import torch.distributed as dist
         self.torch, self.dist = torch, dist
         self.times["import_torch"] = round(time.monotonic() - t, 3)
-        if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
-            self.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
-            self.warm.start()
         ifaces, expected = list_interfaces(), gpus_expected(self.env, self.args.sysfs_root)
         local, gpu = self.local_checks(ifaces, expected)
+        screen = not self.args.skip_screen and not any(f["status"] == "FAIL" for f in local)
+        if screen:  # measured while this rank waits at the roll call and in init (start_screen_gpu)
+            self.start_screen_gpu(gpu)
+        if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
+            self.warm = threading.Thread(target=self._warm, args=(self.screen_box if screen else None,),
+                                         name="aiv-warm-imports", daemon=True)
+            self.warm.start()
         if self.backend != "nccl" and self.nccl_log:
             self._drop_nccl_log()
         if gpu is not None:  # the HCA a pair round names where NCCL's log does not say
@@ -7151,12 +7213,32 @@ class RankRun(ScreenRunner):
         self.results = {"rank": r, "ar_ok": bool(torch.equal(x, want)), "ar_sum": int(s.item())}
         self.progress("collective", world=w, secs=time.monotonic() - t)
 
-    def phase_ddp(self):
-        torch, dist, dev, t = self.torch, self.dist, self._device(), time.monotonic()
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    def _warm(self, after):
+        """The DDP imports' thread: once the device measurement (after; None without the screen) is done,
+        bounded, import what the DDP constructor pulls in lazily and make the DDP step's model and inputs,
+        while this rank waits on the network."""
+        if after is not None:
+            after["done"].wait(self.D["screen-gpu"])
+        _warm_imports()
+        with contextlib.suppress(Exception):  # phase_ddp makes them itself when they are not here
+            self.ddp_parts = self.ddp_inputs()
+
+    def ddp_inputs(self):
+        """The DDP step's model and inputs on this rank's device: (model, x, y)."""
+        torch, dev = self.torch, self._device()
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)  # the current device is per thread
         g = torch.Generator().manual_seed(1234 + self.rank)
         xin, yin = torch.randn(16, 10, generator=g).to(dev), torch.randn(16, 10, generator=g).to(dev)
-        model = torch.nn.Linear(10, 10).to(dev)
+        return torch.nn.Linear(10, 10).to(dev), xin, yin
+
+    def phase_ddp(self):
+        torch, dist, t = self.torch, self.dist, time.monotonic()
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        if self.warm is not None:  # done long ago, as a rule (quiesce waited for it before the screen)
+            self.warm.join(timeout=self.D["ddp"] / 4)
+        model, xin, yin = self.ddp_parts or self.ddp_inputs()
+        self.ddp_parts = None
         ddp = DDP(model, device_ids=[self.device] if self.backend == "nccl" else None)
         self.failpoint("ddp")
         loss = torch.nn.functional.mse_loss(ddp(xin), yin)
