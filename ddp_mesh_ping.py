@@ -6698,6 +6698,10 @@ class ScreenRunner:
         g, dev, kind = gpu or {}, self._device(), self._kind()
 
         def run():
+            if kind == "cpu":  # the ranks share the cores: this thread yields to the node's imports (monitor, ranks)
+                with contextlib.suppress(OSError, AttributeError):
+                    tid = threading.get_native_id()
+                    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 5))
             try:
                 box["start_s"] = round(time.monotonic() - _T0, 3)
                 self.failpoint("screen-measure", only=("pause", "raise"))  # a slow or failing measurement
@@ -7154,8 +7158,8 @@ class RankRun(ScreenRunner):
         if screen:  # measured while this rank waits at the roll call and in init (start_screen_gpu)
             self.start_screen_gpu(gpu)
         if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
-            self.warm = threading.Thread(target=self._warm, args=(self.screen_box if screen else None,),
-                                         name="aiv-warm-imports", daemon=True)
+            after = self.screen_box if screen and self.backend == "nccl" else None  # on CPU no queue to keep full
+            self.warm = threading.Thread(target=self._warm, args=(after,), name="aiv-warm-imports", daemon=True)
             self.warm.start()
         if self.backend != "nccl" and self.nccl_log:
             self._drop_nccl_log()
