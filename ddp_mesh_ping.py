@@ -6689,11 +6689,14 @@ class ScreenRunner:
         collects it (finish_screen_gpu). Why the overlap leaves the measurement honest: NCCL's communicator
         init is CPU-side bootstrap, topology and buffer allocation, no heavy kernels; the measurement runs on
         its own stream, each block timed by CUDA events on that stream, and the median of SCREEN_BLOCKS
-        blocks absorbs a block that something else slowed; a GPU still below SCREEN_TABLE_WARN of its
-        GPU_TABLE row is measured once more in the screen-gpu phase, the better value counting. On CPU (gloo)
-        the same thread runs the small one-thread matmul while gloo connects; the CPU screen judges only gross
-        faults. The DDP imports' thread (_warm) starts its seconds of Python imports only after the
-        measurement: an import holding the interpreter lock would leave the GPU's queue empty between launches."""
+        blocks absorbs a block that something else slowed. Only a GPU with a GPU_TABLE row at or above
+        SCREEN_TABLE_WARN of it keeps the overlapped measurement; every other rank measures once more in the
+        screen-gpu phase, on a quiet process, the better value counting: a GPU below its row, a GPU model
+        without a row (nothing vouches for the number but its peers'), and CPU ranks (the same thread runs
+        the small one-thread matmul while gloo connects, but the ranks share their cores with the node's
+        imports: a starved block reads 10x slow). The DDP imports' thread (_warm) starts its seconds of
+        Python imports only after a GPU measurement: an import holding the interpreter lock would leave the
+        GPU's queue empty between launches."""
         box = self.screen_box = {"done": threading.Event()}
         g, dev, kind = gpu or {}, self._device(), self._kind()
 
@@ -6728,9 +6731,12 @@ class ScreenRunner:
             raise box["error"]
         row, g = box["row"], self.identity.get("gpu") or {}
         ref = gpu_table_row(g.get("name")) if self._kind() == "gpu" else None
-        if ref and any(row[k] < SCREEN_TABLE_WARN * ref[k] for k in ("tflops", "hbm_gbps")):
-            # slow while the process group was being built: measured again now, the better value counts
-            again = screen_measure_gpu(self.torch, self._device(), "gpu", g.get("uuid"), g.get("pci"),
+        if not ref or any(row[k] < SCREEN_TABLE_WARN * ref[k] for k in ("tflops", "hbm_gbps")):
+            # no table row to vouch for the overlapped measurement (CPU ranks, which share their cores with the
+            # node's imports; a GPU model without a row), or slow while the process group was being built:
+            # measured again now, after quiesce, the better value counting
+            self.quiesce()
+            again = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
                                        self.args.sysfs_root)
             row = dict(again, tflops=max(row["tflops"], again["tflops"]),
                        hbm_gbps=max(row["hbm_gbps"], again["hbm_gbps"]), remeasured=True)
@@ -6746,7 +6752,7 @@ class ScreenRunner:
             self.screen_start()
         self.failpoint("screen-gpu")
         row = self.finish_screen_gpu()
-        self.quiesce()  # the background work this rank still has, done before the rounds between ranks
+        self.quiesce()  # the background work this rank still has, done before the rounds between ranks (once)
         self.proto.screen_post("gpu", self.rank, row, self.world)
         if not self.is0:
             return
@@ -7047,6 +7053,7 @@ class RankRun(ScreenRunner):
         self.smi_box = None  # node leaders: the node's one nvidia-smi call (start_node_smi)
         self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
         self.screen_box = None  # this rank's device measurement, on its own thread since the local checks
+        self.quiet = False  # quiesce ran (once per run)
         self.ddp_parts = None  # the DDP step's model and inputs, made on the DDP imports' thread
         self.soak = None  # rank 0: the soak's rows and settings (--soak)
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
@@ -7535,8 +7542,10 @@ class RankRun(ScreenRunner):
     def quiesce(self):
         """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
         node leader the import probe and the node monitor's start, which imports torch), each wait
-        bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly."""
-        wait = self.D[self.phase] / 4
+        bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly. Once."""
+        if self.quiet:
+            return
+        self.quiet, wait = True, self.D[self.phase] / 4
         if self.warm is not None:
             self.warm.join(timeout=wait)
         self.import_results(min(IMPORT_PROBE_S, wait))
