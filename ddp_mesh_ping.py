@@ -6700,11 +6700,7 @@ class ScreenRunner:
         box = self.screen_box = {"done": threading.Event()}
         g, dev, kind = gpu or {}, self._device(), self._kind()
 
-        def run():
-            if kind == "cpu":  # the ranks share the cores: this thread yields to the node's imports (monitor, ranks)
-                with contextlib.suppress(OSError, AttributeError):
-                    tid = threading.get_native_id()
-                    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 5))
+        def run():  # no lower priority for this thread: holding the interpreter lock, it would stall the main one
             try:
                 box["start_s"] = round(time.monotonic() - _T0, 3)
                 self.failpoint("screen-measure", only=("pause", "raise"))  # a slow or failing measurement
