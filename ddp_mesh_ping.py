@@ -2359,10 +2359,12 @@ def unreachable_hosts(silent, quiet, own_host, host_of, errors):
     """(unreachable, quiet) from settled_live's silent and quiet nodes. A silent node is unreachable only
     when nothing else shows it reaches the store: never rank 0's own node (rank 0 reads its ranks from
     /proc), never a node one of whose ranks posted an error report. The others join quiet: the tool's own
-    monitor was slow or stopped there, a note in the verdict, no host blamed for it."""
+    monitor was slow or stopped there, a note in the verdict, no host blamed for it (not said of a node
+    whose ranks all reported: what happened to them is said already)."""
     spoke = {host_of.get(r) for r in errors}
     unreachable = {h for h in silent if h != own_host and h not in spoke}
-    return unreachable, set(quiet) | (set(silent) - unreachable)
+    told = {h for h in spoke if all(r in errors for r, x in host_of.items() if x == h)}
+    return unreachable, (set(quiet) | set(silent)) - unreachable - told
 
 
 def quiet_monitor_note(quiet, budget):
@@ -6306,8 +6308,10 @@ class StoreProtocol:
         self.store.add(f"beat/{host}", 1)
 
     def beats(self, hosts):
-        vals = self.store.multi_get([f"beat/{h}" for h in hosts])
-        return {h: int(v or 0) if (v or b"0").isdigit() else 0 for h, v in zip(hosts, vals, strict=True)}
+        """{host: its beat count} (0 where there is none: a read never waits for a key)."""
+        keys = self._existing([f"beat/{h}" for h in hosts])
+        got = dict(zip(keys, self._values(keys), strict=True))
+        return {h: int(v) if (v := got.get(f"beat/{h}", b"0")).isdigit() else 0 for h in hosts}
 
     def settled_live(self, hosts, budget):
         """Liveness once every node has posted after this call (or its ranks are all gone), within
@@ -7450,14 +7454,14 @@ class RankRun(ScreenRunner):
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL)
         if not self.is0:  # rank 0 sees its own node's ranks in /proc
-            client = self.proto.clone()
-            threading.Thread(target=self.beat, args=(client, cfg["period"]), name="aiv-beat", daemon=True).start()
+            threading.Thread(target=self.beat, args=(cfg["period"],), name="aiv-beat", daemon=True).start()
 
-    def beat(self, client, period):
+    def beat(self, period):
         """A node leader's thread: the node's beat every liveness period, on a connection of its own. With
         the monitor's posts, the second sign that the node reaches the store: a node is unreachable only
         when both stop (settled_live)."""
         with contextlib.suppress(Exception):
+            client = self.proto.clone()
             while True:
                 client.beat(self.host)
                 time.sleep(period)

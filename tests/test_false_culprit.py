@@ -248,15 +248,14 @@ def kill_stopped(pid):
         os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("posted", [False, True])
-def test_rank0s_own_node_monitor_stopped_names_nobody(tmp_path, posted):
-    """Both ranks on node1; its monitor (rank 0's child) is stopped, before or after its first post (a
-    monitor that starts late, or posts late under CPU load), and rank 1 then hits the tool's own error at
-    init. Rank 0 reads its own node's ranks from /proc: the verdict is `internal`, exit 4, no host (it was
-    'rank 0 (node1) unreachable (its node stopped reporting)', exit 3)."""
+def test_rank0s_own_node_monitor_stopped_at_its_start_names_nobody(tmp_path):
+    """Both ranks on node1; its monitor (rank 0's child) is stopped as soon as it exists, before its
+    first post (as a monitor that imports torch on a loaded node posts late), and rank 1 then hits the
+    tool's own error at init. Rank 0 reads its own node's ranks from /proc: the verdict is `internal`,
+    exit 4, no host (it was 'rank 0 (node1) unreachable (its node stopped reporting)', exit 3)."""
     procs = start_on(["node1", "node1"], {"AIV_FAILPOINT": "skew=8:init:1,raise:init:1",
                                           "AIV_JSON": tmp_path / "v.json"}, ("--skip-screen",))
-    pid = stop_monitor(procs[0], posted)
+    pid = stop_monitor(procs[0])
     try:
         procs[0].wait(120)
     finally:
@@ -269,36 +268,49 @@ def test_rank0s_own_node_monitor_stopped_names_nobody(tmp_path, posted):
     assert "unreachable (" not in out[0][1] and "the liveness monitor of node1" in out[0][1], describe(out)
 
 
-def test_a_remote_nodes_monitor_stopped_while_its_rank_beats_names_nobody(tmp_path):
-    """node3's monitor is stopped after its first post; rank 2 there is healthy, blocked in init because
-    rank 1 hit the tool's own error. Its leader's beat still reaches the store: no host is blamed, and the
-    verdict notes the silent monitor."""
-    procs = start_on(["node1", "node2", "node3"], {"AIV_FAILPOINT": "skew=8:init:1,raise:init:1",
-                                                   "AIV_JSON": tmp_path / "v.json"}, ("--skip-screen",))
-    pid = stop_monitor(procs[2], posted=True)
+def stop_then_terminate(tmp_path, hosts, leader, also_stop=()):
+    """Rank 1 waits inside init (pause); the monitor of `leader`'s node is stopped once it posted (and the
+    ranks in also_stop with it); then a launcher stops rank 1 (SIGTERM). -> finish()'s results, the JSON."""
+    mark = tmp_path / "mark"
+    procs = start_on(hosts, {"AIV_FAILPOINT": "pause=150:init:1", "AIV_FAILPOINT_MARK": mark,
+                             "AIV_JSON": tmp_path / "v.json"}, ("--skip-screen",))
+    pid = None
     try:
+        assert wait_for(mark.exists), finish([p for p in procs if p.kill() or True])
+        pid = stop_monitor(procs[leader], posted=True)
+        for r in also_stop:
+            procs[r].send_signal(signal.SIGSTOP)
+        procs[1].send_signal(signal.SIGTERM)
         procs[0].wait(120)
     finally:
-        kill_stopped(pid)
+        if pid:
+            kill_stopped(pid)
+        for r in also_stop:
+            procs[r].kill()
     out = finish(procs)
-    v = verdict(tmp_path, out)
-    assert (out[0][0], v["failed_hosts"]) == (aiv.EXIT_INTERNAL, []), describe(out)
+    return out, verdict(tmp_path, out)
+
+
+def test_rank0s_own_node_monitor_stopped_after_posting_names_nobody(tmp_path):
+    """The same with the monitor stopped after it posted (a monitor starved of CPU), and rank 1 stopped by
+    a launcher: `interrupted`, exit 5, no host."""
+    out, v = stop_then_terminate(tmp_path, ["node1", "node1"], 0)
+    assert (out[0][0], v["failed_hosts"]) == (aiv.EXIT_INTERRUPTED, []), describe(out)
+    assert "unreachable (" not in out[0][1] and "the liveness monitor of node1" in out[0][1], describe(out)
+
+
+def test_a_remote_nodes_monitor_stopped_while_its_rank_beats_names_nobody(tmp_path):
+    """node3's monitor is stopped after its first post; rank 2 there is healthy, blocked in init. Its
+    leader's beat still reaches the store: when a launcher stops rank 1, no host is blamed, and the
+    verdict notes the silent monitor (it was 'rank 2 (node3) unreachable', exit 3)."""
+    out, v = stop_then_terminate(tmp_path, ["node1", "node2", "node3"], 2)
+    assert (out[0][0], v["failed_hosts"]) == (aiv.EXIT_INTERRUPTED, []), describe(out)
     assert "the liveness monitor of node3 posted nothing" in out[0][1], describe(out)
 
 
 def test_a_node_whose_monitor_and_ranks_went_silent_is_unreachable(tmp_path):
     """The real fault next to it: node3's monitor and its rank both stop (as a node cut off the network
-    looks from rank 0): node3 alone is named unreachable, exit 3."""
-    procs = start_on(["node1", "node2", "node3"], {"AIV_FAILPOINT": "skew=8:init:1,raise:init:1",
-                                                   "AIV_JSON": tmp_path / "v.json"}, ("--skip-screen",))
-    pid = stop_monitor(procs[2], posted=True)
-    procs[2].send_signal(signal.SIGSTOP)
-    try:
-        procs[0].wait(120)
-    finally:
-        kill_stopped(pid)
-        procs[2].kill()
-    out = finish(procs)
-    v = verdict(tmp_path, out)
+    looks from rank 0): node3 alone is named unreachable, exit 3, though rank 1 was stopped by a signal."""
+    out, v = stop_then_terminate(tmp_path, ["node1", "node2", "node3"], 2, also_stop=[2])
     assert (out[0][0], v["failed_hosts"]) == (aiv.EXIT_TIMEOUT, ["node3"]), describe(out)
     assert "rank 2 (node3) unreachable (its node's monitor and ranks stopped reporting)" in out[0][1], describe(out)

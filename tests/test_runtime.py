@@ -176,9 +176,11 @@ def test_settled_liveness_waits_for_fresh_posts_and_names_silent_nodes(store):
 def test_a_silent_monitor_blames_no_host_that_is_otherwise_seen():
     """Rank 0's own node is never unreachable (rank 0 reads its ranks from /proc), nor a node one of whose
     ranks posted an error report; what is left of silent is a note, no host."""
-    host_of = {0: "n1", 1: "n1", 2: "n2", 3: "n3"}
+    host_of = {0: "n1", 1: "n1", 2: "n2", 3: "n3", 4: "n5", 5: "n5"}
+    un, quiet = aiv.unreachable_hosts({"n1", "n2", "n3", "n5"}, {"n4"}, "n1", host_of, {4: {"line": "x"}})
+    assert un == {"n2", "n3"} and quiet == {"n1", "n4", "n5"}
     un, quiet = aiv.unreachable_hosts({"n1", "n2", "n3"}, {"n4"}, "n1", host_of, {2: {"line": "x"}})
-    assert un == {"n3"} and quiet == {"n1", "n2", "n4"}
+    assert un == {"n3"} and quiet == {"n1", "n4"}  # n2's only rank said what happened to it: no note
     assert "no host is blamed" in aiv.quiet_monitor_note(quiet, 4)
 
 
