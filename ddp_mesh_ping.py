@@ -6303,7 +6303,7 @@ class StoreProtocol:
         return {h: json.loads(self._open(f"live/{h}", v, "{}")) for h, v in zip(hosts, vals, strict=True)}
 
     def beat(self, host):
-        """A node leader's watchdog thread, every liveness period: the node's ranks reach the store. A bare
+        """A node leader's beat thread, every liveness period: the node's ranks reach the store. A bare
         counter (a forged one can only keep a node from being called unreachable, never blame one)."""
         self.store.add(f"beat/{host}", 1)
 
