@@ -624,21 +624,21 @@ def worst_case(table, bandwidth=False, screen=True, soak=False):
 
 
 def live_period(nodes):
-    """Seconds between a node monitor's posts: one post per node per period keeps rank 0's store
-    under ~500 operations per second up to 1,000 nodes (8,000 ranks at 8 per node). Capped at 2 s, so
-    that two periods fit in the NAMING_S - 1 seconds rank 0 waits for fresh liveness; past 1,000
-    nodes that costs nodes / 2 operations per second."""
+    """Seconds between a node monitor's posts (and its leader's beats): two operations per node per
+    period keep rank 0's store under ~1,000 operations per second up to 1,000 nodes (8,000 ranks at 8 per
+    node). Capped at 2 s, so that two periods fit in the NAMING_S - 1 seconds rank 0 waits for fresh
+    liveness; past 1,000 nodes that costs nodes operations per second."""
     return min(2.0, max(1.0, nodes / 500.0))
 
 
 def fd_limit_problem(world, nodes):
-    """Rank 0's store holds two connections per rank (main and listener) and one per node monitor.
-    Raise the soft RLIMIT_NOFILE to the hard limit; a hard limit too low is a message, else None."""
-    need = 2 * world + nodes + 64
+    """Rank 0's store holds two connections per rank (main and listener) and two per node (its monitor and
+    its leader's beat). Raise the soft RLIMIT_NOFILE to the hard limit; a hard limit too low is a message, else None."""
+    need = 2 * world + 2 * nodes + 64
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < need:
         return (f"the open-files hard limit (ulimit -Hn) is {hard}, below the {need} the store needs for "
-                f"{world} ranks on {nodes} node(s) (2 per rank + 1 per node + 64): raise it for the job")
+                f"{world} ranks on {nodes} node(s) (2 per rank + 2 per node + 64): raise it for the job")
     if soft != resource.RLIM_INFINITY and soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return None
@@ -2387,7 +2387,8 @@ def apply_strict(findings, strict):
 
 
 UNFINISHED_WORDS = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",
-                    "silent": "unreachable (its node stopped reporting)", "error": "reported an error",
+                    "silent": "unreachable (its node's monitor and ranks stopped reporting)",
+                    "error": "reported an error",
                     "stuck": "alive but did not finish",
                     "terminated": "terminated by a signal (scancel, the time limit, preemption or the launcher)",
                     "internal": "hit an error inside the tool"}
@@ -2408,6 +2409,26 @@ def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
     if host_of.get(r) in silent_hosts:
         return "silent"
     return "error" if r in errors else "stuck"
+
+
+def unreachable_hosts(silent, quiet, own_host, host_of, errors):
+    """(unreachable, quiet) from settled_live's silent and quiet nodes. A silent node is unreachable only
+    when nothing else shows it reaches the store: never rank 0's own node (rank 0 reads its ranks from
+    /proc), never a node one of whose ranks posted an error report. The others join quiet: the tool's own
+    monitor was slow or stopped there, a note in the verdict, no host blamed for it (not said of a node
+    whose ranks all reported: what happened to them is said already)."""
+    spoke = {host_of.get(r) for r in errors}
+    unreachable = {h for h in silent if h != own_host and h not in spoke}
+    told = {h for h in spoke if all(r in errors for r, x in host_of.items() if x == h)}
+    return unreachable, (set(quiet) | set(silent)) - unreachable - told
+
+
+def quiet_monitor_note(quiet, budget):
+    """The verdict's note on node monitors that did not post while their nodes were otherwise seen."""
+    hosts = sorted(quiet)
+    return (f"note: the liveness monitor of {compress_hostlist(hosts)} posted nothing within {budget:g}s (the "
+            "tool's own process, slow to start or to post under CPU load, or stopped) and nothing else showed "
+            "the node unreachable: no host is blamed for it")
 
 
 def _unfinished_culprits(groups):
@@ -6414,6 +6435,7 @@ class StoreProtocol:
             nodes.setdefault(rec["host"], []).append([rec["rank"], rec["pid"], rec.get("pid_start")])
         self._multi_set([f"node/{h}" for h in nodes] + [f"live/{h}" for h in nodes],
                         [json.dumps(v) for v in nodes.values()] + ["{}"] * len(nodes))
+        self.store.multi_set([f"beat/{h}" for h in nodes], ["0"] * len(nodes))
         self.store.set("errors", "")
 
     def node_ranks(self, host):
@@ -6437,18 +6459,36 @@ class StoreProtocol:
         vals = self.store.multi_get([f"live/{h}" for h in hosts])
         return {h: json.loads(self._open(f"live/{h}", v, "{}")) for h, v in zip(hosts, vals, strict=True)}
 
+    def beat(self, host):
+        """A node leader's beat thread, every liveness period: the node's ranks reach the store. A bare
+        counter (a forged one can only keep a node from being called unreachable, never blame one)."""
+        self.store.add(f"beat/{host}", 1)
+
+    def beats(self, hosts):
+        """{host: its beat count} (0 where there is none: a read never waits for a key)."""
+        keys = self._existing([f"beat/{h}" for h in hosts])
+        got = dict(zip(keys, self._values(keys), strict=True))
+        return {h: int(v) if (v := got.get(f"beat/{h}", b"0")).isdigit() else 0 for h in hosts}
+
     def settled_live(self, hosts, budget):
         """Liveness once every node has posted after this call (or its ranks are all gone), within
-        `budget` seconds. -> ({rank: state}, hosts that stayed silent)."""
-        first, end = self.live(hosts), time.monotonic() + budget
+        `budget` seconds. -> ({rank: state}, silent, quiet). silent: nodes whose monitor had posted and then
+        posted nothing in the window, and whose leader rank's beat did not move either (monitor and ranks
+        silent: unreachable). quiet: nodes whose monitor posted nothing in the window while their ranks still
+        beat, or that never posted at all (started late: it imports torch): the tool's own monitor slow or
+        stopped, never evidence against the node."""
+        first, beats, end = self.live(hosts), self.beats(hosts), time.monotonic() + budget
         while True:
             cur = self.live(hosts)
-            silent = {h for h in hosts if cur[h].get("seq", -1) <= first[h].get("seq", -1)
-                      and not (cur[h].get("ranks") and all(s == "gone" for s in cur[h]["ranks"].values()))}
-            if not silent or time.monotonic() >= end:
+            stale = {h for h in hosts if cur[h].get("seq", -1) <= first[h].get("seq", -1)
+                     and not (cur[h].get("ranks") and all(s == "gone" for s in cur[h]["ranks"].values()))}
+            if not stale or time.monotonic() >= end:
                 break
             time.sleep(0.2)
-        return {int(r): s for snap in cur.values() for r, s in (snap.get("ranks") or {}).items()}, silent
+        moved = {h for h, n in self.beats(sorted(stale)).items() if n > beats[h]}
+        silent = {h for h in stale if "seq" in cur[h] and h not in moved}
+        live = {int(r): s for snap in cur.values() for r, s in (snap.get("ranks") or {}).items()}
+        return live, silent, stale - silent
 
     # -- performance screen
     def screen_publish(self, name, plans):
@@ -7692,6 +7732,18 @@ class RankRun(ScreenRunner):
                                         env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL)
+        if not self.is0:  # rank 0 sees its own node's ranks in /proc
+            threading.Thread(target=self.beat, args=(cfg["period"],), name="aiv-beat", daemon=True).start()
+
+    def beat(self, period):
+        """A node leader's thread: the node's beat every liveness period, on a connection of its own. With
+        the monitor's posts, the second sign that the node reaches the store: a node is unreachable only
+        when both stop (settled_live)."""
+        with contextlib.suppress(Exception):
+            client = self.proto.clone()
+            while True:
+                client.beat(self.host)
+                time.sleep(period)
 
     def bandwidth_at(self, size):
         """all_reduce bus bandwidth as nccl-tests defines it: busbw = algbw * 2(n-1)/n, warm-up then
@@ -8018,11 +8070,25 @@ class Coordinator(RankRun):
         """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports."""
         hosts = sorted(set(self.host_of.values()))
         try:
-            live, silent = client.settled_live(hosts, budget)
+            live, silent, quiet = client.settled_live(hosts, budget)
             stamps, errors = client.stamps(self.world), client.errors()
         except Exception as e:
             return finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the "
                            f"ranks: {first_line(e)}", code=EXIT_TIMEOUT)
+        live.update(self.own_node_live())
+        silent, quiet = unreachable_hosts(silent, quiet, self.host, self.host_of, errors)
+        f = self._unfinished(phase, client, cause, code, live, silent, stamps, errors)
+        if quiet:
+            f["reason"] += "; " + quiet_monitor_note(quiet, budget)
+        return f
+
+    def own_node_live(self):
+        """Rank 0's own node: its ranks' processes read here, from /proc (rank 0 shares the host; its
+        node's monitor is not needed to see them, and a slow one is never news about the node)."""
+        return {rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec["pid_start"])) for rec in self.records
+                if rec.get("host") == self.host and rec.get("pid") and rec.get("pid_start")}
+
+    def _unfinished(self, phase, client, cause, code, live, silent, stamps, errors):
         self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
         if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
             with contextlib.suppress(Exception):

@@ -8,7 +8,9 @@ failpoint in each phase and in the report), and ranks entering a phase far apart
 failpoint). The real faults next to them (a rank frozen before the signal, a rank hung after a late
 start) are still named, alone.
 """
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -191,3 +193,124 @@ def test_failpoint_doc_names_every_kind():
     for kind in ("die", "hang", "pause=S", "raise", "skew=S"):
         assert kind in doc
     assert Path(SCRIPT).read_text().count("self.failpoint(") >= 10
+
+
+# -- the node monitor: a silent monitor is evidence against its node only when the node's ranks are silent too
+
+def start_on(hosts, env, args=()):
+    """One rank per entry of `hosts` (SLURMD_NODENAME), local ranks counted per host."""
+    port, procs, seen = free_port(), [], {}
+    for r, h in enumerate(hosts):
+        seen[h] = seen.get(h, -1) + 1
+        e = clean_env({"RANK": r, "WORLD_SIZE": len(hosts), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                       "AIV_WARM_IMPORTS": "0", "SLURMD_NODENAME": h, "LOCAL_RANK": seen[h], **env})
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return procs
+
+
+def monitor_of(proc):
+    """(pid, cfg) of the node monitor a node leader started (its child with _AIV_NODE_MONITOR), or None."""
+    import psutil
+    with contextlib.suppress(psutil.Error):
+        for c in psutil.Process(proc.pid).children():
+            with contextlib.suppress(psutil.Error):
+                cfg = c.environ().get("_AIV_NODE_MONITOR")
+                if cfg:
+                    return c.pid, json.loads(cfg)
+    return None
+
+
+def monitor_posted(cfg):
+    """Whether the monitor's liveness post is on the store (read raw: its value is sealed)."""
+    import datetime
+
+    import torch.distributed as dist
+    with contextlib.suppress(Exception):
+        raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=2))
+        return b'"seq"' in dist.PrefixStore(cfg["prefix"], raw).get(f"live/{cfg['host']}")
+    return False
+
+
+def stop_monitor(proc, posted=False):
+    """SIGSTOP the node monitor of `proc`'s node (once it posted, with posted=True); its pid."""
+    found = []
+    assert wait_for(lambda: found.append(monitor_of(proc)) or found[-1] is not None, 60), "no node monitor"
+    pid, cfg = found[-1]
+    if posted:
+        assert wait_for(lambda: monitor_posted(cfg), 60), "the node monitor never posted"
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def kill_stopped(pid):
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_rank0s_own_node_monitor_stopped_at_its_start_names_nobody(tmp_path):
+    """Both ranks on node1; its monitor (rank 0's child) is stopped as soon as it exists, before its
+    first post (as a monitor that imports torch on a loaded node posts late), and rank 1 then hits the
+    tool's own error at init. Rank 0 reads its own node's ranks from /proc: the verdict is `internal`,
+    exit 4, no host (it was 'rank 0 (node1) unreachable (its node stopped reporting)', exit 3)."""
+    procs = start_on(["node1", "node1"], {"AIV_FAILPOINT": "skew=8:init:1,raise:init:1",
+                                          "AIV_JSON": tmp_path / "v.json"}, ("--skip-screen",))
+    pid = stop_monitor(procs[0])
+    try:
+        procs[0].wait(120)
+    finally:
+        kill_stopped(pid)
+    out = finish(procs)
+    v = verdict(tmp_path, out)
+    assert (out[0][0], v["failed_hosts"], v["exclude"]) == (aiv.EXIT_INTERNAL, [], ""), describe(out)
+    lines = failures(out[0][1])
+    assert lines and lines[0].startswith("FAILURE: internal: "), describe(out)
+    assert "unreachable (" not in out[0][1] and "the liveness monitor of node1" in out[0][1], describe(out)
+
+
+def stop_then_terminate(tmp_path, hosts, leader, also_stop=()):
+    """Rank 1 waits inside init (pause); the monitor of `leader`'s node is stopped once it posted (and the
+    ranks in also_stop with it); then a launcher stops rank 1 (SIGTERM). -> finish()'s results, the JSON."""
+    mark = tmp_path / "mark"
+    procs = start_on(hosts, {"AIV_FAILPOINT": "pause=150:init:1", "AIV_FAILPOINT_MARK": mark,
+                             "AIV_JSON": tmp_path / "v.json"}, ("--skip-screen",))
+    pid = None
+    try:
+        assert wait_for(mark.exists), finish([p for p in procs if p.kill() or True])
+        pid = stop_monitor(procs[leader], posted=True)
+        for r in also_stop:
+            procs[r].send_signal(signal.SIGSTOP)
+        procs[1].send_signal(signal.SIGTERM)
+        procs[0].wait(120)
+    finally:
+        if pid:
+            kill_stopped(pid)
+        for r in also_stop:
+            procs[r].kill()
+    out = finish(procs)
+    return out, verdict(tmp_path, out)
+
+
+def test_rank0s_own_node_monitor_stopped_after_posting_names_nobody(tmp_path):
+    """The same with the monitor stopped after it posted (a monitor starved of CPU), and rank 1 stopped by
+    a launcher: `interrupted`, exit 5, no host."""
+    out, v = stop_then_terminate(tmp_path, ["node1", "node1"], 0)
+    assert (out[0][0], v["failed_hosts"]) == (aiv.EXIT_INTERRUPTED, []), describe(out)
+    assert "unreachable (" not in out[0][1] and "the liveness monitor of node1" in out[0][1], describe(out)
+
+
+def test_a_remote_nodes_monitor_stopped_while_its_rank_beats_names_nobody(tmp_path):
+    """node3's monitor is stopped after its first post; rank 2 there is healthy, blocked in init. Its
+    leader's beat still reaches the store: when a launcher stops rank 1, no host is blamed, and the
+    verdict notes the silent monitor (it was 'rank 2 (node3) unreachable', exit 3)."""
+    out, v = stop_then_terminate(tmp_path, ["node1", "node2", "node3"], 2)
+    assert (out[0][0], v["failed_hosts"]) == (aiv.EXIT_INTERRUPTED, []), describe(out)
+    assert "the liveness monitor of node3 posted nothing" in out[0][1], describe(out)
+
+
+def test_a_node_whose_monitor_and_ranks_went_silent_is_unreachable(tmp_path):
+    """The real fault next to it: node3's monitor and its rank both stop (as a node cut off the network
+    looks from rank 0): node3 alone is named unreachable, exit 3, though rank 1 was stopped by a signal."""
+    out, v = stop_then_terminate(tmp_path, ["node1", "node2", "node3"], 2, also_stop=[2])
+    assert (out[0][0], v["failed_hosts"]) == (aiv.EXIT_TIMEOUT, ["node3"]), describe(out)
+    assert "rank 2 (node3) unreachable (its node's monitor and ranks stopped reporting)" in out[0][1], describe(out)
