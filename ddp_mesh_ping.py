@@ -6472,11 +6472,12 @@ class StoreProtocol:
 
     def settled_live(self, hosts, budget):
         """Liveness once every node has posted after this call (or its ranks are all gone), within
-        `budget` seconds. -> ({rank: state}, silent, quiet). silent: nodes whose monitor had posted and then
-        posted nothing in the window, and whose leader rank's beat did not move either (monitor and ranks
-        silent: unreachable). quiet: nodes whose monitor posted nothing in the window while their ranks still
-        beat, or that never posted at all (started late: it imports torch): the tool's own monitor slow or
-        stopped, never evidence against the node."""
+        `budget` seconds. -> ({rank: state}, silent, quiet). silent: nodes whose monitor posted nothing in the
+        window (it stopped, or never posted since the go) and whose leader rank's beat did not move either:
+        monitor and ranks silent, unreachable. quiet: nodes whose monitor posted nothing in the window while
+        their leader still beats: the tool's own monitor slow or stopped, never evidence against the node.
+        (A node whose monitor never posted and whose leader never beat is silent: the ranks on the other
+        nodes, hung behind it, must not be named in its place.)"""
         first, beats, end = self.live(hosts), self.beats(hosts), time.monotonic() + budget
         while True:
             cur = self.live(hosts)
@@ -6486,7 +6487,7 @@ class StoreProtocol:
                 break
             time.sleep(0.2)
         moved = {h for h, n in self.beats(sorted(stale)).items() if n > beats[h]}
-        silent = {h for h in stale if "seq" in cur[h] and h not in moved}
+        silent = {h for h in stale if h not in moved}
         live = {int(r): s for snap in cur.values() for r, s in (snap.get("ranks") or {}).items()}
         return live, silent, stale - silent
 

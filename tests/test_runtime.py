@@ -153,8 +153,9 @@ def test_store_protocol_refuses_a_second_claim_and_another_world(store):
 
 def test_settled_liveness_waits_for_fresh_posts_and_names_silent_nodes(store):
     """n1 posts again: settled. n2's monitor posted once, then nothing, and its leader's beat stopped too:
-    silent (unreachable). n3's monitor never posted (it starts late: it imports torch), n4's stopped while
-    its leader still beats: quiet, the tool's own monitor, never evidence against the node."""
+    silent (unreachable); so is n3, whose monitor never posted and whose leader never beat (cut off since the
+    go). n4's monitor stopped while its leader still beats: quiet, the tool's own monitor, never evidence
+    against the node."""
     p0, mon = proto_for(store), proto_for(store)
     p0.publish_world(4)
     mon.seal.run = p0.run  # a node monitor is given the run id (cfg["run"])
@@ -170,7 +171,7 @@ def test_settled_liveness_waits_for_fresh_posts_and_names_silent_nodes(store):
     t0 = time.monotonic()
     live, silent, quiet = p0.settled_live(["n1", "n2", "n3", "n4"], 2.0)
     assert live == {0: "running", 1: "running", 3: "running"} and 1.9 < time.monotonic() - t0 < 4
-    assert silent == {"n2"} and quiet == {"n3", "n4"}
+    assert silent == {"n2", "n3"} and quiet == {"n4"}
 
 
 def test_a_silent_monitor_blames_no_host_that_is_otherwise_seen():

@@ -144,7 +144,7 @@ def fake_smi(tmp_path, monkeypatch, body):
 
 
 def test_sampler_reads_nvidia_smi_and_the_judge_names_the_heat(tmp_path, monkeypatch):
-    fake_smi(tmp_path, monkeypatch, 'echo "1410, 1980, 0x0000000000000048, 91, 655.50, 0, No, No"')
+    fake_smi(tmp_path, monkeypatch, 'echo "1410, 1980, 0x0000000000000048, 91, 655.50"')
     s = aiv.SoakSampler("GPU-0001")
     time.sleep(2.5)
     samples = s.stop()
