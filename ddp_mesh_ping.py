@@ -1374,21 +1374,6 @@ def collect_gpu(torch_mod, index, root):
             **pci_link(root, pci)}  # manifest: PCIe link width and speed
 
 
-# The oldest torch this tool runs on: the store side channel clones its connection (Store.clone, torch 2.8);
-# below it nothing is attempted. Also used, all older: init_process_group(device_id=) (2.3), new_group(
-# use_local_synchronization=) and the store's append, multi_get, multi_set (2.1), split_group (2.6).
-TORCH_FLOOR = (2, 8)
-
-
-def torch_floor_problem(version):
-    """A torch version string ('2.13.0+cu130', '2.8.0a0+git...') older than TORCH_FLOOR -> the FAILURE
-    reason, else None (an unparsable version is let through: the versions check shows it)."""
-    m = re.match(r"(\d+)\.(\d+)", str(version or ""))
-    if m is None or (int(m.group(1)), int(m.group(2))) >= TORCH_FLOOR:
-        return None
-    return f"torch {version} is older than the oldest supported {'.'.join(map(str, TORCH_FLOOR))}"
-
-
 def torch_versions(torch_mod):
     nccl = None
     try:
@@ -1564,12 +1549,10 @@ def pcie_under_load(root, pci):
     return {k: link[f] for k, f in keys if link.get(f) is not None}
 
 
-def _timed_rate(fn, sync, work, kind, during=None, events=None):
+def _timed_rate(fn, sync, work, kind, during=None):
     """Units of `work` per second of fn(): warm-up, a calibration, then SCREEN_BLOCKS blocks of about
     SCREEN_TARGET_S together; the median block on GPU, the best one on CPU. during() runs once while
-    the middle block is queued (the device busy). events: a function giving a (start, end) pair of CUDA
-    events recorded on the measuring stream: each block is then timed on the device, between its own
-    two events, not by the host clock (another thread's work on this process does not count)."""
+    the middle block is queued (the device busy)."""
     fn()
     fn()
     sync()
@@ -1581,21 +1564,17 @@ def _timed_rate(fn, sync, work, kind, during=None, events=None):
     per_block = max(1, int(SCREEN_TARGET_S[kind] / SCREEN_BLOCKS / one))
     times = []
     for i in range(SCREEN_BLOCKS):
-        t, ev = time.perf_counter(), events() if events is not None else None
-        if ev is not None:
-            ev[0].record()
+        t = time.perf_counter()
         for _ in range(per_block):
             fn()
-        if ev is not None:
-            ev[1].record()
         if during is not None and i == SCREEN_BLOCKS // 2:
             during()
         sync()
-        times.append(ev[0].elapsed_time(ev[1]) / 1e3 if ev is not None else time.perf_counter() - t)
+        times.append(time.perf_counter() - t)
     return work * per_block / (_screen_median(times) if kind == "gpu" else min(times))
 
 
-def _matmul_rate(torch_mod, dev, kind, sync, during, load_until, events=None):
+def _matmul_rate(torch_mod, dev, kind, sync, during, load_until):
     n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
     if kind == "gpu":  # bf16 where the GPU has it (Ampere on), else fp16: the model's peers run the same
         dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
@@ -1604,43 +1583,32 @@ def _matmul_rate(torch_mod, dev, kind, sync, during, load_until, events=None):
 
     def mm():
         torch_mod.mm(a, b, out=c)
-    rate = _timed_rate(mm, sync, 2 * n ** 3 / 1e12, kind, during, events)
+    rate = _timed_rate(mm, sync, 2 * n ** 3 / 1e12, kind, during)
     return rate, load_until(lambda: (mm(), sync()))
 
 
-def _copy_rate(torch_mod, dev, kind, sync, events=None):
+def _copy_rate(torch_mod, dev, kind, sync):
     src = torch_mod.ones(SCREEN_COPY_BYTES[kind], dtype=torch_mod.uint8, device=dev)
     dst = torch_mod.empty_like(src)
-    return _timed_rate(lambda: dst.copy_(src), sync, 2 * src.numel() / 1e9, kind, events=events)
+    return _timed_rate(lambda: dst.copy_(src), sync, 2 * src.numel() / 1e9, kind)
 
 
 def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
     """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
     'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
     the PCIe link from sysfs, nvidia-smi's clocks, limits, temperature, power where it answers in time,
-    else 'smi_unread'). Safe on a thread of its own while the main thread builds the process group
-    (ScreenRunner.start_screen_gpu): on GPU it sets the device for its thread, queues everything on a
-    stream of its own, waits for that stream only and times each block with CUDA events on it."""
+    else 'smi_unread')."""
     cpu = kind == "cpu"
+    sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
     threads, facts = torch_mod.get_num_threads(), {}
-    stream = events = None
-    sync = (lambda: None) if cpu else None
-    if not cpu:
-        torch_mod.cuda.set_device(dev)  # the current device is per thread
-        stream = torch_mod.cuda.Stream(device=dev)
-        sync = stream.synchronize
-
-        def events():
-            return tuple(torch_mod.cuda.Event(enable_timing=True) for _ in range(2))
     probe = None if cpu else SmiProbe(uuid)  # started now: it samples while the matmul runs
     if cpu:
         torch_mod.set_num_threads(1)
     try:
-        with (contextlib.nullcontext() if cpu else torch_mod.cuda.stream(stream)):
-            tflops, smi = _matmul_rate(torch_mod, dev, kind, sync,
-                                       (lambda: facts.update(pcie_under_load(root, pci))) if pci else None,
-                                       probe.finish if probe is not None else (lambda load: {}), events)
-            hbm = _copy_rate(torch_mod, dev, kind, sync, events)
+        tflops, smi = _matmul_rate(torch_mod, dev, kind, sync,
+                                   (lambda: facts.update(pcie_under_load(root, pci))) if pci else None,
+                                   probe.finish if probe is not None else (lambda load: {}))
+        hbm = _copy_rate(torch_mod, dev, kind, sync)
     finally:
         if cpu:
             torch_mod.set_num_threads(threads)
@@ -1652,32 +1620,13 @@ def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
 def can_split(torch_mod, dist):
     """Whether torch.distributed.split_group (torch >= 2.6) can split the default NCCL group (its
     backend supports splitting); else the screen enumerates every group with new_subgroups_by_enumeration."""
-    return split_problem(torch_mod, dist) is None
-
-
-def split_problem(torch_mod, dist):
-    """Why the screen cannot split the default NCCL group (can_split), in words, or None when it can."""
-    version = getattr(torch_mod, "__version__", "?")
     if not hasattr(dist, "split_group"):
-        return f"torch {version} has no split_group"
+        return False
     try:
         pg = dist.distributed_c10d._get_default_group()
-        if pg._get_backend(torch_mod.device("cuda")).supports_splitting:
-            return None
-    except Exception as e:
-        return f"torch {version} cannot split its NCCL group ({first_line(e)})"
-    return f"torch {version}'s NCCL backend cannot split a communicator (NCCL older than 2.18?)"
-
-
-def screen_degraded_note(screen):
-    """The report's and the JSON's note when the screen made its groups without split_group (screen['no_split']:
-    {'why', 'groups'}), else None: each group then costs one call of every rank (new_group through
-    new_subgroups_by_enumeration), thousands per round on a large job, where one split makes a round."""
-    ns = (screen or {}).get("no_split")
-    if not ns:
-        return None
-    return (f"screen ran in a degraded mode: {ns['why']}: {ns['groups']} groups made by world-wide new_group "
-            f"(one call of every rank per group; split_group makes a round in one)")
+        return bool(pg._get_backend(torch_mod.device("cuda")).supports_splitting)
+    except Exception:
+        return False
 
 
 def screen_busbw(torch_mod, dist, group, nranks, dev, kind):
@@ -4569,11 +4518,6 @@ def screen_rank_plans(rounds, world):
     return plans
 
 
-def screen_split_groups(rounds, world):
-    """How many groups the rounds make by splitting the default group (screen_rank_plans' 'split' mode)."""
-    return sum(len(gs) for _, gs in rounds if gs and not (len(gs) == 1 and gs[0]["ranks"] == list(range(world))))
-
-
 def screen_measured(groups, posts):
     """The groups whose members all posted a busbw, each with the slowest member's busbw and time:
     [dict(group, busbw=, time_us=)]. posts: {rank: {'busbw', 'time_us', ...}}."""
@@ -6852,72 +6796,17 @@ class ScreenRunner:
     collection of every rank's posts and the screen's judgement. Mixed into RankRun: the plumbing it
     uses (store, watchdog, deadlines, devices) is the rank's."""
 
-    def start_screen_gpu(self, gpu):
-        """After the local checks: this rank's device measurement (screen_measure_gpu) on a thread of its own,
-        while the main thread waits at the roll call and in init_process_group; the screen-gpu phase only
-        collects it (finish_screen_gpu). Why the overlap leaves the measurement honest: NCCL's communicator
-        init is CPU-side bootstrap, topology and buffer allocation, no heavy kernels; the measurement runs on
-        its own stream, each block timed by CUDA events on that stream, and the median of SCREEN_BLOCKS
-        blocks absorbs a block that something else slowed. Only a GPU with a GPU_TABLE row at or above
-        SCREEN_TABLE_WARN of it keeps the overlapped measurement; every other rank measures once more in the
-        screen-gpu phase, on a quiet process, the better value counting: a GPU below its row, a GPU model
-        without a row (nothing vouches for the number but its peers'), and CPU ranks (the same thread runs
-        the small one-thread matmul while gloo connects, but the ranks share their cores with the node's
-        imports: a starved block reads 10x slow). The DDP imports' thread (_warm) starts its seconds of
-        Python imports only after a GPU measurement: an import holding the interpreter lock would leave the
-        GPU's queue empty between launches."""
-        box = self.screen_box = {"done": threading.Event()}
-        g, dev, kind = gpu or {}, self._device(), self._kind()
-
-        def run():  # no lower priority for this thread: holding the interpreter lock, it would stall the main one
-            try:
-                box["start_s"] = round(time.monotonic() - _T0, 3)
-                self.failpoint("screen-measure", only=("pause", "raise"))  # a slow or failing measurement
-                box["row"] = screen_measure_gpu(self.torch, dev, kind, g.get("uuid"), g.get("pci"),
-                                                self.args.sysfs_root)
-            except BaseException as e:  # handed to the screen-gpu phase, which raises it there
-                box["error"] = e
-            finally:
-                box["end_s"] = round(time.monotonic() - _T0, 3)
-                box["done"].set()
-        threading.Thread(target=run, name="aiv-screen-gpu", daemon=True).start()
-
-    def finish_screen_gpu(self):
-        """The measurement started after the local checks, waited for within the phase's bound (the watchdog
-        names this rank if it never ends); its error is this phase's error. -> the row to post, with
-        when it ran and when this rank's init finished (seconds from the rank's start)."""
-        if self.screen_box is None:  # not started after the local checks: measured now
-            self.start_screen_gpu(self.identity.get("gpu"))
-        box = self.screen_box  # the watchdog fires at the phase's bound, before this wait ends
-        box["done"].wait(max(0.0, self.phase_t0 + self.phase_bound(self.phase) + 1 - time.monotonic()))
-        if not box["done"].is_set():
-            raise TimeoutError(f"the device measurement did not finish within {self.D[self.phase]:g}s")
-        if "error" in box:
-            raise box["error"]
-        row, g = box["row"], self.identity.get("gpu") or {}
-        ref = gpu_table_row(g.get("name")) if self._kind() == "gpu" else None
-        if not ref or any(row[k] < SCREEN_TABLE_WARN * ref[k] for k in ("tflops", "hbm_gbps")):
-            # no table row to vouch for the overlapped measurement (CPU ranks, which share their cores with the
-            # node's imports; a GPU model without a row), or slow while the process group was being built:
-            # measured again now, after quiesce, the better value counting
-            self.quiesce()
-            again = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
-                                       self.args.sysfs_root)
-            row = dict(again, tflops=max(row["tflops"], again["tflops"]),
-                       hbm_gbps=max(row["hbm_gbps"], again["hbm_gbps"]), remeasured=True)
-        init_end = self.starts.get("init", 0.0) + self.times.get("init", 0.0)
-        return dict(row, measured_s=[box["start_s"], box["end_s"]], init_end_s=round(init_end, 3))
-
     def phase_screen_gpu(self):
-        """Every rank at once: its device's matmul and memory-copy speed (measured since the local checks:
-        start_screen_gpu), and on GPU the facts read under load, posted on the store. Rank 0 first
-        publishes every rank's groups of the rounds to come."""
+        """Every rank at once: its device's matmul and memory-copy speed, and on GPU the facts read under
+        load, posted on the store. Rank 0 first publishes every rank's groups of the rounds to come."""
         t = time.monotonic()
         if self.is0:
             self.screen_start()
         self.failpoint("screen-gpu")
-        row = self.finish_screen_gpu()
-        self.quiesce()  # the background work this rank still has, done before the rounds between ranks (once)
+        self.quiesce()
+        g = self.identity.get("gpu") or {}
+        row = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
+                                 self.args.sysfs_root)
         self.proto.screen_post("gpu", self.rank, row, self.world)
         if not self.is0:
             return
@@ -6992,9 +6881,6 @@ class ScreenRunner:
         self.screen = {"cpu": self.backend != "nccl", "min_tflops": a.min_tflops, "min_hbm": a.min_hbm,
                        "min_busbw_intra": a.min_busbw_intra, "min_busbw_inter": a.min_busbw_inter,
                        "gpu": [], "intra": [], "pairs": [], "splits": {}}
-        why = split_problem(self.torch, self.dist) if self.backend == "nccl" else None
-        if why:  # named in the report and the JSON (screen_degraded_note), never chosen silently
-            self.screen["no_split"] = {"why": why, "groups": screen_split_groups(rounds, self.world)}
         self.screen_publish("plan", rounds)
 
     def screen_third(self):
@@ -7003,8 +6889,6 @@ class ScreenRunner:
         groups = screen_rail_groups(third["groups"] or [], screen_layout(self.records))
         self.screen["third"] = third
         self.screen_rounds["screen-suspect"] = [("p3", groups)] if groups else []
-        if self.screen.get("no_split"):
-            self.screen["no_split"]["groups"] += screen_split_groups(self.screen_rounds["screen-suspect"], self.world)
         self.screen_publish("plan3", self.screen_rounds["screen-suspect"])
 
     def screen_publish(self, name, rounds):
@@ -7217,9 +7101,6 @@ class RankRun(ScreenRunner):
         self.identity = self.node_box = None
         self.smi_box = None  # node leaders: the node's one nvidia-smi call (start_node_smi)
         self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
-        self.screen_box = None  # this rank's device measurement, on its own thread since the local checks
-        self.quiet = False  # quiesce ran (once per run)
-        self.ddp_parts = None  # the DDP step's model and inputs, made on the DDP imports' thread
         self.soak = None  # rank 0: the soak's rows and settings (--soak)
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
         self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
@@ -7319,19 +7200,11 @@ class RankRun(ScreenRunner):
         import torch.distributed as dist
         self.torch, self.dist = torch, dist
         self.times["import_torch"] = round(time.monotonic() - t, 3)
-        old = torch_floor_problem(torch.__version__)
-        if old:  # before any store operation: the side channel needs what this torch lacks
-            raise failed("local", f"{old} on {self.host} (rank {self.rank}, {sys.executable})", EXIT_FAIL,
-                         [self.host], [self.rank])
+        if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
+            self.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
+            self.warm.start()
         ifaces, expected = list_interfaces(), gpus_expected(self.env, self.args.sysfs_root)
         local, gpu = self.local_checks(ifaces, expected)
-        screen = not self.args.skip_screen and not any(f["status"] == "FAIL" for f in local)
-        if screen:  # measured while this rank waits at the roll call and in init (start_screen_gpu)
-            self.start_screen_gpu(gpu)
-        if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
-            after = self.screen_box if screen and self.backend == "nccl" else None  # on CPU no queue to keep full
-            self.warm = threading.Thread(target=self._warm, args=(after,), name="aiv-warm-imports", daemon=True)
-            self.warm.start()
         if self.backend != "nccl" and self.nccl_log:
             self._drop_nccl_log()
         if gpu is not None:  # the HCA a pair round names where NCCL's log does not say
@@ -7448,32 +7321,12 @@ class RankRun(ScreenRunner):
         self.results = {"rank": r, "ar_ok": bool(torch.equal(x, want)), "ar_sum": int(s.item())}
         self.progress("collective", world=w, secs=time.monotonic() - t)
 
-    def _warm(self, after):
-        """The DDP imports' thread: once the device measurement (after; None without the screen) is done,
-        bounded, import what the DDP constructor pulls in lazily and make the DDP step's model and inputs,
-        while this rank waits on the network."""
-        if after is not None:
-            after["done"].wait(self.D["screen-gpu"])
-        _warm_imports()
-        with contextlib.suppress(Exception):  # phase_ddp makes them itself when they are not here
-            self.ddp_parts = self.ddp_inputs()
-
-    def ddp_inputs(self):
-        """The DDP step's model and inputs on this rank's device: (model, x, y)."""
-        torch, dev = self.torch, self._device()
-        if self.backend == "nccl":
-            torch.cuda.set_device(self.device)  # the current device is per thread
+    def phase_ddp(self):
+        torch, dist, dev, t = self.torch, self.dist, self._device(), time.monotonic()
+        from torch.nn.parallel import DistributedDataParallel as DDP
         g = torch.Generator().manual_seed(1234 + self.rank)
         xin, yin = torch.randn(16, 10, generator=g).to(dev), torch.randn(16, 10, generator=g).to(dev)
-        return torch.nn.Linear(10, 10).to(dev), xin, yin
-
-    def phase_ddp(self):
-        torch, dist, t = self.torch, self.dist, time.monotonic()
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        if self.warm is not None:  # done long ago, as a rule (quiesce waited for it before the screen)
-            self.warm.join(timeout=self.D["ddp"] / 4)
-        model, xin, yin = self.ddp_parts or self.ddp_inputs()
-        self.ddp_parts = None
+        model = torch.nn.Linear(10, 10).to(dev)
         ddp = DDP(model, device_ids=[self.device] if self.backend == "nccl" else None)
         self.failpoint("ddp")
         loss = torch.nn.functional.mse_loss(ddp(xin), yin)
@@ -7572,8 +7425,6 @@ class RankRun(ScreenRunner):
                               so that a test breaks something (a link) while the run waits
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, or
                               in the verdict's report (<phase> = report)
-          pause=S, raise      at screen-measure: in the device measurement's own thread (a slow or failing
-                              measurement, seen when the screen-gpu phase collects it)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
             m = re.fullmatch(r"(die|hang|raise|(pause|skew)=(\d+)):([\w-]+):(\d+)", item)
@@ -7707,10 +7558,8 @@ class RankRun(ScreenRunner):
     def quiesce(self):
         """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
         node leader the import probe and the node monitor's first post), each wait
-        bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly. Once."""
-        if self.quiet:
-            return
-        self.quiet, wait = True, self.D[self.phase] / 4
+        bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly."""
+        wait = self.D[self.phase] / 4
         if self.warm is not None:
             self.warm.join(timeout=wait)
         self.import_results(min(IMPORT_PROBE_S, wait))
@@ -8126,8 +7975,7 @@ class Coordinator(RankRun):
                 "drain": self.drain, "drain_command": (self.drain or {}).get("command") or "",
                 "phase_starts": self.starts,
                 "collectives": self.collectives, "screen": self.screen, "soak": self.soak, "ranks": self.records,
-                "env": safe_env(self.env),
-                **({"notes": [screen_degraded_note(self.screen)]} if screen_degraded_note(self.screen) else {})}
+                "env": safe_env(self.env)}
 
     # ---------------------------------------------------------------- bounds and signals
     def expire(self, phase):

@@ -5,12 +5,10 @@
 
 Each round launches, in turn: the bare floor (import torch, init over TCP, one all_reduce,
 destroy), the DDP floor (the same plus DDP on nn.Linear(10, 10), one forward/backward), the
-naive pre-existing design, ddp_mesh_ping.py, ddp_mesh_ping.py without its overlapped
-imports (AIV_WARM_IMPORTS=0: the "before" of that optimisation), and ddp_mesh_ping.py --skip-screen
-("skip"). One process per rank with srun-style variables; wall time from the first spawn to the last
-exit. Prints medians and ratios, for the tool's runs with the screen the screen phases' share of the
-wall time (the screen-* phase times of rank 0's "Verdict: ... phases=" line over the run's wall), and
-for ddp_mesh_ping.py the median of each phase from that line.
+naive pre-existing design, ddp_mesh_ping.py, and ddp_mesh_ping.py without its overlapped
+imports (AIV_WARM_IMPORTS=0: the "before" of that optimisation). One process per rank with srun-style
+variables; wall time from the first spawn to the last exit. Prints medians and ratios, and for
+ddp_mesh_ping.py the median of each phase from its `Verdict: ... phases=` line.
 
   --local        ddp_mesh_ping.py runs in local mode (--nproc N: its own launcher starts the ranks)
   --before PATH  adds "before": another version of ddp_mesh_ping.py (e.g. the main branch's:
@@ -49,7 +47,7 @@ def main():
     ap.add_argument("--nproc", type=int, default=0, help="ranks (default: GPUs, or 2 on CPU)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--log", help="append rank 0's output of every run here")
-    ap.add_argument("--only", default="bare,ddp,naive,ours,nowarm,skip,before", help="comma list of variants")
+    ap.add_argument("--only", default="bare,ddp,naive,ours,nowarm,before", help="comma list of variants")
     ap.add_argument("--local", action="store_true", help="ddp_mesh_ping.py in local mode (--nproc N)")
     ap.add_argument("--before", help="another version of ddp_mesh_ping.py to time beside ours")
     a = ap.parse_args()
@@ -59,42 +57,33 @@ def main():
                 "ddp": [py, os.path.join(HERE, "floor_ddp.py")],
                 "naive": [py, os.path.join(HERE, "naive_preflight.py")],
                 "ours": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120"],
-                "nowarm": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120"],
-                "skip": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120", "--skip-screen"]}
+                "nowarm": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120"]}
     if a.before:
         variants["before"] = [py, os.path.abspath(a.before), "--timeout", "120"]
-    tools = {"ours", "nowarm", "skip", "before"}
+    tools = {"ours", "nowarm", "before"}
     if a.local:
         for v in tools & set(variants):
             variants[v] += ["--nproc", str(n)]
     envs = {"nowarm": {"AIV_WARM_IMPORTS": "0"}}
     chosen = [v for v in a.only.split(",") if v in variants]
-    times, phases, shares = {v: [] for v in chosen}, {v: [] for v in chosen}, []
+    times, phases = {v: [] for v in chosen}, {v: [] for v in chosen}
     for rep in range(a.reps):
         for v in chosen:
             secs, codes, text = launch(variants[v], n, env=envs.get(v), log=a.log, local=a.local and v in tools)
             ok = all(c == 0 for c in codes)
             times[v].append(secs)
             phases[v].append(phase_times(text))
-            screen = screen_seconds(text) if v == "ours" else None
-            if screen is not None:
-                shares.append(screen / secs)
-            print(f"round {rep + 1} {v:6s} {secs:6.2f}s exit={codes}" + ("" if ok else "  <-- FAILED")
-                  + (f"  screen phases {screen:.2f}s ({100 * screen / secs:.1f}% of the wall)"
-                     if screen is not None else ""), flush=True)
+            print(f"round {rep + 1} {v:6s} {secs:6.2f}s exit={codes}" + ("" if ok else "  <-- FAILED"), flush=True)
             if not ok:
                 print(text[-3000:], file=sys.stderr)
     print(f"\nranks={n} reps={a.reps}" + (" (ddp_mesh_ping.py in local mode)" if a.local else ""))
     med = {v: statistics.median(ts) for v, ts in times.items()}
     for v, ts in times.items():
         print(f"{v:6s} median {med[v]:6.2f}s  min {min(ts):6.2f}s  max {max(ts):6.2f}s")
-    for ours in ("ours", "skip"):
+    if "ours" in med:
         for base in ("bare", "ddp", "naive", "nowarm", "before"):
-            if ours in med and base in med:
-                print(f"{ours} / {base:5s} = {med[ours] / med[base]:.3f}")
-    if shares:
-        print(f"screen phases' share of the wall (ours): median {100 * statistics.median(shares):.1f}%  "
-              f"max {100 * max(shares):.1f}%")
+            if base in med:
+                print(f"ours / {base:5s} = {med['ours'] / med[base]:.3f}")
     names = [p for v in chosen for run in phases[v] for p in run]
     names = list(dict.fromkeys(names))
     if names:
@@ -104,16 +93,6 @@ def main():
             row = [statistics.median([run[p] for run in phases[v] if p in run] or [float("nan")])
                    for v in chosen if any(phases[v])]
             print(f"{p:15s}" + "".join(f"{x:9.2f}" for x in row))
-
-
-def screen_seconds(text):
-    """The screen phases' seconds together, from rank 0's 'Verdict: ... phases=a=1.00 b=2.00' line; None when
-    there is no such line or no screen phase in it."""
-    m = re.search(r"^Verdict: .* phases=(.*)$", text or "", re.M)
-    if m is None:
-        return None
-    secs = [float(v) for k, v in re.findall(r"([\w-]+)=([\d.]+)", m.group(1)) if k.startswith("screen-")]
-    return sum(secs) if secs else None
 
 
 if __name__ == "__main__":

@@ -38,8 +38,6 @@ def test_local_run_screens_and_shows_performance(tmp_path):
     sc = d["screen"]
     assert sc["cpu"] is True and [g["rank"] for g in sc["gpu"]] == [0, 1, 2]
     assert all(g["tflops"] > 0 and g["hbm_gbps"] > 0 for g in sc["gpu"])
-    # each rank measured its device on a thread of its own while init_process_group was still running
-    assert all(g["measured_s"][0] < g["init_end_s"] for g in sc["gpu"]), sc["gpu"]
     assert [(i["host"], i["ranks"]) for i in sc["intra"]] == [(d["host"], [0, 1, 2])] and sc["pairs"] == []
     assert set(aiv.SCREEN_PHASES) <= set(d["phases"])
     ja = {a["measurement"]: a for a in sc["judged_against"]}   # what each measurement was judged against
@@ -146,24 +144,3 @@ def test_a_late_rank_is_not_blamed_for_another_ranks_hang(tmp_path, phase, late)
     for r in (1, 2):
         assert w.rc(r) == aiv.EXIT_TIMEOUT and not failures(w.out[r]), w.out[r]
         assert "rank 0 is frozen" not in w.out[r]
-
-
-def test_a_slow_device_measurement_names_its_rank(tmp_path):
-    """The device measurement runs on its own thread from the local checks on; one that never finishes
-    (a pause in that thread, longer than the bound) is named at the screen-gpu phase's bound, its rank only."""
-    jp = tmp_path / "v.json"
-    r = run_tool(["--nproc", 2, "--timeout", T, "--json", jp], env={"AIV_FAILPOINT": "pause=90:screen-measure:1"})
-    assert r.returncode == aiv.EXIT_TIMEOUT, r.stdout + r.stderr
-    (line,) = failures(r.stdout)
-    assert line.startswith("FAILURE: gpu-perf: ") and "rank 1 " in line and "rank 0 " not in line, line
-    assert json.loads(jp.read_text())["findings"][-1]["ranks"] == [1] or "rank 1" in line
-
-
-def test_a_failing_device_measurement_is_the_tools_error(tmp_path):
-    """An error inside the measurement's thread surfaces in the screen-gpu phase: here the tool's own
-    (AssertionError), so `internal`, exit 4, no host blamed."""
-    r = run_tool(["--nproc", 2, "--timeout", 60], env={"AIV_FAILPOINT": "raise:screen-measure:1"})
-    assert r.returncode == aiv.EXIT_INTERNAL, r.stdout + r.stderr
-    (line,) = failures(r.stdout)
-    assert line.startswith("FAILURE: internal: ") and "AssertionError: failpoint raise:screen-measure:1" in line
-    assert "during screen-gpu" in line and "no host is blamed" in line, line
