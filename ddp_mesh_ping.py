@@ -4267,15 +4267,21 @@ def judge_gpu_facts(per_rank):
     No PASS finding: judge_gpu_perf gives it."""
     flagged = [(r, p) for r in sorted(per_rank or [], key=lambda r: r["rank"]) for p in [gpu_fact_problems(r)] if p]
     items = [(_screen_worst([s for s, _ in p]), r, "; ".join(t for _, t in p)) for r, p in flagged]
+    return per_gpu_findings("gpu-perf", items, _gpu_who, "GPU(s) with a problem under load")
+
+
+def per_gpu_findings(check, items, who, headline):
+    """items [(status, rank record, text)] -> one finding per GPU, or beyond SCREEN_LIST_MAX GPUs one per
+    status: '<n> <headline>: ' the first ones (who(record): text) and a count of the rest."""
     if len(items) <= SCREEN_LIST_MAX:
-        return [finding("gpu-perf", st, f"{_gpu_who(r)}: {txt}", [r.get("host")], [r["rank"]]) for st, r, txt in items]
+        return [finding(check, st, f"{who(r)}: {txt}", [r.get("host")], [r["rank"]]) for st, r, txt in items]
     out = []
     for status in ("FAIL", "WARN"):
         sel = [(r, txt) for st, r, txt in items if st == status]
         if sel:
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(finding("gpu-perf", status, f"{len(sel)} GPU(s) with a problem under load: " + "; ".join(
-                f"{_gpu_who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
+            out.append(finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
+                f"{who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
                 [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel]))
     return out
 
@@ -4407,17 +4413,7 @@ def judge_soak(rows, cpu=False):
         lead = (f"{len(rows)} CPU rank(s) ran {secs:g}s of load at once (decay not judged: ranks share cores)" if cpu
                 else f"{len(rows)} GPU(s) held their speed over {secs:g}s of load at once")
         return [finding("soak", "PASS", f"{lead}: " + "; ".join(p for p in parts if p))]
-    if len(items) <= SCREEN_LIST_MAX:
-        return [finding("soak", st, f"{_soak_who(r)}: {txt}", [r.get("host")], [r["rank"]]) for st, r, txt in items]
-    out = []
-    for status in ("FAIL", "WARN"):
-        sel = [(r, txt) for st, r, txt in items if st == status]
-        if sel:
-            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(finding("soak", status, f"{len(sel)} GPU(s) did not hold up under sustained load: " + "; ".join(
-                f"{_soak_who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
-                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel]))
-    return out
+    return per_gpu_findings("soak", items, _soak_who, "GPU(s) did not hold up under sustained load")
 
 
 def _soak_n(v):
