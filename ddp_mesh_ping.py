@@ -1374,6 +1374,21 @@ def collect_gpu(torch_mod, index, root):
             **pci_link(root, pci)}  # manifest: PCIe link width and speed
 
 
+# The oldest torch this tool runs on: the store side channel clones its connection (Store.clone, torch 2.8);
+# below it nothing is attempted. Also used, all older: init_process_group(device_id=) (2.3), new_group(
+# use_local_synchronization=) and the store's append, multi_get, multi_set (2.1), split_group (2.6).
+TORCH_FLOOR = (2, 8)
+
+
+def torch_floor_problem(version):
+    """A torch version string ('2.13.0+cu130', '2.8.0a0+git...') older than TORCH_FLOOR -> the FAILURE
+    reason, else None (an unparsable version is let through: the versions check shows it)."""
+    m = re.match(r"(\d+)\.(\d+)", str(version or ""))
+    if m is None or (int(m.group(1)), int(m.group(2))) >= TORCH_FLOOR:
+        return None
+    return f"torch {version} is older than the oldest supported {'.'.join(map(str, TORCH_FLOOR))}"
+
+
 def torch_versions(torch_mod):
     nccl = None
     try:
@@ -1620,13 +1635,32 @@ def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
 def can_split(torch_mod, dist):
     """Whether torch.distributed.split_group (torch >= 2.6) can split the default NCCL group (its
     backend supports splitting); else the screen enumerates every group with new_subgroups_by_enumeration."""
+    return split_problem(torch_mod, dist) is None
+
+
+def split_problem(torch_mod, dist):
+    """Why the screen cannot split the default NCCL group (can_split), in words, or None when it can."""
+    version = getattr(torch_mod, "__version__", "?")
     if not hasattr(dist, "split_group"):
-        return False
+        return f"torch {version} has no split_group"
     try:
         pg = dist.distributed_c10d._get_default_group()
-        return bool(pg._get_backend(torch_mod.device("cuda")).supports_splitting)
-    except Exception:
-        return False
+        if pg._get_backend(torch_mod.device("cuda")).supports_splitting:
+            return None
+    except Exception as e:
+        return f"torch {version} cannot split its NCCL group ({first_line(e)})"
+    return f"torch {version}'s NCCL backend cannot split a communicator (NCCL older than 2.18?)"
+
+
+def screen_degraded_note(screen):
+    """The report's and the JSON's note when the screen made its groups without split_group (screen['no_split']:
+    {'why', 'groups'}), else None: each group then costs one call of every rank (new_group through
+    new_subgroups_by_enumeration), thousands per round on a large job, where one split makes a round."""
+    ns = (screen or {}).get("no_split")
+    if not ns:
+        return None
+    return (f"screen ran in a degraded mode: {ns['why']}: {ns['groups']} groups made by world-wide new_group "
+            f"(one call of every rank per group; split_group makes a round in one)")
 
 
 def screen_busbw(torch_mod, dist, group, nranks, dev, kind):
@@ -4514,6 +4548,11 @@ def screen_rank_plans(rounds, world):
     return plans
 
 
+def screen_split_groups(rounds, world):
+    """How many groups the rounds make by splitting the default group (screen_rank_plans' 'split' mode)."""
+    return sum(len(gs) for _, gs in rounds if gs and not (len(gs) == 1 and gs[0]["ranks"] == list(range(world))))
+
+
 def screen_measured(groups, posts):
     """The groups whose members all posted a busbw, each with the slowest member's busbw and time:
     [dict(group, busbw=, time_us=)]. posts: {rank: {'busbw', 'time_us', ...}}."""
@@ -6877,6 +6916,9 @@ class ScreenRunner:
         self.screen = {"cpu": self.backend != "nccl", "min_tflops": a.min_tflops, "min_hbm": a.min_hbm,
                        "min_busbw_intra": a.min_busbw_intra, "min_busbw_inter": a.min_busbw_inter,
                        "gpu": [], "intra": [], "pairs": [], "splits": {}}
+        why = split_problem(self.torch, self.dist) if self.backend == "nccl" else None
+        if why:  # named in the report and the JSON (screen_degraded_note), never chosen silently
+            self.screen["no_split"] = {"why": why, "groups": screen_split_groups(rounds, self.world)}
         self.screen_publish("plan", rounds)
 
     def screen_third(self):
@@ -6885,6 +6927,8 @@ class ScreenRunner:
         groups = screen_rail_groups(third["groups"] or [], screen_layout(self.records))
         self.screen["third"] = third
         self.screen_rounds["screen-suspect"] = [("p3", groups)] if groups else []
+        if self.screen.get("no_split"):
+            self.screen["no_split"]["groups"] += screen_split_groups(self.screen_rounds["screen-suspect"], self.world)
         self.screen_publish("plan3", self.screen_rounds["screen-suspect"])
 
     def screen_publish(self, name, rounds):
@@ -7196,6 +7240,10 @@ class RankRun(ScreenRunner):
         import torch.distributed as dist
         self.torch, self.dist = torch, dist
         self.times["import_torch"] = round(time.monotonic() - t, 3)
+        old = torch_floor_problem(torch.__version__)
+        if old:  # before any store operation: the side channel needs what this torch lacks
+            raise failed("local", f"{old} on {self.host} (rank {self.rank}, {sys.executable})", EXIT_FAIL,
+                         [self.host], [self.rank])
         if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
             self.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
             self.warm.start()
@@ -7971,7 +8019,8 @@ class Coordinator(RankRun):
                 "drain": self.drain, "drain_command": (self.drain or {}).get("command") or "",
                 "phase_starts": self.starts,
                 "collectives": self.collectives, "screen": self.screen, "soak": self.soak, "ranks": self.records,
-                "env": safe_env(self.env)}
+                "env": safe_env(self.env),
+                **({"notes": [screen_degraded_note(self.screen)]} if screen_degraded_note(self.screen) else {})}
 
     # ---------------------------------------------------------------- bounds and signals
     def expire(self, phase):

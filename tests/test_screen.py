@@ -783,3 +783,38 @@ def test_page_levels_agree_with_the_table():
     assert levels[0]["tflops"][2] == "FAIL" and levels[0]["hbm_gbps"][2] == "FAIL"
     levels, _ = aiv._html_gpu_levels({"cpu": False, "gpu": [one_gpu(680.0, 4213.0)]})
     assert levels[0]["tflops"][2] == "OK"
+
+
+def test_torch_floor():
+    assert aiv.torch_floor_problem("2.13.0+cpu") is None and aiv.torch_floor_problem("2.8.0a0+git1234") is None
+    assert aiv.torch_floor_problem("3.0.1") is None and aiv.torch_floor_problem("weird") is None
+    floor = ".".join(map(str, aiv.TORCH_FLOOR))
+    assert aiv.torch_floor_problem("2.7.1+cu126") == f"torch 2.7.1+cu126 is older than the oldest supported {floor}"
+    assert aiv.torch_floor_problem("1.13.1") is not None
+
+
+class _NoSplit:
+    """A torch.distributed module as old versions have it: no split_group (the version gate only)."""
+
+
+def test_no_split_group_is_a_named_degraded_mode():
+    import types
+    why = aiv.split_problem(types.SimpleNamespace(__version__="2.5.1"), _NoSplit())
+    assert why == "torch 2.5.1 has no split_group"
+    assert not aiv.can_split(types.SimpleNamespace(__version__="2.5.1"), _NoSplit())
+    # 500 nodes x 8 rails: round 1 and 2 pair every node once, one group per pair and rail
+    world = 4000
+    pairs = [{"ranks": [2 * p * 8 + r, (2 * p + 1) * 8 + r], "rail": r} for p in range(250) for r in range(8)]
+    rounds = [("intra", [{"ranks": list(range(n * 8, n * 8 + 8))} for n in range(500)]), ("p1", pairs), ("p2", pairs)]
+    n = aiv.screen_split_groups(rounds, world)
+    assert n == 500 + 2000 + 2000
+    assert aiv.screen_split_groups([("intra", [{"ranks": list(range(8))}])], 8) == 0  # the world: no group made
+    screen = {"no_split": {"why": why, "groups": n}}
+    note = aiv.screen_degraded_note(screen)
+    assert note.startswith("screen ran in a degraded mode: torch 2.5.1 has no split_group: 4500 groups made by "
+                           "world-wide new_group"), note
+    assert aiv.screen_degraded_note({"gpu": []}) is None and aiv.screen_degraded_note(None) is None
+    text = aiv.render_report({"world_size": 2, "backend": "nccl", "ranks": [], "findings": [], "verdict": "PASS",
+                              "exit_code": 0, "elapsed_s": 1.0, "phases": {}, "failures": [], "env": {},
+                              "notes": [note]})
+    assert f"  NOTE: {note}" in text
