@@ -17,9 +17,11 @@ Phases (each prints one progress line on rank 0):
   init        torch.distributed.init_process_group on that store
   telemetry   per-rank and per-node facts posted to the store, read by rank 0 in one read
   judge       small pure checks over the gathered data -> PASS / WARN / FAIL
-  screen      performance screen (--skip-screen skips it): each GPU's matmul TFLOPS and memory GB/s,
-              all_reduce busbw inside each node, then between pairs of nodes per rail in two rounds
-              and a third for suspects; names the slow GPU, node, rail or link
+  screen      performance screen (--skip-screen skips it): each GPU's matmul TFLOPS and memory GB/s
+              (measured on a thread of the rank's own from the local checks on, while it waits at the
+              roll call and in init, timed on the device), all_reduce busbw inside each node, then
+              between pairs of nodes per rail in two rounds and a third for suspects; names the slow
+              GPU, node, rail or link
   soak        with --soak SECONDS: bf16 matmul on every GPU at once for SECONDS, clocks, temperature,
               power and clock-event reasons sampled; names the GPU that slows down, overheats or brakes
   collectives exact all_reduce with a closed-form sum, DDP step on nn.Linear(10, 10),
@@ -1408,6 +1410,7 @@ def torch_versions(torch_mod):
 # ranks share cores and only a gross fault can be told from their noise.
 SCREEN_TARGET_S = {"gpu": 0.3, "cpu": 0.02}            # seconds of timed work per measurement
 SCREEN_BLOCKS = 5
+SCREEN_BLOCK_TRIES = 20  # GPU: at most this many blocks queued to get SCREEN_BLOCKS the device ran back to back
 SCREEN_MATMUL_N = {"gpu": 8192, "cpu": 256}            # square matmul: bf16 on GPU, fp32 on CPU
 SCREEN_COPY_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}  # device-memory copy; GB/s counts read + write
 SCREEN_AR_BYTES = {"gpu": 128 << 20, "cpu": 1 << 20}   # all_reduce message of the busbw rounds
@@ -1564,72 +1567,173 @@ def pcie_under_load(root, pci):
     return {k: link[f] for k, f in keys if link.get(f) is not None}
 
 
-def _timed_rate(fn, sync, work, kind, during=None):
-    """Units of `work` per second of fn(): warm-up, a calibration, then SCREEN_BLOCKS blocks of about
-    SCREEN_TARGET_S together; the median block on GPU, the best one on CPU. during() runs once while
-    the middle block is queued (the device busy)."""
+def _host_rate(fn, work, during=None):
+    """CPU: units of `work` per second of fn() on this thread's own CPU clock (time.thread_time: the ranks
+    that share a core do not slow each other's number by taking turns): warm-up, a calibration, then
+    SCREEN_BLOCKS blocks of about SCREEN_TARGET_S together, the best one. during() runs once after the middle block."""
+    clock = time.thread_time
+    fn()
+    t = clock()
     fn()
     fn()
-    sync()
-    t = time.perf_counter()
-    fn()
-    fn()
-    sync()
-    one = max((time.perf_counter() - t) / 2, 1e-7)
-    per_block = max(1, int(SCREEN_TARGET_S[kind] / SCREEN_BLOCKS / one))
+    one = max((clock() - t) / 2, 1e-7)
+    per_block = max(1, int(SCREEN_TARGET_S["cpu"] / SCREEN_BLOCKS / one))
     times = []
     for i in range(SCREEN_BLOCKS):
-        t = time.perf_counter()
+        t = clock()
         for _ in range(per_block):
             fn()
+        times.append(max(clock() - t, 1e-7))
         if during is not None and i == SCREEN_BLOCKS // 2:
             during()
-        sync()
-        times.append(time.perf_counter() - t)
-    return work * per_block / (_screen_median(times) if kind == "gpu" else min(times))
+    return work * per_block / min(times)
 
 
-def _matmul_rate(torch_mod, dev, kind, sync, during, load_until):
+def _capture(torch_mod, fn, calls, stream):
+    """fn() `calls` times in one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
+    rank's other threads (NCCL's init among them) go on, neither refused nor captured."""
+    graph = torch_mod.cuda.CUDAGraph()
+    with torch_mod.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            graph.capture_end()
+    return graph
+
+
+def device_blocks(record, replay, running, blocks=None, tries=None, during=None):
+    """Queue timed blocks until `blocks` of them count (at most `tries` queued) and return [(start, end, counts)]:
+    each block is record() (an event), replay() (the work, one launch), record(); it counts when, once it is
+    queued, running(previous block's end event) is still true: the device then went from the previous block
+    into this one without waiting for the host, so no host stall is inside its time. The first block follows
+    a lead block queued before it. during() runs once, after the middle block is queued."""
+    blocks, tries = blocks or SCREEN_BLOCKS, tries or SCREEN_BLOCK_TRIES
+    replay()  # the lead: the device works while the first timed block is queued
+    prev, spans = record(), []
+    for i in range(tries):
+        start = record()
+        replay()
+        end = record()
+        spans.append((start, end, running(prev)))
+        prev = end
+        if during is not None and i == blocks // 2:
+            during()
+        if sum(ok for _, _, ok in spans) >= blocks:
+            break
+    return spans
+
+
+def _device_rate(torch_mod, fn, work, stream, during=None):
+    """GPU: units of `work` per second of fn(), timed on the device (CUDA events), never on the host's clock,
+    so that what the host does meanwhile (this rank's other threads, NCCL's init, the node's imports) cannot
+    enter the number: fn() k times is one CUDA graph (k for about SCREEN_TARGET_S / SCREEN_BLOCKS of work),
+    each timed block one replay, and only blocks the device ran back to back count (device_blocks); the
+    median of SCREEN_BLOCKS of them. -> (rate, the graph: one block's work, for load under nvidia-smi)."""
+    cuda = torch_mod.cuda
+
+    def record():
+        e = cuda.Event(enable_timing=True)
+        e.record(stream)
+        return e
+    with cuda.stream(stream):
+        fn()
+        fn()  # warm-up: the cuBLAS handle and workspace, the clocks up
+        a = record()
+        fn()
+        fn()
+        b = record()
+    b.synchronize()
+    k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS / max(a.elapsed_time(b) / 2e3, 1e-7)))
+    graph = _capture(torch_mod, fn, k, stream)
+    with cuda.stream(stream):  # a replay goes to the current stream
+        spans = device_blocks(record, graph.replay, lambda e: not e.query(), during=during)
+    spans[-1][1].synchronize()
+    times = [a.elapsed_time(b) / 1e3 for a, b, ok in spans if ok]
+    if not times:
+        raise RuntimeError(f"{stream.device}: the host never queued a timed block while the previous one ran "
+                           f"({len(spans)} tries of {SCREEN_TARGET_S['gpu'] / SCREEN_BLOCKS:g}s each): its "
+                           f"process is starved of CPU")
+    return work * k / _screen_median(times), graph
+
+
+def _screen_operands(torch_mod, dev, kind):
+    """The matmul's a, b, c (bf16 where the GPU has it, Ampere on, else fp16; fp32 on CPU) and the copy's src, dst."""
     n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
-    if kind == "gpu":  # bf16 where the GPU has it (Ampere on), else fp16: the model's peers run the same
+    if kind == "gpu":  # the model's peers run the same
         dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
-    a, b = (torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
-    c = torch_mod.empty(n, n, device=dev, dtype=dtype)
-
-    def mm():
-        torch_mod.mm(a, b, out=c)
-    rate = _timed_rate(mm, sync, 2 * n ** 3 / 1e12, kind, during)
-    return rate, load_until(lambda: (mm(), sync()))
-
-
-def _copy_rate(torch_mod, dev, kind, sync):
+    mm = [torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2)] + [
+        torch_mod.empty(n, n, device=dev, dtype=dtype)]
     src = torch_mod.ones(SCREEN_COPY_BYTES[kind], dtype=torch_mod.uint8, device=dev)
-    dst = torch_mod.empty_like(src)
-    return _timed_rate(lambda: dst.copy_(src), sync, 2 * src.numel() / 1e9, kind)
+    return mm, (src, torch_mod.empty_like(src))
 
 
 def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
     """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
     'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
     the PCIe link from sysfs, nvidia-smi's clocks, limits, temperature, power where it answers in time,
-    else 'smi_unread')."""
-    cpu = kind == "cpu"
-    sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
-    threads, facts = torch_mod.get_num_threads(), {}
-    probe = None if cpu else SmiProbe(uuid)  # started now: it samples while the matmul runs
-    if cpu:
+    else 'smi_unread'). GPU: timed on the device (_device_rate), so it may run on a thread of its own while
+    the rank waits; CPU: on one thread of a quiet process (screen-gpu quiesces first)."""
+    n, facts = SCREEN_MATMUL_N[kind], {}
+    if kind == "gpu":
+        torch_mod.cuda.set_device(dev)  # a thread's own current device (the measuring thread's too)
+    (a, b, c), (src, dst) = _screen_operands(torch_mod, dev, kind)
+    mm_work, copy_work = 2 * n ** 3 / 1e12, 2 * src.numel() / 1e9
+    during = (lambda: facts.update(pcie_under_load(root, pci))) if pci else None
+    if kind == "cpu":
+        threads = torch_mod.get_num_threads()
         torch_mod.set_num_threads(1)
-    try:
-        tflops, smi = _matmul_rate(torch_mod, dev, kind, sync,
-                                   (lambda: facts.update(pcie_under_load(root, pci))) if pci else None,
-                                   probe.finish if probe is not None else (lambda load: {}))
-        hbm = _copy_rate(torch_mod, dev, kind, sync)
-    finally:
-        if cpu:
+        try:
+            tflops = _host_rate(lambda: torch_mod.mm(a, b, out=c), mm_work, during)
+            hbm = _host_rate(lambda: dst.copy_(src), copy_work)
+        finally:
             torch_mod.set_num_threads(threads)
-        else:
-            torch_mod.cuda.empty_cache()
+        return {"tflops": float(f"{tflops:.4g}"), "hbm_gbps": float(f"{hbm:.4g}"), **facts}
+    stream, probe, graphs = torch_mod.cuda.Stream(dev), SmiProbe(uuid), []  # the probe samples while the matmul runs
+
+    def load():  # one block of matmuls, synchronised: the GPU stays loaded until nvidia-smi answers
+        with torch_mod.cuda.stream(stream):
+            graphs[0].replay()
+        stream.synchronize()
+    try:
+        tflops, g = _device_rate(torch_mod, lambda: torch_mod.mm(a, b, out=c), mm_work, stream, during)
+        graphs.append(g)
+        smi = probe.finish(load)
+        hbm, g = _device_rate(torch_mod, lambda: dst.copy_(src), copy_work, stream)
+        graphs.append(g)
+        stream.synchronize()
+    finally:
+        g = None
+        del graphs[:]  # each graph's memory pool goes with it
+        torch_mod.cuda.empty_cache()
     return {"tflops": float(f"{tflops:.4g}"), "hbm_gbps": float(f"{hbm:.4g}"), **facts, **smi}
+
+
+def start_screen_gpu(torch_mod, dev, uuid=None, pci=None, root="/"):
+    """GPU ranks, from the end of their local checks: screen_measure_gpu on a thread of its own, while the rank
+    waits at the roll call and in init (the device keeps the time, so the host's work in those waits cannot
+    enter it) -> the box that take_screen_gpu reads in screen-gpu."""
+    box = {"done": threading.Event(), "t0": time.monotonic()}
+
+    def run():
+        try:
+            box["row"] = screen_measure_gpu(torch_mod, dev, "gpu", uuid, pci, root)
+        except BaseException as e:  # raised again in screen-gpu, on the rank's own thread
+            box["error"] = e
+        finally:
+            box["secs"] = round(time.monotonic() - box["t0"], 3)
+            box["done"].set()
+    threading.Thread(target=run, name="aiv-screen-gpu", daemon=True).start()
+    return box
+
+
+def take_screen_gpu(box):
+    """The measurement of start_screen_gpu, waited for (screen-gpu's bound covers a device that hangs), or its error."""
+    box["done"].wait()
+    if "error" in box:
+        raise box["error"]
+    return box["row"]
 
 
 def can_split(torch_mod, dist):
@@ -4698,7 +4802,7 @@ def _import_state(st):
 
 def _phase_times(phases):
     """'import_torch=3.19 local=3.60 rollcall=0.63 ...' in the order of the run (JSON sorts its keys)."""
-    order = ("import_torch",) + PHASES + ("imports",)
+    order = ("import_torch",) + PHASES + ("imports", "gpu_measure")
     keys = sorted(phases, key=lambda k: (order.index(k) if k in order else len(order), k))
     return " ".join(f"{k}={phases[k]:.2f}" for k in keys)
 
@@ -6838,10 +6942,12 @@ class ScreenRunner:
         if self.is0:
             self.screen_start()
         self.failpoint("screen-gpu")
-        self.quiesce()
-        g = self.identity.get("gpu") or {}
-        row = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
-                                 self.args.sysfs_root)
+        if self.gpu_box is not None:  # measured on its own thread since the local checks (start_screen_gpu)
+            row = take_screen_gpu(self.gpu_box)
+            self.times["gpu_measure"] = self.gpu_box["secs"]
+        else:  # CPU ranks: the host's clock, so on a quiet process
+            self.quiesce()
+            row = screen_measure_gpu(self.torch, self._device(), self._kind(), None, None, self.args.sysfs_root)
         self.proto.screen_post("gpu", self.rank, row, self.world)
         if not self.is0:
             return
@@ -7140,6 +7246,7 @@ class RankRun(ScreenRunner):
         self.backend = self.device = self.collectives = self.results = self.bandwidth = None
         self.identity = self.node_box = None
         self.smi_box = None  # node leaders: the node's one nvidia-smi call (start_node_smi)
+        self.gpu_box = None  # GPU ranks: the screen's device measurement, on its own thread (start_screen_gpu)
         self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
         self.soak = None  # rank 0: the soak's rows and settings (--soak)
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
@@ -7251,6 +7358,9 @@ class RankRun(ScreenRunner):
         local, gpu = self.local_checks(ifaces, expected)
         if self.backend != "nccl" and self.nccl_log:
             self._drop_nccl_log()
+        if gpu is not None and not self.args.skip_screen and not any(f["status"] == "FAIL" for f in local):
+            self.gpu_box = start_screen_gpu(self.torch, self.device, gpu.get("uuid"), gpu.get("pci"),
+                                            self.args.sysfs_root)
         if gpu is not None:  # the HCA a pair round names where NCCL's log does not say
             gpu["hca"] = nearest_hca(self.args.sysfs_root, gpu.get("pci"), self.env.get("NCCL_IB_HCA"))
         self.identity = {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(),

@@ -5,10 +5,11 @@
 
 Each round launches, in turn: the bare floor (import torch, init over TCP, one all_reduce,
 destroy), the DDP floor (the same plus DDP on nn.Linear(10, 10), one forward/backward), the
-naive pre-existing design, ddp_mesh_ping.py, and ddp_mesh_ping.py without its overlapped
-imports (AIV_WARM_IMPORTS=0: the "before" of that optimisation). One process per rank with srun-style
-variables; wall time from the first spawn to the last exit. Prints medians and ratios, and for
-ddp_mesh_ping.py the median of each phase from its `Verdict: ... phases=` line.
+naive pre-existing design, ddp_mesh_ping.py, ddp_mesh_ping.py without its overlapped imports
+(AIV_WARM_IMPORTS=0: the "before" of that optimisation) and with --skip-screen ("skip"). One process
+per rank with srun-style variables; wall time from the first spawn to the last exit. Prints medians
+and ratios, the screen phases' share of the wall (the screen-* times of rank 0's `Verdict: ...
+phases=` line over the run's wall time), and for ddp_mesh_ping.py the median of each phase.
 
   --local        ddp_mesh_ping.py runs in local mode (--nproc N: its own launcher starts the ranks)
   --before PATH  adds "before": another version of ddp_mesh_ping.py (e.g. the main branch's:
@@ -57,23 +58,29 @@ def main():
                 "ddp": [py, os.path.join(HERE, "floor_ddp.py")],
                 "naive": [py, os.path.join(HERE, "naive_preflight.py")],
                 "ours": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120"],
-                "nowarm": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120"]}
+                "nowarm": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120"],
+                "skip": [py, os.path.join(ROOT, "ddp_mesh_ping.py"), "--timeout", "120", "--skip-screen"]}
     if a.before:
         variants["before"] = [py, os.path.abspath(a.before), "--timeout", "120"]
-    tools = {"ours", "nowarm", "before"}
+    tools = {"ours", "nowarm", "skip", "before"}
     if a.local:
         for v in tools & set(variants):
             variants[v] += ["--nproc", str(n)]
     envs = {"nowarm": {"AIV_WARM_IMPORTS": "0"}}
     chosen = [v for v in a.only.split(",") if v in variants]
-    times, phases = {v: [] for v in chosen}, {v: [] for v in chosen}
+    times, phases, shares = {v: [] for v in chosen}, {v: [] for v in chosen}, {"ours": [], "before": []}
     for rep in range(a.reps):
         for v in chosen:
             secs, codes, text = launch(variants[v], n, env=envs.get(v), log=a.log, local=a.local and v in tools)
             ok = all(c == 0 for c in codes)
             times[v].append(secs)
             phases[v].append(phase_times(text))
-            print(f"round {rep + 1} {v:6s} {secs:6.2f}s exit={codes}" + ("" if ok else "  <-- FAILED"), flush=True)
+            screen = sum(s for p, s in phases[v][-1].items() if p.startswith("screen-"))
+            if v in ("ours", "before") and screen:
+                shares[v].append(screen / secs)
+            print(f"round {rep + 1} {v:6s} {secs:6.2f}s exit={codes}" + ("" if ok else "  <-- FAILED")
+                  + (f"  screen phases {screen:.2f}s ({100 * screen / secs:.1f}% of the wall)" if screen else ""),
+                  flush=True)
             if not ok:
                 print(text[-3000:], file=sys.stderr)
     print(f"\nranks={n} reps={a.reps}" + (" (ddp_mesh_ping.py in local mode)" if a.local else ""))
@@ -81,9 +88,13 @@ def main():
     for v, ts in times.items():
         print(f"{v:6s} median {med[v]:6.2f}s  min {min(ts):6.2f}s  max {max(ts):6.2f}s")
     if "ours" in med:
-        for base in ("bare", "ddp", "naive", "nowarm", "before"):
+        for base in ("bare", "ddp", "naive", "nowarm", "skip", "before"):
             if base in med:
                 print(f"ours / {base:5s} = {med['ours'] / med[base]:.3f}")
+    for v, sh in shares.items():
+        if sh:
+            print(f"screen phases' share of the wall ({v}): median {100 * statistics.median(sh):.1f}%  "
+                  f"max {100 * max(sh):.1f}%")
     names = [p for v in chosen for run in phases[v] for p in run]
     names = list(dict.fromkeys(names))
     if names:
