@@ -1244,52 +1244,59 @@ def _driver_version(root):
 PROBED_PACKAGES = ("torchvision", "torchaudio")
 IMPORT_PROBE = r"""
 import json, os, sys
-os.nice(10)  # behind the ranks' own work on a node with few cores
-name = sys.argv[1]
-try:
-    mod = __import__(name)
-    out = {"version": getattr(mod, "__version__", "?"), "ok": True}
-except Exception as e:  # an ABI-broken package is a finding, not a crash
-    msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-    out = {"version": None, "ok": False, "error": type(e).__name__ + ": " + msg}
-sys.stdout.write(json.dumps(out))
+os.nice(19)  # behind every rank's own work: on a node whose ranks still import, it waits for them
+for name in sys.argv[1:]:
+    try:
+        mod = __import__(name)
+        out = {"version": getattr(mod, "__version__", "?"), "ok": True}
+    except Exception as e:  # an ABI-broken package is a finding, not a crash
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        out = {"version": None, "ok": False, "error": type(e).__name__ + ": " + msg}
+    sys.stdout.write(json.dumps(dict(out, name=name)) + "\n")
+    sys.stdout.flush()  # a crash in the next import keeps this line
 """
 
 
 def start_import_probe():
-    """Import torchvision and torchaudio, each in its own child process, off the critical path: started at
-    the roll call's go, at nice 10 (with torch that is seconds of work; an ABI-broken extension may even
-    crash the importer)."""
-    procs = {}
+    """Node leaders, at launch: one child process imports torchvision, then torchaudio (with torch that is
+    seconds of work; an ABI-broken extension may even crash the importer), at nice 19 and, where psutil
+    is importable, in the idle I/O class: it takes only what the node's ranks leave, so it never slows
+    their imports or the roll call, and on a node with cores to spare it is done before the DDP step.
+    -> the child, or the OSError that kept it from starting."""
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", IMPORT_PROBE, *PROBED_PACKAGES], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    except OSError as e:
+        return e
+    with contextlib.suppress(Exception):
+        import psutil
+        psutil.Process(proc.pid).ionice(psutil.IOPRIO_CLASS_IDLE)
+    return proc
+
+
+def finish_import_probe(proc, wait_s):
+    """{name: {'ok', 'version', 'error'}} for PROBED_PACKAGES; a probe still running after wait_s is killed.
+    A package without a line: the import that crashed the child (the first such) or was cut off."""
+    if isinstance(proc, OSError):
+        return {n: {"ok": False, "version": None, "error": f"probe could not start: {proc}"} for n in PROBED_PACKAGES}
+    why = None
+    try:
+        text, _ = proc.communicate(timeout=None if proc.poll() is not None else max(0.01, wait_s))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        text, _ = proc.communicate()
+        why = f"import took over {wait_s:.0f}s"
+    out = {}
+    for line in (text or b"").decode(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            d = json.loads(line)
+            out[d.pop("name")] = d
     for name in PROBED_PACKAGES:
-        try:
-            procs[name] = subprocess.Popen([sys.executable, "-c", IMPORT_PROBE, name], stdout=subprocess.PIPE,
-                                           stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-        except OSError as e:
-            procs[name] = e
-    return procs
-
-
-def finish_import_probe(procs, wait_s):
-    """{name: {'ok', 'version', 'error'}}; a probe still running after wait_s is killed."""
-    out, deadline = {}, time.monotonic() + wait_s
-    for name, proc in procs.items():
-        if isinstance(proc, OSError):
-            out[name] = {"ok": False, "version": None, "error": f"probe could not start: {proc}"}
-            continue
-        try:
-            left = None if proc.poll() is not None else max(0.01, deadline - time.monotonic())
-            text, _ = proc.communicate(timeout=left)
-            data = json.loads(text or b"{}")
-            if proc.returncode != 0 or not data:
-                raise ValueError(f"probe exited {proc.returncode}")
-            out[name] = data
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            out[name] = {"ok": False, "version": None, "error": f"import took over {wait_s:.0f}s"}
-        except Exception as e:  # a crash (e.g. SIGSEGV from a broken extension) is a finding
-            out[name] = {"ok": False, "version": None, "error": f"import probe failed: {e}"}
+        if name not in out:  # a crash (e.g. SIGSEGV from a broken extension) is a finding
+            rc = proc.returncode
+            how = f"killed by {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exited {rc}"
+            out[name] = {"ok": False, "version": None, "error": why or f"import probe failed: {how}"}
+            why = why or f"not probed: the import of {name} ended the probe"
     return out
 
 
@@ -1412,7 +1419,7 @@ SCREEN_TARGET_S = {"gpu": 0.3, "cpu": 0.02}            # seconds of timed work p
 SCREEN_BLOCKS = 5
 SCREEN_BLOCK_TRIES = 20  # GPU: at most this many blocks queued to get SCREEN_BLOCKS the device ran back to back
 SCREEN_MATMUL_N = {"gpu": 8192, "cpu": 256}            # square matmul: bf16 on GPU, fp32 on CPU
-SCREEN_COPY_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}  # device-memory copy; GB/s counts read + write
+SCREEN_COPY_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}  # memory: STREAM scale (GPU), copy (CPU); read + write
 SCREEN_AR_BYTES = {"gpu": 128 << 20, "cpu": 1 << 20}   # all_reduce message of the busbw rounds
 SCREEN_AR_ITERS = {"gpu": (3, 12), "cpu": (1, 8)}      # warm-up and timed iterations (median / best)
 SCREEN_SMI_S = 3.0    # nvidia-smi must answer within this while the GPU stays loaded; else no such facts
@@ -1659,13 +1666,14 @@ def _device_rate(torch_mod, fn, work, stream, during=None):
 
 
 def _screen_operands(torch_mod, dev, kind):
-    """The matmul's a, b, c (bf16 where the GPU has it, Ampere on, else fp16; fp32 on CPU) and the copy's src, dst."""
+    """The matmul's a, b, c (bf16 where the GPU has it, Ampere on, else fp16; fp32 on CPU) and the memory
+    measurement's src, dst (fp32, SCREEN_COPY_BYTES each)."""
     n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
     if kind == "gpu":  # the model's peers run the same
         dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
     mm = [torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2)] + [
         torch_mod.empty(n, n, device=dev, dtype=dtype)]
-    src = torch_mod.ones(SCREEN_COPY_BYTES[kind], dtype=torch_mod.uint8, device=dev)
+    src = torch_mod.ones(SCREEN_COPY_BYTES[kind] // 4, dtype=torch_mod.float32, device=dev)
     return mm, (src, torch_mod.empty_like(src))
 
 
@@ -1673,40 +1681,49 @@ def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
     """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
     'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
     the PCIe link from sysfs, nvidia-smi's clocks, limits, temperature, power where it answers in time,
-    else 'smi_unread'). GPU: timed on the device (_device_rate), so it may run on a thread of its own while
-    the rank waits; CPU: on one thread of a quiet process (screen-gpu quiesces first)."""
-    n, facts = SCREEN_MATMUL_N[kind], {}
+    else 'smi_unread'). GPU: timed on the device (_measure_device), so it may run on a thread of its own while
+    the rank waits; CPU: on one thread, timed on its CPU clock (_host_rate)."""
     if kind == "gpu":
-        torch_mod.cuda.set_device(dev)  # a thread's own current device (the measuring thread's too)
+        return _measure_device(torch_mod, dev, uuid, pci, root)
     (a, b, c), (src, dst) = _screen_operands(torch_mod, dev, kind)
-    mm_work, copy_work = 2 * n ** 3 / 1e12, 2 * src.numel() / 1e9
-    during = (lambda: facts.update(pcie_under_load(root, pci))) if pci else None
-    if kind == "cpu":
-        threads = torch_mod.get_num_threads()
-        torch_mod.set_num_threads(1)
-        try:
-            tflops = _host_rate(lambda: torch_mod.mm(a, b, out=c), mm_work, during)
-            hbm = _host_rate(lambda: dst.copy_(src), copy_work)
-        finally:
-            torch_mod.set_num_threads(threads)
-        return {"tflops": float(f"{tflops:.4g}"), "hbm_gbps": float(f"{hbm:.4g}"), **facts}
-    stream, probe, graphs = torch_mod.cuda.Stream(dev), SmiProbe(uuid), []  # the probe samples while the matmul runs
+    threads = torch_mod.get_num_threads()
+    torch_mod.set_num_threads(1)
+    try:
+        tflops = _host_rate(lambda: torch_mod.mm(a, b, out=c), 2 * SCREEN_MATMUL_N[kind] ** 3 / 1e12)
+        hbm = _host_rate(lambda: dst.copy_(src), 2 * src.numel() * 4 / 1e9)
+    finally:
+        torch_mod.set_num_threads(threads)
+    return {"tflops": float(f"{tflops:.4g}"), "hbm_gbps": float(f"{hbm:.4g}")}
+
+
+def _measure_device(torch_mod, dev, uuid, pci, root):
+    """screen_measure_gpu on a GPU: the matmul and the copy each timed by _device_rate on a stream of the
+    caller's own (any thread), nvidia-smi's facts read while the matmul's graph keeps the GPU loaded."""
+    cuda, facts, graphs = torch_mod.cuda, {}, []
+    cuda.set_device(dev)  # a thread's own current device (the measuring thread's too)
+    stream = cuda.Stream(dev)
+    (a, b, c), (src, dst) = _screen_operands(torch_mod, dev, "gpu")
+    stream.wait_stream(cuda.current_stream(dev))  # made on this thread's default stream: ready before use
+    probe = SmiProbe(uuid)  # started now: it samples while the matmul runs
 
     def load():  # one block of matmuls, synchronised: the GPU stays loaded until nvidia-smi answers
-        with torch_mod.cuda.stream(stream):
+        with cuda.stream(stream):
             graphs[0].replay()
         stream.synchronize()
     try:
-        tflops, g = _device_rate(torch_mod, lambda: torch_mod.mm(a, b, out=c), mm_work, stream, during)
+        tflops, g = _device_rate(torch_mod, lambda: torch_mod.mm(a, b, out=c), 2 * SCREEN_MATMUL_N["gpu"] ** 3 / 1e12,
+                                 stream, (lambda: facts.update(pcie_under_load(root, pci))) if pci else None)
         graphs.append(g)
         smi = probe.finish(load)
-        hbm, g = _device_rate(torch_mod, lambda: dst.copy_(src), copy_work, stream)
+        # STREAM's scale (dst = 1.0 x src): a kernel, read + write counted; a captured copy_ would be a graph
+        # memcpy node, which the copy engines run well below the bandwidth of the GPU's own kernels
+        hbm, g = _device_rate(torch_mod, lambda: torch_mod.mul(src, 1.0, out=dst), 2 * src.numel() * 4 / 1e9, stream)
         graphs.append(g)
         stream.synchronize()
     finally:
-        g = None
-        del graphs[:]  # each graph's memory pool goes with it
-        torch_mod.cuda.empty_cache()
+        a = b = c = src = dst = g = None
+        del graphs[:]  # the operands and each graph's memory pool go back to the driver
+        cuda.empty_cache()
     return {"tflops": float(f"{tflops:.4g}"), "hbm_gbps": float(f"{hbm:.4g}"), **facts, **smi}
 
 
@@ -7342,6 +7359,8 @@ class RankRun(ScreenRunner):
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
         self.progress("contract", rank=self.rank, world=self.world, source=self.c["source"],
                       local_rank=self.local_rank, master=f"{self.addr}:{self.port}")
+        if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
+            self.probe = start_import_probe()
         t = time.monotonic()
         import torch
         import torch.distributed as dist
@@ -7392,9 +7411,8 @@ class RankRun(ScreenRunner):
                                 f"rank of the run at {self.addr}:{self.port}: {stray[1]}")
             self.exit(EXIT_FAIL)
         self.after_check_in(R)
-        if self.local_rank == 0:  # after the go: the node's own imports of torch never slow the roll call
+        if self.local_rank == 0:  # after the go: the monitor never slows the roll call
             self.start_monitor()
-            self.probe = start_import_probe()
 
     def open_store(self, R, prefix, serve):
         """Connect to the store (rank 0's, or torchrun's agent's). The connect and the store's first answer
@@ -7545,7 +7563,7 @@ class RankRun(ScreenRunner):
     def exit(self, code):
         """Flush and leave without interpreter teardown (gloo threads can SIGABRT there). Every way out of a
         rank passes here: its NCCL WARN lines are relayed first (relay_nccl_warns)."""
-        for proc in list((self.probe or {}).values()) + [self.monitor]:
+        for proc in (self.probe, self.monitor):
             if proc is not None and not isinstance(proc, OSError) and proc.poll() is None:
                 proc.kill()
         if self.relay_lock.acquire(blocking=False):
