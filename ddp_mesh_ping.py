@@ -1417,7 +1417,8 @@ def torch_versions(torch_mod):
 # ranks share cores and only a gross fault can be told from their noise.
 SCREEN_TARGET_S = {"gpu": 0.3, "cpu": 0.02}            # seconds of timed work per measurement
 SCREEN_BLOCKS = 5
-SCREEN_BLOCK_TRIES = 20  # GPU: at most this many blocks queued to get SCREEN_BLOCKS the device ran back to back
+SCREEN_BLOCK_TRIES = 10  # GPU: at most this many blocks queued to get SCREEN_BLOCKS the device ran back to back,
+SCREEN_BLOCK_GROWTH = 4  # then the block doubled, at most this many sizes (a host slow to queue: 1x to 8x)
 SCREEN_MATMUL_N = {"gpu": 8192, "cpu": 256}            # square matmul: bf16 on GPU, fp32 on CPU
 SCREEN_COPY_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}  # memory: STREAM scale (GPU), copy (CPU); read + write
 SCREEN_AR_BYTES = {"gpu": 128 << 20, "cpu": 1 << 20}   # all_reduce message of the busbw rounds
@@ -1637,7 +1638,9 @@ def _device_rate(torch_mod, fn, work, stream, during=None):
     so that what the host does meanwhile (this rank's other threads, NCCL's init, the node's imports) cannot
     enter the number: fn() k times is one CUDA graph (k for about SCREEN_TARGET_S / SCREEN_BLOCKS of work),
     each timed block one replay, and only blocks the device ran back to back count (device_blocks); the
-    median of SCREEN_BLOCKS of them. -> (rate, the graph: one block's work, for load under nvidia-smi)."""
+    median of SCREEN_BLOCKS of them. A host too busy to queue a block within one block's time (no block
+    counts) gets blocks twice as long, up to SCREEN_BLOCK_GROWTH sizes; only then is it named (a RuntimeError:
+    its process is starved of CPU). -> (rate, the graph: one block's work, for load under nvidia-smi)."""
     cuda = torch_mod.cuda
 
     def record():
@@ -1653,16 +1656,17 @@ def _device_rate(torch_mod, fn, work, stream, during=None):
         b = record()
     b.synchronize()
     k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS / max(a.elapsed_time(b) / 2e3, 1e-7)))
-    graph = _capture(torch_mod, fn, k, stream)
-    with cuda.stream(stream):  # a replay goes to the current stream
-        spans = device_blocks(record, graph.replay, lambda e: not e.query(), during=during)
-    spans[-1][1].synchronize()
-    times = [a.elapsed_time(b) / 1e3 for a, b, ok in spans if ok]
-    if not times:
-        raise RuntimeError(f"{stream.device}: the host never queued a timed block while the previous one ran "
-                           f"({len(spans)} tries of {SCREEN_TARGET_S['gpu'] / SCREEN_BLOCKS:g}s each): its "
-                           f"process is starved of CPU")
-    return work * k / _screen_median(times), graph
+    for _ in range(SCREEN_BLOCK_GROWTH):
+        graph = _capture(torch_mod, fn, k, stream)
+        with cuda.stream(stream):  # a replay goes to the current stream
+            spans = device_blocks(record, graph.replay, lambda e: not e.query(), during=during)
+        spans[-1][1].synchronize()
+        times = [a.elapsed_time(b) / 1e3 for a, b, ok in spans if ok]
+        if times:
+            return work * k / _screen_median(times), graph
+        k, during = 2 * k, None  # the host could not queue a block in one block's time: longer blocks
+    raise RuntimeError(f"{stream.device}: the host never queued a timed block while the previous one ran, "
+                       f"with blocks of up to {k // 2} operations: its process is starved of CPU")
 
 
 def _screen_operands(torch_mod, dev, kind):
