@@ -1597,6 +1597,12 @@ def _host_rate(fn, work, during=None):
     return work * per_block / min(times)
 
 
+class HostStarved(RuntimeError):
+    """_device_rate could not time one block: the host never kept the device's queue ahead of it. On the
+    measuring thread that may be the rank's own other threads holding the interpreter lock (screen-gpu then
+    measures again on its quiet main thread); there, it says the node cannot drive its GPU."""
+
+
 def _capture(torch_mod, fn, calls, stream):
     """fn() `calls` times in one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
     rank's other threads (NCCL's init among them) go on, neither refused nor captured."""
@@ -1639,8 +1645,8 @@ def _device_rate(torch_mod, fn, work, stream, during=None):
     enter the number: fn() k times is one CUDA graph (k for about SCREEN_TARGET_S / SCREEN_BLOCKS of work),
     each timed block one replay, and only blocks the device ran back to back count (device_blocks); the
     median of SCREEN_BLOCKS of them. A host too busy to queue a block within one block's time (no block
-    counts) gets blocks twice as long, up to SCREEN_BLOCK_GROWTH sizes; only then is it named (a RuntimeError:
-    its process is starved of CPU). -> (rate, the graph: one block's work, for load under nvidia-smi)."""
+    counts) gets blocks twice as long, up to SCREEN_BLOCK_GROWTH sizes; then HostStarved, never a slow number.
+    -> (rate, the graph: one block's work, for load under nvidia-smi)."""
     cuda = torch_mod.cuda
 
     def record():
@@ -1665,8 +1671,8 @@ def _device_rate(torch_mod, fn, work, stream, during=None):
         if times:
             return work * k / _screen_median(times), graph
         k, during = 2 * k, None  # the host could not queue a block in one block's time: longer blocks
-    raise RuntimeError(f"{stream.device}: the host never queued a timed block while the previous one ran, "
-                       f"with blocks of up to {k // 2} operations: its process is starved of CPU")
+    raise HostStarved(f"{stream.device}: the host never queued a timed block while the previous one ran, "
+                      f"with blocks of up to {k // 2} operations: its process is starved of CPU")
 
 
 def _screen_operands(torch_mod, dev, kind):
@@ -6963,12 +6969,16 @@ class ScreenRunner:
         if self.is0:
             self.screen_start()
         self.failpoint("screen-gpu")
+        row = None
         if self.gpu_box is not None:  # measured on its own thread since the local checks (start_screen_gpu)
-            row = take_screen_gpu(self.gpu_box)
+            with contextlib.suppress(HostStarved):  # the rank's own threads held the interpreter: again, below
+                row = take_screen_gpu(self.gpu_box)
             self.times["gpu_measure"] = self.gpu_box["secs"]
-        else:  # CPU ranks: the host's clock, so on a quiet process
+        if row is None:  # CPU ranks (their own CPU clock), or a starved measuring thread: on a quiet process
             self.quiesce()
-            row = screen_measure_gpu(self.torch, self._device(), self._kind(), None, None, self.args.sysfs_root)
+            g = self.identity.get("gpu") or {}
+            row = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
+                                     self.args.sysfs_root)
         self.proto.screen_post("gpu", self.rank, row, self.world)
         if not self.is0:
             return

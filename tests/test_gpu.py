@@ -109,22 +109,31 @@ def _gil_hogs(n, stop):
     return threads
 
 
-def test_device_timed_screen_holds_beside_a_busy_host():
+@pytest.mark.parametrize("hogs", [1, 4])
+def test_device_timed_screen_holds_beside_a_busy_host(hogs):
     """The screen's GPU numbers are the device's: measured on a thread while other threads of the same process
-    keep the interpreter lock busy (as a rank's imports and waits do), they stay within 5% of a quiet
-    measurement, and every block that counted ran back to back on the device."""
+    keep the interpreter lock busy (one: as a rank's DDP imports do), they stay within 5% of a quiet
+    measurement. Four spinning threads can starve the measuring thread of the lock altogether (seen on an
+    H200): then it gives HostStarved, which screen-gpu answers by measuring again on its quiet main thread,
+    never a slow number."""
     import threading
     dev = 0
     quiet = aiv.screen_measure_gpu(torch, dev, "gpu")
     stop = threading.Event()
-    hogs = _gil_hogs(4, stop)
+    threads = _gil_hogs(hogs, stop)
     try:
         box = aiv.start_screen_gpu(torch, dev)
-        busy = aiv.take_screen_gpu(box)
+        try:
+            busy = aiv.take_screen_gpu(box)
+        except aiv.HostStarved:
+            busy = None
     finally:
         stop.set()
-        for t in hogs:
+        for t in threads:
             t.join()
+    if busy is None:
+        assert hogs > 1, "one busy thread must not starve the measurement"
+        return
     for key in ("tflops", "hbm_gbps"):
         assert busy[key] >= 0.95 * quiet[key], (key, quiet, busy)
 

@@ -892,3 +892,16 @@ def test_cpu_screen_is_not_slowed_by_ranks_sharing_its_core():
             p.wait()
         os.sched_setaffinity(0, before)
     assert busy["tflops"] > 0.3 * quiet["tflops"] and busy["hbm_gbps"] > 0.3 * quiet["hbm_gbps"], (quiet, busy)
+
+
+def test_a_starved_measuring_thread_gives_no_number():
+    """HostStarved is a RuntimeError (a torch-side error where it ends a run: its host named), and the box of
+    start_screen_gpu hands it to screen-gpu as such, which then measures again on its main thread."""
+    class Starved:
+        class cuda:
+            @staticmethod
+            def set_device(dev):
+                raise aiv.HostStarved("cuda:0: the host never queued a timed block")
+    assert issubclass(aiv.HostStarved, RuntimeError) and not aiv.is_tool_error(aiv.HostStarved("x"))
+    with pytest.raises(aiv.HostStarved):
+        aiv.take_screen_gpu(aiv.start_screen_gpu(Starved, 0))
