@@ -7330,8 +7330,12 @@ class RankRun(ScreenRunner):
             self.wd.disarm()
             self.times[phase] = round(time.monotonic() - t, 3)
             self.starts[phase] = round(t - _T0, 3)
-        if self.proto is not None:
-            self.proto.stamp(self.rank, phase)
+        if self.proto is not None:  # under the phase's bound too: rank 0's store may have frozen meanwhile
+            self.wd.arm(phase, self.phase_bound(phase))
+            try:
+                self.proto.stamp(self.rank, phase)
+            finally:
+                self.wd.disarm()
 
     def phase_error(self, phase, exc):
         """An error inside a phase. The tool's own (is_tool_error): the `internal` verdict, no host. A torch
