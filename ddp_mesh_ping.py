@@ -1,4 +1,7 @@
 #!/usr/bin/env python3
+# GENERATED FILE: do not edit. Built by tools/build.py from the modules in aiv/ (edit those, then run
+# tools/build.py; tools/build.py --check fails when this file differs from what aiv/ builds). Each part
+# below starts with a banner naming its source module.
 """ddp_mesh_ping.py -- multi-node, multi-GPU preflight for Slurm clusters.
 
 Run it before an expensive training job. It checks that the launcher started the
@@ -48,18 +51,6 @@ Stable strings for automation:
   SUCCESS: DDP Multi-Node AllReduce Ring Complete!
   FAILURE: <check>: <reason>        (check names: see CHECKS below)
 """
-# Where things live (one section per concern, in this order; search for "==== <name>"):
-#   helpers         finding(), verdict_code(), hostlists, ranges           contract   the launch variables
-#   deadlines       deadlines(): every bound, and the small waits beside it  options    the one parser
-#   interfaces      NCCL/GLOO_SOCKET_IFNAME                                 collect    facts of a rank and node
-#   screen collect  what the performance screen and the soak measure        judge      pure checks of plain data
-#   manifest        --save-manifest / --manifest / --diff-manifest          screen     the screen's and soak's judges
-#   render          the report                                              verify-log --verify-log
-#   liveness        the node monitor                                        store protocol  the side channel: keys, Seal
-#   runtime         RankRun: the phases, each under deadline(); its roles Coordinator (rank 0, the verdict),
-#                   Follower (the others), ScreenRunner (the screen); who blames whom: judge_unfinished (judge)
-#   plan, local mode, main   what a command line becomes, local launcher, the entry point
-
 import argparse
 import contextlib
 import datetime
@@ -86,7 +77,11 @@ import tempfile
 import threading
 import time
 
+
+# ============================================================================ aiv/base.py
+# Floor 1: the tool's constants and stable names (CHECKS, exit codes), findings and verdict codes,
 VERSION = "1.0.0"
+DESCRIPTION = "ddp_mesh_ping.py -- multi-node, multi-GPU preflight for Slurm clusters."
 SCHEMA_VERSION = 1
 SUCCESS_LINE = "SUCCESS: DDP Multi-Node AllReduce Ring Complete!"
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
@@ -141,7 +136,6 @@ ENV_DENY_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH",
 _T0 = time.monotonic()
 
 
-# ============================================================================ helpers
 class UsageError(Exception):
     """A malformed flag, variable or launch contract: nothing was attempted (exit 2). own: the mistake
     is in this rank's own values (RANK, LOCAL_RANK, ...), which rank 0 cannot see."""
@@ -373,7 +367,342 @@ def safe_env(env):
     return out
 
 
-# ============================================================================ contract
+def _screen_key(name):
+    """Natural order of node names: gpu-2 before gpu-10."""
+    return [(0, int(t), t) if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", str(name)) if t]
+
+
+def _screen_sorted(names):
+    return sorted(set(names), key=_screen_key)
+
+
+def _screen_quantile(v, q):
+    """q-quantile of the sorted list v, linear interpolation."""
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def _screen_median(values):
+    v = sorted(values)
+    return _screen_quantile(v, 0.5) if v else None
+
+
+_PRINT_LOCK = threading.Lock()
+
+
+def emit(line, stream=None):
+    """Print a line. A reader that went away (`| head`, a closed terminal) never stops the run: the
+    stream's descriptor is pointed at /dev/null and the run goes on to its verdict and its JSON."""
+    with _PRINT_LOCK:
+        stream = stream or sys.stdout
+        try:
+            stream.write(line + "\n")
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+            drop_stream(stream)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.EIO):
+                raise
+            drop_stream(stream)
+
+
+def drop_stream(stream):
+    """Point a dead stream's descriptor at /dev/null: later writes and the flush at exit are silent."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
+    except (OSError, ValueError):
+        pass
+
+
+def flush_all():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            drop_stream(stream)
+
+
+def first_line(exc):
+    """The one informative line of an exception (no C++ frames, source paths or chatter)."""
+    text = str(exc).strip()
+    for ln in text.splitlines():
+        ln = ln.strip()
+        if ln and not ln.startswith(("Exception raised from", "frame #")):
+            ln = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", ln)
+            ln = re.split(r"\.? This is typically caused", ln)[0]
+            return f"{type(exc).__name__}: {ln[:300]}"
+    return type(exc).__name__
+
+
+def is_tool_error(exc):
+    """An exception that says nothing about the cluster: a bug in the tool (check `internal`, exit 4, no
+    host blamed). torch reports distributed, CUDA and NCCL failures as RuntimeError (DistError,
+    DistBackendError, OutOfMemoryError, AcceleratorError), the network as OSError or TimeoutError."""
+    return not isinstance(exc, (RuntimeError, OSError, TimeoutError, MemoryError))
+
+
+def where_raised(exc):
+    """The innermost function of this file in the exception's traceback ('?' when none)."""
+    import traceback
+    here = os.path.abspath(__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == here]
+    return frames[-1].name if frames else "?"
+
+
+def internal_finding(exc, who):
+    """The FAIL for the tool's own error: `<exception> in <function>`, no host, exit 4."""
+    return finding("internal", "FAIL", f"{first_line(exc)} in {where_raised(exc)} ({who}): a bug in the tool, not "
+                   f"a fault of the cluster: no host is blamed (the traceback is on stderr)", code=EXIT_INTERNAL)
+
+
+def print_traceback(exc):
+    import traceback
+    with contextlib.suppress(Exception):
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+
+
+class Verdict(Exception):
+    """The run ends here with this exit code; `findings` are added to what rank 0 reports."""
+
+    def __init__(self, code, findings=()):
+        super().__init__(code)
+        self.code, self.findings = code, list(findings)
+
+
+def failed(check, reason, code=EXIT_FAIL, hosts=(), ranks=()):
+    return Verdict(code, [finding(check, "FAIL", reason, hosts, ranks, code=code)])
+
+
+def _counts(findings):
+    return ", ".join(f"{sum(f['status'] == s for f in findings)} {s}" for s in ("PASS", "WARN", "FAIL"))
+
+
+
+# ============================================================================ aiv/deadlines.py
+# Floor 1: every bound in one table (deadlines()), the small waits beside it, the watchdog and
+TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
+ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
+NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name the culprits, publish
+RANK0_GRACE = 15.0        # the other ranks wait this long past their own bound before speaking for rank 0
+ACKS_S = 5.0              # rank 0 keeps its store up this long for live ranks to read the verdict
+ACKS_SIGNALLED_S = 1.0    # ... or this long once rank 0 itself was signalled (the others are, too: KillWait runs)
+ERROR_GRACE = 2.0         # after the first error report: time for other reports and liveness to arrive
+MANIFEST_LOCK_S = 10.0    # rank 0 at the verdict: the most it waits for another job's lock on a --save-manifest file
+LOCK_RETRY_S = 0.2        # how often that lock is tried again (non-blocking) while another job holds it
+# The small waits inside a phase, each also inside the phase's bound (the table below):
+NCCL_RELAY_S = 1.0        # a rank's exit: the most it waits for another thread relaying its NCCL WARN lines
+STORE_OP_S = 1.0          # one store operation off the main thread (a report after a signal, a clone, a counter)
+AUDIT_S = 1.0             # rank 0 at the verdict: every value on the store checked once more (StoreProtocol.audit)
+FORGED_POLL_S = 0.1       # a reader that refused a value not of this run looks again this often, within its wait
+SNAPSHOT_S = 1.5          # rank 0, after a signal: one read of liveness, of the stamps and of the reports
+TERM_REPORTS_S = 0.5      # rank 0, after a signal: time for the other ranks' "terminated" reports to arrive
+TORCH_BACKSTOP_S = 30.0   # torch's own process-group timeout lies this far past our bound: ours fires first
+IMPORT_PROBE_S = 60.0     # torchvision/torchaudio import probe: at most this, T/2 at the verdict, T/4 before the screen
+MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks are gone already: the run ended)
+PROBE_CONNECT_S = 0.8     # a raw TCP connect that tells "no listener" from "a listener that never answers"
+MARK_TTL = 30.0           # seconds a node's "said" marker silences its siblings; an older one is another run's
+DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scontrol calls (show, update) together
+NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
+                          # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
+LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
+
+PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-intra", "screen-pairs", "screen-suspect",
+          "soak", "collective", "ddp", "bandwidth", "final")
+FAN_IN = {"telemetry": "telemetry", "ddp": "results"}  # phase -> what each rank posts to rank 0 through the store
+SCREEN_PHASES = ("screen-gpu", "screen-intra", "screen-pairs", "screen-suspect")  # skipped with --skip-screen
+PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
+               "screen-gpu": "gpu-perf", "screen-intra": "intra-node", "screen-pairs": "inter-node",
+               "screen-suspect": "inter-node", "soak": "soak",
+               "collective": "collective", "ddp": "ddp", "bandwidth": "bandwidth", "final": "verdict"}
+PHASE_WHAT = {"local": "import torch and the local checks", "rollcall": "the roll call",
+              "init": "init_process_group", "telemetry": "the telemetry gather and judge",
+              "screen-gpu": "the GPU screen (matmul and memory copy)",
+              "screen-intra": "the intra-node all_reduce screen", "screen-pairs": "the inter-node pair rounds",
+              "screen-suspect": "the suspect round and the screen's judgement",
+              "soak": "the soak (sustained matmul on every GPU at once)",
+              "collective": "all_reduce of rank-encoded integers", "ddp": "the DDP step and results gather",
+              "bandwidth": "the bandwidth probe", "final": "the verdict"}
+
+
+def deadlines(timeout, rollcall_timeout, soak=0.0):
+    """The one table of bounds: phase -> seconds. `local` and `rollcall` get --rollcall-timeout, `soak`
+    its --soak seconds + --timeout (the load itself, then what any phase does), every other
+    later phase --timeout; `manifest-lock` (MANIFEST_LOCK_S, not a phase) bounds the wait for a
+    --save-manifest file's lock at the verdict. Invariant (checked by a test): rank 0 names the culprits
+    within a phase's bound + NAMING_S, which is below the other ranks' backstop (bound + RANK0_GRACE), so rank 0
+    reports before anyone gives up on it."""
+    table = {p: float(timeout) for p in PHASES}
+    table["local"] = table["rollcall"] = float(rollcall_timeout)
+    table["soak"] = float(timeout) + float(soak)
+    table["manifest-lock"] = MANIFEST_LOCK_S  # not a phase: part of the verdict, with --save-manifest only
+    return table
+
+
+def worst_case(table, bandwidth=False, screen=True, soak=False):
+    """The longest a run can take to its verdict: every phase at its bound, then naming and acks."""
+    return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
+               and (screen or p not in SCREEN_PHASES)) + NAMING_S + ACKS_S
+
+
+def live_period(nodes):
+    """Seconds between a node monitor's posts (and its leader's beats): two operations per node per
+    period keep rank 0's store under ~1,000 operations per second up to 1,000 nodes (8,000 ranks at 8 per
+    node). Capped at 2 s, so that two periods fit in the NAMING_S - 1 seconds rank 0 waits for fresh
+    liveness; past 1,000 nodes that costs nodes operations per second."""
+    return min(2.0, max(1.0, nodes / 500.0))
+
+
+def bounded(fn, seconds, default=None):
+    """fn() on a thread of its own; `default` when it raises or takes longer than `seconds`."""
+    box = []
+
+    def call():
+        with contextlib.suppress(Exception):
+            box.append(fn())
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(seconds)
+    return box[0] if box else default
+
+
+class Watchdog:
+    """Bounds the phase in progress from a thread of its own. While armed it calls tick(phase) every
+    `period` seconds and expire(phase) once the bound passes; both may end the process with
+    os._exit, which works while the main thread is blocked in a collective (a signal handler would
+    run only after the collective returned)."""
+
+    def __init__(self, expire, tick=None, period=1.0):
+        self.expire, self.tick, self.period = expire, tick, period
+        self._cv = threading.Condition()
+        self._armed = None
+        threading.Thread(target=self._loop, name="aiv-watchdog", daemon=True).start()
+
+    def arm(self, phase, seconds):
+        with self._cv:
+            self._armed = (phase, time.monotonic() + seconds)
+            self._cv.notify()
+
+    def disarm(self):
+        with self._cv:
+            self._armed = None
+            self._cv.notify()
+
+    def _loop(self):
+        while True:
+            with self._cv:
+                while self._armed is None:
+                    self._cv.wait()
+                armed = self._armed
+                self._cv.wait(max(0.0, min(self.period, armed[1] - time.monotonic())))
+                if self._armed != armed:
+                    continue
+                expired = time.monotonic() >= armed[1]
+            if expired:
+                self.expire(armed[0])
+                with self._cv:  # once per arming (expire usually ends the process)
+                    if self._armed == armed:
+                        self._armed = None
+            elif self.tick is not None:
+                try:
+                    self.tick(armed[0])
+                except Exception:
+                    pass
+
+
+
+# ============================================================================ aiv/files.py
+# Floor 1: files the tool writes (JSON, page, metrics, manifest): atomic replace and cross-job locks.
+class LockTimeout(Exception):
+    """The manifest's lock file stayed held by another job for the whole MANIFEST_LOCK_S."""
+
+
+@contextlib.contextmanager
+def _file_lock(path, budget=None):
+    """Serialise read-merge-write of one manifest across jobs with a `.NAME.lock` file beside it. The lock is
+    tried without blocking (LOCK_NB) every LOCK_RETRY_S until budget seconds (MANIFEST_LOCK_S) have passed,
+    then LockTimeout: a hung holder or a stuck lock on shared storage never hangs the verdict. A directory
+    where no lock file can be created (or a file system without flock) is not locked (best effort)."""
+    budget = MANIFEST_LOCK_S if budget is None else budget
+    try:
+        fd = os.open(os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.lock"),
+                     os.O_CREAT | os.O_RDWR, _new_file_mode(path))
+    except OSError:
+        fd = None
+    try:
+        _take_lock(fd, time.monotonic() + budget, budget)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _take_lock(fd, until, budget):
+    while fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= until:
+                raise LockTimeout(f"another job held its lock file for {budget:g}s") from None
+            time.sleep(min(LOCK_RETRY_S, max(0.0, until - time.monotonic())))
+        except OSError:
+            return  # flock unsupported here: unlocked, as before
+
+
+def _new_file_mode(path):
+    """The mode a file at path gets: an existing file's own mode, else 0666 & ~umask (0644 under 022), as
+    open(2) would give it, so that a teammate can read a verdict JSON or manifest the umask lets them."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
+def write_text_atomic(path, text, suffix=".tmp", first=False):
+    """Write text to path atomically: a temporary file beside it whose name never ends like the target (a
+    textfile collector reading *.prom never reads half a file), with the mode _new_file_mode gives (mkstemp's
+    own 0600 would hide the file from everyone else), then a rename. first: only when no file is there yet
+    (the first writer wins, atomically: a hard link that fails when the path exists), for the ranks and the
+    batch file that write a verdict when rank 0 left none. -> whether it was written."""
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    mode = _new_file_mode(path)
+    fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=suffix, dir=d)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if not first:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path, data, first=False):
+    """data as JSON, through write_text_atomic."""
+    return write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True, default=str) + "\n", ".json", first)
+
+
+
+# ============================================================================ aiv/contract.py
+# Floor 2: the launch contract: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, the Slurm and
 OWN_VARS = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID")  # differ per rank: rank 0 cannot see them
 
 
@@ -560,93 +889,25 @@ def launcher_expectations(env):
     return out
 
 
-# ============================================================================ deadlines
-TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
-ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
-NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name the culprits, publish
-RANK0_GRACE = 15.0        # the other ranks wait this long past their own bound before speaking for rank 0
-ACKS_S = 5.0              # rank 0 keeps its store up this long for live ranks to read the verdict
-ACKS_SIGNALLED_S = 1.0    # ... or this long once rank 0 itself was signalled (the others are, too: KillWait runs)
-ERROR_GRACE = 2.0         # after the first error report: time for other reports and liveness to arrive
-MANIFEST_LOCK_S = 10.0    # rank 0 at the verdict: the most it waits for another job's lock on a --save-manifest file
-LOCK_RETRY_S = 0.2        # how often that lock is tried again (non-blocking) while another job holds it
-# The small waits inside a phase, each also inside the phase's bound (the table below):
-NCCL_RELAY_S = 1.0        # a rank's exit: the most it waits for another thread relaying its NCCL WARN lines
-STORE_OP_S = 1.0          # one store operation off the main thread (a report after a signal, a clone, a counter)
-AUDIT_S = 1.0             # rank 0 at the verdict: every value on the store checked once more (StoreProtocol.audit)
-FORGED_POLL_S = 0.1       # a reader that refused a value not of this run looks again this often, within its wait
-SNAPSHOT_S = 1.5          # rank 0, after a signal: one read of liveness, of the stamps and of the reports
-TERM_REPORTS_S = 0.5      # rank 0, after a signal: time for the other ranks' "terminated" reports to arrive
-TORCH_BACKSTOP_S = 30.0   # torch's own process-group timeout lies this far past our bound: ours fires first
-IMPORT_PROBE_S = 60.0     # torchvision/torchaudio import probe: at most this, T/2 at the verdict, T/4 before the screen
-MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks are gone already: the run ended)
-PROBE_CONNECT_S = 0.8     # a raw TCP connect that tells "no listener" from "a listener that never answers"
-MARK_TTL = 30.0           # seconds a node's "said" marker silences its siblings; an older one is another run's
-DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scontrol calls (show, update) together
-NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
-                          # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
-LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
-
-PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-intra", "screen-pairs", "screen-suspect",
-          "soak", "collective", "ddp", "bandwidth", "final")
-FAN_IN = {"telemetry": "telemetry", "ddp": "results"}  # phase -> what each rank posts to rank 0 through the store
-SCREEN_PHASES = ("screen-gpu", "screen-intra", "screen-pairs", "screen-suspect")  # skipped with --skip-screen
-PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
-               "screen-gpu": "gpu-perf", "screen-intra": "intra-node", "screen-pairs": "inter-node",
-               "screen-suspect": "inter-node", "soak": "soak",
-               "collective": "collective", "ddp": "ddp", "bandwidth": "bandwidth", "final": "verdict"}
-PHASE_WHAT = {"local": "import torch and the local checks", "rollcall": "the roll call",
-              "init": "init_process_group", "telemetry": "the telemetry gather and judge",
-              "screen-gpu": "the GPU screen (matmul and memory copy)",
-              "screen-intra": "the intra-node all_reduce screen", "screen-pairs": "the inter-node pair rounds",
-              "screen-suspect": "the suspect round and the screen's judgement",
-              "soak": "the soak (sustained matmul on every GPU at once)",
-              "collective": "all_reduce of rank-encoded integers", "ddp": "the DDP step and results gather",
-              "bandwidth": "the bandwidth probe", "final": "the verdict"}
+SECRET_VAR, SECRET_MIN = "AIV_JOB_SECRET", 32  # the job's secret: the batch file and local mode make 64 hex digits
 
 
-def deadlines(timeout, rollcall_timeout, soak=0.0):
-    """The one table of bounds: phase -> seconds. `local` and `rollcall` get --rollcall-timeout, `soak`
-    its --soak seconds + --timeout (the load itself, then what any phase does), every other
-    later phase --timeout; `manifest-lock` (MANIFEST_LOCK_S, not a phase) bounds the wait for a
-    --save-manifest file's lock at the verdict. Invariant (checked by a test): rank 0 names the culprits
-    within a phase's bound + NAMING_S, which is below the other ranks' backstop (bound + RANK0_GRACE), so rank 0
-    reports before anyone gives up on it."""
-    table = {p: float(timeout) for p in PHASES}
-    table["local"] = table["rollcall"] = float(rollcall_timeout)
-    table["soak"] = float(timeout) + float(soak)
-    table["manifest-lock"] = MANIFEST_LOCK_S  # not a phase: part of the verdict, with --save-manifest only
-    return table
+def job_secret(env):
+    """The job's secret (bytes), None when unset; UsageError when it is too weak to authenticate. The
+    value is never echoed: not here, not in the report, the JSON or the manifest."""
+    raw = env.get(SECRET_VAR)
+    if raw is None:
+        return None
+    if len(raw.strip()) < SECRET_MIN:
+        raise UsageError(f"{SECRET_VAR} is set but holds {len(raw.strip())} character(s), fewer than {SECRET_MIN}: too "
+                         "weak to authenticate the side channel; unset it, or export a fresh one: export "
+                         f"{SECRET_VAR}=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
+    return raw.strip().encode()
 
 
-def worst_case(table, bandwidth=False, screen=True, soak=False):
-    """The longest a run can take to its verdict: every phase at its bound, then naming and acks."""
-    return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
-               and (screen or p not in SCREEN_PHASES)) + NAMING_S + ACKS_S
 
-
-def live_period(nodes):
-    """Seconds between a node monitor's posts (and its leader's beats): two operations per node per
-    period keep rank 0's store under ~1,000 operations per second up to 1,000 nodes (8,000 ranks at 8 per
-    node). Capped at 2 s, so that two periods fit in the NAMING_S - 1 seconds rank 0 waits for fresh
-    liveness; past 1,000 nodes that costs nodes operations per second."""
-    return min(2.0, max(1.0, nodes / 500.0))
-
-
-def fd_limit_problem(world, nodes):
-    """Rank 0's store holds two connections per rank (main and listener) and two per node (its monitor and
-    its leader's beat). Raise the soft RLIMIT_NOFILE to the hard limit; a hard limit too low is a message, else None."""
-    need = 2 * world + 2 * nodes + 64
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < need:
-        return (f"the open-files hard limit (ulimit -Hn) is {hard}, below the {need} the store needs for "
-                f"{world} ranks on {nodes} node(s) (2 per rank + 2 per node + 64): raise it for the job")
-    if soft != resource.RLIM_INFINITY and soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return None
-
-
-# ============================================================================ options
+# ============================================================================ aiv/options.py
+# Floor 2: the one parser of flags and AIV_* variables (one grammar for both; the command line wins).
 # One grammar for every flag and AIV_* variable: on = 1/on/yes/true, off = 0/off/no/false (any case);
 # sizes are bytes with binary K/M/G suffixes (1M = 2^20); an empty value is a mistake, not a default.
 # Converters raise ValueError(the predicate: "is not a number"); parse_args names the flag or the
@@ -777,7 +1038,7 @@ def _epilog():
 
 
 def build_parser():
-    p = _Parser(prog="ddp_mesh_ping.py", description=__doc__.split("\n")[0], add_help=False, allow_abbrev=False,
+    p = _Parser(prog="ddp_mesh_ping.py", description=DESCRIPTION, add_help=False, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     _opt(p, "--backend", _backend, "auto", "auto: nccl when CUDA is available, else gloo", default="auto",
@@ -917,7 +1178,26 @@ def parse_args(argv, env):
     return ns
 
 
-# ============================================================================ interfaces
+# Where the verdict goes besides the log and the JSON: Slurm's node state (drain), Prometheus text, one
+# page. Each is planned or rendered by a pure function of the verdict's state; only drain_apply acts.
+DRAIN_MODES = ("off", "recommend", "on")
+DRAIN_PREFIX = "aiv:"       # the reason's owned prefix: a site finds (and resumes) our drains by it
+
+
+# --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the
+# interpreter, torch and a gloo group; measured with 2 and 4 ranks), and the node's import probe and
+# liveness monitor add ~0.3 GiB once: 512 MiB per CPU rank covers both. A rank that drives a GPU also
+# holds a CUDA context in host memory: 1.5 GiB. A rank is idle but for its start (import torch, 1-2
+# CPU seconds) and milliseconds of collectives, so 4 ranks per core start within seconds, far inside
+# the roll-call bound, and leave the machine usable. Only an explicit --nproc is held to this rule.
+RANKS_PER_CORE = 4
+RANK_MEM_CPU = 512 << 20
+RANK_MEM_GPU = 1536 << 20
+
+
+
+# ============================================================================ aiv/interfaces.py
+# Floor 2: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME against the host's interfaces, and the lines of NCCL's
 SIOCGIFFLAGS, SIOCGIFADDR, IFF_UP = 0x8913, 0x8915, 0x1
 
 
@@ -1090,7 +1370,23 @@ def nccl_debug_file(env, host=None, pid=None):
     return re.sub(r"%([hp%])", lambda m: {"h": host, "p": str(pid or os.getpid()), "%": "%"}[m.group(1)], spec)
 
 
-# ============================================================================ collect
+NCCL_TRANSPORTS = ("P2P", "SHM", "NET/Socket", "NET/IB", "COLLNET", "NVLS", "NET/other")
+
+
+def parse_nccl_transport(text):
+    """Transports NCCL chose, from its own INFO lines ('Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM')."""
+    found = set()
+    for m in re.finditer(r" via (P2P|SHM|NET/\w+|COLLNET|CollNet|NVLS)", text):
+        k = m.group(1)
+        if k.startswith("NET/") and k not in NCCL_TRANSPORTS:
+            k = "NET/other"
+        found.add(k.upper() if k in ("CollNet",) else k)
+    return sorted(found)
+
+
+
+# ============================================================================ aiv/collect.py
+# Floor 2: facts of a rank and its node (GPUs, driver, IB ports, PCIe, NUMA, packages, import probe),
 def count_visible_gpus(env, root="/"):
     """GPU count without importing torch (for the local launcher)."""
     cvd = env.get("CUDA_VISIBLE_DEVICES")
@@ -1410,7 +1706,63 @@ def torch_versions(torch_mod):
             "python": ".".join(map(str, sys.version_info[:3]))}
 
 
-# ============================================================================ screen collect
+def ib_hca_select(spec, ports):
+    """Ports NCCL_IB_HCA selects: 'mlx5_0:1,mlx5_1' prefixes; '=' exact; '^' exclude."""
+    if not spec:
+        return ports
+    spec = spec.strip()
+    exclude = spec.startswith("^")
+    spec = spec[1:] if exclude else spec
+    exact = spec.startswith("=")
+    spec = spec[1:] if exact else spec
+    pats = [p.strip() for p in spec.split(",") if p.strip()]
+
+    def hit(port):
+        dev, num = port["port"].split(":")
+        for p in pats:
+            pd, _, pn = p.partition(":")
+            if (dev == pd if exact else dev.startswith(pd)) and (not pn or pn == num):
+                return True
+        return False
+    return [p for p in ports if hit(p) != exclude]
+NODE_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")
+PCI_LINK_FILES = ("current_link_width", "current_link_speed", "max_link_width", "max_link_speed")
+
+
+def node_env(env):
+    """A node's own NCCL_/GLOO_/TORCH_NCCL_ settings, through the report's allow-list (safe_env)."""
+    return {k: v for k, v in safe_env(env).items() if k.startswith(NODE_ENV_PREFIXES)}
+
+
+def pci_link(root, pci):
+    """PCIe link facts of a device from sysfs: widths as lanes, speeds in GT/s; None where absent."""
+    out = dict.fromkeys(PCI_LINK_FILES)
+    for name in PCI_LINK_FILES if pci else ():
+        m = re.match(r"\s*(\d+(?:\.\d+)?)", read_text(os.path.join(root, "sys/bus/pci/devices", pci.lower(), name))
+                     or "")
+        if m:
+            out[name] = int(float(m.group(1))) if name.endswith("width") else float(m.group(1))
+    return out
+
+
+# -- facts read under load: the GPU's PCIe link, clock limits, ECC and row remapping
+THROTTLE_IGNORED = 0x1 | 0x2   # GPU idle, application clocks setting: not a slowdown
+THROTTLE_REASONS = {0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x10: "sync-boost", 0x20: "sw-thermal",
+                    0x40: "hw-thermal", 0x80: "hw-power-brake", 0x100: "display-clocks"}
+THROTTLE_FAULTS = 0x8 | 0x20 | 0x40 | 0x80  # heat, a power brake or the board slowing the clocks: a WARN
+
+
+def throttle_names(mask):
+    """Names of the active clock limits in an NVML bitmask, the idle and application-clock bits left out."""
+    mask = int(mask or 0) & ~THROTTLE_IGNORED
+    names = [n for bit, n in sorted(THROTTLE_REASONS.items()) if mask & bit]
+    rest = mask & ~sum(THROTTLE_REASONS)
+    return names + ([hex(rest)] if rest else [])
+
+
+
+# ============================================================================ aiv/measure.py
+# Floor 2: what the performance screen and the soak measure: nvidia-smi, the device-timed GPU
 # What the performance screen measures (section `screen` judges it). GPU: each measurement runs about
 # SCREEN_TARGET_S of timed work after a warm-up, in SCREEN_BLOCKS device-synchronised blocks, and the
 # median block counts. CPU (gloo runs, CI): tiny sizes on one thread and the best block, because the
@@ -1981,7 +2333,10 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None):
             "tflops_last": windows[-1] if windows else None, "telemetry": sampler.source,
             **soak_summary(samples)}
 
-# ============================================================================ judge
+
+
+# ============================================================================ aiv/judge.py
+# Floor 3: pure checks of plain data -> findings (PASS / WARN / FAIL with hosts and ranks), and who is
 def _by_host(records):
     hosts = {}
     for r in records:
@@ -2227,27 +2582,6 @@ def judge_imports(records):
     return out
 
 
-def ib_hca_select(spec, ports):
-    """Ports NCCL_IB_HCA selects: 'mlx5_0:1,mlx5_1' prefixes; '=' exact; '^' exclude."""
-    if not spec:
-        return ports
-    spec = spec.strip()
-    exclude = spec.startswith("^")
-    spec = spec[1:] if exclude else spec
-    exact = spec.startswith("=")
-    spec = spec[1:] if exact else spec
-    pats = [p.strip() for p in spec.split(",") if p.strip()]
-
-    def hit(port):
-        dev, num = port["port"].split(":")
-        for p in pats:
-            pd, _, pn = p.partition(":")
-            if (dev == pd if exact else dev.startswith(pd)) and (not pn or pn == num):
-                return True
-        return False
-    return [p for p in ports if hit(p) != exclude]
-
-
 def judge_fabric(records, ib_hca=None):
     """IB ports (those NCCL_IB_HCA names, when set) ACTIVE and at their siblings' rate."""
     out = []
@@ -2437,20 +2771,6 @@ def judge_collectives(results, world_size, host_of=None):
     return out
 
 
-NCCL_TRANSPORTS = ("P2P", "SHM", "NET/Socket", "NET/IB", "COLLNET", "NVLS", "NET/other")
-
-
-def parse_nccl_transport(text):
-    """Transports NCCL chose, from its own INFO lines ('Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM')."""
-    found = set()
-    for m in re.finditer(r" via (P2P|SHM|NET/\w+|COLLNET|CollNet|NVLS)", text):
-        k = m.group(1)
-        if k.startswith("NET/") and k not in NCCL_TRANSPORTS:
-            k = "NET/other"
-        found.add(k.upper() if k in ("CollNet",) else k)
-    return sorted(found)
-
-
 def judge_transport(records, ib_disable=None):
     """Per node, the transport NCCL used; sockets between nodes while IB is ACTIVE is a FAIL
     (every correctness check passes, at ~1/100 of the bandwidth)."""
@@ -2597,9 +2917,42 @@ def _ranks_on_hosts(ranks, host_of, limit=16):
     items = [f"{format_ranges(rs)} ({h})" for h, rs in list(by_host.items())[:limit]]
     more = f" and {len(by_host) - limit} more node(s)" if len(by_host) > limit else ""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(items) + more
+SCREEN_QUARTILE_MIN = 4     # fewer values: the reference is their maximum
+SCREEN_SPREAD_MIN = 8       # fewer values: no noise estimate (the WARN fraction alone decides)
 
 
-# ============================================================================ manifest
+def screen_reference(values):
+    """Robust reference of peer measurements (None values are skipped).
+    -> {'ref': float|None, 'spread': float, 'count': int, 'how': 'upper quartile'|'maximum'}.
+    ref: the upper quartile, or the maximum below SCREEN_QUARTILE_MIN values. spread: the peers'
+    standard deviation estimated from the upper half of the values only (their population standard
+    deviation / 0.6028, the ratio for the upper half of a normal distribution), so low outliers do not
+    widen it; 0.0 below SCREEN_SPREAD_MIN values."""
+    v = sorted(float(x) for x in values if x is not None)
+    n = len(v)
+    if not n:
+        return {"ref": None, "spread": 0.0, "count": 0, "how": "maximum"}
+    quart = n >= SCREEN_QUARTILE_MIN
+    spread = 0.0
+    if n >= SCREEN_SPREAD_MIN:
+        top = v[n // 2:]
+        mean = sum(top) / len(top)
+        spread = math.sqrt(sum((x - mean) ** 2 for x in top) / len(top)) / 0.6028
+    return {"ref": _screen_quantile(v, 0.75) if quart else v[-1], "spread": spread, "count": n,
+            "how": "upper quartile" if quart else "maximum"}
+
+
+def _import_state(st):
+    if not st:
+        return "-"
+    if st.get("ok"):
+        return st.get("version") or "?"
+    return "missing" if "ModuleNotFoundError" in (st.get("error") or "") else "BROKEN"
+
+
+
+# ============================================================================ aiv/manifest.py
+# Floor 3: the cluster manifest: --save-manifest, --manifest (drift is a finding), --diff-manifest.
 # Accept once, gate forever. --save-manifest PATH writes the state a PASS saw (its WARNs recorded as
 # accepted), grouped by node class and keeping the hosts each value was accepted on; --manifest PATH
 # judges later runs against it (check `manifest`); --diff-manifest A B prints what changed between two
@@ -2609,28 +2962,10 @@ def _ranks_on_hosts(ranks, host_of, limit=16):
 # field is a list of variants {'value': v, 'hosts': hostlist} (see the README's schema).
 MANIFEST_SCHEMA_VERSION = 2  # 1: classes and bands keyed by the job's GPUs; refused with how to re-save
 MANIFEST_TOOL = "ai-infra-validator"
-NODE_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")
-PCI_LINK_FILES = ("current_link_width", "current_link_speed", "max_link_width", "max_link_speed")
 INTRA_TRANSPORTS = ("P2P", "SHM", "NVLS")  # the rest (NET/*, COLLNET) carry the path between nodes
 TRANSPORT_RANK = {"NET/Socket": 0, "NET/other": 1, "SHM": 2, "P2P": 3, "NET/IB": 4, "COLLNET": 5, "NVLS": 5}
 BAND_MIN_RUNS = 3  # a speed band judges only once this many accepted runs built it (see merge_bands)
 BAND_WINDOW = 5    # a band spans the last this many accepted runs (older ones age out; see merge_bands)
-
-
-def node_env(env):
-    """A node's own NCCL_/GLOO_/TORCH_NCCL_ settings, through the report's allow-list (safe_env)."""
-    return {k: v for k, v in safe_env(env).items() if k.startswith(NODE_ENV_PREFIXES)}
-
-
-def pci_link(root, pci):
-    """PCIe link facts of a device from sysfs: widths as lanes, speeds in GT/s; None where absent."""
-    out = dict.fromkeys(PCI_LINK_FILES)
-    for name in PCI_LINK_FILES if pci else ():
-        m = re.match(r"\s*(\d+(?:\.\d+)?)", read_text(os.path.join(root, "sys/bus/pci/devices", pci.lower(), name))
-                     or "")
-        if m:
-            out[name] = int(float(m.group(1))) if name.endswith("width") else float(m.group(1))
-    return out
 
 
 def _always_fail(old, new):
@@ -3240,43 +3575,6 @@ def manifest_refusal(state):
     return ""
 
 
-class LockTimeout(Exception):
-    """The manifest's lock file stayed held by another job for the whole MANIFEST_LOCK_S."""
-
-
-@contextlib.contextmanager
-def _file_lock(path, budget=None):
-    """Serialise read-merge-write of one manifest across jobs with a `.NAME.lock` file beside it. The lock is
-    tried without blocking (LOCK_NB) every LOCK_RETRY_S until budget seconds (MANIFEST_LOCK_S) have passed,
-    then LockTimeout: a hung holder or a stuck lock on shared storage never hangs the verdict. A directory
-    where no lock file can be created (or a file system without flock) is not locked (best effort)."""
-    budget = MANIFEST_LOCK_S if budget is None else budget
-    try:
-        fd = os.open(os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.lock"),
-                     os.O_CREAT | os.O_RDWR, _new_file_mode(path))
-    except OSError:
-        fd = None
-    try:
-        _take_lock(fd, time.monotonic() + budget, budget)
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def _take_lock(fd, until, budget):
-    while fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= until:
-                raise LockTimeout(f"another job held its lock file for {budget:g}s") from None
-            time.sleep(min(LOCK_RETRY_S, max(0.0, until - time.monotonic())))
-        except OSError:
-            return  # flock unsupported here: unlocked, as before
-
-
 BAND_SLACK = 0.9      # a measurement below this fraction of its band's lowest accepted value is "below the band"
 BAND_SLACK_CPU = 0.1  # on CPU ranks share cores: only a collapse counts (as in the screen's own judge)
 
@@ -3439,7 +3737,9 @@ def run_diff_manifest(paths):
     return EXIT_FAIL if lines else EXIT_PASS
 
 
-# ============================================================================ screen
+
+# ============================================================================ aiv/screen_plan.py
+# Floor 3: the performance screen's plan: rounds of node pairs per rail, suspects, re-measurements,
 # The performance screen finds the slow or broken part: a GPU, a node's NVLink/PCIe, a node's NIC on
 # one rail, a whole node's network, or one path between two nodes. The runtime measures; these pure
 # functions plan the rounds and judge plain data. Units: TFLOPS = 1e12 FLOP/s, GB/s = 1e9 B/s.
@@ -3472,73 +3772,8 @@ SCREEN_NET_FAIL = 0.70      # all_reduce busbw (intra-node group, inter-node pai
 SCREEN_NET_WARN = 0.85      # ... below 0.85: WARN
 SCREEN_CPU_FAIL = 0.10      # cpu=True: FAIL only below 0.10 of the reference and never WARN (ranks share cores)
 SCREEN_NOISE_SIGMAS = 6.0   # a WARN must also lie this many peer standard deviations below the reference
-SCREEN_QUARTILE_MIN = 4     # fewer values: the reference is their maximum
-SCREEN_SPREAD_MIN = 8       # fewer values: no noise estimate (the WARN fraction alone decides)
 SCREEN_REMEASURE_ROUNDS = 3  # after each pair round: slow measurements re-measured (r1 all, r2 and r3 half each)
 SCREEN_LIST_MAX = 16        # more flagged GPUs or nodes than this: one finding lists the first ones and a count
-SCREEN_RENDER_ALL = 16      # up to this many nodes the PERFORMANCE section shows every node and every group
-SCREEN_RENDER_SLOW = 32     # beyond that, at most this many slow groups are listed (then a count)
-
-
-# Per-model table: what a healthy GPU of a model reaches in this screen's own measurements (the
-# SCREEN_MATMUL_N^3 bf16 matmul, the SCREEN_COPY_BYTES device copy counted read + write). Peers cannot
-# see what all of them share (a second job on every GPU, a node or a cluster slow throughout, a job on
-# one GPU), so a GPU whose model has a row is ALSO judged against it, whatever the number of its peers:
-# below SCREEN_TABLE_FAIL of the row FAIL, below SCREEN_TABLE_WARN WARN. Rows sit below what healthy
-# GPUs reach (a false FAIL stops a job for nothing); a row taken from a spec or another benchmark rather
-# than measured by this tool sits lower still. Key: the name torch reports (torch.cuda.get_device_name),
-# lower-cased, whitespace collapsed, matched by the row's pattern; PCIe and NVL boards (lower power and
-# clocks) never match a row (GPU_TABLE_EXCLUDE). Add a row: its name, a pattern that matches only that
-# board, TFLOPS and GB/s from a clean run of this tool on a healthy, idle GPU (the screen-gpu progress
-# line) lowered by a few percent, and a comment saying where the numbers come from.
-SCREEN_TABLE_FAIL = 0.70    # GPU TFLOPS or memory GB/s below 0.70 of its model's row: FAIL
-SCREEN_TABLE_WARN = 0.85    # ... below 0.85: WARN
-GPU_TABLE_EXCLUDE = r"\b(pcie|nvl)\b"
-GPU_TABLE = (  # (row, pattern, TFLOPS, GB/s)
-    # measured by this tool on H200 SXM 141 GB: 670-686 TFLOPS, 4,212-4,213 GB/s (20 back-to-back
-    # matmuls elsewhere: 760-790); set below the lowest run. "NVIDIA H200" (not GH200, not H200 NVL)
-    ("H200 SXM", r"\bh200\b", 660.0, 4100.0),
-    # not measured here: the same GH100 compute at 700 W as the H200 (MAMF best shape 794.5 TFLOPS,
-    # stas00/ml-engineering), so below the H200 row; HBM3 spec 3,350 GB/s x 0.88 (this tool's H200 copy
-    # against its 4,800 spec) = 2,950, set conservatively at 2,800. "NVIDIA H100 80GB HBM3"
-    ("H100 SXM", r"\bh100\b.*\b(hbm3|sxm\d?)\b", 620.0, 2800.0),
-    # not measured here: MAMF 271.2 TFLOPS x 0.86 (this tool's 8192^3 against the back-to-back H200 number)
-    # = 233, set at 220; HBM2e spec 2,039 / 1,555 GB/s x 0.88 = 1,790 / 1,370, set at 1,650 / 1,250
-    ("A100 SXM 80GB", r"\ba100\b.*\bsxm\d?\b.*\b80 ?gb\b", 220.0, 1650.0),   # "NVIDIA A100-SXM4-80GB"
-    ("A100 SXM 40GB", r"\ba100\b.*\bsxm\d?\b.*\b40 ?gb\b", 220.0, 1250.0),   # "NVIDIA A100-SXM4-40GB"
-    # not measured here: MAMF 1,745 TFLOPS x 0.86 = 1,500, set at 1,350 (boards ship at 1,000 W and
-    # more); HBM3e spec 8,000 GB/s x 0.88 = 7,040, set at 6,200. "NVIDIA B200" (not GB200)
-    ("B200", r"\bb200\b", 1350.0, 6200.0),
-)
-
-
-def gpu_table_row(model):
-    """The GPU_TABLE row for a device name (case and spacing ignored) -> {'row', 'tflops', 'hbm_gbps'}, or
-    None: no row, a PCIe or NVL board, no name."""
-    name = " ".join(str(model or "").lower().split())
-    if not name or re.search(GPU_TABLE_EXCLUDE, name):
-        return None
-    for row, pattern, tflops, gbps in GPU_TABLE:
-        if re.search(pattern, name):
-            return {"row": row, "tflops": tflops, "hbm_gbps": gbps}
-    return None
-
-
-def table_level(value, ref):
-    """'FAIL', 'WARN' or 'OK' of a value against a table number (None: 'OK'); a value of None is 0.0."""
-    if not ref:
-        return "OK"
-    v = 0.0 if value is None else float(value)
-    return "FAIL" if v < SCREEN_TABLE_FAIL * ref else "WARN" if v < SCREEN_TABLE_WARN * ref else "OK"
-
-
-def _screen_key(name):
-    """Natural order of node names: gpu-2 before gpu-10."""
-    return [(0, int(t), t) if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", str(name)) if t]
-
-
-def _screen_sorted(names):
-    return sorted(set(names), key=_screen_key)
 
 
 def screen_rounds(nodes):
@@ -3597,40 +3832,6 @@ def suspect_round(suspects, passing, met=()):
     return out
 
 
-def _screen_quantile(v, q):
-    """q-quantile of the sorted list v, linear interpolation."""
-    pos = q * (len(v) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
-def _screen_median(values):
-    v = sorted(values)
-    return _screen_quantile(v, 0.5) if v else None
-
-
-def screen_reference(values):
-    """Robust reference of peer measurements (None values are skipped).
-    -> {'ref': float|None, 'spread': float, 'count': int, 'how': 'upper quartile'|'maximum'}.
-    ref: the upper quartile, or the maximum below SCREEN_QUARTILE_MIN values. spread: the peers'
-    standard deviation estimated from the upper half of the values only (their population standard
-    deviation / 0.6028, the ratio for the upper half of a normal distribution), so low outliers do not
-    widen it; 0.0 below SCREEN_SPREAD_MIN values."""
-    v = sorted(float(x) for x in values if x is not None)
-    n = len(v)
-    if not n:
-        return {"ref": None, "spread": 0.0, "count": 0, "how": "maximum"}
-    quart = n >= SCREEN_QUARTILE_MIN
-    spread = 0.0
-    if n >= SCREEN_SPREAD_MIN:
-        top = v[n // 2:]
-        mean = sum(top) / len(top)
-        spread = math.sqrt(sum((x - mean) ** 2 for x in top) / len(top)) / 0.6028
-    return {"ref": _screen_quantile(v, 0.75) if quart else v[-1], "spread": spread, "count": n,
-            "how": "upper quartile" if quart else "maximum"}
-
-
 def screen_fractions(kind, cpu=False):
     """(fail_fraction, warn_fraction or None) for kind 'gpu' or 'net'; cpu=True: (SCREEN_CPU_FAIL, None)."""
     if cpu:
@@ -3672,6 +3873,238 @@ def screen_remeasure_plan(rows, before, k, min_busbw=None, cpu=False):
     elif k > 2:
         slow = [m for m in slow if m.get("tries", 1) < 3]
     return [{"ranks": list(m["ranks"]), "nodes": list(m["nodes"]), "rail": m["rail"]} for m in slow]
+
+
+def screen_rail_refs(results):
+    """Like for like: {rail: screen_reference of that rail's measurements}. A rail whose own reference is
+    below SCREEN_NET_FAIL of the median of the rails' references (slow nearly everywhere) is judged
+    against that median instead, so a rail that is broken on most nodes still fails."""
+    refs = {rail: screen_reference(m.get("busbw") for m in results if m["rail"] == rail)
+            for rail in sorted({m["rail"] for m in results})}
+    mid = _screen_median([r["ref"] for r in refs.values() if r["ref"]])
+    for rail, r in refs.items():
+        if mid and (r["ref"] or 0.0) < SCREEN_NET_FAIL * mid:
+            refs[rail] = dict(r, ref=mid, how="median of the rails")
+    return refs
+
+
+def screen_pair_levels(results, min_busbw=None, cpu=False):
+    """-> (refs per rail, ['FAIL'|'WARN'|'OK' per measurement against its rail's reference])."""
+    fail, warn = screen_fractions("net", cpu)
+    refs = screen_rail_refs(results)
+    return refs, [screen_level(m.get("busbw"), refs[m["rail"]], fail, warn, min_busbw) for m in results]
+
+
+# -- the runtime's plain data: the rounds' groups, each rank's part, the rows the judges take, who hung
+def screen_round_label(name):
+    """'intra' -> 'the intra-node round', 'p2' -> 'round 2'."""
+    return "the intra-node round" if name == "intra" else f"round {name[1:]}"
+
+
+def screen_layout(records):
+    """{host: {local_rank: rank}} from the gathered records."""
+    by_node = {}
+    for r in records:
+        by_node.setdefault(r["host"], {})[r["local_rank"]] = r["rank"]
+    return by_node
+
+
+def screen_rail_groups(node_groups, by_node):
+    """Per group of nodes, one group per rail (a local rank present on each of them):
+    [{'ranks': sorted global ranks, 'nodes': [host, ...], 'rail': local rank}]."""
+    out = []
+    for nodes in node_groups:
+        rails = set.intersection(*(set(by_node.get(n, {})) for n in nodes))
+        out += [{"ranks": sorted(by_node[n][rail] for n in nodes), "nodes": list(nodes), "rail": rail}
+                for rail in sorted(rails)]
+    return out
+
+
+def screen_plan(records):
+    """The screen's rounds of groups, in the order they run: [(name, groups)]: 'intra' (one group of
+    all the ranks of each node with two or more, rail None), then 'p1', 'p2' (and 'p3' for three
+    nodes) from screen_rounds, one group per rail (screen_rail_groups). records: the gathered
+    records ({'rank', 'host', 'local_rank'})."""
+    by_node = screen_layout(records)
+    intra = [{"ranks": sorted(lr.values()), "nodes": [h], "rail": None}
+             for h, lr in sorted(by_node.items(), key=lambda x: _screen_key(x[0])) if len(lr) > 1]
+    return [("intra", intra)] + [(f"p{i}", screen_rail_groups(rnd, by_node))
+                                 for i, rnd in enumerate(screen_rounds(by_node), 1)]
+
+
+def screen_rank_plans(rounds, world):
+    """Each rank's part of the rounds: {rank: {name: entry}}; entry = {'mode': 'none' (no group in the
+    round), 'world' (one group of every rank: the default group serves) or 'split' (the groups are
+    split off the default group), 'g': this rank's group (sorted ranks) or None, and with 'split' for a
+    rank in no group 'other': a group of the round (NCCL's split needs one to leave)}."""
+    plans = {r: {} for r in range(world)}
+    for name, groups in rounds:
+        mode = "none" if not groups else \
+            "world" if len(groups) == 1 and groups[0]["ranks"] == list(range(world)) else "split"
+        mine = {r: g["ranks"] for g in groups for r in g["ranks"]}
+        for r in range(world):
+            e = plans[r][name] = {"mode": mode, "g": mine.get(r)}
+            if mode == "split" and r not in mine:
+                e["other"] = groups[0]["ranks"]
+    return plans
+
+
+def screen_split_groups(rounds, world):
+    """How many groups the rounds make by splitting the default group (screen_rank_plans' 'split' mode)."""
+    return sum(len(gs) for _, gs in rounds if gs and not (len(gs) == 1 and gs[0]["ranks"] == list(range(world))))
+
+
+def screen_measured(groups, posts):
+    """The groups whose members all posted a busbw, each with the slowest member's busbw and time:
+    [dict(group, busbw=, time_us=)]. posts: {rank: {'busbw', 'time_us', ...}}."""
+    out = []
+    for g in groups:
+        ps = [posts.get(r) for r in g["ranks"]]
+        if all(p and p.get("busbw") is not None for p in ps):
+            slow = min(ps, key=lambda p: p["busbw"])
+            out.append(dict(g, busbw=slow["busbw"], time_us=slow.get("time_us")))
+    return out
+
+
+def screen_pair_hca(ranks, posts, records):
+    """{host: HCA} of a pair group's ranks: what each rank's NCCL log showed (its post's 'hca'), else the
+    HCA nearest its GPU in sysfs (its record's gpu 'hca'); None where none is known ('' in a post: sockets,
+    no HCA, and no sysfs guess either)."""
+    recs = {r["rank"]: r for r in records}
+    out = {}
+    for r in ranks:
+        h = (posts.get(r) or {}).get("hca")
+        rec = recs.get(r) or {}
+        if h is None:
+            h = (rec.get("gpu") or {}).get("hca")
+        if h and rec.get("host"):
+            out[rec["host"]] = h
+    return out or None
+
+
+def screen_creation(groups, posts):
+    """Seconds a round's group creation took: per group its last member's time (the others also waited
+    for the last to arrive), the slowest group's; 0.0 when nothing was created."""
+    per = [min(posts[r].get("split_s") or 0.0 for r in g["ranks"] if r in posts)
+           for g in groups if any(r in posts for r in g["ranks"])]
+    return max(per, default=0.0)
+
+
+def screen_gpu_rows(records, posts, cpu=False):
+    """judge_gpu_perf's per_rank rows: each posting rank's record facts and its measurement, with its GPU's
+    row of its node's one nvidia-smi call (node.smi.gpus, by UUID: ECC and row remapping) where there is one."""
+    smi = {}
+    for rec in records:
+        smi.update((((rec.get("node") or {}).get("smi") or {}).get("gpus")) or {})
+    out = []
+    for rec in sorted(records, key=lambda r: r["rank"]):
+        p = posts.get(rec["rank"])
+        if p is not None:
+            g = rec.get("gpu") or {}
+            out.append({"rank": rec["rank"], "host": rec["host"], "local_rank": rec["local_rank"],
+                        "uuid": g.get("uuid"), "model": g.get("name") or ("cpu" if cpu else None),
+                        **(smi.get(g.get("uuid")) or {}), **{k: v for k, v in p.items() if k != "rank"}})
+    return out
+
+
+def _screen_group_words(g):
+    if g.get("rail") is None:
+        return f"the intra-node group of {g['nodes'][0]} (ranks {format_ranges(g['ranks'])})"
+    if len(g["nodes"]) == 2:
+        return f"link between {g['nodes'][0]} and {g['nodes'][1]} on rail {g['rail']}"
+    return f"links among {', '.join(g['nodes'])} on rail {g['rail']}"
+
+
+def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=()):
+    """Who did not finish a screen round (one FAIL finding under PHASE_CHECK[phase]), or None when every
+    rank posted every round. rounds: [(name, groups)] of the phase in the order they ran; posted: {name:
+    ranks that posted it}; how: 'did not complete within 30s', 'failed', ...; live, errors, silent_hosts
+    as judge_unfinished. The first round some rank did not post names its groups with a member missing
+    (the node pair and rail, or the node) and the missing ranks in no group of it. Culprits: the dead,
+    frozen or unreachable ranks among them, else every member of those groups (both ends of a link)."""
+    todo = [(n, gs, m) for n, gs in rounds for m in [sorted(set(range(world)) - set(posted.get(n) or ()))] if m]
+    if not todo:
+        return None
+    name, groups, missing = todo[0]
+    hung = [g for g in groups if set(g["ranks"]) & set(missing)]
+    loose = sorted(set(missing) - {r for g in hung for r in g["ranks"]})
+    kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in missing}
+    hard = [r for r in missing if kinds[r] in ("dead", "frozen", "silent")]
+    stopped = [r for r in missing if kinds[r] in ("terminated", "internal")]
+    if stopped and not hard:  # a signal or the tool's own error, not the group's link: as judge_unfinished
+        return judge_unfinished(phase, f"{screen_round_label(name)} {how}", world, host_of,
+                                {r: -1 if r in missing else PHASES.index(phase) for r in range(world)}, live, errors)
+    culprits = hard or sorted({r for g in hung for r in g["ranks"]} | set(loose))
+    what = [_screen_group_words(g) for g in hung[:8]] + ([f"{len(hung) - 8} more group(s)"] if len(hung) > 8 else [])
+    what += [f"{_ranks_on_hosts(loose, host_of)} (in no group of {screen_round_label(name)})"] if loose else []
+    states = "; ".join(f"{_ranks_on_hosts(rs, host_of)} {UNFINISHED_WORDS[k]}" for k in UNFINISHED_WORDS
+                       for rs in [[r for r in missing if kinds[r] == k]] if rs)
+    first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
+    reason = (f"{'; '.join(what)} {how} ({states}); {world - len(missing)}/{world} rank(s) finished "
+              f"{screen_round_label(name)}" + (f"; first error: {first_err}" if first_err else ""))
+    code = EXIT_FAIL if any(kinds[r] == "dead" for r in missing) else \
+        EXIT_FAIL if all(kinds[r] in ("error", "terminated") for r in missing) else EXIT_TIMEOUT
+    return finding(PHASE_CHECK[phase], "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits),
+                   culprits, code=code)
+
+
+
+# ============================================================================ aiv/screen_judge.py
+# Floor 3: the screen's and the soak's judges: per-GPU TFLOPS and GB/s against model peers and the
+SCREEN_RENDER_ALL = 16      # up to this many nodes the PERFORMANCE section shows every node and every group
+SCREEN_RENDER_SLOW = 32     # beyond that, at most this many slow groups are listed (then a count)
+
+
+# Per-model table: what a healthy GPU of a model reaches in this screen's own measurements (the
+# SCREEN_MATMUL_N^3 bf16 matmul, the SCREEN_COPY_BYTES device copy counted read + write). Peers cannot
+# see what all of them share (a second job on every GPU, a node or a cluster slow throughout, a job on
+# one GPU), so a GPU whose model has a row is ALSO judged against it, whatever the number of its peers:
+# below SCREEN_TABLE_FAIL of the row FAIL, below SCREEN_TABLE_WARN WARN. Rows sit below what healthy
+# GPUs reach (a false FAIL stops a job for nothing); a row taken from a spec or another benchmark rather
+# than measured by this tool sits lower still. Key: the name torch reports (torch.cuda.get_device_name),
+# lower-cased, whitespace collapsed, matched by the row's pattern; PCIe and NVL boards (lower power and
+# clocks) never match a row (GPU_TABLE_EXCLUDE). Add a row: its name, a pattern that matches only that
+# board, TFLOPS and GB/s from a clean run of this tool on a healthy, idle GPU (the screen-gpu progress
+# line) lowered by a few percent, and a comment saying where the numbers come from.
+SCREEN_TABLE_FAIL = 0.70    # GPU TFLOPS or memory GB/s below 0.70 of its model's row: FAIL
+SCREEN_TABLE_WARN = 0.85    # ... below 0.85: WARN
+GPU_TABLE_EXCLUDE = r"\b(pcie|nvl)\b"
+GPU_TABLE = (  # (row, pattern, TFLOPS, GB/s)
+    # measured by this tool on H200 SXM 141 GB: 670-686 TFLOPS, 4,212-4,213 GB/s (20 back-to-back
+    # matmuls elsewhere: 760-790); set below the lowest run. "NVIDIA H200" (not GH200, not H200 NVL)
+    ("H200 SXM", r"\bh200\b", 660.0, 4100.0),
+    # not measured here: the same GH100 compute at 700 W as the H200 (MAMF best shape 794.5 TFLOPS,
+    # stas00/ml-engineering), so below the H200 row; HBM3 spec 3,350 GB/s x 0.88 (this tool's H200 copy
+    # against its 4,800 spec) = 2,950, set conservatively at 2,800. "NVIDIA H100 80GB HBM3"
+    ("H100 SXM", r"\bh100\b.*\b(hbm3|sxm\d?)\b", 620.0, 2800.0),
+    # not measured here: MAMF 271.2 TFLOPS x 0.86 (this tool's 8192^3 against the back-to-back H200 number)
+    # = 233, set at 220; HBM2e spec 2,039 / 1,555 GB/s x 0.88 = 1,790 / 1,370, set at 1,650 / 1,250
+    ("A100 SXM 80GB", r"\ba100\b.*\bsxm\d?\b.*\b80 ?gb\b", 220.0, 1650.0),   # "NVIDIA A100-SXM4-80GB"
+    ("A100 SXM 40GB", r"\ba100\b.*\bsxm\d?\b.*\b40 ?gb\b", 220.0, 1250.0),   # "NVIDIA A100-SXM4-40GB"
+    # not measured here: MAMF 1,745 TFLOPS x 0.86 = 1,500, set at 1,350 (boards ship at 1,000 W and
+    # more); HBM3e spec 8,000 GB/s x 0.88 = 7,040, set at 6,200. "NVIDIA B200" (not GB200)
+    ("B200", r"\bb200\b", 1350.0, 6200.0),
+)
+
+
+def gpu_table_row(model):
+    """The GPU_TABLE row for a device name (case and spacing ignored) -> {'row', 'tflops', 'hbm_gbps'}, or
+    None: no row, a PCIe or NVL board, no name."""
+    name = " ".join(str(model or "").lower().split())
+    if not name or re.search(GPU_TABLE_EXCLUDE, name):
+        return None
+    for row, pattern, tflops, gbps in GPU_TABLE:
+        if re.search(pattern, name):
+            return {"row": row, "tflops": tflops, "hbm_gbps": gbps}
+    return None
+
+
+def table_level(value, ref):
+    """'FAIL', 'WARN' or 'OK' of a value against a table number (None: 'OK'); a value of None is 0.0."""
+    if not ref:
+        return "OK"
+    v = 0.0 if value is None else float(value)
+    return "FAIL" if v < SCREEN_TABLE_FAIL * ref else "WARN" if v < SCREEN_TABLE_WARN * ref else "OK"
 
 
 def screen_best(rows, redone):
@@ -3999,26 +4432,6 @@ def _pair_links(results, levels, culprits):
             if level != "OK" and not any((n, m["rail"]) in culprits for n in m["nodes"])]
 
 
-def screen_rail_refs(results):
-    """Like for like: {rail: screen_reference of that rail's measurements}. A rail whose own reference is
-    below SCREEN_NET_FAIL of the median of the rails' references (slow nearly everywhere) is judged
-    against that median instead, so a rail that is broken on most nodes still fails."""
-    refs = {rail: screen_reference(m.get("busbw") for m in results if m["rail"] == rail)
-            for rail in sorted({m["rail"] for m in results})}
-    mid = _screen_median([r["ref"] for r in refs.values() if r["ref"]])
-    for rail, r in refs.items():
-        if mid and (r["ref"] or 0.0) < SCREEN_NET_FAIL * mid:
-            refs[rail] = dict(r, ref=mid, how="median of the rails")
-    return refs
-
-
-def screen_pair_levels(results, min_busbw=None, cpu=False):
-    """-> (refs per rail, ['FAIL'|'WARN'|'OK' per measurement against its rail's reference])."""
-    fail, warn = screen_fractions("net", cpu)
-    refs = screen_rail_refs(results)
-    return refs, [screen_level(m.get("busbw"), refs[m["rail"]], fail, warn, min_busbw) for m in results]
-
-
 def screen_diagnose(results, min_busbw=None, cpu=False):
     """Localisation over inter-node measurements (the shapes of judge_pairs). -> {
       'ref': screen_reference of all busbw (for the report), 'refs': {rail: reference} (the judge's),
@@ -4279,8 +4692,159 @@ def screen_judged_against(screen, bands=None):
                                   screen.get("min_busbw_inter"), "min_busbw_inter", band,
                                   "none exists for inter-node busbw"))
     return out
+GPU_FACT_KEYS = ("pcie_width", "pcie_width_max", "pcie_speed", "pcie_speed_max", "sm_mhz", "sm_max_mhz",
+                 "throttle", "temp_c", "power_w", "ecc_uncorrected", "remap_pending", "remap_failure")
 
 
+def gpu_fact_problems(row):
+    """[(status, text)] for one GPU's facts (a judge_gpu_perf row with GPU_FACT_KEYS, each optional): under
+    load, PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS; from its node's one
+    nvidia-smi call (read_node_smi), uncorrected ECC errors since the driver loaded or a pending row remap
+    (WARN), a failed row remap (FAIL)."""
+    out, g = [], row.get
+    if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
+        out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
+    if g("pcie_speed") and g("pcie_speed_max") and g("pcie_speed") < g("pcie_speed_max"):
+        out.append(("WARN", f"PCIe link {g('pcie_speed'):g} of {g('pcie_speed_max'):g} GT/s under load"))
+    if int(g("throttle") or 0) & THROTTLE_FAULTS:
+        clock = f" (SM {g('sm_mhz'):g} of {g('sm_max_mhz'):g} MHz)" if g("sm_mhz") and g("sm_max_mhz") else ""
+        out.append(("WARN", f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}{clock}"))
+    if g("ecc_uncorrected"):
+        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded"))
+    if g("remap_failure"):
+        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it)"))
+    elif g("remap_pending"):
+        out.append(("WARN", "row remapping pending: reset the GPU to apply it"))
+    return out
+
+
+def judge_gpu_facts(per_rank):
+    """Findings under 'gpu-perf' from each GPU's facts (gpu_fact_problems): one per GPU
+    with a problem, or beyond SCREEN_LIST_MAX GPUs one per status listing the first ones and a count.
+    No PASS finding: judge_gpu_perf gives it."""
+    flagged = [(r, p) for r in sorted(per_rank or [], key=lambda r: r["rank"]) for p in [gpu_fact_problems(r)] if p]
+    items = [(_screen_worst([s for s, _ in p]), r, "; ".join(t for _, t in p)) for r, p in flagged]
+    return per_gpu_findings("gpu-perf", items, _gpu_who, "GPU(s) with a problem under load")
+
+
+def per_gpu_findings(check, items, who, headline):
+    """items [(status, rank record, text)] -> one finding per GPU, or beyond SCREEN_LIST_MAX GPUs one per
+    status: '<n> <headline>: ' the first ones (who(record): text) and a count of the rest."""
+    if len(items) <= SCREEN_LIST_MAX:
+        return [finding(check, st, f"{who(r)}: {txt}", [r.get("host")], [r["rank"]]) for st, r, txt in items]
+    out = []
+    for status in ("FAIL", "WARN"):
+        sel = [(r, txt) for st, r, txt in items if st == status]
+        if sel:
+            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
+            out.append(finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
+                f"{who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
+                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel]))
+    return out
+
+
+# -- the soak (--soak SECONDS): a GPU that holds its speed for a second may not hold it for a minute. A
+# failing fan, dried thermal paste, blocked airflow or a power brake shows after tens of seconds of load:
+# the matmul slows (last window against the first) or the driver reports why the clocks dropped.
+SOAK_DECAY_FAIL = 0.90   # GPU: the last window's TFLOPS below 0.90 of the first: FAIL
+SOAK_DECAY_WARN = 0.95   # ... below 0.95: WARN
+SOAK_FAULTS = 0x8 | 0x20 | 0x40 | 0x80  # HW slowdown, SW thermal, HW thermal, HW power brake: FAIL
+SOAK_POWER_CAP = 0x4     # SW power cap: normal for a GPU at full load (H100/H200); only noted, its decay judged
+
+
+def soak_problems(row, cpu=False):
+    """[(status, text)] for one GPU's soak (a judge_soak row): its speed decay (tflops_last against
+    tflops_first: below SOAK_DECAY_FAIL FAIL, below SOAK_DECAY_WARN WARN; on CPU not judged: ranks share
+    cores with each other and with whatever else runs, so their decay is that noise)
+    and clock-event reasons of SOAK_FAULTS seen in any sample (FAIL, with the samples that showed them,
+    max temperature, SM clocks and max power). A SW power cap alone is no problem; with a decay the text
+    says it was active."""
+    out, g = [], row.get
+    seen = int(g("throttle_seen") or 0)
+    cap = " while the SW power cap was active" if seen & SOAK_POWER_CAP else ""
+    first, last = g("tflops_first"), g("tflops_last")
+    if first and last is not None and first > 0:
+        ratio = last / first
+        level = None if cpu else "FAIL" if ratio < SOAK_DECAY_FAIL else "WARN" if ratio < SOAK_DECAY_WARN else None
+        if level:
+            out.append((level, f"matmul slowed from {_sn(first)} to {_sn(last)} TFLOPS ({ratio:.2f} of the first "
+                               f"window) over {g('seconds') or 0:g}s of load{cap}"))
+    if seen & SOAK_FAULTS:
+        counts = g("throttle_counts") or {}
+        names = throttle_names(seen & SOAK_FAULTS)
+        ev = [f"max {g('temp_max_c'):g} C" if g("temp_max_c") is not None else None,
+              f"SM {g('sm_min_mhz'):g}-{g('sm_max_seen_mhz'):g} MHz" + (
+                  f" of {g('sm_rated_mhz'):g}" if g("sm_rated_mhz") else "") if g("sm_min_mhz") is not None else None,
+              f"max {g('power_max_w'):g} W" if g("power_max_w") is not None else None]
+        out.append(("FAIL", "clocks slowed under sustained load: " + ", ".join(
+            f"{n} in {counts.get(n, '?')}/{g('samples') or '?'} samples" for n in names)
+            + "".join(f"; {e}" for e in ev if e)))
+    return out
+
+
+def soak_verdict(row, cpu=False):
+    """One GPU's soak verdict: PASS, WARN or FAIL (soak_problems' worst)."""
+    worst = _screen_worst([s for s, _ in soak_problems(row, cpu)])
+    return "PASS" if worst == "OK" else worst
+
+
+def _soak_who(r):
+    dev = f"cuda:{r['device']}" if r.get("device") is not None else "cpu"
+    return (f"rank {r['rank']} on {r.get('host')} (GPU {dev}, local rank {r.get('local_rank')}, "
+            f"{r.get('uuid') or 'UUID unknown'}, {r.get('model') or 'unknown model'})")
+
+
+def judge_soak(rows, cpu=False):
+    """The soak's findings under 'soak'. rows: [{'rank', 'host', 'local_rank', 'device' (CUDA index or
+    None), 'uuid', 'model', 'seconds' (of load), 'tflops_first', 'tflops_last' (window values, 1e12
+    FLOP/s; None: too short to time), 'telemetry' ('nvml', 'nvidia-smi' or None), 'samples',
+    'temp_max_c', 'sm_min_mhz', 'sm_max_seen_mhz', 'sm_rated_mhz', 'power_max_w', 'throttle_seen'
+    (OR of the clock-event masks, None: not read), 'throttle_counts' {name: samples}}]; cpu: gloo ranks.
+    -> one finding per GPU with a problem (soak_problems; beyond SCREEN_LIST_MAX one per status listing
+    the first ones and a count), or one PASS saying how far the slowest GPU held its speed, the hottest
+    GPU, the clock limits seen, and where there was no telemetry (CPU, or neither NVML nor nvidia-smi)."""
+    rows = sorted(rows or [], key=lambda r: r["rank"])
+    if not rows:
+        return []
+    items = [(_screen_worst([s for s, _ in p]), r, "; ".join(t for _, t in p))
+             for r in rows for p in [soak_problems(r, cpu)] if p]
+    if not items:
+        ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
+                  r.get("tflops_last") is not None]
+        temps = [r["temp_max_c"] for r in rows if r.get("temp_max_c") is not None]
+        limits = {}
+        for r in rows:
+            for n in throttle_names(r.get("throttle_seen")):
+                limits[n] = limits.get(n, 0) + 1
+        none = [r for r in rows if not r.get("telemetry") or not r.get("samples")]
+        parts = [f"the slowest held {min(ratios):.2f} of its first window" if ratios else "too short to time windows",
+                 f"max temperature {max(temps):g} C" if temps else None,
+                 ("clock limits seen: " + ", ".join(f"{n} on {k}" for n, k in sorted(limits.items()))) if limits
+                 else None,
+                 ("no GPU telemetry on CPU" if cpu else f"no telemetry on {len(none)} GPU(s) (neither NVML nor "
+                  f"nvidia-smi answered): judged on TFLOPS alone") if none else None]
+        secs = max(float(r.get("seconds") or 0) for r in rows)
+        lead = (f"{len(rows)} CPU rank(s) ran {secs:g}s of load at once (decay not judged: ranks share cores)" if cpu
+                else f"{len(rows)} GPU(s) held their speed over {secs:g}s of load at once")
+        return [finding("soak", "PASS", f"{lead}: " + "; ".join(p for p in parts if p))]
+    return per_gpu_findings("soak", items, _soak_who, "GPU(s) did not hold up under sustained load")
+
+
+def _soak_n(v):
+    return "-" if v is None else f"{v:g}"
+
+
+def soak_rows(records, posts, cpu=False):
+    """judge_soak's rows: screen_gpu_rows' (each posting rank's record facts and its post) with the CUDA
+    index and the GPU's verdict (soak_verdict)."""
+    dev = {rec["rank"]: rec.get("device") for rec in records}
+    rows = [dict(r, device=dev.get(r["rank"])) for r in screen_gpu_rows(records, posts, cpu)]
+    return [dict(r, verdict=soak_verdict(r, cpu)) for r in rows]
+
+
+
+# ============================================================================ aiv/render.py
+# Floor 4: the report: topology, environment, fabric, collectives, performance, soak, findings.
 def _perf_gpu_lines(screen, cpu):
     per_rank, intra = screen.get("gpu") or [], screen.get("intra") or []
     refs, flags = _gpu_flags(per_rank, screen, cpu)
@@ -4387,70 +4951,6 @@ def render_performance(screen):
     return L
 
 
-# -- facts read under load: the GPU's PCIe link, clock limits, ECC and row remapping
-THROTTLE_IGNORED = 0x1 | 0x2   # GPU idle, application clocks setting: not a slowdown
-THROTTLE_REASONS = {0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x10: "sync-boost", 0x20: "sw-thermal",
-                    0x40: "hw-thermal", 0x80: "hw-power-brake", 0x100: "display-clocks"}
-THROTTLE_FAULTS = 0x8 | 0x20 | 0x40 | 0x80  # heat, a power brake or the board slowing the clocks: a WARN
-GPU_FACT_KEYS = ("pcie_width", "pcie_width_max", "pcie_speed", "pcie_speed_max", "sm_mhz", "sm_max_mhz",
-                 "throttle", "temp_c", "power_w", "ecc_uncorrected", "remap_pending", "remap_failure")
-
-
-def throttle_names(mask):
-    """Names of the active clock limits in an NVML bitmask, the idle and application-clock bits left out."""
-    mask = int(mask or 0) & ~THROTTLE_IGNORED
-    names = [n for bit, n in sorted(THROTTLE_REASONS.items()) if mask & bit]
-    rest = mask & ~sum(THROTTLE_REASONS)
-    return names + ([hex(rest)] if rest else [])
-
-
-def gpu_fact_problems(row):
-    """[(status, text)] for one GPU's facts (a judge_gpu_perf row with GPU_FACT_KEYS, each optional): under
-    load, PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS; from its node's one
-    nvidia-smi call (read_node_smi), uncorrected ECC errors since the driver loaded or a pending row remap
-    (WARN), a failed row remap (FAIL)."""
-    out, g = [], row.get
-    if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
-        out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
-    if g("pcie_speed") and g("pcie_speed_max") and g("pcie_speed") < g("pcie_speed_max"):
-        out.append(("WARN", f"PCIe link {g('pcie_speed'):g} of {g('pcie_speed_max'):g} GT/s under load"))
-    if int(g("throttle") or 0) & THROTTLE_FAULTS:
-        clock = f" (SM {g('sm_mhz'):g} of {g('sm_max_mhz'):g} MHz)" if g("sm_mhz") and g("sm_max_mhz") else ""
-        out.append(("WARN", f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}{clock}"))
-    if g("ecc_uncorrected"):
-        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded"))
-    if g("remap_failure"):
-        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it)"))
-    elif g("remap_pending"):
-        out.append(("WARN", "row remapping pending: reset the GPU to apply it"))
-    return out
-
-
-def judge_gpu_facts(per_rank):
-    """Findings under 'gpu-perf' from each GPU's facts (gpu_fact_problems): one per GPU
-    with a problem, or beyond SCREEN_LIST_MAX GPUs one per status listing the first ones and a count.
-    No PASS finding: judge_gpu_perf gives it."""
-    flagged = [(r, p) for r in sorted(per_rank or [], key=lambda r: r["rank"]) for p in [gpu_fact_problems(r)] if p]
-    items = [(_screen_worst([s for s, _ in p]), r, "; ".join(t for _, t in p)) for r, p in flagged]
-    return per_gpu_findings("gpu-perf", items, _gpu_who, "GPU(s) with a problem under load")
-
-
-def per_gpu_findings(check, items, who, headline):
-    """items [(status, rank record, text)] -> one finding per GPU, or beyond SCREEN_LIST_MAX GPUs one per
-    status: '<n> <headline>: ' the first ones (who(record): text) and a count of the rest."""
-    if len(items) <= SCREEN_LIST_MAX:
-        return [finding(check, st, f"{who(r)}: {txt}", [r.get("host")], [r["rank"]]) for st, r, txt in items]
-    out = []
-    for status in ("FAIL", "WARN"):
-        sel = [(r, txt) for st, r, txt in items if st == status]
-        if sel:
-            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
-                f"{who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
-                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel]))
-    return out
-
-
 def _perf_fact_lines(screen):
     unread = [r for r in screen.get("gpu") or [] if r.get("smi_unread")]
     L = [f"  not read (nvidia-smi gave no answer within {r['smi_unread']:g}s): {SMI_WHAT} of rank {r['rank']} "
@@ -4494,105 +4994,6 @@ def _perf_cost_lines(screen):
             + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())]
 
 
-# -- the soak (--soak SECONDS): a GPU that holds its speed for a second may not hold it for a minute. A
-# failing fan, dried thermal paste, blocked airflow or a power brake shows after tens of seconds of load:
-# the matmul slows (last window against the first) or the driver reports why the clocks dropped.
-SOAK_DECAY_FAIL = 0.90   # GPU: the last window's TFLOPS below 0.90 of the first: FAIL
-SOAK_DECAY_WARN = 0.95   # ... below 0.95: WARN
-SOAK_FAULTS = 0x8 | 0x20 | 0x40 | 0x80  # HW slowdown, SW thermal, HW thermal, HW power brake: FAIL
-SOAK_POWER_CAP = 0x4     # SW power cap: normal for a GPU at full load (H100/H200); only noted, its decay judged
-
-
-def soak_problems(row, cpu=False):
-    """[(status, text)] for one GPU's soak (a judge_soak row): its speed decay (tflops_last against
-    tflops_first: below SOAK_DECAY_FAIL FAIL, below SOAK_DECAY_WARN WARN; on CPU not judged: ranks share
-    cores with each other and with whatever else runs, so their decay is that noise)
-    and clock-event reasons of SOAK_FAULTS seen in any sample (FAIL, with the samples that showed them,
-    max temperature, SM clocks and max power). A SW power cap alone is no problem; with a decay the text
-    says it was active."""
-    out, g = [], row.get
-    seen = int(g("throttle_seen") or 0)
-    cap = " while the SW power cap was active" if seen & SOAK_POWER_CAP else ""
-    first, last = g("tflops_first"), g("tflops_last")
-    if first and last is not None and first > 0:
-        ratio = last / first
-        level = None if cpu else "FAIL" if ratio < SOAK_DECAY_FAIL else "WARN" if ratio < SOAK_DECAY_WARN else None
-        if level:
-            out.append((level, f"matmul slowed from {_sn(first)} to {_sn(last)} TFLOPS ({ratio:.2f} of the first "
-                               f"window) over {g('seconds') or 0:g}s of load{cap}"))
-    if seen & SOAK_FAULTS:
-        counts = g("throttle_counts") or {}
-        names = throttle_names(seen & SOAK_FAULTS)
-        ev = [f"max {g('temp_max_c'):g} C" if g("temp_max_c") is not None else None,
-              f"SM {g('sm_min_mhz'):g}-{g('sm_max_seen_mhz'):g} MHz" + (
-                  f" of {g('sm_rated_mhz'):g}" if g("sm_rated_mhz") else "") if g("sm_min_mhz") is not None else None,
-              f"max {g('power_max_w'):g} W" if g("power_max_w") is not None else None]
-        out.append(("FAIL", "clocks slowed under sustained load: " + ", ".join(
-            f"{n} in {counts.get(n, '?')}/{g('samples') or '?'} samples" for n in names)
-            + "".join(f"; {e}" for e in ev if e)))
-    return out
-
-
-def soak_verdict(row, cpu=False):
-    """One GPU's soak verdict: PASS, WARN or FAIL (soak_problems' worst)."""
-    worst = _screen_worst([s for s, _ in soak_problems(row, cpu)])
-    return "PASS" if worst == "OK" else worst
-
-
-def _soak_who(r):
-    dev = f"cuda:{r['device']}" if r.get("device") is not None else "cpu"
-    return (f"rank {r['rank']} on {r.get('host')} (GPU {dev}, local rank {r.get('local_rank')}, "
-            f"{r.get('uuid') or 'UUID unknown'}, {r.get('model') or 'unknown model'})")
-
-
-def judge_soak(rows, cpu=False):
-    """The soak's findings under 'soak'. rows: [{'rank', 'host', 'local_rank', 'device' (CUDA index or
-    None), 'uuid', 'model', 'seconds' (of load), 'tflops_first', 'tflops_last' (window values, 1e12
-    FLOP/s; None: too short to time), 'telemetry' ('nvml', 'nvidia-smi' or None), 'samples',
-    'temp_max_c', 'sm_min_mhz', 'sm_max_seen_mhz', 'sm_rated_mhz', 'power_max_w', 'throttle_seen'
-    (OR of the clock-event masks, None: not read), 'throttle_counts' {name: samples}}]; cpu: gloo ranks.
-    -> one finding per GPU with a problem (soak_problems; beyond SCREEN_LIST_MAX one per status listing
-    the first ones and a count), or one PASS saying how far the slowest GPU held its speed, the hottest
-    GPU, the clock limits seen, and where there was no telemetry (CPU, or neither NVML nor nvidia-smi)."""
-    rows = sorted(rows or [], key=lambda r: r["rank"])
-    if not rows:
-        return []
-    items = [(_screen_worst([s for s, _ in p]), r, "; ".join(t for _, t in p))
-             for r in rows for p in [soak_problems(r, cpu)] if p]
-    if not items:
-        ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
-                  r.get("tflops_last") is not None]
-        temps = [r["temp_max_c"] for r in rows if r.get("temp_max_c") is not None]
-        limits = {}
-        for r in rows:
-            for n in throttle_names(r.get("throttle_seen")):
-                limits[n] = limits.get(n, 0) + 1
-        none = [r for r in rows if not r.get("telemetry") or not r.get("samples")]
-        parts = [f"the slowest held {min(ratios):.2f} of its first window" if ratios else "too short to time windows",
-                 f"max temperature {max(temps):g} C" if temps else None,
-                 ("clock limits seen: " + ", ".join(f"{n} on {k}" for n, k in sorted(limits.items()))) if limits
-                 else None,
-                 ("no GPU telemetry on CPU" if cpu else f"no telemetry on {len(none)} GPU(s) (neither NVML nor "
-                  f"nvidia-smi answered): judged on TFLOPS alone") if none else None]
-        secs = max(float(r.get("seconds") or 0) for r in rows)
-        lead = (f"{len(rows)} CPU rank(s) ran {secs:g}s of load at once (decay not judged: ranks share cores)" if cpu
-                else f"{len(rows)} GPU(s) held their speed over {secs:g}s of load at once")
-        return [finding("soak", "PASS", f"{lead}: " + "; ".join(p for p in parts if p))]
-    return per_gpu_findings("soak", items, _soak_who, "GPU(s) did not hold up under sustained load")
-
-
-def _soak_n(v):
-    return "-" if v is None else f"{v:g}"
-
-
-def soak_rows(records, posts, cpu=False):
-    """judge_soak's rows: screen_gpu_rows' (each posting rank's record facts and its post) with the CUDA
-    index and the GPU's verdict (soak_verdict)."""
-    dev = {rec["rank"]: rec.get("device") for rec in records}
-    rows = [dict(r, device=dev.get(r["rank"])) for r in screen_gpu_rows(records, posts, cpu)]
-    return [dict(r, verdict=soak_verdict(r, cpu)) for r in rows]
-
-
 def render_soak(soak):
     """The SOAK section as report lines. soak: {'seconds' (asked), 'cpu', 'dtype', 'n' (matmul size),
     'gpus': judge_soak's rows}. One line per GPU (above 64 only the GPUs with a problem, then a count)."""
@@ -4625,160 +5026,6 @@ def render_soak(soak):
     return L
 
 
-# -- the runtime's plain data: the rounds' groups, each rank's part, the rows the judges take, who hung
-def screen_round_label(name):
-    """'intra' -> 'the intra-node round', 'p2' -> 'round 2'."""
-    return "the intra-node round" if name == "intra" else f"round {name[1:]}"
-
-
-def screen_layout(records):
-    """{host: {local_rank: rank}} from the gathered records."""
-    by_node = {}
-    for r in records:
-        by_node.setdefault(r["host"], {})[r["local_rank"]] = r["rank"]
-    return by_node
-
-
-def screen_rail_groups(node_groups, by_node):
-    """Per group of nodes, one group per rail (a local rank present on each of them):
-    [{'ranks': sorted global ranks, 'nodes': [host, ...], 'rail': local rank}]."""
-    out = []
-    for nodes in node_groups:
-        rails = set.intersection(*(set(by_node.get(n, {})) for n in nodes))
-        out += [{"ranks": sorted(by_node[n][rail] for n in nodes), "nodes": list(nodes), "rail": rail}
-                for rail in sorted(rails)]
-    return out
-
-
-def screen_plan(records):
-    """The screen's rounds of groups, in the order they run: [(name, groups)]: 'intra' (one group of
-    all the ranks of each node with two or more, rail None), then 'p1', 'p2' (and 'p3' for three
-    nodes) from screen_rounds, one group per rail (screen_rail_groups). records: the gathered
-    records ({'rank', 'host', 'local_rank'})."""
-    by_node = screen_layout(records)
-    intra = [{"ranks": sorted(lr.values()), "nodes": [h], "rail": None}
-             for h, lr in sorted(by_node.items(), key=lambda x: _screen_key(x[0])) if len(lr) > 1]
-    return [("intra", intra)] + [(f"p{i}", screen_rail_groups(rnd, by_node))
-                                 for i, rnd in enumerate(screen_rounds(by_node), 1)]
-
-
-def screen_rank_plans(rounds, world):
-    """Each rank's part of the rounds: {rank: {name: entry}}; entry = {'mode': 'none' (no group in the
-    round), 'world' (one group of every rank: the default group serves) or 'split' (the groups are
-    split off the default group), 'g': this rank's group (sorted ranks) or None, and with 'split' for a
-    rank in no group 'other': a group of the round (NCCL's split needs one to leave)}."""
-    plans = {r: {} for r in range(world)}
-    for name, groups in rounds:
-        mode = "none" if not groups else \
-            "world" if len(groups) == 1 and groups[0]["ranks"] == list(range(world)) else "split"
-        mine = {r: g["ranks"] for g in groups for r in g["ranks"]}
-        for r in range(world):
-            e = plans[r][name] = {"mode": mode, "g": mine.get(r)}
-            if mode == "split" and r not in mine:
-                e["other"] = groups[0]["ranks"]
-    return plans
-
-
-def screen_split_groups(rounds, world):
-    """How many groups the rounds make by splitting the default group (screen_rank_plans' 'split' mode)."""
-    return sum(len(gs) for _, gs in rounds if gs and not (len(gs) == 1 and gs[0]["ranks"] == list(range(world))))
-
-
-def screen_measured(groups, posts):
-    """The groups whose members all posted a busbw, each with the slowest member's busbw and time:
-    [dict(group, busbw=, time_us=)]. posts: {rank: {'busbw', 'time_us', ...}}."""
-    out = []
-    for g in groups:
-        ps = [posts.get(r) for r in g["ranks"]]
-        if all(p and p.get("busbw") is not None for p in ps):
-            slow = min(ps, key=lambda p: p["busbw"])
-            out.append(dict(g, busbw=slow["busbw"], time_us=slow.get("time_us")))
-    return out
-
-
-def screen_pair_hca(ranks, posts, records):
-    """{host: HCA} of a pair group's ranks: what each rank's NCCL log showed (its post's 'hca'), else the
-    HCA nearest its GPU in sysfs (its record's gpu 'hca'); None where none is known ('' in a post: sockets,
-    no HCA, and no sysfs guess either)."""
-    recs = {r["rank"]: r for r in records}
-    out = {}
-    for r in ranks:
-        h = (posts.get(r) or {}).get("hca")
-        rec = recs.get(r) or {}
-        if h is None:
-            h = (rec.get("gpu") or {}).get("hca")
-        if h and rec.get("host"):
-            out[rec["host"]] = h
-    return out or None
-
-
-def screen_creation(groups, posts):
-    """Seconds a round's group creation took: per group its last member's time (the others also waited
-    for the last to arrive), the slowest group's; 0.0 when nothing was created."""
-    per = [min(posts[r].get("split_s") or 0.0 for r in g["ranks"] if r in posts)
-           for g in groups if any(r in posts for r in g["ranks"])]
-    return max(per, default=0.0)
-
-
-def screen_gpu_rows(records, posts, cpu=False):
-    """judge_gpu_perf's per_rank rows: each posting rank's record facts and its measurement, with its GPU's
-    row of its node's one nvidia-smi call (node.smi.gpus, by UUID: ECC and row remapping) where there is one."""
-    smi = {}
-    for rec in records:
-        smi.update((((rec.get("node") or {}).get("smi") or {}).get("gpus")) or {})
-    out = []
-    for rec in sorted(records, key=lambda r: r["rank"]):
-        p = posts.get(rec["rank"])
-        if p is not None:
-            g = rec.get("gpu") or {}
-            out.append({"rank": rec["rank"], "host": rec["host"], "local_rank": rec["local_rank"],
-                        "uuid": g.get("uuid"), "model": g.get("name") or ("cpu" if cpu else None),
-                        **(smi.get(g.get("uuid")) or {}), **{k: v for k, v in p.items() if k != "rank"}})
-    return out
-
-
-def _screen_group_words(g):
-    if g.get("rail") is None:
-        return f"the intra-node group of {g['nodes'][0]} (ranks {format_ranges(g['ranks'])})"
-    if len(g["nodes"]) == 2:
-        return f"link between {g['nodes'][0]} and {g['nodes'][1]} on rail {g['rail']}"
-    return f"links among {', '.join(g['nodes'])} on rail {g['rail']}"
-
-
-def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=()):
-    """Who did not finish a screen round (one FAIL finding under PHASE_CHECK[phase]), or None when every
-    rank posted every round. rounds: [(name, groups)] of the phase in the order they ran; posted: {name:
-    ranks that posted it}; how: 'did not complete within 30s', 'failed', ...; live, errors, silent_hosts
-    as judge_unfinished. The first round some rank did not post names its groups with a member missing
-    (the node pair and rail, or the node) and the missing ranks in no group of it. Culprits: the dead,
-    frozen or unreachable ranks among them, else every member of those groups (both ends of a link)."""
-    todo = [(n, gs, m) for n, gs in rounds for m in [sorted(set(range(world)) - set(posted.get(n) or ()))] if m]
-    if not todo:
-        return None
-    name, groups, missing = todo[0]
-    hung = [g for g in groups if set(g["ranks"]) & set(missing)]
-    loose = sorted(set(missing) - {r for g in hung for r in g["ranks"]})
-    kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in missing}
-    hard = [r for r in missing if kinds[r] in ("dead", "frozen", "silent")]
-    stopped = [r for r in missing if kinds[r] in ("terminated", "internal")]
-    if stopped and not hard:  # a signal or the tool's own error, not the group's link: as judge_unfinished
-        return judge_unfinished(phase, f"{screen_round_label(name)} {how}", world, host_of,
-                                {r: -1 if r in missing else PHASES.index(phase) for r in range(world)}, live, errors)
-    culprits = hard or sorted({r for g in hung for r in g["ranks"]} | set(loose))
-    what = [_screen_group_words(g) for g in hung[:8]] + ([f"{len(hung) - 8} more group(s)"] if len(hung) > 8 else [])
-    what += [f"{_ranks_on_hosts(loose, host_of)} (in no group of {screen_round_label(name)})"] if loose else []
-    states = "; ".join(f"{_ranks_on_hosts(rs, host_of)} {UNFINISHED_WORDS[k]}" for k in UNFINISHED_WORDS
-                       for rs in [[r for r in missing if kinds[r] == k]] if rs)
-    first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
-    reason = (f"{'; '.join(what)} {how} ({states}); {world - len(missing)}/{world} rank(s) finished "
-              f"{screen_round_label(name)}" + (f"; first error: {first_err}" if first_err else ""))
-    code = EXIT_FAIL if any(kinds[r] == "dead" for r in missing) else \
-        EXIT_FAIL if all(kinds[r] in ("error", "terminated") for r in missing) else EXIT_TIMEOUT
-    return finding(PHASE_CHECK[phase], "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits),
-                   culprits, code=code)
-
-
-# ============================================================================ render
 BAR = "=" * 78
 
 
@@ -4817,14 +5064,6 @@ def group_nodes(records, flagged_hosts, collapse_at=2):
         else:
             out.append((hs, hosts[hs[0]]))
     return out
-
-
-def _import_state(st):
-    if not st:
-        return "-"
-    if st.get("ok"):
-        return st.get("version") or "?"
-    return "missing" if "ModuleNotFoundError" in (st.get("error") or "") else "BROKEN"
 
 
 def _phase_times(phases):
@@ -4959,58 +5198,23 @@ def failure_lines(findings):
     return [f"FAILURE: {f['check']}: {f['reason']}" for f in findings if f["status"] == "FAIL"]
 
 
-def _new_file_mode(path):
-    """The mode a file at path gets: an existing file's own mode, else 0666 & ~umask (0644 under 022), as
-    open(2) would give it, so that a teammate can read a verdict JSON or manifest the umask lets them."""
-    try:
-        return os.stat(path).st_mode & 0o7777
-    except OSError:
-        mask = os.umask(0)
-        os.umask(mask)
-        return 0o666 & ~mask
+def render_drain(drain):
+    """The report's drain lines (none when the mode is off or nothing needed draining)."""
+    if not drain or drain["mode"] == "off" or drain.get("skipped") == "the run passed":
+        return []
+    if drain.get("skipped"):
+        return [f"  DRAIN: nothing drained: {drain['skipped']}"]
+    L = [f"  DRAIN: {n} keeps its own reason: {r!r}" for n, r in sorted(drain.get("kept", {}).items())]
+    if drain["mode"] == "recommend":
+        return L + [f"  DRAIN (recommended; --drain on runs it): {drain['command']}"]
+    if drain.get("done"):
+        return L + [f"  DRAIN: drained {compress_hostlist(drain['hosts'])}: {drain['command']}"]
+    return L + (["  DRAIN: not drained (see the drain finding)"] if drain["hosts"] else [])
 
 
-def write_text_atomic(path, text, suffix=".tmp", first=False):
-    """Write text to path atomically: a temporary file beside it whose name never ends like the target (a
-    textfile collector reading *.prom never reads half a file), with the mode _new_file_mode gives (mkstemp's
-    own 0600 would hide the file from everyone else), then a rename. first: only when no file is there yet
-    (the first writer wins, atomically: a hard link that fails when the path exists), for the ranks and the
-    batch file that write a verdict when rank 0 left none. -> whether it was written."""
-    d = os.path.dirname(os.path.abspath(path)) or "."
-    mode = _new_file_mode(path)
-    fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=suffix, dir=d)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if not first:
-            os.replace(tmp, path)
-            return True
-        try:
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
-
-def write_json_atomic(path, data, first=False):
-    """data as JSON, through write_text_atomic."""
-    return write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True, default=str) + "\n", ".json", first)
-
-
-# ============================================================================ outputs
-# Where the verdict goes besides the log and the JSON: Slurm's node state (drain), Prometheus text, one
-# page. Each is planned or rendered by a pure function of the verdict's state; only drain_apply acts.
-DRAIN_MODES = ("off", "recommend", "on")
-DRAIN_PREFIX = "aiv:"       # the reason's owned prefix: a site finds (and resumes) our drains by it
+# ============================================================================ aiv/outputs.py
+# Floor 4: what a verdict becomes outside the log: --drain (the scontrol plan and its application) and
 DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
 DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)
 # Checks whose hosts are never drained: the launch or the tool, not the node (a rendezvous finding
@@ -5143,20 +5347,6 @@ def drain_apply(plan):
             return plan, [finding("drain", "WARN", f"nothing drained: scontrol refused: {msg}; an operator can "
                                   f"run: {plan['command']}", hosts)]
     return dict(plan, done=bool(hosts)), []
-
-
-def render_drain(drain):
-    """The report's drain lines (none when the mode is off or nothing needed draining)."""
-    if not drain or drain["mode"] == "off" or drain.get("skipped") == "the run passed":
-        return []
-    if drain.get("skipped"):
-        return [f"  DRAIN: nothing drained: {drain['skipped']}"]
-    L = [f"  DRAIN: {n} keeps its own reason: {r!r}" for n, r in sorted(drain.get("kept", {}).items())]
-    if drain["mode"] == "recommend":
-        return L + [f"  DRAIN (recommended; --drain on runs it): {drain['command']}"]
-    if drain.get("done"):
-        return L + [f"  DRAIN: drained {compress_hostlist(drain['hosts'])}: {drain['command']}"]
-    return L + (["  DRAIN: not drained (see the drain finding)"] if drain["hosts"] else [])
 
 
 def _metrics_escape(value):
@@ -5336,7 +5526,9 @@ def render_metrics(state):
     return "\n".join(lines) + "\n"
 
 
-# ============================================================================ page
+
+# ============================================================================ aiv/page.py
+# Floor 4: --html: one self-contained page per run (inline SVG, no external resources).
 # One self-contained page of the run (--html): the verdict, findings, topology, per-GPU bars, per-rail
 # heat maps and the phase timeline, as inline SVG drawn here; every text from the state is escaped.
 def _html_css():
@@ -5780,7 +5972,9 @@ def render_html(state):
             f'{_html_e(state.get("schema_version"))}</p></main></body></html>\n')
 
 
-# ============================================================================ verify-log
+
+# ============================================================================ aiv/verify_log.py
+# Floor 4: --verify-log: a whole log judged again, with no torch and no cluster.
 # A saved log passes only when it shows one clean PASS from start to end: the success line, no
 # FAILURE line, a "Verdict: PASS exit=0" line, all ranks reported, an exact all_reduce, identical
 # DDP gradients, no [FAIL] finding (no [WARN] either under --strict), and counts that agree with
@@ -6051,149 +6245,22 @@ def run_verify_log(args, argv=()):
     return EXIT_PASS if ok else EXIT_FAIL
 
 
-# ============================================================================ liveness
-def proc_stat(pid, root="/"):
-    """(state letter, start time) from /proc/<pid>/stat, or None when there is no such process."""
-    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
-    if not text or ")" not in text:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    return (fields[0], fields[19]) if len(fields) > 19 else None
+
+# ============================================================================ aiv/store.py
+# Floor 5 (runtime): the side channel: one TCPStore, every value sealed with the job's secret and
+def fd_limit_problem(world, nodes):
+    """Rank 0's store holds two connections per rank (main and listener) and two per node (its monitor and
+    its leader's beat). Raise the soft RLIMIT_NOFILE to the hard limit; a hard limit too low is a message, else None."""
+    need = 2 * world + 2 * nodes + 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < need:
+        return (f"the open-files hard limit (ulimit -Hn) is {hard}, below the {need} the store needs for "
+                f"{world} ranks on {nodes} node(s) (2 per rank + 2 per node + 64): raise it for the job")
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return None
 
 
-def liveness(stat, first):
-    """running / stopped / gone for a process first seen as `first` (None: never visible here)."""
-    if first is None:
-        return "unknown"
-    if stat is None or stat[0] in "ZXx" or stat[1] != first[1]:
-        return "gone"
-    return "stopped" if stat[0] in "Tt" else "running"
-
-
-def node_monitor(cfg):
-    """A node leader's child: posts the state of its node's ranks to the store every cfg['period']
-    seconds. It runs outside the ranks, so it never needs a rank's GIL (NCCL init can hold it for
-    seconds). Ends when its ranks are all gone, the store is gone, or cfg['lifetime'] passes. A store
-    on the port that is not its run's (cfg['run'], the roll call's nonce: its run ended while it
-    started, and the next run serves the port) gets no post: it would name the next run's ranks gone."""
-    pids = {int(x[0]): int(x[1]) for x in cfg["ranks"]}
-    # each rank's own start time (from the roll call) tells a rank that died before we looked from
-    # a PID we cannot see; without it, the first look is the reference
-    first = {int(x[0]): ("", x[2]) if len(x) > 2 and x[2] else proc_stat(int(x[1])) for x in cfg["ranks"]}
-    # ranks gone before we connect: the run ended (its store is gone: the connect fails within 1 s)
-    # or they died, which is news for rank 0: one post, then the loop ends
-    ended = all(liveness(proc_stat(p), first[r]) == "gone" for r, p in pids.items())
-    store = monitor_store(cfg, 1 if ended else MONITOR_CONNECT_S)
-    seal = Seal(job_secret(os.environ), run_base(os.environ))  # the secret travels in the environment only
-    seal.run = cfg.get("run")
-    proto = StoreProtocol(store, seal=seal)
-    proto.tells = True  # what it refuses (a liveness post written over its own) goes to rank 0
-    if cfg.get("run") and not proto.is_run(cfg["run"]):  # its run ended; a later run serves this port now
-        return 0
-    end, seq = time.monotonic() + cfg["lifetime"], 0
-    while time.monotonic() < end:
-        states = {r: liveness(proc_stat(p), first[r]) for r, p in pids.items()}
-        proto.post_live(cfg["host"], seq, states)
-        if all(s == "gone" for s in states.values()):
-            break
-        seq += 1
-        time.sleep(cfg["period"])
-    return 0
-
-
-def monitor_store(cfg, wait_s):
-    """The node monitor's store client: LightStore (no import of torch: the monitor posts within a second
-    of the go, not after seconds of importing torch beside the ranks' init), once it sees the world
-    record rank 0 wrote through torch's client (same keys on the wire) and a set, check, get and
-    compare_set on a key of its own came back as written; else torch's own TCPStore client (a later
-    torch that speaks another protocol costs the import, never a silent node). _AIV_MONITOR_TORCH=1
-    takes torch's client at once."""
-    if os.environ.get("_AIV_MONITOR_TORCH") != "1":
-        light = None
-        try:
-            light = LightStore(cfg["addr"], cfg["port"], cfg["prefix"], wait_s)
-            key, mark = f"monitor/{cfg['host']}", f"{os.getpid()}.{time.time():.6f}"
-            light.set(key, mark)
-            if light.check(["world", key]) and light.get(key) == mark.encode() \
-                    and light.compare_set(key, mark, mark + ".1") == (mark + ".1").encode():
-                return light
-        except (OSError, struct.error):
-            pass
-        if light is not None:
-            light.close()
-    import torch.distributed as dist
-    raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=wait_s))
-    return dist.PrefixStore(cfg["prefix"], raw)
-
-
-class LightStore:
-    """The five store operations a node monitor needs (set, check, get, compare_set, append) over a plain
-    socket, in the wire format of torch's TCPStore (c10d: a query byte, then each key or value as a
-    64-bit little-endian length and its bytes; a check answers one byte, 0 = ready; a get or
-    compare_set answers a value). Keys are '/<prefix>/<key>', as torch's TCPStore and PrefixStore
-    put them on the wire. Never trusted before monitor_store's round trips."""
-
-    VALIDATE, SET, COMPARE_SET, GET, CHECK, APPEND = 0, 1, 2, 3, 5, 9
-    MAGIC = 0x3C85F7CE  # the client's first word: the server drops a connection without it
-
-    def __init__(self, addr, port, prefix, timeout):
-        self.prefix, end = prefix, time.monotonic() + timeout
-        while True:  # as torch's client does: a refused connect is tried again (a full backlog at the go)
-            try:
-                self.sock = socket.create_connection((addr, port), timeout=max(0.1, end - time.monotonic()))
-                break
-            except OSError:
-                if time.monotonic() >= end:
-                    raise
-                time.sleep(0.1)
-        self.sock.settimeout(timeout)  # each later operation, as torch's client bounds them
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.sendall(struct.pack("<BI", self.VALIDATE, self.MAGIC))
-
-    def close(self):
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-    @staticmethod
-    def _blob(value):
-        value = value if isinstance(value, bytes) else str(value).encode()
-        return struct.pack("<Q", len(value)) + value
-
-    def _key(self, key):
-        return self._blob(f"/{self.prefix}/{key}")  # torch's client puts '/' before every key
-
-    def _read(self, n):
-        buf = b""
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("the store closed the connection")
-            buf += chunk
-        return buf
-
-    def _value(self):
-        return self._read(struct.unpack("<Q", self._read(8))[0])
-
-    def set(self, key, value):
-        self.sock.sendall(bytes([self.SET]) + self._key(key) + self._blob(value))
-
-    def append(self, key, value):
-        self.sock.sendall(bytes([self.APPEND]) + self._key(key) + self._blob(value))
-
-    def check(self, keys):
-        self.sock.sendall(struct.pack("<BQ", self.CHECK, len(keys)) + b"".join(map(self._key, keys)))
-        return self._read(1) == b"\0"
-
-    def get(self, key):
-        self.sock.sendall(bytes([self.GET]) + self._key(key))
-        return self._value()
-
-    def compare_set(self, key, expected, desired):
-        self.sock.sendall(bytes([self.COMPARE_SET]) + self._key(key) + self._blob(expected) + self._blob(desired))
-        return self._value()
-
-
-# ============================================================================ store protocol
 def norm_ip(text):
     """'0000:...:0001' -> '::1', '::ffff:10.0.0.1' -> '10.0.0.1' (None: not an address)."""
     try:
@@ -6213,22 +6280,6 @@ def store_peers(port):
     except Exception:
         return None
     return {norm_ip(c.raddr.ip) for c in conns if c.laddr and c.laddr.port == port and c.raddr} - {None}
-
-
-SECRET_VAR, SECRET_MIN = "AIV_JOB_SECRET", 32  # the job's secret: the batch file and local mode make 64 hex digits
-
-
-def job_secret(env):
-    """The job's secret (bytes), None when unset; UsageError when it is too weak to authenticate. The
-    value is never echoed: not here, not in the report, the JSON or the manifest."""
-    raw = env.get(SECRET_VAR)
-    if raw is None:
-        return None
-    if len(raw.strip()) < SECRET_MIN:
-        raise UsageError(f"{SECRET_VAR} is set but holds {len(raw.strip())} character(s), fewer than {SECRET_MIN}: too "
-                         "weak to authenticate the side channel; unset it, or export a fresh one: export "
-                         f"{SECRET_VAR}=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
-    return raw.strip().encode()
 
 
 def run_base(env):
@@ -6748,214 +6799,153 @@ class StoreProtocol:
         return self.store.multi_get(keys) if keys else []
 
 
-# ============================================================================ runtime
-_PRINT_LOCK = threading.Lock()
+
+# ============================================================================ aiv/liveness.py
+# Floor 5 (runtime): the node monitor, a torch-free child of each node leader that posts the state
+def proc_stat(pid, root="/"):
+    """(state letter, start time) from /proc/<pid>/stat, or None when there is no such process."""
+    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
+    if not text or ")" not in text:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return (fields[0], fields[19]) if len(fields) > 19 else None
 
 
-def emit(line, stream=None):
-    """Print a line. A reader that went away (`| head`, a closed terminal) never stops the run: the
-    stream's descriptor is pointed at /dev/null and the run goes on to its verdict and its JSON."""
-    with _PRINT_LOCK:
-        stream = stream or sys.stdout
+def liveness(stat, first):
+    """running / stopped / gone for a process first seen as `first` (None: never visible here)."""
+    if first is None:
+        return "unknown"
+    if stat is None or stat[0] in "ZXx" or stat[1] != first[1]:
+        return "gone"
+    return "stopped" if stat[0] in "Tt" else "running"
+
+
+def node_monitor(cfg):
+    """A node leader's child: posts the state of its node's ranks to the store every cfg['period']
+    seconds. It runs outside the ranks, so it never needs a rank's GIL (NCCL init can hold it for
+    seconds). Ends when its ranks are all gone, the store is gone, or cfg['lifetime'] passes. A store
+    on the port that is not its run's (cfg['run'], the roll call's nonce: its run ended while it
+    started, and the next run serves the port) gets no post: it would name the next run's ranks gone."""
+    pids = {int(x[0]): int(x[1]) for x in cfg["ranks"]}
+    # each rank's own start time (from the roll call) tells a rank that died before we looked from
+    # a PID we cannot see; without it, the first look is the reference
+    first = {int(x[0]): ("", x[2]) if len(x) > 2 and x[2] else proc_stat(int(x[1])) for x in cfg["ranks"]}
+    # ranks gone before we connect: the run ended (its store is gone: the connect fails within 1 s)
+    # or they died, which is news for rank 0: one post, then the loop ends
+    ended = all(liveness(proc_stat(p), first[r]) == "gone" for r, p in pids.items())
+    store = monitor_store(cfg, 1 if ended else MONITOR_CONNECT_S)
+    seal = Seal(job_secret(os.environ), run_base(os.environ))  # the secret travels in the environment only
+    seal.run = cfg.get("run")
+    proto = StoreProtocol(store, seal=seal)
+    proto.tells = True  # what it refuses (a liveness post written over its own) goes to rank 0
+    if cfg.get("run") and not proto.is_run(cfg["run"]):  # its run ended; a later run serves this port now
+        return 0
+    end, seq = time.monotonic() + cfg["lifetime"], 0
+    while time.monotonic() < end:
+        states = {r: liveness(proc_stat(p), first[r]) for r, p in pids.items()}
+        proto.post_live(cfg["host"], seq, states)
+        if all(s == "gone" for s in states.values()):
+            break
+        seq += 1
+        time.sleep(cfg["period"])
+    return 0
+
+
+def monitor_store(cfg, wait_s):
+    """The node monitor's store client: LightStore (no import of torch: the monitor posts within a second
+    of the go, not after seconds of importing torch beside the ranks' init), once it sees the world
+    record rank 0 wrote through torch's client (same keys on the wire) and a set, check, get and
+    compare_set on a key of its own came back as written; else torch's own TCPStore client (a later
+    torch that speaks another protocol costs the import, never a silent node). _AIV_MONITOR_TORCH=1
+    takes torch's client at once."""
+    if os.environ.get("_AIV_MONITOR_TORCH") != "1":
+        light = None
         try:
-            stream.write(line + "\n")
-            stream.flush()
-        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
-            drop_stream(stream)
-        except OSError as e:
-            if e.errno not in (errno.EPIPE, errno.EIO):
-                raise
-            drop_stream(stream)
+            light = LightStore(cfg["addr"], cfg["port"], cfg["prefix"], wait_s)
+            key, mark = f"monitor/{cfg['host']}", f"{os.getpid()}.{time.time():.6f}"
+            light.set(key, mark)
+            if light.check(["world", key]) and light.get(key) == mark.encode() \
+                    and light.compare_set(key, mark, mark + ".1") == (mark + ".1").encode():
+                return light
+        except (OSError, struct.error):
+            pass
+        if light is not None:
+            light.close()
+    import torch.distributed as dist
+    raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=wait_s))
+    return dist.PrefixStore(cfg["prefix"], raw)
 
 
-def drop_stream(stream):
-    """Point a dead stream's descriptor at /dev/null: later writes and the flush at exit are silent."""
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, stream.fileno())
-        os.close(null)
-    except (OSError, ValueError):
-        pass
+class LightStore:
+    """The five store operations a node monitor needs (set, check, get, compare_set, append) over a plain
+    socket, in the wire format of torch's TCPStore (c10d: a query byte, then each key or value as a
+    64-bit little-endian length and its bytes; a check answers one byte, 0 = ready; a get or
+    compare_set answers a value). Keys are '/<prefix>/<key>', as torch's TCPStore and PrefixStore
+    put them on the wire. Never trusted before monitor_store's round trips."""
 
+    VALIDATE, SET, COMPARE_SET, GET, CHECK, APPEND = 0, 1, 2, 3, 5, 9
+    MAGIC = 0x3C85F7CE  # the client's first word: the server drops a connection without it
 
-def flush_all():
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            drop_stream(stream)
+    def __init__(self, addr, port, prefix, timeout):
+        self.prefix, end = prefix, time.monotonic() + timeout
+        while True:  # as torch's client does: a refused connect is tried again (a full backlog at the go)
+            try:
+                self.sock = socket.create_connection((addr, port), timeout=max(0.1, end - time.monotonic()))
+                break
+            except OSError:
+                if time.monotonic() >= end:
+                    raise
+                time.sleep(0.1)
+        self.sock.settimeout(timeout)  # each later operation, as torch's client bounds them
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(struct.pack("<BI", self.VALIDATE, self.MAGIC))
 
+    def close(self):
+        with contextlib.suppress(OSError):
+            self.sock.close()
 
-def first_line(exc):
-    """The one informative line of an exception (no C++ frames, source paths or chatter)."""
-    text = str(exc).strip()
-    for ln in text.splitlines():
-        ln = ln.strip()
-        if ln and not ln.startswith(("Exception raised from", "frame #")):
-            ln = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", ln)
-            ln = re.split(r"\.? This is typically caused", ln)[0]
-            return f"{type(exc).__name__}: {ln[:300]}"
-    return type(exc).__name__
+    @staticmethod
+    def _blob(value):
+        value = value if isinstance(value, bytes) else str(value).encode()
+        return struct.pack("<Q", len(value)) + value
 
+    def _key(self, key):
+        return self._blob(f"/{self.prefix}/{key}")  # torch's client puts '/' before every key
 
-def is_tool_error(exc):
-    """An exception that says nothing about the cluster: a bug in the tool (check `internal`, exit 4, no
-    host blamed). torch reports distributed, CUDA and NCCL failures as RuntimeError (DistError,
-    DistBackendError, OutOfMemoryError, AcceleratorError), the network as OSError or TimeoutError."""
-    return not isinstance(exc, (RuntimeError, OSError, TimeoutError, MemoryError))
+    def _read(self, n):
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("the store closed the connection")
+            buf += chunk
+        return buf
 
+    def _value(self):
+        return self._read(struct.unpack("<Q", self._read(8))[0])
 
-def where_raised(exc):
-    """The innermost function of this file in the exception's traceback ('?' when none)."""
-    import traceback
-    here = os.path.abspath(__file__)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == here]
-    return frames[-1].name if frames else "?"
+    def set(self, key, value):
+        self.sock.sendall(bytes([self.SET]) + self._key(key) + self._blob(value))
 
+    def append(self, key, value):
+        self.sock.sendall(bytes([self.APPEND]) + self._key(key) + self._blob(value))
 
-def internal_finding(exc, who):
-    """The FAIL for the tool's own error: `<exception> in <function>`, no host, exit 4."""
-    return finding("internal", "FAIL", f"{first_line(exc)} in {where_raised(exc)} ({who}): a bug in the tool, not "
-                   f"a fault of the cluster: no host is blamed (the traceback is on stderr)", code=EXIT_INTERNAL)
+    def check(self, keys):
+        self.sock.sendall(struct.pack("<BQ", self.CHECK, len(keys)) + b"".join(map(self._key, keys)))
+        return self._read(1) == b"\0"
 
+    def get(self, key):
+        self.sock.sendall(bytes([self.GET]) + self._key(key))
+        return self._value()
 
-def print_traceback(exc):
-    import traceback
-    with contextlib.suppress(Exception):
-        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-
-
-def bounded(fn, seconds, default=None):
-    """fn() on a thread of its own; `default` when it raises or takes longer than `seconds`."""
-    box = []
-
-    def call():
-        with contextlib.suppress(Exception):
-            box.append(fn())
-    t = threading.Thread(target=call, daemon=True)
-    t.start()
-    t.join(seconds)
-    return box[0] if box else default
+    def compare_set(self, key, expected, desired):
+        self.sock.sendall(bytes([self.COMPARE_SET]) + self._key(key) + self._blob(expected) + self._blob(desired))
+        return self._value()
 
 
 
-
-def speak_once_per_node(text, env, local_rank=0, topic="run"):
-    """Lines a rank prints for itself or for rank 0 when rank 0 cannot: once per node. The first local
-    rank (lowest first) to mark a node-local file keyed by job, step, launcher (the parent process all
-    ranks of a node share under srun, torchrun and local mode: its pid and start time) and topic (the
-    port, and the run's nonce once the roll call gave one), under an fcntl lock, prints; the others
-    stay silent. A marker older than MARK_TTL never silences a later run. Returns whether this
-    process printed."""
-    time.sleep(min(max(local_rank, 0), 20) * 0.05)
-    parent = (os.getppid(), (proc_stat(os.getppid()) or ("", ""))[1])  # pid and start time: one launch
-    key = "-".join(re.sub(r"\W", "_", str(x)) for x in (env.get("SLURM_JOB_ID", "x"), env.get("SLURM_STEP_ID", "x"),
-                                                          topic, *parent))
-    path = os.path.join(tempfile.gettempdir(), f"aiv-{key[:200]}.said")
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
-            said = os.read(fd, 32).decode(errors="replace")
-            if said and time.time() - float(said or 0) < MARK_TTL:
-                return False
-            os.lseek(fd, 0, os.SEEK_SET)
-            os.write(fd, f"{time.time():.3f}".ljust(32).encode())  # older than MARK_TTL: another run's
-        finally:
-            os.close(fd)
-    except (OSError, ValueError):
-        pass  # no node-local coordination here: better a line twice than never
-    emit(text)
-    return True
-
-
-class Verdict(Exception):
-    """The run ends here with this exit code; `findings` are added to what rank 0 reports."""
-
-    def __init__(self, code, findings=()):
-        super().__init__(code)
-        self.code, self.findings = code, list(findings)
-
-
-def failed(check, reason, code=EXIT_FAIL, hosts=(), ranks=()):
-    return Verdict(code, [finding(check, "FAIL", reason, hosts, ranks, code=code)])
-
-
-class Watchdog:
-    """Bounds the phase in progress from a thread of its own. While armed it calls tick(phase) every
-    `period` seconds and expire(phase) once the bound passes; both may end the process with
-    os._exit, which works while the main thread is blocked in a collective (a signal handler would
-    run only after the collective returned)."""
-
-    def __init__(self, expire, tick=None, period=1.0):
-        self.expire, self.tick, self.period = expire, tick, period
-        self._cv = threading.Condition()
-        self._armed = None
-        threading.Thread(target=self._loop, name="aiv-watchdog", daemon=True).start()
-
-    def arm(self, phase, seconds):
-        with self._cv:
-            self._armed = (phase, time.monotonic() + seconds)
-            self._cv.notify()
-
-    def disarm(self):
-        with self._cv:
-            self._armed = None
-            self._cv.notify()
-
-    def _loop(self):
-        while True:
-            with self._cv:
-                while self._armed is None:
-                    self._cv.wait()
-                armed = self._armed
-                self._cv.wait(max(0.0, min(self.period, armed[1] - time.monotonic())))
-                if self._armed != armed:
-                    continue
-                expired = time.monotonic() >= armed[1]
-            if expired:
-                self.expire(armed[0])
-                with self._cv:  # once per arming (expire usually ends the process)
-                    if self._armed == armed:
-                        self._armed = None
-            elif self.tick is not None:
-                try:
-                    self.tick(armed[0])
-                except Exception:
-                    pass
-
-
-PROGRESS = {
-    "contract": "contract: rank {rank} of {world} from {source} variables, local_rank {local_rank}, master {master}",
-    "local": "local: backend {backend}, device {device}, interfaces checked: {ifaces}, {failed} local check(s) "
-             "failed (import torch {import_s:.2f}s)",
-    "rollcall_open": "rendezvous: store at {master}, roll call of {world} rank(s) within {seconds:g}s",
-    "rollcall": "rendezvous: {present}/{world} rank(s) checked in ({secs:.2f}s); pre-init checks (layout, "
-                "GPU affinity, device, local) {result}",
-    "init": "init: {backend} process group of {world} ready ({secs:.2f}s)",
-    "telemetry": "telemetry: gathered from {ranks} rank(s), max {size} B per rank ({secs:.2f}s); node checks: "
-                 "{counts}",
-    "collective": "collective: all_reduce of rank-encoded integers on {world} rank(s) ({secs:.2f}s)",
-    "ddp": "ddp: DDP step on nn.Linear(10, 10), results gathered ({secs:.2f}s)",
-    "bandwidth": "bandwidth: {size} all_reduce {us:.1f} us, algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s",
-    "screen_gpu": "screen-gpu: {n} {what}: matmul {tflops} TFLOPS, memory copy {hbm} GB/s (min/median) ({secs:.2f}s)",
-    "screen_intra": "screen-intra: {detail} ({secs:.2f}s)",
-    "screen_pairs": "screen-pairs: {detail} ({secs:.2f}s)",
-    "screen_suspect": "screen-suspect: {detail}; screen findings: {counts} ({secs:.2f}s)",
-    "soak": "soak: {n} {what} loaded at once for {seconds:g}s: {detail}; soak findings: {counts} ({secs:.2f}s)",
-    "verdict": "verdict: {verdict} (exit {code}); findings: {counts}",
-}
-
-
-HEADER = (BAR, "ai-infra-validator {version} ddp_mesh_ping  {started}  host={host}", "Total Execution Ranks: {world}",
-          "Master: {master} (port from {port_source})  deadlines: roll call {rollcall:g}s, each later phase "
-          "{timeout:g}s  expect: {expect}", BAR)
-
-
-def _counts(findings):
-    return ", ".join(f"{sum(f['status'] == s for f in findings)} {s}" for s in ("PASS", "WARN", "FAIL"))
-
-
+# ============================================================================ aiv/screen_run.py
+# Floor 5 (runtime): the performance screen on the ranks: the collectives the plan asks for.
 class ScreenRunner:
     """The performance screen's four phases (SCREEN_PHASES), a role of every rank: its own
     measurements, its groups and the gates between rounds; on rank 0 also the plan of the rounds, the
@@ -7240,9 +7230,68 @@ class ScreenRunner:
         return "gpu" if self.backend == "nccl" else "cpu"
 
 
+
+# ============================================================================ aiv/rank.py
+# Floor 5 (runtime): RankRun, what every rank runs: the phases in order, each under its bound.
+def speak_once_per_node(text, env, local_rank=0, topic="run"):
+    """Lines a rank prints for itself or for rank 0 when rank 0 cannot: once per node. The first local
+    rank (lowest first) to mark a node-local file keyed by job, step, launcher (the parent process all
+    ranks of a node share under srun, torchrun and local mode: its pid and start time) and topic (the
+    port, and the run's nonce once the roll call gave one), under an fcntl lock, prints; the others
+    stay silent. A marker older than MARK_TTL never silences a later run. Returns whether this
+    process printed."""
+    time.sleep(min(max(local_rank, 0), 20) * 0.05)
+    parent = (os.getppid(), (proc_stat(os.getppid()) or ("", ""))[1])  # pid and start time: one launch
+    key = "-".join(re.sub(r"\W", "_", str(x)) for x in (env.get("SLURM_JOB_ID", "x"), env.get("SLURM_STEP_ID", "x"),
+                                                          topic, *parent))
+    path = os.path.join(tempfile.gettempdir(), f"aiv-{key[:200]}.said")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
+            said = os.read(fd, 32).decode(errors="replace")
+            if said and time.time() - float(said or 0) < MARK_TTL:
+                return False
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, f"{time.time():.3f}".ljust(32).encode())  # older than MARK_TTL: another run's
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        pass  # no node-local coordination here: better a line twice than never
+    emit(text)
+    return True
+
+
+PROGRESS = {
+    "contract": "contract: rank {rank} of {world} from {source} variables, local_rank {local_rank}, master {master}",
+    "local": "local: backend {backend}, device {device}, interfaces checked: {ifaces}, {failed} local check(s) "
+             "failed (import torch {import_s:.2f}s)",
+    "rollcall_open": "rendezvous: store at {master}, roll call of {world} rank(s) within {seconds:g}s",
+    "rollcall": "rendezvous: {present}/{world} rank(s) checked in ({secs:.2f}s); pre-init checks (layout, "
+                "GPU affinity, device, local) {result}",
+    "init": "init: {backend} process group of {world} ready ({secs:.2f}s)",
+    "telemetry": "telemetry: gathered from {ranks} rank(s), max {size} B per rank ({secs:.2f}s); node checks: "
+                 "{counts}",
+    "collective": "collective: all_reduce of rank-encoded integers on {world} rank(s) ({secs:.2f}s)",
+    "ddp": "ddp: DDP step on nn.Linear(10, 10), results gathered ({secs:.2f}s)",
+    "bandwidth": "bandwidth: {size} all_reduce {us:.1f} us, algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s",
+    "screen_gpu": "screen-gpu: {n} {what}: matmul {tflops} TFLOPS, memory copy {hbm} GB/s (min/median) ({secs:.2f}s)",
+    "screen_intra": "screen-intra: {detail} ({secs:.2f}s)",
+    "screen_pairs": "screen-pairs: {detail} ({secs:.2f}s)",
+    "screen_suspect": "screen-suspect: {detail}; screen findings: {counts} ({secs:.2f}s)",
+    "soak": "soak: {n} {what} loaded at once for {seconds:g}s: {detail}; soak findings: {counts} ({secs:.2f}s)",
+    "verdict": "verdict: {verdict} (exit {code}); findings: {counts}",
+}
+
+
+HEADER = (BAR, "ai-infra-validator {version} ddp_mesh_ping  {started}  host={host}", "Total Execution Ranks: {world}",
+          "Master: {master} (port from {port_source})  deadlines: roll call {rollcall:g}s, each later phase "
+          "{timeout:g}s  expect: {expect}", BAR)
+
+
 class RankRun(ScreenRunner):
     """What every rank runs: the phases of PHASES in order, each under deadline(phase), and the plumbing
-    they share. The two roles are subclasses (for_rank picks one):
+    they share. The two roles are subclasses (rank_run picks one):
 
       Coordinator  rank 0: serves the store, holds the roll call, judges every phase, owns the verdict
                    (the report, the JSON, the exit code published on the store)
@@ -7255,10 +7304,6 @@ class RankRun(ScreenRunner):
     results_gathered, phase_final, expire, signalled, progress, header."""
 
     on_tick = None  # the Coordinator's liveness tick; the others have none
-
-    @staticmethod
-    def for_rank(args, contract, env):
-        return (Coordinator if contract["rank"] == 0 else Follower)(args, contract, env)
 
     def __init__(self, args, contract, env):
         self.args, self.c, self.env = args, contract, env
@@ -7815,6 +7860,19 @@ class RankRun(ScreenRunner):
                 emit(f"WARNING: could not write --json {self.args.json}: {e.strerror}", sys.stderr)
 
 
+
+def _warm_imports():
+    """Import what the DDP constructor pulls in lazily, while this rank waits on the network."""
+    try:
+        import torch._dynamo  # noqa: F401
+        import torch.nn.parallel  # noqa: F401
+    except Exception:
+        pass
+
+
+
+# ============================================================================ aiv/coordinator.py
+# Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
 class Coordinator(RankRun):
     """Rank 0: serves the store, holds the roll call, judges what each phase gathered and owns the
     verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
@@ -8271,6 +8329,9 @@ class Coordinator(RankRun):
         return s
 
 
+
+# ============================================================================ aiv/follower.py
+# Floor 5 (runtime): every other rank: reports its own error, takes rank 0's verdict, speaks for a
 class Follower(RankRun):
     """Every rank but 0: enters each phase at rank 0's gate, reports its own error, and exits with rank
     0's verdict, read from the store by a listener thread even while the main thread is blocked in a
@@ -8394,25 +8455,8 @@ class Follower(RankRun):
 
 
 
-def _warm_imports():
-    """Import what the DDP constructor pulls in lazily, while this rank waits on the network."""
-    try:
-        import torch._dynamo  # noqa: F401
-        import torch.nn.parallel  # noqa: F401
-    except Exception:
-        pass
-
-
-# ============================================================================ plan
-# --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the
-# interpreter, torch and a gloo group; measured with 2 and 4 ranks), and the node's import probe and
-# liveness monitor add ~0.3 GiB once: 512 MiB per CPU rank covers both. A rank that drives a GPU also
-# holds a CUDA context in host memory: 1.5 GiB. A rank is idle but for its start (import torch, 1-2
-# CPU seconds) and milliseconds of collectives, so 4 ranks per core start within seconds, far inside
-# the roll-call bound, and leave the machine usable. Only an explicit --nproc is held to this rule.
-RANKS_PER_CORE = 4
-RANK_MEM_CPU = 512 << 20
-RANK_MEM_GPU = 1536 << 20
+# ============================================================================ aiv/plan.py
+# Floor 6: what a command line becomes (help, version, verify-log, diff-manifest, local, rank).
 # Set by a launcher that starts several ranks per node (srun, torchrun, mpirun, local mode): then a
 # rank's own usage error is said once per node. A process started by hand has no siblings: it speaks.
 LAUNCHER_VARS = ("SLURM_STEP_ID", "SLURM_STEPID", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE",
@@ -8529,7 +8573,6 @@ def plan(argv, env, root="/"):
     return {"mode": "local", "args": args, "launch": _local(args, env, root), "check_json": True}
 
 
-# ============================================================================ local mode
 def free_port(host="127.0.0.1"):
     with socket.socket() as s:
         s.bind((host, 0))
@@ -8557,6 +8600,9 @@ def launch_plan(args, env, root="/"):
     return out
 
 
+
+# ============================================================================ aiv/local.py
+# Floor 6: the local launcher: one rank per visible GPU, or --nproc gloo ranks on CPU.
 def die_with_parent(sig):
     """A Popen preexec_fn: the child gets `sig` when the process that started it dies (prctl
     PR_SET_PDEATHSIG), and ends at once where that process is already gone."""
@@ -8641,7 +8687,9 @@ def launch_local(args, argv, env, launch):
     return codes[0]
 
 
-# ============================================================================ main
+
+# ============================================================================ aiv/main.py
+# Floor 6: the entry point.
 def _rank_hint(env):
     """This process's rank when it can be read at all (to print usage errors once, not per rank)."""
     for var in ("RANK", "SLURM_PROCID"):
@@ -8679,6 +8727,11 @@ def report_usage(e, env):
     return EXIT_USAGE
 
 
+def rank_run(args, contract, env):
+    """The role of this rank: Coordinator on rank 0, Follower on every other."""
+    return (Coordinator if contract["rank"] == 0 else Follower)(args, contract, env)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     env = dict(os.environ)
@@ -8709,7 +8762,7 @@ def main(argv=None):
     if p["mode"] == "local":
         return launch_local(p["args"], argv, env, p["launch"])
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # taken by RankRun.on_signal only
-    RankRun.for_rank(p["args"], p["contract"], env).run()
+    rank_run(p["args"], p["contract"], env).run()
     return EXIT_FAIL  # not reached: run() always exits the process
 
 

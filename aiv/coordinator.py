@@ -1,0 +1,534 @@
+"""Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict."""
+import contextlib
+import errno
+import ipaddress
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+from .base import (
+    EXIT_FAIL,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_PASS,
+    EXIT_TIMEOUT,
+    SCHEMA_VERSION,
+    VERSION,
+    Verdict,
+    _counts,
+    compress_hostlist,
+    elapsed,
+    emit,
+    failed,
+    finding,
+    first_line,
+    internal_finding,
+    print_traceback,
+    safe_env,
+    verdict_code,
+    where_raised,
+)
+from .contract import slurm_expected_hosts
+from .deadlines import (
+    ACKS_S,
+    ACKS_SIGNALLED_S,
+    AUDIT_S,
+    ERROR_GRACE,
+    FAN_IN,
+    FORGED_POLL_S,
+    NAMING_S,
+    PHASE_CHECK,
+    PHASE_WHAT,
+    PHASES,
+    SCREEN_PHASES,
+    SNAPSHOT_S,
+    STORE_OP_S,
+    TERM_REPORTS_S,
+    bounded,
+    live_period,
+)
+from .files import write_text_atomic
+from .judge import (
+    STOPPED_WORDS,
+    apply_strict,
+    judge_bandwidth,
+    judge_channel,
+    judge_collectives,
+    judge_forged,
+    judge_gate,
+    judge_imports,
+    judge_pre,
+    judge_store_peers,
+    judge_strays,
+    judge_transport,
+    judge_unfinished,
+    quiet_monitor_note,
+    unreachable_hosts,
+)
+from .liveness import liveness, proc_stat
+from .manifest import judge_bands, judge_manifest, mark_accepted, note_manifest_save
+from .measure import screen_degraded_note
+from .outputs import drain_apply, drain_blocker, drain_plan, render_metrics
+from .page import render_html
+from .rank import HEADER, PROGRESS, RankRun
+from .render import failure_lines, render_report
+from .store import Forged, StoreProtocol, fd_limit_problem, store_peers
+
+
+class Coordinator(RankRun):
+    """Rank 0: serves the store, holds the roll call, judges what each phase gathered and owns the
+    verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
+    the watchdog, the signal thread); it names who did not finish a phase (unfinished) from the
+    stamps, the node monitors' liveness and the error reports."""
+
+    def __init__(self, args, contract, env):
+        self.alarm_at = None  # on_tick: when the first error report was seen
+        self.gone = set()  # ranks found dead or frozen: no acknowledgement to wait for
+        self.acks_s = ACKS_S  # how long the store stays up for the acknowledgements
+        self.verdict_lock = threading.Lock()
+        self.serving = False
+        super().__init__(args, contract, env)
+
+    # ---------------------------------------------------------------- flow
+    def end(self, v):
+        self.conclude(v.code, v.findings, self.proto)
+
+    def phase_bound(self, phase):
+        return self.D[phase] + (NAMING_S if phase == "rollcall" else 0)
+
+    def enter_phase(self, phase):
+        """Rank 0 opens every phase's gate after the roll call."""
+        self.proto.open_gate("phase/" + phase)
+
+    def own_error(self, phase, line, code):
+        """Rank 0's own torch error: once the roll call is done, ERROR_GRACE for the others' reports, then
+        the finding naming who did not finish the phase."""
+        if self.poll is None:
+            return super().own_error(phase, line, code)
+        time.sleep(ERROR_GRACE)
+        return Verdict(code, [self.unfinished(phase, self.proto, f"{PHASE_WHAT[phase]} failed", code)])
+
+    # ---------------------------------------------------------------- phases
+    def open_store(self, R, prefix, serve):
+        """Rank 0 serves the store on a socket it bound itself, unless torchrun's agent serves it."""
+        self.serving = serve  # a store of its own: rank 0 sees who connects to it
+        if not serve:
+            return super().open_store(R, prefix, serve)
+        problem = fd_limit_problem(self.world, self.expect.get("nodes") or self.world)
+        if problem:
+            raise failed("rendezvous", f"rank 0 ({self.host}): {problem}", hosts=[self.host])
+        fd = self._listen_socket().detach()
+        return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd, seal=self.seal)
+
+    def before_check_in(self, R):
+        self.wd.arm("rollcall", R + NAMING_S)  # as deadline() armed it (the connect may have re-armed it)
+        self.proto.publish_world(self.world)
+
+    def after_check_in(self, R):
+        self.roll_call()
+
+    def roll_call(self):
+        """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
+        t, R = time.monotonic(), self.D["rollcall"]
+        complete, strays = self.wait_roll(t + R)
+        if strays:  # woken by a stray: the other strays of its launch get a moment to post too
+            time.sleep(ERROR_GRACE)
+            strays = self.proto.strays()
+            self.findings += judge_strays(strays)
+        missing = [] if complete and not strays else self.proto.missing(self.world)
+        absent = set(missing)
+        present = [r for r in range(self.world) if r not in absent]
+        self.records = self.proto.identities(present)
+        if self.proto.forged:  # a record not of this run: nothing it says is believed, nobody is blamed for it
+            self.progress("rollcall", present=len(self.records), world=self.world, secs=time.monotonic() - t,
+                          result="FAIL")
+            raise Verdict(EXIT_FAIL)
+        self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
+        if missing and not strays:  # ranks still starting when a stray ended the roll call are not late
+            where = slurm_expected_hosts(self.env, self.world)
+            names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
+            more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
+            self.findings.append(finding("rendezvous", "FAIL", f"rank(s) {names}{more} did not check in within "
+                                         f"{R:g}s ({len(present)}/{self.world} reported at {self.addr}:{self.port})",
+                                         [where[r] for r in missing if r in where], missing, code=EXIT_TIMEOUT))
+        self.findings += apply_strict(judge_pre(self.records, self.world, self.expect), self.args.strict)
+        code = verdict_code(self.findings)
+        self.progress("rollcall", present=len(present), world=self.world, secs=time.monotonic() - t,
+                      result="FAIL" if code else "pass")
+        if code:
+            raise Verdict(code)
+        self.proto.prepare(self.records)
+        self.poll = self.proto.clone()
+        self.wd.period = live_period(len(set(self.host_of.values())))
+        self.master = {"host": self.host, "pid": os.getpid(), "nodes": len(set(self.host_of.values()))}
+        self.proto.open_gate("roll", json.dumps(self.master))
+
+    def wait_roll(self, end):
+        """The roll call's wait, until `end`: all_arrived wakes it, every rank's record ends it (a counter
+        bumped from outside wakes it early, not ends it). Each second it checks that the world record is
+        still its own. -> (complete, strays)."""
+        mine = self.proto.store.get("world")
+        while True:
+            complete = self.proto.wait_all(min(1.0, end - time.monotonic()))
+            strays, now = self.proto.strays(), time.monotonic()
+            held = self.proto.store.get("world")
+            if held != mine:  # written over: put ours back (so the ranks can read the verdict), refuse theirs
+                self.proto.store.set("world", mine)
+                self.proto.refuse(Forged("world", held.decode(errors="replace").split("|")[-1],
+                                         "was written over by something other than rank 0"))
+            if strays or self.proto.forged or now >= end:
+                return complete and self.proto.all_in(self.world), strays
+            if complete and self.proto.all_in(self.world):
+                return True, strays
+            if complete:  # woken before every record was there
+                time.sleep(FORGED_POLL_S)
+
+    def phase_telemetry(self):
+        t = time.monotonic()
+        self.failpoint("telemetry")
+        self.proto.post("telemetry", 0, self.telemetry())
+        gathered = self.fan_in("telemetry")
+        self.records = gathered
+        gate = apply_strict(judge_gate(gathered, self.env.get("NCCL_IB_HCA")), self.args.strict)
+        self.findings += gate
+        self.progress("telemetry", ranks=len(gathered), secs=time.monotonic() - t, counts=_counts(gate),
+                      size=max(len(json.dumps(r, default=str)) for r in gathered))
+        if verdict_code(self.findings):
+            raise Verdict(verdict_code(self.findings))
+        self.proto.open_gate("judge")
+
+    def phase_bandwidth(self):
+        super().phase_bandwidth()
+        if self.bandwidth:
+            self.collectives["bandwidth"] = self.bandwidth
+
+    def fan_in(self, name):
+        """Rank 0: every rank's post of `name` (its own first) from the store, in rank order, within what
+        is left of the phase's bound. A refused post ends the run (side_channel names it, nobody is
+        blamed); ranks that did not post are named by unfinished (a rank that posted finished its part)."""
+        posts = self.proto.wait_posts(name, self.phase_t0 + self.D[self.phase] - time.monotonic())
+        if self.proto.forged:
+            raise Verdict(EXIT_FAIL)
+        if len(posts) < self.world:
+            cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+        return [posts[r] for r in range(self.world)]
+
+    def results_gathered(self, loss_sum):
+        gathered = self.fan_in("results")
+        self.results = gathered
+        self.collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
+                            "ranks": self.world, "loss": loss_sum / self.world,
+                            "grads_identical": len({res["grads"] for res in gathered}) == 1}
+
+    def phase_final(self):
+        """Judge what the collectives returned: the verdict."""
+        for res in self.results:
+            rec = next((x for x in self.records if x["rank"] == res["rank"]), None)
+            if rec is not None:
+                rec["transport"], rec["nccl_net"] = res.get("transport"), res.get("nccl_net")
+                if rec.get("node") is not None and res.get("imports") is not None:
+                    rec["node"]["imports"] = res["imports"]
+        final = (judge_imports(self.records) + judge_collectives(self.results, self.world, self.host_of)
+                 + judge_transport(self.records, self.env.get("NCCL_IB_DISABLE"))
+                 + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw)
+                 + judge_manifest(self.args.manifest_data, self.records, self.screen)
+                 + judge_bands(self.args.manifest_data, self.records, self.screen)  # manifest: drift from the accepted
+                 + judge_strays(self.proto.strays()))  # a stray that came after the roll call: never a PASS
+        self.findings += apply_strict(final, self.args.strict)
+        raise Verdict(verdict_code(self.findings))
+
+    # ---------------------------------------------------------------- the verdict
+    def conclude(self, code, findings, client):
+        """Rank 0 only, from whichever thread gets here first (the main thread, the watchdog or the signal
+        thread): the verdict (give_verdict), then exit. Whatever fails inside, the process still exits,
+        with the verdict or with `internal` (exit 4); it never keeps the lock and lives on."""
+        self.verdict_lock.acquire()  # a second caller waits here until the first one exits the process
+        try:
+            code = self.give_verdict(code, findings, client)
+        except BaseException as e:
+            print_traceback(e)
+            with contextlib.suppress(BaseException):
+                emit(f"FAILURE: internal: {first_line(e)} in {where_raised(e)} (rank 0 on {self.host}, giving the "
+                     "verdict): a bug in the tool, not a fault of the cluster: no host is blamed")
+            code = verdict_code(self.findings) or EXIT_INTERNAL
+        self.exit(code)
+
+    def give_verdict(self, code, findings, client):
+        """Publish the code, drain (--drain on, bounded), print the report, write the JSON, the metrics and
+        the page; then save the manifest (bounded) and keep the store up for the acks. A report that cannot
+        be rendered is an `internal` FAIL with the FAILURE lines alone (and drains nobody); the JSON is
+        written either way. -> the exit code."""
+        self.findings = self.findings + list(findings)
+        self.findings += self.side_channel(client)
+        self.drain = self.plan_drain(verdict_code(self.findings) or code)
+        st, text = self.report(verdict_code(self.findings) or code)
+        if self.drain["hosts"] and drain_blocker(self.findings):  # the report itself failed: the tool's error
+            self.drain = self.plan_drain(st["exit_code"])
+            st, text = self.report(st["exit_code"])
+        code = st["exit_code"]
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.publish_verdict(code)
+        if self.drain["mode"] == "on" and self.drain["hosts"]:  # after the verdict is out: scontrol may be slow
+            self.drain, warns = drain_apply(self.drain)
+            self.findings += warns
+            st, text = self.report(code)
+        self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code,
+                      counts=_counts(self.findings))
+        emit(text)
+        self.write_json(st)
+        self.write_outputs(st)
+        if getattr(self.args, "save_manifest", None):  # after the report and the JSON: shared storage may be slow
+            before = len(st["findings"])
+            note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
+            emit("\n".join([f"  [{f['status']}] {f['check']}: {f['reason']}" for f in st["findings"][before:]]
+                           + [f"  NOTE: {n}" for n in st.get("notes") or []]))
+            self.write_json(st)
+        if client is not None:
+            self.wait_acks(client, self.listeners(client), code)
+        return code
+
+    def report(self, code):
+        """-> (state, the report's text). A report that cannot be rendered is an `internal` FAIL with the
+        FAILURE lines alone."""
+        try:
+            self.failpoint("report", only=("raise",))
+            st = self.state(verdict_code(self.findings) or code)
+            return st, render_report(st)
+        except Exception as e:
+            print_traceback(e)
+            self.findings.append(internal_finding(e, f"rank 0 on {self.host}, rendering the report"))
+            st = self.state(verdict_code(self.findings) or code)
+            return st, "\n".join(failure_lines(self.findings))
+
+    def plan_drain(self, code):
+        """--drain at the verdict (drain_plan, pure): what to drain, or why nothing. give_verdict runs the
+        scontrol update (drain_apply, bounded by DRAIN_S) once the verdict is published; its WARN joins the
+        findings and the verdict stays what it is."""
+        nodes = self.expect.get("nodes") or len({rec["host"] for rec in self.records}) or 1
+        fails = self.findings if code != EXIT_PASS else []
+        return drain_plan(fails, self.args.drain, nodes, self.env.get("SLURM_JOB_ID"), self.args.drain_max)
+
+    def write_outputs(self, st):
+        """--metrics and --html after the JSON: a page or a file that cannot be written is a warning on
+        stderr, never a changed verdict."""
+        for dest, render in (("metrics", render_metrics), ("html", render_html)):
+            path = getattr(self.args, dest, None)
+            if not path:
+                continue
+            try:
+                write_text_atomic(path, render(st))
+            except Exception as e:
+                emit(f"WARNING: could not write --{dest} {path}: {first_line(e)}", sys.stderr)
+
+    def side_channel(self, client):
+        """The side channel's findings at the verdict: every value refused (judge_forged), connections
+        from outside the run's nodes (judge_store_peers), and whether the channel was authenticated."""
+        master = f"{self.addr}:{self.port}"
+        forged = list(self.proto.forged) if self.proto is not None else []
+        if client is not None:
+            ranks, hosts = sorted(self.host_of), sorted(set(self.host_of.values()))
+            forged = bounded(lambda: client.clone().audit(ranks, hosts), AUDIT_S) or forged  # its own connection
+        out = judge_forged(forged, master)
+        if self.serving and self.records:
+            allowed = {a for rec in self.records for a in rec.get("addrs") or ()}
+            peers = {ip for ip in store_peers(self.port) or () if not ipaddress.ip_address(ip).is_loopback}
+            out += apply_strict(judge_store_peers(peers, allowed, self.seal.authenticated, master), self.args.strict)
+        if self.records and not forged:
+            nodes = len({rec["host"] for rec in self.records})
+            out += apply_strict(judge_channel(self.seal.authenticated, nodes, master), self.args.strict)
+        return out
+
+    def listeners(self, client):
+        """Who will acknowledge the verdict: (ranks, how many). After the roll call the live ranks; before
+        it (None, the number that checked in so far): each has a listener on the verdict key."""
+        if self.host_of:
+            ranks = [r for r in self.host_of if r and r not in self.gone]
+            return ranks, len(ranks)
+        return None, max(0, bounded(client.arrived, STORE_OP_S, 1) - 1) if self.proto is not None else 0
+
+    def wait_acks(self, client, listeners, code):
+        """Keep the store up until every listener acknowledged (their sealed ack/<rank>; the counter only
+        wakes the check), within ACKS_S. A verdict written over from outside is put back at once."""
+        (ranks, n), end, polls = listeners, time.monotonic() + min(self.acks_s, self.D["final"]), 0
+        while n > 0 and time.monotonic() < end:
+            try:
+                if client.acks() >= n and (ranks is None or client.acked(ranks)):
+                    return
+                polls += 1
+                if polls % 5 == 0 and not client.verdict_holds(code):
+                    client.publish_verdict(code)
+                    emit(f"WARNING: rendezvous: the verdict key at {self.addr}:{self.port} was written over from "
+                         "outside the job after the verdict; rank 0 put its own back (no rank takes a forged code)",
+                         sys.stderr)
+            except Exception:
+                return
+            time.sleep(0.02)
+
+    def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
+        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports."""
+        hosts = sorted(set(self.host_of.values()))
+        try:
+            live, silent, quiet = client.settled_live(hosts, budget)
+            stamps, errors = client.stamps(self.world), client.errors()
+        except Exception as e:
+            return finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the "
+                           f"ranks: {first_line(e)}", code=EXIT_TIMEOUT)
+        live.update(self.own_node_live())
+        silent, quiet = unreachable_hosts(silent, quiet, self.host, self.host_of, errors)
+        f = self._unfinished(phase, client, cause, code, live, silent, stamps, errors)
+        if quiet:
+            f["reason"] += "; " + quiet_monitor_note(quiet, budget)
+        return f
+
+    def own_node_live(self):
+        """Rank 0's own node: its ranks' processes read here, from /proc (rank 0 shares the host; its
+        node's monitor is not needed to see them, and a slow one is never news about the node)."""
+        return {rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec["pid_start"])) for rec in self.records
+                if rec.get("host") == self.host and rec.get("pid") and rec.get("pid_start")}
+
+    def _unfinished(self, phase, client, cause, code, live, silent, stamps, errors):
+        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
+        if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
+            with contextlib.suppress(Exception):
+                done, idx = self.round_posted(client, "soak"), PHASES.index(phase)
+                stamps = {r: max(s, idx) if r in done else s for r, s in stamps.items()}
+        if phase in FAN_IN:  # a rank that posted its telemetry or results finished its part: it waits for rank 0
+            with contextlib.suppress(Exception):
+                done, idx = set(client.posts(FAN_IN[phase])), PHASES.index(phase)
+                stamps = {r: max(s, idx) if r in done else s for r, s in stamps.items()}
+        if phase in SCREEN_PHASES and self.screen is not None:
+            try:
+                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps)
+            except Exception:
+                f = None
+            if f is not None:
+                return f
+        return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent)
+
+    def state(self, code):
+        fails = failure_lines(self.findings)
+        failed_hosts = sorted({h for f in self.findings if f["status"] == "FAIL" for h in f["hosts"]})
+        if any(f.get("tamper") and f["status"] == "FAIL" for f in self.findings):
+            failed_hosts = []  # the evidence came through a store written from outside: nobody is excluded
+        return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+                "started_at": self.started_at, "host": self.host,
+                "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
+                "world_size": self.world, "ranks_reported": len(self.records), "backend": self.backend,
+                "master": f"{self.addr}:{self.port}", "expect": self.expect, "strict": bool(self.args.strict),
+                "deadlines": self.D, "elapsed_s": round(elapsed(), 3), "phases": self.times,
+                "findings": mark_accepted(self.args.manifest_data, self.findings), "failures": fails,
+                "failed_hosts": failed_hosts,
+                "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
+                "suspect_links": (self.screen or {}).get("suspect_links") or [],
+                "drain": self.drain, "drain_command": (self.drain or {}).get("command") or "",
+                "phase_starts": self.starts,
+                "collectives": self.collectives, "screen": self.screen, "soak": self.soak, "ranks": self.records,
+                "env": safe_env(self.env),
+                **({"notes": [screen_degraded_note(self.screen)]} if screen_degraded_note(self.screen) else {})}
+
+    # ---------------------------------------------------------------- bounds and signals
+    def expire(self, phase):
+        """The bound passed: name who did not finish (before the roll call ended, only rank 0 itself)."""
+        cause = self.expiry_cause(phase)
+        if self.poll is None:
+            self.conclude(EXIT_TIMEOUT, [finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {cause}",
+                                                 [self.host], [0], code=EXIT_TIMEOUT)], self.proto)
+        self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, cause)], self.poll)
+
+    def expire_failed(self, phase, exc):
+        self.conclude(EXIT_INTERNAL, [internal_finding(exc, f"rank 0 on {self.host}, at the {phase} bound")], None)
+
+    def on_tick(self, phase):
+        """Rank 0, every liveness period during a phase after the roll call: a rank whose process is
+        gone ends the phase at once; an error report ends it ERROR_GRACE later."""
+        if self.poll is None or phase in ("local", "rollcall"):
+            return
+        if self.poll.forgeries():  # a value not of this run: the run ends, nobody blamed (side_channel)
+            self.conclude(EXIT_FAIL, [], self.poll)
+        dead = any(s == "gone" for snap in self.poll.live(sorted(set(self.host_of.values()))).values()
+                   for s in (snap.get("ranks") or {}).values())
+        if self.alarm_at is None and (dead or (self.poll.error_count() and self.poll.errors())):
+            self.alarm_at = time.monotonic()
+        if dead or (self.alarm_at is not None and time.monotonic() - self.alarm_at >= ERROR_GRACE):
+            self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, f"{PHASE_WHAT[phase]} failed")], self.poll)
+
+    def signalled(self, signum, name, phase):
+        """The verdict within NAMING_S: `interrupted` (exit 5), naming no host, unless a rank was already
+        dead or frozen before the signal (interruption)."""
+        if self.verdict_lock.locked():  # the verdict is being given already
+            return
+        client = bounded(self.proto.clone, STORE_OP_S) if self.proto is not None else None
+        self.acks_s = ACKS_SIGNALLED_S
+        self.conclude(EXIT_INTERRUPTED, [self.interruption(phase, name, client)], client)
+
+    def interruption(self, phase, name, client):
+        """Rank 0's finding for a signal during `phase`: liveness as it was when the signal came (the ranks
+        it stops are not yet gone), then, TERM_REPORTS_S later, the others' reports."""
+        why = (f"{PHASE_WHAT[phase]} was interrupted by {name} (scancel, the time limit, preemption, the launcher "
+               "or Ctrl-C)")
+        if self.poll is None or client is None:  # before the roll call ended: nobody to name
+            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
+                           code=EXIT_INTERRUPTED)
+        hosts = sorted(set(self.host_of.values()))
+        snap = bounded(lambda: client.live(hosts), SNAPSHOT_S, {})
+        live = {int(r): st for snap_h in snap.values() for r, st in (snap_h.get("ranks") or {}).items()}
+        # this node's ranks read directly: a worker that died just before the launcher's SIGTERM (torchrun
+        # stops the others at once) is gone here, even when the monitor has not posted it yet
+        live.update({rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec.get("pid_start") or ""))
+                     for rec in self.records if rec.get("host") == self.host and rec.get("pid_start")})
+        time.sleep(TERM_REPORTS_S)
+        seen = bounded(lambda: (client.stamps(self.world), client.errors()), SNAPSHOT_S)
+        if seen is None:
+            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
+                           code=EXIT_INTERRUPTED)
+        stamps, errors = seen
+        errors[0] = {"line": f"rank 0 ({self.host}): {name}", "term": True, "internal": False}
+        # the signalled ranks will not acknowledge: the job's KillWait (often 30 s) must not pass on the acks
+        self.gone |= {r for r, e in errors.items() if e.get("term")} | {r for r, st in live.items() if st != "running"}
+        return judge_unfinished(phase, why, self.world, self.host_of, stamps, live, errors)
+
+    # ---------------------------------------------------------------- output
+    def progress(self, key, **kw):
+        emit(f"[{elapsed():9.2f}s] " + PROGRESS[key].format(**kw))
+
+    def header(self):
+        emit("\n".join(HEADER).format(
+            version=VERSION, started=self.started_at, host=self.host, world=self.world,
+            master=f"{self.addr}:{self.port}", port_source=self.c["port_source"], rollcall=self.D["rollcall"],
+            timeout=self.D["init"], expect=" ".join(f"{k}={v}" for k, v in sorted(self.expect.items())) or "none"))
+
+    def _listen_socket(self):
+        """Rank 0 binds the store's socket itself: only where MASTER_ADDR points, named errors."""
+        try:
+            infos = socket.getaddrinfo(self.addr, self.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank 0's host "
+                         f"{self.host}: {e.strerror}", hosts=[self.host]) from None
+        infos.sort(key=lambda i: i[0] != socket.AF_INET)
+        fam, _, _, _, sa = infos[0]
+        ip = sa[0]
+        multi_node = self.expect.get("nodes", 1) > 1  # Slurm's node count is already in the expectation
+        bind_ip = ("::" if fam == socket.AF_INET6 else "0.0.0.0") if (ip.startswith("127.") or ip == "::1") \
+            and multi_node else ip
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((bind_ip, self.port))
+            s.listen(min(4096, max(128, self.world)))
+        except OSError as e:
+            s.close()
+            if e.errno == errno.EADDRINUSE:
+                why = (f"address already in use on {self.host}:{self.port} (MASTER_ADDR={self.addr}, "
+                       f"MASTER_PORT={self.port}): another process listens there; pick a free MASTER_PORT")
+            elif e.errno == errno.EADDRNOTAVAIL:
+                why = (f"MASTER_ADDR={self.addr} resolves to {ip}, which is not an address of rank 0's host "
+                       f"{self.host}: MASTER_ADDR must name the node running rank 0")
+            else:
+                why = f"cannot listen on {bind_ip}:{self.port} on {self.host}: {e.strerror}"
+            raise failed("rendezvous", why, hosts=[self.host]) from None
+        return s

@@ -1,0 +1,133 @@
+"""Floor 1: every bound in one table (deadlines()), the small waits beside it, the watchdog and
+`bounded`: a wait that has no bound here does not exist."""
+import contextlib
+import threading
+import time
+
+TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
+ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
+NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name the culprits, publish
+RANK0_GRACE = 15.0        # the other ranks wait this long past their own bound before speaking for rank 0
+ACKS_S = 5.0              # rank 0 keeps its store up this long for live ranks to read the verdict
+ACKS_SIGNALLED_S = 1.0    # ... or this long once rank 0 itself was signalled (the others are, too: KillWait runs)
+ERROR_GRACE = 2.0         # after the first error report: time for other reports and liveness to arrive
+MANIFEST_LOCK_S = 10.0    # rank 0 at the verdict: the most it waits for another job's lock on a --save-manifest file
+LOCK_RETRY_S = 0.2        # how often that lock is tried again (non-blocking) while another job holds it
+# The small waits inside a phase, each also inside the phase's bound (the table below):
+NCCL_RELAY_S = 1.0        # a rank's exit: the most it waits for another thread relaying its NCCL WARN lines
+STORE_OP_S = 1.0          # one store operation off the main thread (a report after a signal, a clone, a counter)
+AUDIT_S = 1.0             # rank 0 at the verdict: every value on the store checked once more (StoreProtocol.audit)
+FORGED_POLL_S = 0.1       # a reader that refused a value not of this run looks again this often, within its wait
+SNAPSHOT_S = 1.5          # rank 0, after a signal: one read of liveness, of the stamps and of the reports
+TERM_REPORTS_S = 0.5      # rank 0, after a signal: time for the other ranks' "terminated" reports to arrive
+TORCH_BACKSTOP_S = 30.0   # torch's own process-group timeout lies this far past our bound: ours fires first
+IMPORT_PROBE_S = 60.0     # torchvision/torchaudio import probe: at most this, T/2 at the verdict, T/4 before the screen
+MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks are gone already: the run ended)
+PROBE_CONNECT_S = 0.8     # a raw TCP connect that tells "no listener" from "a listener that never answers"
+MARK_TTL = 30.0           # seconds a node's "said" marker silences its siblings; an older one is another run's
+DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scontrol calls (show, update) together
+NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
+                          # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
+LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
+
+PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-intra", "screen-pairs", "screen-suspect",
+          "soak", "collective", "ddp", "bandwidth", "final")
+FAN_IN = {"telemetry": "telemetry", "ddp": "results"}  # phase -> what each rank posts to rank 0 through the store
+SCREEN_PHASES = ("screen-gpu", "screen-intra", "screen-pairs", "screen-suspect")  # skipped with --skip-screen
+PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
+               "screen-gpu": "gpu-perf", "screen-intra": "intra-node", "screen-pairs": "inter-node",
+               "screen-suspect": "inter-node", "soak": "soak",
+               "collective": "collective", "ddp": "ddp", "bandwidth": "bandwidth", "final": "verdict"}
+PHASE_WHAT = {"local": "import torch and the local checks", "rollcall": "the roll call",
+              "init": "init_process_group", "telemetry": "the telemetry gather and judge",
+              "screen-gpu": "the GPU screen (matmul and memory copy)",
+              "screen-intra": "the intra-node all_reduce screen", "screen-pairs": "the inter-node pair rounds",
+              "screen-suspect": "the suspect round and the screen's judgement",
+              "soak": "the soak (sustained matmul on every GPU at once)",
+              "collective": "all_reduce of rank-encoded integers", "ddp": "the DDP step and results gather",
+              "bandwidth": "the bandwidth probe", "final": "the verdict"}
+
+
+def deadlines(timeout, rollcall_timeout, soak=0.0):
+    """The one table of bounds: phase -> seconds. `local` and `rollcall` get --rollcall-timeout, `soak`
+    its --soak seconds + --timeout (the load itself, then what any phase does), every other
+    later phase --timeout; `manifest-lock` (MANIFEST_LOCK_S, not a phase) bounds the wait for a
+    --save-manifest file's lock at the verdict. Invariant (checked by a test): rank 0 names the culprits
+    within a phase's bound + NAMING_S, which is below the other ranks' backstop (bound + RANK0_GRACE), so rank 0
+    reports before anyone gives up on it."""
+    table = {p: float(timeout) for p in PHASES}
+    table["local"] = table["rollcall"] = float(rollcall_timeout)
+    table["soak"] = float(timeout) + float(soak)
+    table["manifest-lock"] = MANIFEST_LOCK_S  # not a phase: part of the verdict, with --save-manifest only
+    return table
+
+
+def worst_case(table, bandwidth=False, screen=True, soak=False):
+    """The longest a run can take to its verdict: every phase at its bound, then naming and acks."""
+    return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
+               and (screen or p not in SCREEN_PHASES)) + NAMING_S + ACKS_S
+
+
+def live_period(nodes):
+    """Seconds between a node monitor's posts (and its leader's beats): two operations per node per
+    period keep rank 0's store under ~1,000 operations per second up to 1,000 nodes (8,000 ranks at 8 per
+    node). Capped at 2 s, so that two periods fit in the NAMING_S - 1 seconds rank 0 waits for fresh
+    liveness; past 1,000 nodes that costs nodes operations per second."""
+    return min(2.0, max(1.0, nodes / 500.0))
+
+
+def bounded(fn, seconds, default=None):
+    """fn() on a thread of its own; `default` when it raises or takes longer than `seconds`."""
+    box = []
+
+    def call():
+        with contextlib.suppress(Exception):
+            box.append(fn())
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(seconds)
+    return box[0] if box else default
+
+
+class Watchdog:
+    """Bounds the phase in progress from a thread of its own. While armed it calls tick(phase) every
+    `period` seconds and expire(phase) once the bound passes; both may end the process with
+    os._exit, which works while the main thread is blocked in a collective (a signal handler would
+    run only after the collective returned)."""
+
+    def __init__(self, expire, tick=None, period=1.0):
+        self.expire, self.tick, self.period = expire, tick, period
+        self._cv = threading.Condition()
+        self._armed = None
+        threading.Thread(target=self._loop, name="aiv-watchdog", daemon=True).start()
+
+    def arm(self, phase, seconds):
+        with self._cv:
+            self._armed = (phase, time.monotonic() + seconds)
+            self._cv.notify()
+
+    def disarm(self):
+        with self._cv:
+            self._armed = None
+            self._cv.notify()
+
+    def _loop(self):
+        while True:
+            with self._cv:
+                while self._armed is None:
+                    self._cv.wait()
+                armed = self._armed
+                self._cv.wait(max(0.0, min(self.period, armed[1] - time.monotonic())))
+                if self._armed != armed:
+                    continue
+                expired = time.monotonic() >= armed[1]
+            if expired:
+                self.expire(armed[0])
+                with self._cv:  # once per arming (expire usually ends the process)
+                    if self._armed == armed:
+                        self._armed = None
+            elif self.tick is not None:
+                try:
+                    self.tick(armed[0])
+                except Exception:
+                    pass

@@ -1,0 +1,135 @@
+"""Floor 5 (runtime): every other rank: reports its own error, takes rank 0's verdict, speaks for a
+rank 0 that gives none in time."""
+import json
+import os
+import threading
+import time
+
+from .base import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_TIMEOUT, SCHEMA_VERSION, VERSION, first_line
+from .deadlines import NAMING_S, PHASE_CHECK, RANK0_GRACE, STORE_OP_S, bounded, worst_case
+from .judge import judge_forged
+from .liveness import liveness, proc_stat
+from .rank import RankRun
+from .render import failure_lines
+
+
+class Follower(RankRun):
+    """Every rank but 0: enters each phase at rank 0's gate, reports its own error, and exits with rank
+    0's verdict, read from the store by a listener thread even while the main thread is blocked in a
+    collective. When rank 0 gives none in time, it speaks for rank 0, once per node."""
+
+    def __init__(self, args, contract, env):
+        self.verdict_seen = None  # rank 0's exit code, once read
+        self.ack_lock, self.acked = threading.Lock(), False
+        super().__init__(args, contract, env)
+
+    # ---------------------------------------------------------------- flow
+    def end(self, v):
+        """Report (done by phase_error), then take rank 0's verdict; before the roll call, speak for the node."""
+        if self.proto is not None:
+            self.wd.arm(self.phase, self.D[self.phase] + RANK0_GRACE)
+            try:
+                code = self.take_verdict(self.proto, self.D[self.phase] + RANK0_GRACE)
+            except Exception as e:  # rank 0's store is gone: that, not our own error, is the news
+                self.lost_rank0(e)
+            self.exit(code)
+        self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
+        self.exit(v.code)
+
+    def phase_bound(self, phase):
+        return self.D[phase] + (RANK0_GRACE if phase != "local" else 0)
+
+    def enter_phase(self, phase):
+        """Wait for rank 0's gate, bounded as the phase itself (rank 0 opens it, or gives a verdict, within
+        the previous phase's bound + NAMING_S of the previous gate)."""
+        wait = self.D[phase] + RANK0_GRACE
+        self.wd.arm(phase, wait)
+        self.proto.wait_gate("phase/" + phase, wait + NAMING_S)  # the watchdog speaks before this raises
+        self.phase_t0 = time.monotonic()  # the phase's own waits count from rank 0's start too
+
+    # ---------------------------------------------------------------- phases
+    def before_check_in(self, R):
+        self.wd.arm("rollcall", R + RANK0_GRACE)  # counted from our arrival: rank 0 may start late
+
+    def after_check_in(self, R):
+        threading.Thread(target=self.listen, name="aiv-listener", daemon=True).start()
+        self.master = json.loads(self.proto.wait_gate("roll", R + RANK0_GRACE))
+
+    def phase_final(self):
+        """Rank 0 judges; this rank waits for its verdict."""
+        self.exit(self.take_verdict(self.proto, self.D["final"] + RANK0_GRACE))
+
+    # ---------------------------------------------------------------- rank 0's verdict
+    def listen(self):
+        """Non-zero ranks: block on the verdict key on a connection of our own and exit with it."""
+        client = self.proto.clone()
+        try:
+            code = self.take_verdict(client, worst_case(self.D, True, soak=bool(self.args.soak)) + RANK0_GRACE)
+        except Exception as e:
+            self.lost_rank0(e)
+        self.exit(code)
+
+    def take_verdict(self, client, seconds):
+        code = client.wait_verdict(seconds)
+        self.verdict_seen = code
+        with self.ack_lock:
+            if not self.acked:
+                self.acked = True
+                try:
+                    client.ack(self.rank)
+                except Exception:  # rank 0 stopped waiting for acks: the code is what matters
+                    pass
+        return code
+
+    def lost_rank0(self, exc):
+        if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
+            self.exit(self.verdict_seen)
+        host0 = (self.master or {}).get("host", self.addr)
+        self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
+                                       f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
+                                       f"({first_line(exc)})"))
+
+    def expire(self, phase):
+        """Speak for this rank (before the roll call) or for rank 0, which gave no verdict in time."""
+        cause = self.expiry_cause(phase)
+        if self.master is None and not (self.proto is not None and self.proto.forged):
+            self.speak_for_node(f"FAILURE: {PHASE_CHECK[phase]}: rank {self.rank} ({self.host}): {cause}")
+            self.exit(EXIT_TIMEOUT)
+        host0 = (self.master or {}).get("host", self.addr)
+        self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from "
+                                       f"rank 0 ({host0}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "
+                                       f"is frozen, hung or unreachable{self.rank0_state()}"))
+
+    def signalled(self, signum, name, phase):
+        """Post that this rank was terminated (so that rank 0 does not take it for dead), exit 128 + signal."""
+        if self.proto is not None:
+            line = f"rank {self.rank} ({self.host}): terminated by {name} during {phase}"
+            bounded(lambda: self.proto.clone().report_error(self.rank, phase, line, EXIT_INTERRUPTED, term=True),
+                    STORE_OP_S)
+        self.exit(128 + signum)
+
+    def speak_for_rank0(self, line):
+        """Rank 0 gave no verdict: say so once per node, and leave a FAIL JSON naming rank 0's host
+        where rank 0 left none (the batch file ends the step once a verdict JSON exists). A rank that
+        refused a forged value names that instead, and nobody (judge_forged). The listener and the main
+        thread can both get here: the second waits (for ever: the first exits) until the first has
+        written the JSON. -> the exit code."""
+        self.speak_lock.acquire()
+        host0, code = [(self.master or {}).get("host", self.addr)], EXIT_TIMEOUT
+        if self.proto is not None and self.proto.forged:
+            line = "\n".join(failure_lines(judge_forged(self.proto.forged, f"{self.addr}:{self.port}")))
+            host0, code = [], EXIT_FAIL
+        if not self.speak_for_node(line) or not self.args.json or os.path.exists(self.args.json):
+            return code
+        self.write_json({"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+                         "verdict": "FAIL", "exit_code": code, "world_size": self.world,
+                         "failures": line.splitlines(), "failed_hosts": host0, "exclude": ",".join(host0),
+                         "drain_command": "", "written_by": f"rank {self.rank} ({self.host})"}, first=True)
+        return code
+
+    def rank0_state(self):
+        m = self.master or {}
+        if m.get("host") != self.host or not m.get("pid"):
+            return ""
+        st = liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
+        return f" (rank 0's process on this node is {st})"

@@ -1,0 +1,633 @@
+"""Floor 3: pure checks of plain data -> findings (PASS / WARN / FAIL with hosts and ranks), and who is
+to blame for a phase that did not finish."""
+import json
+import math
+
+from .base import (
+    EXIT_FAIL,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_TIMEOUT,
+    _screen_quantile,
+    compress_hostlist,
+    finding,
+    format_ranges,
+    human_bytes,
+    parse_ranges,
+)
+from .collect import PROBED_PACKAGES, ib_hca_select
+from .deadlines import NODE_SMI_S, PHASE_CHECK, PHASES
+from .measure import NODE_SMI_WHAT
+
+
+def _by_host(records):
+    hosts = {}
+    for r in records:
+        hosts.setdefault(r["host"], []).append(r)
+    return hosts
+
+
+def _rank_str(r):
+    return f"rank {r['rank']} ({r['host']})"
+
+
+def judge_world_size(world_size, expect):
+    want = expect.get("world_size")
+    if want is None:
+        return [finding("world-size", "PASS", f"WORLD_SIZE={world_size} (no expectation set)")]
+    if want != world_size:
+        return [finding("world-size", "FAIL", f"WORLD_SIZE={world_size} but {want} ranks were expected")]
+    return [finding("world-size", "PASS", f"WORLD_SIZE={world_size} as expected")]
+
+
+def stray_reason(rank, world, world0, first):
+    """Why a process that checked in is not a rank of rank 0's run (None: it is one). first: the
+    'pid P on HOST' that claimed this rank before it (None: its claim came first)."""
+    if world != world0 or rank >= world0:
+        beyond = f"RANK={rank} is not a rank of rank 0's world of {world0}" if rank >= world0 else ""
+        other = f"it was launched with WORLD_SIZE={world}, rank 0 with WORLD_SIZE={world0}" if world != world0 else ""
+        return "world-size", "; ".join(x for x in (beyond, other) if x)
+    if first is not None:
+        return "rendezvous", f"RANK={rank} is claimed twice: first by {first}"
+    return None
+
+
+def judge_strays(strays):
+    """One FAIL per process refused at the roll call (stray_reason): the launch started a process that
+    is not a rank of this run. The stray's host is named; the rank it claimed is its own."""
+    out = []
+    for x in sorted(strays, key=lambda x: (x["rank"], x["host"], x["pid"])):
+        out.append(finding(x["check"], "FAIL", f"a process with RANK={x['rank']} (pid {x['pid']} on {x['host']}) "
+                           f"joined the roll call but is not a rank of this run: {x['why']}; two launches share "
+                           f"MASTER_ADDR:MASTER_PORT, or the launcher gave out RANK/WORLD_SIZE wrong",
+                           [x["host"]], [x["rank"]]))
+    return out
+
+
+def forged_what(key, claim):
+    """What a refused store value claimed to be, in words (the claim is quoted, never believed)."""
+    try:
+        c = json.loads(claim)
+    except ValueError:
+        c = None
+    c = c if isinstance(c, dict) else {}
+    kind, _, rest = key.partition("/")
+    who = f" claiming rank {c['rank']}" if "rank" in c else ""
+    if kind == "id":
+        return f"a record for rank {rest}" + (f" (claiming host {c['host']})" if c.get("host") else "")
+    if kind == "screen" and "/" not in rest:
+        return f"a screen post{who} in round {rest}"
+    if kind == "posts" and "/" not in rest:
+        return f"a {rest} post{who}"
+    words = {"stamp": f"a progress stamp for rank {rest}", "live": f"a liveness post for node {rest}",
+             "errors": f"an error report{who}", "gate": f"rank 0's gate {rest}", "ack": f"an acknowledgement "
+             f"for rank {rest}", "verdict": f"the verdict (claiming exit code {claim[:8]})", "world": "the world "
+             "record", "who": f"a claim on rank {rest} ({claim[:80]})", "strays": f"a stray's record{who}",
+             "node": f"the rank list of node {rest}", "all_arrived": "the roll call's all-arrived mark",
+             "forged": "a report of a refused value", "screen": f"the screen plan {rest}"}
+    return words.get(kind, f"the value of {key}")
+
+
+def judge_forged(forged, master, limit=4):
+    """One FAIL per store value that was refused (Seal): something outside the job wrote to the store, or
+    a rank runs without the job's secret. Tamper findings name no host, and while one stands nobody is
+    excluded: the run's own evidence came through that store (Coordinator.state)."""
+    out = []
+    for e in forged[:limit]:
+        hint = ", or a rank of this job was started without its AIV_JOB_SECRET" if "unsigned" in e["why"] else ""
+        f = finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: something "
+                    f"outside the job writes to MASTER_PORT ({master}){hint}; no host is excluded on this run's "
+                    "evidence")
+        f["tamper"] = True
+        out.append(f)
+    if len(forged) > limit:
+        out[-1]["reason"] += f" ({len(forged) - limit} more refused value(s) not shown)"
+    return out
+
+
+def judge_channel(authenticated, nodes, master):
+    """Whether the side channel was authenticated: PASS with the job's secret, WARN without one on more
+    than one node (anything that reaches MASTER_PORT could write the roll call and the verdict)."""
+    if authenticated:
+        return [finding("rendezvous", "PASS", "side channel authenticated: every value on the store carried the "
+                        "job's secret (HMAC-SHA256) and this run's id")]
+    if nodes > 1:
+        return [finding("rendezvous", "WARN", f"side channel not authenticated: AIV_JOB_SECRET is not set, so "
+                        f"anything that reaches MASTER_PORT ({master}) can write the roll call, the culprits and "
+                        "the verdict; submit_smoke_test.sbatch sets one, under torchrun export one (README)")]
+    return []
+
+
+def judge_store_peers(peers, allowed, authenticated, master):
+    """Connections to rank 0's store from an address that is no node of the run (peers, allowed: IP
+    strings): WARN when every value is authenticated anyway, FAIL (no host excluded) when not."""
+    outside = sorted(set(peers) - set(allowed))
+    if not outside:
+        return []
+    what = (f"{len(outside)} connection source(s) to the store at {master} outside the run's nodes: "
+            f"{', '.join(outside[:8])}{' ...' if len(outside) > 8 else ''}")
+    if authenticated:
+        return [finding("rendezvous", "WARN", f"{what}; the side channel is authenticated, so nothing they wrote "
+                        "was believed")]
+    f = finding("rendezvous", "FAIL", f"{what}; the side channel is not authenticated (AIV_JOB_SECRET unset), so "
+                "what they wrote cannot be told from the run's own records; no host is excluded on this run's evidence")
+    f["tamper"] = True
+    return [f]
+
+
+def judge_layout(records, expect):
+    """Nodes count, ranks per node, local ranks 0..k-1 exactly once on every node."""
+    out = []
+    hosts = _by_host(records)
+    for host, rs in sorted(hosts.items()):
+        locs = sorted(r["local_rank"] for r in rs)
+        if locs != list(range(len(rs))):
+            dups = sorted({x for x in locs if locs.count(x) > 1})
+            gaps = sorted(set(range(len(rs))) - set(locs))
+            what = "; ".join(filter(None, [f"duplicate {format_ranges(dups)}" if dups else "",
+                                           f"missing {format_ranges(gaps)}" if gaps else ""]))
+            out.append(finding("layout", "FAIL", f"node {host} has local ranks {','.join(map(str, locs))} "
+                               f"({what}), expected 0..{len(rs) - 1} once each",
+                               [host], [r["rank"] for r in rs]))
+    want_nodes = expect.get("nodes")
+    if want_nodes is not None and want_nodes != len(hosts):
+        out.append(finding("layout", "FAIL", f"{len(hosts)} node(s) reported ({compress_hostlist(sorted(hosts))}) "
+                           f"but {want_nodes} were expected"))
+    rpn = expect.get("ranks_per_node")
+    if rpn is not None:
+        for host, rs in sorted(hosts.items()):
+            if len(rs) != rpn:
+                out.append(finding("layout", "FAIL", f"node {host} runs {len(rs)} ranks but {rpn} per node "
+                                   f"were expected", [host], [r["rank"] for r in rs]))
+    if not out:
+        counts = sorted({len(rs) for rs in hosts.values()})
+        out.append(finding("layout", "PASS", f"{len(hosts)} node(s) x {'/'.join(map(str, counts))} rank(s), "
+                           f"local ranks 0..k-1 once on every node"))
+    return out
+
+
+def judge_gpu_affinity(records):
+    """No two ranks anywhere on one physical GPU (UUIDs are globally unique)."""
+    gpu_recs = [r for r in records if r.get("gpu")]
+    if not gpu_recs:
+        return []
+    out, seen = [], {}
+    for r in gpu_recs:
+        g = r["gpu"]
+        key = g.get("uuid") or f"{r['host']}/{g.get('pci')}"
+        seen.setdefault(key, []).append(r)
+    for _, rs in sorted(seen.items()):
+        if len(rs) > 1:
+            g = rs[0]["gpu"]
+            out.append(finding("gpu-affinity", "FAIL",
+                               f"{' and '.join(_rank_str(r) for r in rs)} share one GPU {g.get('uuid') or '?'} "
+                               f"(pci {g.get('pci') or '?'}, cuda:{rs[0].get('device')}, "
+                               f"CUDA_VISIBLE_DEVICES={rs[0].get('cvd')})",
+                               [r["host"] for r in rs], [r["rank"] for r in rs]))
+    if not out:
+        out.append(finding("gpu-affinity", "PASS", f"{len(gpu_recs)} rank(s) on {len(seen)} distinct GPU(s)"))
+    return out
+
+
+def judge_numa(records):
+    out = []
+    for r in records:
+        g = r.get("gpu") or {}
+        if g.get("numa") is None or g["numa"] < 0 or not g.get("numa_cpus"):
+            continue
+        try:
+            numa_cpus = set(parse_ranges(g["numa_cpus"]))
+            aff = set(parse_ranges(r["cpus"]))
+        except (ValueError, KeyError):
+            continue
+        if not numa_cpus & aff:
+            out.append(finding("numa", "WARN", f"{_rank_str(r)} runs on CPUs {r['cpus']} but its GPU "
+                               f"{g.get('pci')} is on NUMA node {g['numa']} (CPUs {g['numa_cpus']})",
+                               [r["host"]], [r["rank"]]))
+    return out
+
+
+def _spread(values):
+    """{value: [hosts]} -> 'v1 on h[1-2]; v2 on h3'."""
+    return "; ".join(f"{v} on {compress_hostlist(sorted(hs))}" for v, hs in sorted(values.items(), key=str))
+
+
+def judge_versions(records):
+    """Software stack identical across nodes: FAIL for torch/CUDA/NCCL/driver/GPU model, WARN for the rest."""
+    out = []
+    fields = [("torch", "FAIL", lambda r: r["versions"]["torch"]),
+              ("CUDA", "FAIL", lambda r: r["versions"]["cuda"]),
+              ("NCCL", "FAIL", lambda r: r["versions"]["nccl"]),
+              ("GPU model", "FAIL", lambda r: (r.get("gpu") or {}).get("name")),
+              ("driver", "FAIL", lambda r: (r.get("node") or {}).get("driver")),
+              ("python", "WARN", lambda r: r["versions"]["python"]),
+              ("OS", "WARN", lambda r: (r.get("node") or {}).get("os")),
+              ("kernel", "WARN", lambda r: (r.get("node") or {}).get("kernel"))]
+    for label, sev, get in fields:
+        values = {}
+        for r in records:
+            if label in ("driver", "OS", "kernel") and not r.get("node"):
+                continue
+            values.setdefault(str(get(r)), set()).add(r["host"])
+        if len(values) > 1:
+            groups = sorted(values.values(), key=len)
+            # name the deviating nodes (all but the largest group), unless there is no majority
+            odd = groups[:-1] if len(groups[-1]) > len(groups[-2]) else groups
+            out.append(finding("versions", sev, f"{label} differs across nodes: {_spread(values)}",
+                               [h for hs in odd for h in hs]))
+    if not any(f["status"] == "FAIL" for f in out):
+        r0 = records[0]
+        v = r0["versions"]
+        out.insert(0, finding("versions", "PASS", f"torch {v['torch']}, CUDA {v['cuda'] or '-'}, NCCL "
+                              f"{v['nccl'] or '-'}, driver {(r0.get('node') or {}).get('driver') or '-'} "
+                              f"identical on all nodes"))
+    return out
+
+
+def judge_imports(records):
+    """torchvision / torchaudio import on every node, at one version across nodes (WARN)."""
+    out, versions = [], {name: {} for name in PROBED_PACKAGES}
+    for r in records:
+        imp = (r.get("node") or {}).get("imports") or {}
+        for name in PROBED_PACKAGES:
+            st = imp.get(name)
+            if st and not st.get("ok"):
+                what = "is not installed" if _import_state(st) == "missing" else "does not import"
+                out.append(finding("imports", "WARN", f"{name} {what} on {r['host']}: {st.get('error')}",
+                                   [r["host"]]))
+            elif st:
+                versions[name].setdefault(str(st.get("version")), set()).add(r["host"])
+    for name, values in versions.items():
+        if len(values) > 1:
+            odd = sorted(values.values(), key=len)[:-1]
+            out.append(finding("versions", "WARN", f"{name} differs across nodes: {_spread(values)}",
+                               [h for hs in odd for h in hs]))
+    return out
+
+
+def judge_fabric(records, ib_hca=None):
+    """IB ports (those NCCL_IB_HCA names, when set) ACTIVE and at their siblings' rate."""
+    out = []
+    nodes = {r["host"]: r["node"] for r in records if r.get("node")}
+    with_ib = {h: ib_hca_select(ib_hca, n.get("ib") or []) for h, n in nodes.items()}
+    with_ib = {h: ps for h, ps in with_ib.items() if ps}
+    if not with_ib:
+        return [finding("fabric", "PASS", "no InfiniBand ports on any node (sockets only)")] if nodes else []
+    job_max = max((p["rate_gbps"] or 0) for ps in with_ib.values() for p in ps)
+    for h, ps in sorted(with_ib.items()):
+        node_max = max((p["rate_gbps"] or 0) for p in ps)
+        for p in ps:
+            if p["state"] != "ACTIVE":
+                out.append(finding("fabric", "WARN", f"{h} {p['port']} is {p['state']}", [h]))
+            elif (p["rate_gbps"] or 0) < node_max:
+                out.append(finding("fabric", "WARN", f"{h} {p['port']} runs at {p['rate_gbps']:g} Gb/s, "
+                                   f"below {node_max:g} Gb/s of its sibling ports", [h]))
+            elif (p["rate_gbps"] or 0) < job_max:
+                out.append(finding("fabric", "WARN", f"{h} {p['port']} runs at {p['rate_gbps']:g} Gb/s, "
+                                   f"below {job_max:g} Gb/s elsewhere in the job", [h]))
+    missing = sorted(set(nodes) - set(with_ib))
+    if missing:
+        out.append(finding("fabric", "WARN", f"no InfiniBand ports on {compress_hostlist(missing)} while "
+                           f"{compress_hostlist(sorted(with_ib))} have them", missing))
+    if not out:
+        n = sum(len(ps) for ps in with_ib.values())
+        out.append(finding("fabric", "PASS", f"{n} InfiniBand port(s) ACTIVE at {job_max:g} Gb/s on "
+                           f"{len(with_ib)} node(s)"))
+    return out
+
+
+SHM_MIN = 1 << 30          # NCCL's SHM transport needs more than a container's 64 MiB default
+GPU_BUSY_MIN = 2 << 30     # memory already used on a GPU before we allocate (our context is ~0.5 GiB)
+
+
+def judge_day0(records):
+    """The basics that break NCCL in practice (WARN)."""
+    out = []
+    per_host = {h: len(rs) for h, rs in _by_host(records).items()}
+    for r in records:
+        n, h = r.get("node"), r["host"]
+        g = r.get("gpu") or {}
+        if g.get("mem_used") is not None and g["mem_used"] > GPU_BUSY_MIN:
+            out.append(finding("day0", "WARN", f"{_rank_str(r)}: {human_bytes(g['mem_used'])} of GPU "
+                               f"{g.get('pci')} already in use by other processes", [h], [r["rank"]]))
+        if not n:
+            continue
+        has_ib = any(p["state"] == "ACTIVE" for p in n.get("ib") or [])
+        if has_ib and n.get("memlock") != "unlimited":
+            out.append(finding("day0", "WARN", f"{h}: locked-memory limit is {human_bytes(n.get('memlock'))}, "
+                               f"not unlimited (ulimit -l); RDMA registration can fail", [h]))
+        if n.get("shm") is not None and n["shm"] < SHM_MIN and per_host.get(h, 1) > 1:
+            out.append(finding("day0", "WARN", f"{h}: /dev/shm is {human_bytes(n['shm'])}, below "
+                               f"{human_bytes(SHM_MIN)}; NCCL's shared-memory transport can fail", [h]))
+        if has_ib and g and not n.get("peermem"):
+            out.append(finding("day0", "WARN", f"{h}: InfiniBand present but nvidia_peermem is not loaded "
+                               f"(no GPUDirect RDMA)", [h]))
+    return out + judge_node_smi(records)
+
+
+def judge_node_smi(records):
+    """A WARN per node whose GPU facts from its one nvidia-smi call (node.smi) were not read: no answer within
+    its bound (NODE_SMI_S), an error, or no row for a rank's GPU. It names the node, the GPUs (index, UUID,
+    rank), what was not read and the bound: facts never read are never a silent PASS."""
+    out = []
+    for h, rs in sorted(_by_host(records).items()):
+        smi = next((r["node"].get("smi") for r in rs if r.get("node")), None)
+        if not smi:
+            continue
+        gpus = sorted((r for r in rs if (r.get("gpu") or {}).get("uuid")), key=lambda r: r["local_rank"])
+        missing = gpus if smi.get("unread") else [r for r in gpus if r["gpu"]["uuid"].startswith("GPU-")
+                                                  and r["gpu"]["uuid"] not in (smi.get("gpus") or {})]
+        if not smi.get("unread") and not missing:
+            continue
+        who = ", ".join(f"GPU {r['local_rank']} ({r['gpu']['uuid']}, rank {r['rank']})" for r in missing[:4]) + (
+            f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        if smi.get("unread"):
+            bound = f"{smi.get('bound', NODE_SMI_S):g}s"
+            text = (f"{h}: {smi['unread']}" + ("" if bound in smi["unread"] else f" (bound {bound})")
+                    + f": {NODE_SMI_WHAT} not read for {who or 'its GPUs'}; a slow nvidia-smi is often NVML "
+                    f"starting without persistence mode (nvidia-smi -pm 1, or nvidia-persistenced)")
+        else:
+            text = f"{h}: nvidia-smi listed no row for {who}: {NODE_SMI_WHAT} not read"
+        out.append(finding("day0", "WARN", text, [h], [r["rank"] for r in (missing or rs)]))
+    return out
+
+
+def judge_local(records):
+    """The local checks each rank ran before any communication; one finding per distinct
+    reason (ranks of one host that share a misconfiguration are named together)."""
+    merged = {}
+    for r in records:
+        for f in r.get("local") or []:
+            if f["status"] == "PASS":
+                continue
+            key = (f["check"], f["status"], f["reason"])
+            if key in merged:
+                merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
+            else:
+                merged[key] = dict(f)
+    return list(merged.values())
+
+
+def judge_device_use(records):
+    """One backend on every rank; with gloo asked for explicitly, say which GPUs were not exercised."""
+    seen = {}
+    for r in records:
+        seen.setdefault(r.get("backend"), []).append(r)
+    if len(seen) > 1:
+        minority = sorted(seen.values(), key=len)[0]
+        return [finding("device", "FAIL", "ranks chose different backends: " + "; ".join(
+            f"{b} on {compress_hostlist(sorted({r['host'] for r in rs}))}" for b, rs in sorted(seen.items(), key=str)),
+            [r["host"] for r in minority], [r["rank"] for r in minority])]
+    unused = {r["host"]: r["gpus_expected"] for r in records if r.get("backend") == "gloo" and r.get("gpus_expected")
+              and not any(f["check"] == "device" for f in r.get("local") or [])}
+    if unused:
+        return [finding("device", "PASS", f"backend gloo as asked: GPUs present on {compress_hostlist(sorted(unused))} "
+                        f"({next(iter(unused.values()))}) were not exercised")]
+    return []
+
+
+def judge_gloo_address(records):
+    """A multi-node gloo run whose chosen address is loopback cannot connect across nodes (FAIL); else
+    say which interface and address gloo uses on each node."""
+    gl = [r for r in records if r.get("backend") == "gloo" and r.get("gloo")]
+    if not gl:
+        return []
+    hosts = {r["host"] for r in records}
+    machines = {r.get("loopback") or r["host"] for r in records}  # node names sharing one loopback are one
+    loop = {r["host"]: r["gloo"] for r in gl if r["gloo"]["loopback"]}
+    if len(machines) > 1 and loop:
+        g = next(iter(loop.values()))
+        return [finding("interface", "FAIL", f"gloo would use the loopback address {g['addr']} on "
+                        f"{compress_hostlist(sorted(loop))} ({g['how']}) in a {len(hosts)}-node run: set "
+                        f"GLOO_SOCKET_IFNAME to the interface that reaches the other nodes, or map the hostname "
+                        f"to that interface's address", sorted(loop), [r["rank"] for r in gl if r["host"] in loop])]
+    used = {}
+    for r in gl:
+        used.setdefault(f"{r['gloo']['iface']}({r['gloo']['addr']})", set()).add(r["host"])
+    return [finding("interface", "PASS", "gloo uses " + "; ".join(
+        f"{k} on {compress_hostlist(sorted(v))}" for k, v in sorted(used.items())))]
+
+
+def judge_pre(records, world_size, expect):
+    """Stage 1, from the roll call alone, before NCCL exists. The layout is judged only over a
+    complete roll call: a missing rank is the cause, not a layout fault."""
+    complete = len(records) == world_size
+    return (judge_local(records) + judge_device_use(records) + judge_world_size(world_size, expect)
+            + (judge_layout(records, expect) if complete else []) + judge_gpu_affinity(records)
+            + (judge_gloo_address(records) if complete else []))
+
+
+def judge_gate(records, ib_hca=None):
+    """Stage 2, from the gathered telemetry, before the collectives: node facts."""
+    return judge_numa(records) + judge_versions(records) + judge_fabric(records, ib_hca) + judge_day0(records)
+
+
+def judge_all(records, world_size, expect, ib_hca=None):
+    """Every check of gathered records, the stages in one call (for tests and benchmarks; the
+    runtime judges each stage once, as its data arrives)."""
+    return judge_pre(records, world_size, expect) + judge_gate(records, ib_hca) + judge_imports(records)
+
+
+def judge_collectives(results, world_size, host_of=None):
+    """results: per rank {'rank', 'ar_ok', 'ar_sum', 'grads'} (grads: a digest of the gradient bytes);
+    host_of: rank -> host (default: each result's own 'host')."""
+    out = []
+    host_of = host_of or {r["rank"]: r.get("host", "?") for r in results}
+    want = world_size * (world_size + 1) // 2
+
+    def who(rs):
+        return ", ".join(f"rank {r['rank']} ({host_of.get(r['rank'], '?')})" for r in rs)
+    bad = [r for r in results if not r["ar_ok"] or int(r["ar_sum"]) != want]
+    if bad:
+        out.append(finding("collective", "FAIL", "all_reduce returned wrong values on " + ", ".join(
+            f"{who([r])} (sum {r['ar_sum']}, expected {want}{', pattern wrong' if not r['ar_ok'] else ''})"
+            for r in bad), [host_of.get(r["rank"], "?") for r in bad], [r["rank"] for r in bad]))
+    else:
+        out.append(finding("collective", "PASS", f"all_reduce exact on {len(results)} rank(s): "
+                           f"sum {want} = w(w+1)/2, element-wise pattern verified"))
+    diff = [r for r in results if r["grads"] != results[0]["grads"]]
+    if diff:
+        out.append(finding("ddp", "FAIL", "DDP gradients differ from rank 0's on " + who(diff),
+                           [host_of.get(r["rank"], "?") for r in diff], [r["rank"] for r in diff]))
+    else:
+        out.append(finding("ddp", "PASS", f"DDP gradients identical on {len(results)} rank(s)"))
+    return out
+
+
+def judge_transport(records, ib_disable=None):
+    """Per node, the transport NCCL used; sockets between nodes while IB is ACTIVE is a FAIL
+    (every correctness check passes, at ~1/100 of the bandwidth)."""
+    per_host = {}
+    for r in records:
+        if r.get("transport") is not None:
+            per_host.setdefault(r["host"], set()).update(r["transport"])
+    if not per_host:
+        return []
+    nodes = {r["host"]: r.get("node") or {} for r in records if r.get("node")}
+    out = []
+    for h, kinds in sorted(per_host.items()):
+        active = [p["port"] for p in nodes.get(h, {}).get("ib") or [] if p["state"] == "ACTIVE"]
+        if "NET/Socket" in kinds and active and str(ib_disable).strip() != "1":
+            out.append(finding("transport", "FAIL", f"{h}: NCCL used NET/Socket although InfiniBand port(s) "
+                               f"{','.join(active[:4])} are ACTIVE and NCCL_IB_DISABLE is not 1 (IB not usable by "
+                               f"NCCL: check the IB verbs libraries, NCCL_IB_HCA, /dev/infiniband access)", [h]))
+    if not out:
+        out.append(finding("transport", "PASS", "NCCL transports: " + "; ".join(
+            f"{'+'.join(sorted(k)) or 'none'} on {compress_hostlist(sorted(hs))}"
+            for k, hs in _invert(per_host).items())))
+    return out
+
+
+def _invert(per_host):
+    out = {}
+    for h, kinds in per_host.items():
+        out.setdefault(tuple(sorted(kinds)), []).append(h)
+    return out
+
+
+def judge_bandwidth(results, min_busbw=None):
+    """results: [{'bytes', 'busbw', ...}] measured on the whole job; FAIL below --min-busbw."""
+    if not results:
+        return []
+    top = max(results, key=lambda b: b["bytes"])
+    txt = ", ".join(f"{human_bytes(b['bytes'])} {b['busbw']:.1f} GB/s" for b in results)
+    if min_busbw is not None and top["busbw"] < min_busbw:
+        return [finding("bandwidth", "FAIL", f"all_reduce busbw {top['busbw']:.1f} GB/s at "
+                        f"{human_bytes(top['bytes'])} is below --min-busbw {min_busbw:g} GB/s ({txt})")]
+    return [finding("bandwidth", "PASS", f"all_reduce busbw: {txt}")]
+
+
+def apply_strict(findings, strict):
+    if not strict:
+        return findings
+    return [dict(f, status="FAIL") if f["status"] == "WARN" else f for f in findings]
+
+
+UNFINISHED_WORDS = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",
+                    "silent": "unreachable (its node's monitor and ranks stopped reporting)",
+                    "error": "reported an error",
+                    "stuck": "alive but did not finish",
+                    "terminated": "terminated by a signal (scancel, the time limit, preemption or the launcher)",
+                    "internal": "hit an error inside the tool"}
+STOPPED_WORDS = "the run was stopped from outside, not by a fault of the cluster: no host is blamed"
+
+
+def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
+    """A rank that did not finish: one key of UNFINISHED_WORDS (see judge_unfinished)."""
+    e = errors.get(r, {})
+    if e.get("term"):
+        return "terminated"
+    if e.get("internal"):
+        return "internal"
+    if live.get(r) == "gone":
+        return "dead"
+    if live.get(r) == "stopped":
+        return "frozen"
+    if host_of.get(r) in silent_hosts:
+        return "silent"
+    return "error" if r in errors else "stuck"
+
+
+def unreachable_hosts(silent, quiet, own_host, host_of, errors):
+    """(unreachable, quiet) from settled_live's silent and quiet nodes. A silent node is unreachable only
+    when nothing else shows it reaches the store: never rank 0's own node (rank 0 reads its ranks from
+    /proc), never a node one of whose ranks posted an error report. The others join quiet: the tool's own
+    monitor was slow or stopped there, a note in the verdict, no host blamed for it (not said of a node
+    whose ranks all reported: what happened to them is said already)."""
+    spoke = {host_of.get(r) for r in errors}
+    unreachable = {h for h in silent if h != own_host and h not in spoke}
+    told = {h for h in spoke if all(r in errors for r, x in host_of.items() if x == h)}
+    return unreachable, (set(quiet) | set(silent)) - unreachable - told
+
+
+def quiet_monitor_note(quiet, budget):
+    """The verdict's note on node monitors that did not post while their nodes were otherwise seen."""
+    hosts = sorted(quiet)
+    return (f"note: the liveness monitor of {compress_hostlist(hosts)} posted nothing within {budget:g}s (the "
+            "tool's own process, slow to start or to post under CPU load, or stopped) and nothing else showed "
+            "the node unreachable: no host is blamed for it")
+
+
+def _unfinished_culprits(groups):
+    """(culprits, check or None, code) of judge_unfinished. Dead, frozen and unreachable ranks are
+    evidence that persists. Errors and stuck ranks are blamed only when nothing else explains them: never
+    once a rank was terminated by a signal or hit the tool's own error (they are its consequence)."""
+    culprits = groups["dead"] + groups["frozen"] + groups["silent"]
+    if culprits:
+        return culprits, None, EXIT_FAIL if groups["dead"] else EXIT_TIMEOUT
+    if groups["terminated"]:
+        return [], "interrupted", EXIT_INTERRUPTED
+    if groups["internal"]:
+        return [], "internal", EXIT_INTERNAL
+    if groups["error"]:
+        return groups["error"], None, None
+    return groups["stuck"], None, EXIT_TIMEOUT
+
+
+def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=None, silent_hosts=()):
+    """Who did not finish `phase` (one FAIL finding). A rank whose last stamp is before the phase is
+    dead (its process is gone), frozen (stopped), unreachable (its node's monitor went silent), was
+    terminated by a signal, hit the tool's own error, reported an error, or is alive but stuck. The
+    culprits: see _unfinished_culprits. A run stopped by a signal with no other culprit is check
+    `interrupted` (exit 5), one stopped by the tool's own error `internal` (exit 4), naming no host.
+    Exit code otherwise: 1 when a rank is dead, 3 when one is frozen, unreachable or stuck, else `code`
+    (the reported error's).
+
+    stamps: {rank: index in PHASES of its last finished phase}; live: {rank: running|stopped|gone};
+    errors: {rank: {'line', 'term', 'internal'}}; host_of: {rank: host}."""
+    idx = PHASES.index(phase)
+    late = [r for r in range(world) if stamps.get(r, -1) < idx]
+    groups = {k: [r for r in late if unfinished_kind(r, live, errors, host_of, silent_hosts) == k]
+              for k in UNFINISHED_WORDS}
+    culprits, check, ccode = _unfinished_culprits(groups)
+    code = ccode or code or EXIT_FAIL
+    parts = [f"{_ranks_on_hosts(rs, host_of)} {UNFINISHED_WORDS[k]}" for k, rs in groups.items() if rs]
+    detail = "; ".join(parts) if parts else "every rank finished it"
+    first_err = next((errors[r]["line"] for r in culprits or late if r in errors), None)
+    reason = (f"{cause}: {detail}; {world - len(late)}/{world} rank(s) finished {phase}"
+              + (f"; first error: {first_err}" if first_err else "")
+              + (f"; {STOPPED_WORDS}" if check == "interrupted" else "")
+              + ("; a bug in the tool, not a fault of the cluster: no host is blamed" if check == "internal" else ""))
+    return finding(check or PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits,
+                   code=code)
+
+
+def _ranks_on_hosts(ranks, host_of, limit=16):
+    """'rank 1 (node2)' or 'ranks 4-7 (node2), 9 (node3)'; at most `limit` hosts, then a count."""
+    by_host = {}
+    for r in sorted(ranks):
+        by_host.setdefault(host_of.get(r, "?"), []).append(r)
+    items = [f"{format_ranges(rs)} ({h})" for h, rs in list(by_host.items())[:limit]]
+    more = f" and {len(by_host) - limit} more node(s)" if len(by_host) > limit else ""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(items) + more
+SCREEN_QUARTILE_MIN = 4     # fewer values: the reference is their maximum
+SCREEN_SPREAD_MIN = 8       # fewer values: no noise estimate (the WARN fraction alone decides)
+
+
+def screen_reference(values):
+    """Robust reference of peer measurements (None values are skipped).
+    -> {'ref': float|None, 'spread': float, 'count': int, 'how': 'upper quartile'|'maximum'}.
+    ref: the upper quartile, or the maximum below SCREEN_QUARTILE_MIN values. spread: the peers'
+    standard deviation estimated from the upper half of the values only (their population standard
+    deviation / 0.6028, the ratio for the upper half of a normal distribution), so low outliers do not
+    widen it; 0.0 below SCREEN_SPREAD_MIN values."""
+    v = sorted(float(x) for x in values if x is not None)
+    n = len(v)
+    if not n:
+        return {"ref": None, "spread": 0.0, "count": 0, "how": "maximum"}
+    quart = n >= SCREEN_QUARTILE_MIN
+    spread = 0.0
+    if n >= SCREEN_SPREAD_MIN:
+        top = v[n // 2:]
+        mean = sum(top) / len(top)
+        spread = math.sqrt(sum((x - mean) ** 2 for x in top) / len(top)) / 0.6028
+    return {"ref": _screen_quantile(v, 0.75) if quart else v[-1], "spread": spread, "count": n,
+            "how": "upper quartile" if quart else "maximum"}
+
+
+def _import_state(st):
+    if not st:
+        return "-"
+    if st.get("ok"):
+        return st.get("version") or "?"
+    return "missing" if "ModuleNotFoundError" in (st.get("error") or "") else "BROKEN"

@@ -1,0 +1,97 @@
+"""Floor 6: the local launcher: one rank per visible GPU, or --nproc gloo ranks on CPU."""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from .base import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_PASS, EXIT_TIMEOUT, emit, format_ranges
+from .contract import SECRET_VAR
+from .deadlines import ACKS_S, LAUNCHER_SLACK_S, NAMING_S, deadlines, worst_case
+from .judge import STOPPED_WORDS
+from .plan import free_port
+
+
+def die_with_parent(sig):
+    """A Popen preexec_fn: the child gets `sig` when the process that started it dies (prctl
+    PR_SET_PDEATHSIG), and ends at once where that process is already gone."""
+    import ctypes
+    libc, parent = ctypes.CDLL(None, use_errno=True), os.getpid()
+
+    def arm():
+        libc.prctl(1, int(sig), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(EXIT_TIMEOUT)
+    return arm
+
+
+class Forward:
+    """The local launcher's SIGTERM and SIGINT: passed to its ranks as SIGTERM (they give their verdict);
+    the launcher then waits for them, bounded, and exits with it."""
+
+    def __init__(self, procs):
+        self.procs, self.sig = procs, None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.take)
+
+    def take(self, signum, frame):
+        self.sig = self.sig or signum
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    p.send_signal(signal.SIGTERM)
+
+
+def launch_local(args, argv, env, launch):
+    """No distributed environment: become the launcher, one rank per GPU or --nproc CPU ranks, as
+    plan() planned it (launch: its 'nproc', 'backend' and 'port'). The ranks share a fresh
+    AIV_JOB_SECRET (unless one is exported), die with the launcher (die_with_parent) and get its
+    SIGTERM/SIGINT (Forward)."""
+    nproc = launch["nproc"]
+    port = launch["port"] or free_port()
+    cmd = [sys.executable, os.path.abspath(__file__)] + list(argv)
+    if launch["backend"] and not any(a == "--backend" or a.startswith("--backend=") for a in argv):
+        cmd.append(f"--backend={launch['backend']}")
+    procs, secret = [], {} if SECRET_VAR in env else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
+    for r in range(nproc):
+        cenv = dict(env, **secret, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+        cenv.setdefault("AIV_EXPECT_NODES", "1")
+        cenv.setdefault("AIV_EXPECT_RANKS_PER_NODE", str(nproc))
+        cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(nproc))
+        procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=die_with_parent(signal.SIGTERM)))
+    fwd = Forward(procs)
+    # The ranks bound themselves; this is the launcher's own backstop. Once rank 0 has given
+    # its verdict the others get a grace period to read it, then are killed (e.g. a frozen rank).
+    deadline = time.monotonic() + worst_case(deadlines(args.timeout, args.rollcall_timeout, args.soak), True,
+                                             soak=bool(args.soak)) + LAUNCHER_SLACK_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if procs[0].poll() is not None:
+            deadline = min(deadline, time.monotonic() + 5.0)
+        elif fwd.sig or (procs[1:] and all(p.poll() is not None for p in procs[1:])):  # rank 0 reporting, or frozen
+            deadline = min(deadline, time.monotonic() + NAMING_S + ACKS_S + 5.0)
+        time.sleep(0.05)
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        p.kill()
+    for p in procs:
+        p.wait()
+    if alive and (procs[0] in alive or procs[0].returncode == EXIT_PASS):
+        emit(f"FAILURE: launch: local ranks {format_ranges(procs.index(p) for p in alive)} still running at the "
+             f"launcher's deadline; killed")
+        return EXIT_TIMEOUT
+    codes = [p.returncode for p in procs]
+    if codes[0] < 0 and fwd.sig:
+        emit(f"FAILURE: interrupted: the launcher was interrupted by {signal.Signals(fwd.sig).name} before rank 0 "
+             f"(pid {procs[0].pid}) gave a verdict; {STOPPED_WORDS}")
+        return EXIT_INTERRUPTED
+    if codes[0] < 0:
+        emit(f"FAILURE: launch: rank 0 (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
+        return EXIT_FAIL
+    if codes[0] == EXIT_PASS and any(c for p, c in zip(procs, codes, strict=True) if p not in alive):
+        bad = [(r, c) for r, c in enumerate(codes) if c]
+        emit("FAILURE: launch: rank 0 passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
+        return EXIT_FAIL
+    return codes[0]

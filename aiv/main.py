@@ -1,0 +1,96 @@
+"""Floor 6: the entry point."""
+import json
+import os
+import signal
+import sys
+
+from .base import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, UsageError, emit
+from .coordinator import Coordinator
+from .follower import Follower
+from .liveness import node_monitor, proc_stat
+from .local import launch_local
+from .manifest import manifest_preflight, run_diff_manifest
+from .options import build_parser
+from .plan import LAUNCHER_VARS, check_json_target, plan
+from .rank import speak_once_per_node
+from .verify_log import run_verify_log
+
+
+def _rank_hint(env):
+    """This process's rank when it can be read at all (to print usage errors once, not per rank)."""
+    for var in ("RANK", "SLURM_PROCID"):
+        try:
+            return int(env[var])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def _speak_for_node(line, env):
+    """A rank's own usage error: once per node among the ranks one launcher started (the marker is
+    keyed by the launcher's identity and start time, and by MASTER_PORT, so every launch speaks)."""
+    try:
+        local_rank = int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID") or 0)
+    except ValueError:
+        local_rank = 0
+    parent_start = (proc_stat(os.getppid()) or ("", ""))[1]
+    topic = f"usage-{parent_start}-{env.get('MASTER_PORT', '')}-{env.get('TORCHELASTIC_RESTART_COUNT', '')}"
+    speak_once_per_node(line, env, local_rank, topic[:120])
+
+
+def report_usage(e, env):
+    """Print a usage error's one line where it belongs; returns EXIT_USAGE. A process started by hand
+    speaks. Under a launcher, rank 0 speaks for what every rank shares (flags, AIV_* variables, WORLD_SIZE,
+    MASTER_*), and a rank whose own values are wrong (or unreadable) speaks once per node, since rank 0
+    cannot see them. argparse's usage text goes to stderr with a flag's line."""
+    line, rank = str(e), _rank_hint(env)
+    if any(v in env for v in LAUNCHER_VARS) and (e.own or rank is None):
+        _speak_for_node(line, env)
+    elif not any(v in env for v in LAUNCHER_VARS) or rank == 0:
+        emit(line)
+        if line.startswith("FAILURE: usage:"):
+            emit(build_parser().format_usage().rstrip() + "  (--help for more)", sys.stderr)
+    return EXIT_USAGE
+
+
+def rank_run(args, contract, env):
+    """The role of this rank: Coordinator on rank 0, Follower on every other."""
+    return (Coordinator if contract["rank"] == 0 else Follower)(args, contract, env)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    env = dict(os.environ)
+    if "_AIV_NODE_MONITOR" in env:  # a node leader's liveness monitor (see node_monitor)
+        try:
+            return node_monitor(json.loads(env["_AIV_NODE_MONITOR"]))
+        except Exception:
+            return 0
+    try:
+        p = plan(argv, env)
+        if p.get("check_json"):
+            check_json_target(p["args"])
+    except UsageError as e:
+        return report_usage(e, env)
+    if p["mode"] in ("help", "version"):
+        emit(p["text"].rstrip())
+        return EXIT_PASS
+    if p["mode"] == "verify-log":
+        return run_verify_log(p["args"], argv)
+    if p["mode"] == "diff-manifest":  # compare two files, no torch
+        return run_diff_manifest(p["args"].diff_manifest)
+    if p["mode"] == "local" or p["contract"]["rank"] == 0:  # read and check the manifests before torch and NCCL
+        try:
+            manifest_preflight(p["args"])
+        except UsageError as e:
+            emit(f"FAILURE: usage: {e}")
+            return EXIT_USAGE
+    if p["mode"] == "local":
+        return launch_local(p["args"], argv, env, p["launch"])
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # taken by RankRun.on_signal only
+    rank_run(p["args"], p["contract"], env).run()
+    return EXIT_FAIL  # not reached: run() always exits the process
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,584 @@
+"""Floor 2: what the performance screen and the soak measure: nvidia-smi, the device-timed GPU
+screen, the all_reduce bus bandwidth, the soak's sampler."""
+import contextlib
+import math
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+from .base import _screen_median, first_line
+from .collect import pci_link, throttle_names
+from .deadlines import NODE_SMI_S
+
+# What the performance screen measures (section `screen` judges it). GPU: each measurement runs about
+# SCREEN_TARGET_S of timed work after a warm-up, in SCREEN_BLOCKS device-synchronised blocks, and the
+# median block counts. CPU (gloo runs, CI): tiny sizes on one thread and the best block, because the
+# ranks share cores and only a gross fault can be told from their noise.
+SCREEN_TARGET_S = {"gpu": 0.3, "cpu": 0.02}            # seconds of timed work per measurement
+SCREEN_BLOCKS = 5
+SCREEN_BLOCK_TRIES = 10  # GPU: at most this many blocks queued to get SCREEN_BLOCKS the device ran back to back,
+SCREEN_BLOCK_GROWTH = 4  # then the block doubled, at most this many sizes (a host slow to queue: 1x to 8x)
+SCREEN_MATMUL_N = {"gpu": 8192, "cpu": 256}            # square matmul: bf16 on GPU, fp32 on CPU
+SCREEN_COPY_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}  # memory: STREAM scale (GPU), copy (CPU); read + write
+SCREEN_AR_BYTES = {"gpu": 128 << 20, "cpu": 1 << 20}   # all_reduce message of the busbw rounds
+SCREEN_AR_ITERS = {"gpu": (3, 12), "cpu": (1, 8)}      # warm-up and timed iterations (median / best)
+SCREEN_SMI_S = 3.0    # nvidia-smi must answer within this while the GPU stays loaded; else no such facts
+SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks_throttle_reasons.active", "temperature.gpu", "power.draw")
+SMI_KEYS = ("sm_mhz", "sm_max_mhz", "throttle", "temp_c", "power_w")
+SMI_WHAT = "SM clock, clock limits, temperature and power under load"  # what SmiProbe reads, as a note names it
+SMI_RENAMED = {"clocks_throttle_reasons.active": "clocks_event_reasons.active"}  # drivers that dropped the old name
+
+
+def parse_smi(text, keys=SMI_KEYS):
+    """nvidia-smi --format=csv,noheader,nounits for SMI_FIELDS -> {SMI_KEYS: value} (keys: the names of the
+    fields asked); [N/A], [Not Supported] and unparsable values are left out, a line of the wrong shape gives {}."""
+    line = next((ln for ln in (text or "").splitlines() if ln.strip()), "")
+    vals = [v.strip() for v in line.split(",")]
+    if len(vals) != len(keys):
+        return {}
+    out = {}
+    for key, v in zip(keys, vals, strict=True):
+        try:
+            if key == "throttle":
+                out[key] = int(v, 16)
+            elif key.startswith("remap_"):
+                if v.lower() in ("yes", "no"):
+                    out[key] = v.lower() == "yes"
+            else:
+                out[key] = float(v)
+        except ValueError:
+            continue
+    return out
+
+
+NODE_SMI_FIELDS = ("uuid", "ecc.errors.uncorrected.volatile.total", "remapped_rows.pending", "remapped_rows.failure")
+NODE_SMI_KEYS = ("uuid", "ecc_uncorrected", "remap_pending", "remap_failure")
+NODE_SMI_WHAT = "uncorrected ECC errors and row remapping"  # what the node's call reads, as a note names it
+
+
+def parse_node_smi(text):
+    """The node's one nvidia-smi answer (NODE_SMI_FIELDS, one line per GPU) -> {uuid: {key: value}}; a line of
+    the wrong shape or without a UUID is left out."""
+    out = {}
+    for line in (text or "").splitlines():
+        vals = [v.strip() for v in line.split(",")]
+        if len(vals) == len(NODE_SMI_KEYS) and vals[0].startswith(("GPU-", "MIG-")):
+            out[vals[0]] = parse_smi(",".join(vals[1:]), NODE_SMI_KEYS[1:])
+    return out
+
+
+def read_node_smi(exe, bound=NODE_SMI_S, box=None):
+    """One nvidia-smi call for every GPU of the node (no -i), killed past bound seconds: {'gpus': {uuid: facts}}
+    or {'unread': why, 'bound': bound}. The node leader calls it once; rank 0 gives each rank its GPU's row.
+    box: where the child is kept (box['proc']) for whoever stops waiting for it earlier."""
+    cmd = [exe, "--query-gpu=" + ",".join(NODE_SMI_FIELDS), "--format=csv,noheader,nounits"]
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)  # its own group: a wrapper's children die too
+    except OSError as e:
+        return {"unread": f"nvidia-smi could not start: {e.strerror or e}", "bound": bound}
+    if box is not None:
+        box["proc"] = proc
+    try:
+        out, err = proc.communicate(timeout=bound)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"unread": f"nvidia-smi gave no answer within {bound:g}s", "bound": bound}
+    if proc.returncode != 0:
+        why = next((ln.strip() for ln in (err or out or "").splitlines() if ln.strip()), "")[:160]
+        return {"unread": f"nvidia-smi exited {proc.returncode}" + (f": {why}" if why else ""), "bound": bound}
+    return {"gpus": parse_node_smi(out)}
+
+
+def start_node_smi():
+    """Node leaders, at launch: read_node_smi in a thread, off the critical path -> its box, or None where
+    nvidia-smi is not on PATH (a node without it pays one PATH lookup)."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    box = {"t0": time.monotonic(), "done": threading.Event()}
+
+    def run():
+        try:
+            box["smi"] = read_node_smi(exe, NODE_SMI_S, box)
+        except Exception as e:  # the facts are then "not read", never silently absent
+            box["smi"] = {"unread": f"nvidia-smi failed: {first_line(e)}", "bound": NODE_SMI_S}
+        finally:
+            box["done"].set()
+    threading.Thread(target=run, name="aiv-node-smi", daemon=True).start()
+    return box
+
+
+def finish_node_smi(box, most_s):
+    """The node's nvidia-smi facts for the telemetry: waited for until NODE_SMI_S after its start, and at most
+    most_s now; an answer not in by then is {'unread': ..., 'bound': seconds it had}."""
+    box["done"].wait(max(0.0, min(most_s, box["t0"] + NODE_SMI_S - time.monotonic())))
+    if "smi" in box:
+        return box["smi"]
+    if box.get("proc") is not None:  # not waited for any longer: it does not outlive the run
+        with contextlib.suppress(OSError):
+            os.killpg(box["proc"].pid, signal.SIGKILL)
+    had = time.monotonic() - box["t0"]
+    return {"unread": f"nvidia-smi gave no answer within {had:.0f}s", "bound": round(had, 1)}
+
+
+class SmiProbe:
+    """nvidia-smi's view of one GPU, asked in a child process while the caller keeps the GPU loaded:
+    clocks, active clock limits, temperature and power. One per rank (not one per node like read_node_smi):
+    these facts mean something only while this GPU works, and the ranks of a node load their GPUs at
+    slightly different times. No nvidia-smi or a field it does not know (under both names): those facts
+    are absent; no answer within SCREEN_SMI_S: {'smi_unread': SCREEN_SMI_S}, which the report shows."""
+
+    def __init__(self, uuid):
+        self.exe = shutil.which("nvidia-smi") if uuid else None
+        self.uuid, self.proc, self.t0 = uuid, None, time.monotonic()
+        self.variants = [SMI_FIELDS, tuple(SMI_RENAMED.get(f, f) for f in SMI_FIELDS)]
+        self._start()
+
+    def _start(self):
+        self.proc = None
+        if self.exe and self.variants:
+            cmd = [self.exe, "--query-gpu=" + ",".join(self.variants.pop(0)), "--format=csv,noheader,nounits",
+                   "-i", self.uuid]
+            try:
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                             stderr=subprocess.DEVNULL, text=True)
+            except OSError:
+                self.proc = None
+
+    def finish(self, load):
+        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts."""
+        while self.proc is not None:
+            if self.proc.poll() is None:
+                if time.monotonic() - self.t0 > SCREEN_SMI_S:
+                    self.proc.kill()
+                    self.proc.wait()
+                    return {"smi_unread": SCREEN_SMI_S}
+                load()
+                continue
+            text = self.proc.stdout.read()
+            self.proc.stdout.close()
+            if self.proc.returncode == 0:
+                return parse_smi(text)
+            self._start()
+        return {}
+
+
+def pcie_under_load(root, pci):
+    """The GPU's PCIe link read while it works (an idle GPU may train its link down to save power)."""
+    link = pci_link(root, pci)
+    keys = (("pcie_width", "current_link_width"), ("pcie_width_max", "max_link_width"),
+            ("pcie_speed", "current_link_speed"), ("pcie_speed_max", "max_link_speed"))
+    return {k: link[f] for k, f in keys if link.get(f) is not None}
+
+
+def _host_rate(fn, work, during=None):
+    """CPU: units of `work` per second of fn() on this thread's own CPU clock (time.thread_time: the ranks
+    that share a core do not slow each other's number by taking turns): warm-up, a calibration, then
+    SCREEN_BLOCKS blocks of about SCREEN_TARGET_S together, the best one. during() runs once after the middle block."""
+    clock = time.thread_time
+    fn()
+    t = clock()
+    fn()
+    fn()
+    one = max((clock() - t) / 2, 1e-7)
+    per_block = max(1, int(SCREEN_TARGET_S["cpu"] / SCREEN_BLOCKS / one))
+    times = []
+    for i in range(SCREEN_BLOCKS):
+        t = clock()
+        for _ in range(per_block):
+            fn()
+        times.append(max(clock() - t, 1e-7))
+        if during is not None and i == SCREEN_BLOCKS // 2:
+            during()
+    return work * per_block / min(times)
+
+
+class HostStarved(RuntimeError):
+    """_device_rate could not time one block: the host never kept the device's queue ahead of it. On the
+    measuring thread that may be the rank's own other threads holding the interpreter lock (screen-gpu then
+    measures again on its quiet main thread); there, it says the node cannot drive its GPU."""
+
+
+def _capture(torch_mod, fn, calls, stream):
+    """fn() `calls` times in one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
+    rank's other threads (NCCL's init among them) go on, neither refused nor captured."""
+    graph = torch_mod.cuda.CUDAGraph()
+    with torch_mod.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            graph.capture_end()
+    return graph
+
+
+def device_blocks(record, replay, running, blocks=None, tries=None, during=None):
+    """Queue timed blocks until `blocks` of them count (at most `tries` queued) and return [(start, end, counts)]:
+    each block is record() (an event), replay() (the work, one launch), record(); it counts when, once it is
+    queued, running(previous block's end event) is still true: the device then went from the previous block
+    into this one without waiting for the host, so no host stall is inside its time. The first block follows
+    a lead block queued before it. during() runs once, after the middle block is queued."""
+    blocks, tries = blocks or SCREEN_BLOCKS, tries or SCREEN_BLOCK_TRIES
+    replay()  # the lead: the device works while the first timed block is queued
+    prev, spans = record(), []
+    for i in range(tries):
+        start = record()
+        replay()
+        end = record()
+        spans.append((start, end, running(prev)))
+        prev = end
+        if during is not None and i == blocks // 2:
+            during()
+        if sum(ok for _, _, ok in spans) >= blocks:
+            break
+    return spans
+
+
+def _device_rate(torch_mod, fn, work, stream, during=None):
+    """GPU: units of `work` per second of fn(), timed on the device (CUDA events), never on the host's clock,
+    so that what the host does meanwhile (this rank's other threads, NCCL's init, the node's imports) cannot
+    enter the number: fn() k times is one CUDA graph (k for about SCREEN_TARGET_S / SCREEN_BLOCKS of work),
+    each timed block one replay, and only blocks the device ran back to back count (device_blocks); the
+    median of SCREEN_BLOCKS of them. A host too busy to queue a block within one block's time (no block
+    counts) gets blocks twice as long, up to SCREEN_BLOCK_GROWTH sizes; then HostStarved, never a slow number.
+    -> (rate, the graph: one block's work, for load under nvidia-smi)."""
+    cuda = torch_mod.cuda
+
+    def record():
+        e = cuda.Event(enable_timing=True)
+        e.record(stream)
+        return e
+    with cuda.stream(stream):
+        fn()
+        fn()  # warm-up: the cuBLAS handle and workspace, the clocks up
+        a = record()
+        fn()
+        fn()
+        b = record()
+    b.synchronize()
+    k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS / max(a.elapsed_time(b) / 2e3, 1e-7)))
+    for _ in range(SCREEN_BLOCK_GROWTH):
+        graph = _capture(torch_mod, fn, k, stream)
+        with cuda.stream(stream):  # a replay goes to the current stream
+            spans = device_blocks(record, graph.replay, lambda e: not e.query(), during=during)
+        spans[-1][1].synchronize()
+        times = [a.elapsed_time(b) / 1e3 for a, b, ok in spans if ok]
+        if times:
+            return work * k / _screen_median(times), graph
+        k, during = 2 * k, None  # the host could not queue a block in one block's time: longer blocks
+    raise HostStarved(f"{stream.device}: the host never queued a timed block while the previous one ran, "
+                      f"with blocks of up to {k // 2} operations: its process is starved of CPU")
+
+
+def _screen_operands(torch_mod, dev, kind):
+    """The matmul's a, b, c (bf16 where the GPU has it, Ampere on, else fp16; fp32 on CPU) and the memory
+    measurement's src, dst (fp32, SCREEN_COPY_BYTES each)."""
+    n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
+    if kind == "gpu":  # the model's peers run the same
+        dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
+    mm = [torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2)] + [
+        torch_mod.empty(n, n, device=dev, dtype=dtype)]
+    src = torch_mod.ones(SCREEN_COPY_BYTES[kind] // 4, dtype=torch_mod.float32, device=dev)
+    return mm, (src, torch_mod.empty_like(src))
+
+
+def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
+    """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
+    'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
+    the PCIe link from sysfs, nvidia-smi's clocks, limits, temperature, power where it answers in time,
+    else 'smi_unread'). GPU: timed on the device (_measure_device), so it may run on a thread of its own while
+    the rank waits; CPU: on one thread, timed on its CPU clock (_host_rate)."""
+    if kind == "gpu":
+        return _measure_device(torch_mod, dev, uuid, pci, root)
+    (a, b, c), (src, dst) = _screen_operands(torch_mod, dev, kind)
+    threads = torch_mod.get_num_threads()
+    torch_mod.set_num_threads(1)
+    try:
+        tflops = _host_rate(lambda: torch_mod.mm(a, b, out=c), 2 * SCREEN_MATMUL_N[kind] ** 3 / 1e12)
+        hbm = _host_rate(lambda: dst.copy_(src), 2 * src.numel() * 4 / 1e9)
+    finally:
+        torch_mod.set_num_threads(threads)
+    return {"tflops": float(f"{tflops:.4g}"), "hbm_gbps": float(f"{hbm:.4g}")}
+
+
+def _measure_device(torch_mod, dev, uuid, pci, root):
+    """screen_measure_gpu on a GPU: the matmul and the copy each timed by _device_rate on a stream of the
+    caller's own (any thread), nvidia-smi's facts read while the matmul's graph keeps the GPU loaded."""
+    cuda, facts, graphs = torch_mod.cuda, {}, []
+    cuda.set_device(dev)  # a thread's own current device (the measuring thread's too)
+    stream = cuda.Stream(dev)
+    (a, b, c), (src, dst) = _screen_operands(torch_mod, dev, "gpu")
+    stream.wait_stream(cuda.current_stream(dev))  # made on this thread's default stream: ready before use
+    probe = SmiProbe(uuid)  # started now: it samples while the matmul runs
+
+    def load():  # one block of matmuls, synchronised: the GPU stays loaded until nvidia-smi answers
+        with cuda.stream(stream):
+            graphs[0].replay()
+        stream.synchronize()
+    try:
+        tflops, g = _device_rate(torch_mod, lambda: torch_mod.mm(a, b, out=c), 2 * SCREEN_MATMUL_N["gpu"] ** 3 / 1e12,
+                                 stream, (lambda: facts.update(pcie_under_load(root, pci))) if pci else None)
+        graphs.append(g)
+        smi = probe.finish(load)
+        # STREAM's scale (dst = 1.0 x src): a kernel, read + write counted; a captured copy_ would be a graph
+        # memcpy node, which the copy engines run well below the bandwidth of the GPU's own kernels
+        hbm, g = _device_rate(torch_mod, lambda: torch_mod.mul(src, 1.0, out=dst), 2 * src.numel() * 4 / 1e9, stream)
+        graphs.append(g)
+        stream.synchronize()
+    finally:
+        a = b = c = src = dst = g = None
+        del graphs[:]  # the operands and each graph's memory pool go back to the driver
+        cuda.empty_cache()
+    return {"tflops": float(f"{tflops:.4g}"), "hbm_gbps": float(f"{hbm:.4g}"), **facts, **smi}
+
+
+def start_screen_gpu(torch_mod, dev, uuid=None, pci=None, root="/"):
+    """GPU ranks, from the end of their local checks: screen_measure_gpu on a thread of its own, while the rank
+    waits at the roll call and in init (the device keeps the time, so the host's work in those waits cannot
+    enter it) -> the box that take_screen_gpu reads in screen-gpu."""
+    box = {"done": threading.Event(), "t0": time.monotonic()}
+
+    def run():
+        try:
+            box["row"] = screen_measure_gpu(torch_mod, dev, "gpu", uuid, pci, root)
+        except BaseException as e:  # raised again in screen-gpu, on the rank's own thread
+            box["error"] = e
+        finally:
+            box["secs"] = round(time.monotonic() - box["t0"], 3)
+            box["done"].set()
+    threading.Thread(target=run, name="aiv-screen-gpu", daemon=True).start()
+    return box
+
+
+def take_screen_gpu(box):
+    """The measurement of start_screen_gpu, waited for (screen-gpu's bound covers a device that hangs), or its error."""
+    box["done"].wait()
+    if "error" in box:
+        raise box["error"]
+    return box["row"]
+
+
+def can_split(torch_mod, dist):
+    """Whether torch.distributed.split_group (torch >= 2.6) can split the default NCCL group (its
+    backend supports splitting); else the screen enumerates every group with new_subgroups_by_enumeration."""
+    return split_problem(torch_mod, dist) is None
+
+
+def split_problem(torch_mod, dist):
+    """Why the screen cannot split the default NCCL group (can_split), in words, or None when it can."""
+    version = getattr(torch_mod, "__version__", "?")
+    if not hasattr(dist, "split_group"):
+        return f"torch {version} has no split_group"
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        if pg._get_backend(torch_mod.device("cuda")).supports_splitting:
+            return None
+    except Exception as e:
+        return f"torch {version} cannot split its NCCL group ({first_line(e)})"
+    return f"torch {version}'s NCCL backend cannot split a communicator (NCCL older than 2.18?)"
+
+
+def screen_degraded_note(screen):
+    """The report's and the JSON's note when the screen made its groups without split_group (screen['no_split']:
+    {'why', 'groups'}), else None: each group then costs one call of every rank (new_group through
+    new_subgroups_by_enumeration), thousands per round on a large job, where one split makes a round."""
+    ns = (screen or {}).get("no_split")
+    if not ns:
+        return None
+    return (f"screen ran in a degraded mode: {ns['why']}: {ns['groups']} groups made by world-wide new_group "
+            f"(one call of every rank per group; split_group makes a round in one)")
+
+
+def screen_busbw(torch_mod, dist, group, nranks, dev, kind):
+    """all_reduce bus bandwidth of one group as nccl-tests defines it (busbw = algbw x 2(n-1)/n, GB/s =
+    1e9 B/s) at SCREEN_AR_BYTES: warm-up, then each iteration timed device-synchronised; the median
+    iteration on GPU, the best on CPU. -> (busbw, seconds per iteration)."""
+    sync = (lambda: None) if kind == "cpu" else (lambda: torch_mod.cuda.synchronize(dev))
+    warm, iters = SCREEN_AR_ITERS[kind]
+    size = SCREEN_AR_BYTES[kind]
+    x = torch_mod.zeros(size // 4, dtype=torch_mod.float32, device=dev)
+    for _ in range(warm):
+        dist.all_reduce(x, group=group)
+    sync()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        sync()
+        times.append(time.perf_counter() - t)
+    sec = _screen_median(times) if kind == "gpu" else min(times)
+    return size / sec / 1e9 * 2 * (nranks - 1) / nranks, sec
+
+
+# -- the soak (--soak SECONDS): every GPU under sustained matmul at once, its TFLOPS timed in blocks and
+# its telemetry sampled from a thread of its own, so that a slow NVML or nvidia-smi never stalls the load.
+# Section `screen` judges the rows (judge_soak).
+SOAK_BLOCK_S = {"gpu": 0.25, "cpu": 0.05}  # one timed block of matmuls, device-synchronised
+SOAK_WINDOW_BLOCKS = 8   # a window: the median (GPU) or best (CPU) of this many blocks (fewer in a short soak)
+SOAK_SAMPLE_S = 1.0      # telemetry period: NVML (nvidia-ml-py), else nvidia-smi in a child bounded by SCREEN_SMI_S
+SOAK_WINDOWS_MAX = 64    # at most this many windows kept per GPU (longer soaks: wider windows)
+SOAK_TELEMETRY = ("sm_mhz", "sm_max_mhz", "throttle", "temp_c", "power_w")
+
+
+def nvml_reader(uuid):
+    """A function reading one GPU's SOAK_TELEMETRY through NVML (nvidia-ml-py's pynvml), each value
+    skipped where NVML refuses it; None when pynvml is missing or does not know the GPU."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    except Exception:
+        return None
+    reasons = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+               or getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
+    calls = (("sm_mhz", lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+             ("sm_max_mhz", lambda: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)),
+             ("temp_c", lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+             ("power_w", lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
+             ("throttle", lambda: reasons(h)))
+
+    def read():
+        out = {}
+        for key, call in calls:
+            try:
+                out[key] = call()
+            except Exception:
+                continue
+        return out
+    return read
+
+
+class SoakSampler:
+    """One GPU's telemetry every SOAK_SAMPLE_S while the soak runs, from a daemon thread that also opens
+    the source (so that not even NVML's start can stall the load): NVML where pynvml is importable and
+    knows the GPU, else nvidia-smi (SmiProbe, each call within SCREEN_SMI_S), else nothing (source None;
+    always on CPU, where uuid is None). stop() waits at most SCREEN_SMI_S + 1 s for the thread."""
+
+    def __init__(self, uuid):
+        self.uuid, self.source, self.samples, self.t0 = uuid, None, [], time.monotonic()
+        self._stop, self.thread = threading.Event(), None
+        if uuid:
+            self.thread = threading.Thread(target=self._loop, name="aiv-soak-sampler", daemon=True)
+            self.thread.start()
+
+    def _reader(self):
+        read = nvml_reader(self.uuid)
+        if read:
+            self.source = "nvml"
+            return read
+        if shutil.which("nvidia-smi"):
+            self.source = "nvidia-smi"
+            return lambda: SmiProbe(self.uuid).finish(lambda: time.sleep(0.05))
+        return None
+
+    def _loop(self):
+        read = self._reader()
+        while read and not self._stop.is_set():
+            t = time.monotonic()
+            s = {k: v for k, v in (read() or {}).items() if k in SOAK_TELEMETRY and v is not None}
+            if s:
+                self.samples.append(dict(s, t=round(t - self.t0, 2)))
+            self._stop.wait(max(0.0, SOAK_SAMPLE_S - (time.monotonic() - t)))
+
+    def stop(self):
+        self._stop.set()
+        if self.thread is not None:
+            self.thread.join(SCREEN_SMI_S + 1.0)
+        return list(self.samples)
+
+
+def soak_windows(blocks, cpu=False):
+    """TFLOPS of consecutive blocks -> (window size in blocks, one value per window: the median of its
+    blocks on GPU, the best on CPU). Up to SOAK_WINDOW_BLOCKS blocks a window, at least 4 windows where
+    there are 4 blocks; the window widens past SOAK_WINDOWS_MAX windows; a partial last window is
+    joined to the window before."""
+    n = len(blocks)
+    if not n:
+        return 0, []
+    w = max(1, min(SOAK_WINDOW_BLOCKS, n // 4), math.ceil(n / SOAK_WINDOWS_MAX))
+    chunks = [blocks[i:i + w] for i in range(0, n - w + 1, w)]
+    if n % w and len(chunks) > 1:
+        chunks[-1] = chunks[-1] + blocks[len(chunks) * w:]
+    pick = max if cpu else _screen_median
+    return w, [float(f"{pick(c):.4g}") for c in chunks]
+
+
+def soak_summary(samples):
+    """A soak's telemetry samples -> the row's fields: samples, max temperature, min/max SM clock, the
+    rated max SM clock, max power, the clock-event reasons seen (OR of the masks) and per reason name the
+    count of samples that showed it."""
+    def col(k):
+        return [float(s[k]) for s in samples if s.get(k) is not None]
+    out = {"samples": len(samples)}
+    for key, k, f in (("temp_max_c", "temp_c", max), ("sm_min_mhz", "sm_mhz", min), ("sm_max_seen_mhz", "sm_mhz", max),
+                      ("sm_rated_mhz", "sm_max_mhz", max), ("power_max_w", "power_w", max)):
+        v = col(k)
+        out[key] = round(f(v), 1) if v else None
+    masks = [int(s["throttle"]) for s in samples if s.get("throttle") is not None]
+    seen = 0
+    for m in masks:
+        seen |= m
+    out["throttle_seen"] = seen if masks else None
+    out["throttle_reasons"] = throttle_names(seen)
+    out["throttle_counts"] = {n: sum(n in throttle_names(m) for m in masks) for n in throttle_names(seen)}
+    return out
+
+
+def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None):
+    """One rank's soak: square matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread) in blocks
+    of about SOAK_BLOCK_S for `seconds`, while SoakSampler reads the GPU. start(): called once the
+    operands are made and warm, before the timed load (the gate that starts every GPU together).
+    -> the row judge_soak takes (without the rank's record facts)."""
+    cpu = kind == "cpu"
+    sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
+    n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
+    if not cpu:
+        dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
+    threads = torch_mod.get_num_threads()
+    if cpu:
+        torch_mod.set_num_threads(1)
+    try:
+        a, b = (torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
+        c = torch_mod.empty(n, n, device=dev, dtype=dtype)
+        for _ in range(2):
+            torch_mod.mm(a, b, out=c)
+        sync()
+        t = time.perf_counter()
+        for _ in range(2):
+            torch_mod.mm(a, b, out=c)
+        sync()
+        per_block = max(1, int(SOAK_BLOCK_S[kind] / max((time.perf_counter() - t) / 2, 1e-7)))
+        if start is not None:
+            start()
+        sampler = SoakSampler(None if cpu else uuid)
+        blocks, t0 = [], time.perf_counter()
+        try:
+            while time.perf_counter() - t0 < seconds:
+                t = time.perf_counter()
+                for _ in range(per_block):
+                    torch_mod.mm(a, b, out=c)
+                sync()
+                blocks.append(2 * n ** 3 * per_block / 1e12 / max(time.perf_counter() - t, 1e-9))
+            loaded = time.perf_counter() - t0
+        finally:
+            samples = sampler.stop()
+    finally:
+        if cpu:
+            torch_mod.set_num_threads(threads)
+        else:
+            with contextlib.suppress(Exception):
+                del a, b, c
+                torch_mod.cuda.empty_cache()
+    w, windows = soak_windows(blocks, cpu)
+    return {"dtype": str(dtype).replace("torch.", ""), "seconds": round(loaded, 2), "blocks": len(blocks),
+            "window_s": round(loaded * w / max(len(blocks), 1), 2),
+            "tflops_windows": windows, "tflops_first": windows[0] if windows else None,
+            "tflops_last": windows[-1] if windows else None, "telemetry": sampler.source,
+            **soak_summary(samples)}

@@ -1,0 +1,323 @@
+"""Floor 4: what a verdict becomes outside the log: --drain (the scontrol plan and its application) and
+--metrics (Prometheus text exposition)."""
+import datetime
+import math
+import re
+import shlex
+import subprocess
+import time
+
+from .base import CHECKS, EXIT_FAIL, EXIT_TIMEOUT, _screen_key, _screen_sorted, compress_hostlist, finding
+from .deadlines import DRAIN_S, PHASES
+from .options import DRAIN_PREFIX
+from .screen_judge import screen_diagnose
+
+DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
+DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)
+# Checks whose hosts are never drained: the launch or the tool, not the node (a rendezvous finding
+# drains only when its ranks never checked in: DRAIN_RENDEZVOUS_CODES).
+NO_DRAIN_CHECKS = ("usage", "contract", "launch", "world-size", "layout", "interrupted", "internal", "drain")
+DRAIN_RENDEZVOUS_CODES = (EXIT_TIMEOUT,)
+
+
+def drain_max(given, nodes):
+    """--drain-max, or DRAIN_SHARE of the allocation's nodes (at least 1)."""
+    return given if given else max(1, int(DRAIN_SHARE * max(1, nodes)))
+
+
+def _drain_eligible(f):
+    if f["status"] != "FAIL" or f["check"] in NO_DRAIN_CHECKS or not f["hosts"]:
+        return False
+    return f["check"] != "rendezvous" or f.get("code", EXIT_FAIL) in DRAIN_RENDEZVOUS_CODES
+
+
+def drain_blocker(findings):
+    """Why no host may be drained on these findings at all (None: the culprits may be): a PASS, an
+    interrupted run, the tool's own error, evidence that failed authentication, a widespread cause."""
+    fails = [f for f in findings if f["status"] == "FAIL"]
+    if not fails:
+        return "the run passed"
+    for test, why in ((lambda f: f["check"] == "interrupted", "the run was interrupted (scancel, the time limit, "
+                       "preemption): an interrupted run drains nobody"),
+                      (lambda f: f["check"] == "internal", "the tool's own error: it drains nobody"),
+                      (lambda f: f.get("tamper"), "a value on the side channel failed authentication: evidence "
+                       "that came through it drains nobody"),
+                      (lambda f: f.get("widespread"), "the cause is widespread (more nodes implicated than "
+                       "passed: a switch, the fabric or its configuration): it drains nobody")):
+        if any(test(f) for f in fails):
+            return why
+    return None
+
+
+def _drain_reason(f, job):
+    text = " ".join(f"{DRAIN_PREFIX} {f['check']}: {f['reason']}".split())
+    tail = f" (job {job})"
+    if len(text) + len(tail) > DRAIN_REASON_MAX:
+        text = text[:DRAIN_REASON_MAX - len(tail) - 3].rstrip() + "..."
+    return text + tail
+
+
+def drain_command(hosts, reason):
+    """The one scontrol command for hosts, as argv and as the line to paste into a shell."""
+    argv = ["scontrol", "update", f"nodename={compress_hostlist(hosts)}", "state=drain", f"reason={reason}"]
+    return argv, " ".join(argv[:4] + ["reason=" + shlex.quote(reason)])
+
+
+def drain_plan(findings, mode, nodes, job, max_nodes=None):
+    """What --drain does with a verdict (pure). findings: the run's; nodes: the allocation's node count;
+    job: SLURM_JOB_ID or None. -> {'mode', 'hosts': the culprits to drain, 'command': the scontrol line
+    or '', 'argv', 'reason', 'max', 'skipped': why nothing is drained, or None}."""
+    out = {"mode": mode, "hosts": [], "command": "", "argv": [], "reason": "", "max": drain_max(max_nodes, nodes),
+           "skipped": None, "done": False, "kept": {}}
+    culprits = {}
+    for f in findings:
+        if _drain_eligible(f):
+            for h in f["hosts"]:
+                culprits.setdefault(h, f)
+    why = drain_blocker(findings) or ("no failed check names a host whose fault it is" if not culprits else None)
+    if why is None and not job:
+        why = "not a Slurm job (no SLURM_JOB_ID)"
+    if why is None and len(culprits) > out["max"]:
+        why = (f"{len(culprits)} culprit node(s), more than the {out['max']} --drain-max allows (of {nodes} "
+               "node(s)): a cause that wide is rarely the nodes; nothing is drained")
+    if mode == "off" or why is not None:
+        return dict(out, skipped=why if mode != "off" else "--drain off")
+    hosts = _screen_sorted(culprits)
+    reason = _drain_reason(culprits[hosts[0]], job)
+    argv, line = drain_command(hosts, reason)
+    return dict(out, hosts=hosts, command=line, argv=argv, reason=reason)
+
+
+def parse_scontrol_nodes(text):
+    """`scontrol show node -o` -> {node: (state, reason)}. The reason is everything after 'Reason=' up to
+    the next field of the line (or its end)."""
+    out = {}
+    for line in text.splitlines():
+        name = re.search(r"(?:^|\s)NodeName=(\S+)", line)
+        if not name:
+            continue
+        state = re.search(r"\sState=(\S+)", line)
+        reason = re.search(r"\sReason=(.*?)(?=\s+[A-Z][A-Za-z]+=|$)", line)
+        why = re.sub(r"\s*\[[^\]]*@[^\]]*\]$", "", reason.group(1).strip()) if reason else ""  # [user@time]
+        out[name.group(1)] = (state.group(1) if state else "", why)
+    return out
+
+
+def drain_keeps(nodes):
+    """Nodes already drained or down for a reason not ours: {node: their reason}. They keep it."""
+    return {n: r for n, (st, r) in nodes.items() if re.search(r"DRAIN|DOWN|FAIL", st)
+            and r and r not in ("none", "(null)") and not r.startswith(DRAIN_PREFIX)}
+
+
+def _scontrol(argv, until):
+    """One scontrol call within the time left -> (rc, stdout, message). rc None: missing or silent."""
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=max(0.1, until - time.monotonic()),
+                           stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return None, "", "scontrol is not on PATH"
+    except subprocess.TimeoutExpired:
+        return None, "", f"scontrol did not answer within {DRAIN_S:g}s (slurmctld unreachable?)"
+    except OSError as e:
+        return None, "", f"scontrol could not run: {e.strerror or e}"
+    msg = " ".join((p.stderr or p.stdout or "").split())[:300]
+    return p.returncode, p.stdout, msg or f"exit status {p.returncode}"
+
+
+def drain_apply(plan):
+    """--drain on: one `scontrol show node` (nodes drained for another reason keep it), then one
+    `scontrol update` for the rest, both within DRAIN_S. -> (plan with 'done'/'kept'/'hosts', findings:
+    a WARN quoting scontrol when it is missing, refused or silent; never a FAIL)."""
+    until = time.monotonic() + DRAIN_S
+    rc, out, msg = _scontrol(["scontrol", "show", "node", "-o", compress_hostlist(plan["hosts"])], until)
+    if rc != 0:
+        return plan, [finding("drain", "WARN", f"nothing drained: `scontrol show node` failed: {msg}; run by hand: "
+                              f"{plan['command']}", plan["hosts"])]
+    kept = drain_keeps(parse_scontrol_nodes(out))
+    hosts = [h for h in plan["hosts"] if h not in kept]
+    plan = dict(plan, kept=kept, hosts=hosts)
+    if hosts:
+        argv, line = drain_command(hosts, plan["reason"])
+        plan.update(argv=argv, command=line)
+        rc, _, msg = _scontrol(argv, until)
+        if rc != 0:
+            return plan, [finding("drain", "WARN", f"nothing drained: scontrol refused: {msg}; an operator can "
+                                  f"run: {plan['command']}", hosts)]
+    return dict(plan, done=bool(hosts)), []
+
+
+def _metrics_escape(value):
+    """A label value as the exposition format writes it: backslash, double quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _metrics_value(v):
+    """A sample's value as text, or None (omitted) for None, NaN, infinities and anything not a number."""
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, int):
+        return str(v)
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    if not math.isfinite(x):
+        return None
+    return str(int(x)) if x.is_integer() and abs(x) < 2 ** 53 else repr(x)
+
+
+def _metrics_family(name, text, samples):
+    """One gauge family's lines: HELP and TYPE once, then each sample ([(labels dict, value)]) whose value is
+    a number, the first of any repeated label set only. None when no sample has a value (nothing written)."""
+    lines, seen = [], set()
+    for labels, value in samples:
+        v, key = _metrics_value(value), tuple(sorted((k, str(x)) for k, x in labels.items()))
+        if v is None or key in seen:
+            continue
+        seen.add(key)
+        body = ",".join(f'{k}="{_metrics_escape(x)}"' for k, x in labels.items())
+        lines.append(f"{name}{{{body}}} {v}" if body else f"{name} {v}")
+    if not lines:
+        return None
+    help_text = text.replace("\\", "\\\\").replace("\n", "\\n")
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"] + lines
+
+
+def _metrics_severity(status):
+    """0 PASS, 1 WARN, 2 FAIL (None: another status)."""
+    return {"PASS": 0, "WARN": 1, "FAIL": 2}.get(status)
+
+
+def _metrics_max(values):
+    """The largest of the values that are numbers (None, NaN and the like skipped), or None."""
+    return max((v for v in values if _metrics_value(v) is not None), default=None)
+
+
+def _metrics_start(text):
+    """started_at (ISO 8601, e.g. 2026-12-02T17:12:11+00:00; naive means UTC) -> Unix seconds, or None."""
+    try:
+        t = datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)).timestamp()
+
+
+def _metrics_hosts(state):
+    """Every node the run knows of: the ranks' hosts, the failed hosts and those findings name, natural order."""
+    hosts = {r.get("host") for r in state.get("ranks") or []}
+    hosts |= set(state.get("failed_hosts") or [])
+    hosts |= {h for f in state.get("findings") or [] for h in f.get("hosts") or []}
+    return _screen_sorted(h for h in hosts if h is not None)
+
+
+def _metrics_run(state):
+    """The run's families: verdict, exit code, duration, start, world size, nodes, failed nodes."""
+    verdict = state.get("verdict")
+    ranks = state.get("ranks")
+    nodes = len({r.get("host") for r in ranks}) if ranks is not None else None
+    failed = state.get("failed_hosts")
+    return [
+        ("aiv_verdict_pass", "1 when the run's verdict is PASS, 0 when it is FAIL.",
+         [({}, None if verdict is None else int(verdict == "PASS"))]),
+        ("aiv_exit_code", "The tool's exit code (0 pass, 1 fail, 2 usage, 3 timeout, 4 internal, 5 interrupted).",
+         [({}, state.get("exit_code"))]),
+        ("aiv_run_duration_seconds", "Seconds the run took, start to verdict.", [({}, state.get("elapsed_s"))]),
+        ("aiv_run_start_timestamp_seconds", "When the run started, Unix time in seconds.",
+         [({}, _metrics_start(state["started_at"]) if state.get("started_at") else None)]),
+        ("aiv_world_size", "Ranks in the run (WORLD_SIZE).", [({}, state.get("world_size"))]),
+        ("aiv_nodes", "Distinct nodes among the ranks that reported.", [({}, nodes)]),
+        ("aiv_failed_nodes", "Nodes a failed check blames (the JSON's failed_hosts).",
+         [({}, None if failed is None else len(failed))]),
+    ]
+
+
+def _metrics_checks(state):
+    """aiv_check_status{check}: the worst status of each judged check, in CHECKS order (unknown ones last)."""
+    worst = {}
+    for f in state.get("findings") or []:
+        worst[f.get("check")] = _metrics_max([worst.get(f.get("check")), _metrics_severity(f.get("status"))])
+    order = [c for c in CHECKS if c in worst] + sorted(str(c) for c in worst if c not in CHECKS)
+    return [("aiv_check_status", "Worst status of the check's findings: 0 PASS, 1 WARN, 2 FAIL (checks not judged "
+             "are absent).", [({"check": c}, worst[c]) for c in order])]
+
+
+def _metrics_node_status(state):
+    """aiv_node_status{node}: the worst finding naming the node; 0 for a node no finding names."""
+    findings = state.get("findings") or []
+    rows = [({"node": h}, _metrics_max([0] + [_metrics_severity(f.get("status")) for f in findings
+                                               if h in (f.get("hosts") or [])]))
+            for h in _metrics_hosts(state)]
+    return [("aiv_node_status", "Worst status of the findings that name the node: 0 PASS (or named by none), "
+             "1 WARN, 2 FAIL.", rows)]
+
+
+def _metrics_gpus(state, screen):
+    """Per node and GPU (gpu: the local rank): the screen's matmul TFLOPS and memory-copy GB/s."""
+    uuids = {r.get("rank"): (r.get("gpu") or {}).get("uuid") for r in state.get("ranks") or []}
+    tflops, hbm = [], []
+    for g in screen.get("gpu") or []:
+        labels = {"node": g.get("host"), "gpu": str(g.get("local_rank")),
+                  "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""}
+        tflops.append((labels, g.get("tflops")))
+        hbm.append((labels, g.get("hbm_gbps")))
+    return [("aiv_gpu_matmul_tflops", "Performance screen: the GPU's square matmul rate in TFLOPS (10^12 floating "
+             "point operations per second; bf16 on GPUs, fp32 on CPU).", tflops),
+            ("aiv_gpu_memory_bandwidth_gbps", "Performance screen: the GPU's device-memory copy rate in GB/s "
+             "(10^9 bytes per second, read plus write).", hbm)]
+
+
+def _metrics_intra(screen):
+    """aiv_intra_node_busbw_gbps{node}: the node's all_reduce bus bandwidth among its own GPUs."""
+    rows = [({"node": p.get("host")}, p.get("busbw")) for p in screen.get("intra") or []]
+    return [("aiv_intra_node_busbw_gbps", "Performance screen: all_reduce bus bandwidth among the node's own GPUs "
+             "in GB/s (10^9 bytes per second).", rows)]
+
+
+def _metrics_inter(screen):
+    """Per node and rail: the best busbw of the pair rounds the node took part in; per rail: the reference."""
+    pairs = [m for m in screen.get("pairs") or [] if m.get("nodes") and m.get("rail") is not None]
+    best = {}
+    for m in pairs:
+        for n in m["nodes"]:
+            key = (n, str(m["rail"]))
+            best[key] = _metrics_max([best.get(key), m.get("busbw")])
+    refs = screen_diagnose(pairs, screen.get("min_busbw_inter"), bool(screen.get("cpu")))["refs"] if pairs else {}
+    rails = _screen_sorted(r for _, r in best)
+    rows = [({"node": n, "rail": r}, best.get((n, r))) for n in _screen_sorted(n for n, _ in best) for r in rails]
+    return [("aiv_inter_node_busbw_gbps", "Performance screen: the best all_reduce bus bandwidth in GB/s (10^9 "
+             "bytes per second) of the inter-node measurements the node took part in on the rail (a node slow "
+             "with all its partners has a low best; failed measurements count for nothing).", rows),
+            ("aiv_inter_node_busbw_reference_gbps", "Performance screen: the rail's reference bus bandwidth in GB/s "
+             "(10^9 bytes per second) that inter-node measurements are judged against.",
+             [({"rail": str(r)}, refs[r].get("ref")) for r in sorted(refs, key=lambda r: _screen_key(str(r)))])]
+
+
+def _metrics_phases(state):
+    """aiv_phase_duration_seconds{phase}: seconds per phase, in PHASES order (other timed steps last)."""
+    phases = state.get("phases") or {}
+    order = [p for p in PHASES if p in phases] + sorted(p for p in phases if p not in PHASES)
+    return [("aiv_phase_duration_seconds", "Seconds the run spent in the phase.",
+             [({"phase": p}, phases[p]) for p in order])]
+
+
+def _metrics_drain(state):
+    """aiv_drain_nodes: how many nodes the --drain plan named (drained, or recommended), when it ran."""
+    drain = state.get("drain")
+    if not isinstance(drain, dict):
+        return []
+    return [("aiv_drain_nodes", "Nodes the --drain plan named: drained with --drain on, else recommended "
+             "(0: nothing to drain, or the plan was skipped).", [({}, len(drain.get("hosts") or []))])]
+
+
+def render_metrics(state):
+    """The run's state (the JSON's dict) as Prometheus text exposition: gauges named aiv_*, HELP and TYPE once
+    per family, labels node, gpu, uuid, rail, check and phase only (never a job id: the file is overwritten
+    by each run, so a series stays one series), values that are not numbers left out. Pure."""
+    screen = state.get("screen") or {}
+    families = (_metrics_run(state) + _metrics_checks(state) + _metrics_node_status(state)
+                + _metrics_gpus(state, screen) + _metrics_intra(screen) + _metrics_inter(screen)
+                + _metrics_phases(state) + _metrics_drain(state))
+    lines = []
+    for name, text, samples in families:
+        lines += _metrics_family(name, text, samples) or []
+    return "\n".join(lines) + "\n"

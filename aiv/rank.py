@@ -1,0 +1,722 @@
+"""Floor 5 (runtime): RankRun, what every rank runs: the phases in order, each under its bound."""
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from .base import (
+    _T0,
+    EXIT_FAIL,
+    EXIT_INTERNAL,
+    EXIT_PASS,
+    EXIT_TIMEOUT,
+    Verdict,
+    _counts,
+    emit,
+    failed,
+    finding,
+    first_line,
+    flush_all,
+    format_ranges,
+    human_bytes,
+    internal_finding,
+    is_tool_error,
+    print_traceback,
+    read_text,
+    verdict_code,
+)
+from .collect import (
+    _cpu_affinity,
+    collect_gpu,
+    collect_node_facts,
+    cuda_problem,
+    finish_import_probe,
+    gpus_expected,
+    loopback_domain,
+    nearest_hca,
+    start_import_probe,
+    torch_floor_problem,
+    torch_versions,
+)
+from .contract import job_secret, launcher_expectations, launcher_store, under_torchrun
+from .deadlines import (
+    IMPORT_PROBE_S,
+    MARK_TTL,
+    NAMING_S,
+    NCCL_RELAY_S,
+    PHASE_CHECK,
+    PHASE_WHAT,
+    PHASES,
+    PROBE_CONNECT_S,
+    RANK0_GRACE,
+    SCREEN_PHASES,
+    TORCH_BACKSTOP_S,
+    Watchdog,
+    deadlines,
+    live_period,
+    worst_case,
+)
+from .files import write_json_atomic
+from .interfaces import (
+    check_interfaces,
+    gloo_address,
+    list_interfaces,
+    nccl_debug_file,
+    nccl_warn_lines,
+    parse_nccl_ifaces,
+    parse_nccl_transport,
+)
+from .judge import apply_strict
+from .liveness import proc_stat
+from .measure import SCREEN_MATMUL_N, finish_node_smi, soak_measure, start_node_smi, start_screen_gpu
+from .render import BAR
+from .screen_judge import judge_soak, soak_rows
+from .screen_run import ScreenRunner
+from .store import Seal, StoreProtocol, norm_ip, run_base
+
+
+def speak_once_per_node(text, env, local_rank=0, topic="run"):
+    """Lines a rank prints for itself or for rank 0 when rank 0 cannot: once per node. The first local
+    rank (lowest first) to mark a node-local file keyed by job, step, launcher (the parent process all
+    ranks of a node share under srun, torchrun and local mode: its pid and start time) and topic (the
+    port, and the run's nonce once the roll call gave one), under an fcntl lock, prints; the others
+    stay silent. A marker older than MARK_TTL never silences a later run. Returns whether this
+    process printed."""
+    time.sleep(min(max(local_rank, 0), 20) * 0.05)
+    parent = (os.getppid(), (proc_stat(os.getppid()) or ("", ""))[1])  # pid and start time: one launch
+    key = "-".join(re.sub(r"\W", "_", str(x)) for x in (env.get("SLURM_JOB_ID", "x"), env.get("SLURM_STEP_ID", "x"),
+                                                          topic, *parent))
+    path = os.path.join(tempfile.gettempdir(), f"aiv-{key[:200]}.said")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
+            said = os.read(fd, 32).decode(errors="replace")
+            if said and time.time() - float(said or 0) < MARK_TTL:
+                return False
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, f"{time.time():.3f}".ljust(32).encode())  # older than MARK_TTL: another run's
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        pass  # no node-local coordination here: better a line twice than never
+    emit(text)
+    return True
+
+
+PROGRESS = {
+    "contract": "contract: rank {rank} of {world} from {source} variables, local_rank {local_rank}, master {master}",
+    "local": "local: backend {backend}, device {device}, interfaces checked: {ifaces}, {failed} local check(s) "
+             "failed (import torch {import_s:.2f}s)",
+    "rollcall_open": "rendezvous: store at {master}, roll call of {world} rank(s) within {seconds:g}s",
+    "rollcall": "rendezvous: {present}/{world} rank(s) checked in ({secs:.2f}s); pre-init checks (layout, "
+                "GPU affinity, device, local) {result}",
+    "init": "init: {backend} process group of {world} ready ({secs:.2f}s)",
+    "telemetry": "telemetry: gathered from {ranks} rank(s), max {size} B per rank ({secs:.2f}s); node checks: "
+                 "{counts}",
+    "collective": "collective: all_reduce of rank-encoded integers on {world} rank(s) ({secs:.2f}s)",
+    "ddp": "ddp: DDP step on nn.Linear(10, 10), results gathered ({secs:.2f}s)",
+    "bandwidth": "bandwidth: {size} all_reduce {us:.1f} us, algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s",
+    "screen_gpu": "screen-gpu: {n} {what}: matmul {tflops} TFLOPS, memory copy {hbm} GB/s (min/median) ({secs:.2f}s)",
+    "screen_intra": "screen-intra: {detail} ({secs:.2f}s)",
+    "screen_pairs": "screen-pairs: {detail} ({secs:.2f}s)",
+    "screen_suspect": "screen-suspect: {detail}; screen findings: {counts} ({secs:.2f}s)",
+    "soak": "soak: {n} {what} loaded at once for {seconds:g}s: {detail}; soak findings: {counts} ({secs:.2f}s)",
+    "verdict": "verdict: {verdict} (exit {code}); findings: {counts}",
+}
+
+
+HEADER = (BAR, "ai-infra-validator {version} ddp_mesh_ping  {started}  host={host}", "Total Execution Ranks: {world}",
+          "Master: {master} (port from {port_source})  deadlines: roll call {rollcall:g}s, each later phase "
+          "{timeout:g}s  expect: {expect}", BAR)
+
+
+class RankRun(ScreenRunner):
+    """What every rank runs: the phases of PHASES in order, each under deadline(phase), and the plumbing
+    they share. The two roles are subclasses (rank_run picks one):
+
+      Coordinator  rank 0: serves the store, holds the roll call, judges every phase, owns the verdict
+                   (the report, the JSON, the exit code published on the store)
+      Follower     every other rank: reports its own error (if any) and exits with rank 0's code, which
+                   a listener thread reads even while the main thread is blocked in a collective; speaks
+                   for rank 0 when rank 0 gives no verdict in time
+
+    Every way a run ends goes through Verdict and end(). The hooks a role defines: end, phase_bound,
+    enter_phase, own_error, open_store, before_check_in, after_check_in, phase_telemetry,
+    results_gathered, phase_final, expire, signalled, progress, header."""
+
+    on_tick = None  # the Coordinator's liveness tick; the others have none
+
+    def __init__(self, args, contract, env):
+        self.args, self.c, self.env = args, contract, env
+        self.rank, self.world, self.local_rank = contract["rank"], contract["world_size"], contract["local_rank"]
+        self.is0 = self.rank == 0
+        self.host = env.get("SLURMD_NODENAME") or socket.gethostname()
+        self.addr, self.port = contract["master_addr"], contract["master_port"]
+        self.D = deadlines(args.timeout, args.rollcall_timeout, args.soak)
+        self.expect = dict(launcher_expectations(env), **{k: getattr(args, "expect_" + k) for k in
+                                                       ("world_size", "nodes", "ranks_per_node")
+                                                       if getattr(args, "expect_" + k) is not None})
+        self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, [], [], {}
+        self.starts, self.drain = {}, None  # phase -> seconds from start; the --drain plan at the verdict
+        self.proto = self.poll = self.master = self.probe = self.monitor = self.nccl_log = None
+        self.backend = self.device = self.collectives = self.results = self.bandwidth = None
+        self.identity = self.node_box = None
+        self.smi_box = None  # node leaders: the node's one nvidia-smi call (start_node_smi)
+        self.gpu_box = None  # GPU ranks: the screen's device measurement, on its own thread (start_screen_gpu)
+        self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
+        self.soak = None  # rank 0: the soak's rows and settings (--soak)
+        self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
+        self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
+        self.speak_lock = threading.Lock()  # speak_for_rank0: one thread speaks and writes the JSON
+        self.nccl_seen = 0  # how much of the NCCL log nccl_hca has read
+        self.relay_lock, self.relayed = threading.Lock(), threading.Event()  # exit: NCCL WARN lines, once
+        self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
+        self.wd = Watchdog(self.on_expire, self.on_tick)
+
+    # ---------------------------------------------------------------- flow
+    def run(self):
+        """main() blocked SIGTERM and SIGINT in every thread before this object existed; one thread takes them."""
+        threading.Thread(target=self.on_signal, name="aiv-signals", daemon=True).start()
+        try:
+            self.header()
+            for phase in PHASES:
+                if (phase in SCREEN_PHASES and self.args.skip_screen) or (phase == "soak" and not self.args.soak):
+                    continue
+                with self.deadline(phase):
+                    getattr(self, "phase_" + phase.replace("-", "_"))()
+            raise Verdict(EXIT_INTERNAL, [finding("internal", "FAIL", "the phases ended without a verdict",
+                                                  code=EXIT_INTERNAL)])
+        except Verdict as v:
+            self.end(v)
+        except BaseException as e:  # a bug still ends in one line and an exit code, blaming no host
+            print_traceback(e)
+            self.end(Verdict(EXIT_INTERNAL, [internal_finding(e, f"rank {self.rank} on {self.host}")]))
+
+    @contextlib.contextmanager
+    def deadline(self, phase):
+        """Arm the watchdog with the phase's bound (phase_bound); a torch error inside becomes this rank's
+        Verdict, any other exception the tool's own (`internal`); stamp on success. Rank 0 speaks first in
+        every phase: after the roll call every phase starts at a gate rank 0 opens (enter_phase), and the
+        other ranks count their bound + RANK0_GRACE from that gate, however late rank 0 got there."""
+        self.phase, t = phase, time.monotonic()
+        self.phase_t0 = t
+        self.failpoint(phase, only=("skew",))
+        try:
+            if PHASES.index(phase) > PHASES.index("rollcall") and self.proto is not None:
+                self.enter_phase(phase)
+            self.wd.arm(phase, self.phase_bound(phase))
+            self.failpoint(phase, only=("raise",))
+            yield
+        except Verdict:
+            raise
+        except Exception as e:
+            raise self.phase_error(phase, e) from None
+        finally:
+            self.wd.disarm()
+            self.times[phase] = round(time.monotonic() - t, 3)
+            self.starts[phase] = round(t - _T0, 3)
+        if self.proto is not None:  # under the phase's bound too: rank 0's store may have frozen meanwhile
+            self.wd.arm(phase, self.phase_bound(phase))
+            try:
+                self.proto.stamp(self.rank, phase)
+            finally:
+                self.wd.disarm()
+
+    def phase_error(self, phase, exc):
+        """An error inside a phase. The tool's own (is_tool_error): the `internal` verdict, no host. A torch
+        error: posted on the store, then the role's own_error."""
+        if is_tool_error(exc):
+            return self.internal_error(phase, exc)
+        line = f"rank {self.rank} ({self.host}): {PHASE_WHAT[phase]} failed: {first_line(exc)}"
+        code = EXIT_TIMEOUT if re.search(r"[Tt]imed? ?out|timeout", str(exc)) else EXIT_FAIL
+        if self.proto is not None:
+            try:
+                self.proto.report_error(self.rank, phase, line, code)
+            except Exception:
+                pass
+        return self.own_error(phase, line, code)
+
+    def own_error(self, phase, line, code):
+        """A rank's own torch error in a phase: its host, its rank (rank 0 overrides this once it can name
+        who did not finish the phase)."""
+        return failed(PHASE_CHECK[phase], line, code, [self.host], [self.rank])
+
+    def internal_error(self, phase, exc):
+        """The tool's own error in a phase: posted (so that rank 0 blames nobody for it), then a Verdict."""
+        print_traceback(exc)
+        f = internal_finding(exc, f"rank {self.rank} on {self.host}, during {phase}")
+        if self.proto is not None:
+            with contextlib.suppress(Exception):
+                self.proto.report_error(self.rank, phase, f"rank {self.rank} ({self.host}): {f['reason']}",
+                                        EXIT_INTERNAL, internal=True)
+        return Verdict(EXIT_INTERNAL, [f])
+
+    # ---------------------------------------------------------------- phases
+    def phase_local(self):
+        self.nccl_log = self.capture_nccl_debug()
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
+        # abort the communicator and raise, never kill the process (1, torchrun's default, kills rank 0
+        # before its verdict); an operator's own setting outside torchrun is kept
+        if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ or (
+                under_torchrun(self.env) and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"):
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        self.progress("contract", rank=self.rank, world=self.world, source=self.c["source"],
+                      local_rank=self.local_rank, master=f"{self.addr}:{self.port}")
+        if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
+            self.probe = start_import_probe()
+        t = time.monotonic()
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        self.times["import_torch"] = round(time.monotonic() - t, 3)
+        old = torch_floor_problem(torch.__version__)
+        if old:  # before any store operation: the side channel needs what this torch lacks
+            raise failed("local", f"{old} on {self.host} (rank {self.rank}, {sys.executable})", EXIT_FAIL,
+                         [self.host], [self.rank])
+        if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
+            self.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
+            self.warm.start()
+        ifaces, expected = list_interfaces(), gpus_expected(self.env, self.args.sysfs_root)
+        local, gpu = self.local_checks(ifaces, expected)
+        if self.backend != "nccl" and self.nccl_log:
+            self._drop_nccl_log()
+        if gpu is not None and not self.args.skip_screen and not any(f["status"] == "FAIL" for f in local):
+            self.gpu_box = start_screen_gpu(self.torch, self.device, gpu.get("uuid"), gpu.get("pci"),
+                                            self.args.sysfs_root)
+        if gpu is not None:  # the HCA a pair round names where NCCL's log does not say
+            gpu["hca"] = nearest_hca(self.args.sysfs_root, gpu.get("pci"), self.env.get("NCCL_IB_HCA"))
+        self.identity = {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(),
+                         "loopback": loopback_domain(),
+                         "local_rank": self.local_rank, "backend": self.backend, "device": self.device,
+                         "cvd": self.env.get("CUDA_VISIBLE_DEVICES"), "gpu": gpu,
+                         "gpus_expected": expected or None,
+                         "gloo": gloo_address(self.env, ifaces) if self.backend == "gloo" else None,
+                         "cpus": format_ranges(_cpu_affinity()), "versions": torch_versions(torch),
+                         "local": local, "pid": os.getpid(), "pid_start": (proc_stat(os.getpid()) or ("", ""))[1],
+                         "addrs": sorted({norm_ip(a) for i in ifaces.values() for a in i["addrs"]} - {None})}
+        if self.local_rank == 0:
+            self.node_box = {}
+            threading.Thread(target=self._collect_node, args=(self.node_box,), daemon=True).start()
+            self.smi_box = start_node_smi()
+        ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
+        self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
+                      failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
+
+    def phase_rollcall(self):
+        R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)
+        self.proto = self.open_store(R, prefix, serve)
+        self.progress("rollcall_open", master=f"{self.addr}:{self.port}", world=self.world, seconds=R)
+        self.failpoint("rendezvous")
+        self.before_check_in(R)
+        stray = self.proto.check_in(self.rank, self.identity, self.world, R + RANK0_GRACE)
+        if stray is not None:  # not a rank of this run: rank 0 names it; it takes no verdict of that run
+            self.speak_for_node(f"FAILURE: {stray[0]}: rank {self.rank} ({self.host}, pid {os.getpid()}) is not a "
+                                f"rank of the run at {self.addr}:{self.port}: {stray[1]}")
+            self.exit(EXIT_FAIL)
+        self.after_check_in(R)
+        if self.local_rank == 0:  # after the go: the monitor never slows the roll call
+            self.start_monitor()
+
+    def open_store(self, R, prefix, serve):
+        """Connect to the store (rank 0's, or torchrun's agent's). The connect and the store's first answer
+        within R + NAMING_S: a listener that accepts but never answers as a store (another service on
+        MASTER_PORT) is named by expire (unanswered)."""
+        self.wd.arm("rollcall", R + NAMING_S - 1)
+        try:
+            return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, seal=self.seal)
+        except Exception as e:
+            raise failed("rendezvous", f"rank {self.rank} ({self.host}) cannot reach the "
+                         f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
+                         f"{first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
+
+    def phase_init(self):
+        kw = {"backend": self.backend, "rank": self.rank, "world_size": self.world,
+              "store": self.dist.PrefixStore(self.proto.prefix + "/pg", self.proto.raw),
+              "timeout": datetime.timedelta(seconds=self.D["init"] + TORCH_BACKSTOP_S)}  # ours fires first
+        if self.backend == "nccl":
+            kw["device_id"] = self.torch.device("cuda", self.device)
+        self.failpoint("init")
+        t = time.monotonic()
+        self.dist.init_process_group(**kw)
+        self.progress("init", backend=self.backend, world=self.world, secs=time.monotonic() - t)
+
+    def telemetry(self):
+        """This rank's identity and, on a node leader, the node's facts: what the telemetry gather sends."""
+        tele = dict(self.identity)
+        if self.node_box is not None:
+            tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
+            if self.smi_box is not None:  # waited for within NODE_SMI_S of its start, a quarter of this phase at most
+                tele["node"] = dict(tele["node"], smi=finish_node_smi(self.smi_box, self.D["telemetry"] / 4))
+        return tele
+
+    def phase_telemetry(self):
+        self.failpoint("telemetry")
+        self.proto.post("telemetry", self.rank, self.telemetry())
+        self.proto.wait_gate("judge", self.D["telemetry"] + RANK0_GRACE)
+
+    def phase_soak(self):
+        """--soak: every rank loads its own device for --soak seconds, all starting at one gate once their
+        operands are warm (every GPU heats together); rank 0 collects every rank's row, judges them
+        (judge_soak) and ends the run on a FAIL before the collectives."""
+        t = time.monotonic()
+        self.failpoint("soak")
+        g = self.identity.get("gpu") or {}
+        row = soak_measure(self.torch, self._device(), self._kind(), self.args.soak, g.get("uuid"),
+                           lambda: self.round_gate("soak"))
+        self.proto.screen_post("soak", self.rank, row, self.world)
+        if not self.is0:
+            return
+        if not self.proto.screen_wait("soak", self.phase_t0 + self.D[self.phase] - time.monotonic()):
+            cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+        cpu = self._kind() == "cpu"
+        rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
+        self.soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
+                     "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
+        found = apply_strict(judge_soak(rows, cpu), self.args.strict)
+        self.findings += found
+        ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
+                  r.get("tflops_last") is not None]
+        temps = [r["temp_max_c"] for r in rows if r.get("temp_max_c") is not None]
+        detail = (f"TFLOPS last/first window min {min(ratios):.2f}" if ratios else "too short to time windows") + (
+            f", max temperature {max(temps):g} C" if temps else ", no GPU telemetry" + (" on CPU" if cpu else ""))
+        self.progress("soak", n=len(rows), what="CPU rank(s)" if cpu else "GPU(s)", seconds=self.args.soak,
+                      detail=detail, counts=_counts(found), secs=time.monotonic() - t)
+        if verdict_code(self.findings):
+            raise Verdict(verdict_code(self.findings))
+
+    def phase_collective(self):
+        torch, w, r, t = self.torch, self.world, self.rank, time.monotonic()
+        base = torch.arange(1 << 16, dtype=torch.int64, device=self._device())
+        x, s = base * (r + 1) + r, torch.tensor([r + 1], dtype=torch.int64, device=self._device())
+        self.failpoint("collective")
+        self.dist.all_reduce(x)
+        self.dist.all_reduce(s)
+        want = base * (w * (w + 1) // 2) + w * (w - 1) // 2
+        self.results = {"rank": r, "ar_ok": bool(torch.equal(x, want)), "ar_sum": int(s.item())}
+        self.progress("collective", world=w, secs=time.monotonic() - t)
+
+    def phase_ddp(self):
+        torch, dist, dev, t = self.torch, self.dist, self._device(), time.monotonic()
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        g = torch.Generator().manual_seed(1234 + self.rank)
+        xin, yin = torch.randn(16, 10, generator=g).to(dev), torch.randn(16, 10, generator=g).to(dev)
+        model = torch.nn.Linear(10, 10).to(dev)
+        ddp = DDP(model, device_ids=[self.device] if self.backend == "nccl" else None)
+        self.failpoint("ddp")
+        loss = torch.nn.functional.mse_loss(ddp(xin), yin)
+        loss.backward()
+        grads = torch.cat([p.grad.detach().flatten() for p in model.parameters()]).double().cpu()
+        lsum = loss.detach().clone()
+        dist.all_reduce(lsum)
+        self.results.update(loss=loss.item(), grads=hashlib.sha256(grads.numpy().tobytes()).hexdigest(),
+                            imports=self.import_results(), **self.nccl_log_facts())
+        self.proto.post("results", self.rank, self.results)
+        self.results_gathered(lsum.item())
+        self.progress("ddp", secs=time.monotonic() - t)
+
+    def results_gathered(self, loss_sum):
+        """Rank 0 gathers every rank's results from the store and keeps them; the others have nothing to keep."""
+
+    def phase_bandwidth(self):
+        if self.args.bandwidth:
+            self.bandwidth = [self.bandwidth_at(size) for size in self.args.bandwidth]
+
+    # ---------------------------------------------------------------- bounds, signals, the way out
+    def on_expire(self, phase):
+        """The watchdog's bound passed (the role's expire). Never lets the bound itself fail: the tool's own
+        error here still ends the process with `internal`."""
+        try:
+            self.expire(phase)
+        except BaseException as e:
+            print_traceback(e)
+            self.expire_failed(phase, e)
+            self.exit(EXIT_INTERNAL)
+
+    def expire_failed(self, phase, exc):
+        """The tool's own error at a bound: rank 0 gives the `internal` verdict; the others just exit 4."""
+
+    def expiry_cause(self, phase):
+        cause = f"{PHASE_WHAT[phase]} did not complete within {self.D[phase]:g}s"
+        if phase == "rollcall" and self.proto is None:  # still connecting to the store
+            cause = self.unanswered(self.D[phase] + NAMING_S)
+        return cause
+
+    def unanswered(self, seconds):
+        """Why the store's connect did not finish: a listener that accepts but never answers, or none."""
+        try:
+            socket.create_connection((self.addr, self.port), timeout=PROBE_CONNECT_S).close()
+        except OSError:
+            return f"cannot reach the master {self.addr}:{self.port}: no store answered within {seconds:g}s"
+        return (f"something on MASTER_PORT ({self.addr}:{self.port}) accepts connections but does not answer as "
+                f"the job's store (no answer within {seconds:g}s): another service or a stale process holds "
+                f"the port; pick a free MASTER_PORT")
+
+    def on_signal(self):
+        """SIGTERM or SIGINT: scancel, the time limit, preemption, a launcher (torchrun, when another worker
+        died), Ctrl-C. main() blocked both in every thread before this object existed; this thread takes
+        them and hands them to the role (signalled)."""
+        signum = signal.sigwait({signal.SIGTERM, signal.SIGINT})
+        self.signalled(signum, signal.Signals(signum).name, self.phase)
+
+    def speak_for_node(self, text):
+        run = getattr(self.proto, "run", None) or ""  # the roll call's nonce: this run, not an earlier one
+        return speak_once_per_node(text, self.env, self.local_rank, f"{self.port}-{run}")
+
+    def exit(self, code):
+        """Flush and leave without interpreter teardown (gloo threads can SIGABRT there). Every way out of a
+        rank passes here: its NCCL WARN lines are relayed first (relay_nccl_warns)."""
+        for proc in (self.probe, self.monitor):
+            if proc is not None and not isinstance(proc, OSError) and proc.poll() is None:
+                proc.kill()
+        if self.relay_lock.acquire(blocking=False):
+            try:
+                self.relay_nccl_warns()
+            finally:
+                self.relayed.set()
+        else:  # another thread is relaying them: let it finish, bounded
+            self.relayed.wait(NCCL_RELAY_S)
+        if self.nccl_log:
+            if code != EXIT_PASS and os.path.getsize(self.nccl_log) > 0:
+                emit(f"rank {self.rank} ({self.host}): NCCL debug log kept at {self.nccl_log}", sys.stderr)
+            else:
+                self._drop_nccl_log()
+        flush_all()
+        os._exit(code)
+
+    # ---------------------------------------------------------------- helpers of the phases
+    def progress(self, key, **kw):
+        """Rank 0 prints the progress lines (Coordinator); the others are silent."""
+
+    def header(self):
+        """Rank 0 prints the header (Coordinator)."""
+
+    def failpoint(self, phase, only=("die", "hang", "pause")):
+        """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
+          die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
+                              (rendezvous, init, telemetry, screen-gpu, screen-intra, screen-pairs, screen-suspect,
+                              soak, collective, ddp; round-<name>: rank 0 before it opens a screen round's gate,
+                              e.g. round-p2); a pause first creates the file AIV_FAILPOINT_MARK, if set,
+                              so that a test breaks something (a link) while the run waits
+          raise               the tool's own error (AssertionError) at the start of a phase of PHASES, or
+                              in the verdict's report (<phase> = report)
+          skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
+        for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
+            m = re.fullmatch(r"(die|hang|raise|(pause|skew)=(\d+)):([\w-]+):(\d+)", item)
+            if not (m and m.group(4) == phase and int(m.group(5)) == self.rank and (m.group(2) or m.group(1)) in only):
+                continue
+            flush_all()
+            if m.group(1) == "raise":
+                raise AssertionError(f"failpoint {item}")
+            if m.group(3) is None:
+                os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
+            if m.group(2) == "pause" and self.env.get("AIV_FAILPOINT_MARK"):
+                with open(self.env["AIV_FAILPOINT_MARK"], "w") as f:
+                    f.write(f"{phase} {self.rank}\n")
+            time.sleep(int(m.group(3)))
+
+    def _device(self):
+        return self.torch.device("cuda", self.device) if self.backend == "nccl" else self.torch.device("cpu")
+
+    def _dev_str(self):
+        return f"cuda:{self.device}" if self.device is not None else "cpu"
+
+    def capture_nccl_debug(self):
+        """Send NCCL's INFO lines to a private per-rank file (not the operator's log) to learn the
+        transport it chose. Left alone when the operator set NCCL_DEBUG_FILE or asked for INFO."""
+        if self.args.backend == "gloo" or "NCCL_DEBUG_FILE" in self.env \
+                or self.env.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE"):
+            return None
+        fd, path = tempfile.mkstemp(prefix=f"aiv-nccl-r{self.rank}-", suffix=".log")
+        os.close(fd)
+        os.environ["NCCL_DEBUG_FILE"] = path
+        os.environ["NCCL_DEBUG"] = "INFO"
+        os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
+        return path
+
+    def nccl_log_facts(self):
+        """Read back the NCCL log: {'transport': kinds, 'nccl_net': interfaces} (both None without a private
+        log). Its WARN lines are relayed at exit."""
+        if not self.nccl_log:  # gloo, or the operator's own NCCL_DEBUG=INFO / NCCL_DEBUG_FILE
+            return {"transport": None, "nccl_net": None}
+        text = read_text(self.nccl_log, "", limit=8 << 20) or ""
+        return {"transport": parse_nccl_transport(text), "nccl_net": parse_nccl_ifaces(text)}
+
+    def relay_nccl_warns(self):
+        """Relay this rank's NCCL WARN lines to stderr once, as it exits by any path: from the private NCCL
+        log, else from the operator's NCCL_DEBUG_FILE. The file may sit in a job-private TMPDIR that Slurm
+        deletes; the job's stderr stays. At most NCCL_WARN_RELAY lines, the rest counted."""
+        path = self.nccl_log or nccl_debug_file(self.env)
+        if not path:
+            return
+        with contextlib.suppress(Exception):  # a relay never changes the exit
+            lines, more = nccl_warn_lines(read_text(path, "", limit=8 << 20) or "")
+            who = f"rank {self.rank} ({self.host}): "
+            for ln in lines:
+                emit(who + ln, sys.stderr)
+            if more:
+                emit(f"{who}{more} more of NCCL's WARN lines not shown", sys.stderr)
+
+    def _drop_nccl_log(self):
+        try:
+            os.unlink(self.nccl_log)
+        except OSError:
+            pass
+        self.nccl_log = None
+
+    def local_checks(self, ifaces, expected):
+        """Checks before any communication. Returns (findings, gpu facts or None). With --backend auto
+        a rank that is expected to have GPUs (expected: gpus_expected's reason) but cannot use CUDA FAILs:
+        never a CPU run."""
+        import importlib.util
+        torch, dist = self.torch, self.dist
+        out, gpu, who = [], None, f"rank {self.rank} ({self.host})"
+        if importlib.util.find_spec("numpy") is None:
+            out.append(finding("local", "FAIL", f"numpy is not importable by {sys.executable} on {self.host} "
+                               f"(object collectives need it: pip install numpy)", [self.host]))
+        backend = self.args.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "gloo" and expected:
+                out.append(finding("device", "FAIL", f"{who}: GPUs expected ({expected}) but CUDA is unusable: "
+                                   f"{cuda_problem(torch)}", [self.host]))
+        self.backend = backend
+        if backend == "nccl" and not torch.cuda.is_available():
+            out.append(finding("device", "FAIL", f"{who}: --backend nccl but CUDA is unusable: "
+                               f"{cuda_problem(torch)}", [self.host]))
+        elif backend == "nccl" and not dist.is_nccl_available():
+            out.append(finding("local", "FAIL", f"torch {torch.__version__} on {self.host} has no NCCL", [self.host]))
+        elif backend == "nccl":
+            gpu = self._take_gpu(out, who)
+        elif not dist.is_gloo_available():
+            out.append(finding("local", "FAIL", f"torch {torch.__version__} on {self.host} has no gloo", [self.host]))
+        out += check_interfaces(self.env, ifaces, self.host)
+        for f in out:
+            f["ranks"] = [self.rank]
+        return out, gpu
+
+    def _take_gpu(self, out, who):
+        torch = self.torch
+        count = torch.cuda.device_count()
+        dev = 0 if count == 1 else self.local_rank
+        if dev >= count:
+            out.append(finding("device", "FAIL", f"{who}: LOCAL_RANK={self.local_rank} but only {count} GPU(s) "
+                               f"visible (CUDA_VISIBLE_DEVICES={self.env.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                               [self.host]))
+            return None
+        try:
+            torch.cuda.set_device(dev)
+            self.device = dev
+            return collect_gpu(torch, dev, self.args.sysfs_root)
+        except Exception as e:
+            out.append(finding("device", "FAIL", f"{who}: cuda:{dev} unusable: {first_line(e)}", [self.host]))
+            return None
+
+    def _collect_node(self, box):
+        try:
+            count = self.torch.cuda.device_count() if self.backend == "nccl" else 0
+            box["facts"] = collect_node_facts(self.args.sysfs_root, self.torch, self.backend, count, self.env)
+        except Exception as e:
+            box["error"] = first_line(e)
+
+    def import_results(self, wait_s=None):
+        """Node leaders: the torchvision/torchaudio probe started at the roll call's go (usually done by now); taken
+        once (the screen takes it early, so that it measures a quiet node)."""
+        if self.probe is None or self.imports is not None:
+            return self.imports
+        t = time.monotonic()
+        wait_s = min(IMPORT_PROBE_S, self.D["ddp"] / 2) if wait_s is None else wait_s
+        self.imports = finish_import_probe(self.probe, wait_s)
+        self.times["imports"] = round(time.monotonic() - t, 3)
+        return self.imports
+
+    def quiesce(self):
+        """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
+        node leader the import probe and the node monitor's first post), each wait
+        bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly."""
+        wait = self.D[self.phase] / 4
+        if self.warm is not None:
+            self.warm.join(timeout=wait)
+        self.import_results(min(IMPORT_PROBE_S, wait))
+        end = time.monotonic() + wait
+        while self.monitor is not None and time.monotonic() < end and self.monitor.poll() is None:
+            if "seq" in self.proto.live([self.host])[self.host]:
+                break
+            time.sleep(0.05)
+
+    def start_monitor(self):
+        """Node leaders: the liveness monitor of this node's ranks, a child process (node_monitor)."""
+        ranks = self.proto.node_ranks(self.host)
+        if ranks is None:  # refused (kept in forged, reported): no monitor posts on a list rank 0 did not write
+            return
+        cfg = {"addr": self.addr, "port": self.port, "prefix": self.proto.prefix, "host": self.host,
+               "ranks": ranks, "period": live_period(self.master["nodes"]),
+               "lifetime": worst_case(self.D, True, soak=bool(self.args.soak))}
+        cfg["run"] = self.proto.run  # it posts into this run's store only, never into a later run's
+        self.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
+                                        env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+        if not self.is0:  # rank 0 sees its own node's ranks in /proc
+            threading.Thread(target=self.beat, args=(cfg["period"],), name="aiv-beat", daemon=True).start()
+
+    def beat(self, period):
+        """A node leader's thread: the node's beat every liveness period, on a connection of its own. With
+        the monitor's posts, the second sign that the node reaches the store: a node is unreachable only
+        when both stop (settled_live)."""
+        with contextlib.suppress(Exception):
+            client = self.proto.clone()
+            while True:
+                client.beat(self.host)
+                time.sleep(period)
+
+    def bandwidth_at(self, size):
+        """all_reduce bus bandwidth as nccl-tests defines it: busbw = algbw * 2(n-1)/n, warm-up then
+        timed iterations, device-synchronised, the slowest rank's time; GB/s = 1e9 bytes/s."""
+        torch, dist, dev = self.torch, self.dist, self._device()
+        sync = torch.cuda.synchronize if self.backend == "nccl" else (lambda: None)
+        warm, iters = (5, 20) if self.backend == "nccl" else (1, 3)
+        x = torch.zeros(max(1, size // 4), dtype=torch.float32, device=dev)
+        for _ in range(warm):
+            dist.all_reduce(x)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        sync()
+        dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        sec = dt.item()
+        algbw = size / sec / 1e9
+        busbw = algbw * 2 * (self.world - 1) / self.world
+        self.progress("bandwidth", size=human_bytes(size), us=sec * 1e6, algbw=algbw, busbw=busbw)
+        return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
+
+    def write_json(self, state, first=False):
+        if self.args.json:
+            try:
+                write_json_atomic(self.args.json, state, first)
+            except OSError as e:
+                emit(f"WARNING: could not write --json {self.args.json}: {e.strerror}", sys.stderr)
+
+
+
+def _warm_imports():
+    """Import what the DDP constructor pulls in lazily, while this rank waits on the network."""
+    try:
+        import torch._dynamo  # noqa: F401
+        import torch.nn.parallel  # noqa: F401
+    except Exception:
+        pass

@@ -1,0 +1,312 @@
+"""Floor 3: the performance screen's plan: rounds of node pairs per rail, suspects, re-measurements,
+the groups each rank joins; levels against the reference. Plain data only."""
+from .base import EXIT_FAIL, EXIT_TIMEOUT, _screen_key, _screen_median, _screen_sorted, finding, format_ranges
+from .deadlines import PHASE_CHECK, PHASES
+from .judge import UNFINISHED_WORDS, _ranks_on_hosts, judge_unfinished, screen_reference, unfinished_kind
+
+# The performance screen finds the slow or broken part: a GPU, a node's NVLink/PCIe, a node's NIC on
+# one rail, a whole node's network, or one path between two nodes. The runtime measures; these pure
+# functions plan the rounds and judge plain data. Units: TFLOPS = 1e12 FLOP/s, GB/s = 1e9 B/s.
+#
+# Every judgement compares a value with a robust reference of its peers, like for like (same GPU model
+# for GPU numbers; same ranks per node and GPU model for intra-node groups; same rail for inter-node
+# pair measurements). Faults only LOWER numbers, so the
+# reference is the upper quartile (the maximum below SCREEN_QUARTILE_MIN values): up to three
+# quarters of the values may be low without dragging it down (at 4 nodes, half of all pair
+# measurements involve a bad node). A WARN must also lie outside the peers' own noise
+# (SCREEN_NOISE_SIGMAS standard deviations, estimated from the upper half of the values), so
+# run-to-run noise over thousands of measurements names no one; a FAIL needs no such margin. A GPU is
+# also judged against its model's row of the per-model table (GPU_TABLE), whatever the number of its
+# peers, and every value against its floor (--min-*); screen_judged_against says, per measurement, which
+# of these it had (a single value is no peer reference: its own maximum).
+#
+# Flow for the runtime (rank 0 plans and judges, every rank measures):
+#   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
+#   per node, one all_reduce group -> per_node rows for judge_intra
+#   rounds = screen_rounds(nodes); for each round i (1, 2; 1..3 for N = 3), every group at once (a
+#   gate), one 2- or 3-rank group per rail (local rank r with local rank r of the partners) -> rows;
+#   then screen_remeasure_plan(rows, earlier rows, k) for k = 1..3, each a gated round of the slow
+#   groups, merged by screen_best (the best value counts) -> results rows
+#   plan = screen_third_round(results); plan['groups'] non-empty: measure them as round 3 (and re-measure)
+#   suspect links (a slow pair whose ends are fine elsewhere) name no host: screen_suspect_links
+#   findings = judge_screen(screen) (or the three judges); report = render_performance(screen)
+SCREEN_GPU_FAIL = 0.80      # GPU TFLOPS or memory GB/s below 0.80 of its model's reference: FAIL
+SCREEN_GPU_WARN = 0.90      # ... below 0.90: WARN
+SCREEN_NET_FAIL = 0.70      # all_reduce busbw (intra-node group, inter-node pair) below 0.70 of the reference: FAIL
+SCREEN_NET_WARN = 0.85      # ... below 0.85: WARN
+SCREEN_CPU_FAIL = 0.10      # cpu=True: FAIL only below 0.10 of the reference and never WARN (ranks share cores)
+SCREEN_NOISE_SIGMAS = 6.0   # a WARN must also lie this many peer standard deviations below the reference
+SCREEN_REMEASURE_ROUNDS = 3  # after each pair round: slow measurements re-measured (r1 all, r2 and r3 half each)
+SCREEN_LIST_MAX = 16        # more flagged GPUs or nodes than this: one finding lists the first ones and a count
+
+
+def screen_rounds(nodes):
+    """The schedule's rounds of inter-node groups. nodes: node names (any order, duplicates ignored).
+    -> [round, ...], round = [group, ...], group = tuple of node names in natural sorted order s[0..N-1].
+
+    N >= 4, h = N // 2: round 1 pairs s[i] with s[i + h] (the two halves, so in rack-ordered names
+    every pair crosses the fabric), round 2 pairs s[i] with s[h + (i + 1) % h]: the partner shifted by
+    one, never the same for h >= 2. Odd N: the last node s[N-1] joins round 1's last pair and round 2's
+    first pair (groups of three); for N >= 7 no two nodes share a group in both rounds. Every node is
+    in exactly one group per round. The number of rounds never grows with N.
+    Exceptions, because groups of 2 and 3 cannot do better:
+      N = 2: one round, the single pair (a fault can only be named as the pair).
+      N = 3: three rounds, the three pairs, one per round (the third node idles); a group of three
+             cannot tell its members apart. No suspect round follows: every pair is measured.
+      N = 5: one pair meets twice (s[3] and s[4]: round 2's group of three must take two members of
+             one round-1 group); the suspect round separates them.
+      N < 2: no rounds."""
+    s = _screen_sorted(nodes)
+    n = len(s)
+    if n < 2:
+        return []
+    if n == 2:
+        return [[(s[0], s[1])]]
+    if n == 3:
+        return [[(s[0], s[1])], [(s[0], s[2])], [(s[1], s[2])]]
+    h = n // 2
+    r1 = [[s[i], s[i + h]] for i in range(h)]
+    r2 = [[s[i], s[h + (i + 1) % h]] for i in range(h)]
+    if n % 2:
+        r1[-1].append(s[-1])
+        r2[0].append(s[-1])
+    return [[tuple(g) for g in r1], [tuple(g) for g in r2]]
+
+
+def suspect_round(suspects, passing, met=()):
+    """The third round: each suspect paired with a distinct passing node.
+    suspects: node names; passing: node names in order of preference (nodes that were in no slow
+    measurement first); met: groups already measured (tuples of names), whose pairs are avoided while
+    another passing node is free. -> [(suspect, passing_node), ...] in natural order of the suspects,
+    [] without suspects, or None when there are more suspects than passing nodes: the fault is
+    widespread and no third round is run (judge_pairs then FAILs naming every suspect)."""
+    sus = _screen_sorted(suspects)
+    if not sus:
+        return []
+    taken = set(sus)
+    free = [p for p in dict.fromkeys(passing) if p not in taken]
+    if len(sus) > len(free):
+        return None
+    seen = {frozenset((a, b)) for g in met for a in g for b in g if a != b}
+    out = []
+    for s in sus:
+        pick = next((p for p in free if frozenset((s, p)) not in seen), free[0])
+        free.remove(pick)
+        out.append((s, pick))
+    return out
+
+
+def screen_fractions(kind, cpu=False):
+    """(fail_fraction, warn_fraction or None) for kind 'gpu' or 'net'; cpu=True: (SCREEN_CPU_FAIL, None)."""
+    if cpu:
+        return SCREEN_CPU_FAIL, None
+    return (SCREEN_GPU_FAIL, SCREEN_GPU_WARN) if kind == "gpu" else (SCREEN_NET_FAIL, SCREEN_NET_WARN)
+
+
+def screen_level(value, ref, fail, warn=None, floor=None):
+    """'FAIL', 'WARN' or 'OK' for one value. ref: a screen_reference() dict; fail, warn: fractions of
+    ref['ref'] (warn None: never WARN); floor: an absolute minimum (below it: FAIL), or None. A value of
+    None (not measured) is 0.0. A WARN also needs the value SCREEN_NOISE_SIGMAS spreads below ref."""
+    value = 0.0 if value is None else float(value)
+    if floor is not None and value < floor:
+        return "FAIL"
+    r = ref.get("ref")
+    if not r or r <= 0:
+        return "OK"
+    if value < fail * r:
+        return "FAIL"
+    if warn is not None and value < warn * r and value < r - SCREEN_NOISE_SIGMAS * ref.get("spread", 0.0):
+        return "WARN"
+    return "OK"
+
+
+def screen_remeasure_plan(rows, before, k, min_busbw=None, cpu=False):
+    """Re-measure round k (1..SCREEN_REMEASURE_ROUNDS) after a pair round: the round's measurements
+    `rows` (each with 'tries', 1 when measured once) that are slow (below WARN, or FAIL on CPU) against
+    the rails' references of `before` + `rows`. k = 1: every slow one, together; k = 2 and 3: the
+    still-slow ones in two halves (every other one in natural order, then the rest), so every slow
+    measurement is re-measured at most twice and a load that only the full round causes is lifted.
+    -> [{'ranks', 'nodes', 'rail'}] (the round's groups, already made), [] when nothing is to redo."""
+    if not rows:
+        return []
+    _, levels = screen_pair_levels(list(before) + list(rows), min_busbw, cpu)
+    slow = [m for m, lv in zip(rows, levels[len(before):], strict=True) if lv != "OK"]
+    slow.sort(key=lambda m: ([_screen_key(n) for n in m["nodes"]], m["rail"]))
+    if k == 2:
+        slow = slow[::2]
+    elif k > 2:
+        slow = [m for m in slow if m.get("tries", 1) < 3]
+    return [{"ranks": list(m["ranks"]), "nodes": list(m["nodes"]), "rail": m["rail"]} for m in slow]
+
+
+def screen_rail_refs(results):
+    """Like for like: {rail: screen_reference of that rail's measurements}. A rail whose own reference is
+    below SCREEN_NET_FAIL of the median of the rails' references (slow nearly everywhere) is judged
+    against that median instead, so a rail that is broken on most nodes still fails."""
+    refs = {rail: screen_reference(m.get("busbw") for m in results if m["rail"] == rail)
+            for rail in sorted({m["rail"] for m in results})}
+    mid = _screen_median([r["ref"] for r in refs.values() if r["ref"]])
+    for rail, r in refs.items():
+        if mid and (r["ref"] or 0.0) < SCREEN_NET_FAIL * mid:
+            refs[rail] = dict(r, ref=mid, how="median of the rails")
+    return refs
+
+
+def screen_pair_levels(results, min_busbw=None, cpu=False):
+    """-> (refs per rail, ['FAIL'|'WARN'|'OK' per measurement against its rail's reference])."""
+    fail, warn = screen_fractions("net", cpu)
+    refs = screen_rail_refs(results)
+    return refs, [screen_level(m.get("busbw"), refs[m["rail"]], fail, warn, min_busbw) for m in results]
+
+
+# -- the runtime's plain data: the rounds' groups, each rank's part, the rows the judges take, who hung
+def screen_round_label(name):
+    """'intra' -> 'the intra-node round', 'p2' -> 'round 2'."""
+    return "the intra-node round" if name == "intra" else f"round {name[1:]}"
+
+
+def screen_layout(records):
+    """{host: {local_rank: rank}} from the gathered records."""
+    by_node = {}
+    for r in records:
+        by_node.setdefault(r["host"], {})[r["local_rank"]] = r["rank"]
+    return by_node
+
+
+def screen_rail_groups(node_groups, by_node):
+    """Per group of nodes, one group per rail (a local rank present on each of them):
+    [{'ranks': sorted global ranks, 'nodes': [host, ...], 'rail': local rank}]."""
+    out = []
+    for nodes in node_groups:
+        rails = set.intersection(*(set(by_node.get(n, {})) for n in nodes))
+        out += [{"ranks": sorted(by_node[n][rail] for n in nodes), "nodes": list(nodes), "rail": rail}
+                for rail in sorted(rails)]
+    return out
+
+
+def screen_plan(records):
+    """The screen's rounds of groups, in the order they run: [(name, groups)]: 'intra' (one group of
+    all the ranks of each node with two or more, rail None), then 'p1', 'p2' (and 'p3' for three
+    nodes) from screen_rounds, one group per rail (screen_rail_groups). records: the gathered
+    records ({'rank', 'host', 'local_rank'})."""
+    by_node = screen_layout(records)
+    intra = [{"ranks": sorted(lr.values()), "nodes": [h], "rail": None}
+             for h, lr in sorted(by_node.items(), key=lambda x: _screen_key(x[0])) if len(lr) > 1]
+    return [("intra", intra)] + [(f"p{i}", screen_rail_groups(rnd, by_node))
+                                 for i, rnd in enumerate(screen_rounds(by_node), 1)]
+
+
+def screen_rank_plans(rounds, world):
+    """Each rank's part of the rounds: {rank: {name: entry}}; entry = {'mode': 'none' (no group in the
+    round), 'world' (one group of every rank: the default group serves) or 'split' (the groups are
+    split off the default group), 'g': this rank's group (sorted ranks) or None, and with 'split' for a
+    rank in no group 'other': a group of the round (NCCL's split needs one to leave)}."""
+    plans = {r: {} for r in range(world)}
+    for name, groups in rounds:
+        mode = "none" if not groups else \
+            "world" if len(groups) == 1 and groups[0]["ranks"] == list(range(world)) else "split"
+        mine = {r: g["ranks"] for g in groups for r in g["ranks"]}
+        for r in range(world):
+            e = plans[r][name] = {"mode": mode, "g": mine.get(r)}
+            if mode == "split" and r not in mine:
+                e["other"] = groups[0]["ranks"]
+    return plans
+
+
+def screen_split_groups(rounds, world):
+    """How many groups the rounds make by splitting the default group (screen_rank_plans' 'split' mode)."""
+    return sum(len(gs) for _, gs in rounds if gs and not (len(gs) == 1 and gs[0]["ranks"] == list(range(world))))
+
+
+def screen_measured(groups, posts):
+    """The groups whose members all posted a busbw, each with the slowest member's busbw and time:
+    [dict(group, busbw=, time_us=)]. posts: {rank: {'busbw', 'time_us', ...}}."""
+    out = []
+    for g in groups:
+        ps = [posts.get(r) for r in g["ranks"]]
+        if all(p and p.get("busbw") is not None for p in ps):
+            slow = min(ps, key=lambda p: p["busbw"])
+            out.append(dict(g, busbw=slow["busbw"], time_us=slow.get("time_us")))
+    return out
+
+
+def screen_pair_hca(ranks, posts, records):
+    """{host: HCA} of a pair group's ranks: what each rank's NCCL log showed (its post's 'hca'), else the
+    HCA nearest its GPU in sysfs (its record's gpu 'hca'); None where none is known ('' in a post: sockets,
+    no HCA, and no sysfs guess either)."""
+    recs = {r["rank"]: r for r in records}
+    out = {}
+    for r in ranks:
+        h = (posts.get(r) or {}).get("hca")
+        rec = recs.get(r) or {}
+        if h is None:
+            h = (rec.get("gpu") or {}).get("hca")
+        if h and rec.get("host"):
+            out[rec["host"]] = h
+    return out or None
+
+
+def screen_creation(groups, posts):
+    """Seconds a round's group creation took: per group its last member's time (the others also waited
+    for the last to arrive), the slowest group's; 0.0 when nothing was created."""
+    per = [min(posts[r].get("split_s") or 0.0 for r in g["ranks"] if r in posts)
+           for g in groups if any(r in posts for r in g["ranks"])]
+    return max(per, default=0.0)
+
+
+def screen_gpu_rows(records, posts, cpu=False):
+    """judge_gpu_perf's per_rank rows: each posting rank's record facts and its measurement, with its GPU's
+    row of its node's one nvidia-smi call (node.smi.gpus, by UUID: ECC and row remapping) where there is one."""
+    smi = {}
+    for rec in records:
+        smi.update((((rec.get("node") or {}).get("smi") or {}).get("gpus")) or {})
+    out = []
+    for rec in sorted(records, key=lambda r: r["rank"]):
+        p = posts.get(rec["rank"])
+        if p is not None:
+            g = rec.get("gpu") or {}
+            out.append({"rank": rec["rank"], "host": rec["host"], "local_rank": rec["local_rank"],
+                        "uuid": g.get("uuid"), "model": g.get("name") or ("cpu" if cpu else None),
+                        **(smi.get(g.get("uuid")) or {}), **{k: v for k, v in p.items() if k != "rank"}})
+    return out
+
+
+def _screen_group_words(g):
+    if g.get("rail") is None:
+        return f"the intra-node group of {g['nodes'][0]} (ranks {format_ranges(g['ranks'])})"
+    if len(g["nodes"]) == 2:
+        return f"link between {g['nodes'][0]} and {g['nodes'][1]} on rail {g['rail']}"
+    return f"links among {', '.join(g['nodes'])} on rail {g['rail']}"
+
+
+def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=()):
+    """Who did not finish a screen round (one FAIL finding under PHASE_CHECK[phase]), or None when every
+    rank posted every round. rounds: [(name, groups)] of the phase in the order they ran; posted: {name:
+    ranks that posted it}; how: 'did not complete within 30s', 'failed', ...; live, errors, silent_hosts
+    as judge_unfinished. The first round some rank did not post names its groups with a member missing
+    (the node pair and rail, or the node) and the missing ranks in no group of it. Culprits: the dead,
+    frozen or unreachable ranks among them, else every member of those groups (both ends of a link)."""
+    todo = [(n, gs, m) for n, gs in rounds for m in [sorted(set(range(world)) - set(posted.get(n) or ()))] if m]
+    if not todo:
+        return None
+    name, groups, missing = todo[0]
+    hung = [g for g in groups if set(g["ranks"]) & set(missing)]
+    loose = sorted(set(missing) - {r for g in hung for r in g["ranks"]})
+    kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in missing}
+    hard = [r for r in missing if kinds[r] in ("dead", "frozen", "silent")]
+    stopped = [r for r in missing if kinds[r] in ("terminated", "internal")]
+    if stopped and not hard:  # a signal or the tool's own error, not the group's link: as judge_unfinished
+        return judge_unfinished(phase, f"{screen_round_label(name)} {how}", world, host_of,
+                                {r: -1 if r in missing else PHASES.index(phase) for r in range(world)}, live, errors)
+    culprits = hard or sorted({r for g in hung for r in g["ranks"]} | set(loose))
+    what = [_screen_group_words(g) for g in hung[:8]] + ([f"{len(hung) - 8} more group(s)"] if len(hung) > 8 else [])
+    what += [f"{_ranks_on_hosts(loose, host_of)} (in no group of {screen_round_label(name)})"] if loose else []
+    states = "; ".join(f"{_ranks_on_hosts(rs, host_of)} {UNFINISHED_WORDS[k]}" for k in UNFINISHED_WORDS
+                       for rs in [[r for r in missing if kinds[r] == k]] if rs)
+    first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
+    reason = (f"{'; '.join(what)} {how} ({states}); {world - len(missing)}/{world} rank(s) finished "
+              f"{screen_round_label(name)}" + (f"; first error: {first_err}" if first_err else ""))
+    code = EXIT_FAIL if any(kinds[r] == "dead" for r in missing) else \
+        EXIT_FAIL if all(kinds[r] in ("error", "terminated") for r in missing) else EXIT_TIMEOUT
+    return finding(PHASE_CHECK[phase], "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits),
+                   culprits, code=code)

@@ -1,0 +1,126 @@
+"""The house: the source in aiv/, one module per concern, built by tools/build.py into the one shipped
+file. These tests hold the rules that keep it a house: the shipped file is what aiv/ builds, no import
+runs back up the build order, the pure layer never touches the runtime, one name has one definition."""
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "tools" / "build.py"
+sys.path.insert(0, str(ROOT / "tools"))
+import build  # noqa: E402
+
+
+def run_build(*args):
+    return subprocess.run([sys.executable, str(BUILD), *map(str, args)], capture_output=True, text=True, timeout=60)
+
+
+def test_order_lists_every_module_once_and_each_exists():
+    r = run_build("--order")
+    assert r.returncode == 0, r.stderr
+    paths = r.stdout.split()
+    assert len(paths) == len(set(paths)) >= 12
+    assert paths[0] == "aiv/base.py" and paths[-1] == "aiv/main.py"
+    assert sorted(paths) == sorted(f"aiv/{p.name}" for p in (ROOT / "aiv").glob("*.py") if p.name != "__init__.py")
+
+
+def test_every_module_is_at_most_900_lines():
+    long = {p.name: n for p in (ROOT / "aiv").glob("*.py") if (n := len(p.read_text().splitlines())) > 900}
+    assert not long, f"modules over 900 lines: {long}"
+
+
+def test_the_shipped_file_is_what_aiv_builds():
+    r = run_build("--check")
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_shipped_file_says_it_is_generated_in_its_first_lines():
+    head = (ROOT / "ddp_mesh_ping.py").read_text().splitlines()[:4]
+    assert head[0].startswith("#!")
+    assert any("GENERATED" in ln and "aiv/" in ln and "do not edit" in ln for ln in head), head
+
+
+def test_check_fails_after_a_one_line_hand_edit(tmp_path):
+    edited = tmp_path / "ddp_mesh_ping.py"
+    lines = (ROOT / "ddp_mesh_ping.py").read_text().splitlines(keepends=True)
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("SUCCESS_LINE"))
+    lines[i] = lines[i].replace("Complete!", "Complete")
+    edited.write_text("".join(lines))
+    r = run_build("--check", "--output", edited)
+    assert r.returncode == 1
+    assert "differs from what aiv/ builds" in r.stderr and "Complete" in r.stderr
+
+
+def _copy_source(tmp_path):
+    src = tmp_path / "aiv"
+    shutil.copytree(ROOT / "aiv", src)
+    return src
+
+
+def _prepend_import(path, line):
+    text = path.read_text()
+    doc_end = text.index('"""', 3) + 3
+    path.write_text(text[:doc_end] + "\n" + line + "\n" + text[doc_end:])
+
+
+@pytest.mark.parametrize("module, line, words", [
+    ("judge", "from .coordinator import Coordinator", "comes after judge"),
+    ("deadlines", "from .deadlines import deadlines", "comes at deadlines"),
+    ("measure", "from .main import main", "comes after measure"),
+])
+def test_an_import_that_runs_back_up_fails_the_build(tmp_path, module, line, words):
+    src = _copy_source(tmp_path)
+    _prepend_import(src / f"{module}.py", line)
+    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    assert r.returncode == 1
+    assert f"aiv/{module}.py" in r.stderr and words in r.stderr, r.stderr
+
+
+def test_the_pure_layer_never_imports_the_runtime():
+    """Judges, render, manifest, page and verify-log import nothing of store, rank, coordinator, follower,
+    local: a judge is a function of plain data."""
+    for name in build.PURE:
+        tree = ast.parse((ROOT / "aiv" / f"{name}.py").read_text())
+        for mod, _, line in build.relative_imports(tree):
+            assert mod not in build.RUNTIME, f"aiv/{name}.py:{line} imports the runtime module {mod}"
+    assert {"judge", "render", "manifest", "page", "verify_log", "screen_judge"} <= set(build.PURE)
+    assert {"store", "rank", "coordinator", "follower", "local"} <= set(build.RUNTIME)
+
+
+def test_two_definitions_of_one_name_fail_the_build(tmp_path):
+    src = _copy_source(tmp_path)
+    with open(src / "page.py", "a") as f:
+        f.write("\n\ndef render_report(*a):\n    return ''\n")
+    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    assert r.returncode == 1
+    assert "defines render_report, already defined in aiv/render.py" in r.stderr, r.stderr
+
+
+def test_a_module_missing_from_the_order_fails_the_build(tmp_path):
+    src = _copy_source(tmp_path)
+    (src / "stray.py").write_text('"""stray"""\nX = 1\n')
+    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    assert r.returncode == 1 and "aiv/stray.py is not in BUILD_ORDER" in r.stderr
+
+
+def test_aiv_imports_as_a_package_without_the_runtime_pulling_torch():
+    """Each module names what it uses from the modules before it, so aiv/ imports as a package; the pure
+    layer and the side channel import without torch (torch is imported lazily where a rank needs it)."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import aiv.main, aiv.verify_log, aiv.manifest, aiv.liveness\n"
+            "assert aiv.main.main is not None\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_built_file_defines_what_each_module_defines():
+    built = ast.parse((ROOT / "ddp_mesh_ping.py").read_text())
+    names = {n for n, _ in build.top_names(built)}
+    for name in build.BUILD_ORDER:
+        tree = ast.parse((ROOT / "aiv" / f"{name}.py").read_text())
+        missing = {n for n, _ in build.top_names(tree)} - names
+        assert not missing, f"aiv/{name}.py: {missing} not in the built file"

@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Build the shipped ddp_mesh_ping.py from the modules in aiv/.
+
+The source of the tool is the package aiv/, one module per concern; operators run one file. This
+script concatenates the modules in their build order (BUILD_ORDER) into ddp_mesh_ping.py: each module
+under a banner naming its source file, its relative imports dropped (they only name what the modules
+before it already define) and its standard-library imports gathered once at the top of the file.
+
+  tools/build.py            write ddp_mesh_ping.py
+  tools/build.py --order    print the modules in build order, one path a line
+  tools/build.py --check    exit 1 when ddp_mesh_ping.py differs from what aiv/ builds, when a module
+                            imports from a module after it (or from itself), when a pure module
+                            imports the runtime, or when two modules define one top-level name
+
+Standard library only: it runs with any python3 >= 3.9.
+"""
+import argparse
+import ast
+import difflib
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "aiv"
+OUT = ROOT / "ddp_mesh_ping.py"
+
+# A module imports only from modules before it in this list.
+BUILD_ORDER = (
+    "base",          # constants, CHECKS, findings, hostlists, printing, the tool-error idiom
+    "deadlines",     # the one table of bounds; Bound, the only place the watchdog is armed
+    "files",         # atomic writes and file locks, each under a bound
+    "contract",      # the launch variables (RANK, Slurm, torchrun, MPI), the job's secret
+    "options",       # the one parser of flags and AIV_* variables
+    "interfaces",    # NCCL/GLOO_SOCKET_IFNAME, NCCL's own log lines
+    "collect",       # facts of a rank and its node, one getter per fact
+    "measure",       # what the screen and the soak measure on a device
+    "judge",         # pure checks of the gathered records
+    "manifest",      # --save-manifest / --manifest / --diff-manifest
+    "screen_plan",   # the screen's rounds, groups and control loop
+    "screen_judge",  # the screen's and the soak's judges
+    "render",        # the report
+    "outputs",       # --drain and --metrics
+    "page",          # --html
+    "verify_log",    # --verify-log
+    "store",         # the side channel: keys, Seal, StoreProtocol
+    "liveness",      # the node monitor
+    "screen_run",    # the collectives the screen asks for, on every rank
+    "rank",          # RankRun: the phases, each under its bound
+    "coordinator",   # rank 0: the roll call, the judges, the verdict
+    "follower",      # every other rank
+    "plan",          # what a command line becomes
+    "local",         # the local launcher
+    "main",          # the entry point
+)
+# The pure layer: judges, render, manifest, verify-log and what they stand on. None of these imports a
+# module of the runtime, so each is a function of plain data that a test can call without a store.
+RUNTIME = ("store", "liveness", "screen_run", "rank", "coordinator", "follower", "plan", "local", "main")
+PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
+
+HEADER = """\
+#!/usr/bin/env python3
+# GENERATED FILE: do not edit. Built by tools/build.py from the modules in aiv/ (edit those, then run
+# tools/build.py; tools/build.py --check fails when this file differs from what aiv/ builds). Each part
+# below starts with a banner naming its source module.
+"""
+BANNER = "# " + "=" * 76 + " aiv/{name}.py"
+
+
+class BuildError(Exception):
+    pass
+
+
+def module_path(name):
+    return SRC / f"{name}.py"
+
+
+def use_source(path):
+    """Build from another copy of aiv/ (the tests use this on a copy they break on purpose)."""
+    global SRC
+    SRC = Path(path)
+
+
+def parse(name):
+    path = module_path(name)
+    text = path.read_text()
+    try:
+        return text, ast.parse(text, filename=str(path))
+    except SyntaxError as e:
+        raise BuildError(f"{path}: {e}") from e
+
+
+def relative_imports(tree):
+    """[(module, [names], lineno)] for every `from .module import ...` at the top level."""
+    return [(n.module, [a.name for a in n.names], n.lineno) for n in tree.body
+            if isinstance(n, ast.ImportFrom) and n.level]
+
+
+def top_names(tree):
+    """The names a module defines at the top level (def, class, assignment)."""
+    out = []
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.append((n.name, n.lineno))
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            for t in targets:
+                out.extend((x.id, n.lineno) for x in ast.walk(t) if isinstance(x, ast.Name))
+    return out
+
+
+def problems():
+    """Everything wrong with the layering of aiv/, as lines (empty when none)."""
+    out = []
+    present = sorted(p.stem for p in SRC.glob("*.py") if p.stem != "__init__")
+    for extra in sorted(set(present) - set(BUILD_ORDER)):
+        out.append(f"aiv/{extra}.py is not in BUILD_ORDER (tools/build.py): add it where it belongs")
+    for missing in [m for m in BUILD_ORDER if m not in present]:
+        out.append(f"aiv/{missing}.py is in BUILD_ORDER but does not exist")
+    pos = {m: i for i, m in enumerate(BUILD_ORDER)}
+    defined = {}
+    for name in BUILD_ORDER:
+        if name not in present:
+            continue
+        _, tree = parse(name)
+        for mod, _names, line in relative_imports(tree):
+            src = f"aiv/{name}.py:{line}"
+            if mod not in pos:
+                out.append(f"{src}: imports from .{mod}, which is not a module of BUILD_ORDER")
+            elif pos[mod] >= pos[name]:
+                out.append(f"{src}: imports from .{mod}, which comes {'at' if mod == name else 'after'} "
+                           f"{name} in the build order: no import runs back up")
+            elif name in PURE and mod in RUNTIME:
+                out.append(f"{src}: the pure module {name} imports the runtime module {mod}")
+        for n in tree.body:  # only `from .x import` and top-level standard imports are understood
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0):
+                mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module]
+                if any(m.split(".")[0] in ("aiv", "ddp_mesh_ping") for m in mods):
+                    out.append(f"aiv/{name}.py:{n.lineno}: absolute import of the tool; use `from .module import`")
+        for top, line in top_names(tree):
+            if top in defined and defined[top][0] != name:
+                out.append(f"aiv/{name}.py:{line}: defines {top}, already defined in aiv/{defined[top][0]}.py:"
+                           f"{defined[top][1]}: one name, one definition")
+            defined.setdefault(top, (name, line))
+    return out
+
+
+def strip_module(name):
+    """A module's text for the built file: its docstring, standard imports and relative imports removed.
+    -> (body, [standard import statements], docstring's first line)."""
+    text, tree = parse(name)
+    lines = text.splitlines(keepends=True)
+    drop, std = set(), []
+    doc = ast.get_docstring(tree)
+    for n in tree.body:
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            drop.update(range(n.lineno - 1, n.end_lineno))
+            if not getattr(n, "level", 0):
+                std.append(ast.get_source_segment(text, n))
+        elif (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+              and n is tree.body[0]):
+            drop.update(range(n.lineno - 1, n.end_lineno))
+        else:
+            break  # the header ends at the first statement that is neither docstring nor import
+    for n in tree.body:  # imports further down (after constants) are not allowed: they would be dropped silently
+        if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno - 1 not in drop:
+            raise BuildError(f"aiv/{name}.py:{n.lineno}: a top-level import after the module's first statement; "
+                             "put every top-level import at the top")
+    body = "".join(ln for i, ln in enumerate(lines) if i not in drop).strip("\n")
+    return body, std, (doc or "").strip().splitlines()[0] if doc else ""
+
+
+def build():
+    """The text of ddp_mesh_ping.py as aiv/ builds it."""
+    bad = problems()
+    if bad:
+        raise BuildError("\n".join(bad))
+    init = (SRC / "__init__.py").read_text()
+    tree = ast.parse(init)
+    if not (tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant)):
+        raise BuildError("aiv/__init__.py must hold the tool's docstring (it becomes the shipped file's)")
+    tool_doc = ast.get_source_segment(init, tree.body[0])
+    parts, std = [], []
+    for name in BUILD_ORDER:
+        body, imports, doc = strip_module(name)
+        std.extend(i for i in imports if i not in std)
+        parts.append(BANNER.format(name=name) + (f"\n# {doc}" if doc else "") + "\n" + body + "\n")
+    plain = sorted({i for i in std if i.startswith("import ")})
+    froms = sorted({i for i in std if i.startswith("from ")})
+    head = HEADER + tool_doc + "\n" + "\n".join(plain + froms) + "\n"
+    return head + "\n\n" + "\n\n\n".join(parts)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--order", action="store_true", help="print the modules in build order, one path a line")
+    ap.add_argument("--check", action="store_true", help="fail when ddp_mesh_ping.py is not what aiv/ builds")
+    ap.add_argument("--output", type=Path, default=OUT, help="where to write (default: ddp_mesh_ping.py)")
+    ap.add_argument("--src", type=Path, default=SRC, help="the source package (default: aiv/ beside tools/)")
+    a = ap.parse_args(argv)
+    use_source(a.src)
+    if a.order:
+        for name in BUILD_ORDER:
+            print(f"aiv/{name}.py")
+        return 0
+    try:
+        text = build()
+    except BuildError as e:
+        print(f"tools/build.py: {e}", file=sys.stderr)
+        return 1
+    if a.check:
+        have = a.output.read_text() if a.output.exists() else ""
+        if have != text:
+            diff = list(difflib.unified_diff(text.splitlines(), have.splitlines(), "built from aiv/",
+                                             str(a.output.name), lineterm="", n=1))
+            print(f"tools/build.py --check: {a.output.name} differs from what aiv/ builds ({len(diff)} diff lines); "
+                  "edit aiv/ and run tools/build.py, never the shipped file:", file=sys.stderr)
+            print("\n".join(diff[:40]), file=sys.stderr)
+            return 1
+        print(f"tools/build.py --check: {a.output.name} is what aiv/ builds ({len(BUILD_ORDER)} modules)")
+        return 0
+    a.output.write_text(text)
+    os.chmod(a.output, 0o755)
+    print(f"tools/build.py: wrote {a.output.name} from {len(BUILD_ORDER)} modules ({text.count(chr(10))} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
