@@ -274,14 +274,14 @@ def test_concurrent_reader_never_sees_a_partial_file(tmp_path):
 
 
 def test_the_readme_table_lists_every_metric_with_its_labels_and_help():
-    """README's metrics table is the metrics a full run writes: names, labels and HELP text."""
+    """The metrics table (docs/outputs.md) is the metrics a full run writes: names, labels and HELP text."""
     sys.path.insert(0, str(ROOT / "bench"))
     from sim_state import simulated_state
     want = []
     for f in text_string_to_metric_families(render_metrics(simulated_state(4, 2, fault="rail"))):
         labels = sorted({k for s in f.samples for k in s.labels})
         want.append(f"| `{f.name}` | {', '.join(labels) or '-'} | {f.documentation} |")
-    readme = (ROOT / "README.md").read_text().splitlines()
+    readme = (ROOT / "docs" / "outputs.md").read_text().splitlines()
     start = readme.index("| metric | labels | what |") + 2
     got = readme[start:start + len(want) + 1]
     assert got[:len(want)] == want and not got[-1].startswith("| `aiv_")

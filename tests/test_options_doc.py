@@ -1,12 +1,12 @@
-"""README's options table and --help describe the same options: flags, variables and defaults."""
+"""The options table (docs/options.md) and --help describe the same options: flags, variables and defaults."""
 import re
 
 from conftest import ROOT, aiv
 
 
 def readme_options():
-    """flag -> (variable or None, default) from the table under "## Options" in README.md."""
-    section = (ROOT / "README.md").read_text().split("\n## Options\n", 1)[1].split("\n## ", 1)[0]
+    """flag -> (variable or None, default) from the options table of docs/options.md (before its first section)."""
+    section = (ROOT / "docs" / "options.md").read_text().split("\n## ", 1)[0]
     rows = {}
     for ln in section.splitlines():
         if ln.startswith("| `--"):
@@ -25,9 +25,17 @@ def parser_options():
 
 def test_readme_table_and_parser_agree():
     readme, parser = readme_options(), parser_options()
-    assert sorted(readme) == sorted(parser)
+    assert sorted(f for f in readme if f not in ("--help", "--version")) == sorted(parser)
     for flag in parser:
         assert readme[flag] == parser[flag], flag
+
+
+def test_every_flag_of_the_parser_is_in_the_table():
+    """--help and --version too (flags only: no variable, no default)."""
+    readme = readme_options()
+    flags = {o for a in aiv.build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    assert sorted(readme) == sorted(flags)
+    assert readme["--version"] == readme["--help"] == (None, "none")
 
 
 def test_shown_defaults_are_the_real_defaults():

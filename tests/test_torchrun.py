@@ -116,7 +116,7 @@ def two_node_run(ns, extra_env=None):
 
 @pytest.mark.parametrize("secret", [None, "e1" * 32])
 def test_two_agents_in_two_namespaces_make_a_two_node_run(two_namespaces, secret):
-    """With AIV_JOB_SECRET exported before both torchruns (README) the side channel is authenticated;
+    """With AIV_JOB_SECRET exported before both torchruns (docs/launchers.md) the side channel is authenticated;
     without it the run passes with the WARN that says so."""
     env = {"GLOO_SOCKET_IFNAME": "eth0", **({"AIV_JOB_SECRET": secret} if secret else {})}
     (rc1, out1), (rc2, out2) = two_node_run(two_namespaces, env)

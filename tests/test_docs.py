@@ -1,0 +1,235 @@
+"""The manual against the code: README's length and index, every relative link and anchor, the check names,
+the variables the pages name, the usage lines they quote, the worst-case bounds, and what tests/run.sh does
+with a file. (The options, metrics and GPU tables are checked beside their code: test_options_doc.py,
+test_metrics.py, test_screen.py.)"""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, aiv, clean_env, run_tool
+
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.glob("*.md")), ROOT / "bench" / "RESULTS.md"]
+VAR = re.compile(r"\bAIV_[A-Z0-9_]*[A-Z0-9]\b")
+
+
+def prose(text):
+    """The text without fenced code blocks (their lines blanked, so line numbers stay)."""
+    out, fenced = [], False
+    for ln in text.splitlines():
+        if ln.lstrip().startswith("```"):
+            fenced = not fenced
+            out.append("")
+        else:
+            out.append("" if fenced else ln)
+    return "\n".join(out)
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped (not - or _), spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path):
+    seen, out = {}, set()
+    for ln in prose(path.read_text()).splitlines():
+        m = re.match(r"#{1,6} (.+)", ln)
+        if m:
+            s = slug(m.group(1))
+            n = seen.get(s, 0)
+            seen[s] = n + 1
+            out.add(s if n == 0 else f"{s}-{n}")
+    return out
+
+
+def links(path):
+    """(target) of every Markdown link outside code, e.g. 'slurm.md#7-gate-the-training-job'."""
+    text = re.sub(r"`[^`]*`", "", prose(path.read_text()))
+    return re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", text)
+
+
+def flat(path):
+    return " ".join(path.read_text().split())
+
+
+def section(path, title):
+    """The lines of a '## title' section, up to the next heading of level 1 or 2."""
+    text = path.read_text().split(f"\n## {title}\n", 1)[1]
+    return re.split(r"\n#{1,2} ", text, maxsplit=1)[0].splitlines()
+
+
+# ---------------------------------------------------------------------------- README and the index
+def test_readme_is_at_most_300_lines():
+    assert len(README.read_text().splitlines()) <= 300
+
+
+def test_readme_indexes_every_page_and_every_page_exists():
+    indexed = [t for t in links(README) if t.startswith("docs/") and t.endswith(".md")]
+    table = [ln for ln in section(README, "Documentation") if ln.startswith("| [")]
+    listed = [re.search(r"\]\((docs/[^)#]+\.md)\)", ln).group(1) for ln in table if "](docs/" in ln]
+    assert len(set(listed)) >= 5
+    for page in set(indexed) | set(listed):
+        assert (ROOT / page).is_file(), page
+    assert sorted(set(listed)) == sorted(f"docs/{p.name}" for p in DOCS.glob("*.md")), "a page the index lacks"
+
+
+def test_the_two_commands_and_the_stable_strings_are_in_the_readme():
+    text = README.read_text()
+    assert "PYTORCH_ENV=$HOME/aiv-env ./bootstrap_env.sh && $HOME/aiv-env/bin/python ddp_mesh_ping.py\n" in text
+    assert "\ntests/run.sh\n" in text
+    assert aiv.SUCCESS_LINE == "SUCCESS: DDP Multi-Node AllReduce Ring Complete!" and aiv.SUCCESS_LINE in text
+    assert "Total Execution Ranks: N" in text
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_anchor_resolves(page):
+    bad = []
+    for target in links(page):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and (dest.suffix != ".md" or anchor not in anchors(dest)):
+            bad.append(f"{target}: no such anchor in {dest.name}")
+    assert not bad, bad
+
+
+# ---------------------------------------------------------------------------- checks
+def test_the_checks_table_names_every_check_once():
+    rows = [ln for ln in section(DOCS / "checks.md", "The checks") if ln.startswith("| `")]
+    names = [n for ln in rows for n in re.findall(r"`([a-z0-9-]+)`", ln.split(" | ")[0])]
+    assert sorted(names) == sorted(aiv.CHECKS)
+
+
+# ---------------------------------------------------------------------------- variables
+def _file_texts():
+    files = [ROOT / "submit_smoke_test.sbatch", ROOT / "bootstrap_env.sh", ROOT / ".ci" / "run",
+             *(ROOT / "tests").glob("*.sh"), *(ROOT / "tests").glob("*/*.sh"), *(ROOT / "tests").glob("*.py"),
+             *(ROOT / "bench").glob("*.py"), *(ROOT / "bench").glob("*.sh")]
+    texts = {f: f.read_text(errors="replace") for f in files if f.name != "test_docs.py"}
+    tool = (ROOT / "ddp_mesh_ping.py").read_text()
+    start = tool.index("\nOWNED_VARS = {")  # the list of names is no reader of them
+    texts[ROOT / "ddp_mesh_ping.py"] = tool[:start] + tool[tool.index("\n}\n", start) + 3:]
+    return texts
+
+
+def read_somewhere(name, texts):
+    """Whether any file reads the variable: $NAME / ${NAME in shell; get("NAME"), ["NAME"] (not assigned),
+    "NAME" in ..., or a constant holding the name, in Python."""
+    q = f"[\"']{name}[\"']"
+    shell = re.compile(rf"\$\{{?{name}\b")
+    py = re.compile(rf"(?:get(?:env)?|pop)\(\s*{q}|\[\s*{q}\s*\](?!\s*=[^=])|{q}\s+(?:not\s+)?in\b"
+                    rf"|^\s*[A-Z_][A-Z0-9_]*(?:\s*,\s*[A-Z_][A-Z0-9_]*)*\s*=\s*{q}", re.M)
+    return any((py if f.suffix == ".py" or f.name == "ddp_mesh_ping.py" else shell).search(t)
+               for f, t in texts.items())
+
+
+def option_vars():
+    return {a.env for a in aiv.build_parser()._actions if getattr(a, "env", None)}
+
+
+def test_every_variable_the_pages_name_is_one_the_code_reads():
+    texts = _file_texts()
+    known = option_vars() | set(aiv.REMOVED_VARS)
+    quotes = re.compile(r"`FAILURE: [^`]*`")  # a quoted usage line may name a misspelled variable
+    named = {v: p.relative_to(ROOT) for p in PAGES for v in VAR.findall(quotes.sub("", p.read_text()))}
+    stale = {v: str(p) for v, p in named.items() if v not in known and not read_somewhere(v, texts)}
+    assert not stale, f"documented but read by nothing: {stale}"
+
+
+def test_every_variable_read_beyond_the_options_is_in_the_table_of_other_variables():
+    texts = _file_texts()
+    owned = {v for names in aiv.OWNED_VARS.values() for v in names}
+    read = {v for v in owned if read_somewhere(v, texts)}
+    rows = [ln for ln in section(DOCS / "options.md", "Other variables") if ln.startswith("| `")]
+    table = {re.match(r"\| `([A-Z0-9_]+)`", ln).group(1) for ln in rows}
+    assert table == read
+
+
+# ---------------------------------------------------------------------------- quoted usage lines
+PLAN_CASES = [
+    (["--timeout", "-1"], {}),
+    ([], {"AIV_" + "TIMOUT": "5"}),  # misspelled on purpose (spelled in two parts: no variable of the repo)
+    ([], {"AIV_TIMEOUT": "abc"}),
+    ([], {"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"}),
+]
+
+
+def bad_band_manifest(tmp_path):
+    """m.json in tmp_path: a manifest whose speed band lacks 'lo' (the example in docs/manifest.md)."""
+    from test_manifest import H200, valid_manifest
+    m, _, _ = valid_manifest()
+    cls = m["classes"].pop(H200)
+    m["classes"]["NVIDIA H200 x8, IB 8x400G"] = cls
+    del cls["bands"]["gpu.tflops/NVIDIA H200"]["lo"]
+    (tmp_path / "m.json").write_text(json.dumps(m))
+
+
+def quoted_usage_lines():
+    """Every complete `FAILURE: usage: ...` / `FAILURE: contract: ...` the pages quote (no <placeholder>, no ...)."""
+    out = {}
+    for p in PAGES:
+        for q in re.findall(r"`(FAILURE: (?:usage|contract): [^`]+)`", flat(p)):
+            if "<" not in q and "..." not in q:
+                out[q] = p.relative_to(ROOT)
+    return out
+
+
+def test_the_timeout_line_in_when_it_fails_is_what_the_tool_prints():
+    r = run_tool(["--timeout", "-1"], timeout=60)
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("FAILURE:")]
+    assert r.returncode == 2
+    rows = [ln for ln in section(DOCS / "checks.md", "When it fails") if "--timeout" in ln]
+    assert rows and all(f"`{line}`" in ln for ln in rows), (line, rows)
+
+
+def test_every_quoted_usage_line_is_what_the_tool_prints(tmp_path):
+    printed = set()
+    for argv, env in PLAN_CASES:
+        with pytest.raises(aiv.UsageError) as e:
+            aiv.plan(argv, env)
+        printed.add(str(e.value))
+    bad_band_manifest(tmp_path)
+    r = run_tool(["--manifest", "m.json"], cwd=tmp_path, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    printed |= {ln for ln in r.stdout.splitlines() if ln.startswith("FAILURE:")}
+    quoted = quoted_usage_lines()
+    assert len(quoted) >= 4
+    stale = {q: str(p) for q, p in quoted.items() if q not in printed}
+    assert not stale, f"quoted in the docs, not printed by the tool: {stale}"
+
+
+# ---------------------------------------------------------------------------- bounds
+def _coefficients(**kw):
+    """worst_case as kR * R + kT * T + c seconds (it is linear in the two bounds)."""
+    def w(t, r):
+        return aiv.worst_case(aiv.deadlines(t, r), **kw)
+    t, r = aiv.TIMEOUT_DEFAULT, aiv.ROLLCALL_DEFAULT
+    kt, kr = (w(2 * t, r) - w(t, r)) / t, (w(t, 2 * r) - w(t, r)) / r
+    return f"{kr:g}R + {kt:g}T + {w(t, r) - kr * r - kt * t:g} s"
+
+
+def test_the_worst_cases_the_pages_state_are_the_codes():
+    assert f"Worst case, from start to verdict: {_coefficients()}" in flat(DOCS / "design.md")
+    assert f"default bounds and `--bandwidth`: {_coefficients(bandwidth=True)}," in flat(DOCS / "slurm.md")
+
+
+# ---------------------------------------------------------------------------- tests/run.sh FILE
+def test_run_sh_with_a_file_runs_that_file_only():
+    """The pages say `tests/run.sh FILE` runs one file: collected, its tests and no other file's."""
+    need = "import torch, numpy, psutil, pytest, hypothesis, prometheus_client, selenium"
+    if subprocess.run([sys.executable, "-c", need], capture_output=True).returncode:
+        pytest.skip("this venv lacks what tests/run.sh needs (it would build its own)")
+    assert "`tests/run.sh FILE` runs" in flat(README) + flat(DOCS / "development.md")
+    r = subprocess.run([str(ROOT / "tests" / "run.sh"), "tests/test_options_doc.py", "--collect-only", "-q",
+                        "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=clean_env({"AIV_TEST_ENV": sys.prefix}))
+    ids = [ln for ln in r.stdout.splitlines() if "::" in ln]
+    assert r.returncode == 0 and ids, r.stdout[-2000:] + r.stderr[-2000:]
+    assert all(i.startswith("tests/test_options_doc.py::") for i in ids), [i for i in ids if "options_doc" not in i][:5]
