@@ -481,6 +481,51 @@ def _counts(findings):
     return ", ".join(f"{sum(f['status'] == s for f in findings)} {s}" for s in ("PASS", "WARN", "FAIL"))
 
 
+class Findings:
+    """The run's findings, one owner. The phases add to it (+=, append) and read it (iteration, code()),
+    every call under one lock; the verdict, given by whichever thread concludes first (the main thread,
+    the watchdog, the signal thread), takes it whole once (close) and works on its own list from then
+    on. A finding added after that is not part of the verdict: it goes to stderr, never lost silently."""
+
+    def __init__(self, items=()):
+        self._lock = threading.Lock()
+        self._items, self._closed = list(items), False
+
+    def __iadd__(self, items):
+        items = list(items)
+        with self._lock:
+            if not self._closed:
+                self._items.extend(items)
+                return self
+        for f in items:
+            emit(f"NOTE: a finding came after the verdict and is not part of it: {f['check']}: {f['reason']}",
+                 sys.stderr)
+        return self
+
+    def append(self, f):
+        self += [f]
+
+    def snapshot(self):
+        with self._lock:
+            return list(self._items)
+
+    def close(self):
+        """The findings as they stand, for the verdict; nothing joins them afterwards."""
+        with self._lock:
+            self._closed = True
+            return list(self._items)
+
+    def code(self):
+        return verdict_code(self.snapshot())
+
+    def __iter__(self):
+        return iter(self.snapshot())
+
+    def __len__(self):
+        with self._lock:
+            return len(self._items)
+
+
 
 # ============================================================================ aiv/deadlines.py
 # Floor 1: every bound in one table (deadlines()), the small waits beside it, the watchdog and
@@ -505,6 +550,7 @@ IMPORT_PROBE_S = 60.0     # torchvision/torchaudio import probe: at most this, T
 MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks are gone already: the run ended)
 PROBE_CONNECT_S = 0.8     # a raw TCP connect that tells "no listener" from "a listener that never answers"
 MARK_TTL = 30.0           # seconds a node's "said" marker silences its siblings; an older one is another run's
+OUTPUT_S = 30.0           # rank 0 at the verdict: each requested file (--json, --metrics, --html) written within this
 DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scontrol calls (show, update) together
 NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
                           # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
@@ -556,17 +602,84 @@ def live_period(nodes):
     return min(2.0, max(1.0, nodes / 500.0))
 
 
-def bounded(fn, seconds, default=None):
-    """fn() on a thread of its own; `default` when it raises or takes longer than `seconds`."""
-    box = []
+class BoundPassed(TimeoutError):
+    """A call run under a bound (within) did not return in time."""
+
+
+def within(fn, seconds, what="the call"):
+    """fn() on a thread of its own, at most `seconds`: its result, or its own exception raised again here,
+    or BoundPassed. The thread is left behind when the bound passes (daemon: the process exits on its
+    verdict). For a call that can block without a timeout of its own: a file on shared storage, a
+    store operation off the main thread."""
+    box, done = {}, threading.Event()
 
     def call():
-        with contextlib.suppress(Exception):
-            box.append(fn())
-    t = threading.Thread(target=call, daemon=True)
-    t.start()
-    t.join(seconds)
-    return box[0] if box else default
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+        finally:
+            done.set()
+    threading.Thread(target=call, name="aiv-within", daemon=True).start()
+    if not done.wait(max(0.0, seconds)):
+        raise BoundPassed(f"{what} did not return within {seconds:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def bounded(fn, seconds, default=None):
+    """within(fn, seconds), or `default` when it raises or takes longer: for a best-effort read whose
+    absence the caller names itself (a snapshot at a signal, an audit, a count)."""
+    try:
+        return within(fn, seconds)
+    except Exception:
+        return default
+
+
+class Bound:
+    """One phase's bound: the only thing that arms the watchdog. Made by RankRun.deadline for each
+    phase: `seconds` is the table's value for the phase (what every message quotes), `grace` what the
+    role adds before the watchdog speaks (rank 0: NAMING_S at the roll call; the other ranks:
+    RANK0_GRACE, so that rank 0 names the culprit first). Every wait inside the phase takes left().
+    A rank other than 0 counts its bound from rank 0's gate (restart), however late rank 0 got there."""
+
+    def __init__(self, watchdog, phase, seconds, grace=0.0):
+        self.wd, self.phase, self.seconds, self.grace = watchdog, phase, float(seconds), float(grace)
+        self.start = time.monotonic()
+        self.armed = False
+
+    def left(self, extra=0.0):
+        """Seconds left of the phase's own bound (+ extra), never negative."""
+        return max(0.0, self.start + self.seconds + extra - time.monotonic())
+
+    def cause(self):
+        """The words for a phase that did not finish within its bound."""
+        return f"{PHASE_WHAT.get(self.phase, self.phase)} did not complete within {self.seconds:g}s"
+
+    def arm(self):
+        self.armed = True
+        self.wd.arm(self.phase, self.left(self.grace))
+        return self
+
+    def restart(self):
+        """Count the bound from now (a gate rank 0 opened, the store's first answer), still armed."""
+        self.start = time.monotonic()
+        if self.armed:
+            self.arm()
+        return self
+
+    def disarm(self):
+        if self.armed:
+            self.armed = False
+            self.wd.disarm()
+
+    def __enter__(self):
+        return self.arm()
+
+    def __exit__(self, *exc):
+        self.disarm()
+        return False
 
 
 class Watchdog:
@@ -575,8 +688,8 @@ class Watchdog:
     os._exit, which works while the main thread is blocked in a collective (a signal handler would
     run only after the collective returned)."""
 
-    def __init__(self, expire, tick=None, period=1.0):
-        self.expire, self.tick, self.period = expire, tick, period
+    def __init__(self, expire, tick=None, period=1.0, on_error=None):
+        self.expire, self.tick, self.period, self.on_error = expire, tick, period, on_error
         self._cv = threading.Condition()
         self._armed = None
         threading.Thread(target=self._loop, name="aiv-watchdog", daemon=True).start()
@@ -609,8 +722,10 @@ class Watchdog:
             elif self.tick is not None:
                 try:
                     self.tick(armed[0])
-                except Exception:
-                    pass
+                except Exception as e:  # the bound still holds; the tick is off, and the report says so
+                    self.tick = None
+                    if self.on_error is not None:
+                        self.on_error("the watchdog's liveness tick", e)
 
 
 
@@ -1857,7 +1972,10 @@ def start_node_smi():
         try:
             box["smi"] = read_node_smi(exe, NODE_SMI_S, box)
         except Exception as e:  # the facts are then "not read", never silently absent
-            box["smi"] = {"unread": f"nvidia-smi failed: {first_line(e)}", "bound": NODE_SMI_S}
+            if is_tool_error(e):  # the tool's own error: raised again where the facts are taken
+                box["internal"] = e
+            else:
+                box["smi"] = {"unread": f"nvidia-smi failed: {first_line(e)}", "bound": NODE_SMI_S}
         finally:
             box["done"].set()
     threading.Thread(target=run, name="aiv-node-smi", daemon=True).start()
@@ -1868,6 +1986,8 @@ def finish_node_smi(box, most_s):
     """The node's nvidia-smi facts for the telemetry: waited for until NODE_SMI_S after its start, and at most
     most_s now; an answer not in by then is {'unread': ..., 'bound': seconds it had}."""
     box["done"].wait(max(0.0, min(most_s, box["t0"] + NODE_SMI_S - time.monotonic())))
+    if "internal" in box:
+        raise box["internal"]
     if "smi" in box:
         return box["smi"]
     if box.get("proc") is not None:  # not waited for any longer: it does not outlive the run
@@ -2739,10 +2859,53 @@ def judge_gate(records, ib_hca=None):
     return judge_numa(records) + judge_versions(records) + judge_fabric(records, ib_hca) + judge_day0(records)
 
 
-def judge_all(records, world_size, expect, ib_hca=None):
-    """Every check of gathered records, the stages in one call (for tests and benchmarks; the
-    runtime judges each stage once, as its data arrives)."""
-    return judge_pre(records, world_size, expect) + judge_gate(records, ib_hca) + judge_imports(records)
+def judge_final(records, results, world_size, host_of=None, ib_disable=None, bandwidth=None, min_busbw=None):
+    """Stage 3, after the collectives and the DDP step: packages, the collectives' values, NCCL's
+    transport, the bandwidth probe (records: with_results applied)."""
+    return (judge_imports(records) + judge_collectives(results, world_size, host_of)
+            + judge_transport(records, ib_disable) + judge_bandwidth(bandwidth, min_busbw))
+
+
+def judge_all(records, world_size, expect, ib_hca=None, results=None, ib_disable=None, bandwidth=None,
+              min_busbw=None):
+    """The stages the runtime runs, in one call, on the same functions (judge_pre at the roll call,
+    judge_gate at the telemetry, judge_final after the DDP step; the manifest and screen judges follow in
+    their own rooms). results: the DDP step's per-rank results (None: the run stopped before them)."""
+    out = judge_pre(records, world_size, expect) + judge_gate(records, ib_hca)
+    if results is not None:
+        out += judge_final(with_results(records, results), results, world_size,
+                           {r["rank"]: r["host"] for r in records}, ib_disable, bandwidth, min_busbw)
+    else:
+        out += judge_imports(records)
+    return out
+
+
+# What every rank's record holds, wherever the run stopped (the JSON's `ranks`): the roll call's identity,
+# the telemetry's node facts (node leaders; null on the others) and the DDP step's NCCL facts (null
+# before it, and on gloo). A record is never patched: each phase's results make new ones (with_results).
+RANK_IDENTITY = ("rank", "host", "hostname", "loopback", "local_rank", "backend", "device", "cvd", "gpu",
+                 "gpus_expected", "gloo", "cpus", "versions", "local", "pid", "pid_start", "addrs")
+RANK_FIELDS = RANK_IDENTITY + ("node", "transport", "nccl_net")
+
+
+def rank_record(rec):
+    """A rank's record in the declared schema (RANK_FIELDS, null where not measured), a new dict."""
+    return {k: rec.get(k) for k in RANK_FIELDS}
+
+
+def with_results(records, results):
+    """New records with the DDP step's results of each rank: NCCL's transport and interfaces, and the node
+    leader's package probe in its node facts."""
+    by_rank = {res["rank"]: res for res in results or () if isinstance(res, dict) and "rank" in res}
+    out = []
+    for rec in records:
+        rec, res = rank_record(rec), by_rank.get(rec["rank"])
+        if res is not None:
+            rec["transport"], rec["nccl_net"] = res.get("transport"), res.get("nccl_net")
+            if rec["node"] is not None and res.get("imports") is not None:
+                rec["node"] = dict(rec["node"], imports=res["imports"])
+        out.append(rec)
+    return out
 
 
 def judge_collectives(results, world_size, host_of=None):
@@ -6287,6 +6450,13 @@ def run_base(env):
     return ".".join(env.get(v, "") for v in ("SLURM_JOB_ID", "SLURM_STEP_ID")).strip(".")
 
 
+def store_timed_out(exc):
+    """Whether `exc` is the store's own timeout (a wait that ran out of time: torch's DistStoreError 'wait
+    timeout', or TimeoutError). Nothing else is: a store that is gone, and the tool's own error, are
+    raised to the phase, which tells them apart (is_tool_error): never read as 'not arrived'."""
+    return isinstance(exc, TimeoutError) or (type(exc).__name__ == "DistStoreError" and "timeout" in str(exc).lower())
+
+
 class Forged(Exception):
     """A store value that is not this run's: it did not carry the job's secret, or it was replayed
     from another run. key: the store key; raw: what the value said (quoted, never believed)."""
@@ -6567,7 +6737,9 @@ class StoreProtocol:
         """Whether all_arrived was set within `seconds` (a wake-up only: the records are what counts)."""
         try:
             self._wait(["all_arrived"], seconds)
-        except Exception:
+        except Exception as e:
+            if not store_timed_out(e):
+                raise
             return False
         return self._open("all_arrived", self.store.get("all_arrived")) is not None
 
@@ -6673,7 +6845,9 @@ class StoreProtocol:
         while True:
             try:
                 self._wait([f"screen/{rnd}/all"], end - time.monotonic())
-            except Exception:
+            except Exception as e:
+                if not store_timed_out(e):
+                    raise
                 return False
             if self.world is None or len(self.screen_posts(rnd)) >= self.world:
                 return True
@@ -6705,7 +6879,9 @@ class StoreProtocol:
         while True:
             try:
                 self._wait([f"posts/{name}/all"], end - time.monotonic())
-            except Exception:  # the bound passed (a store that is gone raises in the read below)
+            except Exception as e:  # the bound passed: what came is what there is
+                if not store_timed_out(e):
+                    raise
                 return self.posts(name)
             got = self.posts(name)
             if len(got) >= self.world or time.monotonic() >= end:
@@ -7299,7 +7475,7 @@ class RankRun(ScreenRunner):
                    a listener thread reads even while the main thread is blocked in a collective; speaks
                    for rank 0 when rank 0 gives no verdict in time
 
-    Every way a run ends goes through Verdict and end(). The hooks a role defines: end, phase_bound,
+    Every way a run ends goes through Verdict and end(). The hooks a role defines: end, grace,
     enter_phase, own_error, open_store, before_check_in, after_check_in, phase_telemetry,
     results_gathered, phase_final, expire, signalled, progress, header."""
 
@@ -7316,7 +7492,7 @@ class RankRun(ScreenRunner):
                                                        ("world_size", "nodes", "ranks_per_node")
                                                        if getattr(args, "expect_" + k) is not None})
         self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, [], [], {}
+        self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, Findings(), [], {}
         self.starts, self.drain = {}, None  # phase -> seconds from start; the --drain plan at the verdict
         self.proto = self.poll = self.master = self.probe = self.monitor = self.nccl_log = None
         self.backend = self.device = self.collectives = self.results = self.bandwidth = None
@@ -7331,12 +7507,13 @@ class RankRun(ScreenRunner):
         self.nccl_seen = 0  # how much of the NCCL log nccl_hca has read
         self.relay_lock, self.relayed = threading.Lock(), threading.Event()  # exit: NCCL WARN lines, once
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
-        self.wd = Watchdog(self.on_expire, self.on_tick)
+        self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
+        self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
 
     # ---------------------------------------------------------------- flow
     def run(self):
         """main() blocked SIGTERM and SIGINT in every thread before this object existed; one thread takes them."""
-        threading.Thread(target=self.on_signal, name="aiv-signals", daemon=True).start()
+        self.helper("aiv-signals", self.on_signal)
         try:
             self.header()
             for phase in PHASES:
@@ -7354,33 +7531,43 @@ class RankRun(ScreenRunner):
 
     @contextlib.contextmanager
     def deadline(self, phase):
-        """Arm the watchdog with the phase's bound (phase_bound); a torch error inside becomes this rank's
-        Verdict, any other exception the tool's own (`internal`); stamp on success. Rank 0 speaks first in
-        every phase: after the roll call every phase starts at a gate rank 0 opens (enter_phase), and the
-        other ranks count their bound + RANK0_GRACE from that gate, however late rank 0 got there."""
-        self.phase, t = phase, time.monotonic()
-        self.phase_t0 = t
+        """The phase under its one Bound (armed on entry, disarmed on the way out, the stamp inside): a
+        torch error inside becomes this rank's Verdict, any other exception the tool's own (`internal`).
+        Rank 0 speaks first in every phase: after the roll call every phase starts at a gate rank 0 opens
+        (enter_phase), and the other ranks count their bound + RANK0_GRACE from that gate, however late
+        rank 0 got there."""
+        self.phase = phase
         self.failpoint(phase, only=("skew",))
+        b = self.bound = Bound(self.wd, phase, self.D[phase], self.grace(phase))
         try:
-            if PHASES.index(phase) > PHASES.index("rollcall") and self.proto is not None:
-                self.enter_phase(phase)
-            self.wd.arm(phase, self.phase_bound(phase))
-            self.failpoint(phase, only=("raise",))
-            yield
+            with b:
+                if PHASES.index(phase) > PHASES.index("rollcall") and self.proto is not None:
+                    self.enter_phase(b)
+                self.failpoint(phase, only=("raise",))
+                yield b
+                self.times[phase] = round(time.monotonic() - b.start, 3)
+                self.starts[phase] = round(b.start - _T0, 3)
+                if self.proto is not None:  # under the bound: rank 0's store may have frozen meanwhile
+                    self.proto.stamp(self.rank, phase)
         except Verdict:
             raise
         except Exception as e:
             raise self.phase_error(phase, e) from None
         finally:
-            self.wd.disarm()
-            self.times[phase] = round(time.monotonic() - t, 3)
-            self.starts[phase] = round(t - _T0, 3)
-        if self.proto is not None:  # under the phase's bound too: rank 0's store may have frozen meanwhile
-            self.wd.arm(phase, self.phase_bound(phase))
-            try:
-                self.proto.stamp(self.rank, phase)
-            finally:
-                self.wd.disarm()
+            self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
+            self.starts.setdefault(phase, round(b.start - _T0, 3))
+
+    @property
+    def phase_t0(self):
+        """When the phase in progress started counting its bound (its Bound's start)."""
+        return self.bound.start
+
+    def grace(self, phase):
+        """What this role adds to a phase's bound before its watchdog speaks (Coordinator, Follower)."""
+        return 0.0
+
+    def enter_phase(self, bound):
+        """The start of each phase after the roll call (Coordinator opens its gate, Follower waits for it)."""
 
     def phase_error(self, phase, exc):
         """An error inside a phase. The tool's own (is_tool_error): the `internal` verdict, no host. A torch
@@ -7456,7 +7643,7 @@ class RankRun(ScreenRunner):
                          "addrs": sorted({norm_ip(a) for i in ifaces.values() for a in i["addrs"]} - {None})}
         if self.local_rank == 0:
             self.node_box = {}
-            threading.Thread(target=self._collect_node, args=(self.node_box,), daemon=True).start()
+            self.helper("aiv-node-facts", self._collect_node, self.node_box)
             self.smi_box = start_node_smi()
         ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
         self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
@@ -7478,13 +7665,18 @@ class RankRun(ScreenRunner):
             self.start_monitor()
 
     def open_store(self, R, prefix, serve):
-        """Connect to the store (rank 0's, or torchrun's agent's). The connect and the store's first answer
-        within R + NAMING_S: a listener that accepts but never answers as a store (another service on
-        MASTER_PORT) is named by expire (unanswered)."""
-        self.wd.arm("rollcall", R + NAMING_S - 1)
+        """Connect to the store (rank 0's, or torchrun's agent's): the connect and the store's first answer
+        within the roll call's own bound R. A listener that accepts but never answers as a store (another
+        service on MASTER_PORT) is named as such (unanswered)."""
         try:
-            return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, seal=self.seal)
+            return within(lambda: StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, seal=self.seal),
+                          self.bound.left(), "the store's connect")
+        except BoundPassed:
+            raise failed("rendezvous", f"rank {self.rank} ({self.host}): {self.unanswered(R)}", EXIT_TIMEOUT,
+                         [self.host]) from None
         except Exception as e:
+            if is_tool_error(e):
+                raise
             raise failed("rendezvous", f"rank {self.rank} ({self.host}) cannot reach the "
                          f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
                          f"{first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
@@ -7503,6 +7695,8 @@ class RankRun(ScreenRunner):
     def telemetry(self):
         """This rank's identity and, on a node leader, the node's facts: what the telemetry gather sends."""
         tele = dict(self.identity)
+        if self.node_box is not None and "internal" in self.node_box:  # raised here: `internal`, no host blamed
+            raise self.node_box["internal"]
         if self.node_box is not None:
             tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
             if self.smi_box is not None:  # waited for within NODE_SMI_S of its start, a quarter of this phase at most
@@ -7512,7 +7706,7 @@ class RankRun(ScreenRunner):
     def phase_telemetry(self):
         self.failpoint("telemetry")
         self.proto.post("telemetry", self.rank, self.telemetry())
-        self.proto.wait_gate("judge", self.D["telemetry"] + RANK0_GRACE)
+        self.proto.wait_gate("judge", self.bound.left(RANK0_GRACE))
 
     def phase_soak(self):
         """--soak: every rank loads its own device for --soak seconds, all starting at one gate once their
@@ -7526,9 +7720,8 @@ class RankRun(ScreenRunner):
         self.proto.screen_post("soak", self.rank, row, self.world)
         if not self.is0:
             return
-        if not self.proto.screen_wait("soak", self.phase_t0 + self.D[self.phase] - time.monotonic()):
-            cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
-            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+        if not self.proto.screen_wait("soak", self.bound.left()):
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
         cpu = self._kind() == "cpu"
         rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
         self.soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
@@ -7570,7 +7763,7 @@ class RankRun(ScreenRunner):
         lsum = loss.detach().clone()
         dist.all_reduce(lsum)
         self.results.update(loss=loss.item(), grads=hashlib.sha256(grads.numpy().tobytes()).hexdigest(),
-                            imports=self.import_results(), **self.nccl_log_facts())
+                            imports=self.import_results(), helpers=list(self.helper_errors), **self.nccl_log_facts())
         self.proto.post("results", self.rank, self.results)
         self.results_gathered(lsum.item())
         self.progress("ddp", secs=time.monotonic() - t)
@@ -7597,10 +7790,10 @@ class RankRun(ScreenRunner):
         """The tool's own error at a bound: rank 0 gives the `internal` verdict; the others just exit 4."""
 
     def expiry_cause(self, phase):
-        cause = f"{PHASE_WHAT[phase]} did not complete within {self.D[phase]:g}s"
         if phase == "rollcall" and self.proto is None:  # still connecting to the store
-            cause = self.unanswered(self.D[phase] + NAMING_S)
-        return cause
+            return self.unanswered(self.D[phase])
+        return self.bound.cause() if self.bound is not None and self.bound.phase == phase else \
+            Bound(None, phase, self.D[phase]).cause()
 
     def unanswered(self, seconds):
         """Why the store's connect did not finish: a listener that accepts but never answers, or none."""
@@ -7769,6 +7962,8 @@ class RankRun(ScreenRunner):
             self.device = dev
             return collect_gpu(torch, dev, self.args.sysfs_root)
         except Exception as e:
+            if is_tool_error(e):  # the tool's own error: `internal`, never this GPU's fault
+                raise
             out.append(finding("device", "FAIL", f"{who}: cuda:{dev} unusable: {first_line(e)}", [self.host]))
             return None
 
@@ -7777,7 +7972,7 @@ class RankRun(ScreenRunner):
             count = self.torch.cuda.device_count() if self.backend == "nccl" else 0
             box["facts"] = collect_node_facts(self.args.sysfs_root, self.torch, self.backend, count, self.env)
         except Exception as e:
-            box["error"] = first_line(e)
+            box["internal" if is_tool_error(e) else "error"] = e if is_tool_error(e) else first_line(e)
 
     def import_results(self, wait_s=None):
         """Node leaders: the torchvision/torchaudio probe started at the roll call's go (usually done by now); taken
@@ -7794,7 +7989,7 @@ class RankRun(ScreenRunner):
         """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
         node leader the import probe and the node monitor's first post), each wait
         bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly."""
-        wait = self.D[self.phase] / 4
+        wait = self.bound.left() / 4
         if self.warm is not None:
             self.warm.join(timeout=wait)
         self.import_results(min(IMPORT_PROBE_S, wait))
@@ -7815,20 +8010,38 @@ class RankRun(ScreenRunner):
         cfg["run"] = self.proto.run  # it posts into this run's store only, never into a later run's
         self.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
                                         env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # its stderr: the job's
         if not self.is0:  # rank 0 sees its own node's ranks in /proc
-            threading.Thread(target=self.beat, args=(cfg["period"],), name="aiv-beat", daemon=True).start()
+            self.helper("aiv-beat", self.beat, cfg["period"])
 
     def beat(self, period):
         """A node leader's thread: the node's beat every liveness period, on a connection of its own. With
         the monitor's posts, the second sign that the node reaches the store: a node is unreachable only
-        when both stop (settled_live)."""
-        with contextlib.suppress(Exception):
+        when both stop (settled_live). A store that went away ends it quietly (the run is ending, or rank 0
+        is gone, which the phases name); the tool's own error is raised (helper: said in the report)."""
+        try:
             client = self.proto.clone()
             while True:
                 client.beat(self.host)
                 time.sleep(period)
+        except Exception as e:
+            if is_tool_error(e):
+                raise
+
+    def helper(self, name, fn, *args):
+        """Start a helper thread. One that dies of an exception says so: on stderr at once, and in the
+        report as a WARN `internal` (rank 0's own at the verdict, the others' with their results)."""
+        def run():
+            try:
+                fn(*args)
+            except BaseException as e:
+                self.helper_died(name, e)
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    def helper_died(self, name, exc):
+        self.helper_errors.append(f"{name} stopped: {first_line(exc)} in {where_raised(exc)}")
+        emit(f"rank {self.rank} ({self.host}): WARNING: helper thread {name} stopped: {first_line(exc)}", sys.stderr)
+        print_traceback(exc)
 
     def bandwidth_at(self, size):
         """all_reduce bus bandwidth as nccl-tests defines it: busbw = algbw * 2(n-1)/n, warm-up then
@@ -7853,11 +8066,13 @@ class RankRun(ScreenRunner):
         return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
 
     def write_json(self, state, first=False):
+        """--json, within OUTPUT_S (shared storage can hang): a file that cannot be written is a warning."""
         if self.args.json:
             try:
-                write_json_atomic(self.args.json, state, first)
-            except OSError as e:
-                emit(f"WARNING: could not write --json {self.args.json}: {e.strerror}", sys.stderr)
+                within(lambda: write_json_atomic(self.args.json, state, first), OUTPUT_S,
+                       f"writing --json {self.args.json}")
+            except (OSError, BoundPassed) as e:
+                emit(f"WARNING: could not write --json {self.args.json}: {e.strerror or e}", sys.stderr)
 
 
 
@@ -7891,12 +8106,13 @@ class Coordinator(RankRun):
     def end(self, v):
         self.conclude(v.code, v.findings, self.proto)
 
-    def phase_bound(self, phase):
-        return self.D[phase] + (NAMING_S if phase == "rollcall" else 0)
+    def grace(self, phase):
+        """Rank 0's watchdog at the roll call: NAMING_S past the bound, to name who did not check in."""
+        return NAMING_S if phase == "rollcall" else 0.0
 
-    def enter_phase(self, phase):
+    def enter_phase(self, bound):
         """Rank 0 opens every phase's gate after the roll call."""
-        self.proto.open_gate("phase/" + phase)
+        self.proto.open_gate("phase/" + bound.phase)
 
     def own_error(self, phase, line, code):
         """Rank 0's own torch error: once the roll call is done, ERROR_GRACE for the others' reports, then
@@ -7919,7 +8135,6 @@ class Coordinator(RankRun):
         return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd, seal=self.seal)
 
     def before_check_in(self, R):
-        self.wd.arm("rollcall", R + NAMING_S)  # as deadline() armed it (the connect may have re-armed it)
         self.proto.publish_world(self.world)
 
     def after_check_in(self, R):
@@ -7936,7 +8151,7 @@ class Coordinator(RankRun):
         missing = [] if complete and not strays else self.proto.missing(self.world)
         absent = set(missing)
         present = [r for r in range(self.world) if r not in absent]
-        self.records = self.proto.identities(present)
+        self.records = [rank_record(r) for r in self.proto.identities(present)]
         if self.proto.forged:  # a record not of this run: nothing it says is believed, nobody is blamed for it
             self.progress("rollcall", present=len(self.records), world=self.world, secs=time.monotonic() - t,
                           result="FAIL")
@@ -7986,7 +8201,7 @@ class Coordinator(RankRun):
         self.failpoint("telemetry")
         self.proto.post("telemetry", 0, self.telemetry())
         gathered = self.fan_in("telemetry")
-        self.records = gathered
+        self.records = [rank_record(r) for r in gathered]
         gate = apply_strict(judge_gate(gathered, self.env.get("NCCL_IB_HCA")), self.args.strict)
         self.findings += gate
         self.progress("telemetry", ranks=len(gathered), secs=time.monotonic() - t, counts=_counts(gate),
@@ -8004,12 +8219,11 @@ class Coordinator(RankRun):
         """Rank 0: every rank's post of `name` (its own first) from the store, in rank order, within what
         is left of the phase's bound. A refused post ends the run (side_channel names it, nobody is
         blamed); ranks that did not post are named by unfinished (a rank that posted finished its part)."""
-        posts = self.proto.wait_posts(name, self.phase_t0 + self.D[self.phase] - time.monotonic())
+        posts = self.proto.wait_posts(name, self.bound.left())
         if self.proto.forged:
             raise Verdict(EXIT_FAIL)
         if len(posts) < self.world:
-            cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
-            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
         return [posts[r] for r in range(self.world)]
 
     def results_gathered(self, loss_sum):
@@ -8021,15 +8235,9 @@ class Coordinator(RankRun):
 
     def phase_final(self):
         """Judge what the collectives returned: the verdict."""
-        for res in self.results:
-            rec = next((x for x in self.records if x["rank"] == res["rank"]), None)
-            if rec is not None:
-                rec["transport"], rec["nccl_net"] = res.get("transport"), res.get("nccl_net")
-                if rec.get("node") is not None and res.get("imports") is not None:
-                    rec["node"]["imports"] = res["imports"]
-        final = (judge_imports(self.records) + judge_collectives(self.results, self.world, self.host_of)
-                 + judge_transport(self.records, self.env.get("NCCL_IB_DISABLE"))
-                 + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw)
+        self.records = with_results(self.records, self.results)
+        final = (judge_final(self.records, self.results, self.world, self.host_of, self.env.get("NCCL_IB_DISABLE"),
+                             (self.collectives or {}).get("bandwidth"), self.args.min_busbw)
                  + judge_manifest(self.args.manifest_data, self.records, self.screen)
                  + judge_bands(self.args.manifest_data, self.records, self.screen)  # manifest: drift from the accepted
                  + judge_strays(self.proto.strays()))  # a stray that came after the roll call: never a PASS
@@ -8049,31 +8257,31 @@ class Coordinator(RankRun):
             with contextlib.suppress(BaseException):
                 emit(f"FAILURE: internal: {first_line(e)} in {where_raised(e)} (rank 0 on {self.host}, giving the "
                      "verdict): a bug in the tool, not a fault of the cluster: no host is blamed")
-            code = verdict_code(self.findings) or EXIT_INTERNAL
+            code = verdict_code(self.findings.snapshot()) or EXIT_INTERNAL
         self.exit(code)
 
     def give_verdict(self, code, findings, client):
         """Publish the code, drain (--drain on, bounded), print the report, write the JSON, the metrics and
-        the page; then save the manifest (bounded) and keep the store up for the acks. A report that cannot
-        be rendered is an `internal` FAIL with the FAILURE lines alone (and drains nobody); the JSON is
-        written either way. -> the exit code."""
-        self.findings = self.findings + list(findings)
-        self.findings += self.side_channel(client)
-        self.drain = self.plan_drain(verdict_code(self.findings) or code)
-        st, text = self.report(verdict_code(self.findings) or code)
-        if self.drain["hosts"] and drain_blocker(self.findings):  # the report itself failed: the tool's error
-            self.drain = self.plan_drain(st["exit_code"])
-            st, text = self.report(st["exit_code"])
+        the page (each under the verdict's bound); then save the manifest (bounded) and keep the store up
+        for the acks. The verdict works on a snapshot of the run's findings (Findings.close): a thread
+        still running adds nothing to it. A report that cannot be rendered is an `internal` FAIL with the
+        FAILURE lines alone (and drains nobody); the JSON is written either way. -> the exit code."""
+        found = self.findings.close() + list(findings) + self.helper_findings()
+        found += self.side_channel(client)
+        self.drain = self.plan_drain(found, verdict_code(found) or code)
+        st, text = self.report(found, verdict_code(found) or code)
+        if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
+            self.drain = self.plan_drain(found, st["exit_code"])
+            st, text = self.report(found, st["exit_code"])
         code = st["exit_code"]
         if client is not None:
             with contextlib.suppress(Exception):
                 client.publish_verdict(code)
         if self.drain["mode"] == "on" and self.drain["hosts"]:  # after the verdict is out: scontrol may be slow
             self.drain, warns = drain_apply(self.drain)
-            self.findings += warns
-            st, text = self.report(code)
-        self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code,
-                      counts=_counts(self.findings))
+            found += warns
+            st, text = self.report(found, code)
+        self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code, counts=_counts(found))
         emit(text)
         self.write_json(st)
         self.write_outputs(st)
@@ -8087,36 +8295,46 @@ class Coordinator(RankRun):
             self.wait_acks(client, self.listeners(client), code)
         return code
 
-    def report(self, code):
+    def helper_findings(self):
+        """Helper threads that died (rank 0's own, and the others' as their results said): a WARN each.
+        The run went on without them; the verdict stands on what the phases measured."""
+        lines = [f"rank 0 ({self.host}): {e}" for e in self.helper_errors]
+        lines += [f"rank {res['rank']} ({self.host_of.get(res['rank'], '?')}): {e}" for res in self.results or ()
+                  if isinstance(res, dict) and "rank" in res for e in res.get("helpers") or ()]
+        return [finding("internal", "WARN", f"{ln}: a helper thread of the tool died (a bug in the tool: please report "
+                        "it); the run went on without it") for ln in lines]
+
+    def report(self, found, code):
         """-> (state, the report's text). A report that cannot be rendered is an `internal` FAIL with the
-        FAILURE lines alone."""
+        FAILURE lines alone (added to `found`)."""
         try:
             self.failpoint("report", only=("raise",))
-            st = self.state(verdict_code(self.findings) or code)
+            st = self.state(found, verdict_code(found) or code)
             return st, render_report(st)
         except Exception as e:
             print_traceback(e)
-            self.findings.append(internal_finding(e, f"rank 0 on {self.host}, rendering the report"))
-            st = self.state(verdict_code(self.findings) or code)
-            return st, "\n".join(failure_lines(self.findings))
+            found.append(internal_finding(e, f"rank 0 on {self.host}, rendering the report"))
+            st = self.state(found, verdict_code(found) or code)
+            return st, "\n".join(failure_lines(found))
 
-    def plan_drain(self, code):
+    def plan_drain(self, found, code):
         """--drain at the verdict (drain_plan, pure): what to drain, or why nothing. give_verdict runs the
         scontrol update (drain_apply, bounded by DRAIN_S) once the verdict is published; its WARN joins the
         findings and the verdict stays what it is."""
         nodes = self.expect.get("nodes") or len({rec["host"] for rec in self.records}) or 1
-        fails = self.findings if code != EXIT_PASS else []
+        fails = found if code != EXIT_PASS else []
         return drain_plan(fails, self.args.drain, nodes, self.env.get("SLURM_JOB_ID"), self.args.drain_max)
 
     def write_outputs(self, st):
-        """--metrics and --html after the JSON: a page or a file that cannot be written is a warning on
-        stderr, never a changed verdict."""
+        """--metrics and --html after the JSON, each within OUTPUT_S: a page or a file that cannot be
+        written is a warning on stderr, never a changed verdict."""
         for dest, render in (("metrics", render_metrics), ("html", render_html)):
             path = getattr(self.args, dest, None)
             if not path:
                 continue
             try:
-                write_text_atomic(path, render(st))
+                text = render(st)
+                within(lambda p=path, t=text: write_text_atomic(p, t), OUTPUT_S, f"writing --{dest} {path}")
             except Exception as e:
                 emit(f"WARNING: could not write --{dest} {path}: {first_line(e)}", sys.stderr)
 
@@ -8205,10 +8423,11 @@ class Coordinator(RankRun):
                 return f
         return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent)
 
-    def state(self, code):
-        fails = failure_lines(self.findings)
-        failed_hosts = sorted({h for f in self.findings if f["status"] == "FAIL" for h in f["hosts"]})
-        if any(f.get("tamper") and f["status"] == "FAIL" for f in self.findings):
+    def state(self, found, code):
+        """The verdict's state (the JSON, and what the report, the metrics and the page render)."""
+        fails = failure_lines(found)
+        failed_hosts = sorted({h for f in found if f["status"] == "FAIL" for h in f["hosts"]})
+        if any(f.get("tamper") and f["status"] == "FAIL" for f in found):
             failed_hosts = []  # the evidence came through a store written from outside: nobody is excluded
         return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
                 "started_at": self.started_at, "host": self.host,
@@ -8216,13 +8435,14 @@ class Coordinator(RankRun):
                 "world_size": self.world, "ranks_reported": len(self.records), "backend": self.backend,
                 "master": f"{self.addr}:{self.port}", "expect": self.expect, "strict": bool(self.args.strict),
                 "deadlines": self.D, "elapsed_s": round(elapsed(), 3), "phases": self.times,
-                "findings": mark_accepted(self.args.manifest_data, self.findings), "failures": fails,
+                "findings": mark_accepted(self.args.manifest_data, found), "failures": fails,
                 "failed_hosts": failed_hosts,
                 "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
                 "suspect_links": (self.screen or {}).get("suspect_links") or [],
                 "drain": self.drain, "drain_command": (self.drain or {}).get("command") or "",
                 "phase_starts": self.starts,
-                "collectives": self.collectives, "screen": self.screen, "soak": self.soak, "ranks": self.records,
+                "collectives": self.collectives, "screen": self.screen, "soak": self.soak,
+                "ranks": [rank_record(r) for r in self.records],
                 "env": safe_env(self.env),
                 **({"notes": [screen_degraded_note(self.screen)]} if screen_degraded_note(self.screen) else {})}
 
@@ -8345,48 +8565,49 @@ class Follower(RankRun):
     # ---------------------------------------------------------------- flow
     def end(self, v):
         """Report (done by phase_error), then take rank 0's verdict; before the roll call, speak for the node."""
-        if self.proto is not None:
-            self.wd.arm(self.phase, self.D[self.phase] + RANK0_GRACE)
-            try:
-                code = self.take_verdict(self.proto, self.D[self.phase] + RANK0_GRACE)
-            except Exception as e:  # rank 0's store is gone: that, not our own error, is the news
-                self.lost_rank0(e)
-            self.exit(code)
+        if self.proto is not None:  # rank 0 names the culprit within the phase's bound: wait that long again
+            with Bound(self.wd, self.phase, self.D[self.phase], RANK0_GRACE) as b:
+                self.exit(self.verdict_within(self.proto, b.left(RANK0_GRACE)))
         self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
         self.exit(v.code)
 
-    def phase_bound(self, phase):
-        return self.D[phase] + (RANK0_GRACE if phase != "local" else 0)
+    def grace(self, phase):
+        """The other ranks give rank 0 RANK0_GRACE past each bound to name the culprit first."""
+        return RANK0_GRACE if phase != "local" else 0.0
 
-    def enter_phase(self, phase):
+    def enter_phase(self, bound):
         """Wait for rank 0's gate, bounded as the phase itself (rank 0 opens it, or gives a verdict, within
-        the previous phase's bound + NAMING_S of the previous gate)."""
-        wait = self.D[phase] + RANK0_GRACE
-        self.wd.arm(phase, wait)
-        self.proto.wait_gate("phase/" + phase, wait + NAMING_S)  # the watchdog speaks before this raises
-        self.phase_t0 = time.monotonic()  # the phase's own waits count from rank 0's start too
+        the previous phase's bound + NAMING_S of the previous gate); the bound then counts from the gate."""
+        self.proto.wait_gate("phase/" + bound.phase, bound.left(bound.grace + NAMING_S))  # the watchdog speaks first
+        bound.restart()
 
     # ---------------------------------------------------------------- phases
     def before_check_in(self, R):
-        self.wd.arm("rollcall", R + RANK0_GRACE)  # counted from our arrival: rank 0 may start late
+        self.bound.restart()  # counted from rank 0's store's first answer: rank 0 may start late
 
     def after_check_in(self, R):
-        threading.Thread(target=self.listen, name="aiv-listener", daemon=True).start()
-        self.master = json.loads(self.proto.wait_gate("roll", R + RANK0_GRACE))
+        self.helper("aiv-listener", self.listen)
+        self.master = json.loads(self.proto.wait_gate("roll", self.bound.left(RANK0_GRACE)))
 
     def phase_final(self):
         """Rank 0 judges; this rank waits for its verdict."""
-        self.exit(self.take_verdict(self.proto, self.D["final"] + RANK0_GRACE))
+        self.exit(self.verdict_within(self.proto, self.bound.left(RANK0_GRACE)))
 
     # ---------------------------------------------------------------- rank 0's verdict
     def listen(self):
         """Non-zero ranks: block on the verdict key on a connection of our own and exit with it."""
         client = self.proto.clone()
+        self.exit(self.verdict_within(client, worst_case(self.D, True, soak=bool(self.args.soak)) + RANK0_GRACE))
+
+    def verdict_within(self, client, seconds):
+        """Rank 0's code from the store within `seconds`. A store that is gone or silent is rank 0's news
+        (lost_rank0); the tool's own error is raised as it is (`internal`, no host blamed)."""
         try:
-            code = self.take_verdict(client, worst_case(self.D, True, soak=bool(self.args.soak)) + RANK0_GRACE)
+            return self.take_verdict(client, seconds)
         except Exception as e:
+            if is_tool_error(e):
+                raise
             self.lost_rank0(e)
-        self.exit(code)
 
     def take_verdict(self, client, seconds):
         code = client.wait_verdict(seconds)
@@ -8738,8 +8959,13 @@ def main(argv=None):
     if "_AIV_NODE_MONITOR" in env:  # a node leader's liveness monitor (see node_monitor)
         try:
             return node_monitor(json.loads(env["_AIV_NODE_MONITOR"]))
-        except Exception:
-            return 0
+        except Exception as e:  # a store that went away ends it quietly (the run ended); a bug says so
+            if not is_tool_error(e):
+                return 0
+            emit(f"WARNING: the node monitor on {socket.gethostname()} stopped: {first_line(e)} in "
+                 f"{where_raised(e)} (a bug in the tool): rank 0 reads this node's ranks from their beats alone",
+                 sys.stderr)
+            return EXIT_INTERNAL
     try:
         p = plan(argv, env)
         if p.get("check_json"):

@@ -407,3 +407,48 @@ def failed(check, reason, code=EXIT_FAIL, hosts=(), ranks=()):
 
 def _counts(findings):
     return ", ".join(f"{sum(f['status'] == s for f in findings)} {s}" for s in ("PASS", "WARN", "FAIL"))
+
+
+class Findings:
+    """The run's findings, one owner. The phases add to it (+=, append) and read it (iteration, code()),
+    every call under one lock; the verdict, given by whichever thread concludes first (the main thread,
+    the watchdog, the signal thread), takes it whole once (close) and works on its own list from then
+    on. A finding added after that is not part of the verdict: it goes to stderr, never lost silently."""
+
+    def __init__(self, items=()):
+        self._lock = threading.Lock()
+        self._items, self._closed = list(items), False
+
+    def __iadd__(self, items):
+        items = list(items)
+        with self._lock:
+            if not self._closed:
+                self._items.extend(items)
+                return self
+        for f in items:
+            emit(f"NOTE: a finding came after the verdict and is not part of it: {f['check']}: {f['reason']}",
+                 sys.stderr)
+        return self
+
+    def append(self, f):
+        self += [f]
+
+    def snapshot(self):
+        with self._lock:
+            return list(self._items)
+
+    def close(self):
+        """The findings as they stand, for the verdict; nothing joins them afterwards."""
+        with self._lock:
+            self._closed = True
+            return list(self._items)
+
+    def code(self):
+        return verdict_code(self.snapshot())
+
+    def __iter__(self):
+        return iter(self.snapshot())
+
+    def __len__(self):
+        with self._lock:
+            return len(self._items)

@@ -40,6 +40,7 @@ from .deadlines import (
     FAN_IN,
     FORGED_POLL_S,
     NAMING_S,
+    OUTPUT_S,
     PHASE_CHECK,
     PHASE_WHAT,
     PHASES,
@@ -49,24 +50,24 @@ from .deadlines import (
     TERM_REPORTS_S,
     bounded,
     live_period,
+    within,
 )
 from .files import write_text_atomic
 from .judge import (
     STOPPED_WORDS,
     apply_strict,
-    judge_bandwidth,
     judge_channel,
-    judge_collectives,
+    judge_final,
     judge_forged,
     judge_gate,
-    judge_imports,
     judge_pre,
     judge_store_peers,
     judge_strays,
-    judge_transport,
     judge_unfinished,
     quiet_monitor_note,
+    rank_record,
     unreachable_hosts,
+    with_results,
 )
 from .liveness import liveness, proc_stat
 from .manifest import judge_bands, judge_manifest, mark_accepted, note_manifest_save
@@ -96,12 +97,13 @@ class Coordinator(RankRun):
     def end(self, v):
         self.conclude(v.code, v.findings, self.proto)
 
-    def phase_bound(self, phase):
-        return self.D[phase] + (NAMING_S if phase == "rollcall" else 0)
+    def grace(self, phase):
+        """Rank 0's watchdog at the roll call: NAMING_S past the bound, to name who did not check in."""
+        return NAMING_S if phase == "rollcall" else 0.0
 
-    def enter_phase(self, phase):
+    def enter_phase(self, bound):
         """Rank 0 opens every phase's gate after the roll call."""
-        self.proto.open_gate("phase/" + phase)
+        self.proto.open_gate("phase/" + bound.phase)
 
     def own_error(self, phase, line, code):
         """Rank 0's own torch error: once the roll call is done, ERROR_GRACE for the others' reports, then
@@ -124,7 +126,6 @@ class Coordinator(RankRun):
         return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd, seal=self.seal)
 
     def before_check_in(self, R):
-        self.wd.arm("rollcall", R + NAMING_S)  # as deadline() armed it (the connect may have re-armed it)
         self.proto.publish_world(self.world)
 
     def after_check_in(self, R):
@@ -141,7 +142,7 @@ class Coordinator(RankRun):
         missing = [] if complete and not strays else self.proto.missing(self.world)
         absent = set(missing)
         present = [r for r in range(self.world) if r not in absent]
-        self.records = self.proto.identities(present)
+        self.records = [rank_record(r) for r in self.proto.identities(present)]
         if self.proto.forged:  # a record not of this run: nothing it says is believed, nobody is blamed for it
             self.progress("rollcall", present=len(self.records), world=self.world, secs=time.monotonic() - t,
                           result="FAIL")
@@ -191,7 +192,7 @@ class Coordinator(RankRun):
         self.failpoint("telemetry")
         self.proto.post("telemetry", 0, self.telemetry())
         gathered = self.fan_in("telemetry")
-        self.records = gathered
+        self.records = [rank_record(r) for r in gathered]
         gate = apply_strict(judge_gate(gathered, self.env.get("NCCL_IB_HCA")), self.args.strict)
         self.findings += gate
         self.progress("telemetry", ranks=len(gathered), secs=time.monotonic() - t, counts=_counts(gate),
@@ -209,12 +210,11 @@ class Coordinator(RankRun):
         """Rank 0: every rank's post of `name` (its own first) from the store, in rank order, within what
         is left of the phase's bound. A refused post ends the run (side_channel names it, nobody is
         blamed); ranks that did not post are named by unfinished (a rank that posted finished its part)."""
-        posts = self.proto.wait_posts(name, self.phase_t0 + self.D[self.phase] - time.monotonic())
+        posts = self.proto.wait_posts(name, self.bound.left())
         if self.proto.forged:
             raise Verdict(EXIT_FAIL)
         if len(posts) < self.world:
-            cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
-            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
         return [posts[r] for r in range(self.world)]
 
     def results_gathered(self, loss_sum):
@@ -226,15 +226,9 @@ class Coordinator(RankRun):
 
     def phase_final(self):
         """Judge what the collectives returned: the verdict."""
-        for res in self.results:
-            rec = next((x for x in self.records if x["rank"] == res["rank"]), None)
-            if rec is not None:
-                rec["transport"], rec["nccl_net"] = res.get("transport"), res.get("nccl_net")
-                if rec.get("node") is not None and res.get("imports") is not None:
-                    rec["node"]["imports"] = res["imports"]
-        final = (judge_imports(self.records) + judge_collectives(self.results, self.world, self.host_of)
-                 + judge_transport(self.records, self.env.get("NCCL_IB_DISABLE"))
-                 + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw)
+        self.records = with_results(self.records, self.results)
+        final = (judge_final(self.records, self.results, self.world, self.host_of, self.env.get("NCCL_IB_DISABLE"),
+                             (self.collectives or {}).get("bandwidth"), self.args.min_busbw)
                  + judge_manifest(self.args.manifest_data, self.records, self.screen)
                  + judge_bands(self.args.manifest_data, self.records, self.screen)  # manifest: drift from the accepted
                  + judge_strays(self.proto.strays()))  # a stray that came after the roll call: never a PASS
@@ -254,31 +248,31 @@ class Coordinator(RankRun):
             with contextlib.suppress(BaseException):
                 emit(f"FAILURE: internal: {first_line(e)} in {where_raised(e)} (rank 0 on {self.host}, giving the "
                      "verdict): a bug in the tool, not a fault of the cluster: no host is blamed")
-            code = verdict_code(self.findings) or EXIT_INTERNAL
+            code = verdict_code(self.findings.snapshot()) or EXIT_INTERNAL
         self.exit(code)
 
     def give_verdict(self, code, findings, client):
         """Publish the code, drain (--drain on, bounded), print the report, write the JSON, the metrics and
-        the page; then save the manifest (bounded) and keep the store up for the acks. A report that cannot
-        be rendered is an `internal` FAIL with the FAILURE lines alone (and drains nobody); the JSON is
-        written either way. -> the exit code."""
-        self.findings = self.findings + list(findings)
-        self.findings += self.side_channel(client)
-        self.drain = self.plan_drain(verdict_code(self.findings) or code)
-        st, text = self.report(verdict_code(self.findings) or code)
-        if self.drain["hosts"] and drain_blocker(self.findings):  # the report itself failed: the tool's error
-            self.drain = self.plan_drain(st["exit_code"])
-            st, text = self.report(st["exit_code"])
+        the page (each under the verdict's bound); then save the manifest (bounded) and keep the store up
+        for the acks. The verdict works on a snapshot of the run's findings (Findings.close): a thread
+        still running adds nothing to it. A report that cannot be rendered is an `internal` FAIL with the
+        FAILURE lines alone (and drains nobody); the JSON is written either way. -> the exit code."""
+        found = self.findings.close() + list(findings) + self.helper_findings()
+        found += self.side_channel(client)
+        self.drain = self.plan_drain(found, verdict_code(found) or code)
+        st, text = self.report(found, verdict_code(found) or code)
+        if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
+            self.drain = self.plan_drain(found, st["exit_code"])
+            st, text = self.report(found, st["exit_code"])
         code = st["exit_code"]
         if client is not None:
             with contextlib.suppress(Exception):
                 client.publish_verdict(code)
         if self.drain["mode"] == "on" and self.drain["hosts"]:  # after the verdict is out: scontrol may be slow
             self.drain, warns = drain_apply(self.drain)
-            self.findings += warns
-            st, text = self.report(code)
-        self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code,
-                      counts=_counts(self.findings))
+            found += warns
+            st, text = self.report(found, code)
+        self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code, counts=_counts(found))
         emit(text)
         self.write_json(st)
         self.write_outputs(st)
@@ -292,36 +286,46 @@ class Coordinator(RankRun):
             self.wait_acks(client, self.listeners(client), code)
         return code
 
-    def report(self, code):
+    def helper_findings(self):
+        """Helper threads that died (rank 0's own, and the others' as their results said): a WARN each.
+        The run went on without them; the verdict stands on what the phases measured."""
+        lines = [f"rank 0 ({self.host}): {e}" for e in self.helper_errors]
+        lines += [f"rank {res['rank']} ({self.host_of.get(res['rank'], '?')}): {e}" for res in self.results or ()
+                  if isinstance(res, dict) and "rank" in res for e in res.get("helpers") or ()]
+        return [finding("internal", "WARN", f"{ln}: a helper thread of the tool died (a bug in the tool: please report "
+                        "it); the run went on without it") for ln in lines]
+
+    def report(self, found, code):
         """-> (state, the report's text). A report that cannot be rendered is an `internal` FAIL with the
-        FAILURE lines alone."""
+        FAILURE lines alone (added to `found`)."""
         try:
             self.failpoint("report", only=("raise",))
-            st = self.state(verdict_code(self.findings) or code)
+            st = self.state(found, verdict_code(found) or code)
             return st, render_report(st)
         except Exception as e:
             print_traceback(e)
-            self.findings.append(internal_finding(e, f"rank 0 on {self.host}, rendering the report"))
-            st = self.state(verdict_code(self.findings) or code)
-            return st, "\n".join(failure_lines(self.findings))
+            found.append(internal_finding(e, f"rank 0 on {self.host}, rendering the report"))
+            st = self.state(found, verdict_code(found) or code)
+            return st, "\n".join(failure_lines(found))
 
-    def plan_drain(self, code):
+    def plan_drain(self, found, code):
         """--drain at the verdict (drain_plan, pure): what to drain, or why nothing. give_verdict runs the
         scontrol update (drain_apply, bounded by DRAIN_S) once the verdict is published; its WARN joins the
         findings and the verdict stays what it is."""
         nodes = self.expect.get("nodes") or len({rec["host"] for rec in self.records}) or 1
-        fails = self.findings if code != EXIT_PASS else []
+        fails = found if code != EXIT_PASS else []
         return drain_plan(fails, self.args.drain, nodes, self.env.get("SLURM_JOB_ID"), self.args.drain_max)
 
     def write_outputs(self, st):
-        """--metrics and --html after the JSON: a page or a file that cannot be written is a warning on
-        stderr, never a changed verdict."""
+        """--metrics and --html after the JSON, each within OUTPUT_S: a page or a file that cannot be
+        written is a warning on stderr, never a changed verdict."""
         for dest, render in (("metrics", render_metrics), ("html", render_html)):
             path = getattr(self.args, dest, None)
             if not path:
                 continue
             try:
-                write_text_atomic(path, render(st))
+                text = render(st)
+                within(lambda p=path, t=text: write_text_atomic(p, t), OUTPUT_S, f"writing --{dest} {path}")
             except Exception as e:
                 emit(f"WARNING: could not write --{dest} {path}: {first_line(e)}", sys.stderr)
 
@@ -410,10 +414,11 @@ class Coordinator(RankRun):
                 return f
         return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent)
 
-    def state(self, code):
-        fails = failure_lines(self.findings)
-        failed_hosts = sorted({h for f in self.findings if f["status"] == "FAIL" for h in f["hosts"]})
-        if any(f.get("tamper") and f["status"] == "FAIL" for f in self.findings):
+    def state(self, found, code):
+        """The verdict's state (the JSON, and what the report, the metrics and the page render)."""
+        fails = failure_lines(found)
+        failed_hosts = sorted({h for f in found if f["status"] == "FAIL" for h in f["hosts"]})
+        if any(f.get("tamper") and f["status"] == "FAIL" for f in found):
             failed_hosts = []  # the evidence came through a store written from outside: nobody is excluded
         return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
                 "started_at": self.started_at, "host": self.host,
@@ -421,13 +426,14 @@ class Coordinator(RankRun):
                 "world_size": self.world, "ranks_reported": len(self.records), "backend": self.backend,
                 "master": f"{self.addr}:{self.port}", "expect": self.expect, "strict": bool(self.args.strict),
                 "deadlines": self.D, "elapsed_s": round(elapsed(), 3), "phases": self.times,
-                "findings": mark_accepted(self.args.manifest_data, self.findings), "failures": fails,
+                "findings": mark_accepted(self.args.manifest_data, found), "failures": fails,
                 "failed_hosts": failed_hosts,
                 "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
                 "suspect_links": (self.screen or {}).get("suspect_links") or [],
                 "drain": self.drain, "drain_command": (self.drain or {}).get("command") or "",
                 "phase_starts": self.starts,
-                "collectives": self.collectives, "screen": self.screen, "soak": self.soak, "ranks": self.records,
+                "collectives": self.collectives, "screen": self.screen, "soak": self.soak,
+                "ranks": [rank_record(r) for r in self.records],
                 "env": safe_env(self.env),
                 **({"notes": [screen_degraded_note(self.screen)]} if screen_degraded_note(self.screen) else {})}
 

@@ -1,6 +1,5 @@
 """Floor 1: every bound in one table (deadlines()), the small waits beside it, the watchdog and
 `bounded`: a wait that has no bound here does not exist."""
-import contextlib
 import threading
 import time
 
@@ -25,6 +24,7 @@ IMPORT_PROBE_S = 60.0     # torchvision/torchaudio import probe: at most this, T
 MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks are gone already: the run ended)
 PROBE_CONNECT_S = 0.8     # a raw TCP connect that tells "no listener" from "a listener that never answers"
 MARK_TTL = 30.0           # seconds a node's "said" marker silences its siblings; an older one is another run's
+OUTPUT_S = 30.0           # rank 0 at the verdict: each requested file (--json, --metrics, --html) written within this
 DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scontrol calls (show, update) together
 NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
                           # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
@@ -76,17 +76,84 @@ def live_period(nodes):
     return min(2.0, max(1.0, nodes / 500.0))
 
 
-def bounded(fn, seconds, default=None):
-    """fn() on a thread of its own; `default` when it raises or takes longer than `seconds`."""
-    box = []
+class BoundPassed(TimeoutError):
+    """A call run under a bound (within) did not return in time."""
+
+
+def within(fn, seconds, what="the call"):
+    """fn() on a thread of its own, at most `seconds`: its result, or its own exception raised again here,
+    or BoundPassed. The thread is left behind when the bound passes (daemon: the process exits on its
+    verdict). For a call that can block without a timeout of its own: a file on shared storage, a
+    store operation off the main thread."""
+    box, done = {}, threading.Event()
 
     def call():
-        with contextlib.suppress(Exception):
-            box.append(fn())
-    t = threading.Thread(target=call, daemon=True)
-    t.start()
-    t.join(seconds)
-    return box[0] if box else default
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+        finally:
+            done.set()
+    threading.Thread(target=call, name="aiv-within", daemon=True).start()
+    if not done.wait(max(0.0, seconds)):
+        raise BoundPassed(f"{what} did not return within {seconds:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def bounded(fn, seconds, default=None):
+    """within(fn, seconds), or `default` when it raises or takes longer: for a best-effort read whose
+    absence the caller names itself (a snapshot at a signal, an audit, a count)."""
+    try:
+        return within(fn, seconds)
+    except Exception:
+        return default
+
+
+class Bound:
+    """One phase's bound: the only thing that arms the watchdog. Made by RankRun.deadline for each
+    phase: `seconds` is the table's value for the phase (what every message quotes), `grace` what the
+    role adds before the watchdog speaks (rank 0: NAMING_S at the roll call; the other ranks:
+    RANK0_GRACE, so that rank 0 names the culprit first). Every wait inside the phase takes left().
+    A rank other than 0 counts its bound from rank 0's gate (restart), however late rank 0 got there."""
+
+    def __init__(self, watchdog, phase, seconds, grace=0.0):
+        self.wd, self.phase, self.seconds, self.grace = watchdog, phase, float(seconds), float(grace)
+        self.start = time.monotonic()
+        self.armed = False
+
+    def left(self, extra=0.0):
+        """Seconds left of the phase's own bound (+ extra), never negative."""
+        return max(0.0, self.start + self.seconds + extra - time.monotonic())
+
+    def cause(self):
+        """The words for a phase that did not finish within its bound."""
+        return f"{PHASE_WHAT.get(self.phase, self.phase)} did not complete within {self.seconds:g}s"
+
+    def arm(self):
+        self.armed = True
+        self.wd.arm(self.phase, self.left(self.grace))
+        return self
+
+    def restart(self):
+        """Count the bound from now (a gate rank 0 opened, the store's first answer), still armed."""
+        self.start = time.monotonic()
+        if self.armed:
+            self.arm()
+        return self
+
+    def disarm(self):
+        if self.armed:
+            self.armed = False
+            self.wd.disarm()
+
+    def __enter__(self):
+        return self.arm()
+
+    def __exit__(self, *exc):
+        self.disarm()
+        return False
 
 
 class Watchdog:
@@ -95,8 +162,8 @@ class Watchdog:
     os._exit, which works while the main thread is blocked in a collective (a signal handler would
     run only after the collective returned)."""
 
-    def __init__(self, expire, tick=None, period=1.0):
-        self.expire, self.tick, self.period = expire, tick, period
+    def __init__(self, expire, tick=None, period=1.0, on_error=None):
+        self.expire, self.tick, self.period, self.on_error = expire, tick, period, on_error
         self._cv = threading.Condition()
         self._armed = None
         threading.Thread(target=self._loop, name="aiv-watchdog", daemon=True).start()
@@ -129,5 +196,7 @@ class Watchdog:
             elif self.tick is not None:
                 try:
                     self.tick(armed[0])
-                except Exception:
-                    pass
+                except Exception as e:  # the bound still holds; the tick is off, and the report says so
+                    self.tick = None
+                    if self.on_error is not None:
+                        self.on_error("the watchdog's liveness tick", e)

@@ -3,10 +3,9 @@ rank 0 that gives none in time."""
 import json
 import os
 import threading
-import time
 
-from .base import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_TIMEOUT, SCHEMA_VERSION, VERSION, first_line
-from .deadlines import NAMING_S, PHASE_CHECK, RANK0_GRACE, STORE_OP_S, bounded, worst_case
+from .base import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_TIMEOUT, SCHEMA_VERSION, VERSION, first_line, is_tool_error
+from .deadlines import NAMING_S, PHASE_CHECK, RANK0_GRACE, STORE_OP_S, Bound, bounded, worst_case
 from .judge import judge_forged
 from .liveness import liveness, proc_stat
 from .rank import RankRun
@@ -26,48 +25,49 @@ class Follower(RankRun):
     # ---------------------------------------------------------------- flow
     def end(self, v):
         """Report (done by phase_error), then take rank 0's verdict; before the roll call, speak for the node."""
-        if self.proto is not None:
-            self.wd.arm(self.phase, self.D[self.phase] + RANK0_GRACE)
-            try:
-                code = self.take_verdict(self.proto, self.D[self.phase] + RANK0_GRACE)
-            except Exception as e:  # rank 0's store is gone: that, not our own error, is the news
-                self.lost_rank0(e)
-            self.exit(code)
+        if self.proto is not None:  # rank 0 names the culprit within the phase's bound: wait that long again
+            with Bound(self.wd, self.phase, self.D[self.phase], RANK0_GRACE) as b:
+                self.exit(self.verdict_within(self.proto, b.left(RANK0_GRACE)))
         self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
         self.exit(v.code)
 
-    def phase_bound(self, phase):
-        return self.D[phase] + (RANK0_GRACE if phase != "local" else 0)
+    def grace(self, phase):
+        """The other ranks give rank 0 RANK0_GRACE past each bound to name the culprit first."""
+        return RANK0_GRACE if phase != "local" else 0.0
 
-    def enter_phase(self, phase):
+    def enter_phase(self, bound):
         """Wait for rank 0's gate, bounded as the phase itself (rank 0 opens it, or gives a verdict, within
-        the previous phase's bound + NAMING_S of the previous gate)."""
-        wait = self.D[phase] + RANK0_GRACE
-        self.wd.arm(phase, wait)
-        self.proto.wait_gate("phase/" + phase, wait + NAMING_S)  # the watchdog speaks before this raises
-        self.phase_t0 = time.monotonic()  # the phase's own waits count from rank 0's start too
+        the previous phase's bound + NAMING_S of the previous gate); the bound then counts from the gate."""
+        self.proto.wait_gate("phase/" + bound.phase, bound.left(bound.grace + NAMING_S))  # the watchdog speaks first
+        bound.restart()
 
     # ---------------------------------------------------------------- phases
     def before_check_in(self, R):
-        self.wd.arm("rollcall", R + RANK0_GRACE)  # counted from our arrival: rank 0 may start late
+        self.bound.restart()  # counted from rank 0's store's first answer: rank 0 may start late
 
     def after_check_in(self, R):
-        threading.Thread(target=self.listen, name="aiv-listener", daemon=True).start()
-        self.master = json.loads(self.proto.wait_gate("roll", R + RANK0_GRACE))
+        self.helper("aiv-listener", self.listen)
+        self.master = json.loads(self.proto.wait_gate("roll", self.bound.left(RANK0_GRACE)))
 
     def phase_final(self):
         """Rank 0 judges; this rank waits for its verdict."""
-        self.exit(self.take_verdict(self.proto, self.D["final"] + RANK0_GRACE))
+        self.exit(self.verdict_within(self.proto, self.bound.left(RANK0_GRACE)))
 
     # ---------------------------------------------------------------- rank 0's verdict
     def listen(self):
         """Non-zero ranks: block on the verdict key on a connection of our own and exit with it."""
         client = self.proto.clone()
+        self.exit(self.verdict_within(client, worst_case(self.D, True, soak=bool(self.args.soak)) + RANK0_GRACE))
+
+    def verdict_within(self, client, seconds):
+        """Rank 0's code from the store within `seconds`. A store that is gone or silent is rank 0's news
+        (lost_rank0); the tool's own error is raised as it is (`internal`, no host blamed)."""
         try:
-            code = self.take_verdict(client, worst_case(self.D, True, soak=bool(self.args.soak)) + RANK0_GRACE)
+            return self.take_verdict(client, seconds)
         except Exception as e:
+            if is_tool_error(e):
+                raise
             self.lost_rank0(e)
-        self.exit(code)
 
     def take_verdict(self, client, seconds):
         code = client.wait_verdict(seconds)

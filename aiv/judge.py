@@ -422,10 +422,53 @@ def judge_gate(records, ib_hca=None):
     return judge_numa(records) + judge_versions(records) + judge_fabric(records, ib_hca) + judge_day0(records)
 
 
-def judge_all(records, world_size, expect, ib_hca=None):
-    """Every check of gathered records, the stages in one call (for tests and benchmarks; the
-    runtime judges each stage once, as its data arrives)."""
-    return judge_pre(records, world_size, expect) + judge_gate(records, ib_hca) + judge_imports(records)
+def judge_final(records, results, world_size, host_of=None, ib_disable=None, bandwidth=None, min_busbw=None):
+    """Stage 3, after the collectives and the DDP step: packages, the collectives' values, NCCL's
+    transport, the bandwidth probe (records: with_results applied)."""
+    return (judge_imports(records) + judge_collectives(results, world_size, host_of)
+            + judge_transport(records, ib_disable) + judge_bandwidth(bandwidth, min_busbw))
+
+
+def judge_all(records, world_size, expect, ib_hca=None, results=None, ib_disable=None, bandwidth=None,
+              min_busbw=None):
+    """The stages the runtime runs, in one call, on the same functions (judge_pre at the roll call,
+    judge_gate at the telemetry, judge_final after the DDP step; the manifest and screen judges follow in
+    their own rooms). results: the DDP step's per-rank results (None: the run stopped before them)."""
+    out = judge_pre(records, world_size, expect) + judge_gate(records, ib_hca)
+    if results is not None:
+        out += judge_final(with_results(records, results), results, world_size,
+                           {r["rank"]: r["host"] for r in records}, ib_disable, bandwidth, min_busbw)
+    else:
+        out += judge_imports(records)
+    return out
+
+
+# What every rank's record holds, wherever the run stopped (the JSON's `ranks`): the roll call's identity,
+# the telemetry's node facts (node leaders; null on the others) and the DDP step's NCCL facts (null
+# before it, and on gloo). A record is never patched: each phase's results make new ones (with_results).
+RANK_IDENTITY = ("rank", "host", "hostname", "loopback", "local_rank", "backend", "device", "cvd", "gpu",
+                 "gpus_expected", "gloo", "cpus", "versions", "local", "pid", "pid_start", "addrs")
+RANK_FIELDS = RANK_IDENTITY + ("node", "transport", "nccl_net")
+
+
+def rank_record(rec):
+    """A rank's record in the declared schema (RANK_FIELDS, null where not measured), a new dict."""
+    return {k: rec.get(k) for k in RANK_FIELDS}
+
+
+def with_results(records, results):
+    """New records with the DDP step's results of each rank: NCCL's transport and interfaces, and the node
+    leader's package probe in its node facts."""
+    by_rank = {res["rank"]: res for res in results or () if isinstance(res, dict) and "rank" in res}
+    out = []
+    for rec in records:
+        rec, res = rank_record(rec), by_rank.get(rec["rank"])
+        if res is not None:
+            rec["transport"], rec["nccl_net"] = res.get("transport"), res.get("nccl_net")
+            if rec["node"] is not None and res.get("imports") is not None:
+                rec["node"] = dict(rec["node"], imports=res["imports"])
+        out.append(rec)
+    return out
 
 
 def judge_collectives(results, world_size, host_of=None):

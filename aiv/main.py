@@ -2,9 +2,20 @@
 import json
 import os
 import signal
+import socket
 import sys
 
-from .base import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, UsageError, emit
+from .base import (
+    EXIT_FAIL,
+    EXIT_INTERNAL,
+    EXIT_PASS,
+    EXIT_USAGE,
+    UsageError,
+    emit,
+    first_line,
+    is_tool_error,
+    where_raised,
+)
 from .coordinator import Coordinator
 from .follower import Follower
 from .liveness import node_monitor, proc_stat
@@ -64,8 +75,13 @@ def main(argv=None):
     if "_AIV_NODE_MONITOR" in env:  # a node leader's liveness monitor (see node_monitor)
         try:
             return node_monitor(json.loads(env["_AIV_NODE_MONITOR"]))
-        except Exception:
-            return 0
+        except Exception as e:  # a store that went away ends it quietly (the run ended); a bug says so
+            if not is_tool_error(e):
+                return 0
+            emit(f"WARNING: the node monitor on {socket.gethostname()} stopped: {first_line(e)} in "
+                 f"{where_raised(e)} (a bug in the tool): rank 0 reads this node's ranks from their beats alone",
+                 sys.stderr)
+            return EXIT_INTERNAL
     try:
         p = plan(argv, env)
         if p.get("check_json"):

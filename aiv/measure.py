@@ -9,7 +9,7 @@ import subprocess
 import threading
 import time
 
-from .base import _screen_median, first_line
+from .base import _screen_median, first_line, is_tool_error
 from .collect import pci_link, throttle_names
 from .deadlines import NODE_SMI_S
 
@@ -107,7 +107,10 @@ def start_node_smi():
         try:
             box["smi"] = read_node_smi(exe, NODE_SMI_S, box)
         except Exception as e:  # the facts are then "not read", never silently absent
-            box["smi"] = {"unread": f"nvidia-smi failed: {first_line(e)}", "bound": NODE_SMI_S}
+            if is_tool_error(e):  # the tool's own error: raised again where the facts are taken
+                box["internal"] = e
+            else:
+                box["smi"] = {"unread": f"nvidia-smi failed: {first_line(e)}", "bound": NODE_SMI_S}
         finally:
             box["done"].set()
     threading.Thread(target=run, name="aiv-node-smi", daemon=True).start()
@@ -118,6 +121,8 @@ def finish_node_smi(box, most_s):
     """The node's nvidia-smi facts for the telemetry: waited for until NODE_SMI_S after its start, and at most
     most_s now; an answer not in by then is {'unread': ..., 'bound': seconds it had}."""
     box["done"].wait(max(0.0, min(most_s, box["t0"] + NODE_SMI_S - time.monotonic())))
+    if "internal" in box:
+        raise box["internal"]
     if "smi" in box:
         return box["smi"]
     if box.get("proc") is not None:  # not waited for any longer: it does not outlive the run

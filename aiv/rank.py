@@ -20,6 +20,7 @@ from .base import (
     EXIT_INTERNAL,
     EXIT_PASS,
     EXIT_TIMEOUT,
+    Findings,
     Verdict,
     _counts,
     emit,
@@ -34,6 +35,7 @@ from .base import (
     print_traceback,
     read_text,
     verdict_code,
+    where_raised,
 )
 from .collect import (
     _cpu_affinity,
@@ -52,8 +54,8 @@ from .contract import job_secret, launcher_expectations, launcher_store, under_t
 from .deadlines import (
     IMPORT_PROBE_S,
     MARK_TTL,
-    NAMING_S,
     NCCL_RELAY_S,
+    OUTPUT_S,
     PHASE_CHECK,
     PHASE_WHAT,
     PHASES,
@@ -61,9 +63,12 @@ from .deadlines import (
     RANK0_GRACE,
     SCREEN_PHASES,
     TORCH_BACKSTOP_S,
+    Bound,
+    BoundPassed,
     Watchdog,
     deadlines,
     live_period,
+    within,
     worst_case,
 )
 from .files import write_json_atomic
@@ -151,7 +156,7 @@ class RankRun(ScreenRunner):
                    a listener thread reads even while the main thread is blocked in a collective; speaks
                    for rank 0 when rank 0 gives no verdict in time
 
-    Every way a run ends goes through Verdict and end(). The hooks a role defines: end, phase_bound,
+    Every way a run ends goes through Verdict and end(). The hooks a role defines: end, grace,
     enter_phase, own_error, open_store, before_check_in, after_check_in, phase_telemetry,
     results_gathered, phase_final, expire, signalled, progress, header."""
 
@@ -168,7 +173,7 @@ class RankRun(ScreenRunner):
                                                        ("world_size", "nodes", "ranks_per_node")
                                                        if getattr(args, "expect_" + k) is not None})
         self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, [], [], {}
+        self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, Findings(), [], {}
         self.starts, self.drain = {}, None  # phase -> seconds from start; the --drain plan at the verdict
         self.proto = self.poll = self.master = self.probe = self.monitor = self.nccl_log = None
         self.backend = self.device = self.collectives = self.results = self.bandwidth = None
@@ -183,12 +188,13 @@ class RankRun(ScreenRunner):
         self.nccl_seen = 0  # how much of the NCCL log nccl_hca has read
         self.relay_lock, self.relayed = threading.Lock(), threading.Event()  # exit: NCCL WARN lines, once
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
-        self.wd = Watchdog(self.on_expire, self.on_tick)
+        self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
+        self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
 
     # ---------------------------------------------------------------- flow
     def run(self):
         """main() blocked SIGTERM and SIGINT in every thread before this object existed; one thread takes them."""
-        threading.Thread(target=self.on_signal, name="aiv-signals", daemon=True).start()
+        self.helper("aiv-signals", self.on_signal)
         try:
             self.header()
             for phase in PHASES:
@@ -206,33 +212,43 @@ class RankRun(ScreenRunner):
 
     @contextlib.contextmanager
     def deadline(self, phase):
-        """Arm the watchdog with the phase's bound (phase_bound); a torch error inside becomes this rank's
-        Verdict, any other exception the tool's own (`internal`); stamp on success. Rank 0 speaks first in
-        every phase: after the roll call every phase starts at a gate rank 0 opens (enter_phase), and the
-        other ranks count their bound + RANK0_GRACE from that gate, however late rank 0 got there."""
-        self.phase, t = phase, time.monotonic()
-        self.phase_t0 = t
+        """The phase under its one Bound (armed on entry, disarmed on the way out, the stamp inside): a
+        torch error inside becomes this rank's Verdict, any other exception the tool's own (`internal`).
+        Rank 0 speaks first in every phase: after the roll call every phase starts at a gate rank 0 opens
+        (enter_phase), and the other ranks count their bound + RANK0_GRACE from that gate, however late
+        rank 0 got there."""
+        self.phase = phase
         self.failpoint(phase, only=("skew",))
+        b = self.bound = Bound(self.wd, phase, self.D[phase], self.grace(phase))
         try:
-            if PHASES.index(phase) > PHASES.index("rollcall") and self.proto is not None:
-                self.enter_phase(phase)
-            self.wd.arm(phase, self.phase_bound(phase))
-            self.failpoint(phase, only=("raise",))
-            yield
+            with b:
+                if PHASES.index(phase) > PHASES.index("rollcall") and self.proto is not None:
+                    self.enter_phase(b)
+                self.failpoint(phase, only=("raise",))
+                yield b
+                self.times[phase] = round(time.monotonic() - b.start, 3)
+                self.starts[phase] = round(b.start - _T0, 3)
+                if self.proto is not None:  # under the bound: rank 0's store may have frozen meanwhile
+                    self.proto.stamp(self.rank, phase)
         except Verdict:
             raise
         except Exception as e:
             raise self.phase_error(phase, e) from None
         finally:
-            self.wd.disarm()
-            self.times[phase] = round(time.monotonic() - t, 3)
-            self.starts[phase] = round(t - _T0, 3)
-        if self.proto is not None:  # under the phase's bound too: rank 0's store may have frozen meanwhile
-            self.wd.arm(phase, self.phase_bound(phase))
-            try:
-                self.proto.stamp(self.rank, phase)
-            finally:
-                self.wd.disarm()
+            self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
+            self.starts.setdefault(phase, round(b.start - _T0, 3))
+
+    @property
+    def phase_t0(self):
+        """When the phase in progress started counting its bound (its Bound's start)."""
+        return self.bound.start
+
+    def grace(self, phase):
+        """What this role adds to a phase's bound before its watchdog speaks (Coordinator, Follower)."""
+        return 0.0
+
+    def enter_phase(self, bound):
+        """The start of each phase after the roll call (Coordinator opens its gate, Follower waits for it)."""
 
     def phase_error(self, phase, exc):
         """An error inside a phase. The tool's own (is_tool_error): the `internal` verdict, no host. A torch
@@ -308,7 +324,7 @@ class RankRun(ScreenRunner):
                          "addrs": sorted({norm_ip(a) for i in ifaces.values() for a in i["addrs"]} - {None})}
         if self.local_rank == 0:
             self.node_box = {}
-            threading.Thread(target=self._collect_node, args=(self.node_box,), daemon=True).start()
+            self.helper("aiv-node-facts", self._collect_node, self.node_box)
             self.smi_box = start_node_smi()
         ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
         self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
@@ -330,13 +346,18 @@ class RankRun(ScreenRunner):
             self.start_monitor()
 
     def open_store(self, R, prefix, serve):
-        """Connect to the store (rank 0's, or torchrun's agent's). The connect and the store's first answer
-        within R + NAMING_S: a listener that accepts but never answers as a store (another service on
-        MASTER_PORT) is named by expire (unanswered)."""
-        self.wd.arm("rollcall", R + NAMING_S - 1)
+        """Connect to the store (rank 0's, or torchrun's agent's): the connect and the store's first answer
+        within the roll call's own bound R. A listener that accepts but never answers as a store (another
+        service on MASTER_PORT) is named as such (unanswered)."""
         try:
-            return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, seal=self.seal)
+            return within(lambda: StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, seal=self.seal),
+                          self.bound.left(), "the store's connect")
+        except BoundPassed:
+            raise failed("rendezvous", f"rank {self.rank} ({self.host}): {self.unanswered(R)}", EXIT_TIMEOUT,
+                         [self.host]) from None
         except Exception as e:
+            if is_tool_error(e):
+                raise
             raise failed("rendezvous", f"rank {self.rank} ({self.host}) cannot reach the "
                          f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
                          f"{first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
@@ -355,6 +376,8 @@ class RankRun(ScreenRunner):
     def telemetry(self):
         """This rank's identity and, on a node leader, the node's facts: what the telemetry gather sends."""
         tele = dict(self.identity)
+        if self.node_box is not None and "internal" in self.node_box:  # raised here: `internal`, no host blamed
+            raise self.node_box["internal"]
         if self.node_box is not None:
             tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
             if self.smi_box is not None:  # waited for within NODE_SMI_S of its start, a quarter of this phase at most
@@ -364,7 +387,7 @@ class RankRun(ScreenRunner):
     def phase_telemetry(self):
         self.failpoint("telemetry")
         self.proto.post("telemetry", self.rank, self.telemetry())
-        self.proto.wait_gate("judge", self.D["telemetry"] + RANK0_GRACE)
+        self.proto.wait_gate("judge", self.bound.left(RANK0_GRACE))
 
     def phase_soak(self):
         """--soak: every rank loads its own device for --soak seconds, all starting at one gate once their
@@ -378,9 +401,8 @@ class RankRun(ScreenRunner):
         self.proto.screen_post("soak", self.rank, row, self.world)
         if not self.is0:
             return
-        if not self.proto.screen_wait("soak", self.phase_t0 + self.D[self.phase] - time.monotonic()):
-            cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
-            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+        if not self.proto.screen_wait("soak", self.bound.left()):
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
         cpu = self._kind() == "cpu"
         rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
         self.soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
@@ -422,7 +444,7 @@ class RankRun(ScreenRunner):
         lsum = loss.detach().clone()
         dist.all_reduce(lsum)
         self.results.update(loss=loss.item(), grads=hashlib.sha256(grads.numpy().tobytes()).hexdigest(),
-                            imports=self.import_results(), **self.nccl_log_facts())
+                            imports=self.import_results(), helpers=list(self.helper_errors), **self.nccl_log_facts())
         self.proto.post("results", self.rank, self.results)
         self.results_gathered(lsum.item())
         self.progress("ddp", secs=time.monotonic() - t)
@@ -449,10 +471,10 @@ class RankRun(ScreenRunner):
         """The tool's own error at a bound: rank 0 gives the `internal` verdict; the others just exit 4."""
 
     def expiry_cause(self, phase):
-        cause = f"{PHASE_WHAT[phase]} did not complete within {self.D[phase]:g}s"
         if phase == "rollcall" and self.proto is None:  # still connecting to the store
-            cause = self.unanswered(self.D[phase] + NAMING_S)
-        return cause
+            return self.unanswered(self.D[phase])
+        return self.bound.cause() if self.bound is not None and self.bound.phase == phase else \
+            Bound(None, phase, self.D[phase]).cause()
 
     def unanswered(self, seconds):
         """Why the store's connect did not finish: a listener that accepts but never answers, or none."""
@@ -621,6 +643,8 @@ class RankRun(ScreenRunner):
             self.device = dev
             return collect_gpu(torch, dev, self.args.sysfs_root)
         except Exception as e:
+            if is_tool_error(e):  # the tool's own error: `internal`, never this GPU's fault
+                raise
             out.append(finding("device", "FAIL", f"{who}: cuda:{dev} unusable: {first_line(e)}", [self.host]))
             return None
 
@@ -629,7 +653,7 @@ class RankRun(ScreenRunner):
             count = self.torch.cuda.device_count() if self.backend == "nccl" else 0
             box["facts"] = collect_node_facts(self.args.sysfs_root, self.torch, self.backend, count, self.env)
         except Exception as e:
-            box["error"] = first_line(e)
+            box["internal" if is_tool_error(e) else "error"] = e if is_tool_error(e) else first_line(e)
 
     def import_results(self, wait_s=None):
         """Node leaders: the torchvision/torchaudio probe started at the roll call's go (usually done by now); taken
@@ -646,7 +670,7 @@ class RankRun(ScreenRunner):
         """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
         node leader the import probe and the node monitor's first post), each wait
         bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly."""
-        wait = self.D[self.phase] / 4
+        wait = self.bound.left() / 4
         if self.warm is not None:
             self.warm.join(timeout=wait)
         self.import_results(min(IMPORT_PROBE_S, wait))
@@ -667,20 +691,38 @@ class RankRun(ScreenRunner):
         cfg["run"] = self.proto.run  # it posts into this run's store only, never into a later run's
         self.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
                                         env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # its stderr: the job's
         if not self.is0:  # rank 0 sees its own node's ranks in /proc
-            threading.Thread(target=self.beat, args=(cfg["period"],), name="aiv-beat", daemon=True).start()
+            self.helper("aiv-beat", self.beat, cfg["period"])
 
     def beat(self, period):
         """A node leader's thread: the node's beat every liveness period, on a connection of its own. With
         the monitor's posts, the second sign that the node reaches the store: a node is unreachable only
-        when both stop (settled_live)."""
-        with contextlib.suppress(Exception):
+        when both stop (settled_live). A store that went away ends it quietly (the run is ending, or rank 0
+        is gone, which the phases name); the tool's own error is raised (helper: said in the report)."""
+        try:
             client = self.proto.clone()
             while True:
                 client.beat(self.host)
                 time.sleep(period)
+        except Exception as e:
+            if is_tool_error(e):
+                raise
+
+    def helper(self, name, fn, *args):
+        """Start a helper thread. One that dies of an exception says so: on stderr at once, and in the
+        report as a WARN `internal` (rank 0's own at the verdict, the others' with their results)."""
+        def run():
+            try:
+                fn(*args)
+            except BaseException as e:
+                self.helper_died(name, e)
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    def helper_died(self, name, exc):
+        self.helper_errors.append(f"{name} stopped: {first_line(exc)} in {where_raised(exc)}")
+        emit(f"rank {self.rank} ({self.host}): WARNING: helper thread {name} stopped: {first_line(exc)}", sys.stderr)
+        print_traceback(exc)
 
     def bandwidth_at(self, size):
         """all_reduce bus bandwidth as nccl-tests defines it: busbw = algbw * 2(n-1)/n, warm-up then
@@ -705,11 +747,13 @@ class RankRun(ScreenRunner):
         return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
 
     def write_json(self, state, first=False):
+        """--json, within OUTPUT_S (shared storage can hang): a file that cannot be written is a warning."""
         if self.args.json:
             try:
-                write_json_atomic(self.args.json, state, first)
-            except OSError as e:
-                emit(f"WARNING: could not write --json {self.args.json}: {e.strerror}", sys.stderr)
+                within(lambda: write_json_atomic(self.args.json, state, first), OUTPUT_S,
+                       f"writing --json {self.args.json}")
+            except (OSError, BoundPassed) as e:
+                emit(f"WARNING: could not write --json {self.args.json}: {e.strerror or e}", sys.stderr)
 
 
 

@@ -53,6 +53,13 @@ def run_base(env):
     return ".".join(env.get(v, "") for v in ("SLURM_JOB_ID", "SLURM_STEP_ID")).strip(".")
 
 
+def store_timed_out(exc):
+    """Whether `exc` is the store's own timeout (a wait that ran out of time: torch's DistStoreError 'wait
+    timeout', or TimeoutError). Nothing else is: a store that is gone, and the tool's own error, are
+    raised to the phase, which tells them apart (is_tool_error): never read as 'not arrived'."""
+    return isinstance(exc, TimeoutError) or (type(exc).__name__ == "DistStoreError" and "timeout" in str(exc).lower())
+
+
 class Forged(Exception):
     """A store value that is not this run's: it did not carry the job's secret, or it was replayed
     from another run. key: the store key; raw: what the value said (quoted, never believed)."""
@@ -333,7 +340,9 @@ class StoreProtocol:
         """Whether all_arrived was set within `seconds` (a wake-up only: the records are what counts)."""
         try:
             self._wait(["all_arrived"], seconds)
-        except Exception:
+        except Exception as e:
+            if not store_timed_out(e):
+                raise
             return False
         return self._open("all_arrived", self.store.get("all_arrived")) is not None
 
@@ -439,7 +448,9 @@ class StoreProtocol:
         while True:
             try:
                 self._wait([f"screen/{rnd}/all"], end - time.monotonic())
-            except Exception:
+            except Exception as e:
+                if not store_timed_out(e):
+                    raise
                 return False
             if self.world is None or len(self.screen_posts(rnd)) >= self.world:
                 return True
@@ -471,7 +482,9 @@ class StoreProtocol:
         while True:
             try:
                 self._wait([f"posts/{name}/all"], end - time.monotonic())
-            except Exception:  # the bound passed (a store that is gone raises in the read below)
+            except Exception as e:  # the bound passed: what came is what there is
+                if not store_timed_out(e):
+                    raise
                 return self.posts(name)
             got = self.posts(name)
             if len(got) >= self.world or time.monotonic() >= end:
