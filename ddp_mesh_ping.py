@@ -7120,6 +7120,122 @@ class LightStore:
 
 
 
+# ============================================================================ aiv/background.py
+# Floor 5 (runtime): a rank's work off its main thread and its NCCL log. Background holds what a rank
+class NcclLog:
+    """NCCL's INFO lines of one rank, sent to a private file (not the operator's log) to learn the
+    transport it chose and the HCA of each connection. Left alone (path None) when the operator set
+    NCCL_DEBUG_FILE or asked for INFO, and on gloo."""
+
+    def __init__(self, path=None, env=None):
+        self.path, self.env, self.seen = path, env or {}, 0
+        self.relay_lock, self.relayed = threading.Lock(), threading.Event()
+
+    @classmethod
+    def capture(cls, backend, rank, env):
+        if backend == "gloo" or "NCCL_DEBUG_FILE" in env or env.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE"):
+            return cls(None, env)
+        fd, path = tempfile.mkstemp(prefix=f"aiv-nccl-r{rank}-", suffix=".log")
+        os.close(fd)
+        os.environ["NCCL_DEBUG_FILE"] = path
+        os.environ["NCCL_DEBUG"] = "INFO"
+        os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
+        return cls(path, env)
+
+    def __bool__(self):
+        return self.path is not None
+
+    def _text(self):
+        return read_text(self.path, "", limit=8 << 20) or ""
+
+    def facts(self):
+        """{'transport': kinds, 'nccl_net': interfaces}, both None without a private log."""
+        if not self.path:  # gloo, or the operator's own NCCL_DEBUG=INFO / NCCL_DEBUG_FILE
+            return {"transport": None, "nccl_net": None}
+        text = self._text()
+        return {"transport": parse_nccl_transport(text), "nccl_net": parse_nccl_ifaces(text)}
+
+    def hca_since_last(self):
+        """The HCA of this rank's connections since the last call (a pair round's communicator)."""
+        text = self._text()
+        since, self.seen = self.seen, len(text)
+        return parse_nccl_hca(text, since)
+
+    def relay(self, who):
+        """This rank's NCCL WARN lines to stderr, once, whichever thread exits first (the other waits at most
+        NCCL_RELAY_S): from the private log, else from the operator's NCCL_DEBUG_FILE. The file may sit in
+        a job-private TMPDIR that Slurm deletes; the job's stderr stays. A relay never changes the exit."""
+        if not self.relay_lock.acquire(blocking=False):
+            self.relayed.wait(NCCL_RELAY_S)
+            return
+        try:
+            path = self.path or nccl_debug_file(self.env)
+            if path:
+                with contextlib.suppress(Exception):
+                    lines, more = nccl_warn_lines(read_text(path, "", limit=8 << 20) or "")
+                    for ln in lines:
+                        emit(who + ln, sys.stderr)
+                    if more:
+                        emit(f"{who}{more} more of NCCL's WARN lines not shown", sys.stderr)
+        finally:
+            self.relayed.set()
+
+    def close(self, keep, who):
+        """At exit: keep a non-empty log of a failed run (and say where), drop it otherwise."""
+        if self.path and keep and os.path.getsize(self.path) > 0:
+            emit(f"{who}NCCL debug log kept at {self.path}", sys.stderr)
+        else:
+            self.drop()
+
+    def drop(self):
+        if self.path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        self.path = None
+
+
+class Background:
+    """A rank's work off its main thread: started at the local phase, taken by the phase that needs it,
+    each within a bound. Children (the import probe, the node monitor) are killed at exit."""
+
+    def __init__(self):
+        self.probe = None     # node leaders: the torchvision/torchaudio import probe (a child, nice 19)
+        self.monitor = None   # node leaders: the liveness monitor of the node's ranks (a child)
+        self.warm = None      # DDP's lazy imports, on a thread
+        self.node = None      # node leaders: the node's facts {'facts'|'error'|'internal'}, on a thread
+        self.smi = None       # node leaders: the node's one nvidia-smi call (start_node_smi)
+        self.gpu = None       # GPU ranks: the screen's device measurement on its own thread (start_screen_gpu)
+        self.imports = None   # the import probe's result, once taken
+        self.imports_s = None  # how long taking it waited
+
+    def take_imports(self, wait_s):
+        """The import probe's result (node leaders; None elsewhere), taken once, within wait_s."""
+        if self.probe is None or self.imports is not None:
+            return self.imports
+        t = time.monotonic()
+        self.imports = finish_import_probe(self.probe, wait_s)
+        self.imports_s = round(time.monotonic() - t, 3)
+        return self.imports
+
+    def node_facts(self, smi_most_s):
+        """The node's facts for the telemetry (node leaders; None elsewhere). The tool's own error in their
+        collection is raised here (`internal`, no host blamed)."""
+        if self.node is None:
+            return None
+        if "internal" in self.node:
+            raise self.node["internal"]
+        facts = self.node.get("facts") or {"error": self.node.get("error", "not collected in time")}
+        if self.smi is not None:  # waited for within NODE_SMI_S of its start, at most smi_most_s now
+            facts = dict(facts, smi=finish_node_smi(self.smi, smi_most_s))
+        return facts
+
+    def stop(self):
+        for proc in (self.probe, self.monitor):
+            if proc is not None and not isinstance(proc, OSError) and proc.poll() is None:
+                proc.kill()
+
+
+
 # ============================================================================ aiv/screen_run.py
 # Floor 5 (runtime): the performance screen on the ranks: the collectives the plan asks for.
 class ScreenRunner:
@@ -7127,6 +7243,10 @@ class ScreenRunner:
     measurements, its groups and the gates between rounds; on rank 0 also the plan of the rounds, the
     collection of every rank's posts and the screen's judgement. Mixed into RankRun: the plumbing it
     uses (store, watchdog, deadlines, devices) is the rank's."""
+
+    @property
+    def is0(self):
+        return self.rank == 0
 
     def phase_screen_gpu(self):
         """Every rank at once: its device's matmul and memory-copy speed, and on GPU the facts read under
@@ -7136,10 +7256,10 @@ class ScreenRunner:
             self.screen_start()
         self.failpoint("screen-gpu")
         row = None
-        if self.gpu_box is not None:  # measured on its own thread since the local checks (start_screen_gpu)
+        if self.bg.gpu is not None:  # measured on its own thread since the local checks (start_screen_gpu)
             with contextlib.suppress(HostStarved):  # the rank's own threads held the interpreter: again, below
-                row = take_screen_gpu(self.gpu_box)
-            self.times["gpu_measure"] = self.gpu_box["secs"]
+                row = take_screen_gpu(self.bg.gpu)
+            self.times["gpu_measure"] = self.bg.gpu["secs"]
         if row is None:  # CPU ranks (their own CPU clock), or a starved measuring thread: on a quiet process
             self.quiesce()
             g = self.identity.get("gpu") or {}
@@ -7255,16 +7375,14 @@ class ScreenRunner:
         if group is not None:
             bw, sec = screen_busbw(self.torch, self.dist, group, len(entry["g"]), self._device(), self._kind())
             post.update(busbw=float(f"{bw:.4g}"), time_us=round(sec * 1e6, 1))
-            if self.phase != "screen-intra" and self.nccl_log:
+            if self.phase != "screen-intra" and self.nccl:
                 post["hca"] = self.nccl_hca()
         self.proto.screen_post(name, self.rank, post, self.world)
 
     def nccl_hca(self):
         """The HCA of this rank's connections since the last call (a pair round's communicator), from NCCL's
         log (parse_nccl_hca)."""
-        text = read_text(self.nccl_log, "", limit=8 << 20) or ""
-        since, self.nccl_seen = self.nccl_seen, len(text)
-        return parse_nccl_hca(text, since)
+        return self.nccl.hca_since_last()
 
     def round_gate(self, name):
         """Every group of a round starts together: each rank posts that its group is made; rank 0, once
@@ -7480,11 +7598,11 @@ class RankRun(ScreenRunner):
     results_gathered, phase_final, expire, signalled, progress, header."""
 
     on_tick = None  # the Coordinator's liveness tick; the others have none
+    beats = True  # a node leader beats for its node (rank 0 reads its own node's ranks from /proc)
 
     def __init__(self, args, contract, env):
         self.args, self.c, self.env = args, contract, env
         self.rank, self.world, self.local_rank = contract["rank"], contract["world_size"], contract["local_rank"]
-        self.is0 = self.rank == 0
         self.host = env.get("SLURMD_NODENAME") or socket.gethostname()
         self.addr, self.port = contract["master_addr"], contract["master_port"]
         self.D = deadlines(args.timeout, args.rollcall_timeout, args.soak)
@@ -7493,19 +7611,14 @@ class RankRun(ScreenRunner):
                                                        if getattr(args, "expect_" + k) is not None})
         self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, Findings(), [], {}
-        self.starts, self.drain = {}, None  # phase -> seconds from start; the --drain plan at the verdict
-        self.proto = self.poll = self.master = self.probe = self.monitor = self.nccl_log = None
-        self.backend = self.device = self.collectives = self.results = self.bandwidth = None
-        self.identity = self.node_box = None
-        self.smi_box = None  # node leaders: the node's one nvidia-smi call (start_node_smi)
-        self.gpu_box = None  # GPU ranks: the screen's device measurement, on its own thread (start_screen_gpu)
-        self.screen = self.my_plan = self.warm = self.imports = None  # screen results (rank 0), own groups
-        self.soak = None  # rank 0: the soak's rows and settings (--soak)
+        self.starts = {}  # phase -> seconds from start
+        self.proto = self.poll = self.master = None
+        self.backend = self.device = self.results = self.bandwidth = None
+        self.identity = None
+        self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
+        self.screen = self.my_plan = None  # screen results (rank 0), own groups
         self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
         self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
-        self.speak_lock = threading.Lock()  # speak_for_rank0: one thread speaks and writes the JSON
-        self.nccl_seen = 0  # how much of the NCCL log nccl_hca has read
-        self.relay_lock, self.relayed = threading.Lock(), threading.Event()  # exit: NCCL WARN lines, once
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
         self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
         self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
@@ -7600,7 +7713,7 @@ class RankRun(ScreenRunner):
 
     # ---------------------------------------------------------------- phases
     def phase_local(self):
-        self.nccl_log = self.capture_nccl_debug()
+        self.nccl = NcclLog.capture(self.args.backend, self.rank, self.env)
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
         # abort the communicator and raise, never kill the process (1, torchrun's default, kills rank 0
         # before its verdict); an operator's own setting outside torchrun is kept
@@ -7610,7 +7723,7 @@ class RankRun(ScreenRunner):
         self.progress("contract", rank=self.rank, world=self.world, source=self.c["source"],
                       local_rank=self.local_rank, master=f"{self.addr}:{self.port}")
         if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
-            self.probe = start_import_probe()
+            self.bg.probe = start_import_probe()
         t = time.monotonic()
         import torch
         import torch.distributed as dist
@@ -7621,14 +7734,14 @@ class RankRun(ScreenRunner):
             raise failed("local", f"{old} on {self.host} (rank {self.rank}, {sys.executable})", EXIT_FAIL,
                          [self.host], [self.rank])
         if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
-            self.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
-            self.warm.start()
+            self.bg.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
+            self.bg.warm.start()
         ifaces, expected = list_interfaces(), gpus_expected(self.env, self.args.sysfs_root)
         local, gpu = self.local_checks(ifaces, expected)
-        if self.backend != "nccl" and self.nccl_log:
-            self._drop_nccl_log()
+        if self.backend != "nccl":
+            self.nccl.drop()
         if gpu is not None and not self.args.skip_screen and not any(f["status"] == "FAIL" for f in local):
-            self.gpu_box = start_screen_gpu(self.torch, self.device, gpu.get("uuid"), gpu.get("pci"),
+            self.bg.gpu = start_screen_gpu(self.torch, self.device, gpu.get("uuid"), gpu.get("pci"),
                                             self.args.sysfs_root)
         if gpu is not None:  # the HCA a pair round names where NCCL's log does not say
             gpu["hca"] = nearest_hca(self.args.sysfs_root, gpu.get("pci"), self.env.get("NCCL_IB_HCA"))
@@ -7642,9 +7755,9 @@ class RankRun(ScreenRunner):
                          "local": local, "pid": os.getpid(), "pid_start": (proc_stat(os.getpid()) or ("", ""))[1],
                          "addrs": sorted({norm_ip(a) for i in ifaces.values() for a in i["addrs"]} - {None})}
         if self.local_rank == 0:
-            self.node_box = {}
-            self.helper("aiv-node-facts", self._collect_node, self.node_box)
-            self.smi_box = start_node_smi()
+            self.bg.node = {}
+            self.helper("aiv-node-facts", self._collect_node, self.bg.node)
+            self.bg.smi = start_node_smi()
         ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
         self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
@@ -7695,12 +7808,9 @@ class RankRun(ScreenRunner):
     def telemetry(self):
         """This rank's identity and, on a node leader, the node's facts: what the telemetry gather sends."""
         tele = dict(self.identity)
-        if self.node_box is not None and "internal" in self.node_box:  # raised here: `internal`, no host blamed
-            raise self.node_box["internal"]
-        if self.node_box is not None:
-            tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
-            if self.smi_box is not None:  # waited for within NODE_SMI_S of its start, a quarter of this phase at most
-                tele["node"] = dict(tele["node"], smi=finish_node_smi(self.smi_box, self.D["telemetry"] / 4))
+        node = self.bg.node_facts(self.bound.left() / 4)  # nvidia-smi: a quarter of this phase at most
+        if node is not None:
+            tele["node"] = node
         return tele
 
     def phase_telemetry(self):
@@ -7710,33 +7820,14 @@ class RankRun(ScreenRunner):
 
     def phase_soak(self):
         """--soak: every rank loads its own device for --soak seconds, all starting at one gate once their
-        operands are warm (every GPU heats together); rank 0 collects every rank's row, judges them
-        (judge_soak) and ends the run on a FAIL before the collectives."""
-        t = time.monotonic()
+        operands are warm (every GPU heats together), and posts its row (rank 0 judges them all).
+        -> this rank's row."""
         self.failpoint("soak")
         g = self.identity.get("gpu") or {}
         row = soak_measure(self.torch, self._device(), self._kind(), self.args.soak, g.get("uuid"),
                            lambda: self.round_gate("soak"))
         self.proto.screen_post("soak", self.rank, row, self.world)
-        if not self.is0:
-            return
-        if not self.proto.screen_wait("soak", self.bound.left()):
-            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
-        cpu = self._kind() == "cpu"
-        rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
-        self.soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
-                     "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
-        found = apply_strict(judge_soak(rows, cpu), self.args.strict)
-        self.findings += found
-        ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
-                  r.get("tflops_last") is not None]
-        temps = [r["temp_max_c"] for r in rows if r.get("temp_max_c") is not None]
-        detail = (f"TFLOPS last/first window min {min(ratios):.2f}" if ratios else "too short to time windows") + (
-            f", max temperature {max(temps):g} C" if temps else ", no GPU telemetry" + (" on CPU" if cpu else ""))
-        self.progress("soak", n=len(rows), what="CPU rank(s)" if cpu else "GPU(s)", seconds=self.args.soak,
-                      detail=detail, counts=_counts(found), secs=time.monotonic() - t)
-        if verdict_code(self.findings):
-            raise Verdict(verdict_code(self.findings))
+        return row
 
     def phase_collective(self):
         torch, w, r, t = self.torch, self.world, self.rank, time.monotonic()
@@ -7763,7 +7854,7 @@ class RankRun(ScreenRunner):
         lsum = loss.detach().clone()
         dist.all_reduce(lsum)
         self.results.update(loss=loss.item(), grads=hashlib.sha256(grads.numpy().tobytes()).hexdigest(),
-                            imports=self.import_results(), helpers=list(self.helper_errors), **self.nccl_log_facts())
+                            imports=self.import_results(), helpers=list(self.helper_errors), **self.nccl.facts())
         self.proto.post("results", self.rank, self.results)
         self.results_gathered(lsum.item())
         self.progress("ddp", secs=time.monotonic() - t)
@@ -7818,22 +7909,11 @@ class RankRun(ScreenRunner):
 
     def exit(self, code):
         """Flush and leave without interpreter teardown (gloo threads can SIGABRT there). Every way out of a
-        rank passes here: its NCCL WARN lines are relayed first (relay_nccl_warns)."""
-        for proc in (self.probe, self.monitor):
-            if proc is not None and not isinstance(proc, OSError) and proc.poll() is None:
-                proc.kill()
-        if self.relay_lock.acquire(blocking=False):
-            try:
-                self.relay_nccl_warns()
-            finally:
-                self.relayed.set()
-        else:  # another thread is relaying them: let it finish, bounded
-            self.relayed.wait(NCCL_RELAY_S)
-        if self.nccl_log:
-            if code != EXIT_PASS and os.path.getsize(self.nccl_log) > 0:
-                emit(f"rank {self.rank} ({self.host}): NCCL debug log kept at {self.nccl_log}", sys.stderr)
-            else:
-                self._drop_nccl_log()
+        rank passes here: its NCCL WARN lines are relayed first (NcclLog.relay)."""
+        self.bg.stop()
+        who = f"rank {self.rank} ({self.host}): "
+        self.nccl.relay(who)
+        self.nccl.close(code != EXIT_PASS, who)
         flush_all()
         os._exit(code)
 
@@ -7873,49 +7953,6 @@ class RankRun(ScreenRunner):
 
     def _dev_str(self):
         return f"cuda:{self.device}" if self.device is not None else "cpu"
-
-    def capture_nccl_debug(self):
-        """Send NCCL's INFO lines to a private per-rank file (not the operator's log) to learn the
-        transport it chose. Left alone when the operator set NCCL_DEBUG_FILE or asked for INFO."""
-        if self.args.backend == "gloo" or "NCCL_DEBUG_FILE" in self.env \
-                or self.env.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE"):
-            return None
-        fd, path = tempfile.mkstemp(prefix=f"aiv-nccl-r{self.rank}-", suffix=".log")
-        os.close(fd)
-        os.environ["NCCL_DEBUG_FILE"] = path
-        os.environ["NCCL_DEBUG"] = "INFO"
-        os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
-        return path
-
-    def nccl_log_facts(self):
-        """Read back the NCCL log: {'transport': kinds, 'nccl_net': interfaces} (both None without a private
-        log). Its WARN lines are relayed at exit."""
-        if not self.nccl_log:  # gloo, or the operator's own NCCL_DEBUG=INFO / NCCL_DEBUG_FILE
-            return {"transport": None, "nccl_net": None}
-        text = read_text(self.nccl_log, "", limit=8 << 20) or ""
-        return {"transport": parse_nccl_transport(text), "nccl_net": parse_nccl_ifaces(text)}
-
-    def relay_nccl_warns(self):
-        """Relay this rank's NCCL WARN lines to stderr once, as it exits by any path: from the private NCCL
-        log, else from the operator's NCCL_DEBUG_FILE. The file may sit in a job-private TMPDIR that Slurm
-        deletes; the job's stderr stays. At most NCCL_WARN_RELAY lines, the rest counted."""
-        path = self.nccl_log or nccl_debug_file(self.env)
-        if not path:
-            return
-        with contextlib.suppress(Exception):  # a relay never changes the exit
-            lines, more = nccl_warn_lines(read_text(path, "", limit=8 << 20) or "")
-            who = f"rank {self.rank} ({self.host}): "
-            for ln in lines:
-                emit(who + ln, sys.stderr)
-            if more:
-                emit(f"{who}{more} more of NCCL's WARN lines not shown", sys.stderr)
-
-    def _drop_nccl_log(self):
-        try:
-            os.unlink(self.nccl_log)
-        except OSError:
-            pass
-        self.nccl_log = None
 
     def local_checks(self, ifaces, expected):
         """Checks before any communication. Returns (findings, gpu facts or None). With --backend auto
@@ -7975,26 +8012,24 @@ class RankRun(ScreenRunner):
             box["internal" if is_tool_error(e) else "error"] = e if is_tool_error(e) else first_line(e)
 
     def import_results(self, wait_s=None):
-        """Node leaders: the torchvision/torchaudio probe started at the roll call's go (usually done by now); taken
-        once (the screen takes it early, so that it measures a quiet node)."""
-        if self.probe is None or self.imports is not None:
-            return self.imports
-        t = time.monotonic()
-        wait_s = min(IMPORT_PROBE_S, self.D["ddp"] / 2) if wait_s is None else wait_s
-        self.imports = finish_import_probe(self.probe, wait_s)
-        self.times["imports"] = round(time.monotonic() - t, 3)
-        return self.imports
+        """Node leaders: the torchvision/torchaudio probe started at launch (usually done by now); taken once
+        (the screen takes it early, so that it measures a quiet node), within half the phase's time left."""
+        if self.bg.probe is None or self.bg.imports is not None:
+            return self.bg.imports
+        imports = self.bg.take_imports(min(IMPORT_PROBE_S, self.bound.left() / 2) if wait_s is None else wait_s)
+        self.times["imports"] = self.bg.imports_s
+        return imports
 
     def quiesce(self):
         """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
         node leader the import probe and the node monitor's first post), each wait
         bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly."""
         wait = self.bound.left() / 4
-        if self.warm is not None:
-            self.warm.join(timeout=wait)
+        if self.bg.warm is not None:
+            self.bg.warm.join(timeout=wait)
         self.import_results(min(IMPORT_PROBE_S, wait))
         end = time.monotonic() + wait
-        while self.monitor is not None and time.monotonic() < end and self.monitor.poll() is None:
+        while self.bg.monitor is not None and time.monotonic() < end and self.bg.monitor.poll() is None:
             if "seq" in self.proto.live([self.host])[self.host]:
                 break
             time.sleep(0.05)
@@ -8008,10 +8043,10 @@ class RankRun(ScreenRunner):
                "ranks": ranks, "period": live_period(self.master["nodes"]),
                "lifetime": worst_case(self.D, True, soak=bool(self.args.soak))}
         cfg["run"] = self.proto.run  # it posts into this run's store only, never into a later run's
-        self.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
+        self.bg.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
                                         env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # its stderr: the job's
-        if not self.is0:  # rank 0 sees its own node's ranks in /proc
+        if self.beats:  # rank 0 sees its own node's ranks in /proc
             self.helper("aiv-beat", self.beat, cfg["period"])
 
     def beat(self, period):
@@ -8094,12 +8129,15 @@ class Coordinator(RankRun):
     the watchdog, the signal thread); it names who did not finish a phase (unfinished) from the
     stamps, the node monitors' liveness and the error reports."""
 
+    beats = False  # rank 0 reads its own node's ranks from /proc
+
     def __init__(self, args, contract, env):
         self.alarm_at = None  # on_tick: when the first error report was seen
         self.gone = set()  # ranks found dead or frozen: no acknowledgement to wait for
         self.acks_s = ACKS_S  # how long the store stays up for the acknowledgements
         self.verdict_lock = threading.Lock()
         self.serving = False
+        self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
         super().__init__(args, contract, env)
 
     # ---------------------------------------------------------------- flow
@@ -8209,6 +8247,29 @@ class Coordinator(RankRun):
         if verdict_code(self.findings):
             raise Verdict(verdict_code(self.findings))
         self.proto.open_gate("judge")
+
+    def phase_soak(self):
+        """Rank 0 soaks its own device like every rank, collects every rank's row, judges them (judge_soak)
+        and ends the run on a FAIL before the collectives."""
+        t = time.monotonic()
+        row = super().phase_soak()
+        if not self.proto.screen_wait("soak", self.bound.left()):
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
+        cpu = self._kind() == "cpu"
+        rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
+        self.soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
+                     "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
+        found = apply_strict(judge_soak(rows, cpu), self.args.strict)
+        self.findings += found
+        ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
+                  r.get("tflops_last") is not None]
+        temps = [r["temp_max_c"] for r in rows if r.get("temp_max_c") is not None]
+        detail = (f"TFLOPS last/first window min {min(ratios):.2f}" if ratios else "too short to time windows") + (
+            f", max temperature {max(temps):g} C" if temps else ", no GPU telemetry" + (" on CPU" if cpu else ""))
+        self.progress("soak", n=len(rows), what="CPU rank(s)" if cpu else "GPU(s)", seconds=self.args.soak,
+                      detail=detail, counts=_counts(found), secs=time.monotonic() - t)
+        if verdict_code(self.findings):
+            raise Verdict(verdict_code(self.findings))
 
     def phase_bandwidth(self):
         super().phase_bandwidth()
@@ -8560,6 +8621,7 @@ class Follower(RankRun):
     def __init__(self, args, contract, env):
         self.verdict_seen = None  # rank 0's exit code, once read
         self.ack_lock, self.acked = threading.Lock(), False
+        self.speak_lock = threading.Lock()  # speak_for_rank0: one thread speaks and writes the JSON
         super().__init__(args, contract, env)
 
     # ---------------------------------------------------------------- flow

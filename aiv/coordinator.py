@@ -71,11 +71,12 @@ from .judge import (
 )
 from .liveness import liveness, proc_stat
 from .manifest import judge_bands, judge_manifest, mark_accepted, note_manifest_save
-from .measure import screen_degraded_note
+from .measure import SCREEN_MATMUL_N, screen_degraded_note
 from .outputs import drain_apply, drain_blocker, drain_plan, render_metrics
 from .page import render_html
 from .rank import HEADER, PROGRESS, RankRun
 from .render import failure_lines, render_report
+from .screen_judge import judge_soak, soak_rows
 from .store import Forged, StoreProtocol, fd_limit_problem, store_peers
 
 
@@ -85,12 +86,15 @@ class Coordinator(RankRun):
     the watchdog, the signal thread); it names who did not finish a phase (unfinished) from the
     stamps, the node monitors' liveness and the error reports."""
 
+    beats = False  # rank 0 reads its own node's ranks from /proc
+
     def __init__(self, args, contract, env):
         self.alarm_at = None  # on_tick: when the first error report was seen
         self.gone = set()  # ranks found dead or frozen: no acknowledgement to wait for
         self.acks_s = ACKS_S  # how long the store stays up for the acknowledgements
         self.verdict_lock = threading.Lock()
         self.serving = False
+        self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
         super().__init__(args, contract, env)
 
     # ---------------------------------------------------------------- flow
@@ -200,6 +204,29 @@ class Coordinator(RankRun):
         if verdict_code(self.findings):
             raise Verdict(verdict_code(self.findings))
         self.proto.open_gate("judge")
+
+    def phase_soak(self):
+        """Rank 0 soaks its own device like every rank, collects every rank's row, judges them (judge_soak)
+        and ends the run on a FAIL before the collectives."""
+        t = time.monotonic()
+        row = super().phase_soak()
+        if not self.proto.screen_wait("soak", self.bound.left()):
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
+        cpu = self._kind() == "cpu"
+        rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
+        self.soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
+                     "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
+        found = apply_strict(judge_soak(rows, cpu), self.args.strict)
+        self.findings += found
+        ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
+                  r.get("tflops_last") is not None]
+        temps = [r["temp_max_c"] for r in rows if r.get("temp_max_c") is not None]
+        detail = (f"TFLOPS last/first window min {min(ratios):.2f}" if ratios else "too short to time windows") + (
+            f", max temperature {max(temps):g} C" if temps else ", no GPU telemetry" + (" on CPU" if cpu else ""))
+        self.progress("soak", n=len(rows), what="CPU rank(s)" if cpu else "GPU(s)", seconds=self.args.soak,
+                      detail=detail, counts=_counts(found), secs=time.monotonic() - t)
+        if verdict_code(self.findings):
+            raise Verdict(verdict_code(self.findings))
 
     def phase_bandwidth(self):
         super().phase_bandwidth()

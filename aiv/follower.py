@@ -20,6 +20,7 @@ class Follower(RankRun):
     def __init__(self, args, contract, env):
         self.verdict_seen = None  # rank 0's exit code, once read
         self.ack_lock, self.acked = threading.Lock(), False
+        self.speak_lock = threading.Lock()  # speak_for_rank0: one thread speaks and writes the JSON
         super().__init__(args, contract, env)
 
     # ---------------------------------------------------------------- flow

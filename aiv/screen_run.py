@@ -3,9 +3,8 @@ import contextlib
 import datetime
 import time
 
-from .base import EXIT_TIMEOUT, Verdict, _counts, _screen_median, read_text, verdict_code
+from .base import EXIT_TIMEOUT, Verdict, _counts, _screen_median, verdict_code
 from .deadlines import NAMING_S, PHASE_WHAT, PHASES, RANK0_GRACE, TORCH_BACKSTOP_S
-from .interfaces import parse_nccl_hca
 from .judge import apply_strict
 from .measure import HostStarved, can_split, screen_busbw, screen_measure_gpu, split_problem, take_screen_gpu
 from .screen_judge import (
@@ -40,6 +39,10 @@ class ScreenRunner:
     collection of every rank's posts and the screen's judgement. Mixed into RankRun: the plumbing it
     uses (store, watchdog, deadlines, devices) is the rank's."""
 
+    @property
+    def is0(self):
+        return self.rank == 0
+
     def phase_screen_gpu(self):
         """Every rank at once: its device's matmul and memory-copy speed, and on GPU the facts read under
         load, posted on the store. Rank 0 first publishes every rank's groups of the rounds to come."""
@@ -48,10 +51,10 @@ class ScreenRunner:
             self.screen_start()
         self.failpoint("screen-gpu")
         row = None
-        if self.gpu_box is not None:  # measured on its own thread since the local checks (start_screen_gpu)
+        if self.bg.gpu is not None:  # measured on its own thread since the local checks (start_screen_gpu)
             with contextlib.suppress(HostStarved):  # the rank's own threads held the interpreter: again, below
-                row = take_screen_gpu(self.gpu_box)
-            self.times["gpu_measure"] = self.gpu_box["secs"]
+                row = take_screen_gpu(self.bg.gpu)
+            self.times["gpu_measure"] = self.bg.gpu["secs"]
         if row is None:  # CPU ranks (their own CPU clock), or a starved measuring thread: on a quiet process
             self.quiesce()
             g = self.identity.get("gpu") or {}
@@ -167,16 +170,14 @@ class ScreenRunner:
         if group is not None:
             bw, sec = screen_busbw(self.torch, self.dist, group, len(entry["g"]), self._device(), self._kind())
             post.update(busbw=float(f"{bw:.4g}"), time_us=round(sec * 1e6, 1))
-            if self.phase != "screen-intra" and self.nccl_log:
+            if self.phase != "screen-intra" and self.nccl:
                 post["hca"] = self.nccl_hca()
         self.proto.screen_post(name, self.rank, post, self.world)
 
     def nccl_hca(self):
         """The HCA of this rank's connections since the last call (a pair round's communicator), from NCCL's
         log (parse_nccl_hca)."""
-        text = read_text(self.nccl_log, "", limit=8 << 20) or ""
-        since, self.nccl_seen = self.nccl_seen, len(text)
-        return parse_nccl_hca(text, since)
+        return self.nccl.hca_since_last()
 
     def round_gate(self, name):
         """Every group of a round starts together: each rank posts that its group is made; rank 0, once

@@ -281,5 +281,5 @@ def test_roles_keep_to_their_own_part():
     assert follow <= set(vars(aiv.Follower)) and not follow & set(dir(aiv.Coordinator))
     assert issubclass(aiv.Coordinator, aiv.ScreenRunner) and issubclass(aiv.Follower, aiv.ScreenRunner)
     for role in (aiv.Coordinator, aiv.Follower):  # each role defines every hook the shared flow calls
-        for hook in ("end", "phase_bound", "enter_phase", "before_check_in", "after_check_in", "expire", "signalled"):
+        for hook in ("end", "grace", "enter_phase", "before_check_in", "after_check_in", "expire", "signalled"):
             assert hook in vars(role), (role.__name__, hook)

@@ -45,6 +45,7 @@ BUILD_ORDER = (
     "verify_log",    # --verify-log
     "store",         # the side channel: keys, Seal, StoreProtocol
     "liveness",      # the node monitor
+    "background",    # a rank's work off its main thread; its NCCL log
     "screen_run",    # the collectives the screen asks for, on every rank
     "rank",          # RankRun: the phases, each under its bound
     "coordinator",   # rank 0: the roll call, the judges, the verdict
@@ -55,7 +56,7 @@ BUILD_ORDER = (
 )
 # The pure layer: judges, render, manifest, verify-log and what they stand on. None of these imports a
 # module of the runtime, so each is a function of plain data that a test can call without a store.
-RUNTIME = ("store", "liveness", "screen_run", "rank", "coordinator", "follower", "plan", "local", "main")
+RUNTIME = ("store", "liveness", "background", "screen_run", "rank", "coordinator", "follower", "plan", "local", "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
 
 HEADER = """\
