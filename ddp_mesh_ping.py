@@ -89,7 +89,7 @@ EXIT_INTERNAL = 4     # a bug in the tool: no host is blamed
 EXIT_INTERRUPTED = 5  # the run was stopped from outside (scancel, time limit, preemption, Ctrl-C): no host is blamed
 HOST_CODES = (EXIT_FAIL, EXIT_USAGE, EXIT_TIMEOUT)  # codes of findings that carry evidence about the cluster
 
-# The stable names that follow "FAILURE:" (documented in the README).
+# The stable names that follow "FAILURE:" (documented in docs/checks.md).
 CHECKS = (
     "usage",         # malformed command-line flag or AIV_* variable (exit 2)
     "contract",      # launch environment malformed (exit 2)
@@ -550,7 +550,9 @@ IMPORT_PROBE_S = 60.0     # torchvision/torchaudio import probe: at most this, T
 MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks are gone already: the run ended)
 PROBE_CONNECT_S = 0.8     # a raw TCP connect that tells "no listener" from "a listener that never answers"
 MARK_TTL = 30.0           # seconds a node's "said" marker silences its siblings; an older one is another run's
-OUTPUT_S = 30.0           # rank 0 at the verdict: each requested file (--json, --metrics, --html) written within this
+OUTPUT_S = 20.0           # rank 0 at the verdict: each requested file (--json, --metrics, --html) written within this
+VERDICT_S = 90.0          # rank 0, from the verdict's start to its exit (report, drain, files, manifest, acks); past
+                          # it rank 0 exits with the verdict's code (published on the store first) and says so
 DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scontrol calls (show, update) together
 NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
                           # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
@@ -585,13 +587,15 @@ def deadlines(timeout, rollcall_timeout, soak=0.0):
     table["local"] = table["rollcall"] = float(rollcall_timeout)
     table["soak"] = float(timeout) + float(soak)
     table["manifest-lock"] = MANIFEST_LOCK_S  # not a phase: part of the verdict, with --save-manifest only
+    table["verdict"] = VERDICT_S  # not a phase: rank 0's verdict, once a phase ended or its bound passed
     return table
 
 
 def worst_case(table, bandwidth=False, screen=True, soak=False):
-    """The longest a run can take to its verdict: every phase at its bound, then naming and acks."""
+    """The longest a run can take to its verdict: every phase at its bound, then naming and acks. The
+    verdict's own backstop (VERDICT_S) is not counted: the code is on the store before any file is written."""
     return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
-               and (screen or p not in SCREEN_PHASES)) + NAMING_S + ACKS_S
+               and (screen or p not in SCREEN_PHASES) and p != "verdict") + NAMING_S + ACKS_S
 
 
 def live_period(nodes):
@@ -714,11 +718,11 @@ class Watchdog:
                 if self._armed != armed:
                     continue
                 expired = time.monotonic() >= armed[1]
-            if expired:
-                self.expire(armed[0])
+            if expired:  # on a thread of its own: a bound armed while expire runs (the verdict's) still holds
                 with self._cv:  # once per arming (expire usually ends the process)
                     if self._armed == armed:
                         self._armed = None
+                threading.Thread(target=self.expire, args=(armed[0],), name="aiv-expire", daemon=True).start()
             elif self.tick is not None:
                 try:
                     self.tick(armed[0])
@@ -1132,7 +1136,7 @@ WANT = {_backend: "auto, nccl or gloo", _seconds: "a number of seconds", _positi
 
 def _opt(p, flag, conv, shown, text, env=True, want=None, **kw):
     """One option: its converter, its variable (AIV_<OPTION>, or none), its default as --help and the
-    README show it, and what an empty value should have been."""
+    options page (docs/options.md) show it, and what an empty value should have been."""
     var = "AIV_" + flag[2:].upper().replace("-", "_") if env else None
     a = p.add_argument(flag, help=f"{text} (default: {shown}; variable: {var or 'none'})".replace("%", "%%"), **kw)
     a.conv, a.env, a.shown, a.want = conv, var, shown, want or WANT[conv]
@@ -1222,7 +1226,7 @@ OWNED_VARS = {
     "the tool": ("AIV_FAILPOINT", "AIV_FAILPOINT_MARK", "AIV_JOB_SECRET", "AIV_WARM_IMPORTS"),
     "submit_smoke_test.sbatch": ("AIV_CPU_BIND", "AIV_SCRIPT", "AIV_STEP_GRACE", "AIV_STEP_KILL_WAIT"),
     "tests and bench": ("AIV_ARTIFACTS", "AIV_SIM_NODES", "AIV_SIM_TRIALS", "AIV_SLURM_DIR", "AIV_SLURM_INSTALL",
-                        "AIV_SLURM_SUBNET", "AIV_TEST_ENV", "AIV_TRACE"),
+                        "AIV_SLURM_SUBNET", "AIV_TEST_ENV"),
 }
 
 
@@ -2551,7 +2555,8 @@ def judge_channel(authenticated, nodes, master):
     if nodes > 1:
         return [finding("rendezvous", "WARN", f"side channel not authenticated: AIV_JOB_SECRET is not set, so "
                         f"anything that reaches MASTER_PORT ({master}) can write the roll call, the culprits and "
-                        "the verdict; submit_smoke_test.sbatch sets one, under torchrun export one (README)")]
+                        "the verdict; submit_smoke_test.sbatch sets one, under torchrun export one "
+                        "(docs/launchers.md)")]
     return []
 
 
@@ -3122,7 +3127,7 @@ def _import_state(st):
 # files. A class is what a node is, not what a job was given: the node's own GPU count (the driver's
 # list), bands keyed by what they depend on (GPU model; ranks per node; rails per pair).
 # In memory a class is "expanded": {'hosts': set, 'values': {field: {host: value}}, ...}; on disk each
-# field is a list of variants {'value': v, 'hosts': hostlist} (see the README's schema).
+# field is a list of variants {'value': v, 'hosts': hostlist} (see docs/manifest.md, Schema).
 MANIFEST_SCHEMA_VERSION = 2  # 1: classes and bands keyed by the job's GPUs; refused with how to re-save
 MANIFEST_TOOL = "ai-infra-validator"
 INTRA_TRANSPORTS = ("P2P", "SHM", "NVLS")  # the rest (NET/*, COLLNET) carry the path between nodes
@@ -7931,8 +7936,9 @@ class RankRun(ScreenRunner):
                               soak, collective, ddp; round-<name>: rank 0 before it opens a screen round's gate,
                               e.g. round-p2); a pause first creates the file AIV_FAILPOINT_MARK, if set,
                               so that a test breaks something (a link) while the run waits
-          raise               the tool's own error (AssertionError) at the start of a phase of PHASES, or
-                              in the verdict's report (<phase> = report)
+          raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
+                              the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
+                              e.g. helper-aiv-listener)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
             m = re.fullmatch(r"(die|hang|raise|(pause|skew)=(\d+)):([\w-]+):(\d+)", item)
@@ -8068,6 +8074,7 @@ class RankRun(ScreenRunner):
         report as a WARN `internal` (rank 0's own at the verdict, the others' with their results)."""
         def run():
             try:
+                self.failpoint("helper-" + name, only=("raise",))
                 fn(*args)
             except BaseException as e:
                 self.helper_died(name, e)
@@ -8137,6 +8144,7 @@ class Coordinator(RankRun):
         self.acks_s = ACKS_S  # how long the store stays up for the acknowledgements
         self.verdict_lock = threading.Lock()
         self.serving = False
+        self.verdict_code = None  # the code as the verdict stands (the verdict's bound exits with it)
         self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
         super().__init__(args, contract, env)
 
@@ -8181,7 +8189,7 @@ class Coordinator(RankRun):
     def roll_call(self):
         """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
         t, R = time.monotonic(), self.D["rollcall"]
-        complete, strays = self.wait_roll(t + R)
+        complete, strays = self.wait_roll(t + self.bound.left())
         if strays:  # woken by a stray: the other strays of its launch get a moment to post too
             time.sleep(ERROR_GRACE)
             strays = self.proto.strays()
@@ -8311,6 +8319,8 @@ class Coordinator(RankRun):
         thread): the verdict (give_verdict), then exit. Whatever fails inside, the process still exits,
         with the verdict or with `internal` (exit 4); it never keeps the lock and lives on."""
         self.verdict_lock.acquire()  # a second caller waits here until the first one exits the process
+        Bound(self.wd, "verdict", self.D["verdict"]).arm()  # the verdict's own bound: expire("verdict")
+        self.verdict_code = code
         try:
             code = self.give_verdict(code, findings, client)
         except BaseException as e:
@@ -8334,7 +8344,7 @@ class Coordinator(RankRun):
         if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
             self.drain = self.plan_drain(found, st["exit_code"])
             st, text = self.report(found, st["exit_code"])
-        code = st["exit_code"]
+        code = self.verdict_code = st["exit_code"]
         if client is not None:
             with contextlib.suppress(Exception):
                 client.publish_verdict(code)
@@ -8509,7 +8519,13 @@ class Coordinator(RankRun):
 
     # ---------------------------------------------------------------- bounds and signals
     def expire(self, phase):
-        """The bound passed: name who did not finish (before the roll call ended, only rank 0 itself)."""
+        """The bound passed: name who did not finish (before the roll call ended, only rank 0 itself). The
+        verdict's own bound: exit with the verdict's code, saying which output did not finish."""
+        if phase == "verdict":
+            emit(f"WARNING: rank 0 ({self.host}): the verdict's outputs did not finish within {self.D[phase]:g}s "
+                 f"(a file on slow storage, scontrol, the acknowledgements): exiting with the verdict's code "
+                 f"{self.verdict_code}", sys.stderr)
+            self.exit(self.verdict_code if self.verdict_code is not None else EXIT_INTERNAL)
         cause = self.expiry_cause(phase)
         if self.poll is None:
             self.conclude(EXIT_TIMEOUT, [finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {cause}",

@@ -17,7 +17,7 @@ EXIT_INTERNAL = 4     # a bug in the tool: no host is blamed
 EXIT_INTERRUPTED = 5  # the run was stopped from outside (scancel, time limit, preemption, Ctrl-C): no host is blamed
 HOST_CODES = (EXIT_FAIL, EXIT_USAGE, EXIT_TIMEOUT)  # codes of findings that carry evidence about the cluster
 
-# The stable names that follow "FAILURE:" (documented in the README).
+# The stable names that follow "FAILURE:" (documented in docs/checks.md).
 CHECKS = (
     "usage",         # malformed command-line flag or AIV_* variable (exit 2)
     "contract",      # launch environment malformed (exit 2)

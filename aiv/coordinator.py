@@ -48,6 +48,7 @@ from .deadlines import (
     SNAPSHOT_S,
     STORE_OP_S,
     TERM_REPORTS_S,
+    Bound,
     bounded,
     live_period,
     within,
@@ -94,6 +95,7 @@ class Coordinator(RankRun):
         self.acks_s = ACKS_S  # how long the store stays up for the acknowledgements
         self.verdict_lock = threading.Lock()
         self.serving = False
+        self.verdict_code = None  # the code as the verdict stands (the verdict's bound exits with it)
         self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
         super().__init__(args, contract, env)
 
@@ -138,7 +140,7 @@ class Coordinator(RankRun):
     def roll_call(self):
         """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
         t, R = time.monotonic(), self.D["rollcall"]
-        complete, strays = self.wait_roll(t + R)
+        complete, strays = self.wait_roll(t + self.bound.left())
         if strays:  # woken by a stray: the other strays of its launch get a moment to post too
             time.sleep(ERROR_GRACE)
             strays = self.proto.strays()
@@ -268,6 +270,8 @@ class Coordinator(RankRun):
         thread): the verdict (give_verdict), then exit. Whatever fails inside, the process still exits,
         with the verdict or with `internal` (exit 4); it never keeps the lock and lives on."""
         self.verdict_lock.acquire()  # a second caller waits here until the first one exits the process
+        Bound(self.wd, "verdict", self.D["verdict"]).arm()  # the verdict's own bound: expire("verdict")
+        self.verdict_code = code
         try:
             code = self.give_verdict(code, findings, client)
         except BaseException as e:
@@ -291,7 +295,7 @@ class Coordinator(RankRun):
         if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
             self.drain = self.plan_drain(found, st["exit_code"])
             st, text = self.report(found, st["exit_code"])
-        code = st["exit_code"]
+        code = self.verdict_code = st["exit_code"]
         if client is not None:
             with contextlib.suppress(Exception):
                 client.publish_verdict(code)
@@ -466,7 +470,13 @@ class Coordinator(RankRun):
 
     # ---------------------------------------------------------------- bounds and signals
     def expire(self, phase):
-        """The bound passed: name who did not finish (before the roll call ended, only rank 0 itself)."""
+        """The bound passed: name who did not finish (before the roll call ended, only rank 0 itself). The
+        verdict's own bound: exit with the verdict's code, saying which output did not finish."""
+        if phase == "verdict":
+            emit(f"WARNING: rank 0 ({self.host}): the verdict's outputs did not finish within {self.D[phase]:g}s "
+                 f"(a file on slow storage, scontrol, the acknowledgements): exiting with the verdict's code "
+                 f"{self.verdict_code}", sys.stderr)
+            self.exit(self.verdict_code if self.verdict_code is not None else EXIT_INTERNAL)
         cause = self.expiry_cause(phase)
         if self.poll is None:
             self.conclude(EXIT_TIMEOUT, [finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {cause}",

@@ -24,7 +24,9 @@ IMPORT_PROBE_S = 60.0     # torchvision/torchaudio import probe: at most this, T
 MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks are gone already: the run ended)
 PROBE_CONNECT_S = 0.8     # a raw TCP connect that tells "no listener" from "a listener that never answers"
 MARK_TTL = 30.0           # seconds a node's "said" marker silences its siblings; an older one is another run's
-OUTPUT_S = 30.0           # rank 0 at the verdict: each requested file (--json, --metrics, --html) written within this
+OUTPUT_S = 20.0           # rank 0 at the verdict: each requested file (--json, --metrics, --html) written within this
+VERDICT_S = 90.0          # rank 0, from the verdict's start to its exit (report, drain, files, manifest, acks); past
+                          # it rank 0 exits with the verdict's code (published on the store first) and says so
 DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scontrol calls (show, update) together
 NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
                           # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
@@ -59,13 +61,15 @@ def deadlines(timeout, rollcall_timeout, soak=0.0):
     table["local"] = table["rollcall"] = float(rollcall_timeout)
     table["soak"] = float(timeout) + float(soak)
     table["manifest-lock"] = MANIFEST_LOCK_S  # not a phase: part of the verdict, with --save-manifest only
+    table["verdict"] = VERDICT_S  # not a phase: rank 0's verdict, once a phase ended or its bound passed
     return table
 
 
 def worst_case(table, bandwidth=False, screen=True, soak=False):
-    """The longest a run can take to its verdict: every phase at its bound, then naming and acks."""
+    """The longest a run can take to its verdict: every phase at its bound, then naming and acks. The
+    verdict's own backstop (VERDICT_S) is not counted: the code is on the store before any file is written."""
     return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
-               and (screen or p not in SCREEN_PHASES)) + NAMING_S + ACKS_S
+               and (screen or p not in SCREEN_PHASES) and p != "verdict") + NAMING_S + ACKS_S
 
 
 def live_period(nodes):
@@ -188,11 +192,11 @@ class Watchdog:
                 if self._armed != armed:
                     continue
                 expired = time.monotonic() >= armed[1]
-            if expired:
-                self.expire(armed[0])
+            if expired:  # on a thread of its own: a bound armed while expire runs (the verdict's) still holds
                 with self._cv:  # once per arming (expire usually ends the process)
                     if self._armed == armed:
                         self._armed = None
+                threading.Thread(target=self.expire, args=(armed[0],), name="aiv-expire", daemon=True).start()
             elif self.tick is not None:
                 try:
                     self.tick(armed[0])

@@ -114,7 +114,8 @@ def judge_channel(authenticated, nodes, master):
     if nodes > 1:
         return [finding("rendezvous", "WARN", f"side channel not authenticated: AIV_JOB_SECRET is not set, so "
                         f"anything that reaches MASTER_PORT ({master}) can write the roll call, the culprits and "
-                        "the verdict; submit_smoke_test.sbatch sets one, under torchrun export one (README)")]
+                        "the verdict; submit_smoke_test.sbatch sets one, under torchrun export one "
+                        "(docs/launchers.md)")]
     return []
 
 

@@ -29,7 +29,7 @@ from .judge import _by_host, _import_state, screen_reference
 # files. A class is what a node is, not what a job was given: the node's own GPU count (the driver's
 # list), bands keyed by what they depend on (GPU model; ranks per node; rails per pair).
 # In memory a class is "expanded": {'hosts': set, 'values': {field: {host: value}}, ...}; on disk each
-# field is a list of variants {'value': v, 'hosts': hostlist} (see the README's schema).
+# field is a list of variants {'value': v, 'hosts': hostlist} (see docs/manifest.md, Schema).
 MANIFEST_SCHEMA_VERSION = 2  # 1: classes and bands keyed by the job's GPUs; refused with how to re-save
 MANIFEST_TOOL = "ai-infra-validator"
 INTRA_TRANSPORTS = ("P2P", "SHM", "NVLS")  # the rest (NET/*, COLLNET) carry the path between nodes

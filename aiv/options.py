@@ -118,7 +118,7 @@ WANT = {_backend: "auto, nccl or gloo", _seconds: "a number of seconds", _positi
 
 def _opt(p, flag, conv, shown, text, env=True, want=None, **kw):
     """One option: its converter, its variable (AIV_<OPTION>, or none), its default as --help and the
-    README show it, and what an empty value should have been."""
+    options page (docs/options.md) show it, and what an empty value should have been."""
     var = "AIV_" + flag[2:].upper().replace("-", "_") if env else None
     a = p.add_argument(flag, help=f"{text} (default: {shown}; variable: {var or 'none'})".replace("%", "%%"), **kw)
     a.conv, a.env, a.shown, a.want = conv, var, shown, want or WANT[conv]
@@ -208,7 +208,7 @@ OWNED_VARS = {
     "the tool": ("AIV_FAILPOINT", "AIV_FAILPOINT_MARK", "AIV_JOB_SECRET", "AIV_WARM_IMPORTS"),
     "submit_smoke_test.sbatch": ("AIV_CPU_BIND", "AIV_SCRIPT", "AIV_STEP_GRACE", "AIV_STEP_KILL_WAIT"),
     "tests and bench": ("AIV_ARTIFACTS", "AIV_SIM_NODES", "AIV_SIM_TRIALS", "AIV_SLURM_DIR", "AIV_SLURM_INSTALL",
-                        "AIV_SLURM_SUBNET", "AIV_TEST_ENV", "AIV_TRACE"),
+                        "AIV_SLURM_SUBNET", "AIV_TEST_ENV"),
 }
 
 

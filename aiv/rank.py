@@ -484,8 +484,9 @@ class RankRun(ScreenRunner):
                               soak, collective, ddp; round-<name>: rank 0 before it opens a screen round's gate,
                               e.g. round-p2); a pause first creates the file AIV_FAILPOINT_MARK, if set,
                               so that a test breaks something (a link) while the run waits
-          raise               the tool's own error (AssertionError) at the start of a phase of PHASES, or
-                              in the verdict's report (<phase> = report)
+          raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
+                              the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
+                              e.g. helper-aiv-listener)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
             m = re.fullmatch(r"(die|hang|raise|(pause|skew)=(\d+)):([\w-]+):(\d+)", item)
@@ -621,6 +622,7 @@ class RankRun(ScreenRunner):
         report as a WARN `internal` (rank 0's own at the verdict, the others' with their results)."""
         def run():
             try:
+                self.failpoint("helper-" + name, only=("raise",))
                 fn(*args)
             except BaseException as e:
                 self.helper_died(name, e)

@@ -33,7 +33,7 @@ if has faults; then
   PY="$PY" bash bench/gpu_faults.sh 2>&1 | tee "$OUT/faults.txt"
 fi
 if has ttv; then
-  AIV_TRACE=1 "$PY" bench/time_to_verdict.py --reps "$REPS" --log "$OUT/ttv_rank0.log" 2>&1 | tee "$OUT/time_to_verdict.txt"
+  "$PY" bench/time_to_verdict.py --reps "$REPS" --log "$OUT/ttv_rank0.log" 2>&1 | tee "$OUT/time_to_verdict.txt"
 fi
 if has busbw; then
   "$PY" bench/busbw.py --reps 3 2>&1 | tee "$OUT/busbw.txt"

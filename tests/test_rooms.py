@@ -1,0 +1,187 @@
+"""The runtime's rooms: one bound per phase (the only thing that arms the watchdog), store waits that
+read only the store's own timeout as "not arrived", tool errors that blame no host, one owner of the
+findings, helper threads that say when they die, and one schema for every rank's record."""
+import ast
+import datetime
+import json
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from conftest import ROOT, aiv, clean_env, free_port, spawn
+
+
+# ---------------------------------------------------------------- the one bound
+def test_only_the_bound_arms_the_watchdog():
+    """Every arming of the watchdog goes through Bound.arm: a phase, the verdict, a follower's wait."""
+    tree = ast.parse((ROOT / "ddp_mesh_ping.py").read_text())
+    sites = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+            for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
+                f = call.func
+                if isinstance(f, ast.Attribute) and f.attr == "arm" and isinstance(f.value, ast.Attribute) \
+                        and f.value.attr == "wd":
+                    sites.append(f"{cls.name}.{fn.name}")
+    assert sites == ["Bound.arm"]
+
+
+def test_bound_counts_left_restarts_and_arms_once():
+    events = []
+    wd = aiv.Watchdog(expire=lambda ph: events.append(ph), period=0.05)
+    b = aiv.Bound(wd, "init", 0.4, grace=0.2)
+    assert b.cause() == f"{aiv.PHASE_WHAT['init']} did not complete within 0.4s"
+    with b:
+        assert 0.3 < b.left() <= 0.4 and b.left(0.2) > b.left()
+        time.sleep(0.3)
+        b.restart()  # a gate rank 0 opened: the bound counts from here, still armed
+        assert b.left() > 0.35
+        time.sleep(0.3)
+        assert events == []  # 0.6 s after arming, but only 0.3 s after the restart: not yet
+        time.sleep(0.5)
+    assert events == ["init"]
+    assert b.left() == 0.0
+
+
+def test_within_returns_raises_or_says_the_bound_passed():
+    assert aiv.within(lambda: 7, 1) == 7
+    with pytest.raises(KeyError):
+        aiv.within(lambda: {}["x"], 1)
+    stop = threading.Event()
+    with pytest.raises(aiv.BoundPassed, match="writing --json x did not return within 0.2s"):
+        aiv.within(lambda: stop.wait(5), 0.2, "writing --json x")
+    stop.set()
+
+
+def test_watchdog_expires_on_a_thread_of_its_own_so_a_later_bound_still_holds():
+    """expire() can arm another bound (the verdict's) and block: that bound still fires."""
+    fired, release = [], threading.Event()
+    wd = None
+
+    def expire(phase):
+        fired.append(phase)
+        if phase == "init":
+            aiv.Bound(wd, "verdict", 0.2).arm()
+            release.wait(3)
+    wd = aiv.Watchdog(expire=expire, period=0.05)
+    aiv.Bound(wd, "init", 0.1).arm()
+    deadline = time.monotonic() + 3
+    while "verdict" not in fired and time.monotonic() < deadline:
+        time.sleep(0.02)
+    release.set()
+    assert fired == ["init", "verdict"]
+
+
+# ---------------------------------------------------------------- store waits: the timeout only
+@pytest.fixture
+def proto():
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    p = aiv.StoreProtocol.open(dist, "127.0.0.1", server.port, 10, "aiv")
+    p.world = 2
+    yield p
+    del server
+
+
+def test_a_real_store_timeout_is_the_only_not_arrived(proto):
+    try:
+        proto.store.wait(["never"], datetime.timedelta(seconds=0.1))
+    except Exception as e:
+        assert aiv.store_timed_out(e), type(e)
+    assert not aiv.store_timed_out(TypeError("wait timeout"))
+    assert not aiv.store_timed_out(ConnectionResetError())
+    assert proto.wait_all(0.1) is False
+    assert proto.screen_wait("r1", 0.1) is False
+    assert proto.wait_posts("telemetry", 0.1) == {}
+
+
+@pytest.mark.parametrize("call", ["wait_all", "screen_wait", "wait_posts"])
+def test_a_tool_error_inside_a_store_wait_is_raised_not_read_as_missing_ranks(proto, monkeypatch, call):
+    """Before: any exception inside these waits was "not arrived", and the callers named ranks and hosts."""
+    def broken(*a, **k):
+        raise TypeError("the tool's own bug")
+    monkeypatch.setattr(proto, "_wait", broken)
+    with pytest.raises(TypeError):
+        getattr(proto, call)(*(("r1", 0.1) if call != "wait_all" else (0.1,)))
+
+
+# ---------------------------------------------------------------- findings: one owner
+def test_findings_after_the_verdicts_snapshot_are_not_in_it_and_not_lost(capsys):
+    f = aiv.Findings()
+    f += [aiv.finding("layout", "PASS", "ok")]
+    f.append(aiv.finding("numa", "WARN", "far", ["n1"]))
+    snap = f.close()
+    f += [aiv.finding("collective", "FAIL", "late", ["n2"])]
+    assert [x["check"] for x in snap] == ["layout", "numa"] and len(f) == 2 and f.code() == 0
+    assert "came after the verdict and is not part of it: collective: late" in capsys.readouterr().err
+
+
+def test_findings_take_many_writers_without_loss():
+    f = aiv.Findings()
+
+    def add(i):
+        for j in range(200):
+            f.append(aiv.finding("local", "PASS", f"{i}.{j}"))
+    ts = [threading.Thread(target=add, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len({x["reason"] for x in f}) == 800
+
+
+# ---------------------------------------------------------------- records: one schema
+def test_rank_record_has_every_field_and_with_results_makes_new_records():
+    rec = {"rank": 1, "host": "n1", "node": {"cpu": "x"}, "stray": 1}
+    out = aiv.rank_record(rec)
+    assert list(out) == list(aiv.RANK_FIELDS) and out["transport"] is None and "stray" not in out
+    new = aiv.with_results([out], [{"rank": 1, "transport": ["IB"], "nccl_net": ["ib0"], "imports": {"tv": 1}}])
+    assert new[0]["transport"] == ["IB"] and new[0]["node"] == {"cpu": "x", "imports": {"tv": 1}}
+    assert out["transport"] is None and "imports" not in out["node"]  # the old record is untouched
+
+
+def _ranks_keys(path):
+    d = json.loads(path.read_text())
+    return d, [sorted(r) for r in d["ranks"]]
+
+
+def test_json_ranks_have_the_same_keys_wherever_the_run_stopped(tmp_path):
+    want = sorted(aiv.RANK_FIELDS)
+    ok, failed = tmp_path / "ok.json", tmp_path / "failed.json"
+    out, _ = spawn(2, args=["--json", ok, "--skip-screen"])
+    assert [rc for rc, _ in out] == [0, 0], out
+    out, _ = spawn(2, args=["--json", failed, "--skip-screen", "--timeout", "10"],
+                   env={"AIV_FAILPOINT": "die:collective:1"})
+    assert out[0][0] in (aiv.EXIT_FAIL, aiv.EXIT_TIMEOUT), out[0][1]
+    for path in (ok, failed):
+        d, keys = _ranks_keys(path)
+        assert keys and all(k == want for k in keys), (path.name, keys)
+    assert _ranks_keys(failed)[0]["ranks"][0]["transport"] is None  # stopped before the DDP step: null
+
+
+# ---------------------------------------------------------------- helper threads say when they die
+def test_a_helper_thread_that_dies_is_in_the_report_and_the_run_goes_on(tmp_path):
+    out, _ = spawn(2, args=["--skip-screen", "--json", tmp_path / "r.json"],
+                   env={"AIV_FAILPOINT": "raise:helper-aiv-listener:1"})
+    assert [rc for rc, _ in out] == [0, 0], out
+    log = out[0][1]
+    assert "SUCCESS: DDP Multi-Node AllReduce Ring Complete!" in log
+    assert "[WARN] internal: rank 1" in log and "aiv-listener stopped: AssertionError" in log, log
+    assert "helper thread aiv-listener stopped" in out[1][1]
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert d["failed_hosts"] == [] and any(f["check"] == "internal" and f["status"] == "WARN" for f in d["findings"])
+
+
+def test_a_tool_error_while_connecting_to_the_store_blames_no_host(tmp_path):
+    """A TypeError inside the tool during the roll call is `internal` (exit 4), not 'cannot reach the master'."""
+    port = free_port()
+    env = clean_env({"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                     "AIV_FAILPOINT": "raise:rollcall:0"})
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(ROOT / "ddp_mesh_ping.py"), "--json", str(tmp_path / "r.json")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == aiv.EXIT_INTERNAL, r.stdout + r.stderr
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert d["failed_hosts"] == [] and "FAILURE: internal:" in r.stdout
