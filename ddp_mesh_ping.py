@@ -57,6 +57,7 @@ import datetime
 import difflib
 import errno
 import fcntl
+import glob
 import hashlib
 import hmac
 import html
@@ -7001,6 +7002,38 @@ def liveness(stat, first):
     return "stopped" if stat[0] in "Tt" else "running"
 
 
+def parent_pid(pid, root="/"):
+    """The parent of `pid` from /proc/<pid>/stat, or None."""
+    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
+    fields = text.rsplit(")", 1)[1].split() if text and ")" in text else []
+    return int(fields[1]) if len(fields) > 1 else None
+
+
+def launch_key(pid):
+    """The launch a process belongs to, as its launcher's pid and start time (srun's step daemon, torchrun's
+    agent, the local launcher): every rank of a node under one launch shares it."""
+    return f"{pid}-{(proc_stat(pid) or ('', ''))[1]}"
+
+
+def said_marker(env, topic, launch):
+    """The node-local marker file of speak_once_per_node: job, step, topic and launch (launch_key)."""
+    key = "-".join(re.sub(r"\W", "_", str(x)) for x in (env.get("SLURM_JOB_ID", "x"), env.get("SLURM_STEP_ID", "x"),
+                                                          topic, *launch.split("-", 1)))
+    return os.path.join(tempfile.gettempdir(), f"aiv-{key[:200]}.said")
+
+
+def sweep_said(launch=None, older_s=None):
+    """Remove speak_once_per_node's markers: those of one launch (its ranks are gone: the node monitor and
+    the local launcher at their end), and any older than MARK_TTL (they silence nobody any more)."""
+    older_s = MARK_TTL if older_s is None else older_s
+    now = time.time()
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "aiv-*.said")):
+        with contextlib.suppress(OSError):
+            mine = launch is not None and path.endswith(f"-{launch}.said")
+            if mine or now - os.stat(path).st_mtime > older_s:
+                os.unlink(path)
+
+
 def node_monitor(cfg):
     """A node leader's child: posts the state of its node's ranks to the store every cfg['period']
     seconds. It runs outside the ranks, so it never needs a rank's GIL (NCCL init can hold it for
@@ -7008,6 +7041,7 @@ def node_monitor(cfg):
     on the port that is not its run's (cfg['run'], the roll call's nonce: its run ended while it
     started, and the next run serves the port) gets no post: it would name the next run's ranks gone."""
     pids = {int(x[0]): int(x[1]) for x in cfg["ranks"]}
+    launch = launch_key(parent_pid(os.getppid()) or 0)  # its leader rank's launcher
     # each rank's own start time (from the roll call) tells a rank that died before we looked from
     # a PID we cannot see; without it, the first look is the reference
     first = {int(x[0]): ("", x[2]) if len(x) > 2 and x[2] else proc_stat(int(x[1])) for x in cfg["ranks"]}
@@ -7026,6 +7060,7 @@ def node_monitor(cfg):
         states = {r: liveness(proc_stat(p), first[r]) for r, p in pids.items()}
         proto.post_live(cfg["host"], seq, states)
         if all(s == "gone" for s in states.values()):
+            sweep_said(launch)  # the ranks' markers silence nobody any more
             break
         seq += 1
         time.sleep(cfg["period"])
@@ -7540,10 +7575,8 @@ def speak_once_per_node(text, env, local_rank=0, topic="run"):
     stay silent. A marker older than MARK_TTL never silences a later run. Returns whether this
     process printed."""
     time.sleep(min(max(local_rank, 0), 20) * 0.05)
-    parent = (os.getppid(), (proc_stat(os.getppid()) or ("", ""))[1])  # pid and start time: one launch
-    key = "-".join(re.sub(r"\W", "_", str(x)) for x in (env.get("SLURM_JOB_ID", "x"), env.get("SLURM_STEP_ID", "x"),
-                                                          topic, *parent))
-    path = os.path.join(tempfile.gettempdir(), f"aiv-{key[:200]}.said")
+    path = said_marker(env, topic, launch_key(os.getppid()))
+    sweep_said()
     try:
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         try:
@@ -8967,6 +9000,7 @@ def launch_local(args, argv, env, launch):
         p.kill()
     for p in procs:
         p.wait()
+    sweep_said(launch_key(os.getpid()))  # the ranks' speak-once markers: their launch is over
     if alive and (procs[0] in alive or procs[0].returncode == EXIT_PASS):
         emit(f"FAILURE: launch: local ranks {format_ranges(procs.index(p) for p in alive)} still running at the "
              f"launcher's deadline; killed")

@@ -2,14 +2,17 @@
 of its node's ranks, so that a hung rank is told from a dead node."""
 import contextlib
 import datetime
+import glob
 import os
+import re
 import socket
 import struct
+import tempfile
 import time
 
 from .base import read_text
 from .contract import job_secret
-from .deadlines import MONITOR_CONNECT_S
+from .deadlines import MARK_TTL, MONITOR_CONNECT_S
 from .store import Seal, StoreProtocol, run_base
 
 
@@ -31,6 +34,38 @@ def liveness(stat, first):
     return "stopped" if stat[0] in "Tt" else "running"
 
 
+def parent_pid(pid, root="/"):
+    """The parent of `pid` from /proc/<pid>/stat, or None."""
+    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
+    fields = text.rsplit(")", 1)[1].split() if text and ")" in text else []
+    return int(fields[1]) if len(fields) > 1 else None
+
+
+def launch_key(pid):
+    """The launch a process belongs to, as its launcher's pid and start time (srun's step daemon, torchrun's
+    agent, the local launcher): every rank of a node under one launch shares it."""
+    return f"{pid}-{(proc_stat(pid) or ('', ''))[1]}"
+
+
+def said_marker(env, topic, launch):
+    """The node-local marker file of speak_once_per_node: job, step, topic and launch (launch_key)."""
+    key = "-".join(re.sub(r"\W", "_", str(x)) for x in (env.get("SLURM_JOB_ID", "x"), env.get("SLURM_STEP_ID", "x"),
+                                                          topic, *launch.split("-", 1)))
+    return os.path.join(tempfile.gettempdir(), f"aiv-{key[:200]}.said")
+
+
+def sweep_said(launch=None, older_s=None):
+    """Remove speak_once_per_node's markers: those of one launch (its ranks are gone: the node monitor and
+    the local launcher at their end), and any older than MARK_TTL (they silence nobody any more)."""
+    older_s = MARK_TTL if older_s is None else older_s
+    now = time.time()
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "aiv-*.said")):
+        with contextlib.suppress(OSError):
+            mine = launch is not None and path.endswith(f"-{launch}.said")
+            if mine or now - os.stat(path).st_mtime > older_s:
+                os.unlink(path)
+
+
 def node_monitor(cfg):
     """A node leader's child: posts the state of its node's ranks to the store every cfg['period']
     seconds. It runs outside the ranks, so it never needs a rank's GIL (NCCL init can hold it for
@@ -38,6 +73,7 @@ def node_monitor(cfg):
     on the port that is not its run's (cfg['run'], the roll call's nonce: its run ended while it
     started, and the next run serves the port) gets no post: it would name the next run's ranks gone."""
     pids = {int(x[0]): int(x[1]) for x in cfg["ranks"]}
+    launch = launch_key(parent_pid(os.getppid()) or 0)  # its leader rank's launcher
     # each rank's own start time (from the roll call) tells a rank that died before we looked from
     # a PID we cannot see; without it, the first look is the reference
     first = {int(x[0]): ("", x[2]) if len(x) > 2 and x[2] else proc_stat(int(x[1])) for x in cfg["ranks"]}
@@ -56,6 +92,7 @@ def node_monitor(cfg):
         states = {r: liveness(proc_stat(p), first[r]) for r, p in pids.items()}
         proto.post_live(cfg["host"], seq, states)
         if all(s == "gone" for s in states.values()):
+            sweep_said(launch)  # the ranks' markers silence nobody any more
             break
         seq += 1
         time.sleep(cfg["period"])

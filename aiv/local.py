@@ -10,6 +10,7 @@ from .base import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_PASS, EXIT_TIMEOUT, emit, fo
 from .contract import SECRET_VAR
 from .deadlines import ACKS_S, LAUNCHER_SLACK_S, NAMING_S, deadlines, worst_case
 from .judge import STOPPED_WORDS
+from .liveness import launch_key, sweep_said
 from .plan import free_port
 
 
@@ -78,6 +79,7 @@ def launch_local(args, argv, env, launch):
         p.kill()
     for p in procs:
         p.wait()
+    sweep_said(launch_key(os.getpid()))  # the ranks' speak-once markers: their launch is over
     if alive and (procs[0] in alive or procs[0].returncode == EXIT_PASS):
         emit(f"FAILURE: launch: local ranks {format_ranges(procs.index(p) for p in alive)} still running at the "
              f"launcher's deadline; killed")

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -73,7 +72,7 @@ from .interfaces import (
     gloo_address,
     list_interfaces,
 )
-from .liveness import proc_stat
+from .liveness import launch_key, proc_stat, said_marker, sweep_said
 from .measure import soak_measure, start_node_smi, start_screen_gpu
 from .render import BAR
 from .screen_run import ScreenRunner
@@ -88,10 +87,8 @@ def speak_once_per_node(text, env, local_rank=0, topic="run"):
     stay silent. A marker older than MARK_TTL never silences a later run. Returns whether this
     process printed."""
     time.sleep(min(max(local_rank, 0), 20) * 0.05)
-    parent = (os.getppid(), (proc_stat(os.getppid()) or ("", ""))[1])  # pid and start time: one launch
-    key = "-".join(re.sub(r"\W", "_", str(x)) for x in (env.get("SLURM_JOB_ID", "x"), env.get("SLURM_STEP_ID", "x"),
-                                                          topic, *parent))
-    path = os.path.join(tempfile.gettempdir(), f"aiv-{key[:200]}.said")
+    path = said_marker(env, topic, launch_key(os.getppid()))
+    sweep_said()
     try:
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         try:
