@@ -871,14 +871,25 @@ def _no_rank(env):
                          "run in local mode", own=True)
 
 
+# An MPI launcher's rank variables (Open MPI, PMIx, MPICH/Hydra and Intel MPI), read after torchrun's and
+# Slurm's names: under srun --mpi=pmix Slurm's own come first.
+MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+MPI_LOCAL_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK")
+
+
 def _rank_names(env):
-    """The variables that give rank, world size and local rank (torchrun's names, then Slurm's)."""
-    names = {"RANK": _pick(env, "RANK", "SLURM_PROCID"),
-             "WORLD_SIZE": _pick(env, "WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"),
-             "LOCAL_RANK": _pick(env, "LOCAL_RANK", "SLURM_LOCALID")}
+    """The variables that give rank, world size and local rank (torchrun's names, then Slurm's, then an
+    MPI launcher's). A launch that gives only part of them is one line naming what is missing."""
+    names = {"RANK": _pick(env, "RANK", "SLURM_PROCID", *MPI_RANK_VARS),
+             "WORLD_SIZE": _pick(env, "WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", *MPI_SIZE_VARS),
+             "LOCAL_RANK": _pick(env, "LOCAL_RANK", "SLURM_LOCALID", *MPI_LOCAL_VARS)}
+    mpi = names["RANK"] in MPI_RANK_VARS
     for wanted, var in names.items():
         if var is None:
-            raise UsageError(f"{wanted} is not set (nor its Slurm fallback)", own=wanted != "WORLD_SIZE")
+            raise UsageError(f"{wanted} is not set (nor its Slurm or MPI fallback)" + (
+                f": the MPI launcher set {names['RANK']} but not {wanted}; export {wanted} for each rank "
+                "(mpirun -x) or launch with srun or torchrun" if mpi else ""), own=wanted != "WORLD_SIZE")
     return names
 
 
@@ -906,7 +917,7 @@ def _master(env):
 def read_contract(env):
     """The launch contract as a dict, or None for local mode. Raises UsageError (own=True when the
     mistake is in this rank's own values)."""
-    if "RANK" not in env and "SLURM_PROCID" not in env:
+    if _pick(env, "RANK", "SLURM_PROCID", *MPI_RANK_VARS) is None:
         _no_rank(env)
         return None
     if in_batch_shell(env):
@@ -920,10 +931,17 @@ def read_contract(env):
     local_rank = _int_var(env, names["LOCAL_RANK"], lo=0, hi=1023)
     if local_rank > rank:
         raise UsageError(f"{names['LOCAL_RANK']}={local_rank} is larger than {names['RANK']}={rank}", own=True)
-    addr, _, port, port_src = _master(env)
+    try:
+        addr, _, port, port_src = _master(env)
+    except UsageError as e:
+        if names["RANK"] in MPI_RANK_VARS:  # mpirun sets no rendezvous of its own
+            raise UsageError(f"{e}: under an MPI launcher ({names['RANK']} is set) export MASTER_ADDR (the host of "
+                             "rank 0) and MASTER_PORT to every rank, e.g. mpirun -x MASTER_ADDR=node1 -x "
+                             "MASTER_PORT=29500") from None
+        raise
+    source = "slurm" if names["RANK"] == "SLURM_PROCID" else "mpi" if names["RANK"] in MPI_RANK_VARS else "env"
     return {"rank": rank, "world_size": world, "local_rank": local_rank,
-            "master_addr": addr, "master_port": port, "port_source": port_src,
-            "source": "slurm" if names["RANK"] == "SLURM_PROCID" else "env"}
+            "master_addr": addr, "master_port": port, "port_source": port_src, "source": source}
 
 
 def slurm_expected_hosts(env, world):
@@ -8792,7 +8810,7 @@ class Follower(RankRun):
 # Set by a launcher that starts several ranks per node (srun, torchrun, mpirun, local mode): then a
 # rank's own usage error is said once per node. A process started by hand has no siblings: it speaks.
 LAUNCHER_VARS = ("SLURM_STEP_ID", "SLURM_STEPID", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE",
-                 "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+                 "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
 
 def usable_cores():

@@ -12,7 +12,7 @@ from .options import RANK_MEM_CPU, RANK_MEM_GPU, RANKS_PER_CORE, build_parser, p
 # Set by a launcher that starts several ranks per node (srun, torchrun, mpirun, local mode): then a
 # rank's own usage error is said once per node. A process started by hand has no siblings: it speaks.
 LAUNCHER_VARS = ("SLURM_STEP_ID", "SLURM_STEPID", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE",
-                 "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+                 "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
 
 def usable_cores():

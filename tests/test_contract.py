@@ -1,4 +1,6 @@
 """The launch contract and the options: every malformed value is a named error."""
+import re
+
 import pytest
 
 from conftest import aiv
@@ -118,3 +120,34 @@ def test_step_layout_wins_and_uneven_layout_sets_no_ranks_per_node():
     assert aiv.slurm_expectations(job) == {"world_size": 16, "nodes": 2, "ranks_per_node": 8}
     step = dict(job, SLURM_STEP_NUM_TASKS="3", SLURM_STEP_NUM_NODES="2", SLURM_STEP_TASKS_PER_NODE="2,1")
     assert aiv.slurm_expectations(step) == {"world_size": 3, "nodes": 2}
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+      "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}, (3, 8, 3)),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"},
+     (1, 2, 0)),
+    ({"PMIX_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "MASTER_ADDR": "n1",
+      "MASTER_PORT": "29500"}, (5, 6, 1)),
+])
+def test_an_mpi_launch_is_read(env, want):
+    c = aiv.read_contract(env)
+    assert (c["rank"], c["world_size"], c["local_rank"]) == want and c["source"] == "mpi"
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
+     "under an MPI launcher (OMPI_COMM_WORLD_RANK is set) export MASTER_ADDR"),
+    ({"PMIX_RANK": "0"}, "the MPI launcher set PMIX_RANK but not WORLD_SIZE"),
+])
+def test_an_incomplete_mpi_launch_is_one_line_never_a_local_run(env, words):
+    """Before: an MPI launch without RANK silently ran a local job of its own on every rank and passed."""
+    with pytest.raises(aiv.UsageError, match=re.escape(words)):
+        aiv.read_contract(env)
+
+
+def test_a_srun_pmix_launch_reads_slurms_own_names_first():
+    env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "PMIX_RANK": "9",
+           "MASTER_ADDR": "n1", "MASTER_PORT": "29500", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7"}
+    c = aiv.read_contract(env)
+    assert c["rank"] == 2 and c["source"] == "slurm"
