@@ -6741,7 +6741,7 @@ class StoreProtocol:
             entry = {"rank": rank, "host": identity["host"], "pid": identity["pid"], "check": stray[0],
                      "why": stray[1]}
             self._append("strays", json.dumps(entry))
-            self._set("all_arrived", "stray")
+            self.wake_roll_call("stray")
             return stray
         self._set(f"id/{rank}", json.dumps(identity, default=str))
         self._set(f"stamp/{rank}", "0")
@@ -6919,10 +6919,11 @@ class StoreProtocol:
     def wait_gate(self, name, seconds):
         return self._wait_valid(f"gate/{name}", seconds)
 
-    def report_error(self, rank, phase, line, code, term=False, internal=False):
+    def report_error(self, rank, phase, line, code, term=False, internal=False, host=None):
         if self.seal.run is None and not self.adopt_run():  # no run to report into yet
             return
-        entry = {"rank": rank, "phase": phase, "line": line, "code": code, "term": term, "internal": internal}
+        entry = {"rank": rank, "phase": phase, "line": line, "code": code, "term": term, "internal": internal,
+                 "host": host}
         self._append("errors", json.dumps(entry))
         self.store.add("nerr", 1)
 
@@ -6930,12 +6931,17 @@ class StoreProtocol:
         """Error reports posted (a counter: a wake-up; errors() holds the sealed reports)."""
         return self.store.add("nerr", 0)
 
+    def wake_roll_call(self, why):
+        """Wake rank 0's roll call before every rank checked in (a stray, a rank that failed its local phase)."""
+        self._set("all_arrived", why)
+
     def errors(self):
-        """{rank: {'line', 'term', 'internal'}}: the first report of each rank (term: it was terminated by a
-        signal; internal: it hit the tool's own error)."""
+        """{rank: {'line', 'term', 'internal', 'phase', 'host'}}: the first report of each rank (term: it was
+        terminated by a signal; internal: it hit the tool's own error)."""
         out = {}
         for e in map(json.loads, self._lines("errors")):
-            entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False, "internal": False})
+            entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False, "internal": False,
+                                                    "phase": e.get("phase"), "host": e.get("host")})
             entry["term"] = entry["term"] or bool(e.get("term"))
             entry["internal"] = entry["internal"] or bool(e.get("internal"))
         return out
@@ -7085,6 +7091,31 @@ def node_monitor(cfg):
     return 0
 
 
+def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds):
+    """A rank that cannot import torch reports its `local` failure to rank 0 through the store's own wire
+    (LightStore: no torch needed), so that rank 0 ends the roll call at once naming this host rather than
+    waiting out the roll call. -> whether the report was posted (the store and rank 0's world record
+    answered within `seconds`)."""
+    end = time.monotonic() + seconds
+    store = None
+    try:
+        store = LightStore(addr, port, prefix, max(0.5, seconds))
+        seal = Seal(job_secret(os.environ), run_base(os.environ))
+        proto = StoreProtocol(store, seal=seal)
+        while not proto.adopt_run():  # rank 0 publishes the world record (the run id) as its store opens
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.2)
+        proto.report_error(rank, "local", line, 1, host=host)
+        proto.wake_roll_call("local")
+        return True
+    except (OSError, struct.error, ValueError):
+        return False
+    finally:
+        if store is not None:
+            store.close()
+
+
 def monitor_store(cfg, wait_s):
     """The node monitor's store client: LightStore (no import of torch: the monitor posts within a second
     of the go, not after seconds of importing torch beside the ranks' init), once it sees the world
@@ -7111,13 +7142,14 @@ def monitor_store(cfg, wait_s):
 
 
 class LightStore:
-    """The five store operations a node monitor needs (set, check, get, compare_set, append) over a plain
+    """The store operations a node monitor (and a rank without torch) needs (set, check, get, compare_set,
+    append, add) over a plain
     socket, in the wire format of torch's TCPStore (c10d: a query byte, then each key or value as a
     64-bit little-endian length and its bytes; a check answers one byte, 0 = ready; a get or
     compare_set answers a value). Keys are '/<prefix>/<key>', as torch's TCPStore and PrefixStore
     put them on the wire. Never trusted before monitor_store's round trips."""
 
-    VALIDATE, SET, COMPARE_SET, GET, CHECK, APPEND = 0, 1, 2, 3, 5, 9
+    VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, APPEND = 0, 1, 2, 3, 4, 5, 9
     MAGIC = 0x3C85F7CE  # the client's first word: the server drops a connection without it
 
     def __init__(self, addr, port, prefix, timeout):
@@ -7171,6 +7203,10 @@ class LightStore:
     def get(self, key):
         self.sock.sendall(bytes([self.GET]) + self._key(key))
         return self._value()
+
+    def add(self, key, n):
+        self.sock.sendall(bytes([self.ADD]) + self._key(key) + struct.pack("<q", n))
+        return struct.unpack("<q", self._read(8))[0]
 
     def compare_set(self, key, expected, desired):
         self.sock.sendall(bytes([self.COMPARE_SET]) + self._key(key) + self._blob(expected) + self._blob(desired))
@@ -7781,8 +7817,11 @@ class RankRun(ScreenRunner):
         if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
             self.bg.probe = start_import_probe()
         t = time.monotonic()
-        import torch
-        import torch.distributed as dist
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError as e:  # this host's software, not the tool: rank 0 hears of it at once
+            raise self.no_torch(e) from None
         self.torch, self.dist = torch, dist
         self.times["import_torch"] = round(time.monotonic() - t, 3)
         old = torch_floor_problem(torch.__version__)
@@ -7817,6 +7856,17 @@ class RankRun(ScreenRunner):
         ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
         self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
+
+    def no_torch(self, exc):
+        """torch (or what it needs) cannot be imported here: a `local` FAIL of this host, told to rank 0 through
+        the store's wire (no torch needed) so that the roll call ends in seconds naming this host."""
+        line = (f"rank {self.rank} ({self.host}): torch is not importable by {sys.executable}: {first_line(exc)}; "
+                "run bootstrap_env.sh on this node or point the job at the shared venv (PYTORCH_ENV)")
+        if self.rank != 0:
+            prefix, _ = launcher_store(self.env)
+            tell_rank0_without_torch(self.addr, self.port, prefix, self.rank, self.host, line,
+                                     self.bound.left())
+        return failed("local", line, EXIT_FAIL, [self.host], [self.rank])
 
     def phase_rollcall(self):
         R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)
@@ -8240,13 +8290,17 @@ class Coordinator(RankRun):
     def roll_call(self):
         """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
         t, R = time.monotonic(), self.D["rollcall"]
-        complete, strays = self.wait_roll(t + self.bound.left())
-        if strays:  # woken by a stray: the other strays of its launch get a moment to post too
+        complete, strays, broken = self.wait_roll(t + self.bound.left())
+        if strays or broken:  # woken early: the others of its launch get a moment to post too
             time.sleep(ERROR_GRACE)
-            strays = self.proto.strays()
+            strays, broken = self.proto.strays(), self.local_failures()
             self.findings += judge_strays(strays)
-        missing = [] if complete and not strays else self.proto.missing(self.world)
-        absent = set(missing)
+            self.findings += [finding("local", "FAIL", e["line"], [e["host"]] if e.get("host") else [], [r])
+                              for r, e in sorted(broken.items())]
+        early = bool(strays or broken)  # ranks still starting when the roll call ended early are not late
+        unseen = [] if complete and not early else self.proto.missing(self.world)  # no record on the store
+        missing = [r for r in unseen if r not in broken]
+        absent = set(unseen) | set(broken)
         present = [r for r in range(self.world) if r not in absent]
         self.records = [rank_record(r) for r in self.proto.identities(present)]
         if self.proto.forged:  # a record not of this run: nothing it says is believed, nobody is blamed for it
@@ -8254,7 +8308,7 @@ class Coordinator(RankRun):
                           result="FAIL")
             raise Verdict(EXIT_FAIL)
         self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
-        if missing and not strays:  # ranks still starting when a stray ended the roll call are not late
+        if missing and not early:
             where = slurm_expected_hosts(self.env, self.world)
             names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
             more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
@@ -8273,10 +8327,16 @@ class Coordinator(RankRun):
         self.master = {"host": self.host, "pid": os.getpid(), "nodes": len(set(self.host_of.values()))}
         self.proto.open_gate("roll", json.dumps(self.master))
 
+    def local_failures(self):
+        """{rank: report} of the ranks that failed their local phase before checking in (a rank without
+        torch tells rank 0 through the store's wire: tell_rank0_without_torch)."""
+        return {r: e for r, e in self.proto.errors().items() if e.get("phase") == "local"}
+
     def wait_roll(self, end):
         """The roll call's wait, until `end`: all_arrived wakes it, every rank's record ends it (a counter
-        bumped from outside wakes it early, not ends it). Each second it checks that the world record is
-        still its own. -> (complete, strays)."""
+        bumped from outside wakes it early, not ends it); a stray or a rank that failed its local phase
+        ends it early. Each second it checks that the world record is still its own.
+        -> (complete, strays, local failures)."""
         mine = self.proto.store.get("world")
         while True:
             complete = self.proto.wait_all(min(1.0, end - time.monotonic()))
@@ -8286,10 +8346,11 @@ class Coordinator(RankRun):
                 self.proto.store.set("world", mine)
                 self.proto.refuse(Forged("world", held.decode(errors="replace").split("|")[-1],
                                          "was written over by something other than rank 0"))
-            if strays or self.proto.forged or now >= end:
-                return complete and self.proto.all_in(self.world), strays
+            broken = self.local_failures() if self.proto.error_count() else {}
+            if strays or broken or self.proto.forged or now >= end:
+                return complete and self.proto.all_in(self.world), strays, broken
             if complete and self.proto.all_in(self.world):
-                return True, strays
+                return True, strays, broken
             if complete:  # woken before every record was there
                 time.sleep(FORGED_POLL_S)
 

@@ -140,13 +140,17 @@ class Coordinator(RankRun):
     def roll_call(self):
         """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
         t, R = time.monotonic(), self.D["rollcall"]
-        complete, strays = self.wait_roll(t + self.bound.left())
-        if strays:  # woken by a stray: the other strays of its launch get a moment to post too
+        complete, strays, broken = self.wait_roll(t + self.bound.left())
+        if strays or broken:  # woken early: the others of its launch get a moment to post too
             time.sleep(ERROR_GRACE)
-            strays = self.proto.strays()
+            strays, broken = self.proto.strays(), self.local_failures()
             self.findings += judge_strays(strays)
-        missing = [] if complete and not strays else self.proto.missing(self.world)
-        absent = set(missing)
+            self.findings += [finding("local", "FAIL", e["line"], [e["host"]] if e.get("host") else [], [r])
+                              for r, e in sorted(broken.items())]
+        early = bool(strays or broken)  # ranks still starting when the roll call ended early are not late
+        unseen = [] if complete and not early else self.proto.missing(self.world)  # no record on the store
+        missing = [r for r in unseen if r not in broken]
+        absent = set(unseen) | set(broken)
         present = [r for r in range(self.world) if r not in absent]
         self.records = [rank_record(r) for r in self.proto.identities(present)]
         if self.proto.forged:  # a record not of this run: nothing it says is believed, nobody is blamed for it
@@ -154,7 +158,7 @@ class Coordinator(RankRun):
                           result="FAIL")
             raise Verdict(EXIT_FAIL)
         self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
-        if missing and not strays:  # ranks still starting when a stray ended the roll call are not late
+        if missing and not early:
             where = slurm_expected_hosts(self.env, self.world)
             names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
             more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
@@ -173,10 +177,16 @@ class Coordinator(RankRun):
         self.master = {"host": self.host, "pid": os.getpid(), "nodes": len(set(self.host_of.values()))}
         self.proto.open_gate("roll", json.dumps(self.master))
 
+    def local_failures(self):
+        """{rank: report} of the ranks that failed their local phase before checking in (a rank without
+        torch tells rank 0 through the store's wire: tell_rank0_without_torch)."""
+        return {r: e for r, e in self.proto.errors().items() if e.get("phase") == "local"}
+
     def wait_roll(self, end):
         """The roll call's wait, until `end`: all_arrived wakes it, every rank's record ends it (a counter
-        bumped from outside wakes it early, not ends it). Each second it checks that the world record is
-        still its own. -> (complete, strays)."""
+        bumped from outside wakes it early, not ends it); a stray or a rank that failed its local phase
+        ends it early. Each second it checks that the world record is still its own.
+        -> (complete, strays, local failures)."""
         mine = self.proto.store.get("world")
         while True:
             complete = self.proto.wait_all(min(1.0, end - time.monotonic()))
@@ -186,10 +196,11 @@ class Coordinator(RankRun):
                 self.proto.store.set("world", mine)
                 self.proto.refuse(Forged("world", held.decode(errors="replace").split("|")[-1],
                                          "was written over by something other than rank 0"))
-            if strays or self.proto.forged or now >= end:
-                return complete and self.proto.all_in(self.world), strays
+            broken = self.local_failures() if self.proto.error_count() else {}
+            if strays or broken or self.proto.forged or now >= end:
+                return complete and self.proto.all_in(self.world), strays, broken
             if complete and self.proto.all_in(self.world):
-                return True, strays
+                return True, strays, broken
             if complete:  # woken before every record was there
                 time.sleep(FORGED_POLL_S)
 

@@ -99,6 +99,31 @@ def node_monitor(cfg):
     return 0
 
 
+def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds):
+    """A rank that cannot import torch reports its `local` failure to rank 0 through the store's own wire
+    (LightStore: no torch needed), so that rank 0 ends the roll call at once naming this host rather than
+    waiting out the roll call. -> whether the report was posted (the store and rank 0's world record
+    answered within `seconds`)."""
+    end = time.monotonic() + seconds
+    store = None
+    try:
+        store = LightStore(addr, port, prefix, max(0.5, seconds))
+        seal = Seal(job_secret(os.environ), run_base(os.environ))
+        proto = StoreProtocol(store, seal=seal)
+        while not proto.adopt_run():  # rank 0 publishes the world record (the run id) as its store opens
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.2)
+        proto.report_error(rank, "local", line, 1, host=host)
+        proto.wake_roll_call("local")
+        return True
+    except (OSError, struct.error, ValueError):
+        return False
+    finally:
+        if store is not None:
+            store.close()
+
+
 def monitor_store(cfg, wait_s):
     """The node monitor's store client: LightStore (no import of torch: the monitor posts within a second
     of the go, not after seconds of importing torch beside the ranks' init), once it sees the world
@@ -125,13 +150,14 @@ def monitor_store(cfg, wait_s):
 
 
 class LightStore:
-    """The five store operations a node monitor needs (set, check, get, compare_set, append) over a plain
+    """The store operations a node monitor (and a rank without torch) needs (set, check, get, compare_set,
+    append, add) over a plain
     socket, in the wire format of torch's TCPStore (c10d: a query byte, then each key or value as a
     64-bit little-endian length and its bytes; a check answers one byte, 0 = ready; a get or
     compare_set answers a value). Keys are '/<prefix>/<key>', as torch's TCPStore and PrefixStore
     put them on the wire. Never trusted before monitor_store's round trips."""
 
-    VALIDATE, SET, COMPARE_SET, GET, CHECK, APPEND = 0, 1, 2, 3, 5, 9
+    VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, APPEND = 0, 1, 2, 3, 4, 5, 9
     MAGIC = 0x3C85F7CE  # the client's first word: the server drops a connection without it
 
     def __init__(self, addr, port, prefix, timeout):
@@ -185,6 +211,10 @@ class LightStore:
     def get(self, key):
         self.sock.sendall(bytes([self.GET]) + self._key(key))
         return self._value()
+
+    def add(self, key, n):
+        self.sock.sendall(bytes([self.ADD]) + self._key(key) + struct.pack("<q", n))
+        return struct.unpack("<q", self._read(8))[0]
 
     def compare_set(self, key, expected, desired):
         self.sock.sendall(bytes([self.COMPARE_SET]) + self._key(key) + self._blob(expected) + self._blob(desired))

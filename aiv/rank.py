@@ -72,7 +72,7 @@ from .interfaces import (
     gloo_address,
     list_interfaces,
 )
-from .liveness import launch_key, proc_stat, said_marker, sweep_said
+from .liveness import launch_key, proc_stat, said_marker, sweep_said, tell_rank0_without_torch
 from .measure import soak_measure, start_node_smi, start_screen_gpu
 from .render import BAR
 from .screen_run import ScreenRunner
@@ -275,8 +275,11 @@ class RankRun(ScreenRunner):
         if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
             self.bg.probe = start_import_probe()
         t = time.monotonic()
-        import torch
-        import torch.distributed as dist
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError as e:  # this host's software, not the tool: rank 0 hears of it at once
+            raise self.no_torch(e) from None
         self.torch, self.dist = torch, dist
         self.times["import_torch"] = round(time.monotonic() - t, 3)
         old = torch_floor_problem(torch.__version__)
@@ -311,6 +314,17 @@ class RankRun(ScreenRunner):
         ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
         self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
+
+    def no_torch(self, exc):
+        """torch (or what it needs) cannot be imported here: a `local` FAIL of this host, told to rank 0 through
+        the store's wire (no torch needed) so that the roll call ends in seconds naming this host."""
+        line = (f"rank {self.rank} ({self.host}): torch is not importable by {sys.executable}: {first_line(exc)}; "
+                "run bootstrap_env.sh on this node or point the job at the shared venv (PYTORCH_ENV)")
+        if self.rank != 0:
+            prefix, _ = launcher_store(self.env)
+            tell_rank0_without_torch(self.addr, self.port, prefix, self.rank, self.host, line,
+                                     self.bound.left())
+        return failed("local", line, EXIT_FAIL, [self.host], [self.rank])
 
     def phase_rollcall(self):
         R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)

@@ -320,7 +320,7 @@ class StoreProtocol:
             entry = {"rank": rank, "host": identity["host"], "pid": identity["pid"], "check": stray[0],
                      "why": stray[1]}
             self._append("strays", json.dumps(entry))
-            self._set("all_arrived", "stray")
+            self.wake_roll_call("stray")
             return stray
         self._set(f"id/{rank}", json.dumps(identity, default=str))
         self._set(f"stamp/{rank}", "0")
@@ -498,10 +498,11 @@ class StoreProtocol:
     def wait_gate(self, name, seconds):
         return self._wait_valid(f"gate/{name}", seconds)
 
-    def report_error(self, rank, phase, line, code, term=False, internal=False):
+    def report_error(self, rank, phase, line, code, term=False, internal=False, host=None):
         if self.seal.run is None and not self.adopt_run():  # no run to report into yet
             return
-        entry = {"rank": rank, "phase": phase, "line": line, "code": code, "term": term, "internal": internal}
+        entry = {"rank": rank, "phase": phase, "line": line, "code": code, "term": term, "internal": internal,
+                 "host": host}
         self._append("errors", json.dumps(entry))
         self.store.add("nerr", 1)
 
@@ -509,12 +510,17 @@ class StoreProtocol:
         """Error reports posted (a counter: a wake-up; errors() holds the sealed reports)."""
         return self.store.add("nerr", 0)
 
+    def wake_roll_call(self, why):
+        """Wake rank 0's roll call before every rank checked in (a stray, a rank that failed its local phase)."""
+        self._set("all_arrived", why)
+
     def errors(self):
-        """{rank: {'line', 'term', 'internal'}}: the first report of each rank (term: it was terminated by a
-        signal; internal: it hit the tool's own error)."""
+        """{rank: {'line', 'term', 'internal', 'phase', 'host'}}: the first report of each rank (term: it was
+        terminated by a signal; internal: it hit the tool's own error)."""
         out = {}
         for e in map(json.loads, self._lines("errors")):
-            entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False, "internal": False})
+            entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False, "internal": False,
+                                                    "phase": e.get("phase"), "host": e.get("host")})
             entry["term"] = entry["term"] or bool(e.get("term"))
             entry["internal"] = entry["internal"] or bool(e.get("internal"))
         return out
