@@ -71,6 +71,7 @@ from .judge import (
 from .liveness import liveness, proc_stat
 from .manifest import judge_bands, judge_manifest, mark_accepted, note_manifest_save
 from .measure import screen_degraded_note
+from .numerics import judge_ddp_grads
 from .outputs import drain_apply, drain_blocker, drain_plan, render_metrics
 from .page import render_html
 from .rank import HEADER, PROGRESS, RankRun
@@ -233,6 +234,7 @@ class Coordinator(RankRun):
                 if rec.get("node") is not None and res.get("imports") is not None:
                     rec["node"]["imports"] = res["imports"]
         final = (judge_imports(self.records) + judge_collectives(self.results, self.world, self.host_of)
+                 + judge_ddp_grads(self.records, self.results)  # numerics: each rank's own gradients
                  + judge_transport(self.records, self.env.get("NCCL_IB_DISABLE"))
                  + judge_bandwidth((self.collectives or {}).get("bandwidth"), self.args.min_busbw)
                  + judge_manifest(self.args.manifest_data, self.records, self.screen)

@@ -18,6 +18,7 @@ from .base import (
 from .collect import PROBED_PACKAGES, ib_hca_select
 from .deadlines import NODE_SMI_S, PHASE_CHECK, PHASES
 from .measure import NODE_SMI_WHAT
+from .numerics import judge_numerics_records
 
 
 def _by_host(records):
@@ -418,8 +419,10 @@ def judge_pre(records, world_size, expect):
 
 
 def judge_gate(records, ib_hca=None):
-    """Stage 2, from the gathered telemetry, before the collectives: node facts."""
-    return judge_numa(records) + judge_versions(records) + judge_fabric(records, ib_hca) + judge_day0(records)
+    """Stage 2, from the gathered telemetry, before the collectives: node facts, and the numerics each rank
+    computed (judge_numerics_records; nothing when the ranks carry none: --skip-numerics)."""
+    return (judge_numa(records) + judge_versions(records) + judge_fabric(records, ib_hca) + judge_day0(records)
+            + judge_numerics_records(records))
 
 
 def judge_all(records, world_size, expect, ib_hca=None):

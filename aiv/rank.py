@@ -79,6 +79,7 @@ from .interfaces import (
 from .judge import apply_strict
 from .liveness import proc_stat
 from .measure import SCREEN_MATMUL_N, finish_node_smi, soak_measure, start_node_smi, start_screen_gpu
+from .numerics import ddp_local_grads, rank_numerics
 from .render import BAR
 from .screen_judge import judge_soak, soak_rows
 from .screen_run import ScreenRunner
@@ -292,9 +293,10 @@ class RankRun(ScreenRunner):
         local, gpu = self.local_checks(ifaces, expected)
         if self.backend != "nccl" and self.nccl_log:
             self._drop_nccl_log()
-        if gpu is not None and not self.args.skip_screen and not any(f["status"] == "FAIL" for f in local):
+        screen, numerics = not self.args.skip_screen, not self.args.skip_numerics
+        if gpu is not None and (screen or numerics) and not any(f["status"] == "FAIL" for f in local):
             self.gpu_box = start_screen_gpu(self.torch, self.device, gpu.get("uuid"), gpu.get("pci"),
-                                            self.args.sysfs_root)
+                                            self.args.sysfs_root, screen=screen, numerics=numerics)
         if gpu is not None:  # the HCA a pair round names where NCCL's log does not say
             gpu["hca"] = nearest_hca(self.args.sysfs_root, gpu.get("pci"), self.env.get("NCCL_IB_HCA"))
         self.identity = {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(),
@@ -355,6 +357,9 @@ class RankRun(ScreenRunner):
     def telemetry(self):
         """This rank's identity and, on a node leader, the node's facts: what the telemetry gather sends."""
         tele = dict(self.identity)
+        if not self.args.skip_numerics:  # GPU: measured on the measuring thread; CPU: here (rank_numerics)
+            tele["numerics"] = rank_numerics(self.torch, self.device if self.backend == "nccl" else None,
+                                             self._kind(), self.gpu_box, self.D["telemetry"] / 4)
         if self.node_box is not None:
             tele["node"] = self.node_box.get("facts") or {"error": self.node_box.get("error", "not collected in time")}
             if self.smi_box is not None:  # waited for within NODE_SMI_S of its start, a quarter of this phase at most
@@ -374,7 +379,7 @@ class RankRun(ScreenRunner):
         self.failpoint("soak")
         g = self.identity.get("gpu") or {}
         row = soak_measure(self.torch, self._device(), self._kind(), self.args.soak, g.get("uuid"),
-                           lambda: self.round_gate("soak"))
+                           lambda: self.round_gate("soak"), numerics=not self.args.skip_numerics)
         self.proto.screen_post("soak", self.rank, row, self.world)
         if not self.is0:
             return
@@ -411,6 +416,8 @@ class RankRun(ScreenRunner):
     def phase_ddp(self):
         torch, dist, dev, t = self.torch, self.dist, self._device(), time.monotonic()
         from torch.nn.parallel import DistributedDataParallel as DDP
+        if not self.args.skip_numerics:  # this rank's own gradients, same input as every rank's, before any all-reduce
+            self.results["grads_local"] = ddp_local_grads(torch, dev)
         g = torch.Generator().manual_seed(1234 + self.rank)
         xin, yin = torch.randn(16, 10, generator=g).to(dev), torch.randn(16, 10, generator=g).to(dev)
         model = torch.nn.Linear(10, 10).to(dev)
