@@ -14,7 +14,10 @@ Phases (each prints one progress line on rank 0):
               the job's secret AIV_JOB_SECRET (HMAC-SHA256, bound to the run); rank 0 judges
               layout and GPU affinity before any NCCL communicator exists
   init        torch.distributed.init_process_group on that store
-  telemetry   per-rank and per-node facts posted to the store, read by rank 0 in one read
+  telemetry   per-rank and per-node facts posted to the store, read by rank 0 in one read, with each
+              rank's numerics check (--skip-numerics skips it): seeded bf16/TF32/fp32 matmuls and an
+              elementwise kernel whose bits must match the rank's GPU model and software peers and
+              whose values must lie within a tolerance of an fp64 reference (silent data corruption)
   judge       small pure checks over the gathered data -> PASS / WARN / FAIL
   screen      performance screen (--skip-screen skips it): each GPU's matmul TFLOPS and memory GB/s
               (measured on a thread of the rank's own from the local checks on, while it waits at the
@@ -23,8 +26,9 @@ Phases (each prints one progress line on rank 0):
               GPU, node, rail or link
   soak        with --soak SECONDS: bf16 matmul on every GPU at once for SECONDS, clocks, temperature,
               power and clock-event reasons sampled; names the GPU that slows down, overheats or brakes
-  collectives exact all_reduce with a closed-form sum, DDP step on nn.Linear(10, 10),
-              gradients compared across ranks, loss all_reduced
+  collectives exact all_reduce with a closed-form sum, DDP step on nn.Linear(10, 10), each rank's
+              own gradients (same input everywhere) compared before the all-reduce, gradients
+              compared across ranks after it, loss all_reduced
   verdict     report, one FAILURE line per failed check, or the success line
 
 Launch:

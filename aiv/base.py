@@ -48,6 +48,7 @@ CHECKS = (
     "intra-node",    # performance screen: a node's all_reduce busbw inside the node below the other nodes'
     "inter-node",    # performance screen: a node, a node's rail (HCA) or a link slow between nodes
     "soak",          # --soak: a GPU's matmul speed decayed under sustained load, or its clocks slowed for heat or power
+    "numerics",      # a rank computes wrong numbers: bits unlike its model's peers, or off the fp64 reference
     "drain",         # --drain on: scontrol missing, refused or silent (WARN only: never changes the verdict)
 )
 

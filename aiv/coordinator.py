@@ -73,6 +73,7 @@ from .judge import (
 from .liveness import liveness, proc_stat
 from .manifest import judge_bands, judge_manifest, mark_accepted, note_manifest_save
 from .measure import SCREEN_MATMUL_N, screen_degraded_note
+from .numerics import judge_ddp_grads
 from .outputs import drain_apply, drain_blocker, drain_plan, render_metrics
 from .page import render_html
 from .rank import HEADER, PROGRESS, RankRun
@@ -269,6 +270,7 @@ class Coordinator(RankRun):
         self.records = with_results(self.records, self.results)
         final = (judge_final(self.records, self.results, self.world, self.host_of, self.env.get("NCCL_IB_DISABLE"),
                              (self.collectives or {}).get("bandwidth"), self.args.min_busbw)
+                 + judge_ddp_grads(self.records, self.results)  # numerics: each rank's own gradients
                  + judge_manifest(self.args.manifest_data, self.records, self.screen)
                  + judge_bands(self.args.manifest_data, self.records, self.screen)  # manifest: drift from the accepted
                  + judge_strays(self.proto.strays()))  # a stray that came after the roll call: never a PASS

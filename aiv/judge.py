@@ -18,6 +18,7 @@ from .base import (
 from .collect import PROBED_PACKAGES, ib_hca_select
 from .deadlines import NODE_SMI_S, PHASE_CHECK, PHASES
 from .measure import NODE_SMI_WHAT
+from .numerics import judge_numerics_records
 
 
 def _by_host(records):
@@ -419,8 +420,10 @@ def judge_pre(records, world_size, expect):
 
 
 def judge_gate(records, ib_hca=None):
-    """Stage 2, from the gathered telemetry, before the collectives: node facts."""
-    return judge_numa(records) + judge_versions(records) + judge_fabric(records, ib_hca) + judge_day0(records)
+    """Stage 2, from the gathered telemetry, before the collectives: node facts, and the numerics each rank
+    computed (judge_numerics_records; nothing when the ranks carry none: --skip-numerics)."""
+    return (judge_numa(records) + judge_versions(records) + judge_fabric(records, ib_hca) + judge_day0(records)
+            + judge_numerics_records(records))
 
 
 def judge_final(records, results, world_size, host_of=None, ib_disable=None, bandwidth=None, min_busbw=None):
@@ -445,11 +448,11 @@ def judge_all(records, world_size, expect, ib_hca=None, results=None, ib_disable
 
 
 # What every rank's record holds, wherever the run stopped (the JSON's `ranks`): the roll call's identity,
-# the telemetry's node facts (node leaders; null on the others) and the DDP step's NCCL facts (null
+# the telemetry's numerics digests and node facts (node leaders; null on the others), the DDP step's NCCL facts (null
 # before it, and on gloo). A record is never patched: each phase's results make new ones (with_results).
 RANK_IDENTITY = ("rank", "host", "hostname", "loopback", "local_rank", "backend", "device", "cvd", "gpu",
                  "gpus_expected", "gloo", "cpus", "versions", "local", "pid", "pid_start", "addrs")
-RANK_FIELDS = RANK_IDENTITY + ("node", "transport", "nccl_net")
+RANK_FIELDS = RANK_IDENTITY + ("numerics", "node", "transport", "nccl_net")
 
 
 def rank_record(rec):

@@ -12,6 +12,7 @@ import time
 from .base import _screen_median, first_line, is_tool_error
 from .collect import pci_link, throttle_names
 from .deadlines import NODE_SMI_S
+from .numerics import NumericsRepeat, start_numerics
 
 # What the performance screen measures (section `screen` judges it). GPU: each measurement runs about
 # SCREEN_TARGET_S of timed work after a warm-up, in SCREEN_BLOCKS device-synchronised blocks, and the
@@ -344,15 +345,21 @@ def _measure_device(torch_mod, dev, uuid, pci, root):
     return {"tflops": float(f"{tflops:.4g}"), "hbm_gbps": float(f"{hbm:.4g}"), **facts, **smi}
 
 
-def start_screen_gpu(torch_mod, dev, uuid=None, pci=None, root="/"):
-    """GPU ranks, from the end of their local checks: screen_measure_gpu on a thread of its own, while the rank
-    waits at the roll call and in init (the device keeps the time, so the host's work in those waits cannot
-    enter it) -> the box that take_screen_gpu reads in screen-gpu."""
+def start_screen_gpu(torch_mod, dev, uuid=None, pci=None, root="/", screen=True, numerics=True):
+    """GPU ranks, from the end of their local checks: on a thread of its own, first the numerics check
+    (start_numerics: box['numerics'], read by rank_numerics at the telemetry), then screen_measure_gpu, while the
+    rank waits at the roll call and in init (the device keeps the time, so the host's work in those waits cannot
+    enter it) -> the box that take_screen_gpu reads in screen-gpu. screen, numerics: which of the two to run."""
     box = {"done": threading.Event(), "t0": time.monotonic()}
+    if numerics:
+        box["numerics_done"] = threading.Event()
 
     def run():
         try:
-            box["row"] = screen_measure_gpu(torch_mod, dev, "gpu", uuid, pci, root)
+            if numerics:
+                start_numerics(torch_mod, dev, "gpu", box)
+            if screen:
+                box["row"] = screen_measure_gpu(torch_mod, dev, "gpu", uuid, pci, root)
         except BaseException as e:  # raised again in screen-gpu, on the rank's own thread
             box["error"] = e
         finally:
@@ -536,11 +543,12 @@ def soak_summary(samples):
     return out
 
 
-def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None):
+def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None, numerics=True):
     """One rank's soak: square matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread) in blocks
     of about SOAK_BLOCK_S for `seconds`, while SoakSampler reads the GPU. start(): called once the
     operands are made and warm, before the timed load (the gate that starts every GPU together).
-    -> the row judge_soak takes (without the rank's record facts)."""
+    numerics: between timed blocks, the numerics check's matmuls repeated against their first result
+    (NumericsRepeat). -> the row judge_soak takes (without the rank's record facts)."""
     cpu = kind == "cpu"
     sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
     n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
@@ -560,6 +568,7 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None):
             torch_mod.mm(a, b, out=c)
         sync()
         per_block = max(1, int(SOAK_BLOCK_S[kind] / max((time.perf_counter() - t) / 2, 1e-7)))
+        repeat = NumericsRepeat(torch_mod, dev, kind) if numerics else None
         if start is not None:
             start()
         sampler = SoakSampler(None if cpu else uuid)
@@ -571,6 +580,8 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None):
                     torch_mod.mm(a, b, out=c)
                 sync()
                 blocks.append(2 * n ** 3 * per_block / 1e12 / max(time.perf_counter() - t, 1e-9))
+                if repeat is not None:  # between timed blocks: never inside a block's time
+                    repeat.tick(time.perf_counter() - t0)
             loaded = time.perf_counter() - t0
         finally:
             samples = sampler.stop()
@@ -586,4 +597,4 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None):
             "window_s": round(loaded * w / max(len(blocks), 1), 2),
             "tflops_windows": windows, "tflops_first": windows[0] if windows else None,
             "tflops_last": windows[-1] if windows else None, "telemetry": sampler.source,
-            **soak_summary(samples)}
+            **soak_summary(samples), **(repeat.summary() if repeat is not None else {})}

@@ -171,6 +171,9 @@ def build_parser():
     # performance screen (section `screen`): on by default, floors in the units of the report
     _opt(p, "--skip-screen", _switch, "off", "skip the performance screen (GPU matmul and memory, intra-node and "
          "inter-node busbw); no value: on", nargs="?", const="on", default=False, metavar="on/off")
+    _opt(p, "--skip-numerics", _switch, "off", "skip the numerics check (every rank's matmuls compared bit for bit "
+         "with its model's peers and with an fp64 reference; the DDP step's local gradients); no value: on",
+         nargs="?", const="on", default=False, metavar="on/off")
     _opt(p, "--min-tflops", _positive_float, "none", "screen: FAIL a GPU whose dense matmul is below this (bf16 on "
          "GPU, fp32 on CPU)", metavar="TFLOPS")
     _opt(p, "--min-hbm", _positive_float, "none", "screen: FAIL a GPU whose device-memory copy is below this (GB/s, "

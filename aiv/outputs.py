@@ -266,6 +266,20 @@ def _metrics_gpus(state, screen):
              "(10^9 bytes per second, read plus write).", hbm)]
 
 
+def _metrics_numerics(state):
+    """aiv_numerics_error_ratio{node,gpu,uuid}: per rank, its largest error against the numerics check's fp64
+    reference as a fraction of the tolerance, over its checks (ranks[].numerics)."""
+    rows = []
+    for r in state.get("ranks") or []:
+        checks = (r.get("numerics") or {}).get("checks") or {}
+        ratios = [p["err"] / p["tol"] for p in checks.values() if p.get("tol") and p.get("err") is not None]
+        rows.append(({"node": r.get("host"), "gpu": str(r.get("local_rank")),
+                      "uuid": (r.get("gpu") or {}).get("uuid") or ""}, max(ratios) if ratios else None))
+    return [("aiv_numerics_error_ratio", "Numerics check: the rank's largest error against the fp64 reference as a "
+             "fraction of its tolerance, over its checks (1 or more: off the reference; results whose bits differ "
+             "from their peers' show in aiv_check_status for the check numerics).", rows)]
+
+
 def _metrics_intra(screen):
     """aiv_intra_node_busbw_gbps{node}: the node's all_reduce bus bandwidth among its own GPUs."""
     rows = [({"node": p.get("host")}, p.get("busbw")) for p in screen.get("intra") or []]
@@ -315,8 +329,8 @@ def render_metrics(state):
     by each run, so a series stays one series), values that are not numbers left out. Pure."""
     screen = state.get("screen") or {}
     families = (_metrics_run(state) + _metrics_checks(state) + _metrics_node_status(state)
-                + _metrics_gpus(state, screen) + _metrics_intra(screen) + _metrics_inter(screen)
-                + _metrics_phases(state) + _metrics_drain(state))
+                + _metrics_gpus(state, screen) + _metrics_numerics(state) + _metrics_intra(screen)
+                + _metrics_inter(screen) + _metrics_phases(state) + _metrics_drain(state))
     lines = []
     for name, text, samples in families:
         lines += _metrics_family(name, text, samples) or []

@@ -126,6 +126,34 @@ def _html_actions(state):
             + "</div></section>")
 
 
+def _html_numerics(state, limit=64):
+    """The numerics check: per rank its worst error against the fp64 reference as a fraction of the tolerance,
+    the ranks a numerics FAIL names first (then the worst, up to `limit`); nothing when no rank carries it."""
+    named = {r for f in state.get("findings") or [] if f.get("check") == "numerics" and f.get("status") == "FAIL"
+             for r in f.get("ranks") or []}
+    rows = []
+    for r in state.get("ranks") or []:
+        checks = (r.get("numerics") or {}).get("checks") or {}
+        ratios = {c: p["err"] / p["tol"] for c, p in checks.items() if p.get("tol") and p.get("err") is not None}
+        if checks:
+            worst = max(ratios, key=ratios.get) if ratios else None
+            rows.append((r.get("rank") not in named, -(ratios.get(worst) or 0), r, worst, ratios.get(worst)))
+    if not rows:
+        return ""
+    rows.sort(key=lambda x: (x[0], x[1], x[2].get("rank", 0)))
+    body = "".join(
+        f'<tr><td>{_html_e(r.get("rank"))}</td><td><code>{_html_e(r.get("host"))}</code></td>'
+        f'<td><code>{_html_e((r.get("gpu") or {}).get("uuid") or "CPU")}</code></td><td>{_html_e(worst)}</td>'
+        f'<td>{_html_n(ratio, 3)}</td><td>' + ('<span class="st FAIL">named</span>' if not clean else "") + "</td></tr>"
+        for clean, _, r, worst, ratio in rows[:limit])
+    more = f'<p class="muted small">and {len(rows) - limit} more rank(s)</p>' if len(rows) > limit else ""
+    return ('<section id="numerics"><h2>Numerics</h2><div class="card"><p class="muted small">Each rank\'s largest '
+            'error against the fp64 reference, as a fraction of the tolerance (1 or more: off the reference); '
+            '"named": a numerics FAIL names the rank (bits unlike its peers\', or off the reference).</p><table>'
+            "<tr><th>rank</th><th>host</th><th>GPU</th><th>worst check</th><th>error / tolerance</th><th></th></tr>"
+            f"{body}</table>{more}</div></section>")
+
+
 def _html_gpu_levels(screen):
     """Per GPU row, against its model's reference: {rank: {metric: (value, ratio, level)}}, plus the refs
     {(model, metric): screen_reference} (the judge's references and levels, judge_gpu_perf)."""
@@ -443,8 +471,8 @@ def render_html(state):
     gl, refs = _html_gpu_levels(screen)
     title = f"{state.get('verdict') or 'FAIL'} - ai-infra-validator - {state.get('host') or ''}"
     body = (_html_verdict(state) + _html_findings(state) + _html_actions(state) + _html_topology(state, gl)
-            + _html_gpus(screen, gl, refs) + _html_pairs(screen, state.get("failed_hosts") or [])
-            + _html_timeline(state))
+            + _html_gpus(screen, gl, refs) + _html_numerics(state)
+            + _html_pairs(screen, state.get("failed_hosts") or []) + _html_timeline(state))
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_html_e(title)}</title>'
             f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{_html_css()}</style></head>'
             f'<body><main>{body}<p class="muted small">ai-infra-validator {_html_e(state.get("version"))}, schema '

@@ -74,6 +74,7 @@ from .interfaces import (
 )
 from .liveness import launch_key, proc_stat, said_marker, sweep_said, tell_rank0_without_torch
 from .measure import soak_measure, start_node_smi, start_screen_gpu
+from .numerics import ddp_local_grads, rank_numerics
 from .render import BAR
 from .screen_run import ScreenRunner
 from .store import Seal, StoreProtocol, norm_ip, run_base
@@ -293,9 +294,10 @@ class RankRun(ScreenRunner):
         local, gpu = self.local_checks(ifaces, expected)
         if self.backend != "nccl":
             self.nccl.drop()
-        if gpu is not None and not self.args.skip_screen and not any(f["status"] == "FAIL" for f in local):
+        screen, numerics = not self.args.skip_screen, not self.args.skip_numerics
+        if gpu is not None and (screen or numerics) and not any(f["status"] == "FAIL" for f in local):
             self.bg.gpu = start_screen_gpu(self.torch, self.device, gpu.get("uuid"), gpu.get("pci"),
-                                            self.args.sysfs_root)
+                                           self.args.sysfs_root, screen=screen, numerics=numerics)
         if gpu is not None:  # the HCA a pair round names where NCCL's log does not say
             gpu["hca"] = nearest_hca(self.args.sysfs_root, gpu.get("pci"), self.env.get("NCCL_IB_HCA"))
         self.identity = {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(),
@@ -372,6 +374,9 @@ class RankRun(ScreenRunner):
     def telemetry(self):
         """This rank's identity and, on a node leader, the node's facts: what the telemetry gather sends."""
         tele = dict(self.identity)
+        if not self.args.skip_numerics:  # GPU: measured on the measuring thread; CPU: here (rank_numerics)
+            tele["numerics"] = rank_numerics(self.torch, self.device if self.backend == "nccl" else None,
+                                             self._kind(), self.bg.gpu, self.bound.left() / 4)
         node = self.bg.node_facts(self.bound.left() / 4)  # nvidia-smi: a quarter of this phase at most
         if node is not None:
             tele["node"] = node
@@ -389,7 +394,7 @@ class RankRun(ScreenRunner):
         self.failpoint("soak")
         g = self.identity.get("gpu") or {}
         row = soak_measure(self.torch, self._device(), self._kind(), self.args.soak, g.get("uuid"),
-                           lambda: self.round_gate("soak"))
+                           lambda: self.round_gate("soak"), numerics=not self.args.skip_numerics)
         self.proto.screen_post("soak", self.rank, row, self.world)
         return row
 
@@ -407,6 +412,8 @@ class RankRun(ScreenRunner):
     def phase_ddp(self):
         torch, dist, dev, t = self.torch, self.dist, self._device(), time.monotonic()
         from torch.nn.parallel import DistributedDataParallel as DDP
+        if not self.args.skip_numerics:  # this rank's own gradients, same input as every rank's, before any all-reduce
+            self.results["grads_local"] = ddp_local_grads(torch, dev)
         g = torch.Generator().manual_seed(1234 + self.rank)
         xin, yin = torch.randn(16, 10, generator=g).to(dev), torch.randn(16, 10, generator=g).to(dev)
         model = torch.nn.Linear(10, 10).to(dev)

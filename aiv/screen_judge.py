@@ -6,6 +6,7 @@ from .base import _screen_key, _screen_median, _screen_sorted, compress_hostlist
 from .collect import THROTTLE_FAULTS, throttle_names
 from .judge import screen_reference
 from .manifest import BAND_MIN_RUNS, _band_points, _host_classes
+from .numerics import judge_numerics_soak
 from .screen_plan import (
     SCREEN_LIST_MAX,
     screen_fractions,
@@ -766,7 +767,8 @@ def judge_soak(rows, cpu=False):
     (OR of the clock-event masks, None: not read), 'throttle_counts' {name: samples}}]; cpu: gloo ranks.
     -> one finding per GPU with a problem (soak_problems; beyond SCREEN_LIST_MAX one per status listing
     the first ones and a count), or one PASS saying how far the slowest GPU held its speed, the hottest
-    GPU, the clock limits seen, and where there was no telemetry (CPU, or neither NVML nor nvidia-smi)."""
+    GPU, the clock limits seen, and where there was no telemetry (CPU, or neither NVML nor nvidia-smi); then
+    the numerics repeats' findings (judge_numerics_soak: check 'numerics', where rows carry them)."""
     rows = sorted(rows or [], key=lambda r: r["rank"])
     if not rows:
         return []
@@ -790,8 +792,9 @@ def judge_soak(rows, cpu=False):
         secs = max(float(r.get("seconds") or 0) for r in rows)
         lead = (f"{len(rows)} CPU rank(s) ran {secs:g}s of load at once (decay not judged: ranks share cores)" if cpu
                 else f"{len(rows)} GPU(s) held their speed over {secs:g}s of load at once")
-        return [finding("soak", "PASS", f"{lead}: " + "; ".join(p for p in parts if p))]
-    return per_gpu_findings("soak", items, _soak_who, "GPU(s) did not hold up under sustained load")
+        return [finding("soak", "PASS", f"{lead}: " + "; ".join(p for p in parts if p))] + judge_numerics_soak(rows)
+    return (per_gpu_findings("soak", items, _soak_who, "GPU(s) did not hold up under sustained load")
+            + judge_numerics_soak(rows))
 
 
 def _soak_n(v):

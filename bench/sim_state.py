@@ -35,8 +35,18 @@ def _ranks(names, gpn):
         for lr in range(gpn):
             uuid = f"GPU-{n:04x}{lr:04x}-3a15-cada-44d8-{n * gpn + lr:012x}"
             out.append({"rank": n * gpn + lr, "host": host, "hostname": host, "local_rank": lr, "device": lr,
-                        "backend": "nccl", "gpu": {"name": "NVIDIA H200", "uuid": uuid, "vram": 150109880320}})
+                        "backend": "nccl", "gpu": {"name": "NVIDIA H200", "uuid": uuid, "vram": 150109880320},
+                        "numerics": _numerics()})
     return out
+
+
+def _numerics():
+    """A healthy rank's numerics post (its checks' digests and errors against the fp64 reference)."""
+    errs = {"matmul-bf16": (0.0006, 0.0391), "linear-bf16": (0.0006, 0.0391), "matmul-fp32": (2.1e-07, 0.000122),
+            "matmul-tf32": (0.00031, 0.00403), "elementwise-fp32": (5.9e-08, 2.384e-07)}
+    return {"checks": {c: {"err": e, "tol": t, "off": False, "digest": f"{i:032x}"}
+                       for i, (c, (e, t)) in enumerate(errs.items())},
+            "software": {"torch": "2.13.0+cu130", "sms": 132, "cc": "9.0", "cuda": "13.0", "cublas": 130100}}
 
 
 def _gpu_rows(ranks, rng, fault):
@@ -100,6 +110,7 @@ def simulated_state(nodes, rails, gpus_per_node=None, fault=None, seed=1):
     screen["suspect_links"] = aiv.screen_suspect_links(screen["pairs"])
     findings = [aiv.finding("world-size", "PASS", f"WORLD_SIZE={len(ranks)} as expected"),
                 aiv.finding("layout", "PASS", f"{nodes} node(s) x {gpn} rank(s)")] + aiv.judge_screen(screen)
+    findings += aiv.judge_numerics(aiv.numerics_rows(ranks))
     failed = sorted({h for f in findings if f["status"] == "FAIL" for h in f["hosts"]})
     code = aiv.EXIT_FAIL if any(f["status"] == "FAIL" for f in findings) else aiv.EXIT_PASS
     drain = aiv.drain_plan(findings, "recommend", nodes, "4242")

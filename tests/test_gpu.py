@@ -146,3 +146,44 @@ def test_screen_measured_while_the_rank_waits(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     phases = json.loads(jp.read_text())["phases"]
     assert phases["gpu_measure"] > 0 and phases["screen-gpu"] < phases["gpu_measure"], phases
+
+
+def test_a_gpu_computing_wrong_is_named(tmp_path):
+    """Silent data corruption on one GPU, injected from outside the tool (tests/sdc/sitecustomize.py on the last
+    rank's PYTHONPATH: one element of every matmul-family result slightly wrong). With two or more GPUs the
+    numerics check names that rank, its host and its GPU's UUID; with one GPU (nothing to compare its bits with)
+    it is off the fp64 reference, and the FAIL names the rank without blaming its host."""
+    from pathlib import Path
+    n, jp = min(NGPU, 4), tmp_path / "v.json"
+    bad = n - 1
+    res, _ = spawn(n, args=["--timeout", 120, "--json", jp, "--skip-screen"],
+                   per_rank={bad: {"PYTHONPATH": str(Path(__file__).resolve().parent / "sdc")}})
+    assert [rc for rc, _ in res] == [1] * n, res[0][1]
+    out = res[0][1]
+    (line,) = failures(out)
+    assert line.startswith(f"FAILURE: numerics: rank {bad} on ") and aiv.SUCCESS_LINE not in out, line
+    d = json.loads(jp.read_text())
+    uuid = d["ranks"][bad]["gpu"]["uuid"]
+    assert d["ranks"][bad]["numerics"]["checks"]["matmul-fp32"]["off"] is True
+    if n > 1:
+        assert uuid in line and "computes wrong numbers" in line and d["failed_hosts"] == [d["ranks"][bad]["host"]]
+    else:
+        assert "the only rank of its model and software" in line and d["failed_hosts"] == []
+    for r in range(n - 1):  # the healthy GPUs: every check within its tolerance, and the same bits among them
+        checks = d["ranks"][r]["numerics"]["checks"]
+        assert not any(p["off"] for p in checks.values()), checks
+        assert {c: p["digest"] for c, p in checks.items()} == {
+            c: p["digest"] for c, p in d["ranks"][0]["numerics"]["checks"].items()}
+
+
+def test_numerics_pass_on_healthy_gpus_and_are_deterministic(tmp_path):
+    """Every GPU of the host: the numerics check passes, its bits the same on every GPU of one model, twice."""
+    import torch as t
+    a, b = (aiv.numerics_measure(t, 0, "gpu") for _ in range(2))
+    assert {c: p["digest"] for c, p in a["checks"].items()} == {c: p["digest"] for c, p in b["checks"].items()}
+    assert not any(p["off"] for p in a["checks"].values()) and "matmul-tf32" in a["checks"]
+    jp = tmp_path / "v.json"
+    r = run_tool(["--json", jp, "--timeout", 120, "--skip-screen"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    found = [f for f in json.loads(jp.read_text())["findings"] if f["check"] == "numerics"]
+    assert [f["status"] for f in found] == ["PASS", "PASS"], found

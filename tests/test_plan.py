@@ -18,7 +18,8 @@ GOOD = {"--backend": ["auto", "gloo"], "--timeout": ["5", "120", "2.5"], "--roll
         "--strict": ["on", "0", "YES"], "--json": ["/tmp/aiv-plan-test.json"], "--nproc": ["2", "3"],
         "--bandwidth": ["1M", "64K,1M", "off", "on", "0"], "--min-busbw": ["1.5"], "--sysfs-root": ["/"],
         "--verify-log": ["x.log"], "--save-manifest": ["/tmp/aiv-plan-m.json"], "--manifest": ["/tmp/aiv-plan-m.json"],
-        "--diff-manifest": ["/tmp/aiv-plan-m.json"], "--skip-screen": ["on", "off"], "--min-tflops": ["1.5"],
+        "--diff-manifest": ["/tmp/aiv-plan-m.json"], "--skip-screen": ["on", "off"], "--skip-numerics": ["on", "off"],
+        "--min-tflops": ["1.5"],
         "--min-hbm": ["100"], "--min-busbw-intra": ["10"], "--min-busbw-inter": ["5"],
         "--drain": ["off", "recommend", "on"], "--drain-max": ["1", "8"], "--metrics": ["/tmp/aiv-plan-test.prom"],
         "--html": ["/tmp/aiv-plan-test.html"], "--soak": ["0", "30", "2.5", "off"]}

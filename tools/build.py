@@ -34,6 +34,7 @@ BUILD_ORDER = (
     "options",       # the one parser of flags and AIV_* variables
     "interfaces",    # NCCL/GLOO_SOCKET_IFNAME, NCCL's own log lines
     "collect",       # facts of a rank and its node, one getter per fact
+    "numerics",      # the numerics check (silent data corruption): what each rank computes, and its judges
     "measure",       # what the screen and the soak measure on a device
     "judge",         # pure checks of the gathered records
     "manifest",      # --save-manifest / --manifest / --diff-manifest
