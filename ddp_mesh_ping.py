@@ -8961,7 +8961,8 @@ class Coordinator(RankRun):
         self.proto.prepare(self.records)
         self.poll = self.proto.clone()
         self.wd.period = live_period(len(set(self.host_of.values())))
-        self.master = {"host": self.host, "pid": os.getpid(), "nodes": len(set(self.host_of.values()))}
+        self.master = {"host": self.host, "pid": os.getpid(), "pid_start": (proc_stat(os.getpid()) or ("", ""))[1],
+                       "nodes": len(set(self.host_of.values()))}
         self.proto.open_gate("roll", json.dumps(self.master))
 
     def local_failures(self):
@@ -9469,7 +9470,14 @@ class Follower(RankRun):
                                        f"is frozen, hung or unreachable{self.rank0_state()}"))
 
     def signalled(self, signum, name, phase):
-        """Post that this rank was terminated (so that rank 0 does not take it for dead), exit 128 + signal."""
+        """Post that this rank was terminated (so that rank 0 does not take it for dead), exit 128 + signal.
+        When rank 0's process on this node is gone and no verdict came (torchrun stops the other workers
+        once one died: rank 0 killed leaves nobody to speak), speak for rank 0 and leave the JSON."""
+        if self.rank0_died():
+            host0 = (self.master or {}).get("host", self.addr)
+            self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank 0 ({host0}) died during {phase} before its "
+                                           f"verdict (its process is gone); {name} then stopped rank {self.rank} "
+                                           f"({self.host})"))
         if self.proto is not None:
             line = f"rank {self.rank} ({self.host}): terminated by {name} during {phase}"
             bounded(lambda: self.proto.clone().report_error(self.rank, phase, line, EXIT_INTERRUPTED, term=True),
@@ -9494,6 +9502,21 @@ class Follower(RankRun):
                          "failures": line.splitlines(), "failed_hosts": host0, "exclude": ",".join(host0),
                          "drain_command": "", "written_by": f"rank {self.rank} ({self.host})"}, first=True)
         return code
+
+    def rank0_died(self):
+        """Whether rank 0 runs on this node and its process is gone with no verdict read within
+        ACKS_SIGNALLED_S (a rank 0 that gave its verdict publishes it before it exits)."""
+        m = self.master or {}
+        if m.get("host") != self.host or not m.get("pid") or self.verdict_seen is not None:
+            return False
+        stat = proc_stat(m["pid"])
+        first = ("", m["pid_start"]) if m.get("pid_start") else stat
+        if stat is not None and liveness(stat, first) != "gone":
+            return False
+        end = time.monotonic() + ACKS_SIGNALLED_S
+        while self.verdict_seen is None and time.monotonic() < end:
+            time.sleep(0.05)
+        return self.verdict_seen is None
 
     def rank0_state(self):
         m = self.master or {}

@@ -175,7 +175,8 @@ class Coordinator(RankRun):
         self.proto.prepare(self.records)
         self.poll = self.proto.clone()
         self.wd.period = live_period(len(set(self.host_of.values())))
-        self.master = {"host": self.host, "pid": os.getpid(), "nodes": len(set(self.host_of.values()))}
+        self.master = {"host": self.host, "pid": os.getpid(), "pid_start": (proc_stat(os.getpid()) or ("", ""))[1],
+                       "nodes": len(set(self.host_of.values()))}
         self.proto.open_gate("roll", json.dumps(self.master))
 
     def local_failures(self):

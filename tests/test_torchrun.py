@@ -58,6 +58,20 @@ def test_failpoints_under_torchrun_give_the_named_verdict(fault, word, code, tmp
     assert time.monotonic() - t0 < 120
 
 
+def test_rank_0_killed_under_torchrun_still_leaves_a_verdict_line_and_the_json(tmp_path):
+    """torchrun SIGTERMs the other workers once rank 0 died: before, nobody spoke and no JSON was left.
+    A worker on rank 0's node sees rank 0's process gone with no verdict and speaks for it, once."""
+    jp = tmp_path / "v.json"
+    r = torchrun("--standalone", "--nproc-per-node", 3, SCRIPT, "--timeout", 20, "--json", jp,
+                 env={"AIV_FAILPOINT": "die:collective:0"}, timeout=240)
+    assert r.returncode != 0
+    lines = failures(r.stdout)
+    assert len(lines) == 1 and lines[0].startswith("FAILURE: rendezvous: rank 0 (") and "died during" in lines[0], \
+        r.stdout + r.stderr
+    d = json.loads(jp.read_text())
+    assert d["verdict"] == "FAIL" and d["exit_code"] == aiv.EXIT_TIMEOUT and d["failed_hosts"] and "written_by" in d
+
+
 # ---------------------------------------------------------------- two agents, two namespaces
 def _skip_or_fail(msg):
     if os.environ.get("CI") == "true":
