@@ -128,6 +128,7 @@ CHECKS = (
     "soak",          # --soak: a GPU's matmul speed decayed under sustained load, or its clocks slowed for heat or power
     "numerics",      # a rank computes wrong numbers: bits unlike its model's peers, or off the fp64 reference
     "drain",         # --drain on: scontrol missing, refused or silent (WARN only: never changes the verdict)
+    "output",        # a requested --json / --metrics / --html file could not be written (exit 1, no host blamed)
 )
 
 # Environment variables the report may print. Nothing else is ever echoed.
@@ -8846,13 +8847,17 @@ class RankRun(ScreenRunner):
         return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
 
     def write_json(self, state, first=False):
-        """--json, within OUTPUT_S (shared storage can hang): a file that cannot be written is a warning."""
+        """--json, within OUTPUT_S (shared storage can hang). -> None, or why it could not be written (also
+        said on stderr)."""
         if self.args.json:
             try:
                 within(lambda: write_json_atomic(self.args.json, state, first), OUTPUT_S,
                        f"writing --json {self.args.json}")
-            except (OSError, BoundPassed) as e:
-                emit(f"WARNING: could not write --json {self.args.json}: {e.strerror or e}", sys.stderr)
+            except OSError as e:  # BoundPassed too
+                why = e.strerror or str(e)
+                emit(f"WARNING: could not write --json {self.args.json}: {why}", sys.stderr)
+                return why
+        return None
 
 
 
@@ -9103,10 +9108,15 @@ class Coordinator(RankRun):
             self.drain, warns = drain_apply(self.drain)
             found += warns
             st, text = self.report(found, code)
+        unwritten = self.write_files(st)
+        if unwritten:  # an output the operator asked for is missing: never a silent exit 0
+            found += [finding("output", "FAIL", f"--{flag} {path} could not be written: {why}; the verdict is in "
+                              "this log (fix the path or its storage)") for flag, path, why in unwritten]
+            st, text = self.report(found, code)
+            code = self.verdict_code = st["exit_code"]
+            self.write_files(st, skip={flag for flag, _, _ in unwritten})  # the others say what the log says
         self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code, counts=_counts(found))
         emit(text)
-        self.write_json(st)
-        self.write_outputs(st)
         if getattr(self.args, "save_manifest", None):  # after the report and the JSON: shared storage may be slow
             before = len(st["findings"])
             note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
@@ -9147,18 +9157,30 @@ class Coordinator(RankRun):
         fails = found if code != EXIT_PASS else []
         return drain_plan(fails, self.args.drain, nodes, self.env.get("SLURM_JOB_ID"), self.args.drain_max)
 
-    def write_outputs(self, st):
-        """--metrics and --html after the JSON, each within OUTPUT_S: a page or a file that cannot be
-        written is a warning on stderr, never a changed verdict."""
+    def write_files(self, st, skip=()):
+        """--json, then --metrics and --html (but those in `skip`), each within OUTPUT_S. -> [(flag, path, why)]
+        of those that could not be written (each also said on stderr); a page that cannot be rendered is the
+        tool's error, and counts as not written."""
+        out = []
+        why = self.write_json(st) if "json" not in skip else None
+        if why:
+            out.append(("json", self.args.json, why))
         for dest, render in (("metrics", render_metrics), ("html", render_html)):
             path = getattr(self.args, dest, None)
-            if not path:
+            if not path or dest in skip:
                 continue
             try:
                 text = render(st)
+            except Exception as e:  # the tool's own error: said, and the output counts as not written
+                print_traceback(e)
+                out.append((dest, path, f"the tool could not render it ({first_line(e)} in {where_raised(e)})"))
+                continue
+            try:
                 within(lambda p=path, t=text: write_text_atomic(p, t), OUTPUT_S, f"writing --{dest} {path}")
-            except Exception as e:
+            except OSError as e:  # BoundPassed too
                 emit(f"WARNING: could not write --{dest} {path}: {first_line(e)}", sys.stderr)
+                out.append((dest, path, e.strerror or first_line(e)))
+        return out
 
     def side_channel(self, client):
         """The side channel's findings at the verdict: every value refused (judge_forged), connections

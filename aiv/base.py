@@ -50,6 +50,7 @@ CHECKS = (
     "soak",          # --soak: a GPU's matmul speed decayed under sustained load, or its clocks slowed for heat or power
     "numerics",      # a rank computes wrong numbers: bits unlike its model's peers, or off the fp64 reference
     "drain",         # --drain on: scontrol missing, refused or silent (WARN only: never changes the verdict)
+    "output",        # a requested --json / --metrics / --html file could not be written (exit 1, no host blamed)
 )
 
 # Environment variables the report may print. Nothing else is ever echoed.

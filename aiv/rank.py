@@ -674,13 +674,17 @@ class RankRun(ScreenRunner):
         return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
 
     def write_json(self, state, first=False):
-        """--json, within OUTPUT_S (shared storage can hang): a file that cannot be written is a warning."""
+        """--json, within OUTPUT_S (shared storage can hang). -> None, or why it could not be written (also
+        said on stderr)."""
         if self.args.json:
             try:
                 within(lambda: write_json_atomic(self.args.json, state, first), OUTPUT_S,
                        f"writing --json {self.args.json}")
-            except (OSError, BoundPassed) as e:
-                emit(f"WARNING: could not write --json {self.args.json}: {e.strerror or e}", sys.stderr)
+            except OSError as e:  # BoundPassed too
+                why = e.strerror or str(e)
+                emit(f"WARNING: could not write --json {self.args.json}: {why}", sys.stderr)
+                return why
+        return None
 
 
 
