@@ -219,3 +219,21 @@ def test_a_rank_without_torch_is_its_hosts_local_fail_named_in_seconds(tmp_path)
     d = json.loads((tmp_path / "r.json").read_text())
     assert d["failed_hosts"] == [socket.gethostname()] and d["phases"].get("rollcall", 0) < 60
     assert sum(ln.startswith("FAILURE:") for ln in out[1][1].splitlines()) == 1  # said once, not twice
+
+
+def test_a_requested_output_that_cannot_be_written_fails_the_run_on_stdout(tmp_path):
+    """Before: an immutable --json at the end was a warning on stderr and exit 0."""
+    import shutil
+    import subprocess
+    jp, page = tmp_path / "r.json", tmp_path / "r.html"
+    jp.write_text("{}")
+    if not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(jp)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here (needs root and a filesystem that supports it)")
+    try:
+        out, _ = spawn(2, args=["--skip-screen", "--json", jp, "--html", page])
+    finally:
+        subprocess.run(["chattr", "-i", str(jp)], capture_output=True)
+    rc0, log = out[0]
+    assert rc0 == aiv.EXIT_FAIL, log
+    assert f"FAILURE: output: --json {jp} could not be written" in log and aiv.SUCCESS_LINE not in log
+    assert jp.read_text() == "{}" and "output" in page.read_text()  # the page says what the log says
