@@ -75,10 +75,11 @@ from .outputs import drain_apply, drain_blocker, drain_plan, render_metrics
 from .page import render_html
 from .rank import HEADER, PROGRESS, RankRun
 from .render import failure_lines, render_report
+from .screen_run import ScreenCoordinator
 from .store import Forged, StoreProtocol, fd_limit_problem, store_peers
 
 
-class Coordinator(RankRun):
+class Coordinator(ScreenCoordinator, RankRun):
     """Rank 0: serves the store, holds the roll call, judges what each phase gathered and owns the
     verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
     the watchdog, the signal thread); it names who did not finish a phase (unfinished) from the

@@ -128,9 +128,7 @@ PROGRESS = {
     "ddp": "ddp: DDP step on nn.Linear(10, 10), results gathered ({secs:.2f}s)",
     "bandwidth": "bandwidth: {size} all_reduce {us:.1f} us, algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s",
     "screen_gpu": "screen-gpu: {n} {what}: matmul {tflops} TFLOPS, memory copy {hbm} GB/s (min/median) ({secs:.2f}s)",
-    "screen_intra": "screen-intra: {detail} ({secs:.2f}s)",
-    "screen_pairs": "screen-pairs: {detail} ({secs:.2f}s)",
-    "screen_suspect": "screen-suspect: {detail}; screen findings: {counts} ({secs:.2f}s)",
+    "screen_net": "screen-net: {detail}; screen findings: {counts} ({secs:.2f}s)",
     "soak": "soak: {n} {what} loaded at once for {seconds:g}s: {detail}; soak findings: {counts} ({secs:.2f}s)",
     "verdict": "verdict: {verdict} (exit {code}); findings: {counts}",
 }
@@ -506,10 +504,10 @@ class RankRun(ScreenRunner):
     def failpoint(self, phase, only=("die", "hang", "pause")):
         """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
           die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
-                              (rendezvous, init, telemetry, screen-gpu, screen-intra, screen-pairs, screen-suspect,
-                              soak, collective, ddp; round-<name>: rank 0 before it opens a screen round's gate,
-                              e.g. round-p2); a pause first creates the file AIV_FAILPOINT_MARK, if set,
-                              so that a test breaks something (a link) while the run waits
+                              (rendezvous, init, telemetry, screen-gpu, screen-net, soak, collective, ddp;
+                              round-<name>: rank 0 before it opens a screen batch's gate, e.g. round-p2); a
+                              pause first creates the file AIV_FAILPOINT_MARK, if set, so that a test breaks
+                              something (a link) while the run waits
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, or
                               in the verdict's report (<phase> = report)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
