@@ -4887,7 +4887,7 @@ def soak_rows(records, posts, cpu=False):
 # (slow with two partners, at speed with none) or the GPU pair. A node slow in every try whose pairs are
 # all at speed is measured SCREEN_CONFIRM_TRIES more times before it is named as a whole. A measurement
 # slow at first and at speed again is a transient: a WARN that names no host (judge_transients).
-SCREEN_TRIES = 3          # a slow pair measurement (between nodes, or two GPUs of a node): at most this many times
+SCREEN_TRIES = 4          # a slow pair measurement (between nodes, or two GPUs of a node): at most this many times
 SCREEN_INTRA_TRIES = 4    # a slow node's all_reduce inside the node: at most this many times before localising
 SCREEN_CONFIRM_TRIES = 1  # ... and this many more when every GPU pair of it is at speed
 SCREEN_CONTROL_TRY = 3    # from this try on a slow node is measured beside its controls
@@ -5001,18 +5001,18 @@ class _Loop:
         """Bundles of groups wanted now, in order of priority; [] when the screen is done."""
         if self.intra and not any(r["tries"] for r in self.intra.values()):
             return [[self.g_intra(h)] for h in self.intra], "intra"
-        while self.done < len(self.rounds):
+        ilv, plv = self.intra_level(), self.pair_levels()
+        slow = [i for i, lv in enumerate(plv) if lv != "OK" and self.pairs[i].get("tries", 1) < SCREEN_TRIES]
+        while not slow and self.done < len(self.rounds):  # each pair round's slow ones again before the next
             self.done += 1
             if self.rounds[self.done - 1]:
                 return [[dict(g, kind="pair", round=self.done)] for g in self.rounds[self.done - 1]], f"p{self.done}"
-        ilv, plv = self.intra_level(), self.pair_levels()
         out = self.local_wants(ilv)
         for h, r in self.intra.items():
             if h in self.local or ilv.get(h, "OK") == "OK" or r["tries"] >= SCREEN_INTRA_TRIES:
                 continue
             ctrl = self.pick_controls(h, ilv) if r["tries"] + 1 >= SCREEN_CONTROL_TRY else []
             out.append([self.g_intra(h)] + [dict(self.g_intra(c), control=h) for c in ctrl])
-        slow = [i for i, lv in enumerate(plv) if lv != "OK" and self.pairs[i].get("tries", 1) < SCREEN_TRIES]
         out += [[{"ranks": self.pairs[i]["ranks"], "nodes": list(self.pairs[i]["nodes"]),
                   "rail": self.pairs[i]["rail"], "kind": "pair", "round": self.pairs[i]["round"], "redo": i}]
                 for i in slow]
@@ -5027,7 +5027,7 @@ class _Loop:
     def start_local(self, h, ilv):
         lrs = sorted(self.by_node[h])
         self.local[h] = {"stage": 1, "edges": {e: [] for e in _matchings(_ring(lrs))}, "ctrl": {}, "refs": {},
-                         "controls": self.pick_controls(h, ilv), "confirm": 0, "result": None}
+                         "controls": self.pick_controls(h, ilv), "result": None}
 
     def local_wants(self, ilv):
         """Localisation of the nodes slow in every try: their GPU pairs beside the controls' same pairs,
@@ -5061,8 +5061,7 @@ class _Loop:
                     st["edges"].update({e: [] for e in rest})
                     out += [self.edge_bundle(h, e) for e in rest]
                     continue
-            if st["confirm"] < SCREEN_CONFIRM_TRIES and ilv.get(h, "OK") != "OK":
-                st["confirm"] += 1
+            if self.intra[h]["tries"] < SCREEN_INTRA_TRIES + SCREEN_CONFIRM_TRIES and ilv.get(h, "OK") != "OK":
                 out.append([self.g_intra(h)] + [dict(self.g_intra(c), control=h) for c in st["controls"]])
                 continue
             st["result"] = "unlocalised"
