@@ -7356,8 +7356,7 @@ class ScreenRunner:
             group, made = self.screen_group(name, e["make"], e["key"])
             if e["make"].get("g"):
                 self.my_groups[tuple(e["make"]["g"])] = group
-        self.proto.screen_post(f"{name}-ready", self.rank, {}, self.world)
-        self.screen_together(name)
+        self.round_gate(name)
         post = {"split_s": round(made, 3)}
         if e.get("g"):
             bw, sec = screen_busbw(self.torch, self.dist, self.my_groups[tuple(e["g"])], len(e["g"]),
@@ -7366,6 +7365,12 @@ class ScreenRunner:
             if e.get("rail") is not None and self.nccl_log:
                 post["hca"] = self.nccl_hca()
         self.proto.screen_post(name, self.rank, post, self.world)
+
+    def round_gate(self, name):
+        """Every rank starts `name` together (the soak's load, a screen batch): this rank posts that it is
+        ready, then the role's screen_together (rank 0 opens the gate once every rank is ready)."""
+        self.proto.screen_post(f"{name}-ready", self.rank, {}, self.world)
+        self.screen_together(name)
 
     def nccl_hca(self):
         """The HCA of this rank's connections since the last call (a pair round's communicator), from NCCL's
