@@ -566,19 +566,17 @@ NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs
                           # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
 LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
 
-PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-intra", "screen-pairs", "screen-suspect",
-          "soak", "collective", "ddp", "bandwidth", "final")
+PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-net", "soak", "collective", "ddp",
+          "bandwidth", "final")
 FAN_IN = {"telemetry": "telemetry", "ddp": "results"}  # phase -> what each rank posts to rank 0 through the store
-SCREEN_PHASES = ("screen-gpu", "screen-intra", "screen-pairs", "screen-suspect")  # skipped with --skip-screen
+SCREEN_PHASES = ("screen-gpu", "screen-net")  # skipped with --skip-screen
 PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
-               "screen-gpu": "gpu-perf", "screen-intra": "intra-node", "screen-pairs": "inter-node",
-               "screen-suspect": "inter-node", "soak": "soak",
+               "screen-gpu": "gpu-perf", "screen-net": "inter-node", "soak": "soak",
                "collective": "collective", "ddp": "ddp", "bandwidth": "bandwidth", "final": "verdict"}
 PHASE_WHAT = {"local": "import torch and the local checks", "rollcall": "the roll call",
               "init": "init_process_group", "telemetry": "the telemetry gather and judge",
               "screen-gpu": "the GPU screen (matmul and memory copy)",
-              "screen-intra": "the intra-node all_reduce screen", "screen-pairs": "the inter-node pair rounds",
-              "screen-suspect": "the suspect round and the screen's judgement",
+              "screen-net": "the network screen (all_reduce inside each node and between nodes) and its judgement",
               "soak": "the soak (sustained matmul on every GPU at once)",
               "collective": "all_reduce of rank-encoded integers", "ddp": "the DDP step and results gather",
               "bandwidth": "the bandwidth probe", "final": "the verdict"}
@@ -4533,21 +4531,18 @@ def run_diff_manifest(paths):
 #
 # Flow for the runtime (rank 0 plans and judges, every rank measures):
 #   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
-#   per node, one all_reduce group -> per_node rows for judge_intra
-#   rounds = screen_rounds(nodes); for each round i (1, 2; 1..3 for N = 3), every group at once (a
-#   gate), one 2- or 3-rank group per rail (local rank r with local rank r of the partners) -> rows;
-#   then screen_remeasure_plan(rows, earlier rows, k) for k = 1..3, each a gated round of the slow
-#   groups, merged by screen_best (the best value counts) -> results rows
-#   plan = screen_third_round(results); plan['groups'] non-empty: measure them as round 3 (and re-measure)
-#   suspect links (a slow pair whose ends are fine elsewhere) name no host: screen_suspect_links
-#   findings = judge_screen(screen) (or the three judges); report = render_performance(screen)
+#   screen_loop(records, measure) (aiv/screen_loop.py): the batches of groups -> intra and pair rows:
+#   per node one all_reduce group; rounds = screen_rounds(nodes), one 2- or 3-rank group per rail (local
+#   rank r with local rank r of the partners); every slow measurement again (the best counts), a slow
+#   node beside known-good ones and localised to its GPU or GPU pair; the suspect round
+#   (screen_third_round); suspect links (a slow pair whose ends are fine elsewhere) name no host
+#   findings = judge_screen(screen); report = render_performance(screen)
 SCREEN_GPU_FAIL = 0.80      # GPU TFLOPS or memory GB/s below 0.80 of its model's reference: FAIL
 SCREEN_GPU_WARN = 0.90      # ... below 0.90: WARN
 SCREEN_NET_FAIL = 0.70      # all_reduce busbw (intra-node group, inter-node pair) below 0.70 of the reference: FAIL
 SCREEN_NET_WARN = 0.85      # ... below 0.85: WARN
 SCREEN_CPU_FAIL = 0.10      # cpu=True: FAIL only below 0.10 of the reference and never WARN (ranks share cores)
 SCREEN_NOISE_SIGMAS = 6.0   # a WARN must also lie this many peer standard deviations below the reference
-SCREEN_REMEASURE_ROUNDS = 3  # after each pair round: slow measurements re-measured (r1 all, r2 and r3 half each)
 SCREEN_LIST_MAX = 16        # more flagged GPUs or nodes than this: one finding lists the first ones and a count
 
 
@@ -4631,25 +4626,6 @@ def screen_level(value, ref, fail, warn=None, floor=None):
     return "OK"
 
 
-def screen_remeasure_plan(rows, before, k, min_busbw=None, cpu=False):
-    """Re-measure round k (1..SCREEN_REMEASURE_ROUNDS) after a pair round: the round's measurements
-    `rows` (each with 'tries', 1 when measured once) that are slow (below WARN, or FAIL on CPU) against
-    the rails' references of `before` + `rows`. k = 1: every slow one, together; k = 2 and 3: the
-    still-slow ones in two halves (every other one in natural order, then the rest), so every slow
-    measurement is re-measured at most twice and a load that only the full round causes is lifted.
-    -> [{'ranks', 'nodes', 'rail'}] (the round's groups, already made), [] when nothing is to redo."""
-    if not rows:
-        return []
-    _, levels = screen_pair_levels(list(before) + list(rows), min_busbw, cpu)
-    slow = [m for m, lv in zip(rows, levels[len(before):], strict=True) if lv != "OK"]
-    slow.sort(key=lambda m: ([_screen_key(n) for n in m["nodes"]], m["rail"]))
-    if k == 2:
-        slow = slow[::2]
-    elif k > 2:
-        slow = [m for m in slow if m.get("tries", 1) < 3]
-    return [{"ranks": list(m["ranks"]), "nodes": list(m["nodes"]), "rail": m["rail"]} for m in slow]
-
-
 def screen_rail_refs(results):
     """Like for like: {rail: screen_reference of that rail's measurements}. A rail whose own reference is
     below SCREEN_NET_FAIL of the median of the rails' references (slow nearly everywhere) is judged
@@ -4672,8 +4648,9 @@ def screen_pair_levels(results, min_busbw=None, cpu=False):
 
 # -- the runtime's plain data: the rounds' groups, each rank's part, the rows the judges take, who hung
 def screen_round_label(name):
-    """'intra' -> 'the intra-node round', 'p2' -> 'round 2'."""
-    return "the intra-node round" if name == "intra" else f"round {name[1:]}"
+    """A batch's name in words: 'intra' -> 'the intra-node round', 'p2' -> 'round 2', 'b5' -> 'batch 5'."""
+    return "the intra-node round" if name == "intra" else f"round {name[1:]}" if name[:1] == "p" else \
+        f"batch {name[1:]}"
 
 
 def screen_layout(records):
@@ -4744,8 +4721,8 @@ def screen_measured(groups, posts):
 def screen_pair_hca(ranks, posts, records):
     """{host: HCA} of a pair group's ranks: what each rank's NCCL log showed (its post's 'hca'), else the
     HCA nearest its GPU in sysfs (its record's gpu 'hca'); None where none is known ('' in a post: sockets,
-    no HCA, and no sysfs guess either)."""
-    recs = {r["rank"]: r for r in records}
+    no HCA, and no sysfs guess either). records: the gathered records, or {rank: record}."""
+    recs = records if isinstance(records, dict) else {r["rank"]: r for r in records}
     out = {}
     for r in ranks:
         h = (posts.get(r) or {}).get("hca")
@@ -4783,6 +4760,8 @@ def screen_gpu_rows(records, posts, cpu=False):
 
 
 def _screen_group_words(g):
+    if g.get("gpus"):
+        return f"GPUs {g['gpus'][0]} and {g['gpus'][1]} of {g['nodes'][0]} (ranks {format_ranges(g['ranks'])})"
     if g.get("rail") is None:
         return f"the intra-node group of {g['nodes'][0]} (ranks {format_ranges(g['ranks'])})"
     if len(g["nodes"]) == 2:
@@ -4819,8 +4798,8 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
               f"{screen_round_label(name)}" + (f"; first error: {first_err}" if first_err else ""))
     code = EXIT_FAIL if any(kinds[r] == "dead" for r in missing) else \
         EXIT_FAIL if all(kinds[r] in ("error", "terminated") for r in missing) else EXIT_TIMEOUT
-    return finding(PHASE_CHECK[phase], "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits),
-                   culprits, code=code)
+    check = "intra-node" if hung and all(g.get("rail") is None for g in hung) else PHASE_CHECK[phase]
+    return finding(check, "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits), culprits, code=code)
 
 
 
@@ -5132,15 +5111,55 @@ def intra_against(per_node, min_busbw=None, bands=None):
     return out
 
 
+def _intra_evidence(p, ref):
+    """(evidence, action, GPU ranks to name) of a node slow inside: how often it was measured, beside which
+    known-good nodes, and where its localisation (screen_loop: the node's GPU pairs beside the same pairs of
+    the controls) put the fault."""
+    r, unit = (ref["ref"], " of the reference") if ref.get("ref") else (None, " GB/s")
+    num = (lambda v: f"{float(v or 0.0) / r:.2f}") if r else (lambda v: _sn(float(v or 0.0)))  # noqa: E731
+    vals = p.get("values") or [p.get("busbw")]
+    ev = f"measured {len(vals)} time(s), slow every time ({', '.join(num(v) for v in vals)}{unit})"
+    for b in (p.get("beside") or [])[-1:]:
+        ev += f"; try {b['try']} beside the known-good " + ", ".join(f"{c} ({num(v)})"
+                                                                     for c, v in b["controls"].items())
+    loc, h = p.get("local"), p["host"]
+    if not loc:
+        return ev, f"drain {h}; run the vendor's diagnostics (dcgmi diag -r 3, nvidia-smi nvlink -s)", []
+    lr = {g: rk for pr in loc["pairs"] for g, rk in zip(pr["gpus"], pr["ranks"], strict=True)}
+    slow = [pr for pr in loc["pairs"] if pr["level"] != "OK"]
+    ctrl = f" beside the same pairs on {', '.join(loc['controls'])}" if loc["controls"] else ""
+    ev += f"; its {len(loc['pairs'])} GPU pair(s) measured{ctrl}"
+    if loc["wide"]:
+        return (ev + ": every pair slow", f"drain {h}; the node's NVSwitch or baseboard: run the vendor's "
+                "diagnostics (dcgmi diag -r 3, nvidia-smi nvlink -s)", [])
+    if not slow:
+        return (ev + ": every pair at speed: slow only in the all_reduce of the whole node (NVSwitch under full "
+                "load, PCIe, the host side)", f"drain {h}; run the vendor's diagnostics (dcgmi diag -r 3)", [])
+    parts = [f"GPU {g} (rank {lr.get(g)}) slow with every partner, "
+             + ", ".join(f"{pr['gpus'][0]}-{pr['gpus'][1]} {pr['busbw'] / (pr['ref'] or 1.0):.2f}"
+                         for pr in slow if g in pr["gpus"]) for g in loc["gpus"]]
+    parts += [f"GPU pair {a}-{b} slow ({pr['busbw'] / (pr['ref'] or 1.0):.2f}), both at speed with other partners"
+              for a, b in loc["links"] for pr in slow if pr["gpus"] == [a, b]]
+    what = " and ".join(f"GPU {g}" for g in loc["gpus"]) or " and ".join(f"the NVLink between GPUs {a} and {b}"
+                                                                           for a, b in loc["links"])
+    return (ev + ": " + "; ".join(parts), f"drain {h}; {what}: run the vendor's diagnostics on it (dcgmi diag -r 3, "
+            "nvidia-smi nvlink -s), reseat or replace it",
+            sorted({lr[g] for g in loc["gpus"] or [x for e in loc["links"] for x in e] if g in lr}))
+
+
 def judge_intra(per_node, min_busbw=None, cpu=False):
-    """Intra-node all_reduce bus bandwidth (one group of all local ranks per node, one round) against
-    the other nodes of its class. per_node: [{'host': str, 'busbw': float|None (1e9 B/s; None: the group
-    failed, judged as 0.0), 'ranks': [rank, ...] (optional), 'model': GPU model (optional)}];
-    min_busbw: absolute floor (FAIL below) or None.
+    """Intra-node all_reduce bus bandwidth (one group of all local ranks per node) against the other nodes
+    of its class. per_node: [{'host': str, 'busbw': float|None (1e9 B/s, the best of its tries; None: the
+    group failed, judged as 0.0), 'ranks': [rank, ...] (optional), 'model': GPU model (optional), and from
+    screen_loop where it was measured again: 'tries', 'first', 'values', 'beside' (the tries measured beside
+    known-good nodes), 'local' (its GPU pairs: screen_loop's localisation)}]; min_busbw: absolute floor
+    (FAIL below) or None.
     Reference per (ranks per node, GPU model) (screen_reference); below SCREEN_NET_FAIL of it FAIL, below
     SCREEN_NET_WARN WARN; cpu=True: only below SCREEN_CPU_FAIL FAILs, nothing WARNs (CPU-bound numbers).
+    A node slow at first and at speed again is no finding here (judge_transients).
     -> findings under 'intra-node': one per flagged node (one per status listing them beyond
-    SCREEN_LIST_MAX nodes), or one PASS giving the references and the count of nodes."""
+    SCREEN_LIST_MAX nodes) with its 'evidence' and 'action' (naming the GPU or GPU pair where localised,
+    its ranks the GPU's), or one PASS giving the references and the count of nodes."""
     per_node = list(per_node or [])
     if not per_node:
         return []
@@ -5155,7 +5174,9 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
                    if min_busbw is not None and v < min_busbw
                    else f"{v / ref['ref']:.2f} of the reference {_screen_ref_text(ref, 'GB/s')}"
                    + (f" of {_intra_class_text(cls)}" if len(refs) > 1 else "") + f" ({rule})")
-            flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {_sn(v)} GB/s: {why}"))
+            floor = min_busbw is not None and v < min_busbw
+            ev = _intra_evidence(p, ref if ref["count"] >= 2 and not floor else {"ref": None})
+            flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {_sn(v)} GB/s: {why}", ev))
     if not flagged:
         against = intra_against(per_node, min_busbw).values()
         if not all(a["peers"] for a in against):
@@ -5167,16 +5188,18 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
         return [finding("intra-node", "PASS", f"intra-node busbw on {len(per_node)} node(s): reference "
                         f"{txt} ({rule})")]
     if len(flagged) <= SCREEN_LIST_MAX:
-        return [finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node", [h])
-                for lv, h, txt in flagged]
+        return [dict(finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node; {ev}", [h], ranks),
+                     evidence=ev, action=act) for lv, h, txt, (ev, act, ranks) in flagged]
     out = []
     for status in ("FAIL", "WARN"):
         sel = [f for f in flagged if f[0] == status]
         if sel:
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
-                               + "; ".join(t for _, _, t in sel[:SCREEN_LIST_MAX]) + more,
-                               [h for _, h, _ in sel]))
+            out.append(dict(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
+                                    + "; ".join(t for _, _, t, _ in sel[:SCREEN_LIST_MAX]) + more,
+                                    [h for _, h, _, _ in sel]),
+                            evidence="; ".join(f"{h}: {e[0]}" for _, h, _, e in sel[:SCREEN_LIST_MAX]),
+                            action="drain them; run the vendor's diagnostics on each"))
     return out
 
 
@@ -5338,10 +5361,18 @@ def _pair_node_findings(results, d):
             speed = "; ".join(parts)
             where = "its NIC, cable or switch port on " + ("that rail" if len(rails) == 1 else "those rails")
         every = sorted(i for rail in rails for ids in ev[(n, rail)]["slow"].values() for i in ids)
-        out.append(finding("inter-node", _screen_worst(statuses),
-                           f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])}{named} with "
-                           f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none, "
-                           f"after re-measurement: {speed}: {where}{_pair_floor_text(results, every, d)}", [n]))
+        tries = max(results[i].get("tries", 1) for i in every)
+        act = (f"drain {n}; its NICs together or the host side: check their PCIe links and firmware, run the "
+               "vendor's diagnostics" if whole else
+               f"drain {n}; reseat or replace the HCA or cable of {_screen_rails_text(rails, [])}{named}, then "
+               "check its switch port")
+        out.append(dict(finding("inter-node", _screen_worst(statuses),
+                                f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])}{named} with "
+                                f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none, "
+                                f"after re-measurement: {speed}: {where}{_pair_floor_text(results, every, d)}", [n]),
+                        evidence=f"{len(every)} slow measurement(s) with {len(partners)} different partner(s) "
+                                 f"({_screen_names(partners)}), each measured up to {tries} time(s), the best "
+                                 f"counting; at speed with no partner", action=act))
     return out
 
 
@@ -5374,10 +5405,19 @@ def _pair_link_findings(results, d):
             alone += " (a suspect link: the path between them, no host is excluded for it)"
             status = "WARN" if status != "OK" else status
         named = _screen_hca_text(results, idx, g) if len(rails) == 1 else ""
-        out.append(finding("inter-node", status, f"{what} on {_screen_rails_text(rails, d['rails'])}{named}: busbw "
-                           f"{ratio:.2f} of the rail's reference after re-measurement{alone}"
-                           f"{_pair_floor_text(results, idx, d)}",
-                           [] if lone else list(g)))
+        on = f"{_screen_rails_text(rails, d['rails'])}{named}"
+        act = ("none drained; re-run, and if it recurs check the cables and the switch path between "
+               f"{' and '.join(g)} on {on}" if lone else
+               f"measure each of {' and '.join(g)} with a third node (two nodes cannot be told apart); reseat or "
+               "replace the HCAs or cables of that rail" if d["two_nodes"] else
+               f"drain {' and '.join(g)} or re-run; check the cables, HCAs and switch ports between them on {on}")
+        tries = max(results[i].get("tries", 1) for i in idx)
+        out.append(dict(finding("inter-node", status, f"{what} on {on}: busbw "
+                                f"{ratio:.2f} of the rail's reference after re-measurement{alone}"
+                                f"{_pair_floor_text(results, idx, d)}",
+                                [] if lone else list(g)),
+                        evidence=f"{len(idx)} slow measurement(s), each measured up to {tries} time(s), the best "
+                                 f"counting{alone}", action=act))
     return out
 
 
@@ -5425,16 +5465,9 @@ def judge_pairs(results, min_busbw=None, cpu=False):
                              f"the rails' references or the floor after re-measurement; suspects: "
                              f"{compress_hostlist(sus)}"
                              f"{_pair_floor_text(results, [i for i, lv in enumerate(d['levels']) if lv != 'OK'], d)}",
-                             sus), widespread=True)], sus
+                             sus), widespread=True, evidence=f"{slow} slow measurement(s) after re-measurement",
+                     action="nothing is drained: check the switches, the fabric and its configuration")], sus
     return _pair_node_findings(results, d) + _pair_link_findings(results, d), sus
-
-
-def judge_screen(screen):
-    """Every screen judgement. screen: the dict render_performance takes. -> findings."""
-    cpu = bool(screen.get("cpu"))
-    return (judge_gpu_perf(screen.get("gpu") or [], screen.get("min_tflops"), screen.get("min_hbm"), cpu)
-            + judge_intra(screen.get("intra") or [], screen.get("min_busbw_intra"), cpu)
-            + judge_pairs(screen.get("pairs") or [], screen.get("min_busbw_inter"), cpu)[0])
 
 
 def screen_band_names(manifest, records, screen):
@@ -5617,6 +5650,352 @@ def soak_rows(records, posts, cpu=False):
     dev = {rec["rank"]: rec.get("device") for rec in records}
     rows = [dict(r, device=dev.get(r["rank"])) for r in screen_gpu_rows(records, posts, cpu)]
     return [dict(r, verdict=soak_verdict(r, cpu)) for r in rows]
+
+
+
+# ============================================================================ aiv/screen_loop.py
+# Floor 3: the screen's control loop, screen_loop(records, measure): the batches of groups that run at
+# Blame only what persists. Every slow measurement is measured again before it counts, and the best
+# value counts (faults only lower numbers; a burst of another job's traffic halves one measurement,
+# not three). A node slow inside (its all_reduce) is measured again, from its third try on beside
+# SCREEN_CONTROLS known-good nodes of its class in the same batch; slow in every try, it is localised:
+# each GPU pair of the node (a ring first: every GPU with its two neighbours; then, when no pair of the
+# ring is slow, every other pair) beside the same pairs of the controls, so the finding names the GPU
+# (slow with two partners, at speed with none) or the GPU pair. A node slow in every try whose pairs are
+# all at speed is measured SCREEN_CONFIRM_TRIES more times before it is named as a whole. A measurement
+# slow at first and at speed again is a transient: a WARN that names no host (judge_transients).
+SCREEN_TRIES = 4          # a slow pair measurement (between nodes, or two GPUs of a node): at most this many times
+SCREEN_INTRA_TRIES = 4    # a slow node's all_reduce inside the node: at most this many times before localising
+SCREEN_CONFIRM_TRIES = 1  # ... and this many more when every GPU pair of it is at speed
+SCREEN_CONTROL_TRY = 3    # from this try on a slow node is measured beside its controls
+SCREEN_CONTROLS = 2       # known-good nodes of its class measured beside a slow node
+SCREEN_BATCHES_MAX = 40   # the loop's own bound: a healthy screen takes at most 16 batches, one with a fault 24
+
+
+def _pack(bundles):
+    """One batch: the bundles (lists of groups that must run together) in order, each taken whole when
+    its ranks are free; a group already in the batch (a control shared by two slow nodes) is taken once."""
+    used, keys, out = set(), set(), []
+    for b in bundles:
+        new = [g for g in b if tuple(g["ranks"]) not in keys]
+        rs = {r for g in new for r in g["ranks"]}
+        if rs & used or len(rs) != sum(len(g["ranks"]) for g in new):
+            continue
+        used |= rs
+        keys |= {tuple(g["ranks"]) for g in new}
+        out += new
+    return out
+
+
+def _ring(lrs):
+    """Each GPU with its two neighbours in local-rank order: [(a, b)], a before b in lrs."""
+    n = len(lrs)
+    if n < 2:
+        return []
+    if n == 2:
+        return [(lrs[0], lrs[1])]
+    return [tuple(sorted((lrs[i], lrs[(i + 1) % n]))) for i in range(n)]
+
+
+def _matchings(edges):
+    """edges ordered so that consecutive ones share no GPU where possible (the packer then fills each
+    batch): greedy rounds of disjoint edges."""
+    left, out = list(edges), []
+    while left:
+        used, rnd = set(), []
+        for e in list(left):
+            if not set(e) & used:
+                rnd.append(e)
+                used |= set(e)
+                left.remove(e)
+        out += rnd
+    return out
+
+
+class _Loop:
+    def __init__(self, records, measure, min_intra=None, min_inter=None, cpu=False):
+        self.records, self.measure, self.cpu = {r["rank"]: r for r in records}, measure, cpu
+        self.min_intra, self.min_inter = min_intra, min_inter
+        self.by_node = screen_layout(records)
+        model = {r["rank"]: (r.get("gpu") or {}).get("name") for r in records}
+        self.intra = {h: {"host": h, "busbw": None, "ranks": sorted(lr.values()), "model": model.get(min(lr.values())),
+                          "time_us": None, "tries": 0, "values": []}
+                      for h, lr in sorted(self.by_node.items(), key=lambda x: _screen_key(x[0])) if len(lr) > 1}
+        self.rounds = [screen_rail_groups(rnd, self.by_node) for rnd in screen_rounds(self.by_node)]
+        self.pairs, self.third, self.todo3, self.batches, self.done = [], None, [], [], 0
+        self.local = {}      # host -> localisation state
+        self.controls = {}   # host -> its control nodes
+
+    # ---------------------------------------------------------------- groups
+    def g_intra(self, h):
+        return {"ranks": self.intra[h]["ranks"], "nodes": [h], "rail": None, "kind": "intra"}
+
+    def g_gpus(self, h, e):
+        lr = self.by_node[h]
+        return {"ranks": sorted(lr[x] for x in e), "nodes": [h], "rail": None, "kind": "gpu-pair", "gpus": list(e)}
+
+    def edge_bundle(self, h, e):
+        """GPU pair e of node h with the same pair on each of h's controls: measured in one batch."""
+        return [self.g_gpus(h, e)] + [dict(self.g_gpus(c, e), control=h) for c in self.local[h]["controls"]]
+
+    # ---------------------------------------------------------------- levels
+    def intra_level(self):
+        rows = [r for r in self.intra.values() if r["tries"]]
+        return {h: lv for h, (lv, _) in intra_levels(rows, self.min_intra, self.cpu)[1].items()} if rows else {}
+
+    def pair_levels(self):
+        return screen_pair_levels(self.pairs, self.min_inter, self.cpu)[1] if self.pairs else []
+
+    def edge_levels(self, h):
+        """{edge: level} of node h's measured GPU pairs against the same pair on its controls (and on h
+        itself: a reference from the best values, the upper quartile from 4 values on)."""
+        st, fail, warn = self.local[h], *screen_fractions("net", self.cpu)
+        out = {}
+        for e, vs in st["edges"].items():
+            if not vs:
+                continue
+            peers = [max(c) for c in st["ctrl"].get(e, {}).values() if c] + [max(vs)]
+            ref = screen_reference(peers) if len(peers) > 1 else \
+                screen_reference(max(v) for v in st["edges"].values() if v)
+            st["refs"][e] = ref["ref"]
+            out[e] = screen_level(max(vs), ref, fail, warn)
+        return out
+
+    def pick_controls(self, h, levels):
+        if h in self.controls:
+            return self.controls[h]
+        cls = (len(self.intra[h]["ranks"]), self.intra[h]["model"])
+        busy = {c for cs in self.controls.values() for c in cs}
+        ok = [x for x in self.intra if x != h and levels.get(x) == "OK" and x not in self.local
+              and (len(self.intra[x]["ranks"]), self.intra[x]["model"]) == cls
+              and sorted(self.by_node[x]) == sorted(self.by_node[h])]
+        pick = ([x for x in ok if x not in busy] + [x for x in ok if x in busy])[:SCREEN_CONTROLS]
+        self.controls[h] = pick
+        return pick
+
+    # ---------------------------------------------------------------- what to measure next
+    def wants(self):
+        """Bundles of groups wanted now, in order of priority; [] when the screen is done."""
+        if self.intra and not any(r["tries"] for r in self.intra.values()):
+            return [[self.g_intra(h)] for h in self.intra], "intra"
+        ilv, plv = self.intra_level(), self.pair_levels()
+        slow = [i for i, lv in enumerate(plv) if lv != "OK" and self.pairs[i].get("tries", 1) < SCREEN_TRIES]
+        while not slow and self.done < len(self.rounds):  # each pair round's slow ones again before the next
+            self.done += 1
+            if self.rounds[self.done - 1]:
+                return [[dict(g, kind="pair", round=self.done)] for g in self.rounds[self.done - 1]], f"p{self.done}"
+        out = self.local_wants(ilv)
+        for h, r in self.intra.items():
+            if h in self.local or ilv.get(h, "OK") == "OK" or r["tries"] >= SCREEN_INTRA_TRIES:
+                continue
+            ctrl = self.pick_controls(h, ilv) if r["tries"] + 1 >= SCREEN_CONTROL_TRY else []
+            out.append([self.g_intra(h)] + [dict(self.g_intra(c), control=h) for c in ctrl])
+        out += [[{"ranks": self.pairs[i]["ranks"], "nodes": list(self.pairs[i]["nodes"]),
+                  "rail": self.pairs[i]["rail"], "kind": "pair", "round": self.pairs[i]["round"], "redo": i}]
+                for i in slow]
+        if self.third is None and not slow and self.pairs:
+            self.third = screen_third_round(self.pairs, self.min_inter, self.cpu)
+            if self.third["groups"]:
+                self.todo3 = [dict(g, kind="pair", round=3)
+                              for g in screen_rail_groups(self.third["groups"], self.by_node)]
+        out += [[g] for g in self.todo3]
+        return out, None
+
+    def start_local(self, h, ilv):
+        lrs = sorted(self.by_node[h])
+        self.local[h] = {"stage": 1, "edges": {e: [] for e in _matchings(_ring(lrs))}, "ctrl": {}, "refs": {},
+                         "controls": self.pick_controls(h, ilv), "result": None}
+
+    def local_wants(self, ilv):
+        """Localisation of the nodes slow in every try: their GPU pairs beside the controls' same pairs,
+        the slow ones again, the remaining pairs when the ring shows none slow, then the node itself."""
+        for h, r in self.intra.items():
+            if h not in self.local and r["tries"] >= SCREEN_INTRA_TRIES and ilv.get(h, "OK") != "OK":
+                if len(r["ranks"]) >= 3:
+                    self.start_local(h, ilv)
+        out = []
+        for h, st in self.local.items():
+            if st["result"] is not None:
+                continue
+            todo = [e for e, vs in st["edges"].items() if not vs]
+            if todo:
+                out += [self.edge_bundle(h, e) for e in todo]
+                continue
+            lv = self.edge_levels(h)
+            redo = [e for e, x in lv.items() if x != "OK" and len(st["edges"][e]) < SCREEN_TRIES]
+            if redo:
+                out += [[self.g_gpus(h, e)] for e in redo]
+                continue
+            if any(x != "OK" for x in lv.values()):
+                st["result"] = "localised"
+                continue
+            if st["stage"] == 1:
+                lrs = sorted(self.by_node[h])
+                rest = [e for e in _matchings([(a, b) for i, a in enumerate(lrs) for b in lrs[i + 1:]])
+                        if e not in st["edges"]]
+                st["stage"] = 2
+                if rest:
+                    st["edges"].update({e: [] for e in rest})
+                    out += [self.edge_bundle(h, e) for e in rest]
+                    continue
+            if self.intra[h]["tries"] < SCREEN_INTRA_TRIES + SCREEN_CONFIRM_TRIES and ilv.get(h, "OK") != "OK":
+                out.append([self.g_intra(h)] + [dict(self.g_intra(c), control=h) for c in st["controls"]])
+                continue
+            st["result"] = "unlocalised"
+        return out
+
+    # ---------------------------------------------------------------- results
+    def take(self, batch, posts):
+        got = {tuple(m["ranks"]): m for m in screen_measured(batch, posts)}
+        res = [(g, *((got[k]["busbw"], got[k].get("time_us")) if k in got else (None, None)))
+               for g in batch for k in [tuple(g["ranks"])]]
+        beside = {g["nodes"][0]: bw for g, bw, _ in res if g["kind"] == "intra"}
+        for g, bw, us in res:
+            h = g["nodes"][0]
+            if g["kind"] == "intra" and "control" not in g:
+                self.take_intra(h, bw, us, beside)
+            elif g["kind"] == "gpu-pair":
+                e, v = tuple(g["gpus"]), 0.0 if bw is None else bw
+                if "control" not in g and h in self.local:
+                    self.local[h]["edges"][e].append(v)
+                for st in self.local.values():
+                    if h in st["controls"]:
+                        st["ctrl"].setdefault(e, {}).setdefault(h, []).append(v)
+            elif g["kind"] == "pair" and "redo" in g:
+                self.pairs[g["redo"]] = screen_best([self.pairs[g["redo"]]], [dict(g, busbw=bw, time_us=us)])[0]
+            elif g["kind"] == "pair":
+                self.pairs.append({"round": g["round"], "nodes": list(g["nodes"]), "rail": g["rail"], "busbw": bw,
+                                   "hca": screen_pair_hca(g["ranks"], posts, self.records), "ranks": g["ranks"],
+                                   "time_us": us})
+        took = {tuple(g["ranks"]) for g in batch if g["kind"] == "pair" and "redo" not in g}
+        self.todo3 = [g for g in self.todo3 if tuple(g["ranks"]) not in took]
+
+    def take_intra(self, h, bw, us, beside):
+        r = self.intra[h]
+        r["tries"] += 1
+        r["values"].append(bw)
+        if r["busbw"] is None or (bw or 0.0) > r["busbw"]:
+            r["busbw"], r["time_us"] = bw, us
+        ctrl = {c: beside[c] for c in self.controls.get(h, []) if c in beside}
+        if ctrl and r["tries"] > 1:
+            r.setdefault("beside", []).append({"try": r["tries"], "busbw": bw, "controls": ctrl})
+
+    # ---------------------------------------------------------------- the loop
+    def run(self):
+        while len(self.batches) < SCREEN_BATCHES_MAX:
+            bundles, name = self.wants()
+            batch = _pack(bundles)
+            if not batch:
+                break
+            name = name or f"b{len(self.batches) + 1}"
+            batch = [dict(g, batch=name) for g in batch]
+            posts = self.measure(batch) or {}
+            kinds = {}
+            for g in batch:
+                kinds[g["kind"]] = kinds.get(g["kind"], 0) + 1
+            self.batches.append({"name": name, "groups": len(batch), "kinds": kinds})
+            self.take(batch, posts)
+        return self.result()
+
+    def result(self):
+        intra = []
+        for h, r in self.intra.items():
+            if not r["tries"]:
+                continue
+            row = {k: r[k] for k in ("host", "busbw", "ranks", "model", "time_us")}
+            if r["tries"] > 1:
+                row.update(tries=r["tries"], first=r["values"][0], values=r["values"])
+                if r.get("beside"):
+                    row["beside"] = r["beside"]
+            if h in self.local:
+                row["local"] = self.local_result(h)
+            intra.append(row)
+        return {"intra": intra, "pairs": self.pairs,
+                "suspect_links": screen_suspect_links(self.pairs, self.min_inter, self.cpu),
+                "third": self.third or {"suspects": [], "passing": [], "groups": []},
+                "batches": self.batches}
+
+    def local_result(self, h):
+        """{'controls', 'pairs': [{'gpus', 'ranks', 'busbw' (best), 'tries', 'ref', 'level'}], 'gpus': GPUs
+        slow with two or more partners and at speed with none, 'links': slow pairs no such GPU explains,
+        'wide': every pair slow, 'result': 'localised'|'unlocalised'|None}."""
+        st = self.local[h]
+        lv = self.edge_levels(h)
+        lr = self.by_node[h]
+        pairs = [{"gpus": list(e), "ranks": sorted(lr[x] for x in e), "busbw": max(vs), "tries": len(vs),
+                  "ref": st["refs"].get(e), "level": lv[e]} for e, vs in sorted(st["edges"].items()) if vs]
+        slow = {e for e, x in lv.items() if x != "OK"}
+        part = {}
+        for e in lv:
+            for g in e:
+                part.setdefault(g, {"slow": 0, "ok": 0})["slow" if e in slow else "ok"] += 1
+        gpus = sorted(g for g, c in part.items() if c["slow"] >= 2 and not c["ok"])
+        links = [list(e) for e in sorted(slow) if not set(e) & set(gpus)]
+        return {"controls": st["controls"], "pairs": pairs, "gpus": gpus, "links": links,
+                "wide": bool(slow) and len(slow) == len(lv), "result": st["result"]}
+
+
+def screen_loop(records, measure, min_busbw_intra=None, min_busbw_inter=None, cpu=False):
+    """The screen's network rounds as one loop. records: the gathered records ({'rank', 'host',
+    'local_rank', 'gpu': {'name'}}); measure(groups) runs every group of one batch at once (each rank in
+    at most one group) and returns {rank: {'busbw': GB/s, 'time_us': us, ...}}, each member posting its
+    group's result (a pair rank may add 'hca'). A group: {'ranks', 'nodes', 'rail' (None inside a node),
+    'kind': 'intra'|'pair'|'gpu-pair', 'batch': the batch's name ('intra', 'p1', 'p2', 'p3', then 'b<k>')},
+    a pair also 'round', a GPU pair 'gpus' (local ranks).
+    Batches: the intra-node round (every node of two or more ranks), the pair rounds of screen_rounds
+    (every rail), then, packed together while their ranks are free: each slow measurement again (the best
+    counts; pairs SCREEN_TRIES times at most, a node's all_reduce SCREEN_INTRA_TRIES, from its
+    SCREEN_CONTROL_TRY-th beside SCREEN_CONTROLS known-good nodes), the suspect round
+    (screen_third_round) once the pair rounds are settled, and the localisation of each node slow in every
+    try. -> {'intra': judge_intra's rows (re-measured ones with 'tries', 'first', 'values', 'beside';
+    localised ones with 'local'), 'pairs': judge_pairs' rows, 'suspect_links', 'third', 'batches':
+    [{'name', 'groups', 'kinds'}]}."""
+    return _Loop(records, measure, min_busbw_intra, min_busbw_inter, cpu).run()
+
+
+def judge_transients(screen):
+    """Measurements slow at first and at speed when measured again (screen_loop's re-measurements: a
+    burst of another job's traffic, a moment of contention): one WARN per check that names no host, so
+    that --drain never acts on it, with what was seen. -> findings under 'intra-node' / 'inter-node'."""
+    cpu, out = bool(screen.get("cpu")), []
+    intra = [p for p in screen.get("intra") or [] if p.get("tries", 1) > 1]
+    if intra:
+        refs, levels = intra_levels(screen.get("intra") or [], screen.get("min_busbw_intra"), cpu)
+        seen = [(p, refs[levels[p["host"]][1]]["ref"] or 1.0) for p in intra if levels[p["host"]][0] == "OK"]
+        if seen:
+            out.append(_transient_finding("intra-node", [
+                f"{p['host']} " + " then ".join(f"{float(v or 0.0) / r:.2f}" for v in p.get("values") or [])
+                for p, r in seen], "node(s)"))
+    pairs = screen.get("pairs") or []
+    if pairs:
+        refs, levels = screen_pair_levels(pairs, screen.get("min_busbw_inter"), cpu)
+        seen = [m for m, lv in zip(pairs, levels, strict=True) if lv == "OK" and m.get("tries", 1) > 1]
+        if seen:
+            ratio = lambda m, v: float(v or 0.0) / (refs[m["rail"]]["ref"] or 1.0)  # noqa: E731
+            out.append(_transient_finding("inter-node", [
+                f"{'<->'.join(m['nodes'])} rail {m['rail']} {ratio(m, m.get('first')):.2f} then "
+                f"{ratio(m, m.get('busbw')):.2f} (best of {m['tries']})" for m in seen],
+                "measurement(s) between nodes"))
+    return out
+
+
+def _transient_finding(check, items, noun):
+    shown = "; ".join(items[:8]) + (f"; and {len(items) - 8} more" if len(items) > 8 else "")
+    return dict(finding(check, "WARN", f"{len(items)} {noun} slow at first and at speed when measured again "
+                        f"(ratio to the reference, each try): {shown}: a transient (another job's traffic, a burst), "
+                        "no host is named"),
+                evidence=f"{len(items)} {noun} slow once, at speed in a later try", transient=True,
+                action="none now: nothing is drained; re-run the preflight if the same node or link recurs")
+
+
+def judge_screen(screen):
+    """Every screen judgement. screen: the dict render_performance takes (screen_loop's and the GPU
+    screen's). -> findings: judge_gpu_perf, judge_intra, judge_pairs, judge_transients."""
+    cpu = bool(screen.get("cpu"))
+    return (judge_gpu_perf(screen.get("gpu") or [], screen.get("min_tflops"), screen.get("min_hbm"), cpu)
+            + judge_intra(screen.get("intra") or [], screen.get("min_busbw_intra"), cpu)
+            + judge_pairs(screen.get("pairs") or [], screen.get("min_busbw_inter"), cpu)[0]
+            + judge_transients(screen))
 
 
 
@@ -7188,11 +7567,11 @@ class StoreProtocol:
       forged         values a rank refused (JSON lines: key, why, claim)   any rank but 0
       verdict        rank 0's exit code: listeners exit with it   rank 0
       ack/<rank>, acks  a rank read the verdict; how many did (counter)   each rank
-      screen/plan/<rank>, screen/plan3/<rank>                     rank 0
-                     the rank's groups of the screen rounds (JSON, screen_rank_plans): intra, p1, p2
-                     (p3 for 3 nodes), then the suspect round p3
-      screen/<round> the round's measurements, one JSON line per rank (appended): gpu, intra, p1-p3
-                     (every rank posts every round it reaches, also outside any group)   each rank
+      screen/q<k>/<rank>                                          rank 0
+                     the rank's part of the screen loop's k-th batch (JSON: its group, the batch's group
+                     creation from screen_rank_plans), or {"done": true} after the last batch
+      screen/<round> a batch's measurements, one JSON line per rank (appended): gpu, intra, p1-p3, b<k>
+                     (every rank posts every batch it reaches, also outside any group)   each rank
       screen/<round>/n, screen/<round>/all  posts counted; set by the last of the world  each rank
       gate/screen    rank 0's go after the screen's judgement     rank 0
       posts/<name>   a fan-in to rank 0, one JSON line per rank (appended): telemetry (identity and
@@ -7963,23 +8342,16 @@ class Background:
 
 
 # ============================================================================ aiv/screen_run.py
-# Floor 5 (runtime): the performance screen on the ranks: the collectives the plan asks for.
+# Floor 5 (runtime): the performance screen on the ranks: the collectives the screen loop asks for.
 class ScreenRunner:
-    """The performance screen's four phases (SCREEN_PHASES), a role of every rank: its own
-    measurements, its groups and the gates between rounds; on rank 0 also the plan of the rounds, the
-    collection of every rank's posts and the screen's judgement. Mixed into RankRun: the plumbing it
-    uses (store, watchdog, deadlines, devices) is the rank's."""
-
-    @property
-    def is0(self):
-        return self.rank == 0
+    """Every rank's part of the performance screen (SCREEN_PHASES): its own device measurement, and in
+    screen-net each batch's part: its group made (when new), the batch's start gate, its group's all_reduce
+    busbw, its post. Mixed into RankRun: the plumbing it uses (store, watchdog, deadlines, devices) is the
+    rank's; the roles add screen_together (the gate) and phase_screen_net."""
 
     def phase_screen_gpu(self):
         """Every rank at once: its device's matmul and memory-copy speed, and on GPU the facts read under
-        load, posted on the store. Rank 0 first publishes every rank's groups of the rounds to come."""
-        t = time.monotonic()
-        if self.is0:
-            self.screen_start()
+        load, posted on the store."""
         self.failpoint("screen-gpu")
         row = None
         if self.bg.gpu is not None:  # measured on its own thread since the local checks (start_screen_gpu)
@@ -7992,180 +8364,48 @@ class ScreenRunner:
             row = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
                                      self.args.sysfs_root)
         self.proto.screen_post("gpu", self.rank, row, self.world)
-        if not self.is0:
-            return
-        rows = self.screen["gpu"] = screen_gpu_rows(self.records, self.screen_collect(["gpu"])["gpu"],
-                                                    self.screen["cpu"])
-        tf, hb = [r["tflops"] for r in rows], [r["hbm_gbps"] for r in rows]
-        self.progress("screen_gpu", n=len(rows), what="CPU rank(s)" if self.screen["cpu"] else "GPU(s)",
-                      tflops=f"{min(tf):.2f}/{_screen_median(tf):.2f}", hbm=f"{min(hb):.1f}/{_screen_median(hb):.1f}",
-                      secs=time.monotonic() - t)
 
-    def phase_screen_intra(self):
-        """All ranks of each node in one group (one split of the world): all_reduce busbw inside the node."""
-        t = time.monotonic()
-        self.failpoint("screen-intra")
-        self.screen_round("intra", self.plan()["intra"])
-        if self.is0:
-            got = screen_measured(self.screen_rounds["screen-intra"][0][1], self.screen_collect(["intra"])["intra"])
-            model = {r["rank"]: (r.get("gpu") or {}).get("name") for r in self.records}
-            self.screen["intra"] = [{"host": m["nodes"][0], "busbw": m["busbw"], "ranks": m["ranks"],
-                                     "model": model.get(m["ranks"][0]),
-                                     "time_us": m["time_us"]} for m in got]
-            self.progress("screen_intra", detail=self._bw_detail(got, ["intra"], "no node runs two or more ranks"),
-                          secs=time.monotonic() - t)
-
-    def phase_screen_pairs(self):
-        """Rounds 1 and 2 (all three for three nodes): per group of nodes and rail, the same local rank of
-        each node in one group (one split of the world per round); all_reduce busbw between nodes."""
-        t = time.monotonic()
-        self.failpoint("screen-pairs")
-        names = sorted(n for n in self.plan() if n != "intra")
-        rows = []
-        for name in names:
-            self.screen_round(name, self.plan()[name])
-            rows += self.screen_remeasure(name, rows if self.is0 else [])
-        if self.is0:
-            self.screen["pairs"] = rows
-            self.progress("screen_pairs", detail=self._bw_detail(rows, names, "one node: no pairs between nodes"),
-                          secs=time.monotonic() - t)
-
-    def phase_screen_suspect(self):
-        """Round 3: each suspect of rounds 1-2 with a node that passed, every rail (rank 0 plans it on the
-        store). Then rank 0 judges the whole screen: a FAIL ends the run before the full-job collectives."""
-        t = time.monotonic()
-        if self.is0:
-            self.screen_third()
-        self.failpoint("screen-suspect")
-        plan = self.proto.screen_plan("plan3", self.rank, self.D[self.phase] + RANK0_GRACE)
-        rows = []
-        for name in sorted(plan):
-            self.screen_round(name, plan[name])
-            rows += self.screen_remeasure(name, self.screen["pairs"] + rows if self.is0 else [])
-        if not self.is0:
-            self.proto.wait_gate("screen", self.D[self.phase] + RANK0_GRACE)
-            return
-        self.screen["pairs"] += rows
-        self.screen["suspect_links"] = screen_suspect_links(self.screen["pairs"], self.args.min_busbw_inter,
-                                                            self.screen["cpu"])
-        found = apply_strict(judge_screen(self.screen) + judge_gpu_facts(self.screen.get("gpu")), self.args.strict)
-        self.screen["judged_against"] = screen_judged_against(  # no --manifest: no band, said as such
-            self.screen, screen_band_names(self.args.manifest_data, self.records, self.screen))
-        self.findings += found
-        self.progress("screen_suspect", detail=self._third_detail(rows), counts=_counts(found),
-                      secs=time.monotonic() - t)
-        if verdict_code(self.findings):
-            raise Verdict(verdict_code(self.findings))
-        self.proto.open_gate("screen")
-
-    def screen_start(self):
-        """Rank 0: the rounds' groups from the gathered records; each rank's part on the store."""
-        rounds, a = screen_plan(self.records), self.args
-        self.screen_rounds = {"screen-intra": rounds[:1], "screen-pairs": rounds[1:], "screen-suspect": []}
-        self.screen = {"cpu": self.backend != "nccl", "min_tflops": a.min_tflops, "min_hbm": a.min_hbm,
-                       "min_busbw_intra": a.min_busbw_intra, "min_busbw_inter": a.min_busbw_inter,
-                       "gpu": [], "intra": [], "pairs": [], "splits": {}}
-        why = split_problem(self.torch, self.dist) if self.backend == "nccl" else None
-        if why:  # named in the report and the JSON (screen_degraded_note), never chosen silently
-            self.screen["no_split"] = {"why": why, "groups": screen_split_groups(rounds, self.world)}
-        self.screen_publish("plan", rounds)
-
-    def screen_third(self):
-        """Rank 0: round 3 from the measurements so far (screen_third_round); each rank's part on the store."""
-        third = screen_third_round(self.screen["pairs"], self.args.min_busbw_inter, self.screen["cpu"])
-        groups = screen_rail_groups(third["groups"] or [], screen_layout(self.records))
-        self.screen["third"] = third
-        self.screen_rounds["screen-suspect"] = [("p3", groups)] if groups else []
-        if self.screen.get("no_split"):
-            self.screen["no_split"]["groups"] += screen_split_groups(self.screen_rounds["screen-suspect"], self.world)
-        self.screen_publish("plan3", self.screen_rounds["screen-suspect"])
-
-    def screen_publish(self, name, rounds):
-        self.proto.screen_publish(name, screen_rank_plans(rounds, self.world))
-        if self.backend == "nccl" and not can_split(self.torch, self.dist):  # every rank enumerates every group
-            self.proto.screen_publish(name, {"all": {n: [g["ranks"] for g in gs] for n, gs in rounds}})
-
-    def plan(self):
-        """This rank's part of the rounds 'intra', 'p1', 'p2' (and 'p3' for three nodes)."""
-        if self.my_plan is None:
-            self.my_plan = self.proto.screen_plan("plan", self.rank, self.D[self.phase] + RANK0_GRACE)
-        return self.my_plan
-
-    def screen_round(self, name, entry):
-        """This rank's part of one round: its group, made here; the group's all_reduce busbw; the post
-        (every rank posts, also outside any group, so that rank 0 sees who finished the round)."""
-        group, made = self.screen_group(name, entry)
-        self.my_groups[name] = group
+    def screen_batch(self, e):
+        """This rank's part of one batch: e = {'name', 'key', 'g': its group's ranks or None, 'rail', 'make':
+        the batch's group creation (screen_rank_plans' entry) or None when every group exists}. Every rank
+        posts, also outside any group, so that rank 0 sees who finished the batch."""
+        name, made = e["name"], 0.0
+        if e.get("make"):
+            group, made = self.screen_group(name, e["make"], e["key"])
+            if e["make"].get("g"):
+                self.my_groups[tuple(e["make"]["g"])] = group
         self.round_gate(name)
         post = {"split_s": round(made, 3)}
-        if group is not None:
-            bw, sec = screen_busbw(self.torch, self.dist, group, len(entry["g"]), self._device(), self._kind())
+        if e.get("g"):
+            bw, sec = screen_busbw(self.torch, self.dist, self.my_groups[tuple(e["g"])], len(e["g"]),
+                                   self._device(), self._kind())
             post.update(busbw=float(f"{bw:.4g}"), time_us=round(sec * 1e6, 1))
-            if self.phase != "screen-intra" and self.nccl:
+            if e.get("rail") is not None and self.nccl:
                 post["hca"] = self.nccl_hca()
         self.proto.screen_post(name, self.rank, post, self.world)
+
+    def round_gate(self, name):
+        """Every rank starts `name` together (the soak's load, a screen batch): this rank posts that it is
+        ready, then the role's screen_together (rank 0 opens the gate once every rank is ready)."""
+        self.proto.screen_post(f"{name}-ready", self.rank, {}, self.world)
+        self.screen_together(name)
 
     def nccl_hca(self):
         """The HCA of this rank's connections since the last call (a pair round's communicator), from NCCL's
         log (parse_nccl_hca)."""
         return self.nccl.hca_since_last()
 
-    def round_gate(self, name):
-        """Every group of a round starts together: each rank posts that its group is made; rank 0, once
-        every rank has (within the phase's bound, else it names the round's groups), opens the gate."""
-        self.proto.screen_post(f"{name}-ready", self.rank, {}, self.world)
-        end = self.phase_t0 + self.D[self.phase]
-        if not self.is0:
-            self.proto.wait_gate(f"round-{name}", end + RANK0_GRACE + NAMING_S - time.monotonic())
-            return
-        if not self.proto.screen_wait(f"{name}-ready", end - time.monotonic()):
-            cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
-            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
-        self.failpoint(f"round-{name}")  # a test holds the run here (pause=S) between two rounds
-        self.proto.open_gate(f"round-{name}")
-
-    def screen_remeasure(self, name, before):
-        """After pair round `name`: its slow measurements re-measured with the groups already made, in up to
-        SCREEN_REMEASURE_ROUNDS gated rounds <name>r1..r3 (screen_remeasure_plan: r1 all of them, r2 and r3
-        half each); the best value counts (screen_best). Rank 0 decides against `before` and the round and
-        publishes each re-measure round on the store. -> rank 0: the round's rows; others: []."""
-        rows = self.screen_pair_rows([name]) if self.is0 else []
-        for k in range(1, SCREEN_REMEASURE_ROUNDS + 1):
-            redo = f"{name}r{k}"
-            if self.is0:
-                todo = screen_remeasure_plan(rows, before, k, self.args.min_busbw_inter, self.screen["cpu"])
-                if todo:  # for screen_stuck: the rounds in the order they run
-                    rnds = self.screen_rounds[self.phase]
-                    at = max(i for i, (n, _) in enumerate(rnds) if n == name or n.startswith(name + "r"))
-                    rnds.insert(at + 1, (redo, todo))
-                self.proto.screen_publish(f"redo-{redo}", {"all": todo})
-            todo = self.proto.screen_plan(f"redo-{redo}", "all", self.phase_t0 + self.D[self.phase]
-                                          + RANK0_GRACE - time.monotonic())
-            if not todo:
-                break
-            mine = next((g for g in todo if self.rank in g["ranks"]), None)
-            self.round_gate(redo)
-            post = {}
-            if mine is not None:
-                bw, sec = screen_busbw(self.torch, self.dist, self.my_groups[name], len(mine["ranks"]),
-                                       self._device(), self._kind())
-                post = {"busbw": float(f"{bw:.4g}"), "time_us": round(sec * 1e6, 1)}
-            self.proto.screen_post(redo, self.rank, post, self.world)
-            if self.is0:
-                rows = screen_best(rows, screen_measured(todo, self.screen_collect([redo])[redo]))
-        return rows
-
-    def screen_group(self, name, entry):
-        """(this rank's group of the round or None, seconds its creation took). One creation per round: on
-        NCCL one collective call of every rank splits the world (split_group; new_subgroups_by_enumeration
-        before torch 2.6); on gloo only the members meet (new_group with local synchronisation), and a rank
-        in no group makes a group of itself, so that every rank's count of groups (part of torch's hashed
-        group names) stays equal. Groups are kept, never destroyed: a destroy can hang on a broken peer,
-        and the process ends soon after."""
+    def screen_group(self, name, entry, key):
+        """(this rank's new group of the batch or None, seconds its creation took). One creation per batch
+        with new groups: on NCCL one collective call of every rank splits the world (split_group;
+        new_subgroups_by_enumeration before torch 2.6); on gloo only the members meet (new_group with local
+        synchronisation), and a rank in no new group makes a group of itself, so that every rank's count of
+        groups (part of torch's hashed group names) stays equal. Groups are kept, never destroyed: a
+        destroy can hang on a broken peer, and the process ends soon after."""
         mine, dist, t = entry.get("g"), self.dist, time.monotonic()
         if entry["mode"] != "split":
             return (dist.group.WORLD if entry["mode"] == "world" else None), 0.0
-        kw = {"timeout": datetime.timedelta(seconds=self.D[self.phase] + TORCH_BACKSTOP_S)}  # our bound fires first
+        kw = {"timeout": datetime.timedelta(seconds=self.bound.seconds + TORCH_BACKSTOP_S)}  # our bound fires first
         if self.backend != "nccl":
             group = dist.new_group(mine or [self.rank], use_local_synchronization=True, **kw)
         elif can_split(self.torch, dist):
@@ -8174,22 +8414,124 @@ class ScreenRunner:
             group = dist.split_group(split_ranks=[mine or entry["other"]],
                                      **{k: v for k, v in kw.items() if k in params})
         else:
-            src = "plan3" if self.phase == "screen-suspect" else "plan"
-            every = self.proto.screen_plan(src, "all", self.D[self.phase])[name]
+            every = self.proto.screen_plan(key, "all", self.screen_left())[name]
             group = dist.new_subgroups_by_enumeration(every, **kw)[0]
         self.screen_groups.append(group)
         made = time.monotonic() - t
         self.times[f"groups-{name}"] = round(made, 3)
         return (group if mine else None), made
 
+    def screen_left(self):
+        """Seconds this rank still waits within the phase's bound + its role's grace (the others: counted from
+        rank 0's gate, + RANK0_GRACE)."""
+        return self.bound.left(self.bound.grace)
+
+    def _kind(self):
+        return "gpu" if self.backend == "nccl" else "cpu"
+
+
+class ScreenFollower:
+    """Every rank but 0: the batches rank 0 publishes (screen/q<k>/<rank>), each run and posted, until
+    rank 0 says the screen is done; then rank 0's gate (or its verdict, read by the listener)."""
+
+    def phase_screen_net(self):
+        self.failpoint("screen-net")
+        for k in range(1, 1 << 20):
+            e = self.proto.screen_plan(f"q{k}", self.rank, self.screen_left())
+            if e.get("done"):
+                break
+            self.screen_batch(e)
+        self.proto.wait_gate("screen", self.screen_left())
+
+    def screen_together(self, name):
+        """Every group of a batch starts together: wait for rank 0's gate (it opens it once every rank posted
+        that its group is made)."""
+        self.proto.wait_gate(f"round-{name}", self.screen_left() + NAMING_S)
+
+
+class ScreenCoordinator:
+    """Rank 0's part of the screen: the batches (screen_loop, each through measure()), the collection of
+    every rank's posts within the phase's bound, the screen's judgement, and who did not finish."""
+
+    def phase_screen_gpu(self):
+        """Rank 0 also collects every rank's GPU row."""
+        t = time.monotonic()
+        self.screen_start()
+        super().phase_screen_gpu()
+        rows = self.screen["gpu"] = screen_gpu_rows(self.records, self.screen_collect(["gpu"])["gpu"],
+                                                    self.screen["cpu"])
+        tf, hb = [r["tflops"] for r in rows], [r["hbm_gbps"] for r in rows]
+        self.progress("screen_gpu", n=len(rows), what="CPU rank(s)" if self.screen["cpu"] else "GPU(s)",
+                      tflops=f"{min(tf):.2f}/{_screen_median(tf):.2f}", hbm=f"{min(hb):.1f}/{_screen_median(hb):.1f}",
+                      secs=time.monotonic() - t)
+
+    def screen_start(self):
+        a = self.args
+        self.screen_rounds = {"screen-net": []}
+        self.screen_made = set()
+        self.screen = {"cpu": self.backend != "nccl", "min_tflops": a.min_tflops, "min_hbm": a.min_hbm,
+                       "min_busbw_intra": a.min_busbw_intra, "min_busbw_inter": a.min_busbw_inter,
+                       "gpu": [], "intra": [], "pairs": [], "splits": {}}
+        why = split_problem(self.torch, self.dist) if self.backend == "nccl" else None
+        if why:  # named in the report and the JSON (screen_degraded_note), never chosen silently
+            self.screen["no_split"] = {"why": why, "groups": 0}
+
+    def phase_screen_net(self):
+        """The network screen: screen_loop decides every batch (intra-node, the pair rounds, re-measurements
+        beside known-good nodes, the suspect round, the localisation inside a slow node); each runs through
+        screen_measure. Then the screen's judgement: a FAIL ends the run before the full-job collectives."""
+        t, a = time.monotonic(), self.args
+        self.failpoint("screen-net")
+        net = screen_loop(self.records, self.screen_measure, a.min_busbw_intra, a.min_busbw_inter, self.screen["cpu"])
+        self.screen.update(net)
+        rounds = self.screen_rounds["screen-net"]
+        self.proto.screen_publish(f"q{len(rounds) + 1}", {r: {"done": True} for r in range(self.world)})
+        found = apply_strict(judge_screen(self.screen) + judge_gpu_facts(self.screen.get("gpu")), a.strict)
+        self.screen["judged_against"] = screen_judged_against(  # no --manifest: no band, said as such
+            self.screen, screen_band_names(a.manifest_data, self.records, self.screen))
+        self.findings += found
+        self.progress("screen_net", detail=self.net_detail(), counts=_counts(found), secs=time.monotonic() - t)
+        if verdict_code(self.findings):
+            raise Verdict(verdict_code(self.findings))
+        self.proto.open_gate("screen")
+
+    def screen_measure(self, groups):
+        """screen_loop's measure(): the batch's groups published on the store (each rank its part under
+        screen/q<k>/<rank>), rank 0's own part run, every rank's post collected. -> {rank: post}."""
+        rounds, name = self.screen_rounds["screen-net"], groups[0]["batch"]
+        rounds.append((name, groups))  # for screen_stuck: the batches in the order they run
+        key = f"q{len(rounds)}"
+        new = [g for g in groups if tuple(g["ranks"]) not in self.screen_made]
+        self.screen_made |= {tuple(g["ranks"]) for g in new}
+        make = screen_rank_plans([(name, new)], self.world) if new else {}
+        if new and self.screen.get("no_split"):
+            self.screen["no_split"]["groups"] += screen_split_groups([(name, new)], self.world)
+        if new and self.backend == "nccl" and not can_split(self.torch, self.dist):  # every rank enumerates them
+            self.proto.screen_publish(key, {"all": {name: [g["ranks"] for g in new]}})
+        mine = {r: g for g in groups for r in g["ranks"]}
+        plans = {r: {"name": name, "key": key, "g": mine[r]["ranks"] if r in mine else None,
+                     "rail": mine[r]["rail"] if r in mine else None, "make": make[r][name] if make else None}
+                 for r in range(self.world)}
+        self.proto.screen_publish(key, plans)
+        self.screen_batch(plans[0])
+        return self.screen_collect([name])[name]
+
+    def screen_together(self, name):
+        """Every group of a batch starts together: once every rank has posted that its group is made (within
+        the phase's bound, else it names the batch's groups), rank 0 opens the gate."""
+        if not self.proto.screen_wait(f"{name}-ready", self.screen_left()):
+            cause = self.bound.cause()
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+        self.failpoint(f"round-{name}")  # a test holds the run here (pause=S) between two batches
+        self.proto.open_gate(f"round-{name}")
+
     def screen_collect(self, names):
-        """Rank 0: every rank's posts of the rounds, waited for within the phase's bound. A round left
-        incomplete ends the run here, naming its groups (as the watchdog does when rank 0 is itself
-        blocked in one)."""
-        end, out = self.phase_t0 + self.D[self.phase], {}
+        """Every rank's posts of the batches, waited for within the phase's bound. A batch left incomplete
+        ends the run here, naming its groups (as the watchdog does when rank 0 is itself blocked in one)."""
+        out = {}
         for name in names:
-            if not self.proto.screen_wait(name, end - time.monotonic()):
-                cause = f"{PHASE_WHAT[self.phase]} did not complete within {self.D[self.phase]:g}s"
+            if not self.proto.screen_wait(name, self.screen_left()):
+                cause = self.bound.cause()
                 raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
             out[name] = self.proto.screen_posts(name)
             made = screen_creation(self.round_groups().get(name) or [], out[name])
@@ -8200,19 +8542,10 @@ class ScreenRunner:
     def round_groups(self):
         return dict(r for rs in self.screen_rounds.values() for r in rs)
 
-    def screen_pair_rows(self, names):
-        """Rank 0: judge_pairs' rows of the rounds `names` (their posts collected)."""
-        groups = self.round_groups()
-        posts = self.screen_collect(names)
-        return [{"round": int(n[1:]), "nodes": m["nodes"], "rail": m["rail"], "busbw": m["busbw"],
-                 "hca": screen_pair_hca(m["ranks"], posts[n], self.records),
-                 "ranks": m["ranks"], "time_us": m["time_us"]}
-                for n in names for m in screen_measured(groups[n], posts[n])]
-
     def screen_unfinished(self, phase, client, cause, live, errors, silent, stamps):
-        """Rank 0, a screen phase that did not finish: (the finding naming the groups whose members did not
-        post a round, or None; the stamps for judge_unfinished, where a post of the GPU round counts as
-        finishing it: rank 0 posts before it waits for the others)."""
+        """A screen phase that did not finish: (the finding naming the groups whose members did not post a
+        batch, or None; the stamps for judge_unfinished, where a post of the GPU round counts as finishing
+        it: rank 0 posts before it waits for the others)."""
         if phase == "screen-gpu":
             posted, idx = set(client.screen_posts("gpu")), PHASES.index(phase)
             return None, {r: max(s, idx) if r in posted else s for r, s in stamps.items()}
@@ -8222,32 +8555,34 @@ class ScreenRunner:
         return screen_stuck(phase, how, self.world, rounds, posted, self.host_of, live, errors, silent), stamps
 
     def round_posted(self, client, name):
-        """Ranks that did their part of a round: posted it, or, while the round's start gate is not complete,
+        """Ranks that did their part of a batch: posted it, or, while the batch's start gate is not complete,
         posted that their group was made (they wait at the gate for the others, not stuck themselves)."""
         ready = set(client.screen_posts(f"{name}-ready"))
         return set(client.screen_posts(name)) | (ready if len(ready) < self.world else set())
 
-    def _bw_detail(self, rows, names, none):
-        if not rows:
-            return none
-        bws = [r["busbw"] for r in rows]
-        made = sum(self.screen["splits"].get(n, 0.0) for n in names)
-        return (f"{len(rows)} group measurement(s) in {len(names)} round(s), busbw min/median "
-                f"{min(bws):.2f}/{_screen_median(bws):.2f} GB/s, groups made in {made:.2f}s")
-
-    def _third_detail(self, rows):
-        third = self.screen.get("third") or {}
-        if not self.screen["pairs"]:
-            return "no pairs between nodes"
-        if third.get("groups") is None:
-            return f"widespread: {len(third.get('suspects') or [])} suspect node(s), no round 3"
-        if not rows:
-            return "no round 3 (" + ("no suspect" if not third.get("suspects") else "every pair measured") + ")"
-        return (f"round 3 for suspect(s) {_screen_names(third['suspects'])}: "
-                + self._bw_detail(rows, ["p3"], ""))
-
-    def _kind(self):
-        return "gpu" if self.backend == "nccl" else "cpu"
+    def net_detail(self):
+        """The screen-net progress line: batches, the intra-node and the inter-node measurements."""
+        sc, batches = self.screen, self.screen.get("batches") or []
+        intra, pairs = sc.get("intra") or [], sc.get("pairs") or []
+        made = sum(sc["splits"].values())
+        parts = [f"{len(batches)} batch(es)"]
+        if intra:
+            bws = [r["busbw"] for r in intra if r.get("busbw") is not None] or [0.0]
+            parts.append(f"intra-node {len(intra)} node(s), busbw min/median {min(bws):.2f}/{_screen_median(bws):.2f}"
+                         " GB/s")
+        else:
+            parts.append("no node runs two or more ranks")
+        if pairs:
+            bws = [r["busbw"] or 0.0 for r in pairs]
+            rnds = len({r["round"] for r in pairs})
+            parts.append(f"inter-node {len(pairs)} group measurement(s) in {rnds} round(s), busbw min/median "
+                         f"{min(bws):.2f}/{_screen_median(bws):.2f} GB/s")
+        else:
+            parts.append("one node: no pairs between nodes")
+        third = sc.get("third") or {}
+        if third.get("groups"):
+            parts.append(f"round 3 for suspect(s) {', '.join(third['suspects'][:4])}")
+        return "; ".join(parts) + f"; groups made in {made:.2f}s"
 
 
 
@@ -8294,9 +8629,7 @@ PROGRESS = {
     "ddp": "ddp: DDP step on nn.Linear(10, 10), results gathered ({secs:.2f}s)",
     "bandwidth": "bandwidth: {size} all_reduce {us:.1f} us, algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s",
     "screen_gpu": "screen-gpu: {n} {what}: matmul {tflops} TFLOPS, memory copy {hbm} GB/s (min/median) ({secs:.2f}s)",
-    "screen_intra": "screen-intra: {detail} ({secs:.2f}s)",
-    "screen_pairs": "screen-pairs: {detail} ({secs:.2f}s)",
-    "screen_suspect": "screen-suspect: {detail}; screen findings: {counts} ({secs:.2f}s)",
+    "screen_net": "screen-net: {detail}; screen findings: {counts} ({secs:.2f}s)",
     "soak": "soak: {n} {what} loaded at once for {seconds:g}s: {detail}; soak findings: {counts} ({secs:.2f}s)",
     "verdict": "verdict: {verdict} (exit {code}); findings: {counts}",
 }
@@ -8340,9 +8673,8 @@ class RankRun(ScreenRunner):
         self.backend = self.device = self.results = self.bandwidth = None
         self.identity = None
         self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
-        self.screen = self.my_plan = None  # screen results (rank 0), own groups
-        self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
-        self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
+        self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
+        self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
         self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
         self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
@@ -8671,10 +9003,10 @@ class RankRun(ScreenRunner):
     def failpoint(self, phase, only=("die", "hang", "pause")):
         """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
           die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
-                              (rendezvous, init, telemetry, screen-gpu, screen-intra, screen-pairs, screen-suspect,
-                              soak, collective, ddp; round-<name>: rank 0 before it opens a screen round's gate,
-                              e.g. round-p2); a pause first creates the file AIV_FAILPOINT_MARK, if set,
-                              so that a test breaks something (a link) while the run waits
+                              (rendezvous, init, telemetry, screen-gpu, screen-net, soak, collective, ddp;
+                              round-<name>: rank 0 before it opens a screen batch's gate, e.g. round-p2); a
+                              pause first creates the file AIV_FAILPOINT_MARK, if set, so that a test breaks
+                              something (a link) while the run waits
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
                               the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
                               e.g. helper-aiv-listener)
@@ -8873,7 +9205,7 @@ def _warm_imports():
 
 # ============================================================================ aiv/coordinator.py
 # Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
-class Coordinator(RankRun):
+class Coordinator(ScreenCoordinator, RankRun):
     """Rank 0: serves the store, holds the roll call, judges what each phase gathered and owns the
     verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
     the watchdog, the signal thread); it names who did not finish a phase (unfinished) from the
@@ -8889,6 +9221,7 @@ class Coordinator(RankRun):
         self.serving = False
         self.verdict_code = None  # the code as the verdict stands (the verdict's bound exits with it)
         self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
+        self.screen, self.screen_rounds, self.screen_made = None, {}, set()  # the screen's results, batches, groups
         super().__init__(args, contract, env)
 
     # ---------------------------------------------------------------- flow
@@ -9402,7 +9735,7 @@ class Coordinator(RankRun):
 
 # ============================================================================ aiv/follower.py
 # Floor 5 (runtime): every other rank: reports its own error, takes rank 0's verdict, speaks for a
-class Follower(RankRun):
+class Follower(ScreenFollower, RankRun):
     """Every rank but 0: enters each phase at rank 0's gate, reports its own error, and exits with rank
     0's verdict, read from the store by a listener thread even while the main thread is blocked in a
     collective. When rank 0 gives none in time, it speaks for rank 0, once per node."""

@@ -79,10 +79,11 @@ from .page import render_html
 from .rank import HEADER, PROGRESS, RankRun
 from .render import failure_lines, render_report
 from .screen_judge import judge_soak, soak_rows
+from .screen_run import ScreenCoordinator
 from .store import Forged, StoreProtocol, fd_limit_problem, store_peers
 
 
-class Coordinator(RankRun):
+class Coordinator(ScreenCoordinator, RankRun):
     """Rank 0: serves the store, holds the roll call, judges what each phase gathered and owns the
     verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
     the watchdog, the signal thread); it names who did not finish a phase (unfinished) from the
@@ -98,6 +99,7 @@ class Coordinator(RankRun):
         self.serving = False
         self.verdict_code = None  # the code as the verdict stands (the verdict's bound exits with it)
         self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
+        self.screen, self.screen_rounds, self.screen_made = None, {}, set()  # the screen's results, batches, groups
         super().__init__(args, contract, env)
 
     # ---------------------------------------------------------------- flow

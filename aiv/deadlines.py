@@ -32,19 +32,17 @@ NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs
                           # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
 LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
 
-PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-intra", "screen-pairs", "screen-suspect",
-          "soak", "collective", "ddp", "bandwidth", "final")
+PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-net", "soak", "collective", "ddp",
+          "bandwidth", "final")
 FAN_IN = {"telemetry": "telemetry", "ddp": "results"}  # phase -> what each rank posts to rank 0 through the store
-SCREEN_PHASES = ("screen-gpu", "screen-intra", "screen-pairs", "screen-suspect")  # skipped with --skip-screen
+SCREEN_PHASES = ("screen-gpu", "screen-net")  # skipped with --skip-screen
 PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
-               "screen-gpu": "gpu-perf", "screen-intra": "intra-node", "screen-pairs": "inter-node",
-               "screen-suspect": "inter-node", "soak": "soak",
+               "screen-gpu": "gpu-perf", "screen-net": "inter-node", "soak": "soak",
                "collective": "collective", "ddp": "ddp", "bandwidth": "bandwidth", "final": "verdict"}
 PHASE_WHAT = {"local": "import torch and the local checks", "rollcall": "the roll call",
               "init": "init_process_group", "telemetry": "the telemetry gather and judge",
               "screen-gpu": "the GPU screen (matmul and memory copy)",
-              "screen-intra": "the intra-node all_reduce screen", "screen-pairs": "the inter-node pair rounds",
-              "screen-suspect": "the suspect round and the screen's judgement",
+              "screen-net": "the network screen (all_reduce inside each node and between nodes) and its judgement",
               "soak": "the soak (sustained matmul on every GPU at once)",
               "collective": "all_reduce of rank-encoded integers", "ddp": "the DDP step and results gather",
               "bandwidth": "the bandwidth probe", "final": "the verdict"}

@@ -11,9 +11,10 @@ from .judge import judge_forged
 from .liveness import liveness, proc_stat
 from .rank import RankRun
 from .render import failure_lines
+from .screen_run import ScreenFollower
 
 
-class Follower(RankRun):
+class Follower(ScreenFollower, RankRun):
     """Every rank but 0: enters each phase at rank 0's gate, reports its own error, and exits with rank
     0's verdict, read from the store by a listener thread even while the main thread is blocked in a
     collective. When rank 0 gives none in time, it speaks for rank 0, once per node."""

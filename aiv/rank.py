@@ -121,9 +121,7 @@ PROGRESS = {
     "ddp": "ddp: DDP step on nn.Linear(10, 10), results gathered ({secs:.2f}s)",
     "bandwidth": "bandwidth: {size} all_reduce {us:.1f} us, algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s",
     "screen_gpu": "screen-gpu: {n} {what}: matmul {tflops} TFLOPS, memory copy {hbm} GB/s (min/median) ({secs:.2f}s)",
-    "screen_intra": "screen-intra: {detail} ({secs:.2f}s)",
-    "screen_pairs": "screen-pairs: {detail} ({secs:.2f}s)",
-    "screen_suspect": "screen-suspect: {detail}; screen findings: {counts} ({secs:.2f}s)",
+    "screen_net": "screen-net: {detail}; screen findings: {counts} ({secs:.2f}s)",
     "soak": "soak: {n} {what} loaded at once for {seconds:g}s: {detail}; soak findings: {counts} ({secs:.2f}s)",
     "verdict": "verdict: {verdict} (exit {code}); findings: {counts}",
 }
@@ -167,9 +165,8 @@ class RankRun(ScreenRunner):
         self.backend = self.device = self.results = self.bandwidth = None
         self.identity = None
         self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
-        self.screen = self.my_plan = None  # screen results (rank 0), own groups
-        self.screen_rounds, self.screen_groups = {}, []  # rank 0: {round: groups}; groups made (kept, never destroyed)
-        self.my_groups = {}  # round name -> this rank's group in it (re-measured with the same group)
+        self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
+        self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
         self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
         self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
@@ -498,10 +495,10 @@ class RankRun(ScreenRunner):
     def failpoint(self, phase, only=("die", "hang", "pause")):
         """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
           die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
-                              (rendezvous, init, telemetry, screen-gpu, screen-intra, screen-pairs, screen-suspect,
-                              soak, collective, ddp; round-<name>: rank 0 before it opens a screen round's gate,
-                              e.g. round-p2); a pause first creates the file AIV_FAILPOINT_MARK, if set,
-                              so that a test breaks something (a link) while the run waits
+                              (rendezvous, init, telemetry, screen-gpu, screen-net, soak, collective, ddp;
+                              round-<name>: rank 0 before it opens a screen batch's gate, e.g. round-p2); a
+                              pause first creates the file AIV_FAILPOINT_MARK, if set, so that a test breaks
+                              something (a link) while the run waits
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
                               the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
                               e.g. helper-aiv-listener)

@@ -322,15 +322,55 @@ def intra_against(per_node, min_busbw=None, bands=None):
     return out
 
 
+def _intra_evidence(p, ref):
+    """(evidence, action, GPU ranks to name) of a node slow inside: how often it was measured, beside which
+    known-good nodes, and where its localisation (screen_loop: the node's GPU pairs beside the same pairs of
+    the controls) put the fault."""
+    r, unit = (ref["ref"], " of the reference") if ref.get("ref") else (None, " GB/s")
+    num = (lambda v: f"{float(v or 0.0) / r:.2f}") if r else (lambda v: _sn(float(v or 0.0)))  # noqa: E731
+    vals = p.get("values") or [p.get("busbw")]
+    ev = f"measured {len(vals)} time(s), slow every time ({', '.join(num(v) for v in vals)}{unit})"
+    for b in (p.get("beside") or [])[-1:]:
+        ev += f"; try {b['try']} beside the known-good " + ", ".join(f"{c} ({num(v)})"
+                                                                     for c, v in b["controls"].items())
+    loc, h = p.get("local"), p["host"]
+    if not loc:
+        return ev, f"drain {h}; run the vendor's diagnostics (dcgmi diag -r 3, nvidia-smi nvlink -s)", []
+    lr = {g: rk for pr in loc["pairs"] for g, rk in zip(pr["gpus"], pr["ranks"], strict=True)}
+    slow = [pr for pr in loc["pairs"] if pr["level"] != "OK"]
+    ctrl = f" beside the same pairs on {', '.join(loc['controls'])}" if loc["controls"] else ""
+    ev += f"; its {len(loc['pairs'])} GPU pair(s) measured{ctrl}"
+    if loc["wide"]:
+        return (ev + ": every pair slow", f"drain {h}; the node's NVSwitch or baseboard: run the vendor's "
+                "diagnostics (dcgmi diag -r 3, nvidia-smi nvlink -s)", [])
+    if not slow:
+        return (ev + ": every pair at speed: slow only in the all_reduce of the whole node (NVSwitch under full "
+                "load, PCIe, the host side)", f"drain {h}; run the vendor's diagnostics (dcgmi diag -r 3)", [])
+    parts = [f"GPU {g} (rank {lr.get(g)}) slow with every partner, "
+             + ", ".join(f"{pr['gpus'][0]}-{pr['gpus'][1]} {pr['busbw'] / (pr['ref'] or 1.0):.2f}"
+                         for pr in slow if g in pr["gpus"]) for g in loc["gpus"]]
+    parts += [f"GPU pair {a}-{b} slow ({pr['busbw'] / (pr['ref'] or 1.0):.2f}), both at speed with other partners"
+              for a, b in loc["links"] for pr in slow if pr["gpus"] == [a, b]]
+    what = " and ".join(f"GPU {g}" for g in loc["gpus"]) or " and ".join(f"the NVLink between GPUs {a} and {b}"
+                                                                           for a, b in loc["links"])
+    return (ev + ": " + "; ".join(parts), f"drain {h}; {what}: run the vendor's diagnostics on it (dcgmi diag -r 3, "
+            "nvidia-smi nvlink -s), reseat or replace it",
+            sorted({lr[g] for g in loc["gpus"] or [x for e in loc["links"] for x in e] if g in lr}))
+
+
 def judge_intra(per_node, min_busbw=None, cpu=False):
-    """Intra-node all_reduce bus bandwidth (one group of all local ranks per node, one round) against
-    the other nodes of its class. per_node: [{'host': str, 'busbw': float|None (1e9 B/s; None: the group
-    failed, judged as 0.0), 'ranks': [rank, ...] (optional), 'model': GPU model (optional)}];
-    min_busbw: absolute floor (FAIL below) or None.
+    """Intra-node all_reduce bus bandwidth (one group of all local ranks per node) against the other nodes
+    of its class. per_node: [{'host': str, 'busbw': float|None (1e9 B/s, the best of its tries; None: the
+    group failed, judged as 0.0), 'ranks': [rank, ...] (optional), 'model': GPU model (optional), and from
+    screen_loop where it was measured again: 'tries', 'first', 'values', 'beside' (the tries measured beside
+    known-good nodes), 'local' (its GPU pairs: screen_loop's localisation)}]; min_busbw: absolute floor
+    (FAIL below) or None.
     Reference per (ranks per node, GPU model) (screen_reference); below SCREEN_NET_FAIL of it FAIL, below
     SCREEN_NET_WARN WARN; cpu=True: only below SCREEN_CPU_FAIL FAILs, nothing WARNs (CPU-bound numbers).
+    A node slow at first and at speed again is no finding here (judge_transients).
     -> findings under 'intra-node': one per flagged node (one per status listing them beyond
-    SCREEN_LIST_MAX nodes), or one PASS giving the references and the count of nodes."""
+    SCREEN_LIST_MAX nodes) with its 'evidence' and 'action' (naming the GPU or GPU pair where localised,
+    its ranks the GPU's), or one PASS giving the references and the count of nodes."""
     per_node = list(per_node or [])
     if not per_node:
         return []
@@ -345,7 +385,9 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
                    if min_busbw is not None and v < min_busbw
                    else f"{v / ref['ref']:.2f} of the reference {_screen_ref_text(ref, 'GB/s')}"
                    + (f" of {_intra_class_text(cls)}" if len(refs) > 1 else "") + f" ({rule})")
-            flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {_sn(v)} GB/s: {why}"))
+            floor = min_busbw is not None and v < min_busbw
+            ev = _intra_evidence(p, ref if ref["count"] >= 2 and not floor else {"ref": None})
+            flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {_sn(v)} GB/s: {why}", ev))
     if not flagged:
         against = intra_against(per_node, min_busbw).values()
         if not all(a["peers"] for a in against):
@@ -357,16 +399,18 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
         return [finding("intra-node", "PASS", f"intra-node busbw on {len(per_node)} node(s): reference "
                         f"{txt} ({rule})")]
     if len(flagged) <= SCREEN_LIST_MAX:
-        return [finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node", [h])
-                for lv, h, txt in flagged]
+        return [dict(finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node; {ev}", [h], ranks),
+                     evidence=ev, action=act) for lv, h, txt, (ev, act, ranks) in flagged]
     out = []
     for status in ("FAIL", "WARN"):
         sel = [f for f in flagged if f[0] == status]
         if sel:
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
-                               + "; ".join(t for _, _, t in sel[:SCREEN_LIST_MAX]) + more,
-                               [h for _, h, _ in sel]))
+            out.append(dict(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
+                                    + "; ".join(t for _, _, t, _ in sel[:SCREEN_LIST_MAX]) + more,
+                                    [h for _, h, _, _ in sel]),
+                            evidence="; ".join(f"{h}: {e[0]}" for _, h, _, e in sel[:SCREEN_LIST_MAX]),
+                            action="drain them; run the vendor's diagnostics on each"))
     return out
 
 
@@ -528,10 +572,18 @@ def _pair_node_findings(results, d):
             speed = "; ".join(parts)
             where = "its NIC, cable or switch port on " + ("that rail" if len(rails) == 1 else "those rails")
         every = sorted(i for rail in rails for ids in ev[(n, rail)]["slow"].values() for i in ids)
-        out.append(finding("inter-node", _screen_worst(statuses),
-                           f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])}{named} with "
-                           f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none, "
-                           f"after re-measurement: {speed}: {where}{_pair_floor_text(results, every, d)}", [n]))
+        tries = max(results[i].get("tries", 1) for i in every)
+        act = (f"drain {n}; its NICs together or the host side: check their PCIe links and firmware, run the "
+               "vendor's diagnostics" if whole else
+               f"drain {n}; reseat or replace the HCA or cable of {_screen_rails_text(rails, [])}{named}, then "
+               "check its switch port")
+        out.append(dict(finding("inter-node", _screen_worst(statuses),
+                                f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])}{named} with "
+                                f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none, "
+                                f"after re-measurement: {speed}: {where}{_pair_floor_text(results, every, d)}", [n]),
+                        evidence=f"{len(every)} slow measurement(s) with {len(partners)} different partner(s) "
+                                 f"({_screen_names(partners)}), each measured up to {tries} time(s), the best "
+                                 f"counting; at speed with no partner", action=act))
     return out
 
 
@@ -564,10 +616,19 @@ def _pair_link_findings(results, d):
             alone += " (a suspect link: the path between them, no host is excluded for it)"
             status = "WARN" if status != "OK" else status
         named = _screen_hca_text(results, idx, g) if len(rails) == 1 else ""
-        out.append(finding("inter-node", status, f"{what} on {_screen_rails_text(rails, d['rails'])}{named}: busbw "
-                           f"{ratio:.2f} of the rail's reference after re-measurement{alone}"
-                           f"{_pair_floor_text(results, idx, d)}",
-                           [] if lone else list(g)))
+        on = f"{_screen_rails_text(rails, d['rails'])}{named}"
+        act = ("none drained; re-run, and if it recurs check the cables and the switch path between "
+               f"{' and '.join(g)} on {on}" if lone else
+               f"measure each of {' and '.join(g)} with a third node (two nodes cannot be told apart); reseat or "
+               "replace the HCAs or cables of that rail" if d["two_nodes"] else
+               f"drain {' and '.join(g)} or re-run; check the cables, HCAs and switch ports between them on {on}")
+        tries = max(results[i].get("tries", 1) for i in idx)
+        out.append(dict(finding("inter-node", status, f"{what} on {on}: busbw "
+                                f"{ratio:.2f} of the rail's reference after re-measurement{alone}"
+                                f"{_pair_floor_text(results, idx, d)}",
+                                [] if lone else list(g)),
+                        evidence=f"{len(idx)} slow measurement(s), each measured up to {tries} time(s), the best "
+                                 f"counting{alone}", action=act))
     return out
 
 
@@ -615,16 +676,9 @@ def judge_pairs(results, min_busbw=None, cpu=False):
                              f"the rails' references or the floor after re-measurement; suspects: "
                              f"{compress_hostlist(sus)}"
                              f"{_pair_floor_text(results, [i for i, lv in enumerate(d['levels']) if lv != 'OK'], d)}",
-                             sus), widespread=True)], sus
+                             sus), widespread=True, evidence=f"{slow} slow measurement(s) after re-measurement",
+                     action="nothing is drained: check the switches, the fabric and its configuration")], sus
     return _pair_node_findings(results, d) + _pair_link_findings(results, d), sus
-
-
-def judge_screen(screen):
-    """Every screen judgement. screen: the dict render_performance takes. -> findings."""
-    cpu = bool(screen.get("cpu"))
-    return (judge_gpu_perf(screen.get("gpu") or [], screen.get("min_tflops"), screen.get("min_hbm"), cpu)
-            + judge_intra(screen.get("intra") or [], screen.get("min_busbw_intra"), cpu)
-            + judge_pairs(screen.get("pairs") or [], screen.get("min_busbw_inter"), cpu)[0])
 
 
 def screen_band_names(manifest, records, screen):

@@ -22,21 +22,18 @@ from .judge import UNFINISHED_WORDS, _ranks_on_hosts, judge_unfinished, screen_r
 #
 # Flow for the runtime (rank 0 plans and judges, every rank measures):
 #   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
-#   per node, one all_reduce group -> per_node rows for judge_intra
-#   rounds = screen_rounds(nodes); for each round i (1, 2; 1..3 for N = 3), every group at once (a
-#   gate), one 2- or 3-rank group per rail (local rank r with local rank r of the partners) -> rows;
-#   then screen_remeasure_plan(rows, earlier rows, k) for k = 1..3, each a gated round of the slow
-#   groups, merged by screen_best (the best value counts) -> results rows
-#   plan = screen_third_round(results); plan['groups'] non-empty: measure them as round 3 (and re-measure)
-#   suspect links (a slow pair whose ends are fine elsewhere) name no host: screen_suspect_links
-#   findings = judge_screen(screen) (or the three judges); report = render_performance(screen)
+#   screen_loop(records, measure) (aiv/screen_loop.py): the batches of groups -> intra and pair rows:
+#   per node one all_reduce group; rounds = screen_rounds(nodes), one 2- or 3-rank group per rail (local
+#   rank r with local rank r of the partners); every slow measurement again (the best counts), a slow
+#   node beside known-good ones and localised to its GPU or GPU pair; the suspect round
+#   (screen_third_round); suspect links (a slow pair whose ends are fine elsewhere) name no host
+#   findings = judge_screen(screen); report = render_performance(screen)
 SCREEN_GPU_FAIL = 0.80      # GPU TFLOPS or memory GB/s below 0.80 of its model's reference: FAIL
 SCREEN_GPU_WARN = 0.90      # ... below 0.90: WARN
 SCREEN_NET_FAIL = 0.70      # all_reduce busbw (intra-node group, inter-node pair) below 0.70 of the reference: FAIL
 SCREEN_NET_WARN = 0.85      # ... below 0.85: WARN
 SCREEN_CPU_FAIL = 0.10      # cpu=True: FAIL only below 0.10 of the reference and never WARN (ranks share cores)
 SCREEN_NOISE_SIGMAS = 6.0   # a WARN must also lie this many peer standard deviations below the reference
-SCREEN_REMEASURE_ROUNDS = 3  # after each pair round: slow measurements re-measured (r1 all, r2 and r3 half each)
 SCREEN_LIST_MAX = 16        # more flagged GPUs or nodes than this: one finding lists the first ones and a count
 
 
@@ -120,25 +117,6 @@ def screen_level(value, ref, fail, warn=None, floor=None):
     return "OK"
 
 
-def screen_remeasure_plan(rows, before, k, min_busbw=None, cpu=False):
-    """Re-measure round k (1..SCREEN_REMEASURE_ROUNDS) after a pair round: the round's measurements
-    `rows` (each with 'tries', 1 when measured once) that are slow (below WARN, or FAIL on CPU) against
-    the rails' references of `before` + `rows`. k = 1: every slow one, together; k = 2 and 3: the
-    still-slow ones in two halves (every other one in natural order, then the rest), so every slow
-    measurement is re-measured at most twice and a load that only the full round causes is lifted.
-    -> [{'ranks', 'nodes', 'rail'}] (the round's groups, already made), [] when nothing is to redo."""
-    if not rows:
-        return []
-    _, levels = screen_pair_levels(list(before) + list(rows), min_busbw, cpu)
-    slow = [m for m, lv in zip(rows, levels[len(before):], strict=True) if lv != "OK"]
-    slow.sort(key=lambda m: ([_screen_key(n) for n in m["nodes"]], m["rail"]))
-    if k == 2:
-        slow = slow[::2]
-    elif k > 2:
-        slow = [m for m in slow if m.get("tries", 1) < 3]
-    return [{"ranks": list(m["ranks"]), "nodes": list(m["nodes"]), "rail": m["rail"]} for m in slow]
-
-
 def screen_rail_refs(results):
     """Like for like: {rail: screen_reference of that rail's measurements}. A rail whose own reference is
     below SCREEN_NET_FAIL of the median of the rails' references (slow nearly everywhere) is judged
@@ -161,8 +139,9 @@ def screen_pair_levels(results, min_busbw=None, cpu=False):
 
 # -- the runtime's plain data: the rounds' groups, each rank's part, the rows the judges take, who hung
 def screen_round_label(name):
-    """'intra' -> 'the intra-node round', 'p2' -> 'round 2'."""
-    return "the intra-node round" if name == "intra" else f"round {name[1:]}"
+    """A batch's name in words: 'intra' -> 'the intra-node round', 'p2' -> 'round 2', 'b5' -> 'batch 5'."""
+    return "the intra-node round" if name == "intra" else f"round {name[1:]}" if name[:1] == "p" else \
+        f"batch {name[1:]}"
 
 
 def screen_layout(records):
@@ -233,8 +212,8 @@ def screen_measured(groups, posts):
 def screen_pair_hca(ranks, posts, records):
     """{host: HCA} of a pair group's ranks: what each rank's NCCL log showed (its post's 'hca'), else the
     HCA nearest its GPU in sysfs (its record's gpu 'hca'); None where none is known ('' in a post: sockets,
-    no HCA, and no sysfs guess either)."""
-    recs = {r["rank"]: r for r in records}
+    no HCA, and no sysfs guess either). records: the gathered records, or {rank: record}."""
+    recs = records if isinstance(records, dict) else {r["rank"]: r for r in records}
     out = {}
     for r in ranks:
         h = (posts.get(r) or {}).get("hca")
@@ -272,6 +251,8 @@ def screen_gpu_rows(records, posts, cpu=False):
 
 
 def _screen_group_words(g):
+    if g.get("gpus"):
+        return f"GPUs {g['gpus'][0]} and {g['gpus'][1]} of {g['nodes'][0]} (ranks {format_ranges(g['ranks'])})"
     if g.get("rail") is None:
         return f"the intra-node group of {g['nodes'][0]} (ranks {format_ranges(g['ranks'])})"
     if len(g["nodes"]) == 2:
@@ -308,5 +289,5 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
               f"{screen_round_label(name)}" + (f"; first error: {first_err}" if first_err else ""))
     code = EXIT_FAIL if any(kinds[r] == "dead" for r in missing) else \
         EXIT_FAIL if all(kinds[r] in ("error", "terminated") for r in missing) else EXIT_TIMEOUT
-    return finding(PHASE_CHECK[phase], "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits),
-                   culprits, code=code)
+    check = "intra-node" if hung and all(g.get("rail") is None for g in hung) else PHASE_CHECK[phase]
+    return finding(check, "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits), culprits, code=code)

@@ -135,11 +135,11 @@ class StoreProtocol:
       forged         values a rank refused (JSON lines: key, why, claim)   any rank but 0
       verdict        rank 0's exit code: listeners exit with it   rank 0
       ack/<rank>, acks  a rank read the verdict; how many did (counter)   each rank
-      screen/plan/<rank>, screen/plan3/<rank>                     rank 0
-                     the rank's groups of the screen rounds (JSON, screen_rank_plans): intra, p1, p2
-                     (p3 for 3 nodes), then the suspect round p3
-      screen/<round> the round's measurements, one JSON line per rank (appended): gpu, intra, p1-p3
-                     (every rank posts every round it reaches, also outside any group)   each rank
+      screen/q<k>/<rank>                                          rank 0
+                     the rank's part of the screen loop's k-th batch (JSON: its group, the batch's group
+                     creation from screen_rank_plans), or {"done": true} after the last batch
+      screen/<round> a batch's measurements, one JSON line per rank (appended): gpu, intra, p1-p3, b<k>
+                     (every rank posts every batch it reaches, also outside any group)   each rank
       screen/<round>/n, screen/<round>/all  posts counted; set by the last of the world  each rank
       gate/screen    rank 0's go after the screen's judgement     rank 0
       posts/<name>   a fan-in to rank 0, one JSON line per rank (appended): telemetry (identity and

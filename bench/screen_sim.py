@@ -1,24 +1,26 @@
 #!/usr/bin/env python3
-"""Performance screen under fabric contention: the tool's own schedule, re-measurement and judges on
-simulated measurements.
+"""The whole network screen (intra-node and inter-node) in simulation: the tool's own screen_loop and
+judges, driven by a simulated measure().
 
-  python bench/screen_sim.py [--nodes 16,64,256,512] [--rails 8] [--trials 100] [--seed 1] [--noise 0.02]
-                             [--json OUT]
+  python bench/screen_sim.py [--nodes 4,8,16,32,64,128,256,512] [--p 1,3,5] [--trials 40] [--seed 1]
+                             [--gpus 8] [--noise 0.02] [--json OUT]
   (environment: AIV_SIM_TRIALS, AIV_SIM_NODES override the defaults of --trials and --nodes)
 
-Every measurement is 48 GB/s x planted fault x contention x (1 + Gaussian noise, sigma --noise). It runs
-as the runtime does: each pair round with every group at once, then its slow measurements re-measured
-(screen_remeasure_plan: round r1 all of them together, r2 and r3 half each; screen_best keeps the best),
-then the suspect round (screen_third_round) with its own re-measurement, then judge_pairs. Contention
-is drawn again for every batch of groups that runs together, so a re-measure sees a fresh draw:
-  transient p   each measurement halved with probability p (1, 3, 5%): another tenant, a burst
-  ecmp          3% of the measurements of a batch collide in pairs on one uplink: both halved
-  leaf          the first N/8 nodes sit behind one oversubscribed leaf: their flows run at 0.7x when
-                more than 70% of them run at once (a full round), at full speed otherwise; plus 1% transient
-Healthy: a trial is right when no finding names a host (failed_hosts, exclude or a WARN's hosts).
-Planted (with 3% transient): a node slow on one rail (0.5x), on every rail (0.5x), or one NIC (a
-dual-port NIC, two rails of one node, at 0.6x); right when the judge names exactly that node.
-Target: >= 99/100 right in every setting.
+Every node has --gpus GPUs and as many rails. A measurement is its kind's speed (all_reduce inside a
+node 480 GB/s, between two GPUs of a node 360, between nodes 48 per rail) x a planted fault x (1 +
+Gaussian noise, sigma --noise), halved with probability p (a transient: another job, a burst), drawn
+again for every measurement of every batch. Each cell runs --trials healthy screens and --trials
+screens with one planted fault, the kinds taken in turn:
+  node      one node slow on every rail (0.5x) between nodes
+  rail      one node slow on one rail (0.5x)
+  link      one path between two nodes on one rail (0.5x): a suspect link, no host
+  gpu       one GPU's NVLink (0.5x: every pair with it, and its node's all_reduce)
+  gpu-pair  the NVLink between two GPUs of one node (0.5x: that pair, and its node's all_reduce)
+Healthy: FAIL is a trial with a FAIL finding; hosts named counts the hosts of WARN and FAIL findings.
+Planted: found when the finding names the fault (its node, or for a link the suspect link); exact when
+it names exactly that (the node; the rail; the link and no host; the GPU's rank; the pair's two ranks)
+and nothing else. Batches: calls of measure() per screen. Targets (at p <= 3%, 64-512 nodes): 0 hosts
+named on a healthy cluster, every planted fault found exactly, at most 16 batches healthy, 24 planted.
 """
 import argparse
 import json
@@ -30,112 +32,164 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ddp_mesh_ping as aiv  # noqa: E402
 
-BASE_GBPS = 48.0
-HEALTHY = (("transient 1%", {"p": 0.01}), ("transient 3%", {"p": 0.03}), ("transient 5%", {"p": 0.05}),
-           ("ecmp collisions 3%", {"ecmp": 0.03}), ("oversubscribed leaf", {"p": 0.01, "leaf": True}))
-PLANTED = (("node slow on one rail", "rail"), ("node slow on every rail", "node"), ("one NIC (2 rails)", "nic"))
+SPEED = {"intra": 480.0, "gpu-pair": 360.0, "pair": 48.0}
+FAULTS = ("node", "rail", "link", "gpu", "gpu-pair")
+SIZES = (4, 8, 16, 32, 64, 128, 256, 512)
+HEADER = ("| nodes | p | healthy: FAIL | hosts named mean/max | batches mean/max | planted: found | exact "
+          "| batches mean/max |")
 
 
-class Fabric:
-    def __init__(self, nodes, rails, rng, noise, p=0.0, ecmp=0.0, leaf=False, fault=None):
-        self.rng, self.noise, self.p, self.ecmp = rng, noise, p, ecmp
-        self.leaf = set(nodes[:max(2, len(nodes) // 8)]) if leaf else set()
-        self.leaf_full = None
-        self.bad, self.bad_rails, self.factor = None, set(), 1.0
-        if fault:
-            self.bad = rng.choice(nodes)
-            r = rng.choice(rails)
-            self.bad_rails = {"rail": {r}, "node": set(rails), "nic": {r - r % 2, r - r % 2 + 1}}[fault]
-            self.factor = 0.6 if fault == "nic" else 0.5
+def records(n, gpus):
+    return [{"rank": i * gpus + lr, "host": f"gpu-{i + 1:04d}", "local_rank": lr, "gpu": {"name": "NVIDIA H200"}}
+            for i in range(n) for lr in range(gpus)]
 
-    def batch(self, rnd, items):
-        """One batch of (nodes, rail, ranks) that runs at once -> screen_measured rows."""
-        leafy = [i for i, (g, _, _) in enumerate(items) if self.leaf & set(g)]
-        if rnd != "redo":
-            self.leaf_full = max(self.leaf_full or 0, len(leafy))
-        crowded = bool(leafy) and len(leafy) > 0.7 * (self.leaf_full or len(leafy))
-        hit = set(self.rng.sample(range(len(items)), 2 * int(self.ecmp * len(items) / 2))) if self.ecmp else set()
-        out = []
-        for i, (g, rail, ranks) in enumerate(items):
-            f = self.factor if self.bad in g and rail in self.bad_rails else 1.0
-            f *= 0.5 if (self.p and self.rng.random() < self.p) or i in hit else 1.0
-            f *= 0.7 if crowded and i in leafy else 1.0
-            out.append({"nodes": list(g), "rail": rail, "ranks": ranks, "hca": f"mlx5_{rail}",
-                        "busbw": BASE_GBPS * f * (1.0 + self.rng.gauss(0.0, self.noise))})
+
+def plant(kind, n, gpus, rng):
+    """-> the planted fault: {'kind', 'node', 'rail', 'gpus', 'link'}."""
+    hosts = [f"gpu-{i + 1:04d}" for i in range(n)]
+    f = {"kind": kind, "node": rng.choice(hosts), "rail": rng.randrange(gpus), "gpus": (), "link": ()}
+    if kind == "link":
+        pairs = [g for g in aiv.screen_rounds(hosts)[0] if len(g) == 2]
+        f["link"], f["node"] = tuple(rng.choice(pairs)), None
+    if kind == "gpu":
+        f["gpus"] = (rng.randrange(gpus),)
+    if kind == "gpu-pair":
+        f["gpus"] = tuple(sorted(rng.sample(range(gpus), 2)))
+    return f
+
+
+def factor(g, fault):
+    """The planted fault's factor on one group."""
+    if not fault:
+        return 1.0
+    k, nodes = fault["kind"], g["nodes"]
+    if g["kind"] == "pair":
+        if k == "node" and fault["node"] in nodes:
+            return 0.5
+        if k == "rail" and fault["node"] in nodes and g["rail"] == fault["rail"]:
+            return 0.5
+        if k == "link" and set(fault["link"]) == set(nodes) and g["rail"] == fault["rail"]:
+            return 0.5
+        return 1.0
+    if k not in ("gpu", "gpu-pair") or nodes != [fault["node"]]:
+        return 1.0
+    if g["kind"] == "intra":
+        return 0.5
+    return 0.5 if (set(fault["gpus"]) <= set(g["gpus"])) else 1.0
+
+
+def simulated_measure(rng, p, noise, fault=None):
+    def measure(groups):
+        out = {}
+        for g in groups:
+            v = SPEED[g["kind"]] * factor(g, fault) * (0.5 if rng.random() < p else 1.0) * (1 + rng.gauss(0, noise))
+            for r in g["ranks"]:
+                out[r] = {"busbw": v, "time_us": 1000.0}
         return out
+    return measure
 
 
-def run_round(fab, rnd, groups, rails, before):
-    """A pair round and its re-measurement, as RankRun.screen_remeasure runs them."""
-    items = [(tuple(g), rail, [hash((g, rail)), rail]) for g in groups for rail in rails]
-    rows = [dict(m, round=rnd) for m in fab.batch(rnd, items)]
-    for k in range(1, aiv.SCREEN_REMEASURE_ROUNDS + 1):
-        todo = aiv.screen_remeasure_plan(rows, before, k)
-        if not todo:
-            break
-        rows = aiv.screen_best(rows, fab.batch("redo", [(tuple(t["nodes"]), t["rail"], t["ranks"]) for t in todo]))
-    return rows
-
-
-def trial(nodes, rails, fab):
-    results = []
-    for i, groups in enumerate(aiv.screen_rounds(nodes), 1):
-        results += run_round(fab, i, groups, rails, results)
-    plan = aiv.screen_third_round(results)
-    if plan["groups"]:
-        results += run_round(fab, 3, plan["groups"], rails, results)
-    findings, _ = aiv.judge_pairs(results)
+def judged(recs, measure):
+    screen = dict(aiv.screen_loop(recs, measure), cpu=False)
+    findings = aiv.judge_screen(screen)
     named = {h for f in findings if f["status"] != "PASS" for h in f["hosts"]}
-    links = len(aiv.screen_suspect_links(results))
-    return {"named": named, "links": links, "measurements": len(results)}
+    return screen, findings, named
 
 
-def setting_row(name, nodes, rails, trials, seed, noise, kw, fault=None):
-    rng = random.Random(f"{seed}:{name}:{len(nodes)}")
-    right = false_hosts = links = meas = 0
-    t0 = time.perf_counter()
+def exact(fault, screen, findings, named, gpus):
+    """(found, exact) for a planted fault."""
+    bad = [f for f in findings if f["status"] != "PASS" and f["hosts"]]
+    if fault["kind"] == "link":
+        links = [(tuple(s["hosts"]), s["rail"]) for s in screen["suspect_links"]]
+        found = (tuple(aiv._screen_sorted(fault["link"])), fault["rail"]) in links
+        return found, found and not named and len(links) == 1
+    node = fault["node"]
+    found = node in named
+    if not found or named != {node}:
+        return found, False
+    if fault["kind"] in ("gpu", "gpu-pair"):
+        base = (int(node.split("-")[1]) - 1) * gpus
+        want = sorted(base + x for x in fault["gpus"])
+        return found, [f["ranks"] for f in bad] == [want] and bad[0]["check"] == "intra-node"
+    if fault["kind"] == "rail":
+        why = bad[0]["reason"]
+        return found, len(bad) == 1 and f"rail {fault['rail']}" in why and "every rail" not in why
+    return found, len(bad) == 1 and "every rail" in bad[0]["reason"]
+
+
+def cell(n, p, trials, seed, gpus=8, noise=0.02):
+    """One row of the table: `trials` healthy and `trials` planted screens of n nodes at transient rate p."""
+    rng = random.Random(f"{seed}:{n}:{p}")
+    recs = records(n, gpus)
+    h = {"fail": 0, "named": [], "batches": []}
     for _ in range(trials):
-        fab = Fabric(nodes, rails, rng, noise, fault=fault, **kw)
-        t = trial(nodes, rails, fab)
-        want = {fab.bad} if fault else set()
-        right += t["named"] == want
-        false_hosts += len(t["named"] - want)
-        links += t["links"]
-        meas += t["measurements"]
-    return {"setting": name, "nodes": len(nodes), "trials": trials, "right": right, "false_hosts": false_hosts,
-            "suspect_links_mean": links / trials, "measurements_mean": meas / trials,
-            "trial_s": (time.perf_counter() - t0) / trials}
+        screen, findings, named = judged(recs, simulated_measure(rng, p, noise))
+        h["fail"] += any(f["status"] == "FAIL" for f in findings)
+        h["named"].append(len(named))
+        h["batches"].append(len(screen["batches"]))
+    pl = {"found": 0, "exact": 0, "batches": [], "misses": []}
+    for i in range(trials):
+        fault = plant(FAULTS[i % len(FAULTS)], n, gpus, rng)
+        screen, findings, named = judged(recs, simulated_measure(rng, p, noise, fault))
+        found, ok = exact(fault, screen, findings, named, gpus)
+        pl["found"] += found
+        pl["exact"] += ok
+        pl["batches"].append(len(screen["batches"]))
+        if not ok:
+            pl["misses"].append(fault["kind"])
+    return {"nodes": n, "p": p, "trials": trials, "healthy_fail": h["fail"],
+            "hosts_named_mean": sum(h["named"]) / trials, "hosts_named_max": max(h["named"]),
+            "healthy_batches_mean": sum(h["batches"]) / trials, "healthy_batches_max": max(h["batches"]),
+            "found": pl["found"], "exact": pl["exact"], "misses": pl["misses"],
+            "planted_batches_mean": sum(pl["batches"]) / trials, "planted_batches_max": max(pl["batches"])}
+
+
+def row(c):
+    t = c["trials"]
+    return (f"| {c['nodes']} | {c['p']:.0%} | {c['healthy_fail']}/{t} | {c['hosts_named_mean']:.2f}/"
+            f"{c['hosts_named_max']} | {c['healthy_batches_mean']:.1f}/{c['healthy_batches_max']} | "
+            f"{c['found']}/{t} | {c['exact']}/{t} | {c['planted_batches_mean']:.1f}/{c['planted_batches_max']} |")
+
+
+def table(sizes=SIZES, ps=(0.01, 0.03, 0.05), trials=40, seed=1, gpus=8, noise=0.02, out=None):
+    """-> (markdown lines, cells); out: a callable given each line as it is made."""
+    lines, cells = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)], []
+    for line in lines:
+        (out or (lambda _: None))(line)
+    for n in sizes:
+        for p in ps:
+            c = cell(n, p, trials, seed, gpus, noise)
+            cells.append(c)
+            lines.append(row(c))
+            (out or (lambda _: None))(lines[-1])
+    return lines, cells
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("--nodes", default=os.environ.get("AIV_SIM_NODES", "16,64,256,512"))
-    ap.add_argument("--rails", type=int, default=8)
-    ap.add_argument("--trials", type=int, default=int(os.environ.get("AIV_SIM_TRIALS", "100")))
+    ap.add_argument("--nodes", default=os.environ.get("AIV_SIM_NODES", ",".join(map(str, SIZES))))
+    ap.add_argument("--p", default="1,3,5", help="transient halving rates in percent (default 1,3,5)")
+    ap.add_argument("--trials", type=int, default=int(os.environ.get("AIV_SIM_TRIALS", "40")))
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--gpus", type=int, default=8, help="GPUs (and rails) per node (default 8)")
     ap.add_argument("--noise", type=float, default=0.02, help="Gaussian sigma, relative (default 0.02)")
-    ap.add_argument("--json", metavar="OUT", help="write the results as JSON")
+    ap.add_argument("--json", metavar="OUT", help="write the cells as JSON")
     a = ap.parse_args()
-    sizes = [int(x) for x in a.nodes.split(",")]
-    rails = list(range(a.rails))
-    settings = [(n, kw, None) for n, kw in HEALTHY] + [(f"planted: {n}", {"p": 0.03}, f) for n, f in PLANTED]
-    print(f"screen_sim: {a.rails} rails, noise sigma {a.noise:.0%}, {a.trials} trials, seed {a.seed}; "
-          f"right/{a.trials} (healthy: no host named; planted: exactly the planted node named)")
-    hdr = f"{'setting':<34}" + "".join(f"{'N=' + str(n):>10}" for n in sizes) + f"{'false hosts':>13}{'s/trial':>9}"
-    print(hdr)
-    print("-" * len(hdr))
-    rows = []
-    for name, kw, fault in settings:
-        got = [setting_row(name, [f"gpu-{i + 1:04d}" for i in range(n)], rails, a.trials, a.seed, a.noise, kw, fault)
-               for n in sizes]
-        rows += got
-        print(f"{name:<34}" + "".join(f"{g['right']:>6}/{g['trials']:<3}" for g in got)
-              + f"{sum(g['false_hosts'] for g in got):>13}{max(g['trial_s'] for g in got):>9.2f}", flush=True)
-    ok = all(r["right"] >= 0.99 * r["trials"] for r in rows)
-    print(f"target (>= 99% right in every setting): {'met' if ok else 'NOT met'}")
+    sizes, ps = [int(x) for x in a.nodes.split(",")], [float(x) / 100 for x in a.p.split(",")]
+    print(f"screen_sim: {a.gpus} GPUs and rails per node, noise sigma {a.noise:.0%}, {a.trials} healthy and "
+          f"{a.trials} planted trials per cell, seed {a.seed}")
+    t0 = time.perf_counter()
+    _, cells = table(sizes, ps, a.trials, a.seed, a.gpus, a.noise, out=lambda s: print(s, flush=True))
+    ok = all(c["hosts_named_max"] == 0 and c["exact"] == c["trials"] and c["healthy_batches_max"] <= 16
+             and c["planted_batches_max"] <= 24 for c in cells if c["p"] <= 0.03 and c["nodes"] >= 64)
+    print(f"targets (p <= 3%, 64-512 nodes: 0 hosts named, every fault exact, batches <= 16 / 24): "
+          f"{'met' if ok else 'NOT met'} ({time.perf_counter() - t0:.0f}s)")
+    for c in cells:
+        if c["misses"]:
+            print(f"  N={c['nodes']} p={c['p']:.0%}: not exact: {', '.join(c['misses'])}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rails": a.rails, "noise": a.noise, "seed": a.seed, "rows": rows, "target_met": ok}, f,
+            json.dump({"gpus": a.gpus, "noise": a.noise, "seed": a.seed, "cells": cells, "targets_met": ok}, f,
                       indent=2)
     return 0 if ok else 1
 

@@ -20,8 +20,8 @@ import ddp_mesh_ping as aiv  # noqa: E402
 
 FAULTS = ("rail", "node", "gpu", "hbm", "link")
 BAD = "node003"
-PHASE_S = {"local": 3.3, "rollcall": 0.4, "init": 3.5, "telemetry": 0.1, "screen-gpu": 1.9, "screen-intra": 0.6,
-           "screen-pairs": 4.2, "screen-suspect": 1.1, "collective": 0.3, "ddp": 0.5, "bandwidth": 0.0, "final": 0.1}
+PHASE_S = {"local": 3.3, "rollcall": 0.4, "init": 3.5, "telemetry": 0.1, "screen-gpu": 1.9, "screen-net": 5.9,
+           "collective": 0.3, "ddp": 0.5, "bandwidth": 0.0, "final": 0.1}
 
 
 def _names(nodes):

@@ -43,7 +43,7 @@ def verdict(tmp_path, out):
     return json.loads(js.read_text())
 
 
-SIGNAL_PHASES = ["rendezvous", "init", "screen-gpu", "screen-intra", "collective", "ddp"]
+SIGNAL_PHASES = ["rendezvous", "init", "screen-gpu", "screen-net", "collective", "ddp"]
 
 
 @pytest.mark.parametrize("phase", SIGNAL_PHASES)
@@ -121,7 +121,7 @@ def test_rank_frozen_before_the_signal_is_still_named_alone(tmp_path):
 
 # (phase, rank). A follower's error in `final` changes nothing: every measurement was judged already.
 RAISES = [("telemetry", 1), ("screen-gpu", 1), ("collective", 1), ("ddp", 1),
-          ("local", 0), ("rollcall", 0), ("init", 0), ("screen-intra", 0), ("ddp", 0), ("final", 0), ("report", 0)]
+          ("local", 0), ("rollcall", 0), ("init", 0), ("screen-net", 0), ("ddp", 0), ("final", 0), ("report", 0)]
 
 
 @pytest.mark.parametrize("phase,rank", RAISES)

@@ -167,7 +167,7 @@ def test_pair_hca_log_first_then_sysfs():
 
 
 def pair_rows(bad, hca_of):
-    """Every round's pair rows as screen_pair_rows builds them; `bad` slow on rail 2; hca_of(host, rail)."""
+    """Every round's pair rows as screen_loop builds them; `bad` slow on rail 2; hca_of(host, rail)."""
     rows = []
     for i, groups in enumerate(aiv.screen_rounds(NODES), 1):
         for g in groups:

@@ -525,7 +525,7 @@ HOSTS4 = {0: "node1", 1: "node2", 2: "node3", 3: "node4"}
 
 def stuck(posted, live=None, errors=None, how="did not complete within 8s", world=4, silent=()):
     rounds = aiv.screen_plan(recs({h: 1 for h in HOSTS4.values()}))[1:]
-    return aiv.screen_stuck("screen-pairs", how, world, rounds, posted, HOSTS4,
+    return aiv.screen_stuck("screen-net", how, world, rounds, posted, HOSTS4,
                             live or {r: "running" for r in range(world)}, errors or {}, silent)
 
 
@@ -550,7 +550,7 @@ def test_stuck_blames_a_frozen_or_dead_member_only():
 def test_stuck_none_when_every_round_was_posted_and_intra_words():
     assert stuck({"p1": {0, 1, 2, 3}, "p2": {0, 1, 2, 3}}) is None
     rounds = aiv.screen_plan(recs({"node1": 2, "node2": 2}))[:1]
-    f = aiv.screen_stuck("screen-intra", "did not complete within 5s", 4, rounds, {"intra": {0, 1}},
+    f = aiv.screen_stuck("screen-net", "did not complete within 5s", 4, rounds, {"intra": {0, 1}},
                          {0: "node1", 1: "node1", 2: "node2", 3: "node2"}, {}, {})
     assert f["check"] == "intra-node" and f["hosts"] == ["node2"]
     assert f["reason"].startswith("the intra-node group of node2 (ranks 2-3) did not complete within 5s")
@@ -598,22 +598,6 @@ def rows_of(rnd, groups, busbw, rails=RAILS):
     return [dict(m, ranks=[i, i + 100]) for i, m in enumerate(measure(rnd, groups, busbw, rails))]
 
 
-def test_remeasure_plan_takes_the_slow_ones_then_halves():
-    nodes = names(8)
-    r1 = aiv.screen_rounds(nodes)[0]
-    rows = rows_of(1, r1, fabric({"node1": {0, 1}, "node2": {3}}))
-    got = aiv.screen_remeasure_plan(rows, [], 1)
-    assert [(g["nodes"], g["rail"]) for g in got] == [(["node1", "node5"], 0), (["node1", "node5"], 1),
-                                                     (["node2", "node6"], 3)]
-    assert all(set(g) == {"ranks", "nodes", "rail"} for g in got)
-    assert [g["rail"] for g in aiv.screen_remeasure_plan(rows, [], 2)] == [0, 3]   # every other one
-    # r3: the still-slow ones not measured twice yet (those r2 re-measured have tries 3)
-    tried = [dict(m, tries=3 if m["rail"] in (0, 3) else 2) for m in rows]
-    assert [(g["nodes"], g["rail"]) for g in aiv.screen_remeasure_plan(tried, [], 3)] == [(["node1", "node5"], 1)]
-    healthy = rows_of(1, r1, fabric(noise=0.02))
-    assert aiv.screen_remeasure_plan(healthy, [], 1) == [] and aiv.screen_remeasure_plan([], [], 1) == []
-
-
 def test_best_of_the_remeasurements_counts():
     rows = [{"nodes": ("a", "b"), "rail": 0, "busbw": 20.0, "time_us": 9.0},
             {"nodes": ("a", "b"), "rail": 1, "busbw": 40.0, "time_us": 5.0}]
@@ -622,22 +606,6 @@ def test_best_of_the_remeasurements_counts():
     assert once[1] == rows[1]
     twice = aiv.screen_best(once, [{"nodes": ["a", "b"], "rail": 0, "busbw": 30.0, "time_us": 7.0}])
     assert twice[0]["busbw"] == 39.0 and twice[0]["tries"] == 3 and twice[0]["first"] == 20.0
-
-
-def test_transient_halving_remeasured_names_no_one():
-    """A measurement halved once (contention) and fine when re-measured: nobody named, no suspect link."""
-    nodes = names(16)
-    rails = list(range(8))
-    rng = random.Random(3)
-    results = []
-    for i, groups in enumerate(aiv.screen_rounds(nodes), 1):
-        rows = [dict(m, busbw=m["busbw"] * (0.5 if rng.random() < 0.05 else 1.0))
-                for m in rows_of(i, groups, fabric(noise=0.02, seed=i), rails)]
-        assert aiv.screen_remeasure_plan(rows, results, 1), "the draw has halved measurements"
-        redo = [dict(g, busbw=BASE) for g in aiv.screen_remeasure_plan(rows, results, 1)]
-        results += aiv.screen_best(rows, redo)
-    findings, suspects = aiv.judge_pairs(results)
-    assert [f["status"] for f in findings] == ["PASS"] and suspects == []
 
 
 def test_inter_reference_per_rail():

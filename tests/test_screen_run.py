@@ -27,9 +27,9 @@ def test_local_run_screens_and_shows_performance(tmp_path):
     log.write_text(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
-    for phase in ("screen-gpu: 3 CPU rank(s): matmul", "screen-intra: 1 group measurement(s) in 1 round(s)",
-                  "screen-pairs: one node: no pairs between nodes", "screen-suspect: no pairs between nodes"):
+    for phase in ("screen-gpu: 3 CPU rank(s): matmul", "screen-net: 1 batch(es); intra-node 1 node(s), busbw"):
         assert f"] {phase}" in out, out
+    assert "; one node: no pairs between nodes; groups made in" in out, out
     lines = out.splitlines()
     assert lines.index("COLLECTIVES") < lines.index("PERFORMANCE") < lines.index("FINDINGS")
     assert "[PASS] gpu-perf: GPU speed within the reference on 3 GPU(s)" in out
@@ -68,7 +68,8 @@ def test_two_nodes_two_rails_pass(tmp_path):
     w.wait([0, 1, 2, 3])
     out0 = w.out[0]
     assert [w.rc(r) for r in range(4)] == [0, 0, 0, 0], out0
-    assert "screen-pairs: 2 group measurement(s) in 1 round(s)" in out0
+    assert "screen-net: 2 batch(es); intra-node 2 node(s)" in out0, out0
+    assert "inter-node 2 group measurement(s) in 1 round(s)" in out0
     assert "round 1 node1 <-> node2 GB/s by rail 0-1" in out0
     assert "[PASS] inter-node: inter-node busbw" in out0 and "[PASS] intra-node: intra-node busbw on 2 node(s)" in out0
     sc = json.loads(jp.read_text())["screen"]
@@ -81,7 +82,7 @@ def test_a_frozen_rank_in_a_pair_round_names_its_link(tmp_path):
     """4 nodes of 1 rank: rank 1 (node2) freezes as the pair rounds start. Round 1 pairs node2 with node4:
     that link is named within the bound, the frozen rank blamed, and every live rank exits with it."""
     jp = tmp_path / "v.json"
-    w = Ranks(4, ["--timeout", T, "--json", jp], env={"AIV_FAILPOINT": "hang:screen-pairs:1"},
+    w = Ranks(4, ["--timeout", T, "--json", jp], env={"AIV_FAILPOINT": "hang:screen-net:1"},
               per_rank=fake_nodes({f"node{i}": 1 for i in range(1, 5)}))
     try:
         w.wait([0, 2, 3])
@@ -96,7 +97,7 @@ def test_a_frozen_rank_in_a_pair_round_names_its_link(tmp_path):
     assert "PERFORMANCE" in out0 and "COLLECTIVES" not in out0
     d = json.loads(jp.read_text())
     assert d["failed_hosts"] == ["node2"] and [f["ranks"] for f in d["findings"] if f["status"] == "FAIL"] == [[1]]
-    took = progress_at(out0, "verdict:") - progress_at(out0, "screen-intra:")
+    took = progress_at(out0, "verdict:") - progress_at(out0, "screen-gpu:")
     assert took <= T + aiv.NAMING_S + SLACK, f"verdict {took:.1f}s after the pair rounds began"
     assert w.rc(2) == w.rc(3) == aiv.EXIT_TIMEOUT and not failures(w.out[2] + w.out[3])
     assert max(w.ended[2], w.ended[3]) - w.ended[0] <= 10
@@ -104,7 +105,7 @@ def test_a_frozen_rank_in_a_pair_round_names_its_link(tmp_path):
 
 def test_a_dead_rank_in_a_node_group_names_that_node(tmp_path):
     jp = tmp_path / "v.json"
-    w = Ranks(4, ["--timeout", 30, "--json", jp], env={"AIV_FAILPOINT": "die:screen-intra:3"},
+    w = Ranks(4, ["--timeout", 30, "--json", jp], env={"AIV_FAILPOINT": "die:screen-net:3"},
               per_rank=fake_nodes({"node1": 2, "node2": 2}))
     try:
         w.wait([0, 1, 2])
@@ -120,7 +121,7 @@ def test_a_dead_rank_in_a_node_group_names_that_node(tmp_path):
     assert took <= 10, f"a dead rank is named at once, not at the bound: {took:.1f}s"
 
 
-@pytest.mark.parametrize("phase,late", [("screen-intra", 0), ("screen-pairs", 1)])
+@pytest.mark.parametrize("phase,late", [("screen-net", 0), ("screen-net", 1)])
 def test_a_late_rank_is_not_blamed_for_another_ranks_hang(tmp_path, phase, late):
     """Rank 0 speaks first in every screen phase: one rank enters the phase `skew` s late (more than
     RANK0_GRACE and more than half the bound) while rank 3 freezes in it.

@@ -597,7 +597,7 @@ def test_manifest_drift_on_one_node_is_named_on_that_node_only(cluster):
 SHAPE_4X1 = ["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1", "--time=5"]
 TBF = ["root", "tbf", "rate", "50mbit", "burst", "64kb", "latency", "200ms"]
 SCREEN_CHECKS = ("gpu-perf", "intra-node", "inter-node")
-SCREEN_PHASES_ORDER = ("screen-gpu", "screen-intra", "screen-pairs", "screen-suspect")
+SCREEN_PHASES_ORDER = ("screen-gpu", "screen-net")
 
 
 def pair_summary(screen):

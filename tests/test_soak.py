@@ -184,7 +184,7 @@ def test_local_run_soaks_and_reports(tmp_path):
     assert [ln.split()[0] for ln in lines if ln.startswith("  rank=") and " tflops first/last=" in ln] == \
         ["rank=0", "rank=1"]
     assert "(no GPU telemetry on CPU)" in out and "[PASS] soak: 2 CPU rank(s) ran " in out
-    assert out.index("screen-suspect:") < out.index("] soak:") < out.index("] collective:")
+    assert out.index("screen-net:") < out.index("] soak:") < out.index("] collective:")
     d = json.loads(jp.read_text())
     sk = d["soak"]
     assert sk["seconds"] == 2 and sk["cpu"] is True and [g["rank"] for g in sk["gpus"]] == [0, 1]

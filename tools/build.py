@@ -38,8 +38,9 @@ BUILD_ORDER = (
     "measure",       # what the screen and the soak measure on a device
     "judge",         # pure checks of the gathered records
     "manifest",      # --save-manifest / --manifest / --diff-manifest
-    "screen_plan",   # the screen's rounds, groups and control loop
+    "screen_plan",   # the screen's rounds and groups
     "screen_judge",  # the screen's and the soak's judges
+    "screen_loop",   # the screen's control loop: batches, re-measurement, controls, localisation
     "render",        # the report
     "outputs",       # --drain and --metrics
     "page",          # --html
