@@ -2481,8 +2481,8 @@ def judge_numerics_soak(rows):
 # ranks share cores and only a gross fault can be told from their noise.
 SCREEN_TARGET_S = {"gpu": 0.3, "cpu": 0.02}            # seconds of timed work per measurement
 SCREEN_BLOCKS = 5
-SCREEN_BLOCK_TRIES = 10  # GPU: at most this many blocks queued to get SCREEN_BLOCKS the device ran back to back,
-SCREEN_BLOCK_GROWTH = 4  # then the block doubled, at most this many sizes (a host slow to queue: 1x to 8x)
+SCREEN_HOLD_S = 0.05      # GPU: the blocks are queued behind a kernel that holds the device this long (gated_blocks),
+SCREEN_HOLD_GROWTH = 6    # doubled while the host could not queue them in time, at most this many holds (to 1.6 s)
 SCREEN_MATMUL_N = {"gpu": 8192, "cpu": 256}            # square matmul: bf16 on GPU, fp32 on CPU
 SCREEN_COPY_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}  # memory: STREAM scale (GPU), copy (CPU); read + write
 SCREEN_AR_BYTES = {"gpu": 128 << 20, "cpu": 1 << 20}   # all_reduce message of the busbw rounds
@@ -2667,7 +2667,7 @@ def _host_rate(fn, work, during=None):
 
 
 class HostStarved(RuntimeError):
-    """_device_rate could not time one block: the host never kept the device's queue ahead of it. On the
+    """_device_rate could not queue its blocks within the longest hold of the device. On the
     measuring thread that may be the rank's own other threads holding the interpreter lock (screen-gpu then
     measures again on its quiet main thread); there, it says the node cannot drive its GPU."""
 
@@ -2686,36 +2686,29 @@ def _capture(torch_mod, fn, calls, stream):
     return graph
 
 
-def device_blocks(record, replay, running, blocks=None, tries=None, during=None):
-    """Queue timed blocks until `blocks` of them count (at most `tries` queued) and return [(start, end, counts)]:
-    each block is record() (an event), replay() (the work, one launch), record(); it counts when, once it is
-    queued, running(previous block's end event) is still true: the device then went from the previous block
-    into this one without waiting for the host, so no host stall is inside its time. The first block follows
-    a lead block queued before it. during() runs once, after the middle block is queued."""
-    blocks, tries = blocks or SCREEN_BLOCKS, tries or SCREEN_BLOCK_TRIES
-    replay()  # the lead: the device works while the first timed block is queued
-    prev, spans = record(), []
-    for i in range(tries):
+def gated_blocks(hold, record, replay, started, blocks=None):
+    """Queue `blocks` timed blocks behind a hold, so that the device runs them back to back whatever the host
+    does meanwhile: hold() (a kernel that keeps the device busy), then for each block record() (an event),
+    replay() (the work, one launch), record(). -> (spans [(start, end)], whether the whole queue was in
+    before the device reached the first block: started(first start event) still false). When the host was
+    slower than the hold (its other threads held the interpreter lock), the caller holds longer."""
+    hold()
+    spans = []
+    for _ in range(blocks or SCREEN_BLOCKS):
         start = record()
         replay()
-        end = record()
-        spans.append((start, end, running(prev)))
-        prev = end
-        if during is not None and i == blocks // 2:
-            during()
-        if sum(ok for _, _, ok in spans) >= blocks:
-            break
-    return spans
+        spans.append((start, record()))
+    return spans, not started(spans[0][0])
 
 
-def _device_rate(torch_mod, fn, work, stream, during=None):
+def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
     """GPU: units of `work` per second of fn(), timed on the device (CUDA events), never on the host's clock,
     so that what the host does meanwhile (this rank's other threads, NCCL's init, the node's imports) cannot
     enter the number: fn() k times is one CUDA graph (k for about SCREEN_TARGET_S / SCREEN_BLOCKS of work),
-    each timed block one replay, and only blocks the device ran back to back count (device_blocks); the
-    median of SCREEN_BLOCKS of them. A host too busy to queue a block within one block's time (no block
-    counts) gets blocks twice as long, up to SCREEN_BLOCK_GROWTH sizes; then HostStarved, never a slow number.
-    -> (rate, the graph: one block's work, for load under nvidia-smi)."""
+    each timed block one replay, all SCREEN_BLOCKS of them queued behind a hold kernel (gated_blocks), so the
+    device runs them back to back; the median block counts. A host too slow to queue them within the hold
+    (the interpreter lock held by other threads) gets a hold twice as long, up to SCREEN_HOLD_GROWTH times;
+    then HostStarved, never a slow number. -> (rate, the graph: one block's work, for load under nvidia-smi)."""
     cuda = torch_mod.cuda
 
     def record():
@@ -2729,19 +2722,26 @@ def _device_rate(torch_mod, fn, work, stream, during=None):
         fn()
         fn()
         b = record()
-    b.synchronize()
-    k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS / max(a.elapsed_time(b) / 2e3, 1e-7)))
-    for _ in range(SCREEN_BLOCK_GROWTH):
-        graph = _capture(torch_mod, fn, k, stream)
+        cuda._sleep(1 << 20)  # the hold's calibration: cycles per second of this GPU's clock
+        c = record()
+    c.synchronize()
+    if k is None:
+        k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS / max(a.elapsed_time(b) / 2e3, 1e-7)))
+    cycles = int((1 << 20) * SCREEN_HOLD_S / max(b.elapsed_time(c) / 1e3, 1e-7))
+    graph = _capture(torch_mod, fn, k, stream)
+    for _ in range(SCREEN_HOLD_GROWTH):
         with cuda.stream(stream):  # a replay goes to the current stream
-            spans = device_blocks(record, graph.replay, lambda e: not e.query(), during=during)
+            spans, whole = gated_blocks(lambda n=cycles: cuda._sleep(n), record, graph.replay, lambda e: e.query())
+        if during is not None:  # while the queued blocks run
+            during()
+            during = None
         spans[-1][1].synchronize()
-        times = [a.elapsed_time(b) / 1e3 for a, b, ok in spans if ok]
-        if times:
-            return work * k / _screen_median(times), graph
-        k, during = 2 * k, None  # the host could not queue a block in one block's time: longer blocks
-    raise HostStarved(f"{stream.device}: the host never queued a timed block while the previous one ran, "
-                      f"with blocks of up to {k // 2} operations: its process is starved of CPU")
+        if whole:
+            return work * k / _screen_median([s.elapsed_time(e) / 1e3 for s, e in spans]), graph
+        cycles *= 2  # the host could not queue the blocks within the hold: hold longer
+    raise HostStarved(f"{stream.device}: the host could not queue {SCREEN_BLOCKS} timed blocks within a "
+                      f"{SCREEN_HOLD_S * (1 << (SCREEN_HOLD_GROWTH - 1)):g}s hold of the device: its process is "
+                      "starved of CPU")
 
 
 def _screen_operands(torch_mod, dev, kind):

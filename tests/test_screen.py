@@ -790,38 +790,45 @@ def test_no_split_group_is_a_named_degraded_mode():
 
 
 class _FakeDevice:
-    """A device timeline for device_blocks: each queued replay runs `block` seconds once the device is free; the
-    host's clock advances by `host_gaps` (one per block, in order) before each block is queued."""
+    """A device timeline for gated_blocks: hold() keeps the device busy `hold` seconds from the host's now; each
+    queued replay runs `block` seconds once the device is free; the host's clock advances by `host_gap`
+    before each launch (record or replay)."""
 
-    def __init__(self, block, host_gaps):
-        self.block, self.gaps, self.now, self.free_at, self.queued = block, list(host_gaps), 0.0, 0.0, 0
+    def __init__(self, block, hold, host_gap):
+        self.block, self.hold_s, self.gap, self.now, self.free_at, self.queued = block, hold, host_gap, 0.0, 0.0, 0
+
+    def _launch(self):
+        self.now += self.gap
+
+    def hold(self):
+        self._launch()
+        self.free_at = max(self.free_at, self.now) + self.hold_s
 
     def record(self):
-        return {"done_at": self.free_at}
+        self._launch()
+        return {"at": max(self.free_at, self.now)}  # when the device reaches the event
 
     def replay(self):
+        self._launch()
         self.free_at = max(self.free_at, self.now) + self.block
         self.queued += 1
 
-    def running(self, event):
-        ran = event["done_at"] > self.now
-        self.now += self.gaps.pop(0) if self.gaps else 0.0  # the host's stall before the next block
-        return ran
+    def started(self, event):
+        return event["at"] <= self.now
 
 
-def test_device_blocks_count_only_blocks_the_device_ran_back_to_back():
-    # a quick host: every block counts, one lead block + SCREEN_BLOCKS
-    d = _FakeDevice(0.06, [0.001] * 50)
-    spans = aiv.device_blocks(d.record, d.replay, d.running)
-    assert len(spans) == aiv.SCREEN_BLOCKS and all(ok for _, _, ok in spans) and d.queued == aiv.SCREEN_BLOCKS + 1
-    # the host stalls longer than a block before the 2nd and 4th blocks: the device waited, those do not count
-    d = _FakeDevice(0.06, [0.001, 0.2, 0.001, 0.2] + [0.001] * 50)
-    spans = aiv.device_blocks(d.record, d.replay, d.running)
-    assert [ok for _, _, ok in spans] == [True, True, False, True, False, True, True]
-    # a host that never keeps up: bounded by the tries, nothing counts
-    d = _FakeDevice(0.06, [0.5] * 100)
-    spans = aiv.device_blocks(d.record, d.replay, d.running, tries=7)
-    assert len(spans) == 7 and d.queued == 8
+def test_gated_blocks_queue_every_block_behind_the_hold_or_say_the_host_was_late():
+    # a quick host: the whole queue is in before the hold ends, so the device runs the blocks back to back
+    d = _FakeDevice(0.06, 0.05, 0.0001)
+    spans, whole = aiv.gated_blocks(d.hold, d.record, d.replay, d.started)
+    assert whole and len(spans) == aiv.SCREEN_BLOCKS and d.queued == aiv.SCREEN_BLOCKS
+    assert all(e["at"] - s["at"] == pytest.approx(0.06) for s, e in spans)  # no host time inside a block
+    # a host slowed by other threads (5 ms a launch): the device reached the first block before the queue
+    # was in; the caller holds longer
+    d = _FakeDevice(0.06, 0.05, 0.005)
+    assert aiv.gated_blocks(d.hold, d.record, d.replay, d.started)[1] is False
+    d = _FakeDevice(0.06, 0.2, 0.005)
+    assert aiv.gated_blocks(d.hold, d.record, d.replay, d.started)[1] is True
 
 
 def test_the_screen_thread_raises_its_error_in_the_phase():

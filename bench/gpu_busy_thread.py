@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""The GPU screen beside busy threads, and its dependence on the block size, on one GPU.
+
+  python bench/gpu_busy_thread.py [--n 40] [--json out.json]
+
+1. quiet: N/4 measurements with screen_measure_gpu on the main thread (the reference);
+2. N measurements on the measuring thread (start_screen_gpu / take_screen_gpu, as a rank does) while
+   1 pure-Python thread spins beside it, and N/4 with 4 such threads: how many gave no number
+   (HostStarved), and each number against the quiet median;
+3. the block size: the matmul and the memory rate timed with blocks of k, 2k, 4k and 8k operations
+   (k as the screen picks it), 5 rounds each, interleaved: the spread of the medians.
+Prints one table; --json writes the raw numbers."""
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch  # noqa: E402
+
+import ddp_mesh_ping as aiv  # noqa: E402
+
+
+def hogs(n, stop):
+    def spin():
+        x = 0
+        while not stop.is_set():
+            x += 1
+    ts = [threading.Thread(target=spin, daemon=True) for _ in range(n)]
+    for t in ts:
+        t.start()
+    return ts
+
+
+def beside(n_threads, n, dev):
+    out = []
+    stop = threading.Event()
+    ts = hogs(n_threads, stop)
+    try:
+        for _ in range(n):
+            t0 = time.monotonic()
+            box = aiv.start_screen_gpu(torch, dev, numerics=False)
+            try:
+                row = aiv.take_screen_gpu(box)
+                out.append({"tflops": row["tflops"], "hbm_gbps": row["hbm_gbps"], "secs": time.monotonic() - t0})
+            except aiv.HostStarved as e:
+                out.append({"starved": str(e), "secs": time.monotonic() - t0})
+    finally:
+        stop.set()
+        for t in ts:
+            t.join()
+    return out
+
+
+def block_sizes(dev, rounds=5):
+    """Rates at k, 2k, 4k, 8k operations a block, interleaved rounds."""
+    cuda = torch.cuda
+    cuda.set_device(dev)
+    stream = cuda.Stream(dev)
+    (a, b, c), (src, dst) = aiv._screen_operands(torch, dev, "gpu")
+    stream.wait_stream(cuda.current_stream(dev))
+    mm = (lambda: torch.mm(a, b, out=c), 2 * aiv.SCREEN_MATMUL_N["gpu"] ** 3 / 1e12)
+    scale = (lambda: torch.mul(src, 1.0, out=dst), 2 * src.numel() * 4 / 1e9)
+    base = {}
+    for name, (fn, _work) in (("tflops", mm), ("hbm_gbps", scale)):
+        # the k the screen picks, from its own calibration
+        with cuda.stream(stream):
+            fn()
+            e0 = cuda.Event(enable_timing=True)
+            e1 = cuda.Event(enable_timing=True)
+            e0.record(stream)
+            fn()
+            fn()
+            e1.record(stream)
+        e1.synchronize()
+        base[name] = max(1, int(aiv.SCREEN_TARGET_S["gpu"] / aiv.SCREEN_BLOCKS / max(e0.elapsed_time(e1) / 2e3, 1e-7)))
+    rates = {name: {m: [] for m in (1, 2, 4, 8)} for name in base}
+    for _ in range(rounds):
+        for m in (1, 2, 4, 8):
+            for name, (fn, work) in (("tflops", mm), ("hbm_gbps", scale)):
+                r, _g = aiv._device_rate(torch, fn, work, stream, k=base[name] * m)
+                rates[name][m].append(r)
+    return base, rates
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=40)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    dev = 0
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
+    quiet = [aiv.screen_measure_gpu(torch, dev, "gpu") for _ in range(max(3, a.n // 4))]
+    q = {k: statistics.median(r[k] for r in quiet) for k in ("tflops", "hbm_gbps")}
+    print(f"quiet ({len(quiet)}): matmul {q['tflops']:.1f} TFLOPS, memory {q['hbm_gbps']:.0f} GB/s (medians)")
+    res = {"quiet": quiet}
+    for n_threads, n in ((1, a.n), (4, max(3, a.n // 4))):
+        rows = beside(n_threads, n, dev)
+        res[f"busy{n_threads}"] = rows
+        got = [r for r in rows if "tflops" in r]
+        starved = len(rows) - len(got)
+        line = f"beside {n_threads} busy thread(s): {len(rows)} measurements, {starved} HostStarved"
+        if got:
+            for k in ("tflops", "hbm_gbps"):
+                ratios = [r[k] / q[k] for r in got]
+                line += f"; {k} / quiet min {min(ratios):.3f} median {statistics.median(ratios):.3f}"
+            line += f"; seconds each median {statistics.median(r['secs'] for r in rows):.2f}"
+        print(line)
+    base, rates = block_sizes(dev)
+    res["block_sizes"] = {"k": base, "rates": rates}
+    for name, by in rates.items():
+        meds = {m: statistics.median(v) for m, v in by.items()}
+        spread = max(meds.values()) / min(meds.values()) - 1
+        print(f"block size ({name}, k={base[name]}): " + ", ".join(f"{m}k {v:.1f}" for m, v in meds.items())
+              + f"; spread of the medians {100 * spread:.2f}%")
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
