@@ -5652,6 +5652,37 @@ def soak_rows(records, posts, cpu=False):
     return [dict(r, verdict=soak_verdict(r, cpu)) for r in rows]
 
 
+def gpu_levels(screen):
+    """Per GPU row, against the reference that judged it: {rank: {metric: (value, ratio, level)}}, plus the
+    refs {(model, metric): {'ref', 'how', 'count'}} drawn at 1.0 (the judge's references and levels,
+    judge_gpu_perf): its model's peers where it has two or more of them, else its model's table row (a lone
+    GPU is never drawn at 1.0 of itself), else itself (judged by the floor alone)."""
+    rows = (screen or {}).get("gpu") or []
+    fail, warn = screen_fractions("gpu", bool((screen or {}).get("cpu")))
+    floors = {"tflops": (screen or {}).get("min_tflops"), "hbm_gbps": (screen or {}).get("min_hbm")}
+    refs, out = {}, {}
+    for metric in ("tflops", "hbm_gbps"):
+        for model in {r.get("model") or "unknown" for r in rows}:
+            same = (r.get(metric) for r in rows if (r.get("model") or "unknown") == model
+                    and isinstance(r.get(metric), (int, float)) and r.get(metric) == r.get(metric))
+            refs[(model, metric)] = screen_reference(same)
+        for r in rows:
+            model = r.get("model") or "unknown"
+            v, ref = r.get(metric), refs[(model, metric)]
+            if not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")) or not ref["ref"]:
+                continue  # not measured (None, NaN, text): nothing to draw
+            row = None if (screen or {}).get("cpu") else gpu_table_row(r.get("model"))
+            table = (row or {}).get(metric)
+            lv = _screen_worst([screen_level(v, ref if ref["count"] >= 2 else {}, fail, warn, floors[metric]),
+                                table_level(v, table)])  # as judge_gpu_perf: peers, floor, table
+            base = ref["ref"]
+            if ref["count"] < 2 and table:  # a lone GPU: drawn against the row that judged it
+                base = table
+                refs[(model, metric)] = {"ref": table, "how": f"table row {row['row']}", "count": ref["count"]}
+            out.setdefault(r.get("rank"), {})[metric] = (float(v), float(v) / base, lv)
+    return out, refs
+
+
 
 # ============================================================================ aiv/screen_loop.py
 # Floor 3: the screen's control loop, screen_loop(records, measure): the batches of groups that run at
@@ -6001,6 +6032,15 @@ def judge_screen(screen):
 
 # ============================================================================ aiv/render.py
 # Floor 4: the report: topology, environment, fabric, collectives, performance, soak, findings.
+def _lone_table_text(model, cpu):
+    """What judged a lone GPU of its model: its table row, when it has one."""
+    row = None if cpu else gpu_table_row(model)
+    if not row:
+        return ""
+    return (f"; judged against the table row {row['row']}: {_sn(row['tflops'])} TFLOPS, {row['hbm_gbps']:.0f} GB/s "
+            f"({_table_rule()})")
+
+
 def _perf_gpu_lines(screen, cpu):
     per_rank, intra = screen.get("gpu") or [], screen.get("intra") or []
     refs, flags = _gpu_flags(per_rank, screen, cpu)
@@ -6010,7 +6050,8 @@ def _perf_gpu_lines(screen, cpu):
     L = [f"  gpu reference {m}: " + ", ".join(_screen_ref_text(refs[(m, k)], u, "GPUs")
                                              for k, u, _ in SCREEN_GPU_METRICS if refs[(m, k)]["count"])
          if max(refs[(m, k)]["count"] for k, _, _ in SCREEN_GPU_METRICS) >= 2 else
-         f"  gpu reference {m}: none among peers (1 GPU of its model)" for m in sorted({m for m, _ in refs})]
+         f"  gpu reference {m}: none among peers (1 GPU of its model)" + _lone_table_text(m, cpu)
+         for m in sorted({m for m, _ in refs})]
     for k, iref in sorted(irefs.items(), key=str):
         L.append(f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
                  + (_screen_ref_text(iref, 'GB/s', 'nodes') if iref["count"] >= 2 else
@@ -6619,10 +6660,19 @@ def _metrics_gpus(state, screen):
                   "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""}
         tflops.append((labels, g.get("tflops")))
         hbm.append((labels, g.get("hbm_gbps")))
+    levels, _ = gpu_levels(screen)
+    ratio = {m: [({"node": g.get("host"), "gpu": str(g.get("local_rank")),
+                   "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""}, levels[g.get("rank")][m][1])
+                 for g in screen.get("gpu") or [] if m in levels.get(g.get("rank"), {})]
+             for m in ("tflops", "hbm_gbps")}
     return [("aiv_gpu_matmul_tflops", "Performance screen: the GPU's square matmul rate in TFLOPS (10^12 floating "
              "point operations per second; bf16 on GPUs, fp32 on CPU).", tflops),
             ("aiv_gpu_memory_bandwidth_gbps", "Performance screen: the GPU's device-memory copy rate in GB/s "
-             "(10^9 bytes per second, read plus write).", hbm)]
+             "(10^9 bytes per second, read plus write).", hbm),
+            ("aiv_gpu_matmul_reference_ratio", "Performance screen: the GPU's matmul rate over the reference that "
+             "judged it (its model's peers, else its model's table row).", ratio["tflops"]),
+            ("aiv_gpu_memory_reference_ratio", "Performance screen: the GPU's memory rate over the reference that "
+             "judged it (its model's peers, else its model's table row).", ratio["hbm_gbps"])]
 
 
 def _metrics_numerics(state):
@@ -6846,25 +6896,8 @@ def _html_numerics(state, limit=64):
 
 
 def _html_gpu_levels(screen):
-    """Per GPU row, against its model's reference: {rank: {metric: (value, ratio, level)}}, plus the refs
-    {(model, metric): screen_reference} (the judge's references and levels, judge_gpu_perf)."""
-    rows = (screen or {}).get("gpu") or []
-    fail, warn = screen_fractions("gpu", bool((screen or {}).get("cpu")))
-    floors = {"tflops": (screen or {}).get("min_tflops"), "hbm_gbps": (screen or {}).get("min_hbm")}
-    refs, out = {}, {}
-    for metric in ("tflops", "hbm_gbps"):
-        for model in {r.get("model") or "unknown" for r in rows}:
-            same = (r.get(metric) for r in rows if (r.get("model") or "unknown") == model)
-            refs[(model, metric)] = screen_reference(same)
-        for r in rows:
-            v, ref = r.get(metric), refs[(r.get("model") or "unknown", metric)]
-            if v is None or not ref["ref"]:
-                continue
-            row = None if (screen or {}).get("cpu") else gpu_table_row(r.get("model"))
-            lv = _screen_worst([screen_level(v, ref if ref["count"] >= 2 else {}, fail, warn, floors[metric]),
-                                table_level(v, (row or {}).get(metric))])  # as judge_gpu_perf: peers, floor, table
-            out.setdefault(r.get("rank"), {})[metric] = (float(v), float(v) / ref["ref"], lv)
-    return out, refs
+    """gpu_levels (the judge's references and levels), for the page."""
+    return gpu_levels(screen)
 
 
 def _html_worst(levels):
@@ -6993,7 +7026,8 @@ def _html_gpu_chart(screen, gl, refs, metric, unit):
             y = h - h * (frac - lo) / (hi - lo)
             lines += (f'<line x1="40" x2="{40 + w}" y1="{y:.1f}" y2="{y:.1f}" class="{cls}"/>'
                       f'<text x="36" y="{y + 4:.1f}" text-anchor="end">{frac:.2f}</text>')
-    ref_txt = "; ".join(f"{_html_e(m)}: {_html_n(r['ref'])} {unit} ({_html_e(r['how'])} of {r['count']})"
+    ref_txt = "; ".join(f"{_html_e(m)}: {_html_n(r['ref'])} {unit} ({_html_e(r['how'])}"
+                        + (f" of {r['count']})" if not r["how"].startswith("table") else ")")
                         for (m, k), r in sorted(refs.items()) if k == metric and r["ref"])
     slow = sum(x[3] != "OK" for x in items)
     return (f'<h3>{unit} per GPU <span class="muted small">(ratio to the model reference: {ref_txt}; {slow} slow)'

@@ -10,7 +10,7 @@ import time
 from .base import CHECKS, EXIT_FAIL, EXIT_TIMEOUT, _screen_key, _screen_sorted, compress_hostlist, finding
 from .deadlines import DRAIN_S, PHASES
 from .options import DRAIN_PREFIX
-from .screen_judge import screen_diagnose
+from .screen_judge import gpu_levels, screen_diagnose
 
 DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
 DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)
@@ -260,10 +260,19 @@ def _metrics_gpus(state, screen):
                   "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""}
         tflops.append((labels, g.get("tflops")))
         hbm.append((labels, g.get("hbm_gbps")))
+    levels, _ = gpu_levels(screen)
+    ratio = {m: [({"node": g.get("host"), "gpu": str(g.get("local_rank")),
+                   "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""}, levels[g.get("rank")][m][1])
+                 for g in screen.get("gpu") or [] if m in levels.get(g.get("rank"), {})]
+             for m in ("tflops", "hbm_gbps")}
     return [("aiv_gpu_matmul_tflops", "Performance screen: the GPU's square matmul rate in TFLOPS (10^12 floating "
              "point operations per second; bf16 on GPUs, fp32 on CPU).", tflops),
             ("aiv_gpu_memory_bandwidth_gbps", "Performance screen: the GPU's device-memory copy rate in GB/s "
-             "(10^9 bytes per second, read plus write).", hbm)]
+             "(10^9 bytes per second, read plus write).", hbm),
+            ("aiv_gpu_matmul_reference_ratio", "Performance screen: the GPU's matmul rate over the reference that "
+             "judged it (its model's peers, else its model's table row).", ratio["tflops"]),
+            ("aiv_gpu_memory_reference_ratio", "Performance screen: the GPU's memory rate over the reference that "
+             "judged it (its model's peers, else its model's table row).", ratio["hbm_gbps"])]
 
 
 def _metrics_numerics(state):

@@ -3,9 +3,8 @@ import html
 
 from .base import _screen_key, _screen_sorted, compress_hostlist
 from .deadlines import PHASES
-from .judge import screen_reference
-from .screen_judge import _screen_hca, _screen_worst, gpu_table_row, screen_diagnose, table_level
-from .screen_plan import screen_fractions, screen_level
+from .screen_judge import _screen_hca, gpu_levels, screen_diagnose
+from .screen_plan import screen_fractions
 
 
 # One self-contained page of the run (--html): the verdict, findings, topology, per-GPU bars, per-rail
@@ -155,25 +154,8 @@ def _html_numerics(state, limit=64):
 
 
 def _html_gpu_levels(screen):
-    """Per GPU row, against its model's reference: {rank: {metric: (value, ratio, level)}}, plus the refs
-    {(model, metric): screen_reference} (the judge's references and levels, judge_gpu_perf)."""
-    rows = (screen or {}).get("gpu") or []
-    fail, warn = screen_fractions("gpu", bool((screen or {}).get("cpu")))
-    floors = {"tflops": (screen or {}).get("min_tflops"), "hbm_gbps": (screen or {}).get("min_hbm")}
-    refs, out = {}, {}
-    for metric in ("tflops", "hbm_gbps"):
-        for model in {r.get("model") or "unknown" for r in rows}:
-            same = (r.get(metric) for r in rows if (r.get("model") or "unknown") == model)
-            refs[(model, metric)] = screen_reference(same)
-        for r in rows:
-            v, ref = r.get(metric), refs[(r.get("model") or "unknown", metric)]
-            if v is None or not ref["ref"]:
-                continue
-            row = None if (screen or {}).get("cpu") else gpu_table_row(r.get("model"))
-            lv = _screen_worst([screen_level(v, ref if ref["count"] >= 2 else {}, fail, warn, floors[metric]),
-                                table_level(v, (row or {}).get(metric))])  # as judge_gpu_perf: peers, floor, table
-            out.setdefault(r.get("rank"), {})[metric] = (float(v), float(v) / ref["ref"], lv)
-    return out, refs
+    """gpu_levels (the judge's references and levels), for the page."""
+    return gpu_levels(screen)
 
 
 def _html_worst(levels):
@@ -302,7 +284,8 @@ def _html_gpu_chart(screen, gl, refs, metric, unit):
             y = h - h * (frac - lo) / (hi - lo)
             lines += (f'<line x1="40" x2="{40 + w}" y1="{y:.1f}" y2="{y:.1f}" class="{cls}"/>'
                       f'<text x="36" y="{y + 4:.1f}" text-anchor="end">{frac:.2f}</text>')
-    ref_txt = "; ".join(f"{_html_e(m)}: {_html_n(r['ref'])} {unit} ({_html_e(r['how'])} of {r['count']})"
+    ref_txt = "; ".join(f"{_html_e(m)}: {_html_n(r['ref'])} {unit} ({_html_e(r['how'])}"
+                        + (f" of {r['count']})" if not r["how"].startswith("table") else ")")
                         for (m, k), r in sorted(refs.items()) if k == metric and r["ref"])
     slow = sum(x[3] != "OK" for x in items)
     return (f'<h3>{unit} per GPU <span class="muted small">(ratio to the model reference: {ref_txt}; {slow} slow)'

@@ -28,13 +28,24 @@ from .screen_judge import (
     _screen_worst,
     _sn,
     _soak_n,
+    _table_rule,
     gpu_fact_problems,
+    gpu_table_row,
     intra_levels,
     screen_diagnose,
     soak_problems,
     soak_verdict,
 )
 from .screen_plan import SCREEN_CPU_FAIL, screen_round_label
+
+
+def _lone_table_text(model, cpu):
+    """What judged a lone GPU of its model: its table row, when it has one."""
+    row = None if cpu else gpu_table_row(model)
+    if not row:
+        return ""
+    return (f"; judged against the table row {row['row']}: {_sn(row['tflops'])} TFLOPS, {row['hbm_gbps']:.0f} GB/s "
+            f"({_table_rule()})")
 
 
 def _perf_gpu_lines(screen, cpu):
@@ -46,7 +57,8 @@ def _perf_gpu_lines(screen, cpu):
     L = [f"  gpu reference {m}: " + ", ".join(_screen_ref_text(refs[(m, k)], u, "GPUs")
                                              for k, u, _ in SCREEN_GPU_METRICS if refs[(m, k)]["count"])
          if max(refs[(m, k)]["count"] for k, _, _ in SCREEN_GPU_METRICS) >= 2 else
-         f"  gpu reference {m}: none among peers (1 GPU of its model)" for m in sorted({m for m, _ in refs})]
+         f"  gpu reference {m}: none among peers (1 GPU of its model)" + _lone_table_text(m, cpu)
+         for m in sorted({m for m, _ in refs})]
     for k, iref in sorted(irefs.items(), key=str):
         L.append(f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
                  + (_screen_ref_text(iref, 'GB/s', 'nodes') if iref["count"] >= 2 else

@@ -861,3 +861,34 @@ def soak_rows(records, posts, cpu=False):
     dev = {rec["rank"]: rec.get("device") for rec in records}
     rows = [dict(r, device=dev.get(r["rank"])) for r in screen_gpu_rows(records, posts, cpu)]
     return [dict(r, verdict=soak_verdict(r, cpu)) for r in rows]
+
+
+def gpu_levels(screen):
+    """Per GPU row, against the reference that judged it: {rank: {metric: (value, ratio, level)}}, plus the
+    refs {(model, metric): {'ref', 'how', 'count'}} drawn at 1.0 (the judge's references and levels,
+    judge_gpu_perf): its model's peers where it has two or more of them, else its model's table row (a lone
+    GPU is never drawn at 1.0 of itself), else itself (judged by the floor alone)."""
+    rows = (screen or {}).get("gpu") or []
+    fail, warn = screen_fractions("gpu", bool((screen or {}).get("cpu")))
+    floors = {"tflops": (screen or {}).get("min_tflops"), "hbm_gbps": (screen or {}).get("min_hbm")}
+    refs, out = {}, {}
+    for metric in ("tflops", "hbm_gbps"):
+        for model in {r.get("model") or "unknown" for r in rows}:
+            same = (r.get(metric) for r in rows if (r.get("model") or "unknown") == model
+                    and isinstance(r.get(metric), (int, float)) and r.get(metric) == r.get(metric))
+            refs[(model, metric)] = screen_reference(same)
+        for r in rows:
+            model = r.get("model") or "unknown"
+            v, ref = r.get(metric), refs[(model, metric)]
+            if not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")) or not ref["ref"]:
+                continue  # not measured (None, NaN, text): nothing to draw
+            row = None if (screen or {}).get("cpu") else gpu_table_row(r.get("model"))
+            table = (row or {}).get(metric)
+            lv = _screen_worst([screen_level(v, ref if ref["count"] >= 2 else {}, fail, warn, floors[metric]),
+                                table_level(v, table)])  # as judge_gpu_perf: peers, floor, table
+            base = ref["ref"]
+            if ref["count"] < 2 and table:  # a lone GPU: drawn against the row that judged it
+                base = table
+                refs[(model, metric)] = {"ref": table, "how": f"table row {row['row']}", "count": ref["count"]}
+            out.setdefault(r.get("rank"), {})[metric] = (float(v), float(v) / base, lv)
+    return out, refs

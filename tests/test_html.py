@@ -40,6 +40,19 @@ def test_hostile_host_name_is_escaped():
     assert "&lt;script&gt;alert(1)&lt;/script&gt;&quot;" in page
 
 
+def test_a_lone_gpu_is_drawn_against_the_table_row_that_judged_it():
+    """Before: a lone H200 measured at 0.47 of its model's row was drawn as a full red bar at 1.00 of itself."""
+    row = aiv.gpu_table_row("NVIDIA H200")
+    screen = {"cpu": False, "gpu": [{"rank": 0, "host": "n1", "local_rank": 0, "model": "NVIDIA H200",
+                                     "tflops": 0.47 * row["tflops"], "hbm_gbps": row["hbm_gbps"]}]}
+    levels, refs = aiv._html_gpu_levels(screen)
+    value, ratio, level = levels[0]["tflops"]
+    assert ratio == pytest.approx(0.47) and level == "FAIL"
+    assert levels[0]["hbm_gbps"][1] == pytest.approx(1.0) and levels[0]["hbm_gbps"][2] == "OK"
+    chart = aiv._html_gpu_chart(screen, levels, refs, "tflops", "TFLOPS")
+    assert "table row H200 SXM" in chart and "= 0.470 of the reference" in chart and 'class="b-FAIL"' in chart
+
+
 def test_self_contained(fault_page):
     low = fault_page.lower()
     assert "<link" not in low and "<script" not in low and "@import" not in low
