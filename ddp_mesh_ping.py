@@ -5056,10 +5056,17 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
         return "not judged against " + ", ".join(
             m if len(ks) == len(SCREEN_GPU_METRICS) else f"{m} for {' and '.join(ks)}" for m, ks in lack.items()) \
             if lack else ""
+    def evidence(r):
+        how = ("its own CPU clock, best of 5 blocks" if cpu else
+               "5 device-timed blocks run back to back, median")
+        return f"measured once on {r.get('host')} ({how})" + (f"; {unused(r)}" if unused(r) else "")
+    action = ("re-run the preflight; if the GPU is slow again, drain the node and run the vendor's diagnostics "
+              "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
     if len(items) <= SCREEN_LIST_MAX:
-        return [finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                        f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
-                        + (f"; {unused(r)}" if unused(r) else ""), [r.get("host")], [rk])
+        return [dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
+                             f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
+                             + (f"; {unused(r)}" if unused(r) else ""), [r.get("host")], [rk]),
+                     evidence=evidence(r), action=action)
                 for rk, (r, fl) in items]
     out = []
     for status in ("FAIL", "WARN"):
@@ -5068,8 +5075,9 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
             shown = "; ".join(f"{_gpu_who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
             hosts = [r.get("host") for _, r, _ in sel]
-            out.append(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} node(s): "
-                               f"{shown}{more}", hosts, [rk for rk, _, _ in sel]))
+            out.append(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} node(s): "
+                                    f"{shown}{more}", hosts, [rk for rk, _, _ in sel]),
+                            evidence=f"each measured once ({len(sel)} GPU(s))", action=action))
     return out
 
 
@@ -6381,6 +6389,7 @@ def _render_findings(state, recs, groups):
     L = [BAR, "FINDINGS", BAR] + [f"  [{st}] {check}: {text}" for st, check, text in
                                    finding_rows(state.get("findings") or [])]
     L += [f"  NOTE: {n}" for n in state.get("notes") or []]
+    L += [f"  ACTION: {a}" for a in action_lines(state.get("findings") or [])]
     L += [BAR, f"Ranks Reported: {len(recs)}/{state['world_size']}",
           f"Verdict: {state['verdict']} exit={state['exit_code']} elapsed={state['elapsed_s']:.2f}s "
           f"phases={_phase_times(state.get('phases') or {})}"]
@@ -6389,6 +6398,21 @@ def _render_findings(state, recs, groups):
     if state["verdict"] == "PASS":
         L.append(SUCCESS_LINE)
     return L
+
+
+def action_lines(findings):
+    """What to do about each WARN or FAIL that says (its action, and the evidence it stands on), once each:
+    '<check> <hosts>: <action> (evidence: ...)'."""
+    out = []
+    for f in findings:
+        if f["status"] == "PASS" or not (f.get("action") or f.get("evidence")):
+            continue
+        who = f" {compress_hostlist(f['hosts'])}" if f.get("hosts") else ""
+        line = f"{f['check']}{who}: {f.get('action') or 'see the finding'}" + (
+            f" (evidence: {f['evidence']})" if f.get("evidence") else "")
+        if line not in out:
+            out.append(line)
+    return out
 
 
 def failure_lines(findings):
@@ -6862,6 +6886,9 @@ def _html_actions(state):
             f'<p><b>Exclude:</b> {ex}</p>'
             + (f'<p><b>Suspect links</b> (the path, not either node):</p><ul id="suspect-links">{lk}</ul>'
                if lk else "")
+            + ('<p><b>What to do</b>:</p><ul id="finding-actions">'
+               + "".join(f"<li>{_html_e(a)}</li>" for a in action_lines(state.get("findings") or [])) + "</ul>"
+               if action_lines(state.get("findings") or []) else "")
             + (f'<p><b>Drain</b> ({dtext}):</p><pre class="cmd" id="drain">{_html_e(cmd)}</pre>' if cmd else "")
             + (f'<p class="muted small">Drain: nothing drained: {_html_e(skipped)}</p>' if skipped else "")
             + "</div></section>")

@@ -3,6 +3,7 @@ import html
 
 from .base import _screen_key, _screen_sorted, compress_hostlist
 from .deadlines import PHASES
+from .render import action_lines
 from .screen_judge import _screen_hca, gpu_levels, screen_diagnose
 from .screen_plan import screen_fractions
 
@@ -120,6 +121,9 @@ def _html_actions(state):
             f'<p><b>Exclude:</b> {ex}</p>'
             + (f'<p><b>Suspect links</b> (the path, not either node):</p><ul id="suspect-links">{lk}</ul>'
                if lk else "")
+            + ('<p><b>What to do</b>:</p><ul id="finding-actions">'
+               + "".join(f"<li>{_html_e(a)}</li>" for a in action_lines(state.get("findings") or [])) + "</ul>"
+               if action_lines(state.get("findings") or []) else "")
             + (f'<p><b>Drain</b> ({dtext}):</p><pre class="cmd" id="drain">{_html_e(cmd)}</pre>' if cmd else "")
             + (f'<p class="muted small">Drain: nothing drained: {_html_e(skipped)}</p>' if skipped else "")
             + "</div></section>")

@@ -388,6 +388,7 @@ def _render_findings(state, recs, groups):
     L = [BAR, "FINDINGS", BAR] + [f"  [{st}] {check}: {text}" for st, check, text in
                                    finding_rows(state.get("findings") or [])]
     L += [f"  NOTE: {n}" for n in state.get("notes") or []]
+    L += [f"  ACTION: {a}" for a in action_lines(state.get("findings") or [])]
     L += [BAR, f"Ranks Reported: {len(recs)}/{state['world_size']}",
           f"Verdict: {state['verdict']} exit={state['exit_code']} elapsed={state['elapsed_s']:.2f}s "
           f"phases={_phase_times(state.get('phases') or {})}"]
@@ -396,6 +397,21 @@ def _render_findings(state, recs, groups):
     if state["verdict"] == "PASS":
         L.append(SUCCESS_LINE)
     return L
+
+
+def action_lines(findings):
+    """What to do about each WARN or FAIL that says (its action, and the evidence it stands on), once each:
+    '<check> <hosts>: <action> (evidence: ...)'."""
+    out = []
+    for f in findings:
+        if f["status"] == "PASS" or not (f.get("action") or f.get("evidence")):
+            continue
+        who = f" {compress_hostlist(f['hosts'])}" if f.get("hosts") else ""
+        line = f"{f['check']}{who}: {f.get('action') or 'see the finding'}" + (
+            f" (evidence: {f['evidence']})" if f.get("evidence") else "")
+        if line not in out:
+            out.append(line)
+    return out
 
 
 def failure_lines(findings):

@@ -267,10 +267,17 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
         return "not judged against " + ", ".join(
             m if len(ks) == len(SCREEN_GPU_METRICS) else f"{m} for {' and '.join(ks)}" for m, ks in lack.items()) \
             if lack else ""
+    def evidence(r):
+        how = ("its own CPU clock, best of 5 blocks" if cpu else
+               "5 device-timed blocks run back to back, median")
+        return f"measured once on {r.get('host')} ({how})" + (f"; {unused(r)}" if unused(r) else "")
+    action = ("re-run the preflight; if the GPU is slow again, drain the node and run the vendor's diagnostics "
+              "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
     if len(items) <= SCREEN_LIST_MAX:
-        return [finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                        f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
-                        + (f"; {unused(r)}" if unused(r) else ""), [r.get("host")], [rk])
+        return [dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
+                             f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
+                             + (f"; {unused(r)}" if unused(r) else ""), [r.get("host")], [rk]),
+                     evidence=evidence(r), action=action)
                 for rk, (r, fl) in items]
     out = []
     for status in ("FAIL", "WARN"):
@@ -279,8 +286,9 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
             shown = "; ".join(f"{_gpu_who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
             hosts = [r.get("host") for _, r, _ in sel]
-            out.append(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} node(s): "
-                               f"{shown}{more}", hosts, [rk for rk, _, _ in sel]))
+            out.append(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} node(s): "
+                                    f"{shown}{more}", hosts, [rk for rk, _, _ in sel]),
+                            evidence=f"each measured once ({len(sel)} GPU(s))", action=action))
     return out
 
 
