@@ -9811,8 +9811,12 @@ class Follower(ScreenFollower, RankRun):
     def end(self, v):
         """Report (done by phase_error), then take rank 0's verdict; before the roll call, speak for the node."""
         if self.proto is not None:  # rank 0 names the culprit within the phase's bound: wait that long again
-            with Bound(self.wd, self.phase, self.D[self.phase], RANK0_GRACE) as b:
-                self.exit(self.verdict_within(self.proto, b.left(RANK0_GRACE)))
+            try:
+                with Bound(self.wd, self.phase, self.D[self.phase], RANK0_GRACE) as b:
+                    self.exit(self.verdict_within(self.proto, b.left(RANK0_GRACE)))
+            except Exception as e:  # the tool's own error while taking the verdict: `internal`, no host blamed
+                print_traceback(e)
+                v = Verdict(EXIT_INTERNAL, [internal_finding(e, f"rank {self.rank} on {self.host}, taking the verdict")])
         self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
         self.exit(v.code)
 
