@@ -9816,7 +9816,8 @@ class Follower(ScreenFollower, RankRun):
                     self.exit(self.verdict_within(self.proto, b.left(RANK0_GRACE)))
             except Exception as e:  # the tool's own error while taking the verdict: `internal`, no host blamed
                 print_traceback(e)
-                v = Verdict(EXIT_INTERNAL, [internal_finding(e, f"rank {self.rank} on {self.host}, taking the verdict")])
+                f = internal_finding(e, f"rank {self.rank} on {self.host}, taking the verdict")
+                v = Verdict(EXIT_INTERNAL, [f])
         self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
         self.exit(v.code)
 
