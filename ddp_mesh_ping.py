@@ -536,7 +536,7 @@ class Findings:
 
 
 # ============================================================================ aiv/deadlines.py
-# Floor 1: every bound in one table (deadlines()), the small waits beside it, the watchdog and
+# Floor 1: every bound in one table (deadlines()), the small waits beside it, the watchdog, and Bound:
 TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
 ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
 NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name the culprits, publish

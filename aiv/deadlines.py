@@ -1,5 +1,5 @@
-"""Floor 1: every bound in one table (deadlines()), the small waits beside it, the watchdog and
-`bounded`: a wait that has no bound here does not exist."""
+"""Floor 1: every bound in one table (deadlines()), the small waits beside it, the watchdog, and Bound:
+one phase's bound, the only thing that arms the watchdog; within() for a call that can block."""
 import threading
 import time
 

@@ -124,3 +124,9 @@ def test_built_file_defines_what_each_module_defines():
         tree = ast.parse((ROOT / "aiv" / f"{name}.py").read_text())
         missing = {n for n, _ in build.top_names(tree)} - names
         assert not missing, f"aiv/{name}.py: {missing} not in the built file"
+
+
+def test_the_development_page_lists_every_room_in_build_order():
+    text = (ROOT / "docs" / "development.md").read_text()
+    rows = [ln.split("|")[2].strip().strip("`") for ln in text.splitlines() if ln.startswith("| ") and "`aiv/" in ln]
+    assert rows == [f"aiv/{m}.py" for m in build.BUILD_ORDER]
