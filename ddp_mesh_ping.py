@@ -4804,7 +4804,7 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
 
 
 # ============================================================================ aiv/screen_judge.py
-# Floor 3: the screen's and the soak's judges: per-GPU TFLOPS and GB/s against model peers and the
+# Floor 3: the screen's judges: per-GPU TFLOPS and GB/s against model peers and the table (and the
 SCREEN_RENDER_ALL = 16      # up to this many nodes the PERFORMANCE section shows every node and every group
 SCREEN_RENDER_SLOW = 32     # beyond that, at most this many slow groups are listed (then a count)
 
@@ -5559,6 +5559,40 @@ def per_gpu_findings(check, items, who, headline):
     return out
 
 
+def gpu_levels(screen):
+    """Per GPU row, against the reference that judged it: {rank: {metric: (value, ratio, level)}}, plus the
+    refs {(model, metric): {'ref', 'how', 'count'}} drawn at 1.0 (the judge's references and levels,
+    judge_gpu_perf): its model's peers where it has two or more of them, else its model's table row (a lone
+    GPU is never drawn at 1.0 of itself), else itself (judged by the floor alone)."""
+    rows = (screen or {}).get("gpu") or []
+    fail, warn = screen_fractions("gpu", bool((screen or {}).get("cpu")))
+    floors = {"tflops": (screen or {}).get("min_tflops"), "hbm_gbps": (screen or {}).get("min_hbm")}
+    refs, out = {}, {}
+    for metric in ("tflops", "hbm_gbps"):
+        for model in {r.get("model") or "unknown" for r in rows}:
+            same = (r.get(metric) for r in rows if (r.get("model") or "unknown") == model
+                    and isinstance(r.get(metric), (int, float)) and r.get(metric) == r.get(metric))
+            refs[(model, metric)] = screen_reference(same)
+        for r in rows:
+            model = r.get("model") or "unknown"
+            v, ref = r.get(metric), refs[(model, metric)]
+            if not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")) or not ref["ref"]:
+                continue  # not measured (None, NaN, text): nothing to draw
+            row = None if (screen or {}).get("cpu") else gpu_table_row(r.get("model"))
+            table = (row or {}).get(metric)
+            lv = _screen_worst([screen_level(v, ref if ref["count"] >= 2 else {}, fail, warn, floors[metric]),
+                                table_level(v, table)])  # as judge_gpu_perf: peers, floor, table
+            base = ref["ref"]
+            if ref["count"] < 2 and table:  # a lone GPU: drawn against the row that judged it
+                base = table
+                refs[(model, metric)] = {"ref": table, "how": f"table row {row['row']}", "count": ref["count"]}
+            out.setdefault(r.get("rank"), {})[metric] = (float(v), float(v) / base, lv)
+    return out, refs
+
+
+
+# ============================================================================ aiv/soak.py
+# Floor 3: the soak's judges (--soak): a GPU whose matmul speed decays under sustained load, or whose
 # -- the soak (--soak SECONDS): a GPU that holds its speed for a second may not hold it for a minute. A
 # failing fan, dried thermal paste, blocked airflow or a power brake shows after tens of seconds of load:
 # the matmul slows (last window against the first) or the driver reports why the clocks dropped.
@@ -5658,37 +5692,6 @@ def soak_rows(records, posts, cpu=False):
     dev = {rec["rank"]: rec.get("device") for rec in records}
     rows = [dict(r, device=dev.get(r["rank"])) for r in screen_gpu_rows(records, posts, cpu)]
     return [dict(r, verdict=soak_verdict(r, cpu)) for r in rows]
-
-
-def gpu_levels(screen):
-    """Per GPU row, against the reference that judged it: {rank: {metric: (value, ratio, level)}}, plus the
-    refs {(model, metric): {'ref', 'how', 'count'}} drawn at 1.0 (the judge's references and levels,
-    judge_gpu_perf): its model's peers where it has two or more of them, else its model's table row (a lone
-    GPU is never drawn at 1.0 of itself), else itself (judged by the floor alone)."""
-    rows = (screen or {}).get("gpu") or []
-    fail, warn = screen_fractions("gpu", bool((screen or {}).get("cpu")))
-    floors = {"tflops": (screen or {}).get("min_tflops"), "hbm_gbps": (screen or {}).get("min_hbm")}
-    refs, out = {}, {}
-    for metric in ("tflops", "hbm_gbps"):
-        for model in {r.get("model") or "unknown" for r in rows}:
-            same = (r.get(metric) for r in rows if (r.get("model") or "unknown") == model
-                    and isinstance(r.get(metric), (int, float)) and r.get(metric) == r.get(metric))
-            refs[(model, metric)] = screen_reference(same)
-        for r in rows:
-            model = r.get("model") or "unknown"
-            v, ref = r.get(metric), refs[(model, metric)]
-            if not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")) or not ref["ref"]:
-                continue  # not measured (None, NaN, text): nothing to draw
-            row = None if (screen or {}).get("cpu") else gpu_table_row(r.get("model"))
-            table = (row or {}).get(metric)
-            lv = _screen_worst([screen_level(v, ref if ref["count"] >= 2 else {}, fail, warn, floors[metric]),
-                                table_level(v, table)])  # as judge_gpu_perf: peers, floor, table
-            base = ref["ref"]
-            if ref["count"] < 2 and table:  # a lone GPU: drawn against the row that judged it
-                base = table
-                refs[(model, metric)] = {"ref": table, "how": f"table row {row['row']}", "count": ref["count"]}
-            out.setdefault(r.get("rank"), {})[metric] = (float(v), float(v) / base, lv)
-    return out, refs
 
 
 

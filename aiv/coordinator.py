@@ -78,8 +78,8 @@ from .outputs import drain_apply, drain_blocker, drain_plan, render_metrics
 from .page import render_html
 from .rank import HEADER, PROGRESS, RankRun
 from .render import failure_lines, render_report
-from .screen_judge import judge_soak, soak_rows
 from .screen_run import ScreenCoordinator
+from .soak import judge_soak, soak_rows
 from .store import Forged, StoreProtocol, fd_limit_problem, store_peers
 
 

@@ -20,23 +20,19 @@ from .screen_judge import (
     SCREEN_GPU_METRICS,
     SCREEN_RENDER_ALL,
     SCREEN_RENDER_SLOW,
-    SOAK_DECAY_FAIL,
-    SOAK_DECAY_WARN,
     _gpu_flags,
     _intra_class_text,
     _screen_ref_text,
     _screen_worst,
     _sn,
-    _soak_n,
     _table_rule,
     gpu_fact_problems,
     gpu_table_row,
     intra_levels,
     screen_diagnose,
-    soak_problems,
-    soak_verdict,
 )
 from .screen_plan import SCREEN_CPU_FAIL, screen_round_label
+from .soak import SOAK_DECAY_FAIL, SOAK_DECAY_WARN, _soak_n, soak_problems, soak_verdict
 
 
 def _lone_table_text(model, cpu):

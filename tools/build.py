@@ -39,7 +39,8 @@ BUILD_ORDER = (
     "judge",         # pure checks of the gathered records
     "manifest",      # --save-manifest / --manifest / --diff-manifest
     "screen_plan",   # the screen's rounds and groups
-    "screen_judge",  # the screen's and the soak's judges
+    "screen_judge",  # the screen's judges
+    "soak",          # the soak's judges
     "screen_loop",   # the screen's control loop: batches, re-measurement, controls, localisation
     "render",        # the report
     "outputs",       # --drain and --metrics
