@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, aiv, clean_env, failures, run_tool, spawn
+from conftest import SCRIPT, aiv, clean_env, failures, own_tool_processes, run_tool, spawn
 
 MARGIN = 25  # seconds a verdict may take beyond --timeout on a loaded 2-core machine
 
@@ -214,20 +214,8 @@ def test_store_listens_only_on_the_master_address():
 
 
 def _leftovers():
-    mine = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if str(SCRIPT) in cmd and "--verify-log" not in cmd and state != "Z":
-            mine.append((int(pid), cmd[:120]))
-    return mine
+    """This test's tool processes still running (another xdist worker's, or session's, are not ours)."""
+    return [(pid, cmd) for pid, cmd in own_tool_processes() if "--verify-log" not in cmd]
 
 
 @pytest.fixture(autouse=True)
