@@ -53,12 +53,13 @@ def test_json_matches_report(tmp_path):
 
 def test_missing_rank_times_out_naming_it(tmp_path):
     jp = tmp_path / "v.json"
-    res, secs = spawn(3, ranks=[0, 1], args=["--rollcall-timeout", 6, "--json", jp])
+    R = 12  # also the bound of the local phase (import torch: 6 s and more on a loaded 2-core machine)
+    res, secs = spawn(3, ranks=[0, 1], args=["--rollcall-timeout", R, "--json", jp])
     (rc0, out0), (rc1, out1) = res
     assert rc0 == 3 and rc1 == 3, out0 + out1
-    assert "FAILURE: rendezvous: rank(s) 2 did not check in within 6s (2/3 reported" in out0
+    assert f"FAILURE: rendezvous: rank(s) 2 did not check in within {R}s (2/3 reported" in out0
     assert not failures(out1)                 # rank 1 learned rank 0's verdict; it does not repeat it
-    assert secs < 6 + MARGIN
+    assert secs < R + MARGIN
     d = json.loads(jp.read_text())
     assert d["exit_code"] == 3 and d["ranks_reported"] == 2
 
