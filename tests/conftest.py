@@ -1,10 +1,17 @@
-"""Shared helpers: the tool imported as a module, and a runner for real processes."""
+"""Shared helpers: the tool imported as a module, and a runner for real processes; the session's own
+TMPDIR (removed at its end); the order and groups in which pytest-xdist hands tests to its workers."""
+import fnmatch
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "ddp_mesh_ping.py"
@@ -121,3 +128,105 @@ def cluster(nodes=2, per_node=2, with_gpu=False):
             out.append(rec(r, host=f"node{n + 1}", local_rank=lr, gpu=g, node=(lr == 0)))
     return out
 
+
+# ---------------------------------------------------------------------------- the session's TMPDIR
+# Everything a test, the tool, torch, torchrun, Chromium or Slurm puts in the temporary directory
+# (the tool's once-per-node '.said' markers, private NCCL logs, torchelastic_* dirs, pytest's own
+# tmp_path tree, the Slurm test cluster's state) lands in one directory made for this session, and
+# the session removes it at its end: a run leaves nothing in $TMPDIR (or /tmp). The controller makes
+# it before pytest-xdist starts its workers, which inherit it; the directory is world-writable and
+# sticky like /tmp, so that the tests' runs as user nobody write there too.
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller made it, TMPDIR says where
+        return
+    parent = os.environ.get("TMPDIR") or tempfile.gettempdir()
+    made = tempfile.mkdtemp(prefix="aiv-tests-", dir=parent)
+    os.chmod(made, 0o1777)
+    config._aiv_session_tmp = (made, os.environ.get("TMPDIR"))
+    os.environ["TMPDIR"] = made
+    tempfile.tempdir = made  # this process's own tempfile calls (and pytest's tmp_path root) too
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # a stopped session still removes it
+        signal.signal(signal.SIGTERM, _interrupted)
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")  # pytest's own way out: unconfigure runs
+
+
+def pytest_unconfigure(config):
+    made, before = getattr(config, "_aiv_session_tmp", (None, None))
+    if not made:
+        return
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+    shutil.rmtree(made, ignore_errors=True)
+
+
+_LEFT_KINDS = ("aiv-*.said", "aiv-nccl-*.log", "torchelastic_*", "org.chromium.*", "tmp*", ".aiv-*")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """One line: what the session's runs left in its TMPDIR (about to be removed), by kind."""
+    made = getattr(config, "_aiv_session_tmp", (None,))[0]
+    if not made or not os.path.isdir(made):
+        return
+    kinds = {}
+    for name in os.listdir(made):
+        if name.startswith("pytest-of-"):
+            continue  # pytest's own tmp_path tree
+        kind = next((k for k in _LEFT_KINDS if fnmatch.fnmatch(name, k)), name)
+        kinds[kind] = kinds.get(kind, 0) + 1
+    left = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    terminalreporter.write_line(f"session TMPDIR {made}: left by the runs: {left or 'nothing'} (removed now)")
+
+
+def pytest_report_header(config):
+    made = getattr(config, "_aiv_session_tmp", (None,))[0]
+    return f"session TMPDIR: {made} (removed at the end)" if made else None
+
+
+def own_tool_processes(script=None):
+    """Live (not zombie) processes running the tool (`script`, default SCRIPT) that this test process
+    started, directly or not: found by their environment (this session's TMPDIR and this xdist worker),
+    so that another worker's runs, or another session's, are never counted (nor killed). -> [(pid, cmd)]"""
+    script = str(script or SCRIPT)
+    tag = {b"TMPDIR": os.environ.get("TMPDIR", "").encode(),
+           b"PYTEST_XDIST_WORKER": os.environ.get("PYTEST_XDIST_WORKER", "").encode()}
+    mine = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            if script not in cmd:
+                continue
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and all(env.get(k, b"") == v for k, v in tag.items()):
+            mine.append((int(pid), cmd[:120]))
+    return mine
+
+
+# ---------------------------------------------------------------------------- order and groups
+# tests/run.sh runs the suite on pytest-xdist workers with --dist loadgroup: tests marked
+# xdist_group(name) run on one worker, one after another (the Slurm test cluster, the browser), the
+# rest anywhere. Longest first: the Slurm group (minutes on one worker) is handed out before anything
+# else, then the files of real multi-process runs, then the quick unit tests that fill the gaps.
+_FIRST = ("test_slurm.py", "test_torchrun.py", "test_hangs.py", "test_false_culprit.py", "test_screen_run.py",
+          "test_soak.py", "test_fan_in.py", "test_launch_hygiene.py", "test_multiproc.py", "test_side_channel.py",
+          "test_usage_errors.py", "test_verify_log.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))  # stable: a file keeps its order

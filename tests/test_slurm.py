@@ -45,6 +45,10 @@ JOB_WAIT_S = 240
 _SCRUB = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "AIV_", "NCCL_", "GLOO_", "TORCH_CPP_")
 _SCRUB_EXACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "PYTORCH_ENV")
 
+# one test cluster for the module (and Chromium, for the drained node's page): under pytest-xdist these
+# tests run on one worker, one after another, with tests/test_html.py's browser test
+pytestmark = pytest.mark.xdist_group("slurm-and-browser")
+
 REQUIRED_TOOLS = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "unshare", "nsenter", "ip")
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import SCRIPT, aiv, clean_env, failures, free_port
@@ -46,8 +47,29 @@ def test_failpoints_under_torchrun_give_the_named_verdict(fault, word, code, tmp
     rank 0's own deadline names the frozen rank (the agent then kills the stopped worker)."""
     jp = tmp_path / "v.json"
     t0 = time.monotonic()
-    r = torchrun("--standalone", "--nproc-per-node", 3, SCRIPT, "--timeout", 8, "--json", jp,
-                 env={"AIV_FAILPOINT": f"{fault}:collective:1"}, timeout=240)
+    agent = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc-per-node", "3", str(SCRIPT), "--timeout", "8",
+                              "--json", str(jp)], env=clean_env({"AIV_FAILPOINT": f"{fault}:collective:1"}),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if fault == "hang":
+        # the verdict is in once rank 0 wrote the JSON; the agent's SIGTERM cannot end a stopped worker and it
+        # waits its fixed 30 s before SIGKILL: the test kills the stopped worker itself, as a node would
+        deadline = time.monotonic() + 120
+        while not jp.exists() and agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        while agent.poll() is None and time.monotonic() < deadline:
+            stopped = [c for c in psutil.Process(agent.pid).children(recursive=True)
+                       if c.status() == psutil.STATUS_STOPPED]
+            if stopped:
+                for c in stopped:
+                    c.kill()
+                break
+            time.sleep(0.2)
+    try:
+        out, err = agent.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        out, err = agent.communicate()
+    r = subprocess.CompletedProcess(agent.args, agent.returncode, out, err)
     assert r.returncode != 0                               # torchrun's code: some worker exited non-zero
     lines = failures(r.stdout)
     assert len(lines) == 1 and lines[0].startswith("FAILURE: collective:") and "rank 1 (" in lines[0], r.stdout
