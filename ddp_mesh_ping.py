@@ -8833,7 +8833,6 @@ class RankRun(ScreenRunner):
 
     # ---------------------------------------------------------------- phases
     def phase_local(self):
-        self.nccl = NcclLog.capture(self.args.backend, self.rank, self.env)
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
         # abort the communicator and raise, never kill the process (1, torchrun's default, kills rank 0
         # before its verdict); an operator's own setting outside torchrun is kept
@@ -8861,8 +8860,9 @@ class RankRun(ScreenRunner):
             self.bg.warm.start()
         ifaces, expected = list_interfaces(), gpus_expected(self.env, self.args.sysfs_root)
         local, gpu = self.local_checks(ifaces, expected)
-        if self.backend != "nccl":
-            self.nccl.drop()
+        # NCCL's INFO lines to a private file, once the backend is known (NCCL reads the variables at its
+        # first communicator, in init): a gloo rank makes no file, so none is left behind
+        self.nccl = NcclLog.capture(self.backend, self.rank, self.env)
         screen, numerics = not self.args.skip_screen, not self.args.skip_numerics
         if gpu is not None and (screen or numerics) and not any(f["status"] == "FAIL" for f in local):
             self.bg.gpu = start_screen_gpu(self.torch, self.device, gpu.get("uuid"), gpu.get("pci"),
