@@ -17,12 +17,13 @@ from conftest import aiv
 @pytest.mark.parametrize("timeout,rollcall", [(1, 1), (5, 300), (120, 300), (3600, 60)])
 def test_deadline_table_keeps_rank_0_ahead_of_everyone(timeout, rollcall):
     table = aiv.deadlines(timeout, rollcall)
-    assert set(table) - {"manifest-lock"} == set(aiv.PHASES) == set(aiv.PHASE_CHECK) == set(aiv.PHASE_WHAT)
+    assert set(table) - {"manifest-lock", "verdict"} == set(aiv.PHASES) == set(aiv.PHASE_CHECK) == set(aiv.PHASE_WHAT)
+    assert table["verdict"] == aiv.VERDICT_S  # rank 0's verdict: its own bound, not counted in the worst case
     assert table["rollcall"] == table["local"] == rollcall and table["manifest-lock"] == aiv.MANIFEST_LOCK_S
     assert all(table[p] == timeout for p in aiv.PHASES if p not in ("local", "rollcall"))  # "soak": + --soak (0)
     for p in aiv.PHASES:  # rank 0 names culprits before any other rank gives up on it
         assert table[p] + aiv.NAMING_S < table[p] + aiv.RANK0_GRACE
-    assert aiv.worst_case(table) == (2 * rollcall + 9 * timeout + aiv.MANIFEST_LOCK_S + aiv.NAMING_S
+    assert aiv.worst_case(table) == (2 * rollcall + 7 * timeout + aiv.MANIFEST_LOCK_S + aiv.NAMING_S
                                      + aiv.ACKS_S)
     assert aiv.worst_case(table, bandwidth=True) == aiv.worst_case(table) + timeout
     assert aiv.worst_case(table, screen=False) == aiv.worst_case(table) - len(aiv.SCREEN_PHASES) * timeout
@@ -275,8 +276,15 @@ def test_roles_keep_to_their_own_part():
     screen. A role that gains the other's part (the interleaving the split removed) fails here."""
     verdict = {"conclude", "give_verdict", "unfinished", "interruption", "roll_call", "state", "wait_acks"}
     follow = {"listen", "take_verdict", "lost_rank0", "speak_for_rank0", "rank0_state"}
-    screen = {n for n in vars(aiv.ScreenRunner) if n.startswith("phase_screen_")}
-    assert len(screen) == len(aiv.SCREEN_PHASES)
+    parts = (aiv.ScreenRunner, aiv.ScreenCoordinator, aiv.ScreenFollower)
+    screen = {n for cls in parts for n in vars(cls) if n.startswith("phase_screen_")}
+    assert screen == {"phase_" + p.replace("-", "_") for p in aiv.SCREEN_PHASES}
+    assert "phase_screen_net" in vars(aiv.ScreenCoordinator) and "phase_screen_net" in vars(aiv.ScreenFollower)
+    assert issubclass(aiv.Coordinator, aiv.ScreenCoordinator) and not issubclass(aiv.Follower, aiv.ScreenCoordinator)
+    assert issubclass(aiv.Follower, aiv.ScreenFollower) and not issubclass(aiv.Coordinator, aiv.ScreenFollower)
+    import inspect  # each role owns its part: no branch on "am I rank 0" anywhere in the runtime's classes
+    for cls in (*parts, aiv.RankRun, aiv.Coordinator, aiv.Follower):
+        assert "is0" not in inspect.getsource(cls), cls.__name__
     assert verdict <= set(vars(aiv.Coordinator)) and not verdict & set(dir(aiv.Follower))
     assert follow <= set(vars(aiv.Follower)) and not follow & set(dir(aiv.Coordinator))
     assert issubclass(aiv.Coordinator, aiv.ScreenRunner) and issubclass(aiv.Follower, aiv.ScreenRunner)
