@@ -9186,7 +9186,8 @@ class RankRun(ScreenRunner):
         cfg["run"] = self.proto.run  # it posts into this run's store only, never into a later run's
         self.bg.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
                                         env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # its stderr: the job's
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)  # never holds the task's output open (srun)
         if self.beats:  # rank 0 sees its own node's ranks in /proc
             self.helper("aiv-beat", self.beat, cfg["period"])
 
@@ -10240,7 +10241,7 @@ def main(argv=None):
                 return 0
             emit(f"WARNING: the node monitor on {socket.gethostname()} stopped: {first_line(e)} in "
                  f"{where_raised(e)} (a bug in the tool): rank 0 reads this node's ranks from their beats alone",
-                 sys.stderr)
+                 sys.stderr)  # where a node monitor is started by hand; a rank's monitor has no stderr (srun)
             return EXIT_INTERNAL
     try:
         p = plan(argv, env)

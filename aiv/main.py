@@ -80,7 +80,7 @@ def main(argv=None):
                 return 0
             emit(f"WARNING: the node monitor on {socket.gethostname()} stopped: {first_line(e)} in "
                  f"{where_raised(e)} (a bug in the tool): rank 0 reads this node's ranks from their beats alone",
-                 sys.stderr)
+                 sys.stderr)  # where a node monitor is started by hand; a rank's monitor has no stderr (srun)
             return EXIT_INTERNAL
     try:
         p = plan(argv, env)

@@ -614,7 +614,8 @@ class RankRun(ScreenRunner):
         cfg["run"] = self.proto.run  # it posts into this run's store only, never into a later run's
         self.bg.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
                                         env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # its stderr: the job's
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)  # never holds the task's output open (srun)
         if self.beats:  # rank 0 sees its own node's ranks in /proc
             self.helper("aiv-beat", self.beat, cfg["period"])
 

@@ -227,7 +227,7 @@ def test_run_sh_with_a_file_runs_that_file_only():
     if subprocess.run([sys.executable, "-c", need], capture_output=True).returncode:
         pytest.skip("this venv lacks what tests/run.sh needs (it would build its own)")
     assert "`tests/run.sh FILE` runs" in flat(README) + flat(DOCS / "development.md")
-    r = subprocess.run([str(ROOT / "tests" / "run.sh"), "tests/test_options_doc.py", "--collect-only", "-q",
+    r = subprocess.run([str(ROOT / "tests" / "run.sh"), "tests/test_options_doc.py", "--collect-only", "-qq",
                         "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=clean_env({"AIV_TEST_ENV": sys.prefix}))
     ids = [ln for ln in r.stdout.splitlines() if "::" in ln]
