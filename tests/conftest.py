@@ -217,10 +217,10 @@ def own_tool_processes(script=None):
 
 
 # ---------------------------------------------------------------------------- order and groups
-# tests/run.sh runs the suite on pytest-xdist workers with --dist loadgroup: tests marked
-# xdist_group(name) run on one worker, one after another (the Slurm test cluster, the browser), the
-# rest anywhere. Longest first: the Slurm group (minutes on one worker) is handed out before anything
-# else, then the files of real multi-process runs, then the quick unit tests that fill the gaps.
+# tests/run.sh runs the suite on pytest-xdist workers (--dist load). Each worker that runs Slurm tests
+# brings up a test cluster of its own (tests/slurm_cluster.sh keeps clusters apart, each in namespaces
+# of its own), so no test needs a worker to itself. Longest first: the Slurm tests are handed out before
+# anything else, then the files of real multi-process runs, then the quick unit tests that fill the gaps.
 _FIRST = ("test_slurm.py", "test_torchrun.py", "test_hangs.py", "test_false_culprit.py", "test_screen_run.py",
           "test_soak.py", "test_fan_in.py", "test_launch_hygiene.py", "test_multiproc.py", "test_side_channel.py",
           "test_usage_errors.py", "test_verify_log.py")

@@ -16,8 +16,8 @@
 #   TEST_WORKERS     pytest-xdist workers                (default: 3, measured best on 2 cores: the
 #                    runs wait more than they compute; 0 runs in this process, without xdist)
 #   TEST_DURATIONS   how many of the slowest tests to list at the end (default: 15; 0 lists all)
-# Tests that share one resource (the Slurm test cluster, Chromium) carry xdist_group("slurm-and-browser")
-# and run on one worker, one after another (--dist loadgroup).
+# Each worker that runs tests/test_slurm.py brings up a Slurm test cluster of its own (tests/slurm_cluster.sh
+# keeps several apart, each in namespaces of its own); the slowest files are handed out first (conftest.py).
 # The Slurm tests (tests/test_slurm.py) run only as root with slurmctld/slurmd installed and
 # skip with a reason otherwise; .ci/run installs Slurm so that they always run in CI.
 set -euo pipefail
@@ -45,6 +45,6 @@ for a in "$@"; do
 done
 parallel=()
 if [ "$TEST_WORKERS" != 0 ]; then
-  parallel=(-n "$TEST_WORKERS" --dist loadgroup)
+  parallel=(-n "$TEST_WORKERS" --dist load)
 fi
 exec "$py" -m pytest "${parallel[@]}" -v -ra --durations="$TEST_DURATIONS" "${where[@]}" "$@"

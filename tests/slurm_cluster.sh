@@ -34,8 +34,8 @@
 #   installs them, nothing is installed behind your back).
 # Requires: root, Slurm 22.05 binaries (slurmctld, slurmd, sbatch, srun, scontrol, sinfo),
 #   util-linux (unshare, nsenter, setsid), iproute2 (ip), a kernel with veth + bridge.
-# Exit codes: 0 ok, 1 error, 2 usage, 3 refused (a Slurm daemon it did not start is running,
-#   or its own cluster is already up).
+# Exit codes: 0 ok, 1 error, 2 usage, 3 refused (a Slurm daemon that no cluster of this script started
+#   is running, or its own cluster is already up).
 set -euo pipefail
 
 DIR=${AIV_SLURM_DIR:-${TMPDIR:-/tmp}/aiv-slurm}
@@ -99,9 +99,12 @@ in_node() {
   nsenter "${args[@]}" "$@"
 }
 
-# Slurm daemons running on this machine that are not ours.
+# Slurm daemons running on this machine that are neither ours nor another cluster made by this
+# script (several can run side by side, one per test worker: each lives in namespaces of its own, so
+# their addresses, ports and /etc/hosts never meet). Another such cluster's daemon is known by its
+# SLURM_CONF, DIR/etc/slurm.conf, in a DIR that carries this script's marker.
 foreign_daemons() {
-  local p c pid ours=" "
+  local p c pid conf ours=" "
   for f in "$DIR"/run/slurmctld.pid "$DIR"/run/slurmd-*.pid; do
     pid=$(pid_of "$f" 2>/dev/null) && ours="$ours$pid "
   done
@@ -109,7 +112,14 @@ foreign_daemons() {
     c=$(cat "$p/comm" 2>/dev/null) || continue
     case $c in
       slurmctld | slurmctld-wlm | slurmd | slurmd-wlm | slurmdbd | slurmdbd-wlm)
-        case $ours in *" ${p#/proc/} "*) ;; *) echo "${p#/proc/}($c)" ;; esac
+        case $ours in *" ${p#/proc/} "*) continue ;; esac
+        # a zombie (a daemon's parent after the fork, not yet reaped) holds nothing
+        [ "$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "$p/status" 2>/dev/null)" = Z ] && continue
+        conf=$(tr '\0' '\n' 2>/dev/null <"$p/environ" | sed -n 's/^SLURM_CONF=//p' | head -n 1) || conf=""
+        case $conf in
+          */etc/slurm.conf) [ -e "${conf%/etc/slurm.conf}/$MARK" ] && continue ;;
+        esac
+        echo "${p#/proc/}($c)"
         ;;
     esac
   done

@@ -131,7 +131,6 @@ def check_in_browser(page, culprit, rail, shot):
         drv.quit()
 
 
-@pytest.mark.xdist_group("slurm-and-browser")  # one Chromium at a time (tests/test_slurm.py opens one too)
 def test_browser(tmp_path, fault_page):
     page = tmp_path / "report.html"
     page.write_text(fault_page)

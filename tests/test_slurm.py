@@ -45,9 +45,8 @@ JOB_WAIT_S = 240
 _SCRUB = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "AIV_", "NCCL_", "GLOO_", "TORCH_CPP_")
 _SCRUB_EXACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "PYTORCH_ENV")
 
-# one test cluster for the module (and Chromium, for the drained node's page): under pytest-xdist these
-# tests run on one worker, one after another, with tests/test_html.py's browser test
-pytestmark = pytest.mark.xdist_group("slurm-and-browser")
+# one test cluster per module instance: under pytest-xdist each worker that runs tests of this module
+# brings up a cluster of its own (tests/slurm_cluster.sh keeps each in namespaces of its own)
 
 REQUIRED_TOOLS = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "unshare", "nsenter", "ip")
 
@@ -247,6 +246,26 @@ def test_cluster_is_private(cluster):
     r = cluster.run("getent", "hosts", "node1")
     assert r.returncode == 0 and r.stdout.split()[0].startswith("10.77.0."), r.stdout
     assert cluster.node_run("node2", "hostname").stdout.strip() == "node2"
+
+
+def test_a_second_cluster_runs_beside_this_one(cluster, tmp_path):
+    """Test workers each bring up a cluster: another cluster made by tests/slurm_cluster.sh is not a
+    foreign Slurm (which "up" refuses), and each answers only for its own nodes."""
+    env = dict(os.environ, AIV_SLURM_DIR=str(tmp_path / "second"), SLURM_NODES="1", NODE_CPUS="2",
+               NODE_GPUS="1", AIV_SLURM_SUBNET="10.78.0")
+    up = subprocess.run(["bash", str(CLUSTER_SH), "up"], check=False, env=env, capture_output=True, text=True,
+                        timeout=180)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        second = subprocess.run(["bash", str(CLUSTER_SH), "exec", "sinfo", "-h", "-N", "-o", "%N %c"],
+                                check=False, env=env, capture_output=True, text=True, timeout=60)
+        assert second.stdout.split() == ["node1", "2"], second.stdout + second.stderr
+    finally:
+        down = subprocess.run(["bash", str(CLUSTER_SH), "down"], check=False, env=env, capture_output=True,
+                              text=True, timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
+    first = cluster.run("sinfo", "-h", "-N", "-o", "%N %c")  # the first cluster is intact
+    assert first.stdout.split() == ["node1", "16", "node2", "16", "node3", "16", "node4", "16"], first.stdout
 
 
 def test_default_shape_is_accepted(cluster):
