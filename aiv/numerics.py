@@ -424,15 +424,9 @@ def judge_numerics(rows, stage="numerics check"):
         return []
     out, culprits, groups = [], {}, {}
     for r in rows:
-        if r.get("internal"):
-            out.append(finding("internal", "FAIL", f"{_who(r)}: the {stage} failed: {r['internal']}: a bug in the "
-                               "tool, not a fault of the cluster: no host is blamed", code=EXIT_INTERNAL))
-        elif r.get("error"):
-            out.append(finding("numerics", "FAIL", f"{_who(r)}: the {stage} could not run on its device: "
-                               f"{r['error']}: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]]))
-        elif r.get("unread") is not None:
-            out.append(finding("numerics", "WARN", f"{_who(r)}: the {stage} did not finish within "
-                               f"{r['unread']:g}s: its numbers were not checked", [r.get("host")], [r["rank"]]))
+        unjudged = _numerics_unjudged(r, stage)
+        if unjudged:
+            out.append(unjudged)
         elif r.get("checks"):
             groups.setdefault(r["group"], []).append(r)
     ties = []
@@ -441,25 +435,7 @@ def judge_numerics(rows, stage="numerics check"):
             have = [r for r in rs if c in r["checks"]]
             off = [r for r in have if r["checks"][c].get("off")]
             if off and len(off) == len(have):
-                worst = max(off, key=lambda r: r["checks"][c].get("err") or 0)
-                p = worst["checks"][c]
-                if len(have) == 1:
-                    out.append(finding("numerics", "FAIL", f"{_who(worst)}: {c} ({NUMERICS_WHAT.get(c, c)}) is off "
-                                       f"the fp64 reference: {_off_words(c, p)}"
-                                       + (f"; {p['reference']}" if p.get("reference") else "")
-                                       + f"; the only rank of its model and software ({group}) in this run, so its "
-                                       f"device cannot be told from the software: run dcgmi diag -r 3 on "
-                                       f"{worst.get('host')}, or run with a second device of the model; no host "
-                                       f"blamed", ranks=[worst["rank"]]))
-                    continue
-                same = len({r["checks"][c].get("digest") for r in have}) == 1
-                out.append(finding("numerics", "FAIL", f"every one of the {len(have)} rank(s) of {group} computes "
-                                   f"{c} ({NUMERICS_WHAT.get(c, c)}) off the fp64 reference"
-                                   + (" with the same bits" if same else ", and their bits differ")
-                                   + f" (worst: {_ranks_words([worst])}: {_off_words(c, p)}): a fault of the software "
-                                   "(torch, CUDA, cuBLAS, driver) or of the model, not of a host: no host blamed; "
-                                   "report it with this line, and try another software version",
-                                   ranks=[r["rank"] for r in have]))
+                out.append(_numerics_all_off(group, c, have, off))
                 continue
             for r in off:
                 p = r["checks"][c]
@@ -497,6 +473,56 @@ def judge_numerics(rows, stage="numerics check"):
                            "and this run cannot tell which (no majority): run dcgmi diag -r 3 on "
                            f"{compress_hostlist(sorted({r.get('host') for r in ranks}))}, or rerun with a third "
                            "device of the model; no host blamed", ranks=[r["rank"] for r in ranks]))
+    out += _numerics_culprits(culprits, stage)
+    if not out:
+        out.append(_numerics_pass(groups, stage))
+    return out
+
+
+
+
+def _numerics_unjudged(r, stage):
+    """The finding of a row whose numbers could not be judged (the tool's error, a torch error on its device,
+    a check not finished in time), or None."""
+    if r.get("internal"):
+        return finding("internal", "FAIL", f"{_who(r)}: the {stage} failed: {r['internal']}: a bug in the "
+                       "tool, not a fault of the cluster: no host is blamed", code=EXIT_INTERNAL)
+    if r.get("error"):
+        return finding("numerics", "FAIL", f"{_who(r)}: the {stage} could not run on its device: "
+                       f"{r['error']}: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]])
+    if r.get("unread") is not None:
+        return finding("numerics", "WARN", f"{_who(r)}: the {stage} did not finish within "
+                       f"{r['unread']:g}s: its numbers were not checked", [r.get("host")], [r["rank"]])
+    return None
+
+
+def _numerics_all_off(group, c, have, off):
+    """Every rank of a group off the reference on check c: the lone rank of its group, or one finding about
+    the model or the software; no host blamed."""
+    worst = max(off, key=lambda r: r["checks"][c].get("err") or 0)
+    p = worst["checks"][c]
+    if len(have) == 1:
+        return finding("numerics", "FAIL", f"{_who(worst)}: {c} ({NUMERICS_WHAT.get(c, c)}) is off "
+                       f"the fp64 reference: {_off_words(c, p)}"
+                       + (f"; {p['reference']}" if p.get("reference") else "")
+                       + f"; the only rank of its model and software ({group}) in this run, so its "
+                       f"device cannot be told from the software: run dcgmi diag -r 3 on "
+                       f"{worst.get('host')}, or run with a second device of the model; no host "
+                       f"blamed", ranks=[worst["rank"]])
+    same = len({r["checks"][c].get("digest") for r in have}) == 1
+    return finding("numerics", "FAIL", f"every one of the {len(have)} rank(s) of {group} computes "
+                   f"{c} ({NUMERICS_WHAT.get(c, c)}) off the fp64 reference"
+                   + (" with the same bits" if same else ", and their bits differ")
+                   + f" (worst: {_ranks_words([worst])}: {_off_words(c, p)}): a fault of the software "
+                   "(torch, CUDA, cuBLAS, driver) or of the model, not of a host: no host blamed; "
+                   "report it with this line, and try another software version",
+                   ranks=[r["rank"] for r in have])
+
+
+def _numerics_culprits(culprits, stage):
+    """One FAIL per culprit rank {rank: (row, [what it got wrong])}, at most NUMERICS_LIST_MAX, then one for
+    the rest."""
+    out = []
     items = sorted(culprits.values(), key=lambda x: x[0]["rank"])
     for r, texts in items[:NUMERICS_LIST_MAX]:
         action = NUMERICS_ACTION if r.get("uuid") or r.get("device") is not None else NUMERICS_CPU_ACTION
@@ -507,15 +533,18 @@ def judge_numerics(rows, stage="numerics check"):
         out.append(finding("numerics", "FAIL", f"and {len(rest)} more rank(s) compute wrong numbers in the {stage}: "
                            f"{_ranks_words(rest)}: see the JSON's ranks[].numerics", [r.get("host") for r in rest],
                            [r["rank"] for r in rest]))
-    if not out:
-        judged = [r for rs in groups.values() for r in rs]
-        names = _check_order({c for r in judged for c in r["checks"]})
-        worst = max((r["checks"][c].get("err") or 0) / r["checks"][c]["tol"] for r in judged for c in r["checks"]
-                    if r["checks"][c].get("tol"))
-        out.append(finding("numerics", "PASS", f"{stage}: {len(judged)} rank(s) in {len(groups)} group(s) of model "
-                           f"and software agree bit for bit on {', '.join(names)}, each within the tolerance of "
-                           f"the fp64 reference (worst {worst:.2g} of it)"))
     return out
+
+
+def _numerics_pass(groups, stage):
+    """The PASS of groups {group: [rows]} that agree and lie within the tolerance."""
+    judged = [r for rs in groups.values() for r in rs]
+    names = _check_order({c for r in judged for c in r["checks"]})
+    worst = max((r["checks"][c].get("err") or 0) / r["checks"][c]["tol"] for r in judged for c in r["checks"]
+                if r["checks"][c].get("tol"))
+    return finding("numerics", "PASS", f"{stage}: {len(judged)} rank(s) in {len(groups)} group(s) of model "
+                   f"and software agree bit for bit on {', '.join(names)}, each within the tolerance of "
+                   f"the fp64 reference (worst {worst:.2g} of it)")
 
 
 def _bits_words(c, r, agree):
