@@ -553,6 +553,8 @@ AUDIT_S = 1.0             # rank 0 at the verdict: every value on the store chec
 FORGED_POLL_S = 0.1       # a reader that refused a value not of this run looks again this often, within its wait
 SNAPSHOT_S = 1.5          # rank 0, after a signal: one read of liveness, of the stamps and of the reports
 TERM_REPORTS_S = 0.5      # rank 0, after a signal: time for the other ranks' "terminated" reports to arrive
+SIGNAL_SPREAD_S = 2.0     # a rank that lost rank 0's store with no verdict read: the most it waits for a signal of
+                          # its own (scancel and the time limit reach each node at its own time) before it speaks
 TORCH_BACKSTOP_S = 30.0   # torch's own process-group timeout lies this far past our bound: ours fires first
 IMPORT_PROBE_S = 60.0     # torchvision/torchaudio import probe: at most this, T/2 at the verdict, T/4 before the screen
 MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks are gone already: the run ended)
@@ -8770,6 +8772,7 @@ class RankRun(ScreenRunner):
         self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
         self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
+        self.signal_seen = None  # SIGTERM or SIGINT, once on_signal took it
         self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
 
     # ---------------------------------------------------------------- flow
@@ -9070,6 +9073,7 @@ class RankRun(ScreenRunner):
         died), Ctrl-C. main() blocked both in every thread before this object existed; this thread takes
         them and hands them to the role (signalled)."""
         signum = signal.sigwait({signal.SIGTERM, signal.SIGINT})
+        self.signal_seen = signum
         self.signalled(signum, signal.Signals(signum).name, self.phase)
 
     def speak_for_node(self, text):
@@ -9905,8 +9909,15 @@ class Follower(ScreenFollower, RankRun):
         return code
 
     def lost_rank0(self, exc):
+        """Rank 0's store went away. After its verdict: nothing is lost. Before it: speak for rank 0,
+        unless this rank is signalled within SIGNAL_SPREAD_S: then the job was stopped from outside
+        (scancel, the time limit: rank 0 took the signal first and gave the `interrupted` verdict, its
+        store going with it) and the signal's own path ends this rank, blaming nobody."""
         if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
             self.exit(self.verdict_seen)
+        if self.signalled_within(SIGNAL_SPREAD_S):
+            time.sleep(STORE_OP_S + ACKS_SIGNALLED_S + 1)  # signalled() ends the process within this
+            self.exit(128 + self.signal_seen)
         host0 = (self.master or {}).get("host", self.addr)
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
                                        f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
@@ -9956,6 +9967,12 @@ class Follower(ScreenFollower, RankRun):
                          "failures": line.splitlines(), "failed_hosts": host0, "exclude": ",".join(host0),
                          "drain_command": "", "written_by": f"rank {self.rank} ({self.host})"}, first=True)
         return code
+
+    def signalled_within(self, seconds):
+        end = time.monotonic() + seconds
+        while self.signal_seen is None and time.monotonic() < end:
+            time.sleep(0.05)
+        return self.signal_seen is not None
 
     def rank0_died(self):
         """Whether rank 0 runs on this node and its process is gone with no verdict read within

@@ -19,6 +19,8 @@ AUDIT_S = 1.0             # rank 0 at the verdict: every value on the store chec
 FORGED_POLL_S = 0.1       # a reader that refused a value not of this run looks again this often, within its wait
 SNAPSHOT_S = 1.5          # rank 0, after a signal: one read of liveness, of the stamps and of the reports
 TERM_REPORTS_S = 0.5      # rank 0, after a signal: time for the other ranks' "terminated" reports to arrive
+SIGNAL_SPREAD_S = 2.0     # a rank that lost rank 0's store with no verdict read: the most it waits for a signal of
+                          # its own (scancel and the time limit reach each node at its own time) before it speaks
 TORCH_BACKSTOP_S = 30.0   # torch's own process-group timeout lies this far past our bound: ours fires first
 IMPORT_PROBE_S = 60.0     # torchvision/torchaudio import probe: at most this, T/2 at the verdict, T/4 before the screen
 MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks are gone already: the run ended)

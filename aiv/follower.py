@@ -18,7 +18,17 @@ from .base import (
     is_tool_error,
     print_traceback,
 )
-from .deadlines import ACKS_SIGNALLED_S, NAMING_S, PHASE_CHECK, RANK0_GRACE, STORE_OP_S, Bound, bounded, worst_case
+from .deadlines import (
+    ACKS_SIGNALLED_S,
+    NAMING_S,
+    PHASE_CHECK,
+    RANK0_GRACE,
+    SIGNAL_SPREAD_S,
+    STORE_OP_S,
+    Bound,
+    bounded,
+    worst_case,
+)
 from .judge import judge_forged
 from .liveness import liveness, proc_stat
 from .rank import RankRun
@@ -102,8 +112,15 @@ class Follower(ScreenFollower, RankRun):
         return code
 
     def lost_rank0(self, exc):
+        """Rank 0's store went away. After its verdict: nothing is lost. Before it: speak for rank 0,
+        unless this rank is signalled within SIGNAL_SPREAD_S: then the job was stopped from outside
+        (scancel, the time limit: rank 0 took the signal first and gave the `interrupted` verdict, its
+        store going with it) and the signal's own path ends this rank, blaming nobody."""
         if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
             self.exit(self.verdict_seen)
+        if self.signalled_within(SIGNAL_SPREAD_S):
+            time.sleep(STORE_OP_S + ACKS_SIGNALLED_S + 1)  # signalled() ends the process within this
+            self.exit(128 + self.signal_seen)
         host0 = (self.master or {}).get("host", self.addr)
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
                                        f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
@@ -153,6 +170,12 @@ class Follower(ScreenFollower, RankRun):
                          "failures": line.splitlines(), "failed_hosts": host0, "exclude": ",".join(host0),
                          "drain_command": "", "written_by": f"rank {self.rank} ({self.host})"}, first=True)
         return code
+
+    def signalled_within(self, seconds):
+        end = time.monotonic() + seconds
+        while self.signal_seen is None and time.monotonic() < end:
+            time.sleep(0.05)
+        return self.signal_seen is not None
 
     def rank0_died(self):
         """Whether rank 0 runs on this node and its process is gone with no verdict read within

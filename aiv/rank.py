@@ -169,6 +169,7 @@ class RankRun(ScreenRunner):
         self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
         self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
+        self.signal_seen = None  # SIGTERM or SIGINT, once on_signal took it
         self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
 
     # ---------------------------------------------------------------- flow
@@ -469,6 +470,7 @@ class RankRun(ScreenRunner):
         died), Ctrl-C. main() blocked both in every thread before this object existed; this thread takes
         them and hands them to the role (signalled)."""
         signum = signal.sigwait({signal.SIGTERM, signal.SIGINT})
+        self.signal_seen = signum
         self.signalled(signum, signal.Signals(signum).name, self.phase)
 
     def speak_for_node(self, text):

@@ -71,6 +71,30 @@ def test_sigterm_to_every_rank_names_nobody(tmp_path, phase):
     assert took <= aiv.NAMING_S + 3, f"verdict {took:.1f} s after the signal\n{describe(out)}"
 
 
+def test_a_signal_that_comes_late_to_one_node_names_nobody(tmp_path):
+    """scancel reaches node1 first: rank 0 gives the `interrupted` verdict and its store goes with it
+    before rank 2 (node3, held stopped here, as on a loaded node) read the verdict; rank 2's own SIGTERM
+    comes 0.5 s after it found the store gone. Rank 2 ends on that signal and says no FAILURE line:
+    nobody "lost rank 0" (the log is judged whole: one such line blames node1)."""
+    mark = tmp_path / "mark"
+    procs = start(3, {"AIV_FAILPOINT": "pause=90:rendezvous:1", "AIV_FAILPOINT_MARK": mark,
+                      "AIV_JSON": tmp_path / "v.json"}, ("--rollcall-timeout", 60))
+    assert wait_for(mark.exists), finish([p for p in procs if p.kill() or True])
+    time.sleep(2.0)  # rank 2 checked in: its listener waits for the verdict
+    procs[2].send_signal(signal.SIGSTOP)
+    procs[0].send_signal(signal.SIGTERM)
+    procs[0].wait(30)
+    procs[2].send_signal(signal.SIGCONT)
+    time.sleep(0.5)
+    for p in procs[1:]:
+        p.send_signal(signal.SIGTERM)
+    out = finish(procs)
+    v = verdict(tmp_path, out)
+    assert (v["exit_code"], v["failed_hosts"], v["exclude"]) == (aiv.EXIT_INTERRUPTED, [], ""), describe(out)
+    assert failures(out[2][1]) == [] and "lost rank 0" not in out[2][2], describe(out)
+    assert out[2][0] == 128 + signal.SIGTERM, describe(out)
+
+
 def test_sigint_at_the_roll_call_is_an_interruption(tmp_path):
     """Ctrl-C while rank 0 waits at the roll call for a rank that has not arrived: no traceback, exit 5."""
     mark = tmp_path / "mark"
