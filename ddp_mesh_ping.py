@@ -66,6 +66,7 @@ import glob
 import hashlib
 import hmac
 import html
+import inspect
 import ipaddress
 import json
 import math
@@ -2698,9 +2699,9 @@ def _host_rate(fn, work, during=None):
 
 
 class HostStarved(RuntimeError):
-    """_device_rate could not queue its blocks within the longest hold of the device. On the
-    measuring thread that may be the rank's own other threads holding the interpreter lock (screen-gpu then
-    measures again on its quiet main thread); there, it says the node cannot drive its GPU."""
+    """(torch < 2.9, gated blocks) _device_rate could not queue its blocks within the longest hold of the
+    device. On the measuring thread that may be the rank's own other threads holding the interpreter lock
+    (screen-gpu then measures again on its quiet main thread); there, it says the node cannot drive its GPU."""
 
 
 def _capture(torch_mod, fn, calls, stream):
@@ -2732,15 +2733,77 @@ def gated_blocks(hold, record, replay, started, blocks=None):
     return spans, not started(spans[0][0])
 
 
+def graph_timing(torch_mod):
+    """Whether CUDA events can be recorded inside a CUDA graph and timed (torch.cuda.Event(external=True),
+    torch >= 2.9): then _device_rate queues a whole measurement with one launch (_graph_rate)."""
+    try:
+        return "external" in inspect.signature(torch_mod.cuda.Event).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def timed_blocks(fn, k, pairs, record):
+    """What _graph_rate captures, in order: a lead block of k calls of fn, untimed (the device's clocks and
+    power settle under this very load, whatever the device did before), then for each (start, end) of
+    `pairs`: record(start), fn() k times, record(end)."""
+    for _ in range(k):
+        fn()
+    for start, end in pairs:
+        record(start)
+        for _ in range(k):
+            fn()
+        record(end)
+
+
+def _graph_rate(torch_mod, fn, work, stream, during, k, before=None):
+    """_device_rate with in-graph timing: the lead block and the SCREEN_BLOCKS timed blocks, with their
+    events, are one CUDA graph launched once; the device runs it back to back, so no host delay (other
+    threads holding the interpreter lock) can enter or stop a measurement. `before`: a graph replayed
+    just ahead of it (the calibration's), so that the device is under this load again when the lead
+    block starts, however long the capture kept it idle. -> (rate, the graph)."""
+    cuda = torch_mod.cuda
+    pairs = [(cuda.Event(enable_timing=True, external=True), cuda.Event(enable_timing=True, external=True))
+             for _ in range(SCREEN_BLOCKS)]
+    graph = cuda.CUDAGraph()
+    with cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            timed_blocks(fn, k, pairs, lambda e: e.record(stream))
+        finally:
+            graph.capture_end()
+        if before is not None:
+            before.replay()
+        graph.replay()
+    if during is not None:  # while the blocks run
+        during()
+    pairs[-1][1].synchronize()
+    graph.events = pairs  # its event nodes record these on every replay: they live as long as the graph
+    return work * k / _screen_median([s.elapsed_time(e) / 1e3 for s, e in pairs]), graph
+
+
 def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
     """GPU: units of `work` per second of fn(), timed on the device (CUDA events), never on the host's clock,
     so that what the host does meanwhile (this rank's other threads, NCCL's init, the node's imports) cannot
-    enter the number: fn() k times is one CUDA graph (k for about SCREEN_TARGET_S / SCREEN_BLOCKS of work),
-    each timed block one replay, all SCREEN_BLOCKS of them queued behind a hold kernel (gated_blocks), so the
-    device runs them back to back; the median block counts. A host too slow to queue them within the hold
-    (the interpreter lock held by other threads) gets a hold twice as long, up to SCREEN_HOLD_GROWTH times;
-    then HostStarved, never a slow number. -> (rate, the graph: one block's work, for load under nvidia-smi)."""
+    enter the number: k calls of fn() make a block of about SCREEN_TARGET_S / SCREEN_BLOCKS of work; the
+    median of SCREEN_BLOCKS timed blocks counts. Where torch times events inside a graph (graph_timing),
+    the whole measurement is one graph and one launch (_graph_rate), and so is the calibration of k (a
+    matmul's rate depends on how long the load lasts: the power cap lowers the clocks within a second, so
+    a k shrunk by a stalled host would read a burst rate, ~10% higher on an H100). Before that (torch < 2.9)
+    each block is one replay, all of them queued behind a hold (gated_blocks); a host too slow to queue
+    them within the hold gets a hold twice as long, up to SCREEN_HOLD_GROWTH times, then HostStarved, never
+    a slow number.
+    -> (rate, the graph: one measurement's work, for load under nvidia-smi)."""
     cuda = torch_mod.cuda
+    if graph_timing(torch_mod):
+        with cuda.stream(stream):
+            fn()
+            fn()  # warm-up: the cuBLAS handle and workspace, outside any capture
+        stream.synchronize()
+        before = None
+        if k is None:  # calls per second, timed inside a graph too: a host stall cannot shrink k
+            per_s, before = _graph_rate(torch_mod, fn, 1.0, stream, None, 2)
+            k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS * per_s))
+        return _graph_rate(torch_mod, fn, work, stream, during, k, before)
 
     def record():
         e = cuda.Event(enable_timing=True)

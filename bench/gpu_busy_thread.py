@@ -8,7 +8,9 @@
    1 pure-Python thread spins beside it, and N/4 with 4 such threads: how many gave no number
    (HostStarved), and each number against the quiet median;
 3. the block size: the matmul and the memory rate timed with blocks of k, 2k, 4k and 8k operations
-   (k as the screen picks it), 5 rounds each, interleaved: the spread of the medians.
+   (k as the screen picks it), --rounds rounds each, interleaved: the spread of the medians;
+4. the duty cycle: the same measurement after the device was idle 0, 0.5 and 2 s (its clocks and power
+   budget recover while idle), --rounds rounds each, interleaved: the spread of the medians.
 Prints one table; --json writes the raw numbers."""
 import argparse
 import json
@@ -55,7 +57,7 @@ def beside(n_threads, n, dev):
     return out
 
 
-def block_sizes(dev, rounds=5):
+def block_sizes(dev, rounds):
     """Rates at k, 2k, 4k, 8k operations a block, interleaved rounds."""
     cuda = torch.cuda
     cuda.set_device(dev)
@@ -83,16 +85,31 @@ def block_sizes(dev, rounds=5):
             for name, (fn, work) in (("tflops", mm), ("hbm_gbps", scale)):
                 r, _g = aiv._device_rate(torch, fn, work, stream, k=base[name] * m)
                 rates[name][m].append(r)
-    return base, rates
+    duty = {name: {gap: [] for gap in (0.0, 0.5, 2.0)} for name in base}
+    for _ in range(rounds):
+        for gap in (0.0, 0.5, 2.0):
+            for name, (fn, work) in (("tflops", mm), ("hbm_gbps", scale)):
+                cuda.synchronize(dev)
+                time.sleep(gap)
+                r, _g = aiv._device_rate(torch, fn, work, stream, k=base[name])
+                duty[name][gap].append(r)
+    return base, rates, duty
+
+
+def spread(by):
+    meds = {m: statistics.median(v) for m, v in by.items()}
+    return meds, max(meds.values()) / min(meds.values()) - 1
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     dev = 0
-    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
+    timing = "one graph, events inside it" if aiv.graph_timing(torch) else "gated blocks"
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}; timing: {timing}")
     quiet = [aiv.screen_measure_gpu(torch, dev, "gpu") for _ in range(max(3, a.n // 4))]
     q = {k: statistics.median(r[k] for r in quiet) for k in ("tflops", "hbm_gbps")}
     print(f"quiet ({len(quiet)}): matmul {q['tflops']:.1f} TFLOPS, memory {q['hbm_gbps']:.0f} GB/s (medians)")
@@ -109,13 +126,16 @@ def main():
                 line += f"; {k} / quiet min {min(ratios):.3f} median {statistics.median(ratios):.3f}"
             line += f"; seconds each median {statistics.median(r['secs'] for r in rows):.2f}"
         print(line)
-    base, rates = block_sizes(dev)
-    res["block_sizes"] = {"k": base, "rates": rates}
+    base, rates, duty = block_sizes(dev, a.rounds)
+    res["block_sizes"] = {"k": base, "rates": rates, "duty": duty}
     for name, by in rates.items():
-        meds = {m: statistics.median(v) for m, v in by.items()}
-        spread = max(meds.values()) / min(meds.values()) - 1
+        meds, sp = spread(by)
         print(f"block size ({name}, k={base[name]}): " + ", ".join(f"{m}k {v:.1f}" for m, v in meds.items())
-              + f"; spread of the medians {100 * spread:.2f}%")
+              + f"; spread of the medians {100 * sp:.2f}%")
+    for name, by in duty.items():
+        meds, sp = spread(by)
+        print(f"idle before ({name}): " + ", ".join(f"{g:g}s {v:.1f}" for g, v in meds.items())
+              + f"; spread of the medians {100 * sp:.2f}%")
     if a.json:
         a.json.write_text(json.dumps(res, indent=1, default=str))
 

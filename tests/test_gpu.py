@@ -112,10 +112,10 @@ def _gil_hogs(n, stop):
 @pytest.mark.parametrize("hogs", [1, 4])
 def test_device_timed_screen_holds_beside_a_busy_host(hogs):
     """The screen's GPU numbers are the device's: measured on a thread while other threads of the same process
-    keep the interpreter lock busy (one: as a rank's DDP imports do), they stay within 5% of a quiet
-    measurement. Four spinning threads can starve the measuring thread of the lock altogether (seen on an
-    H200): then it gives HostStarved, which screen-gpu answers by measuring again on its quiet main thread,
-    never a slow number."""
+    keep the interpreter lock busy (one: as a rank's DDP imports do; four), they stay within 5% of a quiet
+    measurement, and with in-graph timing (torch >= 2.9) there is a number every time. Before it (gated
+    blocks) four spinning threads can starve the measuring thread of the lock: then HostStarved, which
+    screen-gpu answers by measuring again on its quiet main thread, never a slow number."""
     import threading
     dev = 0
     quiet = aiv.screen_measure_gpu(torch, dev, "gpu")
@@ -132,7 +132,7 @@ def test_device_timed_screen_holds_beside_a_busy_host(hogs):
         for t in threads:
             t.join()
     if busy is None:
-        assert hogs > 1, "one busy thread must not starve the measurement"
+        assert hogs > 1 and not aiv.graph_timing(torch), "a busy thread must not starve the measurement"
         return
     for key in ("tflops", "hbm_gbps"):
         assert busy[key] >= 0.95 * quiet[key], (key, quiet, busy)

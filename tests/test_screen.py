@@ -831,6 +831,31 @@ def test_gated_blocks_queue_every_block_behind_the_hold_or_say_the_host_was_late
     assert aiv.gated_blocks(d.hold, d.record, d.replay, d.started)[1] is True
 
 
+def test_timed_blocks_capture_a_lead_block_then_each_timed_block_between_its_events():
+    """The one graph of an in-graph timed measurement: k untimed calls first (the device settles under this
+    load, whatever it did before), then each block's start event, its k calls, its end event."""
+    order = []
+    pairs = [(f"s{i}", f"e{i}") for i in range(aiv.SCREEN_BLOCKS)]
+    aiv.timed_blocks(lambda: order.append("fn"), 3, pairs, order.append)
+    want = ["fn"] * 3
+    for s, e in pairs:
+        want += [s, "fn", "fn", "fn", e]
+    assert order == want
+
+
+def test_graph_timing_follows_torchs_event_signature():
+    """In-graph timing where torch.cuda.Event takes `external` (torch >= 2.9), the gated blocks before it."""
+    import types
+
+    import torch
+    assert aiv.graph_timing(torch) is ("external" in __import__("inspect").signature(torch.cuda.Event).parameters)
+
+    class Old:
+        def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+            pass
+    assert aiv.graph_timing(types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Old))) is False
+
+
 def test_the_screen_thread_raises_its_error_in_the_phase():
     class Broken:
         class cuda:
