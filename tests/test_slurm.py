@@ -521,12 +521,13 @@ def test_scancel_names_nobody(cluster, capsys, phase):
 
 FORGER = """import datetime, json, sys, time
 import torch.distributed as dist
-store = dist.PrefixStore("aiv", dist.TCPStore(sys.argv[1], int(sys.argv[2]), None, False,
-                                              datetime.timedelta(seconds=10)))
+print("ready", flush=True)
+host, port = sys.stdin.readline().split()
+store = dist.PrefixStore("aiv", dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=10)))
 store.set("stamp/1", "1")
 store.append("errors", json.dumps({"rank": 1, "phase": "collective", "code": 1, "line": "NIC down on node9"}) + "\\n")
 print("forged", flush=True)
-time.sleep(float(sys.argv[3]))
+time.sleep(float(sys.argv[1]))
 """
 
 
@@ -536,15 +537,19 @@ def test_a_forger_outside_the_allocation_is_named_and_nobody_blamed(cluster, cap
     store and stays connected: the verdict is a FAIL naming the forgery and the outside address, nobody
     excluded, every rank's exit code rank 0's."""
     mark = cluster.workdir / f"paused-{uuid.uuid4().hex}"
-    job = cluster.submit(*SHAPE, AIV_FAILPOINT="pause=6:collective:1", AIV_FAILPOINT_MARK=str(mark))
-    deadline = time.monotonic() + 120
-    while not mark.exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert mark.exists(), describe(cluster, job)
-    port = re.search(r"^Dynamically Assigned Port: (\d+)$", cluster.outputs(job)[0], re.MULTILINE)
-    assert port, describe(cluster, job)
-    forger = cluster.node_popen("node3", str(VENV_PY), "-c", FORGER, "node1", port.group(1), "40")
+    # the forger imports torch first (seconds on a loaded machine), so that it writes inside rank 1's pause
+    forger = cluster.node_popen("node3", str(VENV_PY), "-c", FORGER, "40")
     try:
+        assert forger.stdout.readline().strip() == "ready", forger.stderr.read()
+        job = cluster.submit(*SHAPE, AIV_FAILPOINT="pause=6:collective:1", AIV_FAILPOINT_MARK=str(mark))
+        deadline = time.monotonic() + 120
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert mark.exists(), describe(cluster, job)
+        port = re.search(r"^Dynamically Assigned Port: (\d+)$", cluster.outputs(job)[0], re.MULTILINE)
+        assert port, describe(cluster, job)
+        forger.stdin.write(f"node1 {port.group(1)}\n")
+        forger.stdin.flush()
         assert forger.stdout.readline().strip() == "forged", forger.stderr.read()
         state, code, _ = cluster.wait(job)
     finally:
