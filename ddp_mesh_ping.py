@@ -2308,6 +2308,45 @@ def _check_order(names):
     return sorted(names, key=lambda c: (NUMERICS_CHECKS.index(c) if c in NUMERICS_CHECKS else 99, c))
 
 
+def _numerics_bits(c, on, culprits):
+    """Check c among the ranks `on` the reference: a strict majority of bits names the minority (added to
+    culprits). -> the classes {digest: rows} where there is no majority (a tie), else None."""
+    by = {}
+    for r in on:
+        by.setdefault(r["checks"][c].get("digest"), []).append(r)
+    if len(by) <= 1:
+        return None
+    top = max(by.values(), key=len)
+    if 2 * len(top) <= len(on):
+        return by
+    for rs_ in by.values():
+        if rs_ is not top:
+            for r in rs_:
+                culprits.setdefault(r["rank"], (r, []))[1].append(_bits_words(c, r, len(top)))
+    return None
+
+
+def _numerics_tie(group, c, by, culprits):
+    """No majority on check c: explained when every class but one holds only culprits (the others' bits
+    are then named against it), else one FAIL naming the ranks that disagree, no host blamed (or None)."""
+    clean = [d for d, rs_ in by.items() if not all(r["rank"] in culprits for r in rs_)]
+    if len(clean) == 1:
+        agree = len(by[clean[0]])
+        for d, rs_ in by.items():
+            if d != clean[0]:
+                for r in rs_:
+                    culprits[r["rank"]][1].append(_bits_words(c, r, agree))
+        return None
+    ranks = [r for rs_ in by.values() for r in rs_]
+    return finding("numerics", "FAIL", f"{len(ranks)} rank(s) of {group} disagree bit for bit on {c} "
+                   f"({NUMERICS_WHAT.get(c, c)}): {len(by)} distinct results ("
+                   + " | ".join(_ranks_words(rs_) for rs_ in by.values())
+                   + ") and none is off the fp64 reference beyond the tolerance: one of them computes wrong "
+                   "and this run cannot tell which (no majority): run dcgmi diag -r 3 on "
+                   f"{compress_hostlist(sorted({r.get('host') for r in ranks}))}, or rerun with a third "
+                   "device of the model; no host blamed", ranks=[r["rank"] for r in ranks])
+
+
 def judge_numerics(rows, stage="numerics check"):
     """The numerics findings (check 'numerics') of rows [{'rank', 'host', 'local_rank', 'device', 'uuid', 'model',
     'group', 'checks': {check: {'digest', 'off', 'err', 'tol', 'abs', 'rel', 'at', 'value', 'ref'}}, 'error',
@@ -2345,37 +2384,13 @@ def judge_numerics(rows, stage="numerics check"):
                 culprits.setdefault(r["rank"], (r, []))[1].append(
                     f"{c} ({NUMERICS_WHAT.get(c, c)}) is off the fp64 reference: {_off_words(c, p)}"
                     + (f"; {p['reference']}" if p.get("reference") else ""))
-            on = [r for r in have if not r["checks"][c].get("off")]
-            by = {}
-            for r in on:
-                by.setdefault(r["checks"][c].get("digest"), []).append(r)
-            if len(by) <= 1:
-                continue
-            top = max(by.values(), key=len)
-            if 2 * len(top) > len(on):
-                for rs_ in by.values():
-                    if rs_ is not top:
-                        for r in rs_:
-                            culprits.setdefault(r["rank"], (r, []))[1].append(_bits_words(c, r, len(top)))
-            else:
-                ties.append((group, c, by))
-    for group, c, by in ties:  # no majority: explained when every class but one holds only culprits
-        clean = [d for d, rs_ in by.items() if not all(r["rank"] in culprits for r in rs_)]
-        if len(clean) == 1:
-            agree = len(by[clean[0]])
-            for d, rs_ in by.items():
-                if d != clean[0]:
-                    for r in rs_:
-                        culprits[r["rank"]][1].append(_bits_words(c, r, agree))
-            continue
-        ranks = [r for rs_ in by.values() for r in rs_]
-        out.append(finding("numerics", "FAIL", f"{len(ranks)} rank(s) of {group} disagree bit for bit on {c} "
-                           f"({NUMERICS_WHAT.get(c, c)}): {len(by)} distinct results ("
-                           + " | ".join(_ranks_words(rs_) for rs_ in by.values())
-                           + ") and none is off the fp64 reference beyond the tolerance: one of them computes wrong "
-                           "and this run cannot tell which (no majority): run dcgmi diag -r 3 on "
-                           f"{compress_hostlist(sorted({r.get('host') for r in ranks}))}, or rerun with a third "
-                           "device of the model; no host blamed", ranks=[r["rank"] for r in ranks]))
+            tie = _numerics_bits(c, [r for r in have if not r["checks"][c].get("off")], culprits)
+            if tie:
+                ties.append((group, c, tie))
+    for group, c, by in ties:  # after every check: a tie is explained by culprits of any check
+        f = _numerics_tie(group, c, by, culprits)
+        if f:
+            out.append(f)
     out += _numerics_culprits(culprits, stage)
     if not out:
         out.append(_numerics_pass(groups, stage))

@@ -1,7 +1,8 @@
-"""reference_output.log is a real run of the current code (NVIDIA H200, regenerated whenever the output
-changes) and reference_output.json is that run's JSON: the report re-rendered from the JSON must
-equal the log byte for byte, and every header and progress line must come from the templates the
-code prints from. A format change not carried into the reference files fails here."""
+"""reference_output.log is a real run of the current code (a local 2-rank gloo run in the venv that
+bootstrap_env.sh builds; regenerated whenever the output changes) and reference_output.json is that
+run's JSON: the report re-rendered from the JSON must equal the log byte for byte, and every header
+and progress line must come from the templates the code prints from. A format change not carried
+into the reference files fails here."""
 import json
 import re
 
