@@ -2719,22 +2719,18 @@ class HostStarved(RuntimeError):
     (screen-gpu then measures again on its quiet main thread); there, it says the node cannot drive its GPU."""
 
 
-def _capture(torch_mod, body, stream):
-    """body()'s CUDA work as one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
+def _capture(torch_mod, fn, calls, stream):
+    """fn() `calls` times in one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
     rank's other threads (NCCL's init among them) go on, neither refused nor captured."""
     graph = torch_mod.cuda.CUDAGraph()
     with torch_mod.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            body()
+            for _ in range(calls):
+                fn()
         finally:
             graph.capture_end()
     return graph
-
-
-def _repeat(fn, k):
-    for _ in range(k):
-        fn()
 
 
 def gated_blocks(hold, record, replay, started, blocks=None):
@@ -2765,10 +2761,12 @@ def timed_blocks(fn, k, pairs, record):
     """What _graph_rate captures, in order: a lead block of k calls of fn, untimed (the device's clocks and
     power settle under this very load, whatever the device did before), then for each (start, end) of
     `pairs`: record(start), fn() k times, record(end)."""
-    _repeat(fn, k)
+    for _ in range(k):
+        fn()
     for start, end in pairs:
         record(start)
-        _repeat(fn, k)
+        for _ in range(k):
+            fn()
         record(end)
 
 
@@ -2781,8 +2779,13 @@ def _graph_rate(torch_mod, fn, work, stream, during, k, before=None):
     cuda = torch_mod.cuda
     pairs = [(cuda.Event(enable_timing=True, external=True), cuda.Event(enable_timing=True, external=True))
              for _ in range(SCREEN_BLOCKS)]
-    graph = _capture(torch_mod, lambda: timed_blocks(fn, k, pairs, lambda e: e.record(stream)), stream)
+    graph = cuda.CUDAGraph()
     with cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            timed_blocks(fn, k, pairs, lambda e: e.record(stream))
+        finally:
+            graph.capture_end()
         if before is not None:
             before.replay()
         graph.replay()
@@ -2834,7 +2837,7 @@ def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
     if k is None:
         k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS / max(a.elapsed_time(b) / 2e3, 1e-7)))
     cycles = int((1 << 20) * SCREEN_HOLD_S / max(b.elapsed_time(c) / 1e3, 1e-7))
-    graph = _capture(torch_mod, lambda: _repeat(fn, k), stream)
+    graph = _capture(torch_mod, fn, k, stream)
     for _ in range(SCREEN_HOLD_GROWTH):
         with cuda.stream(stream):  # a replay goes to the current stream
             spans, whole = gated_blocks(lambda n=cycles: cuda._sleep(n), record, graph.replay, lambda e: e.query())
@@ -9908,14 +9911,6 @@ class Coordinator(ScreenCoordinator, RankRun):
 
 # ============================================================================ aiv/follower.py
 # Floor 5 (runtime): every other rank: reports its own error, takes rank 0's verdict, speaks for a
-def settles(pred, seconds):
-    """pred() polled every 50 ms until it holds or `seconds` pass. -> pred()."""
-    end = time.monotonic() + seconds
-    while not pred() and time.monotonic() < end:
-        time.sleep(0.05)
-    return pred()
-
-
 class Follower(ScreenFollower, RankRun):
     """Every rank but 0: enters each phase at rank 0's gate, reports its own error, and exits with rank
     0's verdict, read from the store by a listener thread even while the main thread is blocked in a
@@ -9998,7 +9993,7 @@ class Follower(ScreenFollower, RankRun):
         store going with it) and the signal's own path ends this rank, blaming nobody."""
         if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
             self.exit(self.verdict_seen)
-        if settles(lambda: self.signal_seen is not None, SIGNAL_SPREAD_S):
+        if self.signalled_within(SIGNAL_SPREAD_S):
             time.sleep(STORE_OP_S + ACKS_SIGNALLED_S + 1)  # signalled() ends the process within this
             self.exit(128 + self.signal_seen)
         host0 = (self.master or {}).get("host", self.addr)
@@ -10051,6 +10046,12 @@ class Follower(ScreenFollower, RankRun):
                          "drain_command": "", "written_by": f"rank {self.rank} ({self.host})"}, first=True)
         return code
 
+    def signalled_within(self, seconds):
+        end = time.monotonic() + seconds
+        while self.signal_seen is None and time.monotonic() < end:
+            time.sleep(0.05)
+        return self.signal_seen is not None
+
     def rank0_died(self):
         """Whether rank 0 runs on this node and its process is gone with no verdict read within
         ACKS_SIGNALLED_S (a rank 0 that gave its verdict publishes it before it exits)."""
@@ -10061,7 +10062,10 @@ class Follower(ScreenFollower, RankRun):
         first = ("", m["pid_start"]) if m.get("pid_start") else stat
         if stat is not None and liveness(stat, first) != "gone":
             return False
-        return not settles(lambda: self.verdict_seen is not None, ACKS_SIGNALLED_S)
+        end = time.monotonic() + ACKS_SIGNALLED_S
+        while self.verdict_seen is None and time.monotonic() < end:
+            time.sleep(0.05)
+        return self.verdict_seen is None
 
     def rank0_state(self):
         m = self.master or {}

@@ -36,14 +36,6 @@ from .render import failure_lines
 from .screen_run import ScreenFollower
 
 
-def settles(pred, seconds):
-    """pred() polled every 50 ms until it holds or `seconds` pass. -> pred()."""
-    end = time.monotonic() + seconds
-    while not pred() and time.monotonic() < end:
-        time.sleep(0.05)
-    return pred()
-
-
 class Follower(ScreenFollower, RankRun):
     """Every rank but 0: enters each phase at rank 0's gate, reports its own error, and exits with rank
     0's verdict, read from the store by a listener thread even while the main thread is blocked in a
@@ -126,7 +118,7 @@ class Follower(ScreenFollower, RankRun):
         store going with it) and the signal's own path ends this rank, blaming nobody."""
         if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
             self.exit(self.verdict_seen)
-        if settles(lambda: self.signal_seen is not None, SIGNAL_SPREAD_S):
+        if self.signalled_within(SIGNAL_SPREAD_S):
             time.sleep(STORE_OP_S + ACKS_SIGNALLED_S + 1)  # signalled() ends the process within this
             self.exit(128 + self.signal_seen)
         host0 = (self.master or {}).get("host", self.addr)
@@ -179,6 +171,12 @@ class Follower(ScreenFollower, RankRun):
                          "drain_command": "", "written_by": f"rank {self.rank} ({self.host})"}, first=True)
         return code
 
+    def signalled_within(self, seconds):
+        end = time.monotonic() + seconds
+        while self.signal_seen is None and time.monotonic() < end:
+            time.sleep(0.05)
+        return self.signal_seen is not None
+
     def rank0_died(self):
         """Whether rank 0 runs on this node and its process is gone with no verdict read within
         ACKS_SIGNALLED_S (a rank 0 that gave its verdict publishes it before it exits)."""
@@ -189,7 +187,10 @@ class Follower(ScreenFollower, RankRun):
         first = ("", m["pid_start"]) if m.get("pid_start") else stat
         if stat is not None and liveness(stat, first) != "gone":
             return False
-        return not settles(lambda: self.verdict_seen is not None, ACKS_SIGNALLED_S)
+        end = time.monotonic() + ACKS_SIGNALLED_S
+        while self.verdict_seen is None and time.monotonic() < end:
+            time.sleep(0.05)
+        return self.verdict_seen is None
 
     def rank0_state(self):
         m = self.master or {}

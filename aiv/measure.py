@@ -212,22 +212,18 @@ class HostStarved(RuntimeError):
     (screen-gpu then measures again on its quiet main thread); there, it says the node cannot drive its GPU."""
 
 
-def _capture(torch_mod, body, stream):
-    """body()'s CUDA work as one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
+def _capture(torch_mod, fn, calls, stream):
+    """fn() `calls` times in one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
     rank's other threads (NCCL's init among them) go on, neither refused nor captured."""
     graph = torch_mod.cuda.CUDAGraph()
     with torch_mod.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            body()
+            for _ in range(calls):
+                fn()
         finally:
             graph.capture_end()
     return graph
-
-
-def _repeat(fn, k):
-    for _ in range(k):
-        fn()
 
 
 def gated_blocks(hold, record, replay, started, blocks=None):
@@ -258,10 +254,12 @@ def timed_blocks(fn, k, pairs, record):
     """What _graph_rate captures, in order: a lead block of k calls of fn, untimed (the device's clocks and
     power settle under this very load, whatever the device did before), then for each (start, end) of
     `pairs`: record(start), fn() k times, record(end)."""
-    _repeat(fn, k)
+    for _ in range(k):
+        fn()
     for start, end in pairs:
         record(start)
-        _repeat(fn, k)
+        for _ in range(k):
+            fn()
         record(end)
 
 
@@ -274,8 +272,13 @@ def _graph_rate(torch_mod, fn, work, stream, during, k, before=None):
     cuda = torch_mod.cuda
     pairs = [(cuda.Event(enable_timing=True, external=True), cuda.Event(enable_timing=True, external=True))
              for _ in range(SCREEN_BLOCKS)]
-    graph = _capture(torch_mod, lambda: timed_blocks(fn, k, pairs, lambda e: e.record(stream)), stream)
+    graph = cuda.CUDAGraph()
     with cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            timed_blocks(fn, k, pairs, lambda e: e.record(stream))
+        finally:
+            graph.capture_end()
         if before is not None:
             before.replay()
         graph.replay()
@@ -327,7 +330,7 @@ def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
     if k is None:
         k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS / max(a.elapsed_time(b) / 2e3, 1e-7)))
     cycles = int((1 << 20) * SCREEN_HOLD_S / max(b.elapsed_time(c) / 1e3, 1e-7))
-    graph = _capture(torch_mod, lambda: _repeat(fn, k), stream)
+    graph = _capture(torch_mod, fn, k, stream)
     for _ in range(SCREEN_HOLD_GROWTH):
         with cuda.stream(stream):  # a replay goes to the current stream
             spans, whole = gated_blocks(lambda n=cycles: cuda._sleep(n), record, graph.replay, lambda e: e.query())
