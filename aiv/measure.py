@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -23,6 +24,7 @@ SCREEN_TARGET_S = {"gpu": 0.3, "cpu": 0.02}            # seconds of timed work p
 SCREEN_BLOCKS = 5
 SCREEN_HOLD_S = 0.05      # GPU: the blocks are queued behind a kernel that holds the device this long (gated_blocks),
 SCREEN_HOLD_GROWTH = 6    # doubled while the host could not queue them in time, at most this many holds (to 1.6 s)
+SCREEN_SWITCH_S = 2e-4    # the interpreter's switch interval while a measurement is captured (quick_switch)
 SCREEN_MATMUL_N = {"gpu": 8192, "cpu": 256}            # square matmul: bf16 on GPU, fp32 on CPU
 SCREEN_COPY_BYTES = {"gpu": 512 << 20, "cpu": 8 << 20}  # memory: STREAM scale (GPU), copy (CPU); read + write
 SCREEN_AR_BYTES = {"gpu": 128 << 20, "cpu": 1 << 20}   # all_reduce message of the busbw rounds
@@ -241,6 +243,30 @@ def gated_blocks(hold, record, replay, started, blocks=None):
     return spans, not started(spans[0][0])
 
 
+_switch_state = {"depth": 0, "saved": None}
+_switch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def quick_switch(seconds=SCREEN_SWITCH_S):
+    """The interpreter's switch interval lowered to `seconds` while a measurement is captured. A capture is
+    a thousand short torch calls, and a call that lets go of the interpreter lock waits for it to come back:
+    beside a thread that keeps computing in Python, that is a whole switch interval (5 ms by default) per
+    call, seconds per measurement with the GPU idle. Process-wide, restored by the last thread out."""
+    with _switch_lock:
+        if _switch_state["depth"] == 0:
+            _switch_state["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(seconds, _switch_state["saved"]))
+        _switch_state["depth"] += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_state["depth"] -= 1
+            if _switch_state["depth"] == 0:
+                sys.setswitchinterval(_switch_state["saved"])
+
+
 def graph_timing(torch_mod):
     """Whether CUDA events can be recorded inside a CUDA graph and timed (torch.cuda.Event(external=True),
     torch >= 2.9): then _device_rate queues a whole measurement with one launch (_graph_rate)."""
@@ -301,9 +327,10 @@ def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
     them within the hold gets a hold twice as long, up to SCREEN_HOLD_GROWTH times, then HostStarved, never
     a slow number.
     -> (rate, the graph: one measurement's work, for load under nvidia-smi)."""
-    cuda = torch_mod.cuda
-    if graph_timing(torch_mod):
-        with cuda.stream(stream):
+    with quick_switch():  # each captured or queued call gets the interpreter back at once
+        if not graph_timing(torch_mod):
+            return _gated_rate(torch_mod, fn, work, stream, during, k)
+        with torch_mod.cuda.stream(stream):
             fn()
             fn()  # warm-up: the cuBLAS handle and workspace, outside any capture
         stream.synchronize()
@@ -312,6 +339,12 @@ def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
             per_s, before = _graph_rate(torch_mod, fn, 1.0, stream, None, 2)
             k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS * per_s))
         return _graph_rate(torch_mod, fn, work, stream, during, k, before)
+
+
+def _gated_rate(torch_mod, fn, work, stream, during, k):
+    """_device_rate before torch 2.9: each block one replay of a graph of k calls, all of them queued
+    behind a hold (gated_blocks)."""
+    cuda = torch_mod.cuda
 
     def record():
         e = cuda.Event(enable_timing=True)

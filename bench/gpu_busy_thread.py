@@ -6,13 +6,15 @@
 1. quiet: N/4 measurements with screen_measure_gpu on the main thread (the reference);
 2. N measurements on the measuring thread (start_screen_gpu / take_screen_gpu, as a rank does) while
    1 pure-Python thread spins beside it, and N/4 with 4 such threads: how many gave no number
-   (HostStarved), and each number against the quiet median;
+   (HostStarved), each number against the quiet median, and the seconds each took; then N/4 beside 1
+   thread with the interpreter's switch interval left as it is (no quick_switch), side by side;
 3. the block size: the matmul and the memory rate timed with blocks of k, 2k, 4k and 8k operations
    (k as the screen picks it), --rounds rounds each, interleaved: the spread of the medians;
 4. the duty cycle: the same measurement after the device was idle 0, 0.5 and 2 s (its clocks and power
    budget recover while idle), --rounds rounds each, interleaved: the spread of the medians.
 Prints one table; --json writes the raw numbers."""
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -114,12 +116,19 @@ def main():
     q = {k: statistics.median(r[k] for r in quiet) for k in ("tflops", "hbm_gbps")}
     print(f"quiet ({len(quiet)}): matmul {q['tflops']:.1f} TFLOPS, memory {q['hbm_gbps']:.0f} GB/s (medians)")
     res = {"quiet": quiet}
-    for n_threads, n in ((1, a.n), (4, max(3, a.n // 4))):
-        rows = beside(n_threads, n, dev)
-        res[f"busy{n_threads}"] = rows
+    quick = aiv.quick_switch
+    for n_threads, n, switch in ((1, a.n, True), (4, max(3, a.n // 4), True), (1, max(3, a.n // 4), False)):
+        aiv.quick_switch = quick if switch else contextlib.nullcontext
+        try:
+            rows = beside(n_threads, n, dev)
+        finally:
+            aiv.quick_switch = quick
+        name = f"busy{n_threads}" + ("" if switch else "_no_quick_switch")
+        res[name] = rows
         got = [r for r in rows if "tflops" in r]
         starved = len(rows) - len(got)
-        line = f"beside {n_threads} busy thread(s): {len(rows)} measurements, {starved} HostStarved"
+        how = "" if switch else " (switch interval left as it is)"
+        line = f"beside {n_threads} busy thread(s){how}: {len(rows)} measurements, {starved} HostStarved"
         if got:
             for k in ("tflops", "hbm_gbps"):
                 ratios = [r[k] / q[k] for r in got]

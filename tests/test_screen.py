@@ -856,6 +856,40 @@ def test_graph_timing_follows_torchs_event_signature():
     assert aiv.graph_timing(types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Old))) is False
 
 
+def test_quick_switch_lowers_the_interval_while_any_thread_captures_and_restores_it_after():
+    """Two measuring threads overlap: the interval stays low until the last one leaves, then is the process's
+    own again, also when a capture raised; an interval already below stays as it is. (The interpreter keeps
+    the interval in whole microseconds: compared within 5%.)"""
+    import sys
+    import threading
+    base = sys.getswitchinterval()
+    inside, go_on, seen = threading.Event(), threading.Event(), []
+
+    def second():
+        with aiv.quick_switch():
+            inside.set()
+            go_on.wait(10)
+            seen.append(sys.getswitchinterval())
+    try:
+        t = threading.Thread(target=second)
+        with pytest.raises(RuntimeError):
+            with aiv.quick_switch():
+                assert sys.getswitchinterval() == pytest.approx(aiv.SCREEN_SWITCH_S, rel=0.05)
+                t.start()
+                assert inside.wait(10)
+                raise RuntimeError("a capture failed")
+        assert sys.getswitchinterval() == pytest.approx(aiv.SCREEN_SWITCH_S, rel=0.05)  # the second is still inside
+        go_on.set()
+        t.join(10)
+        assert seen == [pytest.approx(aiv.SCREEN_SWITCH_S, rel=0.05)]
+        assert sys.getswitchinterval() == pytest.approx(base, rel=0.05)
+        sys.setswitchinterval(aiv.SCREEN_SWITCH_S / 2)
+        with aiv.quick_switch():
+            assert sys.getswitchinterval() == pytest.approx(aiv.SCREEN_SWITCH_S / 2, rel=0.05)
+    finally:
+        sys.setswitchinterval(base)
+
+
 def test_the_screen_thread_raises_its_error_in_the_phase():
     class Broken:
         class cuda:
