@@ -7588,12 +7588,17 @@ def _verify_expect(expect, facts, rpn_seen, problems):
 
 
 _LOG_KEEP = re.compile(r"Total Execution Ranks:|Verdict:|Ranks Reported:|node=|nodes=|\b(?:torch|cuda|nccl)=")
+# every _LOG_KEEP match holds one of these: a substring test first (memchr-fast) spares the regex's scan of
+# a long line that holds none of them (a megabyte of binary noise: 77 ms by the regex, 0.1 ms by these)
+_LOG_KEEP_WORDS = ("Total Execution Ranks:", "Verdict:", "Ranks Reported:", "node=", "nodes=", "torch=", "cuda=",
+                   "nccl=")
 
 
 def _log_relevant(s):
     """Whether a stripped log line can matter to any check below (the others are dropped while reading)."""
     return (s in LOG_SECTIONS or s == SUCCESS_LINE or bool(_LOG_FAILURE.match(s) or _LOG_FINDING.match(s)
-            or _LOG_SUM.match(s) or _LOG_GRADS.match(s) or _LOG_KEEP.search(s)))
+            or _LOG_SUM.match(s) or _LOG_GRADS.match(s)
+            or any(w in s for w in _LOG_KEEP_WORDS) and _LOG_KEEP.search(s)))
 
 
 LOG_CHUNK = 1 << 20  # a line longer than this is read in pieces, each judged as a line of its own

@@ -9,7 +9,9 @@
    (HostStarved), each number against the quiet median, and the seconds each took; then N/4 beside 1
    thread with the interpreter's switch interval left as it is (no quick_switch), side by side;
 3. the block size: the matmul and the memory rate timed with blocks of k, 2k, 4k and 8k operations
-   (k as the screen picks it), --rounds rounds each, interleaved: the spread of the medians;
+   (k as the screen picks it), --rounds rounds each, interleaved: the spread of the medians; then the
+   same sizes each after untimed calls that make every measurement's load equally long (8k blocks' worth):
+   the block size alone, apart from how long the load lasted (the power cap);
 4. the duty cycle: the same measurement after the device was idle 0, 0.5 and 2 s (its clocks and power
    budget recover while idle), --rounds rounds each, interleaved: the spread of the medians.
 Prints one table; --json writes the raw numbers."""
@@ -87,6 +89,18 @@ def block_sizes(dev, rounds):
             for name, (fn, work) in (("tflops", mm), ("hbm_gbps", scale)):
                 r, _g = aiv._device_rate(torch, fn, work, stream, k=base[name] * m)
                 rates[name][m].append(r)
+    # the same sizes after the same load: blocks of m*k preceded by (8 - m) * k * (SCREEN_BLOCKS + 1) untimed
+    # calls, so that every measurement ends after 8k * (SCREEN_BLOCKS + 1) calls of load (the device idle
+    # only while the measurement's graph is captured): the block size alone, not how long the load lasted
+    equal = {name: {m: [] for m in (1, 2, 4, 8)} for name in base}
+    for _ in range(rounds):
+        for m in (1, 2, 4, 8):
+            for name, (fn, work) in (("tflops", mm), ("hbm_gbps", scale)):
+                with cuda.stream(stream):
+                    for _i in range((8 - m) * base[name] * (aiv.SCREEN_BLOCKS + 1)):
+                        fn()
+                r, _g = aiv._device_rate(torch, fn, work, stream, k=base[name] * m)
+                equal[name][m].append(r)
     duty = {name: {gap: [] for gap in (0.0, 0.5, 2.0)} for name in base}
     for _ in range(rounds):
         for gap in (0.0, 0.5, 2.0):
@@ -95,7 +109,7 @@ def block_sizes(dev, rounds):
                 time.sleep(gap)
                 r, _g = aiv._device_rate(torch, fn, work, stream, k=base[name])
                 duty[name][gap].append(r)
-    return base, rates, duty
+    return base, rates, equal, duty
 
 
 def spread(by):
@@ -135,11 +149,15 @@ def main():
                 line += f"; {k} / quiet min {min(ratios):.3f} median {statistics.median(ratios):.3f}"
             line += f"; seconds each median {statistics.median(r['secs'] for r in rows):.2f}"
         print(line)
-    base, rates, duty = block_sizes(dev, a.rounds)
-    res["block_sizes"] = {"k": base, "rates": rates, "duty": duty}
+    base, rates, equal, duty = block_sizes(dev, a.rounds)
+    res["block_sizes"] = {"k": base, "rates": rates, "equal_load": equal, "duty": duty}
     for name, by in rates.items():
         meds, sp = spread(by)
         print(f"block size ({name}, k={base[name]}): " + ", ".join(f"{m}k {v:.1f}" for m, v in meds.items())
+              + f"; spread of the medians {100 * sp:.2f}%")
+    for name, by in equal.items():
+        meds, sp = spread(by)
+        print(f"block size after the same load ({name}): " + ", ".join(f"{m}k {v:.1f}" for m, v in meds.items())
               + f"; spread of the medians {100 * sp:.2f}%")
     for name, by in duty.items():
         meds, sp = spread(by)

@@ -25,11 +25,16 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
 
 
 def clean_env(extra=None):
-    """The caller's environment without any launch, Slurm, NCCL/gloo or AIV_ variables."""
+    """The caller's environment without any launch, Slurm, NCCL/gloo or AIV_ variables, and with
+    AIV_WARM_IMPORTS=0: a rank does not import what DDP's constructor needs (torch._dynamo, 1.5 s of CPU)
+    while it waits, which most of the tests' runs, ending before the DDP step, would spend in vain on a
+    2-core machine (a quarter of a hang test's CPU). Tests of the shipped default pass
+    AIV_WARM_IMPORTS=1 (test_multiproc.py::test_local_mode_passes, the Slurm pass, the README's command)."""
     env = {k: v for k, v in os.environ.items()
            if k not in _LAUNCH_VARS and not k.startswith(("SLURM_", "AIV_", "NCCL_", "GLOO_"))
            or k in _KEEP_VARS}
     env["PYTHONUNBUFFERED"] = "1"
+    env["AIV_WARM_IMPORTS"] = "0"
     env.update({k: str(v) for k, v in (extra or {}).items()})
     return env
 
@@ -217,13 +222,16 @@ def own_tool_processes(script=None):
 
 
 # ---------------------------------------------------------------------------- order and groups
-# tests/run.sh runs the suite on pytest-xdist workers (--dist load). Each worker that runs Slurm tests
-# brings up a test cluster of its own (tests/slurm_cluster.sh keeps clusters apart, each in namespaces
-# of its own), so no test needs a worker to itself. Longest first: the Slurm tests are handed out before
-# anything else, then the files of real multi-process runs, then the quick unit tests that fill the gaps.
+# tests/run.sh runs the suite on pytest-xdist workers (--dist worksteal: each worker starts on a share
+# of the list below, and one that runs out takes half of the longest queue left, so that no worker ends
+# minutes after the others). Each worker that runs Slurm tests brings up a test cluster of its own
+# (tests/slurm_cluster.sh keeps clusters apart, each in namespaces of its own), so no test needs a worker
+# to itself. Longest first: the Slurm tests, then the files of real multi-process runs, then the quick
+# unit tests that fill the gaps.
 _FIRST = ("test_slurm.py", "test_torchrun.py", "test_hangs.py", "test_false_culprit.py", "test_screen_run.py",
-          "test_soak.py", "test_fan_in.py", "test_launch_hygiene.py", "test_multiproc.py", "test_side_channel.py",
-          "test_usage_errors.py", "test_verify_log.py")
+          "test_rooms.py", "test_soak.py", "test_fan_in.py", "test_launch_hygiene.py", "test_multiproc.py",
+          "test_side_channel.py", "test_manifest.py", "test_numerics.py", "test_bootstrap.py", "test_usage_errors.py",
+          "test_verify_log.py")
 
 
 @pytest.hookimpl(tryfirst=True)

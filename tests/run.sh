@@ -13,11 +13,13 @@
 #   PYTHON           interpreter that creates it         (default: python3)
 #   TEST_TORCH_SPEC  torch to test against               (default: torch==2.13.0; a CPU build where
 #                    pip's index serves one, e.g. PIP_INDEX_URL=https://download.pytorch.org/whl/cpu)
-#   TEST_WORKERS     pytest-xdist workers                (default: 3, measured best on 2 cores: the
-#                    runs wait more than they compute; 0 runs in this process, without xdist)
+#   TEST_WORKERS     pytest-xdist workers                (default: 3, measured best on 2 cores: 4
+#                    use no more of the CPU, which the runs' imports of torch fill; 0 runs in this
+#                    process, without xdist)
 #   TEST_DURATIONS   how many of the slowest tests to list at the end (default: 15; 0 lists all)
 # Each worker that runs tests/test_slurm.py brings up a Slurm test cluster of its own (tests/slurm_cluster.sh
-# keeps several apart, each in namespaces of its own); the slowest files are handed out first (conftest.py).
+# keeps several apart, each in namespaces of its own); the slowest files are handed out first, and an idle
+# worker takes over half of a busy one's queue (--dist worksteal; conftest.py).
 # The Slurm tests (tests/test_slurm.py) run only as root with slurmctld/slurmd installed and
 # skip with a reason otherwise; .ci/run installs Slurm so that they always run in CI.
 set -euo pipefail
@@ -45,6 +47,6 @@ for a in "$@"; do
 done
 parallel=()
 if [ "$TEST_WORKERS" != 0 ]; then
-  parallel=(-n "$TEST_WORKERS" --dist load)
+  parallel=(-n "$TEST_WORKERS" --dist worksteal)
 fi
 exec "$py" -m pytest "${parallel[@]}" -v -ra --durations="$TEST_DURATIONS" "${where[@]}" "$@"

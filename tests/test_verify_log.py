@@ -393,3 +393,14 @@ def test_only_lines_that_matter_are_kept():
     noise = "\n".join(f"step {i} loss=0.{i} lr=3e-4 tokens/s=1.2e6" for i in range(10000))
     kept = aiv.read_log_lines(io.BytesIO((noise + "\n" + REFERENCE + "\n" + noise).encode()))
     assert len(kept) < len(REFERENCE.splitlines()) and aiv.verify_log(kept, {}) == aiv.verify_log(REFERENCE, {})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["Total Execution Ranks:", "Verdict:", "Ranks Reported:", "node", "nodes", "=",
+                                 "torch", "cuda", "nccl", "x", " ", ":", "\0", "Ranks", "Total"]), max_size=12))
+def test_the_quick_word_test_keeps_exactly_the_lines_the_regex_keeps(parts):
+    line = "".join(parts)
+    assert bool(aiv._log_relevant(line)) == bool(
+        line in aiv.LOG_SECTIONS or line == aiv.SUCCESS_LINE or aiv._LOG_FAILURE.match(line)
+        or aiv._LOG_FINDING.match(line) or aiv._LOG_SUM.match(line) or aiv._LOG_GRADS.match(line)
+        or aiv._LOG_KEEP.search(line))
