@@ -129,12 +129,15 @@ def monitor_store(cfg, wait_s):
     of the go, not after seconds of importing torch beside the ranks' init), once it sees the world
     record rank 0 wrote through torch's client (same keys on the wire) and a set, check, get and
     compare_set on a key of its own came back as written; else torch's own TCPStore client (a later
-    torch that speaks another protocol costs the import, never a silent node). _AIV_MONITOR_TORCH=1
-    takes torch's client at once."""
+    torch that speaks another protocol costs the import, never a silent node). No listener at all within
+    wait_s raises the OSError (no fallback: there is no store to speak to). _AIV_MONITOR_TORCH=1 takes
+    torch's client at once."""
     if os.environ.get("_AIV_MONITOR_TORCH") != "1":
-        light = None
+        # no listener within wait_s: the run has ended (its store went with rank 0) or rank 0 cannot be
+        # reached; torch's client would find none either, after seconds of importing torch and wait_s more
+        # (a monitor that outlived its run by 15 s on a loaded machine): the OSError ends the monitor
+        light = LightStore(cfg["addr"], cfg["port"], cfg["prefix"], wait_s)
         try:
-            light = LightStore(cfg["addr"], cfg["port"], cfg["prefix"], wait_s)
             key, mark = f"monitor/{cfg['host']}", f"{os.getpid()}.{time.time():.6f}"
             light.set(key, mark)
             if light.check(["world", key]) and light.get(key) == mark.encode() \
@@ -142,8 +145,7 @@ def monitor_store(cfg, wait_s):
                 return light
         except (OSError, struct.error):
             pass
-        if light is not None:
-            light.close()
+        light.close()
     import torch.distributed as dist
     raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=wait_s))
     return dist.PrefixStore(cfg["prefix"], raw)

@@ -7,6 +7,7 @@ Real ranks, real gloo, a real TCPStore; loopback only.
 """
 import datetime
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -139,6 +140,24 @@ def test_the_monitor_takes_torchs_client_where_its_own_does_not_see_rank0s_recor
     dist.PrefixStore("other", srv).set("world", "w")  # no world record under the monitor's prefix
     got = aiv.monitor_store({"addr": "127.0.0.1", "port": port, "prefix": "aiv", "host": "n1"}, 2)
     assert isinstance(got, dist.PrefixStore)
+
+
+def test_a_node_monitor_that_finds_no_store_ends_within_its_connect_bound_without_torch():
+    """A run that ended as its node monitor started: nothing listens on the port. Before, the monitor then
+    imported torch for torch's own client and waited on it again: 15 s after its run on a loaded machine,
+    a process left behind (CI's test_local_mode_passes[2]). Now the failed connect ends it."""
+    cfg = {"addr": "127.0.0.1", "port": free_port(), "prefix": "aiv", "host": "n1", "ranks": [[0, os.getpid()]],
+           "period": 0.2, "lifetime": 60, "run": "r"}
+    code = ("import json, sys, time; sys.path.insert(0, sys.argv[2]); import ddp_mesh_ping as aiv\n"
+            "t = time.monotonic()\n"
+            "try:\n    aiv.node_monitor(json.loads(sys.argv[1]))\n"
+            "except OSError as e:\n    print(type(e).__name__)\n"
+            "print('torch' in sys.modules, round(time.monotonic() - t, 2))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cfg), str(ROOT)], env=clean_env(),
+                         capture_output=True, text=True, timeout=60)
+    err, torch_imported, secs = out.stdout.split()
+    assert err == "ConnectionRefusedError" and torch_imported == "False", out
+    assert aiv.MONITOR_CONNECT_S - 0.5 < float(secs) < aiv.MONITOR_CONNECT_S + 2, out  # the bound, not more
 
 
 def test_the_node_monitor_posts_without_importing_torch(tmp_path):
