@@ -225,6 +225,18 @@ def _gpu_who(r):
             f"{r.get('model') or 'unknown model'})")
 
 
+def _gpu_perf_pass(n_gpus, against, cpu):
+    """judge_gpu_perf's PASS: what each model and metric was judged against (gpu_refs' 'against'), and how
+    many measurements were judged against nothing."""
+    unjudged = sum(not a["judged"] for a in against)
+    head = (f"GPU speed within the reference on {n_gpus} GPU(s)" if not unjudged else
+            f"GPU speed on {n_gpus} GPU(s), {unjudged} of {len(against)} measurement(s) judged against nothing")
+    rules = ([f"peers: {_screen_rule('gpu', cpu)}"] if any(a["peers"] for a in against) else []) \
+        + ([f"table: {_table_rule()}"] if any(a["table"] for a in against) else [])
+    return finding("gpu-perf", "PASS", f"{head}: " + "; ".join(a["text"] for a in against)
+                   + (f" ({'; '.join(rules)})" if rules else ""))
+
+
 def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
     """Per-GPU compute and memory speed against its model's table row (GPU_TABLE), the other GPUs of the
     same model and the floors.
@@ -247,15 +259,7 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
     _, flags = _gpu_flags(per_rank, floors, cpu)
     allrefs = gpu_refs(per_rank, floors, cpu)
     if not flags:
-        against = [x["against"] for x in allrefs.values()]
-        unjudged = sum(not a["judged"] for a in against)
-        head = (f"GPU speed within the reference on {len(per_rank)} GPU(s)" if not unjudged else
-                f"GPU speed on {len(per_rank)} GPU(s), {unjudged} of {len(against)} measurement(s) judged against "
-                f"nothing")
-        rules = ([f"peers: {_screen_rule('gpu', cpu)}"] if any(a["peers"] for a in against) else []) \
-            + ([f"table: {_table_rule()}"] if any(a["table"] for a in against) else [])
-        return [finding("gpu-perf", "PASS", f"{head}: " + "; ".join(a["text"] for a in against)
-                        + (f" ({'; '.join(rules)})" if rules else ""))]
+        return [_gpu_perf_pass(len(per_rank), [x["against"] for x in allrefs.values()], cpu)]
     items = list(flags.items())
 
     def unused(r):

@@ -31,7 +31,7 @@ def start(world, env, args=()):
     procs = []
     for r in range(world):
         e = clean_env({"RANK": r, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                       "AIV_WARM_IMPORTS": "0", **env, **nodes(world)[r]})
+                       **env, **nodes(world)[r]})
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return procs
@@ -227,7 +227,7 @@ def start_on(hosts, env, args=()):
     for r, h in enumerate(hosts):
         seen[h] = seen.get(h, -1) + 1
         e = clean_env({"RANK": r, "WORLD_SIZE": len(hosts), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                       "AIV_WARM_IMPORTS": "0", "SLURMD_NODENAME": h, "LOCAL_RANK": seen[h], **env})
+                       "SLURMD_NODENAME": h, "LOCAL_RANK": seen[h], **env})
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return procs

@@ -74,7 +74,7 @@ def test_a_rank_that_never_posts_its_telemetry_is_named_alone_within_the_bound(t
     ranks that did post would have been stuck beside it and named with it; here rank 2 alone is named."""
     jp, t = tmp_path / "v.json", 2 * T  # init of 4 ranks on a loaded 2-core machine can take T itself
     w = Ranks(4, ["--timeout", t, "--json", jp, "--skip-screen"],
-              env={"AIV_FAILPOINT": "pause=90:telemetry:2", "AIV_WARM_IMPORTS": "0"})
+              env={"AIV_FAILPOINT": "pause=90:telemetry:2"})
     try:
         w.wait([0, 1, 3])
     finally:

@@ -209,7 +209,7 @@ def test_the_tolerances_grow_with_k_and_tf32_is_looser():
 
 # ---------------------------------------------------------------------------- real runs, the fault from outside
 def nodes(world, bad, mode="forward"):
-    env = {r: {"SLURMD_NODENAME": f"node{r + 1}", "LOCAL_RANK": 0, "AIV_WARM_IMPORTS": "0"} for r in range(world)}
+    env = {r: {"SLURMD_NODENAME": f"node{r + 1}", "LOCAL_RANK": 0} for r in range(world)}
     if bad is not None:
         env[bad].update(PYTHONPATH=SDC, NUMERICS_FAULT=mode)
     return env

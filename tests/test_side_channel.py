@@ -28,7 +28,7 @@ def start(world, env, args=(), port=None):
     procs = []
     for r in range(world):
         e = clean_env({"RANK": r, "LOCAL_RANK": 0, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": port, "AIV_WARM_IMPORTS": "0", "SLURMD_NODENAME": f"node{r + 1}", **env})
+                       "MASTER_PORT": port, "SLURMD_NODENAME": f"node{r + 1}", **env})
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--timeout", "30", "--rollcall-timeout", "30",
                                        *map(str, args)], env=e, text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE))
@@ -287,7 +287,7 @@ def test_a_secret_less_rank_in_an_authenticated_run_is_named_not_blamed(tmp_path
     procs[1].kill()  # rank 1 again, without the secret
     procs[1].communicate()
     e = clean_env({"RANK": 1, "LOCAL_RANK": 0, "WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                   "SLURMD_NODENAME": "node2", "AIV_WARM_IMPORTS": "0"})
+                   "SLURMD_NODENAME": "node2"})
     procs[1] = subprocess.Popen([sys.executable, str(SCRIPT), "--timeout", "30", "--skip-screen"], env=e, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = finish(procs)
@@ -352,7 +352,7 @@ def test_the_secret_appears_nowhere(tmp_path):
     """Local mode makes its own secret: read off a rank's environment while the run waits, it must not be
     on any command line (ps), in stdout, stderr, the JSON or the manifest."""
     mark = tmp_path / "mark"
-    env = clean_env({"AIV_FAILPOINT": "pause=3:init:1", "AIV_FAILPOINT_MARK": mark, "AIV_WARM_IMPORTS": "0"})
+    env = clean_env({"AIV_FAILPOINT": "pause=3:init:1", "AIV_FAILPOINT_MARK": mark})
     launcher = subprocess.Popen([sys.executable, str(SCRIPT), "--nproc", "2", "--skip-screen", "--json",
                                  str(tmp_path / "v.json"), "--save-manifest", str(tmp_path / "m.json")],
                                 env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

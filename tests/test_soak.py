@@ -207,8 +207,7 @@ def test_a_soak_longer_than_timeout_blames_no_one(tmp_path):
 def test_a_rank_frozen_in_the_soak_is_named():
     # --timeout bounds init too: 15 s, as 10 s was passed by init_process_group of 3 ranks on a loaded 2-core
     # machine; no warm imports (DDP's, never reached here) competing with init for the CPU
-    w = Ranks(3, ["--timeout", 15, "--soak", 3, "--skip-screen"], env={"AIV_FAILPOINT": "hang:soak:1",
-                                                                       "AIV_WARM_IMPORTS": "0"})
+    w = Ranks(3, ["--timeout", 15, "--soak", 3, "--skip-screen"], env={"AIV_FAILPOINT": "hang:soak:1"})
     try:
         w.wait([0, 2], timeout=120)
     finally:
