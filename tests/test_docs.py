@@ -221,6 +221,13 @@ def test_the_worst_cases_the_pages_state_are_the_codes():
 
 
 # ---------------------------------------------------------------------------- tests/run.sh FILE
+def test_every_bench_script_is_named_under_benchmarks():
+    """A script added to bench/ without a word in docs/development.md's Benchmarks is one nobody reruns."""
+    text = "\n".join(section(DOCS / "development.md", "Benchmarks"))
+    scripts = sorted(p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh"))
+    assert scripts and [s for s in scripts if f"`bench/{s}`" not in text] == []
+
+
 def test_run_sh_with_a_file_runs_that_file_only():
     """The pages say `tests/run.sh FILE` runs one file: collected, its tests and no other file's."""
     need = "import torch, numpy, psutil, pytest, hypothesis, prometheus_client, selenium"

@@ -291,3 +291,23 @@ def test_roles_keep_to_their_own_part():
     for role in (aiv.Coordinator, aiv.Follower):  # each role defines every hook the shared flow calls
         for hook in ("end", "grace", "enter_phase", "before_check_in", "after_check_in", "expire", "signalled"):
             assert hook in vars(role), (role.__name__, hook)
+
+
+def test_gc_paused_restores_the_collector_on_every_way_out():
+    """A rank's imports of torch run with the cycle collector off; it must come back on after them, an
+    ImportError included, and stay off where the caller had it off."""
+    import gc
+    assert gc.isenabled()
+    with aiv.gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ImportError), aiv.gc_paused():
+        raise ImportError("no torch here")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with aiv.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
