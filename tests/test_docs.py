@@ -6,9 +6,11 @@ import json
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+import conftest
 from conftest import ROOT, aiv, clean_env, run_tool
 
 README = ROOT / "README.md"
@@ -240,3 +242,30 @@ def test_run_sh_with_a_file_runs_that_file_only():
     ids = [ln for ln in r.stdout.splitlines() if "::" in ln]
     assert r.returncode == 0 and ids, r.stdout[-2000:] + r.stderr[-2000:]
     assert all(i.startswith("tests/test_options_doc.py::") for i in ids), [i for i in ids if "options_doc" not in i][:5]
+
+
+def test_the_suite_is_dealt_to_the_workers_in_shares_of_equal_cost():
+    """What tests/run.sh and docs/development.md say of the order: every file _COST names exists (a renamed
+    file would silently count as quick); the order is a permutation cut by worksteal into shares whose
+    costs differ by less than one test's; the Slurm tests lead the first share in their file's order;
+    every share ends with its quick tests."""
+    assert sorted(set(conftest._COST) - {p.name for p in (ROOT / "tests").glob("test_*.py")}) == []
+    files = {name: int(cost * 3) + 2 for name, cost in conftest._COST.items()}
+    files["test_quick.py"] = 40
+    items = [SimpleNamespace(path=ROOT / "tests" / name, nodeid=f"tests/{name}::t{i}")
+             for name, n in files.items() for i in range(n)]
+    for workers in (1, 3, 4):
+        order = conftest.dealt(items, workers)
+        assert sorted(map(id, order)) == sorted(map(id, items))
+        shares, left = [], list(order)
+        for w in range(workers):  # worksteal's cut
+            n = len(left) // (workers - w)
+            shares.append(left[:n])
+            left = left[n:]
+        costs = [sum(conftest._COST.get(i.path.name, 0.1) for i in share) for share in shares]
+        assert max(costs) - min(costs) < max(conftest._COST.values()), costs
+        slurm = [i for i in items if i.path.name == conftest._TOGETHER]
+        assert shares[0][:len(slurm)] == slurm
+        for share in shares:
+            quick = [conftest._COST.get(i.path.name, 0.1) < 1.0 for i in share]
+            assert quick == sorted(quick), "a quick test before a test of real processes"
