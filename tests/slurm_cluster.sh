@@ -212,7 +212,10 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$DIR/log/jobcomp.txt
 GresTypes=gpu
-KillWait=5
+# Slurm's default KillWait, as on the clusters the tool runs on. After a cancel, srun relays the ranks'
+# output for KillWait + 2 s ("Job step aborted: Waiting up to N seconds"); rank 0's "interrupted" verdict
+# comes within 5 s of the SIGTERM, which KillWait=5 left no margin for on a loaded test machine
+KillWait=30
 MinJobAge=600
 InactiveLimit=0
 SlurmdTimeout=60

@@ -511,7 +511,7 @@ def test_scancel_names_nobody(cluster, capsys, phase):
     def left():  # this cluster's ranks only: their command line holds the submit directory's path
         return subprocess.run(["pgrep", "-f", str(cluster.workdir / "ddp_mesh_ping.py")], capture_output=True,
                               text=True).stdout.split()
-    deadline = time.monotonic() + 15  # KillWait (5 s) and slurmstepd's clean-up
+    deadline = time.monotonic() + 15  # the ranks end on the SIGTERM themselves (KillWait, 30 s, would kill them later)
     while left() and time.monotonic() < deadline:
         time.sleep(0.5)
     with capsys.disabled():
