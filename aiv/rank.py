@@ -411,9 +411,8 @@ class RankRun(ScreenRunner):
 
     def phase_ddp(self):
         torch, dist, dev, t = self.torch, self.dist, self._device(), time.monotonic()
-        with gc_paused():  # DDP's constructor imports torch._dynamo where _warm_imports did not (or not yet)
-            import torch._dynamo  # noqa: F401
-            from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp_imports()  # where _warm_imports did not (or not yet): with the collector paused
+        from torch.nn.parallel import DistributedDataParallel as DDP
         if not self.args.skip_numerics:  # this rank's own gradients, same input as every rank's, before any all-reduce
             self.results["grads_local"] = ddp_local_grads(torch, dev)
         g = torch.Generator().manual_seed(1234 + self.rank)
@@ -707,11 +706,16 @@ def gc_paused():
             gc.enable()
 
 
+def ddp_imports():
+    """What the DDP constructor pulls in lazily (torch._dynamo), imported with the collector paused."""
+    with gc_paused():
+        import torch._dynamo  # noqa: F401
+        import torch.nn.parallel  # noqa: F401
+
+
 def _warm_imports():
-    """Import what the DDP constructor pulls in lazily, while this rank waits on the network."""
+    """ddp_imports, while this rank waits on the network (an error there is the DDP step's to report)."""
     try:
-        with gc_paused():
-            import torch._dynamo  # noqa: F401
-            import torch.nn.parallel  # noqa: F401
+        ddp_imports()
     except Exception:
         pass
