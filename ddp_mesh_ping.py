@@ -155,14 +155,17 @@ class UsageError(Exception):
         self.own = own
 
 
-def finding(check, status, reason, hosts=(), ranks=(), code=EXIT_FAIL):
-    """One judged fact. status is PASS, WARN or FAIL; code is the exit code a FAIL implies."""
+def finding(check, status, reason, hosts=(), ranks=(), code=EXIT_FAIL, blame=None):
+    """One judged fact. status is PASS, WARN or FAIL; code is the exit code a FAIL implies; blame: the kind of
+    evidence that singles out its hosts (aiv/blame.py), without which blame_gate names none."""
     if check not in CHECKS:
         raise ValueError(f"finding() got check {check!r}, which is not in CHECKS")
     f = {"check": check, "status": status, "reason": reason,
          "hosts": sorted(set(hosts)), "ranks": sorted(set(ranks))}
     if status == "FAIL" and code != EXIT_FAIL:
         f["code"] = code
+    if blame is not None:
+        f["blame"] = blame
     return f
 
 
@@ -483,8 +486,8 @@ class Verdict(Exception):
         self.code, self.findings = code, list(findings)
 
 
-def failed(check, reason, code=EXIT_FAIL, hosts=(), ranks=()):
-    return Verdict(code, [finding(check, "FAIL", reason, hosts, ranks, code=code)])
+def failed(check, reason, code=EXIT_FAIL, hosts=(), ranks=(), blame=None):
+    return Verdict(code, [finding(check, "FAIL", reason, hosts, ranks, code=code, blame=blame)])
 
 
 def _counts(findings):
@@ -534,6 +537,190 @@ class Findings:
     def __len__(self):
         with self._lock:
             return len(self._items)
+
+
+
+# ============================================================================ aiv/blame.py
+# Floor 1: the blame law, in one place. A host is named (failed_hosts, exclude, a drain) only on evidence
+# Evidence that singles a host out: a finding standing on it may name the host.
+LOCALISING = {
+    "process": "its own process state: dead, frozen or unreachable",
+    "own": "its own state, seen on its host by its own rank: a local check, a device error, a counter, a process "
+           "of its own",
+    "persisted": "a measurement that persisted when measured again",
+    "majority": "a fact unlike a strict majority of its class",
+    "reference": "a result off the fp64 reference that its peers of the same model and software meet",
+    "manifest": "a fact unlike the accepted manifest",
+    "never-issued": "a collective it never issued while its peers did",
+}
+
+# Evidence that does not: the finding names no host. Each with why, and what would localise it.
+UNLOCALISED = {
+    "everyone": ("every member of its class, or most of them, alike: none is singled out",
+                 "an accepted --manifest (docs/manifest.md) or the per-model table says which value is right"),
+    "tie": ("no strict majority: the values split evenly, so this run cannot tell which side is wrong",
+            "a run with a third node of the class, or an accepted --manifest (docs/manifest.md)"),
+    "not-collected": ("the evidence did not come back from every node in time",
+                      "a re-run: the facts that did not come back name their host when they do"),
+    "once": ("measured once, not again", "a re-run: a value slow again when measured again names its host"),
+    "all-issued": ("every rank issued the collective and none finished: the fabric between them, not a host",
+                   "the screen's pair results (the inter-node rows), or a run with the screen on"),
+    "stuck": ("alive but did not finish within its bound, and nothing shows what held it: a slow or loaded node is "
+              "not a broken one",
+              "a re-run: a rank stuck again is named by the collective it never issued; on a loaded node a longer "
+              "bound (--timeout, --rollcall-timeout)"),
+    "launch": ("how the launcher placed the ranks, not a fault of a node",
+               "the launch command and the allocation (docs/slurm.md)"),
+    "widespread": ("more nodes implicated than passed: a switch, the fabric or its configuration",
+                   "the switches and the fabric's configuration; then a re-run"),
+    "link": ("the path between the nodes, not either node: each is at speed with other partners",
+             "the cables and the switch path between them; a re-run with other partners"),
+    "undeclared": ("its check declares no evidence that names a host",
+                   "a report of this line: a check must declare its evidence (docs/development.md)"),
+}
+EVIDENCE = tuple(LOCALISING) + tuple(UNLOCALISED)
+
+
+def rule(names=(), drain=(), why=None, contexts=("job",)):
+    """A check's declaration: the evidence on which it may name a host (names), the part of it on which it may
+    drain (drain: a subset of names, each with `why` that evidence persists) and where it runs (contexts:
+    'job', the preflight; 'node', the node gate)."""
+    names, drain = tuple(names), tuple(drain)
+    if not set(names) <= set(LOCALISING) or not set(drain) <= set(names) or (drain and not why):
+        raise ValueError(f"rule(names={names}, drain={drain}): names must be localising evidence, drain a part of "
+                         "them, and a drain must say why its evidence persists")
+    return {"names": names, "drain": drain, "why": why, "contexts": tuple(contexts)}
+
+
+_PROCESS_WHY = ("a rank whose process died, froze or whose node stopped answering in the middle of a run is a "
+                "fault of its node (its GPU, kernel, memory or network) that a re-run there meets again")
+# Every check of CHECKS, declared. A check not declared here names no host and drains nothing.
+CHECK_RULES = {
+    "usage": rule(), "contract": rule(), "launch": rule(), "world-size": rule(), "layout": rule(),
+    "bandwidth": rule(), "internal": rule(), "interrupted": rule(), "output": rule(), "drain": rule(),
+    "local": rule(("own",), ("own",), "a rank's own software or configuration on its host (a missing numpy, an "
+                  "old torch, an interface) stays until the node is fixed"),
+    "device": rule(("own", "majority"), ("own", "majority"), "a GPU that CUDA cannot use, or a node whose ranks "
+                   "chose another backend than the rest, stays so until the node is repaired"),
+    "interface": rule(("own", "majority"), ("own", "majority"), "a node's interfaces and the address its hostname "
+                      "maps to stay until the node is reconfigured"),
+    "rendezvous": rule(("process", "own"), ("process",), _PROCESS_WHY + "; so does a rank that never checked in "
+                       "while its peers did"),
+    "gpu-affinity": rule(("majority",), ("majority",), "a node that binds two ranks to one GPU, unlike the other "
+                         "nodes, does so from its own configuration (gres.conf, its slurmd) on every run"),
+    "numa": rule(("own",)),
+    "versions": rule(("majority", "manifest"), ("majority", "manifest"), "software installed on a node stays "
+                     "until it is reinstalled"),
+    "imports": rule(("own", "majority")),
+    "fabric": rule(("own", "majority")),
+    "day0": rule(("own",)),
+    "init": rule(("process", "own", "never-issued"), ("process",), _PROCESS_WHY),
+    "telemetry": rule(("process", "own", "never-issued"), ("process",), _PROCESS_WHY),
+    "collective": rule(("process", "own", "never-issued", "majority"), ("process",), _PROCESS_WHY),
+    "ddp": rule(("process", "own", "never-issued", "majority"), ("process",), _PROCESS_WHY),
+    "verdict": rule(("process", "own"), ("process",), _PROCESS_WHY),
+    "transport": rule(("own",), ("own",), "NCCL falling back to sockets on a node whose InfiniBand ports are "
+                      "ACTIVE is its own libraries or device access, which stay until fixed"),
+    "manifest": rule(("manifest",), ("manifest",), "a node unlike the accepted manifest stays so until it is "
+                     "reinstalled or the manifest is accepted anew"),
+    "gpu-perf": rule(("persisted", "own", "process", "never-issued"), ("persisted", "own", "process"),
+                     "a GPU slow again when measured again, or whose row remapping failed, stays so until it "
+                     "is repaired; " + _PROCESS_WHY),
+    "intra-node": rule(("persisted", "process", "never-issued"), ("persisted", "process"),
+                       "a node slow inside in every try, beside known-good nodes, stays so until its NVLink, "
+                       "NVSwitch or PCIe is repaired; " + _PROCESS_WHY),
+    "inter-node": rule(("persisted", "process", "never-issued"), ("persisted", "process"),
+                       "a node slow with two different partners after re-measurement and fine with none stays so "
+                       "until its NIC, cable or switch port is repaired; " + _PROCESS_WHY),
+    "soak": rule(("persisted", "own", "process"), ("persisted", "own", "process"),
+                 "a GPU that slows down, overheats or brakes over a sustained load does so again under the next "
+                 "job's load; " + _PROCESS_WHY),
+    "numerics": rule(("reference", "majority", "own"), ("reference", "majority", "own"),
+                     "a GPU that computed wrong bits (off the fp64 reference its peers meet, unlike a strict "
+                     "majority of them, or unlike its own first result) computes wrong again: silent data "
+                     "corruption persists until the GPU is replaced"),
+}
+if set(CHECK_RULES) != set(CHECKS):  # a new check declares itself here (docs/development.md: adding a check)
+    raise ValueError(f"CHECK_RULES and CHECKS differ: {sorted(set(CHECKS) ^ set(CHECK_RULES))}")
+
+
+def localises(f):
+    """Whether finding f may name its hosts: its evidence singles a host out and its check declares that."""
+    ev = f.get("blame")
+    return ev in LOCALISING and ev in CHECK_RULES.get(f["check"], {}).get("names", ())
+
+
+def unlocalised(f, kind, localise=None, why=None):
+    """f (a new dict) naming no host: evidence `kind` (a key of UNLOCALISED), its hosts kept as `involved`, the
+    reason saying that no host is named, why, and what would localise it."""
+    default_why, default_how = UNLOCALISED[kind]
+    why, how = why or default_why, localise or default_how
+    out = dict(f, blame=kind, hosts=[], involved=sorted(set(f.get("involved") or []) | set(f.get("hosts") or [])),
+               unlocalised={"why": why, "localise": how})
+    if not any(w in out["reason"] for w in ("no host is named", "no host blamed", "no host is blamed")):
+        out["reason"] = f"{out['reason']}; no host is named: {why}; to localise it: {how}"
+    return out
+
+
+def blame_gate(findings):
+    """The one gate every finding passes at the verdict (pure). A WARN or FAIL keeps its hosts only when
+    localises(f); one naming hosts without such evidence is turned into unlocalised(f, ...) (its evidence
+    kept when it is an UNLOCALISED kind, else 'undeclared'). PASS findings are untouched. -> new findings."""
+    out = []
+    for f in findings:
+        if f["status"] == "PASS" or localises(f):
+            out.append(f)
+        elif f["hosts"] or f.get("blame") in UNLOCALISED:
+            ev = f.get("blame")
+            out.append(unlocalised(f, ev if ev in UNLOCALISED else "undeclared"))
+        else:
+            out.append(f)
+    return out
+
+
+def blamed_hosts(findings):
+    """The hosts the gated findings blame: every FAIL's hosts (a finding standing on a value refused by the
+    side channel blames nobody: the run's evidence came through a store written from outside)."""
+    if any(f.get("tamper") and f["status"] == "FAIL" for f in findings):
+        return []
+    return sorted({h for f in findings if f["status"] == "FAIL" and localises(f) for h in f["hosts"]})
+
+
+def drainable(f):
+    """Whether a gated FAIL may drain its hosts: its check declares its evidence persistent (CHECK_RULES
+    drain); a check that says nothing drains nothing."""
+    return (f["status"] == "FAIL" and bool(f["hosts"]) and localises(f)
+            and f.get("blame") in CHECK_RULES[f["check"]]["drain"])
+
+
+def strict_majority(groups):
+    """{value: [members]} -> the value a strict majority of all members share, or None (a tie, or no value
+    held by more than half)."""
+    total = sum(len(v) for v in groups.values())
+    for value, members in groups.items():
+        if 2 * len(members) > total:
+            return value
+    return None
+
+
+def odd_ones(groups):
+    """{value: [members]} of one class -> (the members unlike the strict majority, evidence kind): ([], None)
+    when all agree; (members, 'majority') with a strict majority; (every member, 'tie') without one."""
+    if len(groups) <= 1:
+        return [], None
+    top = strict_majority(groups)
+    if top is None:
+        return sorted({m for v in groups.values() for m in v}, key=str), "tie"
+    return sorted({m for v, ms in groups.items() if v != top for m in ms}, key=str), "majority"
+
+
+def minority_kind(bad, members):
+    """The evidence kind of `bad` among `members` (both sets of hosts): 'majority' when the bad ones are a strict
+    minority (each is unlike a strict majority), 'tie' at half, 'everyone' beyond."""
+    bad, members = set(bad), set(members)
+    if 2 * len(bad) < len(members):
+        return "majority"
+    return "tie" if 2 * len(bad) == len(members) else "everyone"
 
 
 
@@ -2345,7 +2532,7 @@ def _numerics_tie(group, c, by, culprits):
                    + ") and none is off the fp64 reference beyond the tolerance: one of them computes wrong "
                    "and this run cannot tell which (no majority): run dcgmi diag -r 3 on "
                    f"{compress_hostlist(sorted({r.get('host') for r in ranks}))}, or rerun with a third "
-                   "device of the model; no host blamed", ranks=[r["rank"] for r in ranks])
+                   "device of the model; no host blamed", ranks=[r["rank"] for r in ranks], blame="tie")
 
 
 def judge_numerics(rows, stage="numerics check"):
@@ -2408,10 +2595,11 @@ def _numerics_unjudged(r, stage):
                        "tool, not a fault of the cluster: no host is blamed", code=EXIT_INTERNAL)
     if r.get("error"):
         return finding("numerics", "FAIL", f"{_who(r)}: the {stage} could not run on its device: "
-                       f"{r['error']}: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]])
+                       f"{r['error']}: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]], blame="own")
     if r.get("unread") is not None:
-        return finding("numerics", "WARN", f"{_who(r)}: the {stage} did not finish within "
-                       f"{r['unread']:g}s: its numbers were not checked", [r.get("host")], [r["rank"]])
+        return unlocalised(finding("numerics", "WARN", f"{_who(r)}: the {stage} did not finish within "
+                                   f"{r['unread']:g}s: its numbers were not checked", [r.get("host")], [r["rank"]]),
+                           "not-collected", "a re-run: the numbers checked in time name their host if wrong")
     return None
 
 
@@ -2427,7 +2615,7 @@ def _numerics_all_off(group, c, have, off):
                        + f"; the only rank of its model and software ({group}) in this run, so its "
                        f"device cannot be told from the software: run dcgmi diag -r 3 on "
                        f"{worst.get('host')}, or run with a second device of the model; no host "
-                       f"blamed", ranks=[worst["rank"]])
+                       f"blamed", ranks=[worst["rank"]], blame="tie")
     same = len({r["checks"][c].get("digest") for r in have}) == 1
     return finding("numerics", "FAIL", f"every one of the {len(have)} rank(s) of {group} computes "
                    f"{c} ({NUMERICS_WHAT.get(c, c)}) off the fp64 reference"
@@ -2435,7 +2623,7 @@ def _numerics_all_off(group, c, have, off):
                    + f" (worst: {_ranks_words([worst])}: {_off_words(c, p)}): a fault of the software "
                    "(torch, CUDA, cuBLAS, driver) or of the model, not of a host: no host blamed; "
                    "report it with this line, and try another software version",
-                   ranks=[r["rank"] for r in have])
+                   ranks=[r["rank"] for r in have], blame="everyone")
 
 
 def _numerics_culprits(culprits, stage):
@@ -2446,13 +2634,21 @@ def _numerics_culprits(culprits, stage):
     for r, texts in items[:NUMERICS_LIST_MAX]:
         action = NUMERICS_ACTION if r.get("uuid") or r.get("device") is not None else NUMERICS_CPU_ACTION
         out.append(finding("numerics", "FAIL", f"{_who(r)} computes wrong numbers in the {stage}: "
-                           + "; ".join(texts) + f": {action}", [r.get("host")], [r["rank"]]))
+                           + "; ".join(texts) + f": {action}", [r.get("host")], [r["rank"]],
+                           blame=_culprit_blame(texts)))
     if len(items) > NUMERICS_LIST_MAX:
         rest = [r for r, _ in items[NUMERICS_LIST_MAX:]]
         out.append(finding("numerics", "FAIL", f"and {len(rest)} more rank(s) compute wrong numbers in the {stage}: "
                            f"{_ranks_words(rest)}: see the JSON's ranks[].numerics", [r.get("host") for r in rest],
-                           [r["rank"] for r in rest]))
+                           [r["rank"] for r in rest],
+                           blame=_culprit_blame([t for _, ts in items[NUMERICS_LIST_MAX:] for t in ts])))
     return out
+
+
+def _culprit_blame(texts):
+    """The evidence a culprit's texts stand on: off the fp64 reference its peers meet ('reference'), else bits
+    unlike a strict majority of its peers ('majority')."""
+    return "reference" if any("off the fp64 reference" in t for t in texts) else "majority"
 
 
 def _numerics_pass(groups, stage):
@@ -2513,11 +2709,11 @@ def judge_numerics_soak(rows):
         return [finding("numerics", "FAIL", f"soak: every one of the {len(done)} rank(s) gave results under sustained "
                         f"load whose bits differ from its own first result ({_ranks_words(bad)}; {first(bad[0])}): "
                         "the software is not deterministic here, not a host's fault: no host blamed",
-                        ranks=[r["rank"] for r in bad])]
+                        ranks=[r["rank"] for r in bad], blame="everyone")]
     return [finding("numerics", "FAIL", f"{_who(r)}: under sustained load (--soak) {r['numerics_mismatches']} of "
                     f"{r['numerics_repeats']} repeat(s) of its matmuls differed from its own first result "
-                    f"({first(r)}): an intermittent fault: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]])
-            for r in bad]
+                    f"({first(r)}): an intermittent fault: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]],
+                    blame="own") for r in bad]
 
 
 
@@ -3240,13 +3436,14 @@ def stray_reason(rank, world, world0, first):
 
 def judge_strays(strays):
     """One FAIL per process refused at the roll call (stray_reason): the launch started a process that
-    is not a rank of this run. The stray's host is named; the rank it claimed is its own."""
+    is not a rank of this run. The stray's host is named (its own process: evidence 'own'); the rank it
+    claimed is its own."""
     out = []
     for x in sorted(strays, key=lambda x: (x["rank"], x["host"], x["pid"])):
         out.append(finding(x["check"], "FAIL", f"a process with RANK={x['rank']} (pid {x['pid']} on {x['host']}) "
                            f"joined the roll call but is not a rank of this run: {x['why']}; two launches share "
                            f"MASTER_ADDR:MASTER_PORT, or the launcher gave out RANK/WORLD_SIZE wrong",
-                           [x["host"]], [x["rank"]]))
+                           [x["host"]], [x["rank"]], blame="own"))
     return out
 
 
@@ -3323,7 +3520,8 @@ def judge_store_peers(peers, allowed, authenticated, master):
 
 
 def judge_layout(records, expect):
-    """Nodes count, ranks per node, local ranks 0..k-1 exactly once on every node."""
+    """Nodes count, ranks per node, local ranks 0..k-1 exactly once on every node. How the launcher placed
+    the ranks is not a node's fault: the findings name no host (evidence 'launch')."""
     out = []
     hosts = _by_host(records)
     for host, rs in sorted(hosts.items()):
@@ -3333,9 +3531,9 @@ def judge_layout(records, expect):
             gaps = sorted(set(range(len(rs))) - set(locs))
             what = "; ".join(filter(None, [f"duplicate {format_ranges(dups)}" if dups else "",
                                            f"missing {format_ranges(gaps)}" if gaps else ""]))
-            out.append(finding("layout", "FAIL", f"node {host} has local ranks {','.join(map(str, locs))} "
-                               f"({what}), expected 0..{len(rs) - 1} once each",
-                               [host], [r["rank"] for r in rs]))
+            out.append(unlocalised(finding("layout", "FAIL", f"node {host} has local ranks "
+                                           f"{','.join(map(str, locs))} ({what}), expected 0..{len(rs) - 1} once "
+                                           "each", [host], [r["rank"] for r in rs]), "launch"))
     want_nodes = expect.get("nodes")
     if want_nodes is not None and want_nodes != len(hosts):
         out.append(finding("layout", "FAIL", f"{len(hosts)} node(s) reported ({compress_hostlist(sorted(hosts))}) "
@@ -3344,8 +3542,8 @@ def judge_layout(records, expect):
     if rpn is not None:
         for host, rs in sorted(hosts.items()):
             if len(rs) != rpn:
-                out.append(finding("layout", "FAIL", f"node {host} runs {len(rs)} ranks but {rpn} per node "
-                                   f"were expected", [host], [r["rank"] for r in rs]))
+                out.append(unlocalised(finding("layout", "FAIL", f"node {host} runs {len(rs)} ranks but {rpn} per "
+                                               "node were expected", [host], [r["rank"] for r in rs]), "launch"))
     if not out:
         counts = sorted({len(rs) for rs in hosts.values()})
         out.append(finding("layout", "PASS", f"{len(hosts)} node(s) x {'/'.join(map(str, counts))} rank(s), "
@@ -3354,7 +3552,9 @@ def judge_layout(records, expect):
 
 
 def judge_gpu_affinity(records):
-    """No two ranks anywhere on one physical GPU (UUIDs are globally unique)."""
+    """No two ranks anywhere on one physical GPU (UUIDs are globally unique). A node that binds two ranks
+    to one GPU is named when it is unlike a strict majority of the nodes (its own configuration); when most
+    nodes do it, the launch does: FAIL, no host named."""
     gpu_recs = [r for r in records if r.get("gpu")]
     if not gpu_recs:
         return []
@@ -3363,14 +3563,16 @@ def judge_gpu_affinity(records):
         g = r["gpu"]
         key = g.get("uuid") or f"{r['host']}/{g.get('pci')}"
         seen.setdefault(key, []).append(r)
-    for _, rs in sorted(seen.items()):
-        if len(rs) > 1:
-            g = rs[0]["gpu"]
-            out.append(finding("gpu-affinity", "FAIL",
-                               f"{' and '.join(_rank_str(r) for r in rs)} share one GPU {g.get('uuid') or '?'} "
-                               f"(pci {g.get('pci') or '?'}, cuda:{rs[0].get('device')}, "
-                               f"CUDA_VISIBLE_DEVICES={rs[0].get('cvd')})",
-                               [r["host"] for r in rs], [r["rank"] for r in rs]))
+    shared = [rs for _, rs in sorted(seen.items()) if len(rs) > 1]
+    kind = minority_kind({r["host"] for rs in shared for r in rs}, {r["host"] for r in gpu_recs})
+    for rs in shared:
+        g = rs[0]["gpu"]
+        f = finding("gpu-affinity", "FAIL", f"{' and '.join(_rank_str(r) for r in rs)} share one GPU "
+                    f"{g.get('uuid') or '?'} (pci {g.get('pci') or '?'}, cuda:{rs[0].get('device')}, "
+                    f"CUDA_VISIBLE_DEVICES={rs[0].get('cvd')})", [r["host"] for r in rs], [r["rank"] for r in rs],
+                    blame="majority")
+        out.append(f if kind == "majority" else unlocalised(
+            f, kind, "the launch's GPU binding (--gpus-per-task, CUDA_VISIBLE_DEVICES) on every node"))
     if not out:
         out.append(finding("gpu-affinity", "PASS", f"{len(gpu_recs)} rank(s) on {len(seen)} distinct GPU(s)"))
     return out
@@ -3390,7 +3592,7 @@ def judge_numa(records):
         if not numa_cpus & aff:
             out.append(finding("numa", "WARN", f"{_rank_str(r)} runs on CPUs {r['cpus']} but its GPU "
                                f"{g.get('pci')} is on NUMA node {g['numa']} (CPUs {g['numa_cpus']})",
-                               [r["host"]], [r["rank"]]))
+                               [r["host"]], [r["rank"]], blame="own"))
     return out
 
 
@@ -3399,40 +3601,66 @@ def _spread(values):
     return "; ".join(f"{v} on {compress_hostlist(sorted(hs))}" for v, hs in sorted(values.items(), key=str))
 
 
+def _differs(check, sev, text, values, localise=None):
+    """A finding that `text` differs across nodes (values: {value: hosts}): the nodes unlike a strict majority
+    named (evidence 'majority'), or with no majority (a tie) one finding naming no host."""
+    odd, kind = odd_ones(values)
+    f = finding(check, sev, f"{text}: {_spread(values)}", odd, blame="majority")
+    return f if kind == "majority" else unlocalised(f, kind, localise)
+
+
+def _node_facts_unread(records):
+    """{host: why} of nodes whose facts were not collected (the node leader's facts carry an error)."""
+    return {r["host"]: r["node"]["error"] for r in records
+            if isinstance(r.get("node"), dict) and r["node"].get("error")}
+
+
+VERSION_FIELDS = (("torch", "FAIL", lambda r: r["versions"]["torch"]),
+                  ("CUDA", "FAIL", lambda r: r["versions"]["cuda"]),
+                  ("NCCL", "FAIL", lambda r: r["versions"]["nccl"]),
+                  ("GPU model", "FAIL", lambda r: (r.get("gpu") or {}).get("name")),
+                  ("driver", "FAIL", lambda r: (r.get("node") or {}).get("driver")),
+                  ("python", "WARN", lambda r: r["versions"]["python"]),
+                  ("OS", "WARN", lambda r: (r.get("node") or {}).get("os")),
+                  ("kernel", "WARN", lambda r: (r.get("node") or {}).get("kernel")))
+NODE_VERSION_FIELDS = ("driver", "OS", "kernel")  # from the node leader's facts: absent where not collected
+
+
 def judge_versions(records):
-    """Software stack identical across nodes: FAIL for torch/CUDA/NCCL/driver/GPU model, WARN for the rest."""
-    out = []
-    fields = [("torch", "FAIL", lambda r: r["versions"]["torch"]),
-              ("CUDA", "FAIL", lambda r: r["versions"]["cuda"]),
-              ("NCCL", "FAIL", lambda r: r["versions"]["nccl"]),
-              ("GPU model", "FAIL", lambda r: (r.get("gpu") or {}).get("name")),
-              ("driver", "FAIL", lambda r: (r.get("node") or {}).get("driver")),
-              ("python", "WARN", lambda r: r["versions"]["python"]),
-              ("OS", "WARN", lambda r: (r.get("node") or {}).get("os")),
-              ("kernel", "WARN", lambda r: (r.get("node") or {}).get("kernel"))]
-    for label, sev, get in fields:
+    """Software stack identical across nodes: FAIL for torch/CUDA/NCCL/driver/GPU model, WARN for the rest.
+    The nodes unlike a strict majority are named; a tie names none (with two nodes, which is right cannot be
+    told: an accepted --manifest decides). A node whose facts were not collected is left out of the node
+    fields (a WARN says so), never compared as 'None'."""
+    out, unread = [], _node_facts_unread(records)
+    for label, sev, get in VERSION_FIELDS:
         values = {}
         for r in records:
-            if label in ("driver", "OS", "kernel") and not r.get("node"):
+            if label in NODE_VERSION_FIELDS and (not r.get("node") or r["host"] in unread):
                 continue
             values.setdefault(str(get(r)), set()).add(r["host"])
         if len(values) > 1:
-            groups = sorted(values.values(), key=len)
-            # name the deviating nodes (all but the largest group), unless there is no majority
-            odd = groups[:-1] if len(groups[-1]) > len(groups[-2]) else groups
-            out.append(finding("versions", sev, f"{label} differs across nodes: {_spread(values)}",
-                               [h for hs in odd for h in hs]))
+            out.append(_differs("versions", sev, f"{label} differs across nodes", values,
+                                "an accepted --manifest (docs/manifest.md), or a run with a third node of the class"))
+    if unread:
+        out.append(unlocalised(finding("versions", "WARN", f"driver, OS and kernel not compared on "
+                                       f"{compress_hostlist(sorted(unread))}: the node facts were not collected ("
+                                       f"{next(iter(unread.values()))})", sorted(unread)), "not-collected"))
     if not any(f["status"] == "FAIL" for f in out):
         r0 = records[0]
         v = r0["versions"]
+        nodes = {r["host"] for r in records}
+        where = "on all nodes" if not unread else \
+            f"on the {len(nodes - set(unread))} of {len(nodes)} node(s) compared"
+        driver = next(((r.get("node") or {}).get("driver") for r in records
+                       if r.get("node") and r["host"] not in unread), None)
         out.insert(0, finding("versions", "PASS", f"torch {v['torch']}, CUDA {v['cuda'] or '-'}, NCCL "
-                              f"{v['nccl'] or '-'}, driver {(r0.get('node') or {}).get('driver') or '-'} "
-                              f"identical on all nodes"))
+                              f"{v['nccl'] or '-'}, driver {driver or '-'} identical {where}"))
     return out
 
 
 def judge_imports(records):
-    """torchvision / torchaudio import on every node, at one version across nodes (WARN)."""
+    """torchvision / torchaudio import on every node (a WARN naming the node where not: its own state), at one
+    version across nodes (WARN: the nodes unlike a strict majority)."""
     out, versions = [], {name: {} for name in PROBED_PACKAGES}
     for r in records:
         imp = (r.get("node") or {}).get("imports") or {}
@@ -3441,44 +3669,44 @@ def judge_imports(records):
             if st and not st.get("ok"):
                 what = "is not installed" if _import_state(st) == "missing" else "does not import"
                 out.append(finding("imports", "WARN", f"{name} {what} on {r['host']}: {st.get('error')}",
-                                   [r["host"]]))
+                                   [r["host"]], blame="own"))
             elif st:
                 versions[name].setdefault(str(st.get("version")), set()).add(r["host"])
     for name, values in versions.items():
         if len(values) > 1:
-            odd = sorted(values.values(), key=len)[:-1]
-            out.append(finding("versions", "WARN", f"{name} differs across nodes: {_spread(values)}",
-                               [h for hs in odd for h in hs]))
+            out.append(_differs("versions", "WARN", f"{name} differs across nodes", values))
     return out
 
 
 def judge_fabric(records, ib_hca=None):
-    """IB ports (those NCCL_IB_HCA names, when set) ACTIVE and at their siblings' rate."""
+    """IB ports (those NCCL_IB_HCA names, when set) ACTIVE and at their siblings' rate (WARN, the node's own
+    state); a node's rate, or its having IB ports at all, unlike a strict majority of the nodes (WARN)."""
     out = []
     nodes = {r["host"]: r["node"] for r in records if r.get("node")}
     with_ib = {h: ib_hca_select(ib_hca, n.get("ib") or []) for h, n in nodes.items()}
     with_ib = {h: ps for h, ps in with_ib.items() if ps}
     if not with_ib:
         return [finding("fabric", "PASS", "no InfiniBand ports on any node (sockets only)")] if nodes else []
-    job_max = max((p["rate_gbps"] or 0) for ps in with_ib.values() for p in ps)
+    node_max = {h: max((p["rate_gbps"] or 0) for p in ps) for h, ps in with_ib.items()}
     for h, ps in sorted(with_ib.items()):
-        node_max = max((p["rate_gbps"] or 0) for p in ps)
         for p in ps:
             if p["state"] != "ACTIVE":
-                out.append(finding("fabric", "WARN", f"{h} {p['port']} is {p['state']}", [h]))
-            elif (p["rate_gbps"] or 0) < node_max:
+                out.append(finding("fabric", "WARN", f"{h} {p['port']} is {p['state']}", [h], blame="own"))
+            elif (p["rate_gbps"] or 0) < node_max[h]:
                 out.append(finding("fabric", "WARN", f"{h} {p['port']} runs at {p['rate_gbps']:g} Gb/s, "
-                                   f"below {node_max:g} Gb/s of its sibling ports", [h]))
-            elif (p["rate_gbps"] or 0) < job_max:
-                out.append(finding("fabric", "WARN", f"{h} {p['port']} runs at {p['rate_gbps']:g} Gb/s, "
-                                   f"below {job_max:g} Gb/s elsewhere in the job", [h]))
+                                   f"below {node_max[h]:g} Gb/s of its sibling ports", [h], blame="own"))
+    rates = {}
+    for h, m in node_max.items():
+        rates.setdefault(f"{m:g} Gb/s", set()).add(h)
+    if len(rates) > 1:
+        out.append(_differs("fabric", "WARN", "the fastest InfiniBand port's rate differs across nodes", rates))
     missing = sorted(set(nodes) - set(with_ib))
     if missing:
-        out.append(finding("fabric", "WARN", f"no InfiniBand ports on {compress_hostlist(missing)} while "
-                           f"{compress_hostlist(sorted(with_ib))} have them", missing))
+        out.append(_differs("fabric", "WARN", "InfiniBand ports present on some nodes only",
+                            {"present": set(with_ib), "absent": set(missing)}))
     if not out:
         n = sum(len(ps) for ps in with_ib.values())
-        out.append(finding("fabric", "PASS", f"{n} InfiniBand port(s) ACTIVE at {job_max:g} Gb/s on "
+        out.append(finding("fabric", "PASS", f"{n} InfiniBand port(s) ACTIVE at {max(node_max.values()):g} Gb/s on "
                            f"{len(with_ib)} node(s)"))
     return out
 
@@ -3488,7 +3716,7 @@ GPU_BUSY_MIN = 2 << 30     # memory already used on a GPU before we allocate (ou
 
 
 def judge_day0(records):
-    """The basics that break NCCL in practice (WARN)."""
+    """The basics that break NCCL in practice (WARN, each the node's own state)."""
     out = []
     per_host = {h: len(rs) for h, rs in _by_host(records).items()}
     for r in records:
@@ -3496,26 +3724,27 @@ def judge_day0(records):
         g = r.get("gpu") or {}
         if g.get("mem_used") is not None and g["mem_used"] > GPU_BUSY_MIN:
             out.append(finding("day0", "WARN", f"{_rank_str(r)}: {human_bytes(g['mem_used'])} of GPU "
-                               f"{g.get('pci')} already in use by other processes", [h], [r["rank"]]))
+                               f"{g.get('pci')} already in use by other processes", [h], [r["rank"]], blame="own"))
         if not n:
             continue
         has_ib = any(p["state"] == "ACTIVE" for p in n.get("ib") or [])
         if has_ib and n.get("memlock") != "unlimited":
             out.append(finding("day0", "WARN", f"{h}: locked-memory limit is {human_bytes(n.get('memlock'))}, "
-                               f"not unlimited (ulimit -l); RDMA registration can fail", [h]))
+                               f"not unlimited (ulimit -l); RDMA registration can fail", [h], blame="own"))
         if n.get("shm") is not None and n["shm"] < SHM_MIN and per_host.get(h, 1) > 1:
             out.append(finding("day0", "WARN", f"{h}: /dev/shm is {human_bytes(n['shm'])}, below "
-                               f"{human_bytes(SHM_MIN)}; NCCL's shared-memory transport can fail", [h]))
+                               f"{human_bytes(SHM_MIN)}; NCCL's shared-memory transport can fail", [h], blame="own"))
         if has_ib and g and not n.get("peermem"):
             out.append(finding("day0", "WARN", f"{h}: InfiniBand present but nvidia_peermem is not loaded "
-                               f"(no GPUDirect RDMA)", [h]))
+                               f"(no GPUDirect RDMA)", [h], blame="own"))
     return out + judge_node_smi(records)
 
 
 def judge_node_smi(records):
     """A WARN per node whose GPU facts from its one nvidia-smi call (node.smi) were not read: no answer within
     its bound (NODE_SMI_S), an error, or no row for a rank's GPU. It names the node, the GPUs (index, UUID,
-    rank), what was not read and the bound: facts never read are never a silent PASS."""
+    rank), what was not read and the bound: facts never read are never a silent PASS, and never blame a host
+    (evidence 'not-collected')."""
     out = []
     for h, rs in sorted(_by_host(records).items()):
         smi = next((r["node"].get("smi") for r in rs if r.get("node")), None)
@@ -3535,13 +3764,15 @@ def judge_node_smi(records):
                     f"starting without persistence mode (nvidia-smi -pm 1, or nvidia-persistenced)")
         else:
             text = f"{h}: nvidia-smi listed no row for {who}: {NODE_SMI_WHAT} not read"
-        out.append(finding("day0", "WARN", text, [h], [r["rank"] for r in (missing or rs)]))
+        out.append(unlocalised(finding("day0", "WARN", text, [h], [r["rank"] for r in (missing or rs)]),
+                               "not-collected", "a re-run once nvidia-smi answers on the node"))
     return out
 
 
 def judge_local(records):
     """The local checks each rank ran before any communication; one finding per distinct
-    reason (ranks of one host that share a misconfiguration are named together)."""
+    reason (ranks of one host that share a misconfiguration are named together). A local check is the
+    rank's own state on its host (evidence 'own')."""
     merged = {}
     for r in records:
         for f in r.get("local") or []:
@@ -3551,20 +3782,22 @@ def judge_local(records):
             if key in merged:
                 merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
             else:
-                merged[key] = dict(f)
+                merged[key] = dict(f, blame=f.get("blame") or "own")
     return list(merged.values())
 
 
 def judge_device_use(records):
-    """One backend on every rank; with gloo asked for explicitly, say which GPUs were not exercised."""
+    """One backend on every rank (the nodes unlike a strict majority named); with gloo asked for explicitly,
+    say which GPUs were not exercised."""
     seen = {}
     for r in records:
-        seen.setdefault(r.get("backend"), []).append(r)
+        seen.setdefault(r.get("backend"), set()).add(r["host"])
     if len(seen) > 1:
-        minority = sorted(seen.values(), key=len)[0]
-        return [finding("device", "FAIL", "ranks chose different backends: " + "; ".join(
-            f"{b} on {compress_hostlist(sorted({r['host'] for r in rs}))}" for b, rs in sorted(seen.items(), key=str)),
-            [r["host"] for r in minority], [r["rank"] for r in minority])]
+        odd, kind = odd_ones(seen)
+        f = finding("device", "FAIL", "ranks chose different backends: " + "; ".join(
+            f"{b} on {compress_hostlist(sorted(hs))}" for b, hs in sorted(seen.items(), key=str)),
+            odd, [r["rank"] for r in records if r["host"] in odd], blame="majority")
+        return [f if kind == "majority" else unlocalised(f, kind)]
     unused = {r["host"]: r["gpus_expected"] for r in records if r.get("backend") == "gloo" and r.get("gpus_expected")
               and not any(f["check"] == "device" for f in r.get("local") or [])}
     if unused:
@@ -3574,8 +3807,9 @@ def judge_device_use(records):
 
 
 def judge_gloo_address(records):
-    """A multi-node gloo run whose chosen address is loopback cannot connect across nodes (FAIL); else
-    say which interface and address gloo uses on each node."""
+    """A multi-node gloo run whose chosen address is loopback cannot connect across nodes (FAIL: the nodes
+    unlike a strict majority named, none when most or all nodes do it); else say which interface and address
+    gloo uses on each node."""
     gl = [r for r in records if r.get("backend") == "gloo" and r.get("gloo")]
     if not gl:
         return []
@@ -3584,10 +3818,13 @@ def judge_gloo_address(records):
     loop = {r["host"]: r["gloo"] for r in gl if r["gloo"]["loopback"]}
     if len(machines) > 1 and loop:
         g = next(iter(loop.values()))
-        return [finding("interface", "FAIL", f"gloo would use the loopback address {g['addr']} on "
-                        f"{compress_hostlist(sorted(loop))} ({g['how']}) in a {len(hosts)}-node run: set "
-                        f"GLOO_SOCKET_IFNAME to the interface that reaches the other nodes, or map the hostname "
-                        f"to that interface's address", sorted(loop), [r["rank"] for r in gl if r["host"] in loop])]
+        f = finding("interface", "FAIL", f"gloo would use the loopback address {g['addr']} on "
+                    f"{compress_hostlist(sorted(loop))} ({g['how']}) in a {len(hosts)}-node run: set "
+                    f"GLOO_SOCKET_IFNAME to the interface that reaches the other nodes, or map the hostname "
+                    f"to that interface's address", sorted(loop), [r["rank"] for r in gl if r["host"] in loop],
+                    blame="majority")
+        kind = minority_kind(loop, hosts)
+        return [f if kind == "majority" else unlocalised(f, kind, "GLOO_SOCKET_IFNAME for every node")]
     used = {}
     for r in gl:
         used.setdefault(f"{r['gloo']['iface']}({r['gloo']['addr']})", set()).add(r["host"])
@@ -3662,7 +3899,10 @@ def with_results(records, results):
 
 def judge_collectives(results, world_size, host_of=None):
     """results: per rank {'rank', 'ar_ok', 'ar_sum', 'grads'} (grads: a digest of the gradient bytes);
-    host_of: rank -> host (default: each result's own 'host')."""
+    host_of: rank -> host (default: each result's own 'host'). A rank whose all_reduce result is wrong while
+    a strict majority got the exact value is named (its result unlike theirs); every rank or no majority
+    wrong: FAIL, no host. DDP gradients are compared across ranks (not with rank 0's): the ranks unlike a
+    strict majority are named; a tie names none."""
     out = []
     host_of = host_of or {r["rank"]: r.get("host", "?") for r in results}
     want = world_size * (world_size + 1) // 2
@@ -3671,16 +3911,30 @@ def judge_collectives(results, world_size, host_of=None):
         return ", ".join(f"rank {r['rank']} ({host_of.get(r['rank'], '?')})" for r in rs)
     bad = [r for r in results if not r["ar_ok"] or int(r["ar_sum"]) != want]
     if bad:
-        out.append(finding("collective", "FAIL", "all_reduce returned wrong values on " + ", ".join(
+        f = finding("collective", "FAIL", "all_reduce returned wrong values on " + ", ".join(
             f"{who([r])} (sum {r['ar_sum']}, expected {want}{', pattern wrong' if not r['ar_ok'] else ''})"
-            for r in bad), [host_of.get(r["rank"], "?") for r in bad], [r["rank"] for r in bad]))
+            for r in bad), [host_of.get(r["rank"], "?") for r in bad], [r["rank"] for r in bad], blame="majority")
+        if 2 * len(bad) >= len(results):  # no strict majority got the exact value: not a host's result
+            f = unlocalised(f, "everyone" if len(bad) == len(results) else "tie",
+                            "the screen's pair results and the numerics check (a GPU computing wrong), or a run "
+                            "with more nodes")
+        out.append(f)
     else:
         out.append(finding("collective", "PASS", f"all_reduce exact on {len(results)} rank(s): "
                            f"sum {want} = w(w+1)/2, element-wise pattern verified"))
-    diff = [r for r in results if r["grads"] != results[0]["grads"]]
-    if diff:
-        out.append(finding("ddp", "FAIL", "DDP gradients differ from rank 0's on " + who(diff),
-                           [host_of.get(r["rank"], "?") for r in diff], [r["rank"] for r in diff]))
+    digests = {}
+    for r in results:
+        digests.setdefault(r["grads"] if isinstance(r["grads"], str) else repr(r["grads"]), []).append(r["rank"])
+    if len(digests) > 1:
+        odd, kind = odd_ones(digests)
+        text = "; ".join(f"ranks {format_ranges(rs)}" if len(rs) > 1 else f"rank {rs[0]}" for rs in
+                         sorted(digests.values(), key=len, reverse=True))
+        named = [r for r in results if r["rank"] in odd]
+        f = finding("ddp", "FAIL", f"DDP gradients after the all-reduce differ across ranks ({len(digests)} distinct "
+                    f"results: {text}); unlike the {'majority' if kind == 'majority' else 'others'}: {who(named)}",
+                    [host_of.get(r["rank"], "?") for r in named], [r["rank"] for r in named], blame="majority")
+        out.append(f if kind == "majority" else unlocalised(f, kind, "a run with more ranks, and the numerics "
+                                                                     "check's DDP-gradient rows"))
     else:
         out.append(finding("ddp", "PASS", f"DDP gradients identical on {len(results)} rank(s)"))
     return out
@@ -3820,8 +4074,9 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
               + (f"; first error: {first_err}" if first_err else "")
               + (f"; {STOPPED_WORDS}" if check == "interrupted" else "")
               + ("; a bug in the tool, not a fault of the cluster: no host is blamed" if check == "internal" else ""))
+    hard = groups["dead"] + groups["frozen"] + groups["silent"]
     return finding(check or PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits,
-                   code=code)
+                   code=code, blame="process" if hard else "own" if groups["error"] and culprits else None)
 
 
 def _ranks_on_hosts(ranks, host_of, limit=16):
@@ -4231,7 +4486,8 @@ def judge_manifest(manifest, records, screen=None):
     classes = {k: _expand_class(c) for k, c in manifest["classes"].items()}
     index, drift, unchecked, unknown, counts = _host_index(classes), {}, set(), {}, [[], []]
     load = screen_load(screen)
-    slow = {h for f in judge_bands(manifest, records, screen) for h in f["hosts"]}  # not a match: judge_bands FAILs it
+    slow = {h for f in judge_bands(manifest, records, screen)  # not a match: judge_bands FAILs it, named or not
+            for h in f["hosts"] + f.get("involved", [])}
     for h, rs in sorted(_by_host(records).items()):
         fields, key = host_view(rs, load)
         listed = h in index
@@ -4252,10 +4508,10 @@ def _manifest_findings(drift, unknown, counts, unchecked, accepted):
     for (field, sev), texts in sorted(drift.items(), key=lambda d: (d[0][1] != "FAIL", FIELD_NAMES.index(d[0][0]))):
         hosts = [h for hs in texts.values() for h in hs]
         out.append(finding("manifest", sev, f"{labels[field]} differs from the manifest: " + "; ".join(
-            f"{t} on {_hl(hs)}" for t, hs in sorted(texts.items())), hosts))
+            f"{t} on {_hl(hs)}" for t, hs in sorted(texts.items())), hosts, blame="manifest"))
     for key, hosts in sorted(unknown.items()):
         out.append(finding("manifest", "WARN", f"{_hl(hosts)} not in the manifest, and its class '{key}' was never "
-                           f"accepted (accepted: {'; '.join(accepted) or 'none'})", hosts))
+                           f"accepted (accepted: {'; '.join(accepted) or 'none'})", hosts, blame="manifest"))
     if not out and counts[0] + counts[1]:
         skipped = [f for f in FIELD_NAMES if f in unchecked]
         out.append(finding("manifest", "PASS", f"{len(counts[0]) + len(counts[1])} node(s) match the manifest "
@@ -4501,20 +4757,23 @@ def _band_gpu_words(g):
 
 
 def _band_points(screen, host_class):
-    """(class, band, value, hosts, ranks, where) of each measurement of one screen, the band named by what the
-    value depends on: 'gpu.tflops/<model>', 'gpu.hbm_gbps/<model>' per GPU, 'intra.busbw/<n> ranks' per node
+    """(class, band, value, hosts, ranks, where, tries) of each measurement of one screen, the band named by what
+    the value depends on: 'gpu.tflops/<model>', 'gpu.hbm_gbps/<model>' per GPU, 'intra.busbw/<n> ranks' per node
     (ranks per node), 'inter.busbw/<k> rails' per pair of nodes of one class (rails the pair ran at once).
-    ranks: the ranks measured; where: the words naming them (a GPU by node, index, UUID and rank)."""
+    ranks: the ranks measured; where: the words naming them (a GPU by node, index, UUID and rank); tries: how
+    many times the value was measured (the best counting)."""
     screen = screen or {}
     for g in screen.get("gpu") or []:
         cls, model = host_class.get(g.get("host")), g.get("model") or "unknown"
         ranks, where = [g["rank"]] if g.get("rank") is not None else [], _band_gpu_words(g)
-        yield cls, f"gpu.tflops/{model}", g.get("tflops"), [g.get("host")], ranks, where
-        yield cls, f"gpu.hbm_gbps/{model}", g.get("hbm_gbps"), [g.get("host")], ranks, where
+        tries = int(g.get("tries") or 1)
+        yield cls, f"gpu.tflops/{model}", g.get("tflops"), [g.get("host")], ranks, where, tries
+        yield cls, f"gpu.hbm_gbps/{model}", g.get("hbm_gbps"), [g.get("host")], ranks, where, tries
     for n in screen.get("intra") or []:
         ranks = list(n.get("ranks") or ())
         yield host_class.get(n.get("host")), f"intra.busbw/{len(ranks)} ranks", n.get("busbw"), \
-            [n.get("host")], ranks, f"{n.get('host')} (ranks {format_ranges(ranks) or '-'})"
+            [n.get("host")], ranks, f"{n.get('host')} (ranks {format_ranges(ranks) or '-'})", \
+            max(int(n.get("tries") or 1), len(n.get("values") or ()))
     pairs, rails = screen.get("pairs") or [], {}
     for pr in pairs:
         k = (pr.get("round"), tuple(sorted(pr.get("nodes") or ())))
@@ -4525,7 +4784,8 @@ def _band_points(screen, host_class):
         if len(classes) == 1:
             rail = f" rail {pr['rail']}" if pr.get("rail") is not None else ""
             yield classes.pop(), f"inter.busbw/{rails[(pr.get('round'), tuple(hosts))]} rails", pr.get("busbw"), \
-                hosts, ranks, f"{compress_hostlist(hosts)}{rail} (ranks {format_ranges(ranks) or '-'})"
+                hosts, ranks, f"{compress_hostlist(hosts)}{rail} (ranks {format_ranges(ranks) or '-'})", \
+                int(pr.get("tries") or 1)
 
 
 def _host_classes(records):
@@ -4547,25 +4807,29 @@ def screen_bands(screen, records):
 def judge_bands(manifest, records, screen):
     """This run's screen against the accepted bands of each node's class (bands of BAND_MIN_RUNS runs or
     more, of the same GPU model, ranks per node or rails per pair): a measurement below BAND_SLACK (on CPU
-    BAND_SLACK_CPU) x the band's lowest value in its window FAILs, naming its host(s)."""
+    BAND_SLACK_CPU) x the band's lowest value in its window FAILs, naming its host when it was measured again
+    (a value of one host measured once, or of a pair of nodes, names none: _below_band)."""
     if not manifest or not screen:
         return []
     slack = BAND_SLACK_CPU if screen.get("cpu") else BAND_SLACK
     out = []
-    for cls, band, v, hosts, ranks, where in _band_points(screen, _host_classes(records)):
-        out += _below_band(manifest, cls, band, v, hosts, slack, ranks, where)
+    for cls, band, v, hosts, ranks, where, tries in _band_points(screen, _host_classes(records)):
+        out += _below_band(manifest, cls, band, v, hosts, slack, ranks, where, tries)
     return out
 
 
-def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None):
+def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None, tries=1):
     b = ((manifest.get("classes") or {}).get(cls) or {}).get("bands", {}).get(band)
     if not b or b.get("runs", 1) < BAND_MIN_RUNS or not _is_num(value):
         return []
     if value >= slack * b["lo"]:
         return []
-    return [finding("manifest", "FAIL", f"{band} {value:.4g} on {where or compress_hostlist(sorted(hosts))} is "
-                    f"below the accepted band of {cls} ({b['lo']:.4g}-{b['hi']:.4g}, reference {b['ref']:.4g}, "
-                    f"{b['runs']} runs; FAIL below {slack:g} x its lowest)", hosts, ranks)]
+    f = finding("manifest", "FAIL", f"{band} {value:.4g} on {where or compress_hostlist(sorted(hosts))} is "
+                f"below the accepted band of {cls} ({b['lo']:.4g}-{b['hi']:.4g}, reference {b['ref']:.4g}, "
+                f"{b['runs']} runs; FAIL below {slack:g} x its lowest)", hosts, ranks, blame="manifest")
+    if len(set(hosts)) > 1:  # a pair of nodes: the value is the link's, neither end is singled out
+        return [unlocalised(f, "link", "the screen's inter-node rows, which measure each node with other partners")]
+    return [f if tries >= 2 else unlocalised(f, "once", "a re-run: a value below the band again names its host")]
 
 
 def save_manifest(path, state, written_at):
@@ -4902,6 +5166,8 @@ def screen_gpu_rows(records, posts, cpu=False):
 
 
 def _screen_group_words(g):
+    if g.get("gpu"):
+        return f"the GPU of rank {g['ranks'][0]} on {g['nodes'][0]}, measured again"
     if g.get("gpus"):
         return f"GPUs {g['gpus'][0]} and {g['gpus'][1]} of {g['nodes'][0]} (ranks {format_ranges(g['ranks'])})"
     if g.get("rail") is None:
@@ -4940,8 +5206,10 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
               f"{screen_round_label(name)}" + (f"; first error: {first_err}" if first_err else ""))
     code = EXIT_FAIL if any(kinds[r] == "dead" for r in missing) else \
         EXIT_FAIL if all(kinds[r] in ("error", "terminated") for r in missing) else EXIT_TIMEOUT
-    check = "intra-node" if hung and all(g.get("rail") is None for g in hung) else PHASE_CHECK[phase]
-    return finding(check, "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits), culprits, code=code)
+    check = "gpu-perf" if hung and all(g.get("gpu") for g in hung) else \
+        "intra-node" if hung and all(g.get("rail") is None for g in hung) else PHASE_CHECK[phase]
+    return finding(check, "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits), culprits, code=code,
+                   blame="process" if hard else None)
 
 
 
@@ -5205,15 +5473,24 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
     def evidence(r):
         how = ("its own CPU clock, best of 5 blocks" if cpu else
                "5 device-timed blocks run back to back, median")
-        return f"measured once on {r.get('host')} ({how})" + (f"; {unused(r)}" if unused(r) else "")
-    action = ("re-run the preflight; if the GPU is slow again, drain the node and run the vendor's diagnostics "
-              "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
+        again = (f"measured again on {r.get('host')}, slow again (first " + ", ".join(
+            f"{_sn(v)} {u}" for k, u, _ in SCREEN_GPU_METRICS for v in [(r.get("first") or {}).get(k)] if v is not None)
+            + ", the better counting)"
+            if _gpu_again(r) else f"measured once on {r.get('host')}")
+        return f"{again} ({how})" + (f"; {unused(r)}" if unused(r) else "")
+
+    def action(r):
+        return ("drain the node and run the vendor's diagnostics (dcgmi diag -r 3): clocks, power or thermal limits "
+                "(see the GPU facts), a degraded PCIe link" if _gpu_again(r) else
+                "re-run the preflight; if the GPU is slow again, drain the node and run the vendor's diagnostics "
+                "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
     if len(items) <= SCREEN_LIST_MAX:
-        return [dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                             f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
-                             + (f"; {unused(r)}" if unused(r) else ""), [r.get("host")], [rk]),
-                     evidence=evidence(r), action=action)
-                for rk, (r, fl) in items]
+        out = [_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
+                                       f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
+                                       + (f"; {unused(r)}" if unused(r) else ""), [r.get("host")], [rk]),
+                               evidence=evidence(r), action=action(r)), [r])
+               for rk, (r, fl) in items]
+        return _gpu_everyone(out, per_rank)
     out = []
     for status in ("FAIL", "WARN"):
         sel = [(rk, r, fl) for rk, (r, fl) in items if _screen_worst([lv for _, lv, _ in fl]) == status]
@@ -5221,10 +5498,37 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
             shown = "; ".join(f"{_gpu_who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
             hosts = [r.get("host") for _, r, _ in sel]
-            out.append(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} node(s): "
-                                    f"{shown}{more}", hosts, [rk for rk, _, _ in sel]),
-                            evidence=f"each measured once ({len(sel)} GPU(s))", action=action))
-    return out
+            out.append(_gpu_blame(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} "
+                                               f"node(s): {shown}{more}", hosts, [rk for rk, _, _ in sel]),
+                                       evidence=f"{len(sel)} GPU(s), each measured "
+                                       + ("again" if all(_gpu_again(r) for _, r, _ in sel) else "once"),
+                                       action=action(sel[0][1])), [r for _, r, _ in sel]))
+    return _gpu_everyone(out, per_rank)
+
+
+def _gpu_everyone(found, per_rank):
+    """found, where every GPU of a run on two or more nodes is slow: a cause the nodes share (the image, the
+    driver, a power policy, a floor set above what the model reaches), named on no host."""
+    hosts = {r.get("host") for r in per_rank}
+    slow = {rk for f in found for rk in f["ranks"]}
+    if len(hosts) < 2 or slow != {r["rank"] for r in per_rank}:
+        return found
+    return [f if not f["hosts"] else unlocalised(f, "everyone", "the GPUs' clocks and power limits on every node "
+                                                 "(nvidia-smi -q -d PERFORMANCE), the floors set, the image")
+            for f in found]
+
+
+def _gpu_again(r):
+    """Whether a GPU row was measured again and was slow again ('tries' >= 2: screen_loop's re-measure rule)."""
+    return int(r.get("tries") or 1) >= 2
+
+
+def _gpu_blame(f, rows):
+    """A gpu-perf finding's blame: 'persisted' when every GPU it names was slow again when measured again,
+    else 'once' (no host is named: a value measured once is not evidence that persists)."""
+    if all(_gpu_again(r) for r in rows):
+        return dict(f, blame="persisted")
+    return unlocalised(f, "once", "a re-run: a GPU slow again when measured again is named with its host")
 
 
 def _intra_class(p):
@@ -5341,20 +5645,31 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
                         for k, r in sorted(refs.items(), key=str))
         return [finding("intra-node", "PASS", f"intra-node busbw on {len(per_node)} node(s): reference "
                         f"{txt} ({rule})")]
+    tries = {p["host"]: max(int(p.get("tries") or 1), len(p.get("values") or ())) for p in per_node}
     if len(flagged) <= SCREEN_LIST_MAX:
-        return [dict(finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node; {ev}", [h], ranks),
-                     evidence=ev, action=act) for lv, h, txt, (ev, act, ranks) in flagged]
+        return [_measured_blame(dict(finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node; {ev}",
+                                             [h], ranks), evidence=ev, action=act), [tries[h]])
+                for lv, h, txt, (ev, act, ranks) in flagged]
     out = []
     for status in ("FAIL", "WARN"):
         sel = [f for f in flagged if f[0] == status]
         if sel:
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(dict(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
-                                    + "; ".join(t for _, _, t, _ in sel[:SCREEN_LIST_MAX]) + more,
-                                    [h for _, h, _, _ in sel]),
-                            evidence="; ".join(f"{h}: {e[0]}" for _, h, _, e in sel[:SCREEN_LIST_MAX]),
-                            action="drain them; run the vendor's diagnostics on each"))
+            out.append(_measured_blame(dict(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
+                                                    + "; ".join(t for _, _, t, _ in sel[:SCREEN_LIST_MAX]) + more,
+                                                    [h for _, h, _, _ in sel]),
+                                            evidence="; ".join(f"{h}: {e[0]}" for _, h, _, e in sel[:SCREEN_LIST_MAX]),
+                                            action="drain them; run the vendor's diagnostics on each"),
+                                       [tries[h] for _, h, _, _ in sel]))
     return out
+
+
+def _measured_blame(f, tries):
+    """A screen finding's blame from how often each thing it names was measured: 'persisted' when every one was
+    measured two or more times (slow each time), else 'once'."""
+    if all(t >= 2 for t in tries):
+        return dict(f, blame="persisted")
+    return unlocalised(f, "once", "a re-run: a node slow again when measured again is named")
 
 
 def _pair_evidence(results, levels):
@@ -5523,7 +5838,8 @@ def _pair_node_findings(results, d):
         out.append(dict(finding("inter-node", _screen_worst(statuses),
                                 f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])}{named} with "
                                 f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none, "
-                                f"after re-measurement: {speed}: {where}{_pair_floor_text(results, every, d)}", [n]),
+                                f"after re-measurement: {speed}: {where}{_pair_floor_text(results, every, d)}", [n],
+                                blame="persisted"),
                         evidence=f"{len(every)} slow measurement(s) with {len(partners)} different partner(s) "
                                  f"({_screen_names(partners)}), each measured up to {tries} time(s), the best "
                                  f"counting; at speed with no partner", action=act))
@@ -5566,12 +5882,15 @@ def _pair_link_findings(results, d):
                "replace the HCAs or cables of that rail" if d["two_nodes"] else
                f"drain {' and '.join(g)} or re-run; check the cables, HCAs and switch ports between them on {on}")
         tries = max(results[i].get("tries", 1) for i in idx)
-        out.append(dict(finding("inter-node", status, f"{what} on {on}: busbw "
-                                f"{ratio:.2f} of the rail's reference after re-measurement{alone}"
-                                f"{_pair_floor_text(results, idx, d)}",
-                                [] if lone else list(g)),
-                        evidence=f"{len(idx)} slow measurement(s), each measured up to {tries} time(s), the best "
-                                 f"counting{alone}", action=act))
+        f = dict(finding("inter-node", status, f"{what} on {on}: busbw "
+                         f"{ratio:.2f} of the rail's reference after re-measurement{alone}"
+                         f"{_pair_floor_text(results, idx, d)}", list(g)),
+                 evidence=f"{len(idx)} slow measurement(s), each measured up to {tries} time(s), the best "
+                          f"counting{alone}", action=act)
+        # a link or a group names neither end: each is slow only with the other(s), and nothing tells which
+        out.append(unlocalised(f, "tie" if d["two_nodes"] or len(g) == 3 else "link",
+                               f"measure each of {' and '.join(g)} with a third node" if d["two_nodes"] else None,
+                               None if not d["two_nodes"] else "two nodes only: the pair cannot be split"))
     return out
 
 
@@ -5613,14 +5932,15 @@ def judge_pairs(results, min_busbw=None, cpu=False):
                            "not judged against peers (one measurement is its own reference)"))], []
     if d["widespread"]:
         slow = sum(lv != "OK" for lv in d["levels"])
-        return [dict(finding("inter-node", "FAIL", f"widespread: {len(sus)} node(s) implicated, more than the "
-                             f"{len(d['passing'])} that passed, so no single node or link is to blame (a switch, "
-                             f"the fabric or its configuration): {slow}/{len(results)} measurement(s) slow against "
-                             f"the rails' references or the floor after re-measurement; suspects: "
-                             f"{compress_hostlist(sus)}"
-                             f"{_pair_floor_text(results, [i for i, lv in enumerate(d['levels']) if lv != 'OK'], d)}",
-                             sus), widespread=True, evidence=f"{slow} slow measurement(s) after re-measurement",
-                     action="nothing is drained: check the switches, the fabric and its configuration")], sus
+        f = dict(finding("inter-node", "FAIL", f"widespread: {len(sus)} node(s) implicated, more than the "
+                         f"{len(d['passing'])} that passed, so no single node or link is to blame (a switch, "
+                         f"the fabric or its configuration): {slow}/{len(results)} measurement(s) slow against "
+                         f"the rails' references or the floor after re-measurement; suspects: "
+                         f"{compress_hostlist(sus)}"
+                         f"{_pair_floor_text(results, [i for i, lv in enumerate(d['levels']) if lv != 'OK'], d)}",
+                         sus), widespread=True, evidence=f"{slow} slow measurement(s) after re-measurement",
+                 action="nothing is drained: check the switches, the fabric and its configuration")
+        return [unlocalised(f, "widespread")], sus
     return _pair_node_findings(results, d) + _pair_link_findings(results, d), sus
 
 
@@ -5689,11 +6009,12 @@ def judge_gpu_facts(per_rank):
     return per_gpu_findings("gpu-perf", items, _gpu_who, "GPU(s) with a problem under load")
 
 
-def per_gpu_findings(check, items, who, headline):
+def per_gpu_findings(check, items, who, headline, blame="own"):
     """items [(status, rank record, text)] -> one finding per GPU, or beyond SCREEN_LIST_MAX GPUs one per
     status: '<n> <headline>: ' the first ones (who(record): text) and a count of the rest."""
     if len(items) <= SCREEN_LIST_MAX:
-        return [finding(check, st, f"{who(r)}: {txt}", [r.get("host")], [r["rank"]]) for st, r, txt in items]
+        return [finding(check, st, f"{who(r)}: {txt}", [r.get("host")], [r["rank"]], blame=blame)
+                for st, r, txt in items]
     out = []
     for status in ("FAIL", "WARN"):
         sel = [(r, txt) for st, r, txt in items if st == status]
@@ -5701,7 +6022,7 @@ def per_gpu_findings(check, items, who, headline):
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
             out.append(finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
                 f"{who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
-                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel]))
+                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel], blame=blame))
     return out
 
 
@@ -5734,6 +6055,53 @@ def gpu_levels(screen):
                 refs[(model, metric)] = {"ref": table, "how": f"table row {row['row']}", "count": ref["count"]}
             out.setdefault(r.get("rank"), {})[metric] = (float(v), float(v) / base, lv)
     return out, refs
+
+
+def gpu_suspects(per_rank, floors=None, cpu=False):
+    """The ranks whose GPU row is slow (WARN or FAIL against its peers, its table row or a floor: judge_gpu_perf's
+    rule): the GPUs measured again before any is named (the screen blames only what persists)."""
+    floors = floors or {}
+    _, flags = _gpu_flags(list(per_rank or []), {"min_tflops": floors.get("min_tflops"),
+                                                 "min_hbm": floors.get("min_hbm")}, cpu)
+    return sorted(flags)
+
+
+def gpu_remeasured(per_rank, again):
+    """per_rank rows with each re-measurement in `again` ({rank: the new row's measurements}) merged: 'tries' 2,
+    'first' the first values of each metric, and each metric the better of the two (faults only lower numbers:
+    a GPU slow again is slow in its best value; one at speed again was a transient). A rank missing from
+    `again` (not measured again in time, or starved) keeps its single measurement."""
+    out = []
+    for r in per_rank or []:
+        new = (again or {}).get(r["rank"])
+        if not isinstance(new, dict):
+            out.append(r)
+            continue
+        merged = dict(r, tries=int(r.get("tries") or 1) + 1,
+                      first={k: r.get(k) for k, _, _ in SCREEN_GPU_METRICS})
+        for k, _, _ in SCREEN_GPU_METRICS:
+            vals = [v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))]
+            merged[k] = max(vals) if vals else None
+        out.append(merged)
+    return out
+
+
+def judge_gpu_transients(per_rank, floors=None, cpu=False):
+    """GPUs slow at first and at speed when measured again: one WARN under 'gpu-perf' naming no host (a burst of
+    another process's work, a moment of contention), with what was seen; [] when none."""
+    rows = [r for r in per_rank or [] if _gpu_again(r)]
+    slow = set(gpu_suspects(rows, floors, cpu))
+    seen = [r for r in rows if r["rank"] not in slow]
+    if not seen:
+        return []
+    items = [f"{_gpu_who(r)}: " + ", ".join(f"{SCREEN_GPU_LABELS[k]} {_sn((r.get('first') or {}).get(k) or 0)} then "
+                                             f"{_sn(r.get(k) or 0)}" for k, _, _ in SCREEN_GPU_METRICS) for r in seen]
+    shown = "; ".join(items[:8]) + (f"; and {len(items) - 8} more" if len(items) > 8 else "")
+    return [dict(finding("gpu-perf", "WARN", f"{len(seen)} GPU(s) slow at first and at speed when measured again: "
+                         f"{shown}: a transient (another process on the GPU, a burst), no host is named",
+                         blame="once"),
+                 evidence=f"{len(seen)} GPU(s) slow once, at speed when measured again", transient=True,
+                 action="none now: nothing is drained; re-run the preflight if the same GPU recurs")]
 
 
 
@@ -5824,7 +6192,7 @@ def judge_soak(rows, cpu=False):
         lead = (f"{len(rows)} CPU rank(s) ran {secs:g}s of load at once (decay not judged: ranks share cores)" if cpu
                 else f"{len(rows)} GPU(s) held their speed over {secs:g}s of load at once")
         return [finding("soak", "PASS", f"{lead}: " + "; ".join(p for p in parts if p))] + judge_numerics_soak(rows)
-    return (per_gpu_findings("soak", items, _soak_who, "GPU(s) did not hold up under sustained load")
+    return (per_gpu_findings("soak", items, _soak_who, "GPU(s) did not hold up under sustained load", "persisted")
             + judge_numerics_soak(rows))
 
 
@@ -6178,9 +6546,11 @@ def _transient_finding(check, items, noun):
 
 def judge_screen(screen):
     """Every screen judgement. screen: the dict render_performance takes (screen_loop's and the GPU
-    screen's). -> findings: judge_gpu_perf, judge_intra, judge_pairs, judge_transients."""
+    screen's). -> findings: judge_gpu_perf, judge_gpu_transients, judge_intra, judge_pairs, judge_transients."""
     cpu = bool(screen.get("cpu"))
+    floors = {"min_tflops": screen.get("min_tflops"), "min_hbm": screen.get("min_hbm")}
     return (judge_gpu_perf(screen.get("gpu") or [], screen.get("min_tflops"), screen.get("min_hbm"), cpu)
+            + judge_gpu_transients(screen.get("gpu") or [], floors, cpu)
             + judge_intra(screen.get("intra") or [], screen.get("min_busbw_intra"), cpu)
             + judge_pairs(screen.get("pairs") or [], screen.get("min_busbw_inter"), cpu)[0]
             + judge_transients(screen))
@@ -6556,8 +6926,11 @@ def action_lines(findings):
     for f in findings:
         if f["status"] == "PASS" or not (f.get("action") or f.get("evidence")):
             continue
-        who = f" {compress_hostlist(f['hosts'])}" if f.get("hosts") else ""
-        line = f"{f['check']}{who}: {f.get('action') or 'see the finding'}" + (
+        who = f" {compress_hostlist(f['hosts'])}" if f.get("hosts") else \
+            f" {compress_hostlist(f['involved'])} (not blamed)" if f.get("involved") else ""
+        act = f"nothing is drained: to localise it, {f['unlocalised']['localise']}" if f.get("unlocalised") else \
+            f.get("action") or "see the finding"
+        line = f"{f['check']}{who}: {act}" + (
             f" (evidence: {f['evidence']})" if f.get("evidence") else "")
         if line not in out:
             out.append(line)
@@ -6587,21 +6960,13 @@ def render_drain(drain):
 # Floor 4: what a verdict becomes outside the log: --drain (the scontrol plan and its application) and
 DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
 DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)
-# Checks whose hosts are never drained: the launch or the tool, not the node (a rendezvous finding
-# drains only when its ranks never checked in: DRAIN_RENDEZVOUS_CODES).
-NO_DRAIN_CHECKS = ("usage", "contract", "launch", "world-size", "layout", "interrupted", "internal", "drain")
-DRAIN_RENDEZVOUS_CODES = (EXIT_TIMEOUT,)
+# Which findings may drain their hosts is declared by each check (CHECK_RULES in aiv/blame.py: the evidence on
+# which it drains, and why that evidence persists); a check that declares nothing drains nothing (drainable).
 
 
 def drain_max(given, nodes):
     """--drain-max, or DRAIN_SHARE of the allocation's nodes (at least 1)."""
     return given if given else max(1, int(DRAIN_SHARE * max(1, nodes)))
-
-
-def _drain_eligible(f):
-    if f["status"] != "FAIL" or f["check"] in NO_DRAIN_CHECKS or not f["hosts"]:
-        return False
-    return f["check"] != "rendezvous" or f.get("code", EXIT_FAIL) in DRAIN_RENDEZVOUS_CODES
 
 
 def drain_blocker(findings):
@@ -6644,7 +7009,7 @@ def drain_plan(findings, mode, nodes, job, max_nodes=None):
            "skipped": None, "done": False, "kept": {}}
     culprits = {}
     for f in findings:
-        if _drain_eligible(f):
+        if drainable(f):
             for h in f["hosts"]:
                 culprits.setdefault(h, f)
     why = drain_blocker(findings) or ("no failed check names a host whose fault it is" if not culprits else None)
@@ -8593,6 +8958,8 @@ class ScreenRunner:
                 self.my_groups[tuple(e["make"]["g"])] = group
         self.round_gate(name)
         post = {"split_s": round(made, 3)}
+        if e.get("gpu"):  # measured again: a slow GPU is named only when slow again
+            post["gpu"] = self.gpu_again()
         if e.get("g"):
             bw, sec = screen_busbw(self.torch, self.dist, self.my_groups[tuple(e["g"])], len(e["g"]),
                                    self._device(), self._kind())
@@ -8600,6 +8967,17 @@ class ScreenRunner:
             if e.get("rail") is not None and self.nccl:
                 post["hca"] = self.nccl_hca()
         self.proto.screen_post(name, self.rank, post, self.world)
+
+    def gpu_again(self):
+        """This rank's device measured again, on a quiet process (its background work done first), or None when
+        the interpreter was starved (the first measurement then stands alone: named once, never blamed)."""
+        self.quiesce()
+        g = self.identity.get("gpu") or {}
+        try:
+            return screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
+                                      self.args.sysfs_root)
+        except HostStarved:
+            return None
 
     def round_gate(self, name):
         """Every rank starts `name` together (the soak's load, a screen batch): this rank posts that it is
@@ -8699,6 +9077,7 @@ class ScreenCoordinator:
         screen_measure. Then the screen's judgement: a FAIL ends the run before the full-job collectives."""
         t, a = time.monotonic(), self.args
         self.failpoint("screen-net")
+        self.gpu_remeasure()
         net = screen_loop(self.records, self.screen_measure, a.min_busbw_intra, a.min_busbw_inter, self.screen["cpu"])
         self.screen.update(net)
         rounds = self.screen_rounds["screen-net"]
@@ -8712,13 +9091,24 @@ class ScreenCoordinator:
             raise Verdict(verdict_code(self.findings))
         self.proto.open_gate("screen")
 
+    def gpu_remeasure(self):
+        """The GPUs the screen found slow (gpu_suspects) measured again, all at once in one batch, before any is
+        named: their rows merged (gpu_remeasured: the better value counts, 'tries' 2)."""
+        sc = self.screen
+        suspects = gpu_suspects(sc.get("gpu"), sc, sc["cpu"])
+        if not suspects:
+            return
+        posts = self.screen_measure([{"batch": "gpu-again", "ranks": [r], "nodes": [self.host_of.get(r, "?")],
+                                      "rail": None, "gpu": True} for r in suspects])
+        sc["gpu"] = gpu_remeasured(sc["gpu"], {r: (posts.get(r) or {}).get("gpu") for r in suspects})
+
     def screen_measure(self, groups):
         """screen_loop's measure(): the batch's groups published on the store (each rank its part under
         screen/q<k>/<rank>), rank 0's own part run, every rank's post collected. -> {rank: post}."""
         rounds, name = self.screen_rounds["screen-net"], groups[0]["batch"]
         rounds.append((name, groups))  # for screen_stuck: the batches in the order they run
         key = f"q{len(rounds)}"
-        new = [g for g in groups if tuple(g["ranks"]) not in self.screen_made]
+        new = [g for g in groups if tuple(g["ranks"]) not in self.screen_made and not g.get("gpu")]
         self.screen_made |= {tuple(g["ranks"]) for g in new}
         make = screen_rank_plans([(name, new)], self.world) if new else {}
         if new and self.screen.get("no_split"):
@@ -8729,6 +9119,9 @@ class ScreenCoordinator:
         plans = {r: {"name": name, "key": key, "g": mine[r]["ranks"] if r in mine else None,
                      "rail": mine[r]["rail"] if r in mine else None, "make": make[r][name] if make else None}
                  for r in range(self.world)}
+        for r, g in mine.items():
+            if g.get("gpu"):  # a device measured again, no group: screen_batch's gpu_again
+                plans[r].update(g=None, gpu=True)
         self.proto.screen_publish(key, plans)
         self.screen_batch(plans[0])
         return self.screen_collect([name])[name]
@@ -8973,7 +9366,7 @@ class RankRun(ScreenRunner):
     def own_error(self, phase, line, code):
         """A rank's own torch error in a phase: its host, its rank (rank 0 overrides this once it can name
         who did not finish the phase)."""
-        return failed(PHASE_CHECK[phase], line, code, [self.host], [self.rank])
+        return failed(PHASE_CHECK[phase], line, code, [self.host], [self.rank], blame="own")
 
     def internal_error(self, phase, exc):
         """The tool's own error in a phase: posted (so that rank 0 blames nobody for it), then a Verdict."""
@@ -9009,7 +9402,7 @@ class RankRun(ScreenRunner):
         old = torch_floor_problem(torch.__version__)
         if old:  # before any store operation: the side channel needs what this torch lacks
             raise failed("local", f"{old} on {self.host} (rank {self.rank}, {sys.executable})", EXIT_FAIL,
-                         [self.host], [self.rank])
+                         [self.host], [self.rank], blame="own")
         if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
             self.bg.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
             self.bg.warm.start()
@@ -9050,7 +9443,7 @@ class RankRun(ScreenRunner):
             prefix, _ = launcher_store(self.env)
             tell_rank0_without_torch(self.addr, self.port, prefix, self.rank, self.host, line,
                                      self.bound.left())
-        return failed("local", line, EXIT_FAIL, [self.host], [self.rank])
+        return failed("local", line, EXIT_FAIL, [self.host], [self.rank], blame="own")
 
     def phase_rollcall(self):
         R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)
@@ -9495,7 +9888,7 @@ class Coordinator(ScreenCoordinator, RankRun):
             return super().open_store(R, prefix, serve)
         problem = fd_limit_problem(self.world, self.expect.get("nodes") or self.world)
         if problem:
-            raise failed("rendezvous", f"rank 0 ({self.host}): {problem}", hosts=[self.host])
+            raise failed("rendezvous", f"rank 0 ({self.host}): {problem}", hosts=[self.host], blame="own")
         fd = self._listen_socket().detach()
         return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd, seal=self.seal)
 
@@ -9513,8 +9906,8 @@ class Coordinator(ScreenCoordinator, RankRun):
             time.sleep(ERROR_GRACE)
             strays, broken = self.proto.strays(), self.local_failures()
             self.findings += judge_strays(strays)
-            self.findings += [finding("local", "FAIL", e["line"], [e["host"]] if e.get("host") else [], [r])
-                              for r, e in sorted(broken.items())]
+            self.findings += [finding("local", "FAIL", e["line"], [e["host"]] if e.get("host") else [], [r],
+                                      blame="own") for r, e in sorted(broken.items())]
         early = bool(strays or broken)  # ranks still starting when the roll call ended early are not late
         unseen = [] if complete and not early else self.proto.missing(self.world)  # no record on the store
         missing = [r for r in unseen if r not in broken]
@@ -9532,7 +9925,8 @@ class Coordinator(ScreenCoordinator, RankRun):
             more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
             self.findings.append(finding("rendezvous", "FAIL", f"rank(s) {names}{more} did not check in within "
                                          f"{R:g}s ({len(present)}/{self.world} reported at {self.addr}:{self.port})",
-                                         [where[r] for r in missing if r in where], missing, code=EXIT_TIMEOUT))
+                                         [where[r] for r in missing if r in where], missing, code=EXIT_TIMEOUT,
+                                         blame="process"))
         self.findings += apply_strict(judge_pre(self.records, self.world, self.expect), self.args.strict)
         code = verdict_code(self.findings)
         self.progress("rollcall", present=len(present), world=self.world, secs=time.monotonic() - t,
@@ -9670,7 +10064,7 @@ class Coordinator(ScreenCoordinator, RankRun):
         still running adds nothing to it. A report that cannot be rendered is an `internal` FAIL with the
         FAILURE lines alone (and drains nobody); the JSON is written either way. -> the exit code."""
         found = self.findings.close() + list(findings) + self.helper_findings()
-        found += self.side_channel(client)
+        found = blame_gate(found + self.side_channel(client))  # the blame law: only evidence names a host
         self.drain = self.plan_drain(found, verdict_code(found) or code)
         st, text = self.report(found, verdict_code(found) or code)
         if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
@@ -9846,9 +10240,7 @@ class Coordinator(ScreenCoordinator, RankRun):
     def state(self, found, code):
         """The verdict's state (the JSON, and what the report, the metrics and the page render)."""
         fails = failure_lines(found)
-        failed_hosts = sorted({h for f in found if f["status"] == "FAIL" for h in f["hosts"]})
-        if any(f.get("tamper") and f["status"] == "FAIL" for f in found):
-            failed_hosts = []  # the evidence came through a store written from outside: nobody is excluded
+        failed_hosts = blamed_hosts(found)  # the gated findings' evidence (aiv/blame.py)
         return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
                 "started_at": self.started_at, "host": self.host,
                 "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
@@ -9876,9 +10268,10 @@ class Coordinator(ScreenCoordinator, RankRun):
                  f"{self.verdict_code}", sys.stderr)
             self.exit(self.verdict_code if self.verdict_code is not None else EXIT_INTERNAL)
         cause = self.expiry_cause(phase)
-        if self.poll is None:
-            self.conclude(EXIT_TIMEOUT, [finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {cause}",
-                                                 [self.host], [0], code=EXIT_TIMEOUT)], self.proto)
+        if self.poll is None:  # rank 0 itself, alive, did not finish its own phase: slow is not evidence
+            f = finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {cause}", [self.host], [0],
+                        code=EXIT_TIMEOUT)
+            self.conclude(EXIT_TIMEOUT, [unlocalised(f, "stuck")], self.proto)
         self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, cause)], self.poll)
 
     def expire_failed(self, phase, exc):
@@ -9949,7 +10342,7 @@ class Coordinator(ScreenCoordinator, RankRun):
             infos = socket.getaddrinfo(self.addr, self.port, type=socket.SOCK_STREAM)
         except socket.gaierror as e:
             raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank 0's host "
-                         f"{self.host}: {e.strerror}", hosts=[self.host]) from None
+                         f"{self.host}: {e.strerror}: check MASTER_ADDR and the node's resolver") from None
         infos.sort(key=lambda i: i[0] != socket.AF_INET)
         fam, _, _, _, sa = infos[0]
         ip = sa[0]
@@ -9971,7 +10364,7 @@ class Coordinator(ScreenCoordinator, RankRun):
                        f"{self.host}: MASTER_ADDR must name the node running rank 0")
             else:
                 why = f"cannot listen on {bind_ip}:{self.port} on {self.host}: {e.strerror}"
-            raise failed("rendezvous", why, hosts=[self.host]) from None
+            raise failed("rendezvous", why) from None  # the launch's MASTER_ADDR/MASTER_PORT: no node's fault
         return s
 
 

@@ -75,14 +75,17 @@ class UsageError(Exception):
         self.own = own
 
 
-def finding(check, status, reason, hosts=(), ranks=(), code=EXIT_FAIL):
-    """One judged fact. status is PASS, WARN or FAIL; code is the exit code a FAIL implies."""
+def finding(check, status, reason, hosts=(), ranks=(), code=EXIT_FAIL, blame=None):
+    """One judged fact. status is PASS, WARN or FAIL; code is the exit code a FAIL implies; blame: the kind of
+    evidence that singles out its hosts (aiv/blame.py), without which blame_gate names none."""
     if check not in CHECKS:
         raise ValueError(f"finding() got check {check!r}, which is not in CHECKS")
     f = {"check": check, "status": status, "reason": reason,
          "hosts": sorted(set(hosts)), "ranks": sorted(set(ranks))}
     if status == "FAIL" and code != EXIT_FAIL:
         f["code"] = code
+    if blame is not None:
+        f["blame"] = blame
     return f
 
 
@@ -403,8 +406,8 @@ class Verdict(Exception):
         self.code, self.findings = code, list(findings)
 
 
-def failed(check, reason, code=EXIT_FAIL, hosts=(), ranks=()):
-    return Verdict(code, [finding(check, "FAIL", reason, hosts, ranks, code=code)])
+def failed(check, reason, code=EXIT_FAIL, hosts=(), ranks=(), blame=None):
+    return Verdict(code, [finding(check, "FAIL", reason, hosts, ranks, code=code, blame=blame)])
 
 
 def _counts(findings):

@@ -31,6 +31,7 @@ from .base import (
     verdict_code,
     where_raised,
 )
+from .blame import blame_gate, blamed_hosts, unlocalised
 from .contract import slurm_expected_hosts
 from .deadlines import (
     ACKS_S,
@@ -130,7 +131,7 @@ class Coordinator(ScreenCoordinator, RankRun):
             return super().open_store(R, prefix, serve)
         problem = fd_limit_problem(self.world, self.expect.get("nodes") or self.world)
         if problem:
-            raise failed("rendezvous", f"rank 0 ({self.host}): {problem}", hosts=[self.host])
+            raise failed("rendezvous", f"rank 0 ({self.host}): {problem}", hosts=[self.host], blame="own")
         fd = self._listen_socket().detach()
         return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd, seal=self.seal)
 
@@ -148,8 +149,8 @@ class Coordinator(ScreenCoordinator, RankRun):
             time.sleep(ERROR_GRACE)
             strays, broken = self.proto.strays(), self.local_failures()
             self.findings += judge_strays(strays)
-            self.findings += [finding("local", "FAIL", e["line"], [e["host"]] if e.get("host") else [], [r])
-                              for r, e in sorted(broken.items())]
+            self.findings += [finding("local", "FAIL", e["line"], [e["host"]] if e.get("host") else [], [r],
+                                      blame="own") for r, e in sorted(broken.items())]
         early = bool(strays or broken)  # ranks still starting when the roll call ended early are not late
         unseen = [] if complete and not early else self.proto.missing(self.world)  # no record on the store
         missing = [r for r in unseen if r not in broken]
@@ -167,7 +168,8 @@ class Coordinator(ScreenCoordinator, RankRun):
             more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
             self.findings.append(finding("rendezvous", "FAIL", f"rank(s) {names}{more} did not check in within "
                                          f"{R:g}s ({len(present)}/{self.world} reported at {self.addr}:{self.port})",
-                                         [where[r] for r in missing if r in where], missing, code=EXIT_TIMEOUT))
+                                         [where[r] for r in missing if r in where], missing, code=EXIT_TIMEOUT,
+                                         blame="process"))
         self.findings += apply_strict(judge_pre(self.records, self.world, self.expect), self.args.strict)
         code = verdict_code(self.findings)
         self.progress("rollcall", present=len(present), world=self.world, secs=time.monotonic() - t,
@@ -305,7 +307,7 @@ class Coordinator(ScreenCoordinator, RankRun):
         still running adds nothing to it. A report that cannot be rendered is an `internal` FAIL with the
         FAILURE lines alone (and drains nobody); the JSON is written either way. -> the exit code."""
         found = self.findings.close() + list(findings) + self.helper_findings()
-        found += self.side_channel(client)
+        found = blame_gate(found + self.side_channel(client))  # the blame law: only evidence names a host
         self.drain = self.plan_drain(found, verdict_code(found) or code)
         st, text = self.report(found, verdict_code(found) or code)
         if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
@@ -481,9 +483,7 @@ class Coordinator(ScreenCoordinator, RankRun):
     def state(self, found, code):
         """The verdict's state (the JSON, and what the report, the metrics and the page render)."""
         fails = failure_lines(found)
-        failed_hosts = sorted({h for f in found if f["status"] == "FAIL" for h in f["hosts"]})
-        if any(f.get("tamper") and f["status"] == "FAIL" for f in found):
-            failed_hosts = []  # the evidence came through a store written from outside: nobody is excluded
+        failed_hosts = blamed_hosts(found)  # the gated findings' evidence (aiv/blame.py)
         return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
                 "started_at": self.started_at, "host": self.host,
                 "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
@@ -511,9 +511,10 @@ class Coordinator(ScreenCoordinator, RankRun):
                  f"{self.verdict_code}", sys.stderr)
             self.exit(self.verdict_code if self.verdict_code is not None else EXIT_INTERNAL)
         cause = self.expiry_cause(phase)
-        if self.poll is None:
-            self.conclude(EXIT_TIMEOUT, [finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {cause}",
-                                                 [self.host], [0], code=EXIT_TIMEOUT)], self.proto)
+        if self.poll is None:  # rank 0 itself, alive, did not finish its own phase: slow is not evidence
+            f = finding(PHASE_CHECK[phase], "FAIL", f"rank 0 ({self.host}): {cause}", [self.host], [0],
+                        code=EXIT_TIMEOUT)
+            self.conclude(EXIT_TIMEOUT, [unlocalised(f, "stuck")], self.proto)
         self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, cause)], self.poll)
 
     def expire_failed(self, phase, exc):
@@ -584,7 +585,7 @@ class Coordinator(ScreenCoordinator, RankRun):
             infos = socket.getaddrinfo(self.addr, self.port, type=socket.SOCK_STREAM)
         except socket.gaierror as e:
             raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank 0's host "
-                         f"{self.host}: {e.strerror}", hosts=[self.host]) from None
+                         f"{self.host}: {e.strerror}: check MASTER_ADDR and the node's resolver") from None
         infos.sort(key=lambda i: i[0] != socket.AF_INET)
         fam, _, _, _, sa = infos[0]
         ip = sa[0]
@@ -606,5 +607,5 @@ class Coordinator(ScreenCoordinator, RankRun):
                        f"{self.host}: MASTER_ADDR must name the node running rank 0")
             else:
                 why = f"cannot listen on {bind_ip}:{self.port} on {self.host}: {e.strerror}"
-            raise failed("rendezvous", why, hosts=[self.host]) from None
+            raise failed("rendezvous", why) from None  # the launch's MASTER_ADDR/MASTER_PORT: no node's fault
         return s

@@ -15,6 +15,7 @@ from .base import (
     human_bytes,
     parse_ranges,
 )
+from .blame import minority_kind, odd_ones, unlocalised
 from .collect import PROBED_PACKAGES, ib_hca_select
 from .deadlines import NODE_SMI_S, PHASE_CHECK, PHASES
 from .measure import NODE_SMI_WHAT
@@ -55,13 +56,14 @@ def stray_reason(rank, world, world0, first):
 
 def judge_strays(strays):
     """One FAIL per process refused at the roll call (stray_reason): the launch started a process that
-    is not a rank of this run. The stray's host is named; the rank it claimed is its own."""
+    is not a rank of this run. The stray's host is named (its own process: evidence 'own'); the rank it
+    claimed is its own."""
     out = []
     for x in sorted(strays, key=lambda x: (x["rank"], x["host"], x["pid"])):
         out.append(finding(x["check"], "FAIL", f"a process with RANK={x['rank']} (pid {x['pid']} on {x['host']}) "
                            f"joined the roll call but is not a rank of this run: {x['why']}; two launches share "
                            f"MASTER_ADDR:MASTER_PORT, or the launcher gave out RANK/WORLD_SIZE wrong",
-                           [x["host"]], [x["rank"]]))
+                           [x["host"]], [x["rank"]], blame="own"))
     return out
 
 
@@ -138,7 +140,8 @@ def judge_store_peers(peers, allowed, authenticated, master):
 
 
 def judge_layout(records, expect):
-    """Nodes count, ranks per node, local ranks 0..k-1 exactly once on every node."""
+    """Nodes count, ranks per node, local ranks 0..k-1 exactly once on every node. How the launcher placed
+    the ranks is not a node's fault: the findings name no host (evidence 'launch')."""
     out = []
     hosts = _by_host(records)
     for host, rs in sorted(hosts.items()):
@@ -148,9 +151,9 @@ def judge_layout(records, expect):
             gaps = sorted(set(range(len(rs))) - set(locs))
             what = "; ".join(filter(None, [f"duplicate {format_ranges(dups)}" if dups else "",
                                            f"missing {format_ranges(gaps)}" if gaps else ""]))
-            out.append(finding("layout", "FAIL", f"node {host} has local ranks {','.join(map(str, locs))} "
-                               f"({what}), expected 0..{len(rs) - 1} once each",
-                               [host], [r["rank"] for r in rs]))
+            out.append(unlocalised(finding("layout", "FAIL", f"node {host} has local ranks "
+                                           f"{','.join(map(str, locs))} ({what}), expected 0..{len(rs) - 1} once "
+                                           "each", [host], [r["rank"] for r in rs]), "launch"))
     want_nodes = expect.get("nodes")
     if want_nodes is not None and want_nodes != len(hosts):
         out.append(finding("layout", "FAIL", f"{len(hosts)} node(s) reported ({compress_hostlist(sorted(hosts))}) "
@@ -159,8 +162,8 @@ def judge_layout(records, expect):
     if rpn is not None:
         for host, rs in sorted(hosts.items()):
             if len(rs) != rpn:
-                out.append(finding("layout", "FAIL", f"node {host} runs {len(rs)} ranks but {rpn} per node "
-                                   f"were expected", [host], [r["rank"] for r in rs]))
+                out.append(unlocalised(finding("layout", "FAIL", f"node {host} runs {len(rs)} ranks but {rpn} per "
+                                               "node were expected", [host], [r["rank"] for r in rs]), "launch"))
     if not out:
         counts = sorted({len(rs) for rs in hosts.values()})
         out.append(finding("layout", "PASS", f"{len(hosts)} node(s) x {'/'.join(map(str, counts))} rank(s), "
@@ -169,7 +172,9 @@ def judge_layout(records, expect):
 
 
 def judge_gpu_affinity(records):
-    """No two ranks anywhere on one physical GPU (UUIDs are globally unique)."""
+    """No two ranks anywhere on one physical GPU (UUIDs are globally unique). A node that binds two ranks
+    to one GPU is named when it is unlike a strict majority of the nodes (its own configuration); when most
+    nodes do it, the launch does: FAIL, no host named."""
     gpu_recs = [r for r in records if r.get("gpu")]
     if not gpu_recs:
         return []
@@ -178,14 +183,16 @@ def judge_gpu_affinity(records):
         g = r["gpu"]
         key = g.get("uuid") or f"{r['host']}/{g.get('pci')}"
         seen.setdefault(key, []).append(r)
-    for _, rs in sorted(seen.items()):
-        if len(rs) > 1:
-            g = rs[0]["gpu"]
-            out.append(finding("gpu-affinity", "FAIL",
-                               f"{' and '.join(_rank_str(r) for r in rs)} share one GPU {g.get('uuid') or '?'} "
-                               f"(pci {g.get('pci') or '?'}, cuda:{rs[0].get('device')}, "
-                               f"CUDA_VISIBLE_DEVICES={rs[0].get('cvd')})",
-                               [r["host"] for r in rs], [r["rank"] for r in rs]))
+    shared = [rs for _, rs in sorted(seen.items()) if len(rs) > 1]
+    kind = minority_kind({r["host"] for rs in shared for r in rs}, {r["host"] for r in gpu_recs})
+    for rs in shared:
+        g = rs[0]["gpu"]
+        f = finding("gpu-affinity", "FAIL", f"{' and '.join(_rank_str(r) for r in rs)} share one GPU "
+                    f"{g.get('uuid') or '?'} (pci {g.get('pci') or '?'}, cuda:{rs[0].get('device')}, "
+                    f"CUDA_VISIBLE_DEVICES={rs[0].get('cvd')})", [r["host"] for r in rs], [r["rank"] for r in rs],
+                    blame="majority")
+        out.append(f if kind == "majority" else unlocalised(
+            f, kind, "the launch's GPU binding (--gpus-per-task, CUDA_VISIBLE_DEVICES) on every node"))
     if not out:
         out.append(finding("gpu-affinity", "PASS", f"{len(gpu_recs)} rank(s) on {len(seen)} distinct GPU(s)"))
     return out
@@ -205,7 +212,7 @@ def judge_numa(records):
         if not numa_cpus & aff:
             out.append(finding("numa", "WARN", f"{_rank_str(r)} runs on CPUs {r['cpus']} but its GPU "
                                f"{g.get('pci')} is on NUMA node {g['numa']} (CPUs {g['numa_cpus']})",
-                               [r["host"]], [r["rank"]]))
+                               [r["host"]], [r["rank"]], blame="own"))
     return out
 
 
@@ -214,40 +221,66 @@ def _spread(values):
     return "; ".join(f"{v} on {compress_hostlist(sorted(hs))}" for v, hs in sorted(values.items(), key=str))
 
 
+def _differs(check, sev, text, values, localise=None):
+    """A finding that `text` differs across nodes (values: {value: hosts}): the nodes unlike a strict majority
+    named (evidence 'majority'), or with no majority (a tie) one finding naming no host."""
+    odd, kind = odd_ones(values)
+    f = finding(check, sev, f"{text}: {_spread(values)}", odd, blame="majority")
+    return f if kind == "majority" else unlocalised(f, kind, localise)
+
+
+def _node_facts_unread(records):
+    """{host: why} of nodes whose facts were not collected (the node leader's facts carry an error)."""
+    return {r["host"]: r["node"]["error"] for r in records
+            if isinstance(r.get("node"), dict) and r["node"].get("error")}
+
+
+VERSION_FIELDS = (("torch", "FAIL", lambda r: r["versions"]["torch"]),
+                  ("CUDA", "FAIL", lambda r: r["versions"]["cuda"]),
+                  ("NCCL", "FAIL", lambda r: r["versions"]["nccl"]),
+                  ("GPU model", "FAIL", lambda r: (r.get("gpu") or {}).get("name")),
+                  ("driver", "FAIL", lambda r: (r.get("node") or {}).get("driver")),
+                  ("python", "WARN", lambda r: r["versions"]["python"]),
+                  ("OS", "WARN", lambda r: (r.get("node") or {}).get("os")),
+                  ("kernel", "WARN", lambda r: (r.get("node") or {}).get("kernel")))
+NODE_VERSION_FIELDS = ("driver", "OS", "kernel")  # from the node leader's facts: absent where not collected
+
+
 def judge_versions(records):
-    """Software stack identical across nodes: FAIL for torch/CUDA/NCCL/driver/GPU model, WARN for the rest."""
-    out = []
-    fields = [("torch", "FAIL", lambda r: r["versions"]["torch"]),
-              ("CUDA", "FAIL", lambda r: r["versions"]["cuda"]),
-              ("NCCL", "FAIL", lambda r: r["versions"]["nccl"]),
-              ("GPU model", "FAIL", lambda r: (r.get("gpu") or {}).get("name")),
-              ("driver", "FAIL", lambda r: (r.get("node") or {}).get("driver")),
-              ("python", "WARN", lambda r: r["versions"]["python"]),
-              ("OS", "WARN", lambda r: (r.get("node") or {}).get("os")),
-              ("kernel", "WARN", lambda r: (r.get("node") or {}).get("kernel"))]
-    for label, sev, get in fields:
+    """Software stack identical across nodes: FAIL for torch/CUDA/NCCL/driver/GPU model, WARN for the rest.
+    The nodes unlike a strict majority are named; a tie names none (with two nodes, which is right cannot be
+    told: an accepted --manifest decides). A node whose facts were not collected is left out of the node
+    fields (a WARN says so), never compared as 'None'."""
+    out, unread = [], _node_facts_unread(records)
+    for label, sev, get in VERSION_FIELDS:
         values = {}
         for r in records:
-            if label in ("driver", "OS", "kernel") and not r.get("node"):
+            if label in NODE_VERSION_FIELDS and (not r.get("node") or r["host"] in unread):
                 continue
             values.setdefault(str(get(r)), set()).add(r["host"])
         if len(values) > 1:
-            groups = sorted(values.values(), key=len)
-            # name the deviating nodes (all but the largest group), unless there is no majority
-            odd = groups[:-1] if len(groups[-1]) > len(groups[-2]) else groups
-            out.append(finding("versions", sev, f"{label} differs across nodes: {_spread(values)}",
-                               [h for hs in odd for h in hs]))
+            out.append(_differs("versions", sev, f"{label} differs across nodes", values,
+                                "an accepted --manifest (docs/manifest.md), or a run with a third node of the class"))
+    if unread:
+        out.append(unlocalised(finding("versions", "WARN", f"driver, OS and kernel not compared on "
+                                       f"{compress_hostlist(sorted(unread))}: the node facts were not collected ("
+                                       f"{next(iter(unread.values()))})", sorted(unread)), "not-collected"))
     if not any(f["status"] == "FAIL" for f in out):
         r0 = records[0]
         v = r0["versions"]
+        nodes = {r["host"] for r in records}
+        where = "on all nodes" if not unread else \
+            f"on the {len(nodes - set(unread))} of {len(nodes)} node(s) compared"
+        driver = next(((r.get("node") or {}).get("driver") for r in records
+                       if r.get("node") and r["host"] not in unread), None)
         out.insert(0, finding("versions", "PASS", f"torch {v['torch']}, CUDA {v['cuda'] or '-'}, NCCL "
-                              f"{v['nccl'] or '-'}, driver {(r0.get('node') or {}).get('driver') or '-'} "
-                              f"identical on all nodes"))
+                              f"{v['nccl'] or '-'}, driver {driver or '-'} identical {where}"))
     return out
 
 
 def judge_imports(records):
-    """torchvision / torchaudio import on every node, at one version across nodes (WARN)."""
+    """torchvision / torchaudio import on every node (a WARN naming the node where not: its own state), at one
+    version across nodes (WARN: the nodes unlike a strict majority)."""
     out, versions = [], {name: {} for name in PROBED_PACKAGES}
     for r in records:
         imp = (r.get("node") or {}).get("imports") or {}
@@ -256,44 +289,44 @@ def judge_imports(records):
             if st and not st.get("ok"):
                 what = "is not installed" if _import_state(st) == "missing" else "does not import"
                 out.append(finding("imports", "WARN", f"{name} {what} on {r['host']}: {st.get('error')}",
-                                   [r["host"]]))
+                                   [r["host"]], blame="own"))
             elif st:
                 versions[name].setdefault(str(st.get("version")), set()).add(r["host"])
     for name, values in versions.items():
         if len(values) > 1:
-            odd = sorted(values.values(), key=len)[:-1]
-            out.append(finding("versions", "WARN", f"{name} differs across nodes: {_spread(values)}",
-                               [h for hs in odd for h in hs]))
+            out.append(_differs("versions", "WARN", f"{name} differs across nodes", values))
     return out
 
 
 def judge_fabric(records, ib_hca=None):
-    """IB ports (those NCCL_IB_HCA names, when set) ACTIVE and at their siblings' rate."""
+    """IB ports (those NCCL_IB_HCA names, when set) ACTIVE and at their siblings' rate (WARN, the node's own
+    state); a node's rate, or its having IB ports at all, unlike a strict majority of the nodes (WARN)."""
     out = []
     nodes = {r["host"]: r["node"] for r in records if r.get("node")}
     with_ib = {h: ib_hca_select(ib_hca, n.get("ib") or []) for h, n in nodes.items()}
     with_ib = {h: ps for h, ps in with_ib.items() if ps}
     if not with_ib:
         return [finding("fabric", "PASS", "no InfiniBand ports on any node (sockets only)")] if nodes else []
-    job_max = max((p["rate_gbps"] or 0) for ps in with_ib.values() for p in ps)
+    node_max = {h: max((p["rate_gbps"] or 0) for p in ps) for h, ps in with_ib.items()}
     for h, ps in sorted(with_ib.items()):
-        node_max = max((p["rate_gbps"] or 0) for p in ps)
         for p in ps:
             if p["state"] != "ACTIVE":
-                out.append(finding("fabric", "WARN", f"{h} {p['port']} is {p['state']}", [h]))
-            elif (p["rate_gbps"] or 0) < node_max:
+                out.append(finding("fabric", "WARN", f"{h} {p['port']} is {p['state']}", [h], blame="own"))
+            elif (p["rate_gbps"] or 0) < node_max[h]:
                 out.append(finding("fabric", "WARN", f"{h} {p['port']} runs at {p['rate_gbps']:g} Gb/s, "
-                                   f"below {node_max:g} Gb/s of its sibling ports", [h]))
-            elif (p["rate_gbps"] or 0) < job_max:
-                out.append(finding("fabric", "WARN", f"{h} {p['port']} runs at {p['rate_gbps']:g} Gb/s, "
-                                   f"below {job_max:g} Gb/s elsewhere in the job", [h]))
+                                   f"below {node_max[h]:g} Gb/s of its sibling ports", [h], blame="own"))
+    rates = {}
+    for h, m in node_max.items():
+        rates.setdefault(f"{m:g} Gb/s", set()).add(h)
+    if len(rates) > 1:
+        out.append(_differs("fabric", "WARN", "the fastest InfiniBand port's rate differs across nodes", rates))
     missing = sorted(set(nodes) - set(with_ib))
     if missing:
-        out.append(finding("fabric", "WARN", f"no InfiniBand ports on {compress_hostlist(missing)} while "
-                           f"{compress_hostlist(sorted(with_ib))} have them", missing))
+        out.append(_differs("fabric", "WARN", "InfiniBand ports present on some nodes only",
+                            {"present": set(with_ib), "absent": set(missing)}))
     if not out:
         n = sum(len(ps) for ps in with_ib.values())
-        out.append(finding("fabric", "PASS", f"{n} InfiniBand port(s) ACTIVE at {job_max:g} Gb/s on "
+        out.append(finding("fabric", "PASS", f"{n} InfiniBand port(s) ACTIVE at {max(node_max.values()):g} Gb/s on "
                            f"{len(with_ib)} node(s)"))
     return out
 
@@ -303,7 +336,7 @@ GPU_BUSY_MIN = 2 << 30     # memory already used on a GPU before we allocate (ou
 
 
 def judge_day0(records):
-    """The basics that break NCCL in practice (WARN)."""
+    """The basics that break NCCL in practice (WARN, each the node's own state)."""
     out = []
     per_host = {h: len(rs) for h, rs in _by_host(records).items()}
     for r in records:
@@ -311,26 +344,27 @@ def judge_day0(records):
         g = r.get("gpu") or {}
         if g.get("mem_used") is not None and g["mem_used"] > GPU_BUSY_MIN:
             out.append(finding("day0", "WARN", f"{_rank_str(r)}: {human_bytes(g['mem_used'])} of GPU "
-                               f"{g.get('pci')} already in use by other processes", [h], [r["rank"]]))
+                               f"{g.get('pci')} already in use by other processes", [h], [r["rank"]], blame="own"))
         if not n:
             continue
         has_ib = any(p["state"] == "ACTIVE" for p in n.get("ib") or [])
         if has_ib and n.get("memlock") != "unlimited":
             out.append(finding("day0", "WARN", f"{h}: locked-memory limit is {human_bytes(n.get('memlock'))}, "
-                               f"not unlimited (ulimit -l); RDMA registration can fail", [h]))
+                               f"not unlimited (ulimit -l); RDMA registration can fail", [h], blame="own"))
         if n.get("shm") is not None and n["shm"] < SHM_MIN and per_host.get(h, 1) > 1:
             out.append(finding("day0", "WARN", f"{h}: /dev/shm is {human_bytes(n['shm'])}, below "
-                               f"{human_bytes(SHM_MIN)}; NCCL's shared-memory transport can fail", [h]))
+                               f"{human_bytes(SHM_MIN)}; NCCL's shared-memory transport can fail", [h], blame="own"))
         if has_ib and g and not n.get("peermem"):
             out.append(finding("day0", "WARN", f"{h}: InfiniBand present but nvidia_peermem is not loaded "
-                               f"(no GPUDirect RDMA)", [h]))
+                               f"(no GPUDirect RDMA)", [h], blame="own"))
     return out + judge_node_smi(records)
 
 
 def judge_node_smi(records):
     """A WARN per node whose GPU facts from its one nvidia-smi call (node.smi) were not read: no answer within
     its bound (NODE_SMI_S), an error, or no row for a rank's GPU. It names the node, the GPUs (index, UUID,
-    rank), what was not read and the bound: facts never read are never a silent PASS."""
+    rank), what was not read and the bound: facts never read are never a silent PASS, and never blame a host
+    (evidence 'not-collected')."""
     out = []
     for h, rs in sorted(_by_host(records).items()):
         smi = next((r["node"].get("smi") for r in rs if r.get("node")), None)
@@ -350,13 +384,15 @@ def judge_node_smi(records):
                     f"starting without persistence mode (nvidia-smi -pm 1, or nvidia-persistenced)")
         else:
             text = f"{h}: nvidia-smi listed no row for {who}: {NODE_SMI_WHAT} not read"
-        out.append(finding("day0", "WARN", text, [h], [r["rank"] for r in (missing or rs)]))
+        out.append(unlocalised(finding("day0", "WARN", text, [h], [r["rank"] for r in (missing or rs)]),
+                               "not-collected", "a re-run once nvidia-smi answers on the node"))
     return out
 
 
 def judge_local(records):
     """The local checks each rank ran before any communication; one finding per distinct
-    reason (ranks of one host that share a misconfiguration are named together)."""
+    reason (ranks of one host that share a misconfiguration are named together). A local check is the
+    rank's own state on its host (evidence 'own')."""
     merged = {}
     for r in records:
         for f in r.get("local") or []:
@@ -366,20 +402,22 @@ def judge_local(records):
             if key in merged:
                 merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
             else:
-                merged[key] = dict(f)
+                merged[key] = dict(f, blame=f.get("blame") or "own")
     return list(merged.values())
 
 
 def judge_device_use(records):
-    """One backend on every rank; with gloo asked for explicitly, say which GPUs were not exercised."""
+    """One backend on every rank (the nodes unlike a strict majority named); with gloo asked for explicitly,
+    say which GPUs were not exercised."""
     seen = {}
     for r in records:
-        seen.setdefault(r.get("backend"), []).append(r)
+        seen.setdefault(r.get("backend"), set()).add(r["host"])
     if len(seen) > 1:
-        minority = sorted(seen.values(), key=len)[0]
-        return [finding("device", "FAIL", "ranks chose different backends: " + "; ".join(
-            f"{b} on {compress_hostlist(sorted({r['host'] for r in rs}))}" for b, rs in sorted(seen.items(), key=str)),
-            [r["host"] for r in minority], [r["rank"] for r in minority])]
+        odd, kind = odd_ones(seen)
+        f = finding("device", "FAIL", "ranks chose different backends: " + "; ".join(
+            f"{b} on {compress_hostlist(sorted(hs))}" for b, hs in sorted(seen.items(), key=str)),
+            odd, [r["rank"] for r in records if r["host"] in odd], blame="majority")
+        return [f if kind == "majority" else unlocalised(f, kind)]
     unused = {r["host"]: r["gpus_expected"] for r in records if r.get("backend") == "gloo" and r.get("gpus_expected")
               and not any(f["check"] == "device" for f in r.get("local") or [])}
     if unused:
@@ -389,8 +427,9 @@ def judge_device_use(records):
 
 
 def judge_gloo_address(records):
-    """A multi-node gloo run whose chosen address is loopback cannot connect across nodes (FAIL); else
-    say which interface and address gloo uses on each node."""
+    """A multi-node gloo run whose chosen address is loopback cannot connect across nodes (FAIL: the nodes
+    unlike a strict majority named, none when most or all nodes do it); else say which interface and address
+    gloo uses on each node."""
     gl = [r for r in records if r.get("backend") == "gloo" and r.get("gloo")]
     if not gl:
         return []
@@ -399,10 +438,13 @@ def judge_gloo_address(records):
     loop = {r["host"]: r["gloo"] for r in gl if r["gloo"]["loopback"]}
     if len(machines) > 1 and loop:
         g = next(iter(loop.values()))
-        return [finding("interface", "FAIL", f"gloo would use the loopback address {g['addr']} on "
-                        f"{compress_hostlist(sorted(loop))} ({g['how']}) in a {len(hosts)}-node run: set "
-                        f"GLOO_SOCKET_IFNAME to the interface that reaches the other nodes, or map the hostname "
-                        f"to that interface's address", sorted(loop), [r["rank"] for r in gl if r["host"] in loop])]
+        f = finding("interface", "FAIL", f"gloo would use the loopback address {g['addr']} on "
+                    f"{compress_hostlist(sorted(loop))} ({g['how']}) in a {len(hosts)}-node run: set "
+                    f"GLOO_SOCKET_IFNAME to the interface that reaches the other nodes, or map the hostname "
+                    f"to that interface's address", sorted(loop), [r["rank"] for r in gl if r["host"] in loop],
+                    blame="majority")
+        kind = minority_kind(loop, hosts)
+        return [f if kind == "majority" else unlocalised(f, kind, "GLOO_SOCKET_IFNAME for every node")]
     used = {}
     for r in gl:
         used.setdefault(f"{r['gloo']['iface']}({r['gloo']['addr']})", set()).add(r["host"])
@@ -477,7 +519,10 @@ def with_results(records, results):
 
 def judge_collectives(results, world_size, host_of=None):
     """results: per rank {'rank', 'ar_ok', 'ar_sum', 'grads'} (grads: a digest of the gradient bytes);
-    host_of: rank -> host (default: each result's own 'host')."""
+    host_of: rank -> host (default: each result's own 'host'). A rank whose all_reduce result is wrong while
+    a strict majority got the exact value is named (its result unlike theirs); every rank or no majority
+    wrong: FAIL, no host. DDP gradients are compared across ranks (not with rank 0's): the ranks unlike a
+    strict majority are named; a tie names none."""
     out = []
     host_of = host_of or {r["rank"]: r.get("host", "?") for r in results}
     want = world_size * (world_size + 1) // 2
@@ -486,16 +531,30 @@ def judge_collectives(results, world_size, host_of=None):
         return ", ".join(f"rank {r['rank']} ({host_of.get(r['rank'], '?')})" for r in rs)
     bad = [r for r in results if not r["ar_ok"] or int(r["ar_sum"]) != want]
     if bad:
-        out.append(finding("collective", "FAIL", "all_reduce returned wrong values on " + ", ".join(
+        f = finding("collective", "FAIL", "all_reduce returned wrong values on " + ", ".join(
             f"{who([r])} (sum {r['ar_sum']}, expected {want}{', pattern wrong' if not r['ar_ok'] else ''})"
-            for r in bad), [host_of.get(r["rank"], "?") for r in bad], [r["rank"] for r in bad]))
+            for r in bad), [host_of.get(r["rank"], "?") for r in bad], [r["rank"] for r in bad], blame="majority")
+        if 2 * len(bad) >= len(results):  # no strict majority got the exact value: not a host's result
+            f = unlocalised(f, "everyone" if len(bad) == len(results) else "tie",
+                            "the screen's pair results and the numerics check (a GPU computing wrong), or a run "
+                            "with more nodes")
+        out.append(f)
     else:
         out.append(finding("collective", "PASS", f"all_reduce exact on {len(results)} rank(s): "
                            f"sum {want} = w(w+1)/2, element-wise pattern verified"))
-    diff = [r for r in results if r["grads"] != results[0]["grads"]]
-    if diff:
-        out.append(finding("ddp", "FAIL", "DDP gradients differ from rank 0's on " + who(diff),
-                           [host_of.get(r["rank"], "?") for r in diff], [r["rank"] for r in diff]))
+    digests = {}
+    for r in results:
+        digests.setdefault(r["grads"] if isinstance(r["grads"], str) else repr(r["grads"]), []).append(r["rank"])
+    if len(digests) > 1:
+        odd, kind = odd_ones(digests)
+        text = "; ".join(f"ranks {format_ranges(rs)}" if len(rs) > 1 else f"rank {rs[0]}" for rs in
+                         sorted(digests.values(), key=len, reverse=True))
+        named = [r for r in results if r["rank"] in odd]
+        f = finding("ddp", "FAIL", f"DDP gradients after the all-reduce differ across ranks ({len(digests)} distinct "
+                    f"results: {text}); unlike the {'majority' if kind == 'majority' else 'others'}: {who(named)}",
+                    [host_of.get(r["rank"], "?") for r in named], [r["rank"] for r in named], blame="majority")
+        out.append(f if kind == "majority" else unlocalised(f, kind, "a run with more ranks, and the numerics "
+                                                                     "check's DDP-gradient rows"))
     else:
         out.append(finding("ddp", "PASS", f"DDP gradients identical on {len(results)} rank(s)"))
     return out
@@ -635,8 +694,9 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
               + (f"; first error: {first_err}" if first_err else "")
               + (f"; {STOPPED_WORDS}" if check == "interrupted" else "")
               + ("; a bug in the tool, not a fault of the cluster: no host is blamed" if check == "internal" else ""))
+    hard = groups["dead"] + groups["frozen"] + groups["silent"]
     return finding(check or PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits,
-                   code=code)
+                   code=code, blame="process" if hard else "own" if groups["error"] and culprits else None)
 
 
 def _ranks_on_hosts(ranks, host_of, limit=16):

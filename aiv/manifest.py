@@ -19,6 +19,7 @@ from .base import (
     finding,
     format_ranges,
 )
+from .blame import unlocalised
 from .collect import PROBED_PACKAGES
 from .files import LockTimeout, _file_lock, write_json_atomic
 from .judge import _by_host, _import_state, screen_reference
@@ -386,7 +387,8 @@ def judge_manifest(manifest, records, screen=None):
     classes = {k: _expand_class(c) for k, c in manifest["classes"].items()}
     index, drift, unchecked, unknown, counts = _host_index(classes), {}, set(), {}, [[], []]
     load = screen_load(screen)
-    slow = {h for f in judge_bands(manifest, records, screen) for h in f["hosts"]}  # not a match: judge_bands FAILs it
+    slow = {h for f in judge_bands(manifest, records, screen)  # not a match: judge_bands FAILs it, named or not
+            for h in f["hosts"] + f.get("involved", [])}
     for h, rs in sorted(_by_host(records).items()):
         fields, key = host_view(rs, load)
         listed = h in index
@@ -407,10 +409,10 @@ def _manifest_findings(drift, unknown, counts, unchecked, accepted):
     for (field, sev), texts in sorted(drift.items(), key=lambda d: (d[0][1] != "FAIL", FIELD_NAMES.index(d[0][0]))):
         hosts = [h for hs in texts.values() for h in hs]
         out.append(finding("manifest", sev, f"{labels[field]} differs from the manifest: " + "; ".join(
-            f"{t} on {_hl(hs)}" for t, hs in sorted(texts.items())), hosts))
+            f"{t} on {_hl(hs)}" for t, hs in sorted(texts.items())), hosts, blame="manifest"))
     for key, hosts in sorted(unknown.items()):
         out.append(finding("manifest", "WARN", f"{_hl(hosts)} not in the manifest, and its class '{key}' was never "
-                           f"accepted (accepted: {'; '.join(accepted) or 'none'})", hosts))
+                           f"accepted (accepted: {'; '.join(accepted) or 'none'})", hosts, blame="manifest"))
     if not out and counts[0] + counts[1]:
         skipped = [f for f in FIELD_NAMES if f in unchecked]
         out.append(finding("manifest", "PASS", f"{len(counts[0]) + len(counts[1])} node(s) match the manifest "
@@ -656,20 +658,23 @@ def _band_gpu_words(g):
 
 
 def _band_points(screen, host_class):
-    """(class, band, value, hosts, ranks, where) of each measurement of one screen, the band named by what the
-    value depends on: 'gpu.tflops/<model>', 'gpu.hbm_gbps/<model>' per GPU, 'intra.busbw/<n> ranks' per node
+    """(class, band, value, hosts, ranks, where, tries) of each measurement of one screen, the band named by what
+    the value depends on: 'gpu.tflops/<model>', 'gpu.hbm_gbps/<model>' per GPU, 'intra.busbw/<n> ranks' per node
     (ranks per node), 'inter.busbw/<k> rails' per pair of nodes of one class (rails the pair ran at once).
-    ranks: the ranks measured; where: the words naming them (a GPU by node, index, UUID and rank)."""
+    ranks: the ranks measured; where: the words naming them (a GPU by node, index, UUID and rank); tries: how
+    many times the value was measured (the best counting)."""
     screen = screen or {}
     for g in screen.get("gpu") or []:
         cls, model = host_class.get(g.get("host")), g.get("model") or "unknown"
         ranks, where = [g["rank"]] if g.get("rank") is not None else [], _band_gpu_words(g)
-        yield cls, f"gpu.tflops/{model}", g.get("tflops"), [g.get("host")], ranks, where
-        yield cls, f"gpu.hbm_gbps/{model}", g.get("hbm_gbps"), [g.get("host")], ranks, where
+        tries = int(g.get("tries") or 1)
+        yield cls, f"gpu.tflops/{model}", g.get("tflops"), [g.get("host")], ranks, where, tries
+        yield cls, f"gpu.hbm_gbps/{model}", g.get("hbm_gbps"), [g.get("host")], ranks, where, tries
     for n in screen.get("intra") or []:
         ranks = list(n.get("ranks") or ())
         yield host_class.get(n.get("host")), f"intra.busbw/{len(ranks)} ranks", n.get("busbw"), \
-            [n.get("host")], ranks, f"{n.get('host')} (ranks {format_ranges(ranks) or '-'})"
+            [n.get("host")], ranks, f"{n.get('host')} (ranks {format_ranges(ranks) or '-'})", \
+            max(int(n.get("tries") or 1), len(n.get("values") or ()))
     pairs, rails = screen.get("pairs") or [], {}
     for pr in pairs:
         k = (pr.get("round"), tuple(sorted(pr.get("nodes") or ())))
@@ -680,7 +685,8 @@ def _band_points(screen, host_class):
         if len(classes) == 1:
             rail = f" rail {pr['rail']}" if pr.get("rail") is not None else ""
             yield classes.pop(), f"inter.busbw/{rails[(pr.get('round'), tuple(hosts))]} rails", pr.get("busbw"), \
-                hosts, ranks, f"{compress_hostlist(hosts)}{rail} (ranks {format_ranges(ranks) or '-'})"
+                hosts, ranks, f"{compress_hostlist(hosts)}{rail} (ranks {format_ranges(ranks) or '-'})", \
+                int(pr.get("tries") or 1)
 
 
 def _host_classes(records):
@@ -702,25 +708,29 @@ def screen_bands(screen, records):
 def judge_bands(manifest, records, screen):
     """This run's screen against the accepted bands of each node's class (bands of BAND_MIN_RUNS runs or
     more, of the same GPU model, ranks per node or rails per pair): a measurement below BAND_SLACK (on CPU
-    BAND_SLACK_CPU) x the band's lowest value in its window FAILs, naming its host(s)."""
+    BAND_SLACK_CPU) x the band's lowest value in its window FAILs, naming its host when it was measured again
+    (a value of one host measured once, or of a pair of nodes, names none: _below_band)."""
     if not manifest or not screen:
         return []
     slack = BAND_SLACK_CPU if screen.get("cpu") else BAND_SLACK
     out = []
-    for cls, band, v, hosts, ranks, where in _band_points(screen, _host_classes(records)):
-        out += _below_band(manifest, cls, band, v, hosts, slack, ranks, where)
+    for cls, band, v, hosts, ranks, where, tries in _band_points(screen, _host_classes(records)):
+        out += _below_band(manifest, cls, band, v, hosts, slack, ranks, where, tries)
     return out
 
 
-def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None):
+def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None, tries=1):
     b = ((manifest.get("classes") or {}).get(cls) or {}).get("bands", {}).get(band)
     if not b or b.get("runs", 1) < BAND_MIN_RUNS or not _is_num(value):
         return []
     if value >= slack * b["lo"]:
         return []
-    return [finding("manifest", "FAIL", f"{band} {value:.4g} on {where or compress_hostlist(sorted(hosts))} is "
-                    f"below the accepted band of {cls} ({b['lo']:.4g}-{b['hi']:.4g}, reference {b['ref']:.4g}, "
-                    f"{b['runs']} runs; FAIL below {slack:g} x its lowest)", hosts, ranks)]
+    f = finding("manifest", "FAIL", f"{band} {value:.4g} on {where or compress_hostlist(sorted(hosts))} is "
+                f"below the accepted band of {cls} ({b['lo']:.4g}-{b['hi']:.4g}, reference {b['ref']:.4g}, "
+                f"{b['runs']} runs; FAIL below {slack:g} x its lowest)", hosts, ranks, blame="manifest")
+    if len(set(hosts)) > 1:  # a pair of nodes: the value is the link's, neither end is singled out
+        return [unlocalised(f, "link", "the screen's inter-node rows, which measure each node with other partners")]
+    return [f if tries >= 2 else unlocalised(f, "once", "a re-run: a value below the band again names its host")]
 
 
 def save_manifest(path, state, written_at):

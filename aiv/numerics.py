@@ -8,6 +8,7 @@ import threading
 import time
 
 from .base import EXIT_INTERNAL, compress_hostlist, finding, first_line, format_ranges, is_tool_error
+from .blame import unlocalised
 
 # What every rank computes (docs/numerics.md). The operands come from one seeded CPU generator, so every rank
 # builds the same bits, then go to the rank's device. GPU: a 4096 x 1024 by 1024 x 4096 product, whose 16M
@@ -441,7 +442,7 @@ def _numerics_tie(group, c, by, culprits):
                    + ") and none is off the fp64 reference beyond the tolerance: one of them computes wrong "
                    "and this run cannot tell which (no majority): run dcgmi diag -r 3 on "
                    f"{compress_hostlist(sorted({r.get('host') for r in ranks}))}, or rerun with a third "
-                   "device of the model; no host blamed", ranks=[r["rank"] for r in ranks])
+                   "device of the model; no host blamed", ranks=[r["rank"] for r in ranks], blame="tie")
 
 
 def judge_numerics(rows, stage="numerics check"):
@@ -504,10 +505,11 @@ def _numerics_unjudged(r, stage):
                        "tool, not a fault of the cluster: no host is blamed", code=EXIT_INTERNAL)
     if r.get("error"):
         return finding("numerics", "FAIL", f"{_who(r)}: the {stage} could not run on its device: "
-                       f"{r['error']}: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]])
+                       f"{r['error']}: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]], blame="own")
     if r.get("unread") is not None:
-        return finding("numerics", "WARN", f"{_who(r)}: the {stage} did not finish within "
-                       f"{r['unread']:g}s: its numbers were not checked", [r.get("host")], [r["rank"]])
+        return unlocalised(finding("numerics", "WARN", f"{_who(r)}: the {stage} did not finish within "
+                                   f"{r['unread']:g}s: its numbers were not checked", [r.get("host")], [r["rank"]]),
+                           "not-collected", "a re-run: the numbers checked in time name their host if wrong")
     return None
 
 
@@ -523,7 +525,7 @@ def _numerics_all_off(group, c, have, off):
                        + f"; the only rank of its model and software ({group}) in this run, so its "
                        f"device cannot be told from the software: run dcgmi diag -r 3 on "
                        f"{worst.get('host')}, or run with a second device of the model; no host "
-                       f"blamed", ranks=[worst["rank"]])
+                       f"blamed", ranks=[worst["rank"]], blame="tie")
     same = len({r["checks"][c].get("digest") for r in have}) == 1
     return finding("numerics", "FAIL", f"every one of the {len(have)} rank(s) of {group} computes "
                    f"{c} ({NUMERICS_WHAT.get(c, c)}) off the fp64 reference"
@@ -531,7 +533,7 @@ def _numerics_all_off(group, c, have, off):
                    + f" (worst: {_ranks_words([worst])}: {_off_words(c, p)}): a fault of the software "
                    "(torch, CUDA, cuBLAS, driver) or of the model, not of a host: no host blamed; "
                    "report it with this line, and try another software version",
-                   ranks=[r["rank"] for r in have])
+                   ranks=[r["rank"] for r in have], blame="everyone")
 
 
 def _numerics_culprits(culprits, stage):
@@ -542,13 +544,21 @@ def _numerics_culprits(culprits, stage):
     for r, texts in items[:NUMERICS_LIST_MAX]:
         action = NUMERICS_ACTION if r.get("uuid") or r.get("device") is not None else NUMERICS_CPU_ACTION
         out.append(finding("numerics", "FAIL", f"{_who(r)} computes wrong numbers in the {stage}: "
-                           + "; ".join(texts) + f": {action}", [r.get("host")], [r["rank"]]))
+                           + "; ".join(texts) + f": {action}", [r.get("host")], [r["rank"]],
+                           blame=_culprit_blame(texts)))
     if len(items) > NUMERICS_LIST_MAX:
         rest = [r for r, _ in items[NUMERICS_LIST_MAX:]]
         out.append(finding("numerics", "FAIL", f"and {len(rest)} more rank(s) compute wrong numbers in the {stage}: "
                            f"{_ranks_words(rest)}: see the JSON's ranks[].numerics", [r.get("host") for r in rest],
-                           [r["rank"] for r in rest]))
+                           [r["rank"] for r in rest],
+                           blame=_culprit_blame([t for _, ts in items[NUMERICS_LIST_MAX:] for t in ts])))
     return out
+
+
+def _culprit_blame(texts):
+    """The evidence a culprit's texts stand on: off the fp64 reference its peers meet ('reference'), else bits
+    unlike a strict majority of its peers ('majority')."""
+    return "reference" if any("off the fp64 reference" in t for t in texts) else "majority"
 
 
 def _numerics_pass(groups, stage):
@@ -609,8 +619,8 @@ def judge_numerics_soak(rows):
         return [finding("numerics", "FAIL", f"soak: every one of the {len(done)} rank(s) gave results under sustained "
                         f"load whose bits differ from its own first result ({_ranks_words(bad)}; {first(bad[0])}): "
                         "the software is not deterministic here, not a host's fault: no host blamed",
-                        ranks=[r["rank"] for r in bad])]
+                        ranks=[r["rank"] for r in bad], blame="everyone")]
     return [finding("numerics", "FAIL", f"{_who(r)}: under sustained load (--soak) {r['numerics_mismatches']} of "
                     f"{r['numerics_repeats']} repeat(s) of its matmuls differed from its own first result "
-                    f"({first(r)}): an intermittent fault: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]])
-            for r in bad]
+                    f"({first(r)}): an intermittent fault: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]],
+                    blame="own") for r in bad]

@@ -7,28 +7,21 @@ import shlex
 import subprocess
 import time
 
-from .base import CHECKS, EXIT_FAIL, EXIT_TIMEOUT, _screen_key, _screen_sorted, compress_hostlist, finding
+from .base import CHECKS, _screen_key, _screen_sorted, compress_hostlist, finding
+from .blame import drainable
 from .deadlines import DRAIN_S, PHASES
 from .options import DRAIN_PREFIX
 from .screen_judge import gpu_levels, screen_diagnose
 
 DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
 DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)
-# Checks whose hosts are never drained: the launch or the tool, not the node (a rendezvous finding
-# drains only when its ranks never checked in: DRAIN_RENDEZVOUS_CODES).
-NO_DRAIN_CHECKS = ("usage", "contract", "launch", "world-size", "layout", "interrupted", "internal", "drain")
-DRAIN_RENDEZVOUS_CODES = (EXIT_TIMEOUT,)
+# Which findings may drain their hosts is declared by each check (CHECK_RULES in aiv/blame.py: the evidence on
+# which it drains, and why that evidence persists); a check that declares nothing drains nothing (drainable).
 
 
 def drain_max(given, nodes):
     """--drain-max, or DRAIN_SHARE of the allocation's nodes (at least 1)."""
     return given if given else max(1, int(DRAIN_SHARE * max(1, nodes)))
-
-
-def _drain_eligible(f):
-    if f["status"] != "FAIL" or f["check"] in NO_DRAIN_CHECKS or not f["hosts"]:
-        return False
-    return f["check"] != "rendezvous" or f.get("code", EXIT_FAIL) in DRAIN_RENDEZVOUS_CODES
 
 
 def drain_blocker(findings):
@@ -71,7 +64,7 @@ def drain_plan(findings, mode, nodes, job, max_nodes=None):
            "skipped": None, "done": False, "kept": {}}
     culprits = {}
     for f in findings:
-        if _drain_eligible(f):
+        if drainable(f):
             for h in f["hosts"]:
                 culprits.setdefault(h, f)
     why = drain_blocker(findings) or ("no failed check names a host whose fault it is" if not culprits else None)

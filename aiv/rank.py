@@ -249,7 +249,7 @@ class RankRun(ScreenRunner):
     def own_error(self, phase, line, code):
         """A rank's own torch error in a phase: its host, its rank (rank 0 overrides this once it can name
         who did not finish the phase)."""
-        return failed(PHASE_CHECK[phase], line, code, [self.host], [self.rank])
+        return failed(PHASE_CHECK[phase], line, code, [self.host], [self.rank], blame="own")
 
     def internal_error(self, phase, exc):
         """The tool's own error in a phase: posted (so that rank 0 blames nobody for it), then a Verdict."""
@@ -285,7 +285,7 @@ class RankRun(ScreenRunner):
         old = torch_floor_problem(torch.__version__)
         if old:  # before any store operation: the side channel needs what this torch lacks
             raise failed("local", f"{old} on {self.host} (rank {self.rank}, {sys.executable})", EXIT_FAIL,
-                         [self.host], [self.rank])
+                         [self.host], [self.rank], blame="own")
         if self.env.get("AIV_WARM_IMPORTS", "1") != "0":  # DDP's constructor imports torch._dynamo (1-7 s)
             self.bg.warm = threading.Thread(target=_warm_imports, name="aiv-warm-imports", daemon=True)
             self.bg.warm.start()
@@ -326,7 +326,7 @@ class RankRun(ScreenRunner):
             prefix, _ = launcher_store(self.env)
             tell_rank0_without_torch(self.addr, self.port, prefix, self.rank, self.host, line,
                                      self.bound.left())
-        return failed("local", line, EXIT_FAIL, [self.host], [self.rank])
+        return failed("local", line, EXIT_FAIL, [self.host], [self.rank], blame="own")
 
     def phase_rollcall(self):
         R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)

@@ -402,8 +402,11 @@ def action_lines(findings):
     for f in findings:
         if f["status"] == "PASS" or not (f.get("action") or f.get("evidence")):
             continue
-        who = f" {compress_hostlist(f['hosts'])}" if f.get("hosts") else ""
-        line = f"{f['check']}{who}: {f.get('action') or 'see the finding'}" + (
+        who = f" {compress_hostlist(f['hosts'])}" if f.get("hosts") else \
+            f" {compress_hostlist(f['involved'])} (not blamed)" if f.get("involved") else ""
+        act = f"nothing is drained: to localise it, {f['unlocalised']['localise']}" if f.get("unlocalised") else \
+            f.get("action") or "see the finding"
+        line = f"{f['check']}{who}: {act}" + (
             f" (evidence: {f['evidence']})" if f.get("evidence") else "")
         if line not in out:
             out.append(line)

@@ -4,6 +4,7 @@ culprits, GPU facts under load."""
 import re
 
 from .base import _screen_key, _screen_median, _screen_sorted, compress_hostlist, finding, format_ranges
+from .blame import unlocalised
 from .collect import THROTTLE_FAULTS, throttle_names
 from .judge import screen_reference
 from .manifest import BAND_MIN_RUNS, _band_points, _host_classes
@@ -273,15 +274,24 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
     def evidence(r):
         how = ("its own CPU clock, best of 5 blocks" if cpu else
                "5 device-timed blocks run back to back, median")
-        return f"measured once on {r.get('host')} ({how})" + (f"; {unused(r)}" if unused(r) else "")
-    action = ("re-run the preflight; if the GPU is slow again, drain the node and run the vendor's diagnostics "
-              "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
+        again = (f"measured again on {r.get('host')}, slow again (first " + ", ".join(
+            f"{_sn(v)} {u}" for k, u, _ in SCREEN_GPU_METRICS for v in [(r.get("first") or {}).get(k)] if v is not None)
+            + ", the better counting)"
+            if _gpu_again(r) else f"measured once on {r.get('host')}")
+        return f"{again} ({how})" + (f"; {unused(r)}" if unused(r) else "")
+
+    def action(r):
+        return ("drain the node and run the vendor's diagnostics (dcgmi diag -r 3): clocks, power or thermal limits "
+                "(see the GPU facts), a degraded PCIe link" if _gpu_again(r) else
+                "re-run the preflight; if the GPU is slow again, drain the node and run the vendor's diagnostics "
+                "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
     if len(items) <= SCREEN_LIST_MAX:
-        return [dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                             f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
-                             + (f"; {unused(r)}" if unused(r) else ""), [r.get("host")], [rk]),
-                     evidence=evidence(r), action=action)
-                for rk, (r, fl) in items]
+        out = [_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
+                                       f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
+                                       + (f"; {unused(r)}" if unused(r) else ""), [r.get("host")], [rk]),
+                               evidence=evidence(r), action=action(r)), [r])
+               for rk, (r, fl) in items]
+        return _gpu_everyone(out, per_rank)
     out = []
     for status in ("FAIL", "WARN"):
         sel = [(rk, r, fl) for rk, (r, fl) in items if _screen_worst([lv for _, lv, _ in fl]) == status]
@@ -289,10 +299,37 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
             shown = "; ".join(f"{_gpu_who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
             hosts = [r.get("host") for _, r, _ in sel]
-            out.append(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} node(s): "
-                                    f"{shown}{more}", hosts, [rk for rk, _, _ in sel]),
-                            evidence=f"each measured once ({len(sel)} GPU(s))", action=action))
-    return out
+            out.append(_gpu_blame(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} "
+                                               f"node(s): {shown}{more}", hosts, [rk for rk, _, _ in sel]),
+                                       evidence=f"{len(sel)} GPU(s), each measured "
+                                       + ("again" if all(_gpu_again(r) for _, r, _ in sel) else "once"),
+                                       action=action(sel[0][1])), [r for _, r, _ in sel]))
+    return _gpu_everyone(out, per_rank)
+
+
+def _gpu_everyone(found, per_rank):
+    """found, where every GPU of a run on two or more nodes is slow: a cause the nodes share (the image, the
+    driver, a power policy, a floor set above what the model reaches), named on no host."""
+    hosts = {r.get("host") for r in per_rank}
+    slow = {rk for f in found for rk in f["ranks"]}
+    if len(hosts) < 2 or slow != {r["rank"] for r in per_rank}:
+        return found
+    return [f if not f["hosts"] else unlocalised(f, "everyone", "the GPUs' clocks and power limits on every node "
+                                                 "(nvidia-smi -q -d PERFORMANCE), the floors set, the image")
+            for f in found]
+
+
+def _gpu_again(r):
+    """Whether a GPU row was measured again and was slow again ('tries' >= 2: screen_loop's re-measure rule)."""
+    return int(r.get("tries") or 1) >= 2
+
+
+def _gpu_blame(f, rows):
+    """A gpu-perf finding's blame: 'persisted' when every GPU it names was slow again when measured again,
+    else 'once' (no host is named: a value measured once is not evidence that persists)."""
+    if all(_gpu_again(r) for r in rows):
+        return dict(f, blame="persisted")
+    return unlocalised(f, "once", "a re-run: a GPU slow again when measured again is named with its host")
 
 
 def _intra_class(p):
@@ -409,20 +446,31 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
                         for k, r in sorted(refs.items(), key=str))
         return [finding("intra-node", "PASS", f"intra-node busbw on {len(per_node)} node(s): reference "
                         f"{txt} ({rule})")]
+    tries = {p["host"]: max(int(p.get("tries") or 1), len(p.get("values") or ())) for p in per_node}
     if len(flagged) <= SCREEN_LIST_MAX:
-        return [dict(finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node; {ev}", [h], ranks),
-                     evidence=ev, action=act) for lv, h, txt, (ev, act, ranks) in flagged]
+        return [_measured_blame(dict(finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node; {ev}",
+                                             [h], ranks), evidence=ev, action=act), [tries[h]])
+                for lv, h, txt, (ev, act, ranks) in flagged]
     out = []
     for status in ("FAIL", "WARN"):
         sel = [f for f in flagged if f[0] == status]
         if sel:
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(dict(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
-                                    + "; ".join(t for _, _, t, _ in sel[:SCREEN_LIST_MAX]) + more,
-                                    [h for _, h, _, _ in sel]),
-                            evidence="; ".join(f"{h}: {e[0]}" for _, h, _, e in sel[:SCREEN_LIST_MAX]),
-                            action="drain them; run the vendor's diagnostics on each"))
+            out.append(_measured_blame(dict(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
+                                                    + "; ".join(t for _, _, t, _ in sel[:SCREEN_LIST_MAX]) + more,
+                                                    [h for _, h, _, _ in sel]),
+                                            evidence="; ".join(f"{h}: {e[0]}" for _, h, _, e in sel[:SCREEN_LIST_MAX]),
+                                            action="drain them; run the vendor's diagnostics on each"),
+                                       [tries[h] for _, h, _, _ in sel]))
     return out
+
+
+def _measured_blame(f, tries):
+    """A screen finding's blame from how often each thing it names was measured: 'persisted' when every one was
+    measured two or more times (slow each time), else 'once'."""
+    if all(t >= 2 for t in tries):
+        return dict(f, blame="persisted")
+    return unlocalised(f, "once", "a re-run: a node slow again when measured again is named")
 
 
 def _pair_evidence(results, levels):
@@ -591,7 +639,8 @@ def _pair_node_findings(results, d):
         out.append(dict(finding("inter-node", _screen_worst(statuses),
                                 f"node {n} is slow on {_screen_rails_text(rails, own if whole else [])}{named} with "
                                 f"{len(partners)} different partner(s) ({_screen_names(partners)}) and fine with none, "
-                                f"after re-measurement: {speed}: {where}{_pair_floor_text(results, every, d)}", [n]),
+                                f"after re-measurement: {speed}: {where}{_pair_floor_text(results, every, d)}", [n],
+                                blame="persisted"),
                         evidence=f"{len(every)} slow measurement(s) with {len(partners)} different partner(s) "
                                  f"({_screen_names(partners)}), each measured up to {tries} time(s), the best "
                                  f"counting; at speed with no partner", action=act))
@@ -634,12 +683,15 @@ def _pair_link_findings(results, d):
                "replace the HCAs or cables of that rail" if d["two_nodes"] else
                f"drain {' and '.join(g)} or re-run; check the cables, HCAs and switch ports between them on {on}")
         tries = max(results[i].get("tries", 1) for i in idx)
-        out.append(dict(finding("inter-node", status, f"{what} on {on}: busbw "
-                                f"{ratio:.2f} of the rail's reference after re-measurement{alone}"
-                                f"{_pair_floor_text(results, idx, d)}",
-                                [] if lone else list(g)),
-                        evidence=f"{len(idx)} slow measurement(s), each measured up to {tries} time(s), the best "
-                                 f"counting{alone}", action=act))
+        f = dict(finding("inter-node", status, f"{what} on {on}: busbw "
+                         f"{ratio:.2f} of the rail's reference after re-measurement{alone}"
+                         f"{_pair_floor_text(results, idx, d)}", list(g)),
+                 evidence=f"{len(idx)} slow measurement(s), each measured up to {tries} time(s), the best "
+                          f"counting{alone}", action=act)
+        # a link or a group names neither end: each is slow only with the other(s), and nothing tells which
+        out.append(unlocalised(f, "tie" if d["two_nodes"] or len(g) == 3 else "link",
+                               f"measure each of {' and '.join(g)} with a third node" if d["two_nodes"] else None,
+                               None if not d["two_nodes"] else "two nodes only: the pair cannot be split"))
     return out
 
 
@@ -681,14 +733,15 @@ def judge_pairs(results, min_busbw=None, cpu=False):
                            "not judged against peers (one measurement is its own reference)"))], []
     if d["widespread"]:
         slow = sum(lv != "OK" for lv in d["levels"])
-        return [dict(finding("inter-node", "FAIL", f"widespread: {len(sus)} node(s) implicated, more than the "
-                             f"{len(d['passing'])} that passed, so no single node or link is to blame (a switch, "
-                             f"the fabric or its configuration): {slow}/{len(results)} measurement(s) slow against "
-                             f"the rails' references or the floor after re-measurement; suspects: "
-                             f"{compress_hostlist(sus)}"
-                             f"{_pair_floor_text(results, [i for i, lv in enumerate(d['levels']) if lv != 'OK'], d)}",
-                             sus), widespread=True, evidence=f"{slow} slow measurement(s) after re-measurement",
-                     action="nothing is drained: check the switches, the fabric and its configuration")], sus
+        f = dict(finding("inter-node", "FAIL", f"widespread: {len(sus)} node(s) implicated, more than the "
+                         f"{len(d['passing'])} that passed, so no single node or link is to blame (a switch, "
+                         f"the fabric or its configuration): {slow}/{len(results)} measurement(s) slow against "
+                         f"the rails' references or the floor after re-measurement; suspects: "
+                         f"{compress_hostlist(sus)}"
+                         f"{_pair_floor_text(results, [i for i, lv in enumerate(d['levels']) if lv != 'OK'], d)}",
+                         sus), widespread=True, evidence=f"{slow} slow measurement(s) after re-measurement",
+                 action="nothing is drained: check the switches, the fabric and its configuration")
+        return [unlocalised(f, "widespread")], sus
     return _pair_node_findings(results, d) + _pair_link_findings(results, d), sus
 
 
@@ -757,11 +810,12 @@ def judge_gpu_facts(per_rank):
     return per_gpu_findings("gpu-perf", items, _gpu_who, "GPU(s) with a problem under load")
 
 
-def per_gpu_findings(check, items, who, headline):
+def per_gpu_findings(check, items, who, headline, blame="own"):
     """items [(status, rank record, text)] -> one finding per GPU, or beyond SCREEN_LIST_MAX GPUs one per
     status: '<n> <headline>: ' the first ones (who(record): text) and a count of the rest."""
     if len(items) <= SCREEN_LIST_MAX:
-        return [finding(check, st, f"{who(r)}: {txt}", [r.get("host")], [r["rank"]]) for st, r, txt in items]
+        return [finding(check, st, f"{who(r)}: {txt}", [r.get("host")], [r["rank"]], blame=blame)
+                for st, r, txt in items]
     out = []
     for status in ("FAIL", "WARN"):
         sel = [(r, txt) for st, r, txt in items if st == status]
@@ -769,7 +823,7 @@ def per_gpu_findings(check, items, who, headline):
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
             out.append(finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
                 f"{who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
-                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel]))
+                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel], blame=blame))
     return out
 
 
@@ -802,3 +856,50 @@ def gpu_levels(screen):
                 refs[(model, metric)] = {"ref": table, "how": f"table row {row['row']}", "count": ref["count"]}
             out.setdefault(r.get("rank"), {})[metric] = (float(v), float(v) / base, lv)
     return out, refs
+
+
+def gpu_suspects(per_rank, floors=None, cpu=False):
+    """The ranks whose GPU row is slow (WARN or FAIL against its peers, its table row or a floor: judge_gpu_perf's
+    rule): the GPUs measured again before any is named (the screen blames only what persists)."""
+    floors = floors or {}
+    _, flags = _gpu_flags(list(per_rank or []), {"min_tflops": floors.get("min_tflops"),
+                                                 "min_hbm": floors.get("min_hbm")}, cpu)
+    return sorted(flags)
+
+
+def gpu_remeasured(per_rank, again):
+    """per_rank rows with each re-measurement in `again` ({rank: the new row's measurements}) merged: 'tries' 2,
+    'first' the first values of each metric, and each metric the better of the two (faults only lower numbers:
+    a GPU slow again is slow in its best value; one at speed again was a transient). A rank missing from
+    `again` (not measured again in time, or starved) keeps its single measurement."""
+    out = []
+    for r in per_rank or []:
+        new = (again or {}).get(r["rank"])
+        if not isinstance(new, dict):
+            out.append(r)
+            continue
+        merged = dict(r, tries=int(r.get("tries") or 1) + 1,
+                      first={k: r.get(k) for k, _, _ in SCREEN_GPU_METRICS})
+        for k, _, _ in SCREEN_GPU_METRICS:
+            vals = [v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))]
+            merged[k] = max(vals) if vals else None
+        out.append(merged)
+    return out
+
+
+def judge_gpu_transients(per_rank, floors=None, cpu=False):
+    """GPUs slow at first and at speed when measured again: one WARN under 'gpu-perf' naming no host (a burst of
+    another process's work, a moment of contention), with what was seen; [] when none."""
+    rows = [r for r in per_rank or [] if _gpu_again(r)]
+    slow = set(gpu_suspects(rows, floors, cpu))
+    seen = [r for r in rows if r["rank"] not in slow]
+    if not seen:
+        return []
+    items = [f"{_gpu_who(r)}: " + ", ".join(f"{SCREEN_GPU_LABELS[k]} {_sn((r.get('first') or {}).get(k) or 0)} then "
+                                             f"{_sn(r.get(k) or 0)}" for k, _, _ in SCREEN_GPU_METRICS) for r in seen]
+    shown = "; ".join(items[:8]) + (f"; and {len(items) - 8} more" if len(items) > 8 else "")
+    return [dict(finding("gpu-perf", "WARN", f"{len(seen)} GPU(s) slow at first and at speed when measured again: "
+                         f"{shown}: a transient (another process on the GPU, a burst), no host is named",
+                         blame="once"),
+                 evidence=f"{len(seen)} GPU(s) slow once, at speed when measured again", transient=True,
+                 action="none now: nothing is drained; re-run the preflight if the same GPU recurs")]

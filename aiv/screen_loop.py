@@ -7,6 +7,7 @@ from .judge import screen_reference
 from .screen_judge import (
     intra_levels,
     judge_gpu_perf,
+    judge_gpu_transients,
     judge_intra,
     judge_pairs,
     screen_best,
@@ -359,9 +360,11 @@ def _transient_finding(check, items, noun):
 
 def judge_screen(screen):
     """Every screen judgement. screen: the dict render_performance takes (screen_loop's and the GPU
-    screen's). -> findings: judge_gpu_perf, judge_intra, judge_pairs, judge_transients."""
+    screen's). -> findings: judge_gpu_perf, judge_gpu_transients, judge_intra, judge_pairs, judge_transients."""
     cpu = bool(screen.get("cpu"))
+    floors = {"min_tflops": screen.get("min_tflops"), "min_hbm": screen.get("min_hbm")}
     return (judge_gpu_perf(screen.get("gpu") or [], screen.get("min_tflops"), screen.get("min_hbm"), cpu)
+            + judge_gpu_transients(screen.get("gpu") or [], floors, cpu)
             + judge_intra(screen.get("intra") or [], screen.get("min_busbw_intra"), cpu)
             + judge_pairs(screen.get("pairs") or [], screen.get("min_busbw_inter"), cpu)[0]
             + judge_transients(screen))

@@ -251,6 +251,8 @@ def screen_gpu_rows(records, posts, cpu=False):
 
 
 def _screen_group_words(g):
+    if g.get("gpu"):
+        return f"the GPU of rank {g['ranks'][0]} on {g['nodes'][0]}, measured again"
     if g.get("gpus"):
         return f"GPUs {g['gpus'][0]} and {g['gpus'][1]} of {g['nodes'][0]} (ranks {format_ranges(g['ranks'])})"
     if g.get("rail") is None:
@@ -289,5 +291,7 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
               f"{screen_round_label(name)}" + (f"; first error: {first_err}" if first_err else ""))
     code = EXIT_FAIL if any(kinds[r] == "dead" for r in missing) else \
         EXIT_FAIL if all(kinds[r] in ("error", "terminated") for r in missing) else EXIT_TIMEOUT
-    check = "intra-node" if hung and all(g.get("rail") is None for g in hung) else PHASE_CHECK[phase]
-    return finding(check, "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits), culprits, code=code)
+    check = "gpu-perf" if hung and all(g.get("gpu") for g in hung) else \
+        "intra-node" if hung and all(g.get("rail") is None for g in hung) else PHASE_CHECK[phase]
+    return finding(check, "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits), culprits, code=code,
+                   blame="process" if hard else None)

@@ -11,6 +11,8 @@ from .deadlines import NAMING_S, PHASE_WHAT, PHASES, TORCH_BACKSTOP_S
 from .judge import apply_strict
 from .measure import HostStarved, can_split, screen_busbw, screen_measure_gpu, split_problem, take_screen_gpu
 from .screen_judge import (
+    gpu_remeasured,
+    gpu_suspects,
     judge_gpu_facts,
     screen_band_names,
     screen_judged_against,
@@ -58,6 +60,8 @@ class ScreenRunner:
                 self.my_groups[tuple(e["make"]["g"])] = group
         self.round_gate(name)
         post = {"split_s": round(made, 3)}
+        if e.get("gpu"):  # measured again: a slow GPU is named only when slow again
+            post["gpu"] = self.gpu_again()
         if e.get("g"):
             bw, sec = screen_busbw(self.torch, self.dist, self.my_groups[tuple(e["g"])], len(e["g"]),
                                    self._device(), self._kind())
@@ -65,6 +69,17 @@ class ScreenRunner:
             if e.get("rail") is not None and self.nccl:
                 post["hca"] = self.nccl_hca()
         self.proto.screen_post(name, self.rank, post, self.world)
+
+    def gpu_again(self):
+        """This rank's device measured again, on a quiet process (its background work done first), or None when
+        the interpreter was starved (the first measurement then stands alone: named once, never blamed)."""
+        self.quiesce()
+        g = self.identity.get("gpu") or {}
+        try:
+            return screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
+                                      self.args.sysfs_root)
+        except HostStarved:
+            return None
 
     def round_gate(self, name):
         """Every rank starts `name` together (the soak's load, a screen batch): this rank posts that it is
@@ -164,6 +179,7 @@ class ScreenCoordinator:
         screen_measure. Then the screen's judgement: a FAIL ends the run before the full-job collectives."""
         t, a = time.monotonic(), self.args
         self.failpoint("screen-net")
+        self.gpu_remeasure()
         net = screen_loop(self.records, self.screen_measure, a.min_busbw_intra, a.min_busbw_inter, self.screen["cpu"])
         self.screen.update(net)
         rounds = self.screen_rounds["screen-net"]
@@ -177,13 +193,24 @@ class ScreenCoordinator:
             raise Verdict(verdict_code(self.findings))
         self.proto.open_gate("screen")
 
+    def gpu_remeasure(self):
+        """The GPUs the screen found slow (gpu_suspects) measured again, all at once in one batch, before any is
+        named: their rows merged (gpu_remeasured: the better value counts, 'tries' 2)."""
+        sc = self.screen
+        suspects = gpu_suspects(sc.get("gpu"), sc, sc["cpu"])
+        if not suspects:
+            return
+        posts = self.screen_measure([{"batch": "gpu-again", "ranks": [r], "nodes": [self.host_of.get(r, "?")],
+                                      "rail": None, "gpu": True} for r in suspects])
+        sc["gpu"] = gpu_remeasured(sc["gpu"], {r: (posts.get(r) or {}).get("gpu") for r in suspects})
+
     def screen_measure(self, groups):
         """screen_loop's measure(): the batch's groups published on the store (each rank its part under
         screen/q<k>/<rank>), rank 0's own part run, every rank's post collected. -> {rank: post}."""
         rounds, name = self.screen_rounds["screen-net"], groups[0]["batch"]
         rounds.append((name, groups))  # for screen_stuck: the batches in the order they run
         key = f"q{len(rounds)}"
-        new = [g for g in groups if tuple(g["ranks"]) not in self.screen_made]
+        new = [g for g in groups if tuple(g["ranks"]) not in self.screen_made and not g.get("gpu")]
         self.screen_made |= {tuple(g["ranks"]) for g in new}
         make = screen_rank_plans([(name, new)], self.world) if new else {}
         if new and self.screen.get("no_split"):
@@ -194,6 +221,9 @@ class ScreenCoordinator:
         plans = {r: {"name": name, "key": key, "g": mine[r]["ranks"] if r in mine else None,
                      "rail": mine[r]["rail"] if r in mine else None, "make": make[r][name] if make else None}
                  for r in range(self.world)}
+        for r, g in mine.items():
+            if g.get("gpu"):  # a device measured again, no group: screen_batch's gpu_again
+                plans[r].update(g=None, gpu=True)
         self.proto.screen_publish(key, plans)
         self.screen_batch(plans[0])
         return self.screen_collect([name])[name]

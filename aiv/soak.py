@@ -91,7 +91,7 @@ def judge_soak(rows, cpu=False):
         lead = (f"{len(rows)} CPU rank(s) ran {secs:g}s of load at once (decay not judged: ranks share cores)" if cpu
                 else f"{len(rows)} GPU(s) held their speed over {secs:g}s of load at once")
         return [finding("soak", "PASS", f"{lead}: " + "; ".join(p for p in parts if p))] + judge_numerics_soak(rows)
-    return (per_gpu_findings("soak", items, _soak_who, "GPU(s) did not hold up under sustained load")
+    return (per_gpu_findings("soak", items, _soak_who, "GPU(s) did not hold up under sustained load", "persisted")
             + judge_numerics_soak(rows))
 
 

@@ -12,9 +12,12 @@ import pytest
 from conftest import aiv, spawn
 
 
-def fail(check, hosts, code=aiv.EXIT_FAIL, **kw):
+def fail(check, hosts, code=aiv.EXIT_FAIL, blame=None, **kw):
+    """A FAIL of `check` naming `hosts`, standing on `blame` (default: the first evidence its check may drain on,
+    as its judge would say it)."""
+    blame = blame or next(iter(aiv.CHECK_RULES[check]["drain"]), None)
     return dict(aiv.finding(check, "FAIL", f"{check} went wrong on {','.join(hosts) or 'nobody'}", hosts,
-                            code=code), **kw)
+                            code=code, blame=blame), **kw)
 
 
 SLOW = fail("inter-node", ["node3"])
@@ -39,7 +42,13 @@ def test_a_host_culprit_is_recommended_with_the_exact_command():
     ("failed authentication", [SLOW, fail("rendezvous", [], tamper=True)]),
     ("widespread", [fail("inter-node", ["node1", "node2", "node3"], widespread=True)]),
     ("no failed check names a host", [fail("layout", ["node2"], aiv.EXIT_USAGE), fail("world-size", [])]),
-    ("no failed check names a host", [fail("rendezvous", ["node1"])]),  # port in use: another process
+    ("no failed check names a host", [fail("rendezvous", ["node1"], blame="own")]),  # its own state: not persistent
+    # named, but on evidence its check does not declare persistent: a rank that never issued a collective, a
+    # GPU measured once (never reaches here named: the gate strips it), software unlike the others on a tie
+    ("no failed check names a host", [fail("collective", ["node2"], aiv.EXIT_TIMEOUT, blame="never-issued")]),
+    ("no failed check names a host", [fail("gpu-perf", ["node2"], blame="once")]),
+    ("no failed check names a host", [aiv.unlocalised(fail("versions", ["node1", "node2"]), "tie")]),
+    ("no failed check names a host", [fail("numa", ["node2"], blame="own")]),  # a check that declares no drain
     ("not a Slurm job", None),
 ])
 def test_nothing_is_drained_without_evidence_that_persists(why, findings):

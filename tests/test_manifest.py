@@ -696,12 +696,15 @@ def test_gpu_run_saves_gpu_pcie_and_transport_then_matches(tmp_path, stubs):
 
 
 # ---------------------------------------------------------------- speed bands from the performance screen
-def band_screen(tflops=(100.0, 100.0, 98.0, 101.0), inter=(20.0, 21.0), cpu=False):
+def band_screen(tflops=(100.0, 100.0, 98.0, 101.0), inter=(20.0, 21.0), cpu=False, tries=2):
+    """A screen of 4 nodes; tries: how often each GPU and node was measured (the screen measures a slow value
+    again: a value below a band names its host only when it was measured again)."""
     hosts = ["node1", "node2", "node3", "node4"]
     return {"cpu": cpu,
             "gpu": [{"rank": i, "host": h, "local_rank": 0, "uuid": f"GPU-{i}", "model": "cpu",
-                     "tflops": t, "hbm_gbps": 50.0} for i, (h, t) in enumerate(zip(hosts, tflops, strict=True))],
-            "intra": [{"host": h, "busbw": 5.0, "ranks": [i, i + 4]} for i, h in enumerate(hosts)],
+                     "tflops": t, "hbm_gbps": 50.0, "tries": tries}
+                    for i, (h, t) in enumerate(zip(hosts, tflops, strict=True))],
+            "intra": [{"host": h, "busbw": 5.0, "ranks": [i, i + 4], "tries": tries} for i, h in enumerate(hosts)],
             "pairs": [{"round": 1, "nodes": ["node1", "node3"], "rail": 0, "busbw": inter[0]},
                       {"round": 1, "nodes": ["node2", "node4"], "rail": 0, "busbw": inter[1]}]}
 
@@ -741,8 +744,11 @@ def test_speed_below_the_band_fails_naming_the_node_once_the_band_has_enough_run
     assert aiv.judge_bands(manifest, recs, slow) == []                   # too few accepted runs: not judged
     manifest["classes"][cls]["bands"] = aiv.merge_bands(bands, aiv.screen_bands(band_screen(), recs)[cls])
     out = aiv.judge_bands(manifest, recs, slow)
-    assert [(f["status"], f["check"], f["hosts"]) for f in out] == [("FAIL", "manifest", ["node2"]),
-                                                                    ("FAIL", "manifest", ["node1", "node3"])]
+    # a GPU measured again and below the band is named; a pair of nodes below it names neither end (the link)
+    assert [(f["status"], f["check"], f["hosts"], f.get("involved")) for f in out] == [
+        ("FAIL", "manifest", ["node2"], None), ("FAIL", "manifest", [], ["node1", "node3"])]
+    once = aiv.judge_bands(manifest, recs, band_screen(tflops=(100.0, 60.0, 99.0, 100.0), tries=1))
+    assert [(f["hosts"], f["involved"], f["blame"]) for f in once] == [([], ["node2"], "once")]
     assert "gpu.tflops/cpu 60 on node2 GPU 0 (GPU-1, rank 1) is below the accepted band" in out[0]["reason"]
     assert out[0]["ranks"] == [1]                                        # the GPU's rank, not []
     assert "node[1,3] rail 0" in out[1]["reason"]
@@ -791,7 +797,7 @@ def test_band_fail_names_the_gpu_and_its_rank_and_the_group_ranks():
     intra = by_band["intra.busbw/2"]
     assert intra["hosts"] == ["node4"] and intra["ranks"] == [3, 7] and "node4 (ranks 3,7)" in intra["reason"]
     pair = by_band["inter.busbw/1"]
-    assert pair["hosts"] == ["node2", "node4"] and pair["ranks"] == [1, 3]
+    assert pair["involved"] == ["node2", "node4"] and pair["ranks"] == [1, 3] and pair["hosts"] == []
     assert "node[2,4] rail 0 (ranks 1,3)" in pair["reason"]
 
 

@@ -216,9 +216,9 @@ def test_report_of_a_band_fail_shows_no_pass_for_its_node():
 
 def test_each_warn_or_fail_that_says_what_to_do_gets_one_action_line():
     rows = [{"rank": 3, "host": "n2", "local_rank": 1, "uuid": "GPU-3", "model": "NVIDIA H200", "tflops": 300.0,
-             "hbm_gbps": 4200.0}]
+             "hbm_gbps": 4200.0, "tries": 2}]
     found = aiv.judge_gpu_perf(rows)
-    assert found[0]["status"] == "FAIL" and "measured once on n2" in found[0]["evidence"]
+    assert found[0]["status"] == "FAIL" and "measured again on n2" in found[0]["evidence"]
     assert "dcgmi diag -r 3" in found[0]["action"]
     lines = aiv.action_lines(found + found + [aiv.finding("layout", "PASS", "ok")])
     assert lines == [f"gpu-perf n2: {found[0]['action']} (evidence: {found[0]['evidence']})"]  # once, PASS never

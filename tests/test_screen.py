@@ -236,12 +236,14 @@ def test_slow_path_inside_a_group_of_three_names_the_group():
     assert "the paths among node3, node6, node7" in f["reason"] and f["hosts"] == [] and f["status"] == "WARN"
 
 
-def test_two_nodes_name_the_pair():
+def test_two_nodes_name_neither_end_of_the_pair():
+    """Two nodes slow together: a tie, nothing can split it: FAIL, both in the words, neither blamed."""
     nodes = names(2)
     findings, suspects, results, plan = screen(nodes, fabric({"node2": {1}}, noise=0.01))
     assert plan["groups"] == [] and len(results) == len(RAILS)
     (f,) = flagged(findings)
-    assert f["status"] == "FAIL" and f["hosts"] == ["node1", "node2"] and suspects == ["node1", "node2"]
+    assert f["status"] == "FAIL" and f["hosts"] == [] and suspects == ["node1", "node2"]
+    assert (f["involved"], f["blame"]) == (["node1", "node2"], "tie") and "no host is named" in f["reason"]
     assert "nodes node1 and node2 are slow together (two nodes only" in f["reason"] and "rail 1" in f["reason"]
     assert "widespread" not in f["reason"]
 
@@ -253,7 +255,7 @@ def test_widespread_more_suspects_than_passing():
     assert plan["groups"] is None and not any(r["round"] == 3 for r in results)
     (f,) = flagged(findings)
     assert f["status"] == "FAIL" and f["reason"].startswith("widespread:")
-    assert set(bad) <= set(f["hosts"]) and f["hosts"] == suspects
+    assert set(bad) <= set(f["involved"]) and f["involved"] == suspects and f["hosts"] == []
     assert len(suspects) > len(plan["passing"])
 
 
@@ -264,7 +266,7 @@ def test_every_pair_below_the_floor_is_widespread():
     assert "below the floor 80 GB/s (--min-busbw-inter: the floor FAILs them)" in f["reason"]
     # at N = 3 every pair was measured: no node passed, still widespread
     (f3,) = flagged(screen(names(3), fabric(), min_busbw=BASE * 2)[0])
-    assert "widespread" in f3["reason"] and f3["hosts"] == names(3)
+    assert "widespread" in f3["reason"] and f3["involved"] == names(3) and f3["hosts"] == []
 
 
 def test_floor_names_a_node_the_relative_judge_accepts():
@@ -372,11 +374,19 @@ def test_gpu_perf_pass():
 
 
 def test_gpu_perf_outlier_names_rank_host_uuid():
+    """A slow GPU slow again when measured again (tries >= 2) is named with its host; measured once, the same
+    finding names no host (a value measured once is not evidence that persists)."""
     rs = gpus()
     rs[11]["tflops"] *= 0.6
     rs[3]["hbm_gbps"] *= 0.85
+    once = aiv.judge_gpu_perf(rs)
+    assert [(f["status"], f["ranks"], f["hosts"], f["involved"], f["blame"]) for f in once] == [
+        ("WARN", [3], [], ["node1"], "once"), ("FAIL", [11], [], ["node2"], "once")]
+    for r in (rs[3], rs[11]):
+        r["tries"] = 2
     out = aiv.judge_gpu_perf(rs)
     assert [(f["status"], f["ranks"], f["hosts"]) for f in out] == [("WARN", [3], ["node1"]), ("FAIL", [11], ["node2"])]
+    assert all(f["blame"] == "persisted" for f in out)
     assert "rank 11 on node2 (local rank 3, GPU GPU-0011-aaaa, NVIDIA H200)" in out[1]["reason"]
     assert "TFLOPS" in out[1]["reason"] and "GB/s memory" in out[0]["reason"]
 
@@ -413,8 +423,8 @@ def test_intra_node():
     per_node = [{"host": f"node{i}", "busbw": 360.0 + i} for i in range(1, 9)]
     (f,) = aiv.judge_intra(per_node)
     assert f["status"] == "PASS" and "of 8 nodes" not in f["reason"] and "(upper quartile of 8)" in f["reason"]
-    per_node[4]["busbw"] = 200.0
-    per_node[6]["busbw"] = 300.0
+    per_node[4].update(busbw=200.0, tries=2)
+    per_node[6].update(busbw=300.0, tries=2)
     out = aiv.judge_intra(per_node)
     assert [(f["status"], f["hosts"]) for f in out] == [("FAIL", ["node5"]), ("WARN", ["node7"])]
     assert "node5: intra-node all_reduce busbw 200.0 GB/s" in out[0]["reason"]
@@ -632,15 +642,15 @@ def test_intra_reference_per_ranks_per_node_and_model():
                 + [{"host": f"c{i}", "busbw": 150.0, "ranks": list(range(8)), "model": "A100"} for i in range(4)])
     (f,) = aiv.judge_intra(per_node)
     assert f["status"] == "PASS" and "8 ranks, H200" in f["reason"] and "2 ranks, H200" in f["reason"]
-    per_node[9]["busbw"] = 60.0
+    per_node[9].update(busbw=60.0, values=[61.0, 60.0])  # measured twice, slow both times
     (f,) = aiv.judge_intra(per_node)
     assert f["status"] == "FAIL" and f["hosts"] == ["c1"] and "of 8 ranks, A100" in f["reason"]
 
 
 # ------------------------------------------------------------------ the per-model table
-def one_gpu(tflops, hbm, model="NVIDIA H200", rank=0):
+def one_gpu(tflops, hbm, model="NVIDIA H200", rank=0, tries=2):
     return {"rank": rank, "host": "vm", "local_rank": rank, "uuid": f"GPU-{rank:04d}", "model": model,
-            "tflops": tflops, "hbm_gbps": hbm}
+            "tflops": tflops, "hbm_gbps": hbm, "tries": tries}
 
 
 def test_table_matches_device_names_and_never_a_pcie_or_nvl_board():

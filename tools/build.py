@@ -28,6 +28,7 @@ OUT = ROOT / "ddp_mesh_ping.py"
 # A module imports only from modules before it in this list.
 BUILD_ORDER = (
     "base",          # constants, CHECKS, findings, hostlists, printing, the tool-error idiom
+    "blame",         # the blame law: the evidence a finding stands on, each check's declaration, the gate
     "deadlines",     # the one table of bounds; Bound, the only place the watchdog is armed
     "files",         # atomic writes and file locks, each under a bound
     "contract",      # the launch variables (RANK, Slurm, torchrun, MPI), the job's secret
