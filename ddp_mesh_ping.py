@@ -57,6 +57,7 @@ Stable strings for automation:
 """
 import argparse
 import contextlib
+import copy
 import ctypes
 import datetime
 import difflib
@@ -65,10 +66,12 @@ import fcntl
 import gc
 import glob
 import hashlib
+import heapq
 import hmac
 import html
 import inspect
 import ipaddress
+import itertools
 import json
 import math
 import os
@@ -843,12 +846,14 @@ class Bound:
     phase: `seconds` is the table's value for the phase (what every message quotes), `grace` what the
     role adds before the watchdog speaks (rank 0: NAMING_S at the roll call; the other ranks:
     RANK0_GRACE, so that rank 0 names the culprit first). Every wait inside the phase takes left().
-    A rank other than 0 counts its bound from rank 0's gate (restart), however late rank 0 got there."""
+    A rank other than 0 counts its bound from rank 0's gate (restart), however late rank 0 got there.
+    Each bound is a timer of its own on the watchdog (its token): arming or disarming one never touches
+    another (the verdict's bound, armed while a phase's is still armed, holds whatever the phase does)."""
 
     def __init__(self, watchdog, phase, seconds, grace=0.0):
         self.wd, self.phase, self.seconds, self.grace = watchdog, phase, float(seconds), float(grace)
         self.start = time.monotonic()
-        self.armed = False
+        self.armed, self.token = False, None
 
     def left(self, extra=0.0):
         """Seconds left of the phase's own bound (+ extra), never negative."""
@@ -860,7 +865,7 @@ class Bound:
 
     def arm(self):
         self.armed = True
-        self.wd.arm(self.phase, self.left(self.grace))
+        self.token = self.wd.arm(self.phase, self.left(self.grace), self.token)
         return self
 
     def restart(self):
@@ -873,7 +878,7 @@ class Bound:
     def disarm(self):
         if self.armed:
             self.armed = False
-            self.wd.disarm()
+            self.wd.disarm(self.token)
 
     def __enter__(self):
         return self.arm()
@@ -884,45 +889,74 @@ class Bound:
 
 
 class Watchdog:
-    """Bounds the phase in progress from a thread of its own. While armed it calls tick(phase) every
-    `period` seconds and expire(phase) once the bound passes; both may end the process with
-    os._exit, which works while the main thread is blocked in a collective (a signal handler would
-    run only after the collective returned)."""
+    """Every armed bound from a thread of its own: a heap of deadlines, one timer per bound (arm returns its
+    token). A bound that passes calls expire(name) once, on a thread of its own (expire usually ends the
+    process with os._exit, which works while the main thread is blocked in a collective: a signal handler
+    would run only after the collective returned). While a phase's bound is armed (the newest bound that is
+    not the verdict's), tick(phase) runs every `period` seconds on this thread; a tick that raises is switched
+    off and said (on_error)."""
 
     def __init__(self, expire, tick=None, period=1.0, on_error=None):
         self.expire, self.tick, self.period, self.on_error = expire, tick, period, on_error
         self._cv = threading.Condition()
-        self._armed = None
+        self._heap, self._live, self._tokens = [], {}, itertools.count(1)  # live: token -> (name, deadline)
         threading.Thread(target=self._loop, name="aiv-watchdog", daemon=True).start()
 
-    def arm(self, phase, seconds):
+    def arm(self, name, seconds, token=None):
+        """Arm (or, with the token of an armed bound, re-arm) a bound of `seconds` from now. -> its token."""
         with self._cv:
-            self._armed = (phase, time.monotonic() + seconds)
+            token = token or next(self._tokens)
+            due = time.monotonic() + max(0.0, seconds)
+            self._live[token] = (name, due)
+            heapq.heappush(self._heap, (due, token))
+            self._cv.notify()
+            return token
+
+    def disarm(self, token=None):
+        """Disarm one bound (its token); without a token, every bound."""
+        with self._cv:
+            if token is None:
+                self._live.clear()
+            else:
+                self._live.pop(token, None)
             self._cv.notify()
 
-    def disarm(self):
+    def armed(self):
+        """The names of the bounds armed now, oldest first."""
         with self._cv:
-            self._armed = None
-            self._cv.notify()
+            return [name for _, (name, _) in sorted(self._live.items())]
+
+    def _next(self):
+        """(the earliest live (deadline, token) or None, the phase to tick or None), under the lock."""
+        while self._heap and self._live.get(self._heap[0][1], (None, None))[1] != self._heap[0][0]:
+            heapq.heappop(self._heap)  # disarmed, or re-armed with another deadline
+        phases = [name for _, (name, _) in sorted(self._live.items()) if name != "verdict"]
+        return (self._heap[0] if self._heap else None), (phases[-1] if phases else None)
 
     def _loop(self):
+        next_tick = time.monotonic() + self.period
         while True:
             with self._cv:
-                while self._armed is None:
+                head, phase = self._next()
+                while head is None:
                     self._cv.wait()
-                armed = self._armed
-                self._cv.wait(max(0.0, min(self.period, armed[1] - time.monotonic())))
-                if self._armed != armed:
-                    continue
-                expired = time.monotonic() >= armed[1]
-            if expired:  # on a thread of its own: a bound armed while expire runs (the verdict's) still holds
-                with self._cv:  # once per arming (expire usually ends the process)
-                    if self._armed == armed:
-                        self._armed = None
-                threading.Thread(target=self.expire, args=(armed[0],), name="aiv-expire", daemon=True).start()
-            elif self.tick is not None:
+                    head, phase = self._next()
+                    next_tick = time.monotonic() + self.period
+                now = time.monotonic()
+                if head[0] > now and (phase is None or self.tick is None or next_tick > now):
+                    self._cv.wait(max(0.0, min(head[0], next_tick) - now))
+                    continue  # something may have been armed or disarmed meanwhile: look again
+                fire = None
+                if head[0] <= now:  # once per arming
+                    heapq.heappop(self._heap)
+                    fire = self._live.pop(head[1])[0]
+            if fire is not None:  # on a thread of its own: a bound armed while expire runs (the verdict's) still holds
+                threading.Thread(target=self.expire, args=(fire,), name="aiv-expire", daemon=True).start()
+                continue
+            next_tick = time.monotonic() + self.period
+            if self.tick is not None and phase is not None:
                 try:
-                    self.tick(armed[0])
+                    self.tick(phase)
                 except Exception as e:  # the bound still holds; the tick is off, and the report says so
                     self.tick = None
                     if self.on_error is not None:
@@ -2098,8 +2132,8 @@ def throttle_names(mask):
 
 
 
-# ============================================================================ aiv/numerics.py
-# Floor 2: the numerics check (silent data corruption): seeded matmuls and an elementwise kernel on every
+# ============================================================================ aiv/numerics_measure.py
+# Floor 2: what the numerics check (silent data corruption) computes on every rank's device: seeded matmuls and an
 # What every rank computes (docs/numerics.md). The operands come from one seeded CPU generator, so every rank
 # builds the same bits, then go to the rank's device. GPU: a 4096 x 1024 by 1024 x 4096 product, whose 16M
 # outputs span every SM of the GPU several times over (a fault tied to one SM or one tensor core shows in some
@@ -2122,12 +2156,7 @@ NUMERICS_WHAT = {
 # value is judged in another group, never against the others' bits).
 NUMERICS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "NVIDIA_TF32_OVERRIDE",
                 "TORCH_BLAS_PREFER_CUBLASLT", "TORCH_BLAS_PREFER_HIPBLASLT", "CUBLAS_EMULATION_STRATEGY")
-NUMERICS_LIST_MAX = 16       # beyond this many culprits, one finding lists the first ones and a count
 NUMERICS_SOAK_EVERY_S = 1.0  # --soak: the numerics repeated at most this often, between timed blocks
-NUMERICS_ACTION = ("drain it and run the vendor's diagnostics before it returns to service (DCGM level 3: "
-                   "dcgmi diag -r 3)")
-NUMERICS_CPU_ACTION = "drain it and run the vendor's CPU and memory diagnostics before it returns to service"
-
 # Tolerances against the fp64 reference, as a fraction of each element's scale: ||row i of A|| x ||column j
 # of B|| (Cauchy-Schwarz: at least sum_k |a_ik b_kj|, the scale of the classic error bound), plus |bias_j| for
 # the linear, plus |a*b| + |c| for the elementwise kernel. Bounds that hold for any order of summation
@@ -2348,8 +2377,6 @@ def rank_numerics(torch_mod, dev, kind, box, wait_s):
     if "numerics_internal" in box:
         return {"internal": box["numerics_internal"]}
     return {"error": box["numerics_error"]}
-
-
 # -- the DDP step's local gradients: nn.Linear(10, 10), the same seeded weights and input on every rank, one
 # forward (the module's call: F.linear) and backward on the rank's device, no DDP, before the DDP step; the
 # gradients against the fp64 ones from the closed form of the MSE loss's gradient.
@@ -2382,8 +2409,6 @@ def ddp_local_grads(torch_mod, dev):
     out = _compare(torch_mod, got_cpu, ref, scale, tol)
     out["digest"] = numerics_digest(torch_mod, got_cpu)
     return out
-
-
 # -- the soak's repeats: the same GPU must give the same bits every time, also hot
 class NumericsRepeat:
     """--soak: the bf16 and fp32 matmuls of the numerics check made once on the rank's device (first results
@@ -2427,293 +2452,6 @@ class NumericsRepeat:
     def summary(self):
         return {"numerics_repeats": self.repeats, "numerics_mismatches": self.mismatches,
                 "numerics_first_bad": self.first_bad}
-
-
-# -- the judges
-def numerics_group(model, software, driver=None, cpu_model=None):
-    """The words that name "the same model and software": results in one group must agree bit for bit."""
-    sw = software or {}
-    if sw.get("sms") is not None:
-        head = f"{model} ({sw['sms']} SMs, compute {sw.get('cc')})"
-        soft = (f"torch {sw.get('torch')}, CUDA {sw.get('cuda')}, cuBLAS {sw.get('cublas') or '?'}, driver "
-                f"{driver or '?'}" + (f", BLAS {sw['blas']}" if sw.get("blas") else "")
-                + ("" if sw.get("bf16_reduced", True) else ", bf16 reductions in fp32"))
-    else:
-        head = f"CPU {cpu_model or model or '?'} ({sw.get('isa') or '?'})"
-        soft = f"torch {sw.get('torch')}"
-    env = sw.get("env") or {}
-    return f"{head}; {soft}" + "".join(f", {k}={v}" for k, v in sorted(env.items()))
-
-
-def numerics_rows(records, posts=None, field="numerics"):
-    """judge_numerics' rows from the gathered records: each rank's post (posts: rank -> post, else the record's
-    own `field`), with its host, GPU (UUID, CUDA index, model) and group (numerics_group; the driver and the
-    CPU model from its node's facts). Ranks without a post are left out."""
-    node = {rec.get("host"): rec["node"] for rec in records if isinstance(rec.get("node"), dict)}
-    rows = []
-    for rec in sorted(records, key=lambda r: r["rank"]):
-        post = (posts or {}).get(rec["rank"]) if posts is not None else rec.get(field)
-        if not isinstance(post, dict):
-            continue
-        g, facts = rec.get("gpu") or {}, node.get(rec.get("host")) or {}
-        model = g.get("name") or "CPU"
-        sw = post.get("software")
-        rows.append({"rank": rec["rank"], "host": rec.get("host"), "local_rank": rec.get("local_rank"),
-                     "device": rec.get("device"), "uuid": g.get("uuid"), "model": model,
-                     "group": numerics_group(model, sw, facts.get("driver"), facts.get("cpu_model")),
-                     "checks": post.get("checks") or {}, "error": post.get("error"),
-                     "internal": post.get("internal"), "unread": post.get("unread")})
-    return rows
-
-
-def _who(r):
-    if r.get("uuid") or r.get("device") is not None:
-        return (f"rank {r['rank']} on {r.get('host')} (GPU {r.get('uuid') or 'UUID unknown'}, cuda:{r.get('device')}, "
-                f"local rank {r.get('local_rank')}, {r.get('model')})")
-    return f"rank {r['rank']} on {r.get('host')} (CPU)"
-
-
-def _ranks_words(rows, limit=8):
-    by = {}
-    for r in rows:
-        by.setdefault(r.get("host"), []).append(r["rank"])
-    parts = [f"rank(s) {format_ranges(v)} ({h})" for h, v in list(by.items())[:limit]]
-    return ", ".join(parts) + (f" and {len(by) - limit} more node(s)" if len(by) > limit else "")
-
-
-def _n(x):
-    return "?" if x is None else f"{x:.3g}"
-
-
-def _off_words(c, p):
-    at = ", ".join(map(str, p.get("at") or []))
-    ratio = _n((p.get("err") or 0) / p["tol"]) if p.get("tol") else "?"
-    return (f"max abs error {_n(p.get('abs'))} at element ({at}) ({_n(p.get('value'))} where fp64 gives "
-            f"{_n(p.get('ref'))}: rel {_n(p.get('rel'))}, {ratio}x the tolerance)")
-
-
-def _check_order(names):
-    return sorted(names, key=lambda c: (NUMERICS_CHECKS.index(c) if c in NUMERICS_CHECKS else 99, c))
-
-
-def _numerics_bits(c, on, culprits):
-    """Check c among the ranks `on` the reference: a strict majority of bits names the minority (added to
-    culprits). -> the classes {digest: rows} where there is no majority (a tie), else None."""
-    by = {}
-    for r in on:
-        by.setdefault(r["checks"][c].get("digest"), []).append(r)
-    if len(by) <= 1:
-        return None
-    top = max(by.values(), key=len)
-    if 2 * len(top) <= len(on):
-        return by
-    for rs_ in by.values():
-        if rs_ is not top:
-            for r in rs_:
-                culprits.setdefault(r["rank"], (r, []))[1].append(_bits_words(c, r, len(top)))
-    return None
-
-
-def _numerics_tie(group, c, by, culprits):
-    """No majority on check c: explained when every class but one holds only culprits (the others' bits
-    are then named against it), else one FAIL naming the ranks that disagree, no host blamed (or None)."""
-    clean = [d for d, rs_ in by.items() if not all(r["rank"] in culprits for r in rs_)]
-    if len(clean) == 1:
-        agree = len(by[clean[0]])
-        for d, rs_ in by.items():
-            if d != clean[0]:
-                for r in rs_:
-                    culprits[r["rank"]][1].append(_bits_words(c, r, agree))
-        return None
-    ranks = [r for rs_ in by.values() for r in rs_]
-    return finding("numerics", "FAIL", f"{len(ranks)} rank(s) of {group} disagree bit for bit on {c} "
-                   f"({NUMERICS_WHAT.get(c, c)}): {len(by)} distinct results ("
-                   + " | ".join(_ranks_words(rs_) for rs_ in by.values())
-                   + ") and none is off the fp64 reference beyond the tolerance: one of them computes wrong "
-                   "and this run cannot tell which (no majority): run dcgmi diag -r 3 on "
-                   f"{compress_hostlist(sorted({r.get('host') for r in ranks}))}, or rerun with a third "
-                   "device of the model; no host blamed", ranks=[r["rank"] for r in ranks], blame="tie")
-
-
-def judge_numerics(rows, stage="numerics check"):
-    """The numerics findings (check 'numerics') of rows [{'rank', 'host', 'local_rank', 'device', 'uuid', 'model',
-    'group', 'checks': {check: {'digest', 'off', 'err', 'tol', 'abs', 'rel', 'at', 'value', 'ref'}}, 'error',
-    'internal', 'unread'}] (numerics_rows). Within a group (one model and one software) every result must have
-    the same bits, and every result must lie within the tolerance of the fp64 reference. Per check and group:
-      - every rank of a group of two or more off the reference: ONE finding about the model or the software,
-        no host blamed (the same fault everywhere is not a host's);
-      - the only rank of its group off the reference: FAIL naming it, no host blamed (the GPU cannot be told
-        from the software with nothing to compare);
-      - otherwise each rank off the reference is a culprit, and among the others a strict majority of bits
-        names the minority; with no majority (two ranks, a tie), the ranks already culprits by another check
-        explain the disagreement, else one FAIL names the ranks that disagree, no host blamed.
-    A rank whose check raised a torch error FAILs (its host); the tool's own error is `internal`; a check not
-    finished in time WARNs. -> findings; a PASS when every result agrees."""
-    rows = sorted(rows or [], key=lambda r: r["rank"])
-    if not rows:
-        return []
-    out, culprits, groups = [], {}, {}
-    for r in rows:
-        unjudged = _numerics_unjudged(r, stage)
-        if unjudged:
-            out.append(unjudged)
-        elif r.get("checks"):
-            groups.setdefault(r["group"], []).append(r)
-    ties = []
-    for group, rs in groups.items():
-        for c in _check_order({c for r in rs for c in r["checks"]}):
-            have = [r for r in rs if c in r["checks"]]
-            off = [r for r in have if r["checks"][c].get("off")]
-            if off and len(off) == len(have):
-                out.append(_numerics_all_off(group, c, have, off))
-                continue
-            for r in off:
-                p = r["checks"][c]
-                culprits.setdefault(r["rank"], (r, []))[1].append(
-                    f"{c} ({NUMERICS_WHAT.get(c, c)}) is off the fp64 reference: {_off_words(c, p)}"
-                    + (f"; {p['reference']}" if p.get("reference") else ""))
-            tie = _numerics_bits(c, [r for r in have if not r["checks"][c].get("off")], culprits)
-            if tie:
-                ties.append((group, c, tie))
-    for group, c, by in ties:  # after every check: a tie is explained by culprits of any check
-        f = _numerics_tie(group, c, by, culprits)
-        if f:
-            out.append(f)
-    out += _numerics_culprits(culprits, stage)
-    if not out:
-        out.append(_numerics_pass(groups, stage))
-    return out
-
-
-
-
-def _numerics_unjudged(r, stage):
-    """The finding of a row whose numbers could not be judged (the tool's error, a torch error on its device,
-    a check not finished in time), or None."""
-    if r.get("internal"):
-        return finding("internal", "FAIL", f"{_who(r)}: the {stage} failed: {r['internal']}: a bug in the "
-                       "tool, not a fault of the cluster: no host is blamed", code=EXIT_INTERNAL)
-    if r.get("error"):
-        return finding("numerics", "FAIL", f"{_who(r)}: the {stage} could not run on its device: "
-                       f"{r['error']}: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]], blame="own")
-    if r.get("unread") is not None:
-        return unlocalised(finding("numerics", "WARN", f"{_who(r)}: the {stage} did not finish within "
-                                   f"{r['unread']:g}s: its numbers were not checked", [r.get("host")], [r["rank"]]),
-                           "not-collected", "a re-run: the numbers checked in time name their host if wrong")
-    return None
-
-
-def _numerics_all_off(group, c, have, off):
-    """Every rank of a group off the reference on check c: the lone rank of its group, or one finding about
-    the model or the software; no host blamed."""
-    worst = max(off, key=lambda r: r["checks"][c].get("err") or 0)
-    p = worst["checks"][c]
-    if len(have) == 1:
-        return finding("numerics", "FAIL", f"{_who(worst)}: {c} ({NUMERICS_WHAT.get(c, c)}) is off "
-                       f"the fp64 reference: {_off_words(c, p)}"
-                       + (f"; {p['reference']}" if p.get("reference") else "")
-                       + f"; the only rank of its model and software ({group}) in this run, so its "
-                       f"device cannot be told from the software: run dcgmi diag -r 3 on "
-                       f"{worst.get('host')}, or run with a second device of the model; no host "
-                       f"blamed", ranks=[worst["rank"]], blame="tie")
-    same = len({r["checks"][c].get("digest") for r in have}) == 1
-    return finding("numerics", "FAIL", f"every one of the {len(have)} rank(s) of {group} computes "
-                   f"{c} ({NUMERICS_WHAT.get(c, c)}) off the fp64 reference"
-                   + (" with the same bits" if same else ", and their bits differ")
-                   + f" (worst: {_ranks_words([worst])}: {_off_words(c, p)}): a fault of the software "
-                   "(torch, CUDA, cuBLAS, driver) or of the model, not of a host: no host blamed; "
-                   "report it with this line, and try another software version",
-                   ranks=[r["rank"] for r in have], blame="everyone")
-
-
-def _numerics_culprits(culprits, stage):
-    """One FAIL per culprit rank {rank: (row, [what it got wrong])}, at most NUMERICS_LIST_MAX, then one for
-    the rest."""
-    out = []
-    items = sorted(culprits.values(), key=lambda x: x[0]["rank"])
-    for r, texts in items[:NUMERICS_LIST_MAX]:
-        action = NUMERICS_ACTION if r.get("uuid") or r.get("device") is not None else NUMERICS_CPU_ACTION
-        out.append(finding("numerics", "FAIL", f"{_who(r)} computes wrong numbers in the {stage}: "
-                           + "; ".join(texts) + f": {action}", [r.get("host")], [r["rank"]],
-                           blame=_culprit_blame(texts)))
-    if len(items) > NUMERICS_LIST_MAX:
-        rest = [r for r, _ in items[NUMERICS_LIST_MAX:]]
-        out.append(finding("numerics", "FAIL", f"and {len(rest)} more rank(s) compute wrong numbers in the {stage}: "
-                           f"{_ranks_words(rest)}: see the JSON's ranks[].numerics", [r.get("host") for r in rest],
-                           [r["rank"] for r in rest],
-                           blame=_culprit_blame([t for _, ts in items[NUMERICS_LIST_MAX:] for t in ts])))
-    return out
-
-
-def _culprit_blame(texts):
-    """The evidence a culprit's texts stand on: off the fp64 reference its peers meet ('reference'), else bits
-    unlike a strict majority of its peers ('majority')."""
-    return "reference" if any("off the fp64 reference" in t for t in texts) else "majority"
-
-
-def _numerics_pass(groups, stage):
-    """The PASS of groups {group: [rows]} that agree and lie within the tolerance."""
-    judged = [r for rs in groups.values() for r in rs]
-    names = _check_order({c for r in judged for c in r["checks"]})
-    worst = max((r["checks"][c].get("err") or 0) / r["checks"][c]["tol"] for r in judged for c in r["checks"]
-                if r["checks"][c].get("tol"))
-    return finding("numerics", "PASS", f"{stage}: {len(judged)} rank(s) in {len(groups)} group(s) of model "
-                   f"and software agree bit for bit on {', '.join(names)}, each within the tolerance of "
-                   f"the fp64 reference (worst {worst:.2g} of it)")
-
-
-def _bits_words(c, r, agree):
-    p = r["checks"][c]
-    ratio = _n((p.get("err") or 0) / p["tol"]) if p.get("tol") else "?"
-    return (f"{c} ({NUMERICS_WHAT.get(c, c)}): its bits differ from those of the {agree} other rank(s) of its model "
-            f"and software, which agree; its largest deviation from fp64 is {_n(p.get('abs'))} at element "
-            f"({', '.join(map(str, p.get('at') or []))}), within the tolerance ({ratio} of it)")
-
-
-def judge_numerics_records(records):
-    """judge_numerics of the telemetry's numerics (the records gathered at telemetry), [] when no rank has one."""
-    rows = numerics_rows(records)
-    return judge_numerics(rows) if rows else []
-
-
-def judge_ddp_grads(records, results):
-    """judge_numerics of the DDP step's local gradients (each rank's results['grads_local'], posted with its
-    results), [] when no rank checked them."""
-    posts = {res["rank"]: {"checks": {"ddp-grad": res["grads_local"]}} for res in results or []
-             if isinstance(res.get("grads_local"), dict)}
-    posts = {k: dict(v, software=(next((rec.get("numerics") or {} for rec in records if rec["rank"] == k), {})
-                                  ).get("software")) for k, v in posts.items()}
-    rows = numerics_rows(records, posts)
-    return judge_numerics(rows, "DDP step's local backward (before the all-reduce)") if rows else []
-
-
-def judge_numerics_soak(rows):
-    """--soak: a rank whose repeats of the numerics under load differed from its own first result FAILs under
-    'numerics' (an intermittent fault), naming it; every rank that repeated differing: one finding without a
-    host (the software is not deterministic). rows: the soak's rows (judge_soak's) with numerics_repeats,
-    numerics_mismatches, numerics_first_bad. [] when no row repeated."""
-    done = [r for r in rows or [] if r.get("numerics_repeats")]
-    if not done:
-        return []
-    bad = [r for r in done if r.get("numerics_mismatches")]
-    if not bad:
-        return [finding("numerics", "PASS", f"soak: {sum(r['numerics_repeats'] for r in done)} repeat(s) of the "
-                        f"bf16 and fp32 matmuls on {len(done)} rank(s) under sustained load, each identical to its "
-                        "own first result")]
-
-    def first(r):
-        fb = (r.get("numerics_first_bad") or [{}])[0]
-        return (f"first at {fb.get('t')}s: {fb.get('check')}, max abs difference {_n(fb.get('abs'))} at element "
-                f"({', '.join(map(str, fb.get('at') or []))})") if fb else "no detail"
-    if len(bad) == len(done) > 1:
-        return [finding("numerics", "FAIL", f"soak: every one of the {len(done)} rank(s) gave results under sustained "
-                        f"load whose bits differ from its own first result ({_ranks_words(bad)}; {first(bad[0])}): "
-                        "the software is not deterministic here, not a host's fault: no host blamed",
-                        ranks=[r["rank"] for r in bad], blame="everyone")]
-    return [finding("numerics", "FAIL", f"{_who(r)}: under sustained load (--soak) {r['numerics_mismatches']} of "
-                    f"{r['numerics_repeats']} repeat(s) of its matmuls differed from its own first result "
-                    f"({first(r)}): an intermittent fault: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]],
-                    blame="own") for r in bad]
 
 
 
@@ -3196,17 +2934,6 @@ def split_problem(torch_mod, dist):
     return f"torch {version}'s NCCL backend cannot split a communicator (NCCL older than 2.18?)"
 
 
-def screen_degraded_note(screen):
-    """The report's and the JSON's note when the screen made its groups without split_group (screen['no_split']:
-    {'why', 'groups'}), else None: each group then costs one call of every rank (new_group through
-    new_subgroups_by_enumeration), thousands per round on a large job, where one split makes a round."""
-    ns = (screen or {}).get("no_split")
-    if not ns:
-        return None
-    return (f"screen ran in a degraded mode: {ns['why']}: {ns['groups']} groups made by world-wide new_group "
-            f"(one call of every rank per group; split_group makes a round in one)")
-
-
 def screen_busbw(torch_mod, dist, group, nranks, dev, kind):
     """all_reduce bus bandwidth of one group as nccl-tests defines it (busbw = algbw x 2(n-1)/n, GB/s =
     1e9 B/s) at SCREEN_AR_BYTES: warm-up, then each iteration timed device-synchronised; the median
@@ -3397,6 +3124,299 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None, numerics=
             "tflops_windows": windows, "tflops_first": windows[0] if windows else None,
             "tflops_last": windows[-1] if windows else None, "telemetry": sampler.source,
             **soak_summary(samples), **(repeat.summary() if repeat is not None else {})}
+
+
+
+# ============================================================================ aiv/numerics.py
+# Floor 3: how the numerics check (silent data corruption) is judged: every rank's results (numerics_measure)
+NUMERICS_LIST_MAX = 16       # beyond this many culprits, one finding lists the first ones and a count
+NUMERICS_ACTION = ("drain it and run the vendor's diagnostics before it returns to service (DCGM level 3: "
+                   "dcgmi diag -r 3)")
+NUMERICS_CPU_ACTION = "drain it and run the vendor's CPU and memory diagnostics before it returns to service"
+
+
+def numerics_group(model, software, driver=None, cpu_model=None):
+    """The words that name "the same model and software": results in one group must agree bit for bit."""
+    sw = software or {}
+    if sw.get("sms") is not None:
+        head = f"{model} ({sw['sms']} SMs, compute {sw.get('cc')})"
+        soft = (f"torch {sw.get('torch')}, CUDA {sw.get('cuda')}, cuBLAS {sw.get('cublas') or '?'}, driver "
+                f"{driver or '?'}" + (f", BLAS {sw['blas']}" if sw.get("blas") else "")
+                + ("" if sw.get("bf16_reduced", True) else ", bf16 reductions in fp32"))
+    else:
+        head = f"CPU {cpu_model or model or '?'} ({sw.get('isa') or '?'})"
+        soft = f"torch {sw.get('torch')}"
+    env = sw.get("env") or {}
+    return f"{head}; {soft}" + "".join(f", {k}={v}" for k, v in sorted(env.items()))
+
+
+def numerics_rows(records, posts=None, field="numerics"):
+    """judge_numerics' rows from the gathered records: each rank's post (posts: rank -> post, else the record's
+    own `field`), with its host, GPU (UUID, CUDA index, model) and group (numerics_group; the driver and the
+    CPU model from its node's facts). Ranks without a post are left out."""
+    node = {rec.get("host"): rec["node"] for rec in records if isinstance(rec.get("node"), dict)}
+    rows = []
+    for rec in sorted(records, key=lambda r: r["rank"]):
+        post = (posts or {}).get(rec["rank"]) if posts is not None else rec.get(field)
+        if not isinstance(post, dict):
+            continue
+        g, facts = rec.get("gpu") or {}, node.get(rec.get("host")) or {}
+        model = g.get("name") or "CPU"
+        sw = post.get("software")
+        rows.append({"rank": rec["rank"], "host": rec.get("host"), "local_rank": rec.get("local_rank"),
+                     "device": rec.get("device"), "uuid": g.get("uuid"), "model": model,
+                     "group": numerics_group(model, sw, facts.get("driver"), facts.get("cpu_model")),
+                     "checks": post.get("checks") or {}, "error": post.get("error"),
+                     "internal": post.get("internal"), "unread": post.get("unread")})
+    return rows
+
+
+def _who(r):
+    if r.get("uuid") or r.get("device") is not None:
+        return (f"rank {r['rank']} on {r.get('host')} (GPU {r.get('uuid') or 'UUID unknown'}, cuda:{r.get('device')}, "
+                f"local rank {r.get('local_rank')}, {r.get('model')})")
+    return f"rank {r['rank']} on {r.get('host')} (CPU)"
+
+
+def _ranks_words(rows, limit=8):
+    by = {}
+    for r in rows:
+        by.setdefault(r.get("host"), []).append(r["rank"])
+    parts = [f"rank(s) {format_ranges(v)} ({h})" for h, v in list(by.items())[:limit]]
+    return ", ".join(parts) + (f" and {len(by) - limit} more node(s)" if len(by) > limit else "")
+
+
+def _n(x):
+    return "?" if x is None else f"{x:.3g}"
+
+
+def _off_words(c, p):
+    at = ", ".join(map(str, p.get("at") or []))
+    ratio = _n((p.get("err") or 0) / p["tol"]) if p.get("tol") else "?"
+    return (f"max abs error {_n(p.get('abs'))} at element ({at}) ({_n(p.get('value'))} where fp64 gives "
+            f"{_n(p.get('ref'))}: rel {_n(p.get('rel'))}, {ratio}x the tolerance)")
+
+
+def _check_order(names):
+    return sorted(names, key=lambda c: (NUMERICS_CHECKS.index(c) if c in NUMERICS_CHECKS else 99, c))
+
+
+def _numerics_bits(c, on, culprits):
+    """Check c among the ranks `on` the reference: a strict majority of bits names the minority (added to
+    culprits). -> the classes {digest: rows} where there is no majority (a tie), else None."""
+    by = {}
+    for r in on:
+        by.setdefault(r["checks"][c].get("digest"), []).append(r)
+    if len(by) <= 1:
+        return None
+    top = max(by.values(), key=len)
+    if 2 * len(top) <= len(on):
+        return by
+    for rs_ in by.values():
+        if rs_ is not top:
+            for r in rs_:
+                culprits.setdefault(r["rank"], (r, []))[1].append(_bits_words(c, r, len(top)))
+    return None
+
+
+def _numerics_tie(group, c, by, culprits):
+    """No majority on check c: explained when every class but one holds only culprits (the others' bits
+    are then named against it), else one FAIL naming the ranks that disagree, no host blamed (or None)."""
+    clean = [d for d, rs_ in by.items() if not all(r["rank"] in culprits for r in rs_)]
+    if len(clean) == 1:
+        agree = len(by[clean[0]])
+        for d, rs_ in by.items():
+            if d != clean[0]:
+                for r in rs_:
+                    culprits[r["rank"]][1].append(_bits_words(c, r, agree))
+        return None
+    ranks = [r for rs_ in by.values() for r in rs_]
+    return finding("numerics", "FAIL", f"{len(ranks)} rank(s) of {group} disagree bit for bit on {c} "
+                   f"({NUMERICS_WHAT.get(c, c)}): {len(by)} distinct results ("
+                   + " | ".join(_ranks_words(rs_) for rs_ in by.values())
+                   + ") and none is off the fp64 reference beyond the tolerance: one of them computes wrong "
+                   "and this run cannot tell which (no majority): run dcgmi diag -r 3 on "
+                   f"{compress_hostlist(sorted({r.get('host') for r in ranks}))}, or rerun with a third "
+                   "device of the model; no host blamed", ranks=[r["rank"] for r in ranks], blame="tie")
+
+
+def judge_numerics(rows, stage="numerics check"):
+    """The numerics findings (check 'numerics') of rows [{'rank', 'host', 'local_rank', 'device', 'uuid', 'model',
+    'group', 'checks': {check: {'digest', 'off', 'err', 'tol', 'abs', 'rel', 'at', 'value', 'ref'}}, 'error',
+    'internal', 'unread'}] (numerics_rows). Within a group (one model and one software) every result must have
+    the same bits, and every result must lie within the tolerance of the fp64 reference. Per check and group:
+      - every rank of a group of two or more off the reference: ONE finding about the model or the software,
+        no host blamed (the same fault everywhere is not a host's);
+      - the only rank of its group off the reference: FAIL naming it, no host blamed (the GPU cannot be told
+        from the software with nothing to compare);
+      - otherwise each rank off the reference is a culprit, and among the others a strict majority of bits
+        names the minority; with no majority (two ranks, a tie), the ranks already culprits by another check
+        explain the disagreement, else one FAIL names the ranks that disagree, no host blamed.
+    A rank whose check raised a torch error FAILs (its host); the tool's own error is `internal`; a check not
+    finished in time WARNs. -> findings; a PASS when every result agrees."""
+    rows = sorted(rows or [], key=lambda r: r["rank"])
+    if not rows:
+        return []
+    out, culprits, groups = [], {}, {}
+    for r in rows:
+        unjudged = _numerics_unjudged(r, stage)
+        if unjudged:
+            out.append(unjudged)
+        elif r.get("checks"):
+            groups.setdefault(r["group"], []).append(r)
+    ties = []
+    for group, rs in groups.items():
+        for c in _check_order({c for r in rs for c in r["checks"]}):
+            have = [r for r in rs if c in r["checks"]]
+            off = [r for r in have if r["checks"][c].get("off")]
+            if off and len(off) == len(have):
+                out.append(_numerics_all_off(group, c, have, off))
+                continue
+            for r in off:
+                p = r["checks"][c]
+                culprits.setdefault(r["rank"], (r, []))[1].append(
+                    f"{c} ({NUMERICS_WHAT.get(c, c)}) is off the fp64 reference: {_off_words(c, p)}"
+                    + (f"; {p['reference']}" if p.get("reference") else ""))
+            tie = _numerics_bits(c, [r for r in have if not r["checks"][c].get("off")], culprits)
+            if tie:
+                ties.append((group, c, tie))
+    for group, c, by in ties:  # after every check: a tie is explained by culprits of any check
+        f = _numerics_tie(group, c, by, culprits)
+        if f:
+            out.append(f)
+    out += _numerics_culprits(culprits, stage)
+    if not out:
+        out.append(_numerics_pass(groups, stage))
+    return out
+
+
+def _numerics_unjudged(r, stage):
+    """The finding of a row whose numbers could not be judged (the tool's error, a torch error on its device,
+    a check not finished in time), or None."""
+    if r.get("internal"):
+        return finding("internal", "FAIL", f"{_who(r)}: the {stage} failed: {r['internal']}: a bug in the "
+                       "tool, not a fault of the cluster: no host is blamed", code=EXIT_INTERNAL)
+    if r.get("error"):
+        return finding("numerics", "FAIL", f"{_who(r)}: the {stage} could not run on its device: "
+                       f"{r['error']}: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]], blame="own")
+    if r.get("unread") is not None:
+        return unlocalised(finding("numerics", "WARN", f"{_who(r)}: the {stage} did not finish within "
+                                   f"{r['unread']:g}s: its numbers were not checked", [r.get("host")], [r["rank"]]),
+                           "not-collected", "a re-run: the numbers checked in time name their host if wrong")
+    return None
+
+
+def _numerics_all_off(group, c, have, off):
+    """Every rank of a group off the reference on check c: the lone rank of its group, or one finding about
+    the model or the software; no host blamed."""
+    worst = max(off, key=lambda r: r["checks"][c].get("err") or 0)
+    p = worst["checks"][c]
+    if len(have) == 1:
+        return finding("numerics", "FAIL", f"{_who(worst)}: {c} ({NUMERICS_WHAT.get(c, c)}) is off "
+                       f"the fp64 reference: {_off_words(c, p)}"
+                       + (f"; {p['reference']}" if p.get("reference") else "")
+                       + f"; the only rank of its model and software ({group}) in this run, so its "
+                       f"device cannot be told from the software: run dcgmi diag -r 3 on "
+                       f"{worst.get('host')}, or run with a second device of the model; no host "
+                       f"blamed", ranks=[worst["rank"]], blame="tie")
+    same = len({r["checks"][c].get("digest") for r in have}) == 1
+    return finding("numerics", "FAIL", f"every one of the {len(have)} rank(s) of {group} computes "
+                   f"{c} ({NUMERICS_WHAT.get(c, c)}) off the fp64 reference"
+                   + (" with the same bits" if same else ", and their bits differ")
+                   + f" (worst: {_ranks_words([worst])}: {_off_words(c, p)}): a fault of the software "
+                   "(torch, CUDA, cuBLAS, driver) or of the model, not of a host: no host blamed; "
+                   "report it with this line, and try another software version",
+                   ranks=[r["rank"] for r in have], blame="everyone")
+
+
+def _numerics_culprits(culprits, stage):
+    """One FAIL per culprit rank {rank: (row, [what it got wrong])}, at most NUMERICS_LIST_MAX, then one for
+    the rest."""
+    out = []
+    items = sorted(culprits.values(), key=lambda x: x[0]["rank"])
+    for r, texts in items[:NUMERICS_LIST_MAX]:
+        action = NUMERICS_ACTION if r.get("uuid") or r.get("device") is not None else NUMERICS_CPU_ACTION
+        out.append(finding("numerics", "FAIL", f"{_who(r)} computes wrong numbers in the {stage}: "
+                           + "; ".join(texts) + f": {action}", [r.get("host")], [r["rank"]],
+                           blame=_culprit_blame(texts)))
+    if len(items) > NUMERICS_LIST_MAX:
+        rest = [r for r, _ in items[NUMERICS_LIST_MAX:]]
+        out.append(finding("numerics", "FAIL", f"and {len(rest)} more rank(s) compute wrong numbers in the {stage}: "
+                           f"{_ranks_words(rest)}: see the JSON's ranks[].numerics", [r.get("host") for r in rest],
+                           [r["rank"] for r in rest],
+                           blame=_culprit_blame([t for _, ts in items[NUMERICS_LIST_MAX:] for t in ts])))
+    return out
+
+
+def _culprit_blame(texts):
+    """The evidence a culprit's texts stand on: off the fp64 reference its peers meet ('reference'), else bits
+    unlike a strict majority of its peers ('majority')."""
+    return "reference" if any("off the fp64 reference" in t for t in texts) else "majority"
+
+
+def _numerics_pass(groups, stage):
+    """The PASS of groups {group: [rows]} that agree and lie within the tolerance."""
+    judged = [r for rs in groups.values() for r in rs]
+    names = _check_order({c for r in judged for c in r["checks"]})
+    worst = max((r["checks"][c].get("err") or 0) / r["checks"][c]["tol"] for r in judged for c in r["checks"]
+                if r["checks"][c].get("tol"))
+    return finding("numerics", "PASS", f"{stage}: {len(judged)} rank(s) in {len(groups)} group(s) of model "
+                   f"and software agree bit for bit on {', '.join(names)}, each within the tolerance of "
+                   f"the fp64 reference (worst {worst:.2g} of it)")
+
+
+def _bits_words(c, r, agree):
+    p = r["checks"][c]
+    ratio = _n((p.get("err") or 0) / p["tol"]) if p.get("tol") else "?"
+    return (f"{c} ({NUMERICS_WHAT.get(c, c)}): its bits differ from those of the {agree} other rank(s) of its model "
+            f"and software, which agree; its largest deviation from fp64 is {_n(p.get('abs'))} at element "
+            f"({', '.join(map(str, p.get('at') or []))}), within the tolerance ({ratio} of it)")
+
+
+def judge_numerics_records(records):
+    """judge_numerics of the telemetry's numerics (the records gathered at telemetry), [] when no rank has one."""
+    rows = numerics_rows(records)
+    return judge_numerics(rows) if rows else []
+
+
+def judge_ddp_grads(records, results):
+    """judge_numerics of the DDP step's local gradients (each rank's results['grads_local'], posted with its
+    results), [] when no rank checked them."""
+    posts = {res["rank"]: {"checks": {"ddp-grad": res["grads_local"]}} for res in results or []
+             if isinstance(res.get("grads_local"), dict)}
+    posts = {k: dict(v, software=(next((rec.get("numerics") or {} for rec in records if rec["rank"] == k), {})
+                                  ).get("software")) for k, v in posts.items()}
+    rows = numerics_rows(records, posts)
+    return judge_numerics(rows, "DDP step's local backward (before the all-reduce)") if rows else []
+
+
+def judge_numerics_soak(rows):
+    """--soak: a rank whose repeats of the numerics under load differed from its own first result FAILs under
+    'numerics' (an intermittent fault), naming it; every rank that repeated differing: one finding without a
+    host (the software is not deterministic). rows: the soak's rows (judge_soak's) with numerics_repeats,
+    numerics_mismatches, numerics_first_bad. [] when no row repeated."""
+    done = [r for r in rows or [] if r.get("numerics_repeats")]
+    if not done:
+        return []
+    bad = [r for r in done if r.get("numerics_mismatches")]
+    if not bad:
+        return [finding("numerics", "PASS", f"soak: {sum(r['numerics_repeats'] for r in done)} repeat(s) of the "
+                        f"bf16 and fp32 matmuls on {len(done)} rank(s) under sustained load, each identical to its "
+                        "own first result")]
+
+    def first(r):
+        fb = (r.get("numerics_first_bad") or [{}])[0]
+        return (f"first at {fb.get('t')}s: {fb.get('check')}, max abs difference {_n(fb.get('abs'))} at element "
+                f"({', '.join(map(str, fb.get('at') or []))})") if fb else "no detail"
+    if len(bad) == len(done) > 1:
+        return [finding("numerics", "FAIL", f"soak: every one of the {len(done)} rank(s) gave results under sustained "
+                        f"load whose bits differ from its own first result ({_ranks_words(bad)}; {first(bad[0])}): "
+                        "the software is not deterministic here, not a host's fault: no host blamed",
+                        ranks=[r["rank"] for r in bad], blame="everyone")]
+    return [finding("numerics", "FAIL", f"{_who(r)}: under sustained load (--soak) {r['numerics_mismatches']} of "
+                    f"{r['numerics_repeats']} repeat(s) of its matmuls differed from its own first result "
+                    f"({first(r)}): an intermittent fault: {NUMERICS_ACTION}", [r.get("host")], [r["rank"]],
+                    blame="own") for r in bad]
 
 
 
@@ -4702,43 +4722,6 @@ def manifest_problem(data):
     return _accepted_problem(data["accepted_warns"])
 
 
-def load_manifest(path, origin):
-    """The manifest at path, or UsageError naming origin (the option) and the problem in one line."""
-    try:
-        with open(path, "rb") as f:
-            text = f.read(64 << 20).decode("utf-8", errors="replace")
-    except OSError as e:
-        raise UsageError(f"{origin} {path}: cannot read it: {e.strerror or e}") from None
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise UsageError(f"{origin} {path}: not a manifest (not JSON: {e})") from None
-    problem = manifest_problem(data)
-    if problem:
-        raise UsageError(f"{origin} {path}: {problem}")
-    return data
-
-
-def manifest_preflight(args):
-    """Rank 0 and the local launcher, before torch is imported: --manifest must be a readable manifest of a
-    schema this tool reads (kept in args.manifest_data for the judge); --save-manifest's directory must
-    exist and be writable, and a file already there must be a manifest to merge into. UsageError: exit 2."""
-    if args.manifest:
-        args.manifest_data = load_manifest(args.manifest, "--manifest")
-    path = args.save_manifest
-    if not path:
-        return
-    d = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise UsageError(f"--save-manifest {path} is a directory; name the file to write")
-    if not os.path.isdir(d):
-        raise UsageError(f"--save-manifest {path}: directory {d} does not exist")
-    if not os.access(d, os.W_OK | os.X_OK):
-        raise UsageError(f"--save-manifest {path}: directory {d} is not writable by uid {os.getuid()}")
-    if os.path.exists(path):
-        load_manifest(path, "--save-manifest")
-
-
 def manifest_refusal(state):
     """Why this run's state may not be accepted ('' when it may: a PASS; its WARNs are saved as accepted)."""
     if state.get("verdict") != "PASS":
@@ -4832,39 +4815,6 @@ def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None, 
     return [f if tries >= 2 else unlocalised(f, "once", "a re-run: a value below the band again names its host")]
 
 
-def save_manifest(path, state, written_at):
-    """Merge this run's accepted state into the manifest at path (atomically, under _file_lock's bounded lock:
-    state's deadlines['manifest-lock'], else MANIFEST_LOCK_S). -> the report's note. A PASS saves, its WARNs
-    recorded as accepted; a FAIL never saves. A save that cannot take the lock in time or cannot write also
-    adds a WARN finding to state['findings'] naming the file (no host: the nodes are not at fault)."""
-    why = manifest_refusal(state)
-    if why:
-        return f"manifest not saved to {path}: {why}; a manifest is saved only from a PASS"
-    try:
-        with _file_lock(path, (state.get("deadlines") or {}).get("manifest-lock")):
-            old = load_manifest(path, "--save-manifest") if os.path.exists(path) else None
-            new = manifest_from_records(state.get("ranks") or [], written_at, state.get("screen"),
-                                        state.get("findings") or [])
-            write_json_atomic(path, merge_manifests(old, new))
-    except (OSError, UsageError, LockTimeout) as e:
-        note = f"manifest not saved to {path}: {e}"
-        state.setdefault("findings", []).append(finding("manifest", "WARN", note))
-        return note
-    hosts = sum(len(_hosts_in(c["hosts"])) for c in new["classes"].values())
-    warns = new["accepted_warns"]
-    return (f"manifest saved to {path}: {hosts} node(s) accepted in {len(new['classes'])} class(es) "
-            f"({'; '.join(new['classes'])})" + (", merged into the existing file" if old else "")
-            + (f"; {len(warns)} WARN(s) accepted ({', '.join(sorted({w['check'] for w in warns}))})" if warns else ""))
-
-
-def note_manifest_save(args, state):
-    """Rank 0 at the verdict, with --save-manifest: save on a PASS (WARNs accepted); either way a note in the
-    report, and a WARN finding when the file could not be locked or written (save_manifest)."""
-    if getattr(args, "save_manifest", None):
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        state.setdefault("notes", []).append(save_manifest(args.save_manifest, state, now))
-
-
 def diff_manifests(a, b):
     """Lines 'class/field: old -> new (hosts)' from manifest a to b: hosts joining or leaving a class; per
     field, hosts in both whose value changed and new hosts whose value is none of a's; bands."""
@@ -4899,21 +4849,6 @@ def _diff_fields(key, va, vb):
                 groups.setdefault((label, o, n), []).append(h)
         out += [f"{key}/{label}: {o} -> {n} ({_hl(hs)})" for (label, o, n), hs in sorted(groups.items())]
     return out
-
-
-def run_diff_manifest(paths):
-    """--diff-manifest A B (no torch): one line per difference; 0 equal, 1 different, 2 a file unusable."""
-    try:
-        a, b = (load_manifest(p, "--diff-manifest") for p in paths)
-    except UsageError as e:
-        emit(f"FAILURE: usage: {e}")
-        return EXIT_USAGE
-    lines = diff_manifests(a, b)
-    for ln in lines:
-        emit(ln)
-    emit(f"diff-manifest: {len(lines)} difference(s) from {paths[0]} to {paths[1]}" if lines else
-         f"diff-manifest: {paths[0]} and {paths[1]} are equal", sys.stderr)
-    return EXIT_FAIL if lines else EXIT_PASS
 
 
 
@@ -6104,6 +6039,17 @@ def judge_gpu_transients(per_rank, floors=None, cpu=False):
                  action="none now: nothing is drained; re-run the preflight if the same GPU recurs")]
 
 
+def screen_degraded_note(screen):
+    """The report's and the JSON's note when the screen made its groups without split_group (screen['no_split']:
+    {'why', 'groups'}), else None: each group then costs one call of every rank (new_group through
+    new_subgroups_by_enumeration), thousands per round on a large job, where one split makes a round."""
+    ns = (screen or {}).get("no_split")
+    if not ns:
+        return None
+    return (f"screen ran in a degraded mode: {ns['why']}: {ns['groups']} groups made by world-wide new_group "
+            f"(one call of every rank per group; split_group makes a round in one)")
+
+
 
 # ============================================================================ aiv/soak.py
 # Floor 3: the soak's judges (--soak): a GPU whose matmul speed decays under sustained load, or whose
@@ -6950,6 +6896,9 @@ def render_drain(drain):
     L = [f"  DRAIN: {n} keeps its own reason: {r!r}" for n, r in sorted(drain.get("kept", {}).items())]
     if drain["mode"] == "recommend":
         return L + [f"  DRAIN (recommended; --drain on runs it): {drain['command']}"]
+    if drain.get("pending"):
+        return L + [f"  DRAIN: draining {compress_hostlist(drain['hosts'])} now (scontrol, within {DRAIN_S:g}s; the "
+                    f"outcome follows): {drain['command']}"]
     if drain.get("done"):
         return L + [f"  DRAIN: drained {compress_hostlist(drain['hosts'])}: {drain['command']}"]
     return L + (["  DRAIN: not drained (see the drain finding)"] if drain["hosts"] else [])
@@ -7045,43 +6994,6 @@ def drain_keeps(nodes):
     """Nodes already drained or down for a reason not ours: {node: their reason}. They keep it."""
     return {n: r for n, (st, r) in nodes.items() if re.search(r"DRAIN|DOWN|FAIL", st)
             and r and r not in ("none", "(null)") and not r.startswith(DRAIN_PREFIX)}
-
-
-def _scontrol(argv, until):
-    """One scontrol call within the time left -> (rc, stdout, message). rc None: missing or silent."""
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=max(0.1, until - time.monotonic()),
-                           stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        return None, "", "scontrol is not on PATH"
-    except subprocess.TimeoutExpired:
-        return None, "", f"scontrol did not answer within {DRAIN_S:g}s (slurmctld unreachable?)"
-    except OSError as e:
-        return None, "", f"scontrol could not run: {e.strerror or e}"
-    msg = " ".join((p.stderr or p.stdout or "").split())[:300]
-    return p.returncode, p.stdout, msg or f"exit status {p.returncode}"
-
-
-def drain_apply(plan):
-    """--drain on: one `scontrol show node` (nodes drained for another reason keep it), then one
-    `scontrol update` for the rest, both within DRAIN_S. -> (plan with 'done'/'kept'/'hosts', findings:
-    a WARN quoting scontrol when it is missing, refused or silent; never a FAIL)."""
-    until = time.monotonic() + DRAIN_S
-    rc, out, msg = _scontrol(["scontrol", "show", "node", "-o", compress_hostlist(plan["hosts"])], until)
-    if rc != 0:
-        return plan, [finding("drain", "WARN", f"nothing drained: `scontrol show node` failed: {msg}; run by hand: "
-                              f"{plan['command']}", plan["hosts"])]
-    kept = drain_keeps(parse_scontrol_nodes(out))
-    hosts = [h for h in plan["hosts"] if h not in kept]
-    plan = dict(plan, kept=kept, hosts=hosts)
-    if hosts:
-        argv, line = drain_command(hosts, plan["reason"])
-        plan.update(argv=argv, command=line)
-        rc, _, msg = _scontrol(argv, until)
-        if rc != 0:
-            return plan, [finding("drain", "WARN", f"nothing drained: scontrol refused: {msg}; an operator can "
-                                  f"run: {plan['command']}", hosts)]
-    return dict(plan, done=bool(hosts)), []
 
 
 def _metrics_escape(value):
@@ -7282,6 +7194,29 @@ def render_metrics(state):
     for name, text, samples in families:
         lines += _metrics_family(name, text, samples) or []
     return "\n".join(lines) + "\n"
+
+
+def verdict_state(run, found, code, drain):
+    """The verdict's state (pure): the JSON, and what the report, the metrics and the page render. run: the
+    run's facts as plain data, copied when the verdict began (Coordinator.snapshot); found: the findings after
+    the blame gate (blame_gate); drain: the --drain plan. failed_hosts and exclude hold only the hosts the
+    gated findings blame (blamed_hosts)."""
+    failed_hosts = blamed_hosts(found)
+    screen = run.get("screen")
+    note = screen_degraded_note(screen)
+    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+            "started_at": run["started_at"], "host": run["host"],
+            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
+            "world_size": run["world"], "ranks_reported": len(run["records"]), "backend": run["backend"],
+            "master": f"{run['addr']}:{run['port']}", "expect": run["expect"], "strict": bool(run["strict"]),
+            "deadlines": run["D"], "elapsed_s": round(run["elapsed_s"], 3), "phases": run["times"],
+            "findings": mark_accepted(run.get("manifest_data"), found), "failures": failure_lines(found),
+            "failed_hosts": failed_hosts, "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
+            "suspect_links": (screen or {}).get("suspect_links") or [],
+            "drain": drain, "drain_command": (drain or {}).get("command") or "",
+            "phase_starts": run["starts"], "collectives": run.get("collectives"), "screen": screen,
+            "soak": run.get("soak"), "ranks": [rank_record(r) for r in run["records"]], "env": safe_env(run["env"]),
+            **({"notes": [note]} if note else {})}
 
 
 
@@ -8024,6 +7959,94 @@ def run_verify_log(args, argv=()):
 
 
 
+# ============================================================================ aiv/manifest_io.py
+# Floor 4 (effects): the known-good manifest on disk: --manifest read and checked before torch, --save-manifest
+def load_manifest(path, origin):
+    """The manifest at path, or UsageError naming origin (the option) and the problem in one line."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(64 << 20).decode("utf-8", errors="replace")
+    except OSError as e:
+        raise UsageError(f"{origin} {path}: cannot read it: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"{origin} {path}: not a manifest (not JSON: {e})") from None
+    problem = manifest_problem(data)
+    if problem:
+        raise UsageError(f"{origin} {path}: {problem}")
+    return data
+
+
+def manifest_preflight(args):
+    """Rank 0 and the local launcher, before torch is imported: --manifest must be a readable manifest of a
+    schema this tool reads (kept in args.manifest_data for the judge); --save-manifest's directory must
+    exist and be writable, and a file already there must be a manifest to merge into. UsageError: exit 2."""
+    if args.manifest:
+        args.manifest_data = load_manifest(args.manifest, "--manifest")
+    path = args.save_manifest
+    if not path:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"--save-manifest {path} is a directory; name the file to write")
+    if not os.path.isdir(d):
+        raise UsageError(f"--save-manifest {path}: directory {d} does not exist")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise UsageError(f"--save-manifest {path}: directory {d} is not writable by uid {os.getuid()}")
+    if os.path.exists(path):
+        load_manifest(path, "--save-manifest")
+
+
+def save_manifest(path, state, written_at):
+    """Merge this run's accepted state into the manifest at path (atomically, under _file_lock's bounded lock:
+    state's deadlines['manifest-lock'], else MANIFEST_LOCK_S). -> the report's note. A PASS saves, its WARNs
+    recorded as accepted; a FAIL never saves. A save that cannot take the lock in time or cannot write also
+    adds a WARN finding to state['findings'] naming the file (no host: the nodes are not at fault)."""
+    why = manifest_refusal(state)
+    if why:
+        return f"manifest not saved to {path}: {why}; a manifest is saved only from a PASS"
+    try:
+        with _file_lock(path, (state.get("deadlines") or {}).get("manifest-lock")):
+            old = load_manifest(path, "--save-manifest") if os.path.exists(path) else None
+            new = manifest_from_records(state.get("ranks") or [], written_at, state.get("screen"),
+                                        state.get("findings") or [])
+            write_json_atomic(path, merge_manifests(old, new))
+    except (OSError, UsageError, LockTimeout) as e:
+        note = f"manifest not saved to {path}: {e}"
+        state.setdefault("findings", []).append(finding("manifest", "WARN", note))
+        return note
+    hosts = sum(len(_hosts_in(c["hosts"])) for c in new["classes"].values())
+    warns = new["accepted_warns"]
+    return (f"manifest saved to {path}: {hosts} node(s) accepted in {len(new['classes'])} class(es) "
+            f"({'; '.join(new['classes'])})" + (", merged into the existing file" if old else "")
+            + (f"; {len(warns)} WARN(s) accepted ({', '.join(sorted({w['check'] for w in warns}))})" if warns else ""))
+
+
+def note_manifest_save(args, state):
+    """Rank 0 at the verdict, with --save-manifest: save on a PASS (WARNs accepted); either way a note in the
+    report, and a WARN finding when the file could not be locked or written (save_manifest)."""
+    if getattr(args, "save_manifest", None):
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        state.setdefault("notes", []).append(save_manifest(args.save_manifest, state, now))
+
+
+def run_diff_manifest(paths):
+    """--diff-manifest A B (no torch): one line per difference; 0 equal, 1 different, 2 a file unusable."""
+    try:
+        a, b = (load_manifest(p, "--diff-manifest") for p in paths)
+    except UsageError as e:
+        emit(f"FAILURE: usage: {e}")
+        return EXIT_USAGE
+    lines = diff_manifests(a, b)
+    for ln in lines:
+        emit(ln)
+    emit(f"diff-manifest: {len(lines)} difference(s) from {paths[0]} to {paths[1]}" if lines else
+         f"diff-manifest: {paths[0]} and {paths[1]} are equal", sys.stderr)
+    return EXIT_FAIL if lines else EXIT_PASS
+
+
+
 # ============================================================================ aiv/store.py
 # Floor 5 (runtime): the side channel: one TCPStore, every value sealed with the job's secret and
 def fd_limit_problem(world, nodes):
@@ -8682,11 +8705,11 @@ def node_monitor(cfg):
     return 0
 
 
-def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds):
-    """A rank that cannot import torch reports its `local` failure to rank 0 through the store's own wire
-    (LightStore: no torch needed), so that rank 0 ends the roll call at once naming this host rather than
-    waiting out the roll call. -> whether the report was posted (the store and rank 0's world record
-    answered within `seconds`)."""
+def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds, code=1, internal=False):
+    """A rank that failed before the roll call (torch missing or too old, a local check, the tool's own error)
+    reports it to rank 0 through the store's own wire (LightStore: no torch needed), so that rank 0 ends the
+    roll call at once (naming this host, or nobody for the tool's own error) rather than waiting out the roll
+    call. -> whether the report was posted (the store and rank 0's world record answered within `seconds`)."""
     end = time.monotonic() + seconds
     store = None
     try:
@@ -8697,7 +8720,7 @@ def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds):
             if time.monotonic() >= end:
                 return False
             time.sleep(0.2)
-        proto.report_error(rank, "local", line, 1, host=host)
+        proto.report_error(rank, "local", line, code, internal=internal, host=host)
         proto.wake_roll_call("local")
         return True
     except (OSError, struct.error, ValueError):
@@ -8923,6 +8946,221 @@ class Background:
 
 
 
+# ============================================================================ aiv/drain.py
+# Floor 5 (runtime): --drain on: the scontrol calls (one show, one update), within DRAIN_S. What to drain and
+def _scontrol(argv, until):
+    """One scontrol call within the time left -> (rc, stdout, message). rc None: missing or silent."""
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=max(0.1, until - time.monotonic()),
+                           stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return None, "", "scontrol is not on PATH"
+    except subprocess.TimeoutExpired:
+        return None, "", f"scontrol did not answer within {DRAIN_S:g}s (slurmctld unreachable?)"
+    except OSError as e:
+        return None, "", f"scontrol could not run: {e.strerror or e}"
+    msg = " ".join((p.stderr or p.stdout or "").split())[:300]
+    return p.returncode, p.stdout, msg or f"exit status {p.returncode}"
+
+
+def drain_apply(plan):
+    """--drain on: one `scontrol show node` (nodes drained for another reason keep it), then one
+    `scontrol update` for the rest, both within DRAIN_S. -> (plan with 'done'/'kept'/'hosts', findings:
+    a WARN quoting scontrol when it is missing, refused or silent; never a FAIL)."""
+    until = time.monotonic() + DRAIN_S
+    rc, out, msg = _scontrol(["scontrol", "show", "node", "-o", compress_hostlist(plan["hosts"])], until)
+    if rc != 0:
+        return plan, [finding("drain", "WARN", f"nothing drained: `scontrol show node` failed: {msg}; run by hand: "
+                              f"{plan['command']}", plan["hosts"])]
+    kept = drain_keeps(parse_scontrol_nodes(out))
+    hosts = [h for h in plan["hosts"] if h not in kept]
+    plan = dict(plan, kept=kept, hosts=hosts)
+    if hosts:
+        argv, line = drain_command(hosts, plan["reason"])
+        plan.update(argv=argv, command=line)
+        rc, _, msg = _scontrol(argv, until)
+        if rc != 0:
+            return plan, [finding("drain", "WARN", f"nothing drained: scontrol refused: {msg}; an operator can "
+                                  f"run: {plan['command']}", hosts)]
+    return dict(plan, done=bool(hosts)), []
+
+
+
+# ============================================================================ aiv/conclusion.py
+# Floor 5 (runtime): rank 0's verdict, given once. Conclusion takes the run's facts as plain data (copied
+class Conclusion:
+    """One verdict. run: the run's facts (Coordinator.snapshot): host, world, addr, port, records, host_of,
+    gone (ranks found dead or frozen), serving, forged, authenticated, expect, env, the report's facts
+    (verdict_state) and acks_s; args: the options (json, metrics, html, drain, drain_max, strict,
+    save_manifest, manifest_data); client: a store client or None; progress(key, **kw) prints a progress line;
+    failpoint(name, only) is the tests' fault injection; on_code(code) tells the caller the code as it stands
+    (the verdict's own bound exits with it)."""
+
+    def __init__(self, run, args, client, progress, failpoint=None, on_code=None):
+        self.run, self.args, self.client = run, args, client
+        self.progress, self.failpoint = progress, failpoint or (lambda *a, **k: None)
+        self.on_code = on_code or (lambda code: None)
+        self.drain = None
+
+    def give(self, found, code):
+        """-> the exit code. A report that cannot be rendered is an `internal` FAIL with the FAILURE lines alone
+        (and drains nobody); the files are written either way."""
+        found = blame_gate(list(found) + self.side_channel())  # the blame law: only evidence names a host
+        st, text = self.report(found, code)
+        if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
+            st, text = self.report(found, st["exit_code"])
+        code = st["exit_code"]
+        self.on_code(code)
+        self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code, counts=_counts(found))
+        emit(text)  # the verdict's lines first: everything after this may be slow (scontrol, shared storage)
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.publish_verdict(code)
+        if self.drain["mode"] == "on" and self.drain["hosts"]:
+            self.drain, warns = drain_apply(self.drain)
+            self.drain = dict(self.drain, pending=False)
+            found += warns
+            st = self.state(found, code)
+            emit("\n".join(render_drain(self.drain) + [f"  [{f['status']}] {f['check']}: {f['reason']}"
+                                                       for f in warns]))
+        unwritten = self.write_files(st)
+        if unwritten:  # an output the operator asked for is missing: never a silent exit 0
+            found += [finding("output", "FAIL", f"--{flag} {path} could not be written: {why}; the verdict is in "
+                              "this log (fix the path or its storage)") for flag, path, why in unwritten]
+            st = self.state(found, code)
+            code = st["exit_code"]
+            self.on_code(code)
+            emit("\n".join(failure_lines(found[-len(unwritten):])
+                           + [f"Verdict: {st['verdict']} exit={code} (an output the run was asked for could not be "
+                              "written: the lines above)"]))
+            self.write_files(st, skip={flag for flag, _, _ in unwritten})  # the others say what the log says
+        if getattr(self.args, "save_manifest", None):  # after the report and the JSON: shared storage may be slow
+            before = len(st["findings"])
+            note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
+            emit("\n".join([f"  [{f['status']}] {f['check']}: {f['reason']}" for f in st["findings"][before:]]
+                           + [f"  NOTE: {n}" for n in st.get("notes") or []]))
+            self.write_json(st)
+        if self.client is not None:
+            self.wait_acks(code)
+        return code
+
+    # ---------------------------------------------------------------- the state and the report
+    def state(self, found, code):
+        return verdict_state(dict(self.run, elapsed_s=elapsed()), found, verdict_code(found) or code, self.drain)
+
+    def report(self, found, code):
+        """The drain planned, then -> (state, the report's text). A report that cannot be rendered is an
+        `internal` FAIL with the FAILURE lines alone (added to `found`)."""
+        try:
+            self.drain = self.plan_drain(found, verdict_code(found) or code)
+            self.failpoint("report", only=("raise",))
+            st = self.state(found, code)
+            return st, render_report(st)
+        except Exception as e:
+            print_traceback(e)
+            found.append(internal_finding(e, f"rank 0 on {self.run['host']}, rendering the report"))
+            self.drain = self.plan_drain(found, verdict_code(found) or code)
+            st = self.state(found, code)
+            return st, "\n".join(failure_lines(found))
+
+    def plan_drain(self, found, code):
+        """--drain at the verdict (drain_plan, pure): what to drain, or why nothing; run once the verdict's lines
+        are out (drain_apply, bounded by DRAIN_S), its WARN joining the findings, the verdict unchanged."""
+        run = self.run
+        nodes = run["expect"].get("nodes") or len({rec["host"] for rec in run["records"]}) or 1
+        plan = drain_plan(found if code != EXIT_PASS else [], self.args.drain, nodes, run["env"].get("SLURM_JOB_ID"),
+                          self.args.drain_max)
+        return dict(plan, pending=plan["mode"] == "on" and bool(plan["hosts"]))
+
+    # ---------------------------------------------------------------- the side channel's audit
+    def side_channel(self):
+        """The side channel's findings: every value refused (judge_forged), connections from outside the run's
+        nodes (judge_store_peers), and whether the channel was authenticated."""
+        run, strict = self.run, self.args.strict
+        master, forged = f"{run['addr']}:{run['port']}", list(run["forged"])
+        if self.client is not None:
+            ranks, hosts = sorted(run["host_of"]), sorted(set(run["host_of"].values()))
+            forged = bounded(lambda: self.client.clone().audit(ranks, hosts), AUDIT_S) or forged  # its own connection
+        out = judge_forged(forged, master)
+        if run["serving"] and run["records"]:
+            allowed = {a for rec in run["records"] for a in rec.get("addrs") or ()}
+            peers = {ip for ip in store_peers(run["port"]) or () if not ipaddress.ip_address(ip).is_loopback}
+            out += apply_strict(judge_store_peers(peers, allowed, run["authenticated"], master), strict)
+        if run["records"] and not forged:
+            nodes = len({rec["host"] for rec in run["records"]})
+            out += apply_strict(judge_channel(run["authenticated"], nodes, master), strict)
+        return out
+
+    # ---------------------------------------------------------------- the files
+    def write_json(self, state, first=False):
+        """--json, within OUTPUT_S (shared storage can hang). -> None, or why it could not be written (also said
+        on stderr)."""
+        if self.args.json:
+            try:
+                within(lambda: write_json_atomic(self.args.json, state, first), OUTPUT_S,
+                       f"writing --json {self.args.json}")
+            except OSError as e:  # BoundPassed too
+                why = e.strerror or str(e)
+                emit(f"WARNING: could not write --json {self.args.json}: {why}", sys.stderr)
+                return why
+        return None
+
+    def write_files(self, st, skip=()):
+        """--json, then --metrics and --html (but those in `skip`), each within OUTPUT_S. -> [(flag, path, why)]
+        of those that could not be written (each also said on stderr); a page that cannot be rendered is the
+        tool's error, and counts as not written."""
+        out = []
+        why = self.write_json(st) if "json" not in skip else None
+        if why:
+            out.append(("json", self.args.json, why))
+        for dest, render in (("metrics", render_metrics), ("html", render_html)):
+            path = getattr(self.args, dest, None)
+            if not path or dest in skip:
+                continue
+            try:
+                text = render(st)
+            except Exception as e:  # the tool's own error: said, and the output counts as not written
+                print_traceback(e)
+                out.append((dest, path, f"the tool could not render it ({first_line(e)} in {where_raised(e)})"))
+                continue
+            try:
+                within(lambda p=path, t=text: write_text_atomic(p, t), OUTPUT_S, f"writing --{dest} {path}")
+            except OSError as e:  # BoundPassed too
+                emit(f"WARNING: could not write --{dest} {path}: {first_line(e)}", sys.stderr)
+                out.append((dest, path, e.strerror or first_line(e)))
+        return out
+
+    # ---------------------------------------------------------------- the acknowledgements
+    def listeners(self):
+        """Who will acknowledge the verdict: (ranks, how many). After the roll call the live ranks; before it
+        (None, the number that checked in so far): each has a listener on the verdict key."""
+        run = self.run
+        if run["host_of"]:
+            ranks = [r for r in run["host_of"] if r and r not in run["gone"]]
+            return ranks, len(ranks)
+        return None, max(0, bounded(self.client.arrived, STORE_OP_S, 1) - 1)
+
+    def wait_acks(self, code):
+        """Keep the store up until every listener acknowledged (their sealed ack/<rank>; the counter only wakes
+        the check), within the acks' bound. A verdict written over from outside is put back at once."""
+        (ranks, n), end, polls = self.listeners(), time.monotonic() + self.run["acks_s"], 0
+        client = self.client
+        while n > 0 and time.monotonic() < end:
+            try:
+                if client.acks() >= n and (ranks is None or client.acked(ranks)):
+                    return
+                polls += 1
+                if polls % 5 == 0 and not client.verdict_holds(code):
+                    client.publish_verdict(code)
+                    emit(f"WARNING: rendezvous: the verdict key at {self.run['addr']}:{self.run['port']} was written "
+                         "over from outside the job after the verdict; rank 0 put its own back (no rank takes a "
+                         "forged code)", sys.stderr)
+            except Exception:
+                return
+            time.sleep(0.02)
+
+
+
 # ============================================================================ aiv/screen_run.py
 # Floor 5 (runtime): the performance screen on the ranks: the collectives the screen loop asks for.
 class ScreenRunner:
@@ -8939,7 +9177,8 @@ class ScreenRunner:
         if self.bg.gpu is not None:  # measured on its own thread since the local checks (start_screen_gpu)
             with contextlib.suppress(HostStarved):  # the rank's own threads held the interpreter: again, below
                 row = take_screen_gpu(self.bg.gpu)
-            self.times["gpu_measure"] = self.bg.gpu["secs"]
+            with self.state_lock:
+                self.times["gpu_measure"] = self.bg.gpu["secs"]
         if row is None:  # CPU ranks (their own CPU clock), or a starved measuring thread: on a quiet process
             self.quiesce()
             g = self.identity.get("gpu") or {}
@@ -9013,7 +9252,8 @@ class ScreenRunner:
             group = dist.new_subgroups_by_enumeration(every, **kw)[0]
         self.screen_groups.append(group)
         made = time.monotonic() - t
-        self.times[f"groups-{name}"] = round(made, 3)
+        with self.state_lock:
+            self.times[f"groups-{name}"] = round(made, 3)
         return (group if mine else None), made
 
     def screen_left(self):
@@ -9053,8 +9293,9 @@ class ScreenCoordinator:
         t = time.monotonic()
         self.screen_start()
         super().phase_screen_gpu()
-        rows = self.screen["gpu"] = screen_gpu_rows(self.records, self.screen_collect(["gpu"])["gpu"],
-                                                    self.screen["cpu"])
+        rows = screen_gpu_rows(self.records, self.screen_collect(["gpu"])["gpu"], self.screen["cpu"])
+        with self.state_lock:
+            self.screen["gpu"] = rows
         tf, hb = [r["tflops"] for r in rows], [r["hbm_gbps"] for r in rows]
         self.progress("screen_gpu", n=len(rows), what="CPU rank(s)" if self.screen["cpu"] else "GPU(s)",
                       tflops=f"{min(tf):.2f}/{_screen_median(tf):.2f}", hbm=f"{min(hb):.1f}/{_screen_median(hb):.1f}",
@@ -9064,12 +9305,14 @@ class ScreenCoordinator:
         a = self.args
         self.screen_rounds = {"screen-net": []}
         self.screen_made = set()
-        self.screen = {"cpu": self.backend != "nccl", "min_tflops": a.min_tflops, "min_hbm": a.min_hbm,
-                       "min_busbw_intra": a.min_busbw_intra, "min_busbw_inter": a.min_busbw_inter,
-                       "gpu": [], "intra": [], "pairs": [], "splits": {}}
+        screen = {"cpu": self.backend != "nccl", "min_tflops": a.min_tflops, "min_hbm": a.min_hbm,
+                  "min_busbw_intra": a.min_busbw_intra, "min_busbw_inter": a.min_busbw_inter,
+                  "gpu": [], "intra": [], "pairs": [], "splits": {}}
         why = split_problem(self.torch, self.dist) if self.backend == "nccl" else None
         if why:  # named in the report and the JSON (screen_degraded_note), never chosen silently
-            self.screen["no_split"] = {"why": why, "groups": 0}
+            screen["no_split"] = {"why": why, "groups": 0}
+        with self.state_lock:
+            self.screen = screen
 
     def phase_screen_net(self):
         """The network screen: screen_loop decides every batch (intra-node, the pair rounds, re-measurements
@@ -9079,12 +9322,14 @@ class ScreenCoordinator:
         self.failpoint("screen-net")
         self.gpu_remeasure()
         net = screen_loop(self.records, self.screen_measure, a.min_busbw_intra, a.min_busbw_inter, self.screen["cpu"])
-        self.screen.update(net)
+        full = dict(self.screen, **net)
+        judged = screen_judged_against(full, screen_band_names(a.manifest_data, self.records, full))  # no --manifest:
+        # no band, said as such
+        with self.state_lock:
+            self.screen.update(net, judged_against=judged)
         rounds = self.screen_rounds["screen-net"]
         self.proto.screen_publish(f"q{len(rounds) + 1}", {r: {"done": True} for r in range(self.world)})
         found = apply_strict(judge_screen(self.screen) + judge_gpu_facts(self.screen.get("gpu")), a.strict)
-        self.screen["judged_against"] = screen_judged_against(  # no --manifest: no band, said as such
-            self.screen, screen_band_names(a.manifest_data, self.records, self.screen))
         self.findings += found
         self.progress("screen_net", detail=self.net_detail(), counts=_counts(found), secs=time.monotonic() - t)
         if verdict_code(self.findings):
@@ -9100,7 +9345,9 @@ class ScreenCoordinator:
             return
         posts = self.screen_measure([{"batch": "gpu-again", "ranks": [r], "nodes": [self.host_of.get(r, "?")],
                                       "rail": None, "gpu": True} for r in suspects])
-        sc["gpu"] = gpu_remeasured(sc["gpu"], {r: (posts.get(r) or {}).get("gpu") for r in suspects})
+        rows = gpu_remeasured(sc["gpu"], {r: (posts.get(r) or {}).get("gpu") for r in suspects})
+        with self.state_lock:
+            sc["gpu"] = rows
 
     def screen_measure(self, groups):
         """screen_loop's measure(): the batch's groups published on the store (each rank its part under
@@ -9112,7 +9359,8 @@ class ScreenCoordinator:
         self.screen_made |= {tuple(g["ranks"]) for g in new}
         make = screen_rank_plans([(name, new)], self.world) if new else {}
         if new and self.screen.get("no_split"):
-            self.screen["no_split"]["groups"] += screen_split_groups([(name, new)], self.world)
+            with self.state_lock:
+                self.screen["no_split"]["groups"] += screen_split_groups([(name, new)], self.world)
         if new and self.backend == "nccl" and not can_split(self.torch, self.dist):  # every rank enumerates them
             self.proto.screen_publish(key, {"all": {name: [g["ranks"] for g in new]}})
         mine = {r: g for g in groups for r in g["ranks"]}
@@ -9146,7 +9394,8 @@ class ScreenCoordinator:
             out[name] = self.proto.screen_posts(name)
             made = screen_creation(self.round_groups().get(name) or [], out[name])
             if made:
-                self.screen["splits"][name] = made
+                with self.state_lock:
+                    self.screen["splits"][name] = made
         return out
 
     def round_groups(self):
@@ -9278,6 +9527,7 @@ class RankRun(ScreenRunner):
                                                        if getattr(args, "expect_" + k) is not None})
         self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, Findings(), [], {}
+        self.state_lock = threading.RLock()  # what the verdict copies (Coordinator.snapshot) is written under it
         self.starts = {}  # phase -> seconds from start
         self.proto = self.poll = self.master = None
         self.backend = self.device = self.results = self.bandwidth = None
@@ -9325,8 +9575,9 @@ class RankRun(ScreenRunner):
                     self.enter_phase(b)
                 self.failpoint(phase, only=("raise",))
                 yield b
-                self.times[phase] = round(time.monotonic() - b.start, 3)
-                self.starts[phase] = round(b.start - _T0, 3)
+                with self.state_lock:
+                    self.times[phase] = round(time.monotonic() - b.start, 3)
+                    self.starts[phase] = round(b.start - _T0, 3)
                 if self.proto is not None:  # under the bound: rank 0's store may have frozen meanwhile
                     self.proto.stamp(self.rank, phase)
         except Verdict:
@@ -9334,8 +9585,9 @@ class RankRun(ScreenRunner):
         except Exception as e:
             raise self.phase_error(phase, e) from None
         finally:
-            self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
-            self.starts.setdefault(phase, round(b.start - _T0, 3))
+            with self.state_lock:
+                self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
+                self.starts.setdefault(phase, round(b.start - _T0, 3))
 
     @property
     def phase_t0(self):
@@ -9398,7 +9650,8 @@ class RankRun(ScreenRunner):
         except ImportError as e:  # this host's software, not the tool: rank 0 hears of it at once
             raise self.no_torch(e) from None
         self.torch, self.dist = torch, dist
-        self.times["import_torch"] = round(time.monotonic() - t, 3)
+        with self.state_lock:
+            self.times["import_torch"] = round(time.monotonic() - t, 3)
         old = torch_floor_problem(torch.__version__)
         if old:  # before any store operation: the side channel needs what this torch lacks
             raise failed("local", f"{old} on {self.host} (rank {self.rank}, {sys.executable})", EXIT_FAIL,
@@ -9435,14 +9688,10 @@ class RankRun(ScreenRunner):
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
 
     def no_torch(self, exc):
-        """torch (or what it needs) cannot be imported here: a `local` FAIL of this host, told to rank 0 through
-        the store's wire (no torch needed) so that the roll call ends in seconds naming this host."""
+        """torch (or what it needs) cannot be imported here: a `local` FAIL of this host (the other ranks tell
+        rank 0 through the store's wire, no torch needed: Follower.end)."""
         line = (f"rank {self.rank} ({self.host}): torch is not importable by {sys.executable}: {first_line(exc)}; "
                 "run bootstrap_env.sh on this node or point the job at the shared venv (PYTORCH_ENV)")
-        if self.rank != 0:
-            prefix, _ = launcher_store(self.env)
-            tell_rank0_without_torch(self.addr, self.port, prefix, self.rank, self.host, line,
-                                     self.bound.left())
         return failed("local", line, EXIT_FAIL, [self.host], [self.rank], blame="own")
 
     def phase_rollcall(self):
@@ -9708,7 +9957,8 @@ class RankRun(ScreenRunner):
         if self.bg.probe is None or self.bg.imports is not None:
             return self.bg.imports
         imports = self.bg.take_imports(min(IMPORT_PROBE_S, self.bound.left() / 2) if wait_s is None else wait_s)
-        self.times["imports"] = self.bg.imports_s
+        with self.state_lock:
+            self.times["imports"] = self.bg.imports_s
         return imports
 
     def quiesce(self):
@@ -9854,6 +10104,8 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.gone = set()  # ranks found dead or frozen: no acknowledgement to wait for
         self.acks_s = ACKS_S  # how long the store stays up for the acknowledgements
         self.verdict_lock = threading.Lock()
+        self.concluding = threading.Event()  # the tick handed a verdict to a thread of its own (conclude_apart)
+        self.tick_busy = threading.Lock()  # held by the tick's store read, which may outlive its bound
         self.serving = False
         self.verdict_code = None  # the code as the verdict stands (the verdict's bound exits with it)
         self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
@@ -9906,14 +10158,17 @@ class Coordinator(ScreenCoordinator, RankRun):
             time.sleep(ERROR_GRACE)
             strays, broken = self.proto.strays(), self.local_failures()
             self.findings += judge_strays(strays)
-            self.findings += [finding("local", "FAIL", e["line"], [e["host"]] if e.get("host") else [], [r],
-                                      blame="own") for r, e in sorted(broken.items())]
+            self.findings += [finding("internal", "FAIL", e["line"], ranks=[r], code=EXIT_INTERNAL)
+                              if e.get("internal") else finding("local", "FAIL", e["line"], [e["host"]] if e.get("host")
+                                                                else [], [r], blame="own")
+                              for r, e in sorted(broken.items())]
         early = bool(strays or broken)  # ranks still starting when the roll call ended early are not late
         unseen = [] if complete and not early else self.proto.missing(self.world)  # no record on the store
         missing = [r for r in unseen if r not in broken]
         absent = set(unseen) | set(broken)
         present = [r for r in range(self.world) if r not in absent]
-        self.records = [rank_record(r) for r in self.proto.identities(present)]
+        with self.state_lock:
+            self.records = [rank_record(r) for r in self.proto.identities(present)]
         if self.proto.forged:  # a record not of this run: nothing it says is believed, nobody is blamed for it
             self.progress("rollcall", present=len(self.records), world=self.world, secs=time.monotonic() - t,
                           result="FAIL")
@@ -9972,7 +10227,8 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.failpoint("telemetry")
         self.proto.post("telemetry", 0, self.telemetry())
         gathered = self.fan_in("telemetry")
-        self.records = [rank_record(r) for r in gathered]
+        with self.state_lock:
+            self.records = [rank_record(r) for r in gathered]
         gate = apply_strict(judge_gate(gathered, self.env.get("NCCL_IB_HCA")), self.args.strict)
         self.findings += gate
         self.progress("telemetry", ranks=len(gathered), secs=time.monotonic() - t, counts=_counts(gate),
@@ -9990,8 +10246,10 @@ class Coordinator(ScreenCoordinator, RankRun):
             raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
         cpu = self._kind() == "cpu"
         rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
-        self.soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
+        soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
                      "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
+        with self.state_lock:
+            self.soak = soak
         found = apply_strict(judge_soak(rows, cpu), self.args.strict)
         self.findings += found
         ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
@@ -10007,7 +10265,8 @@ class Coordinator(ScreenCoordinator, RankRun):
     def phase_bandwidth(self):
         super().phase_bandwidth()
         if self.bandwidth:
-            self.collectives["bandwidth"] = self.bandwidth
+            with self.state_lock:
+                self.collectives["bandwidth"] = self.bandwidth
 
     def fan_in(self, name):
         """Rank 0: every rank's post of `name` (its own first) from the store, in rank order, within what
@@ -10023,13 +10282,16 @@ class Coordinator(ScreenCoordinator, RankRun):
     def results_gathered(self, loss_sum):
         gathered = self.fan_in("results")
         self.results = gathered
-        self.collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
+        collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
                             "ranks": self.world, "loss": loss_sum / self.world,
                             "grads_identical": len({res["grads"] for res in gathered}) == 1}
+        with self.state_lock:
+            self.collectives = collectives
 
     def phase_final(self):
         """Judge what the collectives returned: the verdict."""
-        self.records = with_results(self.records, self.results)
+        with self.state_lock:
+            self.records = with_results(self.records, self.results)
         final = (judge_final(self.records, self.results, self.world, self.host_of, self.env.get("NCCL_IB_DISABLE"),
                              (self.collectives or {}).get("bandwidth"), self.args.min_busbw)
                  + judge_ddp_grads(self.records, self.results)  # numerics: each rank's own gradients
@@ -10041,14 +10303,18 @@ class Coordinator(ScreenCoordinator, RankRun):
 
     # ---------------------------------------------------------------- the verdict
     def conclude(self, code, findings, client):
-        """Rank 0 only, from whichever thread gets here first (the main thread, the watchdog or the signal
-        thread): the verdict (give_verdict), then exit. Whatever fails inside, the process still exits,
-        with the verdict or with `internal` (exit 4); it never keeps the lock and lives on."""
+        """Rank 0 only, from whichever thread gets here first (the main thread, a thread the tick or the
+        watchdog started, the signal thread; never the watchdog's own, whose heap still bounds the verdict):
+        the verdict (Conclusion, on the run's facts copied under the state lock), then exit. Whatever fails
+        inside, the process still exits, with the verdict or with `internal` (exit 4); it never keeps the lock
+        and lives on."""
         self.verdict_lock.acquire()  # a second caller waits here until the first one exits the process
         Bound(self.wd, "verdict", self.D["verdict"]).arm()  # the verdict's own bound: expire("verdict")
         self.verdict_code = code
         try:
-            code = self.give_verdict(code, findings, client)
+            found = self.findings.close() + list(findings) + self.helper_findings()
+            c = Conclusion(self.snapshot(), self.args, client, self.progress, self.failpoint, self.set_code)
+            code = c.give(found, code)
         except BaseException as e:
             print_traceback(e)
             with contextlib.suppress(BaseException):
@@ -10057,45 +10323,22 @@ class Coordinator(ScreenCoordinator, RankRun):
             code = verdict_code(self.findings.snapshot()) or EXIT_INTERNAL
         self.exit(code)
 
-    def give_verdict(self, code, findings, client):
-        """Publish the code, drain (--drain on, bounded), print the report, write the JSON, the metrics and
-        the page (each under the verdict's bound); then save the manifest (bounded) and keep the store up
-        for the acks. The verdict works on a snapshot of the run's findings (Findings.close): a thread
-        still running adds nothing to it. A report that cannot be rendered is an `internal` FAIL with the
-        FAILURE lines alone (and drains nobody); the JSON is written either way. -> the exit code."""
-        found = self.findings.close() + list(findings) + self.helper_findings()
-        found = blame_gate(found + self.side_channel(client))  # the blame law: only evidence names a host
-        self.drain = self.plan_drain(found, verdict_code(found) or code)
-        st, text = self.report(found, verdict_code(found) or code)
-        if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
-            self.drain = self.plan_drain(found, st["exit_code"])
-            st, text = self.report(found, st["exit_code"])
-        code = self.verdict_code = st["exit_code"]
-        if client is not None:
-            with contextlib.suppress(Exception):
-                client.publish_verdict(code)
-        if self.drain["mode"] == "on" and self.drain["hosts"]:  # after the verdict is out: scontrol may be slow
-            self.drain, warns = drain_apply(self.drain)
-            found += warns
-            st, text = self.report(found, code)
-        unwritten = self.write_files(st)
-        if unwritten:  # an output the operator asked for is missing: never a silent exit 0
-            found += [finding("output", "FAIL", f"--{flag} {path} could not be written: {why}; the verdict is in "
-                              "this log (fix the path or its storage)") for flag, path, why in unwritten]
-            st, text = self.report(found, code)
-            code = self.verdict_code = st["exit_code"]
-            self.write_files(st, skip={flag for flag, _, _ in unwritten})  # the others say what the log says
-        self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code, counts=_counts(found))
-        emit(text)
-        if getattr(self.args, "save_manifest", None):  # after the report and the JSON: shared storage may be slow
-            before = len(st["findings"])
-            note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
-            emit("\n".join([f"  [{f['status']}] {f['check']}: {f['reason']}" for f in st["findings"][before:]]
-                           + [f"  NOTE: {n}" for n in st.get("notes") or []]))
-            self.write_json(st)
-        if client is not None:
-            self.wait_acks(client, self.listeners(client), code)
-        return code
+    def set_code(self, code):
+        self.verdict_code = code
+
+    def snapshot(self):
+        """The run's facts for the verdict, as plain data copied under the state lock: the main thread may still
+        be inside a phase (the verdict came from the watchdog or a signal) and writes them under that lock."""
+        with self.state_lock:
+            run = {"host": self.host, "world": self.world, "started_at": self.started_at, "backend": self.backend,
+                   "addr": self.addr, "port": self.port, "expect": self.expect, "strict": self.args.strict,
+                   "D": self.D, "times": self.times, "starts": self.starts, "records": self.records,
+                   "collectives": self.collectives, "screen": self.screen, "soak": self.soak, "env": self.env,
+                   "manifest_data": self.args.manifest_data,
+                   "host_of": self.host_of, "gone": set(self.gone), "serving": self.serving,
+                   "forged": list(self.proto.forged) if self.proto is not None else [],
+                   "authenticated": self.seal.authenticated, "acks_s": min(self.acks_s, self.D["final"])}
+            return copy.deepcopy(run)
 
     def helper_findings(self):
         """Helper threads that died (rank 0's own, and the others' as their results said): a WARN each.
@@ -10105,96 +10348,6 @@ class Coordinator(ScreenCoordinator, RankRun):
                   if isinstance(res, dict) and "rank" in res for e in res.get("helpers") or ()]
         return [finding("internal", "WARN", f"{ln}: a helper thread of the tool died (a bug in the tool: please report "
                         "it); the run went on without it") for ln in lines]
-
-    def report(self, found, code):
-        """-> (state, the report's text). A report that cannot be rendered is an `internal` FAIL with the
-        FAILURE lines alone (added to `found`)."""
-        try:
-            self.failpoint("report", only=("raise",))
-            st = self.state(found, verdict_code(found) or code)
-            return st, render_report(st)
-        except Exception as e:
-            print_traceback(e)
-            found.append(internal_finding(e, f"rank 0 on {self.host}, rendering the report"))
-            st = self.state(found, verdict_code(found) or code)
-            return st, "\n".join(failure_lines(found))
-
-    def plan_drain(self, found, code):
-        """--drain at the verdict (drain_plan, pure): what to drain, or why nothing. give_verdict runs the
-        scontrol update (drain_apply, bounded by DRAIN_S) once the verdict is published; its WARN joins the
-        findings and the verdict stays what it is."""
-        nodes = self.expect.get("nodes") or len({rec["host"] for rec in self.records}) or 1
-        fails = found if code != EXIT_PASS else []
-        return drain_plan(fails, self.args.drain, nodes, self.env.get("SLURM_JOB_ID"), self.args.drain_max)
-
-    def write_files(self, st, skip=()):
-        """--json, then --metrics and --html (but those in `skip`), each within OUTPUT_S. -> [(flag, path, why)]
-        of those that could not be written (each also said on stderr); a page that cannot be rendered is the
-        tool's error, and counts as not written."""
-        out = []
-        why = self.write_json(st) if "json" not in skip else None
-        if why:
-            out.append(("json", self.args.json, why))
-        for dest, render in (("metrics", render_metrics), ("html", render_html)):
-            path = getattr(self.args, dest, None)
-            if not path or dest in skip:
-                continue
-            try:
-                text = render(st)
-            except Exception as e:  # the tool's own error: said, and the output counts as not written
-                print_traceback(e)
-                out.append((dest, path, f"the tool could not render it ({first_line(e)} in {where_raised(e)})"))
-                continue
-            try:
-                within(lambda p=path, t=text: write_text_atomic(p, t), OUTPUT_S, f"writing --{dest} {path}")
-            except OSError as e:  # BoundPassed too
-                emit(f"WARNING: could not write --{dest} {path}: {first_line(e)}", sys.stderr)
-                out.append((dest, path, e.strerror or first_line(e)))
-        return out
-
-    def side_channel(self, client):
-        """The side channel's findings at the verdict: every value refused (judge_forged), connections
-        from outside the run's nodes (judge_store_peers), and whether the channel was authenticated."""
-        master = f"{self.addr}:{self.port}"
-        forged = list(self.proto.forged) if self.proto is not None else []
-        if client is not None:
-            ranks, hosts = sorted(self.host_of), sorted(set(self.host_of.values()))
-            forged = bounded(lambda: client.clone().audit(ranks, hosts), AUDIT_S) or forged  # its own connection
-        out = judge_forged(forged, master)
-        if self.serving and self.records:
-            allowed = {a for rec in self.records for a in rec.get("addrs") or ()}
-            peers = {ip for ip in store_peers(self.port) or () if not ipaddress.ip_address(ip).is_loopback}
-            out += apply_strict(judge_store_peers(peers, allowed, self.seal.authenticated, master), self.args.strict)
-        if self.records and not forged:
-            nodes = len({rec["host"] for rec in self.records})
-            out += apply_strict(judge_channel(self.seal.authenticated, nodes, master), self.args.strict)
-        return out
-
-    def listeners(self, client):
-        """Who will acknowledge the verdict: (ranks, how many). After the roll call the live ranks; before
-        it (None, the number that checked in so far): each has a listener on the verdict key."""
-        if self.host_of:
-            ranks = [r for r in self.host_of if r and r not in self.gone]
-            return ranks, len(ranks)
-        return None, max(0, bounded(client.arrived, STORE_OP_S, 1) - 1) if self.proto is not None else 0
-
-    def wait_acks(self, client, listeners, code):
-        """Keep the store up until every listener acknowledged (their sealed ack/<rank>; the counter only
-        wakes the check), within ACKS_S. A verdict written over from outside is put back at once."""
-        (ranks, n), end, polls = listeners, time.monotonic() + min(self.acks_s, self.D["final"]), 0
-        while n > 0 and time.monotonic() < end:
-            try:
-                if client.acks() >= n and (ranks is None or client.acked(ranks)):
-                    return
-                polls += 1
-                if polls % 5 == 0 and not client.verdict_holds(code):
-                    client.publish_verdict(code)
-                    emit(f"WARNING: rendezvous: the verdict key at {self.addr}:{self.port} was written over from "
-                         "outside the job after the verdict; rank 0 put its own back (no rank takes a forged code)",
-                         sys.stderr)
-            except Exception:
-                return
-            time.sleep(0.02)
 
     def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
         """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports."""
@@ -10237,27 +10390,6 @@ class Coordinator(ScreenCoordinator, RankRun):
                 return f
         return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent)
 
-    def state(self, found, code):
-        """The verdict's state (the JSON, and what the report, the metrics and the page render)."""
-        fails = failure_lines(found)
-        failed_hosts = blamed_hosts(found)  # the gated findings' evidence (aiv/blame.py)
-        return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-                "started_at": self.started_at, "host": self.host,
-                "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
-                "world_size": self.world, "ranks_reported": len(self.records), "backend": self.backend,
-                "master": f"{self.addr}:{self.port}", "expect": self.expect, "strict": bool(self.args.strict),
-                "deadlines": self.D, "elapsed_s": round(elapsed(), 3), "phases": self.times,
-                "findings": mark_accepted(self.args.manifest_data, found), "failures": fails,
-                "failed_hosts": failed_hosts,
-                "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
-                "suspect_links": (self.screen or {}).get("suspect_links") or [],
-                "drain": self.drain, "drain_command": (self.drain or {}).get("command") or "",
-                "phase_starts": self.starts,
-                "collectives": self.collectives, "screen": self.screen, "soak": self.soak,
-                "ranks": [rank_record(r) for r in self.records],
-                "env": safe_env(self.env),
-                **({"notes": [screen_degraded_note(self.screen)]} if screen_degraded_note(self.screen) else {})}
-
     # ---------------------------------------------------------------- bounds and signals
     def expire(self, phase):
         """The bound passed: name who did not finish (before the roll call ended, only rank 0 itself). The
@@ -10278,18 +10410,52 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.conclude(EXIT_INTERNAL, [internal_finding(exc, f"rank 0 on {self.host}, at the {phase} bound")], None)
 
     def on_tick(self, phase):
-        """Rank 0, every liveness period during a phase after the roll call: a rank whose process is
-        gone ends the phase at once; an error report ends it ERROR_GRACE later."""
-        if self.poll is None or phase in ("local", "rollcall"):
+        """Rank 0, every liveness period during a phase after the roll call (on the watchdog's thread): a rank
+        whose process is gone ends the phase at once; an error report ends it ERROR_GRACE later; a value not of
+        this run ends the run (side_channel names it, nobody blamed). The tick's store reads take at most
+        STORE_OP_S (a tick whose read does not come back is skipped: the phase's own bound still holds), and
+        the verdict it decides is given on a thread of its own (conclude_apart): the watchdog goes on bounding
+        it."""
+        if self.poll is None or phase in ("local", "rollcall") or self.verdict_lock.locked():
             return
-        if self.poll.forgeries():  # a value not of this run: the run ends, nobody blamed (side_channel)
-            self.conclude(EXIT_FAIL, [], self.poll)
-        dead = any(s == "gone" for snap in self.poll.live(sorted(set(self.host_of.values()))).values()
-                   for s in (snap.get("ranks") or {}).values())
-        if self.alarm_at is None and (dead or (self.poll.error_count() and self.poll.errors())):
+        seen = self.tick_read()
+        if seen is None:
+            return
+        forged, dead, errors = seen
+        if forged:
+            self.conclude_apart(EXIT_FAIL, lambda client: [])
+            return
+        if self.alarm_at is None and (dead or errors):
             self.alarm_at = time.monotonic()
         if dead or (self.alarm_at is not None and time.monotonic() - self.alarm_at >= ERROR_GRACE):
-            self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, f"{PHASE_WHAT[phase]} failed")], self.poll)
+            self.conclude_apart(EXIT_TIMEOUT, lambda client: [self.unfinished(phase, client,
+                                                                              f"{PHASE_WHAT[phase]} failed")])
+
+    def tick_read(self):
+        """(a value refused, a rank's process gone, an error report posted) from the store within STORE_OP_S, or
+        None: no answer in time, or the last tick's read still pending (one read at a time)."""
+        if self.tick_busy.locked():
+            return None
+
+        def read():
+            with self.tick_busy:
+                hosts = sorted(set(self.host_of.values()))
+                dead = any(st == "gone" for snap in self.poll.live(hosts).values()
+                           for st in (snap.get("ranks") or {}).values())
+                return bool(self.poll.forgeries()), dead, bool(self.poll.error_count() and self.poll.errors())
+        return bounded(read, STORE_OP_S)
+
+    def conclude_apart(self, code, findings_of):
+        """The verdict the tick decided, on a thread of its own with a store connection of its own (the
+        findings it names: findings_of(client)); once."""
+        if self.concluding.is_set():
+            return
+        self.concluding.set()
+
+        def give():
+            client = bounded(self.proto.clone, STORE_OP_S) or self.poll
+            self.conclude(code, findings_of(client), client)
+        threading.Thread(target=give, name="aiv-verdict", daemon=True).start()
 
     def signalled(self, signum, name, phase):
         """The verdict within NAMING_S: `interrupted` (exit 5), naming no host, unless a rank was already
@@ -10384,7 +10550,10 @@ class Follower(ScreenFollower, RankRun):
 
     # ---------------------------------------------------------------- flow
     def end(self, v):
-        """Report (done by phase_error), then take rank 0's verdict; before the roll call, speak for the node."""
+        """Report (done by phase_error), then take rank 0's verdict; before the roll call, tell rank 0 why (through
+        the store's wire: tell_rank0) and speak for the node."""
+        if self.proto is None:
+            self.tell_rank0(v)
         if self.proto is not None:  # rank 0 names the culprit within the phase's bound: wait that long again
             try:
                 with Bound(self.wd, self.phase, self.D[self.phase], RANK0_GRACE) as b:
@@ -10395,6 +10564,20 @@ class Follower(ScreenFollower, RankRun):
                 v = Verdict(EXIT_INTERNAL, [f])
         self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
         self.exit(v.code)
+
+    def tell_rank0(self, v):
+        """This rank failed before it checked in (torch missing or too old, a local check, the tool's own error):
+        rank 0 hears why at once, through the store's own wire (no torch needed), within what is left of the
+        phase's bound, and ends the roll call in seconds instead of at its bound. An interruption says nothing:
+        rank 0 takes its own signal."""
+        if v.code == EXIT_INTERRUPTED or not v.findings:
+            return
+        f = v.findings[0]
+        line = f["reason"] if f["reason"].startswith(f"rank {self.rank} ") else f"rank {self.rank} ({self.host}): " \
+            f"{f['check']}: {f['reason']}"
+        tell_rank0_without_torch(self.addr, self.port, launcher_store(self.env)[0], self.rank, self.host, line,
+                                 self.bound.left() if getattr(self, "bound", None) else 0.0, v.code,
+                                 internal=v.code == EXIT_INTERNAL)
 
     def grace(self, phase):
         """The other ranks give rank 0 RANK0_GRACE past each bound to name the culprit first."""
@@ -10809,6 +10992,16 @@ def report_usage(e, env):
     return EXIT_USAGE
 
 
+def probe(fn, what, prefix="FAILURE: usage: "):
+    """A probe of the run's files before torch (their directories on shared storage, the manifest), within
+    OUTPUT_S: storage that does not answer is one usage line, never a hang before the run even starts."""
+    try:
+        return within(fn, OUTPUT_S, what)
+    except BoundPassed:
+        raise UsageError(f"{prefix}{what} did not answer within {OUTPUT_S:g}s (shared storage that hangs?): "
+                         "point them at storage that answers, or leave them out") from None
+
+
 def rank_run(args, contract, env):
     """The role of this rank: Coordinator on rank 0, Follower on every other."""
     return (Coordinator if contract["rank"] == 0 else Follower)(args, contract, env)
@@ -10830,7 +11023,7 @@ def main(argv=None):
     try:
         p = plan(argv, env)
         if p.get("check_json"):
-            check_json_target(p["args"])
+            probe(lambda: check_json_target(p["args"]), "--json, --metrics and --html: their directories")
     except UsageError as e:
         return report_usage(e, env)
     if p["mode"] in ("help", "version"):
@@ -10842,7 +11035,7 @@ def main(argv=None):
         return run_diff_manifest(p["args"].diff_manifest)
     if p["mode"] == "local" or p["contract"]["rank"] == 0:  # read and check the manifests before torch and NCCL
         try:
-            manifest_preflight(p["args"])
+            probe(lambda: manifest_preflight(p["args"]), "--manifest and --save-manifest", prefix="")
         except UsageError as e:
             emit(f"FAILURE: usage: {e}")
             return EXIT_USAGE

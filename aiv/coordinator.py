@@ -1,7 +1,7 @@
 """Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict."""
 import contextlib
+import copy
 import errno
-import ipaddress
 import json
 import os
 import socket
@@ -13,13 +13,10 @@ from .base import (
     EXIT_FAIL,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
-    EXIT_PASS,
     EXIT_TIMEOUT,
-    SCHEMA_VERSION,
     VERSION,
     Verdict,
     _counts,
-    compress_hostlist,
     elapsed,
     emit,
     failed,
@@ -27,21 +24,19 @@ from .base import (
     first_line,
     internal_finding,
     print_traceback,
-    safe_env,
     verdict_code,
     where_raised,
 )
-from .blame import blame_gate, blamed_hosts, unlocalised
+from .blame import unlocalised
+from .conclusion import Conclusion
 from .contract import slurm_expected_hosts
 from .deadlines import (
     ACKS_S,
     ACKS_SIGNALLED_S,
-    AUDIT_S,
     ERROR_GRACE,
     FAN_IN,
     FORGED_POLL_S,
     NAMING_S,
-    OUTPUT_S,
     PHASE_CHECK,
     PHASE_WHAT,
     PHASES,
@@ -52,18 +47,13 @@ from .deadlines import (
     Bound,
     bounded,
     live_period,
-    within,
 )
-from .files import write_text_atomic
 from .judge import (
     STOPPED_WORDS,
     apply_strict,
-    judge_channel,
     judge_final,
-    judge_forged,
     judge_gate,
     judge_pre,
-    judge_store_peers,
     judge_strays,
     judge_unfinished,
     quiet_monitor_note,
@@ -72,16 +62,13 @@ from .judge import (
     with_results,
 )
 from .liveness import liveness, proc_stat
-from .manifest import judge_bands, judge_manifest, mark_accepted, note_manifest_save
-from .measure import SCREEN_MATMUL_N, screen_degraded_note
+from .manifest import judge_bands, judge_manifest
+from .measure import SCREEN_MATMUL_N
 from .numerics import judge_ddp_grads
-from .outputs import drain_apply, drain_blocker, drain_plan, render_metrics
-from .page import render_html
 from .rank import HEADER, PROGRESS, RankRun
-from .render import failure_lines, render_report
 from .screen_run import ScreenCoordinator
 from .soak import judge_soak, soak_rows
-from .store import Forged, StoreProtocol, fd_limit_problem, store_peers
+from .store import Forged, StoreProtocol, fd_limit_problem
 
 
 class Coordinator(ScreenCoordinator, RankRun):
@@ -97,6 +84,8 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.gone = set()  # ranks found dead or frozen: no acknowledgement to wait for
         self.acks_s = ACKS_S  # how long the store stays up for the acknowledgements
         self.verdict_lock = threading.Lock()
+        self.concluding = threading.Event()  # the tick handed a verdict to a thread of its own (conclude_apart)
+        self.tick_busy = threading.Lock()  # held by the tick's store read, which may outlive its bound
         self.serving = False
         self.verdict_code = None  # the code as the verdict stands (the verdict's bound exits with it)
         self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
@@ -149,14 +138,17 @@ class Coordinator(ScreenCoordinator, RankRun):
             time.sleep(ERROR_GRACE)
             strays, broken = self.proto.strays(), self.local_failures()
             self.findings += judge_strays(strays)
-            self.findings += [finding("local", "FAIL", e["line"], [e["host"]] if e.get("host") else [], [r],
-                                      blame="own") for r, e in sorted(broken.items())]
+            self.findings += [finding("internal", "FAIL", e["line"], ranks=[r], code=EXIT_INTERNAL)
+                              if e.get("internal") else finding("local", "FAIL", e["line"], [e["host"]] if e.get("host")
+                                                                else [], [r], blame="own")
+                              for r, e in sorted(broken.items())]
         early = bool(strays or broken)  # ranks still starting when the roll call ended early are not late
         unseen = [] if complete and not early else self.proto.missing(self.world)  # no record on the store
         missing = [r for r in unseen if r not in broken]
         absent = set(unseen) | set(broken)
         present = [r for r in range(self.world) if r not in absent]
-        self.records = [rank_record(r) for r in self.proto.identities(present)]
+        with self.state_lock:
+            self.records = [rank_record(r) for r in self.proto.identities(present)]
         if self.proto.forged:  # a record not of this run: nothing it says is believed, nobody is blamed for it
             self.progress("rollcall", present=len(self.records), world=self.world, secs=time.monotonic() - t,
                           result="FAIL")
@@ -215,7 +207,8 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.failpoint("telemetry")
         self.proto.post("telemetry", 0, self.telemetry())
         gathered = self.fan_in("telemetry")
-        self.records = [rank_record(r) for r in gathered]
+        with self.state_lock:
+            self.records = [rank_record(r) for r in gathered]
         gate = apply_strict(judge_gate(gathered, self.env.get("NCCL_IB_HCA")), self.args.strict)
         self.findings += gate
         self.progress("telemetry", ranks=len(gathered), secs=time.monotonic() - t, counts=_counts(gate),
@@ -233,8 +226,10 @@ class Coordinator(ScreenCoordinator, RankRun):
             raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
         cpu = self._kind() == "cpu"
         rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
-        self.soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
+        soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
                      "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
+        with self.state_lock:
+            self.soak = soak
         found = apply_strict(judge_soak(rows, cpu), self.args.strict)
         self.findings += found
         ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
@@ -250,7 +245,8 @@ class Coordinator(ScreenCoordinator, RankRun):
     def phase_bandwidth(self):
         super().phase_bandwidth()
         if self.bandwidth:
-            self.collectives["bandwidth"] = self.bandwidth
+            with self.state_lock:
+                self.collectives["bandwidth"] = self.bandwidth
 
     def fan_in(self, name):
         """Rank 0: every rank's post of `name` (its own first) from the store, in rank order, within what
@@ -266,13 +262,16 @@ class Coordinator(ScreenCoordinator, RankRun):
     def results_gathered(self, loss_sum):
         gathered = self.fan_in("results")
         self.results = gathered
-        self.collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
+        collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
                             "ranks": self.world, "loss": loss_sum / self.world,
                             "grads_identical": len({res["grads"] for res in gathered}) == 1}
+        with self.state_lock:
+            self.collectives = collectives
 
     def phase_final(self):
         """Judge what the collectives returned: the verdict."""
-        self.records = with_results(self.records, self.results)
+        with self.state_lock:
+            self.records = with_results(self.records, self.results)
         final = (judge_final(self.records, self.results, self.world, self.host_of, self.env.get("NCCL_IB_DISABLE"),
                              (self.collectives or {}).get("bandwidth"), self.args.min_busbw)
                  + judge_ddp_grads(self.records, self.results)  # numerics: each rank's own gradients
@@ -284,14 +283,18 @@ class Coordinator(ScreenCoordinator, RankRun):
 
     # ---------------------------------------------------------------- the verdict
     def conclude(self, code, findings, client):
-        """Rank 0 only, from whichever thread gets here first (the main thread, the watchdog or the signal
-        thread): the verdict (give_verdict), then exit. Whatever fails inside, the process still exits,
-        with the verdict or with `internal` (exit 4); it never keeps the lock and lives on."""
+        """Rank 0 only, from whichever thread gets here first (the main thread, a thread the tick or the
+        watchdog started, the signal thread; never the watchdog's own, whose heap still bounds the verdict):
+        the verdict (Conclusion, on the run's facts copied under the state lock), then exit. Whatever fails
+        inside, the process still exits, with the verdict or with `internal` (exit 4); it never keeps the lock
+        and lives on."""
         self.verdict_lock.acquire()  # a second caller waits here until the first one exits the process
         Bound(self.wd, "verdict", self.D["verdict"]).arm()  # the verdict's own bound: expire("verdict")
         self.verdict_code = code
         try:
-            code = self.give_verdict(code, findings, client)
+            found = self.findings.close() + list(findings) + self.helper_findings()
+            c = Conclusion(self.snapshot(), self.args, client, self.progress, self.failpoint, self.set_code)
+            code = c.give(found, code)
         except BaseException as e:
             print_traceback(e)
             with contextlib.suppress(BaseException):
@@ -300,45 +303,22 @@ class Coordinator(ScreenCoordinator, RankRun):
             code = verdict_code(self.findings.snapshot()) or EXIT_INTERNAL
         self.exit(code)
 
-    def give_verdict(self, code, findings, client):
-        """Publish the code, drain (--drain on, bounded), print the report, write the JSON, the metrics and
-        the page (each under the verdict's bound); then save the manifest (bounded) and keep the store up
-        for the acks. The verdict works on a snapshot of the run's findings (Findings.close): a thread
-        still running adds nothing to it. A report that cannot be rendered is an `internal` FAIL with the
-        FAILURE lines alone (and drains nobody); the JSON is written either way. -> the exit code."""
-        found = self.findings.close() + list(findings) + self.helper_findings()
-        found = blame_gate(found + self.side_channel(client))  # the blame law: only evidence names a host
-        self.drain = self.plan_drain(found, verdict_code(found) or code)
-        st, text = self.report(found, verdict_code(found) or code)
-        if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
-            self.drain = self.plan_drain(found, st["exit_code"])
-            st, text = self.report(found, st["exit_code"])
-        code = self.verdict_code = st["exit_code"]
-        if client is not None:
-            with contextlib.suppress(Exception):
-                client.publish_verdict(code)
-        if self.drain["mode"] == "on" and self.drain["hosts"]:  # after the verdict is out: scontrol may be slow
-            self.drain, warns = drain_apply(self.drain)
-            found += warns
-            st, text = self.report(found, code)
-        unwritten = self.write_files(st)
-        if unwritten:  # an output the operator asked for is missing: never a silent exit 0
-            found += [finding("output", "FAIL", f"--{flag} {path} could not be written: {why}; the verdict is in "
-                              "this log (fix the path or its storage)") for flag, path, why in unwritten]
-            st, text = self.report(found, code)
-            code = self.verdict_code = st["exit_code"]
-            self.write_files(st, skip={flag for flag, _, _ in unwritten})  # the others say what the log says
-        self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code, counts=_counts(found))
-        emit(text)
-        if getattr(self.args, "save_manifest", None):  # after the report and the JSON: shared storage may be slow
-            before = len(st["findings"])
-            note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
-            emit("\n".join([f"  [{f['status']}] {f['check']}: {f['reason']}" for f in st["findings"][before:]]
-                           + [f"  NOTE: {n}" for n in st.get("notes") or []]))
-            self.write_json(st)
-        if client is not None:
-            self.wait_acks(client, self.listeners(client), code)
-        return code
+    def set_code(self, code):
+        self.verdict_code = code
+
+    def snapshot(self):
+        """The run's facts for the verdict, as plain data copied under the state lock: the main thread may still
+        be inside a phase (the verdict came from the watchdog or a signal) and writes them under that lock."""
+        with self.state_lock:
+            run = {"host": self.host, "world": self.world, "started_at": self.started_at, "backend": self.backend,
+                   "addr": self.addr, "port": self.port, "expect": self.expect, "strict": self.args.strict,
+                   "D": self.D, "times": self.times, "starts": self.starts, "records": self.records,
+                   "collectives": self.collectives, "screen": self.screen, "soak": self.soak, "env": self.env,
+                   "manifest_data": self.args.manifest_data,
+                   "host_of": self.host_of, "gone": set(self.gone), "serving": self.serving,
+                   "forged": list(self.proto.forged) if self.proto is not None else [],
+                   "authenticated": self.seal.authenticated, "acks_s": min(self.acks_s, self.D["final"])}
+            return copy.deepcopy(run)
 
     def helper_findings(self):
         """Helper threads that died (rank 0's own, and the others' as their results said): a WARN each.
@@ -348,96 +328,6 @@ class Coordinator(ScreenCoordinator, RankRun):
                   if isinstance(res, dict) and "rank" in res for e in res.get("helpers") or ()]
         return [finding("internal", "WARN", f"{ln}: a helper thread of the tool died (a bug in the tool: please report "
                         "it); the run went on without it") for ln in lines]
-
-    def report(self, found, code):
-        """-> (state, the report's text). A report that cannot be rendered is an `internal` FAIL with the
-        FAILURE lines alone (added to `found`)."""
-        try:
-            self.failpoint("report", only=("raise",))
-            st = self.state(found, verdict_code(found) or code)
-            return st, render_report(st)
-        except Exception as e:
-            print_traceback(e)
-            found.append(internal_finding(e, f"rank 0 on {self.host}, rendering the report"))
-            st = self.state(found, verdict_code(found) or code)
-            return st, "\n".join(failure_lines(found))
-
-    def plan_drain(self, found, code):
-        """--drain at the verdict (drain_plan, pure): what to drain, or why nothing. give_verdict runs the
-        scontrol update (drain_apply, bounded by DRAIN_S) once the verdict is published; its WARN joins the
-        findings and the verdict stays what it is."""
-        nodes = self.expect.get("nodes") or len({rec["host"] for rec in self.records}) or 1
-        fails = found if code != EXIT_PASS else []
-        return drain_plan(fails, self.args.drain, nodes, self.env.get("SLURM_JOB_ID"), self.args.drain_max)
-
-    def write_files(self, st, skip=()):
-        """--json, then --metrics and --html (but those in `skip`), each within OUTPUT_S. -> [(flag, path, why)]
-        of those that could not be written (each also said on stderr); a page that cannot be rendered is the
-        tool's error, and counts as not written."""
-        out = []
-        why = self.write_json(st) if "json" not in skip else None
-        if why:
-            out.append(("json", self.args.json, why))
-        for dest, render in (("metrics", render_metrics), ("html", render_html)):
-            path = getattr(self.args, dest, None)
-            if not path or dest in skip:
-                continue
-            try:
-                text = render(st)
-            except Exception as e:  # the tool's own error: said, and the output counts as not written
-                print_traceback(e)
-                out.append((dest, path, f"the tool could not render it ({first_line(e)} in {where_raised(e)})"))
-                continue
-            try:
-                within(lambda p=path, t=text: write_text_atomic(p, t), OUTPUT_S, f"writing --{dest} {path}")
-            except OSError as e:  # BoundPassed too
-                emit(f"WARNING: could not write --{dest} {path}: {first_line(e)}", sys.stderr)
-                out.append((dest, path, e.strerror or first_line(e)))
-        return out
-
-    def side_channel(self, client):
-        """The side channel's findings at the verdict: every value refused (judge_forged), connections
-        from outside the run's nodes (judge_store_peers), and whether the channel was authenticated."""
-        master = f"{self.addr}:{self.port}"
-        forged = list(self.proto.forged) if self.proto is not None else []
-        if client is not None:
-            ranks, hosts = sorted(self.host_of), sorted(set(self.host_of.values()))
-            forged = bounded(lambda: client.clone().audit(ranks, hosts), AUDIT_S) or forged  # its own connection
-        out = judge_forged(forged, master)
-        if self.serving and self.records:
-            allowed = {a for rec in self.records for a in rec.get("addrs") or ()}
-            peers = {ip for ip in store_peers(self.port) or () if not ipaddress.ip_address(ip).is_loopback}
-            out += apply_strict(judge_store_peers(peers, allowed, self.seal.authenticated, master), self.args.strict)
-        if self.records and not forged:
-            nodes = len({rec["host"] for rec in self.records})
-            out += apply_strict(judge_channel(self.seal.authenticated, nodes, master), self.args.strict)
-        return out
-
-    def listeners(self, client):
-        """Who will acknowledge the verdict: (ranks, how many). After the roll call the live ranks; before
-        it (None, the number that checked in so far): each has a listener on the verdict key."""
-        if self.host_of:
-            ranks = [r for r in self.host_of if r and r not in self.gone]
-            return ranks, len(ranks)
-        return None, max(0, bounded(client.arrived, STORE_OP_S, 1) - 1) if self.proto is not None else 0
-
-    def wait_acks(self, client, listeners, code):
-        """Keep the store up until every listener acknowledged (their sealed ack/<rank>; the counter only
-        wakes the check), within ACKS_S. A verdict written over from outside is put back at once."""
-        (ranks, n), end, polls = listeners, time.monotonic() + min(self.acks_s, self.D["final"]), 0
-        while n > 0 and time.monotonic() < end:
-            try:
-                if client.acks() >= n and (ranks is None or client.acked(ranks)):
-                    return
-                polls += 1
-                if polls % 5 == 0 and not client.verdict_holds(code):
-                    client.publish_verdict(code)
-                    emit(f"WARNING: rendezvous: the verdict key at {self.addr}:{self.port} was written over from "
-                         "outside the job after the verdict; rank 0 put its own back (no rank takes a forged code)",
-                         sys.stderr)
-            except Exception:
-                return
-            time.sleep(0.02)
 
     def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
         """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports."""
@@ -480,27 +370,6 @@ class Coordinator(ScreenCoordinator, RankRun):
                 return f
         return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent)
 
-    def state(self, found, code):
-        """The verdict's state (the JSON, and what the report, the metrics and the page render)."""
-        fails = failure_lines(found)
-        failed_hosts = blamed_hosts(found)  # the gated findings' evidence (aiv/blame.py)
-        return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-                "started_at": self.started_at, "host": self.host,
-                "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
-                "world_size": self.world, "ranks_reported": len(self.records), "backend": self.backend,
-                "master": f"{self.addr}:{self.port}", "expect": self.expect, "strict": bool(self.args.strict),
-                "deadlines": self.D, "elapsed_s": round(elapsed(), 3), "phases": self.times,
-                "findings": mark_accepted(self.args.manifest_data, found), "failures": fails,
-                "failed_hosts": failed_hosts,
-                "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
-                "suspect_links": (self.screen or {}).get("suspect_links") or [],
-                "drain": self.drain, "drain_command": (self.drain or {}).get("command") or "",
-                "phase_starts": self.starts,
-                "collectives": self.collectives, "screen": self.screen, "soak": self.soak,
-                "ranks": [rank_record(r) for r in self.records],
-                "env": safe_env(self.env),
-                **({"notes": [screen_degraded_note(self.screen)]} if screen_degraded_note(self.screen) else {})}
-
     # ---------------------------------------------------------------- bounds and signals
     def expire(self, phase):
         """The bound passed: name who did not finish (before the roll call ended, only rank 0 itself). The
@@ -521,18 +390,52 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.conclude(EXIT_INTERNAL, [internal_finding(exc, f"rank 0 on {self.host}, at the {phase} bound")], None)
 
     def on_tick(self, phase):
-        """Rank 0, every liveness period during a phase after the roll call: a rank whose process is
-        gone ends the phase at once; an error report ends it ERROR_GRACE later."""
-        if self.poll is None or phase in ("local", "rollcall"):
+        """Rank 0, every liveness period during a phase after the roll call (on the watchdog's thread): a rank
+        whose process is gone ends the phase at once; an error report ends it ERROR_GRACE later; a value not of
+        this run ends the run (side_channel names it, nobody blamed). The tick's store reads take at most
+        STORE_OP_S (a tick whose read does not come back is skipped: the phase's own bound still holds), and
+        the verdict it decides is given on a thread of its own (conclude_apart): the watchdog goes on bounding
+        it."""
+        if self.poll is None or phase in ("local", "rollcall") or self.verdict_lock.locked():
             return
-        if self.poll.forgeries():  # a value not of this run: the run ends, nobody blamed (side_channel)
-            self.conclude(EXIT_FAIL, [], self.poll)
-        dead = any(s == "gone" for snap in self.poll.live(sorted(set(self.host_of.values()))).values()
-                   for s in (snap.get("ranks") or {}).values())
-        if self.alarm_at is None and (dead or (self.poll.error_count() and self.poll.errors())):
+        seen = self.tick_read()
+        if seen is None:
+            return
+        forged, dead, errors = seen
+        if forged:
+            self.conclude_apart(EXIT_FAIL, lambda client: [])
+            return
+        if self.alarm_at is None and (dead or errors):
             self.alarm_at = time.monotonic()
         if dead or (self.alarm_at is not None and time.monotonic() - self.alarm_at >= ERROR_GRACE):
-            self.conclude(EXIT_TIMEOUT, [self.unfinished(phase, self.poll, f"{PHASE_WHAT[phase]} failed")], self.poll)
+            self.conclude_apart(EXIT_TIMEOUT, lambda client: [self.unfinished(phase, client,
+                                                                              f"{PHASE_WHAT[phase]} failed")])
+
+    def tick_read(self):
+        """(a value refused, a rank's process gone, an error report posted) from the store within STORE_OP_S, or
+        None: no answer in time, or the last tick's read still pending (one read at a time)."""
+        if self.tick_busy.locked():
+            return None
+
+        def read():
+            with self.tick_busy:
+                hosts = sorted(set(self.host_of.values()))
+                dead = any(st == "gone" for snap in self.poll.live(hosts).values()
+                           for st in (snap.get("ranks") or {}).values())
+                return bool(self.poll.forgeries()), dead, bool(self.poll.error_count() and self.poll.errors())
+        return bounded(read, STORE_OP_S)
+
+    def conclude_apart(self, code, findings_of):
+        """The verdict the tick decided, on a thread of its own with a store connection of its own (the
+        findings it names: findings_of(client)); once."""
+        if self.concluding.is_set():
+            return
+        self.concluding.set()
+
+        def give():
+            client = bounded(self.proto.clone, STORE_OP_S) or self.poll
+            self.conclude(code, findings_of(client), client)
+        threading.Thread(target=give, name="aiv-verdict", daemon=True).start()
 
     def signalled(self, signum, name, phase):
         """The verdict within NAMING_S: `interrupted` (exit 5), naming no host, unless a rank was already

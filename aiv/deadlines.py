@@ -1,5 +1,7 @@
 """Floor 1: every bound in one table (deadlines()), the small waits beside it, the watchdog, and Bound:
 one phase's bound, the only thing that arms the watchdog; within() for a call that can block."""
+import heapq
+import itertools
 import threading
 import time
 
@@ -120,12 +122,14 @@ class Bound:
     phase: `seconds` is the table's value for the phase (what every message quotes), `grace` what the
     role adds before the watchdog speaks (rank 0: NAMING_S at the roll call; the other ranks:
     RANK0_GRACE, so that rank 0 names the culprit first). Every wait inside the phase takes left().
-    A rank other than 0 counts its bound from rank 0's gate (restart), however late rank 0 got there."""
+    A rank other than 0 counts its bound from rank 0's gate (restart), however late rank 0 got there.
+    Each bound is a timer of its own on the watchdog (its token): arming or disarming one never touches
+    another (the verdict's bound, armed while a phase's is still armed, holds whatever the phase does)."""
 
     def __init__(self, watchdog, phase, seconds, grace=0.0):
         self.wd, self.phase, self.seconds, self.grace = watchdog, phase, float(seconds), float(grace)
         self.start = time.monotonic()
-        self.armed = False
+        self.armed, self.token = False, None
 
     def left(self, extra=0.0):
         """Seconds left of the phase's own bound (+ extra), never negative."""
@@ -137,7 +141,7 @@ class Bound:
 
     def arm(self):
         self.armed = True
-        self.wd.arm(self.phase, self.left(self.grace))
+        self.token = self.wd.arm(self.phase, self.left(self.grace), self.token)
         return self
 
     def restart(self):
@@ -150,7 +154,7 @@ class Bound:
     def disarm(self):
         if self.armed:
             self.armed = False
-            self.wd.disarm()
+            self.wd.disarm(self.token)
 
     def __enter__(self):
         return self.arm()
@@ -161,45 +165,74 @@ class Bound:
 
 
 class Watchdog:
-    """Bounds the phase in progress from a thread of its own. While armed it calls tick(phase) every
-    `period` seconds and expire(phase) once the bound passes; both may end the process with
-    os._exit, which works while the main thread is blocked in a collective (a signal handler would
-    run only after the collective returned)."""
+    """Every armed bound from a thread of its own: a heap of deadlines, one timer per bound (arm returns its
+    token). A bound that passes calls expire(name) once, on a thread of its own (expire usually ends the
+    process with os._exit, which works while the main thread is blocked in a collective: a signal handler
+    would run only after the collective returned). While a phase's bound is armed (the newest bound that is
+    not the verdict's), tick(phase) runs every `period` seconds on this thread; a tick that raises is switched
+    off and said (on_error)."""
 
     def __init__(self, expire, tick=None, period=1.0, on_error=None):
         self.expire, self.tick, self.period, self.on_error = expire, tick, period, on_error
         self._cv = threading.Condition()
-        self._armed = None
+        self._heap, self._live, self._tokens = [], {}, itertools.count(1)  # live: token -> (name, deadline)
         threading.Thread(target=self._loop, name="aiv-watchdog", daemon=True).start()
 
-    def arm(self, phase, seconds):
+    def arm(self, name, seconds, token=None):
+        """Arm (or, with the token of an armed bound, re-arm) a bound of `seconds` from now. -> its token."""
         with self._cv:
-            self._armed = (phase, time.monotonic() + seconds)
+            token = token or next(self._tokens)
+            due = time.monotonic() + max(0.0, seconds)
+            self._live[token] = (name, due)
+            heapq.heappush(self._heap, (due, token))
+            self._cv.notify()
+            return token
+
+    def disarm(self, token=None):
+        """Disarm one bound (its token); without a token, every bound."""
+        with self._cv:
+            if token is None:
+                self._live.clear()
+            else:
+                self._live.pop(token, None)
             self._cv.notify()
 
-    def disarm(self):
+    def armed(self):
+        """The names of the bounds armed now, oldest first."""
         with self._cv:
-            self._armed = None
-            self._cv.notify()
+            return [name for _, (name, _) in sorted(self._live.items())]
+
+    def _next(self):
+        """(the earliest live (deadline, token) or None, the phase to tick or None), under the lock."""
+        while self._heap and self._live.get(self._heap[0][1], (None, None))[1] != self._heap[0][0]:
+            heapq.heappop(self._heap)  # disarmed, or re-armed with another deadline
+        phases = [name for _, (name, _) in sorted(self._live.items()) if name != "verdict"]
+        return (self._heap[0] if self._heap else None), (phases[-1] if phases else None)
 
     def _loop(self):
+        next_tick = time.monotonic() + self.period
         while True:
             with self._cv:
-                while self._armed is None:
+                head, phase = self._next()
+                while head is None:
                     self._cv.wait()
-                armed = self._armed
-                self._cv.wait(max(0.0, min(self.period, armed[1] - time.monotonic())))
-                if self._armed != armed:
-                    continue
-                expired = time.monotonic() >= armed[1]
-            if expired:  # on a thread of its own: a bound armed while expire runs (the verdict's) still holds
-                with self._cv:  # once per arming (expire usually ends the process)
-                    if self._armed == armed:
-                        self._armed = None
-                threading.Thread(target=self.expire, args=(armed[0],), name="aiv-expire", daemon=True).start()
-            elif self.tick is not None:
+                    head, phase = self._next()
+                    next_tick = time.monotonic() + self.period
+                now = time.monotonic()
+                if head[0] > now and (phase is None or self.tick is None or next_tick > now):
+                    self._cv.wait(max(0.0, min(head[0], next_tick) - now))
+                    continue  # something may have been armed or disarmed meanwhile: look again
+                fire = None
+                if head[0] <= now:  # once per arming
+                    heapq.heappop(self._heap)
+                    fire = self._live.pop(head[1])[0]
+            if fire is not None:  # on a thread of its own: a bound armed while expire runs (the verdict's) still holds
+                threading.Thread(target=self.expire, args=(fire,), name="aiv-expire", daemon=True).start()
+                continue
+            next_tick = time.monotonic() + self.period
+            if self.tick is not None and phase is not None:
                 try:
-                    self.tick(armed[0])
+                    self.tick(phase)
                 except Exception as e:  # the bound still holds; the tick is off, and the report says so
                     self.tick = None
                     if self.on_error is not None:

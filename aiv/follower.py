@@ -18,6 +18,7 @@ from .base import (
     is_tool_error,
     print_traceback,
 )
+from .contract import launcher_store
 from .deadlines import (
     ACKS_SIGNALLED_S,
     NAMING_S,
@@ -30,7 +31,7 @@ from .deadlines import (
     worst_case,
 )
 from .judge import judge_forged
-from .liveness import liveness, proc_stat
+from .liveness import liveness, proc_stat, tell_rank0_without_torch
 from .rank import RankRun
 from .render import failure_lines
 from .screen_run import ScreenFollower
@@ -49,7 +50,10 @@ class Follower(ScreenFollower, RankRun):
 
     # ---------------------------------------------------------------- flow
     def end(self, v):
-        """Report (done by phase_error), then take rank 0's verdict; before the roll call, speak for the node."""
+        """Report (done by phase_error), then take rank 0's verdict; before the roll call, tell rank 0 why (through
+        the store's wire: tell_rank0) and speak for the node."""
+        if self.proto is None:
+            self.tell_rank0(v)
         if self.proto is not None:  # rank 0 names the culprit within the phase's bound: wait that long again
             try:
                 with Bound(self.wd, self.phase, self.D[self.phase], RANK0_GRACE) as b:
@@ -60,6 +64,20 @@ class Follower(ScreenFollower, RankRun):
                 v = Verdict(EXIT_INTERNAL, [f])
         self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
         self.exit(v.code)
+
+    def tell_rank0(self, v):
+        """This rank failed before it checked in (torch missing or too old, a local check, the tool's own error):
+        rank 0 hears why at once, through the store's own wire (no torch needed), within what is left of the
+        phase's bound, and ends the roll call in seconds instead of at its bound. An interruption says nothing:
+        rank 0 takes its own signal."""
+        if v.code == EXIT_INTERRUPTED or not v.findings:
+            return
+        f = v.findings[0]
+        line = f["reason"] if f["reason"].startswith(f"rank {self.rank} ") else f"rank {self.rank} ({self.host}): " \
+            f"{f['check']}: {f['reason']}"
+        tell_rank0_without_torch(self.addr, self.port, launcher_store(self.env)[0], self.rank, self.host, line,
+                                 self.bound.left() if getattr(self, "bound", None) else 0.0, v.code,
+                                 internal=v.code == EXIT_INTERNAL)
 
     def grace(self, phase):
         """The other ranks give rank 0 RANK0_GRACE past each bound to name the culprit first."""

@@ -99,11 +99,11 @@ def node_monitor(cfg):
     return 0
 
 
-def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds):
-    """A rank that cannot import torch reports its `local` failure to rank 0 through the store's own wire
-    (LightStore: no torch needed), so that rank 0 ends the roll call at once naming this host rather than
-    waiting out the roll call. -> whether the report was posted (the store and rank 0's world record
-    answered within `seconds`)."""
+def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds, code=1, internal=False):
+    """A rank that failed before the roll call (torch missing or too old, a local check, the tool's own error)
+    reports it to rank 0 through the store's own wire (LightStore: no torch needed), so that rank 0 ends the
+    roll call at once (naming this host, or nobody for the tool's own error) rather than waiting out the roll
+    call. -> whether the report was posted (the store and rank 0's world record answered within `seconds`)."""
     end = time.monotonic() + seconds
     store = None
     try:
@@ -114,7 +114,7 @@ def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds):
             if time.monotonic() >= end:
                 return False
             time.sleep(0.2)
-        proto.report_error(rank, "local", line, 1, host=host)
+        proto.report_error(rank, "local", line, code, internal=internal, host=host)
         proto.wake_roll_call("local")
         return True
     except (OSError, struct.error, ValueError):

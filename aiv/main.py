@@ -17,10 +17,11 @@ from .base import (
     where_raised,
 )
 from .coordinator import Coordinator
+from .deadlines import OUTPUT_S, BoundPassed, within
 from .follower import Follower
 from .liveness import node_monitor, proc_stat
 from .local import launch_local
-from .manifest import manifest_preflight, run_diff_manifest
+from .manifest_io import manifest_preflight, run_diff_manifest
 from .options import build_parser
 from .plan import LAUNCHER_VARS, check_json_target, plan
 from .rank import speak_once_per_node
@@ -64,6 +65,16 @@ def report_usage(e, env):
     return EXIT_USAGE
 
 
+def probe(fn, what, prefix="FAILURE: usage: "):
+    """A probe of the run's files before torch (their directories on shared storage, the manifest), within
+    OUTPUT_S: storage that does not answer is one usage line, never a hang before the run even starts."""
+    try:
+        return within(fn, OUTPUT_S, what)
+    except BoundPassed:
+        raise UsageError(f"{prefix}{what} did not answer within {OUTPUT_S:g}s (shared storage that hangs?): "
+                         "point them at storage that answers, or leave them out") from None
+
+
 def rank_run(args, contract, env):
     """The role of this rank: Coordinator on rank 0, Follower on every other."""
     return (Coordinator if contract["rank"] == 0 else Follower)(args, contract, env)
@@ -85,7 +96,7 @@ def main(argv=None):
     try:
         p = plan(argv, env)
         if p.get("check_json"):
-            check_json_target(p["args"])
+            probe(lambda: check_json_target(p["args"]), "--json, --metrics and --html: their directories")
     except UsageError as e:
         return report_usage(e, env)
     if p["mode"] in ("help", "version"):
@@ -97,7 +108,7 @@ def main(argv=None):
         return run_diff_manifest(p["args"].diff_manifest)
     if p["mode"] == "local" or p["contract"]["rank"] == 0:  # read and check the manifests before torch and NCCL
         try:
-            manifest_preflight(p["args"])
+            probe(lambda: manifest_preflight(p["args"]), "--manifest and --save-manifest", prefix="")
         except UsageError as e:
             emit(f"FAILURE: usage: {e}")
             return EXIT_USAGE

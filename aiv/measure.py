@@ -14,7 +14,7 @@ import time
 from .base import _screen_median, first_line, is_tool_error
 from .collect import pci_link, throttle_names
 from .deadlines import NODE_SMI_S
-from .numerics import NumericsRepeat, start_numerics
+from .numerics_measure import NumericsRepeat, start_numerics
 
 # What the performance screen measures (section `screen` judges it). GPU: each measurement runs about
 # SCREEN_TARGET_S of timed work after a warm-up, in SCREEN_BLOCKS device-synchronised blocks, and the
@@ -491,17 +491,6 @@ def split_problem(torch_mod, dist):
     except Exception as e:
         return f"torch {version} cannot split its NCCL group ({first_line(e)})"
     return f"torch {version}'s NCCL backend cannot split a communicator (NCCL older than 2.18?)"
-
-
-def screen_degraded_note(screen):
-    """The report's and the JSON's note when the screen made its groups without split_group (screen['no_split']:
-    {'why', 'groups'}), else None: each group then costs one call of every rank (new_group through
-    new_subgroups_by_enumeration), thousands per round on a large job, where one split makes a round."""
-    ns = (screen or {}).get("no_split")
-    if not ns:
-        return None
-    return (f"screen ran in a degraded mode: {ns['why']}: {ns['groups']} groups made by world-wide new_group "
-            f"(one call of every rank per group; split_group makes a round in one)")
 
 
 def screen_busbw(torch_mod, dist, group, nranks, dev, kind):

@@ -4,14 +4,15 @@ import datetime
 import math
 import re
 import shlex
-import subprocess
-import time
 
-from .base import CHECKS, _screen_key, _screen_sorted, compress_hostlist, finding
-from .blame import drainable
-from .deadlines import DRAIN_S, PHASES
+from .base import CHECKS, EXIT_PASS, SCHEMA_VERSION, VERSION, _screen_key, _screen_sorted, compress_hostlist, safe_env
+from .blame import blamed_hosts, drainable
+from .deadlines import PHASES
+from .judge import rank_record
+from .manifest import mark_accepted
 from .options import DRAIN_PREFIX
-from .screen_judge import gpu_levels, screen_diagnose
+from .render import failure_lines
+from .screen_judge import gpu_levels, screen_degraded_note, screen_diagnose
 
 DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
 DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)
@@ -100,43 +101,6 @@ def drain_keeps(nodes):
     """Nodes already drained or down for a reason not ours: {node: their reason}. They keep it."""
     return {n: r for n, (st, r) in nodes.items() if re.search(r"DRAIN|DOWN|FAIL", st)
             and r and r not in ("none", "(null)") and not r.startswith(DRAIN_PREFIX)}
-
-
-def _scontrol(argv, until):
-    """One scontrol call within the time left -> (rc, stdout, message). rc None: missing or silent."""
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=max(0.1, until - time.monotonic()),
-                           stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        return None, "", "scontrol is not on PATH"
-    except subprocess.TimeoutExpired:
-        return None, "", f"scontrol did not answer within {DRAIN_S:g}s (slurmctld unreachable?)"
-    except OSError as e:
-        return None, "", f"scontrol could not run: {e.strerror or e}"
-    msg = " ".join((p.stderr or p.stdout or "").split())[:300]
-    return p.returncode, p.stdout, msg or f"exit status {p.returncode}"
-
-
-def drain_apply(plan):
-    """--drain on: one `scontrol show node` (nodes drained for another reason keep it), then one
-    `scontrol update` for the rest, both within DRAIN_S. -> (plan with 'done'/'kept'/'hosts', findings:
-    a WARN quoting scontrol when it is missing, refused or silent; never a FAIL)."""
-    until = time.monotonic() + DRAIN_S
-    rc, out, msg = _scontrol(["scontrol", "show", "node", "-o", compress_hostlist(plan["hosts"])], until)
-    if rc != 0:
-        return plan, [finding("drain", "WARN", f"nothing drained: `scontrol show node` failed: {msg}; run by hand: "
-                              f"{plan['command']}", plan["hosts"])]
-    kept = drain_keeps(parse_scontrol_nodes(out))
-    hosts = [h for h in plan["hosts"] if h not in kept]
-    plan = dict(plan, kept=kept, hosts=hosts)
-    if hosts:
-        argv, line = drain_command(hosts, plan["reason"])
-        plan.update(argv=argv, command=line)
-        rc, _, msg = _scontrol(argv, until)
-        if rc != 0:
-            return plan, [finding("drain", "WARN", f"nothing drained: scontrol refused: {msg}; an operator can "
-                                  f"run: {plan['command']}", hosts)]
-    return dict(plan, done=bool(hosts)), []
 
 
 def _metrics_escape(value):
@@ -337,3 +301,26 @@ def render_metrics(state):
     for name, text, samples in families:
         lines += _metrics_family(name, text, samples) or []
     return "\n".join(lines) + "\n"
+
+
+def verdict_state(run, found, code, drain):
+    """The verdict's state (pure): the JSON, and what the report, the metrics and the page render. run: the
+    run's facts as plain data, copied when the verdict began (Coordinator.snapshot); found: the findings after
+    the blame gate (blame_gate); drain: the --drain plan. failed_hosts and exclude hold only the hosts the
+    gated findings blame (blamed_hosts)."""
+    failed_hosts = blamed_hosts(found)
+    screen = run.get("screen")
+    note = screen_degraded_note(screen)
+    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+            "started_at": run["started_at"], "host": run["host"],
+            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
+            "world_size": run["world"], "ranks_reported": len(run["records"]), "backend": run["backend"],
+            "master": f"{run['addr']}:{run['port']}", "expect": run["expect"], "strict": bool(run["strict"]),
+            "deadlines": run["D"], "elapsed_s": round(run["elapsed_s"], 3), "phases": run["times"],
+            "findings": mark_accepted(run.get("manifest_data"), found), "failures": failure_lines(found),
+            "failed_hosts": failed_hosts, "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
+            "suspect_links": (screen or {}).get("suspect_links") or [],
+            "drain": drain, "drain_command": (drain or {}).get("command") or "",
+            "phase_starts": run["starts"], "collectives": run.get("collectives"), "screen": screen,
+            "soak": run.get("soak"), "ranks": [rank_record(r) for r in run["records"]], "env": safe_env(run["env"]),
+            **({"notes": [note]} if note else {})}

@@ -73,9 +73,9 @@ from .interfaces import (
     gloo_address,
     list_interfaces,
 )
-from .liveness import launch_key, proc_stat, said_marker, sweep_said, tell_rank0_without_torch
+from .liveness import launch_key, proc_stat, said_marker, sweep_said
 from .measure import soak_measure, start_node_smi, start_screen_gpu
-from .numerics import ddp_local_grads, rank_numerics
+from .numerics_measure import ddp_local_grads, rank_numerics
 from .render import BAR
 from .screen_run import ScreenRunner
 from .store import Seal, StoreProtocol, norm_ip, run_base
@@ -161,6 +161,7 @@ class RankRun(ScreenRunner):
                                                        if getattr(args, "expect_" + k) is not None})
         self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, Findings(), [], {}
+        self.state_lock = threading.RLock()  # what the verdict copies (Coordinator.snapshot) is written under it
         self.starts = {}  # phase -> seconds from start
         self.proto = self.poll = self.master = None
         self.backend = self.device = self.results = self.bandwidth = None
@@ -208,8 +209,9 @@ class RankRun(ScreenRunner):
                     self.enter_phase(b)
                 self.failpoint(phase, only=("raise",))
                 yield b
-                self.times[phase] = round(time.monotonic() - b.start, 3)
-                self.starts[phase] = round(b.start - _T0, 3)
+                with self.state_lock:
+                    self.times[phase] = round(time.monotonic() - b.start, 3)
+                    self.starts[phase] = round(b.start - _T0, 3)
                 if self.proto is not None:  # under the bound: rank 0's store may have frozen meanwhile
                     self.proto.stamp(self.rank, phase)
         except Verdict:
@@ -217,8 +219,9 @@ class RankRun(ScreenRunner):
         except Exception as e:
             raise self.phase_error(phase, e) from None
         finally:
-            self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
-            self.starts.setdefault(phase, round(b.start - _T0, 3))
+            with self.state_lock:
+                self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
+                self.starts.setdefault(phase, round(b.start - _T0, 3))
 
     @property
     def phase_t0(self):
@@ -281,7 +284,8 @@ class RankRun(ScreenRunner):
         except ImportError as e:  # this host's software, not the tool: rank 0 hears of it at once
             raise self.no_torch(e) from None
         self.torch, self.dist = torch, dist
-        self.times["import_torch"] = round(time.monotonic() - t, 3)
+        with self.state_lock:
+            self.times["import_torch"] = round(time.monotonic() - t, 3)
         old = torch_floor_problem(torch.__version__)
         if old:  # before any store operation: the side channel needs what this torch lacks
             raise failed("local", f"{old} on {self.host} (rank {self.rank}, {sys.executable})", EXIT_FAIL,
@@ -318,14 +322,10 @@ class RankRun(ScreenRunner):
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
 
     def no_torch(self, exc):
-        """torch (or what it needs) cannot be imported here: a `local` FAIL of this host, told to rank 0 through
-        the store's wire (no torch needed) so that the roll call ends in seconds naming this host."""
+        """torch (or what it needs) cannot be imported here: a `local` FAIL of this host (the other ranks tell
+        rank 0 through the store's wire, no torch needed: Follower.end)."""
         line = (f"rank {self.rank} ({self.host}): torch is not importable by {sys.executable}: {first_line(exc)}; "
                 "run bootstrap_env.sh on this node or point the job at the shared venv (PYTORCH_ENV)")
-        if self.rank != 0:
-            prefix, _ = launcher_store(self.env)
-            tell_rank0_without_torch(self.addr, self.port, prefix, self.rank, self.host, line,
-                                     self.bound.left())
         return failed("local", line, EXIT_FAIL, [self.host], [self.rank], blame="own")
 
     def phase_rollcall(self):
@@ -591,7 +591,8 @@ class RankRun(ScreenRunner):
         if self.bg.probe is None or self.bg.imports is not None:
             return self.bg.imports
         imports = self.bg.take_imports(min(IMPORT_PROBE_S, self.bound.left() / 2) if wait_s is None else wait_s)
-        self.times["imports"] = self.bg.imports_s
+        with self.state_lock:
+            self.times["imports"] = self.bg.imports_s
         return imports
 
     def quiesce(self):

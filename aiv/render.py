@@ -12,7 +12,7 @@ from .base import (
     human_bytes,
 )
 from .collect import PROBED_PACKAGES, throttle_names
-from .deadlines import PHASES
+from .deadlines import DRAIN_S, PHASES
 from .judge import _by_host, _import_state, screen_reference
 from .measure import SMI_WHAT
 from .screen_judge import (
@@ -426,6 +426,9 @@ def render_drain(drain):
     L = [f"  DRAIN: {n} keeps its own reason: {r!r}" for n, r in sorted(drain.get("kept", {}).items())]
     if drain["mode"] == "recommend":
         return L + [f"  DRAIN (recommended; --drain on runs it): {drain['command']}"]
+    if drain.get("pending"):
+        return L + [f"  DRAIN: draining {compress_hostlist(drain['hosts'])} now (scontrol, within {DRAIN_S:g}s; the "
+                    f"outcome follows): {drain['command']}"]
     if drain.get("done"):
         return L + [f"  DRAIN: drained {compress_hostlist(drain['hosts'])}: {drain['command']}"]
     return L + (["  DRAIN: not drained (see the drain finding)"] if drain["hosts"] else [])

@@ -903,3 +903,14 @@ def judge_gpu_transients(per_rank, floors=None, cpu=False):
                          blame="once"),
                  evidence=f"{len(seen)} GPU(s) slow once, at speed when measured again", transient=True,
                  action="none now: nothing is drained; re-run the preflight if the same GPU recurs")]
+
+
+def screen_degraded_note(screen):
+    """The report's and the JSON's note when the screen made its groups without split_group (screen['no_split']:
+    {'why', 'groups'}), else None: each group then costs one call of every rank (new_group through
+    new_subgroups_by_enumeration), thousands per round on a large job, where one split makes a round."""
+    ns = (screen or {}).get("no_split")
+    if not ns:
+        return None
+    return (f"screen ran in a degraded mode: {ns['why']}: {ns['groups']} groups made by world-wide new_group "
+            f"(one call of every rank per group; split_group makes a round in one)")

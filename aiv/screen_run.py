@@ -41,7 +41,8 @@ class ScreenRunner:
         if self.bg.gpu is not None:  # measured on its own thread since the local checks (start_screen_gpu)
             with contextlib.suppress(HostStarved):  # the rank's own threads held the interpreter: again, below
                 row = take_screen_gpu(self.bg.gpu)
-            self.times["gpu_measure"] = self.bg.gpu["secs"]
+            with self.state_lock:
+                self.times["gpu_measure"] = self.bg.gpu["secs"]
         if row is None:  # CPU ranks (their own CPU clock), or a starved measuring thread: on a quiet process
             self.quiesce()
             g = self.identity.get("gpu") or {}
@@ -115,7 +116,8 @@ class ScreenRunner:
             group = dist.new_subgroups_by_enumeration(every, **kw)[0]
         self.screen_groups.append(group)
         made = time.monotonic() - t
-        self.times[f"groups-{name}"] = round(made, 3)
+        with self.state_lock:
+            self.times[f"groups-{name}"] = round(made, 3)
         return (group if mine else None), made
 
     def screen_left(self):
@@ -155,8 +157,9 @@ class ScreenCoordinator:
         t = time.monotonic()
         self.screen_start()
         super().phase_screen_gpu()
-        rows = self.screen["gpu"] = screen_gpu_rows(self.records, self.screen_collect(["gpu"])["gpu"],
-                                                    self.screen["cpu"])
+        rows = screen_gpu_rows(self.records, self.screen_collect(["gpu"])["gpu"], self.screen["cpu"])
+        with self.state_lock:
+            self.screen["gpu"] = rows
         tf, hb = [r["tflops"] for r in rows], [r["hbm_gbps"] for r in rows]
         self.progress("screen_gpu", n=len(rows), what="CPU rank(s)" if self.screen["cpu"] else "GPU(s)",
                       tflops=f"{min(tf):.2f}/{_screen_median(tf):.2f}", hbm=f"{min(hb):.1f}/{_screen_median(hb):.1f}",
@@ -166,12 +169,14 @@ class ScreenCoordinator:
         a = self.args
         self.screen_rounds = {"screen-net": []}
         self.screen_made = set()
-        self.screen = {"cpu": self.backend != "nccl", "min_tflops": a.min_tflops, "min_hbm": a.min_hbm,
-                       "min_busbw_intra": a.min_busbw_intra, "min_busbw_inter": a.min_busbw_inter,
-                       "gpu": [], "intra": [], "pairs": [], "splits": {}}
+        screen = {"cpu": self.backend != "nccl", "min_tflops": a.min_tflops, "min_hbm": a.min_hbm,
+                  "min_busbw_intra": a.min_busbw_intra, "min_busbw_inter": a.min_busbw_inter,
+                  "gpu": [], "intra": [], "pairs": [], "splits": {}}
         why = split_problem(self.torch, self.dist) if self.backend == "nccl" else None
         if why:  # named in the report and the JSON (screen_degraded_note), never chosen silently
-            self.screen["no_split"] = {"why": why, "groups": 0}
+            screen["no_split"] = {"why": why, "groups": 0}
+        with self.state_lock:
+            self.screen = screen
 
     def phase_screen_net(self):
         """The network screen: screen_loop decides every batch (intra-node, the pair rounds, re-measurements
@@ -181,12 +186,14 @@ class ScreenCoordinator:
         self.failpoint("screen-net")
         self.gpu_remeasure()
         net = screen_loop(self.records, self.screen_measure, a.min_busbw_intra, a.min_busbw_inter, self.screen["cpu"])
-        self.screen.update(net)
+        full = dict(self.screen, **net)
+        judged = screen_judged_against(full, screen_band_names(a.manifest_data, self.records, full))  # no --manifest:
+        # no band, said as such
+        with self.state_lock:
+            self.screen.update(net, judged_against=judged)
         rounds = self.screen_rounds["screen-net"]
         self.proto.screen_publish(f"q{len(rounds) + 1}", {r: {"done": True} for r in range(self.world)})
         found = apply_strict(judge_screen(self.screen) + judge_gpu_facts(self.screen.get("gpu")), a.strict)
-        self.screen["judged_against"] = screen_judged_against(  # no --manifest: no band, said as such
-            self.screen, screen_band_names(a.manifest_data, self.records, self.screen))
         self.findings += found
         self.progress("screen_net", detail=self.net_detail(), counts=_counts(found), secs=time.monotonic() - t)
         if verdict_code(self.findings):
@@ -202,7 +209,9 @@ class ScreenCoordinator:
             return
         posts = self.screen_measure([{"batch": "gpu-again", "ranks": [r], "nodes": [self.host_of.get(r, "?")],
                                       "rail": None, "gpu": True} for r in suspects])
-        sc["gpu"] = gpu_remeasured(sc["gpu"], {r: (posts.get(r) or {}).get("gpu") for r in suspects})
+        rows = gpu_remeasured(sc["gpu"], {r: (posts.get(r) or {}).get("gpu") for r in suspects})
+        with self.state_lock:
+            sc["gpu"] = rows
 
     def screen_measure(self, groups):
         """screen_loop's measure(): the batch's groups published on the store (each rank its part under
@@ -214,7 +223,8 @@ class ScreenCoordinator:
         self.screen_made |= {tuple(g["ranks"]) for g in new}
         make = screen_rank_plans([(name, new)], self.world) if new else {}
         if new and self.screen.get("no_split"):
-            self.screen["no_split"]["groups"] += screen_split_groups([(name, new)], self.world)
+            with self.state_lock:
+                self.screen["no_split"]["groups"] += screen_split_groups([(name, new)], self.world)
         if new and self.backend == "nccl" and not can_split(self.torch, self.dist):  # every rank enumerates them
             self.proto.screen_publish(key, {"all": {name: [g["ranks"] for g in new]}})
         mine = {r: g for g in groups for r in g["ranks"]}
@@ -248,7 +258,8 @@ class ScreenCoordinator:
             out[name] = self.proto.screen_posts(name)
             made = screen_creation(self.round_groups().get(name) or [], out[name])
             if made:
-                self.screen["splits"][name] = made
+                with self.state_lock:
+                    self.screen["splits"][name] = made
         return out
 
     def round_groups(self):

@@ -56,7 +56,8 @@ def gpu_recs(smi, host="node1", n=2):
 
 def test_unread_node_facts_are_a_warn_naming_node_gpus_facts_and_bound():
     (w,) = aiv.judge_node_smi(gpu_recs({"unread": "nvidia-smi gave no answer within 15s", "bound": 15.0}))
-    assert w["check"] == "day0" and w["status"] == "WARN" and w["hosts"] == ["node1"] and w["ranks"] == [0, 1]
+    assert w["check"] == "day0" and w["status"] == "WARN" and w["ranks"] == [0, 1]
+    assert (w["hosts"], w["involved"], w["blame"]) == ([], ["node1"], "not-collected")  # said, never blamed
     assert w["reason"].startswith("node1: nvidia-smi gave no answer within 15s: uncorrected ECC errors "
                                   "and row remapping not read for GPU 0 (GPU-00, rank 0), GPU 1 (GPU-11, rank 1)")
     assert w in aiv.judge_day0(gpu_recs({"unread": "nvidia-smi gave no answer within 15s", "bound": 15.0}))
@@ -124,7 +125,7 @@ def test_a_silent_nvidia_smi_is_a_visible_warn_not_silence(tmp_path):
     assert len(made) == 1 and time.monotonic() - t < 60
     host = v["ranks"][0]["host"]
     (w,) = [f for f in v["findings"] if f["check"] == "day0" and "not read" in f["reason"]]
-    assert w["status"] == "WARN" and w["hosts"] == [host] and w["ranks"] == [0, 1]
+    assert w["status"] == "WARN" and w["involved"] == [host] and w["hosts"] == [] and w["ranks"] == [0, 1]
     assert w["reason"].startswith(f"{host}: nvidia-smi gave no answer within ")
     assert "uncorrected ECC errors and row remapping not read" in w["reason"]
     assert f"[WARN] day0: {host}: nvidia-smi gave no answer within " in r.stdout

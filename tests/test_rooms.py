@@ -237,3 +237,35 @@ def test_a_requested_output_that_cannot_be_written_fails_the_run_on_stdout(tmp_p
     assert rc0 == aiv.EXIT_FAIL, log
     assert f"FAILURE: output: --json {jp} could not be written" in log and aiv.SUCCESS_LINE not in log
     assert jp.read_text() == "{}" and "output" in page.read_text()  # the page says what the log says
+
+
+def test_each_bound_is_a_timer_of_its_own():
+    """A heap of deadlines, not one slot: another thread's bound armed, disarmed or re-armed never touches
+    this one (before: one slot, which a second Bound's disarm emptied, so the verdict's bound never fired)."""
+    fired = []
+    wd = aiv.Watchdog(expire=fired.append, period=0.05)
+    verdict = aiv.Bound(wd, "verdict", 0.4).arm()
+    phase = aiv.Bound(wd, "ddp", 5.0).arm()
+    other = aiv.Bound(wd, "final", 0.1).arm()
+    other.disarm()                                    # a second Bound's disarm: the others stay armed
+    phase.restart()
+    assert wd.armed() == ["verdict", "ddp"]
+    deadline = time.monotonic() + 5
+    while "verdict" not in fired and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert fired == ["verdict"] and wd.armed() == ["ddp"]
+    phase.disarm()
+    verdict.disarm()                                  # already fired: nothing happens
+    assert wd.armed() == []
+
+
+def test_the_tick_follows_the_newest_phase_bound_and_not_the_verdicts():
+    ticks = []
+    wd = aiv.Watchdog(expire=lambda name: None, tick=ticks.append, period=0.05)
+    with aiv.Bound(wd, "init", 5.0):
+        aiv.Bound(wd, "verdict", 5.0).arm()
+        time.sleep(0.3)
+    assert ticks and set(ticks) == {"init"}
+    ticks.clear()
+    time.sleep(0.2)
+    assert ticks == []                                # the verdict's bound alone: no phase to tick

@@ -35,8 +35,9 @@ BUILD_ORDER = (
     "options",       # the one parser of flags and AIV_* variables
     "interfaces",    # NCCL/GLOO_SOCKET_IFNAME, NCCL's own log lines
     "collect",       # facts of a rank and its node, one getter per fact
-    "numerics",      # the numerics check (silent data corruption): what each rank computes, and its judges
+    "numerics_measure",  # the numerics check (silent data corruption): what each rank computes on its device
     "measure",       # what the screen and the soak measure on a device
+    "numerics",      # the numerics check's judges: bits within a model and software, the fp64 reference
     "judge",         # pure checks of the gathered records
     "manifest",      # --save-manifest / --manifest / --diff-manifest
     "screen_plan",   # the screen's rounds and groups
@@ -47,9 +48,12 @@ BUILD_ORDER = (
     "outputs",       # --drain and --metrics
     "page",          # --html
     "verify_log",    # --verify-log
+    "manifest_io",   # the manifest on disk: read before torch, saved under a lock, diffed
     "store",         # the side channel: keys, Seal, StoreProtocol
     "liveness",      # the node monitor
     "background",    # a rank's work off its main thread; its NCCL log
+    "drain",         # --drain on: the scontrol calls
+    "conclusion",    # rank 0's verdict, given once: the gate, the report first, the files, the drain, the acks
     "screen_run",    # the collectives the screen asks for, on every rank
     "rank",          # RankRun: the phases, each under its bound
     "coordinator",   # rank 0: the roll call, the judges, the verdict
@@ -60,7 +64,8 @@ BUILD_ORDER = (
 )
 # The pure layer: judges, render, manifest, verify-log and what they stand on. None of these imports a
 # module of the runtime, so each is a function of plain data that a test can call without a store.
-RUNTIME = ("store", "liveness", "background", "screen_run", "rank", "coordinator", "follower", "plan", "local", "main")
+RUNTIME = ("manifest_io", "store", "liveness", "background", "drain", "conclusion", "screen_run", "rank",
+           "coordinator", "follower", "plan", "local", "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
 
 HEADER = """\
@@ -123,6 +128,7 @@ def problems():
     for missing in [m for m in BUILD_ORDER if m not in present]:
         out.append(f"aiv/{missing}.py is in BUILD_ORDER but does not exist")
     pos = {m: i for i, m in enumerate(BUILD_ORDER)}
+    tops = {m: {t for t, _ in top_names(parse(m)[1])} for m in BUILD_ORDER if m in present}
     defined = {}
     for name in BUILD_ORDER:
         if name not in present:
@@ -137,6 +143,9 @@ def problems():
                            f"{name} in the build order: no import runs back up")
             elif name in PURE and mod in RUNTIME:
                 out.append(f"{src}: the pure module {name} imports the runtime module {mod}")
+            else:
+                out += [f"{src}: imports {x} from .{mod}, which does not define it" for x in _names
+                        if x not in tops.get(mod, ())]
         for n in tree.body:  # only `from .x import` and top-level standard imports are understood
             if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0):
                 mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module]
