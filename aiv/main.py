@@ -95,7 +95,7 @@ def main(argv=None):
         return run_verify_log(p["args"], argv)
     if p["mode"] == "diff-manifest":  # compare two files, no torch
         return run_diff_manifest(p["args"].diff_manifest)
-    if p["mode"] == "local" or p["contract"]["rank"] == 0:  # read and check the manifests before torch and NCCL
+    if p.get("check_json"):  # rank 0's process or its node's launcher: the manifests, before torch and NCCL
         try:
             manifest_preflight(p["args"])
         except UsageError as e:

@@ -232,7 +232,7 @@ def test_every_bench_script_is_named_under_benchmarks():
 
 def test_run_sh_with_a_file_runs_that_file_only():
     """The pages say `tests/run.sh FILE` runs one file: collected, its tests and no other file's."""
-    need = "import torch, numpy, psutil, pytest, hypothesis, prometheus_client, selenium"
+    need = "import torch, numpy, psutil, pytest, hypothesis, prometheus_client, selenium, kubernetes_validate, yaml"
     if subprocess.run([sys.executable, "-c", need], capture_output=True).returncode:
         pytest.skip("this venv lacks what tests/run.sh needs (it would build its own)")
     assert "`tests/run.sh FILE` runs" in flat(README) + flat(DOCS / "development.md")
