@@ -236,11 +236,12 @@ def own_tool_processes(script=None):
 # _COST: a file's mean seconds per test, measured on a 2-core machine with 3 workers (a scheduling hint
 # only: a file not listed costs 0.1 s a test).
 _COST = {"test_slurm.py": 11.3, "test_screen_run.py": 14.7, "test_hangs.py": 8.6, "test_false_culprit.py": 7.5,
-         "test_torchrun.py": 7.4, "test_k8s_launchers.py": 7.4, "test_multiproc.py": 5.6, "test_launch_hygiene.py": 4.4, "test_fan_in.py": 4.1,
+         "test_torchrun.py": 7.4, "test_multiproc.py": 5.6, "test_launch_hygiene.py": 4.4, "test_fan_in.py": 4.1,
          "test_rooms.py": 3.6, "test_side_channel.py": 3.4, "test_node_smi.py": 2.5, "test_soak.py": 2.2,
          "test_bootstrap.py": 2.1, "test_numerics.py": 1.9, "test_usage_errors.py": 0.8, "test_manifest.py": 0.7,
          "test_verify_log.py": 0.7, "test_runtime.py": 0.5, "test_build.py": 0.5, "test_drain.py": 0.5,
-         "test_docs.py": 0.4, "test_nccl_log.py": 0.4, "test_html.py": 0.3}
+         "test_docs.py": 0.4, "test_nccl_log.py": 0.4, "test_html.py": 0.3,
+         "test_k8s_launchers.py": 7.4}
 _TOGETHER = "test_slurm.py"
 
 

@@ -160,6 +160,9 @@ PLAN_CASES = [
     ([], {"AIV_" + "TIMOUT": "5"}),  # misspelled on purpose (spelled in two parts: no variable of the repo)
     ([], {"AIV_TIMEOUT": "abc"}),
     ([], {"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"}),
+    ([], {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "127.0.0.1",
+          "PET_MASTER_PORT": "29500", "WORLD_SIZE": "3"}),  # docs/kubernetes.md
+    ([], {"MASTER_ADDR": "node1"}),
 ]
 
 
