@@ -1143,7 +1143,7 @@ LAUNCHERS = (
              "workers), `LWS_WORKER_INDEX` (0 on the leader)",
              "`LWS_GROUP_SIZE`", "`LWS_WORKER_INDEX`", _ONE_PER_GPU,
              "`LWS_LEADER_ADDRESS`:`MASTER_PORT` (29500 when unset)", True),
-    Launcher("volcano", "Volcano", "`VC_TASK_INDEX`",
+    Launcher("volcano", "Volcano", "`VC_TASK_INDEX` or `VC_<TASK>_HOSTS`",
              "env plugin: `VC_TASK_INDEX` (the pod's index in its task); svc plugin: `VC_<TASK>_HOSTS`, "
              "`VC_<TASK>_NUM`; pytorch plugin (main containers only): `MASTER_ADDR`, `MASTER_PORT` (23456), "
              "`WORLD_SIZE` (pods), `RANK` (master 0, worker i+1)",
@@ -1228,14 +1228,25 @@ def _volcano_task(env):
     if len(tasks) != 1:
         what = (f"a job of {len(tasks)} tasks ({', '.join(f'VC_{t}_NUM' for t in tasks)})" if tasks else
                 "no svc plugin variables (VC_<TASK>_NUM, VC_<TASK>_HOSTS)")
-        raise UsageError(f"Volcano: VC_TASK_INDEX={env['VC_TASK_INDEX']} is a pod's index within its task, and this "
-                         f"pod has {what}: enable the pytorch plugin (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or "
-                         "set PET_NNODES, PET_NODE_RANK and MASTER_ADDR")
+        raise UsageError(f"Volcano: VC_TASK_INDEX={env.get('VC_TASK_INDEX')} is a pod's index within its task, and "
+                         f"this pod has {what}: enable the pytorch plugin (RANK, WORLD_SIZE, MASTER_ADDR, "
+                         "MASTER_PORT), or set PET_NNODES, PET_NODE_RANK and MASTER_ADDR")
     t = tasks[0]
     hosts = [h.strip() for h in env[f"VC_{t}_HOSTS"].split(",") if h.strip()]
     if not hosts:
         raise UsageError(f"Volcano: VC_{t}_HOSTS is empty: the svc plugin names no host")
     return f"VC_{t}_NUM", f"VC_{t}_HOSTS", check_host(f"VC_{t}_HOSTS", hosts[0])
+
+
+def allocated_gpus(env):
+    """The GPUs the pod was given, from the NVIDIA device plugin's NVIDIA_VISIBLE_DEVICES when it lists them (UUIDs
+    or indices; not all, none, void or a path): the same on every pod of one template, whatever the driver still
+    shows, so that a GPU lost on one node fails that node's rank instead of changing the world size. None: unknown."""
+    raw = env.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    items = [x.strip() for x in raw.split(",") if x.strip()]
+    if not items or any(x.lower() in ("all", "none", "void") or "/" in x for x in items):
+        return None
+    return len(items)
 
 
 def which_node_launcher(env):
@@ -1247,7 +1258,7 @@ def which_node_launcher(env):
         return None  # one process per rank
     if any(v in env for v in LWS_VARS):
         return "lws"
-    if "VC_TASK_INDEX" in env:
+    if "VC_TASK_INDEX" in env or any(re.fullmatch(r"VC_\w+_HOSTS", v) for v in env):  # env or svc plugin
         return "volcano"
     if rank_var is None and "PET_NODE_RANK" in env:
         return "trainer-v2"
@@ -1303,9 +1314,10 @@ def read_node_launch(env):
             num, hosts_var, first = _volcano_task(env)
             nodes, index = [(num, None)], [("VC_TASK_INDEX", None), ("PET_NODE_RANK", None)]
             addrs.append((hosts_var, first))
+            fix = " (Volcano's env plugin sets VC_TASK_INDEX)"
     nnodes, nodes_from = _first(env, name, "the node count", nodes, _count, fix)
     node_rank, node_from = _first(env, name, "this node's index", index,
-                                  lambda e, v: _int_var(e, v, lo=0, hi=100_000), "")
+                                  lambda e, v: _int_var(e, v, lo=0, hi=100_000), fix if key == "volcano" else "")
     if node_rank >= nnodes:
         raise UsageError(f"{name}: {node_from}={node_rank} is not below {nodes_from}={nnodes}", own=True)
     addr, addr_from = _first(env, name, "the master's address", addrs, _addr, f" (the host of node 0{where})")
@@ -1892,10 +1904,12 @@ NO_DEVICES = ("", "-1", "NoDevFiles")
 def gpus_expected(env, root="/"):
     """Why this rank should have a GPU ('' when it should not): CUDA_VISIBLE_DEVICES names devices,
     Slurm allocated GPUs (SLURM_*GPUS*), or the NVIDIA driver lists GPUs. CUDA_VISIBLE_DEVICES set to
-    '', -1 or NoDevFiles means a deliberate CPU run."""
+    '', -1 or NoDevFiles means a deliberate CPU run. A pod's NVIDIA_VISIBLE_DEVICES that lists GPUs counts too."""
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None:
         return "" if cvd.strip() in NO_DEVICES else f"CUDA_VISIBLE_DEVICES={cvd}"
+    if allocated_gpus(env):  # a Kubernetes pod's GPUs (the NVIDIA device plugin's list; an image's "all" is none)
+        return f"NVIDIA_VISIBLE_DEVICES lists {allocated_gpus(env)} GPU(s)"
     for k in sorted(env):
         v = env[k].strip()
         if re.fullmatch(r"SLURM_\w*GPUS\w*", k) and v and v != "(null)" and (
@@ -10591,12 +10605,15 @@ def _node_launch(args, env, root, node):
         lp = launch_plan(args, env, root)
     except UsageError as e:
         raise _line("usage", e) from None
-    if node["ambiguous"] and not args.nproc and lp["backend"] is None and lp["nproc"] > 1:
+    why, alloc, gpu_ranks = _ranks_why(args, lp), allocated_gpus(env), lp["backend"] is None and args.backend != "gloo"
+    if alloc and not args.nproc and gpu_ranks and alloc != lp["nproc"]:  # the pod's allocation
+        lp, why = dict(lp, nproc=alloc), f"one per GPU allocated: NVIDIA_VISIBLE_DEVICES lists {alloc}"
+    if node["ambiguous"] and not args.nproc and gpu_ranks and lp["nproc"] > 1:
         raise _line("contract", ambiguous_rank(env, lp["nproc"]))
     bad = world_mismatch(node, lp["nproc"])
     if bad:
         raise _line("contract", bad)
-    how = describe_node(node, lp["nproc"], _ranks_why(args, lp))
+    how = describe_node(node, lp["nproc"], why)
     return dict(lp, port=node["master_port"], master_addr=node["master_addr"], port_from=node["port_from"],
                 launch=f"{node['name']}, this tool starting {lp['nproc']} rank(s) per node", how=how,
                 node={k: node[k] for k in ("launcher", "nnodes", "node_rank")})
@@ -10656,7 +10673,7 @@ def launch_plan(args, env, root="/"):
         gpus = count_visible_gpus(env, root)
         if not gpus and gpus_expected(env, root):
             cvd = env.get("CUDA_VISIBLE_DEVICES")
-            gpus = len([x for x in cvd.split(",") if x.strip()]) if cvd else 1
+            gpus = len([x for x in cvd.split(",") if x.strip()]) if cvd else allocated_gpus(env) or 1
         if args.backend == "nccl" and not gpus:
             name = getattr(args, "origin", {}).get("backend", "--backend")
             raise UsageError(f"{name}=nccl but no GPU is visible on {socket.gethostname()} and none is expected")
@@ -10760,6 +10777,11 @@ def launch_local(args, argv, env, launch):
         bad = [(base + r, c) for r, c in enumerate(codes) if c]
         emit(f"FAILURE: launch: {first} passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
         return EXIT_FAIL
+    if base and fwd.sig and (codes[0] < 0 or codes[0] >= 128):  # this node's ranks stopped on its own signal
+        emit(f"FAILURE: interrupted: the launcher of node {node['node_rank']} ({socket.gethostname()}) was "
+             f"interrupted by {signal.Signals(fwd.sig).name}: its ranks {format_ranges(range(base, base + nproc))} "
+             f"stopped before rank 0's verdict; {STOPPED_WORDS}")
+        return EXIT_INTERRUPTED
     if base:  # another node's log says what its ranks got (rank 0's node prints the report)
         emit(f"node {node['node_rank']} of {node['nnodes']} ({socket.gethostname()}): ranks "
              f"{format_ranges(range(base, base + nproc))} ended; the verdict they got: exit {codes[0]}")

@@ -73,7 +73,7 @@ LAUNCHERS = (
              "workers), `LWS_WORKER_INDEX` (0 on the leader)",
              "`LWS_GROUP_SIZE`", "`LWS_WORKER_INDEX`", _ONE_PER_GPU,
              "`LWS_LEADER_ADDRESS`:`MASTER_PORT` (29500 when unset)", True),
-    Launcher("volcano", "Volcano", "`VC_TASK_INDEX`",
+    Launcher("volcano", "Volcano", "`VC_TASK_INDEX` or `VC_<TASK>_HOSTS`",
              "env plugin: `VC_TASK_INDEX` (the pod's index in its task); svc plugin: `VC_<TASK>_HOSTS`, "
              "`VC_<TASK>_NUM`; pytorch plugin (main containers only): `MASTER_ADDR`, `MASTER_PORT` (23456), "
              "`WORLD_SIZE` (pods), `RANK` (master 0, worker i+1)",
@@ -158,14 +158,25 @@ def _volcano_task(env):
     if len(tasks) != 1:
         what = (f"a job of {len(tasks)} tasks ({', '.join(f'VC_{t}_NUM' for t in tasks)})" if tasks else
                 "no svc plugin variables (VC_<TASK>_NUM, VC_<TASK>_HOSTS)")
-        raise UsageError(f"Volcano: VC_TASK_INDEX={env['VC_TASK_INDEX']} is a pod's index within its task, and this "
-                         f"pod has {what}: enable the pytorch plugin (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or "
-                         "set PET_NNODES, PET_NODE_RANK and MASTER_ADDR")
+        raise UsageError(f"Volcano: VC_TASK_INDEX={env.get('VC_TASK_INDEX')} is a pod's index within its task, and "
+                         f"this pod has {what}: enable the pytorch plugin (RANK, WORLD_SIZE, MASTER_ADDR, "
+                         "MASTER_PORT), or set PET_NNODES, PET_NODE_RANK and MASTER_ADDR")
     t = tasks[0]
     hosts = [h.strip() for h in env[f"VC_{t}_HOSTS"].split(",") if h.strip()]
     if not hosts:
         raise UsageError(f"Volcano: VC_{t}_HOSTS is empty: the svc plugin names no host")
     return f"VC_{t}_NUM", f"VC_{t}_HOSTS", check_host(f"VC_{t}_HOSTS", hosts[0])
+
+
+def allocated_gpus(env):
+    """The GPUs the pod was given, from the NVIDIA device plugin's NVIDIA_VISIBLE_DEVICES when it lists them (UUIDs
+    or indices; not all, none, void or a path): the same on every pod of one template, whatever the driver still
+    shows, so that a GPU lost on one node fails that node's rank instead of changing the world size. None: unknown."""
+    raw = env.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    items = [x.strip() for x in raw.split(",") if x.strip()]
+    if not items or any(x.lower() in ("all", "none", "void") or "/" in x for x in items):
+        return None
+    return len(items)
 
 
 def which_node_launcher(env):
@@ -177,7 +188,7 @@ def which_node_launcher(env):
         return None  # one process per rank
     if any(v in env for v in LWS_VARS):
         return "lws"
-    if "VC_TASK_INDEX" in env:
+    if "VC_TASK_INDEX" in env or any(re.fullmatch(r"VC_\w+_HOSTS", v) for v in env):  # env or svc plugin
         return "volcano"
     if rank_var is None and "PET_NODE_RANK" in env:
         return "trainer-v2"
@@ -233,9 +244,10 @@ def read_node_launch(env):
             num, hosts_var, first = _volcano_task(env)
             nodes, index = [(num, None)], [("VC_TASK_INDEX", None), ("PET_NODE_RANK", None)]
             addrs.append((hosts_var, first))
+            fix = " (Volcano's env plugin sets VC_TASK_INDEX)"
     nnodes, nodes_from = _first(env, name, "the node count", nodes, _count, fix)
     node_rank, node_from = _first(env, name, "this node's index", index,
-                                  lambda e, v: _int_var(e, v, lo=0, hi=100_000), "")
+                                  lambda e, v: _int_var(e, v, lo=0, hi=100_000), fix if key == "volcano" else "")
     if node_rank >= nnodes:
         raise UsageError(f"{name}: {node_from}={node_rank} is not below {nodes_from}={nnodes}", own=True)
     addr, addr_from = _first(env, name, "the master's address", addrs, _addr, f" (the host of node 0{where})")

@@ -109,6 +109,11 @@ def launch_local(args, argv, env, launch):
         bad = [(base + r, c) for r, c in enumerate(codes) if c]
         emit(f"FAILURE: launch: {first} passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
         return EXIT_FAIL
+    if base and fwd.sig and (codes[0] < 0 or codes[0] >= 128):  # this node's ranks stopped on its own signal
+        emit(f"FAILURE: interrupted: the launcher of node {node['node_rank']} ({socket.gethostname()}) was "
+             f"interrupted by {signal.Signals(fwd.sig).name}: its ranks {format_ranges(range(base, base + nproc))} "
+             f"stopped before rank 0's verdict; {STOPPED_WORDS}")
+        return EXIT_INTERRUPTED
     if base:  # another node's log says what its ranks got (rank 0's node prints the report)
         emit(f"node {node['node_rank']} of {node['nnodes']} ({socket.gethostname()}): ranks "
              f"{format_ranges(range(base, base + nproc))} ended; the verdict they got: exit {codes[0]}")

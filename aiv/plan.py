@@ -9,6 +9,7 @@ from .base import VERSION, UsageError, human_bytes, read_text
 from .collect import count_visible_gpus, gpus_expected
 from .contract import _int_var, read_contract
 from .launchers import (
+    allocated_gpus,
     ambiguous_rank,
     check_pet_beside_ranks,
     describe_contract,
@@ -137,12 +138,15 @@ def _node_launch(args, env, root, node):
         lp = launch_plan(args, env, root)
     except UsageError as e:
         raise _line("usage", e) from None
-    if node["ambiguous"] and not args.nproc and lp["backend"] is None and lp["nproc"] > 1:
+    why, alloc, gpu_ranks = _ranks_why(args, lp), allocated_gpus(env), lp["backend"] is None and args.backend != "gloo"
+    if alloc and not args.nproc and gpu_ranks and alloc != lp["nproc"]:  # the pod's allocation
+        lp, why = dict(lp, nproc=alloc), f"one per GPU allocated: NVIDIA_VISIBLE_DEVICES lists {alloc}"
+    if node["ambiguous"] and not args.nproc and gpu_ranks and lp["nproc"] > 1:
         raise _line("contract", ambiguous_rank(env, lp["nproc"]))
     bad = world_mismatch(node, lp["nproc"])
     if bad:
         raise _line("contract", bad)
-    how = describe_node(node, lp["nproc"], _ranks_why(args, lp))
+    how = describe_node(node, lp["nproc"], why)
     return dict(lp, port=node["master_port"], master_addr=node["master_addr"], port_from=node["port_from"],
                 launch=f"{node['name']}, this tool starting {lp['nproc']} rank(s) per node", how=how,
                 node={k: node[k] for k in ("launcher", "nnodes", "node_rank")})
@@ -202,7 +206,7 @@ def launch_plan(args, env, root="/"):
         gpus = count_visible_gpus(env, root)
         if not gpus and gpus_expected(env, root):
             cvd = env.get("CUDA_VISIBLE_DEVICES")
-            gpus = len([x for x in cvd.split(",") if x.strip()]) if cvd else 1
+            gpus = len([x for x in cvd.split(",") if x.strip()]) if cvd else allocated_gpus(env) or 1
         if args.backend == "nccl" and not gpus:
             name = getattr(args, "origin", {}).get("backend", "--backend")
             raise UsageError(f"{name}=nccl but no GPU is visible on {socket.gethostname()} and none is expected")

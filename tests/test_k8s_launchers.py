@@ -4,12 +4,16 @@ of pod 0 resolve), with each launcher's exact environment. Where a pod runs one 
 Trainer v2, PyTorchJob v1, an Indexed Job, JobSet, LeaderWorkerSet, Volcano) the tool starts the node's ranks;
 the shipped manifests' own containers (command, env) are what runs. The only test knob: a free port replaces
 the manifests' 29500 (other runs share this machine's network)."""
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import yaml
 
@@ -256,3 +260,45 @@ def test_mpirun_environment_is_never_a_silent_local_job(tmp_path, drop):
     ((rc, out),) = pods([("mpi-0", env, tool())], tmp_path, timeout=60)
     assert rc == aiv.EXIT_USAGE and len(failures(out)) == 1 and out.strip().startswith("FAILURE: contract: "), out
     assert "Total Execution Ranks" not in out and re.search(r"MASTER_ADDR|RANK", out)
+
+
+# ---------------------------------------------------------------------------- the per-node launcher's guarantees
+def test_sigterm_to_another_nodes_launcher_stops_its_ranks_and_every_pod_exits_with_a_verdict(tmp_path):
+    """Pod 1 deleted mid-run (the kubelet's SIGTERM to its process): its launcher passes the signal to its
+    ranks, which stop; it exits 5 (interrupted) with one line; rank 0 gives the verdict on pod 0, blaming no
+    host, and pod 0 exits with it. Rank 0 waits in init (a test pause) so that the signal lands mid-run."""
+    mark, jp, port = tmp_path / "mark", tmp_path / "v.json", free_port()
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n127.0.0.1 pretrain-node-0-0.pretrain\n")
+    procs = []
+    for i in range(2):
+        env = clean_env(trainer_env(i, port, AIV_FAILPOINT="pause=120:init:0", AIV_FAILPOINT_MARK=mark))
+        cmd = ["unshare", "--uts", "--mount", "sh", "-c", 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && '
+               'exec "$@"', "pod", str(hosts), f"pretrain-node-0-{i}", sys.executable, str(SCRIPT), "--timeout", "15",
+               "--rollcall-timeout", "120", "--skip-screen", "--json", str(jp)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    end = time.monotonic() + 180
+    while not mark.exists() and time.monotonic() < end and all(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    assert mark.exists(), "\n".join(o for _, o, _ in finish(procs, 5))
+    ranks = [c for c in psutil.Process(procs[1].pid).children() if str(SCRIPT) in c.cmdline()]
+    assert len(ranks) == 2
+    procs[1].send_signal(signal.SIGTERM)
+    (rc0, out0, _), (rc1, out1, _) = finish(procs, 180)
+    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks), out1
+    assert rc1 == aiv.EXIT_INTERRUPTED and failures(out1) == [ln for ln in out1.splitlines() if "FAILURE" in ln]
+    assert failures(out1)[0].startswith("FAILURE: interrupted: the launcher of node 1 (pretrain-node-0-1) was "
+                                        "interrupted by SIGTERM: its ranks 2-3 stopped"), out1
+    d = json.loads(jp.read_text())
+    assert rc0 == d["exit_code"] != 0 and d["failed_hosts"] == [] and aiv.SUCCESS_LINE not in out0, out0
+    assert "Traceback" not in out0 + out1
+
+
+def test_a_pod_given_gpus_it_cannot_use_fails_naming_its_node_never_a_cpu_run(tmp_path):
+    """NVIDIA_VISIBLE_DEVICES lists the pod's GPU (the device plugin's allocation) but CUDA is unusable here:
+    the rank FAILs on its device, naming the node; before, a pod like this ran 2 CPU ranks and passed."""
+    env = trainer_env(0, free_port(), nodes=1, NVIDIA_VISIBLE_DEVICES="GPU-8f3c2a", NODE_NAME="knode7",
+                      KUBERNETES_SERVICE_HOST="10.96.0.1")
+    ((rc, out),) = pods([("pretrain-node-0-0", env, tool("--skip-screen"))], tmp_path)
+    assert rc == aiv.EXIT_FAIL and "Total Execution Ranks: 1" in out and aiv.SUCCESS_LINE not in out, out
+    assert any(ln.startswith("FAILURE: device:") and "knode7" in ln for ln in failures(out)), out

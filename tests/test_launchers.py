@@ -144,3 +144,19 @@ def test_any_kubernetes_environment_is_a_plan_or_one_line_and_never_local_when_i
     counts = [int(env[v]) for v in ("PET_NNODES", "LWS_GROUP_SIZE", "VC_WORKER_NUM") if env.get(v, "").isdigit()]
     if any(c > 1 for c in counts):  # the environment says several nodes: this pod is one node of them
         assert node is not None and node["nnodes"] > 1, (env, p["launch"])
+
+
+@pytest.mark.parametrize("value,n", [("GPU-a,GPU-b", 2), ("0,1,2", 3), ("all", None), ("void", None), ("none", None),
+                                     ("", None), ("/var/run/nvidia-container-devices", None)])
+def test_the_pods_gpu_allocation(value, n):
+    assert aiv.allocated_gpus({"NVIDIA_VISIBLE_DEVICES": value}) == n
+    assert bool(aiv.gpus_expected({"NVIDIA_VISIBLE_DEVICES": value}, "/nonexistent")) is (n is not None)
+
+
+def test_a_pod_starts_one_rank_per_gpu_it_was_given_whatever_the_driver_shows():
+    """Every pod of one template gets the same ranks per node: a GPU lost on one node fails that node's rank
+    (no GPU visible: GPU ranks that fail, never a CPU run) instead of changing the world size."""
+    env = dict(TRAINER, NVIDIA_VISIBLE_DEVICES="GPU-a,GPU-b,GPU-c")
+    launch = aiv.plan([], env)["launch"]
+    assert (launch["nproc"], launch["backend"]) == (3, None)
+    assert aiv.plan(["--backend", "gloo"], env)["launch"]["nproc"] == 2
