@@ -238,8 +238,8 @@ def read_node_launch(env):
         index = [("RANK", None), ("PET_NODE_RANK", None)]
         default_port = None
     elif key == "volcano":
-        if "PET_NNODES" in env:
-            index.insert(0, ("VC_TASK_INDEX", None))
+        if "PET_NNODES" in env:  # set by hand: PET_NODE_RANK is the node's index (VC_TASK_INDEX is per task)
+            index = index if "PET_NODE_RANK" in env else [("VC_TASK_INDEX", None)]
         else:
             num, hosts_var, first = _volcano_task(env)
             nodes, index = [(num, None)], [("VC_TASK_INDEX", None), ("PET_NODE_RANK", None)]
