@@ -12,7 +12,10 @@ all-reduce ring. It never hangs: every distributed phase is bounded by --timeout
 Phases (each prints one progress line on rank 0):
   contract    read RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT
               (fallback: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / first host of
-              SLURM_JOB_NODELIST / a port derived from SLURM_JOB_ID)
+              SLURM_JOB_NODELIST / a port derived from SLURM_JOB_ID; an MPI launcher's);
+              a pod of Kubeflow Trainer v2, PyTorchJob v1, an Indexed Job, JobSet,
+              LeaderWorkerSet or Volcano (one process per node) starts its node's ranks:
+              the table LAUNCHERS in aiv/launchers.py
   local       backend, GPU device, NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, numpy
   rendezvous  roll call through a TCPStore on MASTER_ADDR:MASTER_PORT, every value signed with
               the job's secret AIV_JOB_SECRET (HMAC-SHA256, bound to the run); rank 0 judges
@@ -40,6 +43,8 @@ Launch:
                                           --nproc N gloo ranks on CPU (default 2)
   srun python ddp_mesh_ping.py            one rank per Slurm task
   torchrun --nproc-per-node 8 ddp_mesh_ping.py
+  python ddp_mesh_ping.py                 in a pod of a Kubernetes launcher: one rank per GPU,
+                                          the node's share of the job (docs/kubernetes.md)
   python ddp_mesh_ping.py --verify-log ai_infra_smoke_test_123.log --expect-world-size 16
 
 Exit codes: 0 PASS, 1 FAIL (a check failed), 2 USAGE (bad flags or launch contract,
@@ -87,6 +92,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import NamedTuple
 
 
 # ============================================================================ aiv/base.py
@@ -1089,16 +1095,31 @@ def in_batch_shell(env):
             and "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env)
 
 
+def this_machine(addr):
+    """Whether a MASTER_ADDR names this machine: a loopback address, localhost, or this host's own name."""
+    a = addr.strip().strip("[]").lower()
+    host = socket.gethostname().lower()
+    return a in ("localhost", "::1", host, host.split(".")[0]) or a.startswith("127.")
+
+
 def _no_rank(env):
-    """No RANK (nor SLURM_PROCID): local mode, unless the environment is half a launch contract."""
+    """No RANK (nor SLURM_PROCID): local mode, unless the environment is half a launch contract: a size or
+    local rank without a rank, an MPI launcher's variables, or a master that is another machine (a multi-node
+    hint, never replaced by 127.0.0.1)."""
     if "SLURM_JOB_ID" in env and in_batch_shell(env):
         raise UsageError("running in the Slurm batch shell, not as an srun task: launch it with "
                          "srun (one task per GPU), e.g. srun python ddp_mesh_ping.py")
-    partial = [f"{v}={env[v]!r}" for v in ("WORLD_SIZE", "LOCAL_RANK") if v in env]
+    partial = [f"{v}={env[v]!r}" for v in ("WORLD_SIZE", "LOCAL_RANK", *MPI_SIZE_VARS, *MPI_LOCAL_VARS) if v in env]
     if partial:
         raise UsageError(" and ".join(partial) + (" are" if len(partial) > 1 else " is") + " set but RANK is not: a "
                          "rank needs RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; unset them all to "
                          "run in local mode", own=True)
+    for var in ("MASTER_ADDR", "PET_MASTER_ADDR"):
+        if env.get(var) is not None and not this_machine(env[var]):
+            raise UsageError(f"{var}={env[var]!r} is set but RANK is not: a master on another machine is half a "
+                             "multi-node launch; give each process RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT, or, "
+                             "one process per node, PET_NNODES and PET_NODE_RANK (this tool then starts the node's "
+                             f"ranks); unset {var} to run in local mode on this machine")
 
 
 # An MPI launcher's rank variables (Open MPI, PMIx, MPICH/Hydra and Intel MPI), read after torchrun's and
@@ -1119,8 +1140,19 @@ def _rank_names(env):
         if var is None:
             raise UsageError(f"{wanted} is not set (nor its Slurm or MPI fallback)" + (
                 f": the MPI launcher set {names['RANK']} but not {wanted}; export {wanted} for each rank "
-                "(mpirun -x) or launch with srun or torchrun" if mpi else ""), own=wanted != "WORLD_SIZE")
+                "(mpirun -x) or launch with srun or torchrun" if mpi else
+                ": set LOCAL_RANK for each process (its index on its node); for one process per node or pod, set "
+                "PET_NNODES and PET_NODE_RANK instead of RANK and this tool starts the node's ranks"
+                if wanted == "LOCAL_RANK" else ""), own=wanted != "WORLD_SIZE")
     return names
+
+
+def check_host(var, addr):
+    """A master's host name or address as given in `var`, stripped (and its [] of IPv6); UsageError if it is none."""
+    addr = addr.strip()
+    if not addr or not re.fullmatch(r"[A-Za-z0-9_.:%\-\[\]]{1,253}", addr):
+        raise UsageError(f"{var}={addr!r} is not a host name or address")
+    return addr.strip("[]")
 
 
 def _master(env):
@@ -1134,13 +1166,11 @@ def _master(env):
             raise UsageError(f"SLURM_JOB_NODELIST={env['SLURM_JOB_NODELIST']!r}: {e}") from None
     if addr is None:
         raise UsageError("MASTER_ADDR is not set (nor SLURM_JOB_NODELIST)")
-    addr = addr.strip()
-    if not addr or not re.fullmatch(r"[A-Za-z0-9_.:%\-\[\]]{1,253}", addr):
-        raise UsageError(f"{addr_var}={addr!r} is not a host name or address")
+    addr = check_host(addr_var, addr)
     if "MASTER_PORT" in env:
-        return addr.strip("[]"), addr_var, _int_var(env, "MASTER_PORT", lo=1, hi=65535), "MASTER_PORT"
+        return addr, addr_var, _int_var(env, "MASTER_PORT", lo=1, hi=65535), "MASTER_PORT"
     if "SLURM_JOB_ID" in env:
-        return addr.strip("[]"), addr_var, derive_port(_int_var(env, "SLURM_JOB_ID", lo=0)), "SLURM_JOB_ID"
+        return addr, addr_var, derive_port(_int_var(env, "SLURM_JOB_ID", lo=0)), "SLURM_JOB_ID"
     raise UsageError("MASTER_PORT is not set (nor SLURM_JOB_ID to derive one)")
 
 
@@ -1171,7 +1201,8 @@ def read_contract(env):
         raise
     source = "slurm" if names["RANK"] == "SLURM_PROCID" else "mpi" if names["RANK"] in MPI_RANK_VARS else "env"
     return {"rank": rank, "world_size": world, "local_rank": local_rank,
-            "master_addr": addr, "master_port": port, "port_source": port_src, "source": source}
+            "master_addr": addr, "master_port": port, "port_source": port_src, "source": source,
+            "vars": [names["RANK"], names["WORLD_SIZE"], names["LOCAL_RANK"]]}
 
 
 def slurm_expected_hosts(env, world):
@@ -1271,6 +1302,318 @@ def job_secret(env):
                          "weak to authenticate the side channel; unset it, or export a fresh one: export "
                          f"{SECRET_VAR}=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
     return raw.strip().encode()
+
+
+
+# ============================================================================ aiv/launchers.py
+# Floor 2: the one table of launch contracts (LAUNCHERS): what each launcher gives a process, and how the
+TORCHRUN_PORT = 29500   # torchrun's default --master-port: the port where a launcher names a master but no port
+LAUNCH_VAR = "_AIV_LAUNCH"  # set by this tool's own launcher on its ranks: which contract it read, in words
+
+
+class Launcher(NamedTuple):
+    key: str
+    name: str
+    recognised: str   # the variables that select this row
+    gives: str        # what the launcher sets in the process's environment
+    nodes: str        # where the node count comes from
+    node: str         # where this node's index comes from
+    ranks: str        # ranks per node, and who starts them
+    rendezvous: str   # MASTER_ADDR:MASTER_PORT, from where
+    per_node: bool    # True: one process per node or pod, and this tool starts that node's ranks
+
+
+_ONE_PER_GPU = "one per GPU, 2 CPU ranks without one; `PET_NPROC_PER_NODE` or `--nproc` to choose"
+LAUNCHERS = (
+    Launcher("slurm", "Slurm srun", "`SLURM_PROCID` in an srun step",
+             "`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_JOB_NODELIST`, `SLURM_JOB_ID`, "
+             "`SLURM_STEP_NUM_NODES`, `SLURM_STEP_TASKS_PER_NODE`",
+             "`SLURM_STEP_NUM_NODES` (the expectation)", "its host in `SLURM_JOB_NODELIST`",
+             "srun's tasks, one per GPU (`SLURM_LOCALID`)",
+             "first host of `SLURM_JOB_NODELIST`, port from `SLURM_JOB_ID` (or `MASTER_ADDR`, `MASTER_PORT`)", False),
+    Launcher("torchrun", "torchrun", "`TORCHELASTIC_RUN_ID`",
+             "`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `GROUP_WORLD_SIZE`, "
+             "`MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_RUN_ID`",
+             "`GROUP_WORLD_SIZE` (the expectation)", "`GROUP_RANK`", "torchrun's workers (`LOCAL_WORLD_SIZE`)",
+             "`MASTER_ADDR`:`MASTER_PORT`, the agent's store", False),
+    Launcher("mpi", "mpirun", "`OMPI_COMM_WORLD_RANK`, `PMIX_RANK` or `PMI_RANK`",
+             "`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK` (Open MPI), `PMIX_RANK` "
+             "(PMIx), `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID` (MPICH, Intel MPI); no rendezvous",
+             "the ranks' hosts", "the rank's host", "mpirun's processes (`OMPI_COMM_WORLD_LOCAL_RANK`)",
+             "`MASTER_ADDR`, `MASTER_PORT` exported to every rank (`mpirun -x`)", False),
+    Launcher("trainer-v2", "Kubeflow Trainer v2", "`PET_NODE_RANK` or `PET_NNODES`, no `RANK`",
+             "`PET_NNODES`, `PET_NPROC_PER_NODE` (a number, or `auto` where the pod has GPUs), `PET_NODE_RANK` (the "
+             "pod's completion index), `PET_MASTER_ADDR` (`<trainjob>-node-0-0.<trainjob>`), `PET_MASTER_PORT` "
+             "(29500); an init container gets them through `envInjection`",
+             "`PET_NNODES`", "`PET_NODE_RANK`", _ONE_PER_GPU, "`PET_MASTER_ADDR`:`PET_MASTER_PORT`", True),
+    Launcher("pytorchjob", "PyTorchJob v1", "`RANK` and `WORLD_SIZE` without `LOCAL_RANK`",
+             "`MASTER_ADDR` (`<job>-master-0`), `MASTER_PORT` (23456), `WORLD_SIZE` (pods x `nprocPerNode`; pods "
+             "where it is `auto`), `RANK` (the pod's index: master 0, worker i+1); since 1.7 also `PET_NNODES`, "
+             "`PET_NODE_RANK`, `PET_NPROC_PER_NODE` (`auto` by default), `PET_MASTER_ADDR`, `PET_MASTER_PORT`",
+             "`PET_NNODES`, else `WORLD_SIZE`", "`RANK` (the pod's index)",
+             _ONE_PER_GPU + " (a pod of several GPUs without either: exit 2)", "`MASTER_ADDR`:`MASTER_PORT`", True),
+    Launcher("indexed-job", "Indexed Job", "`JOB_COMPLETION_INDEX`",
+             "`JOB_COMPLETION_INDEX` (the hostname is `<job>-<index>`); the manifest sets `PET_NNODES`, "
+             "`MASTER_ADDR` (pod 0 through a headless Service), `MASTER_PORT`",
+             "`PET_NNODES`", "`JOB_COMPLETION_INDEX`", _ONE_PER_GPU,
+             "`MASTER_ADDR`:`MASTER_PORT` (29500 when unset)", True),
+    Launcher("jobset", "JobSet", "`JOB_COMPLETION_INDEX` and `JOBSET_NAME`",
+             "no variable of its own: its Jobs are Indexed (`JOB_COMPLETION_INDEX`), its labels "
+             "(`jobset.sigs.k8s.io/jobset-name`, `job-index`, `job-global-index`, `replicatedjob-name`) reach the "
+             "environment through the downward API; the manifest sets `JOBSET_NAME`, `PET_NNODES`, `MASTER_ADDR` "
+             "(`<jobset>-<job>-0-0.<jobset>`), `MASTER_PORT`",
+             "`PET_NNODES`", "`JOB_COMPLETION_INDEX` (one Job of N pods)", _ONE_PER_GPU,
+             "`MASTER_ADDR`:`MASTER_PORT` (29500 when unset)", True),
+    Launcher("lws", "LeaderWorkerSet", "`LWS_GROUP_SIZE`, `LWS_WORKER_INDEX` or `LWS_LEADER_ADDRESS`",
+             "`LWS_LEADER_ADDRESS` (`<lws>-<group>.<subdomain>.<namespace>`), `LWS_GROUP_SIZE` (leader and "
+             "workers), `LWS_WORKER_INDEX` (0 on the leader)",
+             "`LWS_GROUP_SIZE`", "`LWS_WORKER_INDEX`", _ONE_PER_GPU,
+             "`LWS_LEADER_ADDRESS`:`MASTER_PORT` (29500 when unset)", True),
+    Launcher("volcano", "Volcano", "`VC_TASK_INDEX` or `VC_<TASK>_HOSTS`",
+             "env plugin: `VC_TASK_INDEX` (the pod's index in its task); svc plugin: `VC_<TASK>_HOSTS`, "
+             "`VC_<TASK>_NUM`; pytorch plugin (main containers only): `MASTER_ADDR`, `MASTER_PORT` (23456), "
+             "`WORLD_SIZE` (pods), `RANK` (master 0, worker i+1)",
+             "`WORLD_SIZE` (pytorch plugin), else `VC_<TASK>_NUM` (svc plugin, a job of one task)",
+             "`RANK` (pytorch plugin), else `VC_TASK_INDEX`", _ONE_PER_GPU,
+             "`MASTER_ADDR`:`MASTER_PORT` (pytorch plugin), else the first of `VC_<TASK>_HOSTS`:29500", True),
+    Launcher("env", "any launcher", "`RANK` and `LOCAL_RANK`",
+             "`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`",
+             "the ranks' hosts", "the rank's host", "the launcher's processes (`LOCAL_RANK`)",
+             "`MASTER_ADDR`:`MASTER_PORT`", False),
+    Launcher("local", "local mode", "none of the above",
+             "nothing", "1", "0", "one per GPU, 2 CPU ranks without one (`--nproc`)",
+             "127.0.0.1 (or a `MASTER_ADDR` of this machine), a free port (or `MASTER_PORT`)", True),
+)
+BY_KEY = {launcher.key: launcher for launcher in LAUNCHERS}
+GENERIC_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # any launcher's
+LWS_VARS = ("LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS")
+
+
+def node_name(env):
+    """The name this process's node goes by in the report, the JSON and `exclude`: Slurm's node name, the
+    Kubernetes node a pod runs on (NODE_NAME from the downward API's spec.nodeName, read only inside a
+    pod), else the host name."""
+    if env.get("SLURMD_NODENAME"):
+        return env["SLURMD_NODENAME"]
+    if env.get("KUBERNETES_SERVICE_HOST") and env.get("NODE_NAME", "").strip():
+        return env["NODE_NAME"].strip()
+    return socket.gethostname()
+
+
+# ---------------------------------------------------------------------------- per-node launches
+def _count(env, var):
+    """A node count: a number, or torchrun's elastic 'min:max' when min == max."""
+    raw = env[var].strip()
+    m = re.fullmatch(r"(\d+):(\d+)", raw)
+    if m and m.group(1) == m.group(2):
+        return int(m.group(1))
+    if m:
+        raise UsageError(f"{var}={raw!r} is an elastic range: a preflight needs a fixed node count; set {var} to "
+                         "one number")
+    return _int_var(env, var, lo=1, hi=100_000)
+
+
+def _first(env, launcher, fact, sources, read, fix):
+    """The value of `fact` from the first of `sources` ((variable, value or None: read it)) that is present;
+    every other one present must agree (else one line naming both). -> (value, variable)."""
+    got = [(var, read(env, var) if value is None else value) for var, value in sources
+           if value is not None or var in env]
+    if not got:
+        names = " or ".join(var for var, _ in sources)
+        raise UsageError(f"{launcher}: {fact} is not set: set {names}{fix}")
+    var, value = got[0]
+    for other, v in got[1:]:
+        if v != value:
+            raise UsageError(f"{launcher}: {var}={env.get(var, value)!s} and {other}={env.get(other, v)!s} disagree on "
+                             f"{fact}: set one of them, or make them equal")
+    return value, var
+
+
+def _addr(env, var):
+    return check_host(var, env[var])
+
+
+def _port(env, var):
+    return _int_var(env, var, lo=1, hi=65535)
+
+
+def _nproc(env):
+    """PET_NPROC_PER_NODE: a number of ranks for this node, or None for one per GPU (auto, gpu, or unset)."""
+    raw = env.get("PET_NPROC_PER_NODE")
+    if raw is None or raw.strip().lower() in ("auto", "gpu"):
+        return None
+    if not raw.strip().isdigit():
+        raise UsageError(f"PET_NPROC_PER_NODE={raw!r} is not a number nor auto: set the ranks per node, or auto for "
+                         "one per GPU")
+    return ("PET_NPROC_PER_NODE", _int_var(env, "PET_NPROC_PER_NODE", lo=1, hi=1024))
+
+
+def _volcano_task(env):
+    """The svc plugin's one task: (its VC_<TASK>_NUM, its first host), or a line naming what to set."""
+    tasks = sorted(v[3:-4] for v in env if re.fullmatch(r"VC_\w+_NUM", v) and f"VC_{v[3:-4]}_HOSTS" in env)
+    if len(tasks) != 1:
+        what = (f"a job of {len(tasks)} tasks ({', '.join(f'VC_{t}_NUM' for t in tasks)})" if tasks else
+                "no svc plugin variables (VC_<TASK>_NUM, VC_<TASK>_HOSTS)")
+        raise UsageError(f"Volcano: VC_TASK_INDEX={env.get('VC_TASK_INDEX')} is a pod's index within its task, and "
+                         f"this pod has {what}: enable the pytorch plugin (RANK, WORLD_SIZE, MASTER_ADDR, "
+                         "MASTER_PORT), or set PET_NNODES, PET_NODE_RANK and MASTER_ADDR")
+    t = tasks[0]
+    hosts = [h.strip() for h in env[f"VC_{t}_HOSTS"].split(",") if h.strip()]
+    if not hosts:
+        raise UsageError(f"Volcano: VC_{t}_HOSTS is empty: the svc plugin names no host")
+    return f"VC_{t}_NUM", f"VC_{t}_HOSTS", check_host(f"VC_{t}_HOSTS", hosts[0])
+
+
+def allocated_gpus(env):
+    """The GPUs the pod was given, from the NVIDIA device plugin's NVIDIA_VISIBLE_DEVICES when it lists them (UUIDs
+    or indices; not all, none, void or a path): the same on every pod of one template, whatever the driver still
+    shows, so that a GPU lost on one node fails that node's rank instead of changing the world size. None: unknown."""
+    raw = env.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    items = [x.strip() for x in raw.split(",") if x.strip()]
+    if not items or any(x.lower() in ("all", "none", "void") or "/" in x for x in items):
+        return None
+    return len(items)
+
+
+def which_node_launcher(env):
+    """The key of the per-node launcher this environment is, or None (a per-process launch or local mode)."""
+    rank_var = _pick(env, "RANK", "SLURM_PROCID", *MPI_RANK_VARS)
+    if LAUNCH_VAR in env or under_torchrun(env) or rank_var not in (None, "RANK"):
+        return None  # this tool's own ranks, torchrun's workers, an srun task or an MPI rank
+    if rank_var == "RANK" and _pick(env, "LOCAL_RANK", "SLURM_LOCALID", *MPI_LOCAL_VARS):
+        return None  # one process per rank
+    if any(v in env for v in LWS_VARS):
+        return "lws"
+    if "VC_TASK_INDEX" in env or any(re.fullmatch(r"VC_\w+_HOSTS", v) for v in env):  # env or svc plugin
+        return "volcano"
+    if rank_var is None and "PET_NODE_RANK" in env:
+        return "trainer-v2"
+    if rank_var == "RANK" and ("PET_NNODES" in env or "PET_NODE_RANK" in env):
+        return "pytorchjob"
+    if "JOB_COMPLETION_INDEX" in env:
+        return "jobset" if env.get("JOBSET_NAME", "").strip() else "indexed-job"
+    if "PET_NNODES" in env:
+        return "trainer-v2"
+    if rank_var == "RANK" and "WORLD_SIZE" in env:
+        return "pytorchjob"
+    return None
+
+
+def read_node_launch(env):
+    """A per-node launch: {'launcher', 'name', 'nnodes', 'node_rank', 'nproc' ((variable, n) or None: one per GPU),
+    'master_addr', 'master_port', 'from' (fact -> the variable it came from), 'world_given' (a WORLD_SIZE to
+    hold to the launch: world_mismatch), 'ambiguous' (RANK may count processes)}, or None when the environment is a
+    per-process launch or local mode. Contradictory or missing variables: UsageError, one line naming them."""
+    key = which_node_launcher(env)
+    if key is None:
+        return None
+    name, fix, where = BY_KEY[key].name, "", ""
+    nodes, index, addrs = [("PET_NNODES", None)], [("PET_NODE_RANK", None)], [("MASTER_ADDR", None),
+                                                                                ("PET_MASTER_ADDR", None)]
+    ports = [("MASTER_PORT", None), ("PET_MASTER_PORT", None)]
+    default_port, world_var, ambiguous = TORCHRUN_PORT, "WORLD_SIZE", False  # WORLD_SIZE: held to the launch
+    if key == "trainer-v2":
+        index.append(("JOB_COMPLETION_INDEX", None))
+        addrs.reverse()
+        ports.reverse()
+    elif key == "pytorchjob":
+        if "PET_NNODES" not in env:
+            nodes, world_var = [("WORLD_SIZE", None)], None
+        index.append(("RANK", None))
+        ambiguous = "PET_NNODES" not in env and "PET_NODE_RANK" not in env
+        default_port = None
+    elif key in ("indexed-job", "jobset"):
+        index.insert(0, ("JOB_COMPLETION_INDEX", None))
+        fix, where = " (the Job's completions)", ": pod 0 through the headless Service, e.g. <job>-0.<service>"
+    elif key == "lws":
+        nodes.insert(0, ("LWS_GROUP_SIZE", None))
+        index.insert(0, ("LWS_WORKER_INDEX", None))
+        addrs.insert(0, ("LWS_LEADER_ADDRESS", None))
+    elif key == "volcano" and "RANK" in env:  # the pytorch plugin: one process per pod, RANK its index
+        nodes, world_var = [("WORLD_SIZE", None), ("PET_NNODES", None)], None
+        index = [("RANK", None), ("PET_NODE_RANK", None)]
+        default_port = None
+    elif key == "volcano":
+        if "PET_NNODES" in env:  # set by hand: PET_NODE_RANK is the node's index (VC_TASK_INDEX is per task)
+            index = index if "PET_NODE_RANK" in env else [("VC_TASK_INDEX", None)]
+        else:
+            num, hosts_var, first = _volcano_task(env)
+            nodes, index = [(num, None)], [("VC_TASK_INDEX", None), ("PET_NODE_RANK", None)]
+            addrs.append((hosts_var, first))
+            fix = " (Volcano's env plugin sets VC_TASK_INDEX)"
+    nnodes, nodes_from = _first(env, name, "the node count", nodes, _count, fix)
+    node_rank, node_from = _first(env, name, "this node's index", index,
+                                  lambda e, v: _int_var(e, v, lo=0, hi=100_000), fix if key == "volcano" else "")
+    if node_rank >= nnodes:
+        raise UsageError(f"{name}: {node_from}={node_rank} is not below {nodes_from}={nnodes}", own=True)
+    addr, addr_from = _first(env, name, "the master's address", addrs, _addr, f" (the host of node 0{where})")
+    if default_port is not None and not any(var in env for var, _ in ports):
+        port, port_from = default_port, f"torchrun's default {default_port}: no MASTER_PORT"
+    else:
+        port, port_var = _first(env, name, "the master's port", ports, _port, "")
+        port_from = f"port from {port_var}"
+    return {"launcher": key, "name": name, "nnodes": nnodes, "node_rank": node_rank, "nproc": _nproc(env),
+            "master_addr": addr, "master_port": port, "port_from": port_from,
+            "from": {"nodes": nodes_from, "node": node_from, "master": addr_from},
+            "world_given": _int_var(env, world_var, lo=1, hi=100_000_000) if world_var in env else None,
+            "ambiguous": ambiguous}
+
+
+def check_pet_beside_ranks(env, world):
+    """A per-process launch (RANK and LOCAL_RANK) beside torchrun's PET_NNODES and a numeric PET_NPROC_PER_NODE
+    that make another world size: one line naming them (torchrun's workers and this tool's own ranks excepted)."""
+    if LAUNCH_VAR in env or under_torchrun(env) or "PET_NNODES" not in env:
+        return
+    nproc, nnodes = _nproc(env), _count(env, "PET_NNODES")
+    if nproc is not None and nnodes * nproc[1] != world:
+        raise UsageError(f"PET_NNODES={nnodes} x PET_NPROC_PER_NODE={nproc[1]} make {nnodes * nproc[1]} ranks, but "
+                         f"WORLD_SIZE={world}: set WORLD_SIZE to the ranks of the whole job, or unset the PET_* "
+                         "variables that belong to another launch")
+
+
+def ambiguous_rank(env, gpus):
+    """The line for RANK and WORLD_SIZE without LOCAL_RANK on a node of several GPUs, where nothing says whether
+    RANK counts pods or processes."""
+    return UsageError(f"RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} are set but LOCAL_RANK is not, on a "
+                      f"node with {gpus} GPUs: RANK may count pods (PyTorchJob v1: one process per pod) or processes; "
+                      f"set PET_NPROC_PER_NODE={gpus} (nprocPerNode) or --nproc {gpus} when it counts pods (this tool "
+                      "then starts one rank per GPU), or LOCAL_RANK when every process is one rank")
+
+
+def world_mismatch(node, nproc):
+    """A WORLD_SIZE beside a per-node launch that is neither its pods nor its ranks: the line, or None."""
+    given, world = node["world_given"], node["nnodes"] * nproc
+    if given is None or given in (node["nnodes"], world):
+        return None
+    return UsageError(f"{node['name']}: {node['from']['nodes']}={node['nnodes']} node(s) x {nproc} rank(s) per node "
+                      f"make {world} ranks, but WORLD_SIZE={given}: set WORLD_SIZE to {world} (ranks) or "
+                      f"{node['nnodes']} (pods), or unset it")
+
+
+# ---------------------------------------------------------------------------- the words for the header
+def describe_node(node, nproc, why):
+    """A per-node launch in words (the contract line's `how`; `why`: how the ranks per node were chosen)."""
+    f = node["from"]
+    return (f"{node['name']} ({f['nodes']}, {f['node']}, {f['master']}): node {node['node_rank']} of "
+            f"{node['nnodes']}, {nproc} rank(s) per node started by this tool ({why}), rank = node x {nproc} + "
+            "local rank")
+
+
+def describe_contract(contract, env):
+    """{'launch', 'how', 'port_from'} of a per-process contract: what this tool's own launcher said
+    (LAUNCH_VAR), else which launcher's variables were read."""
+    try:
+        told = json.loads(env[LAUNCH_VAR])
+        if isinstance(told, dict) and all(isinstance(told.get(k), str) for k in ("launch", "how", "port_from")):
+            return {k: told[k] for k in ("launch", "how", "port_from")}
+    except (KeyError, ValueError):
+        pass
+    names = ", ".join(contract.get("vars", ()))
+    source = contract.get("source")
+    launch = ("Slurm srun" if source == "slurm" else "mpirun" if source == "mpi" else
+              "torchrun" if under_torchrun(env) else "RANK, WORLD_SIZE, LOCAL_RANK")
+    return {"launch": launch, "how": f"{launch}: {names}, one process per rank started by the launcher",
+            "port_from": f"port from {contract.get('port_source', 'MASTER_PORT')}"}
 
 
 
@@ -1422,7 +1765,8 @@ def build_parser():
     _opt(p, "--strict", _switch, "off", "treat every WARN as a FAIL; no value: on", nargs="?", const="on",
          default=False, metavar="on/off")
     _opt(p, "--json", str, "none", "rank 0 writes the verdict as JSON here; tried before the run", metavar="PATH")
-    _opt(p, "--nproc", _positive_int, "GPUs, or 2", "local mode: number of ranks (see the rule below)", metavar="N")
+    _opt(p, "--nproc", _positive_int, "GPUs, or 2", "local mode (or a pod's per-node launch): ranks here (see the "
+         "rule below)", metavar="N")
     _opt(p, "--bandwidth", _sizes, "off", f"measure all_reduce bus bandwidth; no value or on: {DEFAULT_BW_SIZES}; "
          "0 or off: no probe", nargs="?", const="on", metavar="SIZES")
     _opt(p, "--min-busbw", _positive_float, "none", "FAIL when the largest size's busbw is below this (GB/s, "
@@ -1787,10 +2131,12 @@ NO_DEVICES = ("", "-1", "NoDevFiles")
 def gpus_expected(env, root="/"):
     """Why this rank should have a GPU ('' when it should not): CUDA_VISIBLE_DEVICES names devices,
     Slurm allocated GPUs (SLURM_*GPUS*), or the NVIDIA driver lists GPUs. CUDA_VISIBLE_DEVICES set to
-    '', -1 or NoDevFiles means a deliberate CPU run."""
+    '', -1 or NoDevFiles means a deliberate CPU run. A pod's NVIDIA_VISIBLE_DEVICES that lists GPUs counts too."""
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None:
         return "" if cvd.strip() in NO_DEVICES else f"CUDA_VISIBLE_DEVICES={cvd}"
+    if allocated_gpus(env):  # a Kubernetes pod's GPUs (the NVIDIA device plugin's list; an image's "all" is none)
+        return f"NVIDIA_VISIBLE_DEVICES lists {allocated_gpus(env)} GPU(s)"
     for k in sorted(env):
         v = env[k].strip()
         if re.fullmatch(r"SLURM_\w*GPUS\w*", k) and v and v != "(null)" and (
@@ -9475,7 +9821,7 @@ def speak_once_per_node(text, env, local_rank=0, topic="run"):
 
 
 PROGRESS = {
-    "contract": "contract: rank {rank} of {world} from {source} variables, local_rank {local_rank}, master {master}",
+    "contract": "contract: rank {rank} of {world}, local_rank {local_rank}, master {master}; {how}",
     "local": "local: backend {backend}, device {device}, interfaces checked: {ifaces}, {failed} local check(s) "
              "failed (import torch {import_s:.2f}s)",
     "rollcall_open": "rendezvous: store at {master}, roll call of {world} rank(s) within {seconds:g}s",
@@ -9495,7 +9841,7 @@ PROGRESS = {
 
 
 HEADER = (BAR, "ai-infra-validator {version} ddp_mesh_ping  {started}  host={host}", "Total Execution Ranks: {world}",
-          "Master: {master} (port from {port_source})  deadlines: roll call {rollcall:g}s, each later phase "
+          "Master: {master} ({port_from})  launch: {launch}  deadlines: roll call {rollcall:g}s, each later phase "
           "{timeout:g}s  expect: {expect}", BAR)
 
 
@@ -9519,7 +9865,7 @@ class RankRun(ScreenRunner):
     def __init__(self, args, contract, env):
         self.args, self.c, self.env = args, contract, env
         self.rank, self.world, self.local_rank = contract["rank"], contract["world_size"], contract["local_rank"]
-        self.host = env.get("SLURMD_NODENAME") or socket.gethostname()
+        self.host = node_name(env)
         self.addr, self.port = contract["master_addr"], contract["master_port"]
         self.D = deadlines(args.timeout, args.rollcall_timeout, args.soak)
         self.expect = dict(launcher_expectations(env), **{k: getattr(args, "expect_" + k) for k in
@@ -9638,7 +9984,7 @@ class RankRun(ScreenRunner):
         if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ or (
                 under_torchrun(self.env) and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"):
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-        self.progress("contract", rank=self.rank, world=self.world, source=self.c["source"],
+        self.progress("contract", rank=self.rank, world=self.world, how=self.c.get("how", self.c["source"]),
                       local_rank=self.local_rank, master=f"{self.addr}:{self.port}")
         if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
             self.bg.probe = start_import_probe()
@@ -10499,7 +10845,8 @@ class Coordinator(ScreenCoordinator, RankRun):
     def header(self):
         emit("\n".join(HEADER).format(
             version=VERSION, started=self.started_at, host=self.host, world=self.world,
-            master=f"{self.addr}:{self.port}", port_source=self.c["port_source"], rollcall=self.D["rollcall"],
+            master=f"{self.addr}:{self.port}", port_from=self.c.get("port_from", "port from " + self.c["port_source"]),
+            launch=self.c.get("launch", self.c["source"]), rollcall=self.D["rollcall"],
             timeout=self.D["init"], expect=" ".join(f"{k}={v}" for k, v in sorted(self.expect.items())) or "none"))
 
     def _listen_socket(self):
@@ -10798,22 +11145,69 @@ def _line(check, e):
 
 
 def _local(args, env, root):
-    """Local mode's launch plan: launch_plan's, plus the port (None: a free one at launch)."""
+    """Local mode's launch plan: launch_plan's, plus the port (None: a free one at launch), the master (a
+    MASTER_ADDR of this machine is kept) and the words for the header."""
     try:
         port = _int_var(env, "MASTER_PORT", lo=1, hi=65535) if "MASTER_PORT" in env else None
     except UsageError as e:
         raise _line("contract", e) from None
     try:
-        return dict(launch_plan(args, env, root), port=port)
+        out = dict(launch_plan(args, env, root), port=port)
     except UsageError as e:
         raise _line("usage", e) from None
+    addr = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+    how = f"local mode, no launcher variables: {out['nproc']} rank(s) on this machine ({_ranks_why(args, out)})"
+    return dict(out, master_addr=addr, launch="local mode",
+                port_from="port from MASTER_PORT" if port else "a free port", how=how)
+
+
+def _ranks_why(args, lp):
+    """How launch_plan chose the ranks per node, in words."""
+    if args.nproc:
+        return f"{getattr(args, 'origin', {}).get('nproc', '--nproc')}={args.nproc}"
+    if lp["backend"] == "gloo" or args.backend == "gloo":
+        return "CPU ranks: " + ("--backend gloo" if args.backend == "gloo" else "no GPU visible")
+    return "one per GPU"
+
+
+def _node_launch(args, env, root, node):
+    """A per-node launch (read_node_launch): this node's ranks as local mode chooses them (one per GPU, 2 CPU
+    ranks), or as PET_NPROC_PER_NODE or --nproc says; numbered as torchrun numbers them. A RANK that may count
+    processes on a node of several GPUs, PET_NPROC_PER_NODE against --nproc, or a WORLD_SIZE that is neither
+    the pods nor the ranks: one line."""
+    stated = node["nproc"]
+    if stated and args.nproc and args.nproc != stated[1]:
+        name = getattr(args, "origin", {}).get("nproc", "--nproc")
+        raise _line("contract", UsageError(f"{stated[0]}={stated[1]} and {name}={args.nproc} disagree on the ranks per "
+                                           "node: give one of them"))
+    if stated and not args.nproc:
+        args = argparse.Namespace(**vars(args))
+        args.nproc, args.origin = stated[1], dict(getattr(args, "origin", {}), nproc=stated[0])
+    try:
+        lp = launch_plan(args, env, root)
+    except UsageError as e:
+        raise _line("usage", e) from None
+    why, alloc, gpu_ranks = _ranks_why(args, lp), allocated_gpus(env), lp["backend"] is None and args.backend != "gloo"
+    if alloc and not args.nproc and gpu_ranks and alloc != lp["nproc"]:  # the pod's allocation
+        lp, why = dict(lp, nproc=alloc), f"one per GPU allocated: NVIDIA_VISIBLE_DEVICES lists {alloc}"
+    if node["ambiguous"] and not args.nproc and gpu_ranks and lp["nproc"] > 1:
+        raise _line("contract", ambiguous_rank(env, lp["nproc"]))
+    bad = world_mismatch(node, lp["nproc"])
+    if bad:
+        raise _line("contract", bad)
+    how = describe_node(node, lp["nproc"], why)
+    return dict(lp, port=node["master_port"], master_addr=node["master_addr"], port_from=node["port_from"],
+                launch=f"{node['name']}, this tool starting {lp['nproc']} rank(s) per node", how=how,
+                node={k: node[k] for k in ("launcher", "nnodes", "node_rank")})
 
 
 def plan(argv, env, root="/"):
     """(argv, env) -> what this process does, without importing torch or writing anything:
     {"mode": "help"|"version", "text"}, {"mode": "verify-log", "args"}, {"mode": "rank", "args",
     "contract"} or {"mode": "local", "args", "launch"}; with "check_json" where this process is the one
-    to try --json. Raises UsageError whose message is the exact line to print."""
+    to try --json (rank 0's node). A per-node launch (Kubeflow Trainer v2, PyTorchJob v1, an Indexed Job,
+    JobSet, LeaderWorkerSet, Volcano) is mode "local" with launch["node"]: this process starts its node's
+    ranks. Raises UsageError whose message is the exact line to print."""
     argv = list(argv)
     words = argv[:argv.index("--")] if "--" in argv else argv
     if "-h" in words or "--help" in words:
@@ -10829,9 +11223,16 @@ def plan(argv, env, root="/"):
     if args.diff_manifest is not None:
         return {"mode": "diff-manifest", "args": args}
     try:
-        contract = read_contract(env)
+        node = read_node_launch(env)  # one process per node or pod: this tool starts the node's ranks
+        contract = None if node else read_contract(env)
+        if contract is not None:
+            check_pet_beside_ranks(env, contract["world_size"])
+            contract.update(describe_contract(contract, env))
     except UsageError as e:
         raise _line("contract", e) from None
+    if node is not None:
+        return {"mode": "local", "args": args, "launch": _node_launch(args, env, root, node),
+                "check_json": node["node_rank"] == 0}
     if contract is not None:
         return {"mode": "rank", "args": args, "contract": contract, "check_json": contract["rank"] == 0}
     return {"mode": "local", "args": args, "launch": _local(args, env, root), "check_json": True}
@@ -10854,7 +11255,7 @@ def launch_plan(args, env, root="/"):
         gpus = count_visible_gpus(env, root)
         if not gpus and gpus_expected(env, root):
             cvd = env.get("CUDA_VISIBLE_DEVICES")
-            gpus = len([x for x in cvd.split(",") if x.strip()]) if cvd else 1
+            gpus = len([x for x in cvd.split(",") if x.strip()]) if cvd else allocated_gpus(env) or 1
         if args.backend == "nccl" and not gpus:
             name = getattr(args, "origin", {}).get("backend", "--backend")
             raise UsageError(f"{name}=nccl but no GPU is visible on {socket.gethostname()} and none is expected")
@@ -10866,7 +11267,7 @@ def launch_plan(args, env, root="/"):
 
 
 # ============================================================================ aiv/local.py
-# Floor 6: the local launcher: one rank per visible GPU, or --nproc gloo ranks on CPU.
+# Floor 6: the local launcher: one rank per visible GPU, or --nproc gloo ranks on CPU; the whole job in
 def die_with_parent(sig):
     """A Popen preexec_fn: the child gets `sig` when the process that started it dies (prctl
     PR_SET_PDEATHSIG), and ends at once where that process is already gone."""
@@ -10898,22 +11299,29 @@ class Forward:
 
 
 def launch_local(args, argv, env, launch):
-    """No distributed environment: become the launcher, one rank per GPU or --nproc CPU ranks, as
-    plan() planned it (launch: its 'nproc', 'backend' and 'port'). The ranks share a fresh
-    AIV_JOB_SECRET (unless one is exported), die with the launcher (die_with_parent) and get its
-    SIGTERM/SIGINT (Forward)."""
-    nproc = launch["nproc"]
+    """Become the launcher of this machine's ranks, one per GPU or --nproc CPU ranks, as plan() planned it
+    (launch: its 'nproc', 'backend', 'port', 'master_addr', and the words of its contract). Local mode: the
+    whole job. A per-node launch (launch['node']: 'nnodes', 'node_rank'): this node's ranks of a job over
+    several nodes, numbered as torchrun numbers them (node_rank x nproc + local rank), meeting at the
+    launcher's master. The ranks share a fresh AIV_JOB_SECRET on one node (unless one is exported), die
+    with the launcher (die_with_parent) and get its SIGTERM/SIGINT (Forward)."""
+    nproc, node = launch["nproc"], launch.get("node") or {"nnodes": 1, "node_rank": 0}
+    base, world = node["node_rank"] * nproc, node["nnodes"] * nproc
     port = launch["port"] or free_port()
     cmd = [sys.executable, os.path.abspath(__file__)] + list(argv)
     if launch["backend"] and not any(a == "--backend" or a.startswith("--backend=") for a in argv):
         cmd.append(f"--backend={launch['backend']}")
-    procs, secret = [], {} if SECRET_VAR in env else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
+    keep = SECRET_VAR in env or node["nnodes"] > 1  # exported, or other nodes could not know one made here
+    procs, secret = [], {} if keep else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
+    told = json.dumps({"launch": launch.get("launch", "local mode"), "how": launch.get("how", "local mode"),
+                       "port_from": launch.get("port_from") or "a free port"})
     for r in range(nproc):
-        cenv = dict(env, **secret, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
-        cenv.setdefault("AIV_EXPECT_NODES", "1")
+        cenv = dict(env, **secret, RANK=str(base + r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=launch.get("master_addr") or "127.0.0.1",
+                    MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **{LAUNCH_VAR: told})
+        cenv.setdefault("AIV_EXPECT_NODES", str(node["nnodes"]))
         cenv.setdefault("AIV_EXPECT_RANKS_PER_NODE", str(nproc))
-        cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(nproc))
+        cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(world))
         procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL, start_new_session=True,
                                       preexec_fn=die_with_parent(signal.SIGTERM)))
     fwd = Forward(procs)
@@ -10933,22 +11341,32 @@ def launch_local(args, argv, env, launch):
     for p in procs:
         p.wait()
     sweep_said(launch_key(os.getpid()))  # the ranks' speak-once markers: their launch is over
+    # the verdict: rank 0's code; on another node of a per-node launch, the one its ranks got from rank 0
+    first = "rank 0" if base == 0 else f"rank {base} (this node's first)"
     if alive and (procs[0] in alive or procs[0].returncode == EXIT_PASS):
-        emit(f"FAILURE: launch: local ranks {format_ranges(procs.index(p) for p in alive)} still running at the "
-             f"launcher's deadline; killed")
+        emit(f"FAILURE: launch: local ranks {format_ranges(base + procs.index(p) for p in alive)} still running at "
+             f"the launcher's deadline; killed")
         return EXIT_TIMEOUT
     codes = [p.returncode for p in procs]
     if codes[0] < 0 and fwd.sig:
-        emit(f"FAILURE: interrupted: the launcher was interrupted by {signal.Signals(fwd.sig).name} before rank 0 "
+        emit(f"FAILURE: interrupted: the launcher was interrupted by {signal.Signals(fwd.sig).name} before {first} "
              f"(pid {procs[0].pid}) gave a verdict; {STOPPED_WORDS}")
         return EXIT_INTERRUPTED
     if codes[0] < 0:
-        emit(f"FAILURE: launch: rank 0 (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
+        emit(f"FAILURE: launch: {first} (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
         return EXIT_FAIL
     if codes[0] == EXIT_PASS and any(c for p, c in zip(procs, codes, strict=True) if p not in alive):
-        bad = [(r, c) for r, c in enumerate(codes) if c]
-        emit("FAILURE: launch: rank 0 passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
+        bad = [(base + r, c) for r, c in enumerate(codes) if c]
+        emit(f"FAILURE: launch: {first} passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
         return EXIT_FAIL
+    if base and fwd.sig and (codes[0] < 0 or codes[0] >= 128):  # this node's ranks stopped on its own signal
+        emit(f"FAILURE: interrupted: the launcher of node {node['node_rank']} ({socket.gethostname()}) was "
+             f"interrupted by {signal.Signals(fwd.sig).name}: its ranks {format_ranges(range(base, base + nproc))} "
+             f"stopped before rank 0's verdict; {STOPPED_WORDS}")
+        return EXIT_INTERRUPTED
+    if base:  # another node's log says what its ranks got (rank 0's node prints the report)
+        emit(f"node {node['node_rank']} of {node['nnodes']} ({socket.gethostname()}): ranks "
+             f"{format_ranges(range(base, base + nproc))} ended; the verdict they got: exit {codes[0]}")
     return codes[0]
 
 
@@ -11033,7 +11451,7 @@ def main(argv=None):
         return run_verify_log(p["args"], argv)
     if p["mode"] == "diff-manifest":  # compare two files, no torch
         return run_diff_manifest(p["args"].diff_manifest)
-    if p["mode"] == "local" or p["contract"]["rank"] == 0:  # read and check the manifests before torch and NCCL
+    if p.get("check_json"):  # rank 0's process or its node's launcher: the manifests, before torch and NCCL
         try:
             probe(lambda: manifest_preflight(p["args"]), "--manifest and --save-manifest", prefix="")
         except UsageError as e:

@@ -8,7 +8,10 @@ all-reduce ring. It never hangs: every distributed phase is bounded by --timeout
 Phases (each prints one progress line on rank 0):
   contract    read RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT
               (fallback: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / first host of
-              SLURM_JOB_NODELIST / a port derived from SLURM_JOB_ID)
+              SLURM_JOB_NODELIST / a port derived from SLURM_JOB_ID; an MPI launcher's);
+              a pod of Kubeflow Trainer v2, PyTorchJob v1, an Indexed Job, JobSet,
+              LeaderWorkerSet or Volcano (one process per node) starts its node's ranks:
+              the table LAUNCHERS in aiv/launchers.py
   local       backend, GPU device, NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, numpy
   rendezvous  roll call through a TCPStore on MASTER_ADDR:MASTER_PORT, every value signed with
               the job's secret AIV_JOB_SECRET (HMAC-SHA256, bound to the run); rank 0 judges
@@ -36,6 +39,8 @@ Launch:
                                           --nproc N gloo ranks on CPU (default 2)
   srun python ddp_mesh_ping.py            one rank per Slurm task
   torchrun --nproc-per-node 8 ddp_mesh_ping.py
+  python ddp_mesh_ping.py                 in a pod of a Kubernetes launcher: one rank per GPU,
+                                          the node's share of the job (docs/kubernetes.md)
   python ddp_mesh_ping.py --verify-log ai_infra_smoke_test_123.log --expect-world-size 16
 
 Exit codes: 0 PASS, 1 FAIL (a check failed), 2 USAGE (bad flags or launch contract,

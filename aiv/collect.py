@@ -11,6 +11,7 @@ import sys
 
 from .base import _screen_key, first_line, read_text, safe_env
 from .interfaces import _usable, list_interfaces
+from .launchers import allocated_gpus
 
 
 def count_visible_gpus(env, root="/"):
@@ -42,10 +43,12 @@ NO_DEVICES = ("", "-1", "NoDevFiles")
 def gpus_expected(env, root="/"):
     """Why this rank should have a GPU ('' when it should not): CUDA_VISIBLE_DEVICES names devices,
     Slurm allocated GPUs (SLURM_*GPUS*), or the NVIDIA driver lists GPUs. CUDA_VISIBLE_DEVICES set to
-    '', -1 or NoDevFiles means a deliberate CPU run."""
+    '', -1 or NoDevFiles means a deliberate CPU run. A pod's NVIDIA_VISIBLE_DEVICES that lists GPUs counts too."""
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None:
         return "" if cvd.strip() in NO_DEVICES else f"CUDA_VISIBLE_DEVICES={cvd}"
+    if allocated_gpus(env):  # a Kubernetes pod's GPUs (the NVIDIA device plugin's list; an image's "all" is none)
+        return f"NVIDIA_VISIBLE_DEVICES lists {allocated_gpus(env)} GPU(s)"
     for k in sorted(env):
         v = env[k].strip()
         if re.fullmatch(r"SLURM_\w*GPUS\w*", k) and v and v != "(null)" and (

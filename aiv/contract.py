@@ -1,6 +1,7 @@
 """Floor 2: the launch contract: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, the Slurm and
 torchrun fallbacks, the expectations a launcher states, and the job's secret."""
 import re
+import socket
 
 from .base import UsageError, expand_hostlist, parse_tasks_per_node
 
@@ -40,16 +41,31 @@ def in_batch_shell(env):
             and "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env)
 
 
+def this_machine(addr):
+    """Whether a MASTER_ADDR names this machine: a loopback address, localhost, or this host's own name."""
+    a = addr.strip().strip("[]").lower()
+    host = socket.gethostname().lower()
+    return a in ("localhost", "::1", host, host.split(".")[0]) or a.startswith("127.")
+
+
 def _no_rank(env):
-    """No RANK (nor SLURM_PROCID): local mode, unless the environment is half a launch contract."""
+    """No RANK (nor SLURM_PROCID): local mode, unless the environment is half a launch contract: a size or
+    local rank without a rank, an MPI launcher's variables, or a master that is another machine (a multi-node
+    hint, never replaced by 127.0.0.1)."""
     if "SLURM_JOB_ID" in env and in_batch_shell(env):
         raise UsageError("running in the Slurm batch shell, not as an srun task: launch it with "
                          "srun (one task per GPU), e.g. srun python ddp_mesh_ping.py")
-    partial = [f"{v}={env[v]!r}" for v in ("WORLD_SIZE", "LOCAL_RANK") if v in env]
+    partial = [f"{v}={env[v]!r}" for v in ("WORLD_SIZE", "LOCAL_RANK", *MPI_SIZE_VARS, *MPI_LOCAL_VARS) if v in env]
     if partial:
         raise UsageError(" and ".join(partial) + (" are" if len(partial) > 1 else " is") + " set but RANK is not: a "
                          "rank needs RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; unset them all to "
                          "run in local mode", own=True)
+    for var in ("MASTER_ADDR", "PET_MASTER_ADDR"):
+        if env.get(var) is not None and not this_machine(env[var]):
+            raise UsageError(f"{var}={env[var]!r} is set but RANK is not: a master on another machine is half a "
+                             "multi-node launch; give each process RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT, or, "
+                             "one process per node, PET_NNODES and PET_NODE_RANK (this tool then starts the node's "
+                             f"ranks); unset {var} to run in local mode on this machine")
 
 
 # An MPI launcher's rank variables (Open MPI, PMIx, MPICH/Hydra and Intel MPI), read after torchrun's and
@@ -70,8 +86,19 @@ def _rank_names(env):
         if var is None:
             raise UsageError(f"{wanted} is not set (nor its Slurm or MPI fallback)" + (
                 f": the MPI launcher set {names['RANK']} but not {wanted}; export {wanted} for each rank "
-                "(mpirun -x) or launch with srun or torchrun" if mpi else ""), own=wanted != "WORLD_SIZE")
+                "(mpirun -x) or launch with srun or torchrun" if mpi else
+                ": set LOCAL_RANK for each process (its index on its node); for one process per node or pod, set "
+                "PET_NNODES and PET_NODE_RANK instead of RANK and this tool starts the node's ranks"
+                if wanted == "LOCAL_RANK" else ""), own=wanted != "WORLD_SIZE")
     return names
+
+
+def check_host(var, addr):
+    """A master's host name or address as given in `var`, stripped (and its [] of IPv6); UsageError if it is none."""
+    addr = addr.strip()
+    if not addr or not re.fullmatch(r"[A-Za-z0-9_.:%\-\[\]]{1,253}", addr):
+        raise UsageError(f"{var}={addr!r} is not a host name or address")
+    return addr.strip("[]")
 
 
 def _master(env):
@@ -85,13 +112,11 @@ def _master(env):
             raise UsageError(f"SLURM_JOB_NODELIST={env['SLURM_JOB_NODELIST']!r}: {e}") from None
     if addr is None:
         raise UsageError("MASTER_ADDR is not set (nor SLURM_JOB_NODELIST)")
-    addr = addr.strip()
-    if not addr or not re.fullmatch(r"[A-Za-z0-9_.:%\-\[\]]{1,253}", addr):
-        raise UsageError(f"{addr_var}={addr!r} is not a host name or address")
+    addr = check_host(addr_var, addr)
     if "MASTER_PORT" in env:
-        return addr.strip("[]"), addr_var, _int_var(env, "MASTER_PORT", lo=1, hi=65535), "MASTER_PORT"
+        return addr, addr_var, _int_var(env, "MASTER_PORT", lo=1, hi=65535), "MASTER_PORT"
     if "SLURM_JOB_ID" in env:
-        return addr.strip("[]"), addr_var, derive_port(_int_var(env, "SLURM_JOB_ID", lo=0)), "SLURM_JOB_ID"
+        return addr, addr_var, derive_port(_int_var(env, "SLURM_JOB_ID", lo=0)), "SLURM_JOB_ID"
     raise UsageError("MASTER_PORT is not set (nor SLURM_JOB_ID to derive one)")
 
 
@@ -122,7 +147,8 @@ def read_contract(env):
         raise
     source = "slurm" if names["RANK"] == "SLURM_PROCID" else "mpi" if names["RANK"] in MPI_RANK_VARS else "env"
     return {"rank": rank, "world_size": world, "local_rank": local_rank,
-            "master_addr": addr, "master_port": port, "port_source": port_src, "source": source}
+            "master_addr": addr, "master_port": port, "port_source": port_src, "source": source,
+            "vars": [names["RANK"], names["WORLD_SIZE"], names["LOCAL_RANK"]]}
 
 
 def slurm_expected_hosts(env, world):

@@ -479,7 +479,8 @@ class Coordinator(ScreenCoordinator, RankRun):
     def header(self):
         emit("\n".join(HEADER).format(
             version=VERSION, started=self.started_at, host=self.host, world=self.world,
-            master=f"{self.addr}:{self.port}", port_source=self.c["port_source"], rollcall=self.D["rollcall"],
+            master=f"{self.addr}:{self.port}", port_from=self.c.get("port_from", "port from " + self.c["port_source"]),
+            launch=self.c.get("launch", self.c["source"]), rollcall=self.D["rollcall"],
             timeout=self.D["init"], expect=" ".join(f"{k}={v}" for k, v in sorted(self.expect.items())) or "none"))
 
     def _listen_socket(self):

@@ -1,7 +1,10 @@
-"""Floor 6: the local launcher: one rank per visible GPU, or --nproc gloo ranks on CPU."""
+"""Floor 6: the local launcher: one rank per visible GPU, or --nproc gloo ranks on CPU; the whole job in
+local mode, or this node's ranks of a per-node launch (Kubeflow Trainer v2, PyTorchJob v1, Kubernetes Jobs)."""
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -10,6 +13,7 @@ from .base import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_PASS, EXIT_TIMEOUT, emit, fo
 from .contract import SECRET_VAR
 from .deadlines import ACKS_S, LAUNCHER_SLACK_S, NAMING_S, deadlines, worst_case
 from .judge import STOPPED_WORDS
+from .launchers import LAUNCH_VAR
 from .liveness import launch_key, sweep_said
 from .plan import free_port
 
@@ -45,22 +49,29 @@ class Forward:
 
 
 def launch_local(args, argv, env, launch):
-    """No distributed environment: become the launcher, one rank per GPU or --nproc CPU ranks, as
-    plan() planned it (launch: its 'nproc', 'backend' and 'port'). The ranks share a fresh
-    AIV_JOB_SECRET (unless one is exported), die with the launcher (die_with_parent) and get its
-    SIGTERM/SIGINT (Forward)."""
-    nproc = launch["nproc"]
+    """Become the launcher of this machine's ranks, one per GPU or --nproc CPU ranks, as plan() planned it
+    (launch: its 'nproc', 'backend', 'port', 'master_addr', and the words of its contract). Local mode: the
+    whole job. A per-node launch (launch['node']: 'nnodes', 'node_rank'): this node's ranks of a job over
+    several nodes, numbered as torchrun numbers them (node_rank x nproc + local rank), meeting at the
+    launcher's master. The ranks share a fresh AIV_JOB_SECRET on one node (unless one is exported), die
+    with the launcher (die_with_parent) and get its SIGTERM/SIGINT (Forward)."""
+    nproc, node = launch["nproc"], launch.get("node") or {"nnodes": 1, "node_rank": 0}
+    base, world = node["node_rank"] * nproc, node["nnodes"] * nproc
     port = launch["port"] or free_port()
     cmd = [sys.executable, os.path.abspath(__file__)] + list(argv)
     if launch["backend"] and not any(a == "--backend" or a.startswith("--backend=") for a in argv):
         cmd.append(f"--backend={launch['backend']}")
-    procs, secret = [], {} if SECRET_VAR in env else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
+    keep = SECRET_VAR in env or node["nnodes"] > 1  # exported, or other nodes could not know one made here
+    procs, secret = [], {} if keep else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
+    told = json.dumps({"launch": launch.get("launch", "local mode"), "how": launch.get("how", "local mode"),
+                       "port_from": launch.get("port_from") or "a free port"})
     for r in range(nproc):
-        cenv = dict(env, **secret, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
-        cenv.setdefault("AIV_EXPECT_NODES", "1")
+        cenv = dict(env, **secret, RANK=str(base + r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=launch.get("master_addr") or "127.0.0.1",
+                    MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **{LAUNCH_VAR: told})
+        cenv.setdefault("AIV_EXPECT_NODES", str(node["nnodes"]))
         cenv.setdefault("AIV_EXPECT_RANKS_PER_NODE", str(nproc))
-        cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(nproc))
+        cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(world))
         procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL, start_new_session=True,
                                       preexec_fn=die_with_parent(signal.SIGTERM)))
     fwd = Forward(procs)
@@ -80,20 +91,30 @@ def launch_local(args, argv, env, launch):
     for p in procs:
         p.wait()
     sweep_said(launch_key(os.getpid()))  # the ranks' speak-once markers: their launch is over
+    # the verdict: rank 0's code; on another node of a per-node launch, the one its ranks got from rank 0
+    first = "rank 0" if base == 0 else f"rank {base} (this node's first)"
     if alive and (procs[0] in alive or procs[0].returncode == EXIT_PASS):
-        emit(f"FAILURE: launch: local ranks {format_ranges(procs.index(p) for p in alive)} still running at the "
-             f"launcher's deadline; killed")
+        emit(f"FAILURE: launch: local ranks {format_ranges(base + procs.index(p) for p in alive)} still running at "
+             f"the launcher's deadline; killed")
         return EXIT_TIMEOUT
     codes = [p.returncode for p in procs]
     if codes[0] < 0 and fwd.sig:
-        emit(f"FAILURE: interrupted: the launcher was interrupted by {signal.Signals(fwd.sig).name} before rank 0 "
+        emit(f"FAILURE: interrupted: the launcher was interrupted by {signal.Signals(fwd.sig).name} before {first} "
              f"(pid {procs[0].pid}) gave a verdict; {STOPPED_WORDS}")
         return EXIT_INTERRUPTED
     if codes[0] < 0:
-        emit(f"FAILURE: launch: rank 0 (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
+        emit(f"FAILURE: launch: {first} (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
         return EXIT_FAIL
     if codes[0] == EXIT_PASS and any(c for p, c in zip(procs, codes, strict=True) if p not in alive):
-        bad = [(r, c) for r, c in enumerate(codes) if c]
-        emit("FAILURE: launch: rank 0 passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
+        bad = [(base + r, c) for r, c in enumerate(codes) if c]
+        emit(f"FAILURE: launch: {first} passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
         return EXIT_FAIL
+    if base and fwd.sig and (codes[0] < 0 or codes[0] >= 128):  # this node's ranks stopped on its own signal
+        emit(f"FAILURE: interrupted: the launcher of node {node['node_rank']} ({socket.gethostname()}) was "
+             f"interrupted by {signal.Signals(fwd.sig).name}: its ranks {format_ranges(range(base, base + nproc))} "
+             f"stopped before rank 0's verdict; {STOPPED_WORDS}")
+        return EXIT_INTERRUPTED
+    if base:  # another node's log says what its ranks got (rank 0's node prints the report)
+        emit(f"node {node['node_rank']} of {node['nnodes']} ({socket.gethostname()}): ranks "
+             f"{format_ranges(range(base, base + nproc))} ended; the verdict they got: exit {codes[0]}")
     return codes[0]

@@ -106,7 +106,7 @@ def main(argv=None):
         return run_verify_log(p["args"], argv)
     if p["mode"] == "diff-manifest":  # compare two files, no torch
         return run_diff_manifest(p["args"].diff_manifest)
-    if p["mode"] == "local" or p["contract"]["rank"] == 0:  # read and check the manifests before torch and NCCL
+    if p.get("check_json"):  # rank 0's process or its node's launcher: the manifests, before torch and NCCL
         try:
             probe(lambda: manifest_preflight(p["args"]), "--manifest and --save-manifest", prefix="")
         except UsageError as e:

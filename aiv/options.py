@@ -155,7 +155,8 @@ def build_parser():
     _opt(p, "--strict", _switch, "off", "treat every WARN as a FAIL; no value: on", nargs="?", const="on",
          default=False, metavar="on/off")
     _opt(p, "--json", str, "none", "rank 0 writes the verdict as JSON here; tried before the run", metavar="PATH")
-    _opt(p, "--nproc", _positive_int, "GPUs, or 2", "local mode: number of ranks (see the rule below)", metavar="N")
+    _opt(p, "--nproc", _positive_int, "GPUs, or 2", "local mode (or a pod's per-node launch): ranks here (see the "
+         "rule below)", metavar="N")
     _opt(p, "--bandwidth", _sizes, "off", f"measure all_reduce bus bandwidth; no value or on: {DEFAULT_BW_SIZES}; "
          "0 or off: no probe", nargs="?", const="on", metavar="SIZES")
     _opt(p, "--min-busbw", _positive_float, "none", "FAIL when the largest size's busbw is below this (GB/s, "

@@ -1,4 +1,5 @@
 """Floor 6: what a command line becomes (help, version, verify-log, diff-manifest, local, rank)."""
+import argparse
 import os
 import re
 import socket
@@ -7,6 +8,15 @@ import tempfile
 from .base import VERSION, UsageError, human_bytes, read_text
 from .collect import count_visible_gpus, gpus_expected
 from .contract import _int_var, read_contract
+from .launchers import (
+    allocated_gpus,
+    ambiguous_rank,
+    check_pet_beside_ranks,
+    describe_contract,
+    describe_node,
+    read_node_launch,
+    world_mismatch,
+)
 from .options import RANK_MEM_CPU, RANK_MEM_GPU, RANKS_PER_CORE, build_parser, parse_args
 
 # Set by a launcher that starts several ranks per node (srun, torchrun, mpirun, local mode): then a
@@ -86,22 +96,69 @@ def _line(check, e):
 
 
 def _local(args, env, root):
-    """Local mode's launch plan: launch_plan's, plus the port (None: a free one at launch)."""
+    """Local mode's launch plan: launch_plan's, plus the port (None: a free one at launch), the master (a
+    MASTER_ADDR of this machine is kept) and the words for the header."""
     try:
         port = _int_var(env, "MASTER_PORT", lo=1, hi=65535) if "MASTER_PORT" in env else None
     except UsageError as e:
         raise _line("contract", e) from None
     try:
-        return dict(launch_plan(args, env, root), port=port)
+        out = dict(launch_plan(args, env, root), port=port)
     except UsageError as e:
         raise _line("usage", e) from None
+    addr = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+    how = f"local mode, no launcher variables: {out['nproc']} rank(s) on this machine ({_ranks_why(args, out)})"
+    return dict(out, master_addr=addr, launch="local mode",
+                port_from="port from MASTER_PORT" if port else "a free port", how=how)
+
+
+def _ranks_why(args, lp):
+    """How launch_plan chose the ranks per node, in words."""
+    if args.nproc:
+        return f"{getattr(args, 'origin', {}).get('nproc', '--nproc')}={args.nproc}"
+    if lp["backend"] == "gloo" or args.backend == "gloo":
+        return "CPU ranks: " + ("--backend gloo" if args.backend == "gloo" else "no GPU visible")
+    return "one per GPU"
+
+
+def _node_launch(args, env, root, node):
+    """A per-node launch (read_node_launch): this node's ranks as local mode chooses them (one per GPU, 2 CPU
+    ranks), or as PET_NPROC_PER_NODE or --nproc says; numbered as torchrun numbers them. A RANK that may count
+    processes on a node of several GPUs, PET_NPROC_PER_NODE against --nproc, or a WORLD_SIZE that is neither
+    the pods nor the ranks: one line."""
+    stated = node["nproc"]
+    if stated and args.nproc and args.nproc != stated[1]:
+        name = getattr(args, "origin", {}).get("nproc", "--nproc")
+        raise _line("contract", UsageError(f"{stated[0]}={stated[1]} and {name}={args.nproc} disagree on the ranks per "
+                                           "node: give one of them"))
+    if stated and not args.nproc:
+        args = argparse.Namespace(**vars(args))
+        args.nproc, args.origin = stated[1], dict(getattr(args, "origin", {}), nproc=stated[0])
+    try:
+        lp = launch_plan(args, env, root)
+    except UsageError as e:
+        raise _line("usage", e) from None
+    why, alloc, gpu_ranks = _ranks_why(args, lp), allocated_gpus(env), lp["backend"] is None and args.backend != "gloo"
+    if alloc and not args.nproc and gpu_ranks and alloc != lp["nproc"]:  # the pod's allocation
+        lp, why = dict(lp, nproc=alloc), f"one per GPU allocated: NVIDIA_VISIBLE_DEVICES lists {alloc}"
+    if node["ambiguous"] and not args.nproc and gpu_ranks and lp["nproc"] > 1:
+        raise _line("contract", ambiguous_rank(env, lp["nproc"]))
+    bad = world_mismatch(node, lp["nproc"])
+    if bad:
+        raise _line("contract", bad)
+    how = describe_node(node, lp["nproc"], why)
+    return dict(lp, port=node["master_port"], master_addr=node["master_addr"], port_from=node["port_from"],
+                launch=f"{node['name']}, this tool starting {lp['nproc']} rank(s) per node", how=how,
+                node={k: node[k] for k in ("launcher", "nnodes", "node_rank")})
 
 
 def plan(argv, env, root="/"):
     """(argv, env) -> what this process does, without importing torch or writing anything:
     {"mode": "help"|"version", "text"}, {"mode": "verify-log", "args"}, {"mode": "rank", "args",
     "contract"} or {"mode": "local", "args", "launch"}; with "check_json" where this process is the one
-    to try --json. Raises UsageError whose message is the exact line to print."""
+    to try --json (rank 0's node). A per-node launch (Kubeflow Trainer v2, PyTorchJob v1, an Indexed Job,
+    JobSet, LeaderWorkerSet, Volcano) is mode "local" with launch["node"]: this process starts its node's
+    ranks. Raises UsageError whose message is the exact line to print."""
     argv = list(argv)
     words = argv[:argv.index("--")] if "--" in argv else argv
     if "-h" in words or "--help" in words:
@@ -117,9 +174,16 @@ def plan(argv, env, root="/"):
     if args.diff_manifest is not None:
         return {"mode": "diff-manifest", "args": args}
     try:
-        contract = read_contract(env)
+        node = read_node_launch(env)  # one process per node or pod: this tool starts the node's ranks
+        contract = None if node else read_contract(env)
+        if contract is not None:
+            check_pet_beside_ranks(env, contract["world_size"])
+            contract.update(describe_contract(contract, env))
     except UsageError as e:
         raise _line("contract", e) from None
+    if node is not None:
+        return {"mode": "local", "args": args, "launch": _node_launch(args, env, root, node),
+                "check_json": node["node_rank"] == 0}
     if contract is not None:
         return {"mode": "rank", "args": args, "contract": contract, "check_json": contract["rank"] == 0}
     return {"mode": "local", "args": args, "launch": _local(args, env, root), "check_json": True}
@@ -142,7 +206,7 @@ def launch_plan(args, env, root="/"):
         gpus = count_visible_gpus(env, root)
         if not gpus and gpus_expected(env, root):
             cvd = env.get("CUDA_VISIBLE_DEVICES")
-            gpus = len([x for x in cvd.split(",") if x.strip()]) if cvd else 1
+            gpus = len([x for x in cvd.split(",") if x.strip()]) if cvd else allocated_gpus(env) or 1
         if args.backend == "nccl" and not gpus:
             name = getattr(args, "origin", {}).get("backend", "--backend")
             raise UsageError(f"{name}=nccl but no GPU is visible on {socket.gethostname()} and none is expected")

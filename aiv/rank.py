@@ -73,6 +73,7 @@ from .interfaces import (
     gloo_address,
     list_interfaces,
 )
+from .launchers import node_name
 from .liveness import launch_key, proc_stat, said_marker, sweep_said
 from .measure import soak_measure, start_node_smi, start_screen_gpu
 from .numerics_measure import ddp_local_grads, rank_numerics
@@ -109,7 +110,7 @@ def speak_once_per_node(text, env, local_rank=0, topic="run"):
 
 
 PROGRESS = {
-    "contract": "contract: rank {rank} of {world} from {source} variables, local_rank {local_rank}, master {master}",
+    "contract": "contract: rank {rank} of {world}, local_rank {local_rank}, master {master}; {how}",
     "local": "local: backend {backend}, device {device}, interfaces checked: {ifaces}, {failed} local check(s) "
              "failed (import torch {import_s:.2f}s)",
     "rollcall_open": "rendezvous: store at {master}, roll call of {world} rank(s) within {seconds:g}s",
@@ -129,7 +130,7 @@ PROGRESS = {
 
 
 HEADER = (BAR, "ai-infra-validator {version} ddp_mesh_ping  {started}  host={host}", "Total Execution Ranks: {world}",
-          "Master: {master} (port from {port_source})  deadlines: roll call {rollcall:g}s, each later phase "
+          "Master: {master} ({port_from})  launch: {launch}  deadlines: roll call {rollcall:g}s, each later phase "
           "{timeout:g}s  expect: {expect}", BAR)
 
 
@@ -153,7 +154,7 @@ class RankRun(ScreenRunner):
     def __init__(self, args, contract, env):
         self.args, self.c, self.env = args, contract, env
         self.rank, self.world, self.local_rank = contract["rank"], contract["world_size"], contract["local_rank"]
-        self.host = env.get("SLURMD_NODENAME") or socket.gethostname()
+        self.host = node_name(env)
         self.addr, self.port = contract["master_addr"], contract["master_port"]
         self.D = deadlines(args.timeout, args.rollcall_timeout, args.soak)
         self.expect = dict(launcher_expectations(env), **{k: getattr(args, "expect_" + k) for k in
@@ -272,7 +273,7 @@ class RankRun(ScreenRunner):
         if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ or (
                 under_torchrun(self.env) and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"):
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-        self.progress("contract", rank=self.rank, world=self.world, source=self.c["source"],
+        self.progress("contract", rank=self.rank, world=self.world, how=self.c.get("how", self.c["source"]),
                       local_rank=self.local_rank, master=f"{self.addr}:{self.port}")
         if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
             self.bg.probe = start_import_probe()

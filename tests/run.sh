@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the test suite: builds (once) a test venv with a CPU torch, numpy, psutil, pytest,
-# pytest-xdist, hypothesis, ruff, prometheus_client (the metrics' parser) and selenium (the page
-# in a real browser), then runs pytest over tests/ on TEST_WORKERS parallel workers.
+# pytest-xdist, hypothesis, ruff, prometheus_client (the metrics' parser), selenium (the page
+# in a real browser) and kubernetes-validate with PyYAML (the k8s/ manifests, offline), then runs
+# pytest over tests/ on TEST_WORKERS parallel workers.
 #   tests/run.sh                          the whole suite
 #   tests/run.sh tests/test_hangs.py -x   just that file (any file, directory or node id given as
 #                                         an argument replaces tests/); other arguments go to pytest
@@ -30,11 +31,12 @@ TEST_TORCH_SPEC=${TEST_TORCH_SPEC:-torch==2.13.0}
 TEST_WORKERS=${TEST_WORKERS:-4}
 TEST_DURATIONS=${TEST_DURATIONS:-15}
 py="$AIV_TEST_ENV/bin/python"
-if ! "$py" -c 'import torch, numpy, psutil, pytest, xdist, hypothesis, prometheus_client, selenium' >/dev/null 2>&1; then
+if ! "$py" -c 'import torch, numpy, psutil, pytest, xdist, hypothesis, prometheus_client, selenium, kubernetes_validate, yaml' >/dev/null 2>&1; then
   echo "tests/run.sh: building the test venv at $AIV_TEST_ENV ($TEST_TORCH_SPEC)"
   "$PYTHON" -m venv "$AIV_TEST_ENV"
   "$py" -m pip install -q --upgrade pip
-  "$py" -m pip install -q "$TEST_TORCH_SPEC" numpy psutil pytest pytest-xdist hypothesis ruff prometheus_client selenium
+  "$py" -m pip install -q "$TEST_TORCH_SPEC" numpy psutil pytest pytest-xdist hypothesis ruff prometheus_client selenium \
+    kubernetes-validate pyyaml
 fi
 
 # tests/ unless an argument names what to run (a path, or a node id path::test)

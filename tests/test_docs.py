@@ -160,6 +160,9 @@ PLAN_CASES = [
     ([], {"AIV_" + "TIMOUT": "5"}),  # misspelled on purpose (spelled in two parts: no variable of the repo)
     ([], {"AIV_TIMEOUT": "abc"}),
     ([], {"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"}),
+    ([], {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "127.0.0.1",
+          "PET_MASTER_PORT": "29500", "WORLD_SIZE": "3"}),  # docs/kubernetes.md
+    ([], {"MASTER_ADDR": "node1"}),
 ]
 
 
@@ -232,7 +235,7 @@ def test_every_bench_script_is_named_under_benchmarks():
 
 def test_run_sh_with_a_file_runs_that_file_only():
     """The pages say `tests/run.sh FILE` runs one file: collected, its tests and no other file's."""
-    need = "import torch, numpy, psutil, pytest, hypothesis, prometheus_client, selenium"
+    need = "import torch, numpy, psutil, pytest, hypothesis, prometheus_client, selenium, kubernetes_validate, yaml"
     if subprocess.run([sys.executable, "-c", need], capture_output=True).returncode:
         pytest.skip("this venv lacks what tests/run.sh needs (it would build its own)")
     assert "`tests/run.sh FILE` runs" in flat(README) + flat(DOCS / "development.md")

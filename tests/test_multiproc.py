@@ -27,6 +27,10 @@ def test_local_mode_passes(nproc, tmp_path):
     assert lines[-1] == aiv.SUCCESS_LINE and not failures(r.stdout)
     assert f"Ranks Reported: {nproc}/{nproc}" in lines
     assert "Traceback" not in r.stdout + r.stderr
+    header = next(ln for ln in lines if ln.startswith("Master: 127.0.0.1:"))  # it says it is local mode
+    assert "(a free port)  launch: local mode  " in header and any(
+        ln.endswith(f"; local mode, no launcher variables: {nproc} rank(s) on this machine (--nproc={nproc})")
+        for ln in lines)
     v = run_tool(["--verify-log", log, "--expect-world-size", nproc, "--expect-nodes", 1,
                   "--expect-ranks-per-node", nproc])
     assert v.returncode == 0, v.stdout

@@ -32,6 +32,7 @@ BUILD_ORDER = (
     "deadlines",     # the one table of bounds; Bound, the only place the watchdog is armed
     "files",         # atomic writes and file locks, each under a bound
     "contract",      # the launch variables (RANK, Slurm, torchrun, MPI), the job's secret
+    "launchers",     # the one table of launch contracts; per-node launches (Kubernetes, Trainer v2)
     "options",       # the one parser of flags and AIV_* variables
     "interfaces",    # NCCL/GLOO_SOCKET_IFNAME, NCCL's own log lines
     "collect",       # facts of a rank and its node, one getter per fact
