@@ -6,9 +6,10 @@ import re
 from .base import _screen_key, _screen_median, _screen_sorted, compress_hostlist, finding, format_ranges
 from .collect import THROTTLE_FAULTS, throttle_names
 from .judge import screen_reference
-from .manifest import BAND_MIN_RUNS, _band_points, _host_classes
+from .manifest import BAND_MIN_RUNS, BAND_SLACK, BAND_SLACK_CPU, _band_points, _host_classes
 from .screen_plan import (
     SCREEN_LIST_MAX,
+    SCREEN_NOISE_SIGMAS,
     screen_fractions,
     screen_level,
     screen_pair_levels,
@@ -97,6 +98,12 @@ def _sn(x):
     measure GB/s and TFLOPS in hundredths)."""
     x = float(x)
     return f"{x:.1f}" if abs(x) >= 1 or x == 0 else f"{x:.2g}"
+
+
+def _s3(x):
+    """A value for a picture: 3 significant digits (0.0921, 12.3, 670, 4213), never rounded to nothing."""
+    x = float(x)
+    return f"{x:.3g}" if abs(x) >= 1e6 else f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
 def _screen_ref_text(ref, unit, noun=""):
@@ -701,6 +708,67 @@ def screen_band_names(manifest, records, screen):
         if b and b.get("runs", 1) >= BAND_MIN_RUNS:
             out.add(band)
     return sorted(out)
+
+
+def screen_band_lines(manifest, records, screen):
+    """The manifest's speed bands that judge this run (as judge_bands: BAND_MIN_RUNS runs or more), each with
+    the value below which it FAILs a measurement, for the page to draw: [{'band', 'class', 'hosts' (this run's
+    hosts of that class), 'lo', 'hi', 'ref', 'runs', 'slack', 'fail_below'}], [] without a manifest."""
+    classes, host_class = (manifest or {}).get("classes") or {}, _host_classes(records or [])
+    slack = BAND_SLACK_CPU if (screen or {}).get("cpu") else BAND_SLACK
+    seen = {}
+    for cls, band, _, hosts, *_ in _band_points(screen, host_class):
+        b = ((classes.get(cls) or {}).get("bands") or {}).get(band)
+        if b and b.get("runs", 1) >= BAND_MIN_RUNS:
+            e = seen.setdefault((band, cls), {"band": band, "class": cls, "hosts": set(), "lo": b["lo"], "hi": b["hi"],
+                                              "ref": b["ref"], "runs": b["runs"], "slack": slack,
+                                              "fail_below": slack * b["lo"]})
+            e["hosts"].update(h for h in hosts if h is not None)
+    return [dict(e, hosts=_screen_sorted(e["hosts"])) for _, e in sorted(seen.items())]
+
+
+def judging_lines(values_ref, fail, warn, table=None, floor=None, floor_name=None, bands=(), peers_word="peers"):
+    """The lines a set of like-for-like values was judged against, in the values' own unit, exactly as the
+    judges apply them: the peers' reference (screen_reference, from 2 values on) with its FAIL fraction and its
+    WARN line (the WARN fraction, or SCREEN_NOISE_SIGMAS spreads below the reference where that is lower:
+    screen_level), a table row {'row', 'ref'} with SCREEN_TABLE_FAIL/WARN of it (table_level), the floor (a
+    --min-* value; floor_name its SCREEN_FLOOR_OPTIONS key) and the manifest bands (screen_band_lines entries:
+    FAIL below 'fail_below'). -> [{'kind': 'ref'|'fail'|'warn'|'row'|'floor'|'band', 'level': 'FAIL'|'WARN'|
+    None (a reference, no threshold), 'value', 'text'}]; a value below a line of level FAIL is judged FAIL."""
+    out, p = [], values_ref or {}
+    if p.get("count", 0) >= 2 and p.get("ref"):
+        r = float(p["ref"])
+        out.append({"kind": "ref", "level": None, "value": r,
+                    "text": f"{peers_word}' reference {_s3(r)} ({p['how']} of {p['count']})"})
+        out.append({"kind": "fail", "level": "FAIL", "value": fail * r,
+                    "text": f"FAIL below {fail:.2f} of the reference: {_s3(fail * r)}"})
+        w = None if warn is None else min(warn * r, r - SCREEN_NOISE_SIGMAS * float(p.get("spread") or 0.0))
+        if w is not None and w > 0:
+            out.append({"kind": "warn", "level": "WARN", "value": w,
+                        "text": f"WARN below {warn:.2f} of the reference"
+                                + (f" and {SCREEN_NOISE_SIGMAS:g} spreads below it" if w < warn * r else "")
+                                + f": {_s3(w)}"})
+    if table:
+        t = float(table["ref"])
+        out += [{"kind": "row", "level": None, "value": t, "text": f"table row {table['row']}: {_s3(t)}"},
+                {"kind": "fail", "level": "FAIL", "value": SCREEN_TABLE_FAIL * t,
+                 "text": f"FAIL below {SCREEN_TABLE_FAIL:.2f} of the row: {_s3(SCREEN_TABLE_FAIL * t)}"},
+                {"kind": "warn", "level": "WARN", "value": SCREEN_TABLE_WARN * t,
+                 "text": f"WARN below {SCREEN_TABLE_WARN:.2f} of the row: {_s3(SCREEN_TABLE_WARN * t)}"}]
+    if floor is not None:
+        out.append({"kind": "floor", "level": "FAIL", "value": float(floor),
+                    "text": f"floor {SCREEN_FLOOR_OPTIONS.get(floor_name, 'floor')} {floor:g}: FAIL below"})
+    for b in bands:
+        out.append({"kind": "band", "level": "FAIL", "value": float(b["fail_below"]),
+                    "text": f"manifest band {b['band']} of {b['class']}: FAIL below {b['slack']:g} x its lowest "
+                            f"{_s3(b['lo'])}: {_s3(b['fail_below'])}"})
+    return out
+
+
+def band_level(value, host, bands):
+    """'FAIL' when a manifest band that judges `host` FAILs the value (as _below_band), else 'OK'."""
+    v = value if isinstance(value, (int, float)) else None
+    return "FAIL" if v is not None and any(host in b["hosts"] and v < b["fail_below"] for b in bands) else "OK"
 
 
 def screen_judged_against(screen, bands=None):

@@ -12,6 +12,7 @@ from .judge import apply_strict
 from .measure import HostStarved, can_split, screen_busbw, screen_measure_gpu, split_problem, take_screen_gpu
 from .screen_judge import (
     judge_gpu_facts,
+    screen_band_lines,
     screen_band_names,
     screen_judged_against,
 )
@@ -171,6 +172,8 @@ class ScreenCoordinator:
         found = apply_strict(judge_screen(self.screen) + judge_gpu_facts(self.screen.get("gpu")), a.strict)
         self.screen["judged_against"] = screen_judged_against(  # no --manifest: no band, said as such
             self.screen, screen_band_names(a.manifest_data, self.records, self.screen))
+        if a.manifest_data:  # the page draws each band's FAIL line beside the screen's own
+            self.screen["bands"] = screen_band_lines(a.manifest_data, self.records, self.screen)
         self.findings += found
         self.progress("screen_net", detail=self.net_detail(), counts=_counts(found), secs=time.monotonic() - t)
         if verdict_code(self.findings):
