@@ -11,6 +11,7 @@
 #   bash bootstrap_env.sh
 #   PYTORCH_ENV=$HOME/pytorch_env bash bootstrap_env.sh
 #   bash bootstrap_env.sh --index-url https://download.pytorch.org/whl/cu128
+#   bash bootstrap_env.sh --cpu        # a CPU build (the PyTorch CPU index, PyPI for the rest)
 #   EXTRA_INDEX_URL=https://pypi.org/simple bash bootstrap_env.sh --index-url https://download.pytorch.org/whl/cpu
 #   EXTRA_PIP_ARGS=--no-index bash bootstrap_env.sh --find-links /shared/wheelhouse   # offline
 #
@@ -20,6 +21,7 @@
 # GPU nodes.  The last line installs from a local wheelhouse, without any download.
 #
 # Options (each one wins over its environment variable):
+#   --cpu                  same as TORCH_BUILD=cpu
 #   --index-url URL        same as INDEX_URL
 #   --extra-index-url URL  same as EXTRA_INDEX_URL (repeat it for more than one)
 #   --find-links DIR       same as FIND_LINKS
@@ -48,6 +50,12 @@
 #                     e.g. "--no-index" offline, "--force-reinstall" to reinstall everything [empty]
 #   UPGRADE_PIP       1: upgrade pip inside the venv first (a failure, e.g. offline, only warns);
 #                     0: keep the pip that venv installed [1]
+#   TORCH_BUILD       the torch build asked for: cpu, cuXYZ (CUDA X.Y: cu128 is 12.8) or rocmX.Y;
+#                     empty: the one a build-specific index names (.../whl/cpu, .../whl/cu128), else
+#                     none (pip's choice is taken as it comes).  cpu with no index given uses
+#                     https://download.pytorch.org/whl/cpu, and PyPI for the rest [empty]
+#   INDEX_RETRIES     pip --retries: tries again per page of an index that does not answer [1]
+#   INDEX_TIMEOUT     pip --timeout, in seconds, and the bound of the reachability probe [15]
 #
 # What it does:
 #   1. creates the venv with "$PYTHON -m venv" unless PYTORCH_ENV already is one (an empty
@@ -61,7 +69,13 @@
 #      user:password part of a URL is masked);
 #   4. imports torch, torchvision, torchaudio, psutil and numpy with the venv's python and prints
 #      one "name version" line each, then "CUDA available: ..." (False is expected on a node
-#      without GPUs, such as a login node; the preflight checks the GPUs on the compute nodes).
+#      without GPUs, such as a login node; the preflight checks the GPUs on the compute nodes);
+#   5. checks that torch is the build asked for (TORCH_BUILD, or the build-specific index): its
+#      version's +cpu/+cuXYZ label and torch.version.cuda (or .hip).  Another build (say the CPU
+#      index was unreachable and an extra index served a CUDA one) is ONE error line naming both,
+#      the index that did not answer and the seconds pip spent retrying it; exit 1, never "ready".
+#   Before pip runs, each http(s) index is probed once (INDEX_TIMEOUT); one that does not answer
+#   is a WARNING line, and pip tries it INDEX_RETRIES more time(s) per page, not its own 5.
 #   Files are created with umask 022, readable by every user whose jobs run the preflight.
 #   Re-running is safe and fast.  Its request (python, specs, package sources; an unset one
 #   counts as unset, so re-run with the same settings) is compared with the record:
@@ -70,7 +84,8 @@
 #   - another python: the venv is rebuilt from scratch with it;
 #   - another package source: every package is reinstalled from it (pip --force-reinstall), as
 #     the same version may be another build (CUDA or CPU);
-#   - another spec: pip installs it; a package whose spec is empty now is uninstalled.
+#   - another spec: pip installs it; a package whose spec is empty now is uninstalled;
+#   - the same, but torch is not the build asked for: every package is reinstalled from the sources.
 #   It then prints what it changed and records the new request, e.g.
 #     changed: index-url https://download.pytorch.org/whl/cu126 -> https://download.pytorch.org/whl/cu128
 #   Other EXTRA_PIP_ARGS are not compared; packages no longer needed (e.g. the nvidia-* ones
@@ -79,7 +94,8 @@
 #   installed, and the request is recorded; if that venv came from another index or wheelhouse,
 #   re-run once with EXTRA_PIP_ARGS=--force-reinstall.
 #
-# Exit codes: 0 ready; 1 install error (pip failed, or a package does not import); 2 usage or
+# Exit codes: 0 ready; 1 install error (pip failed, a package does not import, or torch is another
+# build than the one asked for); 2 usage or
 # setup error (bad option, PYTHON without venv/ensurepip, PYTORCH_ENV not writable or not a venv).
 set -euo pipefail
 
@@ -111,13 +127,22 @@ EXTRA_INDEX_URL=${EXTRA_INDEX_URL:-}
 FIND_LINKS=${FIND_LINKS:-}
 EXTRA_PIP_ARGS=${EXTRA_PIP_ARGS:-}
 UPGRADE_PIP=${UPGRADE_PIP:-1}
+TORCH_BUILD=${TORCH_BUILD:-}
+INDEX_RETRIES=${INDEX_RETRIES:-1}
+INDEX_TIMEOUT=${INDEX_TIMEOUT:-15}
 
 extra_index_opts=()
+cpu_flag=0
 while [ $# -gt 0 ]; do
   case $1 in
     -h | --help)
       usage
       exit 0
+      ;;
+    --cpu)
+      TORCH_BUILD=cpu
+      cpu_flag=1
+      shift
       ;;
     --index-url)
       [ $# -ge 2 ] || fail 2 "--index-url needs a URL (see --help)"
@@ -155,6 +180,18 @@ case $UPGRADE_PIP in
   0 | 1) ;;
   *) fail 2 "UPGRADE_PIP must be 0 or 1, not '$UPGRADE_PIP'" ;;
 esac
+case $TORCH_BUILD in
+  "" | cpu | cu[0-9][0-9] | cu[0-9][0-9][0-9] | rocm[0-9]*) ;;
+  *) fail 2 "TORCH_BUILD must be cpu, cuXYZ (e.g. cu128) or rocmX.Y, not '$TORCH_BUILD'" ;;
+esac
+[[ $INDEX_RETRIES =~ ^[0-9]+$ ]] || fail 2 "INDEX_RETRIES must be a whole number, not '$INDEX_RETRIES'"
+[[ $INDEX_TIMEOUT =~ ^[0-9]+$ && $INDEX_TIMEOUT -gt 0 ]] || fail 2 "INDEX_TIMEOUT must be a whole number of seconds, not '$INDEX_TIMEOUT'"
+# --cpu alone: the PyTorch CPU index for torch, PyPI for what it lacks
+if [ "$TORCH_BUILD" = cpu ] && [ -z "$INDEX_URL" ] && [ -z "${PIP_INDEX_URL:-}" ] && [ -z "$FIND_LINKS" ] &&
+  [[ " $EXTRA_PIP_ARGS " != *" -i"* && " $EXTRA_PIP_ARGS " != *" --index-url"* ]]; then
+  INDEX_URL=https://download.pytorch.org/whl/cpu
+  if [ ${#extra_index_opts[@]} -eq 0 ] && [ -z "$EXTRA_INDEX_URL" ]; then EXTRA_INDEX_URL=https://pypi.org/simple; fi
+fi
 
 # absolute path without trailing slashes: it ends up in every hint and in the venv's scripts
 while [ "${PYTORCH_ENV%/}" != "$PYTORCH_ENV" ]; do PYTORCH_ENV=${PYTORCH_ENV%/}; done
@@ -182,7 +219,7 @@ EXTRA_INDEXES=()
 read -r -d '' -a EXTRA_INDEXES <<<"$EXTRA_INDEX_URL" || true
 
 PIP_COMMON=(--disable-pip-version-check ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
-PIP_OPTS=("${PIP_COMMON[@]}")
+PIP_OPTS=("${PIP_COMMON[@]}" --retries "$INDEX_RETRIES" --timeout "$INDEX_TIMEOUT")
 if [ -n "$INDEX_URL" ]; then PIP_OPTS+=(--index-url "$INDEX_URL"); fi
 for url in ${EXTRA_INDEXES[@]+"${EXTRA_INDEXES[@]}"}; do PIP_OPTS+=(--extra-index-url "$url"); done
 if [ -n "$FIND_LINKS" ]; then PIP_OPTS+=(--find-links "$FIND_LINKS"); fi
@@ -417,6 +454,163 @@ for spec in sys.argv[1:]:
 print("; ".join(bad))
 '
 
+# ---- the torch build: what was asked, what pip got, and how long an index that did not answer cost ----
+# The build a URL names: .../whl/cpu -> cpu, .../whl/cu128 -> cu128, .../whl/rocm6.2 -> rocm6.2 (also nightly/).
+url_build() {
+  local u=${1%/}
+  case $u in
+    */whl/cpu | */whl/*/cpu | */whl/cu[0-9]* | */whl/*/cu[0-9]* | */whl/rocm[0-9]* | */whl/*/rocm[0-9]*)
+      printf '%s' "${u##*/}"
+      ;;
+  esac
+}
+# ASKED (cpu, cuXYZ, rocmX.Y or empty) and ASKED_BY (the words saying who asked).
+ASKED=$TORCH_BUILD
+ASKED_BY=""
+if [ "$cpu_flag" = 1 ]; then ASKED_BY="--cpu"; elif [ -n "$TORCH_BUILD" ]; then ASKED_BY="TORCH_BUILD=$TORCH_BUILD"; fi
+asked_from_sources() {
+  local u b found="" by="" urls=()
+  read -r -d '' -a urls <<<"$src_index $src_extra" || true
+  for u in ${urls[@]+"${urls[@]}"}; do
+    b=$(url_build "$u")
+    if [ -n "$b" ] && [ "$b" != "$found" ]; then
+      [ -z "$found" ] || return 0 # two builds named: nothing can be told
+      found=$b
+      by="index $u"
+    fi
+  done
+  ASKED=$found
+  ASKED_BY=$by
+}
+if [ -z "$ASKED" ]; then asked_from_sources; fi
+build_words() { # cpu | cu128 | rocm6.2 -> "a CPU build" | "a CUDA 12.8 build" | "a ROCm 6.2 build"
+  case $1 in
+    cpu) printf 'a CPU build' ;;
+    cu*) printf 'a CUDA %s.%s build' "${1:2:${#1}-3}" "${1: -1}" ;;
+    rocm*) printf 'a ROCm %s build' "${1#rocm}" ;;
+  esac
+}
+# Prints "<version>|<torch.version.cuda or empty>|<torch.version.hip or empty>" of the venv's torch.
+# shellcheck disable=SC2016  # python code, not shell
+BUILD_CHECK='
+import torch
+v = getattr(torch, "version", None)
+print("%s|%s|%s" % (torch.__version__, getattr(v, "cuda", None) or "", getattr(v, "hip", None) or ""))
+'
+# Empty when the venv's torch is the build asked for (or none was asked); else the words of the mismatch.
+build_mismatch() {
+  local got ver cuda hip have want
+  [ -n "$ASKED" ] || return 0
+  got=$("$VPY" -I -c "$BUILD_CHECK" 2>/dev/null) || return 0 # no torch: check_imports says so
+  IFS='|' read -r ver cuda hip <<<"$got"
+  if [ -n "$cuda" ]; then have="a CUDA $cuda build"; elif [ -n "$hip" ]; then have="a ROCm $hip build"; else have="a CPU build"; fi
+  case $ASKED in
+    cpu) [ -z "$cuda" ] && [ -z "$hip" ] && return 0 ;;
+    cu*) want=${ASKED:2:${#ASKED}-3}.${ASKED: -1}
+      [[ $cuda == "$want" || $cuda == "$want".* ]] && return 0 ;;
+    rocm*) [[ -n $hip && $hip == "${ASKED#rocm}"* ]] && return 0 ;;
+  esac
+  printf 'torch %s in %s is %s, but %s was asked (%s)' "$ver" "$PYTORCH_ENV" "$have" "$(build_words "$ASKED")" "$ASKED_BY"
+}
+# Prints one "<url>\t<reason>\t<seconds>" line per http(s) index in argv that does not answer within
+# INDEX_TIMEOUT (any HTTP answer, even an error status, is an answer; a TLS error is not judged here).
+# shellcheck disable=SC2016  # python code, not shell
+PROBE='
+import socket, sys, time, urllib.error, urllib.request
+timeout = float(sys.argv[1])
+for url in sys.argv[2:]:
+    if not url.startswith(("http://", "https://")):
+        continue
+    t0 = time.monotonic()
+    try:
+        urllib.request.urlopen(url.rstrip("/") + "/", timeout=timeout).close()
+        continue
+    except urllib.error.HTTPError:
+        continue
+    except urllib.error.URLError as e:
+        r = e.reason
+        if "SSL" in type(r).__name__ or "CERTIFICATE" in str(r).upper():
+            continue
+        why = getattr(r, "strerror", None) or str(r)
+    except (socket.timeout, TimeoutError):
+        why = "no answer"
+    except OSError as e:
+        why = e.strerror or str(e)
+    print("%s\t%s\t%.1f" % (url, why, time.monotonic() - t0))
+'
+# Copies pip's output through, and writes to $1 "<retries> <seconds> <pages>": the connections pip
+# retried, the seconds from the start of each page it retried to its next line, and how many pages.
+# shellcheck disable=SC2016  # python code, not shell
+PIP_WATCH='
+import re, sys, time
+n = pages = 0
+spent, start, prev, run = 0.0, None, time.monotonic(), None
+for line in sys.stdin:
+    sys.stdout.write(line)
+    sys.stdout.flush()
+    now = time.monotonic()
+    m = re.search(r"Retrying \(Retry\(total=\d+.*\)\) after connection broken by .*\x27: (\S+)$", line.rstrip())
+    if m:
+        n += 1
+        if run != m.group(1):
+            if start is not None:
+                spent += now - start
+            run, start, pages = m.group(1), prev, pages + 1
+    elif start is not None:
+        spent += now - start
+        start = run = None
+    prev = now
+if start is not None:
+    spent += time.monotonic() - start
+open(sys.argv[1], "w").write("%d %.1f %d\n" % (n, spent, pages))
+'
+UNREACHABLE=()
+SOURCES=()
+read -r -d '' -a SOURCES <<<"$src_index $src_extra" || true
+probe_indexes() {
+  local out line u why secs
+  out=$("$VPY" -I -c "$PROBE" "$INDEX_TIMEOUT" ${SOURCES[@]+"${SOURCES[@]}"} 2>/dev/null) || return 0
+  while IFS= read -r line; do
+    [ -n "$line" ] || continue
+    UNREACHABLE+=("$line")
+    IFS=$'\t' read -r u why secs <<<"$line"
+    warn "package index $u does not answer ($why, after $secs s); pip tries it $INDEX_RETRIES more time(s) per page, $INDEX_TIMEOUT s each (INDEX_RETRIES, INDEX_TIMEOUT), then takes what the other sources have"
+  done <<<"$out"
+}
+RETRIES=0
+RETRY_S=0
+RETRY_PAGES=0
+# pip install through PIP_WATCH; the pip's status is the pipeline's (pipefail).
+watched_pip() {
+  local stats=$PYTORCH_ENV/.bootstrap_env.pip.$$ rc=0
+  "$VPY" -m pip "$@" 2>&1 | "$VPY" -I -u -c "$PIP_WATCH" "$stats" || rc=$?
+  if [ -f "$stats" ]; then
+    read -r RETRIES RETRY_S RETRY_PAGES <"$stats" || true
+    rm -f "$stats"
+  fi
+  return "$rc"
+}
+# The words for where the time went: the indexes that did not answer and pip's retries.
+retry_words() {
+  local line u why parts=()
+  for line in ${UNREACHABLE[@]+"${UNREACHABLE[@]}"}; do
+    IFS=$'\t' read -r u why _ <<<"$line"
+    parts+=("$u did not answer ($why)")
+  done
+  [ ${#parts[@]} -gt 0 ] || [ "$RETRIES" -gt 0 ] || return 0
+  local IFS=';'
+  printf '%s' "${parts[*]:-an index did not answer}"
+  printf '; pip spent %s s retrying %s page(s) of it (%s retries)' "$RETRY_S" "$RETRY_PAGES" "$RETRIES"
+}
+# Fails (exit 1, one line) when torch is not the build asked for.
+verify_build() {
+  local why more
+  why=$(build_mismatch)
+  [ -n "$why" ] || return 0
+  more=$(retry_words)
+  fail 1 "$why${more:+: $more, and another source served torch}; give a source that has the build asked for (or EXTRA_PIP_ARGS=--force-reinstall once it answers), then re-run"
+}
+
 # Fills REQ[0] and pyver from PYTHON; fails when it is missing or does not run.
 request_python() {
   command -v "$PYTHON" >/dev/null 2>&1 || fail 2 "PYTHON=$PYTHON: no such interpreter (set PYTHON to a python3 that has the venv module)"
@@ -517,9 +711,14 @@ changes_text() {
   printf '%s' "$out"
 }
 
+# The request is what the venv was built with: the packages are imported and the script ends, unless
+# torch is not the build asked for (then it returns 1, and every package is reinstalled).
+WRONG_BUILD=""
 up_to_date() {
   say "checking the venv at $PYTORCH_ENV ($VPY)"
   check_imports || exit 1
+  WRONG_BUILD=$(build_mismatch)
+  [ -z "$WRONG_BUILD" ] || return 1
   echo "pytorch env at $PYTORCH_ENV is up to date; nothing changed ($((SECONDS - START)) s)"
   next_steps
   exit 0
@@ -571,7 +770,7 @@ if [ "$state" = venv ]; then
     drift=""
     if [ "$have_record" = 1 ] && [ ${#CHANGES[@]} -eq 0 ] && ! forces_install; then
       drift=$("$VPY" -I -c "$SPEC_CHECK" "${SPECS[@]}" 2>/dev/null) || drift=""
-      if [ -z "$drift" ]; then up_to_date; fi
+      if [ -z "$drift" ]; then up_to_date || true; fi
     fi
     if ! "$VPY" -m pip --version >/dev/null 2>&1; then
       need_writable "$PYTORCH_ENV"
@@ -585,9 +784,14 @@ if [ "$state" = venv ]; then
         if record_or_warn; then
           say "recorded this request in $RECORD (if the venv came from another index or wheelhouse, re-run once with EXTRA_PIP_ARGS=--force-reinstall)"
         fi
-        up_to_date
+        up_to_date || true
       fi
-      say "the venv at $PYTORCH_ENV does not satisfy every spec yet; updating it"
+      if [ -z "$WRONG_BUILD" ]; then say "the venv at $PYTORCH_ENV does not satisfy every spec yet; updating it"; fi
+    fi
+    if [ -n "$WRONG_BUILD" ]; then
+      say "$WRONG_BUILD: reinstalling every package from the package sources"
+    elif [ "$have_record" = 0 ] && ! forces_install; then
+      : # said above
     elif [ ${#CHANGES[@]} -gt 0 ]; then
       say "the venv at $PYTORCH_ENV was built with another request; updating it: $(changes_text)"
     elif [ -n "$drift" ]; then
@@ -640,15 +844,21 @@ if [ "$action" = update ]; then
   if [ "$SRC_CHANGED" = 1 ]; then
     say "the package source changed: reinstalling every package from it"
     install_opts+=(--force-reinstall)
+  elif [ -n "$WRONG_BUILD" ]; then
+    install_opts+=(--force-reinstall)
   fi
 fi
+probe_indexes
 say "pip install ${SPECS[*]}"
-"$VPY" -m pip install "${install_opts[@]}" "${SPECS[@]}" ||
-  fail 1 "pip could not install ${SPECS[*]} into $PYTORCH_ENV (pip's messages above say why)"
+t_pip=$SECONDS
+watched_pip install "${install_opts[@]}" "${SPECS[@]}" ||
+  fail 1 "pip could not install ${SPECS[*]} into $PYTORCH_ENV after $((SECONDS - t_pip)) s${UNREACHABLE[0]:+ ($(retry_words))} (pip's messages above say why)"
+if [ "$RETRIES" -gt 0 ]; then say "pip took $((SECONDS - t_pip)) s, $RETRY_S s of it retrying $RETRY_PAGES page(s) of an index that did not answer ($RETRIES retries)"; fi
 record_or_warn || true
 if [ ${#CHANGES[@]} -gt 0 ]; then echo "changed: $(changes_text)"; fi
 
 say "checking the venv at $PYTORCH_ENV ($VPY)"
 check_imports || exit 1
+verify_build
 echo "pytorch env at $PYTORCH_ENV is ready ($((SECONDS - START)) s)"
 next_steps

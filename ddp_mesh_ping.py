@@ -142,6 +142,20 @@ CHECKS = (
     "output",        # a requested --json / --metrics / --html file could not be written (exit 1, no host blamed)
 )
 
+# What each check can say besides PASS, without --strict (which makes every WARN a FAIL). docs/checks.md's
+# table has a FAIL and a WARN column per check: a test holds them to this, and finding() refuses any other
+# level, as it refuses a check not in CHECKS.
+CHECK_LEVELS = {
+    "usage": ("FAIL",), "contract": ("FAIL",), "launch": ("FAIL",), "local": ("FAIL",), "device": ("FAIL",),
+    "interface": ("FAIL",), "rendezvous": ("FAIL", "WARN"), "world-size": ("FAIL",), "layout": ("FAIL",),
+    "gpu-affinity": ("FAIL",), "numa": ("WARN",), "versions": ("FAIL", "WARN"), "imports": ("WARN",),
+    "fabric": ("WARN",), "day0": ("WARN",), "init": ("FAIL",), "telemetry": ("FAIL",), "collective": ("FAIL",),
+    "ddp": ("FAIL",), "verdict": ("FAIL",), "bandwidth": ("FAIL",), "transport": ("FAIL",),
+    "manifest": ("FAIL", "WARN"), "internal": ("FAIL", "WARN"), "interrupted": ("FAIL",),
+    "gpu-perf": ("FAIL", "WARN"), "intra-node": ("FAIL", "WARN"), "inter-node": ("FAIL", "WARN"),
+    "soak": ("FAIL", "WARN"), "numerics": ("FAIL", "WARN"), "drain": ("WARN",), "output": ("FAIL",),
+}
+
 # Environment variables the report may print. Nothing else is ever echoed.
 ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "AIV_")
 ENV_ALLOW_NAMES = (
@@ -169,6 +183,9 @@ def finding(check, status, reason, hosts=(), ranks=(), code=EXIT_FAIL, blame=Non
     evidence that singles out its hosts (aiv/blame.py), without which blame_gate names none."""
     if check not in CHECKS:
         raise ValueError(f"finding() got check {check!r}, which is not in CHECKS")
+    if status != "PASS" and status not in CHECK_LEVELS[check]:
+        raise ValueError(f"finding() got {status} for {check}, which CHECK_LEVELS says gives only "
+                         f"{'/'.join(CHECK_LEVELS[check])}")
     f = {"check": check, "status": status, "reason": reason,
          "hosts": sorted(set(hosts)), "ranks": sorted(set(ranks))}
     if status == "FAIL" and code != EXIT_FAIL:
@@ -3800,18 +3817,23 @@ def stray_reason(rank, world, world0, first):
     return None
 
 
-def judge_strays(strays):
+def judge_strays(strays, hosts=()):
     """One FAIL per process refused at the roll call (stray_reason): the launch started a process that
-    is not a rank of this run. The stray's host is named (its own process: evidence 'own'); the rank it
-    claimed is its own."""
-    out = []
+    is not a rank of this run. A second claim of a rank names the stray's host (its own process: 'own'). A
+    process launched with another WORLD_SIZE than rank 0's is unlike rank 0, which may be the odd one itself:
+    its host is named only when the strays' hosts are a strict minority of every host seen (hosts: the run's,
+    from the roll call); else no host is named."""
+    out, seen = [], set(hosts) | {x["host"] for x in strays}
+    odd = {x["host"] for x in strays if x["check"] == "world-size"}
+    kind = minority_kind(odd, seen) if odd else "majority"
     for x in sorted(strays, key=lambda x: (x["rank"], x["host"], x["pid"])):
-        out.append(finding(x["check"], "FAIL", f"a process with RANK={x['rank']} (pid {x['pid']} on {x['host']}) "
-                           f"joined the roll call but is not a rank of this run: {x['why']}; two launches share "
-                           f"MASTER_ADDR:MASTER_PORT, or the launcher gave out RANK/WORLD_SIZE wrong",
-                           [x["host"]], [x["rank"]], blame="own"))
+        f = finding(x["check"], "FAIL", f"a process with RANK={x['rank']} (pid {x['pid']} on {x['host']}) "
+                    f"joined the roll call but is not a rank of this run: {x['why']}; two launches share "
+                    f"MASTER_ADDR:MASTER_PORT, or the launcher gave out RANK/WORLD_SIZE wrong",
+                    [x["host"]], [x["rank"]], blame="own" if x["check"] != "world-size" else "majority")
+        out.append(f if x["check"] != "world-size" or kind == "majority" else unlocalised(
+            f, kind, "the launch's WORLD_SIZE on every node (rank 0's node may be the odd one)"))
     return out
-
 
 def forged_what(key, claim):
     """What a refused store value claimed to be, in words (the claim is quoted, never believed)."""
@@ -5493,82 +5515,6 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
                    blame="process" if hard else None)
 
 
-
-# ============================================================================ aiv/screen_judge.py
-# Floor 3: the screen's judges: per-GPU TFLOPS and GB/s against model peers and the table (and the
-SCREEN_RENDER_ALL = 16      # up to this many nodes the PERFORMANCE section shows every node and every group
-SCREEN_RENDER_SLOW = 32     # beyond that, at most this many slow groups are listed (then a count)
-
-
-# Per-model table: what a healthy GPU of a model reaches in this screen's own measurements (the
-# SCREEN_MATMUL_N^3 bf16 matmul, the SCREEN_COPY_BYTES device copy counted read + write). Peers cannot
-# see what all of them share (a second job on every GPU, a node or a cluster slow throughout, a job on
-# one GPU), so a GPU whose model has a row is ALSO judged against it, whatever the number of its peers:
-# below SCREEN_TABLE_FAIL of the row FAIL, below SCREEN_TABLE_WARN WARN. Rows sit below what healthy
-# GPUs reach (a false FAIL stops a job for nothing); a row taken from a spec or another benchmark rather
-# than measured by this tool sits lower still. Key: the name torch reports (torch.cuda.get_device_name),
-# lower-cased, whitespace collapsed, matched by the row's pattern; PCIe and NVL boards (lower power and
-# clocks) never match a row (GPU_TABLE_EXCLUDE). Add a row: its name, a pattern that matches only that
-# board, TFLOPS and GB/s from a clean run of this tool on a healthy, idle GPU (the screen-gpu progress
-# line) lowered by a few percent, and a comment saying where the numbers come from.
-SCREEN_TABLE_FAIL = 0.70    # GPU TFLOPS or memory GB/s below 0.70 of its model's row: FAIL
-SCREEN_TABLE_WARN = 0.85    # ... below 0.85: WARN
-GPU_TABLE_EXCLUDE = r"\b(pcie|nvl)\b"
-GPU_TABLE = (  # (row, pattern, TFLOPS, GB/s)
-    # measured by this tool on H200 SXM 141 GB: 670-686 TFLOPS, 4,212-4,213 GB/s (20 back-to-back
-    # matmuls elsewhere: 760-790); set below the lowest run. "NVIDIA H200" (not GH200, not H200 NVL)
-    ("H200 SXM", r"\bh200\b", 660.0, 4100.0),
-    # not measured here: the same GH100 compute at 700 W as the H200 (MAMF best shape 794.5 TFLOPS,
-    # stas00/ml-engineering), so below the H200 row; HBM3 spec 3,350 GB/s x 0.88 (this tool's H200 copy
-    # against its 4,800 spec) = 2,950, set conservatively at 2,800. "NVIDIA H100 80GB HBM3"
-    ("H100 SXM", r"\bh100\b.*\b(hbm3|sxm\d?)\b", 620.0, 2800.0),
-    # not measured here: MAMF 271.2 TFLOPS x 0.86 (this tool's 8192^3 against the back-to-back H200 number)
-    # = 233, set at 220; HBM2e spec 2,039 / 1,555 GB/s x 0.88 = 1,790 / 1,370, set at 1,650 / 1,250
-    ("A100 SXM 80GB", r"\ba100\b.*\bsxm\d?\b.*\b80 ?gb\b", 220.0, 1650.0),   # "NVIDIA A100-SXM4-80GB"
-    ("A100 SXM 40GB", r"\ba100\b.*\bsxm\d?\b.*\b40 ?gb\b", 220.0, 1250.0),   # "NVIDIA A100-SXM4-40GB"
-    # not measured here: MAMF 1,745 TFLOPS x 0.86 = 1,500, set at 1,350 (boards ship at 1,000 W and
-    # more); HBM3e spec 8,000 GB/s x 0.88 = 7,040, set at 6,200. "NVIDIA B200" (not GB200)
-    ("B200", r"\bb200\b", 1350.0, 6200.0),
-)
-
-
-def gpu_table_row(model):
-    """The GPU_TABLE row for a device name (case and spacing ignored) -> {'row', 'tflops', 'hbm_gbps'}, or
-    None: no row, a PCIe or NVL board, no name."""
-    name = " ".join(str(model or "").lower().split())
-    if not name or re.search(GPU_TABLE_EXCLUDE, name):
-        return None
-    for row, pattern, tflops, gbps in GPU_TABLE:
-        if re.search(pattern, name):
-            return {"row": row, "tflops": tflops, "hbm_gbps": gbps}
-    return None
-
-
-def table_level(value, ref):
-    """'FAIL', 'WARN' or 'OK' of a value against a table number (None: 'OK'); a value of None is 0.0."""
-    if not ref:
-        return "OK"
-    v = 0.0 if value is None else float(value)
-    return "FAIL" if v < SCREEN_TABLE_FAIL * ref else "WARN" if v < SCREEN_TABLE_WARN * ref else "OK"
-
-
-def screen_best(rows, redone):
-    """rows with re-measurements merged: per (nodes, rail) the best busbw counts; 'tries' counts the
-    measurements and 'first' keeps the first value (a re-measured row). redone: screen_measured rows."""
-    best = {(tuple(m["nodes"]), m["rail"]): m for m in redone}
-    out = []
-    for m in rows:
-        r = best.get((tuple(m["nodes"]), m["rail"]))
-        if r is None:
-            out.append(m)
-            continue
-        tries = m.get("tries", 1) + 1
-        keep = m if (m.get("busbw") or 0.0) >= (r.get("busbw") or 0.0) else dict(m, busbw=r["busbw"],
-                                                                               time_us=r.get("time_us"))
-        out.append(dict(keep, tries=tries, first=m.get("first", m.get("busbw"))))
-    return out
-
-
 def _screen_worst(levels):
     return "FAIL" if "FAIL" in levels else "WARN" if "WARN" in levels else "OK"
 
@@ -5578,6 +5524,12 @@ def _sn(x):
     measure GB/s and TFLOPS in hundredths)."""
     x = float(x)
     return f"{x:.1f}" if abs(x) >= 1 or x == 0 else f"{x:.2g}"
+
+
+def _s3(x):
+    """A value for a picture: 3 significant digits (0.0921, 12.3, 670, 4213), never rounded to nothing."""
+    x = float(x)
+    return f"{x:.3g}" if abs(x) >= 1e6 else f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
 def _screen_ref_text(ref, unit, noun=""):
@@ -5599,13 +5551,13 @@ def _screen_names(names, limit=4):
 
 
 SCREEN_GPU_METRICS = (("tflops", "TFLOPS", "min_tflops"), ("hbm_gbps", "GB/s memory", "min_hbm"))
+
+
 SCREEN_GPU_LABELS = {"tflops": "matmul TFLOPS", "hbm_gbps": "memory GB/s"}
+
+
 SCREEN_FLOOR_OPTIONS = {"min_tflops": "--min-tflops", "min_hbm": "--min-hbm", "min_busbw_intra": "--min-busbw-intra",
                         "min_busbw_inter": "--min-busbw-inter"}
-
-
-def _table_rule():
-    return f"FAIL below {SCREEN_TABLE_FAIL:.2f}, WARN below {SCREEN_TABLE_WARN:.2f} of the row"
 
 
 def screen_against(what, count, noun, kind, peers, unit, table=None, floor=None, floor_name=None, band=None,
@@ -5644,6 +5596,71 @@ def screen_against(what, count, noun, kind, peers, unit, table=None, floor=None,
             f"{head}: against {', '.join(got)}" + (f"; not against {', '.join(m for m, _ in miss)}" if miss else ""))
     return {"measurement": what, "count": count, "peers": p, "table": table, "floor": floor,
             "band": band or None, "judged": bool(got), "missing": [m for m, _ in miss], "text": text}
+
+
+
+# ============================================================================ aiv/screen_gpu.py
+# Floor 3: the GPU screen's judges: each GPU's matmul TFLOPS and memory GB/s against its model's peers, the
+# Per-model table: what a healthy GPU of a model reaches in this screen's own measurements (the
+# SCREEN_MATMUL_N^3 bf16 matmul, the SCREEN_COPY_BYTES device copy counted read + write). Peers cannot
+# see what all of them share (a second job on every GPU, a node or a cluster slow throughout, a job on
+# one GPU), so a GPU whose model has a row is ALSO judged against it, whatever the number of its peers:
+# below SCREEN_TABLE_FAIL of the row FAIL, below SCREEN_TABLE_WARN WARN. Rows sit below what healthy
+# GPUs reach (a false FAIL stops a job for nothing); a row taken from a spec or another benchmark rather
+# than measured by this tool sits lower still. Key: the name torch reports (torch.cuda.get_device_name),
+# lower-cased, whitespace collapsed, matched by the row's pattern; PCIe and NVL boards (lower power and
+# clocks) never match a row (GPU_TABLE_EXCLUDE). Add a row: its name, a pattern that matches only that
+# board, TFLOPS and GB/s from a clean run of this tool on a healthy, idle GPU (the screen-gpu progress
+# line) lowered by a few percent, and a comment saying where the numbers come from.
+SCREEN_TABLE_FAIL = 0.70    # GPU TFLOPS or memory GB/s below 0.70 of its model's row: FAIL
+
+
+SCREEN_TABLE_WARN = 0.85    # ... below 0.85: WARN
+
+
+GPU_TABLE_EXCLUDE = r"\b(pcie|nvl)\b"
+
+
+GPU_TABLE = (  # (row, pattern, TFLOPS, GB/s)
+    # measured by this tool on H200 SXM 141 GB: 670-686 TFLOPS, 4,212-4,213 GB/s (20 back-to-back
+    # matmuls elsewhere: 760-790); set below the lowest run. "NVIDIA H200" (not GH200, not H200 NVL)
+    ("H200 SXM", r"\bh200\b", 660.0, 4100.0),
+    # not measured here: the same GH100 compute at 700 W as the H200 (MAMF best shape 794.5 TFLOPS,
+    # stas00/ml-engineering), so below the H200 row; HBM3 spec 3,350 GB/s x 0.88 (this tool's H200 copy
+    # against its 4,800 spec) = 2,950, set conservatively at 2,800. "NVIDIA H100 80GB HBM3"
+    ("H100 SXM", r"\bh100\b.*\b(hbm3|sxm\d?)\b", 620.0, 2800.0),
+    # not measured here: MAMF 271.2 TFLOPS x 0.86 (this tool's 8192^3 against the back-to-back H200 number)
+    # = 233, set at 220; HBM2e spec 2,039 / 1,555 GB/s x 0.88 = 1,790 / 1,370, set at 1,650 / 1,250
+    ("A100 SXM 80GB", r"\ba100\b.*\bsxm\d?\b.*\b80 ?gb\b", 220.0, 1650.0),   # "NVIDIA A100-SXM4-80GB"
+    ("A100 SXM 40GB", r"\ba100\b.*\bsxm\d?\b.*\b40 ?gb\b", 220.0, 1250.0),   # "NVIDIA A100-SXM4-40GB"
+    # not measured here: MAMF 1,745 TFLOPS x 0.86 = 1,500, set at 1,350 (boards ship at 1,000 W and
+    # more); HBM3e spec 8,000 GB/s x 0.88 = 7,040, set at 6,200. "NVIDIA B200" (not GB200)
+    ("B200", r"\bb200\b", 1350.0, 6200.0),
+)
+
+
+def gpu_table_row(model):
+    """The GPU_TABLE row for a device name (case and spacing ignored) -> {'row', 'tflops', 'hbm_gbps'}, or
+    None: no row, a PCIe or NVL board, no name."""
+    name = " ".join(str(model or "").lower().split())
+    if not name or re.search(GPU_TABLE_EXCLUDE, name):
+        return None
+    for row, pattern, tflops, gbps in GPU_TABLE:
+        if re.search(pattern, name):
+            return {"row": row, "tflops": tflops, "hbm_gbps": gbps}
+    return None
+
+
+def table_level(value, ref):
+    """'FAIL', 'WARN' or 'OK' of a value against a table number (None: 'OK'); a value of None is 0.0."""
+    if not ref:
+        return "OK"
+    v = 0.0 if value is None else float(value)
+    return "FAIL" if v < SCREEN_TABLE_FAIL * ref else "WARN" if v < SCREEN_TABLE_WARN * ref else "OK"
+
+
+def _table_rule():
+    return f"FAIL below {SCREEN_TABLE_FAIL:.2f}, WARN below {SCREEN_TABLE_WARN:.2f} of the row"
 
 
 def gpu_refs(per_rank, floors, cpu=False, bands=None):
@@ -5810,6 +5827,221 @@ def _gpu_blame(f, rows):
     if all(_gpu_again(r) for r in rows):
         return dict(f, blame="persisted")
     return unlocalised(f, "once", "a re-run: a GPU slow again when measured again is named with its host")
+
+
+def screen_band_lines(manifest, records, screen):
+    """The manifest's speed bands that judge this run (as judge_bands: BAND_MIN_RUNS runs or more), each with
+    the value below which it FAILs a measurement, for the page to draw: [{'band', 'class', 'hosts' (this run's
+    hosts of that class), 'lo', 'hi', 'ref', 'runs', 'slack', 'fail_below'}], [] without a manifest."""
+    classes, host_class = (manifest or {}).get("classes") or {}, _host_classes(records or [])
+    slack = BAND_SLACK_CPU if (screen or {}).get("cpu") else BAND_SLACK
+    seen = {}
+    for cls, band, _, hosts, *_ in _band_points(screen, host_class):
+        b = ((classes.get(cls) or {}).get("bands") or {}).get(band)
+        if b and b.get("runs", 1) >= BAND_MIN_RUNS:
+            e = seen.setdefault((band, cls), {"band": band, "class": cls, "hosts": set(), "lo": b["lo"], "hi": b["hi"],
+                                              "ref": b["ref"], "runs": b["runs"], "slack": slack,
+                                              "fail_below": slack * b["lo"]})
+            e["hosts"].update(h for h in hosts if h is not None)
+    return [dict(e, hosts=_screen_sorted(e["hosts"])) for _, e in sorted(seen.items())]
+
+
+def judging_lines(values_ref, fail, warn, table=None, floor=None, floor_name=None, bands=(), peers_word="peers"):
+    """The lines a set of like-for-like values was judged against, in the values' own unit, exactly as the
+    judges apply them: the peers' reference (screen_reference, from 2 values on) with its FAIL fraction and its
+    WARN line (the WARN fraction, or SCREEN_NOISE_SIGMAS spreads below the reference where that is lower:
+    screen_level), a table row {'row', 'ref'} with SCREEN_TABLE_FAIL/WARN of it (table_level), the floor (a
+    --min-* value; floor_name its SCREEN_FLOOR_OPTIONS key) and the manifest bands (screen_band_lines entries:
+    FAIL below 'fail_below'). -> [{'kind': 'ref'|'fail'|'warn'|'row'|'floor'|'band', 'level': 'FAIL'|'WARN'|
+    None (a reference, no threshold), 'value', 'text'}]; a value below a line of level FAIL is judged FAIL."""
+    out, p = [], values_ref or {}
+    if p.get("count", 0) >= 2 and p.get("ref"):
+        r = float(p["ref"])
+        out.append({"kind": "ref", "level": None, "value": r,
+                    "text": f"{peers_word}' reference {_s3(r)} ({p['how']} of {p['count']})"})
+        out.append({"kind": "fail", "level": "FAIL", "value": fail * r,
+                    "text": f"FAIL below {fail:.2f} of the reference: {_s3(fail * r)}"})
+        w = None if warn is None else min(warn * r, r - SCREEN_NOISE_SIGMAS * float(p.get("spread") or 0.0))
+        if w is not None and w > 0:
+            out.append({"kind": "warn", "level": "WARN", "value": w,
+                        "text": f"WARN below {warn:.2f} of the reference"
+                                + (f" and {SCREEN_NOISE_SIGMAS:g} spreads below it" if w < warn * r else "")
+                                + f": {_s3(w)}"})
+    if table:
+        t = float(table["ref"])
+        out += [{"kind": "row", "level": None, "value": t, "text": f"table row {table['row']}: {_s3(t)}"},
+                {"kind": "fail", "level": "FAIL", "value": SCREEN_TABLE_FAIL * t,
+                 "text": f"FAIL below {SCREEN_TABLE_FAIL:.2f} of the row: {_s3(SCREEN_TABLE_FAIL * t)}"},
+                {"kind": "warn", "level": "WARN", "value": SCREEN_TABLE_WARN * t,
+                 "text": f"WARN below {SCREEN_TABLE_WARN:.2f} of the row: {_s3(SCREEN_TABLE_WARN * t)}"}]
+    if floor is not None:
+        out.append({"kind": "floor", "level": "FAIL", "value": float(floor),
+                    "text": f"floor {SCREEN_FLOOR_OPTIONS.get(floor_name, 'floor')} {floor:g}: FAIL below"})
+    for b in bands:
+        out.append({"kind": "band", "level": "FAIL", "value": float(b["fail_below"]),
+                    "text": f"manifest band {b['band']} of {b['class']}: FAIL below {b['slack']:g} x its lowest "
+                            f"{_s3(b['lo'])}: {_s3(b['fail_below'])}"})
+    return out
+
+
+def band_level(value, host, bands):
+    """'FAIL' when a manifest band that judges `host` FAILs the value (as _below_band), else 'OK'."""
+    v = value if isinstance(value, (int, float)) else None
+    return "FAIL" if v is not None and any(host in b["hosts"] and v < b["fail_below"] for b in bands) else "OK"
+
+
+GPU_FACT_KEYS = ("pcie_width", "pcie_width_max", "pcie_speed", "pcie_speed_max", "sm_mhz", "sm_max_mhz",
+                 "throttle", "temp_c", "power_w", "ecc_uncorrected", "remap_pending", "remap_failure")
+
+
+def gpu_fact_problems(row):
+    """[(status, text)] for one GPU's facts (a judge_gpu_perf row with GPU_FACT_KEYS, each optional): under
+    load, PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS; from its node's one
+    nvidia-smi call (read_node_smi), uncorrected ECC errors since the driver loaded or a pending row remap
+    (WARN), a failed row remap (FAIL)."""
+    out, g = [], row.get
+    if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
+        out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
+    if g("pcie_speed") and g("pcie_speed_max") and g("pcie_speed") < g("pcie_speed_max"):
+        out.append(("WARN", f"PCIe link {g('pcie_speed'):g} of {g('pcie_speed_max'):g} GT/s under load"))
+    if int(g("throttle") or 0) & THROTTLE_FAULTS:
+        clock = f" (SM {g('sm_mhz'):g} of {g('sm_max_mhz'):g} MHz)" if g("sm_mhz") and g("sm_max_mhz") else ""
+        out.append(("WARN", f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}{clock}"))
+    if g("ecc_uncorrected"):
+        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded"))
+    if g("remap_failure"):
+        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it)"))
+    elif g("remap_pending"):
+        out.append(("WARN", "row remapping pending: reset the GPU to apply it"))
+    return out
+
+
+def judge_gpu_facts(per_rank):
+    """Findings under 'gpu-perf' from each GPU's facts (gpu_fact_problems): one per GPU
+    with a problem, or beyond SCREEN_LIST_MAX GPUs one per status listing the first ones and a count.
+    No PASS finding: judge_gpu_perf gives it."""
+    flagged = [(r, p) for r in sorted(per_rank or [], key=lambda r: r["rank"]) for p in [gpu_fact_problems(r)] if p]
+    items = [(_screen_worst([s for s, _ in p]), r, "; ".join(t for _, t in p)) for r, p in flagged]
+    return per_gpu_findings("gpu-perf", items, _gpu_who, "GPU(s) with a problem under load")
+
+
+def per_gpu_findings(check, items, who, headline, blame="own"):
+    """items [(status, rank record, text)] -> one finding per GPU, or beyond SCREEN_LIST_MAX GPUs one per
+    status: '<n> <headline>: ' the first ones (who(record): text) and a count of the rest."""
+    if len(items) <= SCREEN_LIST_MAX:
+        return [finding(check, st, f"{who(r)}: {txt}", [r.get("host")], [r["rank"]], blame=blame)
+                for st, r, txt in items]
+    out = []
+    for status in ("FAIL", "WARN"):
+        sel = [(r, txt) for st, r, txt in items if st == status]
+        if sel:
+            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
+            out.append(finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
+                f"{who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
+                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel], blame=blame))
+    return out
+
+
+def gpu_levels(screen):
+    """Per GPU row, against the reference that judged it: {rank: {metric: (value, ratio, level)}}, plus the
+    refs {(model, metric): {'ref', 'how', 'count'}} drawn at 1.0 (the judge's references and levels,
+    judge_gpu_perf): its model's peers where it has two or more of them, else its model's table row (a lone
+    GPU is never drawn at 1.0 of itself), else itself (judged by the floor alone)."""
+    rows = (screen or {}).get("gpu") or []
+    fail, warn = screen_fractions("gpu", bool((screen or {}).get("cpu")))
+    floors = {"tflops": (screen or {}).get("min_tflops"), "hbm_gbps": (screen or {}).get("min_hbm")}
+    refs, out = {}, {}
+    for metric in ("tflops", "hbm_gbps"):
+        for model in {r.get("model") or "unknown" for r in rows}:
+            same = (r.get(metric) for r in rows if (r.get("model") or "unknown") == model
+                    and isinstance(r.get(metric), (int, float)) and r.get(metric) == r.get(metric))
+            refs[(model, metric)] = screen_reference(same)
+        for r in rows:
+            model = r.get("model") or "unknown"
+            v, ref = r.get(metric), refs[(model, metric)]
+            if not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")) or not ref["ref"]:
+                continue  # not measured (None, NaN, text): nothing to draw
+            row = None if (screen or {}).get("cpu") else gpu_table_row(r.get("model"))
+            table = (row or {}).get(metric)
+            lv = _screen_worst([screen_level(v, ref if ref["count"] >= 2 else {}, fail, warn, floors[metric]),
+                                table_level(v, table)])  # as judge_gpu_perf: peers, floor, table
+            base = ref["ref"]
+            if ref["count"] < 2 and table:  # a lone GPU: drawn against the row that judged it
+                base = table
+                refs[(model, metric)] = {"ref": table, "how": f"table row {row['row']}", "count": ref["count"]}
+            out.setdefault(r.get("rank"), {})[metric] = (float(v), float(v) / base, lv)
+    return out, refs
+
+
+def gpu_suspects(per_rank, floors=None, cpu=False):
+    """The ranks whose GPU row is slow (WARN or FAIL against its peers, its table row or a floor: judge_gpu_perf's
+    rule): the GPUs measured again before any is named (the screen blames only what persists)."""
+    floors = floors or {}
+    _, flags = _gpu_flags(list(per_rank or []), {"min_tflops": floors.get("min_tflops"),
+                                                 "min_hbm": floors.get("min_hbm")}, cpu)
+    return sorted(flags)
+
+
+def gpu_remeasured(per_rank, again):
+    """per_rank rows with each re-measurement in `again` ({rank: the new row's measurements}) merged: 'tries' 2,
+    'first' the first values of each metric, and each metric the better of the two (faults only lower numbers:
+    a GPU slow again is slow in its best value; one at speed again was a transient). A rank missing from
+    `again` (not measured again in time, or starved) keeps its single measurement."""
+    out = []
+    for r in per_rank or []:
+        new = (again or {}).get(r["rank"])
+        if not isinstance(new, dict):
+            out.append(r)
+            continue
+        merged = dict(r, tries=int(r.get("tries") or 1) + 1,
+                      first={k: r.get(k) for k, _, _ in SCREEN_GPU_METRICS})
+        for k, _, _ in SCREEN_GPU_METRICS:
+            vals = [v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))]
+            merged[k] = max(vals) if vals else None
+        out.append(merged)
+    return out
+
+
+def judge_gpu_transients(per_rank, floors=None, cpu=False):
+    """GPUs slow at first and at speed when measured again: one WARN under 'gpu-perf' naming no host (a burst of
+    another process's work, a moment of contention), with what was seen; [] when none."""
+    rows = [r for r in per_rank or [] if _gpu_again(r)]
+    slow = set(gpu_suspects(rows, floors, cpu))
+    seen = [r for r in rows if r["rank"] not in slow]
+    if not seen:
+        return []
+    items = [f"{_gpu_who(r)}: " + ", ".join(f"{SCREEN_GPU_LABELS[k]} {_sn((r.get('first') or {}).get(k) or 0)} then "
+                                             f"{_sn(r.get(k) or 0)}" for k, _, _ in SCREEN_GPU_METRICS) for r in seen]
+    shown = "; ".join(items[:8]) + (f"; and {len(items) - 8} more" if len(items) > 8 else "")
+    return [dict(finding("gpu-perf", "WARN", f"{len(seen)} GPU(s) slow at first and at speed when measured again: "
+                         f"{shown}: a transient (another process on the GPU, a burst), no host is named",
+                         blame="once"),
+                 evidence=f"{len(seen)} GPU(s) slow once, at speed when measured again", transient=True,
+                 action="none now: nothing is drained; re-run the preflight if the same GPU recurs")]
+
+
+
+# ============================================================================ aiv/screen_judge.py
+# Floor 3: the screen's judges: per-GPU TFLOPS and GB/s against model peers and the table (and the
+SCREEN_RENDER_ALL = 16      # up to this many nodes the PERFORMANCE section shows every node and every group
+SCREEN_RENDER_SLOW = 32     # beyond that, at most this many slow groups are listed (then a count)
+
+
+def screen_best(rows, redone):
+    """rows with re-measurements merged: per (nodes, rail) the best busbw counts; 'tries' counts the
+    measurements and 'first' keeps the first value (a re-measured row). redone: screen_measured rows."""
+    best = {(tuple(m["nodes"]), m["rail"]): m for m in redone}
+    out = []
+    for m in rows:
+        r = best.get((tuple(m["nodes"]), m["rail"]))
+        if r is None:
+            out.append(m)
+            continue
+        tries = m.get("tries", 1) + 1
+        keep = m if (m.get("busbw") or 0.0) >= (r.get("busbw") or 0.0) else dict(m, busbw=r["busbw"],
+                                                                               time_us=r.get("time_us"))
+        out.append(dict(keep, tries=tries, first=m.get("first", m.get("busbw"))))
+    return out
 
 
 def _intra_class(p):
@@ -6255,134 +6487,6 @@ def screen_judged_against(screen, bands=None):
                                   screen.get("min_busbw_inter"), "min_busbw_inter", band,
                                   "none exists for inter-node busbw"))
     return out
-GPU_FACT_KEYS = ("pcie_width", "pcie_width_max", "pcie_speed", "pcie_speed_max", "sm_mhz", "sm_max_mhz",
-                 "throttle", "temp_c", "power_w", "ecc_uncorrected", "remap_pending", "remap_failure")
-
-
-def gpu_fact_problems(row):
-    """[(status, text)] for one GPU's facts (a judge_gpu_perf row with GPU_FACT_KEYS, each optional): under
-    load, PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS; from its node's one
-    nvidia-smi call (read_node_smi), uncorrected ECC errors since the driver loaded or a pending row remap
-    (WARN), a failed row remap (FAIL)."""
-    out, g = [], row.get
-    if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
-        out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
-    if g("pcie_speed") and g("pcie_speed_max") and g("pcie_speed") < g("pcie_speed_max"):
-        out.append(("WARN", f"PCIe link {g('pcie_speed'):g} of {g('pcie_speed_max'):g} GT/s under load"))
-    if int(g("throttle") or 0) & THROTTLE_FAULTS:
-        clock = f" (SM {g('sm_mhz'):g} of {g('sm_max_mhz'):g} MHz)" if g("sm_mhz") and g("sm_max_mhz") else ""
-        out.append(("WARN", f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}{clock}"))
-    if g("ecc_uncorrected"):
-        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded"))
-    if g("remap_failure"):
-        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it)"))
-    elif g("remap_pending"):
-        out.append(("WARN", "row remapping pending: reset the GPU to apply it"))
-    return out
-
-
-def judge_gpu_facts(per_rank):
-    """Findings under 'gpu-perf' from each GPU's facts (gpu_fact_problems): one per GPU
-    with a problem, or beyond SCREEN_LIST_MAX GPUs one per status listing the first ones and a count.
-    No PASS finding: judge_gpu_perf gives it."""
-    flagged = [(r, p) for r in sorted(per_rank or [], key=lambda r: r["rank"]) for p in [gpu_fact_problems(r)] if p]
-    items = [(_screen_worst([s for s, _ in p]), r, "; ".join(t for _, t in p)) for r, p in flagged]
-    return per_gpu_findings("gpu-perf", items, _gpu_who, "GPU(s) with a problem under load")
-
-
-def per_gpu_findings(check, items, who, headline, blame="own"):
-    """items [(status, rank record, text)] -> one finding per GPU, or beyond SCREEN_LIST_MAX GPUs one per
-    status: '<n> <headline>: ' the first ones (who(record): text) and a count of the rest."""
-    if len(items) <= SCREEN_LIST_MAX:
-        return [finding(check, st, f"{who(r)}: {txt}", [r.get("host")], [r["rank"]], blame=blame)
-                for st, r, txt in items]
-    out = []
-    for status in ("FAIL", "WARN"):
-        sel = [(r, txt) for st, r, txt in items if st == status]
-        if sel:
-            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
-                f"{who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
-                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel], blame=blame))
-    return out
-
-
-def gpu_levels(screen):
-    """Per GPU row, against the reference that judged it: {rank: {metric: (value, ratio, level)}}, plus the
-    refs {(model, metric): {'ref', 'how', 'count'}} drawn at 1.0 (the judge's references and levels,
-    judge_gpu_perf): its model's peers where it has two or more of them, else its model's table row (a lone
-    GPU is never drawn at 1.0 of itself), else itself (judged by the floor alone)."""
-    rows = (screen or {}).get("gpu") or []
-    fail, warn = screen_fractions("gpu", bool((screen or {}).get("cpu")))
-    floors = {"tflops": (screen or {}).get("min_tflops"), "hbm_gbps": (screen or {}).get("min_hbm")}
-    refs, out = {}, {}
-    for metric in ("tflops", "hbm_gbps"):
-        for model in {r.get("model") or "unknown" for r in rows}:
-            same = (r.get(metric) for r in rows if (r.get("model") or "unknown") == model
-                    and isinstance(r.get(metric), (int, float)) and r.get(metric) == r.get(metric))
-            refs[(model, metric)] = screen_reference(same)
-        for r in rows:
-            model = r.get("model") or "unknown"
-            v, ref = r.get(metric), refs[(model, metric)]
-            if not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")) or not ref["ref"]:
-                continue  # not measured (None, NaN, text): nothing to draw
-            row = None if (screen or {}).get("cpu") else gpu_table_row(r.get("model"))
-            table = (row or {}).get(metric)
-            lv = _screen_worst([screen_level(v, ref if ref["count"] >= 2 else {}, fail, warn, floors[metric]),
-                                table_level(v, table)])  # as judge_gpu_perf: peers, floor, table
-            base = ref["ref"]
-            if ref["count"] < 2 and table:  # a lone GPU: drawn against the row that judged it
-                base = table
-                refs[(model, metric)] = {"ref": table, "how": f"table row {row['row']}", "count": ref["count"]}
-            out.setdefault(r.get("rank"), {})[metric] = (float(v), float(v) / base, lv)
-    return out, refs
-
-
-def gpu_suspects(per_rank, floors=None, cpu=False):
-    """The ranks whose GPU row is slow (WARN or FAIL against its peers, its table row or a floor: judge_gpu_perf's
-    rule): the GPUs measured again before any is named (the screen blames only what persists)."""
-    floors = floors or {}
-    _, flags = _gpu_flags(list(per_rank or []), {"min_tflops": floors.get("min_tflops"),
-                                                 "min_hbm": floors.get("min_hbm")}, cpu)
-    return sorted(flags)
-
-
-def gpu_remeasured(per_rank, again):
-    """per_rank rows with each re-measurement in `again` ({rank: the new row's measurements}) merged: 'tries' 2,
-    'first' the first values of each metric, and each metric the better of the two (faults only lower numbers:
-    a GPU slow again is slow in its best value; one at speed again was a transient). A rank missing from
-    `again` (not measured again in time, or starved) keeps its single measurement."""
-    out = []
-    for r in per_rank or []:
-        new = (again or {}).get(r["rank"])
-        if not isinstance(new, dict):
-            out.append(r)
-            continue
-        merged = dict(r, tries=int(r.get("tries") or 1) + 1,
-                      first={k: r.get(k) for k, _, _ in SCREEN_GPU_METRICS})
-        for k, _, _ in SCREEN_GPU_METRICS:
-            vals = [v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))]
-            merged[k] = max(vals) if vals else None
-        out.append(merged)
-    return out
-
-
-def judge_gpu_transients(per_rank, floors=None, cpu=False):
-    """GPUs slow at first and at speed when measured again: one WARN under 'gpu-perf' naming no host (a burst of
-    another process's work, a moment of contention), with what was seen; [] when none."""
-    rows = [r for r in per_rank or [] if _gpu_again(r)]
-    slow = set(gpu_suspects(rows, floors, cpu))
-    seen = [r for r in rows if r["rank"] not in slow]
-    if not seen:
-        return []
-    items = [f"{_gpu_who(r)}: " + ", ".join(f"{SCREEN_GPU_LABELS[k]} {_sn((r.get('first') or {}).get(k) or 0)} then "
-                                             f"{_sn(r.get(k) or 0)}" for k, _, _ in SCREEN_GPU_METRICS) for r in seen]
-    shown = "; ".join(items[:8]) + (f"; and {len(items) - 8} more" if len(items) > 8 else "")
-    return [dict(finding("gpu-perf", "WARN", f"{len(seen)} GPU(s) slow at first and at speed when measured again: "
-                         f"{shown}: a transient (another process on the GPU, a burst), no host is named",
-                         blame="once"),
-                 evidence=f"{len(seen)} GPU(s) slow once, at speed when measured again", transient=True,
-                 action="none now: nothing is drained; re-run the preflight if the same GPU recurs")]
 
 
 def screen_degraded_note(screen):
@@ -7591,7 +7695,7 @@ table{border-collapse:collapse;width:100%}
 td,th{text-align:left;vertical-align:top;padding:4px 8px;border-bottom:1px solid #eef1f5}
 .st{font-weight:700;border-radius:4px;padding:1px 6px;color:#fff;font-size:12px}
 .st.FAIL{background:#c23030}.st.WARN{background:#d18b00}.st.PASS{background:#1f8a4c}
-.hostl span,#culprits span{display:inline-block;background:#fde7e7;color:#8a1414;border-radius:4px;padding:0 6px;
+.chip{display:inline-block;background:#fde7e7;color:#8a1414;border-radius:4px;padding:0 6px;
 margin:2px 3px 0 0;font:12px ui-monospace,monospace}
 .muted{color:#6b7685}.small{font-size:12px}
 .nodes{display:grid;grid-template-columns:repeat(auto-fill,minmax(150px,1fr));gap:6px}
@@ -7603,10 +7707,18 @@ margin:2px 3px 0 0;font:12px ui-monospace,monospace}
 .dots i{width:8px;height:8px;border-radius:1px;display:inline-block}
 .OK{background:#3aa76d}.WARN.g,.dots .WARN{background:#e3a008}.FAIL.g,.dots .FAIL{background:#d43d3d}
 .NA{background:#c5ccd6}
-svg text{font:11px system-ui,sans-serif;fill:#4a5563}svg .lab{font:10px ui-monospace,monospace}
-.b-OK{fill:#3aa76d}.b-WARN{fill:#e3a008}.b-FAIL{fill:#d43d3d}.rng{fill:#9fd3b4}
-.l-ref{stroke:#1d2430;stroke-width:1}.l-WARN{stroke:#e3a008;stroke-dasharray:5 3}
-.l-FAIL{stroke:#d43d3d;stroke-dasharray:5 3}
+svg text{font:11px system-ui,sans-serif;fill:#4a5563}svg .lab{font:10px ui-monospace,monospace;fill:#1d2430}
+.b-OK{fill:#3aa76d}.b-WARN{fill:#e3a008}.b-FAIL{fill:#d43d3d}.b-NA{fill:#c5ccd6}.rng-top{fill:#1d2430}
+.chart{overflow-x:auto}.tick{stroke:#e3e8ee}.unit{font-weight:600}
+svg .val{font:600 10px ui-monospace,monospace;fill:#1d2430;paint-order:stroke;stroke:#fff;stroke-width:3px}
+svg .val.v-FAIL{fill:#a11616}
+.jl{stroke-width:1.4}.lead{stroke:#aab3bf;stroke-width:.8}.j-ref,.j-row{stroke:#1d2430}.j-warn{stroke:#d18b00;
+stroke-dasharray:5 3}.j-fail{stroke:#d43d3d;stroke-dasharray:5 3}.j-floor{stroke:#a11616;stroke-width:2}
+.j-band{stroke:#7a3fd1;stroke-dasharray:2 2;stroke-width:1.8}.j-row{stroke-dasharray:8 3 2 3}
+svg text.jlab{font:11px system-ui,sans-serif;stroke:none}svg text.j-warn{fill:#9a6700}svg text.j-fail,
+svg text.j-floor{fill:#a11616}svg text.j-band{fill:#5b2ca0}svg text.j-ref,svg text.j-row{fill:#1d2430}
+.brk{fill:none;stroke:#1d2430;stroke-width:1.4}svg .brk-t{font-style:italic}
+svg .cv{font:9px ui-monospace,monospace;fill:#fff}svg .cv.c-k1,svg .cv.c-k2{fill:#1d2430}
 .k0{fill:#1f8a4c;background:#1f8a4c}.k1{fill:#7cc79a;background:#7cc79a}.k2{fill:#e3a008;background:#e3a008}
 .k3{fill:#d43d3d;background:#d43d3d}.k4{fill:#5a0d0d;background:#5a0d0d}
 .hm{background:#fff;border:1px solid #dde3ea;border-radius:6px;padding:6px}.hm svg{display:block}
@@ -7631,7 +7743,7 @@ def _html_n(x, nd=1):
 def _html_hosts(hosts, limit=64, cls="hostl"):
     """Hosts as escaped chips, the first `limit` of them, then a count."""
     hosts = list(hosts or [])
-    chips = "".join(f"<span>{_html_e(h)}</span>" for h in hosts[:limit])
+    chips = "".join(f'<span class="chip">{_html_e(h)}</span>' for h in hosts[:limit])
     more = f' <span class="muted">and {len(hosts) - limit} more</span>' if len(hosts) > limit else ""
     return f'<span class="{cls}">{chips}{more}</span>' if hosts else '<span class="muted">none</span>'
 
@@ -7676,9 +7788,16 @@ def _html_actions(state):
     dtext = ("drained" if drain.get("done") else f"recommended (--drain {_html_e(drain.get('mode'))})") if cmd else ""
     ex = f'<code id="exclude">{_html_e(exclude)}</code>' if exclude else '<span class="muted">-</span>'
     skipped = drain.get("skipped") if drain.get("mode") not in (None, "off") else None
+    unl = "".join(f"<li>{_html_e(f['check'])}: {_html_e(f['unlocalised']['why'])}; to localise it: "
+                  f"{_html_e(f['unlocalised']['localise'])}"
+                  + (f" (involves {_html_e(compress_hostlist(f['involved']))}, none of them blamed)"
+                     if f.get("involved") else "") + "</li>"
+                  for f in state.get("findings") or [] if f["status"] == "FAIL" and f.get("unlocalised"))
     return ('<section id="actions"><h2>Culprits and actions</h2><div class="card">'
             f'<p><b>Failed hosts:</b> <span id="culprits">{_html_hosts(failed, 256)}</span></p>'
             f'<p><b>Exclude:</b> {ex}</p>'
+            + (f'<p><b>Not localised</b> (these FAILs name no host):</p><ul id="unlocalised">{unl}</ul>' if unl
+               else "")
             + (f'<p><b>Suspect links</b> (the path, not either node):</p><ul id="suspect-links">{lk}</ul>'
                if lk else "")
             + ('<p><b>What to do</b>:</p><ul id="finding-actions">'
@@ -7793,80 +7912,268 @@ def _html_topology(state, gl):
             '</section>')
 
 
-def _html_gpu_bars(items, lo, hi, w, h):
-    """Bars of [(label, ratio, level)] from the bottom of a [lo, hi] ratio axis, one per GPU."""
-    bw = w / max(len(items), 1)
-    out = []
-    for i, (label, ratio, lv) in enumerate(items):
-        y = h - h * (min(max(ratio, lo), hi) - lo) / (hi - lo)
-        out.append(f'<rect x="{40 + i * bw:.1f}" y="{y:.1f}" width="{max(bw - (bw > 3), 0.6):.1f}" height="{h - y:.1f}"'
-                   f' class="b-{lv}"><title>{_html_e(label)}</title></rect>')
-    return "".join(out)
+GPU_BARS_MAX = 512      # up to this many GPUs of one model a chart has one labelled bar each; beyond, a column
+                        # per node (the range of its GPUs) and a labelled bar per GPU below a line
+FLAGGED_BARS_MAX = 64   # ... at most this many of those (the lowest first), then a count
+BREAK_RATIO = 2.0       # a line this far above every value and every reference is drawn above a broken axis
 
 
-def _html_gpu_ranges(groups, lo, hi, w, h):
-    """At scale, one column per node: its GPUs' ratio range, flagged GPUs as dots."""
+def _html_v(x):
+    """A measured value as text: 3 significant digits (0.0921, 12.3, 670, 4213), never rounded to nothing."""
+    return _s3(x)
+
+
+def _html_step(top):
+    """A round tick step (1, 2 or 5 x 10^k) giving about five ticks from 0 to top."""
+    raw = max(top, 1e-12) / 5
+    mag = 10 ** math.floor(math.log10(raw))
+    return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+
+
+def _html_label_ys(ys, lo, hi, gap=12.0):
+    """Label positions for lines at ys: each as near its line as it can be, at least `gap` apart, within [lo, hi]."""
+    order = sorted(range(len(ys)), key=lambda i: ys[i])
+    out = [0.0] * len(ys)
+    prev = lo - gap
+    for i in order:
+        out[i] = prev = max(ys[i], prev + gap)
+    over = prev - hi
+    if over > 0:  # pushed past the bottom: move the whole stack up as far as it needs
+        for i in order:
+            out[i] -= over
+    return out
+
+
+def _html_chart(cid, bars, lines, unit, caption):
+    """One bar chart on an axis from 0 in the values' unit, every bar labelled with what it measures and its value,
+    every line it was judged against drawn and named (judging_lines). bars: [(name, value or None, level, tip)];
+    a line far above everything else (BREAK_RATIO) is drawn above a broken axis, clearly marked."""
+    vals = [float(v) for _, v, _, _ in bars if v is not None]
+    core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
+    broken = [ln for ln in lines if ln["value"] > BREAK_RATIO * core]
+    shown = [ln for ln in lines if ln not in broken]
+    top = max([core] + [ln["value"] for ln in shown]) * 1.08
+    step = _html_step(top)
+    top = math.ceil(top / step - 1e-9) * step
+    n = max(len(bars), 1)
+    slot = max(16.0, 680.0 / n)
+    flat = slot >= 64  # room for labels written across
+    name_h = 32 if flat else 10 + 6.2 * max([len(b[0]) for b in bars] + [4])
+    val_h = 16 if slot >= 44 else 10 + 6.2 * max([len(_html_v(v)) for v in vals] + [1])
+    left, right, plot_h = 60, 330, 200
+    brk_h = 16 * len(broken) + 22 if broken else 0
+    y0 = 8 + brk_h + val_h
+    w = slot * n
+    width, height = left + w + right, y0 + plot_h + name_h + 6
+
+    def y(v):
+        return y0 + plot_h * (1 - min(max(float(v), 0.0), top) / top)
+
+    out = [f'<rect class="grid" x="{left}" y="{y0:.1f}" width="{w:.1f}" height="{plot_h}"/>']
+    t = 0.0
+    while t <= top * (1 + 1e-9):
+        out.append(f'<line class="tick" x1="{left}" x2="{left + w:.1f}" y1="{y(t):.1f}" y2="{y(t):.1f}"/>'
+                   f'<text x="{left - 5}" y="{y(t) + 4:.1f}" text-anchor="end">{_html_v(t) if t else "0"}</text>')
+        t += step
+    out.append(f'<text class="unit" x="{left - 5}" y="{y0 - val_h + 2:.1f}" text-anchor="end">{_html_e(unit)}</text>')
+    for i, (name, v, lv, tip) in enumerate(bars):
+        x, bw = left + i * slot, max(slot - (2 if slot > 6 else 0), 1.0)
+        cx = x + slot / 2
+        if v is None:
+            out.append(f'<text class="val na" x="{cx:.1f}" y="{y0 + plot_h - 4:.1f}" text-anchor="middle">n/a</text>')
+        else:
+            yt = y(v)
+            yb = min(yt, y0 + plot_h - 1)
+            out.append(f'<rect class="bar b-{lv}" x="{x + 1:.1f}" y="{yb:.1f}" width="{bw:.1f}" '
+                       f'height="{max(y0 + plot_h - yt, 1):.1f}" data-gpu="{_html_e(name)}" '
+                       f'data-value="{float(v):.6g}" data-level="{lv}"><title>{_html_e(tip)}</title></rect>')
+            vt, vy = _html_v(v), yb - 3
+            out.append(f'<text class="val v-{lv}" x="{cx:.1f}" y="{vy:.1f}" text-anchor="middle">{vt}</text>'
+                       if slot >= 44 else
+                       f'<text class="val v-{lv}" transform="translate({cx + 3.5:.1f},{vy:.1f}) rotate(-90)">'
+                       f'{vt}</text>')
+        ny = y0 + plot_h + 13
+        if flat:
+            host, _, rest = name.partition(" ")
+            out.append(f'<text class="lab" x="{cx:.1f}" y="{ny:.1f}" text-anchor="middle">{_html_e(host)}</text>'
+                       f'<text class="lab" x="{cx:.1f}" y="{ny + 12:.1f}" text-anchor="middle">{_html_e(rest)}</text>')
+        else:
+            out.append(f'<text class="lab" transform="translate({cx + 3.5:.1f},{y0 + plot_h + 6:.1f}) rotate(-90)" '
+                       f'text-anchor="end">{_html_e(name)}</text>')
+    lys = _html_label_ys([y(ln["value"]) + 4 for ln in shown], y0 + 4, y0 + plot_h + name_h)
+    for ln, ly in zip(shown, lys, strict=True):
+        yl = y(ln["value"])
+        out.append(f'<line class="jl j-{ln["kind"]}" x1="{left}" x2="{left + w + 6:.1f}" y1="{yl:.1f}" y2="{yl:.1f}" '
+                   f'data-kind="{ln["kind"]}" data-level="{ln["level"] or "ref"}" data-value="{ln["value"]:.6g}">'
+                   f'<title>{_html_e(ln["text"])}</title></line>'
+                   f'<line class="lead" x1="{left + w + 6:.1f}" x2="{left + w + 12:.1f}" y1="{yl:.1f}" '
+                   f'y2="{ly - 4:.1f}"/><text class="jlab j-{ln["kind"]}" x="{left + w + 14:.1f}" y="{ly:.1f}">'
+                   f'{_html_e(ln["text"])}</text>')
+    for k, ln in enumerate(broken):
+        yl = 12 + 16 * k
+        out.append(f'<line class="jl j-{ln["kind"]}" x1="{left}" x2="{left + w + 6:.1f}" y1="{yl}" y2="{yl}" '
+                   f'data-kind="{ln["kind"]}" data-level="{ln["level"] or "ref"}" data-value="{ln["value"]:.6g}" '
+                   f'data-broken="1"><title>{_html_e(ln["text"])}</title></line>'
+                   f'<text class="jlab j-{ln["kind"]}" x="{left + w + 14:.1f}" y="{yl + 4}">'
+                   f'{_html_e(ln["text"])}</text>')
+    if broken:  # the break: a zigzag across the axis, and words that say so
+        zy = 8 + 16 * len(broken) + 2
+        out.append(f'<path class="brk" d="M{left - 8},{zy + 4} l4,-4 l4,8 l4,-8 l4,8 l4,-4"/>'
+                   f'<text class="brk-t" x="{left + 14}" y="{zy + 8}">axis broken: the line(s) above lie far above '
+                   f'every value (not to scale)</text>')
+    return (f'<h3>{caption}</h3><div class="chart"><svg id="{_html_e(cid)}" class="bars" width="{width:.0f}" '
+            f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" role="img">{"".join(out)}</svg></div>')
+
+
+def _html_ranges(cid, groups, lines, unit, caption):
+    """At scale, one column per node: the range of its GPUs' values, on the same axis and lines as _html_chart.
+    groups: [(host, [value, ...], worst level)]."""
+    vals = [v for _, vs, _ in groups for v in vs]
+    core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
+    shown = [ln for ln in lines if ln["value"] <= BREAK_RATIO * core]
+    top = max([core] + [ln["value"] for ln in shown]) * 1.08
+    left, right, h, w = 60, 330, 160, 700.0
     bw = w / max(len(groups), 1)
 
-    def y(r):
-        return h - h * (min(max(r, lo), hi) - lo) / (hi - lo)
+    def y(v):
+        return 8 + h * (1 - min(max(float(v), 0.0), top) / top)
 
-    out = []
-    for i, (host, items) in enumerate(groups):
-        rs = [r for _, r, _ in items]
-        x = 40 + i * bw
-        out.append(f'<rect x="{x:.1f}" y="{y(max(rs)):.1f}" width="{max(bw, 0.8):.2f}" '
-                   f'height="{max(y(min(rs)) - y(max(rs)), 1):.1f}" class="rng"><title>{_html_e(host)}: '
-                   f'{min(rs):.3f}-{max(rs):.3f}</title></rect>')
-        out += [f'<circle cx="{x + bw / 2:.1f}" cy="{y(r):.1f}" r="3" class="b-{lv}"><title>{_html_e(label)}</title>'
-                f'</circle>' for label, r, lv in items if lv != "OK"]
-    return "".join(out)
+    out = [f'<rect class="grid" x="{left}" y="8" width="{w:.0f}" height="{h}"/>']
+    step = _html_step(top)
+    for i in range(int(top / step) + 1):
+        out.append(f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_html_v(i * step) if i else 0}'
+                   '</text>')
+    for i, (host, vs, lv) in enumerate(groups):  # a bar up to the node's lowest GPU, its range above it
+        tip = f"{_html_e(host)}: {_html_v(min(vs))}-{_html_v(max(vs))} {_html_e(unit)} [{lv}]"
+        out.append(f'<rect x="{left + i * bw:.2f}" y="{y(min(vs)):.1f}" width="{max(bw, 0.8):.2f}" '
+                   f'height="{max(8 + h - y(min(vs)), 1):.1f}" class="rng b-{lv}" data-gpu="{_html_e(host)}" '
+                   f'data-value="{min(vs):.6g}" data-level="{lv}"><title>{tip}</title></rect>'
+                   f'<rect x="{left + i * bw:.2f}" y="{y(max(vs)):.1f}" width="{max(bw, 0.8):.2f}" '
+                   f'height="{max(y(min(vs)) - y(max(vs)), 1):.1f}" class="rng-top"><title>{tip}</title></rect>')
+    every = max(1, len(groups) // 16)
+    for i in range(0, len(groups), every):
+        out.append(f'<text class="lab" x="{left + (i + 0.5) * bw:.1f}" y="{h + 22}" text-anchor="middle">'
+                   f'{_html_e(groups[i][0])}</text>')
+    lys = _html_label_ys([y(ln["value"]) + 4 for ln in shown], 12, h + 8)
+    for ln, ly in zip(shown, lys, strict=True):
+        out.append(f'<line class="jl j-{ln["kind"]}" x1="{left}" x2="{left + w + 6:.0f}" y1="{y(ln["value"]):.1f}" '
+                   f'y2="{y(ln["value"]):.1f}" data-kind="{ln["kind"]}" data-level="{ln["level"] or "ref"}" '
+                   f'data-value="{ln["value"]:.6g}"/><text class="jlab j-{ln["kind"]}" x="{left + w + 14:.0f}" '
+                   f'y="{ly:.1f}">{_html_e(ln["text"])}</text>')
+    over = [ln for ln in lines if ln not in shown]
+    note = ("; off the axis: " + "; ".join(_html_e(ln["text"]) for ln in over)) if over else ""
+    return (f'<h3>{caption}</h3><p class="muted small">one column per node: the range of its GPUs, in node order '
+            f'(node names every {every}){note}</p><div class="chart"><svg id="{_html_e(cid)}" class="ranges" '
+            f'width="{left + w + right:.0f}" height="{h + 32}" viewBox="0 0 {left + w + right:.0f} {h + 32}" '
+            f'role="img">{"".join(out)}</svg></div>')
 
 
-def _html_gpu_chart(screen, gl, refs, metric, unit):
-    """One metric's per-GPU ratio chart: reference line at 1.0, the FAIL and WARN fractions dashed."""
-    fail, warn = screen_fractions("gpu", bool(screen.get("cpu")))
-    rows = sorted(screen.get("gpu") or [], key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0))
-    items = [(r.get("host"), f"{r.get('host')} rank {r.get('rank')} local {r.get('local_rank')}: "
-              f"{gl[r['rank']][metric][0]:.1f} {unit} = {gl[r['rank']][metric][1]:.3f} of the reference",
-              gl[r["rank"]][metric][1], gl[r["rank"]][metric][2]) for r in rows if metric in gl.get(r.get("rank"), {})]
-    if not items:
+def _html_gpu_name(r, cpu=False):
+    """A bar's label: the GPU by its node and local rank (a CPU rank by its node and local rank)."""
+    return f"{r.get('host')} {'rank' if cpu else 'GPU'} {r.get('local_rank')}"
+
+
+def _html_gpu_chart(screen, gl, refs, metric, unit, model=None):
+    """One model's chart of one metric: a bar per GPU (its node and local rank, its value) against every line
+    that judged it (gpu_refs, judging_lines): its model's peers, the table row, the floor, a manifest band."""
+    cpu, bands = bool(screen.get("cpu")), screen.get("bands") or []
+    rows = sorted((r for r in screen.get("gpu") or [] if model is None or (r.get("model") or "unknown") == model),
+                  key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0))
+    if not rows:
         return ""
-    lo = min(min(0.6, fail - 0.1), min(x[2] for x in items) - 0.05)
-    hi = max(1.1, max(x[2] for x in items) + 0.02)
-    w, h = 1080, 120
-    if len(items) <= 512:
-        body = _html_gpu_bars([x[1:] for x in items], lo, hi, w, h)
-    else:
-        groups = {}
-        for host, *rest in items:
-            groups.setdefault(host, []).append(rest)
-        body = _html_gpu_ranges(list(groups.items()), lo, hi, w, h)
-    lines = ""
-    for frac, cls in ((1.0, "l-ref"), (warn, "l-WARN"), (fail, "l-FAIL")):
-        if frac is not None:
-            y = h - h * (frac - lo) / (hi - lo)
-            lines += (f'<line x1="40" x2="{40 + w}" y1="{y:.1f}" y2="{y:.1f}" class="{cls}"/>'
-                      f'<text x="36" y="{y + 4:.1f}" text-anchor="end">{frac:.2f}</text>')
-    ref_txt = "; ".join(f"{_html_e(m)}: {_html_n(r['ref'])} {unit} ({_html_e(r['how'])}"
-                        + (f" of {r['count']})" if not r["how"].startswith("table") else ")")
-                        for (m, k), r in sorted(refs.items()) if k == metric and r["ref"])
-    slow = sum(x[3] != "OK" for x in items)
-    return (f'<h3>{unit} per GPU <span class="muted small">(ratio to the model reference: {ref_txt}; {slow} slow)'
-            f'</span></h3><svg id="gpu-{metric}" width="100%" viewBox="0 0 {w + 44} {h + 6}" preserveAspectRatio="none"'
-            f' role="img">{body}{lines}</svg>')
+    model = model or rows[0].get("model") or "unknown"
+    floors = {k: screen.get(k) for k in ("min_tflops", "min_hbm")}
+    ref = gpu_refs(rows, floors, cpu)[(model, metric)]
+    fail, warn = screen_fractions("gpu", cpu)
+    mine = [b for b in bands if b["band"] == f"gpu.{metric}/{model}"]
+    lines = judging_lines(ref["peers"], fail, warn, ref["table"], ref["floor"],
+                          "min_tflops" if metric == "tflops" else "min_hbm", mine)
+    bars = []
+    for r in rows:
+        v = gl.get(r.get("rank"), {}).get(metric)
+        value = v[0] if v else None
+        lv = _html_worst([v[2] if v else "NA", band_level(value, r.get("host"), mine)])
+        tip = (f"{r.get('host')} rank {r.get('rank')} local rank {r.get('local_rank')} {r.get('uuid') or ''}: "
+               + (f"{_html_v(value)} {unit} = {v[1]:.3f} of the reference [{lv}]" if v else "not measured"))
+        bars.append((_html_gpu_name(r, cpu), value, lv, tip))
+    slow = [b for b in bars if b[2] in ("FAIL", "WARN")]
+    caption = (f"{_html_e(unit)} per {'CPU rank' if cpu else 'GPU'} of {_html_e(model)} <span class=\"muted small\">"
+               f"({len(bars)} {'rank' if cpu else 'GPU'}(s), "
+               f"{len(slow)} below a line{'; CPU ranks: nothing WARNs' if cpu else ''})</span>")
+    cid = f"gpu-{metric}" + ("" if len(screen.get("gpu_models") or [model]) == 1 else f"-{_html_slug(model)}")
+    if len(bars) <= GPU_BARS_MAX:
+        return _html_chart(cid, bars, lines, unit, caption)
+    groups = {}
+    for (_, value, lv, _), r in zip(bars, rows, strict=True):
+        if value is not None:
+            g = groups.setdefault(r.get("host"), [[], "OK"])
+            g[0].append(value)
+            g[1] = _html_worst([g[1], lv])
+    flagged = sorted(slow, key=lambda b: b[1] if b[1] is not None else -1.0)
+    more = (f'<p class="muted small">and {len(flagged) - FLAGGED_BARS_MAX} more GPU(s) below a line (the JSON and '
+            'the report list them)</p>' if len(flagged) > FLAGGED_BARS_MAX else "")
+    part = (_html_chart(cid + "-flagged", flagged[:FLAGGED_BARS_MAX], lines, unit,
+                        f"{_html_e(unit)} of the GPUs below a line, lowest first") + more if flagged
+            else '<p class="muted small">no GPU below a line</p>')
+    return _html_ranges(cid, [(h, vs, lv) for h, (vs, lv) in groups.items()], lines, unit, caption) + part
+
+
+def _html_slug(text):
+    return "".join(c if c.isalnum() else "-" for c in str(text)).strip("-").lower()
 
 
 def _html_gpus(screen, gl, refs):
-    """The per-GPU TFLOPS and memory GB/s section."""
+    """The per-GPU TFLOPS and memory GB/s section: per model and metric one chart."""
     if not screen or not screen.get("gpu"):
         return ""
-    charts = "".join(_html_gpu_chart(screen, gl, refs, m, u) for m, u in (("tflops", "TFLOPS"), ("hbm_gbps", "GB/s")))
-    note = ("one column per node (range of its GPUs; slow GPUs as dots)" if len(screen["gpu"]) > 512
-            else "one bar per GPU")
-    legend = ('<span class="legend small"><i class="OK"></i>OK<i class="WARN g"></i>WARN<i class="FAIL g"></i>FAIL'
-              f' &nbsp; {note}, in node order</span>')
-    return f'<section id="gpu-perf"><h2>GPU speed</h2><div class="card">{legend}{charts}</div></section>'
+    models = sorted({r.get("model") or "unknown" for r in screen["gpu"]})
+    scr = dict(screen, gpu_models=models)
+    charts = "".join(_html_gpu_chart(scr, gl, refs, m, u, model) for model in models
+                     for m, u in (("tflops", "TFLOPS"), ("hbm_gbps", "GB/s")))
+    return (f'<section id="gpu-perf"><h2>GPU speed</h2><div class="card">{_html_legend(screen)}{charts}</div>'
+            '</section>')
+
+
+def _html_legend(screen):
+    """The bars' colours, and what the lines are."""
+    return ('<p class="legend small"><i class="OK"></i>OK<i class="WARN g"></i>WARN<i class="FAIL g"></i>FAIL'
+            ' &nbsp; each bar is one measurement, labelled with what it measures and its value; each line is one it '
+            'was judged against, named on the right: a bar below a red line FAILs, below an amber one WARNs'
+            + (" (CPU ranks share cores: only a collapse FAILs, nothing WARNs)" if screen.get("cpu") else "")
+            + "</p>")
+
+
+def _html_intra(screen):
+    """The intra-node busbw section: per class of node (ranks per node, GPU model) a bar per node against the
+    lines that judged it (its class's peers, --min-busbw-intra, a manifest band)."""
+    rows = [p for p in (screen or {}).get("intra") or [] if p.get("host") is not None]
+    if not rows:
+        return ""
+    cpu, bands = bool(screen.get("cpu")), screen.get("bands") or []
+    refs, levels = intra_levels(rows, screen.get("min_busbw_intra"), cpu)
+    fail, warn = screen_fractions("net", cpu)
+    charts = []
+    for k, cls in enumerate(sorted(refs, key=str)):
+        mine = [p for p in rows if _intra_class(p) == cls]
+        band = [b for b in bands if b["band"] == f"intra.busbw/{cls[0] or 0} ranks"]
+        lines = judging_lines(refs[cls], fail, warn, None, screen.get("min_busbw_intra"), "min_busbw_intra", band,
+                              "nodes")
+        bars = []
+        for p in sorted(mine, key=lambda p: _screen_key(p["host"])):
+            v = p.get("busbw")
+            lv = _html_worst([levels[p["host"]][0], band_level(v, p["host"], band)])
+            bars.append((str(p["host"]), v, lv, f"{p['host']}: intra-node all_reduce busbw "
+                         + (f"{_html_v(v)} GB/s [{lv}]" if v is not None else "failed")))
+        alone = "" if refs[cls].get("count", 0) >= 2 else "; one node: no peers to judge it against"
+        charts.append(_html_chart(f"intra-{k}", bars, lines, "GB/s",
+                                  f"intra-node busbw of {_html_e(_intra_class_text(cls))} <span class=\"muted small\">"
+                                  f"({len(bars)} node(s){alone})</span>"))
+    return (f'<section id="intra"><h2>Intra-node busbw</h2><div class="card">{_html_legend(screen)}{"".join(charts)}'
+            '</div></section>')
+
+
+CELL_NUMBERS_MIN = 26.0  # a heat-map cell at least this many pixels wide shows its busbw in figures
+SLOW_ROWS_MAX = 64       # the table of slow inter-node measurements lists at most this many, lowest first
 
 
 def _html_cell_class(level, ratio):
@@ -7905,6 +8212,9 @@ def _html_rail_marks(pairs, idx, rail, d, c, bad):
             x, y = 90 + (b + 0.5) * c - w / 2, 90 + (a + 0.5) * c - w / 2
             (cells if w == mw else slow).append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{w:.1f}" '
                                                 f'class="{cls}"><title>{_html_e(tip)}</title></rect>')
+            if c >= CELL_NUMBERS_MIN:  # the value itself, where the cell holds it
+                cells.append(f'<text class="cv c-{cls}" x="{x + w / 2:.1f}" y="{y + w / 2 + 3:.1f}" '
+                             f'text-anchor="middle">{"failed" if bw is None else _html_v(bw)}</text>')
             if k in lone:
                 boxes.append(f'<rect x="{x - 2:.1f}" y="{y - 2:.1f}" width="{w + 4:.1f}" height="{w + 4:.1f}" '
                              f'class="suspect"><title>suspect link: {_html_e(tip)}</title></rect>')
@@ -7955,13 +8265,41 @@ def _html_pairs(screen, failed):
     n = len(d["nodes"])
     size = max(120.0, min(420.0, 28.0 * n)) if len(d["rails"]) > 1 else max(160.0, min(720.0, 28.0 * n))
     maps = "".join(_html_heatmap(pairs, rail, d, failed, size) for rail in d["rails"])
-    fail, warn = screen_fractions("net", bool(screen.get("cpu")))
-    legend = (f'<span class="legend small"><i class="k0"></i>&ge; 0.97<i class="k1"></i>OK<i class="k2"></i>WARN '
-              f'(&lt; {warn or 0:.2f})<i class="k3"></i>FAIL (&lt; {fail:.2f})<i class="k4"></i>failed'
+    cpu, floor = bool(screen.get("cpu")), screen.get("min_busbw_inter")
+    fail, warn = screen_fractions("net", cpu)
+    rule = (f"FAIL below {fail:.2f} of the rail's reference; CPU ranks: nothing WARNs" if cpu else
+            f"WARN below {warn:.2f} of the rail's reference (and 6 spreads below it), FAIL below {fail:.2f}")
+    rule += f"; FAIL below --min-busbw-inter {floor:g} GB/s" if floor is not None else ""
+    legend = ('<p class="legend small"><i class="k0"></i>OK, at 0.97 of the reference or more<i class="k1"></i>OK'
+              '<i class="k2"></i>WARN<i class="k3"></i>FAIL<i class="k4"></i>failed'
               '<i style="border:2px solid #b00020"></i>culprit row/column<i style="border:2px dashed #5465ff"></i>'
-              'suspect link &nbsp; cells: measured pairs only, ratio to the rail\'s reference</span>')
+              f'suspect link</p><p class="small">Cells: the measured pairs only, each with its busbw in GB/s where the '
+              f'cell holds it; {rule}.</p>')
     return (f'<section id="pairs"><h2>Inter-node busbw per rail</h2><div class="card">{legend}'
-            f'<div class="hms">{maps}</div></div></section>')
+            f'<div class="hms">{maps}</div>{_html_slow_pairs(pairs, d, floor)}</div></section>')
+
+
+def _html_slow_pairs(pairs, d, floor):
+    """The inter-node measurements below a line, lowest ratio first: nodes, rail, busbw, the rail's reference,
+    the ratio, the level (what a heat map too dense for figures cannot show)."""
+    slow = sorted((k for k, lv in enumerate(d["levels"]) if lv != "OK"),
+                  key=lambda k: (float(pairs[k].get("busbw") or 0.0) / (d["refs"][pairs[k]["rail"]]["ref"] or 1.0)))
+    if not slow:
+        return '<p class="muted small">no inter-node measurement below a line</p>'
+    rows = []
+    for k in slow[:SLOW_ROWS_MAX]:
+        m, ref = pairs[k], d["refs"][pairs[k]["rail"]]
+        bw = m.get("busbw")
+        below = floor is not None and float(bw or 0.0) < floor
+        rows.append(f'<tr><td><span class="st {d["levels"][k]}">{d["levels"][k]}</span></td>'
+                    f'<td><code>{_html_e(" - ".join(map(str, m["nodes"])))}</code></td><td>{_html_e(m["rail"])}</td>'
+                    f'<td>{"failed" if bw is None else _html_v(bw)}</td><td>{_html_v(ref["ref"] or 0)} '
+                    f'({_html_e(ref["how"])})</td><td>{float(bw or 0.0) / (ref["ref"] or 1.0):.2f}'
+                    + (f" (below --min-busbw-inter {floor:g})" if below else "") + "</td></tr>")
+    more = (f'<p class="muted small">and {len(slow) - SLOW_ROWS_MAX} more</p>' if len(slow) > SLOW_ROWS_MAX else "")
+    return ('<h3>Inter-node measurements below a line</h3><table id="slow-pairs"><tr><th>level</th><th>nodes</th>'
+            '<th>rail</th><th>busbw GB/s</th><th>the rail\'s reference GB/s</th><th>ratio</th></tr>'
+            f'{"".join(rows)}</table>{more}')
 
 
 def _html_phase_spans(state):
@@ -8018,7 +8356,7 @@ def render_html(state):
     gl, refs = _html_gpu_levels(screen)
     title = f"{state.get('verdict') or 'FAIL'} - ai-infra-validator - {state.get('host') or ''}"
     body = (_html_verdict(state) + _html_findings(state) + _html_actions(state) + _html_topology(state, gl)
-            + _html_gpus(screen, gl, refs) + _html_numerics(state)
+            + _html_gpus(screen, gl, refs) + _html_intra(screen) + _html_numerics(state)
             + _html_pairs(screen, state.get("failed_hosts") or []) + _html_timeline(state))
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_html_e(title)}</title>'
             f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{_html_css()}</style></head>'
@@ -9671,8 +10009,9 @@ class ScreenCoordinator:
         full = dict(self.screen, **net)
         judged = screen_judged_against(full, screen_band_names(a.manifest_data, self.records, full))  # no --manifest:
         # no band, said as such
-        with self.state_lock:
-            self.screen.update(net, judged_against=judged)
+        bands = screen_band_lines(a.manifest_data, self.records, full) if a.manifest_data else None
+        with self.state_lock:  # the page draws each band's FAIL line beside the screen's own
+            self.screen.update(net, judged_against=judged, **({"bands": bands} if bands is not None else {}))
         rounds = self.screen_rounds["screen-net"]
         self.proto.screen_publish(f"q{len(rounds) + 1}", {r: {"done": True} for r in range(self.world)})
         found = apply_strict(judge_screen(self.screen) + judge_gpu_facts(self.screen.get("gpu")), a.strict)
@@ -10503,7 +10842,6 @@ class Coordinator(ScreenCoordinator, RankRun):
         if strays or broken:  # woken early: the others of its launch get a moment to post too
             time.sleep(ERROR_GRACE)
             strays, broken = self.proto.strays(), self.local_failures()
-            self.findings += judge_strays(strays)
             self.findings += [finding("internal", "FAIL", e["line"], ranks=[r], code=EXIT_INTERNAL)
                               if e.get("internal") else finding("local", "FAIL", e["line"], [e["host"]] if e.get("host")
                                                                 else [], [r], blame="own")
@@ -10520,6 +10858,7 @@ class Coordinator(ScreenCoordinator, RankRun):
                           result="FAIL")
             raise Verdict(EXIT_FAIL)
         self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
+        self.findings += judge_strays(strays, self.host_of.values()) if early else []
         if missing and not early:
             where = slurm_expected_hosts(self.env, self.world)
             names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
@@ -10643,7 +10982,7 @@ class Coordinator(ScreenCoordinator, RankRun):
                  + judge_ddp_grads(self.records, self.results)  # numerics: each rank's own gradients
                  + judge_manifest(self.args.manifest_data, self.records, self.screen)
                  + judge_bands(self.args.manifest_data, self.records, self.screen)  # manifest: drift from the accepted
-                 + judge_strays(self.proto.strays()))  # a stray that came after the roll call: never a PASS
+                 + judge_strays(self.proto.strays(), self.host_of.values()))  # a stray after the roll call
         self.findings += apply_strict(final, self.args.strict)
         raise Verdict(verdict_code(self.findings))
 

@@ -53,6 +53,20 @@ CHECKS = (
     "output",        # a requested --json / --metrics / --html file could not be written (exit 1, no host blamed)
 )
 
+# What each check can say besides PASS, without --strict (which makes every WARN a FAIL). docs/checks.md's
+# table has a FAIL and a WARN column per check: a test holds them to this, and finding() refuses any other
+# level, as it refuses a check not in CHECKS.
+CHECK_LEVELS = {
+    "usage": ("FAIL",), "contract": ("FAIL",), "launch": ("FAIL",), "local": ("FAIL",), "device": ("FAIL",),
+    "interface": ("FAIL",), "rendezvous": ("FAIL", "WARN"), "world-size": ("FAIL",), "layout": ("FAIL",),
+    "gpu-affinity": ("FAIL",), "numa": ("WARN",), "versions": ("FAIL", "WARN"), "imports": ("WARN",),
+    "fabric": ("WARN",), "day0": ("WARN",), "init": ("FAIL",), "telemetry": ("FAIL",), "collective": ("FAIL",),
+    "ddp": ("FAIL",), "verdict": ("FAIL",), "bandwidth": ("FAIL",), "transport": ("FAIL",),
+    "manifest": ("FAIL", "WARN"), "internal": ("FAIL", "WARN"), "interrupted": ("FAIL",),
+    "gpu-perf": ("FAIL", "WARN"), "intra-node": ("FAIL", "WARN"), "inter-node": ("FAIL", "WARN"),
+    "soak": ("FAIL", "WARN"), "numerics": ("FAIL", "WARN"), "drain": ("WARN",), "output": ("FAIL",),
+}
+
 # Environment variables the report may print. Nothing else is ever echoed.
 ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "AIV_")
 ENV_ALLOW_NAMES = (
@@ -80,6 +94,9 @@ def finding(check, status, reason, hosts=(), ranks=(), code=EXIT_FAIL, blame=Non
     evidence that singles out its hosts (aiv/blame.py), without which blame_gate names none."""
     if check not in CHECKS:
         raise ValueError(f"finding() got check {check!r}, which is not in CHECKS")
+    if status != "PASS" and status not in CHECK_LEVELS[check]:
+        raise ValueError(f"finding() got {status} for {check}, which CHECK_LEVELS says gives only "
+                         f"{'/'.join(CHECK_LEVELS[check])}")
     f = {"check": check, "status": status, "reason": reason,
          "hosts": sorted(set(hosts)), "ranks": sorted(set(ranks))}
     if status == "FAIL" and code != EXIT_FAIL:

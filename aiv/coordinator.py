@@ -137,7 +137,6 @@ class Coordinator(ScreenCoordinator, RankRun):
         if strays or broken:  # woken early: the others of its launch get a moment to post too
             time.sleep(ERROR_GRACE)
             strays, broken = self.proto.strays(), self.local_failures()
-            self.findings += judge_strays(strays)
             self.findings += [finding("internal", "FAIL", e["line"], ranks=[r], code=EXIT_INTERNAL)
                               if e.get("internal") else finding("local", "FAIL", e["line"], [e["host"]] if e.get("host")
                                                                 else [], [r], blame="own")
@@ -154,6 +153,7 @@ class Coordinator(ScreenCoordinator, RankRun):
                           result="FAIL")
             raise Verdict(EXIT_FAIL)
         self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
+        self.findings += judge_strays(strays, self.host_of.values()) if early else []
         if missing and not early:
             where = slurm_expected_hosts(self.env, self.world)
             names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
@@ -277,7 +277,7 @@ class Coordinator(ScreenCoordinator, RankRun):
                  + judge_ddp_grads(self.records, self.results)  # numerics: each rank's own gradients
                  + judge_manifest(self.args.manifest_data, self.records, self.screen)
                  + judge_bands(self.args.manifest_data, self.records, self.screen)  # manifest: drift from the accepted
-                 + judge_strays(self.proto.strays()))  # a stray that came after the roll call: never a PASS
+                 + judge_strays(self.proto.strays(), self.host_of.values()))  # a stray after the roll call
         self.findings += apply_strict(final, self.args.strict)
         raise Verdict(verdict_code(self.findings))
 

@@ -54,18 +54,23 @@ def stray_reason(rank, world, world0, first):
     return None
 
 
-def judge_strays(strays):
+def judge_strays(strays, hosts=()):
     """One FAIL per process refused at the roll call (stray_reason): the launch started a process that
-    is not a rank of this run. The stray's host is named (its own process: evidence 'own'); the rank it
-    claimed is its own."""
-    out = []
+    is not a rank of this run. A second claim of a rank names the stray's host (its own process: 'own'). A
+    process launched with another WORLD_SIZE than rank 0's is unlike rank 0, which may be the odd one itself:
+    its host is named only when the strays' hosts are a strict minority of every host seen (hosts: the run's,
+    from the roll call); else no host is named."""
+    out, seen = [], set(hosts) | {x["host"] for x in strays}
+    odd = {x["host"] for x in strays if x["check"] == "world-size"}
+    kind = minority_kind(odd, seen) if odd else "majority"
     for x in sorted(strays, key=lambda x: (x["rank"], x["host"], x["pid"])):
-        out.append(finding(x["check"], "FAIL", f"a process with RANK={x['rank']} (pid {x['pid']} on {x['host']}) "
-                           f"joined the roll call but is not a rank of this run: {x['why']}; two launches share "
-                           f"MASTER_ADDR:MASTER_PORT, or the launcher gave out RANK/WORLD_SIZE wrong",
-                           [x["host"]], [x["rank"]], blame="own"))
+        f = finding(x["check"], "FAIL", f"a process with RANK={x['rank']} (pid {x['pid']} on {x['host']}) "
+                    f"joined the roll call but is not a rank of this run: {x['why']}; two launches share "
+                    f"MASTER_ADDR:MASTER_PORT, or the launcher gave out RANK/WORLD_SIZE wrong",
+                    [x["host"]], [x["rank"]], blame="own" if x["check"] != "world-size" else "majority")
+        out.append(f if x["check"] != "world-size" or kind == "majority" else unlocalised(
+            f, kind, "the launch's WORLD_SIZE on every node (rank 0's node may be the odd one)"))
     return out
-
 
 def forged_what(key, claim):
     """What a refused store value claimed to be, in words (the claim is quoted, never believed)."""

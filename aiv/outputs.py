@@ -12,7 +12,8 @@ from .judge import rank_record
 from .manifest import mark_accepted
 from .options import DRAIN_PREFIX
 from .render import failure_lines
-from .screen_judge import gpu_levels, screen_degraded_note, screen_diagnose
+from .screen_gpu import gpu_levels
+from .screen_judge import screen_degraded_note, screen_diagnose
 
 DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
 DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)

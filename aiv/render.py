@@ -15,23 +15,9 @@ from .collect import PROBED_PACKAGES, throttle_names
 from .deadlines import DRAIN_S, PHASES
 from .judge import _by_host, _import_state, screen_reference
 from .measure import SMI_WHAT
-from .screen_judge import (
-    GPU_FACT_KEYS,
-    SCREEN_GPU_METRICS,
-    SCREEN_RENDER_ALL,
-    SCREEN_RENDER_SLOW,
-    _gpu_flags,
-    _intra_class_text,
-    _screen_ref_text,
-    _screen_worst,
-    _sn,
-    _table_rule,
-    gpu_fact_problems,
-    gpu_table_row,
-    intra_levels,
-    screen_diagnose,
-)
-from .screen_plan import SCREEN_CPU_FAIL, screen_round_label
+from .screen_gpu import GPU_FACT_KEYS, _gpu_flags, _table_rule, gpu_fact_problems, gpu_table_row
+from .screen_judge import SCREEN_RENDER_ALL, SCREEN_RENDER_SLOW, _intra_class_text, intra_levels, screen_diagnose
+from .screen_plan import SCREEN_CPU_FAIL, SCREEN_GPU_METRICS, _screen_ref_text, _screen_worst, _sn, screen_round_label
 from .soak import SOAK_DECAY_FAIL, SOAK_DECAY_WARN, _soak_n, soak_problems, soak_verdict
 
 

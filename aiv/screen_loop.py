@@ -4,16 +4,8 @@ inside is localised to a GPU or a GPU pair, and when to stop. Plain data in, the
 judge_screen judges out; measure() is its only effect (the runtime's collectives, or a simulation)."""
 from .base import _screen_key, finding
 from .judge import screen_reference
-from .screen_judge import (
-    intra_levels,
-    judge_gpu_perf,
-    judge_gpu_transients,
-    judge_intra,
-    judge_pairs,
-    screen_best,
-    screen_suspect_links,
-    screen_third_round,
-)
+from .screen_gpu import judge_gpu_perf, judge_gpu_transients
+from .screen_judge import intra_levels, judge_intra, judge_pairs, screen_best, screen_suspect_links, screen_third_round
 from .screen_plan import (
     screen_fractions,
     screen_layout,

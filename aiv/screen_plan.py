@@ -295,3 +295,86 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
         "intra-node" if hung and all(g.get("rail") is None for g in hung) else PHASE_CHECK[phase]
     return finding(check, "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits), culprits, code=code,
                    blame="process" if hard else None)
+
+
+def _screen_worst(levels):
+    return "FAIL" if "FAIL" in levels else "WARN" if "WARN" in levels else "OK"
+
+
+def _sn(x):
+    """A screen number for the report: one decimal from 1 up, two significant digits below (CPU runs
+    measure GB/s and TFLOPS in hundredths)."""
+    x = float(x)
+    return f"{x:.1f}" if abs(x) >= 1 or x == 0 else f"{x:.2g}"
+
+
+def _s3(x):
+    """A value for a picture: 3 significant digits (0.0921, 12.3, 670, 4213), never rounded to nothing."""
+    x = float(x)
+    return f"{x:.3g}" if abs(x) >= 1e6 else f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def _screen_ref_text(ref, unit, noun=""):
+    return f"{_sn(ref['ref'])} {unit} ({ref['how']} of {ref['count']}{' ' + noun if noun else ''})"
+
+
+def _screen_rule(kind, cpu):
+    fail, warn = screen_fractions(kind, cpu)
+    if cpu:
+        return (f"CPU ranks share cores, so their numbers are not comparable: only values below {fail:.2f} "
+                f"of the reference FAIL and nothing WARNs")
+    return f"FAIL below {fail:.2f}, WARN below {warn:.2f} of the reference"
+
+
+def _screen_names(names, limit=4):
+    names = list(names)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(map(str, names[:limit])) + more
+
+
+SCREEN_GPU_METRICS = (("tflops", "TFLOPS", "min_tflops"), ("hbm_gbps", "GB/s memory", "min_hbm"))
+
+
+SCREEN_GPU_LABELS = {"tflops": "matmul TFLOPS", "hbm_gbps": "memory GB/s"}
+
+
+SCREEN_FLOOR_OPTIONS = {"min_tflops": "--min-tflops", "min_hbm": "--min-hbm", "min_busbw_intra": "--min-busbw-intra",
+                        "min_busbw_inter": "--min-busbw-inter"}
+
+
+def screen_against(what, count, noun, kind, peers, unit, table=None, floor=None, floor_name=None, band=None,
+                   no_table=""):
+    """What one measurement was judged against, as plain data and one line of text. what: e.g. 'matmul
+    TFLOPS of NVIDIA H200'; count: how many values of it, each a noun ('GPU', 'node') of its kind ('model', 'class');
+    peers: their screen_reference, a reference only from 2 values on (one value is its own maximum);
+    table: {'row', 'ref'} or None (no_table: why there is none); floor: the --min-* value (floor_name its
+    key) or None; band: the manifest band's name, '' for none, None when not known here (left out).
+    -> {'measurement', 'count', 'peers': {'ref', 'how', 'count'}|None, 'table', 'floor', 'band', 'judged',
+    'missing': [what it was not judged against], 'text'}."""
+    p = {k: peers[k] for k in ("ref", "how", "count")} if peers.get("count", 0) >= 2 and peers.get("ref") else None
+    s = "s" if count != 1 else ""
+    got, miss = [], []  # miss: (as an item of 'not against', as an item of 'no reference')
+    if p:
+        got.append(f"{p['count']} peers (reference {_sn(p['ref'])} {unit}, {p['how']})")
+    else:
+        alone = f"{count} {noun}{s} of its {kind}" if count == 1 else f"{count} {noun}{s} of its {kind}, none measured"
+        miss.append((f"peers ({alone})", alone))
+    if table:
+        got.append(f"the table row {table['row']} ({_sn(table['ref'])} {unit})")
+    else:
+        miss.append((f"a table row{' (' + no_table + ')' if no_table else ''}",
+                     f"no table row{' (' + no_table + ')' if no_table else ''}"))
+    if floor is not None:
+        got.append(f"the floor {floor:g} {unit} ({SCREEN_FLOOR_OPTIONS.get(floor_name, 'floor')})")
+    else:
+        miss.append(("a floor", "no floor"))
+    if band is not None:
+        if band:
+            got.append(f"the manifest band {band}")
+        else:
+            miss.append(("a manifest band", "no manifest band"))
+    head = f"{what} ({count} {noun}{s})"
+    text = (f"{head}: no reference: {', '.join(n for _, n in miss)}" if not got else
+            f"{head}: against {', '.join(got)}" + (f"; not against {', '.join(m for m, _ in miss)}" if miss else ""))
+    return {"measurement": what, "count": count, "peers": p, "table": table, "floor": floor,
+            "band": band or None, "judged": bool(got), "missing": [m for m, _ in miss], "text": text}

@@ -10,21 +10,10 @@ from .base import EXIT_TIMEOUT, Verdict, _counts, _screen_median, verdict_code
 from .deadlines import NAMING_S, PHASE_WHAT, PHASES, TORCH_BACKSTOP_S
 from .judge import apply_strict
 from .measure import HostStarved, can_split, screen_busbw, screen_measure_gpu, split_problem, take_screen_gpu
-from .screen_judge import (
-    gpu_remeasured,
-    gpu_suspects,
-    judge_gpu_facts,
-    screen_band_names,
-    screen_judged_against,
-)
+from .screen_gpu import gpu_remeasured, gpu_suspects, judge_gpu_facts, screen_band_lines
+from .screen_judge import screen_band_names, screen_judged_against
 from .screen_loop import judge_screen, screen_loop
-from .screen_plan import (
-    screen_creation,
-    screen_gpu_rows,
-    screen_rank_plans,
-    screen_split_groups,
-    screen_stuck,
-)
+from .screen_plan import screen_creation, screen_gpu_rows, screen_rank_plans, screen_split_groups, screen_stuck
 
 
 class ScreenRunner:
@@ -189,8 +178,9 @@ class ScreenCoordinator:
         full = dict(self.screen, **net)
         judged = screen_judged_against(full, screen_band_names(a.manifest_data, self.records, full))  # no --manifest:
         # no band, said as such
-        with self.state_lock:
-            self.screen.update(net, judged_against=judged)
+        bands = screen_band_lines(a.manifest_data, self.records, full) if a.manifest_data else None
+        with self.state_lock:  # the page draws each band's FAIL line beside the screen's own
+            self.screen.update(net, judged_against=judged, **({"bands": bands} if bands is not None else {}))
         rounds = self.screen_rounds["screen-net"]
         self.proto.screen_publish(f"q{len(rounds) + 1}", {r: {"done": True} for r in range(self.world)})
         found = apply_strict(judge_screen(self.screen) + judge_gpu_facts(self.screen.get("gpu")), a.strict)

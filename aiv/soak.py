@@ -3,8 +3,8 @@ clocks slow for heat or power, named with its host."""
 from .base import finding
 from .collect import throttle_names
 from .numerics import judge_numerics_soak
-from .screen_judge import _screen_worst, _sn, per_gpu_findings
-from .screen_plan import screen_gpu_rows
+from .screen_gpu import per_gpu_findings
+from .screen_plan import _screen_worst, _sn, screen_gpu_rows
 
 # -- the soak (--soak SECONDS): a GPU that holds its speed for a second may not hold it for a minute. A
 # failing fan, dried thermal paste, blocked airflow or a power brake shows after tens of seconds of load:

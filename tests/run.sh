@@ -12,8 +12,15 @@
 # Knobs (environment):
 #   AIV_TEST_ENV     where the test venv lives          (default: .venv-test in the repo)
 #   PYTHON           interpreter that creates it         (default: python3)
-#   TEST_TORCH_SPEC  torch to test against               (default: torch==2.13.0; a CPU build where
-#                    pip's index serves one, e.g. PIP_INDEX_URL=https://download.pytorch.org/whl/cpu)
+#   TEST_TORCH_SPEC  torch to test against               (default: torch==2.13.0+cpu, a CPU build: about
+#                    250 MB; only a CPU index or a wheelhouse has it, so no CUDA build comes instead)
+#   TEST_TORCH_INDEX where that build comes from, an extra index beside pip's own (default:
+#                    https://download.pytorch.org/whl/cpu). Unreachable, and no wheelhouse of pip's
+#                    configuration has it: the venv takes TEST_TORCH_FALLBACK from pip's own index
+#                    instead, and says so (on Linux that is a CUDA build, about 3 GB)
+#   TEST_TORCH_FALLBACK                                  (default: the spec without its +cpu label)
+#   TEST_PIP_RETRIES, TEST_PIP_TIMEOUT  pip's --retries and --timeout while building the venv (default:
+#                    1 and 15 s: an unreachable index costs seconds, not pip's 5 retries per package)
 #   TEST_WORKERS     pytest-xdist workers                (default: 4, measured best on 2 cores: many
 #                    tests wait out a bound with their CPU idle, and a fourth worker fills what 3
 #                    leave (92% of the CPU busy instead of 80%); 0 runs in this process, without xdist)
@@ -27,16 +34,29 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 AIV_TEST_ENV=${AIV_TEST_ENV:-.venv-test}
 PYTHON=${PYTHON:-python3}
-TEST_TORCH_SPEC=${TEST_TORCH_SPEC:-torch==2.13.0}
+TEST_TORCH_SPEC=${TEST_TORCH_SPEC:-torch==2.13.0+cpu}
+TEST_TORCH_INDEX=${TEST_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+TEST_TORCH_FALLBACK=${TEST_TORCH_FALLBACK:-${TEST_TORCH_SPEC%+*}}
+TEST_PIP_RETRIES=${TEST_PIP_RETRIES:-1}
+TEST_PIP_TIMEOUT=${TEST_PIP_TIMEOUT:-15}
 TEST_WORKERS=${TEST_WORKERS:-4}
 TEST_DURATIONS=${TEST_DURATIONS:-15}
 py="$AIV_TEST_ENV/bin/python"
 if ! "$py" -c 'import torch, numpy, psutil, pytest, xdist, hypothesis, prometheus_client, selenium, kubernetes_validate, yaml' >/dev/null 2>&1; then
   echo "tests/run.sh: building the test venv at $AIV_TEST_ENV ($TEST_TORCH_SPEC)"
   "$PYTHON" -m venv "$AIV_TEST_ENV"
-  "$py" -m pip install -q --upgrade pip
-  "$py" -m pip install -q "$TEST_TORCH_SPEC" numpy psutil pytest pytest-xdist hypothesis ruff prometheus_client selenium \
+  pip_opts=(-q --retries "$TEST_PIP_RETRIES" --timeout "$TEST_PIP_TIMEOUT")
+  t0=$SECONDS
+  "$py" -m pip install "${pip_opts[@]}" --upgrade pip
+  if ! "$py" -m pip install "${pip_opts[@]}" --extra-index-url "$TEST_TORCH_INDEX" "$TEST_TORCH_SPEC"; then
+    echo "tests/run.sh: $TEST_TORCH_SPEC is not to be had from $TEST_TORCH_INDEX (unreachable?) or pip's own" \
+      "sources after $((SECONDS - t0)) s; taking $TEST_TORCH_FALLBACK from pip's own index instead (on Linux a" \
+      "CUDA build, about 3 GB)" >&2
+    "$py" -m pip install "${pip_opts[@]}" "$TEST_TORCH_FALLBACK"
+  fi
+  "$py" -m pip install "${pip_opts[@]}" numpy psutil pytest pytest-xdist hypothesis ruff prometheus_client selenium \
     kubernetes-validate pyyaml
+  echo "tests/run.sh: test venv built in $((SECONDS - t0)) s ($("$py" -c 'import torch; print("torch", torch.__version__)'))"
 fi
 
 # tests/ unless an argument names what to run (a path, or a node id path::test)

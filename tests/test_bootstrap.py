@@ -14,6 +14,7 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -30,7 +31,7 @@ RUN_TIMEOUT = 240
 
 KNOBS = ("PYTORCH_ENV", "PYTHON", "TORCH_SPEC", "TORCHVISION_SPEC", "TORCHAUDIO_SPEC", "PSUTIL_SPEC",
          "NUMPY_SPEC", "INDEX_URL", "EXTRA_INDEX_URL", "FIND_LINKS", "EXTRA_PIP_ARGS", "UPGRADE_PIP",
-         "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+         "TORCH_BUILD", "INDEX_RETRIES", "INDEX_TIMEOUT", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 
 TORCH_INIT = '''\
 __version__ = "1.0.0+cpu"
@@ -323,6 +324,92 @@ def test_changed_source_or_spec_updates_the_venv(built, base_env, tmp_path, whee
     assert r.returncode == 0 and "nothing changed" in r.stdout and "==> pip" not in r.stdout, show(r)
 
 
+def free_port():
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+@pytest.fixture
+def cuda_index(tmp_path, wheelhouse):
+    """A package index served over HTTP on 127.0.0.1 (python -m http.server) whose torch is a CUDA 13.0 build
+    (1.0.0+cu130, torch.version.cuda '13.0'), at /simple and at the build-specific paths /whl/cu128 (which
+    should serve CUDA 12.8 and does not) and /whl/cu130. -> its base URL."""
+    root = tmp_path / "served"
+    simple = root / "simple"
+    for whl in wheelhouse.glob("*.whl"):
+        name = whl.name.split("-")[0]
+        if name != "torch":
+            (simple / name).mkdir(parents=True, exist_ok=True)
+            shutil.copy(whl, simple / name)
+    (simple / "torch").mkdir(parents=True)
+    init = TORCH_INIT.replace("1.0.0+cpu", "1.0.0+cu130").replace('cuda = "12.8"', 'cuda = "13.0"')
+    write_wheel(simple / "torch", "torch", "1.0.0+cu130", {"torch/__init__.py": init}, [])
+    for d in simple.iterdir():
+        links = "".join(f'<a href="{w.name}">{w.name}</a>\n' for w in d.glob("*.whl"))
+        (d / "index.html").write_text(f"<html><body>\n{links}</body></html>\n")
+    (root / "whl").mkdir()
+    for tag in ("cu128", "cu130"):
+        (root / "whl" / tag).symlink_to(simple, target_is_directory=True)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                               "--directory", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "the test index did not start"
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_torch_of_another_build_than_asked_is_one_error_line(built, base_env, tmp_path, cuda_index):
+    """Before: with the CPU index unreachable, pip retried it for every package, an extra index supplied a
+    CUDA torch, and the bootstrap said "ready". Now: one ERROR line naming the build asked and the build got,
+    the index that did not answer and the seconds pip spent on it; exit 1, no "ready"; pip retried each page
+    INDEX_RETRIES (1) time, not its own 5. A re-run does not call that venv unchanged. A CUDA-specific index
+    that serves another CUDA is the same error; one that serves its own CUDA is ready, and then unchanged."""
+    env_dir = copy_of_built(built, tmp_path)
+    env = {k: v for k, v in base_env.items() if k not in ("FIND_LINKS", "EXTRA_PIP_ARGS")}
+    env.update(UPGRADE_PIP="0", PYTORCH_ENV=str(env_dir))
+    dead = f"http://127.0.0.1:{free_port()}/simple"  # nothing listens there
+    args = ("--cpu", "--index-url", dead, "--extra-index-url", f"{cuda_index}/simple")
+    for attempt in (1, 2):
+        r = run(env, *args)
+        assert r.returncode == 1, show(r)
+        (err,) = error_lines(r)
+        assert err.startswith(f"ERROR: torch 1.0.0+cu130 in {env_dir} is a CUDA 13.0 build, but a CPU build was "
+                              f"asked (--cpu): {dead} did not answer ("), show(r)
+        assert re.search(r"pip spent [\d.]+ s retrying [1-9]\d* page\(s\) of it \([1-9]\d* retries\)", err), show(r)
+        assert "is ready" not in r.stdout and "nothing changed" not in r.stdout, show(r)
+        assert installed(env_dir, "torch") == "1.0.0+cu130"
+        retries = re.findall(r"Retrying \(Retry\(total=(\d+)", r.stdout + r.stderr)
+        assert retries and set(retries) == {"0"}, show(r)  # one retry per page (INDEX_RETRIES=1), not pip's 5
+        assert any(ln.startswith(f"WARNING: package index {dead} does not answer") for ln in r.stderr.splitlines())
+        if attempt == 2:
+            assert "is a CUDA 13.0 build, but a CPU build was asked (--cpu): reinstalling" in r.stdout, show(r)
+
+    r = run(env, "--index-url", f"{cuda_index}/whl/cu128")
+    assert r.returncode == 1, show(r)
+    (err,) = error_lines(r)
+    assert err == (f"ERROR: torch 1.0.0+cu130 in {env_dir} is a CUDA 13.0 build, but a CUDA 12.8 build was asked "
+                   f"(index {cuda_index}/whl/cu128); give a source that has the build asked for (or "
+                   "EXTRA_PIP_ARGS=--force-reinstall once it answers), then re-run"), show(r)
+
+    r = run(env, "--index-url", f"{cuda_index}/whl/cu130")
+    assert r.returncode == 0 and f"pytorch env at {env_dir} is ready" in r.stdout and not error_lines(r), show(r)
+    r = run(env, "--index-url", f"{cuda_index}/whl/cu130")
+    assert r.returncode == 0 and "nothing changed" in r.stdout, show(r)
+    r = run(env, "--index-url", f"{cuda_index}/whl/cu130", TORCH_BUILD="cpu9")
+    assert r.returncode == 2 and "TORCH_BUILD must be cpu, cuXYZ" in error_lines(r)[0], show(r)
+
+
 def test_venv_without_record_other_python_and_drift(built, base_env, tmp_path, wheelhouse):
     env_dir = copy_of_built(built, tmp_path)
     env = dict(base_env, UPGRADE_PIP="0", PYTORCH_ENV=str(env_dir))
@@ -505,7 +592,8 @@ def test_help_and_bad_arguments(base_env):
     assert r.returncode == 0, show(r)
     for knob in ("PYTORCH_ENV", "PYTHON", "TORCH_SPEC", "TORCHVISION_SPEC", "TORCHAUDIO_SPEC", "PSUTIL_SPEC",
                  "NUMPY_SPEC", "INDEX_URL", "EXTRA_INDEX_URL", "FIND_LINKS", "EXTRA_PIP_ARGS", "UPGRADE_PIP",
-                 "--index-url", "--extra-index-url", "--find-links"):
+                 "TORCH_BUILD", "INDEX_RETRIES", "INDEX_TIMEOUT", "--cpu", "--index-url", "--extra-index-url",
+                 "--find-links"):
         assert knob in r.stdout, knob
     assert "set -e" not in r.stdout
     for args in (["--bogus"], ["--index-url"], ["--extra-index-url"]):

@@ -80,6 +80,29 @@ def test_an_import_that_runs_back_up_fails_the_build(tmp_path, module, line, wor
     assert f"aiv/{module}.py" in r.stderr and words in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("module, line", [
+    ("judge", "import subprocess"), ("render", "import threading"), ("outputs", "import socket"),
+    ("manifest", "import fcntl"), ("numerics", "import ctypes"), ("screen_gpu", "import torch"),
+    ("blame", "from concurrent import futures"),
+])
+def test_a_judge_or_report_module_that_imports_an_effect_fails_the_build(tmp_path, module, line):
+    """The judge and report modules are effect-free: no process, thread, socket, lock, native call or torch."""
+    src = _copy_source(tmp_path)
+    _prepend_import(src / f"{module}.py", line)
+    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    assert r.returncode == 1
+    assert f"the judge/report module {module} imports" in r.stderr, r.stderr
+    assert set(build.EFFECT_FREE) <= set(build.PURE)
+
+
+def test_an_imported_name_the_module_does_not_define_fails_the_build(tmp_path):
+    """A function moved to another room: every `from .x import y` must name a y that x defines."""
+    src = _copy_source(tmp_path)
+    _prepend_import(src / "render.py", "from .judge import judge_gpu_perf")
+    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    assert r.returncode == 1 and "imports judge_gpu_perf from .judge, which does not define it" in r.stderr, r.stderr
+
+
 def test_the_pure_layer_never_imports_the_runtime():
     """Judges, render, manifest, page and verify-log import nothing of store, rank, coordinator, follower,
     local: a judge is a function of plain data."""

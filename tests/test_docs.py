@@ -109,6 +109,124 @@ def test_the_checks_table_names_every_check_once():
     assert sorted(names) == sorted(aiv.CHECKS)
 
 
+# ---------------------------------------------------------------------------- kinds of claims that drifted
+NUMBER_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
+
+
+def table_rows(path, title, first_col):
+    """The cells of each row of the table in '## title' whose first cell matches first_col (a regex)."""
+    lines = section(path, title)
+    rows = [ln for i, ln in enumerate(lines) if re.match(rf"\| {first_col} \|", ln)
+            and not (i + 1 < len(lines) and lines[i + 1].startswith("|---"))]  # the header row is no claim
+    return [[c.strip() for c in ln.strip()[1:-1].split("|")] for ln in rows]
+
+
+def test_phase_names_and_counts_are_the_codes():
+    """The phases table lists PHASES in order (after the contract, which is no phase of the run), each bounded
+    by what deadlines() gives it; every count of the screen's phases anywhere in the pages is
+    len(SCREEN_PHASES) (they said four; there are two)."""
+    rows = table_rows(DOCS / "checks.md", "Phases", r"[a-z0-9-]+")
+    assert [r[0] for r in rows] == ["contract", *aiv.PHASES]
+    t, r, soak = 111.0, 222.0, 33.0
+    table = aiv.deadlines(t, r, soak)
+    words = {r: "`--rollcall-timeout`", t: "`--timeout`", soak + t: "SECONDS + `--timeout`"}
+    for phase, *_, bound in rows[1:]:
+        assert bound == words[table[phase]], (phase, bound)
+    counted = []
+    for page in PAGES:
+        for sentence in re.split(r"(?<=[.;:])\s", " ".join(prose(page.read_text()).split())):
+            for m in re.finditer(r"\b(\w+) (?:screen )?phases\b", sentence):
+                n = m.group(1).lower()
+                if ("screen" in sentence or page.name == "screen.md") and n in NUMBER_WORDS:
+                    counted.append((page.name, m.group(0)))
+                    assert NUMBER_WORDS.index(n) == len(aiv.SCREEN_PHASES), (page.name, sentence)
+    assert len(counted) >= 3, counted
+
+
+def test_which_checks_fail_or_warn_is_the_codes():
+    """checks.md's FAIL and WARN columns are filled exactly where CHECK_LEVELS (which finding() enforces) says
+    the check can FAIL or WARN (they listed `output` under WARN, though it FAILs); every finding the source
+    makes with a literal check and level is one CHECK_LEVELS allows."""
+    import ast
+    rows = table_rows(DOCS / "checks.md", "The checks", r"`[a-z0-9-]+`")
+    said = {re.match(r"`([a-z0-9-]+)`", r[0]).group(1): {lv for lv, cell in zip(("FAIL", "WARN"), r[1:3],
+                                                                                   strict=True) if cell}
+            for r in rows}
+    assert said == {c: set(levels) for c, levels in aiv.CHECK_LEVELS.items()}
+    made = set()
+    for path in (ROOT / "aiv").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "finding" and len(node.args) >= 2
+                    and all(isinstance(a, ast.Constant) for a in node.args[:2])):
+                made.add((node.args[0].value, node.args[1].value, path.name))
+    assert len(made) > 40
+    bad = [m for m in made if m[1] != "PASS" and m[1] not in aiv.CHECK_LEVELS[m[0]]]
+    assert not bad, bad
+    with pytest.raises(ValueError, match="CHECK_LEVELS"):
+        aiv.finding("numa", "FAIL", "a NUMA mismatch is a WARN")
+
+
+def test_what_each_bound_bounds_is_the_codes():
+    """design.md's deadlines table gives every entry of deadlines() once, bound by what the code bounds it
+    with (--timeout said to bound the verdict; VERDICT_S does); the options table says which phases
+    --timeout and --rollcall-timeout bound, by name."""
+    t, r, soak = 111.0, 222.0, 33.0
+    table = aiv.deadlines(t, r, soak)
+    expr = {"`--rollcall-timeout` R": r, "`--timeout` T": t, "`--soak` S + `--timeout` T": soak + t,
+            "`MANIFEST_LOCK_S`": aiv.MANIFEST_LOCK_S, "`VERDICT_S`": aiv.VERDICT_S}
+    seen = []
+    for cells in table_rows(DOCS / "design.md", "Deadlines", r"[a-z][^|]*"):
+        names = re.findall(r"[a-z][a-z0-9-]*", cells[0].split("(")[0])
+        bound = next((k for k in sorted(expr, key=len, reverse=True) if cells[1].startswith(k)), None)
+        assert bound, cells
+        for name in names:
+            assert table[name] == expr[bound], (name, cells[1])
+        seen += names
+    assert sorted(seen) == sorted(table)
+    rows = {re.match(r"\| `(--[a-z-]+)", ln).group(1): ln for ln in (DOCS / "options.md").read_text().splitlines()
+            if ln.startswith("| `--")}
+    for flag, value in (("--timeout", t), ("--rollcall-timeout", r)):
+        named = re.findall(r"`([a-z][a-z0-9-]*)`", rows[flag].split(" | ")[3].split(";")[0])
+        assert named == [p for p in aiv.PHASES if table[p] == value], (flag, named)
+    assert "`VERDICT_S`" in rows["--timeout"] and "`soak`" in rows["--timeout"]
+
+
+def paragraphs(path):
+    """(first line number, last line number, text) of each paragraph of prose (no code, tables or headings)."""
+    out, cur, start = [], [], 0
+    for i, ln in enumerate(prose(path.read_text()).splitlines() + [""], 1):
+        if not ln.strip() or ln.startswith(("#", "|")):
+            if cur:
+                out.append((start, i - 1, " ".join(cur)))
+            cur = []
+            continue
+        if not cur:
+            start = i
+        cur.append(ln.strip())
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_garbled_or_unterminated_sentence(page):
+    """A lint for what drifted: a phrase said twice back to back ('2.8 or newer**: 2.8 or newer**'), a
+    paragraph that stops mid-sentence (on a comma or 'and'), two paragraphs in a row that open alike ('All
+    three files (four with the page) ...' / 'All three files ...')."""
+    bad, last, end = [], None, -9
+    for n, n_end, text in paragraphs(page):
+        words = re.findall(r"[\w.'-]+", re.sub(r"`[^`]*`", " ", text).lower())  # code spans may repeat
+        for k in (3, 4, 5, 6):
+            for i in range(len(words) - 2 * k + 1):
+                if words[i:i + k] == words[i + k:i + 2 * k]:
+                    bad.append(f"line {n}: said twice: {' '.join(words[i:i + k])}")
+        if re.search(r"(,|;|\band|\bthe|\bof)$", text.rstrip("*_ ")):
+            bad.append(f"line {n}: ends mid-sentence: ...{text[-60:]}")
+        head = " ".join(words[:3])
+        if last == head and len(words) >= 3 and n == end + 2:  # the one right before, with one blank line between
+            bad.append(f"line {n}: opens like the paragraph before: {head}")
+        last, end = head, n_end
+    assert not bad, bad
+
+
 # ---------------------------------------------------------------------------- variables
 def _file_texts():
     files = [ROOT / "submit_smoke_test.sbatch", ROOT / "bootstrap_env.sh", ROOT / ".ci" / "run",

@@ -48,7 +48,9 @@ def test_a_host_culprit_is_recommended_with_the_exact_command():
     ("no failed check names a host", [fail("collective", ["node2"], aiv.EXIT_TIMEOUT, blame="never-issued")]),
     ("no failed check names a host", [fail("gpu-perf", ["node2"], blame="once")]),
     ("no failed check names a host", [aiv.unlocalised(fail("versions", ["node1", "node2"]), "tie")]),
-    ("no failed check names a host", [fail("numa", ["node2"], blame="own")]),  # a check that declares no drain
+    # a check that declares no drain (a WARN made a FAIL by --strict)
+    ("no failed check names a host", aiv.apply_strict([aiv.finding("numa", "WARN", "far", ["node2"], blame="own")],
+                                                      True)),
     ("not a Slurm job", None),
 ])
 def test_nothing_is_drained_without_evidence_that_persists(why, findings):

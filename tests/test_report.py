@@ -193,7 +193,8 @@ def test_finding_rows_never_pass_a_node_that_has_a_warn_or_fail_under_the_same_c
 def test_finding_rows_worst_status_wins_and_a_repeated_reason_is_said_once():
     F = aiv.finding
     a = F("day0", "WARN", "node1: /dev/shm is 64 MiB", ["node1"])
-    rows = aiv.finding_rows([a, dict(a), F("day0", "FAIL", "node1: something worse", ["node1"]),
+    worse = dict(F("day0", "WARN", "node1: something worse", ["node1"]), status="FAIL")  # as --strict makes it
+    rows = aiv.finding_rows([a, dict(a), worse,
                              F("day0", "WARN", "no host named", []), F("day0", "WARN", "no host named either", [])])
     assert rows == [("FAIL", "day0", "node1: /dev/shm is 64 MiB | node1: something worse"),
                     ("WARN", "day0", "no host named"), ("WARN", "day0", "no host named either")]

@@ -4,6 +4,7 @@ findings, helper threads that say when they die, and one schema for every rank's
 import ast
 import datetime
 import json
+import sys
 import threading
 import time
 
@@ -235,7 +236,16 @@ def test_a_requested_output_that_cannot_be_written_fails_the_run_on_stdout(tmp_p
         subprocess.run(["chattr", "-i", str(jp)], capture_output=True)
     rc0, log = out[0]
     assert rc0 == aiv.EXIT_FAIL, log
-    assert f"FAILURE: output: --json {jp} could not be written" in log and aiv.SUCCESS_LINE not in log
+    # the verdict's lines came first (storage is slower than the log), the output FAIL after them, and the log
+    # ends with the verdict that stands: --verify-log refuses it
+    lines = log.splitlines()
+    fail = lines.index(next(ln for ln in lines if ln.startswith(f"FAILURE: output: --json {jp} could not be written")))
+    assert lines.index(aiv.SUCCESS_LINE) < fail and lines[-1].startswith("Verdict: FAIL exit=1"), log
+    log_file = tmp_path / "run.log"
+    log_file.write_text(log)
+    r = subprocess.run([sys.executable, str(ROOT / "ddp_mesh_ping.py"), "--verify-log", str(log_file)],
+                       capture_output=True, text=True, env=clean_env())
+    assert r.returncode != 0 and "failure reported: FAILURE: output" in r.stdout + r.stderr, r.stdout + r.stderr
     assert jp.read_text() == "{}" and "output" in page.read_text()  # the page says what the log says
 
 

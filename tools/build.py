@@ -42,7 +42,8 @@ BUILD_ORDER = (
     "judge",         # pure checks of the gathered records
     "manifest",      # --save-manifest / --manifest / --diff-manifest
     "screen_plan",   # the screen's rounds and groups
-    "screen_judge",  # the screen's judges
+    "screen_gpu",    # the GPU screen's judges: peers, the per-model table, floors, measured again
+    "screen_judge",  # the screen's judges: intra-node and inter-node busbw, node / rail / link culprits
     "soak",          # the soak's judges
     "screen_loop",   # the screen's control loop: batches, re-measurement, controls, localisation
     "render",        # the report
@@ -68,6 +69,13 @@ BUILD_ORDER = (
 RUNTIME = ("manifest_io", "store", "liveness", "background", "drain", "conclusion", "screen_run", "rank",
            "coordinator", "follower", "plan", "local", "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
+# The judge and report modules: functions of plain data with no effects. None imports what acts on the world
+# (processes, threads, sockets, locks, native calls, torch); a check that needs one collects in a floor 2
+# module or the runtime, and hands the judge plain data.
+EFFECT_FREE = ("blame", "numerics", "judge", "manifest", "screen_plan", "screen_gpu", "screen_judge", "soak",
+               "screen_loop", "render", "outputs", "page", "verify_log")
+EFFECTS = ("subprocess", "threading", "socket", "fcntl", "ctypes", "torch", "multiprocessing", "signal",
+           "concurrent", "asyncio")
 
 HEADER = """\
 #!/usr/bin/env python3
@@ -147,6 +155,13 @@ def problems():
             else:
                 out += [f"{src}: imports {x} from .{mod}, which does not define it" for x in _names
                         if x not in tops.get(mod, ())]
+        if name in EFFECT_FREE:  # no effects in a judge or a report, at any depth of the module
+            for n in ast.walk(tree):
+                if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0):
+                    mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
+                    out += [f"aiv/{name}.py:{n.lineno}: the judge/report module {name} imports {m}, which acts on "
+                            "the world: collect in a floor 2 module or the runtime and hand it plain data"
+                            for m in mods if m.split(".")[0] in EFFECTS]
         for n in tree.body:  # only `from .x import` and top-level standard imports are understood
             if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0):
                 mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module]
