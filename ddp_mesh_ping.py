@@ -622,7 +622,8 @@ _PROCESS_WHY = ("a rank whose process died, froze or whose node stopped answerin
                 "fault of its node (its GPU, kernel, memory or network) that a re-run there meets again")
 # Every check of CHECKS, declared. A check not declared here names no host and drains nothing.
 CHECK_RULES = {
-    "usage": rule(), "contract": rule(), "launch": rule(), "world-size": rule(), "layout": rule(),
+    "usage": rule(), "contract": rule(), "launch": rule(), "layout": rule(),
+    "world-size": rule(("majority",)),  # a process launched with another WORLD_SIZE than most nodes' ranks
     "bandwidth": rule(), "internal": rule(), "interrupted": rule(), "output": rule(), "drain": rule(),
     "local": rule(("own",), ("own",), "a rank's own software or configuration on its host (a missing numpy, an "
                   "old torch, an interface) stays until the node is fixed"),

@@ -244,3 +244,26 @@ def test_a_healthy_run_names_nobody(tmp_path):
     out, v = run_nodes(tmp_path, 3)
     assert out[0][0] == aiv.EXIT_PASS and aiv.SUCCESS_LINE in out[0][1], describe(out)
     assert (v["failed_hosts"], v["exclude"]) == ([], "") and not failures(out[0][1])
+
+
+def test_the_docs_say_what_the_code_declares():
+    """checks.md's table of whom each check names and drains is CHECK_RULES; design.md's evidence table is
+    LOCALISING; every UNLOCALISED kind is named in design.md."""
+    root = Path(__file__).resolve().parent.parent
+    checks = (root / "docs" / "checks.md").read_text()
+    section = checks[checks.index("## Whom a FAIL names"):checks.index("## When it fails")]
+    rows = {}
+    for ln in section.splitlines():
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        if ln.startswith("| `") and len(cells) == 3:
+            rows[cells[0].strip("`")] = cells[1:]
+
+    def kinds(cell):
+        return tuple(k.strip().strip("`") for k in cell.split(",")) if cell.startswith("`") else ()
+    assert list(rows) == list(aiv.CHECKS)
+    for check, (names, drain) in rows.items():
+        assert (kinds(names), kinds(drain)) == (aiv.CHECK_RULES[check]["names"], aiv.CHECK_RULES[check]["drain"]), check
+    design = (root / "docs" / "design.md").read_text()
+    table = [ln.split("|")[1].strip().strip("`") for ln in design.splitlines() if ln.startswith("| `")]
+    assert [k for k in table if k in aiv.EVIDENCE] == list(aiv.LOCALISING)
+    assert all(f"(`{k}`" in design or f"`{k}`" in design for k in aiv.UNLOCALISED if k != "undeclared")
