@@ -480,6 +480,28 @@ def test_rank0_dies_batch_file_writes_fail_json(cluster, capsys, record_property
     assert end - js.stat().st_mtime <= 15, f"job ran {end - start:.0f} s\n{describe(cluster, job)}"
 
 
+def test_rank0_that_gave_its_verdict_without_a_json_is_trusted_and_names_nobody(cluster, tmp_path):
+    """Rank 0's python ends with its verdict's code but leaves no verdict JSON (its storage refused it; the log
+    says so): the batch file takes rank 0's code and names no host. Before: a FAIL naming MASTER_ADDR, exit 3,
+    whenever the JSON was missing. The stand-in for AIV_SCRIPT is rank 0 whose JSON write failed after its
+    verdict (and ranks that end with it); the batch file, srun and Slurm are real."""
+    stand_in = tmp_path / "rank0_without_json.py"
+    stand_in.write_text(
+        "import os, sys\n"
+        "if os.environ.get('SLURM_PROCID') == '0':\n"
+        "    print('Verdict: FAIL exit=1 (an output the run was asked for could not be written: the lines above)')\n"
+        "    print('FAILURE: output: --json x could not be written: Read-only file system')\n"
+        "sys.exit(1)\n")
+    job = cluster.submit(*SHAPE, AIV_SCRIPT=stand_in)
+    state, code, _ = cluster.wait(job)
+    assert (state, code) == ("FAILED", "1:0"), describe(cluster, job)
+    log, _, js = cluster.outputs(job)
+    v = load_json(js)
+    assert (v["exit_code"], v["failed_hosts"], v["exclude"], v["written_by"]) == (1, [], "", "submit_smoke_test.sbatch")
+    assert "gave its verdict (exit code 1, in the log) but no verdict JSON" in v["failures"][0], v
+    assert "left no verdict" not in log, log
+
+
 @pytest.mark.parametrize("phase", ["rendezvous", "collective"])
 def test_scancel_names_nobody(cluster, capsys, phase):
     """scancel while rank 1 waits inside `phase` (at the roll call: rank 0 waits for it): rank 0 takes the

@@ -1,0 +1,64 @@
+"""The verdict's path and its bounds, with real processes: a rank that fails before the roll call tells rank 0
+why, so the run ends in seconds and not at the roll call's bound (naming its host for its own fault, nobody for
+the tool's); the probes before torch are bounded (a manifest that never answers); the verdict's lines reach
+the log before the files are written."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port
+
+SOFTWARE = str(Path(__file__).resolve().parent / "software")
+R = 240  # the roll call's bound: the run must end long before it
+
+
+def nodes(tmp_path, world, per_rank, args=()):
+    port, procs = free_port(), []
+    for r in range(world):
+        env = clean_env({"RANK": r, "LOCAL_RANK": 0, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": port, "SLURMD_NODENAME": f"n{r}", "AIV_JSON": tmp_path / "v.json",
+                         **per_rank.get(r, {})})
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--rollcall-timeout", str(R), "--skip-screen",
+                                       *map(str, args)], env=env, text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE))
+    t = time.monotonic()
+    out = finish(procs, R + 60)
+    return out, time.monotonic() - t, json.loads((tmp_path / "v.json").read_text())
+
+
+def test_a_rank_whose_torch_is_too_old_tells_rank_0_and_the_run_ends_in_seconds(tmp_path):
+    """torch 2.7 on n1 (tests/software: the version it reports): n1 says so and tells rank 0 through the store's
+    wire; rank 0 ends the roll call at once naming n1 (its own software), never waiting out the bound."""
+    out, took, v = nodes(tmp_path, 3, {1: {"PYTHONPATH": SOFTWARE, "TEST_TORCH_VERSION": "2.7.0"}})
+    assert out[0][0] == aiv.EXIT_FAIL, describe(out)
+    (line,) = [ln for ln in failures(out[0][1]) if ln.startswith("FAILURE: local:")]
+    assert "rank 1 (n1)" in line and "2.7.0" in line, line
+    assert (v["failed_hosts"], v["exit_code"]) == (["n1"], aiv.EXIT_FAIL), v
+    assert took < R / 2, f"{took:.0f} s: the roll call waited for the rank that had already failed"
+
+
+def test_the_tools_own_error_before_the_roll_call_ends_the_run_naming_nobody(tmp_path):
+    """The tool's own error in rank 1's local phase: rank 0 hears of it at once, `internal`, exit 4, no host."""
+    out, took, v = nodes(tmp_path, 3, {1: {"AIV_FAILPOINT": "raise:local:1"}})
+    assert out[0][0] == aiv.EXIT_INTERNAL, describe(out)
+    assert any(ln.startswith("FAILURE: internal:") and "rank 1" in ln for ln in failures(out[0][1])), describe(out)
+    assert (v["failed_hosts"], v["exclude"]) == ([], ""), v
+    assert took < R / 2, f"{took:.0f} s"
+
+
+def test_a_manifest_that_never_answers_is_one_usage_line_within_its_bound(tmp_path):
+    """--manifest on storage that hangs (a FIFO nobody writes: a read that never returns): the probe before
+    torch gives up after OUTPUT_S with one line, exit 2; before, rank 0 hung there for ever."""
+    fifo = tmp_path / "manifest.json"
+    os.mkfifo(fifo)
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, str(SCRIPT), "--manifest", str(fifo)], env=clean_env(), text=True,
+                       capture_output=True, timeout=aiv.OUTPUT_S + 120)
+    took = time.monotonic() - t
+    assert r.returncode == aiv.EXIT_USAGE, r.stdout + r.stderr
+    (line,) = failures(r.stdout)
+    assert line.startswith("FAILURE: usage: --manifest and --save-manifest did not answer within "), line
+    assert aiv.OUTPUT_S <= took, took
