@@ -187,3 +187,38 @@ def test_numerics_pass_on_healthy_gpus_and_are_deterministic(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     found = [f for f in json.loads(jp.read_text())["findings"] if f["check"] == "numerics"]
     assert [f["status"] for f in found] == ["PASS", "PASS"], found
+
+
+HOG = """
+import sys, time, torch
+a = torch.randn(8192, 8192, device="cuda:0", dtype=torch.bfloat16)
+print("hog running", flush=True)
+end = time.time() + float(sys.argv[1])
+while time.time() < end:
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize()
+"""
+
+
+def test_a_gpu_slowed_by_a_second_process_is_measured_again_and_named(tmp_path):
+    """A second process looping bf16 matmuls on GPU 0 (a real slowdown, to about half its speed): the screen
+    measures GPU 0 again before naming it; slow again, it is named with its host (`persisted`), and its row
+    says it was measured twice and what the first value was."""
+    import subprocess
+    import sys
+    hog = subprocess.Popen([sys.executable, "-c", HOG, "240"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout.readline().strip() == "hog running"
+        jp = tmp_path / "v.json"
+        r = run_tool(["--json", jp, "--timeout", 120], env={"CUDA_VISIBLE_DEVICES": "0"})
+    finally:
+        hog.kill()
+        hog.wait()
+    d = json.loads(jp.read_text())
+    assert r.returncode == aiv.EXIT_FAIL, r.stdout + r.stderr
+    row = d["screen"]["gpu"][0]
+    assert row["tries"] == 2 and row["first"]["tflops"] > 0, row
+    (f,) = [f for f in d["findings"] if f["check"] == "gpu-perf" and f["status"] == "FAIL"]
+    assert f["blame"] == "persisted" and f["hosts"] == [d["host"]] and d["failed_hosts"] == [d["host"]], f
+    assert "measured again" in f["evidence"]
