@@ -51,6 +51,9 @@ CHECKS = (
     "numerics",      # a rank computes wrong numbers: bits unlike its model's peers, or off the fp64 reference
     "drain",         # --drain on: scontrol missing, refused or silent (WARN only: never changes the verdict)
     "output",        # a requested --json / --metrics / --html file could not be written (exit 1, no host blamed)
+    "gpu-count",     # --node-check: a GPU the node should have is missing, or lost to NVML
+    "gpu-procs",     # --node-check: a process holds the job's GPU before the job starts or after it ended
+    "gpu-health",    # --node-check: uncorrected ECC errors, a row remap pending or failed; PCIe, clocks, Xid (WARN)
 )
 
 # Environment variables the report may print. Nothing else is ever echoed.

@@ -99,7 +99,7 @@ def _local(args, env, root):
 
 def plan(argv, env, root="/"):
     """(argv, env) -> what this process does, without importing torch or writing anything:
-    {"mode": "help"|"version", "text"}, {"mode": "verify-log", "args"}, {"mode": "rank", "args",
+    {"mode": "help"|"version", "text"}, {"mode": "verify-log"|"node-check", "args"}, {"mode": "rank", "args",
     "contract"} or {"mode": "local", "args", "launch"}; with "check_json" where this process is the one
     to try --json. Raises UsageError whose message is the exact line to print."""
     argv = list(argv)
@@ -116,6 +116,8 @@ def plan(argv, env, root="/"):
         return {"mode": "verify-log", "args": args}
     if args.diff_manifest is not None:
         return {"mode": "diff-manifest", "args": args}
+    if args.node_check is not None:  # this node alone: no launch contract (a prolog's environment is a job's)
+        return {"mode": "node-check", "args": args}
     try:
         contract = read_contract(env)
     except UsageError as e:

@@ -34,6 +34,7 @@ BUILD_ORDER = (
     "options",       # the one parser of flags and AIV_* variables
     "interfaces",    # NCCL/GLOO_SOCKET_IFNAME, NCCL's own log lines
     "collect",       # facts of a rank and its node, one getter per fact
+    "node_collect",  # --node-check: what a node reads alone without torch (nvidia-smi, PCI, kernel log, scontrol)
     "numerics",      # the numerics check (silent data corruption): what each rank computes, and its judges
     "measure",       # what the screen and the soak measure on a device
     "judge",         # pure checks of the gathered records
@@ -42,8 +43,10 @@ BUILD_ORDER = (
     "screen_judge",  # the screen's judges
     "soak",          # the soak's judges
     "screen_loop",   # the screen's control loop: batches, re-measurement, controls, localisation
+    "node_judge",    # --node-check: contexts, the checks table, the judges of one node alone
     "render",        # the report
     "outputs",       # --drain and --metrics
+    "node_report",   # --node-check: the summary line, the NPD line, the node's textfile
     "page",          # --html
     "verify_log",    # --verify-log
     "store",         # the side channel: keys, Seal, StoreProtocol
@@ -55,11 +58,13 @@ BUILD_ORDER = (
     "follower",      # every other rank
     "plan",          # what a command line becomes
     "local",         # the local launcher
+    "node_check",    # --node-check: the node gate's runtime (lock, workers, budget, Slurm, files)
     "main",          # the entry point
 )
 # The pure layer: judges, render, manifest, verify-log and what they stand on. None of these imports a
 # module of the runtime, so each is a function of plain data that a test can call without a store.
-RUNTIME = ("store", "liveness", "background", "screen_run", "rank", "coordinator", "follower", "plan", "local", "main")
+RUNTIME = ("store", "liveness", "background", "screen_run", "rank", "coordinator", "follower", "plan", "local",
+           "node_check", "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
 
 HEADER = """\
