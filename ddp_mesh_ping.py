@@ -581,6 +581,8 @@ NODE_SMI_BOUND_S = 5.0    # each nvidia-smi call of the pass (the GPU list, the 
 NODE_SLURM_BOUND_S = 4.0  # each scontrol call of the pass
 NODE_KMSG_BOUND_S = 1.0   # reading the kernel log for Xid lines (and at most 8 MiB of it)
 NODE_PREEMPT_S = 5.0      # a prolog waits this long for a health pass it stopped to let go of the GPUs
+NODE_HELD_AGAIN_S = 1.0   # prolog, epilog: a process on the job's GPU is looked for again this much later (it counts
+                          # only if still there: one tearing down at the job's boundary is gone by then)
 
 PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-net", "soak", "collective", "ddp",
           "bandwidth", "final")
@@ -6371,7 +6373,7 @@ NODE_REASON_MAX = 120
 # What a step of a device's work costs at most (seconds; GPU / CPU), so that a step that cannot finish
 # before the budget ends is skipped and named instead of started. The re-measure costs what the first took.
 NODE_STEP_S = {"numerics": {"gpu": 4.0, "cpu": 2.0}, "speed": {"gpu": 5.0, "cpu": 1.5},
-               "allreduce": {"gpu": 12.0, "cpu": 5.0}}
+               "allreduce": {"gpu": 8.0, "cpu": 5.0}}
 
 # The evidence words (the blame law): the first five single this node out; the others never name it.
 EVIDENCE_SINGLES = ("own", "persisted", "majority", "reference", "manifest")
@@ -6397,9 +6399,9 @@ NODE_CHECKS = (
      "persists": "a GPU the node should have (--expect-gpus, the job's SLURM_JOB_GPUS, the node's gres, the GPUs "
                  "on its PCI bus) that NVML does not list stays missing until the node is repaired"},
     {"check": "gpu-procs", "contexts": ALL_CONTEXTS, "drain": True, "evidence": ("own",),
-     "persists": "prolog, epilog: a process holding the job's GPU before the job starts or after it ended "
-                 "outlived its own job (pid and memory from nvidia-smi); health, npd: a busy GPU is not judged "
-                 "and never drained"},
+     "persists": "prolog, epilog: a process holding the job's GPU before the job starts or after it ended, "
+                 "still there a second later, outlived its own job (pid and memory from nvidia-smi); health, npd: "
+                 "a busy GPU is not judged and never drained"},
     {"check": "gpu-health", "contexts": ALL_CONTEXTS, "drain": True, "evidence": ("own",),
      "persists": "uncorrected ECC errors and the row-remap state are kept by the driver until the GPU is reset; "
                  "the PCIe link and clock limits under load and Xid lines are WARNs that drain nothing"},
@@ -11330,9 +11332,16 @@ def node_worker(spec):
         say("import", error=first_line(e))
         return 0
     kind, j = spec["kind"], spec["cuda"]
+    if kind == "gpu" and torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        say("import", error=f"torch {torch.__version__} is a CPU-only build: GPUs are listed but this python "
+                            "cannot use them")  # the tool's environment (a wrong venv), not the node
+        return 0
     try:
         gpu, dev = None, "cpu"
         if kind == "gpu":
+            problem = cuda_problem(torch)
+            if problem != "none":
+                raise RuntimeError(problem)  # the driver, the device or the build: judged as a device error
             torch.cuda.set_device(j)
             gpu, dev = collect_gpu(torch, j, spec["root"]), j
         say("ready", gpu=gpu, versions=torch_versions(torch), secs=round(time.monotonic() - t0, 2))
@@ -11554,7 +11563,12 @@ class NodeCheck:
 
     # ------------------------------------------------------------------ passive facts
     def bound(self, most):
+        """A call's bound before the verdict: at most `most`, within what is left for the facts and the workers."""
         return max(0.5, min(most, self.left()))
+
+    def verdict_bound(self, most=NODE_SLURM_BOUND_S):
+        """A call's bound at the verdict: at most `most`, within the whole budget (the reserve is for these)."""
+        return max(1.0, min(most, self.t0 + self.budget - time.monotonic()))
 
     def passive(self):
         """NVML's GPUs and their processes (nvidia-smi), the PCI bus, the driver's list, the kernel log's Xid
@@ -11577,6 +11591,8 @@ class NodeCheck:
                 f["apps_unread"] = a["unread"]
         elif f["driver"] or f["pci"]:
             f["smi_unread"] = "nvidia-smi is not on PATH"
+        if f["apps"] and self.ctx in ("prolog", "epilog"):
+            self.held_again(exe)
         for g in f["rows"]:
             numa = (read_text(os.path.join(root, "sys/bus/pci/devices", g["pci"] or "-", "numa_node")) or "").strip()
             g["numa"] = int(numa) if numa.lstrip("-").isdigit() else None
@@ -11592,6 +11608,21 @@ class NodeCheck:
         if self.ctx == "health":
             s = read_slurm_node(self.node, self.bound(NODE_SLURM_BOUND_S))
             self.slurm = parse_slurm_node(s["text"]) if "text" in s else {"unread": s["unread"]}
+
+    def held_again(self, exe):
+        """prolog, epilog: the processes on the job's GPUs looked for again NODE_HELD_AGAIN_S later; only those still
+        there count (a process tearing down at the job's boundary is not a leftover)."""
+        f = self.facts
+        raw = self.env.get("SLURM_JOB_GPUS")
+        ids = parse_gpu_ids(raw) if raw else None
+        job = {g["uuid"] for g in f["rows"] if ids is None or g["index"] in ids}
+        if not any(p["uuid"] in job for p in f["apps"]):
+            return
+        time.sleep(max(0.0, min(NODE_HELD_AGAIN_S, self.left())))
+        a = smi_query(exe, "compute-apps", NODE_APP_FIELDS, self.bound(NODE_SMI_BOUND_S))
+        if "text" in a:
+            still = {(p["pid"], p["uuid"]) for p in parse_compute_apps(a["text"])}
+            f["apps"] = [p for p in f["apps"] if (p["pid"], p["uuid"]) in still]
 
     def expectations(self):
         a, f = self.args, self.facts
@@ -11705,11 +11736,15 @@ class NodeCheck:
                 m["import"] = said["import"]["error"]
                 continue
             for s in steps:
+                if m.get("error") or m.get("internal") or m.get("died"):
+                    break  # nothing more comes from this worker
                 msg = said.get(s)
                 if msg is None:
-                    if i in w.dead and not m.get("error") and not m.get("died"):
-                        m["died"] = f"worker ended without a word ({w.procs[i].poll()}): {w.stderr_tail(i)}"
-                    elif i not in w.dead and s != "ready":
+                    if i in w.dead:
+                        rc = w.procs[i].poll()
+                        m["died"] = (f"ended ({'killed by signal ' + str(-rc) if rc and rc < 0 else f'exit {rc}'}) "
+                                     f"before its {s} step: {w.stderr_tail(i) or 'no error on stderr'}")
+                    elif s != "ready":
                         self.skipped.append(f"{s} on GPU {i} (the budget ended first)")
                     continue
                 if msg.get("skipped"):
@@ -11749,9 +11784,10 @@ class NodeCheck:
             out += judge_gpu_health(node, f["rows"], load, f["xids"], f["kmsg_unread"])
         imports = sorted({m["import"] for m in self.measured.values() if m.get("import")})
         if imports:
-            out.append(unassessed("local", f"{node}: torch is not importable in {sys.executable}: {imports[0]}: the "
+            how = "usable" if imports[0].startswith("torch ") else "importable"  # a CPU-only build, or no torch
+            out.append(unassessed("local", f"{node}: torch is not {how} in {sys.executable}: {imports[0]}: the "
                                   "numerics, speed and all-reduce were not run (the tool's environment, not the node)",
-                                  "torch not importable: " + imports[0][:60]))
+                                  f"torch not {how}: " + imports[0][:60]))
         for i, m in sorted(self.measured.items()):
             if m.get("internal"):
                 out.append(unassessed("internal", f"{node}: GPU {i}: {m['internal']}: a bug in the tool, not a fault "
@@ -11819,8 +11855,7 @@ class NodeCheck:
             if why:
                 out["said"] = why + (slurm_does if self.ctx != "health" else "")
                 return out
-            err = slurm_update_node(self.node, self.bound(NODE_SLURM_BOUND_S) if self.left() > 0 else 2.0,
-                                    state="drain", reason=reason)
+            err = slurm_update_node(self.node, self.verdict_bound(), state="drain", reason=reason)
             out["done"] = err is None
             out["said"] = (f"drained: {reason}" if err is None else f"not drained: {err}; run: {cmd}") + (
                 slurm_does if self.ctx != "health" else "")
@@ -11834,7 +11869,7 @@ class NodeCheck:
         (kept), or Slurm could not be asked."""
         s = self.slurm if self.slurm is not None else None
         if s is None:
-            r = read_slurm_node(self.node, 2.0 if self.left() <= 0 else self.bound(NODE_SLURM_BOUND_S))
+            r = read_slurm_node(self.node, self.verdict_bound())
             s = self.slurm = parse_slurm_node(r["text"]) if "text" in r else {"unread": r["unread"]}
         if s.get("unread"):
             return f"not drained: Slurm's view of the node was not read ({s['unread']})"
@@ -11853,7 +11888,7 @@ class NodeCheck:
         why = resume_blocker(s["reason"], self.findings, ran, DRAIN_PREFIX)
         if why:
             return {"action": "resume", "said": f"left drained: {why}"}
-        err = slurm_update_node(self.node, 2.0 if self.left() <= 0 else self.bound(NODE_SLURM_BOUND_S), state="resume")
+        err = slurm_update_node(self.node, self.verdict_bound(), state="resume")
         return {"action": "resume", "done": err is None,
                 "said": "resumed our own drain: the check that drained it passed" if err is None else
                 f"not resumed: {err}"}
@@ -11883,7 +11918,7 @@ class NodeCheck:
                                             "tool error: " + first_line(e)[:60]))
         finally:
             if self.workers is not None:
-                self.workers.close()
+                self.workers.close(min(1.0, max(0.2, self.t0 + self.budget - time.monotonic() - 2.0)))
                 self.lap("workers-exit")
         return self.finish()
 

@@ -41,6 +41,8 @@ NODE_SMI_BOUND_S = 5.0    # each nvidia-smi call of the pass (the GPU list, the 
 NODE_SLURM_BOUND_S = 4.0  # each scontrol call of the pass
 NODE_KMSG_BOUND_S = 1.0   # reading the kernel log for Xid lines (and at most 8 MiB of it)
 NODE_PREEMPT_S = 5.0      # a prolog waits this long for a health pass it stopped to let go of the GPUs
+NODE_HELD_AGAIN_S = 1.0   # prolog, epilog: a process on the job's GPU is looked for again this much later (it counts
+                          # only if still there: one tearing down at the job's boundary is gone by then)
 
 PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-net", "soak", "collective", "ddp",
           "bandwidth", "final")

@@ -21,7 +21,7 @@ NODE_REASON_MAX = 120
 # What a step of a device's work costs at most (seconds; GPU / CPU), so that a step that cannot finish
 # before the budget ends is skipped and named instead of started. The re-measure costs what the first took.
 NODE_STEP_S = {"numerics": {"gpu": 4.0, "cpu": 2.0}, "speed": {"gpu": 5.0, "cpu": 1.5},
-               "allreduce": {"gpu": 12.0, "cpu": 5.0}}
+               "allreduce": {"gpu": 8.0, "cpu": 5.0}}
 
 # The evidence words (the blame law): the first five single this node out; the others never name it.
 EVIDENCE_SINGLES = ("own", "persisted", "majority", "reference", "manifest")
@@ -47,9 +47,9 @@ NODE_CHECKS = (
      "persists": "a GPU the node should have (--expect-gpus, the job's SLURM_JOB_GPUS, the node's gres, the GPUs "
                  "on its PCI bus) that NVML does not list stays missing until the node is repaired"},
     {"check": "gpu-procs", "contexts": ALL_CONTEXTS, "drain": True, "evidence": ("own",),
-     "persists": "prolog, epilog: a process holding the job's GPU before the job starts or after it ended "
-                 "outlived its own job (pid and memory from nvidia-smi); health, npd: a busy GPU is not judged "
-                 "and never drained"},
+     "persists": "prolog, epilog: a process holding the job's GPU before the job starts or after it ended, "
+                 "still there a second later, outlived its own job (pid and memory from nvidia-smi); health, npd: "
+                 "a busy GPU is not judged and never drained"},
     {"check": "gpu-health", "contexts": ALL_CONTEXTS, "drain": True, "evidence": ("own",),
      "persists": "uncorrected ECC errors and the row-remap state are kept by the driver until the GPU is reset; "
                  "the PCIe link and clock limits under load and Xid lines are WARNs that drain nothing"},

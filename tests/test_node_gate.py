@@ -580,3 +580,22 @@ def test_the_daemonset_sketch_is_valid_and_carries_the_same_plugin_config():
         "nvidia.com/gpu" in (c["resources"].get(k) or {}) for k in ("limits", "requests"))  # takes no GPU
     assert {e["name"] for e in c["env"] if e["name"].startswith("AIV_")} <= {
         a.env for a in aiv.build_parser()._actions if getattr(a, "env", None)}
+
+
+def test_a_process_gone_a_second_later_is_no_leftover(tmp_path):
+    """The compute processes are looked for again before they fail a prolog: one listed by the first call only
+    (tearing down at the job's boundary) does not count."""
+    hog = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        calls = tmp_path / "apps.calls"
+        fake_bin(tmp_path, "nvidia-smi", f'case "$1" in --query-gpu*) printf '
+                 f'"0, GPU-aaaa, 00000000:1B:00.0, NVIDIA H100 80GB HBM3, 1, 81559, 0, No, No\\n" ;; '
+                 f'--query-compute-apps*) echo x >> {calls}; [ "$(wc -l < {calls})" = 1 ] && '
+                 f'printf "{hog.pid}, 512, GPU-aaaa, python\\n" ;; esac; exit 0')
+        r, d, _ = verdict(tmp_path, ["--node-check", "prolog", "--skip-numerics", "--skip-screen"],
+                          dict(path_with(tmp_path), SLURM_JOB_ID="3", SLURM_JOB_GPUS="0"))
+        assert r.returncode == 0 and d["verdict"] == "PASS" and d["devices"]["held"] == {}, r.stdout + r.stderr
+        assert len(calls.read_text().splitlines()) == 2
+    finally:
+        hog.kill()
+        hog.wait()
