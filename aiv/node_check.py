@@ -26,6 +26,7 @@ from .base import (
     VERSION,
     emit,
     first_line,
+    flush_all,
     is_tool_error,
     print_traceback,
     read_text,
@@ -165,7 +166,8 @@ def node_worker(spec):
             step("allreduce", lambda c=cmd: _allreduce(torch, kind, dev, c, until), 0.0)
         else:
             break
-    return 0
+    flush_all()
+    os._exit(0)  # every line is out: the interpreter's and torch's teardown would only hold the check up
 
 
 def _allreduce(torch, kind, dev, cmd, until):
@@ -736,8 +738,9 @@ class NodeCheck:
                  "measured": {str(i): {k: m.get(k) for k in ("numerics", "speed", "speed2", "error", "versions")}
                               for i, m in self.measured.items()},
                  "allreduce": self.allreduce, "skipped": self.skipped, "findings": self.findings, "drain": drain,
-                 "facts": {k: self.facts.get(k) for k in ("pci", "driver", "lost", "xids", "kmsg_unread", "smi_unread",
-                                                          "apps_unread", "job_gpus")},
+                 "facts": dict({k: self.facts.get(k) for k in ("pci", "driver", "lost", "kmsg_unread", "smi_unread",
+                                                               "apps_unread", "job_gpus")},
+                               xids=(self.facts.get("xids") or [])[-50:]),  # the last 50 (the findings count all)
                  "slurm": self.slurm, "locked_out": self.locked_out}
         state["summary"] = node_summary(state)
         state["npd"] = node_npd_line(state)
@@ -763,25 +766,30 @@ def _write_outputs(args, state):
 
 def run_node_check(args, env):
     """--node-check: one pass in its context; the summary line on stdout (NPD: its one line), a line per finding
-    on stderr, the files; -> the context's exit code."""
+    on stderr, the files; -> the context's exit code. Whatever escapes (a bug in the verdict's own code) is NOT
+    ASSESSED with the context's code: never an exit 1 that would read as evidence."""
     ctx, problem = node_context(args.node_check, env)
-    check = NodeCheck(args, env, ctx, problem)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, check.on_signal)
-    state = check.run()
-    for line in node_lines(state):
-        emit(line, sys.stderr)
-    if not state["locked_out"]:  # the pass that holds the lock writes the files
-        for line in _write_outputs(args, state):
+    try:
+        check = NodeCheck(args, env, ctx, problem)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, check.on_signal)
+        state = check.run()
+        for line in node_lines(state):
             emit(line, sys.stderr)
-    emit(state["npd"] if ctx == "npd" else state["summary"])
-    return state["exit_code"]
+        if not state["locked_out"]:  # the pass that holds the lock writes the files
+            for line in _write_outputs(args, state):
+                emit(line, sys.stderr)
+        emit(state["npd"] if ctx == "npd" else state["summary"])
+        return state["exit_code"]
+    except Exception as e:
+        print_traceback(e)
+        return node_check_usage(f"internal: {first_line(e)} in {where_raised(e)}: a bug in the tool", [], env, ctx)
 
 
-def node_check_usage(e, argv, env):
-    """A usage error on a --node-check command line: the tool's fault, not the node's (fail open): the usage
-    line on stderr, NOT ASSESSED on stdout, and the context's exit code (0; npd: 2)."""
-    ctx = context_from_argv(argv, env) or "health"
+def node_check_usage(e, argv, env, ctx=None):
+    """A usage error on a --node-check command line (or the tool's own error): not the node's fault (fail open):
+    the line on stderr, NOT ASSESSED on stdout, and the context's exit code (0; npd: 2)."""
+    ctx = ctx or context_from_argv(argv, env) or "health"
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
     emit(str(e), sys.stderr)
     code = node_exit_code(ctx, "NOT ASSESSED", False)

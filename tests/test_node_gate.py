@@ -599,3 +599,55 @@ def test_a_process_gone_a_second_later_is_no_leftover(tmp_path):
     finally:
         hog.kill()
         hog.wait()
+
+
+def test_the_manifest_judges_the_node_against_its_accepted_class():
+    from conftest import gpu, rec
+    recs = [rec(i, host="gpu7", local_rank=i, gpu=gpu(f"GPU-{i}", pci=f"0000:{i:02x}:00.0", index=i), node=i == 0)
+            for i in range(2)]
+    manifest = json.loads(json.dumps(aiv.manifest_from_records(recs, "2026-12-01T00:00:00+00:00")))
+    (ok,) = aiv.judge_node_manifest("gpu7", manifest, recs, [])
+    assert ok["status"] == "PASS" and ok["evidence"] is None
+    drift = [dict(r, versions=dict(r["versions"], torch="2.99.0")) for r in recs]
+    (f,) = aiv.judge_node_manifest("gpu7", manifest, drift, [])
+    assert (f["status"], f["evidence"], f["hosts"]) == ("FAIL", "manifest", ["gpu7"]) and "torch" in f["reason"]
+    assert aiv.drainable(f, "prolog") and aiv.judge_node_manifest("gpu7", None, recs, []) == []
+
+
+def test_an_unreadable_manifest_is_not_assessed_not_a_failed_node(tmp_path):
+    bad = tmp_path / "m.json"
+    bad.write_text("{not json")
+    r, d, _ = verdict(tmp_path, ["--node-check", "health", "--manifest", bad, "--node-budget", "1"])
+    assert r.returncode == 0 and d["verdict"] == "NOT ASSESSED", r.stdout + r.stderr
+    (f,) = [f for f in d["findings"] if f["check"] == "manifest"]
+    assert f["unassessed"] and "not a manifest" in f["reason"]
+
+
+def test_a_bug_escaping_the_check_is_not_assessed_never_an_exit_1(capsys):
+    from types import SimpleNamespace
+    assert aiv.run_node_check(SimpleNamespace(node_check="prolog"), {"SLURMD_NODENAME": "n9"}) == 0
+    assert aiv.run_node_check(SimpleNamespace(node_check="npd"), {}) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("ai-infra-validator node-check: NOT ASSESSED on n9 [prolog]: internal: AttributeError")
+    assert out[1].startswith("NOT ASSESSED: internal: AttributeError")
+
+
+@pytest.mark.parametrize("python, rc, words", [
+    ("echo 'ai-infra-validator node-check: FAIL on n1 [prolog]: GPU 0 held by pid 7; drained'; exit 1", 1,
+     "FAIL on n1"),
+    ("echo 'Traceback (most recent call last):' >&2; exit 1", 0, "NOT ASSESSED on n1 [prolog]: no verdict (exit 1)"),
+    ("sleep 30", 0, "no verdict (exit 124)"),
+    ("echo 'ai-infra-validator node-check: NOT ASSESSED on n1 [prolog]: x'; exit 0", 0, "NOT ASSESSED on n1"),
+])
+def test_the_slurm_script_exits_1_only_on_the_tools_fail_line(tmp_path, python, rc, words):
+    from test_node_gate_slurm import documented_script
+    script, fake = tmp_path / "aiv-node-check.sh", tmp_path / "python"
+    script.write_text(documented_script())
+    fake.write_text(f"#!/bin/bash\n{python}\n")
+    for p in (script, fake):
+        p.chmod(0o755)
+    env = {"NODE_CHECK_PYTHON": str(fake), "NODE_CHECK_TOOL": str(SCRIPT), "NODE_CHECK_DIR": str(tmp_path),
+           "NODE_CHECK_LOG": str(tmp_path / "log"), "NODE_CHECK_BACKSTOP": "2", "SLURMD_NODENAME": "n1",
+           "SLURM_SCRIPT_CONTEXT": "prolog_slurmd", "PATH": os.environ["PATH"]}
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == rc and words in r.stdout, r.stdout + r.stderr

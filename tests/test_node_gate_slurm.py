@@ -75,6 +75,7 @@ if [ -e "$F/notorch-$n" ]; then export PYTHONPATH={notorch}; fi
 if [ -e "$F/nopython-$n" ]; then export NODE_CHECK_PYTHON=/nonexistent/bin/python; fi
 if [ -e "$F/undrain-$n" ]; then export AIV_UNDRAIN=1; fi
 if [ -e "$F/slow-$n" ]; then export AIV_NODE_BUDGET=50; fi
+if [ -e "$F/gpus3-$ctx-$n" ]; then export AIV_EXPECT_GPUS=3; fi  # a node that should have 3 GPUs, lists none
 echo "$(date +%s.%N) $ctx" >> "{out}/$n/runs"
 "{script}" >> "{out}/$n/$ctx.summary"
 """
@@ -289,6 +290,21 @@ def test_health_drains_a_corrupt_node_and_jobs_go_elsewhere_then_resumes_its_own
     with capsys.disabled():
         print(f"\n[node gate] HealthCheckProgram on corrupt node1: sinfo -R: {sinfo}\n    {h['summary']}"
               f"\n    after the repair, with --undrain: {resumed['summary']}")
+
+
+def test_a_gpu_missing_after_the_job_fails_its_epilog_and_the_node_keeps_our_reason(clean, capsys):
+    g = clean
+    g.flag("gpus3-epilog-node1")
+    job = g.submit_job("--nodes=1", "-w", "node1")
+    assert g.wait(job)[:2] == ("COMPLETED", "0:0"), g.job_info(job)[2]
+    e = g.wait_for(lambda: g.verdict("node1", "epilog"), 60, "node1's epilog verdict")
+    st, why = g.wait_for(lambda: (lambda s: s if "DRAIN" in s[0] else None)(g.states()["node1"]), 60,
+                         "node1 drained after its epilog")
+    assert why.startswith("aiv: node-check: gpu-count: 0 of 3 GPUs expected") and why.endswith("[epilog]"), why
+    assert e["verdict"] == "FAIL" and e["exit_code"] == 1 and e["measured"] == {}, e["summary"]
+    sinfo = g.sinfo_r()
+    with capsys.disabled():
+        print(f"\n[node gate] epilog on node1 expecting 3 GPUs: sinfo -R: {sinfo}\n    {e['summary']}")
 
 
 @pytest.mark.parametrize("broken", ["notorch", "nopython"])
