@@ -55,8 +55,9 @@ def node_npd_line(state):
     v = state["verdict"]
     pick = ([f for f in fs if f.get("drains")] or [f for f in fs if f["status"] == "FAIL"] if v == "FAIL"
             else [f for f in fs if f.get("unassessed")] if v == "NOT ASSESSED" else [])
+    n = len((state.get("devices") or {}).get("ids") or [])
     text = f"{v}: {pick[0].get('short') or pick[0]['reason']}" if pick else \
-        f"PASS: {len((state.get('devices') or {}).get('ids') or [])} GPU(s) checked"
+        f"PASS: {n} {'CPU worker(s)' if state.get('cpu') else 'GPU(s)'} checked"
     text = " ".join(text.split())
     return text if len(text) <= NODE_NPD_MAX else text[:NODE_NPD_MAX - 3] + "..."
 

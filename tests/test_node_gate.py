@@ -315,6 +315,8 @@ def test_a_healthy_node_passes_within_the_bound(tmp_path, record_property):
     promtool(prom.read_text())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".aiv-")]  # atomic: no temporary left
     record_property("node_check_cpu_wall_s", round(secs, 2))
+    n, _ = run(["--node-check", "npd"], node="ngate-a")
+    assert (n.returncode, n.stdout) == (0, "PASS: 2 CPU worker(s) checked\n"), n.stdout + n.stderr
 
 
 def test_silent_data_corruption_on_local_rank_1_fails_naming_it(tmp_path):
