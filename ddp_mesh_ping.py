@@ -80,6 +80,7 @@ import itertools
 import json
 import math
 import os
+import queue
 import re
 import resource
 import shlex
@@ -140,6 +141,9 @@ CHECKS = (
     "numerics",      # a rank computes wrong numbers: bits unlike its model's peers, or off the fp64 reference
     "drain",         # --drain on: scontrol missing, refused or silent (WARN only: never changes the verdict)
     "output",        # a requested --json / --metrics / --html file could not be written (exit 1, no host blamed)
+    "gpu-count",     # --node-check: a GPU the node should have is missing, or lost to NVML
+    "gpu-procs",     # --node-check: a process holds the job's GPU before the job starts or after it ended
+    "gpu-health",    # --node-check: uncorrected ECC errors, a row remap pending or failed; PCIe, clocks, Xid (WARN)
 )
 
 # What each check can say besides PASS, without --strict (which makes every WARN a FAIL). docs/checks.md's
@@ -154,7 +158,11 @@ CHECK_LEVELS = {
     "manifest": ("FAIL", "WARN"), "internal": ("FAIL", "WARN"), "interrupted": ("FAIL",),
     "gpu-perf": ("FAIL", "WARN"), "intra-node": ("FAIL", "WARN"), "inter-node": ("FAIL", "WARN"),
     "soak": ("FAIL", "WARN"), "numerics": ("FAIL", "WARN"), "drain": ("WARN",), "output": ("FAIL",),
+    "gpu-count": ("FAIL", "WARN"), "gpu-procs": ("FAIL", "WARN"), "gpu-health": ("FAIL", "WARN"),
 }
+# --node-check: a check that could not run through the tool's own fault is a WARN row, the node NOT ASSESSED
+for _check in ("contract", "launch", "local", "interrupted", "manifest", "internal"):
+    CHECK_LEVELS[_check] = ("FAIL", "WARN")
 
 # Environment variables the report may print. Nothing else is ever echoed.
 ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "AIV_")
@@ -667,6 +675,23 @@ CHECK_RULES = {
                      "majority of them, or unlike its own first result) computes wrong again: silent data "
                      "corruption persists until the GPU is replaced"),
 }
+_NODE = ("job", "node")  # checks the node gate (--node-check) also makes
+CHECK_RULES["intra-node"] = rule(("persisted", "own", "process", "never-issued"), ("persisted", "own", "process"),
+                                 "a node slow inside in every try, beside known-good nodes, or whose own all-reduce "
+                                 "returns wrong sums, stays so until its NVLink, NVSwitch or PCIe is repaired; "
+                                 + _PROCESS_WHY, _NODE)
+for _check in ("device", "numerics", "gpu-perf", "manifest"):
+    CHECK_RULES[_check] = dict(CHECK_RULES[_check], contexts=_NODE)
+CHECK_RULES.update({
+    "gpu-count": rule(("own",), ("own",), "a GPU the node should have (--expect-gpus, the job's SLURM_JOB_GPUS, the "
+                      "node's gres, the GPUs on its PCI bus) that NVML does not list stays missing until the node is "
+                      "repaired", ("node",)),
+    "gpu-procs": rule(("own",), ("own",), "a process holding the job's GPU before the job starts or after it ended, "
+                      "still there a second later, outlived its own job; a busy GPU beside jobs is never judged",
+                      ("node",)),
+    "gpu-health": rule(("own",), ("own",), "uncorrected ECC errors and the row-remap state are kept by the driver "
+                       "until the GPU is reset", ("node",)),
+})
 if set(CHECK_RULES) != set(CHECKS):  # a new check declares itself here (docs/development.md: adding a check)
     raise ValueError(f"CHECK_RULES and CHECKS differ: {sorted(set(CHECKS) ^ set(CHECK_RULES))}")
 
@@ -783,6 +808,16 @@ DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scont
 NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
                           # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
 LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
+# --node-check: one node's pass, all of it within --node-budget (NODE_BUDGET_DEFAULT, under LBNL NHC's 30 s
+# watchdog; Slurm kills a HealthCheckProgram at 60 s)
+NODE_BUDGET_DEFAULT = 25.0
+NODE_RESERVE_S = 3.0      # of the budget, kept for the verdict: scontrol (once or twice) and the files
+NODE_SMI_BOUND_S = 5.0    # each nvidia-smi call of the pass (the GPU list, the compute processes)
+NODE_SLURM_BOUND_S = 4.0  # each scontrol call of the pass
+NODE_KMSG_BOUND_S = 1.0   # reading the kernel log for Xid lines (and at most 8 MiB of it)
+NODE_PREEMPT_S = 5.0      # a prolog waits this long for a health pass it stopped to let go of the GPUs
+NODE_HELD_AGAIN_S = 1.0   # prolog, epilog: a process on the job's GPU is looked for again this much later (it counts
+                          # only if still there: one tearing down at the job's boundary is gone by then)
 
 PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-net", "soak", "collective", "ddp",
           "bandwidth", "final")
@@ -1690,6 +1725,25 @@ def _positive_int(text):
     return v
 
 
+def _count_arg(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError("is not an integer") from None
+    if v < 0:
+        raise ValueError("is below 0")
+    return v
+
+
+NODE_CHECK_WORDS = ("prolog", "epilog", "health", "npd", "auto")
+
+
+def _node_check(text):
+    if text not in NODE_CHECK_WORDS:
+        raise ValueError("is not " + ", ".join(NODE_CHECK_WORDS[:-1]) + " or " + NODE_CHECK_WORDS[-1])
+    return text
+
+
 def _switch(text):
     word = text.strip().lower()
     if word in ON_WORDS or word in OFF_WORDS:
@@ -1741,7 +1795,8 @@ class _Parser(argparse.ArgumentParser):
 WANT = {_backend: "auto, nccl or gloo", _seconds: "a number of seconds", _positive_int: "a whole number",
         _switch: "on or off", _sizes: "sizes, on or off", _positive_float: "a number", str: "a path",
         _directory: "a directory", _drain_mode: "off, recommend or on",
-        _soak: "a number of seconds, or 0 for no soak"}  # what an empty value should have been
+        _soak: "a number of seconds, or 0 for no soak", _count_arg: "a whole number (0 or more)",
+        _node_check: "prolog, epilog, health, npd or auto"}  # what an empty value should have been
 
 
 def _opt(p, flag, conv, shown, text, env=True, want=None, **kw):
@@ -1762,7 +1817,7 @@ def _epilog():
         f"{human_bytes(RANK_MEM_CPU)} (CPU) or {human_bytes(RANK_MEM_GPU)} (GPU) of MemAvailable or of what the "
         "memory cgroup has left.",
         "--verify-log has no variable: an exported AIV_VERIFY_LOG would turn every later run, Slurm jobs",
-        "included, into a log check; setting it is a usage error.",
+        "included, into a log check; setting it is a usage error. Nor has --node-check (every run a node check).",
         "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT, 4 INTERNAL, 5 INTERRUPTED."))
 
 
@@ -1784,7 +1839,7 @@ def build_parser():
          default=False, metavar="on/off")
     _opt(p, "--json", str, "none", "rank 0 writes the verdict as JSON here; tried before the run", metavar="PATH")
     _opt(p, "--nproc", _positive_int, "GPUs, or 2", "local mode (or a pod's per-node launch): ranks here (see the "
-         "rule below)", metavar="N")
+         "rule below); --node-check on a node without GPUs: the CPU workers standing in for GPUs", metavar="N")
     _opt(p, "--bandwidth", _sizes, "off", f"measure all_reduce bus bandwidth; no value or on: {DEFAULT_BW_SIZES}; "
          "0 or off: no probe", nargs="?", const="on", metavar="SIZES")
     _opt(p, "--min-busbw", _positive_float, "none", "FAIL when the largest size's busbw is below this (GB/s, "
@@ -1824,7 +1879,20 @@ def build_parser():
          "node_exporter textfile collector's convention); tried before the run", metavar="PATH")
     _opt(p, "--html", str, "none", "rank 0 writes one self-contained page of the run here (the batch file: "
          "ai_infra_smoke_test_<jobid>.html); tried before the run", metavar="PATH")
-    _opt(p, "--sysfs-root", _directory, "/", "root for /sys and /proc/driver reads (tests)", default="/", metavar="DIR")
+    # the node gate (docs/node-gate.md): this node alone, as Slurm's Prolog/Epilog/HealthCheckProgram or NPD's plugin
+    _opt(p, "--node-check", _node_check, "none", "check this node alone and exit: prolog, epilog, health "
+         "(HealthCheckProgram) or npd (Node Problem Detector); no value or auto: Slurm's SLURM_SCRIPT_CONTEXT, else "
+         "health. Exit 1 only on a FAIL whose evidence singles the node out; the tool's own trouble exits 0 (npd: 2)",
+         env=False, nargs="?", const="auto", metavar="CONTEXT", want="prolog, epilog, health, npd or auto")
+    _opt(p, "--node-budget", _seconds, f"{NODE_BUDGET_DEFAULT:g}", "--node-check: seconds for the whole check; "
+         "what does not fit is skipped and named", default=NODE_BUDGET_DEFAULT, metavar="SECONDS")
+    _opt(p, "--expect-gpus", _count_arg, "the job's GPUs, the node's gres, its PCI bus", "--node-check: FAIL unless "
+         "the node lists N GPUs; 0: a node without GPUs (CPU workers stand in)", metavar="N")
+    _opt(p, "--undrain", _switch, "off", "--node-check health with --drain on: a pass resumes the node when the "
+         "check's own drain names a check that passed now; no value: on", nargs="?", const="on", default=False,
+         metavar="on/off")
+    _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
+         metavar="DIR")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     return p
 
@@ -2493,6 +2561,132 @@ def throttle_names(mask):
     names = [n for bit, n in sorted(THROTTLE_REASONS.items()) if mask & bit]
     rest = mask & ~sum(THROTTLE_REASONS)
     return names + ([hex(rest)] if rest else [])
+
+
+
+# ============================================================================ aiv/node_collect.py
+# Floor 2: what the node gate (--node-check) reads on its node without torch: NVML's GPU list and compute
+def run_bounded(argv, seconds):
+    """argv in a process group of its own, killed (the whole group) past `seconds` -> {'rc', 'out', 'err'}, or
+    {'unread': why} when it could not start or did not answer in time."""
+    try:
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, errors="replace", start_new_session=True)
+    except OSError as e:
+        return {"unread": f"{os.path.basename(argv[0])} could not run: {e.strerror or e}"}
+    try:
+        out, err = p.communicate(timeout=max(0.1, seconds))
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        return {"unread": f"{os.path.basename(argv[0])} gave no answer within {seconds:g}s"}
+    return {"rc": p.returncode, "out": out, "err": err}
+
+
+def _first_line(text):
+    return next((ln.strip() for ln in (text or "").splitlines() if ln.strip()), "")[:160]
+
+
+def smi_query(exe, what, fields, seconds):
+    """One `nvidia-smi --query-<what>=fields --format=csv,noheader,nounits` -> {'text'} (its stdout, also when it
+    exits nonzero beside rows: a GPU it cannot reach is a line of its own) or {'unread': why}."""
+    r = run_bounded([exe, f"--query-{what}=" + ",".join(fields), "--format=csv,noheader,nounits"], seconds)
+    if "unread" in r:
+        return r
+    if r["rc"] != 0 and not r["out"].strip():
+        return {"unread": f"nvidia-smi exited {r['rc']}: {_first_line(r['err'] or r['out']) or 'no output'}"}
+    return {"text": r["out"] + r["err"]}
+
+
+def process_owner(pid, root="/"):
+    """Who a process is: {'name', 'user', 'job'} from /proc (the Slurm job from its cgroup path), each None
+    where it cannot be read (another PID namespace, gone)."""
+    base = os.path.join(root, "proc", str(pid))
+    status = read_text(os.path.join(base, "status"), "") or ""
+    uid = re.search(r"^Uid:\s+(\d+)", status, re.M)
+    user = None
+    if uid:
+        with contextlib.suppress(ImportError, KeyError):
+            import pwd
+            user = pwd.getpwuid(int(uid.group(1))).pw_name
+        user = user or f"uid {uid.group(1)}"
+    job = re.search(r"/job_(\d+)(?:/|$)", read_text(os.path.join(base, "cgroup"), "") or "", re.M)
+    name = (read_text(os.path.join(base, "comm"), "") or "").strip() or None
+    return {"name": name, "user": user, "job": job.group(1) if job else None}
+
+
+def pci_gpus(root="/"):
+    """PCI bus ids of NVIDIA display and 3D controllers (vendor 0x10de, class 0x0300xx or 0x0302xx; not the
+    NVSwitches) on the bus: what the hardware holds, whatever the driver makes of it."""
+    base = os.path.join(root, "sys/bus/pci/devices")
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        vendor = (read_text(os.path.join(base, n, "vendor"), "") or "").strip().lower()
+        cls = (read_text(os.path.join(base, n, "class"), "") or "").strip().lower()
+        if vendor == "0x10de" and cls.startswith(("0x0300", "0x0302")):
+            out.append(n.lower())
+    return out
+
+
+def driver_gpus(root="/"):
+    """The NVIDIA driver's own list of its GPUs (/proc/driver/nvidia/gpus/<bus id>), [] without the driver."""
+    try:
+        return sorted(d.lower() for d in os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
+    except OSError:
+        return []
+
+
+def read_kmsg(root="/", seconds=1.0, limit=8 << 20):
+    """The kernel's log buffer, read without blocking from /dev/kmsg (root, or CAP_SYSLOG) -> {'text'} or
+    {'unread': why}; at most `limit` bytes and `seconds`."""
+    path = os.path.join(root, "dev/kmsg")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        return {"unread": f"{path}: {e.strerror or e}"}
+    chunks, size, until = [], 0, time.monotonic() + seconds
+    try:
+        while size < limit and time.monotonic() < until:
+            try:
+                b = os.read(fd, 65536)
+            except BlockingIOError:
+                break  # the end of the buffer
+            except BrokenPipeError:
+                continue  # a record overwritten while we read: the next one follows
+            if not b:
+                break
+            chunks.append(b)
+            size += len(b)
+    except OSError as e:
+        return {"unread": f"{path}: {e.strerror or e}"}
+    finally:
+        os.close(fd)
+    return {"text": b"".join(chunks).decode(errors="replace")}
+
+
+def read_slurm_node(name, seconds):
+    """`scontrol show node -d -o NAME` -> {'text'} or {'unread': why} (parsed by parse_slurm_node)."""
+    r = run_bounded(["scontrol", "show", "node", "-d", "-o", name], seconds)
+    if "unread" in r:
+        return r
+    if r["rc"] != 0:
+        return {"unread": f"scontrol show node {name} exited {r['rc']}: {_first_line(r['err'] or r['out'])}"}
+    return {"text": r["out"]}
+
+
+def slurm_update_node(name, seconds, **fields):
+    """One `scontrol update nodename=NAME key=value ...` -> None when done, else Slurm's (or our) words why not."""
+    r = run_bounded(["scontrol", "update", f"nodename={name}", *(f"{k}={v}" for k, v in fields.items())], seconds)
+    if "unread" in r:
+        return r["unread"]
+    if r["rc"] != 0:
+        return f"scontrol exited {r['rc']}: {_first_line(r['err'] or r['out']) or 'no message'}"
+    return None
 
 
 
@@ -6954,6 +7148,621 @@ def judge_screen(screen):
 
 
 
+# ============================================================================ aiv/node_judge.py
+# Floor 3: the node gate (--node-check): its contexts, the checks it runs in each with whether they may drain
+NODE_CONTEXTS = ("prolog", "epilog", "health", "npd")
+SCRIPT_CONTEXTS = {"prolog_slurmd": "prolog", "epilog_slurmd": "epilog"}  # Slurm's SLURM_SCRIPT_CONTEXT
+NODE_KMSG_BYTES = 8 << 20    # the most of the kernel log read for Xid lines (within NODE_KMSG_BOUND_S)
+NODE_NPD_MAX = 80            # NPD's max_output_length in the shipped plugin config: the npd line fits it
+NODE_LINE_PREFIX = "ai-infra-validator node-check:"  # the summary line, the one stdout line (grep it)
+NODE_DRAIN_TAG = "node-check"  # our drain reasons: "<DRAIN_PREFIX> node-check: <check>: <what> [<context>]"
+NODE_REASON_MAX = 120
+# What a step of a device's work costs at most (seconds; GPU / CPU), so that a step that cannot finish
+# before the budget ends is skipped and named instead of started. The re-measure costs what the first took.
+NODE_STEP_S = {"numerics": {"gpu": 4.0, "cpu": 2.0}, "speed": {"gpu": 5.0, "cpu": 1.5},
+               "allreduce": {"gpu": 8.0, "cpu": 5.0}}
+
+# The evidence words the node gate uses (the blame law's, aiv/blame.py): the first five single this node out;
+# the others never name it.
+EVIDENCE_SINGLES = ("own", "persisted", "majority", "reference", "manifest")
+EVIDENCE_NAMES_NONE = ("once", "tie", "everyone", "not-collected")
+if not (set(EVIDENCE_SINGLES) <= set(LOCALISING) and set(EVIDENCE_NAMES_NONE) <= set(UNLOCALISED)):
+    raise ValueError("the node gate's evidence words must be the blame law's (aiv/blame.py)")
+EVIDENCE_WORDS = {
+    "own": "this node's own state: a counter, a process holding a GPU, a missing GPU",
+    "persisted": "slow, measured again, slow again",
+    "majority": "unlike a strict majority of its same-model peers on this node",
+    "reference": "off the fp64 reference beyond a tolerance a healthy device never exceeds",
+    "manifest": "unlike the accepted manifest class",
+    "once": "measured once (slow, not measured again, or at speed when measured again)",
+    "tie": "a disagreement with no majority",
+    "everyone": "every GPU of the node alike: the software or the model, not a GPU",
+    "not-collected": "what would decide was not collected",
+}
+ALL_CONTEXTS = NODE_CONTEXTS
+COMPUTE_CONTEXTS = ("prolog", "health", "npd")  # the epilog stays passive: its time holds the node from the next job
+
+# The checks of the node gate, as soperator's check runner declares its own: where each runs, whether its FAIL
+# may drain the node (fail a prolog or an epilog, be an NPD problem) and why the evidence it drains on persists.
+NODE_CHECKS = (
+    {"check": "gpu-count", "contexts": ALL_CONTEXTS, "drain": True, "blame": ("own",),
+     "persists": "a GPU the node should have (--expect-gpus, the job's SLURM_JOB_GPUS, the node's gres, the GPUs "
+                 "on its PCI bus) that NVML does not list stays missing until the node is repaired"},
+    {"check": "gpu-procs", "contexts": ALL_CONTEXTS, "drain": True, "blame": ("own",),
+     "persists": "prolog, epilog: a process holding the job's GPU before the job starts or after it ended, "
+                 "still there a second later, outlived its own job (pid and memory from nvidia-smi); health, npd: "
+                 "a busy GPU is not judged and never drained"},
+    {"check": "gpu-health", "contexts": ALL_CONTEXTS, "drain": True, "blame": ("own",),
+     "persists": "uncorrected ECC errors and the row-remap state are kept by the driver until the GPU is reset; "
+                 "the PCIe link and clock limits under load and Xid lines are WARNs that drain nothing"},
+    {"check": "manifest", "contexts": ALL_CONTEXTS, "drain": True, "blame": ("manifest",),
+     "persists": "with --manifest: the node's driver, CUDA, torch, GPUs or PCIe link unlike its accepted class "
+                 "stay so until the node is changed back or the change is accepted"},
+    {"check": "device", "contexts": COMPUTE_CONTEXTS, "drain": True, "blame": ("own", "everyone"),
+     "persists": "CUDA refuses this GPU while the node's other GPUs work with the same software; every GPU "
+                 "refused alike is the software's (everyone): not drained"},
+    {"check": "numerics", "contexts": COMPUTE_CONTEXTS, "drain": True,
+     "blame": ("majority", "reference", "tie", "everyone"),
+     "persists": "the results are deterministic: bits unlike a strict majority of the node's GPUs of the model, "
+                 "or off the fp64 reference beyond a tolerance a healthy device never exceeds, are a fault of that "
+                 "GPU; a tie or every GPU alike drains nothing"},
+    {"check": "gpu-perf", "contexts": COMPUTE_CONTEXTS, "drain": True, "blame": ("persisted", "once"),
+     "persists": "a GPU below its model's table row or its peers on the node is measured again; only one slow "
+                 "again drains (busy GPUs are never measured)"},
+    {"check": "intra-node", "contexts": COMPUTE_CONTEXTS, "drain": True,
+     "blame": ("own", "persisted", "once", "not-collected"),
+     "persists": "the node's own all-reduce across its GPUs: wrong sums are the node's; busbw below "
+                 "--min-busbw-intra in both of two measurements drains; an all-reduce that errs drains nothing"},
+)
+NODE_CHECK = {c["check"]: c for c in NODE_CHECKS}
+
+
+# ---------------------------------------------------------------------------------------------- context
+def node_context(given, env):
+    """The context to run in -> (context, problem or None). given: the word after --node-check ('auto' for
+    none): then Slurm's SLURM_SCRIPT_CONTEXT (prolog_slurmd, epilog_slurmd) decides, else health. A script
+    context of another kind (the controller's PrologSlurmctld, a task prolog) is not this node's gate: the
+    problem says so (not assessed)."""
+    if given in NODE_CONTEXTS:
+        return given, None
+    sc = (env.get("SLURM_SCRIPT_CONTEXT") or "").strip()
+    if not sc:
+        return "health", None
+    if sc in SCRIPT_CONTEXTS:
+        return SCRIPT_CONTEXTS[sc], None
+    ctx = "prolog" if sc.startswith("prolog") else "epilog" if sc.startswith("epilog") else "health"
+    return ctx, (f"SLURM_SCRIPT_CONTEXT={sc!r} is not a node's own prolog or epilog (prolog_slurmd, "
+                 "epilog_slurmd): use the node check as Prolog=, Epilog= or HealthCheckProgram=")
+
+
+def context_from_argv(argv, env):
+    """The context a command line asks for, read without the parser (for a usage error's exit code)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--node-check="):
+            return node_context(a.split("=", 1)[1], env)[0]
+        if a == "--node-check":
+            nxt = argv[i + 1] if i + 1 < len(argv) else "auto"
+            return node_context(nxt if nxt in NODE_CONTEXTS else "auto", env)[0]
+    return None
+
+
+def node_exit_code(context, verdict, drainable):
+    """prolog, epilog, health: 1 only for a FAIL whose evidence singles this node out (Slurm drains on a
+    failed prolog or epilog; health drains itself), else 0 (fail open). npd: 0 PASS, 1 such a FAIL, 2 unknown
+    (not assessed, or a FAIL that names no node)."""
+    if verdict == "FAIL" and drainable:
+        return 1
+    if context == "npd":
+        return 0 if verdict == "PASS" else 2
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- parsers
+NODE_GPU_FIELDS = ("index", "uuid", "pci.bus_id", "name", "memory.used", "memory.total",
+                   "ecc.errors.uncorrected.volatile.total", "remapped_rows.pending", "remapped_rows.failure")
+NODE_GPU_KEYS = ("index", "uuid", "pci", "name", "mem_used_mib", "mem_total_mib", "ecc_uncorrected",
+                 "remap_pending", "remap_failure")
+NODE_APP_FIELDS = ("pid", "used_memory", "gpu_uuid", "process_name")
+
+
+def pci_norm(text):
+    """A PCI bus id in sysfs form ('0000:3b:00.0') from nvidia-smi's ('00000000:3B:00.0') or the kernel's
+    ('0000:3b:00'); None when it is none."""
+    m = re.fullmatch(r"(?:([0-9a-f]{1,8}):)?([0-9a-f]{2}):([0-9a-f]{2})(?:\.([0-7]))?", (text or "").strip().lower())
+    if not m:
+        return None
+    return f"{int(m.group(1) or '0', 16):04x}:{m.group(2)}:{m.group(3)}.{m.group(4) or '0'}"
+
+
+def _smi_value(key, v):
+    v = v.strip()
+    if not v or v.startswith("[") or v in ("N/A", "Unknown Error"):
+        return None
+    if key in ("remap_pending", "remap_failure"):
+        return {"yes": True, "no": False}.get(v.lower())
+    if key in ("index", "mem_used_mib", "mem_total_mib", "ecc_uncorrected"):
+        try:
+            return int(float(v))
+        except ValueError:
+            return None
+    return pci_norm(v) if key == "pci" else v
+
+
+def parse_node_gpus(text):
+    """nvidia-smi --query-gpu=NODE_GPU_FIELDS --format=csv,noheader,nounits -> (rows [{NODE_GPU_KEYS}], lost
+    [{'pci', 'why'}]): a GPU NVML cannot reach is a line 'Unable to determine the device handle for GPU
+    <bus id>: <why>' in place of its row."""
+    rows, lost = [], []
+    for line in (text or "").splitlines():
+        m = re.search(r"device handle for GPU\s*([0-9A-Fa-f:.]+)\s*:\s*(.*)", line)
+        if m:
+            lost.append({"pci": pci_norm(m.group(1)) or m.group(1), "why": " ".join(m.group(2).split())[:160]})
+            continue
+        vals = line.split(",")
+        if len(vals) != len(NODE_GPU_KEYS) or not vals[1].strip().startswith(("GPU-", "MIG-")):
+            continue
+        row = {k: _smi_value(k, v) for k, v in zip(NODE_GPU_KEYS, vals, strict=True)}
+        if row["index"] is not None:
+            rows.append(row)
+    return sorted(rows, key=lambda r: r["index"]), lost
+
+
+def parse_compute_apps(text):
+    """nvidia-smi --query-compute-apps=NODE_APP_FIELDS --format=csv,noheader,nounits -> [{'pid', 'mem_mib',
+    'uuid', 'name'}] (memory None where NVML does not say)."""
+    out = []
+    for line in (text or "").splitlines():
+        vals = [v.strip() for v in line.split(",")]
+        if len(vals) < 3 or not vals[0].isdigit() or not vals[2].startswith(("GPU-", "MIG-")):
+            continue
+        mem = vals[1]
+        out.append({"pid": int(vals[0]), "mem_mib": int(mem) if mem.isdigit() else None, "uuid": vals[2],
+                    "name": ",".join(vals[3:]).strip() or None})
+    return out
+
+
+def parse_gpu_ids(text):
+    """SLURM_JOB_GPUS ('0,1,3' or '0-3') -> sorted GPU indices, None when empty or malformed."""
+    try:
+        ids = sorted(set(parse_ranges(text.strip()))) if text and text.strip() else None
+    except ValueError:
+        return None
+    return ids if ids and all(i >= 0 for i in ids) else None
+
+
+def parse_gres_gpus(gres):
+    """scontrol's Gres= ('gpu:8', 'gpu:h100:8(S:0-1)', 'gpu:a:4,gpu:b:4', '(null)') -> GPUs configured, None."""
+    total, seen = 0, False
+    for part in re.split(r",(?![^()]*\))", gres or ""):
+        m = re.fullmatch(r"gpu(?::[^:()]+)?:(\d+)(?:\(.*\))?", part.strip())
+        if m:
+            total, seen = total + int(m.group(1)), True
+    return total if seen else None
+
+
+def parse_gres_used(gres_used):
+    """scontrol show node -d's GresUsed= ('gpu:h100:2(IDX:0-1)', 'gpu:0(IDX:N/A)', 'gpu:2') -> (GPUs jobs hold,
+    their indices, or None where Slurm does not say which: no IDX for a GRES it tracks without device files)."""
+    count, idx, said = 0, set(), True
+    for m in re.finditer(r"(?:^|,)gpu(?::[^:(),]+)*:(\d+)(?:\(IDX:([^)]*)\))?", gres_used or ""):
+        count += int(m.group(1))
+        if m.group(2) and re.fullmatch(r"[0-9,\-]+", m.group(2)):
+            idx |= set(parse_ranges(m.group(2)))
+        elif int(m.group(1)):
+            said = False
+    return count, sorted(idx) if said else None
+
+
+def gres_busy(gres_used, ids):
+    """{GPU: why} of the GPUs Slurm gave to running jobs (GresUsed): by index where Slurm says which, else every
+    GPU while any is allocated (which ones is not known: none is touched)."""
+    count, idx = parse_gres_used(gres_used)
+    if idx is not None:
+        return {i: "allocated to a running job (Slurm's GresUsed)" for i in ids if i in idx}
+    return {i: f"{count} GPU(s) of the node allocated to running jobs, which ones Slurm does not say (GresUsed)"
+            for i in ids} if count else {}
+
+
+def parse_slurm_node(text):
+    """`scontrol show node -d -o NODE` -> {'state', 'reason', 'gres', 'gres_used'} (None: absent)."""
+    def field(name):
+        m = re.search(rf"(?:^|\s){name}=(\S+)", text or "")
+        return m.group(1) if m else None
+    reason = re.search(r"\sReason=(.*?)(?=\s+[A-Z][A-Za-z]+=|$)", text or "")
+    why = re.sub(r"\s*\[[^\]]*@[^\]]*\]$", "", reason.group(1).strip()) if reason else ""
+    return {"state": field("State"), "reason": why if why not in ("", "none", "(null)") else "",
+            "gres": field("Gres"), "gres_used": field("GresUsed")}
+
+
+XID_LINE = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+)(?:,\s*(.*))?")
+
+
+def parse_xids(text):
+    """Kernel log records (/dev/kmsg 'pri,seq,usec,flags;msg' or dmesg '[ secs] msg') -> the NVIDIA Xid lines,
+    [{'pci', 'xid', 't': seconds after boot or None, 'text'}]."""
+    out = []
+    for line in (text or "").splitlines():
+        m = XID_LINE.search(line)
+        if not m:
+            continue
+        t = re.match(r"\s*\d+,\d+,(\d+),[^;]*;", line)
+        d = re.match(r"\s*\[\s*(\d+\.\d+)\]", line)
+        secs = int(t.group(1)) / 1e6 if t else float(d.group(1)) if d else None
+        out.append({"pci": pci_norm(m.group(1)) or m.group(1).lower(), "xid": int(m.group(2)),
+                    "t": secs, "text": " ".join((m.group(3) or "").split())[:120]})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- devices
+def node_devices(context, gpus, job_ids, nproc, allocated, apps, cpu):
+    """Which devices the check covers and what it may run on each. gpus: NVML's rows (index, uuid); job_ids:
+    the job's GPUs (prolog, epilog; None: every GPU); cpu: no GPU here (device k is a CPU worker standing in for
+    GPU k, nproc of them); allocated: {GPU: why} Slurm gave to running jobs (health, gres_busy); apps: compute processes
+    by GPU index. -> {'ids': covered, 'held': {id: apps} (prolog, epilog: a process before or after the job),
+    'busy': {id: why} (health, npd: not computed on, not judged for speed), 'compute': ids to compute on}."""
+    ids = list(range(nproc)) if cpu else [g["index"] for g in gpus]
+    if job_ids is not None and (job_ids or not cpu):  # a job without GPUs: none of them (CPU workers still run)
+        ids = [i for i in ids if i in job_ids]
+    held, busy = {}, {}
+    for i in ids:
+        procs = apps.get(i) or []
+        if context in ("prolog", "epilog"):
+            if procs:
+                held[i] = procs
+        elif procs:
+            busy[i] = f"{len(procs)} process(es) of others on it"
+        elif i in (allocated or {}):
+            busy[i] = allocated[i]
+    compute = [] if context not in COMPUTE_CONTEXTS else [i for i in ids if i not in held and i not in busy]
+    return {"ids": ids, "held": held, "busy": busy, "compute": compute}
+
+
+# ---------------------------------------------------------------------------------------------- findings
+def _f(check, status, reason, evidence, node, short=None, gpus=(), ranks=(), **kw):
+    """A node-check finding: hosts=[node] only when its evidence singles the node out and it is no PASS."""
+    named = status != "PASS" and evidence in EVIDENCE_SINGLES
+    f = finding(check, status, reason, [node] if named else [], ranks)
+    f.update(blame=evidence if status != "PASS" else None, short=short or reason[:90], gpus=sorted(set(gpus)),
+             **kw)
+    return f
+
+
+def unassessed(check, reason, short=None):
+    """A check that could not run through the tool's own fault (no torch, a worker that died, a bug): a WARN
+    that names no host; with no FAIL beside it the node is NOT ASSESSED."""
+    return dict(finding(check, "WARN", reason), blame="not-collected", short=short or reason[:90], gpus=[],
+                unassessed=True)
+
+
+def _gpu_word(i, uuid=None):
+    return f"GPU {i}" + (f" ({uuid})" if uuid else "")
+
+
+def judge_gpu_count(node, found, lost, expectations, job_ids=None, cpu=False):
+    """The GPUs the node should have against those NVML lists. found: indices NVML lists; lost: GPUs NVML
+    cannot reach ({'pci', 'why'}); expectations: [(source words, count)], each held to what is found (fewer:
+    FAIL own, more: WARN); job_ids: the job's GPUs, each of which must be there."""
+    out, n = [], len(found)
+    for pci in lost:
+        out.append(_f("gpu-count", "FAIL", f"{node}: NVML cannot reach the GPU at PCI {pci['pci']}: {pci['why']}: "
+                      "drain it; a GPU lost to the driver needs a reset or a reboot (nvidia-smi -r, dmesg for Xid 79)",
+                      "own", node, f"GPU at {pci['pci']} lost: {pci['why'][:40]}"))
+    for source, want in expectations:
+        if n < want:
+            out.append(_f("gpu-count", "FAIL", f"{node}: {want} GPU(s) expected ({source}) but NVML lists {n}: "
+                          "drain it; check nvidia-smi, dmesg for Xid 79 (fallen off the bus), reseat the GPU",
+                          "own", node, f"{n} of {want} GPUs expected"))
+        elif n > want:
+            out.append(_f("gpu-count", "WARN", f"{node}: {n} GPU(s) listed, more than the {want} expected "
+                          f"({source}): the expectation may be stale", "own", node))
+    missing = [i for i in job_ids or () if i not in found] if not cpu else []
+    if missing:
+        out.append(_f("gpu-count", "FAIL", f"{node}: the job's GPU(s) {format_ranges(missing)} (SLURM_JOB_GPUS) "
+                      f"are not among the {n} NVML lists ({format_ranges(found) or 'none'})", "own", node,
+                      f"job GPU(s) {format_ranges(missing)} missing", missing))
+    if not any(f["status"] == "FAIL" for f in out):
+        said = "; ".join(f"{w} expected by {s}" for s, w in expectations) or "no expectation given"
+        out.append(_f("gpu-count", "PASS", f"{node}: {'no GPU, CPU workers stand in' if cpu else f'{n} GPU(s)'}"
+                      f" ({said})", None, node))
+    return out
+
+
+def _proc_words(p):
+    who = ", ".join(x for x in (p.get("name"), f"user {p['user']}" if p.get("user") else "",
+                                f"job {p['job']}" if p.get("job") else "") if x)
+    mem = f"{human_bytes(p['mem_mib'] << 20)}" if p.get("mem_mib") is not None else "memory not reported"
+    return f"pid {p['pid']}" + (f" ({who})" if who else "") + f" holds {mem}"
+
+
+def judge_gpu_procs(node, context, devices, uuids, noun="GPU(s)"):
+    """prolog, epilog: a process on the job's GPU before the job started (a previous job's leftover: the classic
+    OOM at job start) or still there after it ended: FAIL own, naming the pid and what it holds. health, npd:
+    a GPU in use is busy, not broken: not judged for speed, never drained (a PASS that says so)."""
+    out = []
+    for i, procs in sorted(devices["held"].items()):
+        when = "before the job started" if context == "prolog" else "after the job ended"
+        out.append(_f("gpu-procs", "FAIL", f"{node}: {_gpu_word(i, uuids.get(i))} is held {when}: "
+                      + "; ".join(_proc_words(p) for p in procs[:4]) + (f" and {len(procs) - 4} more" if len(procs)
+                                                                        > 4 else "")
+                      + ": a leftover of an earlier job (the next job would run out of memory); kill it or reset "
+                      "the GPU", "own", node, f"GPU {i} held by pid {procs[0]['pid']}", [i],
+                      pids=[p["pid"] for p in procs]))
+    if devices["busy"]:
+        out.append(_f("gpu-procs", "PASS", f"{node}: GPU(s) " + ", ".join(
+            f"{i} ({why})" for i, why in sorted(devices["busy"].items())) + ": busy, not judged (no speed, "
+            "numerics or all-reduce on them; busy is not broken: never drained for it)", None, node,
+            gpus=list(devices["busy"]), busy=sorted(devices["busy"])))
+    elif not out:
+        out.append(_f("gpu-procs", "PASS", f"{node}: no process of others on the {len(devices['ids'])} {noun} "
+                      "checked", None, node))
+    return out
+
+
+def judge_gpu_health(node, gpus, load, xids, kmsg_unread=None):
+    """Passive health per GPU from its NVML row (gpus): uncorrected ECC errors since the driver loaded, a row
+    remap pending or failed: FAIL own (the driver keeps them until a GPU reset); under load (load: {index:
+    the speed step's facts}): PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS:
+    WARN; Xid lines in the kernel log (history since boot, not the state now): WARN."""
+    out, by_pci = [], {g["pci"]: g["index"] for g in gpus if g.get("pci")}
+    for g in gpus:
+        i, u = g["index"], g.get("uuid")
+        if g.get("remap_failure"):
+            out.append(_f("gpu-health", "FAIL", f"{node}: {_gpu_word(i, u)}: row remapping failed: memory the GPU "
+                          "can no longer repair: drain it and replace the GPU", "own", node,
+                          f"GPU {i} row remap failed", [i]))
+        elif g.get("remap_pending"):
+            out.append(_f("gpu-health", "FAIL", f"{node}: {_gpu_word(i, u)}: a row remap is pending: reset the GPU "
+                          "(nvidia-smi -r) to apply it before a job runs on it", "own", node,
+                          f"GPU {i} row remap pending", [i]))
+        if g.get("ecc_uncorrected"):
+            out.append(_f("gpu-health", "FAIL", f"{node}: {_gpu_word(i, u)}: {g['ecc_uncorrected']} uncorrected "
+                          "ECC error(s) since the driver loaded: drain it, reset the GPU, and run the vendor's "
+                          "diagnostics (dcgmi diag -r 3) before it returns", "own", node,
+                          f"GPU {i} {g['ecc_uncorrected']} uncorrected ECC", [i]))
+    for i, row in sorted((load or {}).items()):
+        g = row.get
+        words = []
+        if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
+            words.append(f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load")
+        if g("pcie_speed") and g("pcie_speed_max") and g("pcie_speed") < g("pcie_speed_max"):
+            words.append(f"PCIe link {g('pcie_speed'):g} of {g('pcie_speed_max'):g} GT/s under load")
+        if int(g("throttle") or 0) & THROTTLE_FAULTS:
+            words.append(f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}")
+        if words:
+            out.append(_f("gpu-health", "WARN", f"{node}: GPU {i}: " + "; ".join(words) + " (with --manifest a "
+                          "narrower link than the accepted one FAILs)", "own", node, f"GPU {i} " + words[0], [i]))
+    per = {}
+    for x in xids or []:
+        per.setdefault((by_pci.get(x["pci"]), x["pci"]), []).append(x)
+    for (i, pci), xs in sorted(per.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0, kv[0][1])):
+        codes = sorted({x["xid"] for x in xs})
+        last = xs[-1]
+        when = f" (the last {last['t']:.0f}s after boot: {last['text'] or 'no text'})" if last.get("t") is not None \
+            else ""
+        out.append(_f("gpu-health", "WARN", f"{node}: {'GPU ' + str(i) if i is not None else 'GPU'} at {pci}: "
+                      f"{len(xs)} Xid line(s) in the kernel log since boot, Xid {', '.join(map(str, codes))}{when}: "
+                      "history, not the state now (which the counters above judge); see NVIDIA's Xid catalog",
+                      "own", node, f"Xid {','.join(map(str, codes))} on GPU {i if i is not None else pci}",
+                      [] if i is None else [i], xids=codes))
+    if not any(f["status"] != "PASS" for f in out):
+        words = [f"{len(gpus)} GPU(s): no uncorrected ECC error, no row remap pending or failed"]
+        if load:
+            words.append("PCIe at full width and speed and clocks unslowed under load")
+        words.append(f"kernel log not read ({kmsg_unread})" if kmsg_unread else "no Xid in the kernel log")
+        out.append(_f("gpu-health", "PASS", f"{node}: " + "; ".join(words), None, node))
+    return out
+
+
+def judge_node_devices(node, errors, done):
+    """Workers whose device raised a CUDA or torch error (errors: {index: message}; done: indices whose device
+    worked): FAIL own where another GPU of the node worked with the same software, else every GPU refused alike:
+    a FAIL that names no host (the software: the driver against the venv's CUDA build, a missing fabric
+    manager on every GPU ...)."""
+    if not errors:
+        return []
+    if done:
+        return [_f("device", "FAIL", f"{node}: GPU {i} cannot be used: {why}; the node's GPU(s) "
+                   f"{format_ranges(done)} work with the same software: drain it, reset the GPU", "own", node,
+                   f"GPU {i} unusable: {why[:50]}", [i]) for i, why in sorted(errors.items())]
+    first = sorted(errors.items())[0]
+    return [_f("device", "FAIL", f"{node}: every GPU checked ({format_ranges(errors)}) refused alike, e.g. GPU "
+               f"{first[0]}: {first[1]}: the software or the node's driver as a whole (a CUDA build newer than "
+               "the driver, no fabric manager): no GPU singled out, not drained", "everyone", node,
+               f"every GPU unusable: {first[1][:50]}", list(errors))]
+
+
+def numerics_rows_of(node, posts, gpus_by_id, driver=None, cpu_model=None):
+    """judge_numerics' rows from the workers' numerics posts ({index: post}); a worker's index is its rank."""
+    rows = []
+    for i, post in sorted(posts.items()):
+        g = gpus_by_id.get(i) or {}
+        model = g.get("name") or "CPU"
+        rows.append({"rank": i, "host": node, "local_rank": i, "device": i if g.get("uuid") else None,
+                     "uuid": g.get("uuid"), "model": model,
+                     "group": numerics_group(model, post.get("software"), driver, cpu_model),
+                     "checks": post.get("checks") or {}, "error": None, "internal": None, "unread": None})
+    return rows
+
+
+def judge_node_numerics(node, rows):
+    """judge_numerics on the node's own GPUs, each finding tagged: a culprit off the fp64 reference
+    'reference', one whose bits alone differ from a strict majority 'majority'; a disagreement without a
+    majority 'tie'; every GPU of a model off alike 'everyone' (those name no host)."""
+    off = {r["rank"]: any(p.get("off") for p in r["checks"].values()) for r in rows}
+    out = []
+    for f in judge_numerics(rows):
+        if f["status"] == "PASS":
+            out.append(dict(f, blame=None, short="numerics agree", gpus=[]))
+            continue
+        if f["hosts"]:
+            ev = "reference" if any(off.get(r) for r in f["ranks"]) else "majority"
+            what = "off the fp64 reference" if ev == "reference" else "bits unlike its peers"
+        else:
+            ev = "tie" if "disagree bit for bit" in f["reason"] else "everyone"
+            what = "no majority" if ev == "tie" else "every GPU alike"
+        gl = f"GPU {format_ranges(f['ranks'])}"
+        out.append(dict(f, hosts=[node] if f["hosts"] else [], blame=ev, gpus=list(f["ranks"]),
+                        short=f"{gl} computes wrong numbers ({what})" if f["hosts"] else f"numerics: {what}"))
+    return out
+
+
+def _speed_rows(node, rows, gpus_by_id, tries=1):
+    return [{"rank": i, "host": node, "local_rank": i, "uuid": (gpus_by_id.get(i) or {}).get("uuid"),
+             "model": (gpus_by_id.get(i) or {}).get("name") or "CPU", "tflops": r.get("tflops"),
+             "hbm_gbps": r.get("hbm_gbps"), "tries": tries} for i, r in sorted(rows.items())]
+
+
+def speed_flagged(node, first, gpus_by_id, cpu=False, min_tflops=None, min_hbm=None):
+    """The GPUs whose first measurement judge_gpu_perf flags (to be measured again)."""
+    rows = _speed_rows(node, first, gpus_by_id)
+    return sorted(f["ranks"][0] for f in judge_gpu_perf(rows, min_tflops, min_hbm, cpu) if rows
+                  and f["status"] != "PASS" and len(f["ranks"]) == 1)
+
+
+def _best(first, again):
+    """Per GPU the best of its two measurements (a fault only lowers a number)."""
+    out = {}
+    for i, r in first.items():
+        a = again.get(i) or {}
+        out[i] = {m: max([v for v in (r.get(m), a.get(m)) if v is not None], default=None)
+                  for m in ("tflops", "hbm_gbps")}
+    return out
+
+
+def judge_node_speed(node, first, again, gpus_by_id, cpu=False, min_tflops=None, min_hbm=None, why_once=None):
+    """The screen's rule, blame only what persists, on one node: the first measurements (first: {index:
+    {'tflops', 'hbm_gbps'}}) judged by judge_gpu_perf against the model's table row, its peers on the node and
+    the floors; a GPU flagged there was measured again (again: {index: row}) and is judged on its best value:
+    flagged again 'persisted' (names the node), at speed again a transient WARN 'once'; a GPU not measured
+    again (why_once says why) keeps its first status as 'once' (FAIL or WARN, no host named)."""
+    if not first:
+        return []
+    def judge(rows, tries=1):
+        return judge_gpu_perf(_speed_rows(node, rows, gpus_by_id, tries), min_tflops, min_hbm, cpu)
+    one = judge(first, 2)  # the blame is decided here, below: the judge's words only
+    flagged = {f["ranks"][0]: f for f in one if f["status"] != "PASS" and len(f["ranks"]) == 1}
+    if not flagged:
+        return [dict(f, blame=None, short="speed within the reference", gpus=[]) for f in one]
+    two = {f["ranks"][0]: f for f in judge(_best(first, again), 2) if f["status"] != "PASS" and len(f["ranks"]) == 1}
+    out = []
+    for i, f in sorted(flagged.items()):
+        if i in two and i in again:
+            g = two[i]
+            out.append(dict(g, hosts=[node], blame="persisted", gpus=[i], evidence_text=g.get("evidence"),
+                            short=f"GPU {i} slow, measured twice",
+                            reason=g["reason"] + f"; measured twice, slow both times (first {_speeds(first[i])}, "
+                                                 f"again {_speeds(again[i])})"))
+        elif i in again:
+            out.append(dict(f, status="WARN", hosts=[], blame="once", gpus=[i], evidence_text=f.get("evidence"),
+                            short=f"GPU {i} slow once, at speed again",
+                            reason=f["reason"] + f"; at speed when measured again ({_speeds(again[i])}): a "
+                                                 "transient (another process, a burst): not drained"))
+        else:
+            out.append(dict(f, hosts=[], blame="once", gpus=[i], evidence_text=f.get("evidence"),
+                            short=f"GPU {i} slow, measured once",
+                            reason=f["reason"] + f"; measured once ({why_once or 'not measured again'}): "
+                                                 "not drained; run the node check again"))
+    return out
+
+
+def _speeds(r):
+    return ", ".join(f"{v:.4g} {u}" for v, u in ((r.get("tflops"), "TFLOPS"), (r.get("hbm_gbps"), "GB/s"))
+                     if v is not None) or "no value"
+
+
+def judge_node_allreduce(node, result, floor=None):
+    """The node's own all-reduce across its compute GPUs (result: {'n', 'ok', 'want', 'got', 'busbw': [two
+    measurements], 'error'}): wrong sums FAIL own; an error FAILs without a host ('not-collected': the node's
+    NVLink or fabric manager, or the software, cannot be told apart alone); busbw judged only against
+    --min-busbw-intra: below it both times 'persisted', once 'once' (WARN)."""
+    if not result:
+        return []
+    n = result.get("n")
+    if result.get("error"):
+        return [_f("intra-node", "FAIL", f"{node}: the all-reduce across its {n} GPU(s) did not complete: "
+                   f"{result['error']}: the node's NVLink/NVSwitch (fabric manager) or the software; not singled "
+                   "out alone: run nvidia-smi topo -m, dcgmi diag -r 2", "not-collected", node,
+                   "all-reduce failed: " + result["error"][:50])]
+    if not result.get("ok"):
+        return [_f("intra-node", "FAIL", f"{node}: the all-reduce across its {n} GPU(s) returned wrong sums "
+                   f"({result.get('got')} where {result.get('want')} was due): drain it; NVLink/PCIe between its "
+                   "GPUs (nvidia-smi nvlink -s, dcgmi diag -r 2)", "own", node, "all-reduce wrong sums")]
+    bw = [b for b in result.get("busbw") or [] if b is not None]
+    shown = " and ".join(f"{b:.4g}" for b in bw) or "not measured"
+    if floor is not None and bw:
+        below = [b for b in bw if b < floor]
+        if len(below) == len(bw) and len(bw) >= 2:
+            return [_f("intra-node", "FAIL", f"{node}: all-reduce busbw across its {n} GPU(s) {shown} GB/s, below "
+                       f"--min-busbw-intra {floor:g} both times: drain it (nvidia-smi topo -m, nvlink -s)",
+                       "persisted", node, f"busbw {max(bw):.3g} < {floor:g} GB/s twice")]
+        if below:
+            return [_f("intra-node", "WARN", f"{node}: all-reduce busbw across its {n} GPU(s) {shown} GB/s: below "
+                       f"--min-busbw-intra {floor:g} once: not drained", "once", node)]
+    judged = f"above --min-busbw-intra {floor:g}" if floor is not None else "not judged (no --min-busbw-intra)"
+    return [_f("intra-node", "PASS", f"{node}: all-reduce across its {n} GPU(s) right; busbw {shown} GB/s "
+               f"{judged}", None, node)]
+
+
+def judge_node_manifest(node, manifest, records, load_rows):
+    """--manifest: this node against its accepted class (judge_manifest on the node's records, one per GPU, the
+    PCIe link read under load from load_rows), tagged 'manifest'."""
+    if not manifest:
+        return []
+    screen = {"gpu": load_rows} if load_rows else None
+    return [dict(f, blame=None if f["status"] == "PASS" else "manifest", gpus=[], short=f["reason"][:90])
+            for f in judge_manifest(manifest, records, screen)]
+
+
+# ---------------------------------------------------------------------------------------------- the verdict
+def node_drainable(f, context):
+    """Whether a finding may drain the node: the blame law's (drainable: a FAIL naming it, on evidence its check
+    declares persistent in CHECK_RULES), of a check the node gate's table runs in this context."""
+    spec = NODE_CHECK.get(f["check"])
+    return drainable(f) and spec is not None and spec["drain"] and context in spec["contexts"]
+
+
+def node_verdict(findings, context):
+    """-> {'verdict': PASS | FAIL | NOT ASSESSED, 'drainable', 'culprits': the findings that drain, 'exit_code'}.
+    A FAIL wins; without one, a check that could not run through our own fault makes NOT ASSESSED."""
+    fails = [f for f in findings if f["status"] == "FAIL"]
+    culprits = [f for f in fails if node_drainable(f, context)]
+    verdict = "FAIL" if fails else "NOT ASSESSED" if any(f.get("unassessed") for f in findings) else "PASS"
+    return {"verdict": verdict, "drainable": bool(culprits), "culprits": culprits,
+            "exit_code": node_exit_code(context, verdict, bool(culprits))}
+
+
+def node_reason(prefix, culprits, context):
+    """The drain reason: '<prefix> node-check: <check>: <what> [<context>]' (soperator's shape), at most
+    NODE_REASON_MAX characters; the first culprit's short words, and how many more."""
+    f = culprits[0]
+    more = f" (+{len(culprits) - 1} more)" if len(culprits) > 1 else ""
+    tail = f"{more} [{context}]"
+    head = " ".join(f"{prefix} {NODE_DRAIN_TAG}: {f['check']}: {f.get('short') or f['reason']}".split())
+    if len(head) + len(tail) > NODE_REASON_MAX:
+        head = head[:NODE_REASON_MAX - len(tail) - 3].rstrip() + "..."
+    return head + tail
+
+
+def owned_reason(prefix, reason):
+    """Whether a node's drain reason is one the node check wrote (the only ones it may resume)."""
+    return (reason or "").startswith(f"{prefix} {NODE_DRAIN_TAG}:")
+
+
+def resume_blocker(reason, findings, ran, prefix):
+    """Why a PASS may not resume a node drained with `reason` (None: it may): not our reason, or the check that
+    drained it did not run (or did not pass) this time. ran: the checks this pass judged."""
+    if not owned_reason(prefix, reason):
+        return f"its reason is not the node check's ({reason!r}): left alone"
+    m = re.match(rf"{re.escape(prefix)} {NODE_DRAIN_TAG}: ([a-z0-9-]+):", reason)
+    check = m.group(1) if m else None
+    if check not in ran:
+        return f"the check that drained it ({check}) was not judged in this pass"
+    if any(f["check"] == check and f["status"] != "PASS" for f in findings):
+        return f"the check that drained it ({check}) did not pass"
+    return None
+
+
+
 # ============================================================================ aiv/render.py
 # Floor 4: the report: topology, environment, fabric, collectives, performance, soak, findings.
 def _lone_table_text(model, cpu):
@@ -7668,6 +8477,143 @@ def verdict_state(run, found, code, drain):
             "phase_starts": run["starts"], "collectives": run.get("collectives"), "screen": screen,
             "soak": run.get("soak"), "ranks": [rank_record(r) for r in run["records"]], "env": safe_env(run["env"]),
             **({"notes": [note]} if note else {})}
+
+
+
+# ============================================================================ aiv/node_report.py
+# Floor 4: what the node gate (--node-check) says: the one summary line (stdout, the node's log), the NPD line
+STATUS_WORD = {"FAIL": "FAILURE", "WARN": "WARNING", "PASS": "PASS"}
+
+
+def _judged(state):
+    """The checks this pass judged (a PASS or more), in the table's order."""
+    seen = {f["check"] for f in state.get("findings") or [] if not f.get("unassessed")}
+    return [c["check"] for c in NODE_CHECKS if c["check"] in seen]
+
+
+def _shorts(fs, limit=3):
+    words = [f.get("short") or f["reason"] for f in fs[:limit]]
+    return "; ".join(words) + (f" (+{len(fs) - limit} more)" if len(fs) > limit else "")
+
+
+def node_summary(state):
+    """The one summary line: '<prefix> <verdict> on <node> [<context>]: what, and what it did (secs of budget)'."""
+    v, fs = state["verdict"], state.get("findings") or []
+    head = f"{NODE_LINE_PREFIX} {v} on {state['node']} [{state['context']}]"
+    took = f" ({state.get('elapsed_s', 0):.1f}s of {state.get('budget_s', 0):g}s)"
+    if v == "FAIL":
+        culprits = [f for f in fs if f.get("drains")]
+        if culprits:
+            return f"{head}: {_shorts(culprits)}; {state.get('drain', {}).get('said') or 'exit 1'}{took}"
+        fails = [f for f in fs if f["status"] == "FAIL"]
+        ev = sorted({f.get("blame") or "-" for f in fails})
+        return (f"{head}: {_shorts(fails)}; not drained: the evidence ({', '.join(ev)}) does not single this node "
+                f"out; exit {state['exit_code']}{took}")
+    if v == "NOT ASSESSED":
+        why = [f for f in fs if f.get("unassessed")]
+        return f"{head}: {_shorts(why, 2)}; exit {state['exit_code']} (fail open: nothing drained){took}"
+    dev = state.get("devices") or {}
+    n = len(dev.get("ids") or [])
+    words = [f"{n} {'CPU worker(s)' if state.get('cpu') else 'GPU(s)'}", "judged: " + ", ".join(_judged(state))]
+    if dev.get("busy"):
+        words.append(f"busy, not judged: GPU {format_ranges(int(i) for i in dev['busy'])}")
+    if state.get("skipped"):
+        words.append("skipped: " + "; ".join(state["skipped"]))
+    warns = [f for f in fs if f["status"] == "WARN"]
+    if warns:
+        words.append(f"{len(warns)} WARN: {_shorts(warns, 2)}")
+    resumed = (state.get("drain") or {}).get("said")
+    return f"{head}: " + "; ".join(words) + (f"; {resumed}" if resumed else "") + took
+
+
+def node_npd_line(state):
+    """One line for Node Problem Detector's condition message, at most NODE_NPD_MAX characters."""
+    fs = state.get("findings") or []
+    v = state["verdict"]
+    pick = ([f for f in fs if f.get("drains")] or [f for f in fs if f["status"] == "FAIL"] if v == "FAIL"
+            else [f for f in fs if f.get("unassessed")] if v == "NOT ASSESSED" else [])
+    n = len((state.get("devices") or {}).get("ids") or [])
+    text = f"{v}: {pick[0].get('short') or pick[0]['reason']}" if pick else \
+        f"PASS: {n} {'CPU worker(s)' if state.get('cpu') else 'GPU(s)'} checked"
+    text = " ".join(text.split())
+    return text if len(text) <= NODE_NPD_MAX else text[:NODE_NPD_MAX - 3] + "..."
+
+
+def node_lines(state):
+    """A line per WARN and FAIL (and a NOTE per check that could not run), worst first, with its evidence."""
+    fs = sorted(state.get("findings") or [], key=lambda f: -STATUS_RANK.get(f["status"], 0))
+    out = []
+    for f in fs:
+        if f["status"] == "PASS":
+            out.append(f"[PASS] {f['check']}: {f['reason']}")
+            continue
+        word = "NOTE" if f.get("unassessed") else STATUS_WORD[f["status"]]
+        ev, tail = f.get("blame"), ""
+        if ev:
+            how = "drains" if f.get("drains") else "names no node" if f["status"] == "FAIL" and not f["hosts"] else ""
+            tail = f" [blame: {ev}" + (f", {how}" if how else "") + "]"
+        out.append(f"{word}: {f['check']}: {f['reason']}{tail}")
+    return out
+
+
+def node_metrics(state):
+    """The node check as Prometheus text for node_exporter's textfile collector: gauges named aiv_node_check_*,
+    labels context, check, gpu and uuid only (the node is the file's own: node_exporter adds its instance).
+    Written by each pass over the last (per context, when the recipe names a file per context)."""
+    ctx = {"context": state["context"]}
+    fs = state.get("findings") or []
+    worst = {}
+    for f in fs:
+        if not f.get("unassessed"):
+            worst[f["check"]] = max(worst.get(f["check"], 0), STATUS_RANK.get(f["status"], 0))
+    dev = state.get("devices") or {}
+    uuid = {g["index"]: g.get("uuid") or "" for g in state.get("gpus") or []}
+    per_gpu = {"tflops": [], "hbm_gbps": [], "numerics": []}
+    for i, m in sorted((state.get("measured") or {}).items(), key=lambda kv: int(kv[0])):
+        labels = dict(ctx, gpu=str(i), uuid=uuid.get(int(i), ""))
+        best = {k: max([v for v in ((m.get("speed") or {}).get(k), (m.get("speed2") or {}).get(k)) if v is not None],
+                       default=None) for k in ("tflops", "hbm_gbps")}
+        per_gpu["tflops"].append((labels, best["tflops"]))
+        per_gpu["hbm_gbps"].append((labels, best["hbm_gbps"]))
+        checks = ((m.get("numerics") or {}).get("checks") or {}).values()
+        ratios = [p["err"] / p["tol"] for p in checks if p.get("tol") and p.get("err") is not None]
+        per_gpu["numerics"].append((labels, max(ratios) if ratios else None))
+    ar = state.get("allreduce") or {}
+    busbw = max([b for b in ar.get("busbw") or [] if b is not None], default=None)
+    families = [
+        ("aiv_node_check_assessed", "1 when the node check judged the node, 0 when it could not (NOT ASSESSED: the "
+         "tool's own fault, nothing drained).", [(ctx, int(state["verdict"] != "NOT ASSESSED"))]),
+        ("aiv_node_check_pass", "1 when the node check passed, 0 otherwise.", [(ctx, int(state["verdict"] == "PASS"))]),
+        ("aiv_node_check_drainable", "1 when a FAIL's evidence singles this node out (the check drains it, fails "
+         "the prolog or raises the NPD condition), 0 otherwise.", [(ctx, int(bool(state.get("drainable"))))]),
+        ("aiv_node_check_drained", "1 when this pass wrote its drain reason to Slurm, 0 otherwise.",
+         [(ctx, int(bool((state.get("drain") or {}).get("done"))))]),
+        ("aiv_node_check_exit_code", "The node check's exit code in its context (prolog, epilog, health: 1 only "
+         "for a FAIL that singles the node out; npd: 0 OK, 1 problem, 2 unknown).", [(ctx, state.get("exit_code"))]),
+        ("aiv_node_check_duration_seconds", "Seconds the node check took.", [(ctx, state.get("elapsed_s"))]),
+        ("aiv_node_check_budget_seconds", "The node check's bound (--node-budget).", [(ctx, state.get("budget_s"))]),
+        ("aiv_node_check_end_timestamp_seconds", "When the node check ended, Unix time in seconds.",
+         [(ctx, state.get("ended_at_s"))]),
+        ("aiv_node_check_gpus", "GPUs the node check covered (CPU workers on a node without GPUs).",
+         [(ctx, len(dev.get("ids") or []))]),
+        ("aiv_node_check_gpus_busy", "GPUs in use by others: not computed on, not judged for speed.",
+         [(ctx, len(dev.get("busy") or {}))]),
+        ("aiv_node_check_status", "Worst status of the check's findings: 0 PASS, 1 WARN, 2 FAIL (checks not judged "
+         "are absent).", [(dict(ctx, check=c["check"]), worst[c["check"]]) for c in NODE_CHECKS
+                          if c["check"] in worst]),
+        ("aiv_node_check_gpu_matmul_tflops", "The GPU's square matmul rate in TFLOPS (bf16 on GPUs, fp32 on CPU), "
+         "the best of its measurements.", per_gpu["tflops"]),
+        ("aiv_node_check_gpu_memory_bandwidth_gbps", "The GPU's device-memory copy rate in GB/s (read plus write), "
+         "the best of its measurements.", per_gpu["hbm_gbps"]),
+        ("aiv_node_check_numerics_error_ratio", "The GPU's largest error against the fp64 reference as a fraction "
+         "of its tolerance (1 or more: off the reference).", per_gpu["numerics"]),
+        ("aiv_node_check_intra_node_busbw_gbps", "all_reduce bus bandwidth across the node's GPUs in GB/s, the best "
+         "of two measurements.", [(ctx, busbw)]),
+    ]
+    lines = []
+    for name, text, samples in families:
+        lines += _metrics_family(name, text, samples) or []
+    return "\n".join(lines) + "\n"
 
 
 
@@ -11543,7 +12489,7 @@ def _node_launch(args, env, root, node):
 
 def plan(argv, env, root="/"):
     """(argv, env) -> what this process does, without importing torch or writing anything:
-    {"mode": "help"|"version", "text"}, {"mode": "verify-log", "args"}, {"mode": "rank", "args",
+    {"mode": "help"|"version", "text"}, {"mode": "verify-log"|"node-check", "args"}, {"mode": "rank", "args",
     "contract"} or {"mode": "local", "args", "launch"}; with "check_json" where this process is the one
     to try --json (rank 0's node). A per-node launch (Kubeflow Trainer v2, PyTorchJob v1, an Indexed Job,
     JobSet, LeaderWorkerSet, Volcano) is mode "local" with launch["node"]: this process starts its node's
@@ -11562,6 +12508,8 @@ def plan(argv, env, root="/"):
         return {"mode": "verify-log", "args": args}
     if args.diff_manifest is not None:
         return {"mode": "diff-manifest", "args": args}
+    if args.node_check is not None:  # this node alone: no launch contract (a prolog's environment is a job's)
+        return {"mode": "node-check", "args": args}
     try:
         node = read_node_launch(env)  # one process per node or pod: this tool starts the node's ranks
         contract = None if node else read_contract(env)
@@ -11711,6 +12659,716 @@ def launch_local(args, argv, env, launch):
 
 
 
+# ============================================================================ aiv/node_check.py
+# Floor 6: the node gate's runtime (--node-check [CONTEXT]): this node alone, no other node, no srun. A lock
+WORKER_VAR = "_AIV_NODE_WORKER"  # set for a node check's device worker (main() hands it to node_worker)
+
+
+# ---------------------------------------------------------------------------------------------- a worker
+def _failure(e):
+    return {"error": first_line(e), "internal": is_tool_error(e)}
+
+
+def node_worker(spec):
+    """One device of the node check, in a process of its own: import torch, the device's identity, then the
+    numerics (numerics_measure) and the speed (screen_measure_gpu), each only when it fits in what is left of
+    spec['seconds']; then the parent's commands on stdin (one JSON line each): 'speed' (measure again),
+    'allreduce' (the node's own all-reduce with the other workers), 'exit'. Every step is one JSON line on
+    stdout; the process ends itself at its bound."""
+    t0 = time.monotonic()
+    until = t0 + spec["seconds"]
+    timer = threading.Timer(spec["seconds"] + 2.0, os._exit, [EXIT_TIMEOUT])  # the parent kills it before
+    timer.daemon = True
+    timer.start()
+
+    def say(step, **kw):
+        emit(json.dumps(dict(kw, step=step), default=str))
+    try:
+        import torch
+    except Exception as e:  # the tool's environment, not the node: the parent says NOT ASSESSED
+        say("import", error=first_line(e))
+        return 0
+    kind, j = spec["kind"], spec["cuda"]
+    if kind == "gpu" and torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        say("import", error=f"torch {torch.__version__} is a CPU-only build: GPUs are listed but this python "
+                            "cannot use them")  # the tool's environment (a wrong venv), not the node
+        return 0
+    try:
+        gpu, dev = None, "cpu"
+        if kind == "gpu":
+            problem = cuda_problem(torch)
+            if problem != "none":
+                raise RuntimeError(problem)  # the driver, the device or the build: judged as a device error
+            torch.cuda.set_device(j)
+            gpu, dev = collect_gpu(torch, j, spec["root"]), j
+        say("ready", gpu=gpu, versions=torch_versions(torch), secs=round(time.monotonic() - t0, 2))
+    except Exception as e:
+        say("ready", **_failure(e))
+        return 0
+
+    def step(name, fn, need):
+        left = until - time.monotonic()
+        if left < need:
+            say(name, skipped=f"needs about {need:g}s, {max(0.0, left):.1f}s left")
+            return
+        t = time.monotonic()
+        try:
+            value = fn()
+        except Exception as e:
+            say(name, secs=round(time.monotonic() - t, 2), **_failure(e))
+            return
+        say(name, value=value, secs=round(time.monotonic() - t, 2))
+    uuid, pci = (gpu or {}).get("uuid"), (gpu or {}).get("pci")
+
+    def speed():
+        return screen_measure_gpu(torch, dev, kind, uuid, pci, spec["root"])
+    if spec["numerics"]:
+        step("numerics", lambda: numerics_measure(torch, dev, kind), NODE_STEP_S["numerics"][kind])
+    if spec["speed"]:
+        step("speed", speed, NODE_STEP_S["speed"][kind])
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["do"] == "speed":
+            step("speed2", speed, cmd["need"])
+        elif cmd["do"] == "allreduce":
+            step("allreduce", lambda c=cmd: _allreduce(torch, kind, dev, c, until), 0.0)
+        else:
+            break
+    flush_all()
+    os._exit(0)  # every line is out: the interpreter's and torch's teardown would only hold the check up
+
+
+def _allreduce(torch, kind, dev, cmd, until):
+    """This worker's part of the node's all-reduce: a group of the node's workers on 127.0.0.1 (NCCL on GPUs,
+    gloo on CPU), each adding rank + 1: every element must be n(n+1)/2; then busbw measured twice."""
+    import torch.distributed as dist
+    n, rank = cmd["n"], cmd["rank"]
+    device = torch.device("cuda", dev) if kind == "gpu" else torch.device("cpu")
+    kw = {"backend": "nccl" if kind == "gpu" else "gloo", "init_method": f"tcp://127.0.0.1:{cmd['port']}",
+          "rank": rank, "world_size": n, "timeout": datetime.timedelta(seconds=max(2.0, until - time.monotonic()))}
+    if kind == "gpu":
+        kw["device_id"] = device
+    dist.init_process_group(**kw)
+    try:
+        x = torch.full((1 << 16,), float(rank + 1), device=device)
+        dist.all_reduce(x)
+        want = n * (n + 1) / 2
+        bad = (x != want).nonzero()
+        got = float(x[bad[0, 0]]) if len(bad) else want
+        bw = [round(screen_busbw(torch, dist, None, n, device, kind)[0], 4) for _ in range(2)]
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    return {"n": n, "ok": not len(bad), "want": want, "got": got, "busbw": bw}
+
+
+class _Workers:
+    """The node check's worker processes: each in a session of its own (killed as a group), dead with the
+    check (die_with_parent), its stdout read line by line by a thread into one queue."""
+
+    def __init__(self, specs, env):
+        self.q, self.procs, self.said, self.dead, self.errs = queue.Queue(), {}, {}, set(), {}
+        for i, (spec, wenv) in specs.items():
+            err = tempfile.TemporaryFile()
+            p = subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=dict(env, **wenv,
+                                 **{WORKER_VAR: json.dumps(spec)}), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=err, text=True, start_new_session=True,
+                                 preexec_fn=die_with_parent(signal.SIGKILL))
+            self.procs[i], self.said[i], self.errs[i] = p, {}, err
+            threading.Thread(target=self._read, args=(i, p.stdout), daemon=True).start()
+
+    def _read(self, i, stream):
+        with contextlib.suppress(Exception):
+            for line in stream:
+                self.q.put((i, line))
+        self.q.put((i, None))
+
+    def wait(self, steps, ids, until, stopped):
+        """Lines until each of ids said each of steps (or ended), `until`, or stopped(). -> whether all did."""
+        while True:
+            pending = [i for i in ids if i not in self.dead and not all(s in self.said[i] for s in steps)]
+            left = until - time.monotonic()
+            if not pending:
+                return True
+            if left <= 0 or stopped():
+                return False
+            try:
+                i, line = self.q.get(timeout=min(0.2, left))
+            except queue.Empty:
+                continue
+            if line is None:
+                self.dead.add(i)
+                continue
+            with contextlib.suppress(ValueError):
+                msg = json.loads(line)
+                if isinstance(msg, dict) and "step" in msg:
+                    self.said[i][msg["step"]] = msg
+
+    def send(self, i, **cmd):
+        with contextlib.suppress(OSError, ValueError):
+            self.procs[i].stdin.write(json.dumps(cmd) + "\n")
+            self.procs[i].stdin.flush()
+
+    def stderr_tail(self, i):
+        with contextlib.suppress(OSError, ValueError):
+            self.errs[i].seek(0)
+            lines = [ln.strip() for ln in self.errs[i].read().decode(errors="replace").splitlines() if ln.strip()]
+            return lines[-1][:200] if lines else ""
+        return ""
+
+    def close(self, grace=1.0):
+        for i in self.procs:
+            self.send(i, do="exit")
+        until = time.monotonic() + grace
+        for p in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, until - time.monotonic()))
+        for p in self.procs.values():
+            with contextlib.suppress(OSError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            for s in (p.stdin, p.stdout):
+                with contextlib.suppress(OSError, ValueError):
+                    s.close()
+        for e in self.errs.values():
+            e.close()
+
+
+# ---------------------------------------------------------------------------------------------- the check
+class NodeCheck:
+    """One pass of the node gate in its context, within its budget; run() -> the state (the JSON's dict)."""
+
+    def __init__(self, args, env, context, problem=None):
+        self.args, self.env, self.ctx, self.problem = args, env, context, problem
+        self.t0, self.wall0 = time.monotonic(), time.time()
+        self.node = env.get("SLURMD_NODENAME") or socket.gethostname()
+        self.root = args.sysfs_root
+        self.budget = float(args.node_budget)
+        self.until = self.t0 + self.budget - NODE_RESERVE_S
+        self.findings, self.skipped, self.stopped, self.workers = [], [], None, None
+        self.measured, self.allreduce, self.slurm, self.lock_fd = {}, None, None, None
+        self.facts, self.devices, self.gpus = {}, {"ids": [], "held": {}, "busy": {}, "compute": []}, []
+        self.cpu, self.again, self.why_once, self.phases, self.locked_out = False, {}, None, {}, False
+
+    def lap(self, name):
+        """Seconds since the last lap (or the start) under name: where the budget went."""
+        now = time.monotonic()
+        self.phases[name] = round(max(0.0, now - self.t0 - sum(self.phases.values())), 2)
+
+    def left(self):
+        return self.until - time.monotonic()
+
+    # ------------------------------------------------------------------ lock: one pass touches the GPUs at a time
+    def take_lock(self):
+        """health, npd: the lock alone (another pass running: not assessed); prolog, epilog: shared with each other
+        (jobs on other GPUs of the node start and end side by side), and a health or npd pass holding it is
+        stopped (SIGTERM): a job start wins over a health pass. -> False when this pass must not go on."""
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", self.node)
+        path = os.path.join(tempfile.gettempdir(), f"aiv-node-check-{safe}.lock")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as e:
+            self.skipped.append(f"no lock ({path}: {e.strerror})")
+            return True
+        self.lock_fd = fd
+        job = self.ctx in ("prolog", "epilog")
+        mode = fcntl.LOCK_SH if job else fcntl.LOCK_EX
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = (read_text(path, "") or "").split()
+            if not job:
+                who = f" (pid {holder[0]}, {holder[1]})" if len(holder) >= 2 else " (a job's prolog or epilog)"
+                self.findings.append(unassessed("interrupted", f"{self.node}: another node check holds {path}{who}: "
+                                                "this pass did not run (its files are left to that pass)",
+                                                "another node check is running"))
+                self.locked_out = True
+                return False
+            self._preempt(holder)
+            until = time.monotonic() + NODE_PREEMPT_S
+            while True:
+                try:
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > until:
+                        self.skipped.append(f"the health pass holding {path} did not let go within {NODE_PREEMPT_S:g}s")
+                        return True
+                    time.sleep(0.1)
+        except OSError:
+            return True
+        if not job:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()} {self.ctx}\n".encode())
+        return True
+
+    def _preempt(self, holder):
+        """SIGTERM to the health or npd pass holding the lock, when that pid is a node check."""
+        if not holder or not holder[0].isdigit():
+            return
+        cmd = read_text(f"/proc/{holder[0]}/cmdline", "") or ""
+        if "--node-check" in cmd:
+            with contextlib.suppress(OSError):
+                os.kill(int(holder[0]), signal.SIGTERM)
+
+    def on_signal(self, signum, frame):
+        self.stopped = signal.Signals(signum).name
+        if self.workers is not None:
+            for p in self.workers.procs.values():
+                with contextlib.suppress(OSError):
+                    os.killpg(p.pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------------ passive facts
+    def bound(self, most):
+        """A call's bound before the verdict: at most `most`, within what is left for the facts and the workers."""
+        return max(0.5, min(most, self.left()))
+
+    def verdict_bound(self, most=NODE_SLURM_BOUND_S):
+        """A call's bound at the verdict: at most `most`, within the whole budget (the reserve is for these)."""
+        return max(1.0, min(most, self.t0 + self.budget - time.monotonic()))
+
+    def passive(self):
+        """NVML's GPUs and their processes (nvidia-smi), the PCI bus, the driver's list, the kernel log's Xid
+        lines, the job's GPUs and, in health, Slurm's view of the node (one scontrol call)."""
+        f, root = self.facts, self.root
+        f["pci"], f["driver"] = pci_gpus(root), driver_gpus(root)
+        exe = shutil.which("nvidia-smi")
+        f["rows"], f["lost"], f["apps"] = [], [], []
+        if exe:
+            r = smi_query(exe, "gpu", NODE_GPU_FIELDS, self.bound(NODE_SMI_BOUND_S))
+            if "text" in r:
+                f["rows"], f["lost"] = parse_node_gpus(r["text"])
+            else:
+                f["smi_unread"] = r["unread"]
+            a = smi_query(exe, "compute-apps", NODE_APP_FIELDS, self.bound(NODE_SMI_BOUND_S))
+            if "text" in a:
+                f["apps"] = [dict(p, **{k: v for k, v in process_owner(p["pid"], root).items() if v})
+                             for p in parse_compute_apps(a["text"])]
+            else:
+                f["apps_unread"] = a["unread"]
+        elif f["driver"] or f["pci"]:
+            f["smi_unread"] = "nvidia-smi is not on PATH"
+        if f["apps"] and self.ctx in ("prolog", "epilog"):
+            self.held_again(exe)
+        for g in f["rows"]:
+            numa = (read_text(os.path.join(root, "sys/bus/pci/devices", g["pci"] or "-", "numa_node")) or "").strip()
+            g["numa"] = int(numa) if numa.lstrip("-").isdigit() else None
+        k = read_kmsg(root, NODE_KMSG_BOUND_S, NODE_KMSG_BYTES)
+        f["xids"], f["kmsg_unread"] = parse_xids(k.get("text")), k.get("unread")
+        f["job_gpus"] = None
+        if self.ctx in ("prolog", "epilog") and self.env.get("SLURM_JOB_ID"):
+            raw = self.env.get("SLURM_JOB_GPUS")
+            f["job_gpus"] = parse_gpu_ids(raw) if raw else []  # a job without GPUs: none of them is checked
+            if raw and f["job_gpus"] is None:
+                self.findings.append(unassessed("contract", f"{self.node}: SLURM_JOB_GPUS={raw!r} is not a list of "
+                                                "GPU indices: the job's GPUs are unknown", "SLURM_JOB_GPUS unreadable"))
+        if self.ctx == "health":
+            s = read_slurm_node(self.node, self.bound(NODE_SLURM_BOUND_S))
+            self.slurm = parse_slurm_node(s["text"]) if "text" in s else {"unread": s["unread"]}
+
+    def held_again(self, exe):
+        """prolog, epilog: the processes on the job's GPUs looked for again NODE_HELD_AGAIN_S later; only those still
+        there count (a process tearing down at the job's boundary is not a leftover)."""
+        f = self.facts
+        raw = self.env.get("SLURM_JOB_GPUS")
+        ids = parse_gpu_ids(raw) if raw else None
+        job = {g["uuid"] for g in f["rows"] if ids is None or g["index"] in ids}
+        if not any(p["uuid"] in job for p in f["apps"]):
+            return
+        time.sleep(max(0.0, min(NODE_HELD_AGAIN_S, self.left())))
+        a = smi_query(exe, "compute-apps", NODE_APP_FIELDS, self.bound(NODE_SMI_BOUND_S))
+        if "text" in a:
+            still = {(p["pid"], p["uuid"]) for p in parse_compute_apps(a["text"])}
+            f["apps"] = [p for p in f["apps"] if (p["pid"], p["uuid"]) in still]
+
+    def expectations(self):
+        a, f = self.args, self.facts
+        if a.expect_gpus is not None:
+            return [(a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)]
+        out = []
+        gres = parse_gres_gpus((self.slurm or {}).get("gres"))
+        if gres is not None:
+            out.append(("the node's gres in Slurm", gres))
+        if f["pci"]:
+            out.append(("NVIDIA GPUs on the PCI bus", len(f["pci"])))
+        if f["driver"]:
+            out.append(("the NVIDIA driver's list", len(f["driver"])))
+        return out
+
+    def plan(self):
+        f, a = self.facts, self.args
+        found = f["rows"] or f["driver"]
+        self.cpu = not found and not f["pci"] and all(n == 0 for _, n in self.expectations())
+        self.gpus = f["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(f["driver"])]
+        by_uuid = {g["uuid"]: g["index"] for g in self.gpus if g.get("uuid")}
+        apps = {}
+        for p in f["apps"]:
+            if p["uuid"] in by_uuid:
+                apps.setdefault(by_uuid[p["uuid"]], []).append(p)
+        ids = list(range(a.nproc or 2)) if self.cpu else [g["index"] for g in self.gpus]
+        used = gres_busy((self.slurm or {}).get("gres_used"), ids) if self.ctx == "health" else {}
+        self.devices = node_devices(self.ctx, self.gpus, f["job_gpus"], a.nproc or 2, used, apps, self.cpu)
+        if f.get("apps_unread") and self.ctx in ("prolog", "epilog"):
+            self.findings.append(unassessed("gpu-procs", f"{self.node}: the GPUs' processes were not read "
+                                            f"({f['apps_unread']})", "GPU processes not read"))
+
+    # ------------------------------------------------------------------ compute
+    def compute(self):
+        """Workers on the devices the plan allows; the re-measure of the slow ones; the node's all-reduce."""
+        a, ids = self.args, self.devices["compute"]
+        numerics, speed = not a.skip_numerics, not a.skip_screen
+        if not ids or not (numerics or speed):
+            if ids:
+                self.skipped.append("numerics and speed (--skip-numerics, --skip-screen)")
+            return
+        kind = "cpu" if self.cpu else "gpu"
+        if self.left() < 2.0:
+            self.skipped.append(f"every device step (the passive checks left {max(0.0, self.left()):.1f}s)")
+            return
+        wenv = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+        if self.cpu:
+            wenv["CUDA_VISIBLE_DEVICES"] = ""
+        else:
+            uuids = {g["index"]: g.get("uuid") for g in self.gpus}
+            wenv.update(CUDA_VISIBLE_DEVICES=",".join(uuids.get(i) or str(i) for i in ids),
+                        CUDA_DEVICE_ORDER="PCI_BUS_ID")  # the driver's order, as nvidia-smi's indices
+        specs = {i: ({"kind": kind, "id": i, "cuda": k, "seconds": round(self.left(), 2), "root": self.root,
+                      "numerics": numerics, "speed": speed}, dict(wenv, LOCAL_RANK=str(i)))
+                 for k, i in enumerate(ids)}
+        self.workers = w = _Workers(specs, self.env)
+        steps = ["ready"] + (["numerics"] if numerics else []) + (["speed"] if speed else [])
+        w.wait(steps, ids, self.until, lambda: self.stopped)
+        self.take_steps(ids, steps)
+        ok = [i for i in ids if self.usable(i)]
+        first = {i: self.measured[i]["speed"] for i in ok if isinstance(self.measured[i].get("speed"), dict)}
+        slow = speed_flagged(self.node, first, self.gpus_by_id(), self.cpu, a.min_tflops, a.min_hbm)
+        if slow and not self.stopped:
+            need = max(w.said[i]["speed"].get("secs", 0.0) for i in slow) + 1.0
+            if self.left() < need:
+                self.why_once = f"the re-measure needs about {need:.1f}s, {max(0.0, self.left()):.1f}s left"
+            else:
+                for i in slow:
+                    w.send(i, do="speed", need=need)
+                w.wait(["speed2"], slow, self.until, lambda: self.stopped)
+                self.take_steps(slow, ["speed2"])
+                self.again = {i: self.measured[i]["speed2"] for i in slow
+                              if isinstance(self.measured[i].get("speed2"), dict)}
+                if len(self.again) < len(slow):
+                    self.why_once = "the re-measure did not finish within the budget"
+        if speed and len(ok) >= 2 and not self.stopped:
+            self.node_allreduce(ok, kind)
+
+    def node_allreduce(self, ok, kind):
+        w, need = self.workers, NODE_STEP_S["allreduce"][kind]
+        if self.left() < need:
+            self.skipped.append(f"the all-reduce (needs about {need:g}s, {max(0.0, self.left()):.1f}s left)")
+            return
+        port = free_port()
+        for r, i in enumerate(ok):
+            w.send(i, do="allreduce", port=port, n=len(ok), rank=r)
+        done = w.wait(["allreduce"], ok, self.until, lambda: self.stopped)
+        said = [w.said[i].get("allreduce") for i in ok]
+        errors = [m for m in said if m and m.get("error")]
+        if errors:
+            self.allreduce = {"n": len(ok), "error": errors[0]["error"], "internal": errors[0].get("internal")}
+        elif done and all(m and isinstance(m.get("value"), dict) for m in said):
+            vals = [m["value"] for m in said]
+            bad = next((v for v in vals if not v["ok"]), None)
+            self.allreduce = dict(bad or vals[0])
+        elif not self.stopped:
+            self.skipped.append("the all-reduce (did not finish within the budget)")
+
+    def usable(self, i):
+        """Whether worker i's device worked (ready without an error, no device error in a step)."""
+        m = self.measured.get(i) or {}
+        return bool(m.get("ready")) and not m.get("error")
+
+    def take_steps(self, ids, steps):
+        """What the workers said for these steps -> self.measured[i][step], their errors and skips noted."""
+        w = self.workers
+        for i in ids:
+            m = self.measured.setdefault(i, {})
+            said = w.said[i]
+            if "import" in said:
+                m["import"] = said["import"]["error"]
+                continue
+            for s in steps:
+                if m.get("error") or m.get("internal") or m.get("died"):
+                    break  # nothing more comes from this worker
+                msg = said.get(s)
+                if msg is None:
+                    if i in w.dead:
+                        rc = w.procs[i].poll()
+                        m["died"] = (f"ended ({'killed by signal ' + str(-rc) if rc and rc < 0 else f'exit {rc}'}) "
+                                     f"before its {s} step: {w.stderr_tail(i) or 'no error on stderr'}")
+                    elif s != "ready":
+                        self.skipped.append(f"{s} on GPU {i} (the budget ended first)")
+                    continue
+                if msg.get("skipped"):
+                    self.skipped.append(f"{s} on GPU {i} ({msg['skipped']})")
+                elif msg.get("error"):
+                    m["internal" if msg.get("internal") else "error"] = f"{s}: {msg['error']}"
+                elif s == "ready":
+                    m["ready"], m["gpu"], m["versions"] = True, msg.get("gpu"), msg.get("versions")
+                else:
+                    m[s] = msg.get("value")
+
+    def gpus_by_id(self):
+        out = {}
+        for g in self.gpus:
+            out[g["index"]] = {"uuid": g.get("uuid"), "name": g.get("name"), "pci": g.get("pci")}
+        for i, m in self.measured.items():
+            if m.get("gpu"):
+                out[i] = dict(out.get(i) or {}, **{k: v for k, v in m["gpu"].items() if v is not None})
+        return out
+
+    # ------------------------------------------------------------------ judge
+    def judge(self):
+        f, node, a = self.facts, self.node, self.args
+        out = self.findings
+        if f.get("smi_unread"):
+            out.append(unassessed("gpu-health", f"{node}: nvidia-smi: {f['smi_unread']}: the GPUs' count, ECC and "
+                                  "row remapping were not read (a slow nvidia-smi is often NVML starting without "
+                                  "persistence mode: nvidia-smi -pm 1)", "nvidia-smi not read"))
+        else:
+            out += judge_gpu_count(node, [g["index"] for g in self.gpus], f["lost"], self.expectations(),
+                                   f["job_gpus"], self.cpu)
+        out += judge_gpu_procs(node, self.ctx, self.devices, {g["index"]: g.get("uuid") for g in self.gpus},
+                               "CPU worker(s)" if self.cpu else "GPU(s)")
+        by_id = self.gpus_by_id()
+        load = {i: m["speed"] for i, m in self.measured.items() if isinstance(m.get("speed"), dict)}
+        if not self.cpu and not f.get("smi_unread"):
+            out += judge_gpu_health(node, f["rows"], load, f["xids"], f["kmsg_unread"])
+        imports = sorted({m["import"] for m in self.measured.values() if m.get("import")})
+        if imports:
+            how = "usable" if imports[0].startswith("torch ") else "importable"  # a CPU-only build, or no torch
+            out.append(unassessed("local", f"{node}: torch is not {how} in {sys.executable}: {imports[0]}: the "
+                                  "numerics, speed and all-reduce were not run (the tool's environment, not the node)",
+                                  f"torch not {how}: " + imports[0][:60]))
+        for i, m in sorted(self.measured.items()):
+            if m.get("internal"):
+                out.append(unassessed("internal", f"{node}: GPU {i}: {m['internal']}: a bug in the tool, not a fault "
+                                      "of the node", f"tool error on GPU {i}"))
+            if m.get("died"):
+                out.append(unassessed("launch", f"{node}: the worker for GPU {i} {m['died']}", f"worker {i} died"))
+        errors = {i: m["error"] for i, m in self.measured.items() if m.get("error")}
+        done = [i for i, m in self.measured.items() if m.get("ready") and not m.get("error")]
+        out += judge_node_devices(node, errors, done)
+        posts = {i: m["numerics"] for i, m in self.measured.items() if isinstance(m.get("numerics"), dict)
+                 and not m.get("error")}
+        if posts:
+            rows = numerics_rows_of(node, posts, by_id, _driver_version(self.root), _cpu_model())
+            out += judge_node_numerics(node, rows)
+        first = {i: r for i, r in load.items() if not self.measured[i].get("error")}
+        out += judge_node_speed(node, first, self.again, by_id, self.cpu, a.min_tflops, a.min_hbm, self.why_once)
+        if self.allreduce and self.allreduce.get("internal"):
+            out.append(unassessed("internal", f"{node}: the all-reduce: {self.allreduce['error']}: a bug in the tool",
+                                  "tool error in the all-reduce"))
+        else:
+            out += judge_node_allreduce(node, self.allreduce, a.min_busbw_intra)
+        if a.manifest:
+            out += self.judge_manifest(load)
+
+    def judge_manifest(self, load):
+        try:
+            manifest = load_manifest(self.args.manifest, self.args.origin.get("manifest", "--manifest"))
+        except Exception as e:
+            return [unassessed("manifest", f"{self.node}: {e}", "manifest unreadable")]
+        facts = collect_node_facts(self.root, None, "gloo", len(self.devices["ids"]), self.env)
+        by_id, recs = self.gpus_by_id(), []
+        for k, i in enumerate(self.devices["ids"]):
+            m = self.measured.get(i) or {}
+            g = by_id.get(i) or {}
+            gpu = None if self.cpu else {"name": g.get("name"), "vram": g.get("vram"), "uuid": g.get("uuid"),
+                                         "pci": g.get("pci")}
+            recs.append({"rank": i, "host": self.node, "local_rank": i, "gpu": gpu, "versions": m.get("versions") or {},
+                         **({"node": facts} if k == 0 else {})})
+        if not recs:
+            recs = [{"rank": 0, "host": self.node, "local_rank": 0, "gpu": None, "versions": {}, "node": facts}]
+        rows = [dict(r, rank=i) for i, r in load.items()]
+        return judge_node_manifest(self.node, manifest, recs, rows)
+
+    # ------------------------------------------------------------------ act
+    def act(self, v):
+        """Tell Slurm: health drains this node on a FAIL that singles it out (with --drain on), and resumes our own
+        drain after a pass that judged the check that drained it (--undrain); prolog and epilog write the reason
+        before their exit 1 (Slurm then drains the node; the prolog's job is requeued). A reason not ours is
+        never touched. npd leaves Slurm alone. -> {'action', 'done', 'reason', 'command', 'said'}."""
+        out = {"action": "none", "done": False, "reason": "", "command": "", "said": ""}
+        if self.ctx == "npd":
+            if v["drainable"]:
+                out["said"] = "NPD problem (exit 1): the condition turns True"
+            return out
+        if v["drainable"]:
+            reason = node_reason(DRAIN_PREFIX, v["culprits"], self.ctx)
+            cmd = f"scontrol update nodename={self.node} state=drain reason={shlex.quote(reason)}"
+            out.update(action="drain", reason=reason, command=cmd)
+            slurm_does = "; exit 1: Slurm drains the node" + (" and requeues the job" if self.ctx == "prolog" else "")
+            if self.args.drain != "on":
+                out["said"] = f"not drained by the check (--drain {self.args.drain}): {cmd}" + (
+                    slurm_does if self.ctx != "health" else "")
+                return out
+            why = self.foreign_reason()
+            if why:
+                out["said"] = why + (slurm_does if self.ctx != "health" else "")
+                return out
+            err = slurm_update_node(self.node, self.verdict_bound(), state="drain", reason=reason)
+            out["done"] = err is None
+            out["said"] = (f"drained: {reason}" if err is None else f"not drained: {err}; run: {cmd}") + (
+                slurm_does if self.ctx != "health" else "")
+            return out
+        if self.ctx == "health" and self.args.undrain and v["verdict"] == "PASS":
+            out.update(self.resume())
+        return out
+
+    def foreign_reason(self):
+        """Why the drain is not written ('' when it may be): the node is drained or down for a reason not ours
+        (kept), or Slurm could not be asked."""
+        s = self.slurm if self.slurm is not None else None
+        if s is None:
+            r = read_slurm_node(self.node, self.verdict_bound())
+            s = self.slurm = parse_slurm_node(r["text"]) if "text" in r else {"unread": r["unread"]}
+        if s.get("unread"):
+            return f"not drained: Slurm's view of the node was not read ({s['unread']})"
+        if re.search(r"DRAIN|DOWN|FAIL", s.get("state") or "") and s.get("reason") and not s["reason"].startswith(
+                DRAIN_PREFIX):
+            return f"not drained by the check: already drained or down for another reason, kept ({s['reason']!r})"
+        return ""
+
+    def resume(self):
+        s = self.slurm or {}
+        if s.get("unread") or "DRAIN" not in (s.get("state") or ""):
+            return {}
+        if not owned_reason(DRAIN_PREFIX, s.get("reason")):
+            return {"said": f"left drained: its reason is not the node check's ({s.get('reason')!r})"}
+        ran = {f["check"] for f in self.findings if not f.get("unassessed")}
+        why = resume_blocker(s["reason"], self.findings, ran, DRAIN_PREFIX)
+        if why:
+            return {"action": "resume", "said": f"left drained: {why}"}
+        err = slurm_update_node(self.node, self.verdict_bound(), state="resume")
+        return {"action": "resume", "done": err is None,
+                "said": "resumed our own drain: the check that drained it passed" if err is None else
+                f"not resumed: {err}"}
+
+    # ------------------------------------------------------------------ the pass
+    def run(self):
+        try:
+            if self.problem:
+                self.findings.append(unassessed("contract", f"{self.node}: {self.problem}", self.problem[:80]))
+            elif self.take_lock():
+                self.lap("lock")
+                self.passive()
+                self.plan()
+                self.lap("passive")
+                self.compute()
+                self.lap("compute")
+                if self.stopped:
+                    self.findings.append(unassessed("interrupted", f"{self.node}: stopped by {self.stopped} (a job's "
+                                                    "prolog taking the GPUs, or Slurm): this pass is void",
+                                                    f"stopped by {self.stopped}"))
+                self.judge()
+                self.lap("judge")
+        except Exception as e:
+            print_traceback(e)
+            self.findings.append(unassessed("internal", f"{self.node}: {first_line(e)} in {where_raised(e)}: a bug in "
+                                            "the tool, not a fault of the node (the traceback is on stderr)",
+                                            "tool error: " + first_line(e)[:60]))
+        finally:
+            if self.workers is not None:
+                self.workers.close(min(1.0, max(0.2, self.t0 + self.budget - time.monotonic() - 2.0)))
+                self.lap("workers-exit")
+        return self.finish()
+
+    def finish(self):
+        v = node_verdict(self.findings, self.ctx)
+        for f in self.findings:
+            f["drains"] = node_drainable(f, self.ctx)
+        try:
+            drain = self.act(v)
+        except Exception as e:
+            print_traceback(e)
+            drain = {"action": "none", "done": False, "said": f"nothing drained: {first_line(e)}"}
+        self.lap("slurm")
+        dev = self.devices
+        state = {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+                 "mode": "node-check", "context": self.ctx, "node": self.node, "verdict": v["verdict"],
+                 "drainable": v["drainable"], "exit_code": v["exit_code"], "cpu": bool(getattr(self, "cpu", False)),
+                 "started_at": datetime.datetime.fromtimestamp(self.wall0, datetime.timezone.utc).isoformat(
+                     timespec="seconds"),
+                 "budget_s": self.budget, "elapsed_s": round(time.monotonic() - self.t0, 2),
+                 "ended_at_s": round(time.time(), 1), "python": sys.executable, "phases": self.phases,
+                 "gpus": [{k: g.get(k) for k in ("index", "uuid", "pci", "name", "numa", "mem_used_mib",
+                                                 "mem_total_mib")} for g in self.gpus],
+                 "devices": {"ids": dev["ids"], "compute": dev["compute"], "busy": {str(k): x for k, x in
+                                                                                     dev["busy"].items()},
+                             "held": {str(k): x for k, x in dev["held"].items()}},
+                 "measured": {str(i): {k: m.get(k) for k in ("numerics", "speed", "speed2", "error", "versions")}
+                              for i, m in self.measured.items()},
+                 "allreduce": self.allreduce, "skipped": self.skipped, "findings": self.findings, "drain": drain,
+                 "facts": dict({k: self.facts.get(k) for k in ("pci", "driver", "lost", "kmsg_unread", "smi_unread",
+                                                               "apps_unread", "job_gpus")},
+                               xids=(self.facts.get("xids") or [])[-50:]),  # the last 50 (the findings count all)
+                 "slurm": self.slurm, "locked_out": self.locked_out}
+        state["summary"] = node_summary(state)
+        state["npd"] = node_npd_line(state)
+        return state
+
+
+def _write_outputs(args, state):
+    """The JSON and the Prometheus textfile, each atomically (a temporary file beside it, then a rename). A file
+    that cannot be written is a line on stderr, never a changed verdict (the node is not at fault)."""
+    said = []
+    for path, text in ((args.json, None), (args.metrics, node_metrics(state))):
+        if not path:
+            continue
+        try:
+            if text is None:
+                write_json_atomic(path, state)
+            else:
+                write_text_atomic(path, text)
+        except Exception as e:
+            said.append(f"WARNING: output: {path} not written: {first_line(e)}")
+    return said
+
+
+def run_node_check(args, env):
+    """--node-check: one pass in its context; the summary line on stdout (NPD: its one line), a line per finding
+    on stderr, the files; -> the context's exit code. Whatever escapes (a bug in the verdict's own code) is NOT
+    ASSESSED with the context's code: never an exit 1 that would read as evidence."""
+    ctx, problem = node_context(args.node_check, env)
+    try:
+        check = NodeCheck(args, env, ctx, problem)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, check.on_signal)
+        state = check.run()
+        for line in node_lines(state):
+            emit(line, sys.stderr)
+        if not state["locked_out"]:  # the pass that holds the lock writes the files
+            for line in _write_outputs(args, state):
+                emit(line, sys.stderr)
+        emit(state["npd"] if ctx == "npd" else state["summary"])
+        return state["exit_code"]
+    except Exception as e:
+        print_traceback(e)
+        return node_check_usage(f"internal: {first_line(e)} in {where_raised(e)}: a bug in the tool", [], env, ctx)
+
+
+def node_check_usage(e, argv, env, ctx=None):
+    """A usage error on a --node-check command line (or the tool's own error): not the node's fault (fail open):
+    the line on stderr, NOT ASSESSED on stdout, and the context's exit code (0; npd: 2)."""
+    ctx = ctx or context_from_argv(argv, env) or "health"
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    emit(str(e), sys.stderr)
+    code = node_exit_code(ctx, "NOT ASSESSED", False)
+    if ctx == "npd":
+        emit(f"NOT ASSESSED: {str(e).replace('FAILURE: ', '')}"[:80])
+    else:
+        emit(f"{NODE_LINE_PREFIX} NOT ASSESSED on {node} [{ctx}]: {e}; exit {code} (fail open: nothing drained)")
+    return code
+
+
+
 # ============================================================================ aiv/main.py
 # Floor 6: the entry point.
 def _rank_hint(env):
@@ -11778,11 +13436,15 @@ def main(argv=None):
                  f"{where_raised(e)} (a bug in the tool): rank 0 reads this node's ranks from their beats alone",
                  sys.stderr)  # where a node monitor is started by hand; a rank's monitor has no stderr (srun)
             return EXIT_INTERNAL
+    if WORKER_VAR in env:  # a device worker of --node-check
+        return node_worker(json.loads(env[WORKER_VAR]))
     try:
         p = plan(argv, env)
         if p.get("check_json"):
             probe(lambda: check_json_target(p["args"]), "--json, --metrics and --html: their directories")
     except UsageError as e:
+        if any(a == "--node-check" or a.startswith("--node-check=") for a in argv):
+            return node_check_usage(e, argv, env)  # fail open: a wrong recipe never fails a prolog
         return report_usage(e, env)
     if p["mode"] in ("help", "version"):
         emit(p["text"].rstrip())
@@ -11791,6 +13453,8 @@ def main(argv=None):
         return run_verify_log(p["args"], argv)
     if p["mode"] == "diff-manifest":  # compare two files, no torch
         return run_diff_manifest(p["args"].diff_manifest)
+    if p["mode"] == "node-check":  # this node alone (Prolog, Epilog, HealthCheckProgram, NPD); no torch here
+        return run_node_check(p["args"], env)
     if p.get("check_json"):  # rank 0's process or its node's launcher: the manifests, before torch and NCCL
         try:
             probe(lambda: manifest_preflight(p["args"]), "--manifest and --save-manifest", prefix="")

@@ -51,6 +51,9 @@ CHECKS = (
     "numerics",      # a rank computes wrong numbers: bits unlike its model's peers, or off the fp64 reference
     "drain",         # --drain on: scontrol missing, refused or silent (WARN only: never changes the verdict)
     "output",        # a requested --json / --metrics / --html file could not be written (exit 1, no host blamed)
+    "gpu-count",     # --node-check: a GPU the node should have is missing, or lost to NVML
+    "gpu-procs",     # --node-check: a process holds the job's GPU before the job starts or after it ended
+    "gpu-health",    # --node-check: uncorrected ECC errors, a row remap pending or failed; PCIe, clocks, Xid (WARN)
 )
 
 # What each check can say besides PASS, without --strict (which makes every WARN a FAIL). docs/checks.md's
@@ -65,7 +68,11 @@ CHECK_LEVELS = {
     "manifest": ("FAIL", "WARN"), "internal": ("FAIL", "WARN"), "interrupted": ("FAIL",),
     "gpu-perf": ("FAIL", "WARN"), "intra-node": ("FAIL", "WARN"), "inter-node": ("FAIL", "WARN"),
     "soak": ("FAIL", "WARN"), "numerics": ("FAIL", "WARN"), "drain": ("WARN",), "output": ("FAIL",),
+    "gpu-count": ("FAIL", "WARN"), "gpu-procs": ("FAIL", "WARN"), "gpu-health": ("FAIL", "WARN"),
 }
+# --node-check: a check that could not run through the tool's own fault is a WARN row, the node NOT ASSESSED
+for _check in ("contract", "launch", "local", "interrupted", "manifest", "internal"):
+    CHECK_LEVELS[_check] = ("FAIL", "WARN")
 
 # Environment variables the report may print. Nothing else is ever echoed.
 ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "AIV_")

@@ -105,6 +105,23 @@ CHECK_RULES = {
                      "majority of them, or unlike its own first result) computes wrong again: silent data "
                      "corruption persists until the GPU is replaced"),
 }
+_NODE = ("job", "node")  # checks the node gate (--node-check) also makes
+CHECK_RULES["intra-node"] = rule(("persisted", "own", "process", "never-issued"), ("persisted", "own", "process"),
+                                 "a node slow inside in every try, beside known-good nodes, or whose own all-reduce "
+                                 "returns wrong sums, stays so until its NVLink, NVSwitch or PCIe is repaired; "
+                                 + _PROCESS_WHY, _NODE)
+for _check in ("device", "numerics", "gpu-perf", "manifest"):
+    CHECK_RULES[_check] = dict(CHECK_RULES[_check], contexts=_NODE)
+CHECK_RULES.update({
+    "gpu-count": rule(("own",), ("own",), "a GPU the node should have (--expect-gpus, the job's SLURM_JOB_GPUS, the "
+                      "node's gres, the GPUs on its PCI bus) that NVML does not list stays missing until the node is "
+                      "repaired", ("node",)),
+    "gpu-procs": rule(("own",), ("own",), "a process holding the job's GPU before the job starts or after it ended, "
+                      "still there a second later, outlived its own job; a busy GPU beside jobs is never judged",
+                      ("node",)),
+    "gpu-health": rule(("own",), ("own",), "uncorrected ECC errors and the row-remap state are kept by the driver "
+                       "until the GPU is reset", ("node",)),
+})
 if set(CHECK_RULES) != set(CHECKS):  # a new check declares itself here (docs/development.md: adding a check)
     raise ValueError(f"CHECK_RULES and CHECKS differ: {sorted(set(CHECKS) ^ set(CHECK_RULES))}")
 

@@ -35,6 +35,16 @@ DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scont
 NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
                           # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
 LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
+# --node-check: one node's pass, all of it within --node-budget (NODE_BUDGET_DEFAULT, under LBNL NHC's 30 s
+# watchdog; Slurm kills a HealthCheckProgram at 60 s)
+NODE_BUDGET_DEFAULT = 25.0
+NODE_RESERVE_S = 3.0      # of the budget, kept for the verdict: scontrol (once or twice) and the files
+NODE_SMI_BOUND_S = 5.0    # each nvidia-smi call of the pass (the GPU list, the compute processes)
+NODE_SLURM_BOUND_S = 4.0  # each scontrol call of the pass
+NODE_KMSG_BOUND_S = 1.0   # reading the kernel log for Xid lines (and at most 8 MiB of it)
+NODE_PREEMPT_S = 5.0      # a prolog waits this long for a health pass it stopped to let go of the GPUs
+NODE_HELD_AGAIN_S = 1.0   # prolog, epilog: a process on the job's GPU is looked for again this much later (it counts
+                          # only if still there: one tearing down at the job's boundary is gone by then)
 
 PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-net", "soak", "collective", "ddp",
           "bandwidth", "final")

@@ -22,6 +22,7 @@ from .follower import Follower
 from .liveness import node_monitor, proc_stat
 from .local import launch_local
 from .manifest_io import manifest_preflight, run_diff_manifest
+from .node_check import WORKER_VAR, node_check_usage, node_worker, run_node_check
 from .options import build_parser
 from .plan import LAUNCHER_VARS, check_json_target, plan
 from .rank import speak_once_per_node
@@ -93,11 +94,15 @@ def main(argv=None):
                  f"{where_raised(e)} (a bug in the tool): rank 0 reads this node's ranks from their beats alone",
                  sys.stderr)  # where a node monitor is started by hand; a rank's monitor has no stderr (srun)
             return EXIT_INTERNAL
+    if WORKER_VAR in env:  # a device worker of --node-check
+        return node_worker(json.loads(env[WORKER_VAR]))
     try:
         p = plan(argv, env)
         if p.get("check_json"):
             probe(lambda: check_json_target(p["args"]), "--json, --metrics and --html: their directories")
     except UsageError as e:
+        if any(a == "--node-check" or a.startswith("--node-check=") for a in argv):
+            return node_check_usage(e, argv, env)  # fail open: a wrong recipe never fails a prolog
         return report_usage(e, env)
     if p["mode"] in ("help", "version"):
         emit(p["text"].rstrip())
@@ -106,6 +111,8 @@ def main(argv=None):
         return run_verify_log(p["args"], argv)
     if p["mode"] == "diff-manifest":  # compare two files, no torch
         return run_diff_manifest(p["args"].diff_manifest)
+    if p["mode"] == "node-check":  # this node alone (Prolog, Epilog, HealthCheckProgram, NPD); no torch here
+        return run_node_check(p["args"], env)
     if p.get("check_json"):  # rank 0's process or its node's launcher: the manifests, before torch and NCCL
         try:
             probe(lambda: manifest_preflight(p["args"]), "--manifest and --save-manifest", prefix="")

@@ -7,7 +7,7 @@ import re
 
 from .base import DESCRIPTION, ENV_DENY_WORDS, UsageError, human_bytes
 from .contract import job_secret
-from .deadlines import ROLLCALL_DEFAULT, TIMEOUT_DEFAULT
+from .deadlines import NODE_BUDGET_DEFAULT, ROLLCALL_DEFAULT, TIMEOUT_DEFAULT
 
 # One grammar for every flag and AIV_* variable: on = 1/on/yes/true, off = 0/off/no/false (any case);
 # sizes are bytes with binary K/M/G suffixes (1M = 2^20); an empty value is a mistake, not a default.
@@ -62,6 +62,25 @@ def _positive_int(text):
     return v
 
 
+def _count_arg(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError("is not an integer") from None
+    if v < 0:
+        raise ValueError("is below 0")
+    return v
+
+
+NODE_CHECK_WORDS = ("prolog", "epilog", "health", "npd", "auto")
+
+
+def _node_check(text):
+    if text not in NODE_CHECK_WORDS:
+        raise ValueError("is not " + ", ".join(NODE_CHECK_WORDS[:-1]) + " or " + NODE_CHECK_WORDS[-1])
+    return text
+
+
 def _switch(text):
     word = text.strip().lower()
     if word in ON_WORDS or word in OFF_WORDS:
@@ -113,7 +132,8 @@ class _Parser(argparse.ArgumentParser):
 WANT = {_backend: "auto, nccl or gloo", _seconds: "a number of seconds", _positive_int: "a whole number",
         _switch: "on or off", _sizes: "sizes, on or off", _positive_float: "a number", str: "a path",
         _directory: "a directory", _drain_mode: "off, recommend or on",
-        _soak: "a number of seconds, or 0 for no soak"}  # what an empty value should have been
+        _soak: "a number of seconds, or 0 for no soak", _count_arg: "a whole number (0 or more)",
+        _node_check: "prolog, epilog, health, npd or auto"}  # what an empty value should have been
 
 
 def _opt(p, flag, conv, shown, text, env=True, want=None, **kw):
@@ -134,7 +154,7 @@ def _epilog():
         f"{human_bytes(RANK_MEM_CPU)} (CPU) or {human_bytes(RANK_MEM_GPU)} (GPU) of MemAvailable or of what the "
         "memory cgroup has left.",
         "--verify-log has no variable: an exported AIV_VERIFY_LOG would turn every later run, Slurm jobs",
-        "included, into a log check; setting it is a usage error.",
+        "included, into a log check; setting it is a usage error. Nor has --node-check (every run a node check).",
         "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT, 4 INTERNAL, 5 INTERRUPTED."))
 
 
@@ -156,7 +176,7 @@ def build_parser():
          default=False, metavar="on/off")
     _opt(p, "--json", str, "none", "rank 0 writes the verdict as JSON here; tried before the run", metavar="PATH")
     _opt(p, "--nproc", _positive_int, "GPUs, or 2", "local mode (or a pod's per-node launch): ranks here (see the "
-         "rule below)", metavar="N")
+         "rule below); --node-check on a node without GPUs: the CPU workers standing in for GPUs", metavar="N")
     _opt(p, "--bandwidth", _sizes, "off", f"measure all_reduce bus bandwidth; no value or on: {DEFAULT_BW_SIZES}; "
          "0 or off: no probe", nargs="?", const="on", metavar="SIZES")
     _opt(p, "--min-busbw", _positive_float, "none", "FAIL when the largest size's busbw is below this (GB/s, "
@@ -196,7 +216,20 @@ def build_parser():
          "node_exporter textfile collector's convention); tried before the run", metavar="PATH")
     _opt(p, "--html", str, "none", "rank 0 writes one self-contained page of the run here (the batch file: "
          "ai_infra_smoke_test_<jobid>.html); tried before the run", metavar="PATH")
-    _opt(p, "--sysfs-root", _directory, "/", "root for /sys and /proc/driver reads (tests)", default="/", metavar="DIR")
+    # the node gate (docs/node-gate.md): this node alone, as Slurm's Prolog/Epilog/HealthCheckProgram or NPD's plugin
+    _opt(p, "--node-check", _node_check, "none", "check this node alone and exit: prolog, epilog, health "
+         "(HealthCheckProgram) or npd (Node Problem Detector); no value or auto: Slurm's SLURM_SCRIPT_CONTEXT, else "
+         "health. Exit 1 only on a FAIL whose evidence singles the node out; the tool's own trouble exits 0 (npd: 2)",
+         env=False, nargs="?", const="auto", metavar="CONTEXT", want="prolog, epilog, health, npd or auto")
+    _opt(p, "--node-budget", _seconds, f"{NODE_BUDGET_DEFAULT:g}", "--node-check: seconds for the whole check; "
+         "what does not fit is skipped and named", default=NODE_BUDGET_DEFAULT, metavar="SECONDS")
+    _opt(p, "--expect-gpus", _count_arg, "the job's GPUs, the node's gres, its PCI bus", "--node-check: FAIL unless "
+         "the node lists N GPUs; 0: a node without GPUs (CPU workers stand in)", metavar="N")
+    _opt(p, "--undrain", _switch, "off", "--node-check health with --drain on: a pass resumes the node when the "
+         "check's own drain names a check that passed now; no value: on", nargs="?", const="on", default=False,
+         metavar="on/off")
+    _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
+         metavar="DIR")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     return p
 

@@ -154,7 +154,7 @@ def _node_launch(args, env, root, node):
 
 def plan(argv, env, root="/"):
     """(argv, env) -> what this process does, without importing torch or writing anything:
-    {"mode": "help"|"version", "text"}, {"mode": "verify-log", "args"}, {"mode": "rank", "args",
+    {"mode": "help"|"version", "text"}, {"mode": "verify-log"|"node-check", "args"}, {"mode": "rank", "args",
     "contract"} or {"mode": "local", "args", "launch"}; with "check_json" where this process is the one
     to try --json (rank 0's node). A per-node launch (Kubeflow Trainer v2, PyTorchJob v1, an Indexed Job,
     JobSet, LeaderWorkerSet, Volcano) is mode "local" with launch["node"]: this process starts its node's
@@ -173,6 +173,8 @@ def plan(argv, env, root="/"):
         return {"mode": "verify-log", "args": args}
     if args.diff_manifest is not None:
         return {"mode": "diff-manifest", "args": args}
+    if args.node_check is not None:  # this node alone: no launch contract (a prolog's environment is a job's)
+        return {"mode": "node-check", "args": args}
     try:
         node = read_node_launch(env)  # one process per node or pod: this tool starts the node's ranks
         contract = None if node else read_contract(env)

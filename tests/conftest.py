@@ -240,8 +240,8 @@ _COST = {"test_slurm.py": 11.3, "test_screen_run.py": 14.7, "test_hangs.py": 8.6
          "test_rooms.py": 3.6, "test_side_channel.py": 3.4, "test_node_smi.py": 2.5, "test_soak.py": 2.2,
          "test_bootstrap.py": 2.1, "test_numerics.py": 1.9, "test_usage_errors.py": 0.8, "test_manifest.py": 0.7,
          "test_verify_log.py": 0.7, "test_runtime.py": 0.5, "test_build.py": 0.5, "test_drain.py": 0.5,
-         "test_docs.py": 0.4, "test_nccl_log.py": 0.4, "test_html.py": 0.3,
-         "test_k8s_launchers.py": 7.4, "test_verdict_path.py": 12.0, "test_blame.py": 2.5}
+         "test_docs.py": 0.4, "test_nccl_log.py": 0.4, "test_html.py": 0.3, "test_node_gate_slurm.py": 11.0,
+         "test_node_gate.py": 1.9, "test_k8s_launchers.py": 7.4, "test_verdict_path.py": 12.0, "test_blame.py": 2.5}
 _TOGETHER = "test_slurm.py"
 
 

@@ -29,7 +29,8 @@
 #     (default ${TMPDIR:-/tmp}/aiv-slurm); SLURM_CONF points there.
 #
 # Knobs (environment): AIV_SLURM_DIR, SLURM_NODES (2), NODE_CPUS (4), NODE_GPUS (2),
-#   NODE_MEM_MB (8000), AIV_SLURM_SUBNET (10.77.0), AIV_SLURM_INSTALL=1 (apt-get install the
+#   NODE_MEM_MB (8000), AIV_SLURM_SUBNET (10.77.0), SLURM_CONF_EXTRA (lines appended to slurm.conf
+#   before the node lines, e.g. Prolog=, HealthCheckProgram=), AIV_SLURM_INSTALL=1 (apt-get install the
 #   Debian packages slurmd slurmctld slurm-client when slurmctld is missing; default: the caller
 #   installs them, nothing is installed behind your back).
 # Requires: root, Slurm 22.05 binaries (slurmctld, slurmd, sbatch, srun, scontrol, sinfo),
@@ -43,6 +44,7 @@ SLURM_NODES=${SLURM_NODES:-2}
 NODE_CPUS=${NODE_CPUS:-4}
 NODE_GPUS=${NODE_GPUS:-2}
 NODE_MEM_MB=${NODE_MEM_MB:-8000}
+CONF_EXTRA=${SLURM_CONF_EXTRA:-}
 SUBNET=${AIV_SLURM_SUBNET:-10.77.0}
 MARK=.aiv-slurm-cluster
 BR=aivbr0
@@ -221,6 +223,7 @@ InactiveLimit=0
 SlurmdTimeout=60
 MailProg=/bin/true
 CONF
+    [ -z "$CONF_EXTRA" ] || printf '%s\n' "$CONF_EXTRA"
     for ((i = 1; i <= SLURM_NODES; i++)); do
       echo "NodeName=node$i NodeHostname=node$i NodeAddr=$SUBNET.$((10 + i)) CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB Gres=gpu:$NODE_GPUS State=UNKNOWN"
     done

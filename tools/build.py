@@ -36,6 +36,7 @@ BUILD_ORDER = (
     "options",       # the one parser of flags and AIV_* variables
     "interfaces",    # NCCL/GLOO_SOCKET_IFNAME, NCCL's own log lines
     "collect",       # facts of a rank and its node, one getter per fact
+    "node_collect",  # --node-check: what a node reads alone without torch (nvidia-smi, PCI, kernel log, scontrol)
     "numerics_measure",  # the numerics check (silent data corruption): what each rank computes on its device
     "measure",       # what the screen and the soak measure on a device
     "numerics",      # the numerics check's judges: bits within a model and software, the fp64 reference
@@ -46,8 +47,10 @@ BUILD_ORDER = (
     "screen_judge",  # the screen's judges: intra-node and inter-node busbw, node / rail / link culprits
     "soak",          # the soak's judges
     "screen_loop",   # the screen's control loop: batches, re-measurement, controls, localisation
+    "node_judge",    # --node-check: contexts, the checks table, the judges of one node alone
     "render",        # the report
     "outputs",       # --drain and --metrics
+    "node_report",   # --node-check: the summary line, the NPD line, the node's textfile
     "page",          # --html
     "verify_log",    # --verify-log
     "manifest_io",   # the manifest on disk: read before torch, saved under a lock, diffed
@@ -62,18 +65,19 @@ BUILD_ORDER = (
     "follower",      # every other rank
     "plan",          # what a command line becomes
     "local",         # the local launcher
+    "node_check",    # --node-check: the node gate's runtime (lock, workers, budget, Slurm, files)
     "main",          # the entry point
 )
 # The pure layer: judges, render, manifest, verify-log and what they stand on. None of these imports a
 # module of the runtime, so each is a function of plain data that a test can call without a store.
 RUNTIME = ("manifest_io", "store", "liveness", "background", "drain", "conclusion", "screen_run", "rank",
-           "coordinator", "follower", "plan", "local", "main")
+           "coordinator", "follower", "plan", "local", "node_check", "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
 # The judge and report modules: functions of plain data with no effects. None imports what acts on the world
 # (processes, threads, sockets, locks, native calls, torch); a check that needs one collects in a floor 2
 # module or the runtime, and hands the judge plain data.
 EFFECT_FREE = ("blame", "numerics", "judge", "manifest", "screen_plan", "screen_gpu", "screen_judge", "soak",
-               "screen_loop", "render", "outputs", "page", "verify_log")
+               "screen_loop", "node_judge", "render", "outputs", "page", "verify_log", "node_report")
 EFFECTS = ("subprocess", "threading", "socket", "fcntl", "ctypes", "torch", "multiprocessing", "signal",
            "concurrent", "asyncio")
 

@@ -6,7 +6,8 @@ GPU with a marginal multiplier. NUMERICS_FAULT picks what is hit:
   forward   (default) every result of those operators
   backward  only the gradient flowing back through F.linear (autograd's own matmuls), never a forward result
   flaky     only every third call of torch.matmul: an intermittent fault (what --soak's repeats are for)
-Processes that are not ranks (the node monitor) are left alone.
+Processes that are not ranks (the node monitor) are left alone. NUMERICS_FAULT_LOCAL_RANK=k hits only the process
+whose LOCAL_RANK is k (a node check's worker for GPU k, with the whole node's PYTHONPATH set: a fault of one GPU).
 """
 import os
 
@@ -80,5 +81,6 @@ def _install():
     torch.Tensor.__matmul__ = lambda self, other: corrupt(matmul(self, other))
 
 
-if "_AIV_NODE_MONITOR" not in os.environ:
+WHERE = os.environ.get("NUMERICS_FAULT_LOCAL_RANK")
+if "_AIV_NODE_MONITOR" not in os.environ and (WHERE is None or os.environ.get("LOCAL_RANK") == WHERE):
     _install()
