@@ -36,6 +36,7 @@ BUILD_ORDER = (
     "collect",       # facts of a rank and its node, one getter per fact
     "numerics",      # the numerics check (silent data corruption): what each rank computes, and its judges
     "measure",       # what the screen and the soak measure on a device
+    "hang",          # who is behind in a phase that did not finish; NCCL's own view beside ours
     "judge",         # pure checks of the gathered records
     "manifest",      # --save-manifest / --manifest / --diff-manifest
     "screen_plan",   # the screen's rounds and groups
@@ -48,6 +49,7 @@ BUILD_ORDER = (
     "verify_log",    # --verify-log
     "store",         # the side channel: keys, Seal, StoreProtocol
     "liveness",      # the node monitor
+    "ras",           # NCCL's RAS service, read over its socket
     "background",    # a rank's work off its main thread; its NCCL log
     "screen_run",    # the collectives the screen asks for, on every rank
     "rank",          # RankRun: the phases, each under its bound
@@ -59,7 +61,8 @@ BUILD_ORDER = (
 )
 # The pure layer: judges, render, manifest, verify-log and what they stand on. None of these imports a
 # module of the runtime, so each is a function of plain data that a test can call without a store.
-RUNTIME = ("store", "liveness", "background", "screen_run", "rank", "coordinator", "follower", "plan", "local", "main")
+RUNTIME = ("store", "liveness", "ras", "background", "screen_run", "rank", "coordinator", "follower", "plan", "local",
+           "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
 
 HEADER = """\
