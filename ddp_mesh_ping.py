@@ -10499,7 +10499,7 @@ class Coordinator(ScreenCoordinator, RankRun):
         if quiet:
             f["reason"] += "; " + quiet_monitor_note(quiet, budget)
         if ras is not None:
-            self.nccl_view_add(f, ras, live, silent)
+            self.nccl_view_add(f, ras, live, silent, issued)
         return f
 
     def ask_issued(self, client, phase):
@@ -10537,8 +10537,9 @@ class Coordinator(ScreenCoordinator, RankRun):
         th.start()
         return th, box
 
-    def nccl_view_add(self, f, ras, live, silent):
-        """NCCL's view beside ours in the finding: its words in the reason, its data under 'nccl_view'."""
+    def nccl_view_add(self, f, ras, live, silent, issued=None):
+        """NCCL's view beside ours in the finding: its words in the reason, its data under 'nccl_view' (with the
+        NCCL DIAG lines the ranks' answers carried)."""
         th, box = ras
         th.join(NCCL_RAS_S + 0.5)
         got = box.get("ras") or {"ok": False, "why": f"no answer within {NCCL_RAS_S:g}s"}
@@ -10547,6 +10548,10 @@ class Coordinator(ScreenCoordinator, RankRun):
                  "silent" if h in silent else "behind" if states.get(str(r)) == "behind" else "ok"
                  for r, h in self.host_of.items()}
         view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        diag = [ln for p in (issued or {}).values() if p for ln in p.get("diag") or []]
+        if diag:
+            view["diag"] = diag[:20]
+            view["words"] += f"; NCCL DIAG ({len(diag)} line(s)): {diag[0]}"
         f["reason"] += "; " + view["words"]
         f["nccl_view"] = view
 
@@ -10785,8 +10790,15 @@ class Follower(ScreenFollower, RankRun):
 
     def answer(self, client):
         """This rank's answer to rank 0's question: the last collective it issued on each of its groups (torch's
-        flight recorder and its own record), whether its main thread is inside one, NCCL's DIAG lines."""
-        client.post("issued", self.rank, self.issued.record(getattr(self, "torch", None), self.nccl.diag()))
+        flight recorder and its own record), whether its main thread is inside one, NCCL's DIAG lines. The
+        tool's own error here is said (a WARN) and the listener goes on to the verdict: no answer is no
+        evidence, never a rank that cannot exit."""
+        try:
+            client.post("issued", self.rank, self.issued.record(getattr(self, "torch", None), self.nccl.diag()))
+        except Exception as e:
+            if not is_tool_error(e):
+                raise
+            self.helper_died("the answer to rank 0's question", e)
 
     def verdict_within(self, client, seconds):
         """Rank 0's code from the store within `seconds`. A store that is gone or silent is rank 0's news

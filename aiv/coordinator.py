@@ -468,7 +468,7 @@ class Coordinator(ScreenCoordinator, RankRun):
         if quiet:
             f["reason"] += "; " + quiet_monitor_note(quiet, budget)
         if ras is not None:
-            self.nccl_view_add(f, ras, live, silent)
+            self.nccl_view_add(f, ras, live, silent, issued)
         return f
 
     def ask_issued(self, client, phase):
@@ -506,8 +506,9 @@ class Coordinator(ScreenCoordinator, RankRun):
         th.start()
         return th, box
 
-    def nccl_view_add(self, f, ras, live, silent):
-        """NCCL's view beside ours in the finding: its words in the reason, its data under 'nccl_view'."""
+    def nccl_view_add(self, f, ras, live, silent, issued=None):
+        """NCCL's view beside ours in the finding: its words in the reason, its data under 'nccl_view' (with the
+        NCCL DIAG lines the ranks' answers carried)."""
         th, box = ras
         th.join(NCCL_RAS_S + 0.5)
         got = box.get("ras") or {"ok": False, "why": f"no answer within {NCCL_RAS_S:g}s"}
@@ -516,6 +517,10 @@ class Coordinator(ScreenCoordinator, RankRun):
                  "silent" if h in silent else "behind" if states.get(str(r)) == "behind" else "ok"
                  for r, h in self.host_of.items()}
         view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        diag = [ln for p in (issued or {}).values() if p for ln in p.get("diag") or []]
+        if diag:
+            view["diag"] = diag[:20]
+            view["words"] += f"; NCCL DIAG ({len(diag)} line(s)): {diag[0]}"
         f["reason"] += "; " + view["words"]
         f["nccl_view"] = view
 

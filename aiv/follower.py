@@ -99,8 +99,15 @@ class Follower(ScreenFollower, RankRun):
 
     def answer(self, client):
         """This rank's answer to rank 0's question: the last collective it issued on each of its groups (torch's
-        flight recorder and its own record), whether its main thread is inside one, NCCL's DIAG lines."""
-        client.post("issued", self.rank, self.issued.record(getattr(self, "torch", None), self.nccl.diag()))
+        flight recorder and its own record), whether its main thread is inside one, NCCL's DIAG lines. The
+        tool's own error here is said (a WARN) and the listener goes on to the verdict: no answer is no
+        evidence, never a rank that cannot exit."""
+        try:
+            client.post("issued", self.rank, self.issued.record(getattr(self, "torch", None), self.nccl.diag()))
+        except Exception as e:
+            if not is_tool_error(e):
+                raise
+            self.helper_died("the answer to rank 0's question", e)
 
     def verdict_within(self, client, seconds):
         """Rank 0's code from the store within `seconds`. A store that is gone or silent is rank 0's news
