@@ -8530,6 +8530,10 @@ class StoreProtocol:
         if self.store.add(f"posts/{name}/n", 1) == self.world:
             self._set(f"posts/{name}/all", "1")
 
+    def post_count(self, name):
+        """How many posts of the fan-in `name` were counted (a wake-up: posts() holds the sealed posts)."""
+        return self.store.add(f"posts/{name}/n", 0)
+
     def posts(self, name):
         """{rank: its post} of the fan-in `name`, so far: one read of the list (sealed posts only)."""
         return {int(e["rank"]): e for e in map(json.loads, self._lines(f"posts/{name}"))}
@@ -10517,10 +10521,12 @@ class Coordinator(ScreenCoordinator, RankRun):
         """{rank: its answer or None} once every live rank answered, at most ISSUED_S after the question; rank 0's
         own record read here."""
         expect = {r for r, h in self.host_of.items() if r and live.get(r, "running") == "running" and h not in silent}
-        while True:
-            posts = client.posts("issued")
-            if expect <= set(posts) or time.monotonic() >= asked + ISSUED_S:
-                break
+        while True:  # the counter is read every 50 ms (one small operation), the posts once it says enough
+            late = time.monotonic() >= asked + ISSUED_S
+            if late or client.post_count("issued") >= len(expect):
+                posts = client.posts("issued")
+                if late or expect <= set(posts):
+                    break
             time.sleep(0.05)
         out = {r: posts.get(r) for r in range(self.world)}
         out[0] = self.issued.record(self.torch, self.nccl.diag())

@@ -474,6 +474,10 @@ class StoreProtocol:
         if self.store.add(f"posts/{name}/n", 1) == self.world:
             self._set(f"posts/{name}/all", "1")
 
+    def post_count(self, name):
+        """How many posts of the fan-in `name` were counted (a wake-up: posts() holds the sealed posts)."""
+        return self.store.add(f"posts/{name}/n", 0)
+
     def posts(self, name):
         """{rank: its post} of the fan-in `name`, so far: one read of the list (sealed posts only)."""
         return {int(e["rank"]): e for e in map(json.loads, self._lines(f"posts/{name}"))}
