@@ -603,6 +603,9 @@ UNLOCALISED = {
               "not a broken one",
               "a re-run: a rank stuck again is named by the collective it never issued; on a loaded node a longer "
               "bound (--timeout, --rollcall-timeout)"),
+    "signal": ("a signal stopped the run from outside (scancel, the time limit, preemption, Ctrl-C)",
+               "nothing on the cluster: resubmit"),
+    "tool": ("the tool's own error, not a fault of the cluster", "a report of the line and the traceback"),
     "launch": ("how the launcher placed the ranks, not a fault of a node",
                "the launch command and the allocation (docs/slurm.md)"),
     "widespread": ("more nodes implicated than passed: a switch, the fabric or its configuration",
@@ -706,7 +709,8 @@ def unlocalised(f, kind, localise=None, why=None):
     """f (a new dict) naming no host: evidence `kind` (a key of UNLOCALISED), its hosts kept as `involved`, the
     reason saying that no host is named, why, and what would localise it."""
     default_why, default_how = UNLOCALISED[kind]
-    why, how = why or default_why, localise or default_how
+    said = f.get("unlocalised") or {}  # a judge's own words win over the kind's defaults
+    why, how = why or said.get("why") or default_why, localise or said.get("localise") or default_how
     out = dict(f, blame=kind, hosts=[], involved=sorted(set(f.get("involved") or []) | set(f.get("hosts") or [])),
                unlocalised={"why": why, "localise": how})
     if not any(w in out["reason"] for w in ("no host is named", "no host blamed", "no host is blamed")):
@@ -796,6 +800,11 @@ SNAPSHOT_S = 1.5          # rank 0, after a signal: one read of liveness, of the
 TERM_REPORTS_S = 0.5      # rank 0, after a signal: time for the other ranks' "terminated" reports to arrive
 SIGNAL_SPREAD_S = 2.0     # a rank that lost rank 0's store with no verdict read: the most it waits for a signal of
                           # its own (scancel and the time limit reach each node at its own time) before it speaks
+ISSUED_S = 4.0            # rank 0, a collective phase's bound passed: the most it waits (beside the liveness settle,
+                          # inside NAMING_S) for each live rank's post of the last collective it issued
+NCCL_RAS_S = 3.0          # rank 0, the same moment on NCCL: NCCL's own view (its RAS STATUS), read beside it
+RESOLVE_S = 5.0           # a rank's lookup of MASTER_ADDR before it connects (a name that does not resolve is said
+                          # at once; a lookup slower than this is left to the store's connect)
 TORCH_BACKSTOP_S = 30.0   # torch's own process-group timeout lies this far past our bound: ours fires first
 IMPORT_PROBE_S = 60.0     # torchvision/torchaudio import probe: at most this, T/2 at the verdict, T/4 before the screen
 MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks are gone already: the run ended)
@@ -823,6 +832,7 @@ PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-net", 
           "bandwidth", "final")
 FAN_IN = {"telemetry": "telemetry", "ddp": "results"}  # phase -> what each rank posts to rank 0 through the store
 SCREEN_PHASES = ("screen-gpu", "screen-net")  # skipped with --skip-screen
+ISSUE_PHASES = ("init", "screen-net", "collective", "ddp", "bandwidth")  # phases whose ranks issue collectives
 PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
                "screen-gpu": "gpu-perf", "screen-net": "inter-node", "soak": "soak",
                "collective": "collective", "ddp": "ddp", "bandwidth": "bandwidth", "final": "verdict"}
@@ -2159,6 +2169,23 @@ def nccl_warn_lines(text, limit=NCCL_WARN_RELAY):
     """NCCL's own WARN lines of a log: (the first `limit`, how many more)."""
     lines = [ln.rstrip() for ln in text.splitlines() if " NCCL WARN " in ln]
     return lines[:limit], max(0, len(lines) - limit)
+
+
+def nccl_subsys_hides_channels(spec):
+    """Whether NCCL_DEBUG_SUBSYS=spec leaves out the lines that say which transport each channel uses (logged
+    under INIT and NET; unset: NCCL's default INIT,BOOTSTRAP,ENV shows them; '^X,Y' leaves out X and Y)."""
+    if not spec:
+        return False
+    names = {s.strip().upper() for s in spec.lstrip("^").split(",")}
+    if spec.startswith("^"):
+        return {"INIT", "NET"} <= names or "ALL" in names
+    return not names & {"INIT", "NET", "ALL"}
+
+
+def nccl_diag_lines(text, limit=NCCL_WARN_RELAY):
+    """NCCL's own diagnostics (NCCL >= 2.31 with NCCL_RUN_DIAGNOSTICS=1: 'host:pid NCCL DIAG <line>'), the first
+    `limit`."""
+    return [ln.strip() for ln in text.splitlines() if " NCCL DIAG " in ln][:limit]
 
 
 def nccl_debug_file(env, host=None, pid=None):
@@ -3978,6 +4005,209 @@ def judge_numerics_soak(rows):
 
 
 
+# ============================================================================ aiv/hang.py
+# Floor 3: who is behind in a phase that did not finish, from plain data: the last collective each rank
+# What a late rank was doing when rank 0 asked, per group (issued_states):
+#   behind   outside any collective, and it never issued one that a peer of the group issued: the rank
+#            itself stopped the group (evidence "never-issued")
+#   waiting  inside a collective call (its own record says so: every call passes RankRun.issuing; torch's
+#            recorder does not always mark a finished gloo collective completed): it waits for its peers
+#   idle     outside any collective, every collective its peers issued issued too
+#   between  outside any collective for less than BETWEEN_S: between two calls, not stopped (a snapshot of a
+#            rank that is progressing, one call behind its peers for microseconds, is no evidence)
+#   unposted no post came back within ISSUED_S (alive, but its record was not collected)
+ISSUED_STATES = ("behind", "waiting", "idle", "between", "unposted")
+BETWEEN_S = 1.0  # a rank outside any collective call for less than this is between two calls
+
+
+def ranks_text(ranks):
+    """[0, 2, 3, 4] -> '0, 2-4'."""
+    return format_ranges(ranks).replace(",", ", ")
+
+
+def group_key(ranks):
+    """The key of a process group in a rank's issued record: its ranks, '0-15' (the world's too)."""
+    return format_ranges(ranks)
+
+
+def issued_source(posts, ranks):
+    """'recorder' when torch's flight recorder holds entries on every rank of `ranks` that posted (then its
+    sequence numbers are comparable across them), else 'own' (each rank's own record of what it issued)."""
+    got = [posts[r] for r in ranks if posts.get(r) is not None]
+    return "recorder" if got and all(p.get("fr") for p in got) else "own"
+
+
+def issued_last(post, key, source):
+    """[op, seq, done] of the last collective a rank issued on the group `key` (None: none), from `source`."""
+    table = (post.get("fr") if source == "recorder" else post.get("own")) or {}
+    last = table.get(key)
+    return list(last) if last else None
+
+
+def issued_states(ranks, posts, late, key):
+    """The group `key` of `ranks`, from each rank's post ({rank: post or None}; a post: {'own': {key: [op, seq,
+    done]}, 'fr': the same from torch's flight recorder or None, 'inflight': key of the collective call the
+    rank's main thread is inside, or None, 'idle_s': seconds since it left its last call}). A rank's place
+    comes from `source` (issued_source); whether it is inside a call, from its own record.
+    -> {'source', 'key', 'front': [op, seq] of the furthest collective a rank issued (None: none), 'issuers':
+    ranks that issued it, 'last': {rank: [op, seq, done] or None}, 'states': {rank: one of ISSUED_STATES} for
+    the late ranks}."""
+    source = issued_source(posts, ranks)
+    last = {r: issued_last(posts[r], key, source) for r in ranks if posts.get(r) is not None}
+    seqs = [x[1] for x in last.values() if x]
+    front = max(seqs) if seqs else None
+    fop = next((x[0] for x in last.values() if x and x[1] == front), None)
+    states = {}
+    for r in late:
+        if posts.get(r) is None:
+            states[r] = "unposted"
+            continue
+        x, idle_s = last.get(r), posts[r].get("idle_s")
+        if posts[r].get("inflight"):  # its own record: the main thread is inside a collective call right now
+            states[r] = "waiting"
+        elif idle_s is not None and idle_s < BETWEEN_S:
+            states[r] = "between"
+        elif front is not None and (x is None or x[1] < front):
+            states[r] = "behind"
+        else:
+            states[r] = "idle"
+    return {"source": source, "key": key, "front": None if front is None else [fop, front],
+            "issuers": sorted(r for r, x in last.items() if x and x[1] == front), "last": last, "states": states}
+
+
+def op_text(front):
+    """['all_reduce', 3] -> 'all_reduce #3'; the process group's own set-up has no number."""
+    op, seq = front
+    return op if not seq else f"{op} #{seq}"
+
+
+def on_hosts(ranks, host_of, limit=16):
+    """'rank 1 (node2)' or 'ranks 4-7 (node2), 9 (node3)'; at most `limit` hosts, then a count."""
+    by_host = {}
+    for r in sorted(ranks):
+        by_host.setdefault(host_of.get(r, "?"), []).append(r)
+    items = [f"{format_ranges(rs)} ({h})" for h, rs in list(by_host.items())[:limit]]
+    more = f" and {len(by_host) - limit} more node(s)" if len(by_host) > limit else ""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(items) + more
+
+
+def never_issued_text(behind, an, host_of):
+    """The greppable words for ranks that never issued a collective their peers issued:
+    'rank 1 (n1) never issued all_reduce #3 that ranks 0, 2-15 issued'."""
+    who = "rank" if len(an["issuers"]) == 1 else "ranks"
+    return (f"{on_hosts(behind, host_of)} never issued {op_text(an['front'])} that {who} "
+            f"{ranks_text(an['issuers'])} issued")
+
+
+def never_finished_text(ranks, phase, finished, host_of):
+    """'rank 1 (n1) never finished its part of screen-gpu that ranks 0, 2-3 finished' (a phase whose work
+    is each rank's own: the others did theirs and wait)."""
+    who = "rank" if len(finished) == 1 else "ranks"
+    return f"{on_hosts(ranks, host_of)} never finished its part of {phase} that {who} {ranks_text(finished)} finished"
+
+
+def unlocalised_record(why, localise):
+    """The finding's record of a FAIL that names no host: why, and what would localise it."""
+    return {"why": why, "localise": localise}
+
+
+def unlocalised_words(u):
+    return f"no host is named: {u['why']}; to localise it: {u['localise']}"
+
+
+RERUN_HINT = ("a re-run (a rank that again never issues or finishes its part is named), or py-spy dump --pid "
+              "<pid> on the hosts above (where each rank's main thread is)")
+LINK_HINT = ("a re-run with one end left out (sbatch --exclude=<node>): a hang that follows a node is that node's, "
+             "one that stays with the other nodes is the fabric's; NCCL_DEBUG=INFO names the peer whose "
+             "connection failed")
+FABRIC_HINT = ("the screen's pair results (inter-node rows above), or a re-run with NCCL_DEBUG=INFO (NCCL's WARN "
+               "lines name the peer whose connection failed)")
+
+
+# -- NCCL's own view: its RAS service (NCCL >= 2.24; JSON from 2.28.7), read by rank 0 beside ours
+def ras_world(ras, world):
+    """The job's world communicator in a RAS STATUS document (size == world, the one listing most ranks), or
+    None."""
+    comms = [c for c in (ras or {}).get("communicators") or [] if isinstance(c, dict) and c.get("size") == world]
+    return max(comms, key=lambda c: len(c.get("ranks") or []), default=None)
+
+
+def ras_rank_states(comm):
+    """{rank: {'state': 'present'|'missing', 'count': collectives issued (sum of collective_counts) or None,
+    'error': async_error or abort_flag seen, 'dead': RAS considers it dead, 'unresponsive'}} of one
+    communicator."""
+    out = {}
+    for r in comm.get("ranks") or []:
+        st = r.get("status") or {}
+        counts = r.get("collective_counts") or {}
+        total = sum(v for v in counts.values() if isinstance(v, int)) if counts else None
+        out[int(r["rank"])] = {"state": "present", "count": total, "init": st.get("init_state"),
+                               "error": bool(st.get("async_error")) or bool(st.get("abort_flag"))}
+    for r in comm.get("missing_ranks") or []:
+        st = r.get("status") or {}
+        out[int(r["rank"])] = {"state": "missing", "dead": bool(st.get("considered_dead")),
+                               "unresponsive": bool(st.get("unresponsive"))}
+    return out
+
+
+def nccl_view(ras, world, host_of, kinds, named):
+    """NCCL's view beside ours (never decides the verdict). ras: {'ok': True, 'data': STATUS JSON} or {'ok':
+    False, 'why': ...}; kinds: {rank: our word for it: 'dead'|'frozen'|'silent'|'behind'|'waiting'|...};
+    named: the ranks our finding names. -> {'read': bool, 'why'?, 'agree': bool|None, 'ranks': {rank: {'ours',
+    'nccl', 'agree'}}, 'nccl_version', 'words'}. Per rank NCCL says 'missing' (RAS lost it: dead or
+    unresponsive), 'error' (an async error or abort on it), 'behind' (fewer collectives than the most any rank
+    of the communicator issued), or 'ok'; ours 'named' for a rank we name by its process, else 'behind'
+    (never issued), else 'ok'. They agree where both say the rank stopped the job or both say it did not."""
+    if not ras or not ras.get("ok"):
+        why = (ras or {}).get("why") or "not read"
+        return {"read": False, "why": why, "agree": None, "ranks": {},
+                "words": f"NCCL's own view (RAS) not read: {why}"}
+    data = ras.get("data") or {}
+    version = data.get("nccl_version")
+    comm = ras_world(data, world)
+    if comm is None:
+        why = f"RAS listed no communicator of the job's {world} rank(s)"
+        return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version,
+                "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
+    states = ras_rank_states(comm)
+    top = max((s["count"] for s in states.values() if s.get("count") is not None), default=None)
+    rows = {}
+    for r in range(world):
+        s = states.get(r)
+        if s is None:
+            nccl = "absent"
+        elif s["state"] == "missing":
+            nccl = "missing"
+        elif s["error"]:
+            nccl = "error"
+        elif top is not None and s.get("count") is not None and s["count"] < top:
+            nccl = "behind"
+        else:
+            nccl = "ok"
+        ours = kinds.get(r, "ok")
+        ours = ours if ours in ("dead", "frozen", "silent", "behind") else "ok"
+        blamed_ours = r in named or ours != "ok"
+        blamed_nccl = nccl in ("missing", "error", "behind")
+        rows[r] = {"ours": ours, "nccl": nccl, "agree": blamed_ours == blamed_nccl or nccl == "absent",
+                   "count": (s or {}).get("count")}
+    differ = sorted(r for r, x in rows.items() if not x["agree"])
+    marked = sorted(r for r, x in rows.items() if x["nccl"] != "ok" and x["nccl"] != "absent")
+    head = f"NCCL's own view (RAS{', NCCL ' + version if version else ''})"
+    if differ:
+        parts = [f"{on_hosts([r], host_of)}: ours {rows[r]['ours']}, NCCL's {rows[r]['nccl']}" for r in differ[:8]]
+        words = f"{head} differs on {len(differ)} rank(s): " + "; ".join(parts) + (" ..." if len(differ) > 8 else "")
+    elif marked:
+        words = f"{head} agrees: " + "; ".join(f"{on_hosts([r], host_of)} {rows[r]['nccl']}" for r in marked[:8])
+    else:
+        counts = f"each issued {top} collective(s)" if top is not None else "no counts"
+        words = f"{head} agrees: no rank missing, in error or behind ({counts})"
+    return {"read": True, "agree": not differ, "ranks": {str(r): x for r, x in rows.items()},
+            "nccl_version": version, "missing": [r for r, x in rows.items() if x["nccl"] == "missing"],
+            "hosts": compress_hostlist(sorted({host_of.get(r, "?") for r in marked})) if marked else "",
+            "words": words}
+
+
+
 # ============================================================================ aiv/judge.py
 # Floor 3: pure checks of plain data -> findings (PASS / WARN / FAIL with hosts and ranks), and who is
 def _by_host(records):
@@ -4457,7 +4687,7 @@ def judge_all(records, world_size, expect, ib_hca=None, results=None, ib_disable
 # before it, and on gloo). A record is never patched: each phase's results make new ones (with_results).
 RANK_IDENTITY = ("rank", "host", "hostname", "loopback", "local_rank", "backend", "device", "cvd", "gpu",
                  "gpus_expected", "gloo", "cpus", "versions", "local", "pid", "pid_start", "addrs")
-RANK_FIELDS = RANK_IDENTITY + ("numerics", "node", "transport", "nccl_net")
+RANK_FIELDS = RANK_IDENTITY + ("numerics", "node", "transport", "nccl_net", "nccl_log")
 
 
 def rank_record(rec):
@@ -4466,14 +4696,15 @@ def rank_record(rec):
 
 
 def with_results(records, results):
-    """New records with the DDP step's results of each rank: NCCL's transport and interfaces, and the node
-    leader's package probe in its node facts."""
+    """New records with the DDP step's results of each rank: NCCL's transport and interfaces (and where its
+    lines were read: nccl_log), and the node leader's package probe in its node facts."""
     by_rank = {res["rank"]: res for res in results or () if isinstance(res, dict) and "rank" in res}
     out = []
     for rec in records:
         rec, res = rank_record(rec), by_rank.get(rec["rank"])
         if res is not None:
-            rec["transport"], rec["nccl_net"] = res.get("transport"), res.get("nccl_net")
+            rec["transport"], rec["nccl_net"], rec["nccl_log"] = (res.get("transport"), res.get("nccl_net"),
+                                                                  res.get("nccl_log"))
             if rec["node"] is not None and res.get("imports") is not None:
                 rec["node"] = dict(rec["node"], imports=res["imports"])
         out.append(rec)
@@ -4524,14 +4755,17 @@ def judge_collectives(results, world_size, host_of=None):
 
 
 def judge_transport(records, ib_disable=None):
-    """Per node, the transport NCCL used; sockets between nodes while IB is ACTIVE is a FAIL
-    (every correctness check passes, at ~1/100 of the bandwidth)."""
-    per_host = {}
+    """Per node, the transport NCCL used; sockets between nodes while IB is ACTIVE is a FAIL (every
+    correctness check passes, at ~1/100 of the bandwidth). An NCCL rank whose transport was not read (its
+    record's nccl_log says where NCCL's lines went: the job's stdout with the operator's NCCL_DEBUG=INFO, an
+    operator's NCCL_DEBUG_FILE with no INFO line in it) is a WARN naming its nodes and why: a transport not
+    judged is never a silent PASS."""
+    per_host, unread = {}, {}
     for r in records:
         if r.get("transport") is not None:
             per_host.setdefault(r["host"], set()).update(r["transport"])
-    if not per_host:
-        return []
+        elif r.get("backend") == "nccl":
+            unread.setdefault(nccl_log_why(r.get("nccl_log")), set()).add(r["host"])
     nodes = {r["host"]: r.get("node") or {} for r in records if r.get("node")}
     out = []
     for h, kinds in sorted(per_host.items()):
@@ -4540,13 +4774,32 @@ def judge_transport(records, ib_disable=None):
             out.append(finding("transport", "FAIL", f"{h}: NCCL used NET/Socket although InfiniBand port(s) "
                                f"{','.join(active[:4])} are ACTIVE and NCCL_IB_DISABLE is not 1 (IB not usable by "
                                f"NCCL: check the IB verbs libraries, NCCL_IB_HCA, /dev/infiniband access)", [h]))
-    if not out:
-        out.append(finding("transport", "PASS", "NCCL transports: " + "; ".join(
+    for why, hosts in sorted(unread.items()):
+        where = compress_hostlist(sorted(hosts))
+        out.append(finding("transport", "WARN", f"NCCL's transport was not judged on {where}: {why}; an "
+                           "InfiniBand-to-socket fallback there would pass unseen", sorted(hosts)))
+    if per_host and not any(f["status"] == "FAIL" for f in out):
+        out.insert(0, finding("transport", "PASS", "NCCL transports: " + "; ".join(
             f"{'+'.join(sorted(k)) or 'none'} on {compress_hostlist(sorted(hs))}"
-            for k, hs in _invert(per_host).items())))
+            for k, hs in _invert(per_host).items()), sorted(per_host)))
     return out
 
 
+def nccl_log_why(log):
+    """Why NCCL's INFO lines of a rank were not read, from its record's nccl_log (NcclLog.facts)."""
+    src, path = (log or {}).get("source"), (log or {}).get("path")
+    if src == "stdout":
+        return ("NCCL_DEBUG=INFO (the job's own setting) sends NCCL's lines to the job's stdout, which the tool cannot "
+                "read: look for ' via NET/Socket' in this log, or set NCCL_DEBUG_FILE (the tool reads that file), or "
+                "leave NCCL_DEBUG unset (the tool keeps NCCL's lines in a private file)")
+    if src == "operator":
+        hidden = (log or {}).get("subsys")
+        return (f"the job's own NCCL_DEBUG_FILE ({path}) holds " + (
+            f"no line of NCCL's channels (NCCL_DEBUG_SUBSYS={hidden} leaves out INIT and NET)" if hidden else
+            "no INFO line of NCCL (NCCL writes them there only with NCCL_DEBUG=INFO)"))
+    if src == "private":
+        return f"NCCL wrote no INFO line to the rank's private log ({path})"
+    return "the rank's NCCL log facts did not come with its results"
 def _invert(per_host):
     out = {}
     for h, kinds in per_host.items():
@@ -4575,10 +4828,18 @@ def apply_strict(findings, strict):
 UNFINISHED_WORDS = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",
                     "silent": "unreachable (its node's monitor and ranks stopped reporting)",
                     "error": "reported an error",
-                    "stuck": "alive but did not finish",
+                    "stuck": "alive, not finished",
                     "terminated": "terminated by a signal (scancel, the time limit, preemption or the launcher)",
                     "internal": "hit an error inside the tool"}
+# a live rank that did not finish, by what it posted when rank 0 asked (hang.issued_states); "behind" ranks
+# are said with never_issued_text
+ISSUED_WORDS = {"waiting": "alive, inside a collective (waiting for its peers)",
+                "idle": "alive, outside any collective",
+                "between": "alive, between two collective calls",
+                "unposted": "alive, posted no record of what it issued within {s:g}s"}
+PROCESS_KINDS = ("dead", "frozen", "silent")  # evidence of a rank's own process state
 STOPPED_WORDS = "the run was stopped from outside, not by a fault of the cluster: no host is blamed"
+NOT_BLAMED = " (not blamed)"
 
 
 def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
@@ -4617,59 +4878,130 @@ def quiet_monitor_note(quiet, budget):
             "the node unreachable: no host is blamed for it")
 
 
-def _unfinished_culprits(groups):
-    """(culprits, check or None, code) of judge_unfinished. Dead, frozen and unreachable ranks are
-    evidence that persists. Errors and stuck ranks are blamed only when nothing else explains them: never
-    once a rank was terminated by a signal or hit the tool's own error (they are its consequence)."""
-    culprits = groups["dead"] + groups["frozen"] + groups["silent"]
-    if culprits:
-        return culprits, None, EXIT_FAIL if groups["dead"] else EXIT_TIMEOUT
-    if groups["terminated"]:
-        return [], "interrupted", EXIT_INTERRUPTED
-    if groups["internal"]:
-        return [], "internal", EXIT_INTERNAL
-    if groups["error"]:
-        return groups["error"], None, None
-    return groups["stuck"], None, EXIT_TIMEOUT
+def _unfinished_culprits(kinds, late, world, finished, an, phase, fabric_hint):
+    """Who is named for a phase that did not finish, and on what evidence: (culprits, check or None, code or
+    None, evidence, unlocalised or None). In order: a rank's own process state anywhere in the world (dead,
+    frozen, unreachable: also a rank that finished its part and then died), whatever else happened; a signal
+    (`interrupted`) or the tool's own error (`internal`), whose consequences are nobody's fault; errors ranks
+    reported themselves (when not every rank did); then, among the live ranks that did not finish, those
+    that never issued a collective their peers issued (an: hang.issued_states of the phase's group), or,
+    outside any collective (in a phase whose work is each rank's own, or as their post says) while a peer
+    finished the phase, those that never finished their part. Anything else (every rank inside the
+    collective, records not collected, every rank alike) FAILs naming no host, saying what would localise
+    it."""
+    hard = [r for r in range(world) if kinds[r] in PROCESS_KINDS]
+    if hard:
+        return hard, None, EXIT_FAIL if any(kinds[r] == "dead" for r in hard) else EXIT_TIMEOUT, "process", None
+    if any(kinds[r] == "terminated" for r in range(world)):
+        return [], "interrupted", EXIT_INTERRUPTED, "signal", None
+    if any(kinds[r] == "internal" for r in range(world)):
+        return [], "internal", EXIT_INTERNAL, "tool", None
+    errs = [r for r in late if kinds[r] == "error"]
+    if errs and len(errs) < world:
+        return errs, None, None, "own", None
+    if errs:
+        return [], None, None, "everyone", unlocalised_record(
+            "every rank reported an error of its own, so none is unlike its peers", RERUN_HINT)
+    stuck = [r for r in late if kinds[r] == "stuck"]
+    states = an["states"] if an else {}
+    behind = [r for r in stuck if states.get(r) == "behind"]
+    if behind:
+        return behind, None, EXIT_TIMEOUT, "never-issued", None
+    idle = [r for r in stuck if (states.get(r) == "idle" if an else phase not in ISSUE_PHASES)]
+    if idle and finished:
+        return idle, None, EXIT_TIMEOUT, "never-issued", None
+    if not stuck:
+        return [], None, EXIT_TIMEOUT, "not-collected", unlocalised_record(
+            "every rank did its part of the phase and none is behind; what held it back was not seen", RERUN_HINT)
+    unposted = [r for r in stuck if states.get(r) == "unposted"]
+    if unposted or (phase in ISSUE_PHASES and not an):
+        who = f"rank(s) {ranks_text(unposted)}" if unposted else "the ranks"
+        return [], None, EXIT_TIMEOUT, "not-collected", unlocalised_record(
+            f"what {who} issued last was not collected (a rank whose main thread holds the interpreter, or a "
+            "store connection that did not answer), and no other evidence singles one out", RERUN_HINT)
+    waiting = [r for r in stuck if states.get(r) == "waiting"]
+    if an and an["front"] and waiting:
+        front = an["front"][1]
+        every = all((an["last"].get(r) or [None, -1])[1] == front for r in stuck)
+        what = (f"every rank issued {op_text(an['front'])} and it did not finish" if every else
+                f"ranks {ranks_text(waiting)} wait inside a collective and no rank is stopped outside one")
+        return [], None, EXIT_TIMEOUT, "all-issued", unlocalised_record(
+            f"{what}: the fabric or a link between the ranks, which no rank's own state singles out",
+            fabric_hint or FABRIC_HINT)
+    return [], None, EXIT_TIMEOUT, "everyone", unlocalised_record(
+        "every rank that did not finish is alive and outside any collective: none is behind another", RERUN_HINT)
 
 
-def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=None, silent_hosts=()):
-    """Who did not finish `phase` (one FAIL finding). A rank whose last stamp is before the phase is
-    dead (its process is gone), frozen (stopped), unreachable (its node's monitor went silent), was
-    terminated by a signal, hit the tool's own error, reported an error, or is alive but stuck. The
-    culprits: see _unfinished_culprits. A run stopped by a signal with no other culprit is check
-    `interrupted` (exit 5), one stopped by the tool's own error `internal` (exit 4), naming no host.
-    Exit code otherwise: 1 when a rank is dead, 3 when one is frozen, unreachable or stuck, else `code`
-    (the reported error's).
+def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=None, silent_hosts=(), issued=None,
+                     fabric_hint=None):
+    """Who did not finish `phase` (one FAIL finding). A rank whose last stamp is before the phase is dead
+    (its process is gone), frozen (stopped), unreachable (its node's monitor went silent), was terminated by
+    a signal, hit the tool's own error, reported an error, or is alive: then, in a phase that issues
+    collectives, what it posted when rank 0 asked (issued: {rank: post or None}; None: not asked) tells
+    whether it never issued a collective its peers issued (named), waits inside one (not named), or is
+    outside any. The culprits and the evidence: see _unfinished_culprits. A run stopped by a signal with no
+    other culprit is check `interrupted` (exit 5), one stopped by the tool's own error `internal` (exit 4),
+    naming no host. Exit code otherwise: 1 when a rank is dead, 3 when one is frozen, unreachable or stuck,
+    else `code` (the reported error's). A FAIL that names no host says so, why, and what would localise it
+    (its 'unlocalised'); every finding carries its 'blame'.
 
     stamps: {rank: index in PHASES of its last finished phase}; live: {rank: running|stopped|gone};
     errors: {rank: {'line', 'term', 'internal'}}; host_of: {rank: host}."""
     idx = PHASES.index(phase)
     late = [r for r in range(world) if stamps.get(r, -1) < idx]
-    groups = {k: [r for r in late if unfinished_kind(r, live, errors, host_of, silent_hosts) == k]
-              for k in UNFINISHED_WORDS}
-    culprits, check, ccode = _unfinished_culprits(groups)
+    finished = [r for r in range(world) if r not in late]
+    kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in range(world)}
+    an = issued_states(range(world), issued, [r for r in late if kinds[r] == "stuck"], group_key(range(world))) \
+        if issued is not None else None
+    culprits, check, ccode, evidence, unloc = _unfinished_culprits(kinds, late, world, finished, an, phase,
+                                                                  fabric_hint)
     code = ccode or code or EXIT_FAIL
-    parts = [f"{_ranks_on_hosts(rs, host_of)} {UNFINISHED_WORDS[k]}" for k, rs in groups.items() if rs]
-    detail = "; ".join(parts) if parts else "every rank finished it"
-    first_err = next((errors[r]["line"] for r in culprits or late if r in errors), None)
-    reason = (f"{cause}: {detail}; {world - len(late)}/{world} rank(s) finished {phase}"
+    detail = _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, finished)
+    first_err = next((errors[r]["line"] for r in culprits or late if r in errors and not errors[r].get("term")), None)
+    reason = (f"{cause}: {detail}; {len(finished)}/{world} rank(s) finished {phase}"
               + (f"; first error: {first_err}" if first_err else "")
               + (f"; {STOPPED_WORDS}" if check == "interrupted" else "")
-              + ("; a bug in the tool, not a fault of the cluster: no host is blamed" if check == "internal" else ""))
-    hard = groups["dead"] + groups["frozen"] + groups["silent"]
-    return finding(check or PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits,
-                   code=code, blame="process" if hard else "own" if groups["error"] and culprits else None)
+              + ("; a bug in the tool, not a fault of the cluster: no host is blamed" if check == "internal" else "")
+              + (f"; {unlocalised_words(unloc)}" if unloc else ""))
+    f = finding(check or PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits,
+                code=code)
+    f["blame"] = evidence
+    if unloc:
+        f["unlocalised"] = unloc
+    if an:
+        f["issued"] = {"source": an["source"], "front": an["front"], "issuers": an["issuers"],
+                       "states": {str(r): s for r, s in sorted(an["states"].items())},
+                       "last": {str(r): x for r, x in sorted(an["last"].items())}}
+    return f
 
 
-def _ranks_on_hosts(ranks, host_of, limit=16):
-    """'rank 1 (node2)' or 'ranks 4-7 (node2), 9 (node3)'; at most `limit` hosts, then a count."""
-    by_host = {}
-    for r in sorted(ranks):
-        by_host.setdefault(host_of.get(r, "?"), []).append(r)
-    items = [f"{format_ranges(rs)} ({h})" for h, rs in list(by_host.items())[:limit]]
-    more = f" and {len(by_host) - limit} more node(s)" if len(by_host) > limit else ""
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(items) + more
+def _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, finished):
+    """The finding's words: each rank that did not finish (or whose process is gone) by what it was doing;
+    when some are named, the others say they are not."""
+    named, parts = set(culprits), []
+    shown = [r for r in sorted(kinds) if r in late or kinds[r] in PROCESS_KINDS + ("terminated", "internal")]
+    states = an["states"] if an else {}
+    if evidence == "never-issued":
+        behind = [r for r in culprits if states.get(r) == "behind"]
+        if behind:
+            how = "torch's flight recorder" if an["source"] == "recorder" else "its own record"
+            parts.append(f"{never_issued_text(behind, an, host_of)} (alive, outside any collective; numbered by {how})")
+        rest = [r for r in culprits if r not in behind]
+        if rest:
+            parts.append(never_finished_text(rest, phase, finished, host_of) + " (alive, outside any collective)")
+    for k, words in UNFINISHED_WORDS.items():
+        rs = [r for r in shown if kinds[r] == k and r not in (named if evidence == "never-issued" else ())]
+        if k == "stuck" and an:  # the live ranks by what they posted
+            for s, w in ISSUED_WORDS.items():
+                sub = [r for r in rs if states.get(r) == s]
+                if sub:
+                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
+            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
+        if rs:
+            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
+    return "; ".join(parts) if parts else "no rank is behind"
+
+
 SCREEN_QUARTILE_MIN = 4     # fewer values: the reference is their maximum
 SCREEN_SPREAD_MIN = 8       # fewer values: no noise estimate (the WARN fraction alone decides)
 
@@ -5675,39 +6007,101 @@ def _screen_group_words(g):
     return f"links among {', '.join(g['nodes'])} on rail {g['rail']}"
 
 
-def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=()):
+def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=(), issued=None):
     """Who did not finish a screen round (one FAIL finding under PHASE_CHECK[phase]), or None when every
     rank posted every round. rounds: [(name, groups)] of the phase in the order they ran; posted: {name:
     ranks that posted it}; how: 'did not complete within 30s', 'failed', ...; live, errors, silent_hosts
-    as judge_unfinished. The first round some rank did not post names its groups with a member missing
-    (the node pair and rail, or the node) and the missing ranks in no group of it. Culprits: the dead,
-    frozen or unreachable ranks among them, else every member of those groups (both ends of a link)."""
+    as judge_unfinished; issued: {rank: its post of what it issued last, or None} (None: not asked). The
+    first round some rank did not post names its groups with a member missing (the node pair and rail, or
+    the node) and the missing ranks in no group of it. The culprits follow judge_unfinished's law: a rank's
+    own process state (dead, frozen, unreachable) anywhere; a signal or the tool's own error names nobody;
+    an error a rank reported itself; a member that never issued its group's collective while the other end
+    did, or a rank outside any collective that never finished its part of the round while others did.
+    Else (both ends inside the collective: the link; records not collected) no host is named, and the
+    finding says why and what would localise it."""
     todo = [(n, gs, m) for n, gs in rounds for m in [sorted(set(range(world)) - set(posted.get(n) or ()))] if m]
     if not todo:
         return None
     name, groups, missing = todo[0]
+    label = screen_round_label(name)
     hung = [g for g in groups if set(g["ranks"]) & set(missing)]
     loose = sorted(set(missing) - {r for g in hung for r in g["ranks"]})
-    kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in missing}
-    hard = [r for r in missing if kinds[r] in ("dead", "frozen", "silent")]
-    stopped = [r for r in missing if kinds[r] in ("terminated", "internal")]
-    if stopped and not hard:  # a signal or the tool's own error, not the group's link: as judge_unfinished
-        return judge_unfinished(phase, f"{screen_round_label(name)} {how}", world, host_of,
+    kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in range(world)}
+    hard = [r for r in range(world) if kinds[r] in PROCESS_KINDS]
+    if not hard and any(kinds[r] in ("terminated", "internal") for r in range(world)):
+        return judge_unfinished(phase, f"{label} {how}", world, host_of,  # as judge_unfinished: nobody's fault
                                 {r: -1 if r in missing else PHASES.index(phase) for r in range(world)}, live, errors)
-    culprits = hard or sorted({r for g in hung for r in g["ranks"]} | set(loose))
+    stuck = [r for r in missing if kinds[r] == "stuck"]
+    states, behind_words = {}, []
+    for g in hung:
+        if issued is None:
+            break
+        an = issued_states(g["ranks"], issued, [r for r in g["ranks"] if r in stuck], group_key(g["ranks"]))
+        states.update(an["states"])
+        behind = [r for r in g["ranks"] if an["states"].get(r) == "behind"]
+        if behind:
+            behind_words.append(never_issued_text(behind, an, host_of))
+    for r in loose:  # in no group of the round: its part was its post alone
+        if r in stuck and issued is not None:
+            p = issued.get(r)
+            states[r] = "unposted" if p is None else "waiting" if p.get("inflight") else "idle"
+    done = sorted(set(range(world)) - set(missing))
+    errs = [r for r in missing if kinds[r] == "error"]
+    behind = [r for r in stuck if states.get(r) == "behind"]
+    idle = [r for r in stuck if states.get(r) == "idle"] if done else []
+    unloc = None
+    if hard:
+        culprits, evidence = hard, "process"
+    elif errs and len(errs) < world:
+        culprits, evidence = errs, "own"
+    elif behind or idle:
+        culprits, evidence = behind + idle, "never-issued"
+    else:
+        culprits = []
+        if stuck and all(states.get(r) == "waiting" for r in stuck) and hung:
+            evidence = "all-issued"
+            more = " and the others" if len(hung) > 1 else ""
+            unloc = unlocalised_record(f"every member of {_screen_group_words(hung[0])}{more} issued its all_reduce "
+                                       "and it did not finish: the link, which neither end's own state singles out",
+                                       LINK_HINT)
+        elif errs:
+            evidence = "everyone"
+            unloc = unlocalised_record("every rank reported an error of its own, so none is unlike its peers",
+                                       RERUN_HINT)
+        else:
+            evidence = "not-collected"
+            unloc = unlocalised_record("what the ranks that did not finish issued last was not collected (or they "
+                                       "are alike), and no other evidence singles one out", RERUN_HINT)
     what = [_screen_group_words(g) for g in hung[:8]] + ([f"{len(hung) - 8} more group(s)"] if len(hung) > 8 else [])
-    what += [f"{_ranks_on_hosts(loose, host_of)} (in no group of {screen_round_label(name)})"] if loose else []
-    states = "; ".join(f"{_ranks_on_hosts(rs, host_of)} {UNFINISHED_WORDS[k]}" for k in UNFINISHED_WORDS
-                       for rs in [[r for r in missing if kinds[r] == k]] if rs)
+    what += [f"{on_hosts(loose, host_of)} (in no group of {label})"] if loose else []
+    named = set(culprits)
+    parts = list(behind_words) + ([never_finished_text(idle, label, done, host_of)] if idle and evidence ==
+                                  "never-issued" else [])
+    for k, words in UNFINISHED_WORDS.items():
+        rs = [r for r in missing if kinds[r] == k and not (evidence == "never-issued" and r in named)]
+        rs += [r for r in hard if k == kinds[r] and r not in missing]
+        if k == "stuck" and issued is not None:
+            for s, w in ISSUED_WORDS.items():
+                sub = [r for r in rs if states.get(r) == s]
+                if sub:
+                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
+            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
+        if rs:
+            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
     first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
-    reason = (f"{'; '.join(what)} {how} ({states}); {world - len(missing)}/{world} rank(s) finished "
-              f"{screen_round_label(name)}" + (f"; first error: {first_err}" if first_err else ""))
-    code = EXIT_FAIL if any(kinds[r] == "dead" for r in missing) else \
-        EXIT_FAIL if all(kinds[r] in ("error", "terminated") for r in missing) else EXIT_TIMEOUT
+    reason = (f"{'; '.join(what)} {how} ({'; '.join(parts)}); {world - len(missing)}/{world} rank(s) finished "
+              f"{label}" + (f"; first error: {first_err}" if first_err else "")
+              + (f"; {unlocalised_words(unloc)}" if unloc else ""))
+    code = EXIT_FAIL if any(kinds[r] == "dead" for r in hard) else \
+        EXIT_FAIL if evidence in ("own", "everyone") and all(kinds[r] in ("error", "terminated") for r in missing) \
+        else EXIT_TIMEOUT
     check = "gpu-perf" if hung and all(g.get("gpu") for g in hung) else \
         "intra-node" if hung and all(g.get("rail") is None for g in hung) else PHASE_CHECK[phase]
-    return finding(check, "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits), culprits, code=code,
-                   blame="process" if hard else None)
+    f = finding(check, "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits), culprits, code=code)
+    f["blame"] = evidence
+    if unloc:
+        f["unlocalised"] = unloc
+    return f
 
 
 def _screen_worst(levels):
@@ -8783,6 +9177,25 @@ def _html_numerics(state, limit=64):
             f"{body}</table>{more}</div></section>")
 
 
+def _html_nccl_view(state, limit=64):
+    """NCCL's own view beside ours, where a finding carries one (a collective that did not finish on NCCL):
+    per rank what we saw and what NCCL's RAS said, differences first; nothing otherwise."""
+    views = [f["nccl_view"] for f in state.get("findings") or [] if isinstance(f.get("nccl_view"), dict)]
+    if not views:
+        return ""
+    v, hosts = views[0], {r.get("rank"): r.get("host") for r in state.get("ranks") or []}
+    rows = sorted(((int(r), x) for r, x in (v.get("ranks") or {}).items()),
+                  key=lambda y: (y[1].get("agree", True), y[0]))
+    body = "".join(f'<tr><td>{r}</td><td><code>{_html_e(hosts.get(r))}</code></td><td>{_html_e(x.get("ours"))}</td>'
+                   f'<td>{_html_e(x.get("nccl"))}</td><td>{_html_e(x.get("count"))}</td><td>'
+                   + ("" if x.get("agree") else '<span class="st WARN">differs</span>') + "</td></tr>"
+                   for r, x in rows[:limit])
+    head = "<tr><th>rank</th><th>host</th><th>ours</th><th>NCCL's</th><th>collectives (NCCL)</th><th></th></tr>"
+    table = f"<table>{head}{body}</table>" if body else ""
+    return (f'<section id="nccl-view"><h2>NCCL\'s own view</h2><div class="card"><p>{_html_e(v.get("words"))}</p>'
+            f"{table}</div></section>")
+
+
 def _html_gpu_levels(screen):
     """gpu_levels (the judge's references and levels), for the page."""
     return gpu_levels(screen)
@@ -9303,7 +9716,7 @@ def render_html(state):
     gl, refs = _html_gpu_levels(screen)
     title = f"{state.get('verdict') or 'FAIL'} - ai-infra-validator - {state.get('host') or ''}"
     body = (_html_verdict(state) + _html_findings(state) + _html_actions(state) + _html_topology(state, gl)
-            + _html_gpus(screen, gl, refs) + _html_intra(screen) + _html_numerics(state)
+            + _html_gpus(screen, gl, refs) + _html_intra(screen) + _html_numerics(state) + _html_nccl_view(state)
             + _html_pairs(screen, state.get("failed_hosts") or []) + _html_timeline(state))
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_html_e(title)}</title>'
             f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{_html_css()}</style></head>'
@@ -9800,6 +10213,9 @@ class StoreProtocol:
       errors, nerr   error lines (JSON, appended) and their count  any rank
       forged         values a rank refused (JSON lines: key, why, claim)   any rank but 0
       verdict        rank 0's exit code: listeners exit with it   rank 0
+      ask            rank 0's question when a phase did not finish ('1'): each rank's listener, which waits
+                     on this key, answers under posts/issued; set to 'verdict' after the verdict (the
+                     listener then takes the verdict)   rank 0
       ack/<rank>, acks  a rank read the verdict; how many did (counter)   each rank
       screen/q<k>/<rank>                                          rank 0
                      the rank's part of the screen loop's k-th batch (JSON: its group, the batch's group
@@ -9809,7 +10225,8 @@ class StoreProtocol:
       screen/<round>/n, screen/<round>/all  posts counted; set by the last of the world  each rank
       gate/screen    rank 0's go after the screen's judgement     rank 0
       posts/<name>   a fan-in to rank 0, one JSON line per rank (appended): telemetry (identity and
-                     node facts), results (the collectives' and DDP step's)   each rank
+                     node facts), results (the collectives' and DDP step's), issued (the last collective
+                     each rank issued on each of its groups, when rank 0 asked)   each rank
       posts/<name>/n, posts/<name>/all  posts counted; set by the last of the world   each rank
     Measurements travel here, not through a collective of the world, so that a hung group of two
     nodes cannot hang the others: rank 0 waits for the keys within the phase's bound and names the
@@ -10136,6 +10553,10 @@ class StoreProtocol:
         if self.store.add(f"posts/{name}/n", 1) == self.world:
             self._set(f"posts/{name}/all", "1")
 
+    def post_count(self, name):
+        """How many posts of the fan-in `name` were counted (a wake-up: posts() holds the sealed posts)."""
+        return self.store.add(f"posts/{name}/n", 0)
+
     def posts(self, name):
         """{rank: its post} of the fan-in `name`, so far: one read of the list (sealed posts only)."""
         return {int(e["rank"]): e for e in map(json.loads, self._lines(f"posts/{name}"))}
@@ -10192,7 +10613,17 @@ class StoreProtocol:
         return out
 
     def publish_verdict(self, code):
+        """The verdict, then `ask` (the listeners wait on it: it wakes them, and they find the verdict)."""
         self._set("verdict", str(code))
+        self._set("ask", "verdict")
+
+    def ask(self):
+        """Rank 0, a phase did not finish: every live rank's listener posts what it issued last (posts/issued)."""
+        self._set("ask", "1")
+
+    def wait_ask(self, seconds):
+        """A listener: rank 0's question or its verdict, within `seconds`. -> 'ask' or 'verdict'."""
+        return "verdict" if self._wait_valid("ask", seconds) == "verdict" else "ask"
 
     def verdict_holds(self, code):
         """Rank 0, while it waits for the acks: whether the verdict key still holds its sealed code
@@ -10461,40 +10892,229 @@ class LightStore:
 
 
 
+# ============================================================================ aiv/ras.py
+# Floor 5 (runtime): NCCL's own view of a job, from its RAS service (NCCL >= 2.24, on unless NCCL_RAS_ENABLE=0):
+RAS_PORT = 28028        # NCCL's default RAS client port
+RAS_PROTOCOL = 2        # the client protocol this reader speaks
+RAS_MAX_BYTES = 16 << 20
+
+
+def ras_addr(env):
+    """(host, port) of NCCL's RAS client socket: NCCL_RAS_ADDR ('host:port', '[v6]:port', 'host' or ':port'),
+    else localhost:28028."""
+    spec = (env.get("NCCL_RAS_ADDR") or "").strip()
+    if not spec:
+        return "localhost", RAS_PORT
+    if spec.startswith("["):
+        host, _, rest = spec[1:].partition("]")
+        port = rest.lstrip(":")
+    elif spec.count(":") == 1:
+        host, _, port = spec.partition(":")
+    else:
+        host, port = spec, ""
+    return host or "localhost", int(port) if port.isdigit() else RAS_PORT
+
+
+class _Conn:
+    """One RAS connection: lines and the rest of the stream, every read and write within the deadline."""
+
+    def __init__(self, sock, end):
+        self.sock, self.end, self.buf = sock, end, bytearray()
+
+    def left(self):
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        return left
+
+    def send(self, line):
+        self.sock.settimeout(self.left())
+        self.sock.sendall(line.encode() + b"\n")
+
+    def line(self):
+        while b"\n" not in self.buf:
+            self._recv()
+        head, _, self.buf = bytes(self.buf).partition(b"\n")
+        self.buf = bytearray(self.buf)
+        return head.decode(errors="replace").strip()
+
+    def rest(self):
+        """Everything until NCCL closes the connection (the STATUS document)."""
+        try:
+            while True:
+                self._recv()
+        except EOFError:
+            return bytes(self.buf).decode(errors="replace")
+
+    def _recv(self):
+        self.sock.settimeout(self.left())
+        got = self.sock.recv(65536)
+        if not got:
+            raise EOFError
+        self.buf += got
+        if len(self.buf) > RAS_MAX_BYTES:
+            raise ValueError(f"more than {RAS_MAX_BYTES >> 20} MiB")
+
+
+def ras_status(host, port, seconds):
+    """NCCL's RAS STATUS as JSON, within `seconds` in all (NCCL is told to wait for its peers one second
+    less). -> {'ok': True, 'data': the document, 'secs'} or {'ok': False, 'why': in words}."""
+    t0, where = time.monotonic(), f"{host}:{port}"
+    end = t0 + seconds
+    try:
+        sock = socket.create_connection((host, port), timeout=max(0.05, seconds))
+    except ConnectionRefusedError:
+        return {"ok": False, "why": f"nothing listens on {where} (RAS off: NCCL_RAS_ENABLE=0, NCCL older than 2.24, or "
+                                    "no NCCL process on this node any more)"}
+    except (TimeoutError, socket.timeout):
+        return {"ok": False, "why": f"no connection to {where} within {seconds:g}s"}
+    except OSError as e:
+        return {"ok": False, "why": f"cannot connect to {where}: {e.strerror or e}"}
+    conn, step = _Conn(sock, end), "the handshake"
+    try:
+        with sock:
+            conn.send(f"CLIENT PROTOCOL {RAS_PROTOCOL}")
+            hello = conn.line()
+            if not hello.upper().startswith("SERVER PROTOCOL "):
+                return {"ok": False, "why": f"{where} answered {hello[:60]!r}, not as NCCL's RAS (SERVER PROTOCOL)"}
+            step = "TIMEOUT"
+            conn.send(f"TIMEOUT {max(1, int(seconds) - 1)}")
+            if conn.line().upper() != "OK":
+                return {"ok": False, "why": f"{where} refused TIMEOUT"}
+            step = "SET FORMAT json"
+            conn.send("SET FORMAT json")
+            answer = conn.line()
+            if answer.upper() != "OK":
+                return {"ok": False, "why": f"{where} does not answer in JSON (NCCL older than 2.28.7?): "
+                                            f"{answer[:60]!r}"}
+            step = "STATUS"
+            conn.send("STATUS")
+            text = conn.rest()
+    except (TimeoutError, socket.timeout):
+        return {"ok": False, "why": f"{where} did not answer {step} within {seconds:g}s"}
+    except EOFError:
+        return {"ok": False, "why": f"{where} closed the connection during {step}"}
+    except (OSError, ValueError) as e:
+        return {"ok": False, "why": f"{where} during {step}: {e}"}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {"ok": False, "why": f"{where} answered STATUS with something that is not JSON ({text[:60]!r})"}
+    if not isinstance(data, dict):
+        return {"ok": False, "why": f"{where} answered STATUS with JSON that is not a document"}
+    return {"ok": True, "data": data, "secs": round(time.monotonic() - t0, 3), "addr": where}
+
+
+
 # ============================================================================ aiv/background.py
 # Floor 5 (runtime): a rank's work off its main thread and its NCCL log. Background holds what a rank
-class NcclLog:
-    """NCCL's INFO lines of one rank, sent to a private file (not the operator's log) to learn the
-    transport it chose and the HCA of each connection. Left alone (path None) when the operator set
-    NCCL_DEBUG_FILE or asked for INFO, and on gloo."""
+class Issued:
+    """What this rank issued last on each of its process groups, kept in memory as it goes (cheap: a list per
+    group): the collective's name, its number on that group (1, 2, ...; the group's own set-up is 0) and
+    whether it finished on this rank; and the group the main thread is inside right now. Set by the one
+    helper every collective call passes through (RankRun.issuing). torch's flight recorder holds the same
+    from torch's side (record()): where it recorded nothing, this record stands in."""
 
-    def __init__(self, path=None, env=None):
+    def __init__(self):
+        self.own, self.inflight, self.since = {}, None, time.monotonic()
+        self.names = {}  # a process group's name (torch's) -> its key (hang.group_key)
+
+    def start(self, op, key, seq=None):
+        last = self.own.get(key)
+        self.own[key] = [op, (last[1] + 1 if last else 1) if seq is None else seq, False]
+        self.inflight = key
+
+    def done(self, key):
+        self.own[key] = self.own[key][:2] + [True]
+        self.inflight, self.since = None, time.monotonic()
+
+    def record(self, torch, diag=()):
+        """This rank's answer to rank 0: {'own': {key: [op, seq, done]}, 'fr': the same from torch's flight
+        recorder (None: it recorded nothing, or cannot be read), 'inflight': the group the main thread is
+        inside, or None, 'idle_s': seconds since it left its last call, 'diag': NCCL DIAG lines seen}. Never
+        raises: the recorder is evidence, not a dependency."""
+        inflight, since = self.inflight, self.since
+        return {"own": {k: list(v) for k, v in list(self.own.items())}, "fr": recorder_last(torch, dict(self.names)),
+                "inflight": inflight, "idle_s": None if inflight else round(time.monotonic() - since, 3),
+                "diag": list(diag)[:8]}
+
+
+def recorder_last(torch, names):
+    """The last collective torch's flight recorder holds for each process group this rank knows (names: torch's
+    group name -> key): {key: [op, collective_seq_id, done]}, done from the recorder's per-group status (the last
+    completed collective), else the entry's state. None when it holds nothing or cannot be read."""
+    try:
+        dump = torch._C._distributed_c10d._dump_fr_trace_json
+        j = json.loads(dump(True, False))
+        status, out = j.get("pg_status") or {}, {}
+        for e in j.get("entries") or []:
+            pg = e.get("process_group") or []
+            key, seq = names.get(str(pg[0])) if pg else None, e.get("collective_seq_id")
+            if key is None or e.get("is_p2p") or not isinstance(seq, int) or (key in out and out[key][1] >= seq):
+                continue
+            st = status.get(str(e.get("pg_id")))
+            done = int(st["last_completed_collective"]) >= seq if st and "last_completed_collective" in st else \
+                e.get("state") == "completed"
+            out[key] = [str(e.get("profiling_name") or "?").split(":", 1)[-1], seq, done]
+        return out or None
+    except Exception:
+        return None
+
+
+class NcclLog:
+    """NCCL's INFO lines of one rank: the transport it chose and the HCA of each connection, its WARN lines.
+    By default NCCL writes them to a private file (not the operator's log). An operator who set NCCL_DEBUG_FILE
+    keeps it: the rank reads that file (its %h and %p expanded as NCCL does), and NCCL writes INFO lines there
+    only with NCCL_DEBUG=INFO. With NCCL_DEBUG=INFO and no file NCCL writes to the job's stdout, which the rank
+    cannot read: `source` says why nothing was read (the transport row says so). Nothing on gloo."""
+
+    def __init__(self, path=None, env=None, source=None):
         self.path, self.env, self.seen = path, env or {}, 0
+        self.source = source  # NCCL's lines go to: 'private' (ours), 'operator' (NCCL_DEBUG_FILE), 'stdout'; None: gloo
         self.relay_lock, self.relayed = threading.Lock(), threading.Event()
 
     @classmethod
     def capture(cls, backend, rank, env):
-        if backend == "gloo" or "NCCL_DEBUG_FILE" in env or env.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE"):
+        if backend == "gloo":
             return cls(None, env)
+        if "NCCL_DEBUG_FILE" in env or env.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE"):
+            return cls(None, env, "operator" if "NCCL_DEBUG_FILE" in env else "stdout")
         fd, path = tempfile.mkstemp(prefix=f"aiv-nccl-r{rank}-", suffix=".log")
         os.close(fd)
         os.environ["NCCL_DEBUG_FILE"] = path
         os.environ["NCCL_DEBUG"] = "INFO"
         os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
-        return cls(path, env)
+        return cls(path, env, "private")
+
+    def readable(self):
+        """The file this rank reads NCCL's lines from (the private one, or the operator's), or None."""
+        return self.path or (nccl_debug_file(self.env) if self.source == "operator" else None)
 
     def __bool__(self):
-        return self.path is not None
+        return self.readable() is not None
 
     def _text(self):
-        return read_text(self.path, "", limit=8 << 20) or ""
+        path = self.readable()
+        return (read_text(path, "", limit=8 << 20) or "") if path else ""
 
     def facts(self):
-        """{'transport': kinds, 'nccl_net': interfaces}, both None without a private log."""
-        if not self.path:  # gloo, or the operator's own NCCL_DEBUG=INFO / NCCL_DEBUG_FILE
-            return {"transport": None, "nccl_net": None}
-        text = self._text()
-        return {"transport": parse_nccl_transport(text), "nccl_net": parse_nccl_ifaces(text)}
+        """{'transport': kinds, 'nccl_net': interfaces, 'nccl_log': where NCCL's lines were read, or why not}:
+        transport and nccl_net are None where no INFO line of NCCL was read (gloo; NCCL_DEBUG=INFO on stdout;
+        an operator's NCCL_DEBUG_FILE without INFO lines in it)."""
+        if self.source is None and not self.path:
+            return {"transport": None, "nccl_net": None, "nccl_log": None}
+        text, where = self._text(), {"source": self.source, "path": self.readable()}
+        hidden = self.source == "operator" and nccl_subsys_hides_channels(self.env.get("NCCL_DEBUG_SUBSYS"))
+        if " NCCL INFO " not in text or hidden:
+            return {"transport": None, "nccl_net": None, "nccl_log": dict(where, read=False, subsys=self.env.get(
+                "NCCL_DEBUG_SUBSYS") if hidden else None)}
+        return {"transport": parse_nccl_transport(text), "nccl_net": parse_nccl_ifaces(text),
+                "nccl_log": dict(where, read=True)}
+
+    def diag(self):
+        """NCCL's DIAG lines (NCCL >= 2.31, NCCL_RUN_DIAGNOSTICS=1) where they reached the file this rank reads
+        (NCCL prints them to the process's stdout: they are in the job's log beside ours)."""
+        return nccl_diag_lines(self._text()) if self.readable() else []
 
     def hca_since_last(self):
         """The HCA of this rank's connections since the last call (a pair round's communicator)."""
@@ -10816,6 +11436,7 @@ class ScreenRunner:
             row = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
                                      self.args.sysfs_root)
         self.proto.screen_post("gpu", self.rank, row, self.world)
+        self.failpoint("done-screen-gpu")
 
     def screen_batch(self, e):
         """This rank's part of one batch: e = {'name', 'key', 'g': its group's ranks or None, 'rail', 'make':
@@ -10831,8 +11452,9 @@ class ScreenRunner:
         if e.get("gpu"):  # measured again: a slow GPU is named only when slow again
             post["gpu"] = self.gpu_again()
         if e.get("g"):
-            bw, sec = screen_busbw(self.torch, self.dist, self.my_groups[tuple(e["g"])], len(e["g"]),
-                                   self._device(), self._kind())
+            with self.issuing("all_reduce (busbw)", e["g"]):
+                bw, sec = screen_busbw(self.torch, self.dist, self.my_groups[tuple(e["g"])], len(e["g"]),
+                                       self._device(), self._kind())
             post.update(busbw=float(f"{bw:.4g}"), time_us=round(sec * 1e6, 1))
             if e.get("rail") is not None and self.nccl:
                 post["hca"] = self.nccl_hca()
@@ -10872,15 +11494,20 @@ class ScreenRunner:
             return (dist.group.WORLD if entry["mode"] == "world" else None), 0.0
         kw = {"timeout": datetime.timedelta(seconds=self.bound.seconds + TORCH_BACKSTOP_S)}  # our bound fires first
         if self.backend != "nccl":
-            group = dist.new_group(mine or [self.rank], use_local_synchronization=True, **kw)
+            with self.issuing("new_group", mine or [self.rank], seq=0):
+                group = dist.new_group(mine or [self.rank], use_local_synchronization=True, **kw)
         elif can_split(self.torch, dist):
             import inspect
             params = inspect.signature(dist.split_group).parameters
-            group = dist.split_group(split_ranks=[mine or entry["other"]],
-                                     **{k: v for k, v in kw.items() if k in params})
+            with self.issuing("split_group"):
+                group = dist.split_group(split_ranks=[mine or entry["other"]],
+                                         **{k: v for k, v in kw.items() if k in params})
         else:
             every = self.proto.screen_plan(key, "all", self.screen_left())[name]
-            group = dist.new_subgroups_by_enumeration(every, **kw)[0]
+            with self.issuing("new_subgroups_by_enumeration"):
+                group = dist.new_subgroups_by_enumeration(every, **kw)[0]
+        if group is not None and (mine or self.backend != "nccl"):  # torch's name of it: its flight recorder's
+            self.issued.names[group.group_name] = group_key(mine or [self.rank])
         self.screen_groups.append(group)
         made = time.monotonic() - t
         with self.state_lock:
@@ -11033,7 +11660,7 @@ class ScreenCoordinator:
     def round_groups(self):
         return dict(r for rs in self.screen_rounds.values() for r in rs)
 
-    def screen_unfinished(self, phase, client, cause, live, errors, silent, stamps):
+    def screen_unfinished(self, phase, client, cause, live, errors, silent, stamps, issued=None):
         """A screen phase that did not finish: (the finding naming the groups whose members did not post a
         batch, or None; the stamps for judge_unfinished, where a post of the GPU round counts as finishing
         it: rank 0 posts before it waits for the others)."""
@@ -11043,7 +11670,7 @@ class ScreenCoordinator:
         rounds = self.screen_rounds.get(phase) or []
         posted = {n: self.round_posted(client, n) for n, _ in rounds}
         how = cause[len(PHASE_WHAT[phase]):].strip() if cause.startswith(PHASE_WHAT[phase]) else cause
-        return screen_stuck(phase, how, self.world, rounds, posted, self.host_of, live, errors, silent), stamps
+        return screen_stuck(phase, how, self.world, rounds, posted, self.host_of, live, errors, silent, issued), stamps
 
     def round_posted(self, client, name):
         """Ranks that did their part of a batch: posted it, or, while the batch's start gate is not complete,
@@ -11165,6 +11792,7 @@ class RankRun(ScreenRunner):
         self.backend = self.device = self.results = self.bandwidth = None
         self.identity = None
         self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
+        self.issued, self.stalled = Issued(), set()  # what this rank issued last on each group (issuing)
         self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
         self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
@@ -11274,6 +11902,8 @@ class RankRun(ScreenRunner):
                       local_rank=self.local_rank, master=f"{self.addr}:{self.port}")
         if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
             self.bg.probe = start_import_probe()
+        if not any(v in os.environ for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+            os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"  # torch's flight recorder: what each rank issued (issuing)
         t = time.monotonic()
         try:
             with gc_paused():
@@ -11343,8 +11973,10 @@ class RankRun(ScreenRunner):
 
     def open_store(self, R, prefix, serve):
         """Connect to the store (rank 0's, or torchrun's agent's): the connect and the store's first answer
-        within the roll call's own bound R. A listener that accepts but never answers as a store (another
+        within the roll call's own bound R. A MASTER_ADDR that does not resolve here is said at once
+        (resolvable), as rank 0 says it; a listener that accepts but never answers as a store (another
         service on MASTER_PORT) is named as such (unanswered)."""
+        self.resolvable()
         try:
             return within(lambda: StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, seal=self.seal),
                           self.bound.left(), "the store's connect")
@@ -11358,6 +11990,36 @@ class RankRun(ScreenRunner):
                          f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
                          f"{first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
 
+    def resolvable(self):
+        """MASTER_ADDR looked up here within RESOLVE_S: a name that does not resolve is this host's `rendezvous`
+        FAIL at once (exit 1, as rank 0 says it), not a store that never answered after the roll call's bound.
+        A lookup that is only slow is left to the store's connect, which looks again."""
+        try:
+            within(lambda: socket.getaddrinfo(self.addr, self.port, type=socket.SOCK_STREAM), RESOLVE_S,
+                   f"the lookup of MASTER_ADDR={self.addr}")
+        except socket.gaierror as e:
+            raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank {self.rank}'s host "
+                         f"{self.host}: {e.strerror}", hosts=[self.host], ranks=[self.rank]) from None
+        except (BoundPassed, OSError):
+            pass
+
+    @contextlib.contextmanager
+    def issuing(self, op, ranks=None, seq=None):
+        """Around every collective call of the phases (the one helper their call sites use): this rank's
+        record of the collective it is about to issue on the group of `ranks` (default the world), kept in
+        memory (Issued), read when rank 0 asks (a phase's bound passed). On NCCL the block ends once the
+        collective finished on this device (a synchronise: done means finished, not only queued). The
+        `stall` failpoint pauses here, before the phase's first collective is issued."""
+        if self.phase not in self.stalled:
+            self.stalled.add(self.phase)
+            self.failpoint(self.phase, only=("stall",))
+        key = group_key(range(self.world) if ranks is None else ranks)
+        self.issued.start(op, key, seq)
+        yield
+        if self.backend == "nccl":
+            self.torch.cuda.synchronize()
+        self.issued.done(key)
+
     def phase_init(self):
         kw = {"backend": self.backend, "rank": self.rank, "world_size": self.world,
               "store": self.dist.PrefixStore(self.proto.prefix + "/pg", self.proto.raw),
@@ -11366,7 +12028,9 @@ class RankRun(ScreenRunner):
             kw["device_id"] = self.torch.device("cuda", self.device)
         self.failpoint("init")
         t = time.monotonic()
-        self.dist.init_process_group(**kw)
+        with self.issuing("init_process_group", seq=0):
+            self.dist.init_process_group(**kw)
+        self.issued.names[self.dist.group.WORLD.group_name] = group_key(range(self.world))  # the recorder's name
         self.progress("init", backend=self.backend, world=self.world, secs=time.monotonic() - t)
 
     def telemetry(self):
@@ -11383,6 +12047,7 @@ class RankRun(ScreenRunner):
     def phase_telemetry(self):
         self.failpoint("telemetry")
         self.proto.post("telemetry", self.rank, self.telemetry())
+        self.failpoint("done-telemetry")
         self.proto.wait_gate("judge", self.bound.left(RANK0_GRACE))
 
     def phase_soak(self):
@@ -11401,8 +12066,10 @@ class RankRun(ScreenRunner):
         base = torch.arange(1 << 16, dtype=torch.int64, device=self._device())
         x, s = base * (r + 1) + r, torch.tensor([r + 1], dtype=torch.int64, device=self._device())
         self.failpoint("collective")
-        self.dist.all_reduce(x)
-        self.dist.all_reduce(s)
+        with self.issuing("all_reduce"):
+            self.dist.all_reduce(x)
+        with self.issuing("all_reduce"):
+            self.dist.all_reduce(s)
         want = base * (w * (w + 1) // 2) + w * (w - 1) // 2
         self.results = {"rank": r, "ar_ok": bool(torch.equal(x, want)), "ar_sum": int(s.item())}
         self.progress("collective", world=w, secs=time.monotonic() - t)
@@ -11416,16 +12083,20 @@ class RankRun(ScreenRunner):
         g = torch.Generator().manual_seed(1234 + self.rank)
         xin, yin = torch.randn(16, 10, generator=g).to(dev), torch.randn(16, 10, generator=g).to(dev)
         model = torch.nn.Linear(10, 10).to(dev)
-        ddp = DDP(model, device_ids=[self.device] if self.backend == "nccl" else None)
+        with self.issuing("DDP's broadcast of the parameters"):
+            ddp = DDP(model, device_ids=[self.device] if self.backend == "nccl" else None)
         self.failpoint("ddp")
         loss = torch.nn.functional.mse_loss(ddp(xin), yin)
-        loss.backward()
+        with self.issuing("DDP's all_reduce of the gradients"):
+            loss.backward()
         grads = torch.cat([p.grad.detach().flatten() for p in model.parameters()]).double().cpu()
         lsum = loss.detach().clone()
-        dist.all_reduce(lsum)
+        with self.issuing("all_reduce"):
+            dist.all_reduce(lsum)
         self.results.update(loss=loss.item(), grads=hashlib.sha256(grads.numpy().tobytes()).hexdigest(),
                             imports=self.import_results(), helpers=list(self.helper_errors), **self.nccl.facts())
         self.proto.post("results", self.rank, self.results)
+        self.failpoint("done-ddp")
         self.results_gathered(lsum.item())
         self.progress("ddp", secs=time.monotonic() - t)
 
@@ -11499,15 +12170,20 @@ class RankRun(ScreenRunner):
         """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
           die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
                               (rendezvous, init, telemetry, screen-gpu, screen-net, soak, collective, ddp;
-                              round-<name>: rank 0 before it opens a screen batch's gate, e.g. round-p2); a
-                              pause first creates the file AIV_FAILPOINT_MARK, if set, so that a test breaks
-                              something (a link) while the run waits
+                              round-<name>: rank 0 before it opens a screen batch's gate, e.g. round-p2;
+                              done-<phase>: after the rank posted its own part of telemetry, screen-gpu or
+                              ddp, while the others may still work in it); a pause first creates the file
+                              AIV_FAILPOINT_MARK, if set, so that a test breaks something (a link) while the
+                              run waits
+          stall=S             an S-second pause right before the rank issues its first collective of <phase>
+                              (init, screen-net, collective, ddp, bandwidth: alive, never issuing it), marked
+                              like a pause
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
                               the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
                               e.g. helper-aiv-listener)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
-            m = re.fullmatch(r"(die|hang|raise|(pause|skew)=(\d+)):([\w-]+):(\d+)", item)
+            m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall)=(\d+)):([\w-]+):(\d+)", item)
             if not (m and m.group(4) == phase and int(m.group(5)) == self.rank and (m.group(2) or m.group(1)) in only):
                 continue
             flush_all()
@@ -11515,7 +12191,7 @@ class RankRun(ScreenRunner):
                 raise AssertionError(f"failpoint {item}")
             if m.group(3) is None:
                 os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
-            if m.group(2) == "pause" and self.env.get("AIV_FAILPOINT_MARK"):
+            if m.group(2) in ("pause", "stall") and self.env.get("AIV_FAILPOINT_MARK"):
                 with open(self.env["AIV_FAILPOINT_MARK"], "w") as f:
                     f.write(f"{phase} {self.rank}\n")
             time.sleep(int(m.group(3)))
@@ -11660,15 +12336,18 @@ class RankRun(ScreenRunner):
         sync = torch.cuda.synchronize if self.backend == "nccl" else (lambda: None)
         warm, iters = (5, 20) if self.backend == "nccl" else (1, 3)
         x = torch.zeros(max(1, size // 4), dtype=torch.float32, device=dev)
-        for _ in range(warm):
-            dist.all_reduce(x)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(x)
-        sync()
-        dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        with self.issuing(f"all_reduce x{warm} ({human_bytes(size)}, warm-up)"):
+            for _ in range(warm):
+                dist.all_reduce(x)
+            sync()
+        with self.issuing(f"all_reduce x{iters} ({human_bytes(size)})"):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(x)
+            sync()
+            dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
+        with self.issuing("all_reduce (the slowest rank's time)"):
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         sec = dt.item()
         algbw = size / sec / 1e9
         busbw = algbw * 2 * (self.world - 1) / self.world
@@ -11982,20 +12661,99 @@ class Coordinator(ScreenCoordinator, RankRun):
                         "it); the run went on without it") for ln in lines]
 
     def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
-        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports."""
+        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
+        that issues collectives also from what each live rank issued last (asked at once, collected within
+        ISSUED_S while the liveness settles) and, on NCCL, NCCL's own view beside ours (nccl_view_read)."""
         hosts = sorted(set(self.host_of.values()))
+        asked = self.ask_issued(client, phase)
+        ras = self.nccl_view_read(phase)
         try:
             live, silent, quiet = client.settled_live(hosts, budget)
             stamps, errors = client.stamps(self.world), client.errors()
         except Exception as e:
-            return finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the "
-                           f"ranks: {first_line(e)}", code=EXIT_TIMEOUT)
+            f = finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the ranks: "
+                        f"{first_line(e)}; no host is named", code=EXIT_TIMEOUT)
+            f["blame"], f["unlocalised"] = "not-collected", {"why": "rank 0's store could not be read",
+                                                                "localise": "a re-run"}
+            return f
         live.update(self.own_node_live())
         silent, quiet = unreachable_hosts(silent, quiet, self.host, self.host_of, errors)
-        f = self._unfinished(phase, client, cause, code, live, silent, stamps, errors)
+        issued = None
+        if asked is not None:
+            with contextlib.suppress(Exception):  # not collected: the finding says so
+                issued = self.issued_posts(client, asked, live, silent)
+        f = self._unfinished(phase, client, cause, code, live, silent, stamps, errors, issued)
         if quiet:
             f["reason"] += "; " + quiet_monitor_note(quiet, budget)
+        if ras is not None:
+            self.nccl_view_add(f, ras, live, silent, issued)
         return f
+
+    def ask_issued(self, client, phase):
+        """In a phase that issues collectives: ask every live rank what it issued last (their listeners answer
+        on posts/issued). -> when it asked, or None."""
+        if phase not in ISSUE_PHASES:
+            return None
+        try:
+            client.ask()
+        except Exception:
+            return None
+        return time.monotonic()
+
+    def issued_posts(self, client, asked, live, silent):
+        """{rank: its answer or None} once every live rank answered, at most ISSUED_S after the question; rank 0's
+        own record read here."""
+        expect = {r for r, h in self.host_of.items() if r and live.get(r, "running") == "running" and h not in silent}
+        while True:  # the counter is read every 50 ms (one small operation), the posts once it says enough
+            late = time.monotonic() >= asked + ISSUED_S
+            if late or client.post_count("issued") >= len(expect):
+                posts = client.posts("issued")
+                if late or expect <= set(posts):
+                    break
+            time.sleep(0.05)
+        out = {r: posts.get(r) for r in range(self.world)}
+        out[0] = self.issued.record(self.torch, self.nccl.diag())
+        return out
+
+    def nccl_view_read(self, phase):
+        """On NCCL, in a phase that issues collectives: NCCL's RAS STATUS read on a thread of its own (its node's
+        RAS answers for the whole job), within NCCL_RAS_S. -> (thread, box) or None."""
+        if self.backend != "nccl" or phase not in ISSUE_PHASES:
+            return None
+        box = {}
+        th = threading.Thread(target=lambda: box.update(ras=ras_status(*ras_addr(self.env), NCCL_RAS_S)),
+                              name="aiv-ras", daemon=True)
+        th.start()
+        return th, box
+
+    def nccl_view_add(self, f, ras, live, silent, issued=None):
+        """NCCL's view beside ours in the finding: its words in the reason, its data under 'nccl_view' (with the
+        NCCL DIAG lines the ranks' answers carried)."""
+        th, box = ras
+        th.join(NCCL_RAS_S + 0.5)
+        got = box.get("ras") or {"ok": False, "why": f"no answer within {NCCL_RAS_S:g}s"}
+        states = (f.get("issued") or {}).get("states") or {}
+        kinds = {r: "dead" if live.get(r) == "gone" else "frozen" if live.get(r) == "stopped" else
+                 "silent" if h in silent else "behind" if states.get(str(r)) == "behind" else "ok"
+                 for r, h in self.host_of.items()}
+        view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        diag = [ln for p in (issued or {}).values() if p for ln in p.get("diag") or []]
+        if diag:
+            view["diag"] = diag[:20]
+            view["words"] += f"; NCCL DIAG ({len(diag)} line(s)): {diag[0]}"
+        f["reason"] += "; " + view["words"]
+        f["nccl_view"] = view
+
+    def fabric_hint(self):
+        """What would localise a collective that every rank issued and none finished, in this run's words."""
+        if (self.screen or {}).get("pairs"):
+            return ("the screen's pair results (inter-node rows above: every pair of nodes measured before this "
+                    "phase), or a re-run with NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection "
+                    "failed)")
+        if self.args.skip_screen:
+            return ("the network screen (a run without --skip-screen measures every pair of nodes), or a re-run with "
+                    "NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection failed)")
+        return None
 
     def own_node_live(self):
         """Rank 0's own node: its ranks' processes read here, from /proc (rank 0 shares the host; its
@@ -12003,7 +12761,7 @@ class Coordinator(ScreenCoordinator, RankRun):
         return {rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec["pid_start"])) for rec in self.records
                 if rec.get("host") == self.host and rec.get("pid") and rec.get("pid_start")}
 
-    def _unfinished(self, phase, client, cause, code, live, silent, stamps, errors):
+    def _unfinished(self, phase, client, cause, code, live, silent, stamps, errors, issued=None):
         self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
         if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
             with contextlib.suppress(Exception):
@@ -12015,12 +12773,13 @@ class Coordinator(ScreenCoordinator, RankRun):
                 stamps = {r: max(s, idx) if r in done else s for r, s in stamps.items()}
         if phase in SCREEN_PHASES and self.screen is not None:
             try:
-                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps)
+                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps, issued)
             except Exception:
                 f = None
             if f is not None:
                 return f
-        return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent)
+        return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent, issued,
+                                self.fabric_hint())
 
     # ---------------------------------------------------------------- bounds and signals
     def expire(self, phase):
@@ -12236,9 +12995,29 @@ class Follower(ScreenFollower, RankRun):
 
     # ---------------------------------------------------------------- rank 0's verdict
     def listen(self):
-        """Non-zero ranks: block on the verdict key on a connection of our own and exit with it."""
+        """Non-zero ranks: on a connection of our own, wait for rank 0's question or its verdict (`ask`). Asked
+        (a phase did not finish), post what this rank issued last (answer); then exit with the verdict."""
         client = self.proto.clone()
-        self.exit(self.verdict_within(client, worst_case(self.D, True, soak=bool(self.args.soak)) + RANK0_GRACE))
+        end = time.monotonic() + worst_case(self.D, True, soak=bool(self.args.soak)) + RANK0_GRACE
+        try:
+            if client.wait_ask(end - time.monotonic()) == "ask":
+                self.answer(client)
+        except Exception as e:  # a store that went away or timed out: the verdict's wait below says so
+            if is_tool_error(e):
+                raise
+        self.exit(self.verdict_within(client, max(0.001, end - time.monotonic())))
+
+    def answer(self, client):
+        """This rank's answer to rank 0's question: the last collective it issued on each of its groups (torch's
+        flight recorder and its own record), whether its main thread is inside one, NCCL's DIAG lines. The
+        tool's own error here is said (a WARN) and the listener goes on to the verdict: no answer is no
+        evidence, never a rank that cannot exit."""
+        try:
+            client.post("issued", self.rank, self.issued.record(getattr(self, "torch", None), self.nccl.diag()))
+        except Exception as e:
+            if not is_tool_error(e):
+                raise
+            self.helper_died("the answer to rank 0's question", e)
 
     def verdict_within(self, client, seconds):
         """Rank 0's code from the store within `seconds`. A store that is gone or silent is rank 0's news

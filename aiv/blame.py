@@ -33,6 +33,9 @@ UNLOCALISED = {
               "not a broken one",
               "a re-run: a rank stuck again is named by the collective it never issued; on a loaded node a longer "
               "bound (--timeout, --rollcall-timeout)"),
+    "signal": ("a signal stopped the run from outside (scancel, the time limit, preemption, Ctrl-C)",
+               "nothing on the cluster: resubmit"),
+    "tool": ("the tool's own error, not a fault of the cluster", "a report of the line and the traceback"),
     "launch": ("how the launcher placed the ranks, not a fault of a node",
                "the launch command and the allocation (docs/slurm.md)"),
     "widespread": ("more nodes implicated than passed: a switch, the fabric or its configuration",
@@ -136,7 +139,8 @@ def unlocalised(f, kind, localise=None, why=None):
     """f (a new dict) naming no host: evidence `kind` (a key of UNLOCALISED), its hosts kept as `involved`, the
     reason saying that no host is named, why, and what would localise it."""
     default_why, default_how = UNLOCALISED[kind]
-    why, how = why or default_why, localise or default_how
+    said = f.get("unlocalised") or {}  # a judge's own words win over the kind's defaults
+    why, how = why or said.get("why") or default_why, localise or said.get("localise") or default_how
     out = dict(f, blame=kind, hosts=[], involved=sorted(set(f.get("involved") or []) | set(f.get("hosts") or [])),
                unlocalised={"why": why, "localise": how})
     if not any(w in out["reason"] for w in ("no host is named", "no host blamed", "no host is blamed")):

@@ -23,6 +23,11 @@ SNAPSHOT_S = 1.5          # rank 0, after a signal: one read of liveness, of the
 TERM_REPORTS_S = 0.5      # rank 0, after a signal: time for the other ranks' "terminated" reports to arrive
 SIGNAL_SPREAD_S = 2.0     # a rank that lost rank 0's store with no verdict read: the most it waits for a signal of
                           # its own (scancel and the time limit reach each node at its own time) before it speaks
+ISSUED_S = 4.0            # rank 0, a collective phase's bound passed: the most it waits (beside the liveness settle,
+                          # inside NAMING_S) for each live rank's post of the last collective it issued
+NCCL_RAS_S = 3.0          # rank 0, the same moment on NCCL: NCCL's own view (its RAS STATUS), read beside it
+RESOLVE_S = 5.0           # a rank's lookup of MASTER_ADDR before it connects (a name that does not resolve is said
+                          # at once; a lookup slower than this is left to the store's connect)
 TORCH_BACKSTOP_S = 30.0   # torch's own process-group timeout lies this far past our bound: ours fires first
 IMPORT_PROBE_S = 60.0     # torchvision/torchaudio import probe: at most this, T/2 at the verdict, T/4 before the screen
 MONITOR_CONNECT_S = 5.0   # a node monitor's store connect (1 s when its ranks are gone already: the run ended)
@@ -50,6 +55,7 @@ PHASES = ("local", "rollcall", "init", "telemetry", "screen-gpu", "screen-net", 
           "bandwidth", "final")
 FAN_IN = {"telemetry": "telemetry", "ddp": "results"}  # phase -> what each rank posts to rank 0 through the store
 SCREEN_PHASES = ("screen-gpu", "screen-net")  # skipped with --skip-screen
+ISSUE_PHASES = ("init", "screen-net", "collective", "ddp", "bandwidth")  # phases whose ranks issue collectives
 PHASE_CHECK = {"local": "local", "rollcall": "rendezvous", "init": "init", "telemetry": "telemetry",
                "screen-gpu": "gpu-perf", "screen-net": "inter-node", "soak": "soak",
                "collective": "collective", "ddp": "ddp", "bandwidth": "bandwidth", "final": "verdict"}

@@ -103,9 +103,29 @@ class Follower(ScreenFollower, RankRun):
 
     # ---------------------------------------------------------------- rank 0's verdict
     def listen(self):
-        """Non-zero ranks: block on the verdict key on a connection of our own and exit with it."""
+        """Non-zero ranks: on a connection of our own, wait for rank 0's question or its verdict (`ask`). Asked
+        (a phase did not finish), post what this rank issued last (answer); then exit with the verdict."""
         client = self.proto.clone()
-        self.exit(self.verdict_within(client, worst_case(self.D, True, soak=bool(self.args.soak)) + RANK0_GRACE))
+        end = time.monotonic() + worst_case(self.D, True, soak=bool(self.args.soak)) + RANK0_GRACE
+        try:
+            if client.wait_ask(end - time.monotonic()) == "ask":
+                self.answer(client)
+        except Exception as e:  # a store that went away or timed out: the verdict's wait below says so
+            if is_tool_error(e):
+                raise
+        self.exit(self.verdict_within(client, max(0.001, end - time.monotonic())))
+
+    def answer(self, client):
+        """This rank's answer to rank 0's question: the last collective it issued on each of its groups (torch's
+        flight recorder and its own record), whether its main thread is inside one, NCCL's DIAG lines. The
+        tool's own error here is said (a WARN) and the listener goes on to the verdict: no answer is no
+        evidence, never a rank that cannot exit."""
+        try:
+            client.post("issued", self.rank, self.issued.record(getattr(self, "torch", None), self.nccl.diag()))
+        except Exception as e:
+            if not is_tool_error(e):
+                raise
+            self.helper_died("the answer to rank 0's question", e)
 
     def verdict_within(self, client, seconds):
         """Rank 0's code from the store within `seconds`. A store that is gone or silent is rank 0's news

@@ -170,6 +170,23 @@ def nccl_warn_lines(text, limit=NCCL_WARN_RELAY):
     return lines[:limit], max(0, len(lines) - limit)
 
 
+def nccl_subsys_hides_channels(spec):
+    """Whether NCCL_DEBUG_SUBSYS=spec leaves out the lines that say which transport each channel uses (logged
+    under INIT and NET; unset: NCCL's default INIT,BOOTSTRAP,ENV shows them; '^X,Y' leaves out X and Y)."""
+    if not spec:
+        return False
+    names = {s.strip().upper() for s in spec.lstrip("^").split(",")}
+    if spec.startswith("^"):
+        return {"INIT", "NET"} <= names or "ALL" in names
+    return not names & {"INIT", "NET", "ALL"}
+
+
+def nccl_diag_lines(text, limit=NCCL_WARN_RELAY):
+    """NCCL's own diagnostics (NCCL >= 2.31 with NCCL_RUN_DIAGNOSTICS=1: 'host:pid NCCL DIAG <line>'), the first
+    `limit`."""
+    return [ln.strip() for ln in text.splitlines() if " NCCL DIAG " in ln][:limit]
+
+
 def nccl_debug_file(env, host=None, pid=None):
     """The operator's NCCL_DEBUG_FILE as NCCL expands it for this process (%h: host name up to the first
     dot, %p: pid, %%: %); None when unset."""

@@ -17,7 +17,20 @@ from .base import (
 )
 from .blame import minority_kind, odd_ones, unlocalised
 from .collect import PROBED_PACKAGES, ib_hca_select
-from .deadlines import NODE_SMI_S, PHASE_CHECK, PHASES
+from .deadlines import ISSUE_PHASES, ISSUED_S, NODE_SMI_S, PHASE_CHECK, PHASES
+from .hang import (
+    FABRIC_HINT,
+    RERUN_HINT,
+    group_key,
+    issued_states,
+    never_finished_text,
+    never_issued_text,
+    on_hosts,
+    op_text,
+    ranks_text,
+    unlocalised_record,
+    unlocalised_words,
+)
 from .measure import NODE_SMI_WHAT
 from .numerics import judge_numerics_records
 
@@ -499,7 +512,7 @@ def judge_all(records, world_size, expect, ib_hca=None, results=None, ib_disable
 # before it, and on gloo). A record is never patched: each phase's results make new ones (with_results).
 RANK_IDENTITY = ("rank", "host", "hostname", "loopback", "local_rank", "backend", "device", "cvd", "gpu",
                  "gpus_expected", "gloo", "cpus", "versions", "local", "pid", "pid_start", "addrs")
-RANK_FIELDS = RANK_IDENTITY + ("numerics", "node", "transport", "nccl_net")
+RANK_FIELDS = RANK_IDENTITY + ("numerics", "node", "transport", "nccl_net", "nccl_log")
 
 
 def rank_record(rec):
@@ -508,14 +521,15 @@ def rank_record(rec):
 
 
 def with_results(records, results):
-    """New records with the DDP step's results of each rank: NCCL's transport and interfaces, and the node
-    leader's package probe in its node facts."""
+    """New records with the DDP step's results of each rank: NCCL's transport and interfaces (and where its
+    lines were read: nccl_log), and the node leader's package probe in its node facts."""
     by_rank = {res["rank"]: res for res in results or () if isinstance(res, dict) and "rank" in res}
     out = []
     for rec in records:
         rec, res = rank_record(rec), by_rank.get(rec["rank"])
         if res is not None:
-            rec["transport"], rec["nccl_net"] = res.get("transport"), res.get("nccl_net")
+            rec["transport"], rec["nccl_net"], rec["nccl_log"] = (res.get("transport"), res.get("nccl_net"),
+                                                                  res.get("nccl_log"))
             if rec["node"] is not None and res.get("imports") is not None:
                 rec["node"] = dict(rec["node"], imports=res["imports"])
         out.append(rec)
@@ -566,14 +580,17 @@ def judge_collectives(results, world_size, host_of=None):
 
 
 def judge_transport(records, ib_disable=None):
-    """Per node, the transport NCCL used; sockets between nodes while IB is ACTIVE is a FAIL
-    (every correctness check passes, at ~1/100 of the bandwidth)."""
-    per_host = {}
+    """Per node, the transport NCCL used; sockets between nodes while IB is ACTIVE is a FAIL (every
+    correctness check passes, at ~1/100 of the bandwidth). An NCCL rank whose transport was not read (its
+    record's nccl_log says where NCCL's lines went: the job's stdout with the operator's NCCL_DEBUG=INFO, an
+    operator's NCCL_DEBUG_FILE with no INFO line in it) is a WARN naming its nodes and why: a transport not
+    judged is never a silent PASS."""
+    per_host, unread = {}, {}
     for r in records:
         if r.get("transport") is not None:
             per_host.setdefault(r["host"], set()).update(r["transport"])
-    if not per_host:
-        return []
+        elif r.get("backend") == "nccl":
+            unread.setdefault(nccl_log_why(r.get("nccl_log")), set()).add(r["host"])
     nodes = {r["host"]: r.get("node") or {} for r in records if r.get("node")}
     out = []
     for h, kinds in sorted(per_host.items()):
@@ -582,13 +599,32 @@ def judge_transport(records, ib_disable=None):
             out.append(finding("transport", "FAIL", f"{h}: NCCL used NET/Socket although InfiniBand port(s) "
                                f"{','.join(active[:4])} are ACTIVE and NCCL_IB_DISABLE is not 1 (IB not usable by "
                                f"NCCL: check the IB verbs libraries, NCCL_IB_HCA, /dev/infiniband access)", [h]))
-    if not out:
-        out.append(finding("transport", "PASS", "NCCL transports: " + "; ".join(
+    for why, hosts in sorted(unread.items()):
+        where = compress_hostlist(sorted(hosts))
+        out.append(finding("transport", "WARN", f"NCCL's transport was not judged on {where}: {why}; an "
+                           "InfiniBand-to-socket fallback there would pass unseen", sorted(hosts)))
+    if per_host and not any(f["status"] == "FAIL" for f in out):
+        out.insert(0, finding("transport", "PASS", "NCCL transports: " + "; ".join(
             f"{'+'.join(sorted(k)) or 'none'} on {compress_hostlist(sorted(hs))}"
-            for k, hs in _invert(per_host).items())))
+            for k, hs in _invert(per_host).items()), sorted(per_host)))
     return out
 
 
+def nccl_log_why(log):
+    """Why NCCL's INFO lines of a rank were not read, from its record's nccl_log (NcclLog.facts)."""
+    src, path = (log or {}).get("source"), (log or {}).get("path")
+    if src == "stdout":
+        return ("NCCL_DEBUG=INFO (the job's own setting) sends NCCL's lines to the job's stdout, which the tool cannot "
+                "read: look for ' via NET/Socket' in this log, or set NCCL_DEBUG_FILE (the tool reads that file), or "
+                "leave NCCL_DEBUG unset (the tool keeps NCCL's lines in a private file)")
+    if src == "operator":
+        hidden = (log or {}).get("subsys")
+        return (f"the job's own NCCL_DEBUG_FILE ({path}) holds " + (
+            f"no line of NCCL's channels (NCCL_DEBUG_SUBSYS={hidden} leaves out INIT and NET)" if hidden else
+            "no INFO line of NCCL (NCCL writes them there only with NCCL_DEBUG=INFO)"))
+    if src == "private":
+        return f"NCCL wrote no INFO line to the rank's private log ({path})"
+    return "the rank's NCCL log facts did not come with its results"
 def _invert(per_host):
     out = {}
     for h, kinds in per_host.items():
@@ -617,10 +653,18 @@ def apply_strict(findings, strict):
 UNFINISHED_WORDS = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",
                     "silent": "unreachable (its node's monitor and ranks stopped reporting)",
                     "error": "reported an error",
-                    "stuck": "alive but did not finish",
+                    "stuck": "alive, not finished",
                     "terminated": "terminated by a signal (scancel, the time limit, preemption or the launcher)",
                     "internal": "hit an error inside the tool"}
+# a live rank that did not finish, by what it posted when rank 0 asked (hang.issued_states); "behind" ranks
+# are said with never_issued_text
+ISSUED_WORDS = {"waiting": "alive, inside a collective (waiting for its peers)",
+                "idle": "alive, outside any collective",
+                "between": "alive, between two collective calls",
+                "unposted": "alive, posted no record of what it issued within {s:g}s"}
+PROCESS_KINDS = ("dead", "frozen", "silent")  # evidence of a rank's own process state
 STOPPED_WORDS = "the run was stopped from outside, not by a fault of the cluster: no host is blamed"
+NOT_BLAMED = " (not blamed)"
 
 
 def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
@@ -659,59 +703,130 @@ def quiet_monitor_note(quiet, budget):
             "the node unreachable: no host is blamed for it")
 
 
-def _unfinished_culprits(groups):
-    """(culprits, check or None, code) of judge_unfinished. Dead, frozen and unreachable ranks are
-    evidence that persists. Errors and stuck ranks are blamed only when nothing else explains them: never
-    once a rank was terminated by a signal or hit the tool's own error (they are its consequence)."""
-    culprits = groups["dead"] + groups["frozen"] + groups["silent"]
-    if culprits:
-        return culprits, None, EXIT_FAIL if groups["dead"] else EXIT_TIMEOUT
-    if groups["terminated"]:
-        return [], "interrupted", EXIT_INTERRUPTED
-    if groups["internal"]:
-        return [], "internal", EXIT_INTERNAL
-    if groups["error"]:
-        return groups["error"], None, None
-    return groups["stuck"], None, EXIT_TIMEOUT
+def _unfinished_culprits(kinds, late, world, finished, an, phase, fabric_hint):
+    """Who is named for a phase that did not finish, and on what evidence: (culprits, check or None, code or
+    None, evidence, unlocalised or None). In order: a rank's own process state anywhere in the world (dead,
+    frozen, unreachable: also a rank that finished its part and then died), whatever else happened; a signal
+    (`interrupted`) or the tool's own error (`internal`), whose consequences are nobody's fault; errors ranks
+    reported themselves (when not every rank did); then, among the live ranks that did not finish, those
+    that never issued a collective their peers issued (an: hang.issued_states of the phase's group), or,
+    outside any collective (in a phase whose work is each rank's own, or as their post says) while a peer
+    finished the phase, those that never finished their part. Anything else (every rank inside the
+    collective, records not collected, every rank alike) FAILs naming no host, saying what would localise
+    it."""
+    hard = [r for r in range(world) if kinds[r] in PROCESS_KINDS]
+    if hard:
+        return hard, None, EXIT_FAIL if any(kinds[r] == "dead" for r in hard) else EXIT_TIMEOUT, "process", None
+    if any(kinds[r] == "terminated" for r in range(world)):
+        return [], "interrupted", EXIT_INTERRUPTED, "signal", None
+    if any(kinds[r] == "internal" for r in range(world)):
+        return [], "internal", EXIT_INTERNAL, "tool", None
+    errs = [r for r in late if kinds[r] == "error"]
+    if errs and len(errs) < world:
+        return errs, None, None, "own", None
+    if errs:
+        return [], None, None, "everyone", unlocalised_record(
+            "every rank reported an error of its own, so none is unlike its peers", RERUN_HINT)
+    stuck = [r for r in late if kinds[r] == "stuck"]
+    states = an["states"] if an else {}
+    behind = [r for r in stuck if states.get(r) == "behind"]
+    if behind:
+        return behind, None, EXIT_TIMEOUT, "never-issued", None
+    idle = [r for r in stuck if (states.get(r) == "idle" if an else phase not in ISSUE_PHASES)]
+    if idle and finished:
+        return idle, None, EXIT_TIMEOUT, "never-issued", None
+    if not stuck:
+        return [], None, EXIT_TIMEOUT, "not-collected", unlocalised_record(
+            "every rank did its part of the phase and none is behind; what held it back was not seen", RERUN_HINT)
+    unposted = [r for r in stuck if states.get(r) == "unposted"]
+    if unposted or (phase in ISSUE_PHASES and not an):
+        who = f"rank(s) {ranks_text(unposted)}" if unposted else "the ranks"
+        return [], None, EXIT_TIMEOUT, "not-collected", unlocalised_record(
+            f"what {who} issued last was not collected (a rank whose main thread holds the interpreter, or a "
+            "store connection that did not answer), and no other evidence singles one out", RERUN_HINT)
+    waiting = [r for r in stuck if states.get(r) == "waiting"]
+    if an and an["front"] and waiting:
+        front = an["front"][1]
+        every = all((an["last"].get(r) or [None, -1])[1] == front for r in stuck)
+        what = (f"every rank issued {op_text(an['front'])} and it did not finish" if every else
+                f"ranks {ranks_text(waiting)} wait inside a collective and no rank is stopped outside one")
+        return [], None, EXIT_TIMEOUT, "all-issued", unlocalised_record(
+            f"{what}: the fabric or a link between the ranks, which no rank's own state singles out",
+            fabric_hint or FABRIC_HINT)
+    return [], None, EXIT_TIMEOUT, "everyone", unlocalised_record(
+        "every rank that did not finish is alive and outside any collective: none is behind another", RERUN_HINT)
 
 
-def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=None, silent_hosts=()):
-    """Who did not finish `phase` (one FAIL finding). A rank whose last stamp is before the phase is
-    dead (its process is gone), frozen (stopped), unreachable (its node's monitor went silent), was
-    terminated by a signal, hit the tool's own error, reported an error, or is alive but stuck. The
-    culprits: see _unfinished_culprits. A run stopped by a signal with no other culprit is check
-    `interrupted` (exit 5), one stopped by the tool's own error `internal` (exit 4), naming no host.
-    Exit code otherwise: 1 when a rank is dead, 3 when one is frozen, unreachable or stuck, else `code`
-    (the reported error's).
+def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=None, silent_hosts=(), issued=None,
+                     fabric_hint=None):
+    """Who did not finish `phase` (one FAIL finding). A rank whose last stamp is before the phase is dead
+    (its process is gone), frozen (stopped), unreachable (its node's monitor went silent), was terminated by
+    a signal, hit the tool's own error, reported an error, or is alive: then, in a phase that issues
+    collectives, what it posted when rank 0 asked (issued: {rank: post or None}; None: not asked) tells
+    whether it never issued a collective its peers issued (named), waits inside one (not named), or is
+    outside any. The culprits and the evidence: see _unfinished_culprits. A run stopped by a signal with no
+    other culprit is check `interrupted` (exit 5), one stopped by the tool's own error `internal` (exit 4),
+    naming no host. Exit code otherwise: 1 when a rank is dead, 3 when one is frozen, unreachable or stuck,
+    else `code` (the reported error's). A FAIL that names no host says so, why, and what would localise it
+    (its 'unlocalised'); every finding carries its 'blame'.
 
     stamps: {rank: index in PHASES of its last finished phase}; live: {rank: running|stopped|gone};
     errors: {rank: {'line', 'term', 'internal'}}; host_of: {rank: host}."""
     idx = PHASES.index(phase)
     late = [r for r in range(world) if stamps.get(r, -1) < idx]
-    groups = {k: [r for r in late if unfinished_kind(r, live, errors, host_of, silent_hosts) == k]
-              for k in UNFINISHED_WORDS}
-    culprits, check, ccode = _unfinished_culprits(groups)
+    finished = [r for r in range(world) if r not in late]
+    kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in range(world)}
+    an = issued_states(range(world), issued, [r for r in late if kinds[r] == "stuck"], group_key(range(world))) \
+        if issued is not None else None
+    culprits, check, ccode, evidence, unloc = _unfinished_culprits(kinds, late, world, finished, an, phase,
+                                                                  fabric_hint)
     code = ccode or code or EXIT_FAIL
-    parts = [f"{_ranks_on_hosts(rs, host_of)} {UNFINISHED_WORDS[k]}" for k, rs in groups.items() if rs]
-    detail = "; ".join(parts) if parts else "every rank finished it"
-    first_err = next((errors[r]["line"] for r in culprits or late if r in errors), None)
-    reason = (f"{cause}: {detail}; {world - len(late)}/{world} rank(s) finished {phase}"
+    detail = _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, finished)
+    first_err = next((errors[r]["line"] for r in culprits or late if r in errors and not errors[r].get("term")), None)
+    reason = (f"{cause}: {detail}; {len(finished)}/{world} rank(s) finished {phase}"
               + (f"; first error: {first_err}" if first_err else "")
               + (f"; {STOPPED_WORDS}" if check == "interrupted" else "")
-              + ("; a bug in the tool, not a fault of the cluster: no host is blamed" if check == "internal" else ""))
-    hard = groups["dead"] + groups["frozen"] + groups["silent"]
-    return finding(check or PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits,
-                   code=code, blame="process" if hard else "own" if groups["error"] and culprits else None)
+              + ("; a bug in the tool, not a fault of the cluster: no host is blamed" if check == "internal" else "")
+              + (f"; {unlocalised_words(unloc)}" if unloc else ""))
+    f = finding(check or PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits,
+                code=code)
+    f["blame"] = evidence
+    if unloc:
+        f["unlocalised"] = unloc
+    if an:
+        f["issued"] = {"source": an["source"], "front": an["front"], "issuers": an["issuers"],
+                       "states": {str(r): s for r, s in sorted(an["states"].items())},
+                       "last": {str(r): x for r, x in sorted(an["last"].items())}}
+    return f
 
 
-def _ranks_on_hosts(ranks, host_of, limit=16):
-    """'rank 1 (node2)' or 'ranks 4-7 (node2), 9 (node3)'; at most `limit` hosts, then a count."""
-    by_host = {}
-    for r in sorted(ranks):
-        by_host.setdefault(host_of.get(r, "?"), []).append(r)
-    items = [f"{format_ranges(rs)} ({h})" for h, rs in list(by_host.items())[:limit]]
-    more = f" and {len(by_host) - limit} more node(s)" if len(by_host) > limit else ""
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(items) + more
+def _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, finished):
+    """The finding's words: each rank that did not finish (or whose process is gone) by what it was doing;
+    when some are named, the others say they are not."""
+    named, parts = set(culprits), []
+    shown = [r for r in sorted(kinds) if r in late or kinds[r] in PROCESS_KINDS + ("terminated", "internal")]
+    states = an["states"] if an else {}
+    if evidence == "never-issued":
+        behind = [r for r in culprits if states.get(r) == "behind"]
+        if behind:
+            how = "torch's flight recorder" if an["source"] == "recorder" else "its own record"
+            parts.append(f"{never_issued_text(behind, an, host_of)} (alive, outside any collective; numbered by {how})")
+        rest = [r for r in culprits if r not in behind]
+        if rest:
+            parts.append(never_finished_text(rest, phase, finished, host_of) + " (alive, outside any collective)")
+    for k, words in UNFINISHED_WORDS.items():
+        rs = [r for r in shown if kinds[r] == k and r not in (named if evidence == "never-issued" else ())]
+        if k == "stuck" and an:  # the live ranks by what they posted
+            for s, w in ISSUED_WORDS.items():
+                sub = [r for r in rs if states.get(r) == s]
+                if sub:
+                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
+            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
+        if rs:
+            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
+    return "; ".join(parts) if parts else "no rank is behind"
+
+
 SCREEN_QUARTILE_MIN = 4     # fewer values: the reference is their maximum
 SCREEN_SPREAD_MIN = 8       # fewer values: no noise estimate (the WARN fraction alone decides)
 

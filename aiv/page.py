@@ -174,6 +174,25 @@ def _html_numerics(state, limit=64):
             f"{body}</table>{more}</div></section>")
 
 
+def _html_nccl_view(state, limit=64):
+    """NCCL's own view beside ours, where a finding carries one (a collective that did not finish on NCCL):
+    per rank what we saw and what NCCL's RAS said, differences first; nothing otherwise."""
+    views = [f["nccl_view"] for f in state.get("findings") or [] if isinstance(f.get("nccl_view"), dict)]
+    if not views:
+        return ""
+    v, hosts = views[0], {r.get("rank"): r.get("host") for r in state.get("ranks") or []}
+    rows = sorted(((int(r), x) for r, x in (v.get("ranks") or {}).items()),
+                  key=lambda y: (y[1].get("agree", True), y[0]))
+    body = "".join(f'<tr><td>{r}</td><td><code>{_html_e(hosts.get(r))}</code></td><td>{_html_e(x.get("ours"))}</td>'
+                   f'<td>{_html_e(x.get("nccl"))}</td><td>{_html_e(x.get("count"))}</td><td>'
+                   + ("" if x.get("agree") else '<span class="st WARN">differs</span>') + "</td></tr>"
+                   for r, x in rows[:limit])
+    head = "<tr><th>rank</th><th>host</th><th>ours</th><th>NCCL's</th><th>collectives (NCCL)</th><th></th></tr>"
+    table = f"<table>{head}{body}</table>" if body else ""
+    return (f'<section id="nccl-view"><h2>NCCL\'s own view</h2><div class="card"><p>{_html_e(v.get("words"))}</p>'
+            f"{table}</div></section>")
+
+
 def _html_gpu_levels(screen):
     """gpu_levels (the judge's references and levels), for the page."""
     return gpu_levels(screen)
@@ -694,7 +713,7 @@ def render_html(state):
     gl, refs = _html_gpu_levels(screen)
     title = f"{state.get('verdict') or 'FAIL'} - ai-infra-validator - {state.get('host') or ''}"
     body = (_html_verdict(state) + _html_findings(state) + _html_actions(state) + _html_topology(state, gl)
-            + _html_gpus(screen, gl, refs) + _html_intra(screen) + _html_numerics(state)
+            + _html_gpus(screen, gl, refs) + _html_intra(screen) + _html_numerics(state) + _html_nccl_view(state)
             + _html_pairs(screen, state.get("failed_hosts") or []) + _html_timeline(state))
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_html_e(title)}</title>'
             f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{_html_css()}</style></head>'

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from .background import Background, NcclLog
+from .background import Background, Issued, NcclLog
 from .base import (
     _T0,
     EXIT_FAIL,
@@ -57,6 +57,7 @@ from .deadlines import (
     PHASES,
     PROBE_CONNECT_S,
     RANK0_GRACE,
+    RESOLVE_S,
     SCREEN_PHASES,
     TORCH_BACKSTOP_S,
     Bound,
@@ -68,6 +69,7 @@ from .deadlines import (
     worst_case,
 )
 from .files import write_json_atomic
+from .hang import group_key
 from .interfaces import (
     check_interfaces,
     gloo_address,
@@ -168,6 +170,7 @@ class RankRun(ScreenRunner):
         self.backend = self.device = self.results = self.bandwidth = None
         self.identity = None
         self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
+        self.issued, self.stalled = Issued(), set()  # what this rank issued last on each group (issuing)
         self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
         self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
@@ -277,6 +280,8 @@ class RankRun(ScreenRunner):
                       local_rank=self.local_rank, master=f"{self.addr}:{self.port}")
         if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
             self.bg.probe = start_import_probe()
+        if not any(v in os.environ for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+            os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"  # torch's flight recorder: what each rank issued (issuing)
         t = time.monotonic()
         try:
             with gc_paused():
@@ -346,8 +351,10 @@ class RankRun(ScreenRunner):
 
     def open_store(self, R, prefix, serve):
         """Connect to the store (rank 0's, or torchrun's agent's): the connect and the store's first answer
-        within the roll call's own bound R. A listener that accepts but never answers as a store (another
+        within the roll call's own bound R. A MASTER_ADDR that does not resolve here is said at once
+        (resolvable), as rank 0 says it; a listener that accepts but never answers as a store (another
         service on MASTER_PORT) is named as such (unanswered)."""
+        self.resolvable()
         try:
             return within(lambda: StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, seal=self.seal),
                           self.bound.left(), "the store's connect")
@@ -361,6 +368,36 @@ class RankRun(ScreenRunner):
                          f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
                          f"{first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
 
+    def resolvable(self):
+        """MASTER_ADDR looked up here within RESOLVE_S: a name that does not resolve is this host's `rendezvous`
+        FAIL at once (exit 1, as rank 0 says it), not a store that never answered after the roll call's bound.
+        A lookup that is only slow is left to the store's connect, which looks again."""
+        try:
+            within(lambda: socket.getaddrinfo(self.addr, self.port, type=socket.SOCK_STREAM), RESOLVE_S,
+                   f"the lookup of MASTER_ADDR={self.addr}")
+        except socket.gaierror as e:
+            raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank {self.rank}'s host "
+                         f"{self.host}: {e.strerror}", hosts=[self.host], ranks=[self.rank]) from None
+        except (BoundPassed, OSError):
+            pass
+
+    @contextlib.contextmanager
+    def issuing(self, op, ranks=None, seq=None):
+        """Around every collective call of the phases (the one helper their call sites use): this rank's
+        record of the collective it is about to issue on the group of `ranks` (default the world), kept in
+        memory (Issued), read when rank 0 asks (a phase's bound passed). On NCCL the block ends once the
+        collective finished on this device (a synchronise: done means finished, not only queued). The
+        `stall` failpoint pauses here, before the phase's first collective is issued."""
+        if self.phase not in self.stalled:
+            self.stalled.add(self.phase)
+            self.failpoint(self.phase, only=("stall",))
+        key = group_key(range(self.world) if ranks is None else ranks)
+        self.issued.start(op, key, seq)
+        yield
+        if self.backend == "nccl":
+            self.torch.cuda.synchronize()
+        self.issued.done(key)
+
     def phase_init(self):
         kw = {"backend": self.backend, "rank": self.rank, "world_size": self.world,
               "store": self.dist.PrefixStore(self.proto.prefix + "/pg", self.proto.raw),
@@ -369,7 +406,9 @@ class RankRun(ScreenRunner):
             kw["device_id"] = self.torch.device("cuda", self.device)
         self.failpoint("init")
         t = time.monotonic()
-        self.dist.init_process_group(**kw)
+        with self.issuing("init_process_group", seq=0):
+            self.dist.init_process_group(**kw)
+        self.issued.names[self.dist.group.WORLD.group_name] = group_key(range(self.world))  # the recorder's name
         self.progress("init", backend=self.backend, world=self.world, secs=time.monotonic() - t)
 
     def telemetry(self):
@@ -386,6 +425,7 @@ class RankRun(ScreenRunner):
     def phase_telemetry(self):
         self.failpoint("telemetry")
         self.proto.post("telemetry", self.rank, self.telemetry())
+        self.failpoint("done-telemetry")
         self.proto.wait_gate("judge", self.bound.left(RANK0_GRACE))
 
     def phase_soak(self):
@@ -404,8 +444,10 @@ class RankRun(ScreenRunner):
         base = torch.arange(1 << 16, dtype=torch.int64, device=self._device())
         x, s = base * (r + 1) + r, torch.tensor([r + 1], dtype=torch.int64, device=self._device())
         self.failpoint("collective")
-        self.dist.all_reduce(x)
-        self.dist.all_reduce(s)
+        with self.issuing("all_reduce"):
+            self.dist.all_reduce(x)
+        with self.issuing("all_reduce"):
+            self.dist.all_reduce(s)
         want = base * (w * (w + 1) // 2) + w * (w - 1) // 2
         self.results = {"rank": r, "ar_ok": bool(torch.equal(x, want)), "ar_sum": int(s.item())}
         self.progress("collective", world=w, secs=time.monotonic() - t)
@@ -419,16 +461,20 @@ class RankRun(ScreenRunner):
         g = torch.Generator().manual_seed(1234 + self.rank)
         xin, yin = torch.randn(16, 10, generator=g).to(dev), torch.randn(16, 10, generator=g).to(dev)
         model = torch.nn.Linear(10, 10).to(dev)
-        ddp = DDP(model, device_ids=[self.device] if self.backend == "nccl" else None)
+        with self.issuing("DDP's broadcast of the parameters"):
+            ddp = DDP(model, device_ids=[self.device] if self.backend == "nccl" else None)
         self.failpoint("ddp")
         loss = torch.nn.functional.mse_loss(ddp(xin), yin)
-        loss.backward()
+        with self.issuing("DDP's all_reduce of the gradients"):
+            loss.backward()
         grads = torch.cat([p.grad.detach().flatten() for p in model.parameters()]).double().cpu()
         lsum = loss.detach().clone()
-        dist.all_reduce(lsum)
+        with self.issuing("all_reduce"):
+            dist.all_reduce(lsum)
         self.results.update(loss=loss.item(), grads=hashlib.sha256(grads.numpy().tobytes()).hexdigest(),
                             imports=self.import_results(), helpers=list(self.helper_errors), **self.nccl.facts())
         self.proto.post("results", self.rank, self.results)
+        self.failpoint("done-ddp")
         self.results_gathered(lsum.item())
         self.progress("ddp", secs=time.monotonic() - t)
 
@@ -502,15 +548,20 @@ class RankRun(ScreenRunner):
         """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
           die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
                               (rendezvous, init, telemetry, screen-gpu, screen-net, soak, collective, ddp;
-                              round-<name>: rank 0 before it opens a screen batch's gate, e.g. round-p2); a
-                              pause first creates the file AIV_FAILPOINT_MARK, if set, so that a test breaks
-                              something (a link) while the run waits
+                              round-<name>: rank 0 before it opens a screen batch's gate, e.g. round-p2;
+                              done-<phase>: after the rank posted its own part of telemetry, screen-gpu or
+                              ddp, while the others may still work in it); a pause first creates the file
+                              AIV_FAILPOINT_MARK, if set, so that a test breaks something (a link) while the
+                              run waits
+          stall=S             an S-second pause right before the rank issues its first collective of <phase>
+                              (init, screen-net, collective, ddp, bandwidth: alive, never issuing it), marked
+                              like a pause
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
                               the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
                               e.g. helper-aiv-listener)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
-            m = re.fullmatch(r"(die|hang|raise|(pause|skew)=(\d+)):([\w-]+):(\d+)", item)
+            m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall)=(\d+)):([\w-]+):(\d+)", item)
             if not (m and m.group(4) == phase and int(m.group(5)) == self.rank and (m.group(2) or m.group(1)) in only):
                 continue
             flush_all()
@@ -518,7 +569,7 @@ class RankRun(ScreenRunner):
                 raise AssertionError(f"failpoint {item}")
             if m.group(3) is None:
                 os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
-            if m.group(2) == "pause" and self.env.get("AIV_FAILPOINT_MARK"):
+            if m.group(2) in ("pause", "stall") and self.env.get("AIV_FAILPOINT_MARK"):
                 with open(self.env["AIV_FAILPOINT_MARK"], "w") as f:
                     f.write(f"{phase} {self.rank}\n")
             time.sleep(int(m.group(3)))
@@ -663,15 +714,18 @@ class RankRun(ScreenRunner):
         sync = torch.cuda.synchronize if self.backend == "nccl" else (lambda: None)
         warm, iters = (5, 20) if self.backend == "nccl" else (1, 3)
         x = torch.zeros(max(1, size // 4), dtype=torch.float32, device=dev)
-        for _ in range(warm):
-            dist.all_reduce(x)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(x)
-        sync()
-        dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        with self.issuing(f"all_reduce x{warm} ({human_bytes(size)}, warm-up)"):
+            for _ in range(warm):
+                dist.all_reduce(x)
+            sync()
+        with self.issuing(f"all_reduce x{iters} ({human_bytes(size)})"):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(x)
+            sync()
+            dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
+        with self.issuing("all_reduce (the slowest rank's time)"):
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         sec = dt.item()
         algbw = size / sec / 1e9
         busbw = algbw * 2 * (self.world - 1) / self.world

@@ -1,8 +1,27 @@
 """Floor 3: the performance screen's plan: rounds of node pairs per rail, suspects, re-measurements,
 the groups each rank joins; levels against the reference. Plain data only."""
 from .base import EXIT_FAIL, EXIT_TIMEOUT, _screen_key, _screen_median, _screen_sorted, finding, format_ranges
-from .deadlines import PHASE_CHECK, PHASES
-from .judge import UNFINISHED_WORDS, _ranks_on_hosts, judge_unfinished, screen_reference, unfinished_kind
+from .deadlines import ISSUED_S, PHASE_CHECK, PHASES
+from .hang import (
+    LINK_HINT,
+    RERUN_HINT,
+    group_key,
+    issued_states,
+    never_finished_text,
+    never_issued_text,
+    on_hosts,
+    unlocalised_record,
+    unlocalised_words,
+)
+from .judge import (
+    ISSUED_WORDS,
+    NOT_BLAMED,
+    PROCESS_KINDS,
+    UNFINISHED_WORDS,
+    judge_unfinished,
+    screen_reference,
+    unfinished_kind,
+)
 
 # The performance screen finds the slow or broken part: a GPU, a node's NVLink/PCIe, a node's NIC on
 # one rail, a whole node's network, or one path between two nodes. The runtime measures; these pure
@@ -262,39 +281,101 @@ def _screen_group_words(g):
     return f"links among {', '.join(g['nodes'])} on rail {g['rail']}"
 
 
-def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=()):
+def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=(), issued=None):
     """Who did not finish a screen round (one FAIL finding under PHASE_CHECK[phase]), or None when every
     rank posted every round. rounds: [(name, groups)] of the phase in the order they ran; posted: {name:
     ranks that posted it}; how: 'did not complete within 30s', 'failed', ...; live, errors, silent_hosts
-    as judge_unfinished. The first round some rank did not post names its groups with a member missing
-    (the node pair and rail, or the node) and the missing ranks in no group of it. Culprits: the dead,
-    frozen or unreachable ranks among them, else every member of those groups (both ends of a link)."""
+    as judge_unfinished; issued: {rank: its post of what it issued last, or None} (None: not asked). The
+    first round some rank did not post names its groups with a member missing (the node pair and rail, or
+    the node) and the missing ranks in no group of it. The culprits follow judge_unfinished's law: a rank's
+    own process state (dead, frozen, unreachable) anywhere; a signal or the tool's own error names nobody;
+    an error a rank reported itself; a member that never issued its group's collective while the other end
+    did, or a rank outside any collective that never finished its part of the round while others did.
+    Else (both ends inside the collective: the link; records not collected) no host is named, and the
+    finding says why and what would localise it."""
     todo = [(n, gs, m) for n, gs in rounds for m in [sorted(set(range(world)) - set(posted.get(n) or ()))] if m]
     if not todo:
         return None
     name, groups, missing = todo[0]
+    label = screen_round_label(name)
     hung = [g for g in groups if set(g["ranks"]) & set(missing)]
     loose = sorted(set(missing) - {r for g in hung for r in g["ranks"]})
-    kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in missing}
-    hard = [r for r in missing if kinds[r] in ("dead", "frozen", "silent")]
-    stopped = [r for r in missing if kinds[r] in ("terminated", "internal")]
-    if stopped and not hard:  # a signal or the tool's own error, not the group's link: as judge_unfinished
-        return judge_unfinished(phase, f"{screen_round_label(name)} {how}", world, host_of,
+    kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in range(world)}
+    hard = [r for r in range(world) if kinds[r] in PROCESS_KINDS]
+    if not hard and any(kinds[r] in ("terminated", "internal") for r in range(world)):
+        return judge_unfinished(phase, f"{label} {how}", world, host_of,  # as judge_unfinished: nobody's fault
                                 {r: -1 if r in missing else PHASES.index(phase) for r in range(world)}, live, errors)
-    culprits = hard or sorted({r for g in hung for r in g["ranks"]} | set(loose))
+    stuck = [r for r in missing if kinds[r] == "stuck"]
+    states, behind_words = {}, []
+    for g in hung:
+        if issued is None:
+            break
+        an = issued_states(g["ranks"], issued, [r for r in g["ranks"] if r in stuck], group_key(g["ranks"]))
+        states.update(an["states"])
+        behind = [r for r in g["ranks"] if an["states"].get(r) == "behind"]
+        if behind:
+            behind_words.append(never_issued_text(behind, an, host_of))
+    for r in loose:  # in no group of the round: its part was its post alone
+        if r in stuck and issued is not None:
+            p = issued.get(r)
+            states[r] = "unposted" if p is None else "waiting" if p.get("inflight") else "idle"
+    done = sorted(set(range(world)) - set(missing))
+    errs = [r for r in missing if kinds[r] == "error"]
+    behind = [r for r in stuck if states.get(r) == "behind"]
+    idle = [r for r in stuck if states.get(r) == "idle"] if done else []
+    unloc = None
+    if hard:
+        culprits, evidence = hard, "process"
+    elif errs and len(errs) < world:
+        culprits, evidence = errs, "own"
+    elif behind or idle:
+        culprits, evidence = behind + idle, "never-issued"
+    else:
+        culprits = []
+        if stuck and all(states.get(r) == "waiting" for r in stuck) and hung:
+            evidence = "all-issued"
+            more = " and the others" if len(hung) > 1 else ""
+            unloc = unlocalised_record(f"every member of {_screen_group_words(hung[0])}{more} issued its all_reduce "
+                                       "and it did not finish: the link, which neither end's own state singles out",
+                                       LINK_HINT)
+        elif errs:
+            evidence = "everyone"
+            unloc = unlocalised_record("every rank reported an error of its own, so none is unlike its peers",
+                                       RERUN_HINT)
+        else:
+            evidence = "not-collected"
+            unloc = unlocalised_record("what the ranks that did not finish issued last was not collected (or they "
+                                       "are alike), and no other evidence singles one out", RERUN_HINT)
     what = [_screen_group_words(g) for g in hung[:8]] + ([f"{len(hung) - 8} more group(s)"] if len(hung) > 8 else [])
-    what += [f"{_ranks_on_hosts(loose, host_of)} (in no group of {screen_round_label(name)})"] if loose else []
-    states = "; ".join(f"{_ranks_on_hosts(rs, host_of)} {UNFINISHED_WORDS[k]}" for k in UNFINISHED_WORDS
-                       for rs in [[r for r in missing if kinds[r] == k]] if rs)
+    what += [f"{on_hosts(loose, host_of)} (in no group of {label})"] if loose else []
+    named = set(culprits)
+    parts = list(behind_words) + ([never_finished_text(idle, label, done, host_of)] if idle and evidence ==
+                                  "never-issued" else [])
+    for k, words in UNFINISHED_WORDS.items():
+        rs = [r for r in missing if kinds[r] == k and not (evidence == "never-issued" and r in named)]
+        rs += [r for r in hard if k == kinds[r] and r not in missing]
+        if k == "stuck" and issued is not None:
+            for s, w in ISSUED_WORDS.items():
+                sub = [r for r in rs if states.get(r) == s]
+                if sub:
+                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
+            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
+        if rs:
+            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
     first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
-    reason = (f"{'; '.join(what)} {how} ({states}); {world - len(missing)}/{world} rank(s) finished "
-              f"{screen_round_label(name)}" + (f"; first error: {first_err}" if first_err else ""))
-    code = EXIT_FAIL if any(kinds[r] == "dead" for r in missing) else \
-        EXIT_FAIL if all(kinds[r] in ("error", "terminated") for r in missing) else EXIT_TIMEOUT
+    reason = (f"{'; '.join(what)} {how} ({'; '.join(parts)}); {world - len(missing)}/{world} rank(s) finished "
+              f"{label}" + (f"; first error: {first_err}" if first_err else "")
+              + (f"; {unlocalised_words(unloc)}" if unloc else ""))
+    code = EXIT_FAIL if any(kinds[r] == "dead" for r in hard) else \
+        EXIT_FAIL if evidence in ("own", "everyone") and all(kinds[r] in ("error", "terminated") for r in missing) \
+        else EXIT_TIMEOUT
     check = "gpu-perf" if hung and all(g.get("gpu") for g in hung) else \
         "intra-node" if hung and all(g.get("rail") is None for g in hung) else PHASE_CHECK[phase]
-    return finding(check, "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits), culprits, code=code,
-                   blame="process" if hard else None)
+    f = finding(check, "FAIL", reason, _screen_sorted(host_of.get(r, "?") for r in culprits), culprits, code=code)
+    f["blame"] = evidence
+    if unloc:
+        f["unlocalised"] = unloc
+    return f
 
 
 def _screen_worst(levels):

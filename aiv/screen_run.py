@@ -8,6 +8,7 @@ import time
 
 from .base import EXIT_TIMEOUT, Verdict, _counts, _screen_median, verdict_code
 from .deadlines import NAMING_S, PHASE_WHAT, PHASES, TORCH_BACKSTOP_S
+from .hang import group_key
 from .judge import apply_strict
 from .measure import HostStarved, can_split, screen_busbw, screen_measure_gpu, split_problem, take_screen_gpu
 from .screen_gpu import gpu_remeasured, gpu_suspects, judge_gpu_facts, screen_band_lines
@@ -38,6 +39,7 @@ class ScreenRunner:
             row = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
                                      self.args.sysfs_root)
         self.proto.screen_post("gpu", self.rank, row, self.world)
+        self.failpoint("done-screen-gpu")
 
     def screen_batch(self, e):
         """This rank's part of one batch: e = {'name', 'key', 'g': its group's ranks or None, 'rail', 'make':
@@ -53,8 +55,9 @@ class ScreenRunner:
         if e.get("gpu"):  # measured again: a slow GPU is named only when slow again
             post["gpu"] = self.gpu_again()
         if e.get("g"):
-            bw, sec = screen_busbw(self.torch, self.dist, self.my_groups[tuple(e["g"])], len(e["g"]),
-                                   self._device(), self._kind())
+            with self.issuing("all_reduce (busbw)", e["g"]):
+                bw, sec = screen_busbw(self.torch, self.dist, self.my_groups[tuple(e["g"])], len(e["g"]),
+                                       self._device(), self._kind())
             post.update(busbw=float(f"{bw:.4g}"), time_us=round(sec * 1e6, 1))
             if e.get("rail") is not None and self.nccl:
                 post["hca"] = self.nccl_hca()
@@ -94,15 +97,20 @@ class ScreenRunner:
             return (dist.group.WORLD if entry["mode"] == "world" else None), 0.0
         kw = {"timeout": datetime.timedelta(seconds=self.bound.seconds + TORCH_BACKSTOP_S)}  # our bound fires first
         if self.backend != "nccl":
-            group = dist.new_group(mine or [self.rank], use_local_synchronization=True, **kw)
+            with self.issuing("new_group", mine or [self.rank], seq=0):
+                group = dist.new_group(mine or [self.rank], use_local_synchronization=True, **kw)
         elif can_split(self.torch, dist):
             import inspect
             params = inspect.signature(dist.split_group).parameters
-            group = dist.split_group(split_ranks=[mine or entry["other"]],
-                                     **{k: v for k, v in kw.items() if k in params})
+            with self.issuing("split_group"):
+                group = dist.split_group(split_ranks=[mine or entry["other"]],
+                                         **{k: v for k, v in kw.items() if k in params})
         else:
             every = self.proto.screen_plan(key, "all", self.screen_left())[name]
-            group = dist.new_subgroups_by_enumeration(every, **kw)[0]
+            with self.issuing("new_subgroups_by_enumeration"):
+                group = dist.new_subgroups_by_enumeration(every, **kw)[0]
+        if group is not None and (mine or self.backend != "nccl"):  # torch's name of it: its flight recorder's
+            self.issued.names[group.group_name] = group_key(mine or [self.rank])
         self.screen_groups.append(group)
         made = time.monotonic() - t
         with self.state_lock:
@@ -255,7 +263,7 @@ class ScreenCoordinator:
     def round_groups(self):
         return dict(r for rs in self.screen_rounds.values() for r in rs)
 
-    def screen_unfinished(self, phase, client, cause, live, errors, silent, stamps):
+    def screen_unfinished(self, phase, client, cause, live, errors, silent, stamps, issued=None):
         """A screen phase that did not finish: (the finding naming the groups whose members did not post a
         batch, or None; the stamps for judge_unfinished, where a post of the GPU round counts as finishing
         it: rank 0 posts before it waits for the others)."""
@@ -265,7 +273,7 @@ class ScreenCoordinator:
         rounds = self.screen_rounds.get(phase) or []
         posted = {n: self.round_posted(client, n) for n, _ in rounds}
         how = cause[len(PHASE_WHAT[phase]):].strip() if cause.startswith(PHASE_WHAT[phase]) else cause
-        return screen_stuck(phase, how, self.world, rounds, posted, self.host_of, live, errors, silent), stamps
+        return screen_stuck(phase, how, self.world, rounds, posted, self.host_of, live, errors, silent, issued), stamps
 
     def round_posted(self, client, name):
         """Ranks that did their part of a batch: posted it, or, while the batch's start gate is not complete,

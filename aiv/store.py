@@ -134,6 +134,9 @@ class StoreProtocol:
       errors, nerr   error lines (JSON, appended) and their count  any rank
       forged         values a rank refused (JSON lines: key, why, claim)   any rank but 0
       verdict        rank 0's exit code: listeners exit with it   rank 0
+      ask            rank 0's question when a phase did not finish ('1'): each rank's listener, which waits
+                     on this key, answers under posts/issued; set to 'verdict' after the verdict (the
+                     listener then takes the verdict)   rank 0
       ack/<rank>, acks  a rank read the verdict; how many did (counter)   each rank
       screen/q<k>/<rank>                                          rank 0
                      the rank's part of the screen loop's k-th batch (JSON: its group, the batch's group
@@ -143,7 +146,8 @@ class StoreProtocol:
       screen/<round>/n, screen/<round>/all  posts counted; set by the last of the world  each rank
       gate/screen    rank 0's go after the screen's judgement     rank 0
       posts/<name>   a fan-in to rank 0, one JSON line per rank (appended): telemetry (identity and
-                     node facts), results (the collectives' and DDP step's)   each rank
+                     node facts), results (the collectives' and DDP step's), issued (the last collective
+                     each rank issued on each of its groups, when rank 0 asked)   each rank
       posts/<name>/n, posts/<name>/all  posts counted; set by the last of the world   each rank
     Measurements travel here, not through a collective of the world, so that a hung group of two
     nodes cannot hang the others: rank 0 waits for the keys within the phase's bound and names the
@@ -470,6 +474,10 @@ class StoreProtocol:
         if self.store.add(f"posts/{name}/n", 1) == self.world:
             self._set(f"posts/{name}/all", "1")
 
+    def post_count(self, name):
+        """How many posts of the fan-in `name` were counted (a wake-up: posts() holds the sealed posts)."""
+        return self.store.add(f"posts/{name}/n", 0)
+
     def posts(self, name):
         """{rank: its post} of the fan-in `name`, so far: one read of the list (sealed posts only)."""
         return {int(e["rank"]): e for e in map(json.loads, self._lines(f"posts/{name}"))}
@@ -526,7 +534,17 @@ class StoreProtocol:
         return out
 
     def publish_verdict(self, code):
+        """The verdict, then `ask` (the listeners wait on it: it wakes them, and they find the verdict)."""
         self._set("verdict", str(code))
+        self._set("ask", "verdict")
+
+    def ask(self):
+        """Rank 0, a phase did not finish: every live rank's listener posts what it issued last (posts/issued)."""
+        self._set("ask", "1")
+
+    def wait_ask(self, seconds):
+        """A listener: rank 0's question or its verdict, within `seconds`. -> 'ask' or 'verdict'."""
+        return "verdict" if self._wait_valid("ask", seconds) == "verdict" else "ask"
 
     def verdict_holds(self, code):
         """Rank 0, while it waits for the acks: whether the verdict key still holds its sealed code

@@ -235,7 +235,8 @@ def own_tool_processes(script=None):
 # Slurm test cluster of its own (tests/slurm_cluster.sh keeps clusters apart, in namespaces of their own).
 # _COST: a file's mean seconds per test, measured on a 2-core machine with 3 workers (a scheduling hint
 # only: a file not listed costs 0.1 s a test).
-_COST = {"test_slurm.py": 11.3, "test_screen_run.py": 14.7, "test_hangs.py": 8.6, "test_false_culprit.py": 7.5,
+_COST = {"test_slurm.py": 11.3, "test_screen_run.py": 14.7, "test_hangs.py": 8.6, "test_stuck_rank.py": 8.5,
+         "test_false_culprit.py": 7.5,
          "test_torchrun.py": 7.4, "test_multiproc.py": 5.6, "test_launch_hygiene.py": 4.4, "test_fan_in.py": 4.1,
          "test_rooms.py": 3.6, "test_side_channel.py": 3.4, "test_node_smi.py": 2.5, "test_soak.py": 2.2,
          "test_bootstrap.py": 2.1, "test_numerics.py": 1.9, "test_usage_errors.py": 0.8, "test_manifest.py": 0.7,

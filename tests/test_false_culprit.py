@@ -216,8 +216,10 @@ def test_judge_unfinished_blames_no_one_for_consequences_of_a_signal():
 
 def test_failpoint_doc_names_every_kind():
     doc = aiv.RankRun.failpoint.__doc__
-    for kind in ("die", "hang", "pause=S", "raise", "skew=S"):
+    for kind in ("die", "hang", "pause=S", "raise", "skew=S", "stall=S", "done-<phase>"):
         assert kind in doc
+    for site in ("done-telemetry", "done-screen-gpu", "done-ddp"):  # each done-<phase> the doc names has its site
+        assert f'self.failpoint("{site}")' in Path(SCRIPT).read_text()
     assert Path(SCRIPT).read_text().count("self.failpoint(") >= 10
 
 

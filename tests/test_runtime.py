@@ -67,8 +67,17 @@ def test_frozen_and_silent_ranks_time_out_with_exit_3():
 
 
 def test_finished_ranks_are_never_named():
-    f = unfinished({0: COLL - 1, 1: COLL, 2: COLL, 3: COLL - 1}, {r: "running" for r in range(4)})
-    assert f["ranks"] == [0, 3] and "2/4 rank(s) finished collective" in f["reason"]
+    """Ranks 1-2 finished the collective, 0 and 3 are alive and did not: without their answers (not asked) no
+    host is named; with them (outside any collective for seconds, while their peers finished) 0 and 3 are."""
+    stamps = {0: COLL - 1, 1: COLL, 2: COLL, 3: COLL - 1}
+    f = unfinished(stamps, {r: "running" for r in range(4)})
+    assert (f["ranks"], f["hosts"], f["evidence"]) == ([], [], "not-collected") and "no host is named" in f["reason"]
+    assert "2/4 rank(s) finished collective" in f["reason"] and "ranks 0 (n1), 3 (n2) alive" in f["reason"]
+    idle = {"own": {"0-3": ["all_reduce", 2, True]}, "fr": None, "inflight": None, "idle_s": 30.0}
+    f = aiv.judge_unfinished("collective", "x", 4, HOSTS, stamps, {r: "running" for r in range(4)}, {}, None, (),
+                             {r: idle for r in range(4)})
+    assert (f["ranks"], f["evidence"]) == ([0, 3], "never-issued"), f
+    assert "ranks 0 (n1), 3 (n2) never finished its part of collective that ranks 1-2 finished" in f["reason"]
 
 
 def test_reported_errors_name_their_ranks_with_their_own_code():

@@ -533,23 +533,47 @@ def test_gpu_rows_join_records_and_posts():
 HOSTS4 = {0: "node1", 1: "node2", 2: "node3", 3: "node4"}
 
 
-def stuck(posted, live=None, errors=None, how="did not complete within 8s", world=4, silent=()):
+def stuck(posted, live=None, errors=None, how="did not complete within 8s", world=4, silent=(), issued=None):
     rounds = aiv.screen_plan(recs({h: 1 for h in HOSTS4.values()}))[1:]
     return aiv.screen_stuck("screen-net", how, world, rounds, posted, HOSTS4,
-                            live or {r: "running" for r in range(world)}, errors or {}, silent)
+                            live or {r: "running" for r in range(world)}, errors or {}, silent, issued)
 
 
-def test_stuck_names_the_link_and_both_ends():
+def answer(own=None, inflight=None, idle_s=30.0):
+    """A rank's answer to rank 0's question (what it issued last), as Issued.record makes it."""
+    return {"own": own or {}, "fr": None, "inflight": inflight, "idle_s": None if inflight else idle_s}
+
+
+def test_stuck_names_the_link_but_no_host_without_evidence():
+    """Both ends of a hung pair alive, nothing collected: the link is said, no host is named (it was both)."""
     f = stuck({"p1": {0, 2}, "p2": set()})
     assert f["check"] == "inter-node" and f["status"] == "FAIL" and aiv.verdict_code([f]) == aiv.EXIT_TIMEOUT
     assert f["reason"].startswith("link between node2 and node4 on rail 0 did not complete within 8s (ranks 1 (node2), "
-                                  "3 (node4) alive but did not finish); 2/4 rank(s) finished round 1")
-    assert f["hosts"] == ["node2", "node4"] and f["ranks"] == [1, 3]
+                                  "3 (node4) alive, not finished); 2/4 rank(s) finished round 1; no host is named: ")
+    assert (f["hosts"], f["ranks"], f["evidence"]) == ([], [], "not-collected") and f["unlocalised"]["localise"]
+
+
+def test_stuck_names_the_end_that_never_issued_and_no_host_when_both_did():
+    """Rank 3 (node4) waits inside the pair's all_reduce, rank 1 (node2) never issued it: node2 alone. Both
+    inside it: the link, no host, pointing at what would localise it."""
+    waiting = answer({"1,3": ["all_reduce (busbw)", 1, False]}, inflight="1,3")
+    f = stuck({"p1": {0, 2}}, issued={0: answer(), 1: answer({"0-3": ["init_process_group", 0, True]}), 2: answer(),
+                                      3: waiting})
+    assert (f["hosts"], f["ranks"], f["evidence"]) == (["node2"], [1], "never-issued"), f
+    assert "rank 1 (node2) never issued all_reduce (busbw) #1 that rank 3 issued" in f["reason"]
+    assert "rank 3 (node4) alive, inside a collective (waiting for its peers) (not blamed)" in f["reason"]
+    f = stuck({"p1": {0, 2}}, issued={0: answer(), 1: waiting, 2: answer(), 3: waiting})
+    assert (f["hosts"], f["evidence"]) == ([], "all-issued"), f
+    assert "no host is named: every member of link between node2 and node4 on rail 0 issued its all_reduce" \
+        in f["reason"]
+    # a rank between two calls (outside one for less than BETWEEN_S) is no evidence
+    f = stuck({"p1": {0, 2}}, issued={0: answer(), 1: answer(idle_s=0.01), 2: answer(), 3: waiting})
+    assert f["hosts"] == [] and "rank 1 (node2) alive, between two collective calls" in f["reason"]
 
 
 def test_stuck_blames_a_frozen_or_dead_member_only():
     f = stuck({"p1": {0, 2}}, live={0: "running", 1: "stopped", 2: "running", 3: "running"})
-    assert "rank 1 (node2) frozen (process stopped); rank 3 (node4) alive but did not finish" in f["reason"]
+    assert "rank 1 (node2) frozen (process stopped); rank 3 (node4) alive, not finished (not blamed)" in f["reason"]
     assert f["hosts"] == ["node2"] and f["ranks"] == [1] and aiv.verdict_code([f]) == aiv.EXIT_TIMEOUT
     f = stuck({"p1": {0, 1, 2, 3}, "p2": {1, 2}}, live={0: "running", 1: "running", 2: "running", 3: "gone"},
               how="failed")
@@ -562,7 +586,7 @@ def test_stuck_none_when_every_round_was_posted_and_intra_words():
     rounds = aiv.screen_plan(recs({"node1": 2, "node2": 2}))[:1]
     f = aiv.screen_stuck("screen-net", "did not complete within 5s", 4, rounds, {"intra": {0, 1}},
                          {0: "node1", 1: "node1", 2: "node2", 3: "node2"}, {}, {})
-    assert f["check"] == "intra-node" and f["hosts"] == ["node2"]
+    assert f["check"] == "intra-node" and f["hosts"] == [] and f["evidence"] == "not-collected"
     assert f["reason"].startswith("the intra-node group of node2 (ranks 2-3) did not complete within 5s")
 
 

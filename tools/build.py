@@ -40,6 +40,7 @@ BUILD_ORDER = (
     "numerics_measure",  # the numerics check (silent data corruption): what each rank computes on its device
     "measure",       # what the screen and the soak measure on a device
     "numerics",      # the numerics check's judges: bits within a model and software, the fp64 reference
+    "hang",          # who is behind in a phase that did not finish; NCCL's own view beside ours
     "judge",         # pure checks of the gathered records
     "manifest",      # --save-manifest / --manifest / --diff-manifest
     "screen_plan",   # the screen's rounds and groups
@@ -56,6 +57,7 @@ BUILD_ORDER = (
     "manifest_io",   # the manifest on disk: read before torch, saved under a lock, diffed
     "store",         # the side channel: keys, Seal, StoreProtocol
     "liveness",      # the node monitor
+    "ras",           # NCCL's RAS service, read over its socket
     "background",    # a rank's work off its main thread; its NCCL log
     "drain",         # --drain on: the scontrol calls
     "conclusion",    # rank 0's verdict, given once: the gate, the report first, the files, the drain, the acks
@@ -70,13 +72,13 @@ BUILD_ORDER = (
 )
 # The pure layer: judges, render, manifest, verify-log and what they stand on. None of these imports a
 # module of the runtime, so each is a function of plain data that a test can call without a store.
-RUNTIME = ("manifest_io", "store", "liveness", "background", "drain", "conclusion", "screen_run", "rank",
+RUNTIME = ("manifest_io", "store", "liveness", "ras", "background", "drain", "conclusion", "screen_run", "rank",
            "coordinator", "follower", "plan", "local", "node_check", "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
 # The judge and report modules: functions of plain data with no effects. None imports what acts on the world
 # (processes, threads, sockets, locks, native calls, torch); a check that needs one collects in a floor 2
 # module or the runtime, and hands the judge plain data.
-EFFECT_FREE = ("blame", "numerics", "judge", "manifest", "screen_plan", "screen_gpu", "screen_judge", "soak",
+EFFECT_FREE = ("blame", "numerics", "hang", "judge", "manifest", "screen_plan", "screen_gpu", "screen_judge", "soak",
                "screen_loop", "node_judge", "render", "outputs", "page", "verify_log", "node_report")
 EFFECTS = ("subprocess", "threading", "socket", "fcntl", "ctypes", "torch", "multiprocessing", "signal",
            "concurrent", "asyncio")
