@@ -70,7 +70,7 @@ class Follower(ScreenFollower, RankRun):
         rank 0 hears why at once, through the store's own wire (no torch needed), within what is left of the
         phase's bound, and ends the roll call in seconds instead of at its bound. An interruption says nothing:
         rank 0 takes its own signal."""
-        if v.code == EXIT_INTERRUPTED or not v.findings:
+        if v.code == EXIT_INTERRUPTED or not v.findings or self.phase != "local":  # the store unreachable: no tell
             return
         f = v.findings[0]
         line = f["reason"] if f["reason"].startswith(f"rank {self.rank} ") else f"rank {self.rank} ({self.host}): " \

@@ -71,12 +71,12 @@ def test_finished_ranks_are_never_named():
     host is named; with them (outside any collective for seconds, while their peers finished) 0 and 3 are."""
     stamps = {0: COLL - 1, 1: COLL, 2: COLL, 3: COLL - 1}
     f = unfinished(stamps, {r: "running" for r in range(4)})
-    assert (f["ranks"], f["hosts"], f["evidence"]) == ([], [], "not-collected") and "no host is named" in f["reason"]
+    assert (f["ranks"], f["hosts"], f["blame"]) == ([], [], "not-collected") and "no host is named" in f["reason"]
     assert "2/4 rank(s) finished collective" in f["reason"] and "ranks 0 (n1), 3 (n2) alive" in f["reason"]
     idle = {"own": {"0-3": ["all_reduce", 2, True]}, "fr": None, "inflight": None, "idle_s": 30.0}
     f = aiv.judge_unfinished("collective", "x", 4, HOSTS, stamps, {r: "running" for r in range(4)}, {}, None, (),
                              {r: idle for r in range(4)})
-    assert (f["ranks"], f["evidence"]) == ([0, 3], "never-issued"), f
+    assert (f["ranks"], f["blame"]) == ([0, 3], "never-issued"), f
     assert "ranks 0 (n1), 3 (n2) never finished its part of collective that ranks 1-2 finished" in f["reason"]
 
 
@@ -158,7 +158,9 @@ def test_store_protocol_refuses_a_second_claim_and_another_world(store):
         "rendezvous", "RANK=1 is claimed twice: first by pid 11 on n2")
     assert p0.missing(2) == [] and [(x["host"], x["check"]) for x in p0.strays()] == [
         ("n9", "world-size"), ("n3", "rendezvous")]
-    assert [f["hosts"] for f in aiv.judge_strays(p0.strays())] == [["n3"], ["n9"]]
+    run = ["n0", "n1", "n2"]  # the run's own hosts: a world-size stray is named against their majority
+    assert [f["hosts"] for f in aiv.judge_strays(p0.strays(), run)] == [["n3"], ["n9"]]
+    assert [f["hosts"] for f in aiv.judge_strays(p0.strays())] == [["n3"], []]  # n9 against n3 alone: a tie
 
 
 def test_settled_liveness_waits_for_fresh_posts_and_names_silent_nodes(store):
@@ -283,7 +285,7 @@ def test_fd_limit_problem_names_the_shortfall():
 def test_roles_keep_to_their_own_part():
     """Rank 0 alone gives the verdict; the others alone take it or speak for rank 0; every rank runs the
     screen. A role that gains the other's part (the interleaving the split removed) fails here."""
-    verdict = {"conclude", "give_verdict", "unfinished", "interruption", "roll_call", "state", "wait_acks"}
+    verdict = {"conclude", "snapshot", "unfinished", "interruption", "roll_call"}
     follow = {"listen", "take_verdict", "lost_rank0", "speak_for_rank0", "rank0_state"}
     parts = (aiv.ScreenRunner, aiv.ScreenCoordinator, aiv.ScreenFollower)
     screen = {n for cls in parts for n in vars(cls) if n.startswith("phase_screen_")}
@@ -297,6 +299,10 @@ def test_roles_keep_to_their_own_part():
     assert verdict <= set(vars(aiv.Coordinator)) and not verdict & set(dir(aiv.Follower))
     assert follow <= set(vars(aiv.Follower)) and not follow & set(dir(aiv.Coordinator))
     assert issubclass(aiv.Coordinator, aiv.ScreenRunner) and issubclass(aiv.Follower, aiv.ScreenRunner)
+    # the verdict itself is a room of its own with explicit inputs (the run's facts as plain data), no rank
+    given = {"give", "state", "report", "plan_drain", "side_channel", "write_files", "listeners", "wait_acks"}
+    assert given <= set(vars(aiv.Conclusion)) and not issubclass(aiv.Conclusion, aiv.RankRun)
+    assert not given & set(vars(aiv.Coordinator))
     for role in (aiv.Coordinator, aiv.Follower):  # each role defines every hook the shared flow calls
         for hook in ("end", "grace", "enter_phase", "before_check_in", "after_check_in", "expire", "signalled"):
             assert hook in vars(role), (role.__name__, hook)

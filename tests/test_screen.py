@@ -550,7 +550,7 @@ def test_stuck_names_the_link_but_no_host_without_evidence():
     assert f["check"] == "inter-node" and f["status"] == "FAIL" and aiv.verdict_code([f]) == aiv.EXIT_TIMEOUT
     assert f["reason"].startswith("link between node2 and node4 on rail 0 did not complete within 8s (ranks 1 (node2), "
                                   "3 (node4) alive, not finished); 2/4 rank(s) finished round 1; no host is named: ")
-    assert (f["hosts"], f["ranks"], f["evidence"]) == ([], [], "not-collected") and f["unlocalised"]["localise"]
+    assert (f["hosts"], f["ranks"], f["blame"]) == ([], [], "not-collected") and f["unlocalised"]["localise"]
 
 
 def test_stuck_names_the_end_that_never_issued_and_no_host_when_both_did():
@@ -559,11 +559,11 @@ def test_stuck_names_the_end_that_never_issued_and_no_host_when_both_did():
     waiting = answer({"1,3": ["all_reduce (busbw)", 1, False]}, inflight="1,3")
     f = stuck({"p1": {0, 2}}, issued={0: answer(), 1: answer({"0-3": ["init_process_group", 0, True]}), 2: answer(),
                                       3: waiting})
-    assert (f["hosts"], f["ranks"], f["evidence"]) == (["node2"], [1], "never-issued"), f
+    assert (f["hosts"], f["ranks"], f["blame"]) == (["node2"], [1], "never-issued"), f
     assert "rank 1 (node2) never issued all_reduce (busbw) #1 that rank 3 issued" in f["reason"]
     assert "rank 3 (node4) alive, inside a collective (waiting for its peers) (not blamed)" in f["reason"]
     f = stuck({"p1": {0, 2}}, issued={0: answer(), 1: waiting, 2: answer(), 3: waiting})
-    assert (f["hosts"], f["evidence"]) == ([], "all-issued"), f
+    assert (f["hosts"], f["blame"]) == ([], "all-issued"), f
     assert "no host is named: every member of link between node2 and node4 on rail 0 issued its all_reduce" \
         in f["reason"]
     # a rank between two calls (outside one for less than BETWEEN_S) is no evidence
@@ -586,7 +586,7 @@ def test_stuck_none_when_every_round_was_posted_and_intra_words():
     rounds = aiv.screen_plan(recs({"node1": 2, "node2": 2}))[:1]
     f = aiv.screen_stuck("screen-net", "did not complete within 5s", 4, rounds, {"intra": {0, 1}},
                          {0: "node1", 1: "node1", 2: "node2", 3: "node2"}, {}, {})
-    assert f["check"] == "intra-node" and f["hosts"] == [] and f["evidence"] == "not-collected"
+    assert f["check"] == "intra-node" and f["hosts"] == [] and f["blame"] == "not-collected"
     assert f["reason"].startswith("the intra-node group of node2 (ranks 2-3) did not complete within 5s")
 
 

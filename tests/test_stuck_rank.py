@@ -63,7 +63,7 @@ def test_a_rank_alive_before_its_all_reduce_is_named_alone(tmp_path, world, stuc
     assert f" that {who} {aiv.ranks_text(others)} issued (alive, outside any collective; numbered by " in line, line
     assert (v["failed_hosts"], v["exclude"]) == ([f"n{stuck}"], f"n{stuck}"), v["failures"]
     (f,) = fail_findings(v)
-    assert (f["evidence"], f["ranks"], f["issued"]["states"][str(stuck)]) == ("never-issued", [stuck], "behind")
+    assert (f["blame"], f["ranks"], f["issued"]["states"][str(stuck)]) == ("never-issued", [stuck], "behind")
     assert f["issued"]["source"] == ("own" if args else "recorder"), f["issued"]
     assert all(f["issued"]["states"][str(r)] == "waiting" for r in others), f["issued"]
     for r in others:  # every live rank exits with the verdict
@@ -102,7 +102,7 @@ def test_a_pair_member_that_never_issues_is_named_not_its_partner(tmp_path):
                            "(n1) never issued new_group that rank 3 issued; rank 3 (n3) alive, inside a collective "
                            "(waiting for its peers) (not blamed)); 2/4 rank(s) finished round 1"), line
     assert (v["failed_hosts"], v["exclude"]) == (["n1"], "n1")
-    assert fail_findings(v)[0]["evidence"] == "never-issued"
+    assert fail_findings(v)[0]["blame"] == "never-issued"
 
 
 # -- (b) killed after its own part, while rank 0 still works in the phase: its host, dead
@@ -116,7 +116,7 @@ def test_a_rank_killed_after_its_part_is_named_dead_never_the_rank_still_working
     (line,) = lines
     assert "rank 1 (n1) dead (process gone)" in line and "rank 0 (n0) alive, not finished (not blamed)" in line, line
     assert (v["failed_hosts"], v["exclude"]) == (["n1"], "n1"), v["failures"]
-    assert fail_findings(v)[0]["evidence"] == "process"
+    assert fail_findings(v)[0]["blame"] == "process"
 
 
 # -- (c) one rank signalled: interrupted, nobody, whatever the moment
@@ -175,14 +175,14 @@ def judge(issued, live=None, errors=None, stamps=None, phase="collective"):
 
 def test_every_rank_inside_the_collective_is_the_fabric_no_host():
     f = judge({r: ans(3, inflight=True) for r in range(4)})
-    assert (f["hosts"], f["evidence"], aiv.verdict_code([f])) == ([], "all-issued", aiv.EXIT_TIMEOUT), f
+    assert (f["hosts"], f["blame"], aiv.verdict_code([f])) == ([], "all-issued", aiv.EXIT_TIMEOUT), f
     assert "no host is named: every rank issued all_reduce #3 and it did not finish: the fabric" in f["reason"]
     assert f["unlocalised"]["localise"] == aiv.FABRIC_HINT and "screen's pair results" in f["reason"]
 
 
 def test_answers_not_collected_name_no_host_and_say_whose():
     f = judge({0: ans(3, inflight=True), 1: None, 2: ans(3, inflight=True), 3: ans(3, inflight=True)})
-    assert (f["hosts"], f["evidence"]) == ([], "not-collected"), f
+    assert (f["hosts"], f["blame"]) == ([], "not-collected"), f
     assert "rank 1 (n1) alive, posted no record of what it issued within 4s" in f["reason"]
     assert "what rank(s) 1 issued last was not collected" in f["reason"]
 
@@ -192,7 +192,7 @@ def test_a_rank_between_two_calls_is_no_evidence_but_a_stopped_one_is():
     f = judge({**peers, 1: ans(2, idle_s=0.002)})
     assert f["hosts"] == [] and "rank 1 (n1) alive, between two collective calls" in f["reason"], f
     f = judge({**peers, 1: ans(2, idle_s=12.0, fr=None)})
-    assert (f["hosts"], f["evidence"]) == (["n1"], "never-issued"), f
+    assert (f["hosts"], f["blame"]) == (["n1"], "never-issued"), f
     assert "rank 1 (n1) never issued all_reduce #3 that ranks 0, 2-3 issued (alive, outside any collective; " \
            "numbered by its own record)" in f["reason"]
     assert "ranks 0 (n0), 2 (n2), 3 (n3) alive, inside a collective (waiting for its peers) (not blamed)" in f["reason"]
@@ -206,7 +206,7 @@ def test_torchs_recorder_numbers_the_collectives_where_every_rank_has_it():
     assert "rank 2 (n2) never issued all_reduce #12 that ranks 0-1, 3 issued" in f["reason"]
     posts[3]["fr"] = None  # the recorder holds nothing on one rank: every rank's own record stands in
     f = judge(posts)
-    assert f["issued"]["source"] == "own" and f["hosts"] == [] and f["evidence"] == "all-issued", f
+    assert f["issued"]["source"] == "own" and f["hosts"] == [] and f["blame"] == "all-issued", f
 
 
 def test_process_evidence_anywhere_wins_and_a_signal_anywhere_names_nobody():
@@ -215,31 +215,31 @@ def test_process_evidence_anywhere_wins_and_a_signal_anywhere_names_nobody():
     posts = {0: ans(3, inflight=True), 1: ans(2), 2: ans(3, inflight=True), 3: None}
     stamps = {0: COLL - 1, 1: COLL - 1, 2: COLL - 1, 3: COLL}
     f = judge(posts, live={0: "running", 1: "running", 2: "running", 3: "gone"}, stamps=stamps)
-    assert (f["hosts"], f["evidence"], aiv.verdict_code([f])) == (["n3"], "process", aiv.EXIT_FAIL), f
+    assert (f["hosts"], f["blame"], aiv.verdict_code([f])) == (["n3"], "process", aiv.EXIT_FAIL), f
     done = {r: COLL for r in range(4)}
     f = judge(None, live={0: "running", 1: "gone", 2: "running", 3: "running"}, stamps=done,
               errors={1: {"line": "rank 1 (n1): terminated by SIGTERM", "term": True, "internal": False}})
     assert (f["check"], f["hosts"], aiv.verdict_code([f])) == ("interrupted", [], aiv.EXIT_INTERRUPTED), f
     f = judge(None, stamps=done)
-    assert f["hosts"] == [] and "every rank finished it" not in f["reason"] and f["evidence"] == "not-collected"
+    assert f["hosts"] == [] and "every rank finished it" not in f["reason"] and f["blame"] == "not-collected"
 
 
 def test_an_error_every_rank_reported_names_no_host():
     errors = {r: {"line": f"rank {r}: Connection reset", "term": False, "internal": False} for r in range(4)}
     f = judge(None, errors=errors)
-    assert (f["hosts"], f["evidence"]) == ([], "everyone") and "no host is named: every rank reported" in f["reason"]
+    assert (f["hosts"], f["blame"]) == ([], "everyone") and "no host is named: every rank reported" in f["reason"]
     f = judge(None, errors={2: errors[2]})
-    assert (f["hosts"], f["evidence"]) == (["n2"], "own"), f
+    assert (f["hosts"], f["blame"]) == (["n2"], "own"), f
 
 
 def test_a_phase_of_each_ranks_own_work_names_the_rank_that_did_not_do_its_part():
     """telemetry: ranks 0, 2, 3 posted, rank 1 did not (no collective involved): rank 1; nobody posted: no host."""
     idx = aiv.PHASES.index("telemetry")
     f = judge(None, stamps={0: idx, 1: idx - 1, 2: idx, 3: idx}, phase="telemetry")
-    assert (f["hosts"], f["evidence"]) == (["n1"], "never-issued"), f
+    assert (f["hosts"], f["blame"]) == (["n1"], "never-issued"), f
     assert "rank 1 (n1) never finished its part of telemetry that ranks 0, 2-3 finished" in f["reason"]
     f = judge(None, stamps={r: idx - 1 for r in range(4)}, phase="telemetry")
-    assert (f["hosts"], f["evidence"]) == ([], "everyone") and "none is behind another" in f["reason"], f
+    assert (f["hosts"], f["blame"]) == ([], "everyone") and "none is behind another" in f["reason"], f
 
 
 STATES = ["running", "gone", "stopped"]
