@@ -20,6 +20,7 @@ import pytest
 from conftest import SCRIPT, aiv, clean_env, failures, free_port
 
 T = 8                 # --timeout of these runs
+T_DDP = 25            # ... of the runs that stop in the DDP step (its lazy imports are inside the bound)
 SLACK = 3             # a loaded 2-core machine's scheduling noise on top of the documented bound
 HOST = socket.gethostname()
 
@@ -71,8 +72,12 @@ PREVIOUS = {"collective": "telemetry:", "ddp": "collective:"}
 @pytest.mark.parametrize("fault,phase", [("die", "collective"), ("hang", "collective"),
                                          ("die", "ddp"), ("hang", "ddp")])
 def test_a_dead_or_frozen_rank_is_named_by_rank_0(fault, phase, tmp_path):
+    # the DDP phase imports torch._dynamo (the tests' runs do not warm it up): on a loaded 2-core machine the
+    # other ranks were still importing it at 8 s, and were rightly named as never having issued the
+    # collective rank 0 issued; the bound must exceed that import for the frozen rank alone to stand out
+    t = T if phase != "ddp" else T_DDP
     jp = tmp_path / "v.json"
-    w = Ranks(3, ["--timeout", T, "--json", jp], env={"AIV_FAILPOINT": f"{fault}:{phase}:1"})
+    w = Ranks(3, ["--timeout", t, "--json", jp], env={"AIV_FAILPOINT": f"{fault}:{phase}:1"})
     try:
         w.wait([0, 2])
     finally:
@@ -88,7 +93,7 @@ def test_a_dead_or_frozen_rank_is_named_by_rank_0(fault, phase, tmp_path):
     assert d["exit_code"] == code and d["failed_hosts"] == [HOST] and d["exclude"] == HOST
     assert [f["ranks"] for f in d["findings"] if f["status"] == "FAIL"] == [[1]]
     took = progress_at(out0, "verdict:") - progress_at(out0, PREVIOUS[phase])
-    assert took <= T + aiv.NAMING_S + SLACK, f"verdict {took:.1f}s after {phase} began"
+    assert took <= t + aiv.NAMING_S + SLACK, f"verdict {took:.1f}s after {phase} began"
     # rank 2 was blocked in (or failed out of) the same collective: it exits with the verdict, silently
     assert w.rc(2) == code and not failures(w.out[2]), w.out[2]
     assert w.ended[2] - w.ended[0] <= 10

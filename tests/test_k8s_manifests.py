@@ -214,7 +214,10 @@ def test_every_preflight_container_runs_the_tool_from_the_configmap_with_a_venv_
     found = []
     for d in docs(path):
         text = yaml.safe_dump(d)
-        if "ddp_mesh_ping.py" in text:
+        if "ddp_mesh_ping.py" in text and "--node-check" in text:  # the node gate: its own page's contract
+            assert "npd" in text, text
+            found.append(d)
+        elif "ddp_mesh_ping.py" in text:
             found.append(d)
             assert '${PYTORCH_ENV:+$PYTORCH_ENV/bin/}python' in text and "name: ai-infra-validator" in text
             assert "spec.nodeName" in text and "AIV_JOB_SECRET" in text

@@ -22,7 +22,8 @@ GOOD = {"--backend": ["auto", "gloo"], "--timeout": ["5", "120", "2.5"], "--roll
         "--min-tflops": ["1.5"],
         "--min-hbm": ["100"], "--min-busbw-intra": ["10"], "--min-busbw-inter": ["5"],
         "--drain": ["off", "recommend", "on"], "--drain-max": ["1", "8"], "--metrics": ["/tmp/aiv-plan-test.prom"],
-        "--html": ["/tmp/aiv-plan-test.html"], "--soak": ["0", "30", "2.5", "off"]}
+        "--html": ["/tmp/aiv-plan-test.html"], "--soak": ["0", "30", "2.5", "off"], "--node-budget": ["25", "5.5"],
+        "--expect-gpus": ["0", "8"], "--undrain": ["on", "off"], "--node-check": ["health", "prolog", "npd"]}
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
 SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0",
          "SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
@@ -78,7 +79,7 @@ def check_plan_or_line(argv, env):
         return None
     if p["mode"] in ("help", "version"):
         return p
-    assert p["mode"] in ("local", "rank", "verify-log", "diff-manifest")
+    assert p["mode"] in ("local", "rank", "verify-log", "diff-manifest", "node-check")
     a = p["args"]
     if p["mode"] == "diff-manifest":  # two paths (a stray word after the flag's one value is the second)
         assert len(a.diff_manifest) == 2 and all(x.strip() for x in a.diff_manifest), a.diff_manifest

@@ -663,7 +663,10 @@ def test_screen_on_four_healthy_nodes_names_nobody(cluster, run, capsys):
     log, _, js = cluster.outputs(job)
     v = load_json(js)
     assert v["failed_hosts"] == [] and "PERFORMANCE" in log
-    assert [f for f in v["findings"] if f["check"] in SCREEN_CHECKS and f["status"] != "PASS"] == []
+    # nothing slow; on a loaded machine a measurement slow at first and at speed again is a transient WARN
+    # that names no host (it is what the re-measurement is for), never more
+    assert [f for f in v["findings"] if f["check"] in SCREEN_CHECKS and f["status"] != "PASS"
+            and not (f.get("transient") and f["status"] == "WARN" and not f["hosts"])] == []
     sc = v["screen"]
     assert sorted(tuple(p["nodes"]) for p in sc["pairs"]) == [("node1", "node3"), ("node1", "node4"),
                                                              ("node2", "node3"), ("node2", "node4")]
@@ -764,7 +767,8 @@ def test_screen_a_link_slow_only_in_the_first_pair_round_names_nobody(cluster, c
     v = load_json(js)
     assert v["failed_hosts"] == [] and v["exclude"] == "", describe(cluster, job)
     assert [(x["hosts"], x["rail"]) for x in v["suspect_links"]] == [(["node1", "node3"], 0)], v["suspect_links"]
-    (warn,) = [f for f in v["findings"] if f["check"] in SCREEN_CHECKS and f["status"] != "PASS"]
+    (warn,) = [f for f in v["findings"] if f["check"] in SCREEN_CHECKS and f["status"] != "PASS"
+               and not f.get("transient")]  # a transient WARN of a loaded machine beside it names no host either
     assert warn["status"] == "WARN" and warn["hosts"] == [] and "suspect link" in warn["reason"], warn
     sc = v["screen"]
     (r1,) = [p for p in sc["pairs"] if p["round"] == 1 and p["nodes"] == ["node1", "node3"]]
@@ -898,7 +902,8 @@ def test_drain_apply_against_slurmctld_keeps_a_foreign_reason_and_quotes_a_refus
     """The real scontrol: node4 drained by an operator for a bad fan keeps that reason; an unprivileged
     user's scontrol drains nothing and is a WARN."""
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import ddp_mesh_ping as aiv\n"
-            "p = aiv.drain_plan([aiv.finding('gpu-perf', 'FAIL', 'slow GPU', [sys.argv[2]])], 'on', 4, '9')\n"
+            "p = aiv.drain_plan([aiv.finding('gpu-perf', 'FAIL', 'slow GPU', [sys.argv[2]], blame='persisted')], "
+            "'on', 4, '9')\n"
             "print(json.dumps(aiv.drain_apply(p)))\n")
     with resume_after(cluster):
         assert cluster.run("scontrol", "update", "nodename=node4", "state=drain", "reason=bad fan").returncode == 0
