@@ -399,8 +399,12 @@ cmd_down() {
     others+=("$p")
   done
   [ ${#others[@]} -eq 0 ] || stop_pids 5 "${others[@]}"
-  mapfile -t pids < <(ns_members)
-  [ ${#pids[@]} -eq 0 ] || stop_pids 5 "${pids[@]}"
+  # a process that forked as its parent was stopped (a health check's workers starting) is caught by a later pass
+  for _pass in 1 2 3; do
+    mapfile -t pids < <(ns_members)
+    [ ${#pids[@]} -eq 0 ] && break
+    stop_pids 5 "${pids[@]}"
+  done
   # the namespaces, veths, bridge and bind mounts vanish with their last process
   h=$(ns_members | tr '\n' ' ')
   [ -z "$h" ] || die "processes left in the cluster's namespaces: $h"
