@@ -1012,8 +1012,9 @@ class Watchdog:
                     head, phase = self._next()
                     next_tick = time.monotonic() + self.period
                 now = time.monotonic()
-                if head[0] > now and (phase is None or self.tick is None or next_tick > now):
-                    self._cv.wait(max(0.0, min(head[0], next_tick) - now))
+                ticking = phase is not None and self.tick is not None
+                if head[0] > now and (not ticking or next_tick > now):
+                    self._cv.wait(max(0.0, (min(head[0], next_tick) if ticking else head[0]) - now))
                     continue  # something may have been armed or disarmed meanwhile: look again
                 fire = None
                 if head[0] <= now:  # once per arming

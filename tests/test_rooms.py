@@ -279,3 +279,17 @@ def test_the_tick_follows_the_newest_phase_bound_and_not_the_verdicts():
     ticks.clear()
     time.sleep(0.2)
     assert ticks == []                                # the verdict's bound alone: no phase to tick
+
+
+def test_the_watchdog_sleeps_between_its_deadlines():
+    """A watchdog without a tick (every rank but 0) and one whose only bound is the verdict's wait on the
+    nearest deadline: before, a tick time left in the past made them spin a core until the bound passed."""
+    import resource
+    for tick in (None, lambda phase: None):
+        wd = aiv.Watchdog(expire=lambda name: None, tick=tick, period=0.05)
+        b = aiv.Bound(wd, "init" if tick is None else "verdict", 30.0).arm()
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(1.0)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        b.disarm()
+        assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 0.3
