@@ -233,16 +233,16 @@ def own_tool_processes(script=None):
 # unit tests, which are what a worker that runs out takes over, so that no worker ends long after the others.
 # The Slurm tests stay together at the head of the first share: each worker that runs one brings up a
 # Slurm test cluster of its own (tests/slurm_cluster.sh keeps clusters apart, in namespaces of their own).
-# _COST: a file's mean seconds per test, measured on a 2-core machine with 3 workers (a scheduling hint
+# _COST: a file's mean seconds per test, measured on a 2-core machine with 4 workers (a scheduling hint
 # only: a file not listed costs 0.1 s a test).
-_COST = {"test_slurm.py": 11.3, "test_screen_run.py": 14.7, "test_hangs.py": 8.6, "test_stuck_rank.py": 8.5,
-         "test_false_culprit.py": 7.5,
-         "test_torchrun.py": 7.4, "test_multiproc.py": 5.6, "test_launch_hygiene.py": 4.4, "test_fan_in.py": 4.1,
-         "test_rooms.py": 3.6, "test_side_channel.py": 3.4, "test_node_smi.py": 2.5, "test_soak.py": 2.2,
-         "test_bootstrap.py": 2.1, "test_numerics.py": 1.9, "test_usage_errors.py": 0.8, "test_manifest.py": 0.7,
-         "test_verify_log.py": 0.7, "test_runtime.py": 0.5, "test_build.py": 0.5, "test_drain.py": 0.5,
-         "test_docs.py": 0.4, "test_nccl_log.py": 0.4, "test_html.py": 0.3, "test_node_gate_slurm.py": 11.0,
-         "test_node_gate.py": 1.9, "test_k8s_launchers.py": 7.4, "test_verdict_path.py": 12.0, "test_blame.py": 2.5}
+_COST = {"test_node_gate_slurm.py": 23.0, "test_screen_run.py": 18.7, "test_slurm.py": 12.8, "test_hangs.py": 11.4,
+         "test_bootstrap.py": 10.9, "test_verdict_path.py": 10.7, "test_false_culprit.py": 9.7,
+         "test_multiproc.py": 9.6, "test_torchrun.py": 9.3, "test_stuck_rank.py": 8.2, "test_launch_hygiene.py": 7.8,
+         "test_k8s_launchers.py": 6.5, "test_side_channel.py": 5.8, "test_rooms.py": 4.5, "test_fan_in.py": 4.1,
+         "test_node_smi.py": 2.7, "test_numerics.py": 2.6, "test_soak.py": 2.4, "test_blame.py": 2.0,
+         "test_usage_errors.py": 1.3, "test_manifest.py": 1.2, "test_node_gate.py": 0.9, "test_verify_log.py": 0.8,
+         "test_build.py": 0.7, "test_drain.py": 0.6, "test_runtime.py": 0.6, "test_nccl_log.py": 0.5,
+         "test_html.py": 0.4}
 _TOGETHER = "test_slurm.py"
 
 

@@ -94,19 +94,35 @@ def test_soak_on_every_gpu(tmp_path):
         assert not (g["throttle_seen"] or 0) & aiv.SOAK_FAULTS, g
 
 
-def _gil_hogs(n, stop):
-    """n threads of pure Python, each holding the interpreter lock as long as the interpreter lets it."""
-    import threading
+BUSY_HOST = """
+import json, sys, threading
+sys.path.insert(0, sys.argv[2])
+import torch
+import ddp_mesh_ping as aiv
 
-    def spin():
-        x = 0
-        while not stop.is_set():
-            for i in range(10000):
-                x += i * i
-    threads = [threading.Thread(target=spin, daemon=True) for _ in range(n)]
+def spin(stop):  # pure Python, holding the interpreter lock as long as the interpreter lets it
+    x = 0
+    while not stop.is_set():
+        for i in range(10000):
+            x += i * i
+
+quiet = aiv.screen_measure_gpu(torch, 0, "gpu")
+stop = threading.Event()
+threads = [threading.Thread(target=spin, args=(stop,), daemon=True) for _ in range(int(sys.argv[1]))]
+for t in threads:
+    t.start()
+try:
+    box = aiv.start_screen_gpu(torch, 0)
+    try:
+        busy = aiv.take_screen_gpu(box)
+    except aiv.HostStarved:
+        busy = None
+finally:
+    stop.set()
     for t in threads:
-        t.start()
-    return threads
+        t.join()
+print(json.dumps({"quiet": quiet, "busy": busy, "graph": bool(aiv.graph_timing(torch))}, default=str))
+"""
 
 
 @pytest.mark.parametrize("hogs", [1, 4])
@@ -115,24 +131,18 @@ def test_device_timed_screen_holds_beside_a_busy_host(hogs):
     keep the interpreter lock busy (one: as a rank's DDP imports do; four), they stay within 5% of a quiet
     measurement, and with in-graph timing (torch >= 2.9) there is a number every time. Before it (gated
     blocks) four spinning threads can starve the measuring thread of the lock: then HostStarved, which
-    screen-gpu answers by measuring again on its quiet main thread, never a slow number."""
-    import threading
-    dev = 0
-    quiet = aiv.screen_measure_gpu(torch, dev, "gpu")
-    stop = threading.Event()
-    threads = _gil_hogs(hogs, stop)
-    try:
-        box = aiv.start_screen_gpu(torch, dev)
-        try:
-            busy = aiv.take_screen_gpu(box)
-        except aiv.HostStarved:
-            busy = None
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
+    screen-gpu answers by measuring again on its quiet main thread, never a slow number. In a process of its
+    own: the test process keeps no CUDA context (the node gate's tests below see every process on the GPU)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    r = subprocess.run([sys.executable, "-c", BUSY_HOST, str(hogs), str(Path(__file__).resolve().parent.parent)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    quiet, busy = d["quiet"], d["busy"]
     if busy is None:
-        assert hogs > 1 and not aiv.graph_timing(torch), "a busy thread must not starve the measurement"
+        assert hogs > 1 and not d["graph"], "a busy thread must not starve the measurement"
         return
     for key in ("tflops", "hbm_gbps"):
         assert busy[key] >= 0.95 * quiet[key], (key, quiet, busy)

@@ -137,7 +137,7 @@ def test_a_listener_that_never_answers_is_named_within_the_bound():
             first.append(first[0] if first else time.monotonic())
             held.append(c)  # held open, never answered
     threading.Thread(target=accept, daemon=True).start()
-    R, port = 30, srv.getsockname()[1]  # R also bounds the import of torch: over 10 s on a loaded machine
+    R, port = 20, srv.getsockname()[1]  # R also bounds the import of torch: over 10 s on a loaded machine
     res, _ = spawn(2, ranks=[1], port=port, args=["--rollcall-timeout", R], timeout=120)
     done = time.monotonic()
     srv.close()

@@ -59,7 +59,7 @@ def test_missing_rank_times_out_naming_it(tmp_path):
     jp = tmp_path / "v.json"
     # R is also the bound of the local phase, rank 0's own import of torch included: 12 s was overrun on a
     # loaded 2-core machine (rank 0 then timed out itself, before it could name the missing rank)
-    R = 40
+    R = 25
     res, secs = spawn(3, ranks=[0, 1], args=["--rollcall-timeout", R, "--json", jp])
     (rc0, out0), (rc1, out1) = res
     assert rc0 == 3 and rc1 == 3, out0 + out1
@@ -91,7 +91,7 @@ def test_master_port_in_use_is_named():
 
 
 def test_unreachable_master_every_rank_says_so():
-    R = 30  # also the bound of the local phase: import torch took more than 10 s on a loaded 2-core machine
+    R = 20  # also the bound of the local phase: import torch took more than 10 s on a loaded 2-core machine
     res, secs = spawn(2, ranks=[1], env={"MASTER_ADDR": "127.0.0.77"}, args=["--rollcall-timeout", R])
     rc, out = res[0]
     assert rc == 3
@@ -180,7 +180,7 @@ def test_bandwidth_probe_and_min_busbw():
 
 
 def test_unresolvable_master_is_named():
-    R = 30  # also the bound of the local phase: import torch took more than 10 s on a loaded 2-core machine
+    R = 20  # also the bound of the local phase: import torch took more than 10 s on a loaded 2-core machine
     res, secs = spawn(2, env={"MASTER_ADDR": "no-such-host.invalid"}, args=["--rollcall-timeout", R])
     (rc0, out0), (rc1, out1) = res
     assert rc0 == 1 and "FAILURE: rendezvous: MASTER_ADDR=no-such-host.invalid does not resolve" in out0
