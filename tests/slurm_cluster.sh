@@ -138,12 +138,19 @@ record_ns() { # record_ns PID KIND...
 # PIDs of every process inside the namespaces this cluster created (hub mount ns, hub/node net ns),
 # except the caller itself.
 ns_members() {
-  local ids=() f p id h
-  [ -s "$DIR/run/ns.ids" ] && mapfile -t ids <"$DIR/run/ns.ids"
+  local ids=() all=() f p id h own
+  [ -s "$DIR/run/ns.ids" ] && mapfile -t all <"$DIR/run/ns.ids"
+  # never the machine's own namespaces (a holder recorded before it left them would name every process here)
+  own=" $(readlink /proc/$$/ns/mnt) $(readlink /proc/$$/ns/net) "
+  for f in "${all[@]}"; do
+    case $own in *" $f "*) ;; *) [ -n "$f" ] && ids+=("$f") ;; esac
+  done
   [ ${#ids[@]} -gt 0 ] || return 0
   for p in /proc/[0-9]*; do
     p=${p#/proc/}
     [ "$p" = $$ ] && continue
+    # a zombie holds nothing (it waits for a parent to reap it; killing it again does nothing)
+    [ "$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "/proc/$p/status" 2>/dev/null)" = Z ] && continue
     for h in mnt net; do
       id=$(readlink "/proc/$p/ns/$h" 2>/dev/null) || continue
       for f in "${ids[@]}"; do
