@@ -135,32 +135,41 @@ record_ns() { # record_ns PID KIND...
   for k in "$@"; do readlink "/proc/$p/ns/$k" >>"$DIR/run/ns.ids"; done
 }
 
-# PIDs of every process inside the namespaces this cluster created (hub mount ns, hub/node net ns),
-# except the caller itself.
-ns_members() {
-  local ids=() all=() f p id h own
-  [ -s "$DIR/run/ns.ids" ] && mapfile -t all <"$DIR/run/ns.ids"
-  # never the machine's own namespaces (a holder recorded before it left them would name every process here)
-  own=" $(readlink /proc/$$/ns/mnt) $(readlink /proc/$$/ns/net) "
-  for f in "${all[@]}"; do
-    case $own in *" $f "*) ;; *) [ -n "$f" ] && ids+=("$f") ;; esac
-  done
-  [ ${#ids[@]} -gt 0 ] || return 0
-  for p in /proc/[0-9]*; do
-    p=${p#/proc/}
-    [ "$p" = $$ ] && continue
-    # a zombie holds nothing (it waits for a parent to reap it; killing it again does nothing)
-    [ "$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "/proc/$p/status" 2>/dev/null)" = Z ] && continue
-    for h in mnt net; do
-      id=$(readlink "/proc/$p/ns/$h" 2>/dev/null) || continue
-      for f in "${ids[@]}"; do
-        if [ "$id" = "$f" ]; then
-          echo "$p"
-          continue 3
-        fi
-      done
+# pin_ns: an open descriptor on each namespace recorded at "up" whose holder still runs in it. A namespace
+# lives while a descriptor holds it, so its id is not given to a new namespace (a pod's, another test
+# cluster's: the kernel reuses a freed id at once) while "down" stops its members and then the holders;
+# without the pin, a scan after the holders died named the processes of whoever got the id next.
+PIN_IDS=()
+pin_ns() {
+  local f p k id fd
+  [ -s "$DIR/run/ns.ids" ] || return 0
+  for f in "$DIR/run/hub.pid" "$DIR"/run/*.ns.pid; do
+    alive "$f" sleep || continue
+    p=$(pid_of "$f")
+    for k in mnt net; do
+      id=$(readlink "/proc/$p/ns/$k" 2>/dev/null) || continue
+      grep -qxF "$id" "$DIR/run/ns.ids" || continue
+      exec {fd}<"/proc/$p/ns/$k" || continue
+      # the descriptor holds what was read (the holder could have ended between the two)
+      if [ "$(readlink "/proc/$$/fd/$fd")" = "$id" ]; then PIN_IDS+=("$id"); else exec {fd}<&-; fi
     done
   done
+  [ ${#PIN_IDS[@]} -gt 0 ] || say "no namespace holder runs: the namespaces' members are not looked for"
+}
+
+# PIDs of every live process inside the pinned namespaces (hub mount ns, hub/node net ns), except the
+# caller and the machine's own namespaces. A zombie holds nothing (its links do not read) and is not listed.
+ns_members() {
+  local args=() id own
+  own=" $(readlink /proc/$$/ns/mnt) $(readlink /proc/$$/ns/net) "
+  for id in "${PIN_IDS[@]}"; do
+    case $own in *" $id "*) continue ;; esac
+    id=${id//[/\\[}
+    args+=(-o -lname "${id//]/\\]}")
+  done
+  [ ${#args[@]} -gt 0 ] || return 0
+  find /proc/[0-9]*/ns -maxdepth 1 \( "${args[@]:1}" \) -printf '%h\n' 2>/dev/null |
+    sed -n 's|^/proc/\([0-9]*\)/ns$|\1|p' | sort -un | grep -vx "$$" || true
 }
 
 # stop_pids SECONDS PID...: SIGTERM, wait up to SECONDS, then SIGKILL the rest.
@@ -398,6 +407,7 @@ cmd_down() {
     if alive "$f" slurmctld slurmctld-wlm slurmd slurmd-wlm; then pids+=("$(pid_of "$f")"); fi
   done
   [ ${#pids[@]} -eq 0 ] || stop_pids 10 "${pids[@]}"
+  pin_ns
   # everything else still inside our namespaces (slurmstepd, job tasks, helpers), then the holders
   mapfile -t pids < <(ns_members)
   local others=()
@@ -412,7 +422,7 @@ cmd_down() {
     [ ${#pids[@]} -eq 0 ] && break
     stop_pids 5 "${pids[@]}"
   done
-  # the namespaces, veths, bridge and bind mounts vanish with their last process
+  # the namespaces, veths, bridge and bind mounts vanish with their last process and the pins (at exit)
   h=$(ns_members | tr '\n' ' ')
   [ -z "$h" ] || die "processes left in the cluster's namespaces: $h"
   rm -f "$DIR"/run/*.pid "$DIR/run/ns.ids"

@@ -261,9 +261,21 @@ def test_a_second_cluster_runs_beside_this_one(cluster, tmp_path):
                                 check=False, env=env, capture_output=True, text=True, timeout=60)
         assert second.stdout.split() == ["node1", "2"], second.stdout + second.stderr
     finally:
-        down = subprocess.run(["bash", str(CLUSTER_SH), "down"], check=False, env=env, capture_output=True,
-                              text=True, timeout=180)
-    assert down.returncode == 0, down.stdout + down.stderr
+        # pods and other clusters making namespaces while it goes down: the kernel gives them the ids of the
+        # namespaces "down" frees; before, "down" stopped their processes as its own ("processes left")
+        downer = subprocess.Popen(["bash", str(CLUSTER_SH), "down"], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        others = []
+        while downer.poll() is None and len(others) < 400:
+            others.append(subprocess.Popen(["unshare", "--mount", "--net", "--uts", "sleep", "120"]))
+            time.sleep(0.05)
+        down_out = downer.communicate(timeout=180)[0]
+        ended = [p.returncode for p in others if p.poll() is not None]
+        for p in others:
+            p.kill()
+            p.wait()
+    assert downer.returncode == 0, down_out
+    assert not ended, f"{len(ended)} of {len(others)} processes in namespaces of their own ended: {ended}\n{down_out}"
     first = cluster.run("sinfo", "-h", "-N", "-o", "%N %c")  # the first cluster is intact
     assert first.stdout.split() == ["node1", "16", "node2", "16", "node3", "16", "node4", "16"], first.stdout
 
