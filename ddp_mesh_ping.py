@@ -1832,6 +1832,56 @@ def _epilog():
         "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT, 4 INTERNAL, 5 INTERRUPTED."))
 
 
+def _screen_options(p):
+    # performance screen (section `screen`): on by default, floors in the units of the report
+    _opt(p, "--skip-screen", _switch, "off", "skip the performance screen (GPU matmul and memory, intra-node and "
+         "inter-node busbw); no value: on", nargs="?", const="on", default=False, metavar="on/off")
+    _opt(p, "--skip-numerics", _switch, "off", "skip the numerics check (every rank's matmuls compared bit for bit "
+         "with its model's peers and with an fp64 reference; the DDP step's local gradients); no value: on",
+         nargs="?", const="on", default=False, metavar="on/off")
+    _opt(p, "--min-tflops", _positive_float, "none", "screen: FAIL a GPU whose dense matmul is below this (bf16 on "
+         "GPU, fp32 on CPU)", metavar="TFLOPS")
+    _opt(p, "--min-hbm", _positive_float, "none", "screen: FAIL a GPU whose device-memory copy is below this (GB/s, "
+         "read + write)", metavar="GBPS")
+    _opt(p, "--min-busbw-intra", _positive_float, "none", "screen: FAIL a node whose all_reduce busbw inside the "
+         "node is below this (GB/s)", metavar="GBPS")
+    _opt(p, "--min-busbw-inter", _positive_float, "none", "screen: FAIL an inter-node measurement (a pair on one "
+         "rail) below this busbw (GB/s)", metavar="GBPS")
+    _opt(p, "--soak", _soak, "0", "after the screen, bf16 matmul on every GPU at once for SECONDS (fp32 on CPU), "
+         "sampling clocks, temperature, power and clock-event reasons; FAIL a GPU whose speed decays or whose "
+         "clocks slow for heat or a power brake; 0: no soak", default=0.0, metavar="SECONDS")
+
+
+def _output_options(p):
+    # where the verdict goes besides the log and the JSON (section `outputs`)
+    _opt(p, "--drain", _drain_mode, "recommend", "on a FAIL whose culprits are hosts: 'on' drains them in Slurm "
+         f"(scontrol, reason '{DRAIN_PREFIX} ...'), 'recommend' prints the command, 'off' neither",
+         default="recommend", metavar="{off,recommend,on}")
+    _opt(p, "--drain-max", _positive_int, "10% of the nodes, at least 1", "more culprits than this: nothing is "
+         "drained (a cause that wide is rarely the nodes)", metavar="N")
+    _opt(p, "--metrics", str, "none", "rank 0 writes the run as Prometheus text here (atomically: the "
+         "node_exporter textfile collector's convention); tried before the run", metavar="PATH")
+    _opt(p, "--html", str, "none", "rank 0 writes one self-contained page of the run here (the batch file: "
+         "ai_infra_smoke_test_<jobid>.html); tried before the run", metavar="PATH")
+
+
+def _node_options(p):
+    # the node gate (docs/node-gate.md): this node alone, as Slurm's Prolog/Epilog/HealthCheckProgram or NPD's plugin
+    _opt(p, "--node-check", _node_check, "none", "check this node alone and exit: prolog, epilog, health "
+         "(HealthCheckProgram) or npd (Node Problem Detector); no value or auto: Slurm's SLURM_SCRIPT_CONTEXT, else "
+         "health. Exit 1 only on a FAIL whose evidence singles the node out; the tool's own trouble exits 0 (npd: 2)",
+         env=False, nargs="?", const="auto", metavar="CONTEXT", want="prolog, epilog, health, npd or auto")
+    _opt(p, "--node-budget", _seconds, f"{NODE_BUDGET_DEFAULT:g}", "--node-check: seconds for the whole check; "
+         "what does not fit is skipped and named", default=NODE_BUDGET_DEFAULT, metavar="SECONDS")
+    _opt(p, "--expect-gpus", _count_arg, "the job's GPUs, the node's gres, its PCI bus", "--node-check: FAIL unless "
+         "the node lists N GPUs; 0: a node without GPUs (CPU workers stand in)", metavar="N")
+    _opt(p, "--undrain", _switch, "off", "--node-check health with --drain on: a pass resumes the node when the "
+         "check's own drain names a check that passed now; no value: on", nargs="?", const="on", default=False,
+         metavar="on/off")
+    _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
+         metavar="DIR")
+
+
 def build_parser():
     p = _Parser(prog="ddp_mesh_ping.py", description=DESCRIPTION, add_help=False, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
@@ -1863,47 +1913,9 @@ def build_parser():
     _opt(p, "--diff-manifest", str, "none", "print the differences between two manifests and exit: 0 equal, "
          "1 different, 2 unreadable", env=False, nargs=2, metavar=("A", "B"))
     p.set_defaults(manifest_data=None)  # the --manifest file, read up front by rank 0 (manifest_preflight)
-    # performance screen (section `screen`): on by default, floors in the units of the report
-    _opt(p, "--skip-screen", _switch, "off", "skip the performance screen (GPU matmul and memory, intra-node and "
-         "inter-node busbw); no value: on", nargs="?", const="on", default=False, metavar="on/off")
-    _opt(p, "--skip-numerics", _switch, "off", "skip the numerics check (every rank's matmuls compared bit for bit "
-         "with its model's peers and with an fp64 reference; the DDP step's local gradients); no value: on",
-         nargs="?", const="on", default=False, metavar="on/off")
-    _opt(p, "--min-tflops", _positive_float, "none", "screen: FAIL a GPU whose dense matmul is below this (bf16 on "
-         "GPU, fp32 on CPU)", metavar="TFLOPS")
-    _opt(p, "--min-hbm", _positive_float, "none", "screen: FAIL a GPU whose device-memory copy is below this (GB/s, "
-         "read + write)", metavar="GBPS")
-    _opt(p, "--min-busbw-intra", _positive_float, "none", "screen: FAIL a node whose all_reduce busbw inside the "
-         "node is below this (GB/s)", metavar="GBPS")
-    _opt(p, "--min-busbw-inter", _positive_float, "none", "screen: FAIL an inter-node measurement (a pair on one "
-         "rail) below this busbw (GB/s)", metavar="GBPS")
-    _opt(p, "--soak", _soak, "0", "after the screen, bf16 matmul on every GPU at once for SECONDS (fp32 on CPU), "
-         "sampling clocks, temperature, power and clock-event reasons; FAIL a GPU whose speed decays or whose "
-         "clocks slow for heat or a power brake; 0: no soak", default=0.0, metavar="SECONDS")
-    # where the verdict goes besides the log and the JSON (section `outputs`)
-    _opt(p, "--drain", _drain_mode, "recommend", "on a FAIL whose culprits are hosts: 'on' drains them in Slurm "
-         f"(scontrol, reason '{DRAIN_PREFIX} ...'), 'recommend' prints the command, 'off' neither",
-         default="recommend", metavar="{off,recommend,on}")
-    _opt(p, "--drain-max", _positive_int, "10% of the nodes, at least 1", "more culprits than this: nothing is "
-         "drained (a cause that wide is rarely the nodes)", metavar="N")
-    _opt(p, "--metrics", str, "none", "rank 0 writes the run as Prometheus text here (atomically: the "
-         "node_exporter textfile collector's convention); tried before the run", metavar="PATH")
-    _opt(p, "--html", str, "none", "rank 0 writes one self-contained page of the run here (the batch file: "
-         "ai_infra_smoke_test_<jobid>.html); tried before the run", metavar="PATH")
-    # the node gate (docs/node-gate.md): this node alone, as Slurm's Prolog/Epilog/HealthCheckProgram or NPD's plugin
-    _opt(p, "--node-check", _node_check, "none", "check this node alone and exit: prolog, epilog, health "
-         "(HealthCheckProgram) or npd (Node Problem Detector); no value or auto: Slurm's SLURM_SCRIPT_CONTEXT, else "
-         "health. Exit 1 only on a FAIL whose evidence singles the node out; the tool's own trouble exits 0 (npd: 2)",
-         env=False, nargs="?", const="auto", metavar="CONTEXT", want="prolog, epilog, health, npd or auto")
-    _opt(p, "--node-budget", _seconds, f"{NODE_BUDGET_DEFAULT:g}", "--node-check: seconds for the whole check; "
-         "what does not fit is skipped and named", default=NODE_BUDGET_DEFAULT, metavar="SECONDS")
-    _opt(p, "--expect-gpus", _count_arg, "the job's GPUs, the node's gres, its PCI bus", "--node-check: FAIL unless "
-         "the node lists N GPUs; 0: a node without GPUs (CPU workers stand in)", metavar="N")
-    _opt(p, "--undrain", _switch, "off", "--node-check health with --drain on: a pass resumes the node when the "
-         "check's own drain names a check that passed now; no value: on", nargs="?", const="on", default=False,
-         metavar="on/off")
-    _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
-         metavar="DIR")
+    _screen_options(p)
+    _output_options(p)
+    _node_options(p)
     p.add_argument("--version", action="store_true", help="print the version and exit")
     return p
 
@@ -6008,6 +6020,68 @@ def _screen_group_words(g):
     return f"links among {', '.join(g['nodes'])} on rail {g['rail']}"
 
 
+def _stuck_states(hung, loose, stuck, issued, host_of):
+    """What each unfinished rank of a screen round issued last: ({rank: 'behind'|'waiting'|'idle'|'unposted'|...},
+    [words naming the members that never issued their group's collective]); ({}, []) when not asked."""
+    states, behind_words = {}, []
+    if issued is None:
+        return states, behind_words
+    for g in hung:
+        an = issued_states(g["ranks"], issued, [r for r in g["ranks"] if r in stuck], group_key(g["ranks"]))
+        states.update(an["states"])
+        behind = [r for r in g["ranks"] if an["states"].get(r) == "behind"]
+        if behind:
+            behind_words.append(never_issued_text(behind, an, host_of))
+    for r in loose:  # in no group of the round: its part was its post alone
+        if r in stuck:
+            p = issued.get(r)
+            states[r] = "unposted" if p is None else "waiting" if p.get("inflight") else "idle"
+    return states, behind_words
+
+
+def _stuck_blame(world, missing, kinds, hard, stuck, states, hung, done):
+    """The blame law on a screen round that did not finish: -> (culprits, blame kind, unlocalised record or
+    None, the idle ranks named for never finishing their part)."""
+    errs = [r for r in missing if kinds[r] == "error"]
+    behind = [r for r in stuck if states.get(r) == "behind"]
+    idle = [r for r in stuck if states.get(r) == "idle"] if done else []
+    if hard:
+        return hard, "process", None, idle
+    if errs and len(errs) < world:
+        return errs, "own", None, idle
+    if behind or idle:
+        return behind + idle, "never-issued", None, idle
+    if stuck and all(states.get(r) == "waiting" for r in stuck) and hung:
+        more = " and the others" if len(hung) > 1 else ""
+        return [], "all-issued", unlocalised_record(
+            f"every member of {_screen_group_words(hung[0])}{more} issued its all_reduce and it did not finish: "
+            "the link, which neither end's own state singles out", LINK_HINT), idle
+    if errs:
+        return [], "everyone", unlocalised_record("every rank reported an error of its own, so none is unlike its "
+                                                  "peers", RERUN_HINT), idle
+    return [], "not-collected", unlocalised_record(
+        "what the ranks that did not finish issued last was not collected (or they are alike), and no other "
+        "evidence singles one out", RERUN_HINT), idle
+
+
+def _stuck_parts(missing, kinds, hard, states, named, evidence, issued, host_of):
+    """The words for each rank that did not finish, by what it was (dead, frozen, stuck: what it issued...),
+    a rank not named marked so where another is."""
+    parts = []
+    for k, words in UNFINISHED_WORDS.items():
+        rs = [r for r in missing if kinds[r] == k and not (evidence == "never-issued" and r in named)]
+        rs += [r for r in hard if k == kinds[r] and r not in missing]
+        if k == "stuck" and issued is not None:
+            for s, w in ISSUED_WORDS.items():
+                sub = [r for r in rs if states.get(r) == s]
+                if sub:
+                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
+            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
+        if rs:
+            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
+    return parts
+
+
 def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=(), issued=None):
     """Who did not finish a screen round (one FAIL finding under PHASE_CHECK[phase]), or None when every
     rank posted every round. rounds: [(name, groups)] of the phase in the order they ran; posted: {name:
@@ -6033,62 +6107,14 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
         return judge_unfinished(phase, f"{label} {how}", world, host_of,  # as judge_unfinished: nobody's fault
                                 {r: -1 if r in missing else PHASES.index(phase) for r in range(world)}, live, errors)
     stuck = [r for r in missing if kinds[r] == "stuck"]
-    states, behind_words = {}, []
-    for g in hung:
-        if issued is None:
-            break
-        an = issued_states(g["ranks"], issued, [r for r in g["ranks"] if r in stuck], group_key(g["ranks"]))
-        states.update(an["states"])
-        behind = [r for r in g["ranks"] if an["states"].get(r) == "behind"]
-        if behind:
-            behind_words.append(never_issued_text(behind, an, host_of))
-    for r in loose:  # in no group of the round: its part was its post alone
-        if r in stuck and issued is not None:
-            p = issued.get(r)
-            states[r] = "unposted" if p is None else "waiting" if p.get("inflight") else "idle"
+    states, behind_words = _stuck_states(hung, loose, stuck, issued, host_of)
     done = sorted(set(range(world)) - set(missing))
-    errs = [r for r in missing if kinds[r] == "error"]
-    behind = [r for r in stuck if states.get(r) == "behind"]
-    idle = [r for r in stuck if states.get(r) == "idle"] if done else []
-    unloc = None
-    if hard:
-        culprits, evidence = hard, "process"
-    elif errs and len(errs) < world:
-        culprits, evidence = errs, "own"
-    elif behind or idle:
-        culprits, evidence = behind + idle, "never-issued"
-    else:
-        culprits = []
-        if stuck and all(states.get(r) == "waiting" for r in stuck) and hung:
-            evidence = "all-issued"
-            more = " and the others" if len(hung) > 1 else ""
-            unloc = unlocalised_record(f"every member of {_screen_group_words(hung[0])}{more} issued its all_reduce "
-                                       "and it did not finish: the link, which neither end's own state singles out",
-                                       LINK_HINT)
-        elif errs:
-            evidence = "everyone"
-            unloc = unlocalised_record("every rank reported an error of its own, so none is unlike its peers",
-                                       RERUN_HINT)
-        else:
-            evidence = "not-collected"
-            unloc = unlocalised_record("what the ranks that did not finish issued last was not collected (or they "
-                                       "are alike), and no other evidence singles one out", RERUN_HINT)
+    culprits, evidence, unloc, idle = _stuck_blame(world, missing, kinds, hard, stuck, states, hung, done)
     what = [_screen_group_words(g) for g in hung[:8]] + ([f"{len(hung) - 8} more group(s)"] if len(hung) > 8 else [])
     what += [f"{on_hosts(loose, host_of)} (in no group of {label})"] if loose else []
-    named = set(culprits)
-    parts = list(behind_words) + ([never_finished_text(idle, label, done, host_of)] if idle and evidence ==
-                                  "never-issued" else [])
-    for k, words in UNFINISHED_WORDS.items():
-        rs = [r for r in missing if kinds[r] == k and not (evidence == "never-issued" and r in named)]
-        rs += [r for r in hard if k == kinds[r] and r not in missing]
-        if k == "stuck" and issued is not None:
-            for s, w in ISSUED_WORDS.items():
-                sub = [r for r in rs if states.get(r) == s]
-                if sub:
-                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
-            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
-        if rs:
-            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
+    parts = behind_words + ([never_finished_text(idle, label, done, host_of)] if idle and evidence ==
+                            "never-issued" else [])
+    parts += _stuck_parts(missing, kinds, hard, states, set(culprits), evidence, issued, host_of)
     first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
     reason = (f"{'; '.join(what)} {how} ({'; '.join(parts)}); {world - len(missing)}/{world} rank(s) finished "
               f"{label}" + (f"; first error: {first_err}" if first_err else "")
@@ -6349,36 +6375,48 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
     if not flags:
         return [_gpu_perf_pass(len(per_rank), [x["against"] for x in allrefs.values()], cpu)]
     items = list(flags.items())
-
-    def unused(r):
-        lack = {}
-        for k, _, _ in SCREEN_GPU_METRICS:
-            for m in allrefs[(r.get("model") or "unknown", k)]["against"]["missing"]:
-                lack.setdefault(m, []).append(SCREEN_GPU_LABELS[k])
-        return "not judged against " + ", ".join(
-            m if len(ks) == len(SCREEN_GPU_METRICS) else f"{m} for {' and '.join(ks)}" for m, ks in lack.items()) \
-            if lack else ""
-    def evidence(r):
-        how = ("its own CPU clock, best of 5 blocks" if cpu else
-               "5 device-timed blocks run back to back, median")
-        again = (f"measured again on {r.get('host')}, slow again (first " + ", ".join(
-            f"{_sn(v)} {u}" for k, u, _ in SCREEN_GPU_METRICS for v in [(r.get("first") or {}).get(k)] if v is not None)
-            + ", the better counting)"
-            if _gpu_again(r) else f"measured once on {r.get('host')}")
-        return f"{again} ({how})" + (f"; {unused(r)}" if unused(r) else "")
-
-    def action(r):
-        return ("drain the node and run the vendor's diagnostics (dcgmi diag -r 3): clocks, power or thermal limits "
-                "(see the GPU facts), a degraded PCIe link" if _gpu_again(r) else
-                "re-run the preflight; if the GPU is slow again, drain the node and run the vendor's diagnostics "
-                "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
     if len(items) <= SCREEN_LIST_MAX:
         out = [_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
                                        f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
-                                       + (f"; {unused(r)}" if unused(r) else ""), [r.get("host")], [rk]),
-                               evidence=evidence(r), action=action(r)), [r])
+                                       + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else ""),
+                                       [r.get("host")], [rk]),
+                               evidence=_gpu_evidence(r, allrefs, cpu), action=_gpu_action(r)), [r])
                for rk, (r, fl) in items]
         return _gpu_everyone(out, per_rank)
+    return _gpu_everyone(_gpu_perf_many(items), per_rank)
+
+
+def _gpu_unused(r, allrefs):
+    """What rank r's GPU was not judged against (a reference missing, per metric), or ''."""
+    lack = {}
+    for k, _, _ in SCREEN_GPU_METRICS:
+        for m in allrefs[(r.get("model") or "unknown", k)]["against"]["missing"]:
+            lack.setdefault(m, []).append(SCREEN_GPU_LABELS[k])
+    return "not judged against " + ", ".join(
+        m if len(ks) == len(SCREEN_GPU_METRICS) else f"{m} for {' and '.join(ks)}" for m, ks in lack.items()) \
+        if lack else ""
+
+
+def _gpu_evidence(r, allrefs, cpu):
+    """How rank r's slow GPU was measured: again (and its first numbers) or once, and how."""
+    how = ("its own CPU clock, best of 5 blocks" if cpu else
+           "5 device-timed blocks run back to back, median")
+    again = (f"measured again on {r.get('host')}, slow again (first " + ", ".join(
+        f"{_sn(v)} {u}" for k, u, _ in SCREEN_GPU_METRICS for v in [(r.get("first") or {}).get(k)] if v is not None)
+        + ", the better counting)"
+        if _gpu_again(r) else f"measured once on {r.get('host')}")
+    return f"{again} ({how})" + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else "")
+
+
+def _gpu_action(r):
+    return ("drain the node and run the vendor's diagnostics (dcgmi diag -r 3): clocks, power or thermal limits "
+            "(see the GPU facts), a degraded PCIe link" if _gpu_again(r) else
+            "re-run the preflight; if the GPU is slow again, drain the node and run the vendor's diagnostics "
+            "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
+
+
+def _gpu_perf_many(items):
+    """More than SCREEN_LIST_MAX flagged GPUs: one finding per status, the first few named."""
     out = []
     for status in ("FAIL", "WARN"):
         sel = [(rk, r, fl) for rk, (r, fl) in items if _screen_worst([lv for _, lv, _ in fl]) == status]
@@ -6390,8 +6428,8 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
                                                f"node(s): {shown}{more}", hosts, [rk for rk, _, _ in sel]),
                                        evidence=f"{len(sel)} GPU(s), each measured "
                                        + ("again" if all(_gpu_again(r) for _, r, _ in sel) else "once"),
-                                       action=action(sel[0][1])), [r for _, r, _ in sel]))
-    return _gpu_everyone(out, per_rank)
+                                       action=_gpu_action(sel[0][1])), [r for _, r, _ in sel]))
+    return out
 
 
 def _gpu_everyone(found, per_rank):
@@ -9305,10 +9343,9 @@ def _html_label_ys(ys, lo, hi, gap=12.0):
     return out
 
 
-def _html_chart(cid, bars, lines, unit, caption):
-    """One bar chart on an axis from 0 in the values' unit, every bar labelled with what it measures and its value,
-    every line it was judged against drawn and named (judging_lines). bars: [(name, value or None, level, tip)];
-    a line far above everything else (BREAK_RATIO) is drawn above a broken axis, clearly marked."""
+def _html_chart_geometry(bars, lines):
+    """Where a chart's parts go: the axis's top and step, each bar's slot, the room for labels, the judging
+    lines drawn to scale ('shown') and those above a broken axis ('broken')."""
     vals = [float(v) for _, v, _, _ in bars if v is not None]
     core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
     broken = [ln for ln in lines if ln["value"] > BREAK_RATIO * core]
@@ -9325,45 +9362,65 @@ def _html_chart(cid, bars, lines, unit, caption):
     brk_h = 16 * len(broken) + 22 if broken else 0
     y0 = 8 + brk_h + val_h
     w = slot * n
-    width, height = left + w + right, y0 + plot_h + name_h + 6
+    return {"top": top, "step": step, "slot": slot, "flat": flat, "name_h": name_h, "val_h": val_h, "left": left,
+            "plot_h": plot_h, "y0": y0, "w": w, "broken": broken, "shown": shown,
+            "width": left + w + right, "height": y0 + plot_h + name_h + 6}
 
-    def y(v):
-        return y0 + plot_h * (1 - min(max(float(v), 0.0), top) / top)
 
-    out = [f'<rect class="grid" x="{left}" y="{y0:.1f}" width="{w:.1f}" height="{plot_h}"/>']
+def _html_chart_y(g, v):
+    return g["y0"] + g["plot_h"] * (1 - min(max(float(v), 0.0), g["top"]) / g["top"])
+
+
+def _html_chart_axis(g, unit):
+    left, w, top = g["left"], g["w"], g["top"]
+    out = [f'<rect class="grid" x="{left}" y="{g["y0"]:.1f}" width="{w:.1f}" height="{g["plot_h"]}"/>']
     t = 0.0
     while t <= top * (1 + 1e-9):
-        out.append(f'<line class="tick" x1="{left}" x2="{left + w:.1f}" y1="{y(t):.1f}" y2="{y(t):.1f}"/>'
-                   f'<text x="{left - 5}" y="{y(t) + 4:.1f}" text-anchor="end">{_html_v(t) if t else "0"}</text>')
-        t += step
-    out.append(f'<text class="unit" x="{left - 5}" y="{y0 - val_h + 2:.1f}" text-anchor="end">{_html_e(unit)}</text>')
-    for i, (name, v, lv, tip) in enumerate(bars):
-        x, bw = left + i * slot, max(slot - (2 if slot > 6 else 0), 1.0)
-        cx = x + slot / 2
-        if v is None:
-            out.append(f'<text class="val na" x="{cx:.1f}" y="{y0 + plot_h - 4:.1f}" text-anchor="middle">n/a</text>')
-        else:
-            yt = y(v)
-            yb = min(yt, y0 + plot_h - 1)
-            out.append(f'<rect class="bar b-{lv}" x="{x + 1:.1f}" y="{yb:.1f}" width="{bw:.1f}" '
-                       f'height="{max(y0 + plot_h - yt, 1):.1f}" data-gpu="{_html_e(name)}" '
-                       f'data-value="{float(v):.6g}" data-level="{lv}"><title>{_html_e(tip)}</title></rect>')
-            vt, vy = _html_v(v), yb - 3
-            out.append(f'<text class="val v-{lv}" x="{cx:.1f}" y="{vy:.1f}" text-anchor="middle">{vt}</text>'
-                       if slot >= 44 else
-                       f'<text class="val v-{lv}" transform="translate({cx + 3.5:.1f},{vy:.1f}) rotate(-90)">'
-                       f'{vt}</text>')
-        ny = y0 + plot_h + 13
-        if flat:
-            host, _, rest = name.partition(" ")
-            out.append(f'<text class="lab" x="{cx:.1f}" y="{ny:.1f}" text-anchor="middle">{_html_e(host)}</text>'
-                       f'<text class="lab" x="{cx:.1f}" y="{ny + 12:.1f}" text-anchor="middle">{_html_e(rest)}</text>')
-        else:
-            out.append(f'<text class="lab" transform="translate({cx + 3.5:.1f},{y0 + plot_h + 6:.1f}) rotate(-90)" '
-                       f'text-anchor="end">{_html_e(name)}</text>')
-    lys = _html_label_ys([y(ln["value"]) + 4 for ln in shown], y0 + 4, y0 + plot_h + name_h)
+        yt = _html_chart_y(g, t)
+        out.append(f'<line class="tick" x1="{left}" x2="{left + w:.1f}" y1="{yt:.1f}" y2="{yt:.1f}"/>'
+                   f'<text x="{left - 5}" y="{yt + 4:.1f}" text-anchor="end">{_html_v(t) if t else "0"}</text>')
+        t += g["step"]
+    out.append(f'<text class="unit" x="{left - 5}" y="{g["y0"] - g["val_h"] + 2:.1f}" text-anchor="end">'
+               f'{_html_e(unit)}</text>')
+    return out
+
+
+def _html_chart_bar(g, i, name, v, lv, tip):
+    """One bar, its value above it and its name below (across when there is room, else upright)."""
+    slot, y0, plot_h = g["slot"], g["y0"], g["plot_h"]
+    x, bw = g["left"] + i * slot, max(slot - (2 if slot > 6 else 0), 1.0)
+    cx, out = x + slot / 2, []
+    if v is None:
+        out.append(f'<text class="val na" x="{cx:.1f}" y="{y0 + plot_h - 4:.1f}" text-anchor="middle">n/a</text>')
+    else:
+        yt = _html_chart_y(g, v)
+        yb = min(yt, y0 + plot_h - 1)
+        out.append(f'<rect class="bar b-{lv}" x="{x + 1:.1f}" y="{yb:.1f}" width="{bw:.1f}" '
+                   f'height="{max(y0 + plot_h - yt, 1):.1f}" data-gpu="{_html_e(name)}" '
+                   f'data-value="{float(v):.6g}" data-level="{lv}"><title>{_html_e(tip)}</title></rect>')
+        vt, vy = _html_v(v), yb - 3
+        out.append(f'<text class="val v-{lv}" x="{cx:.1f}" y="{vy:.1f}" text-anchor="middle">{vt}</text>'
+                   if slot >= 44 else
+                   f'<text class="val v-{lv}" transform="translate({cx + 3.5:.1f},{vy:.1f}) rotate(-90)">'
+                   f'{vt}</text>')
+    ny = y0 + plot_h + 13
+    if g["flat"]:
+        host, _, rest = name.partition(" ")
+        out.append(f'<text class="lab" x="{cx:.1f}" y="{ny:.1f}" text-anchor="middle">{_html_e(host)}</text>'
+                   f'<text class="lab" x="{cx:.1f}" y="{ny + 12:.1f}" text-anchor="middle">{_html_e(rest)}</text>')
+    else:
+        out.append(f'<text class="lab" transform="translate({cx + 3.5:.1f},{y0 + plot_h + 6:.1f}) rotate(-90)" '
+                   f'text-anchor="end">{_html_e(name)}</text>')
+    return out
+
+
+def _html_chart_lines(g):
+    """The judging lines: those to scale with their labels kept apart, those above the broken axis, the break."""
+    left, w, shown, broken, out = g["left"], g["w"], g["shown"], g["broken"], []
+    lys = _html_label_ys([_html_chart_y(g, ln["value"]) + 4 for ln in shown], g["y0"] + 4,
+                         g["y0"] + g["plot_h"] + g["name_h"])
     for ln, ly in zip(shown, lys, strict=True):
-        yl = y(ln["value"])
+        yl = _html_chart_y(g, ln["value"])
         out.append(f'<line class="jl j-{ln["kind"]}" x1="{left}" x2="{left + w + 6:.1f}" y1="{yl:.1f}" y2="{yl:.1f}" '
                    f'data-kind="{ln["kind"]}" data-level="{ln["level"] or "ref"}" data-value="{ln["value"]:.6g}">'
                    f'<title>{_html_e(ln["text"])}</title></line>'
@@ -9382,6 +9439,19 @@ def _html_chart(cid, bars, lines, unit, caption):
         out.append(f'<path class="brk" d="M{left - 8},{zy + 4} l4,-4 l4,8 l4,-8 l4,8 l4,-4"/>'
                    f'<text class="brk-t" x="{left + 14}" y="{zy + 8}">axis broken: the line(s) above lie far above '
                    f'every value (not to scale)</text>')
+    return out
+
+
+def _html_chart(cid, bars, lines, unit, caption):
+    """One bar chart on an axis from 0 in the values' unit, every bar labelled with what it measures and its value,
+    every line it was judged against drawn and named (judging_lines). bars: [(name, value or None, level, tip)];
+    a line far above everything else (BREAK_RATIO) is drawn above a broken axis, clearly marked."""
+    g = _html_chart_geometry(bars, lines)
+    out = _html_chart_axis(g, unit)
+    for i, (name, v, lv, tip) in enumerate(bars):
+        out += _html_chart_bar(g, i, name, v, lv, tip)
+    out += _html_chart_lines(g)
+    width, height = g["width"], g["height"]
     return (f'<h3>{caption}</h3><div class="chart"><svg id="{_html_e(cid)}" class="bars" width="{width:.0f}" '
             f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" role="img">{"".join(out)}</svg></div>')
 
@@ -13366,19 +13436,8 @@ class Forward:
                     p.send_signal(signal.SIGTERM)
 
 
-def launch_local(args, argv, env, launch):
-    """Become the launcher of this machine's ranks, one per GPU or --nproc CPU ranks, as plan() planned it
-    (launch: its 'nproc', 'backend', 'port', 'master_addr', and the words of its contract). Local mode: the
-    whole job. A per-node launch (launch['node']: 'nnodes', 'node_rank'): this node's ranks of a job over
-    several nodes, numbered as torchrun numbers them (node_rank x nproc + local rank), meeting at the
-    launcher's master. The ranks share a fresh AIV_JOB_SECRET on one node (unless one is exported), die
-    with the launcher (die_with_parent) and get its SIGTERM/SIGINT (Forward)."""
-    nproc, node = launch["nproc"], launch.get("node") or {"nnodes": 1, "node_rank": 0}
-    base, world = node["node_rank"] * nproc, node["nnodes"] * nproc
-    port = launch["port"] or free_port()
-    cmd = [sys.executable, os.path.abspath(__file__)] + list(argv)
-    if launch["backend"] and not any(a == "--backend" or a.startswith("--backend=") for a in argv):
-        cmd.append(f"--backend={launch['backend']}")
+def _start_ranks(cmd, env, launch, node, nproc, base, world, port):
+    """This node's ranks base..base+nproc-1 of `world`, each its own session, dying with this process."""
     keep = SECRET_VAR in env or node["nnodes"] > 1  # exported, or other nodes could not know one made here
     procs, secret = [], {} if keep else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
     told = json.dumps({"launch": launch.get("launch", "local mode"), "how": launch.get("how", "local mode"),
@@ -13392,6 +13451,55 @@ def launch_local(args, argv, env, launch):
         cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(world))
         procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL, start_new_session=True,
                                       preexec_fn=die_with_parent(signal.SIGTERM)))
+    return procs
+
+
+def _launcher_verdict(procs, alive, sig, base, nproc, node):
+    """The launcher's exit code from its ranks' (alive: those it had to kill; sig: the signal it was given),
+    with one line where that code is not rank 0's own."""
+    # the verdict: rank 0's code; on another node of a per-node launch, the one its ranks got from rank 0
+    first = "rank 0" if base == 0 else f"rank {base} (this node's first)"
+    if alive and (procs[0] in alive or procs[0].returncode == EXIT_PASS):
+        emit(f"FAILURE: launch: local ranks {format_ranges(base + procs.index(p) for p in alive)} still running at "
+             f"the launcher's deadline; killed")
+        return EXIT_TIMEOUT
+    codes = [p.returncode for p in procs]
+    if codes[0] < 0 and sig:
+        emit(f"FAILURE: interrupted: the launcher was interrupted by {signal.Signals(sig).name} before {first} "
+             f"(pid {procs[0].pid}) gave a verdict; {STOPPED_WORDS}")
+        return EXIT_INTERRUPTED
+    if codes[0] < 0:
+        emit(f"FAILURE: launch: {first} (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
+        return EXIT_FAIL
+    if codes[0] == EXIT_PASS and any(c for p, c in zip(procs, codes, strict=True) if p not in alive):
+        bad = [(base + r, c) for r, c in enumerate(codes) if c]
+        emit(f"FAILURE: launch: {first} passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
+        return EXIT_FAIL
+    if base and sig and (codes[0] < 0 or codes[0] >= 128):  # this node's ranks stopped on its own signal
+        emit(f"FAILURE: interrupted: the launcher of node {node['node_rank']} ({socket.gethostname()}) was "
+             f"interrupted by {signal.Signals(sig).name}: its ranks {format_ranges(range(base, base + nproc))} "
+             f"stopped before rank 0's verdict; {STOPPED_WORDS}")
+        return EXIT_INTERRUPTED
+    if base:  # another node's log says what its ranks got (rank 0's node prints the report)
+        emit(f"node {node['node_rank']} of {node['nnodes']} ({socket.gethostname()}): ranks "
+             f"{format_ranges(range(base, base + nproc))} ended; the verdict they got: exit {codes[0]}")
+    return codes[0]
+
+
+def launch_local(args, argv, env, launch):
+    """Become the launcher of this machine's ranks, one per GPU or --nproc CPU ranks, as plan() planned it
+    (launch: its 'nproc', 'backend', 'port', 'master_addr', and the words of its contract). Local mode: the
+    whole job. A per-node launch (launch['node']: 'nnodes', 'node_rank'): this node's ranks of a job over
+    several nodes, numbered as torchrun numbers them (node_rank x nproc + local rank), meeting at the
+    launcher's master. The ranks share a fresh AIV_JOB_SECRET on one node (unless one is exported), die
+    with the launcher (die_with_parent) and get its SIGTERM/SIGINT (Forward)."""
+    nproc, node = launch["nproc"], launch.get("node") or {"nnodes": 1, "node_rank": 0}
+    base, world = node["node_rank"] * nproc, node["nnodes"] * nproc
+    port = launch["port"] or free_port()
+    cmd = [sys.executable, os.path.abspath(__file__)] + list(argv)
+    if launch["backend"] and not any(a == "--backend" or a.startswith("--backend=") for a in argv):
+        cmd.append(f"--backend={launch['backend']}")
+    procs = _start_ranks(cmd, env, launch, node, nproc, base, world, port)
     fwd = Forward(procs)
     # The ranks bound themselves; this is the launcher's own backstop. Once rank 0 has given
     # its verdict the others get a grace period to read it, then are killed (e.g. a frozen rank).
@@ -13409,33 +13517,7 @@ def launch_local(args, argv, env, launch):
     for p in procs:
         p.wait()
     sweep_said(launch_key(os.getpid()))  # the ranks' speak-once markers: their launch is over
-    # the verdict: rank 0's code; on another node of a per-node launch, the one its ranks got from rank 0
-    first = "rank 0" if base == 0 else f"rank {base} (this node's first)"
-    if alive and (procs[0] in alive or procs[0].returncode == EXIT_PASS):
-        emit(f"FAILURE: launch: local ranks {format_ranges(base + procs.index(p) for p in alive)} still running at "
-             f"the launcher's deadline; killed")
-        return EXIT_TIMEOUT
-    codes = [p.returncode for p in procs]
-    if codes[0] < 0 and fwd.sig:
-        emit(f"FAILURE: interrupted: the launcher was interrupted by {signal.Signals(fwd.sig).name} before {first} "
-             f"(pid {procs[0].pid}) gave a verdict; {STOPPED_WORDS}")
-        return EXIT_INTERRUPTED
-    if codes[0] < 0:
-        emit(f"FAILURE: launch: {first} (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
-        return EXIT_FAIL
-    if codes[0] == EXIT_PASS and any(c for p, c in zip(procs, codes, strict=True) if p not in alive):
-        bad = [(base + r, c) for r, c in enumerate(codes) if c]
-        emit(f"FAILURE: launch: {first} passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
-        return EXIT_FAIL
-    if base and fwd.sig and (codes[0] < 0 or codes[0] >= 128):  # this node's ranks stopped on its own signal
-        emit(f"FAILURE: interrupted: the launcher of node {node['node_rank']} ({socket.gethostname()}) was "
-             f"interrupted by {signal.Signals(fwd.sig).name}: its ranks {format_ranges(range(base, base + nproc))} "
-             f"stopped before rank 0's verdict; {STOPPED_WORDS}")
-        return EXIT_INTERRUPTED
-    if base:  # another node's log says what its ranks got (rank 0's node prints the report)
-        emit(f"node {node['node_rank']} of {node['nnodes']} ({socket.gethostname()}): ranks "
-             f"{format_ranges(range(base, base + nproc))} ended; the verdict they got: exit {codes[0]}")
-    return codes[0]
+    return _launcher_verdict(procs, alive, fwd.sig, base, nproc, node)
 
 
 

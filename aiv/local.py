@@ -48,19 +48,8 @@ class Forward:
                     p.send_signal(signal.SIGTERM)
 
 
-def launch_local(args, argv, env, launch):
-    """Become the launcher of this machine's ranks, one per GPU or --nproc CPU ranks, as plan() planned it
-    (launch: its 'nproc', 'backend', 'port', 'master_addr', and the words of its contract). Local mode: the
-    whole job. A per-node launch (launch['node']: 'nnodes', 'node_rank'): this node's ranks of a job over
-    several nodes, numbered as torchrun numbers them (node_rank x nproc + local rank), meeting at the
-    launcher's master. The ranks share a fresh AIV_JOB_SECRET on one node (unless one is exported), die
-    with the launcher (die_with_parent) and get its SIGTERM/SIGINT (Forward)."""
-    nproc, node = launch["nproc"], launch.get("node") or {"nnodes": 1, "node_rank": 0}
-    base, world = node["node_rank"] * nproc, node["nnodes"] * nproc
-    port = launch["port"] or free_port()
-    cmd = [sys.executable, os.path.abspath(__file__)] + list(argv)
-    if launch["backend"] and not any(a == "--backend" or a.startswith("--backend=") for a in argv):
-        cmd.append(f"--backend={launch['backend']}")
+def _start_ranks(cmd, env, launch, node, nproc, base, world, port):
+    """This node's ranks base..base+nproc-1 of `world`, each its own session, dying with this process."""
     keep = SECRET_VAR in env or node["nnodes"] > 1  # exported, or other nodes could not know one made here
     procs, secret = [], {} if keep else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
     told = json.dumps({"launch": launch.get("launch", "local mode"), "how": launch.get("how", "local mode"),
@@ -74,6 +63,55 @@ def launch_local(args, argv, env, launch):
         cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(world))
         procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL, start_new_session=True,
                                       preexec_fn=die_with_parent(signal.SIGTERM)))
+    return procs
+
+
+def _launcher_verdict(procs, alive, sig, base, nproc, node):
+    """The launcher's exit code from its ranks' (alive: those it had to kill; sig: the signal it was given),
+    with one line where that code is not rank 0's own."""
+    # the verdict: rank 0's code; on another node of a per-node launch, the one its ranks got from rank 0
+    first = "rank 0" if base == 0 else f"rank {base} (this node's first)"
+    if alive and (procs[0] in alive or procs[0].returncode == EXIT_PASS):
+        emit(f"FAILURE: launch: local ranks {format_ranges(base + procs.index(p) for p in alive)} still running at "
+             f"the launcher's deadline; killed")
+        return EXIT_TIMEOUT
+    codes = [p.returncode for p in procs]
+    if codes[0] < 0 and sig:
+        emit(f"FAILURE: interrupted: the launcher was interrupted by {signal.Signals(sig).name} before {first} "
+             f"(pid {procs[0].pid}) gave a verdict; {STOPPED_WORDS}")
+        return EXIT_INTERRUPTED
+    if codes[0] < 0:
+        emit(f"FAILURE: launch: {first} (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
+        return EXIT_FAIL
+    if codes[0] == EXIT_PASS and any(c for p, c in zip(procs, codes, strict=True) if p not in alive):
+        bad = [(base + r, c) for r, c in enumerate(codes) if c]
+        emit(f"FAILURE: launch: {first} passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
+        return EXIT_FAIL
+    if base and sig and (codes[0] < 0 or codes[0] >= 128):  # this node's ranks stopped on its own signal
+        emit(f"FAILURE: interrupted: the launcher of node {node['node_rank']} ({socket.gethostname()}) was "
+             f"interrupted by {signal.Signals(sig).name}: its ranks {format_ranges(range(base, base + nproc))} "
+             f"stopped before rank 0's verdict; {STOPPED_WORDS}")
+        return EXIT_INTERRUPTED
+    if base:  # another node's log says what its ranks got (rank 0's node prints the report)
+        emit(f"node {node['node_rank']} of {node['nnodes']} ({socket.gethostname()}): ranks "
+             f"{format_ranges(range(base, base + nproc))} ended; the verdict they got: exit {codes[0]}")
+    return codes[0]
+
+
+def launch_local(args, argv, env, launch):
+    """Become the launcher of this machine's ranks, one per GPU or --nproc CPU ranks, as plan() planned it
+    (launch: its 'nproc', 'backend', 'port', 'master_addr', and the words of its contract). Local mode: the
+    whole job. A per-node launch (launch['node']: 'nnodes', 'node_rank'): this node's ranks of a job over
+    several nodes, numbered as torchrun numbers them (node_rank x nproc + local rank), meeting at the
+    launcher's master. The ranks share a fresh AIV_JOB_SECRET on one node (unless one is exported), die
+    with the launcher (die_with_parent) and get its SIGTERM/SIGINT (Forward)."""
+    nproc, node = launch["nproc"], launch.get("node") or {"nnodes": 1, "node_rank": 0}
+    base, world = node["node_rank"] * nproc, node["nnodes"] * nproc
+    port = launch["port"] or free_port()
+    cmd = [sys.executable, os.path.abspath(__file__)] + list(argv)
+    if launch["backend"] and not any(a == "--backend" or a.startswith("--backend=") for a in argv):
+        cmd.append(f"--backend={launch['backend']}")
+    procs = _start_ranks(cmd, env, launch, node, nproc, base, world, port)
     fwd = Forward(procs)
     # The ranks bound themselves; this is the launcher's own backstop. Once rank 0 has given
     # its verdict the others get a grace period to read it, then are killed (e.g. a frozen rank).
@@ -91,30 +129,4 @@ def launch_local(args, argv, env, launch):
     for p in procs:
         p.wait()
     sweep_said(launch_key(os.getpid()))  # the ranks' speak-once markers: their launch is over
-    # the verdict: rank 0's code; on another node of a per-node launch, the one its ranks got from rank 0
-    first = "rank 0" if base == 0 else f"rank {base} (this node's first)"
-    if alive and (procs[0] in alive or procs[0].returncode == EXIT_PASS):
-        emit(f"FAILURE: launch: local ranks {format_ranges(base + procs.index(p) for p in alive)} still running at "
-             f"the launcher's deadline; killed")
-        return EXIT_TIMEOUT
-    codes = [p.returncode for p in procs]
-    if codes[0] < 0 and fwd.sig:
-        emit(f"FAILURE: interrupted: the launcher was interrupted by {signal.Signals(fwd.sig).name} before {first} "
-             f"(pid {procs[0].pid}) gave a verdict; {STOPPED_WORDS}")
-        return EXIT_INTERRUPTED
-    if codes[0] < 0:
-        emit(f"FAILURE: launch: {first} (pid {procs[0].pid}) died with signal {-codes[0]} before its verdict")
-        return EXIT_FAIL
-    if codes[0] == EXIT_PASS and any(c for p, c in zip(procs, codes, strict=True) if p not in alive):
-        bad = [(base + r, c) for r, c in enumerate(codes) if c]
-        emit(f"FAILURE: launch: {first} passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
-        return EXIT_FAIL
-    if base and fwd.sig and (codes[0] < 0 or codes[0] >= 128):  # this node's ranks stopped on its own signal
-        emit(f"FAILURE: interrupted: the launcher of node {node['node_rank']} ({socket.gethostname()}) was "
-             f"interrupted by {signal.Signals(fwd.sig).name}: its ranks {format_ranges(range(base, base + nproc))} "
-             f"stopped before rank 0's verdict; {STOPPED_WORDS}")
-        return EXIT_INTERRUPTED
-    if base:  # another node's log says what its ranks got (rank 0's node prints the report)
-        emit(f"node {node['node_rank']} of {node['nnodes']} ({socket.gethostname()}): ranks "
-             f"{format_ranges(range(base, base + nproc))} ended; the verdict they got: exit {codes[0]}")
-    return codes[0]
+    return _launcher_verdict(procs, alive, fwd.sig, base, nproc, node)

@@ -301,10 +301,9 @@ def _html_label_ys(ys, lo, hi, gap=12.0):
     return out
 
 
-def _html_chart(cid, bars, lines, unit, caption):
-    """One bar chart on an axis from 0 in the values' unit, every bar labelled with what it measures and its value,
-    every line it was judged against drawn and named (judging_lines). bars: [(name, value or None, level, tip)];
-    a line far above everything else (BREAK_RATIO) is drawn above a broken axis, clearly marked."""
+def _html_chart_geometry(bars, lines):
+    """Where a chart's parts go: the axis's top and step, each bar's slot, the room for labels, the judging
+    lines drawn to scale ('shown') and those above a broken axis ('broken')."""
     vals = [float(v) for _, v, _, _ in bars if v is not None]
     core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
     broken = [ln for ln in lines if ln["value"] > BREAK_RATIO * core]
@@ -321,45 +320,65 @@ def _html_chart(cid, bars, lines, unit, caption):
     brk_h = 16 * len(broken) + 22 if broken else 0
     y0 = 8 + brk_h + val_h
     w = slot * n
-    width, height = left + w + right, y0 + plot_h + name_h + 6
+    return {"top": top, "step": step, "slot": slot, "flat": flat, "name_h": name_h, "val_h": val_h, "left": left,
+            "plot_h": plot_h, "y0": y0, "w": w, "broken": broken, "shown": shown,
+            "width": left + w + right, "height": y0 + plot_h + name_h + 6}
 
-    def y(v):
-        return y0 + plot_h * (1 - min(max(float(v), 0.0), top) / top)
 
-    out = [f'<rect class="grid" x="{left}" y="{y0:.1f}" width="{w:.1f}" height="{plot_h}"/>']
+def _html_chart_y(g, v):
+    return g["y0"] + g["plot_h"] * (1 - min(max(float(v), 0.0), g["top"]) / g["top"])
+
+
+def _html_chart_axis(g, unit):
+    left, w, top = g["left"], g["w"], g["top"]
+    out = [f'<rect class="grid" x="{left}" y="{g["y0"]:.1f}" width="{w:.1f}" height="{g["plot_h"]}"/>']
     t = 0.0
     while t <= top * (1 + 1e-9):
-        out.append(f'<line class="tick" x1="{left}" x2="{left + w:.1f}" y1="{y(t):.1f}" y2="{y(t):.1f}"/>'
-                   f'<text x="{left - 5}" y="{y(t) + 4:.1f}" text-anchor="end">{_html_v(t) if t else "0"}</text>')
-        t += step
-    out.append(f'<text class="unit" x="{left - 5}" y="{y0 - val_h + 2:.1f}" text-anchor="end">{_html_e(unit)}</text>')
-    for i, (name, v, lv, tip) in enumerate(bars):
-        x, bw = left + i * slot, max(slot - (2 if slot > 6 else 0), 1.0)
-        cx = x + slot / 2
-        if v is None:
-            out.append(f'<text class="val na" x="{cx:.1f}" y="{y0 + plot_h - 4:.1f}" text-anchor="middle">n/a</text>')
-        else:
-            yt = y(v)
-            yb = min(yt, y0 + plot_h - 1)
-            out.append(f'<rect class="bar b-{lv}" x="{x + 1:.1f}" y="{yb:.1f}" width="{bw:.1f}" '
-                       f'height="{max(y0 + plot_h - yt, 1):.1f}" data-gpu="{_html_e(name)}" '
-                       f'data-value="{float(v):.6g}" data-level="{lv}"><title>{_html_e(tip)}</title></rect>')
-            vt, vy = _html_v(v), yb - 3
-            out.append(f'<text class="val v-{lv}" x="{cx:.1f}" y="{vy:.1f}" text-anchor="middle">{vt}</text>'
-                       if slot >= 44 else
-                       f'<text class="val v-{lv}" transform="translate({cx + 3.5:.1f},{vy:.1f}) rotate(-90)">'
-                       f'{vt}</text>')
-        ny = y0 + plot_h + 13
-        if flat:
-            host, _, rest = name.partition(" ")
-            out.append(f'<text class="lab" x="{cx:.1f}" y="{ny:.1f}" text-anchor="middle">{_html_e(host)}</text>'
-                       f'<text class="lab" x="{cx:.1f}" y="{ny + 12:.1f}" text-anchor="middle">{_html_e(rest)}</text>')
-        else:
-            out.append(f'<text class="lab" transform="translate({cx + 3.5:.1f},{y0 + plot_h + 6:.1f}) rotate(-90)" '
-                       f'text-anchor="end">{_html_e(name)}</text>')
-    lys = _html_label_ys([y(ln["value"]) + 4 for ln in shown], y0 + 4, y0 + plot_h + name_h)
+        yt = _html_chart_y(g, t)
+        out.append(f'<line class="tick" x1="{left}" x2="{left + w:.1f}" y1="{yt:.1f}" y2="{yt:.1f}"/>'
+                   f'<text x="{left - 5}" y="{yt + 4:.1f}" text-anchor="end">{_html_v(t) if t else "0"}</text>')
+        t += g["step"]
+    out.append(f'<text class="unit" x="{left - 5}" y="{g["y0"] - g["val_h"] + 2:.1f}" text-anchor="end">'
+               f'{_html_e(unit)}</text>')
+    return out
+
+
+def _html_chart_bar(g, i, name, v, lv, tip):
+    """One bar, its value above it and its name below (across when there is room, else upright)."""
+    slot, y0, plot_h = g["slot"], g["y0"], g["plot_h"]
+    x, bw = g["left"] + i * slot, max(slot - (2 if slot > 6 else 0), 1.0)
+    cx, out = x + slot / 2, []
+    if v is None:
+        out.append(f'<text class="val na" x="{cx:.1f}" y="{y0 + plot_h - 4:.1f}" text-anchor="middle">n/a</text>')
+    else:
+        yt = _html_chart_y(g, v)
+        yb = min(yt, y0 + plot_h - 1)
+        out.append(f'<rect class="bar b-{lv}" x="{x + 1:.1f}" y="{yb:.1f}" width="{bw:.1f}" '
+                   f'height="{max(y0 + plot_h - yt, 1):.1f}" data-gpu="{_html_e(name)}" '
+                   f'data-value="{float(v):.6g}" data-level="{lv}"><title>{_html_e(tip)}</title></rect>')
+        vt, vy = _html_v(v), yb - 3
+        out.append(f'<text class="val v-{lv}" x="{cx:.1f}" y="{vy:.1f}" text-anchor="middle">{vt}</text>'
+                   if slot >= 44 else
+                   f'<text class="val v-{lv}" transform="translate({cx + 3.5:.1f},{vy:.1f}) rotate(-90)">'
+                   f'{vt}</text>')
+    ny = y0 + plot_h + 13
+    if g["flat"]:
+        host, _, rest = name.partition(" ")
+        out.append(f'<text class="lab" x="{cx:.1f}" y="{ny:.1f}" text-anchor="middle">{_html_e(host)}</text>'
+                   f'<text class="lab" x="{cx:.1f}" y="{ny + 12:.1f}" text-anchor="middle">{_html_e(rest)}</text>')
+    else:
+        out.append(f'<text class="lab" transform="translate({cx + 3.5:.1f},{y0 + plot_h + 6:.1f}) rotate(-90)" '
+                   f'text-anchor="end">{_html_e(name)}</text>')
+    return out
+
+
+def _html_chart_lines(g):
+    """The judging lines: those to scale with their labels kept apart, those above the broken axis, the break."""
+    left, w, shown, broken, out = g["left"], g["w"], g["shown"], g["broken"], []
+    lys = _html_label_ys([_html_chart_y(g, ln["value"]) + 4 for ln in shown], g["y0"] + 4,
+                         g["y0"] + g["plot_h"] + g["name_h"])
     for ln, ly in zip(shown, lys, strict=True):
-        yl = y(ln["value"])
+        yl = _html_chart_y(g, ln["value"])
         out.append(f'<line class="jl j-{ln["kind"]}" x1="{left}" x2="{left + w + 6:.1f}" y1="{yl:.1f}" y2="{yl:.1f}" '
                    f'data-kind="{ln["kind"]}" data-level="{ln["level"] or "ref"}" data-value="{ln["value"]:.6g}">'
                    f'<title>{_html_e(ln["text"])}</title></line>'
@@ -378,6 +397,19 @@ def _html_chart(cid, bars, lines, unit, caption):
         out.append(f'<path class="brk" d="M{left - 8},{zy + 4} l4,-4 l4,8 l4,-8 l4,8 l4,-4"/>'
                    f'<text class="brk-t" x="{left + 14}" y="{zy + 8}">axis broken: the line(s) above lie far above '
                    f'every value (not to scale)</text>')
+    return out
+
+
+def _html_chart(cid, bars, lines, unit, caption):
+    """One bar chart on an axis from 0 in the values' unit, every bar labelled with what it measures and its value,
+    every line it was judged against drawn and named (judging_lines). bars: [(name, value or None, level, tip)];
+    a line far above everything else (BREAK_RATIO) is drawn above a broken axis, clearly marked."""
+    g = _html_chart_geometry(bars, lines)
+    out = _html_chart_axis(g, unit)
+    for i, (name, v, lv, tip) in enumerate(bars):
+        out += _html_chart_bar(g, i, name, v, lv, tip)
+    out += _html_chart_lines(g)
+    width, height = g["width"], g["height"]
     return (f'<h3>{caption}</h3><div class="chart"><svg id="{_html_e(cid)}" class="bars" width="{width:.0f}" '
             f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" role="img">{"".join(out)}</svg></div>')
 

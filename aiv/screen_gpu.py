@@ -183,36 +183,48 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
     if not flags:
         return [_gpu_perf_pass(len(per_rank), [x["against"] for x in allrefs.values()], cpu)]
     items = list(flags.items())
-
-    def unused(r):
-        lack = {}
-        for k, _, _ in SCREEN_GPU_METRICS:
-            for m in allrefs[(r.get("model") or "unknown", k)]["against"]["missing"]:
-                lack.setdefault(m, []).append(SCREEN_GPU_LABELS[k])
-        return "not judged against " + ", ".join(
-            m if len(ks) == len(SCREEN_GPU_METRICS) else f"{m} for {' and '.join(ks)}" for m, ks in lack.items()) \
-            if lack else ""
-    def evidence(r):
-        how = ("its own CPU clock, best of 5 blocks" if cpu else
-               "5 device-timed blocks run back to back, median")
-        again = (f"measured again on {r.get('host')}, slow again (first " + ", ".join(
-            f"{_sn(v)} {u}" for k, u, _ in SCREEN_GPU_METRICS for v in [(r.get("first") or {}).get(k)] if v is not None)
-            + ", the better counting)"
-            if _gpu_again(r) else f"measured once on {r.get('host')}")
-        return f"{again} ({how})" + (f"; {unused(r)}" if unused(r) else "")
-
-    def action(r):
-        return ("drain the node and run the vendor's diagnostics (dcgmi diag -r 3): clocks, power or thermal limits "
-                "(see the GPU facts), a degraded PCIe link" if _gpu_again(r) else
-                "re-run the preflight; if the GPU is slow again, drain the node and run the vendor's diagnostics "
-                "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
     if len(items) <= SCREEN_LIST_MAX:
         out = [_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
                                        f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
-                                       + (f"; {unused(r)}" if unused(r) else ""), [r.get("host")], [rk]),
-                               evidence=evidence(r), action=action(r)), [r])
+                                       + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else ""),
+                                       [r.get("host")], [rk]),
+                               evidence=_gpu_evidence(r, allrefs, cpu), action=_gpu_action(r)), [r])
                for rk, (r, fl) in items]
         return _gpu_everyone(out, per_rank)
+    return _gpu_everyone(_gpu_perf_many(items), per_rank)
+
+
+def _gpu_unused(r, allrefs):
+    """What rank r's GPU was not judged against (a reference missing, per metric), or ''."""
+    lack = {}
+    for k, _, _ in SCREEN_GPU_METRICS:
+        for m in allrefs[(r.get("model") or "unknown", k)]["against"]["missing"]:
+            lack.setdefault(m, []).append(SCREEN_GPU_LABELS[k])
+    return "not judged against " + ", ".join(
+        m if len(ks) == len(SCREEN_GPU_METRICS) else f"{m} for {' and '.join(ks)}" for m, ks in lack.items()) \
+        if lack else ""
+
+
+def _gpu_evidence(r, allrefs, cpu):
+    """How rank r's slow GPU was measured: again (and its first numbers) or once, and how."""
+    how = ("its own CPU clock, best of 5 blocks" if cpu else
+           "5 device-timed blocks run back to back, median")
+    again = (f"measured again on {r.get('host')}, slow again (first " + ", ".join(
+        f"{_sn(v)} {u}" for k, u, _ in SCREEN_GPU_METRICS for v in [(r.get("first") or {}).get(k)] if v is not None)
+        + ", the better counting)"
+        if _gpu_again(r) else f"measured once on {r.get('host')}")
+    return f"{again} ({how})" + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else "")
+
+
+def _gpu_action(r):
+    return ("drain the node and run the vendor's diagnostics (dcgmi diag -r 3): clocks, power or thermal limits "
+            "(see the GPU facts), a degraded PCIe link" if _gpu_again(r) else
+            "re-run the preflight; if the GPU is slow again, drain the node and run the vendor's diagnostics "
+            "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
+
+
+def _gpu_perf_many(items):
+    """More than SCREEN_LIST_MAX flagged GPUs: one finding per status, the first few named."""
     out = []
     for status in ("FAIL", "WARN"):
         sel = [(rk, r, fl) for rk, (r, fl) in items if _screen_worst([lv for _, lv, _ in fl]) == status]
@@ -224,8 +236,8 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
                                                f"node(s): {shown}{more}", hosts, [rk for rk, _, _ in sel]),
                                        evidence=f"{len(sel)} GPU(s), each measured "
                                        + ("again" if all(_gpu_again(r) for _, r, _ in sel) else "once"),
-                                       action=action(sel[0][1])), [r for _, r, _ in sel]))
-    return _gpu_everyone(out, per_rank)
+                                       action=_gpu_action(sel[0][1])), [r for _, r, _ in sel]))
+    return out
 
 
 def _gpu_everyone(found, per_rank):

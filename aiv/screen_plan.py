@@ -281,6 +281,68 @@ def _screen_group_words(g):
     return f"links among {', '.join(g['nodes'])} on rail {g['rail']}"
 
 
+def _stuck_states(hung, loose, stuck, issued, host_of):
+    """What each unfinished rank of a screen round issued last: ({rank: 'behind'|'waiting'|'idle'|'unposted'|...},
+    [words naming the members that never issued their group's collective]); ({}, []) when not asked."""
+    states, behind_words = {}, []
+    if issued is None:
+        return states, behind_words
+    for g in hung:
+        an = issued_states(g["ranks"], issued, [r for r in g["ranks"] if r in stuck], group_key(g["ranks"]))
+        states.update(an["states"])
+        behind = [r for r in g["ranks"] if an["states"].get(r) == "behind"]
+        if behind:
+            behind_words.append(never_issued_text(behind, an, host_of))
+    for r in loose:  # in no group of the round: its part was its post alone
+        if r in stuck:
+            p = issued.get(r)
+            states[r] = "unposted" if p is None else "waiting" if p.get("inflight") else "idle"
+    return states, behind_words
+
+
+def _stuck_blame(world, missing, kinds, hard, stuck, states, hung, done):
+    """The blame law on a screen round that did not finish: -> (culprits, blame kind, unlocalised record or
+    None, the idle ranks named for never finishing their part)."""
+    errs = [r for r in missing if kinds[r] == "error"]
+    behind = [r for r in stuck if states.get(r) == "behind"]
+    idle = [r for r in stuck if states.get(r) == "idle"] if done else []
+    if hard:
+        return hard, "process", None, idle
+    if errs and len(errs) < world:
+        return errs, "own", None, idle
+    if behind or idle:
+        return behind + idle, "never-issued", None, idle
+    if stuck and all(states.get(r) == "waiting" for r in stuck) and hung:
+        more = " and the others" if len(hung) > 1 else ""
+        return [], "all-issued", unlocalised_record(
+            f"every member of {_screen_group_words(hung[0])}{more} issued its all_reduce and it did not finish: "
+            "the link, which neither end's own state singles out", LINK_HINT), idle
+    if errs:
+        return [], "everyone", unlocalised_record("every rank reported an error of its own, so none is unlike its "
+                                                  "peers", RERUN_HINT), idle
+    return [], "not-collected", unlocalised_record(
+        "what the ranks that did not finish issued last was not collected (or they are alike), and no other "
+        "evidence singles one out", RERUN_HINT), idle
+
+
+def _stuck_parts(missing, kinds, hard, states, named, evidence, issued, host_of):
+    """The words for each rank that did not finish, by what it was (dead, frozen, stuck: what it issued...),
+    a rank not named marked so where another is."""
+    parts = []
+    for k, words in UNFINISHED_WORDS.items():
+        rs = [r for r in missing if kinds[r] == k and not (evidence == "never-issued" and r in named)]
+        rs += [r for r in hard if k == kinds[r] and r not in missing]
+        if k == "stuck" and issued is not None:
+            for s, w in ISSUED_WORDS.items():
+                sub = [r for r in rs if states.get(r) == s]
+                if sub:
+                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
+            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
+        if rs:
+            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
+    return parts
+
+
 def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=(), issued=None):
     """Who did not finish a screen round (one FAIL finding under PHASE_CHECK[phase]), or None when every
     rank posted every round. rounds: [(name, groups)] of the phase in the order they ran; posted: {name:
@@ -306,62 +368,14 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
         return judge_unfinished(phase, f"{label} {how}", world, host_of,  # as judge_unfinished: nobody's fault
                                 {r: -1 if r in missing else PHASES.index(phase) for r in range(world)}, live, errors)
     stuck = [r for r in missing if kinds[r] == "stuck"]
-    states, behind_words = {}, []
-    for g in hung:
-        if issued is None:
-            break
-        an = issued_states(g["ranks"], issued, [r for r in g["ranks"] if r in stuck], group_key(g["ranks"]))
-        states.update(an["states"])
-        behind = [r for r in g["ranks"] if an["states"].get(r) == "behind"]
-        if behind:
-            behind_words.append(never_issued_text(behind, an, host_of))
-    for r in loose:  # in no group of the round: its part was its post alone
-        if r in stuck and issued is not None:
-            p = issued.get(r)
-            states[r] = "unposted" if p is None else "waiting" if p.get("inflight") else "idle"
+    states, behind_words = _stuck_states(hung, loose, stuck, issued, host_of)
     done = sorted(set(range(world)) - set(missing))
-    errs = [r for r in missing if kinds[r] == "error"]
-    behind = [r for r in stuck if states.get(r) == "behind"]
-    idle = [r for r in stuck if states.get(r) == "idle"] if done else []
-    unloc = None
-    if hard:
-        culprits, evidence = hard, "process"
-    elif errs and len(errs) < world:
-        culprits, evidence = errs, "own"
-    elif behind or idle:
-        culprits, evidence = behind + idle, "never-issued"
-    else:
-        culprits = []
-        if stuck and all(states.get(r) == "waiting" for r in stuck) and hung:
-            evidence = "all-issued"
-            more = " and the others" if len(hung) > 1 else ""
-            unloc = unlocalised_record(f"every member of {_screen_group_words(hung[0])}{more} issued its all_reduce "
-                                       "and it did not finish: the link, which neither end's own state singles out",
-                                       LINK_HINT)
-        elif errs:
-            evidence = "everyone"
-            unloc = unlocalised_record("every rank reported an error of its own, so none is unlike its peers",
-                                       RERUN_HINT)
-        else:
-            evidence = "not-collected"
-            unloc = unlocalised_record("what the ranks that did not finish issued last was not collected (or they "
-                                       "are alike), and no other evidence singles one out", RERUN_HINT)
+    culprits, evidence, unloc, idle = _stuck_blame(world, missing, kinds, hard, stuck, states, hung, done)
     what = [_screen_group_words(g) for g in hung[:8]] + ([f"{len(hung) - 8} more group(s)"] if len(hung) > 8 else [])
     what += [f"{on_hosts(loose, host_of)} (in no group of {label})"] if loose else []
-    named = set(culprits)
-    parts = list(behind_words) + ([never_finished_text(idle, label, done, host_of)] if idle and evidence ==
-                                  "never-issued" else [])
-    for k, words in UNFINISHED_WORDS.items():
-        rs = [r for r in missing if kinds[r] == k and not (evidence == "never-issued" and r in named)]
-        rs += [r for r in hard if k == kinds[r] and r not in missing]
-        if k == "stuck" and issued is not None:
-            for s, w in ISSUED_WORDS.items():
-                sub = [r for r in rs if states.get(r) == s]
-                if sub:
-                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
-            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
-        if rs:
-            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
+    parts = behind_words + ([never_finished_text(idle, label, done, host_of)] if idle and evidence ==
+                            "never-issued" else [])
+    parts += _stuck_parts(missing, kinds, hard, states, set(culprits), evidence, issued, host_of)
     first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
     reason = (f"{'; '.join(what)} {how} ({'; '.join(parts)}); {world - len(missing)}/{world} rank(s) finished "
               f"{label}" + (f"; first error: {first_err}" if first_err else "")

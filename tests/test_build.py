@@ -123,6 +123,15 @@ def test_two_definitions_of_one_name_fail_the_build(tmp_path):
     assert "defines render_report, already defined in aiv/render.py" in r.stderr, r.stderr
 
 
+def test_a_function_defined_twice_in_one_module_fails_the_build(tmp_path):
+    """Two helpers of one name in one room: the later silently replaced the first for every caller."""
+    src = _copy_source(tmp_path)
+    with open(src / "page.py", "a") as f:
+        f.write("\n\ndef _html_chart(*a):\n    return ''\n")
+    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    assert r.returncode == 1 and "aiv/page.py" in r.stderr and "defines _html_chart again" in r.stderr, r.stderr
+
+
 def test_a_module_missing_from_the_order_fails_the_build(tmp_path):
     src = _copy_source(tmp_path)
     (src / "stray.py").write_text('"""stray"""\nX = 1\n')

@@ -173,6 +173,13 @@ def problems():
                 mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module]
                 if any(m.split(".")[0] in ("aiv", "ddp_mesh_ping") for m in mods):
                     out.append(f"aiv/{name}.py:{n.lineno}: absolute import of the tool; use `from .module import`")
+        seen = {}
+        for n in tree.body:  # a def or class given twice: the later one wins wherever the name is called
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if n.name in seen:
+                    out.append(f"aiv/{name}.py:{n.lineno}: defines {n.name} again (first at line {seen[n.name]}): "
+                               "the later definition replaces the first for every caller")
+                seen.setdefault(n.name, n.lineno)
         for top, line in top_names(tree):
             if top in defined and defined[top][0] != name:
                 out.append(f"aiv/{name}.py:{line}: defines {top}, already defined in aiv/{defined[top][0]}.py:"
