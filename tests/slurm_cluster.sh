@@ -25,6 +25,9 @@
 #     real cluster.  Good enough for a private test cluster that only root on this machine can reach.
 #   * fake GPUs: NODE_GPUS character devices made with mknod (same numbers as /dev/null) under
 #     $AIV_SLURM_DIR/dev, declared as gres/gpu.  Nothing is created under /dev.
+#   * "down" stops the daemons by PID, then every process in these namespaces, the holders last; it
+#     holds each namespace open while it does, so that an id freed on the way is not taken for a
+#     namespace of someone else's (a pod's, another test cluster's) that the kernel gave it to next.
 #   * all configuration, state, logs and PID files live in $AIV_SLURM_DIR
 #     (default ${TMPDIR:-/tmp}/aiv-slurm); SLURM_CONF points there.
 #
