@@ -4855,6 +4855,24 @@ STOPPED_WORDS = "the run was stopped from outside, not by a fault of the cluster
 NOT_BLAMED = " (not blamed)"
 
 
+def unfinished_parts(ranks_of, states, named, host_of, by_issued):
+    """The words for the ranks that did not finish, kind by kind (UNFINISHED_WORDS; ranks_of(kind): its
+    ranks), the live ones ('stuck') by what they issued last (ISSUED_WORDS) when by_issued; where some rank
+    is named (named), the others say they are not blamed."""
+    parts = []
+    for k, words in UNFINISHED_WORDS.items():
+        rs = ranks_of(k)
+        if k == "stuck" and by_issued:
+            for s, w in ISSUED_WORDS.items():
+                sub = [r for r in rs if states.get(r) == s]
+                if sub:
+                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
+            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
+        if rs:
+            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
+    return parts
+
+
 def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
     """A rank that did not finish: one key of UNFINISHED_WORDS (see judge_unfinished)."""
     e = errors.get(r, {})
@@ -5002,16 +5020,9 @@ def _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, fini
         rest = [r for r in culprits if r not in behind]
         if rest:
             parts.append(never_finished_text(rest, phase, finished, host_of) + " (alive, outside any collective)")
-    for k, words in UNFINISHED_WORDS.items():
-        rs = [r for r in shown if kinds[r] == k and r not in (named if evidence == "never-issued" else ())]
-        if k == "stuck" and an:  # the live ranks by what they posted
-            for s, w in ISSUED_WORDS.items():
-                sub = [r for r in rs if states.get(r) == s]
-                if sub:
-                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
-            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
-        if rs:
-            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
+    parts += unfinished_parts(
+        lambda k: [r for r in shown if kinds[r] == k and r not in (named if evidence == "never-issued" else ())],
+        states, named, host_of, bool(an))
     return "; ".join(parts) if parts else "no rank is behind"
 
 
@@ -6064,24 +6075,6 @@ def _stuck_blame(world, missing, kinds, hard, stuck, states, hung, done):
         "evidence singles one out", RERUN_HINT), idle
 
 
-def _stuck_parts(missing, kinds, hard, states, named, evidence, issued, host_of):
-    """The words for each rank that did not finish, by what it was (dead, frozen, stuck: what it issued...),
-    a rank not named marked so where another is."""
-    parts = []
-    for k, words in UNFINISHED_WORDS.items():
-        rs = [r for r in missing if kinds[r] == k and not (evidence == "never-issued" and r in named)]
-        rs += [r for r in hard if k == kinds[r] and r not in missing]
-        if k == "stuck" and issued is not None:
-            for s, w in ISSUED_WORDS.items():
-                sub = [r for r in rs if states.get(r) == s]
-                if sub:
-                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
-            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
-        if rs:
-            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
-    return parts
-
-
 def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=(), issued=None):
     """Who did not finish a screen round (one FAIL finding under PHASE_CHECK[phase]), or None when every
     rank posted every round. rounds: [(name, groups)] of the phase in the order they ran; posted: {name:
@@ -6114,7 +6107,12 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
     what += [f"{on_hosts(loose, host_of)} (in no group of {label})"] if loose else []
     parts = behind_words + ([never_finished_text(idle, label, done, host_of)] if idle and evidence ==
                             "never-issued" else [])
-    parts += _stuck_parts(missing, kinds, hard, states, set(culprits), evidence, issued, host_of)
+    named = set(culprits)
+
+    def ranks_of(k):  # those of kind k; the ones named for never issuing are said above
+        return ([r for r in missing if kinds[r] == k and not (evidence == "never-issued" and r in named)]
+                + [r for r in hard if kinds[r] == k and r not in missing])
+    parts += unfinished_parts(ranks_of, states, named, host_of, issued is not None)
     first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
     reason = (f"{'; '.join(what)} {how} ({'; '.join(parts)}); {world - len(missing)}/{world} rank(s) finished "
               f"{label}" + (f"; first error: {first_err}" if first_err else "")

@@ -667,6 +667,24 @@ STOPPED_WORDS = "the run was stopped from outside, not by a fault of the cluster
 NOT_BLAMED = " (not blamed)"
 
 
+def unfinished_parts(ranks_of, states, named, host_of, by_issued):
+    """The words for the ranks that did not finish, kind by kind (UNFINISHED_WORDS; ranks_of(kind): its
+    ranks), the live ones ('stuck') by what they issued last (ISSUED_WORDS) when by_issued; where some rank
+    is named (named), the others say they are not blamed."""
+    parts = []
+    for k, words in UNFINISHED_WORDS.items():
+        rs = ranks_of(k)
+        if k == "stuck" and by_issued:
+            for s, w in ISSUED_WORDS.items():
+                sub = [r for r in rs if states.get(r) == s]
+                if sub:
+                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
+            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
+        if rs:
+            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
+    return parts
+
+
 def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
     """A rank that did not finish: one key of UNFINISHED_WORDS (see judge_unfinished)."""
     e = errors.get(r, {})
@@ -814,16 +832,9 @@ def _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, fini
         rest = [r for r in culprits if r not in behind]
         if rest:
             parts.append(never_finished_text(rest, phase, finished, host_of) + " (alive, outside any collective)")
-    for k, words in UNFINISHED_WORDS.items():
-        rs = [r for r in shown if kinds[r] == k and r not in (named if evidence == "never-issued" else ())]
-        if k == "stuck" and an:  # the live ranks by what they posted
-            for s, w in ISSUED_WORDS.items():
-                sub = [r for r in rs if states.get(r) == s]
-                if sub:
-                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
-            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
-        if rs:
-            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
+    parts += unfinished_parts(
+        lambda k: [r for r in shown if kinds[r] == k and r not in (named if evidence == "never-issued" else ())],
+        states, named, host_of, bool(an))
     return "; ".join(parts) if parts else "no rank is behind"
 
 

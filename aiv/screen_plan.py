@@ -1,7 +1,7 @@
 """Floor 3: the performance screen's plan: rounds of node pairs per rail, suspects, re-measurements,
 the groups each rank joins; levels against the reference. Plain data only."""
 from .base import EXIT_FAIL, EXIT_TIMEOUT, _screen_key, _screen_median, _screen_sorted, finding, format_ranges
-from .deadlines import ISSUED_S, PHASE_CHECK, PHASES
+from .deadlines import PHASE_CHECK, PHASES
 from .hang import (
     LINK_HINT,
     RERUN_HINT,
@@ -14,13 +14,11 @@ from .hang import (
     unlocalised_words,
 )
 from .judge import (
-    ISSUED_WORDS,
-    NOT_BLAMED,
     PROCESS_KINDS,
-    UNFINISHED_WORDS,
     judge_unfinished,
     screen_reference,
     unfinished_kind,
+    unfinished_parts,
 )
 
 # The performance screen finds the slow or broken part: a GPU, a node's NVLink/PCIe, a node's NIC on
@@ -325,24 +323,6 @@ def _stuck_blame(world, missing, kinds, hard, stuck, states, hung, done):
         "evidence singles one out", RERUN_HINT), idle
 
 
-def _stuck_parts(missing, kinds, hard, states, named, evidence, issued, host_of):
-    """The words for each rank that did not finish, by what it was (dead, frozen, stuck: what it issued...),
-    a rank not named marked so where another is."""
-    parts = []
-    for k, words in UNFINISHED_WORDS.items():
-        rs = [r for r in missing if kinds[r] == k and not (evidence == "never-issued" and r in named)]
-        rs += [r for r in hard if k == kinds[r] and r not in missing]
-        if k == "stuck" and issued is not None:
-            for s, w in ISSUED_WORDS.items():
-                sub = [r for r in rs if states.get(r) == s]
-                if sub:
-                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
-            rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
-        if rs:
-            parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
-    return parts
-
-
 def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=(), issued=None):
     """Who did not finish a screen round (one FAIL finding under PHASE_CHECK[phase]), or None when every
     rank posted every round. rounds: [(name, groups)] of the phase in the order they ran; posted: {name:
@@ -375,7 +355,12 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
     what += [f"{on_hosts(loose, host_of)} (in no group of {label})"] if loose else []
     parts = behind_words + ([never_finished_text(idle, label, done, host_of)] if idle and evidence ==
                             "never-issued" else [])
-    parts += _stuck_parts(missing, kinds, hard, states, set(culprits), evidence, issued, host_of)
+    named = set(culprits)
+
+    def ranks_of(k):  # those of kind k; the ones named for never issuing are said above
+        return ([r for r in missing if kinds[r] == k and not (evidence == "never-issued" and r in named)]
+                + [r for r in hard if kinds[r] == k and r not in missing])
+    parts += unfinished_parts(ranks_of, states, named, host_of, issued is not None)
     first_err = next((errors[r]["line"] for r in culprits if r in errors), None)
     reason = (f"{'; '.join(what)} {how} ({'; '.join(parts)}); {world - len(missing)}/{world} rank(s) finished "
               f"{label}" + (f"; first error: {first_err}" if first_err else "")
