@@ -13529,6 +13529,26 @@ def _failure(e):
     return {"error": first_line(e), "internal": is_tool_error(e)}
 
 
+def _worker_say(step, **kw):
+    """One step of a node-check worker: a JSON line on stdout."""
+    emit(json.dumps(dict(kw, step=step), default=str))
+
+
+def _worker_step(name, fn, need, until):
+    """One measurement of a worker, when `need` seconds are left before `until`: its value or its error, said."""
+    left = until - time.monotonic()
+    if left < need:
+        _worker_say(name, skipped=f"needs about {need:g}s, {max(0.0, left):.1f}s left")
+        return
+    t = time.monotonic()
+    try:
+        value = fn()
+    except Exception as e:
+        _worker_say(name, secs=round(time.monotonic() - t, 2), **_failure(e))
+        return
+    _worker_say(name, value=value, secs=round(time.monotonic() - t, 2))
+
+
 def node_worker(spec):
     """One device of the node check, in a process of its own: import torch, the device's identity, then the
     numerics (numerics_measure) and the speed (screen_measure_gpu), each only when it fits in what is left of
@@ -13540,9 +13560,7 @@ def node_worker(spec):
     timer = threading.Timer(spec["seconds"] + 2.0, os._exit, [EXIT_TIMEOUT])  # the parent kills it before
     timer.daemon = True
     timer.start()
-
-    def say(step, **kw):
-        emit(json.dumps(dict(kw, step=step), default=str))
+    say = _worker_say
     try:
         import torch
     except Exception as e:  # the tool's environment, not the node: the parent says NOT ASSESSED
@@ -13567,17 +13585,7 @@ def node_worker(spec):
         return 0
 
     def step(name, fn, need):
-        left = until - time.monotonic()
-        if left < need:
-            say(name, skipped=f"needs about {need:g}s, {max(0.0, left):.1f}s left")
-            return
-        t = time.monotonic()
-        try:
-            value = fn()
-        except Exception as e:
-            say(name, secs=round(time.monotonic() - t, 2), **_failure(e))
-            return
-        say(name, value=value, secs=round(time.monotonic() - t, 2))
+        _worker_step(name, fn, need, until)
     uuid, pci = (gpu or {}).get("uuid"), (gpu or {}).get("pci")
 
     def speed():
