@@ -473,6 +473,18 @@ def flush_all():
             drop_stream(stream)
 
 
+def first_text_line(text, limit=160):
+    """A command's first non-blank line of output, stripped and cut at `limit` ('' when none)."""
+    return next((ln.strip() for ln in (text or "").splitlines() if ln.strip()), "")[:limit]
+
+
+def scontrol_reason(line):
+    """The Reason= of one `scontrol show node -o` line: everything up to the next field (or the line's end),
+    without Slurm's trailing [user@time]; '' when absent."""
+    reason = re.search(r"\sReason=(.*?)(?=\s+[A-Z][A-Za-z]+=|$)", line or "")
+    return re.sub(r"\s*\[[^\]]*@[^\]]*\]$", "", reason.group(1).strip()) if reason else ""
+
+
 def first_line(exc):
     """The one informative line of an exception (no C++ frames, source paths or chatter)."""
     text = str(exc).strip()
@@ -2624,10 +2636,6 @@ def run_bounded(argv, seconds):
     return {"rc": p.returncode, "out": out, "err": err}
 
 
-def _first_line(text):
-    return next((ln.strip() for ln in (text or "").splitlines() if ln.strip()), "")[:160]
-
-
 def smi_query(exe, what, fields, seconds):
     """One `nvidia-smi --query-<what>=fields --format=csv,noheader,nounits` -> {'text'} (its stdout, also when it
     exits nonzero beside rows: a GPU it cannot reach is a line of its own) or {'unread': why}."""
@@ -2635,7 +2643,7 @@ def smi_query(exe, what, fields, seconds):
     if "unread" in r:
         return r
     if r["rc"] != 0 and not r["out"].strip():
-        return {"unread": f"nvidia-smi exited {r['rc']}: {_first_line(r['err'] or r['out']) or 'no output'}"}
+        return {"unread": f"nvidia-smi exited {r['rc']}: {first_text_line(r['err'] or r['out']) or 'no output'}"}
     return {"text": r["out"] + r["err"]}
 
 
@@ -2715,7 +2723,7 @@ def read_slurm_node(name, seconds):
     if "unread" in r:
         return r
     if r["rc"] != 0:
-        return {"unread": f"scontrol show node {name} exited {r['rc']}: {_first_line(r['err'] or r['out'])}"}
+        return {"unread": f"scontrol show node {name} exited {r['rc']}: {first_text_line(r['err'] or r['out'])}"}
     return {"text": r["out"]}
 
 
@@ -2725,7 +2733,7 @@ def slurm_update_node(name, seconds, **fields):
     if "unread" in r:
         return r["unread"]
     if r["rc"] != 0:
-        return f"scontrol exited {r['rc']}: {_first_line(r['err'] or r['out']) or 'no message'}"
+        return f"scontrol exited {r['rc']}: {first_text_line(r['err'] or r['out']) or 'no message'}"
     return None
 
 
@@ -3133,7 +3141,7 @@ def read_node_smi(exe, bound=NODE_SMI_S, box=None):
         proc.communicate()
         return {"unread": f"nvidia-smi gave no answer within {bound:g}s", "bound": bound}
     if proc.returncode != 0:
-        why = next((ln.strip() for ln in (err or out or "").splitlines() if ln.strip()), "")[:160]
+        why = first_text_line(err or out)
         return {"unread": f"nvidia-smi exited {proc.returncode}" + (f": {why}" if why else ""), "bound": bound}
     return {"gpus": parse_node_smi(out)}
 
@@ -7799,8 +7807,7 @@ def parse_slurm_node(text):
     def field(name):
         m = re.search(rf"(?:^|\s){name}=(\S+)", text or "")
         return m.group(1) if m else None
-    reason = re.search(r"\sReason=(.*?)(?=\s+[A-Z][A-Za-z]+=|$)", text or "")
-    why = re.sub(r"\s*\[[^\]]*@[^\]]*\]$", "", reason.group(1).strip()) if reason else ""
+    why = scontrol_reason(text)
     return {"state": field("State"), "reason": why if why not in ("", "none", "(null)") else "",
             "gres": field("Gres"), "gres_used": field("GresUsed")}
 
@@ -8675,9 +8682,7 @@ def parse_scontrol_nodes(text):
         if not name:
             continue
         state = re.search(r"\sState=(\S+)", line)
-        reason = re.search(r"\sReason=(.*?)(?=\s+[A-Z][A-Za-z]+=|$)", line)
-        why = re.sub(r"\s*\[[^\]]*@[^\]]*\]$", "", reason.group(1).strip()) if reason else ""  # [user@time]
-        out[name.group(1)] = (state.group(1) if state else "", why)
+        out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
     return out
 
 

@@ -383,6 +383,18 @@ def flush_all():
             drop_stream(stream)
 
 
+def first_text_line(text, limit=160):
+    """A command's first non-blank line of output, stripped and cut at `limit` ('' when none)."""
+    return next((ln.strip() for ln in (text or "").splitlines() if ln.strip()), "")[:limit]
+
+
+def scontrol_reason(line):
+    """The Reason= of one `scontrol show node -o` line: everything up to the next field (or the line's end),
+    without Slurm's trailing [user@time]; '' when absent."""
+    reason = re.search(r"\sReason=(.*?)(?=\s+[A-Z][A-Za-z]+=|$)", line or "")
+    return re.sub(r"\s*\[[^\]]*@[^\]]*\]$", "", reason.group(1).strip()) if reason else ""
+
+
 def first_line(exc):
     """The one informative line of an exception (no C++ frames, source paths or chatter)."""
     text = str(exc).strip()

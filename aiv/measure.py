@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from .base import _screen_median, first_line, is_tool_error
+from .base import _screen_median, first_line, first_text_line, is_tool_error
 from .collect import pci_link, throttle_names
 from .deadlines import NODE_SMI_S
 from .numerics_measure import NumericsRepeat, start_numerics
@@ -94,7 +94,7 @@ def read_node_smi(exe, bound=NODE_SMI_S, box=None):
         proc.communicate()
         return {"unread": f"nvidia-smi gave no answer within {bound:g}s", "bound": bound}
     if proc.returncode != 0:
-        why = next((ln.strip() for ln in (err or out or "").splitlines() if ln.strip()), "")[:160]
+        why = first_text_line(err or out)
         return {"unread": f"nvidia-smi exited {proc.returncode}" + (f": {why}" if why else ""), "bound": bound}
     return {"gpus": parse_node_smi(out)}
 

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import time
 
-from .base import read_text
+from .base import first_text_line, read_text
 
 
 def run_bounded(argv, seconds):
@@ -30,10 +30,6 @@ def run_bounded(argv, seconds):
     return {"rc": p.returncode, "out": out, "err": err}
 
 
-def _first_line(text):
-    return next((ln.strip() for ln in (text or "").splitlines() if ln.strip()), "")[:160]
-
-
 def smi_query(exe, what, fields, seconds):
     """One `nvidia-smi --query-<what>=fields --format=csv,noheader,nounits` -> {'text'} (its stdout, also when it
     exits nonzero beside rows: a GPU it cannot reach is a line of its own) or {'unread': why}."""
@@ -41,7 +37,7 @@ def smi_query(exe, what, fields, seconds):
     if "unread" in r:
         return r
     if r["rc"] != 0 and not r["out"].strip():
-        return {"unread": f"nvidia-smi exited {r['rc']}: {_first_line(r['err'] or r['out']) or 'no output'}"}
+        return {"unread": f"nvidia-smi exited {r['rc']}: {first_text_line(r['err'] or r['out']) or 'no output'}"}
     return {"text": r["out"] + r["err"]}
 
 
@@ -121,7 +117,7 @@ def read_slurm_node(name, seconds):
     if "unread" in r:
         return r
     if r["rc"] != 0:
-        return {"unread": f"scontrol show node {name} exited {r['rc']}: {_first_line(r['err'] or r['out'])}"}
+        return {"unread": f"scontrol show node {name} exited {r['rc']}: {first_text_line(r['err'] or r['out'])}"}
     return {"text": r["out"]}
 
 
@@ -131,5 +127,5 @@ def slurm_update_node(name, seconds, **fields):
     if "unread" in r:
         return r["unread"]
     if r["rc"] != 0:
-        return f"scontrol exited {r['rc']}: {_first_line(r['err'] or r['out']) or 'no message'}"
+        return f"scontrol exited {r['rc']}: {first_text_line(r['err'] or r['out']) or 'no message'}"
     return None

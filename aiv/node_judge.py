@@ -5,7 +5,7 @@ EVIDENCE_SINGLES when it singles this node out (only those fail a prolog, drain 
 EVIDENCE_NAMES_NONE when it does not. Pure: plain data in, findings out."""
 import re
 
-from .base import finding, format_ranges, human_bytes, parse_ranges
+from .base import finding, format_ranges, human_bytes, parse_ranges, scontrol_reason
 from .blame import LOCALISING, UNLOCALISED, drainable
 from .collect import THROTTLE_FAULTS, throttle_names
 from .manifest import judge_manifest
@@ -230,8 +230,7 @@ def parse_slurm_node(text):
     def field(name):
         m = re.search(rf"(?:^|\s){name}=(\S+)", text or "")
         return m.group(1) if m else None
-    reason = re.search(r"\sReason=(.*?)(?=\s+[A-Z][A-Za-z]+=|$)", text or "")
-    why = re.sub(r"\s*\[[^\]]*@[^\]]*\]$", "", reason.group(1).strip()) if reason else ""
+    why = scontrol_reason(text)
     return {"state": field("State"), "reason": why if why not in ("", "none", "(null)") else "",
             "gres": field("Gres"), "gres_used": field("GresUsed")}
 

@@ -5,7 +5,17 @@ import math
 import re
 import shlex
 
-from .base import CHECKS, EXIT_PASS, SCHEMA_VERSION, VERSION, _screen_key, _screen_sorted, compress_hostlist, safe_env
+from .base import (
+    CHECKS,
+    EXIT_PASS,
+    SCHEMA_VERSION,
+    VERSION,
+    _screen_key,
+    _screen_sorted,
+    compress_hostlist,
+    safe_env,
+    scontrol_reason,
+)
 from .blame import blamed_hosts, drainable
 from .deadlines import PHASES
 from .judge import rank_record
@@ -92,9 +102,7 @@ def parse_scontrol_nodes(text):
         if not name:
             continue
         state = re.search(r"\sState=(\S+)", line)
-        reason = re.search(r"\sReason=(.*?)(?=\s+[A-Z][A-Za-z]+=|$)", line)
-        why = re.sub(r"\s*\[[^\]]*@[^\]]*\]$", "", reason.group(1).strip()) if reason else ""  # [user@time]
-        out[name.group(1)] = (state.group(1) if state else "", why)
+        out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
     return out
 
 
