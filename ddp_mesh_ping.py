@@ -14098,15 +14098,15 @@ class NodeCheck:
     def foreign_reason(self):
         """Why the drain is not written ('' when it may be): the node is drained or down for a reason not ours
         (kept), or Slurm could not be asked."""
-        s = self.slurm if self.slurm is not None else None
+        s = self.slurm
         if s is None:
             r = read_slurm_node(self.node, self.verdict_bound())
             s = self.slurm = parse_slurm_node(r["text"]) if "text" in r else {"unread": r["unread"]}
         if s.get("unread"):
             return f"not drained: Slurm's view of the node was not read ({s['unread']})"
-        if re.search(r"DRAIN|DOWN|FAIL", s.get("state") or "") and s.get("reason") and not s["reason"].startswith(
-                DRAIN_PREFIX):
-            return f"not drained by the check: already drained or down for another reason, kept ({s['reason']!r})"
+        kept = drain_keeps({self.node: (s.get("state") or "", s.get("reason") or "")})
+        if kept:
+            return f"not drained by the check: already drained or down for another reason, kept ({kept[self.node]!r})"
         return ""
 
     def resume(self):

@@ -83,6 +83,7 @@ from .node_judge import (
 from .node_report import node_lines, node_metrics, node_npd_line, node_summary
 from .numerics_measure import numerics_measure
 from .options import DRAIN_PREFIX
+from .outputs import drain_keeps
 from .plan import free_port
 
 WORKER_VAR = "_AIV_NODE_WORKER"  # set for a node check's device worker (main() hands it to node_worker)
@@ -657,15 +658,15 @@ class NodeCheck:
     def foreign_reason(self):
         """Why the drain is not written ('' when it may be): the node is drained or down for a reason not ours
         (kept), or Slurm could not be asked."""
-        s = self.slurm if self.slurm is not None else None
+        s = self.slurm
         if s is None:
             r = read_slurm_node(self.node, self.verdict_bound())
             s = self.slurm = parse_slurm_node(r["text"]) if "text" in r else {"unread": r["unread"]}
         if s.get("unread"):
             return f"not drained: Slurm's view of the node was not read ({s['unread']})"
-        if re.search(r"DRAIN|DOWN|FAIL", s.get("state") or "") and s.get("reason") and not s["reason"].startswith(
-                DRAIN_PREFIX):
-            return f"not drained by the check: already drained or down for another reason, kept ({s['reason']!r})"
+        kept = drain_keeps({self.node: (s.get("state") or "", s.get("reason") or "")})
+        if kept:
+            return f"not drained by the check: already drained or down for another reason, kept ({kept[self.node]!r})"
         return ""
 
     def resume(self):
