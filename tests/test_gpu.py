@@ -2,6 +2,9 @@
     python -m pytest -v tests/test_gpu.py
 (keep site safety variables such as NCCL_NVLS_ENABLE=0 exported where the host requires them)."""
 import json
+import os
+import subprocess
+import time
 
 import pytest
 
@@ -12,6 +15,44 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device on this machine", allow_module_level=True)
 NGPU = torch.cuda.device_count()
 two_gpus = pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+
+
+def gpu_apps():
+    """The compute processes NVML lists now: {pid: command line}."""
+    r = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+                       text=True, timeout=30)
+    out = {}
+    for pid in r.stdout.split():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError:
+            out[int(pid)] = "?"
+    return out
+
+
+@pytest.fixture(autouse=True)
+def leaves_the_gpu_as_it_found_it():
+    """Each test leaves the GPUs, this process's environment and its children as it found them: a process left
+    on a GPU would make the next test's node gate see that GPU busy (not judged). A leftover fails the test that
+    left it, and is killed so that the next test starts clean."""
+    env, apps = dict(os.environ), gpu_apps()
+    yield
+    left = {}
+    for _ in range(40):  # a process that is ending leaves NVML's list within seconds
+        left = {p: c for p, c in gpu_apps().items() if p not in apps}
+        if not left:
+            break
+        time.sleep(0.25)
+    for pid in left:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))
+    os.environ.clear()
+    os.environ.update(env)
+    assert not left and not changed, f"left on the GPUs: {left}; environment changed: {changed}"
 
 
 def test_local_mode_one_rank_per_gpu(tmp_path):
@@ -239,7 +280,10 @@ def node_check(tmp_path, *args, env=None):
     jp = tmp_path / f"node-{len(list(tmp_path.iterdir()))}.json"
     r = run_tool(["--node-check", *args, "--json", jp], env=dict({"SLURMD_NODENAME": "gpunode"}, **(env or {})),
                  timeout=120)
-    return r, json.loads(jp.read_text())
+    d = json.loads(jp.read_text())
+    r.stdout += "\n--- the pass's JSON: " + json.dumps({k: d.get(k) for k in ("verdict", "elapsed_s", "devices",
+                                                                               "skipped", "cpu", "phases")})
+    return r, d
 
 
 def test_node_check_passes_every_gpu_within_its_budget(tmp_path, record_property):
