@@ -5,7 +5,8 @@ import signal
 import socket
 import sys
 
-from .base import (
+from .checks.manifest_io import manifest_preflight, run_diff_manifest
+from .core.base import (
     EXIT_FAIL,
     EXIT_INTERNAL,
     EXIT_PASS,
@@ -16,17 +17,16 @@ from .base import (
     is_tool_error,
     where_raised,
 )
-from .coordinator import Coordinator
-from .deadlines import OUTPUT_S, BoundPassed, within
-from .follower import Follower
-from .liveness import node_monitor, proc_stat
-from .local import launch_local
-from .manifest_io import manifest_preflight, run_diff_manifest
-from .node_check import WORKER_VAR, node_check_usage, node_worker, run_node_check
-from .options import build_parser
-from .plan import LAUNCHER_VARS, check_json_target, plan
-from .rank import speak_once_per_node
-from .verify_log import run_verify_log
+from .core.deadlines import OUTPUT_S, BoundPassed, within
+from .launch.local import launch_local
+from .launch.options import build_parser
+from .launch.plan import LAUNCHER_VARS, check_json_target, plan
+from .node.check import WORKER_VAR, node_check_usage, node_worker, run_node_check
+from .out.verify_log import run_verify_log
+from .run.coordinator import Coordinator
+from .run.follower import Follower
+from .run.liveness import node_monitor, proc_stat
+from .run.rank import speak_once_per_node
 
 
 def _rank_hint(env):

@@ -1,0 +1,389 @@
+"""Floor 2: facts of a rank and its node (GPUs, driver, IB ports, PCIe, NUMA, packages, import probe),
+one getter per fact; plain data out, no judgement."""
+import contextlib
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+
+from ..core.base import _screen_key, first_line, read_text, safe_env
+from ..launch.launchers import allocated_gpus
+from .interfaces import _usable, list_interfaces
+
+
+def count_visible_gpus(env, root="/"):
+    """GPU count without importing torch (for the local launcher)."""
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        items = [x for x in cvd.split(",") if x.strip() and x.strip() != "-1"]
+        if cvd.strip() in ("", "NoDevFiles") or not items:
+            return 0
+    try:
+        n = len(os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
+    except OSError:
+        n = len([d for d in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", d)]) if os.path.isdir("/dev") else 0
+    return min(n, len(items)) if cvd is not None else n
+
+
+def driver_gpu_count(root="/"):
+    """The node's own GPU count: the NVIDIA driver's list (/proc/driver/nvidia/gpus), whatever share of it
+    the job was given (CUDA_VISIBLE_DEVICES, --gpus-per-node); None where the driver lists none."""
+    try:
+        return len(os.listdir(os.path.join(root, "proc/driver/nvidia/gpus"))) or None
+    except OSError:
+        return None
+
+
+NO_DEVICES = ("", "-1", "NoDevFiles")
+
+
+def gpus_expected(env, root="/"):
+    """Why this rank should have a GPU ('' when it should not): CUDA_VISIBLE_DEVICES names devices,
+    Slurm allocated GPUs (SLURM_*GPUS*), or the NVIDIA driver lists GPUs. CUDA_VISIBLE_DEVICES set to
+    '', -1 or NoDevFiles means a deliberate CPU run. A pod's NVIDIA_VISIBLE_DEVICES that lists GPUs counts too."""
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return "" if cvd.strip() in NO_DEVICES else f"CUDA_VISIBLE_DEVICES={cvd}"
+    if allocated_gpus(env):  # a Kubernetes pod's GPUs (the NVIDIA device plugin's list; an image's "all" is none)
+        return f"NVIDIA_VISIBLE_DEVICES lists {allocated_gpus(env)} GPU(s)"
+    for k in sorted(env):
+        v = env[k].strip()
+        if re.fullmatch(r"SLURM_\w*GPUS\w*", k) and v and v != "(null)" and (
+                re.search(r"[1-9]", v) or k in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")):
+            return f"{k}={v}"
+    try:
+        if os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")):
+            return "the NVIDIA driver lists GPUs in /proc/driver/nvidia/gpus"
+    except OSError:
+        pass
+    return ""
+
+
+def cuda_problem(torch_mod):
+    """torch's own reason why CUDA is unusable (a CPU build, driver too old, no device, init error)."""
+    if torch_mod.version.cuda is None and getattr(torch_mod.version, "hip", None) is None:
+        return f"torch {torch_mod.__version__} is a CPU-only build"
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if torch_mod.cuda.is_available():
+            return "none"
+    try:
+        torch_mod.cuda.init()
+    except Exception as e:
+        return first_line(e)
+    said = [str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()]
+    return said[0][:300] if said else f"torch {torch_mod.__version__} sees {torch_mod.cuda.device_count()} device(s)"
+
+
+def read_ib_ports(root="/"):
+    """[{'port': 'mlx5_0:1', 'state': 'ACTIVE', 'rate_gbps': 400.0, 'link_layer': 'InfiniBand'}]."""
+    base = os.path.join(root, "sys/class/infiniband")
+    out = []
+    try:
+        devs = sorted(os.listdir(base))
+    except OSError:
+        return out
+    for dev in devs:
+        try:
+            ports = sorted(os.listdir(os.path.join(base, dev, "ports")), key=lambda p: int(p) if p.isdigit() else 0)
+        except OSError:
+            continue
+        for p in ports:
+            d = os.path.join(base, dev, "ports", p)
+            state = (read_text(os.path.join(d, "state"), "") or "").strip()
+            rate = (read_text(os.path.join(d, "rate"), "") or "").strip()
+            m = re.match(r"([\d.]+)\s*Gb", rate)
+            out.append({"port": f"{dev}:{p}", "state": state.split(":")[-1].strip() or "UNKNOWN",
+                        "rate_gbps": float(m.group(1)) if m else None,
+                        "link_layer": (read_text(os.path.join(d, "link_layer"), "") or "").strip() or None})
+    return out
+
+
+PCI_NODE = re.compile(r"pci[0-9a-f]{4}:[0-9a-f]{2}|[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", re.I)
+
+
+def _pci_chain(path):
+    """The PCI path of a sysfs device link: ['pci0000:00', '0000:00:01.0', '0000:01:00.0', ...]
+    (host bridge, then each bridge and switch port down to the device); [] where the link is absent."""
+    if not os.path.exists(path):
+        return []
+    return [c.lower() for c in os.path.realpath(path).split(os.sep) if PCI_NODE.fullmatch(c)]
+
+
+def nearest_hca(root, pci, spec=None):
+    """The InfiniBand/RoCE device (/sys/class/infiniband/<hca>/device) nearest a GPU (its bus id,
+    /sys/bus/pci/devices/<pci>) in the PCI tree: the longest common PCI path (behind the GPU's own PCIe
+    switch, then its root port, then its host bridge), among the devices NCCL_IB_HCA (spec) selects, those
+    with an ACTIVE port first (NCCL uses no other); equals: the lowest name. None: no bus id or no device."""
+    gpu = _pci_chain(os.path.join(root, "sys/bus/pci/devices", pci.lower())) if pci else []
+    if not gpu:
+        return None
+    ports = ib_hca_select(spec, read_ib_ports(root))
+    best = None
+    for dev in sorted({p["port"].split(":")[0] for p in ports}, key=_screen_key):
+        chain = _pci_chain(os.path.join(root, "sys/class/infiniband", dev, "device"))
+        if not chain:
+            continue
+        active = any(p["state"] == "ACTIVE" for p in ports if p["port"].split(":")[0] == dev)
+        key = (active, len(os.path.commonprefix([gpu, chain])))
+        if best is None or key > best[0]:
+            best = (key, dev)
+    return best[1] if best else None
+
+
+def _cpu_model():
+    for line in (read_text("/proc/cpuinfo", "") or "").splitlines():
+        if line.lower().startswith(("model name", "cpu model", "hardware")):
+            return line.split(":", 1)[1].strip()
+    return os.uname().machine
+
+
+def _os_name():
+    for line in (read_text("/etc/os-release", "") or "").splitlines():
+        if line.startswith("PRETTY_NAME="):
+            return line.split("=", 1)[1].strip().strip('"')
+    return None
+
+
+def _mem_total():
+    try:
+        import psutil
+        return psutil.virtual_memory().total
+    except Exception:
+        m = re.search(r"MemTotal:\s+(\d+) kB", read_text("/proc/meminfo", "") or "")
+        return int(m.group(1)) * 1024 if m else None
+
+
+def _driver_version(root):
+    txt = read_text(os.path.join(root, "proc/driver/nvidia/version"))
+    if not txt:
+        return None
+    m = re.search(r"Kernel Module(?: for \S+)?\s+([\d.]+)", txt) or re.search(r"\s(\d+\.\d+(?:\.\d+)?)\s", txt)
+    return m.group(1) if m else txt.splitlines()[0][:60]
+
+
+PROBED_PACKAGES = ("torchvision", "torchaudio")
+IMPORT_PROBE = r"""
+import json, os, sys
+os.nice(19)  # behind every rank's own work: on a node whose ranks still import, it waits for them
+for name in sys.argv[1:]:
+    try:
+        mod = __import__(name)
+        out = {"version": getattr(mod, "__version__", "?"), "ok": True}
+    except Exception as e:  # an ABI-broken package is a finding, not a crash
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        out = {"version": None, "ok": False, "error": type(e).__name__ + ": " + msg}
+    sys.stdout.write(json.dumps(dict(out, name=name)) + "\n")
+    sys.stdout.flush()  # a crash in the next import keeps this line
+"""
+
+
+def start_import_probe():
+    """Node leaders, at launch: one child process imports torchvision, then torchaudio (with torch that is
+    seconds of work; an ABI-broken extension may even crash the importer), at nice 19 and, where psutil
+    is importable, in the idle I/O class: it takes only what the node's ranks leave, so it never slows
+    their imports or the roll call, and on a node with cores to spare it is done before the DDP step.
+    -> the child, or the OSError that kept it from starting."""
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", IMPORT_PROBE, *PROBED_PACKAGES], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    except OSError as e:
+        return e
+    with contextlib.suppress(Exception):
+        import psutil
+        psutil.Process(proc.pid).ionice(psutil.IOPRIO_CLASS_IDLE)
+    return proc
+
+
+def finish_import_probe(proc, wait_s):
+    """{name: {'ok', 'version', 'error'}} for PROBED_PACKAGES; a probe still running after wait_s is killed.
+    A package without a line: the import that crashed the child (the first such) or was cut off."""
+    if isinstance(proc, OSError):
+        return {n: {"ok": False, "version": None, "error": f"probe could not start: {proc}"} for n in PROBED_PACKAGES}
+    why = None
+    try:
+        text, _ = proc.communicate(timeout=None if proc.poll() is not None else max(0.01, wait_s))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        text, _ = proc.communicate()
+        why = f"import took over {wait_s:.0f}s"
+    out = {}
+    for line in (text or b"").decode(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            d = json.loads(line)
+            out[d.pop("name")] = d
+    for name in PROBED_PACKAGES:
+        if name not in out:  # a crash (e.g. SIGSEGV from a broken extension) is a finding
+            rc = proc.returncode
+            how = f"killed by {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exited {rc}"
+            out[name] = {"ok": False, "version": None, "error": why or f"import probe failed: {how}"}
+            why = why or f"not probed: the import of {name} ended the probe"
+    return out
+
+
+def collect_node_facts(root, torch_mod, backend, device_count, env=None):
+    """Facts collected once per node (by local rank 0). Missing sources -> None."""
+    shm = None
+    try:
+        st = os.statvfs("/dev/shm")
+        shm = st.f_frsize * st.f_blocks
+    except OSError:
+        pass
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    ib = read_ib_ports(root)
+    facts = {
+        "cpu_model": _cpu_model(), "cpus": os.cpu_count(), "mem_total": _mem_total(),
+        "os": _os_name(), "kernel": os.uname().release,
+        "driver": _driver_version(root),
+        "ib": ib,
+        "peermem": any(os.path.isdir(os.path.join(root, "sys/module", m))
+                       for m in ("nvidia_peermem", "nv_peer_mem")),
+        "memlock": "unlimited" if soft == resource.RLIM_INFINITY else soft,
+        "shm": shm,
+        "ifaces": {n: i["addrs"][:1] for n, i in list_interfaces().items() if _usable(i)},
+        "gpus_visible": device_count,
+        "gpus_driver": driver_gpu_count(root),  # manifest: the node's own GPU count (its class)
+        "peer": None,
+        "env": node_env(env) if env is not None else None,  # manifest: this node's NCCL_/GLOO_ settings
+    }
+    if backend == "nccl" and device_count > 1:
+        try:
+            n = min(device_count, 16)
+            facts["peer"] = ["".join("X" if i == j else ("1" if torch_mod.cuda.can_device_access_peer(i, j) else "0")
+                                     for j in range(n)) for i in range(n)]
+        except Exception as e:
+            facts["peer_error"] = str(e)[:120]
+    return facts
+
+
+def loopback_domain():
+    """Which loopback this process reaches: the kernel's boot id and its network namespace (two node names
+    of one machine and namespace talk over 127.0.0.1 fine), or None where either is unreadable."""
+    boot = (read_text("/proc/sys/kernel/random/boot_id") or "").strip()
+    try:
+        ns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        return None
+    return f"{boot}/{ns}" if boot else None
+
+
+def _cpu_affinity():
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def collect_gpu(torch_mod, index, root):
+    """Facts of this rank's GPU (after torch.cuda.set_device)."""
+    p = torch_mod.cuda.get_device_properties(index)
+    pci = None
+    if hasattr(p, "pci_bus_id"):
+        pci = f"{getattr(p, 'pci_domain_id', 0):04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # sysfs form
+    uuid = str(getattr(p, "uuid", "") or "") or None
+    if uuid and not uuid.startswith(("GPU-", "MIG-")):
+        uuid = "GPU-" + uuid
+    numa = None
+    if pci:
+        txt = read_text(os.path.join(root, "sys/bus/pci/devices", pci.lower(), "numa_node"))
+        if txt and txt.strip().lstrip("-").isdigit():
+            numa = int(txt.strip())
+    numa_cpus = None
+    if numa is not None and numa >= 0:
+        txt = read_text(os.path.join(root, f"sys/devices/system/node/node{numa}/cpulist"))
+        if txt and txt.strip():
+            numa_cpus = txt.strip()
+    used = None
+    try:
+        free, total = torch_mod.cuda.mem_get_info(index)
+        used = total - free
+    except Exception:
+        pass
+    return {"name": p.name, "vram": int(p.total_memory), "uuid": uuid, "pci": pci,
+            "numa": numa, "numa_cpus": numa_cpus, "mem_used": used,
+            **pci_link(root, pci)}  # manifest: PCIe link width and speed
+
+
+# The oldest torch this tool runs on: the store side channel clones its connection (Store.clone, torch 2.8);
+# below it nothing is attempted. Also used, all older: init_process_group(device_id=) (2.3), new_group(
+# use_local_synchronization=) and the store's append, multi_get, multi_set (2.1), split_group (2.6).
+TORCH_FLOOR = (2, 8)
+
+
+def torch_floor_problem(version):
+    """A torch version string ('2.13.0+cu130', '2.8.0a0+git...') older than TORCH_FLOOR -> the FAILURE
+    reason, else None (an unparsable version is let through: the versions check shows it)."""
+    m = re.match(r"(\d+)\.(\d+)", str(version or ""))
+    if m is None or (int(m.group(1)), int(m.group(2))) >= TORCH_FLOOR:
+        return None
+    return f"torch {version} is older than the oldest supported {'.'.join(map(str, TORCH_FLOOR))}"
+
+
+def torch_versions(torch_mod):
+    nccl = None
+    try:
+        if torch_mod.cuda.is_available():
+            v = torch_mod.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception:
+        nccl = None
+    return {"torch": torch_mod.__version__, "cuda": torch_mod.version.cuda, "nccl": nccl,
+            "python": ".".join(map(str, sys.version_info[:3]))}
+
+
+def ib_hca_select(spec, ports):
+    """Ports NCCL_IB_HCA selects: 'mlx5_0:1,mlx5_1' prefixes; '=' exact; '^' exclude."""
+    if not spec:
+        return ports
+    spec = spec.strip()
+    exclude = spec.startswith("^")
+    spec = spec[1:] if exclude else spec
+    exact = spec.startswith("=")
+    spec = spec[1:] if exact else spec
+    pats = [p.strip() for p in spec.split(",") if p.strip()]
+
+    def hit(port):
+        dev, num = port["port"].split(":")
+        for p in pats:
+            pd, _, pn = p.partition(":")
+            if (dev == pd if exact else dev.startswith(pd)) and (not pn or pn == num):
+                return True
+        return False
+    return [p for p in ports if hit(p) != exclude]
+NODE_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")
+PCI_LINK_FILES = ("current_link_width", "current_link_speed", "max_link_width", "max_link_speed")
+
+
+def node_env(env):
+    """A node's own NCCL_/GLOO_/TORCH_NCCL_ settings, through the report's allow-list (safe_env)."""
+    return {k: v for k, v in safe_env(env).items() if k.startswith(NODE_ENV_PREFIXES)}
+
+
+def pci_link(root, pci):
+    """PCIe link facts of a device from sysfs: widths as lanes, speeds in GT/s; None where absent."""
+    out = dict.fromkeys(PCI_LINK_FILES)
+    for name in PCI_LINK_FILES if pci else ():
+        m = re.match(r"\s*(\d+(?:\.\d+)?)", read_text(os.path.join(root, "sys/bus/pci/devices", pci.lower(), name))
+                     or "")
+        if m:
+            out[name] = int(float(m.group(1))) if name.endswith("width") else float(m.group(1))
+    return out
+
+
+# -- facts read under load: the GPU's PCIe link, clock limits, ECC and row remapping
+THROTTLE_IGNORED = 0x1 | 0x2   # GPU idle, application clocks setting: not a slowdown
+THROTTLE_REASONS = {0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x10: "sync-boost", 0x20: "sw-thermal",
+                    0x40: "hw-thermal", 0x80: "hw-power-brake", 0x100: "display-clocks"}
+THROTTLE_FAULTS = 0x8 | 0x20 | 0x40 | 0x80  # heat, a power brake or the board slowing the clocks: a WARN
+
+
+def throttle_names(mask):
+    """Names of the active clock limits in an NVML bitmask, the idle and application-clock bits left out."""
+    mask = int(mask or 0) & ~THROTTLE_IGNORED
+    names = [n for bit, n in sorted(THROTTLE_REASONS.items()) if mask & bit]
+    rest = mask & ~sum(THROTTLE_REASONS)
+    return names + ([hex(rest)] if rest else [])

@@ -1,0 +1,203 @@
+"""Floor 3: who is behind in a phase that did not finish, from plain data: the last collective each rank
+issued (its post when rank 0 asked: torch's flight recorder, else the rank's own record), and NCCL's own
+view of the job (its RAS STATUS) beside ours. Pure functions; judge_unfinished and screen_stuck use them."""
+from ..core.base import compress_hostlist, format_ranges
+
+# What a late rank was doing when rank 0 asked, per group (issued_states):
+#   behind   outside any collective, and it never issued one that a peer of the group issued: the rank
+#            itself stopped the group (evidence "never-issued")
+#   waiting  inside a collective call (its own record says so: every call passes RankRun.issuing; torch's
+#            recorder does not always mark a finished gloo collective completed): it waits for its peers
+#   idle     outside any collective, every collective its peers issued issued too
+#   between  outside any collective for less than BETWEEN_S: between two calls, not stopped (a snapshot of a
+#            rank that is progressing, one call behind its peers for microseconds, is no evidence)
+#   unposted no post came back within ISSUED_S (alive, but its record was not collected)
+ISSUED_STATES = ("behind", "waiting", "idle", "between", "unposted")
+BETWEEN_S = 1.0  # a rank outside any collective call for less than this is between two calls
+
+
+def ranks_text(ranks):
+    """[0, 2, 3, 4] -> '0, 2-4'."""
+    return format_ranges(ranks).replace(",", ", ")
+
+
+def group_key(ranks):
+    """The key of a process group in a rank's issued record: its ranks, '0-15' (the world's too)."""
+    return format_ranges(ranks)
+
+
+def issued_source(posts, ranks):
+    """'recorder' when torch's flight recorder holds entries on every rank of `ranks` that posted (then its
+    sequence numbers are comparable across them), else 'own' (each rank's own record of what it issued)."""
+    got = [posts[r] for r in ranks if posts.get(r) is not None]
+    return "recorder" if got and all(p.get("fr") for p in got) else "own"
+
+
+def issued_last(post, key, source):
+    """[op, seq, done] of the last collective a rank issued on the group `key` (None: none), from `source`."""
+    table = (post.get("fr") if source == "recorder" else post.get("own")) or {}
+    last = table.get(key)
+    return list(last) if last else None
+
+
+def issued_states(ranks, posts, late, key):
+    """The group `key` of `ranks`, from each rank's post ({rank: post or None}; a post: {'own': {key: [op, seq,
+    done]}, 'fr': the same from torch's flight recorder or None, 'inflight': key of the collective call the
+    rank's main thread is inside, or None, 'idle_s': seconds since it left its last call}). A rank's place
+    comes from `source` (issued_source); whether it is inside a call, from its own record.
+    -> {'source', 'key', 'front': [op, seq] of the furthest collective a rank issued (None: none), 'issuers':
+    ranks that issued it, 'last': {rank: [op, seq, done] or None}, 'states': {rank: one of ISSUED_STATES} for
+    the late ranks}."""
+    source = issued_source(posts, ranks)
+    last = {r: issued_last(posts[r], key, source) for r in ranks if posts.get(r) is not None}
+    seqs = [x[1] for x in last.values() if x]
+    front = max(seqs) if seqs else None
+    fop = next((x[0] for x in last.values() if x and x[1] == front), None)
+    states = {}
+    for r in late:
+        if posts.get(r) is None:
+            states[r] = "unposted"
+            continue
+        x, idle_s = last.get(r), posts[r].get("idle_s")
+        if posts[r].get("inflight"):  # its own record: the main thread is inside a collective call right now
+            states[r] = "waiting"
+        elif idle_s is not None and idle_s < BETWEEN_S:
+            states[r] = "between"
+        elif front is not None and (x is None or x[1] < front):
+            states[r] = "behind"
+        else:
+            states[r] = "idle"
+    return {"source": source, "key": key, "front": None if front is None else [fop, front],
+            "issuers": sorted(r for r, x in last.items() if x and x[1] == front), "last": last, "states": states}
+
+
+def op_text(front):
+    """['all_reduce', 3] -> 'all_reduce #3'; the process group's own set-up has no number."""
+    op, seq = front
+    return op if not seq else f"{op} #{seq}"
+
+
+def on_hosts(ranks, host_of, limit=16):
+    """'rank 1 (node2)' or 'ranks 4-7 (node2), 9 (node3)'; at most `limit` hosts, then a count."""
+    by_host = {}
+    for r in sorted(ranks):
+        by_host.setdefault(host_of.get(r, "?"), []).append(r)
+    items = [f"{format_ranges(rs)} ({h})" for h, rs in list(by_host.items())[:limit]]
+    more = f" and {len(by_host) - limit} more node(s)" if len(by_host) > limit else ""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(items) + more
+
+
+def never_issued_text(behind, an, host_of):
+    """The greppable words for ranks that never issued a collective their peers issued:
+    'rank 1 (n1) never issued all_reduce #3 that ranks 0, 2-15 issued'."""
+    who = "rank" if len(an["issuers"]) == 1 else "ranks"
+    return (f"{on_hosts(behind, host_of)} never issued {op_text(an['front'])} that {who} "
+            f"{ranks_text(an['issuers'])} issued")
+
+
+def never_finished_text(ranks, phase, finished, host_of):
+    """'rank 1 (n1) never finished its part of screen-gpu that ranks 0, 2-3 finished' (a phase whose work
+    is each rank's own: the others did theirs and wait)."""
+    who = "rank" if len(finished) == 1 else "ranks"
+    return f"{on_hosts(ranks, host_of)} never finished its part of {phase} that {who} {ranks_text(finished)} finished"
+
+
+def unlocalised_record(why, localise):
+    """The finding's record of a FAIL that names no host: why, and what would localise it."""
+    return {"why": why, "localise": localise}
+
+
+def unlocalised_words(u):
+    return f"no host is named: {u['why']}; to localise it: {u['localise']}"
+
+
+RERUN_HINT = ("a re-run (a rank that again never issues or finishes its part is named), or py-spy dump --pid "
+              "<pid> on the hosts above (where each rank's main thread is)")
+LINK_HINT = ("a re-run with one end left out (sbatch --exclude=<node>): a hang that follows a node is that node's, "
+             "one that stays with the other nodes is the fabric's; NCCL_DEBUG=INFO names the peer whose "
+             "connection failed")
+FABRIC_HINT = ("the screen's pair results (inter-node rows above), or a re-run with NCCL_DEBUG=INFO (NCCL's WARN "
+               "lines name the peer whose connection failed)")
+
+
+# -- NCCL's own view: its RAS service (NCCL >= 2.24; JSON from 2.28.7), read by rank 0 beside ours
+def ras_world(ras, world):
+    """The job's world communicator in a RAS STATUS document (size == world, the one listing most ranks), or
+    None."""
+    comms = [c for c in (ras or {}).get("communicators") or [] if isinstance(c, dict) and c.get("size") == world]
+    return max(comms, key=lambda c: len(c.get("ranks") or []), default=None)
+
+
+def ras_rank_states(comm):
+    """{rank: {'state': 'present'|'missing', 'count': collectives issued (sum of collective_counts) or None,
+    'error': async_error or abort_flag seen, 'dead': RAS considers it dead, 'unresponsive'}} of one
+    communicator."""
+    out = {}
+    for r in comm.get("ranks") or []:
+        st = r.get("status") or {}
+        counts = r.get("collective_counts") or {}
+        total = sum(v for v in counts.values() if isinstance(v, int)) if counts else None
+        out[int(r["rank"])] = {"state": "present", "count": total, "init": st.get("init_state"),
+                               "error": bool(st.get("async_error")) or bool(st.get("abort_flag"))}
+    for r in comm.get("missing_ranks") or []:
+        st = r.get("status") or {}
+        out[int(r["rank"])] = {"state": "missing", "dead": bool(st.get("considered_dead")),
+                               "unresponsive": bool(st.get("unresponsive"))}
+    return out
+
+
+def nccl_view(ras, world, host_of, kinds, named):
+    """NCCL's view beside ours (never decides the verdict). ras: {'ok': True, 'data': STATUS JSON} or {'ok':
+    False, 'why': ...}; kinds: {rank: our word for it: 'dead'|'frozen'|'silent'|'behind'|'waiting'|...};
+    named: the ranks our finding names. -> {'read': bool, 'why'?, 'agree': bool|None, 'ranks': {rank: {'ours',
+    'nccl', 'agree'}}, 'nccl_version', 'words'}. Per rank NCCL says 'missing' (RAS lost it: dead or
+    unresponsive), 'error' (an async error or abort on it), 'behind' (fewer collectives than the most any rank
+    of the communicator issued), or 'ok'; ours 'named' for a rank we name by its process, else 'behind'
+    (never issued), else 'ok'. They agree where both say the rank stopped the job or both say it did not."""
+    if not ras or not ras.get("ok"):
+        why = (ras or {}).get("why") or "not read"
+        return {"read": False, "why": why, "agree": None, "ranks": {},
+                "words": f"NCCL's own view (RAS) not read: {why}"}
+    data = ras.get("data") or {}
+    version = data.get("nccl_version")
+    comm = ras_world(data, world)
+    if comm is None:
+        why = f"RAS listed no communicator of the job's {world} rank(s)"
+        return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version,
+                "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
+    states = ras_rank_states(comm)
+    top = max((s["count"] for s in states.values() if s.get("count") is not None), default=None)
+    rows = {}
+    for r in range(world):
+        s = states.get(r)
+        if s is None:
+            nccl = "absent"
+        elif s["state"] == "missing":
+            nccl = "missing"
+        elif s["error"]:
+            nccl = "error"
+        elif top is not None and s.get("count") is not None and s["count"] < top:
+            nccl = "behind"
+        else:
+            nccl = "ok"
+        ours = kinds.get(r, "ok")
+        ours = ours if ours in ("dead", "frozen", "silent", "behind") else "ok"
+        blamed_ours = r in named or ours != "ok"
+        blamed_nccl = nccl in ("missing", "error", "behind")
+        rows[r] = {"ours": ours, "nccl": nccl, "agree": blamed_ours == blamed_nccl or nccl == "absent",
+                   "count": (s or {}).get("count")}
+    differ = sorted(r for r, x in rows.items() if not x["agree"])
+    marked = sorted(r for r, x in rows.items() if x["nccl"] != "ok" and x["nccl"] != "absent")
+    head = f"NCCL's own view (RAS{', NCCL ' + version if version else ''})"
+    if differ:
+        parts = [f"{on_hosts([r], host_of)}: ours {rows[r]['ours']}, NCCL's {rows[r]['nccl']}" for r in differ[:8]]
+        words = f"{head} differs on {len(differ)} rank(s): " + "; ".join(parts) + (" ..." if len(differ) > 8 else "")
+    elif marked:
+        words = f"{head} agrees: " + "; ".join(f"{on_hosts([r], host_of)} {rows[r]['nccl']}" for r in marked[:8])
+    else:
+        counts = f"each issued {top} collective(s)" if top is not None else "no counts"
+        words = f"{head} agrees: no rank missing, in error or behind ({counts})"
+    return {"read": True, "agree": not differ, "ranks": {str(r): x for r, x in rows.items()},
+            "nccl_version": version, "missing": [r for r, x in rows.items() if x["nccl"] == "missing"],
+            "hosts": compress_hostlist(sorted({host_of.get(r, "?") for r in marked})) if marked else "",
+            "words": words}

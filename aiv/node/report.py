@@ -1,0 +1,139 @@
+"""Floor 4: what the node gate (--node-check) says: the one summary line (stdout, the node's log), the NPD line
+(NPD's condition message), a line per finding (stderr), and the node's Prometheus textfile. Pure functions of
+the node check's state (the JSON's dict)."""
+from ..core.base import STATUS_RANK, format_ranges
+from ..out.outputs import _metrics_family
+from .judge import NODE_CHECKS, NODE_LINE_PREFIX, NODE_NPD_MAX
+
+STATUS_WORD = {"FAIL": "FAILURE", "WARN": "WARNING", "PASS": "PASS"}
+
+
+def _judged(state):
+    """The checks this pass judged (a PASS or more), in the table's order."""
+    seen = {f["check"] for f in state.get("findings") or [] if not f.get("unassessed")}
+    return [c["check"] for c in NODE_CHECKS if c["check"] in seen]
+
+
+def _shorts(fs, limit=3):
+    words = [f.get("short") or f["reason"] for f in fs[:limit]]
+    return "; ".join(words) + (f" (+{len(fs) - limit} more)" if len(fs) > limit else "")
+
+
+def node_summary(state):
+    """The one summary line: '<prefix> <verdict> on <node> [<context>]: what, and what it did (secs of budget)'."""
+    v, fs = state["verdict"], state.get("findings") or []
+    head = f"{NODE_LINE_PREFIX} {v} on {state['node']} [{state['context']}]"
+    took = f" ({state.get('elapsed_s', 0):.1f}s of {state.get('budget_s', 0):g}s)"
+    if v == "FAIL":
+        culprits = [f for f in fs if f.get("drains")]
+        if culprits:
+            return f"{head}: {_shorts(culprits)}; {state.get('drain', {}).get('said') or 'exit 1'}{took}"
+        fails = [f for f in fs if f["status"] == "FAIL"]
+        ev = sorted({f.get("blame") or "-" for f in fails})
+        return (f"{head}: {_shorts(fails)}; not drained: the evidence ({', '.join(ev)}) does not single this node "
+                f"out; exit {state['exit_code']}{took}")
+    if v == "NOT ASSESSED":
+        why = [f for f in fs if f.get("unassessed")]
+        return f"{head}: {_shorts(why, 2)}; exit {state['exit_code']} (fail open: nothing drained){took}"
+    dev = state.get("devices") or {}
+    n = len(dev.get("ids") or [])
+    words = [f"{n} {'CPU worker(s)' if state.get('cpu') else 'GPU(s)'}", "judged: " + ", ".join(_judged(state))]
+    if dev.get("busy"):
+        words.append(f"busy, not judged: GPU {format_ranges(int(i) for i in dev['busy'])}")
+    if state.get("skipped"):
+        words.append("skipped: " + "; ".join(state["skipped"]))
+    warns = [f for f in fs if f["status"] == "WARN"]
+    if warns:
+        words.append(f"{len(warns)} WARN: {_shorts(warns, 2)}")
+    resumed = (state.get("drain") or {}).get("said")
+    return f"{head}: " + "; ".join(words) + (f"; {resumed}" if resumed else "") + took
+
+
+def node_npd_line(state):
+    """One line for Node Problem Detector's condition message, at most NODE_NPD_MAX characters."""
+    fs = state.get("findings") or []
+    v = state["verdict"]
+    pick = ([f for f in fs if f.get("drains")] or [f for f in fs if f["status"] == "FAIL"] if v == "FAIL"
+            else [f for f in fs if f.get("unassessed")] if v == "NOT ASSESSED" else [])
+    n = len((state.get("devices") or {}).get("ids") or [])
+    text = f"{v}: {pick[0].get('short') or pick[0]['reason']}" if pick else \
+        f"PASS: {n} {'CPU worker(s)' if state.get('cpu') else 'GPU(s)'} checked"
+    text = " ".join(text.split())
+    return text if len(text) <= NODE_NPD_MAX else text[:NODE_NPD_MAX - 3] + "..."
+
+
+def node_lines(state):
+    """A line per WARN and FAIL (and a NOTE per check that could not run), worst first, with its evidence."""
+    fs = sorted(state.get("findings") or [], key=lambda f: -STATUS_RANK.get(f["status"], 0))
+    out = []
+    for f in fs:
+        if f["status"] == "PASS":
+            out.append(f"[PASS] {f['check']}: {f['reason']}")
+            continue
+        word = "NOTE" if f.get("unassessed") else STATUS_WORD[f["status"]]
+        ev, tail = f.get("blame"), ""
+        if ev:
+            how = "drains" if f.get("drains") else "names no node" if f["status"] == "FAIL" and not f["hosts"] else ""
+            tail = f" [blame: {ev}" + (f", {how}" if how else "") + "]"
+        out.append(f"{word}: {f['check']}: {f['reason']}{tail}")
+    return out
+
+
+def node_metrics(state):
+    """The node check as Prometheus text for node_exporter's textfile collector: gauges named aiv_node_check_*,
+    labels context, check, gpu and uuid only (the node is the file's own: node_exporter adds its instance).
+    Written by each pass over the last (per context, when the recipe names a file per context)."""
+    ctx = {"context": state["context"]}
+    fs = state.get("findings") or []
+    worst = {}
+    for f in fs:
+        if not f.get("unassessed"):
+            worst[f["check"]] = max(worst.get(f["check"], 0), STATUS_RANK.get(f["status"], 0))
+    dev = state.get("devices") or {}
+    uuid = {g["index"]: g.get("uuid") or "" for g in state.get("gpus") or []}
+    per_gpu = {"tflops": [], "hbm_gbps": [], "numerics": []}
+    for i, m in sorted((state.get("measured") or {}).items(), key=lambda kv: int(kv[0])):
+        labels = dict(ctx, gpu=str(i), uuid=uuid.get(int(i), ""))
+        best = {k: max([v for v in ((m.get("speed") or {}).get(k), (m.get("speed2") or {}).get(k)) if v is not None],
+                       default=None) for k in ("tflops", "hbm_gbps")}
+        per_gpu["tflops"].append((labels, best["tflops"]))
+        per_gpu["hbm_gbps"].append((labels, best["hbm_gbps"]))
+        checks = ((m.get("numerics") or {}).get("checks") or {}).values()
+        ratios = [p["err"] / p["tol"] for p in checks if p.get("tol") and p.get("err") is not None]
+        per_gpu["numerics"].append((labels, max(ratios) if ratios else None))
+    ar = state.get("allreduce") or {}
+    busbw = max([b for b in ar.get("busbw") or [] if b is not None], default=None)
+    families = [
+        ("aiv_node_check_assessed", "1 when the node check judged the node, 0 when it could not (NOT ASSESSED: the "
+         "tool's own fault, nothing drained).", [(ctx, int(state["verdict"] != "NOT ASSESSED"))]),
+        ("aiv_node_check_pass", "1 when the node check passed, 0 otherwise.", [(ctx, int(state["verdict"] == "PASS"))]),
+        ("aiv_node_check_drainable", "1 when a FAIL's evidence singles this node out (the check drains it, fails "
+         "the prolog or raises the NPD condition), 0 otherwise.", [(ctx, int(bool(state.get("drainable"))))]),
+        ("aiv_node_check_drained", "1 when this pass wrote its drain reason to Slurm, 0 otherwise.",
+         [(ctx, int(bool((state.get("drain") or {}).get("done"))))]),
+        ("aiv_node_check_exit_code", "The node check's exit code in its context (prolog, epilog, health: 1 only "
+         "for a FAIL that singles the node out; npd: 0 OK, 1 problem, 2 unknown).", [(ctx, state.get("exit_code"))]),
+        ("aiv_node_check_duration_seconds", "Seconds the node check took.", [(ctx, state.get("elapsed_s"))]),
+        ("aiv_node_check_budget_seconds", "The node check's bound (--node-budget).", [(ctx, state.get("budget_s"))]),
+        ("aiv_node_check_end_timestamp_seconds", "When the node check ended, Unix time in seconds.",
+         [(ctx, state.get("ended_at_s"))]),
+        ("aiv_node_check_gpus", "GPUs the node check covered (CPU workers on a node without GPUs).",
+         [(ctx, len(dev.get("ids") or []))]),
+        ("aiv_node_check_gpus_busy", "GPUs in use by others: not computed on, not judged for speed.",
+         [(ctx, len(dev.get("busy") or {}))]),
+        ("aiv_node_check_status", "Worst status of the check's findings: 0 PASS, 1 WARN, 2 FAIL (checks not judged "
+         "are absent).", [(dict(ctx, check=c["check"]), worst[c["check"]]) for c in NODE_CHECKS
+                          if c["check"] in worst]),
+        ("aiv_node_check_gpu_matmul_tflops", "The GPU's square matmul rate in TFLOPS (bf16 on GPUs, fp32 on CPU), "
+         "the best of its measurements.", per_gpu["tflops"]),
+        ("aiv_node_check_gpu_memory_bandwidth_gbps", "The GPU's device-memory copy rate in GB/s (read plus write), "
+         "the best of its measurements.", per_gpu["hbm_gbps"]),
+        ("aiv_node_check_numerics_error_ratio", "The GPU's largest error against the fp64 reference as a fraction "
+         "of its tolerance (1 or more: off the reference).", per_gpu["numerics"]),
+        ("aiv_node_check_intra_node_busbw_gbps", "all_reduce bus bandwidth across the node's GPUs in GB/s, the best "
+         "of two measurements.", [(ctx, busbw)]),
+    ]
+    lines = []
+    for name, text, samples in families:
+        lines += _metrics_family(name, text, samples) or []
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,335 @@
+"""Floor 4: what a verdict becomes outside the log: --drain (the scontrol plan and its application) and
+--metrics (Prometheus text exposition)."""
+import datetime
+import math
+import re
+import shlex
+
+from ..checks.judge import rank_record
+from ..checks.manifest import mark_accepted
+from ..core.base import (
+    CHECKS,
+    EXIT_PASS,
+    SCHEMA_VERSION,
+    VERSION,
+    _screen_key,
+    _screen_sorted,
+    compress_hostlist,
+    safe_env,
+    scontrol_reason,
+)
+from ..core.blame import blamed_hosts, drainable
+from ..core.deadlines import PHASES
+from ..launch.options import DRAIN_PREFIX
+from ..screen.gpu import gpu_levels
+from ..screen.judge import screen_degraded_note, screen_diagnose
+from .render import failure_lines
+
+DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
+DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)
+# Which findings may drain their hosts is declared by each check (CHECK_RULES in aiv/blame.py: the evidence on
+# which it drains, and why that evidence persists); a check that declares nothing drains nothing (drainable).
+
+
+def drain_max(given, nodes):
+    """--drain-max, or DRAIN_SHARE of the allocation's nodes (at least 1)."""
+    return given if given else max(1, int(DRAIN_SHARE * max(1, nodes)))
+
+
+def drain_blocker(findings):
+    """Why no host may be drained on these findings at all (None: the culprits may be): a PASS, an
+    interrupted run, the tool's own error, evidence that failed authentication, a widespread cause."""
+    fails = [f for f in findings if f["status"] == "FAIL"]
+    if not fails:
+        return "the run passed"
+    for test, why in ((lambda f: f["check"] == "interrupted", "the run was interrupted (scancel, the time limit, "
+                       "preemption): an interrupted run drains nobody"),
+                      (lambda f: f["check"] == "internal", "the tool's own error: it drains nobody"),
+                      (lambda f: f.get("tamper"), "a value on the side channel failed authentication: evidence "
+                       "that came through it drains nobody"),
+                      (lambda f: f.get("widespread"), "the cause is widespread (more nodes implicated than "
+                       "passed: a switch, the fabric or its configuration): it drains nobody")):
+        if any(test(f) for f in fails):
+            return why
+    return None
+
+
+def _drain_reason(f, job):
+    text = " ".join(f"{DRAIN_PREFIX} {f['check']}: {f['reason']}".split())
+    tail = f" (job {job})"
+    if len(text) + len(tail) > DRAIN_REASON_MAX:
+        text = text[:DRAIN_REASON_MAX - len(tail) - 3].rstrip() + "..."
+    return text + tail
+
+
+def drain_command(hosts, reason):
+    """The one scontrol command for hosts, as argv and as the line to paste into a shell."""
+    argv = ["scontrol", "update", f"nodename={compress_hostlist(hosts)}", "state=drain", f"reason={reason}"]
+    return argv, " ".join(argv[:4] + ["reason=" + shlex.quote(reason)])
+
+
+def drain_plan(findings, mode, nodes, job, max_nodes=None):
+    """What --drain does with a verdict (pure). findings: the run's; nodes: the allocation's node count;
+    job: SLURM_JOB_ID or None. -> {'mode', 'hosts': the culprits to drain, 'command': the scontrol line
+    or '', 'argv', 'reason', 'max', 'skipped': why nothing is drained, or None}."""
+    out = {"mode": mode, "hosts": [], "command": "", "argv": [], "reason": "", "max": drain_max(max_nodes, nodes),
+           "skipped": None, "done": False, "kept": {}}
+    culprits = {}
+    for f in findings:
+        if drainable(f):
+            for h in f["hosts"]:
+                culprits.setdefault(h, f)
+    why = drain_blocker(findings) or ("no failed check names a host whose fault it is" if not culprits else None)
+    if why is None and not job:
+        why = "not a Slurm job (no SLURM_JOB_ID)"
+    if why is None and len(culprits) > out["max"]:
+        why = (f"{len(culprits)} culprit node(s), more than the {out['max']} --drain-max allows (of {nodes} "
+               "node(s)): a cause that wide is rarely the nodes; nothing is drained")
+    if mode == "off" or why is not None:
+        return dict(out, skipped=why if mode != "off" else "--drain off")
+    hosts = _screen_sorted(culprits)
+    reason = _drain_reason(culprits[hosts[0]], job)
+    argv, line = drain_command(hosts, reason)
+    return dict(out, hosts=hosts, command=line, argv=argv, reason=reason)
+
+
+def parse_scontrol_nodes(text):
+    """`scontrol show node -o` -> {node: (state, reason)}. The reason is everything after 'Reason=' up to
+    the next field of the line (or its end)."""
+    out = {}
+    for line in text.splitlines():
+        name = re.search(r"(?:^|\s)NodeName=(\S+)", line)
+        if not name:
+            continue
+        state = re.search(r"\sState=(\S+)", line)
+        out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
+    return out
+
+
+def drain_keeps(nodes):
+    """Nodes already drained or down for a reason not ours: {node: their reason}. They keep it."""
+    return {n: r for n, (st, r) in nodes.items() if re.search(r"DRAIN|DOWN|FAIL", st)
+            and r and r not in ("none", "(null)") and not r.startswith(DRAIN_PREFIX)}
+
+
+def _metrics_escape(value):
+    """A label value as the exposition format writes it: backslash, double quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _metrics_value(v):
+    """A sample's value as text, or None (omitted) for None, NaN, infinities and anything not a number."""
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, int):
+        return str(v)
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    if not math.isfinite(x):
+        return None
+    return str(int(x)) if x.is_integer() and abs(x) < 2 ** 53 else repr(x)
+
+
+def _metrics_family(name, text, samples):
+    """One gauge family's lines: HELP and TYPE once, then each sample ([(labels dict, value)]) whose value is
+    a number, the first of any repeated label set only. None when no sample has a value (nothing written)."""
+    lines, seen = [], set()
+    for labels, value in samples:
+        v, key = _metrics_value(value), tuple(sorted((k, str(x)) for k, x in labels.items()))
+        if v is None or key in seen:
+            continue
+        seen.add(key)
+        body = ",".join(f'{k}="{_metrics_escape(x)}"' for k, x in labels.items())
+        lines.append(f"{name}{{{body}}} {v}" if body else f"{name} {v}")
+    if not lines:
+        return None
+    help_text = text.replace("\\", "\\\\").replace("\n", "\\n")
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"] + lines
+
+
+def _metrics_severity(status):
+    """0 PASS, 1 WARN, 2 FAIL (None: another status)."""
+    return {"PASS": 0, "WARN": 1, "FAIL": 2}.get(status)
+
+
+def _metrics_max(values):
+    """The largest of the values that are numbers (None, NaN and the like skipped), or None."""
+    return max((v for v in values if _metrics_value(v) is not None), default=None)
+
+
+def _metrics_start(text):
+    """started_at (ISO 8601, e.g. 2026-12-02T17:12:11+00:00; naive means UTC) -> Unix seconds, or None."""
+    try:
+        t = datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)).timestamp()
+
+
+def _metrics_hosts(state):
+    """Every node the run knows of: the ranks' hosts, the failed hosts and those findings name, natural order."""
+    hosts = {r.get("host") for r in state.get("ranks") or []}
+    hosts |= set(state.get("failed_hosts") or [])
+    hosts |= {h for f in state.get("findings") or [] for h in f.get("hosts") or []}
+    return _screen_sorted(h for h in hosts if h is not None)
+
+
+def _metrics_run(state):
+    """The run's families: verdict, exit code, duration, start, world size, nodes, failed nodes."""
+    verdict = state.get("verdict")
+    ranks = state.get("ranks")
+    nodes = len({r.get("host") for r in ranks}) if ranks is not None else None
+    failed = state.get("failed_hosts")
+    return [
+        ("aiv_verdict_pass", "1 when the run's verdict is PASS, 0 when it is FAIL.",
+         [({}, None if verdict is None else int(verdict == "PASS"))]),
+        ("aiv_exit_code", "The tool's exit code (0 pass, 1 fail, 2 usage, 3 timeout, 4 internal, 5 interrupted).",
+         [({}, state.get("exit_code"))]),
+        ("aiv_run_duration_seconds", "Seconds the run took, start to verdict.", [({}, state.get("elapsed_s"))]),
+        ("aiv_run_start_timestamp_seconds", "When the run started, Unix time in seconds.",
+         [({}, _metrics_start(state["started_at"]) if state.get("started_at") else None)]),
+        ("aiv_world_size", "Ranks in the run (WORLD_SIZE).", [({}, state.get("world_size"))]),
+        ("aiv_nodes", "Distinct nodes among the ranks that reported.", [({}, nodes)]),
+        ("aiv_failed_nodes", "Nodes a failed check blames (the JSON's failed_hosts).",
+         [({}, None if failed is None else len(failed))]),
+    ]
+
+
+def _metrics_checks(state):
+    """aiv_check_status{check}: the worst status of each judged check, in CHECKS order (unknown ones last)."""
+    worst = {}
+    for f in state.get("findings") or []:
+        worst[f.get("check")] = _metrics_max([worst.get(f.get("check")), _metrics_severity(f.get("status"))])
+    order = [c for c in CHECKS if c in worst] + sorted(str(c) for c in worst if c not in CHECKS)
+    return [("aiv_check_status", "Worst status of the check's findings: 0 PASS, 1 WARN, 2 FAIL (checks not judged "
+             "are absent).", [({"check": c}, worst[c]) for c in order])]
+
+
+def _metrics_node_status(state):
+    """aiv_node_status{node}: the worst finding naming the node; 0 for a node no finding names."""
+    findings = state.get("findings") or []
+    rows = [({"node": h}, _metrics_max([0] + [_metrics_severity(f.get("status")) for f in findings
+                                               if h in (f.get("hosts") or [])]))
+            for h in _metrics_hosts(state)]
+    return [("aiv_node_status", "Worst status of the findings that name the node: 0 PASS (or named by none), "
+             "1 WARN, 2 FAIL.", rows)]
+
+
+def _metrics_gpus(state, screen):
+    """Per node and GPU (gpu: the local rank): the screen's matmul TFLOPS and memory-copy GB/s."""
+    uuids = {r.get("rank"): (r.get("gpu") or {}).get("uuid") for r in state.get("ranks") or []}
+    tflops, hbm = [], []
+    for g in screen.get("gpu") or []:
+        labels = {"node": g.get("host"), "gpu": str(g.get("local_rank")),
+                  "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""}
+        tflops.append((labels, g.get("tflops")))
+        hbm.append((labels, g.get("hbm_gbps")))
+    levels, _ = gpu_levels(screen)
+    ratio = {m: [({"node": g.get("host"), "gpu": str(g.get("local_rank")),
+                   "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""}, levels[g.get("rank")][m][1])
+                 for g in screen.get("gpu") or [] if m in levels.get(g.get("rank"), {})]
+             for m in ("tflops", "hbm_gbps")}
+    return [("aiv_gpu_matmul_tflops", "Performance screen: the GPU's square matmul rate in TFLOPS (10^12 floating "
+             "point operations per second; bf16 on GPUs, fp32 on CPU).", tflops),
+            ("aiv_gpu_memory_bandwidth_gbps", "Performance screen: the GPU's device-memory copy rate in GB/s "
+             "(10^9 bytes per second, read plus write).", hbm),
+            ("aiv_gpu_matmul_reference_ratio", "Performance screen: the GPU's matmul rate over the reference that "
+             "judged it (its model's peers, else its model's table row).", ratio["tflops"]),
+            ("aiv_gpu_memory_reference_ratio", "Performance screen: the GPU's memory rate over the reference that "
+             "judged it (its model's peers, else its model's table row).", ratio["hbm_gbps"])]
+
+
+def _metrics_numerics(state):
+    """aiv_numerics_error_ratio{node,gpu,uuid}: per rank, its largest error against the numerics check's fp64
+    reference as a fraction of the tolerance, over its checks (ranks[].numerics)."""
+    rows = []
+    for r in state.get("ranks") or []:
+        checks = (r.get("numerics") or {}).get("checks") or {}
+        ratios = [p["err"] / p["tol"] for p in checks.values() if p.get("tol") and p.get("err") is not None]
+        rows.append(({"node": r.get("host"), "gpu": str(r.get("local_rank")),
+                      "uuid": (r.get("gpu") or {}).get("uuid") or ""}, max(ratios) if ratios else None))
+    return [("aiv_numerics_error_ratio", "Numerics check: the rank's largest error against the fp64 reference as a "
+             "fraction of its tolerance, over its checks (1 or more: off the reference; results whose bits differ "
+             "from their peers' show in aiv_check_status for the check numerics).", rows)]
+
+
+def _metrics_intra(screen):
+    """aiv_intra_node_busbw_gbps{node}: the node's all_reduce bus bandwidth among its own GPUs."""
+    rows = [({"node": p.get("host")}, p.get("busbw")) for p in screen.get("intra") or []]
+    return [("aiv_intra_node_busbw_gbps", "Performance screen: all_reduce bus bandwidth among the node's own GPUs "
+             "in GB/s (10^9 bytes per second).", rows)]
+
+
+def _metrics_inter(screen):
+    """Per node and rail: the best busbw of the pair rounds the node took part in; per rail: the reference."""
+    pairs = [m for m in screen.get("pairs") or [] if m.get("nodes") and m.get("rail") is not None]
+    best = {}
+    for m in pairs:
+        for n in m["nodes"]:
+            key = (n, str(m["rail"]))
+            best[key] = _metrics_max([best.get(key), m.get("busbw")])
+    refs = screen_diagnose(pairs, screen.get("min_busbw_inter"), bool(screen.get("cpu")))["refs"] if pairs else {}
+    rails = _screen_sorted(r for _, r in best)
+    rows = [({"node": n, "rail": r}, best.get((n, r))) for n in _screen_sorted(n for n, _ in best) for r in rails]
+    return [("aiv_inter_node_busbw_gbps", "Performance screen: the best all_reduce bus bandwidth in GB/s (10^9 "
+             "bytes per second) of the inter-node measurements the node took part in on the rail (a node slow "
+             "with all its partners has a low best; failed measurements count for nothing).", rows),
+            ("aiv_inter_node_busbw_reference_gbps", "Performance screen: the rail's reference bus bandwidth in GB/s "
+             "(10^9 bytes per second) that inter-node measurements are judged against.",
+             [({"rail": str(r)}, refs[r].get("ref")) for r in sorted(refs, key=lambda r: _screen_key(str(r)))])]
+
+
+def _metrics_phases(state):
+    """aiv_phase_duration_seconds{phase}: seconds per phase, in PHASES order (other timed steps last)."""
+    phases = state.get("phases") or {}
+    order = [p for p in PHASES if p in phases] + sorted(p for p in phases if p not in PHASES)
+    return [("aiv_phase_duration_seconds", "Seconds the run spent in the phase.",
+             [({"phase": p}, phases[p]) for p in order])]
+
+
+def _metrics_drain(state):
+    """aiv_drain_nodes: how many nodes the --drain plan named (drained, or recommended), when it ran."""
+    drain = state.get("drain")
+    if not isinstance(drain, dict):
+        return []
+    return [("aiv_drain_nodes", "Nodes the --drain plan named: drained with --drain on, else recommended "
+             "(0: nothing to drain, or the plan was skipped).", [({}, len(drain.get("hosts") or []))])]
+
+
+def render_metrics(state):
+    """The run's state (the JSON's dict) as Prometheus text exposition: gauges named aiv_*, HELP and TYPE once
+    per family, labels node, gpu, uuid, rail, check and phase only (never a job id: the file is overwritten
+    by each run, so a series stays one series), values that are not numbers left out. Pure."""
+    screen = state.get("screen") or {}
+    families = (_metrics_run(state) + _metrics_checks(state) + _metrics_node_status(state)
+                + _metrics_gpus(state, screen) + _metrics_numerics(state) + _metrics_intra(screen)
+                + _metrics_inter(screen) + _metrics_phases(state) + _metrics_drain(state))
+    lines = []
+    for name, text, samples in families:
+        lines += _metrics_family(name, text, samples) or []
+    return "\n".join(lines) + "\n"
+
+
+def verdict_state(run, found, code, drain):
+    """The verdict's state (pure): the JSON, and what the report, the metrics and the page render. run: the
+    run's facts as plain data, copied when the verdict began (Coordinator.snapshot); found: the findings after
+    the blame gate (blame_gate); drain: the --drain plan. failed_hosts and exclude hold only the hosts the
+    gated findings blame (blamed_hosts)."""
+    failed_hosts = blamed_hosts(found)
+    screen = run.get("screen")
+    note = screen_degraded_note(screen)
+    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+            "started_at": run["started_at"], "host": run["host"],
+            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
+            "world_size": run["world"], "ranks_reported": len(run["records"]), "backend": run["backend"],
+            "master": f"{run['addr']}:{run['port']}", "expect": run["expect"], "strict": bool(run["strict"]),
+            "deadlines": run["D"], "elapsed_s": round(run["elapsed_s"], 3), "phases": run["times"],
+            "findings": mark_accepted(run.get("manifest_data"), found), "failures": failure_lines(found),
+            "failed_hosts": failed_hosts, "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
+            "suspect_links": (screen or {}).get("suspect_links") or [],
+            "drain": drain, "drain_command": (drain or {}).get("command") or "",
+            "phase_starts": run["starts"], "collectives": run.get("collectives"), "screen": screen,
+            "soak": run.get("soak"), "ranks": [rank_record(r) for r in run["records"]], "env": safe_env(run["env"]),
+            **({"notes": [note]} if note else {})}
