@@ -96,7 +96,7 @@ import time
 from typing import NamedTuple
 
 
-# ============================================================================ aiv/base.py
+# ============================================================================ aiv/core/base.py
 # Floor 1: the tool's constants and stable names (CHECKS, exit codes), findings and verdict codes,
 VERSION = "1.0.0"
 DESCRIPTION = "ddp_mesh_ping.py -- multi-node, multi-GPU preflight for Slurm clusters."
@@ -586,7 +586,7 @@ class Findings:
 
 
 
-# ============================================================================ aiv/blame.py
+# ============================================================================ aiv/core/blame.py
 # Floor 1: the blame law, in one place. A host is named (failed_hosts, exclude, a drain) only on evidence
 # Evidence that singles a host out: a finding standing on it may name the host.
 LOCALISING = {
@@ -792,7 +792,7 @@ def minority_kind(bad, members):
 
 
 
-# ============================================================================ aiv/deadlines.py
+# ============================================================================ aiv/core/deadlines.py
 # Floor 1: every bound in one table (deadlines()), the small waits beside it, the watchdog, and Bound:
 TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
 ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
@@ -1046,7 +1046,7 @@ class Watchdog:
 
 
 
-# ============================================================================ aiv/files.py
+# ============================================================================ aiv/core/files.py
 # Floor 1: files the tool writes (JSON, page, metrics, manifest): atomic replace and cross-job locks.
 class LockTimeout(Exception):
     """The manifest's lock file stayed held by another job for the whole MANIFEST_LOCK_S."""
@@ -1133,7 +1133,7 @@ def write_json_atomic(path, data, first=False):
 
 
 
-# ============================================================================ aiv/contract.py
+# ============================================================================ aiv/launch/contract.py
 # Floor 2: the launch contract: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, the Slurm and
 OWN_VARS = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID")  # differ per rank: rank 0 cannot see them
 
@@ -1381,7 +1381,7 @@ def job_secret(env):
 
 
 
-# ============================================================================ aiv/launchers.py
+# ============================================================================ aiv/launch/launchers.py
 # Floor 2: the one table of launch contracts (LAUNCHERS): what each launcher gives a process, and how the
 TORCHRUN_PORT = 29500   # torchrun's default --master-port: the port where a launcher names a master but no port
 LAUNCH_VAR = "_AIV_LAUNCH"  # set by this tool's own launcher on its ranks: which contract it read, in words
@@ -1693,7 +1693,7 @@ def describe_contract(contract, env):
 
 
 
-# ============================================================================ aiv/options.py
+# ============================================================================ aiv/launch/options.py
 # Floor 2: the one parser of flags and AIV_* variables (one grammar for both; the command line wins).
 # One grammar for every flag and AIV_* variable: on = 1/on/yes/true, off = 0/off/no/false (any case);
 # sizes are bytes with binary K/M/G suffixes (1M = 2^20); an empty value is a mistake, not a default.
@@ -2032,7 +2032,7 @@ RANK_MEM_GPU = 1536 << 20
 
 
 
-# ============================================================================ aiv/interfaces.py
+# ============================================================================ aiv/checks/interfaces.py
 # Floor 2: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME against the host's interfaces, and the lines of NCCL's
 SIOCGIFFLAGS, SIOCGIFADDR, IFF_UP = 0x8913, 0x8915, 0x1
 
@@ -2238,7 +2238,7 @@ def parse_nccl_transport(text):
 
 
 
-# ============================================================================ aiv/collect.py
+# ============================================================================ aiv/checks/collect.py
 # Floor 2: facts of a rank and its node (GPUs, driver, IB ports, PCIe, NUMA, packages, import probe),
 def count_visible_gpus(env, root="/"):
     """GPU count without importing torch (for the local launcher)."""
@@ -2616,7 +2616,7 @@ def throttle_names(mask):
 
 
 
-# ============================================================================ aiv/node_collect.py
+# ============================================================================ aiv/node/collect.py
 # Floor 2: what the node gate (--node-check) reads on its node without torch: NVML's GPU list and compute
 def run_bounded(argv, seconds):
     """argv in a process group of its own, killed (the whole group) past `seconds` -> {'rc', 'out', 'err'}, or
@@ -2738,7 +2738,7 @@ def slurm_update_node(name, seconds, **fields):
 
 
 
-# ============================================================================ aiv/numerics_measure.py
+# ============================================================================ aiv/checks/numerics_measure.py
 # Floor 2: what the numerics check (silent data corruption) computes on every rank's device: seeded matmuls and an
 # What every rank computes (docs/numerics.md). The operands come from one seeded CPU generator, so every rank
 # builds the same bits, then go to the rank's device. GPU: a 4096 x 1024 by 1024 x 4096 product, whose 16M
@@ -3061,7 +3061,7 @@ class NumericsRepeat:
 
 
 
-# ============================================================================ aiv/measure.py
+# ============================================================================ aiv/screen/measure.py
 # Floor 2: what the performance screen and the soak measure: nvidia-smi, the device-timed GPU
 # What the performance screen measures (section `screen` judges it). GPU: each measurement runs about
 # SCREEN_TARGET_S of timed work after a warm-up, in SCREEN_BLOCKS device-synchronised blocks, and the
@@ -3733,7 +3733,7 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None, numerics=
 
 
 
-# ============================================================================ aiv/numerics.py
+# ============================================================================ aiv/checks/numerics.py
 # Floor 3: how the numerics check (silent data corruption) is judged: every rank's results (numerics_measure)
 NUMERICS_LIST_MAX = 16       # beyond this many culprits, one finding lists the first ones and a count
 NUMERICS_ACTION = ("drain it and run the vendor's diagnostics before it returns to service (DCGM level 3: "
@@ -4026,7 +4026,7 @@ def judge_numerics_soak(rows):
 
 
 
-# ============================================================================ aiv/hang.py
+# ============================================================================ aiv/checks/hang.py
 # Floor 3: who is behind in a phase that did not finish, from plain data: the last collective each rank
 # What a late rank was doing when rank 0 asked, per group (issued_states):
 #   behind   outside any collective, and it never issued one that a peer of the group issued: the rank
@@ -4229,7 +4229,7 @@ def nccl_view(ras, world, host_of, kinds, named):
 
 
 
-# ============================================================================ aiv/judge.py
+# ============================================================================ aiv/checks/judge.py
 # Floor 3: pure checks of plain data -> findings (PASS / WARN / FAIL with hosts and ranks), and who is
 def _by_host(records):
     hosts = {}
@@ -5068,7 +5068,7 @@ def _import_state(st):
 
 
 
-# ============================================================================ aiv/manifest.py
+# ============================================================================ aiv/checks/manifest.py
 # Floor 3: the cluster manifest: --save-manifest, --manifest (drift is a finding), --diff-manifest.
 # Accept once, gate forever. --save-manifest PATH writes the state a PASS saw (its WARNs recorded as
 # accepted), grouped by node class and keeping the hosts each value was accepted on; --manifest PATH
@@ -5779,7 +5779,7 @@ def _diff_fields(key, va, vb):
 
 
 
-# ============================================================================ aiv/screen_plan.py
+# ============================================================================ aiv/screen/plan.py
 # Floor 3: the performance screen's plan: rounds of node pairs per rail, suspects, re-measurements,
 # The performance screen finds the slow or broken part: a GPU, a node's NVLink/PCIe, a node's NIC on
 # one rail, a whole node's network, or one path between two nodes. The runtime measures; these pure
@@ -6221,7 +6221,7 @@ def screen_against(what, count, noun, kind, peers, unit, table=None, floor=None,
 
 
 
-# ============================================================================ aiv/screen_gpu.py
+# ============================================================================ aiv/screen/gpu.py
 # Floor 3: the GPU screen's judges: each GPU's matmul TFLOPS and memory GB/s against its model's peers, the
 # Per-model table: what a healthy GPU of a model reaches in this screen's own measurements (the
 # SCREEN_MATMUL_N^3 bf16 matmul, the SCREEN_COPY_BYTES device copy counted read + write). Peers cannot
@@ -6655,7 +6655,7 @@ def judge_gpu_transients(per_rank, floors=None, cpu=False):
 
 
 
-# ============================================================================ aiv/screen_judge.py
+# ============================================================================ aiv/screen/judge.py
 # Floor 3: the screen's judges: per-GPU TFLOPS and GB/s against model peers and the table (and the
 SCREEN_RENDER_ALL = 16      # up to this many nodes the PERFORMANCE section shows every node and every group
 SCREEN_RENDER_SLOW = 32     # beyond that, at most this many slow groups are listed (then a count)
@@ -7135,7 +7135,7 @@ def screen_degraded_note(screen):
 
 
 
-# ============================================================================ aiv/soak.py
+# ============================================================================ aiv/screen/soak.py
 # Floor 3: the soak's judges (--soak): a GPU whose matmul speed decays under sustained load, or whose
 # -- the soak (--soak SECONDS): a GPU that holds its speed for a second may not hold it for a minute. A
 # failing fan, dried thermal paste, blocked airflow or a power brake shows after tens of seconds of load:
@@ -7239,7 +7239,7 @@ def soak_rows(records, posts, cpu=False):
 
 
 
-# ============================================================================ aiv/screen_loop.py
+# ============================================================================ aiv/screen/loop.py
 # Floor 3: the screen's control loop, screen_loop(records, measure): the batches of groups that run at
 # Blame only what persists. Every slow measurement is measured again before it counts, and the best
 # value counts (faults only lower numbers; a burst of another job's traffic halves one measurement,
@@ -7587,7 +7587,7 @@ def judge_screen(screen):
 
 
 
-# ============================================================================ aiv/node_judge.py
+# ============================================================================ aiv/node/judge.py
 # Floor 3: the node gate (--node-check): its contexts, the checks it runs in each with whether they may drain
 NODE_CONTEXTS = ("prolog", "epilog", "health", "npd")
 SCRIPT_CONTEXTS = {"prolog_slurmd": "prolog", "epilog_slurmd": "epilog"}  # Slurm's SLURM_SCRIPT_CONTEXT
@@ -8201,7 +8201,7 @@ def resume_blocker(reason, findings, ran, prefix):
 
 
 
-# ============================================================================ aiv/render.py
+# ============================================================================ aiv/out/render.py
 # Floor 4: the report: topology, environment, fabric, collectives, performance, soak, findings.
 def _lone_table_text(model, cpu):
     """What judged a lone GPU of its model: its table row, when it has one."""
@@ -8603,7 +8603,7 @@ def render_drain(drain):
 
 
 
-# ============================================================================ aiv/outputs.py
+# ============================================================================ aiv/out/outputs.py
 # Floor 4: what a verdict becomes outside the log: --drain (the scontrol plan and its application) and
 DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
 DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)
@@ -8916,7 +8916,7 @@ def verdict_state(run, found, code, drain):
 
 
 
-# ============================================================================ aiv/node_report.py
+# ============================================================================ aiv/node/report.py
 # Floor 4: what the node gate (--node-check) says: the one summary line (stdout, the node's log), the NPD line
 STATUS_WORD = {"FAIL": "FAILURE", "WARN": "WARNING", "PASS": "PASS"}
 
@@ -9053,7 +9053,7 @@ def node_metrics(state):
 
 
 
-# ============================================================================ aiv/page.py
+# ============================================================================ aiv/out/page.py
 # Floor 4: --html: one self-contained page per run (inline SVG, no external resources).
 # One self-contained page of the run (--html): the verdict, findings, topology, per-GPU bars, per-rail
 # heat maps and the phase timeline, as inline SVG drawn here; every text from the state is escaped.
@@ -9799,7 +9799,7 @@ def render_html(state):
 
 
 
-# ============================================================================ aiv/verify_log.py
+# ============================================================================ aiv/out/verify_log.py
 # Floor 4: --verify-log: a whole log judged again, with no torch and no cluster.
 # A saved log passes only when it shows one clean PASS from start to end: the success line, no
 # FAILURE line, a "Verdict: PASS exit=0" line, all ranks reported, an exact all_reduce, identical
@@ -10077,7 +10077,7 @@ def run_verify_log(args, argv=()):
 
 
 
-# ============================================================================ aiv/manifest_io.py
+# ============================================================================ aiv/checks/manifest_io.py
 # Floor 4 (effects): the known-good manifest on disk: --manifest read and checked before torch, --save-manifest
 def load_manifest(path, origin):
     """The manifest at path, or UsageError naming origin (the option) and the problem in one line."""
@@ -10165,7 +10165,7 @@ def run_diff_manifest(paths):
 
 
 
-# ============================================================================ aiv/store.py
+# ============================================================================ aiv/run/store.py
 # Floor 5 (runtime): the side channel: one TCPStore, every value sealed with the job's secret and
 def fd_limit_problem(world, nodes):
     """Rank 0's store holds two connections per rank (main and listener) and two per node (its monitor and
@@ -10756,7 +10756,7 @@ class StoreProtocol:
 
 
 
-# ============================================================================ aiv/liveness.py
+# ============================================================================ aiv/run/liveness.py
 # Floor 5 (runtime): the node monitor, a torch-free child of each node leader that posts the state
 def proc_stat(pid, root="/"):
     """(state letter, start time) from /proc/<pid>/stat, or None when there is no such process."""
@@ -10966,7 +10966,7 @@ class LightStore:
 
 
 
-# ============================================================================ aiv/ras.py
+# ============================================================================ aiv/run/ras.py
 # Floor 5 (runtime): NCCL's own view of a job, from its RAS service (NCCL >= 2.24, on unless NCCL_RAS_ENABLE=0):
 RAS_PORT = 28028        # NCCL's default RAS client port
 RAS_PROTOCOL = 2        # the client protocol this reader speaks
@@ -11080,7 +11080,7 @@ def ras_status(host, port, seconds):
 
 
 
-# ============================================================================ aiv/background.py
+# ============================================================================ aiv/run/background.py
 # Floor 5 (runtime): a rank's work off its main thread and its NCCL log. Background holds what a rank
 class Issued:
     """What this rank issued last on each of its process groups, kept in memory as it goes (cheap: a list per
@@ -11271,7 +11271,7 @@ class Background:
 
 
 
-# ============================================================================ aiv/drain.py
+# ============================================================================ aiv/out/drain.py
 # Floor 5 (runtime): --drain on: the scontrol calls (one show, one update), within DRAIN_S. What to drain and
 def _scontrol(argv, until):
     """One scontrol call within the time left -> (rc, stdout, message). rc None: missing or silent."""
@@ -11311,7 +11311,7 @@ def drain_apply(plan):
 
 
 
-# ============================================================================ aiv/conclusion.py
+# ============================================================================ aiv/run/conclusion.py
 # Floor 5 (runtime): rank 0's verdict, given once. Conclusion takes the run's facts as plain data (copied
 class Conclusion:
     """One verdict. run: the run's facts (Coordinator.snapshot): host, world, addr, port, records, host_of,
@@ -11486,7 +11486,7 @@ class Conclusion:
 
 
 
-# ============================================================================ aiv/screen_run.py
+# ============================================================================ aiv/screen/run.py
 # Floor 5 (runtime): the performance screen on the ranks: the collectives the screen loop asks for.
 class ScreenRunner:
     """Every rank's part of the performance screen (SCREEN_PHASES): its own device measurement, and in
@@ -11778,7 +11778,7 @@ class ScreenCoordinator:
 
 
 
-# ============================================================================ aiv/rank.py
+# ============================================================================ aiv/run/rank.py
 # Floor 5 (runtime): RankRun, what every rank runs: the phases in order, each under its bound.
 def speak_once_per_node(text, env, local_rank=0, topic="run"):
     """Lines a rank prints for itself or for rank 0 when rank 0 cannot: once per node. The first local
@@ -12474,7 +12474,7 @@ def _warm_imports():
 
 
 
-# ============================================================================ aiv/coordinator.py
+# ============================================================================ aiv/run/coordinator.py
 # Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
 class Coordinator(ScreenCoordinator, RankRun):
     """Rank 0: serves the store, holds the roll call, judges what each phase gathered and owns the
@@ -13001,7 +13001,7 @@ class Coordinator(ScreenCoordinator, RankRun):
 
 
 
-# ============================================================================ aiv/follower.py
+# ============================================================================ aiv/run/follower.py
 # Floor 5 (runtime): every other rank: reports its own error, takes rank 0's verdict, speaks for a
 class Follower(ScreenFollower, RankRun):
     """Every rank but 0: enters each phase at rank 0's gate, reports its own error, and exits with rank
@@ -13205,7 +13205,7 @@ class Follower(ScreenFollower, RankRun):
 
 
 
-# ============================================================================ aiv/plan.py
+# ============================================================================ aiv/launch/plan.py
 # Floor 6: what a command line becomes (help, version, verify-log, diff-manifest, local, rank).
 # Set by a launcher that starts several ranks per node (srun, torchrun, mpirun, local mode): then a
 # rank's own usage error is said once per node. A process started by hand has no siblings: it speaks.
@@ -13407,7 +13407,7 @@ def launch_plan(args, env, root="/"):
 
 
 
-# ============================================================================ aiv/local.py
+# ============================================================================ aiv/launch/local.py
 # Floor 6: the local launcher: one rank per visible GPU, or --nproc gloo ranks on CPU; the whole job in
 def die_with_parent(sig):
     """A Popen preexec_fn: the child gets `sig` when the process that started it dies (prctl
@@ -13524,7 +13524,7 @@ def launch_local(args, argv, env, launch):
 
 
 
-# ============================================================================ aiv/node_check.py
+# ============================================================================ aiv/node/check.py
 # Floor 6: the node gate's runtime (--node-check [CONTEXT]): this node alone, no other node, no srun. A lock
 WORKER_VAR = "_AIV_NODE_WORKER"  # set for a node check's device worker (main() hands it to node_worker)
 

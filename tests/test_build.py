@@ -24,12 +24,13 @@ def test_order_lists_every_module_once_and_each_exists():
     assert r.returncode == 0, r.stderr
     paths = r.stdout.split()
     assert len(paths) == len(set(paths)) >= 12
-    assert paths[0] == "aiv/base.py" and paths[-1] == "aiv/main.py"
-    assert sorted(paths) == sorted(f"aiv/{p.name}" for p in (ROOT / "aiv").glob("*.py") if p.name != "__init__.py")
+    assert paths[0] == "aiv/core/base.py" and paths[-1] == "aiv/main.py"
+    assert sorted(paths) == sorted(f"aiv/{p.relative_to(ROOT / 'aiv').as_posix()}"
+                                   for p in (ROOT / "aiv").rglob("*.py") if p.name != "__init__.py")
 
 
 def test_every_module_is_at_most_900_lines():
-    long = {p.name: n for p in (ROOT / "aiv").glob("*.py") if (n := len(p.read_text().splitlines())) > 900}
+    long = {p.name: n for p in (ROOT / "aiv").rglob("*.py") if (n := len(p.read_text().splitlines())) > 900}
     assert not long, f"modules over 900 lines: {long}"
 
 
@@ -68,9 +69,10 @@ def _prepend_import(path, line):
 
 
 @pytest.mark.parametrize("module, line, words", [
-    ("judge", "from .coordinator import Coordinator", "comes after judge"),
-    ("deadlines", "from .deadlines import deadlines", "comes at deadlines"),
-    ("measure", "from .main import main", "comes after measure"),
+    ("checks/judge", "from ..run.coordinator import Coordinator", "comes after checks/judge"),
+    ("core/deadlines", "from .deadlines import deadlines", "comes at core/deadlines"),
+    ("screen/measure", "from ..main import main", "comes after screen/measure"),
+    ("screen/gpu", "from .judge import judge_pairs", "comes after screen/gpu"),  # screen/judge, not checks/judge
 ])
 def test_an_import_that_runs_back_up_fails_the_build(tmp_path, module, line, words):
     src = _copy_source(tmp_path)
@@ -81,9 +83,9 @@ def test_an_import_that_runs_back_up_fails_the_build(tmp_path, module, line, wor
 
 
 @pytest.mark.parametrize("module, line", [
-    ("judge", "import subprocess"), ("render", "import threading"), ("outputs", "import socket"),
-    ("manifest", "import fcntl"), ("numerics", "import ctypes"), ("screen_gpu", "import torch"),
-    ("blame", "from concurrent import futures"),
+    ("checks/judge", "import subprocess"), ("out/render", "import threading"), ("out/outputs", "import socket"),
+    ("checks/manifest", "import fcntl"), ("checks/numerics", "import ctypes"), ("screen/gpu", "import torch"),
+    ("core/blame", "from concurrent import futures"),
 ])
 def test_a_judge_or_report_module_that_imports_an_effect_fails_the_build(tmp_path, module, line):
     """The judge and report modules are effect-free: no process, thread, socket, lock, native call or torch."""
@@ -98,9 +100,10 @@ def test_a_judge_or_report_module_that_imports_an_effect_fails_the_build(tmp_pat
 def test_an_imported_name_the_module_does_not_define_fails_the_build(tmp_path):
     """A function moved to another room: every `from .x import y` must name a y that x defines."""
     src = _copy_source(tmp_path)
-    _prepend_import(src / "render.py", "from .judge import judge_gpu_perf")
+    _prepend_import(src / "out" / "render.py", "from ..checks.judge import judge_gpu_perf")
     r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
-    assert r.returncode == 1 and "imports judge_gpu_perf from .judge, which does not define it" in r.stderr, r.stderr
+    assert r.returncode == 1 and "imports judge_gpu_perf from ..checks.judge, which does not define it" in r.stderr, \
+        r.stderr
 
 
 def test_the_pure_layer_never_imports_the_runtime():
@@ -108,28 +111,29 @@ def test_the_pure_layer_never_imports_the_runtime():
     local: a judge is a function of plain data."""
     for name in build.PURE:
         tree = ast.parse((ROOT / "aiv" / f"{name}.py").read_text())
-        for mod, _, line in build.relative_imports(tree):
+        for mod, _, line in build.relative_imports(tree, name):
             assert mod not in build.RUNTIME, f"aiv/{name}.py:{line} imports the runtime module {mod}"
-    assert {"judge", "render", "manifest", "page", "verify_log", "screen_judge"} <= set(build.PURE)
-    assert {"store", "rank", "coordinator", "follower", "local"} <= set(build.RUNTIME)
+    assert {"checks/judge", "out/render", "checks/manifest", "out/page", "out/verify_log",
+            "screen/judge"} <= set(build.PURE)
+    assert {"run/store", "run/rank", "run/coordinator", "run/follower", "launch/local"} <= set(build.RUNTIME)
 
 
 def test_two_definitions_of_one_name_fail_the_build(tmp_path):
     src = _copy_source(tmp_path)
-    with open(src / "page.py", "a") as f:
+    with open(src / "out" / "page.py", "a") as f:
         f.write("\n\ndef render_report(*a):\n    return ''\n")
     r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
     assert r.returncode == 1
-    assert "defines render_report, already defined in aiv/render.py" in r.stderr, r.stderr
+    assert "defines render_report, already defined in aiv/out/render.py" in r.stderr, r.stderr
 
 
 def test_a_function_defined_twice_in_one_module_fails_the_build(tmp_path):
     """Two helpers of one name in one room: the later silently replaced the first for every caller."""
     src = _copy_source(tmp_path)
-    with open(src / "page.py", "a") as f:
+    with open(src / "out" / "page.py", "a") as f:
         f.write("\n\ndef _html_chart(*a):\n    return ''\n")
     r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
-    assert r.returncode == 1 and "aiv/page.py" in r.stderr and "defines _html_chart again" in r.stderr, r.stderr
+    assert r.returncode == 1 and "aiv/out/page.py" in r.stderr and "defines _html_chart again" in r.stderr, r.stderr
 
 
 def test_a_module_missing_from_the_order_fails_the_build(tmp_path):
@@ -139,11 +143,43 @@ def test_a_module_missing_from_the_order_fails_the_build(tmp_path):
     assert r.returncode == 1 and "aiv/stray.py is not in BUILD_ORDER" in r.stderr
 
 
+def test_a_module_in_a_room_missing_from_the_order_fails_the_build(tmp_path):
+    src = _copy_source(tmp_path)
+    (src / "screen" / "stray.py").write_text('"""stray"""\nX = 1\n')
+    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    assert r.returncode == 1 and "aiv/screen/stray.py is not in BUILD_ORDER" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("init, words", [
+    (None, "aiv/out/__init__.py is missing"),
+    ('"""the words"""\nfrom .render import render_report\n', "aiv/out/__init__.py: a room's __init__.py holds its "
+                                                               "docstring only"),
+])
+def test_a_room_holds_its_docstring_only(tmp_path, init, words):
+    """The build drops a room's __init__.py: an import or a definition there would be lost from the shipped file."""
+    src = _copy_source(tmp_path)
+    if init is None:
+        (src / "out" / "__init__.py").unlink()
+    else:
+        (src / "out" / "__init__.py").write_text(init)
+    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    assert r.returncode == 1 and words in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("line", ["from . import judge", "from ...aiv.core.base import finding",
+                                  "from ..nowhere.base import finding"])
+def test_a_relative_import_that_names_no_module_of_the_order_fails_the_build(tmp_path, line):
+    src = _copy_source(tmp_path)
+    _prepend_import(src / "screen" / "gpu.py", line)
+    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    assert r.returncode == 1 and "aiv/screen/gpu.py" in r.stderr and "not a module of BUILD_ORDER" in r.stderr, r.stderr
+
+
 def test_aiv_imports_as_a_package_without_the_runtime_pulling_torch():
     """Each module names what it uses from the modules before it, so aiv/ imports as a package; the pure
     layer and the side channel import without torch (torch is imported lazily where a rank needs it)."""
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import aiv.main, aiv.verify_log, aiv.manifest, aiv.liveness\n"
+            "import aiv.main, aiv.out.verify_log, aiv.checks.manifest, aiv.run.liveness\n"
             "assert aiv.main.main is not None\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -154,7 +154,7 @@ def test_which_checks_fail_or_warn_is_the_codes():
             for r in rows}
     assert said == {c: set(levels) for c, levels in aiv.CHECK_LEVELS.items()}
     made = set()
-    for path in (ROOT / "aiv").glob("*.py"):
+    for path in (ROOT / "aiv").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "finding" and len(node.args) >= 2
                     and all(isinstance(a, ast.Constant) for a in node.args[:2])):

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Build the shipped ddp_mesh_ping.py from the modules in aiv/.
 
-The source of the tool is the package aiv/, one module per concern; operators run one file. This
-script concatenates the modules in their build order (BUILD_ORDER) into ddp_mesh_ping.py: each module
-under a banner naming its source file, its relative imports dropped (they only name what the modules
-before it already define) and its standard-library imports gathered once at the top of the file.
+The source of the tool is the package aiv/: rooms (core, launch, checks, screen, node, out, run), each a
+folder of modules, one module per concern; operators run one file. This script concatenates the modules
+in their build order (BUILD_ORDER, paths such as "core/base") into ddp_mesh_ping.py: each module under a
+banner naming its source file, its relative imports (`from .x import`, `from ..room.x import`) dropped
+(they only name what the modules before it already define) and its standard-library imports gathered
+once at the top of the file.
 
   tools/build.py            write ddp_mesh_ping.py
   tools/build.py --order    print the modules in build order, one path a line
@@ -27,59 +29,68 @@ OUT = ROOT / "ddp_mesh_ping.py"
 
 # A module imports only from modules before it in this list.
 BUILD_ORDER = (
-    "base",          # constants, CHECKS, findings, hostlists, printing, the tool-error idiom
-    "blame",         # the blame law: the evidence a finding stands on, each check's declaration, the gate
-    "deadlines",     # the one table of bounds; Bound, the only place the watchdog is armed
-    "files",         # atomic writes and file locks, each under a bound
-    "contract",      # the launch variables (RANK, Slurm, torchrun, MPI), the job's secret
-    "launchers",     # the one table of launch contracts; per-node launches (Kubernetes, Trainer v2)
-    "options",       # the one parser of flags and AIV_* variables
-    "interfaces",    # NCCL/GLOO_SOCKET_IFNAME, NCCL's own log lines
-    "collect",       # facts of a rank and its node, one getter per fact
-    "node_collect",  # --node-check: what a node reads alone without torch (nvidia-smi, PCI, kernel log, scontrol)
-    "numerics_measure",  # the numerics check (silent data corruption): what each rank computes on its device
-    "measure",       # what the screen and the soak measure on a device
-    "numerics",      # the numerics check's judges: bits within a model and software, the fp64 reference
-    "hang",          # who is behind in a phase that did not finish; NCCL's own view beside ours
-    "judge",         # pure checks of the gathered records
-    "manifest",      # --save-manifest / --manifest / --diff-manifest
-    "screen_plan",   # the screen's rounds and groups
-    "screen_gpu",    # the GPU screen's judges: peers, the per-model table, floors, measured again
-    "screen_judge",  # the screen's judges: intra-node and inter-node busbw, node / rail / link culprits
-    "soak",          # the soak's judges
-    "screen_loop",   # the screen's control loop: batches, re-measurement, controls, localisation
-    "node_judge",    # --node-check: contexts, the checks table, the judges of one node alone
-    "render",        # the report
-    "outputs",       # --drain and --metrics
-    "node_report",   # --node-check: the summary line, the NPD line, the node's textfile
-    "page",          # --html
-    "verify_log",    # --verify-log
-    "manifest_io",   # the manifest on disk: read before torch, saved under a lock, diffed
-    "store",         # the side channel: keys, Seal, StoreProtocol
-    "liveness",      # the node monitor
-    "ras",           # NCCL's RAS service, read over its socket
-    "background",    # a rank's work off its main thread; its NCCL log
-    "drain",         # --drain on: the scontrol calls
-    "conclusion",    # rank 0's verdict, given once: the gate, the report first, the files, the drain, the acks
-    "screen_run",    # the collectives the screen asks for, on every rank
-    "rank",          # RankRun: the phases, each under its bound
-    "coordinator",   # rank 0: the roll call, the judges, the verdict
-    "follower",      # every other rank
-    "plan",          # what a command line becomes
-    "local",         # the local launcher
-    "node_check",    # --node-check: the node gate's runtime (lock, workers, budget, Slurm, files)
-    "main",          # the entry point
+    # core: the floor every mode stands on
+    "core/base",          # constants, CHECKS, findings, hostlists, printing, the tool-error idiom
+    "core/blame",         # the blame law: the evidence a finding stands on, each check's declaration, the gate
+    "core/deadlines",     # the one table of bounds; Bound, the only place the watchdog is armed
+    "core/files",         # atomic writes and file locks, each under a bound
+    # launch: how the tool is started
+    "launch/contract",    # the launch variables (RANK, Slurm, torchrun, MPI), the job's secret
+    "launch/launchers",   # the one table of launch contracts; per-node launches (Kubernetes, Trainer v2)
+    "launch/options",     # the one parser of flags and AIV_* variables
+    # the facts: what a rank, a node and a device read or measure
+    "checks/interfaces",  # NCCL/GLOO_SOCKET_IFNAME, NCCL's own log lines
+    "checks/collect",     # facts of a rank and its node, one getter per fact
+    "node/collect",       # --node-check: what a node reads alone without torch (nvidia-smi, PCI, kernel log, scontrol)
+    "checks/numerics_measure",  # the numerics check (silent data corruption): what each rank computes on its device
+    "screen/measure",     # what the screen and the soak measure on a device
+    # the judges: functions of plain data
+    "checks/numerics",    # the numerics check's judges: bits within a model and software, the fp64 reference
+    "checks/hang",        # who is behind in a phase that did not finish; NCCL's own view beside ours
+    "checks/judge",       # pure checks of the gathered records
+    "checks/manifest",    # --save-manifest / --manifest / --diff-manifest
+    "screen/plan",        # the screen's rounds and groups
+    "screen/gpu",         # the GPU screen's judges: peers, the per-model table, floors, measured again
+    "screen/judge",       # the screen's judges: intra-node and inter-node busbw, node / rail / link culprits
+    "screen/soak",        # the soak's judges
+    "screen/loop",        # the screen's control loop: batches, re-measurement, controls, localisation
+    "node/judge",         # --node-check: contexts, the checks table, the judges of one node alone
+    # the words: what a verdict becomes
+    "out/render",         # the report
+    "out/outputs",        # --drain and --metrics
+    "node/report",        # --node-check: the summary line, the NPD line, the node's textfile
+    "out/page",           # --html
+    "out/verify_log",     # --verify-log
+    # the runtime
+    "checks/manifest_io", # the manifest on disk: read before torch, saved under a lock, diffed
+    "run/store",          # the side channel: keys, Seal, StoreProtocol
+    "run/liveness",       # the node monitor
+    "run/ras",            # NCCL's RAS service, read over its socket
+    "run/background",     # a rank's work off its main thread; its NCCL log
+    "out/drain",          # --drain on: the scontrol calls
+    "run/conclusion",     # rank 0's verdict, given once: the gate, the report first, the files, the drain, the acks
+    "screen/run",         # the collectives the screen asks for, on every rank
+    "run/rank",           # RankRun: the phases, each under its bound
+    "run/coordinator",    # rank 0: the roll call, the judges, the verdict
+    "run/follower",       # every other rank
+    # the face: what a command line becomes, and the entry point
+    "launch/plan",        # what a command line becomes
+    "launch/local",       # the local launcher
+    "node/check",         # --node-check: the node gate's runtime (lock, workers, budget, Slurm, files)
+    "main",               # the entry point
 )
 # The pure layer: judges, render, manifest, verify-log and what they stand on. None of these imports a
 # module of the runtime, so each is a function of plain data that a test can call without a store.
-RUNTIME = ("manifest_io", "store", "liveness", "ras", "background", "drain", "conclusion", "screen_run", "rank",
-           "coordinator", "follower", "plan", "local", "node_check", "main")
+RUNTIME = ("checks/manifest_io", "run/store", "run/liveness", "run/ras", "run/background", "out/drain",
+           "run/conclusion", "screen/run", "run/rank", "run/coordinator", "run/follower", "launch/plan",
+           "launch/local", "node/check", "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
 # The judge and report modules: functions of plain data with no effects. None imports what acts on the world
 # (processes, threads, sockets, locks, native calls, torch); a check that needs one collects in a floor 2
 # module or the runtime, and hands the judge plain data.
-EFFECT_FREE = ("blame", "numerics", "hang", "judge", "manifest", "screen_plan", "screen_gpu", "screen_judge", "soak",
-               "screen_loop", "node_judge", "render", "outputs", "page", "verify_log", "node_report")
+EFFECT_FREE = ("core/blame", "checks/numerics", "checks/hang", "checks/judge", "checks/manifest", "screen/plan",
+               "screen/gpu", "screen/judge", "screen/soak", "screen/loop", "node/judge", "out/render", "out/outputs",
+               "out/page", "out/verify_log", "node/report")
 EFFECTS = ("subprocess", "threading", "socket", "fcntl", "ctypes", "torch", "multiprocessing", "signal",
            "concurrent", "asyncio")
 
@@ -115,9 +126,19 @@ def parse(name):
         raise BuildError(f"{path}: {e}") from e
 
 
-def relative_imports(tree):
-    """[(module, [names], lineno)] for every `from .module import ...` at the top level."""
-    return [(n.module, [a.name for a in n.names], n.lineno) for n in tree.body
+def resolve(name, level, module):
+    """The module of BUILD_ORDER that `from <level dots><module> import` names in module `name`, e.g.
+    ("screen/gpu", 2, "core.base") -> "core/base"; None when it leaves aiv/ or names no module."""
+    pkg = name.split("/")[:-1]
+    if not module or level - 1 > len(pkg):
+        return None
+    return "/".join(pkg[:len(pkg) - (level - 1)] + module.split("."))
+
+
+def relative_imports(tree, name=""):
+    """[(module, [names], lineno)] for every relative import at the top level of module `name`, the module
+    as a path of BUILD_ORDER ("core/base"; None for one that names no module, e.g. `from . import x`)."""
+    return [(resolve(name, n.level, n.module), [a.name for a in n.names], n.lineno) for n in tree.body
             if isinstance(n, ast.ImportFrom) and n.level]
 
 
@@ -134,10 +155,32 @@ def top_names(tree):
     return out
 
 
+def present_modules():
+    """The modules under SRC as BUILD_ORDER names them ("core/base"), the rooms' __init__.py left out."""
+    return sorted(p.relative_to(SRC).with_suffix("").as_posix() for p in SRC.rglob("*.py") if p.name != "__init__.py")
+
+
+def room_problems():
+    """A room is a folder of aiv/ whose __init__.py holds its docstring only (the build drops it: an import
+    or a definition there would be lost from the shipped file)."""
+    out = []
+    for room in sorted({p.parent for p in SRC.rglob("*.py")} - {SRC}):
+        init = room / "__init__.py"
+        where = f"aiv/{room.relative_to(SRC).as_posix()}/__init__.py"
+        if not init.exists():
+            out.append(f"{where} is missing: a room holds a docstring that says what it is for")
+            continue
+        body = ast.parse(init.read_text()).body
+        if not (len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            out.append(f"{where}: a room's __init__.py holds its docstring only (the build drops everything else)")
+    return out
+
+
 def problems():
     """Everything wrong with the layering of aiv/, as lines (empty when none)."""
-    out = []
-    present = sorted(p.stem for p in SRC.glob("*.py") if p.stem != "__init__")
+    out = room_problems()
+    present = present_modules()
     for extra in sorted(set(present) - set(BUILD_ORDER)):
         out.append(f"aiv/{extra}.py is not in BUILD_ORDER (tools/build.py): add it where it belongs")
     for missing in [m for m in BUILD_ORDER if m not in present]:
@@ -149,17 +192,19 @@ def problems():
         if name not in present:
             continue
         _, tree = parse(name)
-        for mod, _names, line in relative_imports(tree):
-            src = f"aiv/{name}.py:{line}"
+        for n in (n for n in tree.body if isinstance(n, ast.ImportFrom) and n.level):
+            mod, _names, line = resolve(name, n.level, n.module), [a.name for a in n.names], n.lineno
+            src, said = f"aiv/{name}.py:{line}", "." * n.level + (n.module or "")
             if mod not in pos:
-                out.append(f"{src}: imports from .{mod}, which is not a module of BUILD_ORDER")
+                out.append(f"{src}: imports from {said}, which is not a module of BUILD_ORDER "
+                           "(write `from .module import name` or `from ..room.module import name`)")
             elif pos[mod] >= pos[name]:
-                out.append(f"{src}: imports from .{mod}, which comes {'at' if mod == name else 'after'} "
-                           f"{name} in the build order: no import runs back up")
+                out.append(f"{src}: imports from {said} (aiv/{mod}.py), which comes "
+                           f"{'at' if mod == name else 'after'} {name} in the build order: no import runs back up")
             elif name in PURE and mod in RUNTIME:
                 out.append(f"{src}: the pure module {name} imports the runtime module {mod}")
             else:
-                out += [f"{src}: imports {x} from .{mod}, which does not define it" for x in _names
+                out += [f"{src}: imports {x} from {said}, which does not define it" for x in _names
                         if x not in tops.get(mod, ())]
         if name in EFFECT_FREE:  # no effects in a judge or a report, at any depth of the module
             for n in ast.walk(tree):
@@ -172,7 +217,8 @@ def problems():
             if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0):
                 mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module]
                 if any(m.split(".")[0] in ("aiv", "ddp_mesh_ping") for m in mods):
-                    out.append(f"aiv/{name}.py:{n.lineno}: absolute import of the tool; use `from .module import`")
+                    out.append(f"aiv/{name}.py:{n.lineno}: absolute import of the tool; use `from .module import` "
+                               "or `from ..room.module import`")
         seen = {}
         for n in tree.body:  # a def or class given twice: the later one wins wherever the name is called
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
