@@ -12,12 +12,12 @@ from .core.base import (
     EXIT_PASS,
     EXIT_USAGE,
     UsageError,
-    emit,
     first_line,
     is_tool_error,
     where_raised,
 )
 from .core.deadlines import OUTPUT_S, BoundPassed, within
+from .core.speak import emit
 from .launch.local import launch_local
 from .launch.options import build_parser
 from .launch.plan import LAUNCHER_VARS, check_json_target, plan

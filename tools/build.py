@@ -33,6 +33,7 @@ BUILD_ORDER = (
     "core/base",          # constants, CHECKS, findings, hostlists, printing, the tool-error idiom
     "core/blame",         # the blame law: the evidence a finding stands on, each check's declaration, the gate
     "core/deadlines",     # the one table of bounds; Bound, the only place the watchdog is armed
+    "core/speak",         # emit: one line printed under a lock, a reader gone away survived; Findings, one owner
     "core/files",         # atomic writes and file locks, each under a bound
     # launch: how the tool is started
     "launch/contract",    # the launch variables (RANK, Slurm, torchrun, MPI), the job's secret

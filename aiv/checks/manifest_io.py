@@ -5,8 +5,9 @@ import json
 import os
 import sys
 
-from ..core.base import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, UsageError, emit, finding
+from ..core.base import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, UsageError, finding
 from ..core.files import LockTimeout, _file_lock, write_json_atomic
+from ..core.speak import emit
 from .manifest import (
     _hosts_in,
     diff_manifests,

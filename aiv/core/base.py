@@ -1,11 +1,9 @@
 """Floor 1: the tool's constants and stable names (CHECKS, exit codes), findings and verdict codes,
-hostlists and ranges, printing, and the one idiom for the tool's own errors (no host blamed)."""
+hostlists and ranges, and the one idiom for the tool's own errors (no host blamed)."""
 import contextlib
-import errno
 import os
 import re
 import sys
-import threading
 import time
 
 VERSION = "1.0.0"
@@ -346,43 +344,6 @@ def _screen_median(values):
     return _screen_quantile(v, 0.5) if v else None
 
 
-_PRINT_LOCK = threading.Lock()
-
-
-def emit(line, stream=None):
-    """Print a line. A reader that went away (`| head`, a closed terminal) never stops the run: the
-    stream's descriptor is pointed at /dev/null and the run goes on to its verdict and its JSON."""
-    with _PRINT_LOCK:
-        stream = stream or sys.stdout
-        try:
-            stream.write(line + "\n")
-            stream.flush()
-        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
-            drop_stream(stream)
-        except OSError as e:
-            if e.errno not in (errno.EPIPE, errno.EIO):
-                raise
-            drop_stream(stream)
-
-
-def drop_stream(stream):
-    """Point a dead stream's descriptor at /dev/null: later writes and the flush at exit are silent."""
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, stream.fileno())
-        os.close(null)
-    except (OSError, ValueError):
-        pass
-
-
-def flush_all():
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            drop_stream(stream)
-
-
 def first_text_line(text, limit=160):
     """A command's first non-blank line of output, stripped and cut at `limit` ('' when none)."""
     return next((ln.strip() for ln in (text or "").splitlines() if ln.strip()), "")[:limit]
@@ -448,48 +409,3 @@ def failed(check, reason, code=EXIT_FAIL, hosts=(), ranks=(), blame=None):
 
 def _counts(findings):
     return ", ".join(f"{sum(f['status'] == s for f in findings)} {s}" for s in ("PASS", "WARN", "FAIL"))
-
-
-class Findings:
-    """The run's findings, one owner. The phases add to it (+=, append) and read it (iteration, code()),
-    every call under one lock; the verdict, given by whichever thread concludes first (the main thread,
-    the watchdog, the signal thread), takes it whole once (close) and works on its own list from then
-    on. A finding added after that is not part of the verdict: it goes to stderr, never lost silently."""
-
-    def __init__(self, items=()):
-        self._lock = threading.Lock()
-        self._items, self._closed = list(items), False
-
-    def __iadd__(self, items):
-        items = list(items)
-        with self._lock:
-            if not self._closed:
-                self._items.extend(items)
-                return self
-        for f in items:
-            emit(f"NOTE: a finding came after the verdict and is not part of it: {f['check']}: {f['reason']}",
-                 sys.stderr)
-        return self
-
-    def append(self, f):
-        self += [f]
-
-    def snapshot(self):
-        with self._lock:
-            return list(self._items)
-
-    def close(self):
-        """The findings as they stand, for the verdict; nothing joins them afterwards."""
-        with self._lock:
-            self._closed = True
-            return list(self._items)
-
-    def code(self):
-        return verdict_code(self.snapshot())
-
-    def __iter__(self):
-        return iter(self.snapshot())
-
-    def __len__(self):
-        with self._lock:
-            return len(self._items)

@@ -10,8 +10,9 @@ import sys
 import time
 
 from ..checks.judge import STOPPED_WORDS
-from ..core.base import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_PASS, EXIT_TIMEOUT, emit, format_ranges
+from ..core.base import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_PASS, EXIT_TIMEOUT, format_ranges
 from ..core.deadlines import ACKS_S, LAUNCHER_SLACK_S, NAMING_S, deadlines, worst_case
+from ..core.speak import emit
 from ..run.liveness import launch_key, sweep_said
 from .contract import SECRET_VAR
 from .launchers import LAUNCH_VAR

@@ -27,9 +27,7 @@ from ..core.base import (
     EXIT_TIMEOUT,
     SCHEMA_VERSION,
     VERSION,
-    emit,
     first_line,
-    flush_all,
     is_tool_error,
     print_traceback,
     read_text,
@@ -44,6 +42,7 @@ from ..core.deadlines import (
     NODE_SMI_BOUND_S,
 )
 from ..core.files import write_json_atomic, write_text_atomic
+from ..core.speak import emit, flush_all
 from ..launch.local import die_with_parent
 from ..launch.options import DRAIN_PREFIX
 from ..launch.plan import free_port

@@ -1,7 +1,8 @@
 """Floor 4: --verify-log: a whole log judged again, with no torch and no cluster."""
 import re
 
-from ..core.base import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, SUCCESS_LINE, emit, expand_hostlist, parse_ranges
+from ..core.base import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, SUCCESS_LINE, expand_hostlist, parse_ranges
+from ..core.speak import emit
 
 # A saved log passes only when it shows one clean PASS from start to end: the success line, no
 # FAILURE line, a "Verdict: PASS exit=0" line, all ranks reported, an exact all_reduce, identical

@@ -22,8 +22,9 @@ from ..checks.interfaces import (
     parse_nccl_ifaces,
     parse_nccl_transport,
 )
-from ..core.base import emit, read_text
+from ..core.base import read_text
 from ..core.deadlines import NCCL_RELAY_S
+from ..core.speak import emit
 from ..screen.measure import finish_node_smi
 
 

@@ -15,7 +15,6 @@ from ..core.base import (
     EXIT_PASS,
     _counts,
     elapsed,
-    emit,
     finding,
     first_line,
     internal_finding,
@@ -26,6 +25,7 @@ from ..core.base import (
 from ..core.blame import blame_gate
 from ..core.deadlines import AUDIT_S, OUTPUT_S, STORE_OP_S, bounded, within
 from ..core.files import write_json_atomic, write_text_atomic
+from ..core.speak import emit
 from ..out.drain import drain_apply
 from ..out.outputs import drain_blocker, drain_plan, render_metrics, verdict_state
 from ..out.page import render_html

@@ -34,7 +34,6 @@ from ..core.base import (
     Verdict,
     _counts,
     elapsed,
-    emit,
     failed,
     finding,
     first_line,
@@ -65,6 +64,7 @@ from ..core.deadlines import (
     bounded,
     live_period,
 )
+from ..core.speak import emit
 from ..launch.contract import slurm_expected_hosts
 from ..screen.measure import SCREEN_MATMUL_N
 from ..screen.run import ScreenCoordinator

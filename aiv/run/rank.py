@@ -39,13 +39,10 @@ from ..core.base import (
     EXIT_INTERNAL,
     EXIT_PASS,
     EXIT_TIMEOUT,
-    Findings,
     Verdict,
-    emit,
     failed,
     finding,
     first_line,
-    flush_all,
     format_ranges,
     human_bytes,
     internal_finding,
@@ -74,6 +71,7 @@ from ..core.deadlines import (
     worst_case,
 )
 from ..core.files import write_json_atomic
+from ..core.speak import Findings, emit, flush_all
 from ..launch.contract import job_secret, launcher_expectations, launcher_store, under_torchrun
 from ..launch.launchers import node_name
 from ..out.render import BAR
