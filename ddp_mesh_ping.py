@@ -711,7 +711,7 @@ def minority_kind(bad, members):
 
 
 # ============================================================================ aiv/core/deadlines.py
-# Floor 1: every bound in one table (deadlines()), the small waits beside it, the watchdog, and Bound:
+# Floor 1: every bound in one table (deadlines()) and the small waits beside it, as plain numbers;
 TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
 ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
 NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name the culprits, publish
@@ -805,6 +805,94 @@ def live_period(nodes):
     return min(2.0, max(1.0, nodes / 500.0))
 
 
+
+# ============================================================================ aiv/core/speak.py
+# Floor 1: speaking, the effects of the floor: one line printed under a lock that outlives a reader gone
+_PRINT_LOCK = threading.Lock()
+
+
+def emit(line, stream=None):
+    """Print a line. A reader that went away (`| head`, a closed terminal) never stops the run: the
+    stream's descriptor is pointed at /dev/null and the run goes on to its verdict and its JSON."""
+    with _PRINT_LOCK:
+        stream = stream or sys.stdout
+        try:
+            stream.write(line + "\n")
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+            drop_stream(stream)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.EIO):
+                raise
+            drop_stream(stream)
+
+
+def drop_stream(stream):
+    """Point a dead stream's descriptor at /dev/null: later writes and the flush at exit are silent."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
+    except (OSError, ValueError):
+        pass
+
+
+def flush_all():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            drop_stream(stream)
+
+
+class Findings:
+    """The run's findings, one owner. The phases add to it (+=, append) and read it (iteration, code()),
+    every call under one lock; the verdict, given by whichever thread concludes first (the main thread,
+    the watchdog, the signal thread), takes it whole once (close) and works on its own list from then
+    on. A finding added after that is not part of the verdict: it goes to stderr, never lost silently."""
+
+    def __init__(self, items=()):
+        self._lock = threading.Lock()
+        self._items, self._closed = list(items), False
+
+    def __iadd__(self, items):
+        items = list(items)
+        with self._lock:
+            if not self._closed:
+                self._items.extend(items)
+                return self
+        for f in items:
+            emit(f"NOTE: a finding came after the verdict and is not part of it: {f['check']}: {f['reason']}",
+                 sys.stderr)
+        return self
+
+    def append(self, f):
+        self += [f]
+
+    def snapshot(self):
+        with self._lock:
+            return list(self._items)
+
+    def close(self):
+        """The findings as they stand, for the verdict; nothing joins them afterwards."""
+        with self._lock:
+            self._closed = True
+            return list(self._items)
+
+    def code(self):
+        return verdict_code(self.snapshot())
+
+    def __iter__(self):
+        return iter(self.snapshot())
+
+    def __len__(self):
+        with self._lock:
+            return len(self._items)
+
+
+
+# ============================================================================ aiv/core/bounds.py
+# Floor 1: the bounds that enforce the table of aiv/core/deadlines.py: Bound (one phase's bound, the
 class BoundPassed(TimeoutError):
     """A call run under a bound (within) did not return in time."""
 
@@ -961,91 +1049,6 @@ class Watchdog:
                     self.tick = None
                     if self.on_error is not None:
                         self.on_error("the watchdog's liveness tick", e)
-
-
-
-# ============================================================================ aiv/core/speak.py
-# Floor 1: speaking, the effects of the floor: one line printed under a lock that outlives a reader gone
-_PRINT_LOCK = threading.Lock()
-
-
-def emit(line, stream=None):
-    """Print a line. A reader that went away (`| head`, a closed terminal) never stops the run: the
-    stream's descriptor is pointed at /dev/null and the run goes on to its verdict and its JSON."""
-    with _PRINT_LOCK:
-        stream = stream or sys.stdout
-        try:
-            stream.write(line + "\n")
-            stream.flush()
-        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
-            drop_stream(stream)
-        except OSError as e:
-            if e.errno not in (errno.EPIPE, errno.EIO):
-                raise
-            drop_stream(stream)
-
-
-def drop_stream(stream):
-    """Point a dead stream's descriptor at /dev/null: later writes and the flush at exit are silent."""
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, stream.fileno())
-        os.close(null)
-    except (OSError, ValueError):
-        pass
-
-
-def flush_all():
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            drop_stream(stream)
-
-
-class Findings:
-    """The run's findings, one owner. The phases add to it (+=, append) and read it (iteration, code()),
-    every call under one lock; the verdict, given by whichever thread concludes first (the main thread,
-    the watchdog, the signal thread), takes it whole once (close) and works on its own list from then
-    on. A finding added after that is not part of the verdict: it goes to stderr, never lost silently."""
-
-    def __init__(self, items=()):
-        self._lock = threading.Lock()
-        self._items, self._closed = list(items), False
-
-    def __iadd__(self, items):
-        items = list(items)
-        with self._lock:
-            if not self._closed:
-                self._items.extend(items)
-                return self
-        for f in items:
-            emit(f"NOTE: a finding came after the verdict and is not part of it: {f['check']}: {f['reason']}",
-                 sys.stderr)
-        return self
-
-    def append(self, f):
-        self += [f]
-
-    def snapshot(self):
-        with self._lock:
-            return list(self._items)
-
-    def close(self):
-        """The findings as they stand, for the verdict; nothing joins them afterwards."""
-        with self._lock:
-            self._closed = True
-            return list(self._items)
-
-    def code(self):
-        return verdict_code(self.snapshot())
-
-    def __iter__(self):
-        return iter(self.snapshot())
-
-    def __len__(self):
-        with self._lock:
-            return len(self._items)
 
 
 

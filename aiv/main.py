@@ -16,7 +16,8 @@ from .core.base import (
     is_tool_error,
     where_raised,
 )
-from .core.deadlines import OUTPUT_S, BoundPassed, within
+from .core.bounds import BoundPassed, within
+from .core.deadlines import OUTPUT_S
 from .core.speak import emit
 from .launch.local import launch_local
 from .launch.options import build_parser

@@ -32,8 +32,9 @@ BUILD_ORDER = (
     # core: the floor every mode stands on
     "core/base",          # constants, CHECKS, findings, hostlists, printing, the tool-error idiom
     "core/blame",         # the blame law: the evidence a finding stands on, each check's declaration, the gate
-    "core/deadlines",     # the one table of bounds; Bound, the only place the watchdog is armed
+    "core/deadlines",     # the one table of bounds, plain numbers
     "core/speak",         # emit: one line printed under a lock, a reader gone away survived; Findings, one owner
+    "core/bounds",        # Bound, the only place the watchdog is armed; the watchdog; within, bounded
     "core/files",         # atomic writes and file locks, each under a bound
     # launch: how the tool is started
     "launch/contract",    # the launch variables (RANK, Slurm, torchrun, MPI), the job's secret

@@ -23,7 +23,8 @@ from ..core.base import (
     where_raised,
 )
 from ..core.blame import blame_gate
-from ..core.deadlines import AUDIT_S, OUTPUT_S, STORE_OP_S, bounded, within
+from ..core.bounds import bounded, within
+from ..core.deadlines import AUDIT_S, OUTPUT_S, STORE_OP_S
 from ..core.files import write_json_atomic, write_text_atomic
 from ..core.speak import emit
 from ..out.drain import drain_apply

@@ -43,6 +43,7 @@ from ..core.base import (
     where_raised,
 )
 from ..core.blame import unlocalised
+from ..core.bounds import Bound, bounded
 from ..core.deadlines import (
     ACKS_S,
     ACKS_SIGNALLED_S,
@@ -60,8 +61,6 @@ from ..core.deadlines import (
     SNAPSHOT_S,
     STORE_OP_S,
     TERM_REPORTS_S,
-    Bound,
-    bounded,
     live_period,
 )
 from ..core.speak import emit

@@ -19,6 +19,7 @@ from ..core.base import (
     is_tool_error,
     print_traceback,
 )
+from ..core.bounds import Bound, bounded
 from ..core.deadlines import (
     ACKS_SIGNALLED_S,
     NAMING_S,
@@ -26,8 +27,6 @@ from ..core.deadlines import (
     RANK0_GRACE,
     SIGNAL_SPREAD_S,
     STORE_OP_S,
-    Bound,
-    bounded,
     worst_case,
 )
 from ..launch.contract import launcher_store

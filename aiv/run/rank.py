@@ -50,6 +50,7 @@ from ..core.base import (
     print_traceback,
     where_raised,
 )
+from ..core.bounds import Bound, BoundPassed, Watchdog, within
 from ..core.deadlines import (
     IMPORT_PROBE_S,
     MARK_TTL,
@@ -62,12 +63,8 @@ from ..core.deadlines import (
     RESOLVE_S,
     SCREEN_PHASES,
     TORCH_BACKSTOP_S,
-    Bound,
-    BoundPassed,
-    Watchdog,
     deadlines,
     live_period,
-    within,
     worst_case,
 )
 from ..core.files import write_json_atomic
