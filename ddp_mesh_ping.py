@@ -504,6 +504,69 @@ def _counts(findings):
 
 
 
+# ============================================================================ aiv/core/names.py
+# Floor 1: the names the collectors and the judges share, effect-free: the packages probed beside torch,
+# -- the software probed beside torch (checks/collect.py imports them in a child process)
+PROBED_PACKAGES = ("torchvision", "torchaudio")
+
+
+def ib_hca_select(spec, ports):
+    """Ports NCCL_IB_HCA selects: 'mlx5_0:1,mlx5_1' prefixes; '=' exact; '^' exclude."""
+    if not spec:
+        return ports
+    spec = spec.strip()
+    exclude = spec.startswith("^")
+    spec = spec[1:] if exclude else spec
+    exact = spec.startswith("=")
+    spec = spec[1:] if exact else spec
+    pats = [p.strip() for p in spec.split(",") if p.strip()]
+
+    def hit(port):
+        dev, num = port["port"].split(":")
+        for p in pats:
+            pd, _, pn = p.partition(":")
+            if (dev == pd if exact else dev.startswith(pd)) and (not pn or pn == num):
+                return True
+        return False
+    return [p for p in ports if hit(p) != exclude]
+
+
+# -- facts read under load: the GPU's clock limits (NVML's clock-event reasons)
+THROTTLE_IGNORED = 0x1 | 0x2   # GPU idle, application clocks setting: not a slowdown
+THROTTLE_REASONS = {0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x10: "sync-boost", 0x20: "sw-thermal",
+                    0x40: "hw-thermal", 0x80: "hw-power-brake", 0x100: "display-clocks"}
+THROTTLE_FAULTS = 0x8 | 0x20 | 0x40 | 0x80  # heat, a power brake or the board slowing the clocks: a WARN
+
+
+def throttle_names(mask):
+    """Names of the active clock limits in an NVML bitmask, the idle and application-clock bits left out."""
+    mask = int(mask or 0) & ~THROTTLE_IGNORED
+    names = [n for bit, n in sorted(THROTTLE_REASONS.items()) if mask & bit]
+    rest = mask & ~sum(THROTTLE_REASONS)
+    return names + ([hex(rest)] if rest else [])
+
+
+# -- what nvidia-smi is read for (screen/measure.py reads it)
+SMI_WHAT = "SM clock, clock limits, temperature and power under load"  # what SmiProbe reads, as a note names it
+NODE_SMI_WHAT = "uncorrected ECC errors and row remapping"  # what the node's call reads, as a note names it
+
+# -- the numerics check's kinds (checks/numerics_measure.py computes them, checks/numerics.py judges them)
+NUMERICS_CHECKS = ("matmul-bf16", "linear-bf16", "matmul-fp32", "matmul-tf32", "elementwise-fp32", "ddp-grad")
+NUMERICS_WHAT = {
+    "matmul-bf16": "bf16 matmul through torch.matmul",
+    "linear-bf16": "bf16 linear with bias through F.linear",
+    "matmul-fp32": "fp32 matmul through @, TF32 off",
+    "matmul-tf32": "fp32 matmul through @ with TF32",
+    "elementwise-fp32": "fp32 a*b+c through torch.addcmul",
+    "ddp-grad": "the DDP step's local gradients before the all-reduce: nn.Linear(10, 10), the same input on "
+                "every rank",
+}
+
+# -- the drain (out/outputs.py plans it, out/drain.py and node/check.py apply it)
+DRAIN_PREFIX = "aiv:"       # the reason's owned prefix: a site finds (and resumes) our drains by it
+
+
+
 # ============================================================================ aiv/core/blame.py
 # Floor 1: the blame law, in one place. A host is named (failed_hosts, exclude, a drain) only on evidence
 # Evidence that singles a host out: a finding standing on it may name the host.
@@ -2023,7 +2086,6 @@ def parse_args(argv, env):
 # Where the verdict goes besides the log and the JSON: Slurm's node state (drain), Prometheus text, one
 # page. Each is planned or rendered by a pure function of the verdict's state; only drain_apply acts.
 DRAIN_MODES = ("off", "recommend", "on")
-DRAIN_PREFIX = "aiv:"       # the reason's owned prefix: a site finds (and resumes) our drains by it
 
 
 # --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the
@@ -2398,7 +2460,6 @@ def _driver_version(root):
     return m.group(1) if m else txt.splitlines()[0][:60]
 
 
-PROBED_PACKAGES = ("torchvision", "torchaudio")
 IMPORT_PROBE = r"""
 import json, os, sys
 os.nice(19)  # behind every rank's own work: on a node whose ranks still import, it waits for them
@@ -2567,25 +2628,6 @@ def torch_versions(torch_mod):
             "python": ".".join(map(str, sys.version_info[:3]))}
 
 
-def ib_hca_select(spec, ports):
-    """Ports NCCL_IB_HCA selects: 'mlx5_0:1,mlx5_1' prefixes; '=' exact; '^' exclude."""
-    if not spec:
-        return ports
-    spec = spec.strip()
-    exclude = spec.startswith("^")
-    spec = spec[1:] if exclude else spec
-    exact = spec.startswith("=")
-    spec = spec[1:] if exact else spec
-    pats = [p.strip() for p in spec.split(",") if p.strip()]
-
-    def hit(port):
-        dev, num = port["port"].split(":")
-        for p in pats:
-            pd, _, pn = p.partition(":")
-            if (dev == pd if exact else dev.startswith(pd)) and (not pn or pn == num):
-                return True
-        return False
-    return [p for p in ports if hit(p) != exclude]
 NODE_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")
 PCI_LINK_FILES = ("current_link_width", "current_link_speed", "max_link_width", "max_link_speed")
 
@@ -2604,21 +2646,6 @@ def pci_link(root, pci):
         if m:
             out[name] = int(float(m.group(1))) if name.endswith("width") else float(m.group(1))
     return out
-
-
-# -- facts read under load: the GPU's PCIe link, clock limits, ECC and row remapping
-THROTTLE_IGNORED = 0x1 | 0x2   # GPU idle, application clocks setting: not a slowdown
-THROTTLE_REASONS = {0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x10: "sync-boost", 0x20: "sw-thermal",
-                    0x40: "hw-thermal", 0x80: "hw-power-brake", 0x100: "display-clocks"}
-THROTTLE_FAULTS = 0x8 | 0x20 | 0x40 | 0x80  # heat, a power brake or the board slowing the clocks: a WARN
-
-
-def throttle_names(mask):
-    """Names of the active clock limits in an NVML bitmask, the idle and application-clock bits left out."""
-    mask = int(mask or 0) & ~THROTTLE_IGNORED
-    names = [n for bit, n in sorted(THROTTLE_REASONS.items()) if mask & bit]
-    rest = mask & ~sum(THROTTLE_REASONS)
-    return names + ([hex(rest)] if rest else [])
 
 
 
@@ -2754,16 +2781,6 @@ NUMERICS_SHAPE = {"gpu": (4096, 1024, 4096), "cpu": (128, 256, 256)}   # (M, K, 
 NUMERICS_ELEMENTS = {"gpu": 1 << 20, "cpu": 1 << 14}                   # the elementwise kernel's length
 NUMERICS_SEED = 31
 NUMERICS_BLOCK = 64          # GPU: the fp64 reference computed on the device is checked on this block on the CPU
-NUMERICS_CHECKS = ("matmul-bf16", "linear-bf16", "matmul-fp32", "matmul-tf32", "elementwise-fp32", "ddp-grad")
-NUMERICS_WHAT = {
-    "matmul-bf16": "bf16 matmul through torch.matmul",
-    "linear-bf16": "bf16 linear with bias through F.linear",
-    "matmul-fp32": "fp32 matmul through @, TF32 off",
-    "matmul-tf32": "fp32 matmul through @ with TF32",
-    "elementwise-fp32": "fp32 a*b+c through torch.addcmul",
-    "ddp-grad": "the DDP step's local gradients before the all-reduce: nn.Linear(10, 10), the same input on "
-                "every rank",
-}
 # Variables that change which kernels cuBLAS runs or how: part of "the same software" (a rank with another
 # value is judged in another group, never against the others' bits).
 NUMERICS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "NVIDIA_TF32_OVERRIDE",
@@ -3085,7 +3102,6 @@ SCREEN_AR_ITERS = {"gpu": (3, 12), "cpu": (1, 8)}      # warm-up and timed itera
 SCREEN_SMI_S = 3.0    # nvidia-smi must answer within this while the GPU stays loaded; else no such facts
 SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks_throttle_reasons.active", "temperature.gpu", "power.draw")
 SMI_KEYS = ("sm_mhz", "sm_max_mhz", "throttle", "temp_c", "power_w")
-SMI_WHAT = "SM clock, clock limits, temperature and power under load"  # what SmiProbe reads, as a note names it
 SMI_RENAMED = {"clocks_throttle_reasons.active": "clocks_event_reasons.active"}  # drivers that dropped the old name
 
 
@@ -3113,7 +3129,6 @@ def parse_smi(text, keys=SMI_KEYS):
 
 NODE_SMI_FIELDS = ("uuid", "ecc.errors.uncorrected.volatile.total", "remapped_rows.pending", "remapped_rows.failure")
 NODE_SMI_KEYS = ("uuid", "ecc_uncorrected", "remap_pending", "remap_failure")
-NODE_SMI_WHAT = "uncorrected ECC errors and row remapping"  # what the node's call reads, as a note names it
 
 
 def parse_node_smi(text):

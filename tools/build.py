@@ -30,7 +30,8 @@ OUT = ROOT / "ddp_mesh_ping.py"
 # A module imports only from modules before it in this list.
 BUILD_ORDER = (
     # core: the floor every mode stands on
-    "core/base",          # constants, CHECKS, findings, hostlists, printing, the tool-error idiom
+    "core/base",          # constants, CHECKS, findings, hostlists, the tool-error idiom
+    "core/names",         # the names collectors and judges share: probed packages, clock reasons, drain prefix
     "core/blame",         # the blame law: the evidence a finding stands on, each check's declaration, the gate
     "core/deadlines",     # the one table of bounds, plain numbers
     "core/speak",         # emit: one line printed under a lock, a reader gone away survived; Findings, one owner

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from ..core.base import _screen_key, first_line, read_text, safe_env
+from ..core.names import PROBED_PACKAGES, ib_hca_select
 from ..launch.launchers import allocated_gpus
 from .interfaces import _usable, list_interfaces
 
@@ -166,7 +167,6 @@ def _driver_version(root):
     return m.group(1) if m else txt.splitlines()[0][:60]
 
 
-PROBED_PACKAGES = ("torchvision", "torchaudio")
 IMPORT_PROBE = r"""
 import json, os, sys
 os.nice(19)  # behind every rank's own work: on a node whose ranks still import, it waits for them
@@ -335,25 +335,6 @@ def torch_versions(torch_mod):
             "python": ".".join(map(str, sys.version_info[:3]))}
 
 
-def ib_hca_select(spec, ports):
-    """Ports NCCL_IB_HCA selects: 'mlx5_0:1,mlx5_1' prefixes; '=' exact; '^' exclude."""
-    if not spec:
-        return ports
-    spec = spec.strip()
-    exclude = spec.startswith("^")
-    spec = spec[1:] if exclude else spec
-    exact = spec.startswith("=")
-    spec = spec[1:] if exact else spec
-    pats = [p.strip() for p in spec.split(",") if p.strip()]
-
-    def hit(port):
-        dev, num = port["port"].split(":")
-        for p in pats:
-            pd, _, pn = p.partition(":")
-            if (dev == pd if exact else dev.startswith(pd)) and (not pn or pn == num):
-                return True
-        return False
-    return [p for p in ports if hit(p) != exclude]
 NODE_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")
 PCI_LINK_FILES = ("current_link_width", "current_link_speed", "max_link_width", "max_link_speed")
 
@@ -372,18 +353,3 @@ def pci_link(root, pci):
         if m:
             out[name] = int(float(m.group(1))) if name.endswith("width") else float(m.group(1))
     return out
-
-
-# -- facts read under load: the GPU's PCIe link, clock limits, ECC and row remapping
-THROTTLE_IGNORED = 0x1 | 0x2   # GPU idle, application clocks setting: not a slowdown
-THROTTLE_REASONS = {0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x10: "sync-boost", 0x20: "sw-thermal",
-                    0x40: "hw-thermal", 0x80: "hw-power-brake", 0x100: "display-clocks"}
-THROTTLE_FAULTS = 0x8 | 0x20 | 0x40 | 0x80  # heat, a power brake or the board slowing the clocks: a WARN
-
-
-def throttle_names(mask):
-    """Names of the active clock limits in an NVML bitmask, the idle and application-clock bits left out."""
-    mask = int(mask or 0) & ~THROTTLE_IGNORED
-    names = [n for bit, n in sorted(THROTTLE_REASONS.items()) if mask & bit]
-    rest = mask & ~sum(THROTTLE_REASONS)
-    return names + ([hex(rest)] if rest else [])

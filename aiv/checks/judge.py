@@ -17,8 +17,7 @@ from ..core.base import (
 )
 from ..core.blame import minority_kind, odd_ones, unlocalised
 from ..core.deadlines import ISSUE_PHASES, ISSUED_S, NODE_SMI_S, PHASE_CHECK, PHASES
-from ..screen.measure import NODE_SMI_WHAT
-from .collect import PROBED_PACKAGES, ib_hca_select
+from ..core.names import NODE_SMI_WHAT, PROBED_PACKAGES, ib_hca_select
 from .hang import (
     FABRIC_HINT,
     RERUN_HINT,

@@ -12,7 +12,7 @@ from ..core.base import (
     format_ranges,
 )
 from ..core.blame import unlocalised
-from .collect import PROBED_PACKAGES
+from ..core.names import PROBED_PACKAGES
 from .judge import _by_host, _import_state, screen_reference
 
 # Accept once, gate forever. --save-manifest PATH writes the state a PASS saw (its WARNs recorded as

@@ -3,7 +3,7 @@ grouped by GPU model and software, bit for bit within a group and against the fp
 local gradients; the soak's repeats. Pure functions of plain data."""
 from ..core.base import EXIT_INTERNAL, compress_hostlist, finding, format_ranges
 from ..core.blame import unlocalised
-from .numerics_measure import NUMERICS_CHECKS, NUMERICS_WHAT
+from ..core.names import NUMERICS_CHECKS, NUMERICS_WHAT
 
 NUMERICS_LIST_MAX = 16       # beyond this many culprits, one finding lists the first ones and a count
 NUMERICS_ACTION = ("drain it and run the vendor's diagnostics before it returns to service (DCGM level 3: "

@@ -17,16 +17,6 @@ NUMERICS_SHAPE = {"gpu": (4096, 1024, 4096), "cpu": (128, 256, 256)}   # (M, K, 
 NUMERICS_ELEMENTS = {"gpu": 1 << 20, "cpu": 1 << 14}                   # the elementwise kernel's length
 NUMERICS_SEED = 31
 NUMERICS_BLOCK = 64          # GPU: the fp64 reference computed on the device is checked on this block on the CPU
-NUMERICS_CHECKS = ("matmul-bf16", "linear-bf16", "matmul-fp32", "matmul-tf32", "elementwise-fp32", "ddp-grad")
-NUMERICS_WHAT = {
-    "matmul-bf16": "bf16 matmul through torch.matmul",
-    "linear-bf16": "bf16 linear with bias through F.linear",
-    "matmul-fp32": "fp32 matmul through @, TF32 off",
-    "matmul-tf32": "fp32 matmul through @ with TF32",
-    "elementwise-fp32": "fp32 a*b+c through torch.addcmul",
-    "ddp-grad": "the DDP step's local gradients before the all-reduce: nn.Linear(10, 10), the same input on "
-                "every rank",
-}
 # Variables that change which kernels cuBLAS runs or how: part of "the same software" (a rank with another
 # value is judged in another group, never against the others' bits).
 NUMERICS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "NVIDIA_TF32_OVERRIDE",

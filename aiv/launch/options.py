@@ -7,6 +7,7 @@ import re
 
 from ..core.base import DESCRIPTION, ENV_DENY_WORDS, UsageError, human_bytes
 from ..core.deadlines import NODE_BUDGET_DEFAULT, ROLLCALL_DEFAULT, TIMEOUT_DEFAULT
+from ..core.names import DRAIN_PREFIX
 from .contract import job_secret
 
 # One grammar for every flag and AIV_* variable: on = 1/on/yes/true, off = 0/off/no/false (any case);
@@ -331,7 +332,6 @@ def parse_args(argv, env):
 # Where the verdict goes besides the log and the JSON: Slurm's node state (drain), Prometheus text, one
 # page. Each is planned or rendered by a pure function of the verdict's state; only drain_apply acts.
 DRAIN_MODES = ("off", "recommend", "on")
-DRAIN_PREFIX = "aiv:"       # the reason's owned prefix: a site finds (and resumes) our drains by it
 
 
 # --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the

@@ -42,9 +42,9 @@ from ..core.deadlines import (
     NODE_SMI_BOUND_S,
 )
 from ..core.files import write_json_atomic, write_text_atomic
+from ..core.names import DRAIN_PREFIX
 from ..core.speak import emit, flush_all
 from ..launch.local import die_with_parent
-from ..launch.options import DRAIN_PREFIX
 from ..launch.plan import free_port
 from ..out.outputs import drain_keeps
 from ..screen.measure import screen_busbw, screen_measure_gpu

@@ -5,11 +5,11 @@ EVIDENCE_SINGLES when it singles this node out (only those fail a prolog, drain 
 EVIDENCE_NAMES_NONE when it does not. Pure: plain data in, findings out."""
 import re
 
-from ..checks.collect import THROTTLE_FAULTS, throttle_names
 from ..checks.manifest import judge_manifest
 from ..checks.numerics import judge_numerics, numerics_group
 from ..core.base import finding, format_ranges, human_bytes, parse_ranges, scontrol_reason
 from ..core.blame import LOCALISING, UNLOCALISED, drainable
+from ..core.names import THROTTLE_FAULTS, throttle_names
 from ..screen.gpu import judge_gpu_perf
 
 NODE_CONTEXTS = ("prolog", "epilog", "health", "npd")

@@ -20,7 +20,7 @@ from ..core.base import (
 )
 from ..core.blame import blamed_hosts, drainable
 from ..core.deadlines import PHASES
-from ..launch.options import DRAIN_PREFIX
+from ..core.names import DRAIN_PREFIX
 from ..screen.gpu import gpu_levels
 from ..screen.judge import screen_degraded_note, screen_diagnose
 from .render import failure_lines

@@ -2,7 +2,6 @@
 import json
 import re
 
-from ..checks.collect import PROBED_PACKAGES, throttle_names
 from ..checks.judge import _by_host, _import_state, screen_reference
 from ..core.base import (
     SUCCESS_LINE,
@@ -14,9 +13,9 @@ from ..core.base import (
     human_bytes,
 )
 from ..core.deadlines import DRAIN_S, PHASES
+from ..core.names import PROBED_PACKAGES, SMI_WHAT, throttle_names
 from ..screen.gpu import GPU_FACT_KEYS, _gpu_flags, _table_rule, gpu_fact_problems, gpu_table_row
 from ..screen.judge import SCREEN_RENDER_ALL, SCREEN_RENDER_SLOW, _intra_class_text, intra_levels, screen_diagnose
-from ..screen.measure import SMI_WHAT
 from ..screen.plan import SCREEN_CPU_FAIL, SCREEN_GPU_METRICS, _screen_ref_text, _screen_worst, _sn, screen_round_label
 from ..screen.soak import SOAK_DECAY_FAIL, SOAK_DECAY_WARN, _soak_n, soak_problems, soak_verdict
 

@@ -4,11 +4,11 @@ judge_gpu_transients); its facts under load; the reference and the lines that ju
 judging_lines), which the page draws."""
 import re
 
-from ..checks.collect import THROTTLE_FAULTS, throttle_names
 from ..checks.judge import screen_reference
 from ..checks.manifest import BAND_MIN_RUNS, BAND_SLACK, BAND_SLACK_CPU, _band_points, _host_classes
 from ..core.base import _screen_sorted, finding
 from ..core.blame import unlocalised
+from ..core.names import THROTTLE_FAULTS, throttle_names
 from .plan import (
     SCREEN_FLOOR_OPTIONS,
     SCREEN_GPU_LABELS,

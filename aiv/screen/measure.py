@@ -11,10 +11,11 @@ import sys
 import threading
 import time
 
-from ..checks.collect import pci_link, throttle_names
+from ..checks.collect import pci_link
 from ..checks.numerics_measure import NumericsRepeat, start_numerics
 from ..core.base import _screen_median, first_line, first_text_line, is_tool_error
 from ..core.deadlines import NODE_SMI_S
+from ..core.names import throttle_names
 
 # What the performance screen measures (section `screen` judges it). GPU: each measurement runs about
 # SCREEN_TARGET_S of timed work after a warm-up, in SCREEN_BLOCKS device-synchronised blocks, and the
@@ -32,7 +33,6 @@ SCREEN_AR_ITERS = {"gpu": (3, 12), "cpu": (1, 8)}      # warm-up and timed itera
 SCREEN_SMI_S = 3.0    # nvidia-smi must answer within this while the GPU stays loaded; else no such facts
 SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks_throttle_reasons.active", "temperature.gpu", "power.draw")
 SMI_KEYS = ("sm_mhz", "sm_max_mhz", "throttle", "temp_c", "power_w")
-SMI_WHAT = "SM clock, clock limits, temperature and power under load"  # what SmiProbe reads, as a note names it
 SMI_RENAMED = {"clocks_throttle_reasons.active": "clocks_event_reasons.active"}  # drivers that dropped the old name
 
 
@@ -60,7 +60,6 @@ def parse_smi(text, keys=SMI_KEYS):
 
 NODE_SMI_FIELDS = ("uuid", "ecc.errors.uncorrected.volatile.total", "remapped_rows.pending", "remapped_rows.failure")
 NODE_SMI_KEYS = ("uuid", "ecc_uncorrected", "remap_pending", "remap_failure")
-NODE_SMI_WHAT = "uncorrected ECC errors and row remapping"  # what the node's call reads, as a note names it
 
 
 def parse_node_smi(text):

@@ -1,8 +1,8 @@
 """Floor 3: the soak's judges (--soak): a GPU whose matmul speed decays under sustained load, or whose
 clocks slow for heat or power, named with its host."""
-from ..checks.collect import throttle_names
 from ..checks.numerics import judge_numerics_soak
 from ..core.base import finding
+from ..core.names import throttle_names
 from .gpu import per_gpu_findings
 from .plan import _screen_worst, _sn, screen_gpu_rows
 
