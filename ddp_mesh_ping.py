@@ -10078,25 +10078,6 @@ def verify_log(text, expect, strict=False):
     return not problems, problems, facts
 
 
-def run_verify_log(args, argv=()):
-    """--verify-log FILE (never empty: plan() refuses that): 0 the log shows a clean PASS, 1 it does not,
-    2 the file cannot be read."""
-    try:
-        with open(args.verify_log, "rb") as f:
-            text = read_log_lines(f)
-    except OSError as e:
-        emit(f"FAILURE: usage: --verify-log: cannot read {args.verify_log}: {e.strerror or e}")
-        return EXIT_USAGE
-    expect = {"world_size": args.expect_world_size, "nodes": args.expect_nodes,
-              "ranks_per_node": args.expect_ranks_per_node}
-    ok, problems, facts = verify_log(text, expect, strict=args.strict)
-    for p in problems:
-        emit(f"verify-log: MISSING/BAD: {p}")
-    emit(f"verify-log: {'PASS' if ok else 'FAIL'} {args.verify_log} world_size={facts.get('world_size')} "
-         f"nodes={facts.get('nodes')} torch={facts.get('torch')}")
-    return EXIT_PASS if ok else EXIT_FAIL
-
-
 
 # ============================================================================ aiv/checks/manifest_io.py
 # Floor 4 (effects): the known-good manifest on disk: --manifest read and checked before torch, --save-manifest
@@ -14315,6 +14296,26 @@ def probe(fn, what, prefix="FAILURE: usage: "):
 def rank_run(args, contract, env):
     """The role of this rank: Coordinator on rank 0, Follower on every other."""
     return (Coordinator if contract["rank"] == 0 else Follower)(args, contract, env)
+
+
+def run_verify_log(args, argv=()):
+    """--verify-log FILE (never empty: plan() refuses that): 0 the log shows a clean PASS, 1 it does not,
+    2 the file cannot be read."""
+    try:
+        with open(args.verify_log, "rb") as f:
+            text = read_log_lines(f)
+    except OSError as e:
+        emit(f"FAILURE: usage: --verify-log: cannot read {args.verify_log}: {e.strerror or e}")
+        return EXIT_USAGE
+    expect = {"world_size": args.expect_world_size, "nodes": args.expect_nodes,
+              "ranks_per_node": args.expect_ranks_per_node}
+    ok, problems, facts = verify_log(text, expect, strict=args.strict)
+    for p in problems:
+        emit(f"verify-log: MISSING/BAD: {p}")
+    emit(f"verify-log: {'PASS' if ok else 'FAIL'} {args.verify_log} world_size={facts.get('world_size')} "
+         f"nodes={facts.get('nodes')} torch={facts.get('torch')}")
+    return EXIT_PASS if ok else EXIT_FAIL
+
 
 
 def main(argv=None):

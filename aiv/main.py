@@ -23,7 +23,7 @@ from .launch.local import launch_local
 from .launch.options import build_parser
 from .launch.plan import LAUNCHER_VARS, check_json_target, plan
 from .node.check import WORKER_VAR, node_check_usage, node_worker, run_node_check
-from .out.verify_log import run_verify_log
+from .out.verify_log import read_log_lines, verify_log
 from .run.coordinator import Coordinator
 from .run.follower import Follower
 from .run.liveness import node_monitor, proc_stat
@@ -80,6 +80,26 @@ def probe(fn, what, prefix="FAILURE: usage: "):
 def rank_run(args, contract, env):
     """The role of this rank: Coordinator on rank 0, Follower on every other."""
     return (Coordinator if contract["rank"] == 0 else Follower)(args, contract, env)
+
+
+def run_verify_log(args, argv=()):
+    """--verify-log FILE (never empty: plan() refuses that): 0 the log shows a clean PASS, 1 it does not,
+    2 the file cannot be read."""
+    try:
+        with open(args.verify_log, "rb") as f:
+            text = read_log_lines(f)
+    except OSError as e:
+        emit(f"FAILURE: usage: --verify-log: cannot read {args.verify_log}: {e.strerror or e}")
+        return EXIT_USAGE
+    expect = {"world_size": args.expect_world_size, "nodes": args.expect_nodes,
+              "ranks_per_node": args.expect_ranks_per_node}
+    ok, problems, facts = verify_log(text, expect, strict=args.strict)
+    for p in problems:
+        emit(f"verify-log: MISSING/BAD: {p}")
+    emit(f"verify-log: {'PASS' if ok else 'FAIL'} {args.verify_log} world_size={facts.get('world_size')} "
+         f"nodes={facts.get('nodes')} torch={facts.get('torch')}")
+    return EXIT_PASS if ok else EXIT_FAIL
+
 
 
 def main(argv=None):

@@ -1,8 +1,7 @@
 """Floor 4: --verify-log: a whole log judged again, with no torch and no cluster."""
 import re
 
-from ..core.base import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, SUCCESS_LINE, expand_hostlist, parse_ranges
-from ..core.speak import emit
+from ..core.base import SUCCESS_LINE, expand_hostlist, parse_ranges
 
 # A saved log passes only when it shows one clean PASS from start to end: the success line, no
 # FAILURE line, a "Verdict: PASS exit=0" line, all ranks reported, an exact all_reduce, identical
@@ -258,22 +257,3 @@ def verify_log(text, expect, strict=False):
     _verify_versions(sections.get("NODE ENVIRONMENT DEEP DIVE", []), problems, facts)
     _verify_expect(expect, facts, rpn_seen, problems)
     return not problems, problems, facts
-
-
-def run_verify_log(args, argv=()):
-    """--verify-log FILE (never empty: plan() refuses that): 0 the log shows a clean PASS, 1 it does not,
-    2 the file cannot be read."""
-    try:
-        with open(args.verify_log, "rb") as f:
-            text = read_log_lines(f)
-    except OSError as e:
-        emit(f"FAILURE: usage: --verify-log: cannot read {args.verify_log}: {e.strerror or e}")
-        return EXIT_USAGE
-    expect = {"world_size": args.expect_world_size, "nodes": args.expect_nodes,
-              "ranks_per_node": args.expect_ranks_per_node}
-    ok, problems, facts = verify_log(text, expect, strict=args.strict)
-    for p in problems:
-        emit(f"verify-log: MISSING/BAD: {p}")
-    emit(f"verify-log: {'PASS' if ok else 'FAIL'} {args.verify_log} world_size={facts.get('world_size')} "
-         f"nodes={facts.get('nodes')} torch={facts.get('torch')}")
-    return EXIT_PASS if ok else EXIT_FAIL
