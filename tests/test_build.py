@@ -97,6 +97,130 @@ def test_a_judge_or_report_module_that_imports_an_effect_fails_the_build(tmp_pat
     assert set(build.EFFECT_FREE) <= set(build.PURE)
 
 
+def _check(src, tmp_path):
+    """build.py --check's problems with the copy `src` of aiv/, in this process (use_source)."""
+    before = build.SRC
+    build.use_source(src)
+    try:
+        found = build.problems()
+    finally:
+        build.use_source(before)
+    assert found, f"{src}: the build found nothing wrong"
+    return "\n".join(found)
+
+
+def _append(path, text):
+    with open(path, "a") as f:
+        f.write("\n\n" + text)
+
+
+@pytest.mark.parametrize("module, text, words", [
+    ("out/page", "def _open(path):\n    import os\n    return os.system(f'xdg-open {path}')\n", "calls os.system"),
+    ("out/render", "def _pager(text):\n    import os\n    return os.popen('less', 'w')\n", "calls os.popen"),
+    ("checks/judge", "def _split():\n    import os\n    return os.fork()\n", "calls os.fork"),
+    ("checks/hang", "def _stop(pid):\n    import os\n    os.kill(pid, 9)\n", "calls os.kill"),
+    ("checks/hang", "def _stop(pgid):\n    import os\n    os.killpg(pgid, 9)\n", "calls os.killpg"),
+    ("screen/judge", "def _again(argv):\n    import os\n    os.execvp(argv[0], argv)\n", "calls os.execvp"),
+    ("screen/gpu", "def _smi():\n    import os\n    return os.spawnlp(0, 'nvidia-smi', 'nvidia-smi')\n",
+     "calls os.spawnlp"),
+    ("node/judge", "def _smi():\n    import os\n    return os.posix_spawn('/bin/true', ['true'], {})\n",
+     "calls os.posix_spawn"),
+    ("out/outputs", "def _run():\n    import os as o\n    return o.system('true')\n", "calls os.system"),
+    ("screen/loop", "def _run():\n    from os import system\n    return system('true')\n", "imports os.system"),
+    ("checks/manifest", "def _load(name):\n    import importlib\n    return importlib.import_module(name)\n",
+     "imports importlib"),
+    ("screen/soak", "def _load(name):\n    return __import__(name)\n", "uses __import__"),
+    ("out/verify_log", "def _load():\n    return __builtins__.__import__('subprocess')\n", "uses __import__"),
+    ("node/report", "def _run(code):\n    exec(code)\n", "uses exec"),
+])
+def test_a_judge_or_report_module_that_acts_through_a_bypass_fails_the_build(tmp_path, module, text, words):
+    """Not only imports of subprocess and friends: os's own process calls, an import by name at run time,
+    code run by name. Each is refused in an effect-free module, at any depth of its text."""
+    src = _copy_source(tmp_path)
+    _append(src / f"{module}.py", text)
+    err = _check(src, tmp_path)
+    assert f"aiv/{module}.py" in err and f"the judge/report module {module} {words}" in err, err
+
+
+@pytest.mark.parametrize("module, line, chain, effect", [
+    # a judge that imports a collector: the names it needs live in core/names.py
+    ("checks/judge", "from ..checks.collect import pci_link", "checks/judge -> checks/collect",
+     "aiv/checks/collect.py:"),
+    # two modules deep: options is no effect, but it imports the launch contract, which imports socket
+    ("out/outputs", "from ..launch.options import DRAIN_MODES", "out/outputs -> launch/options -> launch/contract",
+     "imports socket"),
+    ("out/verify_log", "from ..core.speak import emit", "out/verify_log -> core/speak", "imports threading"),
+    ("screen/gpu", "from ..screen.measure import SMI_FIELDS", "screen/gpu -> screen/measure", "imports "),
+    ("checks/numerics", "from ..checks.numerics_measure import NUMERICS_SHAPE",
+     "checks/numerics -> checks/numerics_measure", "imports ctypes"),
+])
+def test_an_effect_reached_through_another_module_fails_the_build(tmp_path, module, line, chain, effect):
+    """The rule is transitive over the import graph: the chain of imports that reaches the effect is named."""
+    src = _copy_source(tmp_path)
+    _prepend_import(src / f"{module}.py", line)
+    err = _check(src, tmp_path)
+    said = [ln for ln in err.splitlines() if f"the judge/report module {module} reaches an effect through {chain}:"
+            in ln]
+    assert said and effect in said[0], err
+
+
+@pytest.mark.parametrize("module, line", [
+    ("core/base", "import threading"), ("core/deadlines", "import threading"),
+    ("core/names", "import subprocess"), ("core/blame", "import signal"),
+])
+def test_an_effect_in_the_floor_under_the_judges_fails_the_build_for_every_judge(tmp_path, module, line):
+    """The floor every judge stands on (base, names, deadlines, blame) is effect-free too: an effect there is
+    refused where it is, and in each judge that reaches it."""
+    src = _copy_source(tmp_path)
+    _prepend_import(src / f"{module}.py", line)
+    err = _check(src, tmp_path)
+    assert f"the judge/report module {module} {line.replace('import', 'imports', 1)}" in err, err
+    assert "the judge/report module checks/judge reaches an effect through checks/judge -> " in err, err
+
+
+def test_a_method_defined_twice_in_a_class_fails_the_build(tmp_path):
+    """The later of two methods of one name silently replaces the first for every caller."""
+    src = _copy_source(tmp_path)
+    path = src / "core" / "speak.py"
+    text = path.read_text()
+    path.write_text(text.replace("    def code(self):", "    def snapshot(self):\n        return []\n\n"
+                                 "    def code(self):", 1))
+    err = _check(src, tmp_path)
+    assert "aiv/core/speak.py" in err and "class Findings defines snapshot again" in err, err
+
+
+def test_a_property_and_its_setter_are_one_method(tmp_path):
+    src = _copy_source(tmp_path)
+    _append(src / "out" / "page.py", "class _Box:\n    @property\n    def size(self):\n        return 1\n\n"
+            "    @size.setter\n    def size(self, v):\n        pass\n")
+    before = build.SRC
+    build.use_source(src)
+    try:
+        assert build.problems() == []
+    finally:
+        build.use_source(before)
+
+
+def test_the_judges_import_no_effect_in_a_fresh_interpreter():
+    """What the build's rule says, as Python sees it: importing every effect-free module loads no module that
+    acts on the world (before: `import aiv.judge` loaded subprocess, threading, socket and ctypes)."""
+    mods = ", ".join("aiv." + m.replace("/", ".") for m in build.EFFECT_FREE)
+    code = ("import sys\n"
+            f"sys.path.insert(0, {str(ROOT)!r})\n"
+            "before = set(sys.modules)\n"
+            f"import {mods}\n"
+            "loaded = set(sys.modules) - before\n"
+            "print(sorted(m for m in set(sys.modules) if m.split('.')[0] in ('subprocess', 'threading', 'socket', "
+            "'ctypes')))\n"
+            f"print(sorted(m for m in loaded if m.split('.')[0] in {tuple(build.EFFECTS)!r}))\n"
+            "print(len([m for m in loaded if m.startswith('aiv.')]))\n")
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    anywhere, loaded, ours = r.stdout.split("\n")[:3]
+    assert anywhere == "[]" and loaded == "[]", r.stdout
+    assert int(ours) >= len(build.EFFECT_FREE)
+
+
 def test_an_imported_name_the_module_does_not_define_fails_the_build(tmp_path):
     """A function moved to another room: every `from .x import y` must name a y that x defines."""
     src = _copy_source(tmp_path)

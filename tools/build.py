@@ -12,7 +12,9 @@ once at the top of the file.
   tools/build.py --order    print the modules in build order, one path a line
   tools/build.py --check    exit 1 when ddp_mesh_ping.py differs from what aiv/ builds, when a module
                             imports from a module after it (or from itself), when a pure module
-                            imports the runtime, or when two modules define one top-level name
+                            imports the runtime, when an effect-free module acts on the world or
+                            imports, however deep, a module that does (the chain is named), when
+                            two modules define one top-level name, or a class one method twice
 
 Standard library only: it runs with any python3 >= 3.9.
 """
@@ -88,14 +90,19 @@ RUNTIME = ("checks/manifest_io", "run/store", "run/liveness", "run/ras", "run/ba
            "run/conclusion", "screen/run", "run/rank", "run/coordinator", "run/follower", "launch/plan",
            "launch/local", "node/check", "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
-# The judge and report modules: functions of plain data with no effects. None imports what acts on the world
-# (processes, threads, sockets, locks, native calls, torch); a check that needs one collects in a floor 2
-# module or the runtime, and hands the judge plain data.
-EFFECT_FREE = ("core/blame", "checks/numerics", "checks/hang", "checks/judge", "checks/manifest", "screen/plan",
-               "screen/gpu", "screen/judge", "screen/soak", "screen/loop", "node/judge", "out/render", "out/outputs",
-               "out/page", "out/verify_log", "node/report")
+# The judge and report modules, and the floor they stand on: functions of plain data with no effects. None
+# reaches what acts on the world (processes, threads, sockets, locks, native calls, torch), in its own text or
+# through any module it imports, however deep; a check that needs one collects in a floor 2 module or the
+# runtime, and hands the judge plain data.
+EFFECT_FREE = ("core/base", "core/names", "core/blame", "core/deadlines", "checks/numerics", "checks/hang",
+               "checks/judge", "checks/manifest", "screen/plan", "screen/gpu", "screen/judge", "screen/soak",
+               "screen/loop", "node/judge", "out/render", "out/outputs", "out/page", "out/verify_log", "node/report")
 EFFECTS = ("subprocess", "threading", "socket", "fcntl", "ctypes", "torch", "multiprocessing", "signal",
-           "concurrent", "asyncio")
+           "concurrent", "asyncio", "importlib", "pty", "_thread", "_posixsubprocess")
+# The ways around an import of EFFECTS: os's own process calls (os.exec*, os.spawn*, os.posix_spawn* by
+# prefix), and the builtins that import or run any code by name.
+OS_EFFECTS = ("system", "popen", "fork", "forkpty", "kill", "killpg", "exec", "spawn", "posix_spawn")
+BUILTIN_EFFECTS = ("__import__", "import_module", "exec", "eval")
 
 HEADER = """\
 #!/usr/bin/env python3
@@ -118,15 +125,22 @@ def use_source(path):
     """Build from another copy of aiv/ (the tests use this on a copy they break on purpose)."""
     global SRC
     SRC = Path(path)
+    _PARSED.clear()
+
+
+_PARSED = {}
 
 
 def parse(name):
+    """(text, tree) of a module; parsed once while the file is unchanged (the rules read each module often)."""
     path = module_path(name)
     text = path.read_text()
-    try:
-        return text, ast.parse(text, filename=str(path))
-    except SyntaxError as e:
-        raise BuildError(f"{path}: {e}") from e
+    if (path, text) not in _PARSED:
+        try:
+            _PARSED[path, text] = text, ast.parse(text, filename=str(path))
+        except SyntaxError as e:
+            raise BuildError(f"{path}: {e}") from e
+    return _PARSED[path, text]
 
 
 def resolve(name, level, module):
@@ -180,6 +194,85 @@ def room_problems():
     return out
 
 
+def is_os_effect(attr):
+    return attr in OS_EFFECTS or attr.startswith(("exec", "spawn", "posix_spawn"))
+
+
+def effects(tree):
+    """[(lineno, what)] for everything in a module that acts on the world (at any depth of its text): an
+    import of EFFECTS, os's process calls, the builtins that import or run code by name."""
+    out, os_names = [], {"os"}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            os_names |= {a.asname for a in n.names if a.name == "os" and a.asname}
+            out += [(n.lineno, f"imports {a.name}") for a in n.names if a.name.split(".")[0] in EFFECTS]
+        elif isinstance(n, ast.ImportFrom) and not n.level:
+            mod = n.module or ""
+            if mod.split(".")[0] in EFFECTS:
+                out.append((n.lineno, f"imports {mod}"))
+            out += [(n.lineno, f"imports {mod}.{a.name}") for a in n.names
+                    if (mod == "os" and is_os_effect(a.name)) or a.name in BUILTIN_EFFECTS]
+        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in os_names \
+                and is_os_effect(n.attr):
+            out.append((n.lineno, f"calls os.{n.attr}"))
+        elif isinstance(n, ast.Attribute) and n.attr in BUILTIN_EFFECTS:
+            out.append((n.lineno, f"uses {n.attr}"))
+        elif isinstance(n, ast.Name) and n.id in BUILTIN_EFFECTS:
+            out.append((n.lineno, f"uses {n.id}"))
+    return sorted(set(out))
+
+
+def effect_problems(modules):
+    """An effect-free module that acts on the world, or imports (at any depth of the import graph) a module
+    that does: each named once, with the chain of imports that reaches it."""
+    imports = {m: [(resolve(m, n.level, n.module), n.lineno) for n in parse(m)[1].body
+                   if isinstance(n, ast.ImportFrom) and n.level] for m in modules}
+    acts = {}
+
+    def act(m):  # only the modules a judge reaches are walked
+        if m not in acts:
+            acts[m] = effects(parse(m)[1])
+        return acts[m]
+    out = []
+    for name in (m for m in EFFECT_FREE if m in imports):
+        out += [f"aiv/{name}.py:{line}: the judge/report module {name} {what}, which acts on the world: "
+                "collect in a floor 2 module or the runtime and hand it plain data" for line, what in act(name)]
+        chains, todo = {name: [name]}, [name]
+        while todo:  # breadth first: the shortest chain to each module
+            here = todo.pop(0)
+            for mod, _ in imports.get(here, ()):
+                if mod in imports and mod not in chains:
+                    chains[mod] = chains[here] + [mod]
+                    todo.append(mod)
+        for mod, chain in chains.items():
+            if mod != name and act(mod):
+                line, what = act(mod)[0]
+                first = next(ln for m, ln in imports[name] if m == chain[1])
+                out.append(f"aiv/{name}.py:{first}: the judge/report module {name} reaches an effect through "
+                           f"{' -> '.join(chain)}: aiv/{mod}.py:{line} {what}; import what a judge needs from an "
+                           "effect-free module (core/names.py for the names a collector and a judge share)")
+    return out
+
+
+def duplicate_methods(name, tree):
+    """A method defined twice in one class: the later replaces the first for every caller (a property's
+    setter and deleter, and typing's overloads, are the same name on purpose)."""
+    out = []
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        seen = {}
+        for n in cls.body:
+            if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            decos = [ast.unparse(d) for d in n.decorator_list]
+            if any(d.endswith((".setter", ".deleter")) or d.split(".")[-1] == "overload" for d in decos):
+                continue
+            if n.name in seen:
+                out.append(f"aiv/{name}.py:{n.lineno}: class {cls.name} defines {n.name} again (first at line "
+                           f"{seen[n.name]}): the later definition replaces the first for every caller")
+            seen.setdefault(n.name, n.lineno)
+    return out
+
+
 def problems():
     """Everything wrong with the layering of aiv/, as lines (empty when none)."""
     out = room_problems()
@@ -209,19 +302,13 @@ def problems():
             else:
                 out += [f"{src}: imports {x} from {said}, which does not define it" for x in _names
                         if x not in tops.get(mod, ())]
-        if name in EFFECT_FREE:  # no effects in a judge or a report, at any depth of the module
-            for n in ast.walk(tree):
-                if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0):
-                    mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
-                    out += [f"aiv/{name}.py:{n.lineno}: the judge/report module {name} imports {m}, which acts on "
-                            "the world: collect in a floor 2 module or the runtime and hand it plain data"
-                            for m in mods if m.split(".")[0] in EFFECTS]
         for n in tree.body:  # only `from .x import` and top-level standard imports are understood
             if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0):
                 mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module]
                 if any(m.split(".")[0] in ("aiv", "ddp_mesh_ping") for m in mods):
                     out.append(f"aiv/{name}.py:{n.lineno}: absolute import of the tool; use `from .module import` "
                                "or `from ..room.module import`")
+        out += duplicate_methods(name, tree)
         seen = {}
         for n in tree.body:  # a def or class given twice: the later one wins wherever the name is called
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -234,7 +321,7 @@ def problems():
                 out.append(f"aiv/{name}.py:{line}: defines {top}, already defined in aiv/{defined[top][0]}.py:"
                            f"{defined[top][1]}: one name, one definition")
             defined.setdefault(top, (name, line))
-    return out
+    return out + effect_problems([m for m in BUILD_ORDER if m in present])
 
 
 def strip_module(name):
