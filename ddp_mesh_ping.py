@@ -15,7 +15,7 @@ Phases (each prints one progress line on rank 0):
               SLURM_JOB_NODELIST / a port derived from SLURM_JOB_ID; an MPI launcher's);
               a pod of Kubeflow Trainer v2, PyTorchJob v1, an Indexed Job, JobSet,
               LeaderWorkerSet or Volcano (one process per node) starts its node's ranks:
-              the table LAUNCHERS in aiv/launchers.py
+              the table LAUNCHERS in aiv/launch/launchers.py
   local       backend, GPU device, NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, numpy
   rendezvous  roll call through a TCPStore on MASTER_ADDR:MASTER_PORT, every value signed with
               the job's secret AIV_JOB_SECRET (HMAC-SHA256, bound to the run); rank 0 judges
@@ -188,7 +188,7 @@ class UsageError(Exception):
 
 def finding(check, status, reason, hosts=(), ranks=(), code=EXIT_FAIL, blame=None):
     """One judged fact. status is PASS, WARN or FAIL; code is the exit code a FAIL implies; blame: the kind of
-    evidence that singles out its hosts (aiv/blame.py), without which blame_gate names none."""
+    evidence that singles out its hosts (aiv/core/blame.py), without which blame_gate names none."""
     if check not in CHECKS:
         raise ValueError(f"finding() got check {check!r}, which is not in CHECKS")
     if status != "PASS" and status not in CHECK_LEVELS[check]:
@@ -5820,7 +5820,7 @@ def _diff_fields(key, va, vb):
 #
 # Flow for the runtime (rank 0 plans and judges, every rank measures):
 #   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
-#   screen_loop(records, measure) (aiv/screen_loop.py): the batches of groups -> intra and pair rows:
+#   screen_loop(records, measure) (aiv/screen/loop.py): the batches of groups -> intra and pair rows:
 #   per node one all_reduce group; rounds = screen_rounds(nodes), one 2- or 3-rank group per rail (local
 #   rank r with local rank r of the partners); every slow measurement again (the best counts), a slow
 #   node beside known-good ones and localised to its GPU or GPU pair; the suspect round
@@ -7622,12 +7622,12 @@ NODE_REASON_MAX = 120
 NODE_STEP_S = {"numerics": {"gpu": 4.0, "cpu": 2.0}, "speed": {"gpu": 5.0, "cpu": 1.5},
                "allreduce": {"gpu": 8.0, "cpu": 5.0}}
 
-# The evidence words the node gate uses (the blame law's, aiv/blame.py): the first five single this node out;
+# The evidence words the node gate uses (the blame law's, aiv/core/blame.py): the first five single this node out;
 # the others never name it.
 EVIDENCE_SINGLES = ("own", "persisted", "majority", "reference", "manifest")
 EVIDENCE_NAMES_NONE = ("once", "tie", "everyone", "not-collected")
 if not (set(EVIDENCE_SINGLES) <= set(LOCALISING) and set(EVIDENCE_NAMES_NONE) <= set(UNLOCALISED)):
-    raise ValueError("the node gate's evidence words must be the blame law's (aiv/blame.py)")
+    raise ValueError("the node gate's evidence words must be the blame law's (aiv/core/blame.py)")
 EVIDENCE_WORDS = {
     "own": "this node's own state: a counter, a process holding a GPU, a missing GPU",
     "persisted": "slow, measured again, slow again",
@@ -8628,7 +8628,7 @@ def render_drain(drain):
 # Floor 4: what a verdict becomes outside the log: --drain (the scontrol plan and its application) and
 DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
 DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)
-# Which findings may drain their hosts is declared by each check (CHECK_RULES in aiv/blame.py: the evidence on
+# Which findings may drain their hosts is declared by each check (CHECK_RULES in aiv/core/blame.py: the evidence on
 # which it drains, and why that evidence persists); a check that declares nothing drains nothing (drainable).
 
 

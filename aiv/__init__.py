@@ -11,7 +11,7 @@ Phases (each prints one progress line on rank 0):
               SLURM_JOB_NODELIST / a port derived from SLURM_JOB_ID; an MPI launcher's);
               a pod of Kubeflow Trainer v2, PyTorchJob v1, an Indexed Job, JobSet,
               LeaderWorkerSet or Volcano (one process per node) starts its node's ranks:
-              the table LAUNCHERS in aiv/launchers.py
+              the table LAUNCHERS in aiv/launch/launchers.py
   local       backend, GPU device, NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, numpy
   rendezvous  roll call through a TCPStore on MASTER_ADDR:MASTER_PORT, every value signed with
               the job's secret AIV_JOB_SECRET (HMAC-SHA256, bound to the run); rank 0 judges

@@ -214,7 +214,7 @@ def test_the_judges_import_no_effect_in_a_fresh_interpreter():
             "'ctypes')))\n"
             f"print(sorted(m for m in loaded if m.split('.')[0] in {tuple(build.EFFECTS)!r}))\n"
             "print(len([m for m in loaded if m.startswith('aiv.')]))\n")
-    r = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-I", "-S", "-B", "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     anywhere, loaded, ours = r.stdout.split("\n")[:3]
     assert anywhere == "[]" and loaded == "[]", r.stdout

@@ -1,5 +1,5 @@
 """Floor 4 (effects): the known-good manifest on disk: --manifest read and checked before torch, --save-manifest
-written under a lock after a PASS, --diff-manifest of two files. What a manifest means is aiv/manifest.py."""
+written under a lock after a PASS, --diff-manifest of two files. What a manifest means is aiv/checks/manifest.py."""
 import datetime
 import json
 import os

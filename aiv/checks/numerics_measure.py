@@ -1,6 +1,6 @@
 """Floor 2: what the numerics check (silent data corruption) computes on every rank's device: seeded matmuls and an
 elementwise kernel, each result reduced to a digest and compared with an fp64 reference; the DDP step's local
-gradients; the soak's repeats. How the results are judged is aiv/numerics.py."""
+gradients; the soak's repeats. How the results are judged is aiv/checks/numerics.py."""
 import contextlib
 import ctypes
 import os

@@ -96,7 +96,7 @@ class UsageError(Exception):
 
 def finding(check, status, reason, hosts=(), ranks=(), code=EXIT_FAIL, blame=None):
     """One judged fact. status is PASS, WARN or FAIL; code is the exit code a FAIL implies; blame: the kind of
-    evidence that singles out its hosts (aiv/blame.py), without which blame_gate names none."""
+    evidence that singles out its hosts (aiv/core/blame.py), without which blame_gate names none."""
     if check not in CHECKS:
         raise ValueError(f"finding() got check {check!r}, which is not in CHECKS")
     if status != "PASS" and status not in CHECK_LEVELS[check]:

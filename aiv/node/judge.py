@@ -24,12 +24,12 @@ NODE_REASON_MAX = 120
 NODE_STEP_S = {"numerics": {"gpu": 4.0, "cpu": 2.0}, "speed": {"gpu": 5.0, "cpu": 1.5},
                "allreduce": {"gpu": 8.0, "cpu": 5.0}}
 
-# The evidence words the node gate uses (the blame law's, aiv/blame.py): the first five single this node out;
+# The evidence words the node gate uses (the blame law's, aiv/core/blame.py): the first five single this node out;
 # the others never name it.
 EVIDENCE_SINGLES = ("own", "persisted", "majority", "reference", "manifest")
 EVIDENCE_NAMES_NONE = ("once", "tie", "everyone", "not-collected")
 if not (set(EVIDENCE_SINGLES) <= set(LOCALISING) and set(EVIDENCE_NAMES_NONE) <= set(UNLOCALISED)):
-    raise ValueError("the node gate's evidence words must be the blame law's (aiv/blame.py)")
+    raise ValueError("the node gate's evidence words must be the blame law's (aiv/core/blame.py)")
 EVIDENCE_WORDS = {
     "own": "this node's own state: a counter, a process holding a GPU, a missing GPU",
     "persisted": "slow, measured again, slow again",

@@ -1,5 +1,5 @@
 """Floor 5 (runtime): --drain on: the scontrol calls (one show, one update), within DRAIN_S. What to drain and
-why is aiv/outputs.py's drain_plan (pure)."""
+why is aiv/out/outputs.py's drain_plan (pure)."""
 import subprocess
 import time
 

@@ -27,7 +27,7 @@ from .render import failure_lines
 
 DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
 DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)
-# Which findings may drain their hosts is declared by each check (CHECK_RULES in aiv/blame.py: the evidence on
+# Which findings may drain their hosts is declared by each check (CHECK_RULES in aiv/core/blame.py: the evidence on
 # which it drains, and why that evidence persists); a check that declares nothing drains nothing (drainable).
 
 

@@ -39,7 +39,7 @@ from ..core.deadlines import PHASE_CHECK, PHASES
 #
 # Flow for the runtime (rank 0 plans and judges, every rank measures):
 #   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
-#   screen_loop(records, measure) (aiv/screen_loop.py): the batches of groups -> intra and pair rows:
+#   screen_loop(records, measure) (aiv/screen/loop.py): the batches of groups -> intra and pair rows:
 #   per node one all_reduce group; rounds = screen_rounds(nodes), one 2- or 3-rank group per rail (local
 #   rank r with local rank r of the partners); every slow measurement again (the best counts), a slow
 #   node beside known-good ones and localised to its GPU or GPU pair; the suspect round
