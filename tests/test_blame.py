@@ -1,4 +1,4 @@
-"""The blame law (aiv/blame.py): a host is named only on evidence that singles it out, whatever judge found
+"""The blame law (aiv/core/blame.py): a host is named only on evidence that singles it out, whatever judge found
 it. The declarations and the gate on plain data; a property test over the judges with faults planted in
 generated healthy clusters of 1-64 nodes (one host, several, rank 0's own, a tie, facts not collected): no
 healthy host is ever named, and every planted host is named or its finding says it could not be localised;

@@ -206,6 +206,16 @@ def paragraphs(path):
     return out
 
 
+def test_every_source_path_the_pages_name_exists():
+    """A page that names a module of the source (`aiv/core/blame.py`, `aiv/out/`) names one that is there:
+    a module moved to another room takes its mentions with it."""
+    named = {(page.name, m.group(0).rstrip("/.")) for page in PAGES
+             for m in re.finditer(r"(?<![\w/.~-])aiv/(?:[a-z_]+/)*(?:[a-z_]+\.py)?", page.read_text())}
+    assert len(named) > 20
+    missing = sorted((page, path) for page, path in named if not (ROOT / path).exists())
+    assert not missing, missing
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_garbled_or_unterminated_sentence(page):
     """A lint for what drifted: a phrase said twice back to back ('2.8 or newer**: 2.8 or newer**'), a
