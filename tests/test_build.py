@@ -318,7 +318,28 @@ def test_built_file_defines_what_each_module_defines():
         assert not missing, f"aiv/{name}.py: {missing} not in the built file"
 
 
-def test_the_development_page_lists_every_room_in_build_order():
-    text = (ROOT / "docs" / "development.md").read_text()
-    rows = [ln.split("|")[2].strip().strip("`") for ln in text.splitlines() if ln.startswith("| ") and "`aiv/" in ln]
+def _cells(page, code=True):
+    """The cells of a page's table rows; code=True: without their code quotes (`aiv/x.py` -> aiv/x.py)."""
+    return [[c.strip().strip("`" if code else "") for c in ln.split("|")[1:-1]]
+            for ln in page.read_text().splitlines() if ln.startswith("| ")]
+
+
+def test_the_development_page_lists_every_module_in_build_order():
+    rows = [c[1] for c in _cells(ROOT / "docs" / "development.md") if len(c) > 2 and c[1].startswith("aiv/")]
     assert rows == [f"aiv/{m}.py" for m in build.BUILD_ORDER]
+
+
+def test_the_pages_list_every_room():
+    """development.md's table of rooms and design.md's map name each folder of aiv/ once, and no other; the
+    map names every module of its room."""
+    import re
+    rooms = sorted(p.name for p in (ROOT / "aiv").iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert len(rooms) >= 5
+    said = [c[0] for c in _cells(ROOT / "docs" / "development.md") if c[0].startswith("aiv/") and c[0].endswith("/")]
+    assert sorted(said) == [f"aiv/{r}/" for r in rooms]
+    mapped = {c[0].strip("`"): c[2] for c in _cells(ROOT / "docs" / "design.md", code=False)
+              if len(c) == 3 and c[0].endswith("/`")}
+    assert sorted(mapped) == [f"{r}/" for r in rooms]
+    for room, cell in mapped.items():
+        have = {m.split("/")[1] for m in build.BUILD_ORDER if m.startswith(room)}
+        assert have <= set(re.findall(r"`(\w+)`", cell)), (room, have - set(re.findall(r"`(\w+)`", cell)))
