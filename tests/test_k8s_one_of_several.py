@@ -26,7 +26,7 @@ def namespaces():
 
 def test_a_pytorchjob_init_container_stops_instead_of_passing_alone(tmp_path):
     results = pods([("train-master-0", POD_ENV, tool()), ("train-worker-0", POD_ENV, tool())], tmp_path, 120)
-    for (rc, out), host, role in zip(results, ("train-master-0", "train-worker-0"), ("master", "worker")):
+    for (rc, out), host, role in zip(results, ("train-master-0", "train-worker-0"), ("master", "worker"), strict=True):
         assert rc == 2 and aiv.SUCCESS_LINE not in out and "local mode" not in out, out
         (line,) = [ln for ln in out.splitlines() if ln.startswith("FAILURE: contract:")]
         assert f"this pod, {host}, is a {role} replica of a multi-pod job (train)" in line, line
