@@ -56,6 +56,8 @@
 #                     https://download.pytorch.org/whl/cpu, and PyPI for the rest [empty]
 #   INDEX_RETRIES     pip --retries: tries again per page of an index that does not answer [1]
 #   INDEX_TIMEOUT     pip --timeout, in seconds, and the bound of the reachability probe [15]
+#   INDEX_FALLBACK    1: when the index of the build asked for does not answer, install the build the
+#                     other sources have (one WARNING says which) instead of stopping; 0: stop [0]
 #
 # What it does:
 #   1. creates the venv with "$PYTHON -m venv" unless PYTORCH_ENV already is one (an empty
@@ -74,8 +76,15 @@
 #      version's +cpu/+cuXYZ label and torch.version.cuda (or .hip).  Another build (say the CPU
 #      index was unreachable and an extra index served a CUDA one) is ONE error line naming both,
 #      the index that did not answer and the seconds pip spent retrying it; exit 1, never "ready".
-#   Before pip runs, each http(s) index is probed once (INDEX_TIMEOUT); one that does not answer
-#   is a WARNING line, and pip tries it INDEX_RETRIES more time(s) per page, not its own 5.
+#   6. checks that torchvision and torchaudio are built for the torch beside them: the same build
+#      label (+cpu, +cu130) where both have one, and the torch their metadata requires; another is
+#      ONE error line naming both, exit 1.
+#   Before the venv is made or pip runs, each http(s) index is probed once (INDEX_TIMEOUT).  When a
+#   build was asked (--cpu, TORCH_BUILD, a build-specific index) and its index (the main index, or
+#   the one that names the build) does not answer, that is ONE error line and exit 1 at once,
+#   nothing installed (INDEX_FALLBACK=1: a WARNING, and the other sources' build is taken).  Any
+#   other index that does not answer is a WARNING line, and pip tries it INDEX_RETRIES more time(s)
+#   per page, not its own 5.
 #   Files are created with umask 022, readable by every user whose jobs run the preflight.
 #   Re-running is safe and fast.  Its request (python, specs, package sources; an unset one
 #   counts as unset, so re-run with the same settings) is compared with the record:
@@ -130,6 +139,7 @@ UPGRADE_PIP=${UPGRADE_PIP:-1}
 TORCH_BUILD=${TORCH_BUILD:-}
 INDEX_RETRIES=${INDEX_RETRIES:-1}
 INDEX_TIMEOUT=${INDEX_TIMEOUT:-15}
+INDEX_FALLBACK=${INDEX_FALLBACK:-0}
 
 extra_index_opts=()
 cpu_flag=0
@@ -183,6 +193,10 @@ esac
 case $TORCH_BUILD in
   "" | cpu | cu[0-9][0-9] | cu[0-9][0-9][0-9] | rocm[0-9]*) ;;
   *) fail 2 "TORCH_BUILD must be cpu, cuXYZ (e.g. cu128) or rocmX.Y, not '$TORCH_BUILD'" ;;
+esac
+case $INDEX_FALLBACK in
+  0 | 1) ;;
+  *) fail 2 "INDEX_FALLBACK must be 0 or 1, not '$INDEX_FALLBACK'" ;;
 esac
 [[ $INDEX_RETRIES =~ ^[0-9]+$ ]] || fail 2 "INDEX_RETRIES must be a whole number, not '$INDEX_RETRIES'"
 [[ $INDEX_TIMEOUT =~ ^[0-9]+$ && $INDEX_TIMEOUT -gt 0 ]] || fail 2 "INDEX_TIMEOUT must be a whole number of seconds, not '$INDEX_TIMEOUT'"
@@ -568,12 +582,17 @@ UNREACHABLE=()
 SOURCES=()
 read -r -d '' -a SOURCES <<<"$src_index $src_extra" || true
 probe_indexes() {
-  local out line u why secs
-  out=$("$VPY" -I -c "$PROBE" "$INDEX_TIMEOUT" ${SOURCES[@]+"${SOURCES[@]}"} 2>/dev/null) || return 0
+  local out line u why secs py=$PYTHON
+  if [ -x "$VPY" ]; then py=$VPY; fi
+  out=$("$py" -I -c "$PROBE" "$INDEX_TIMEOUT" ${SOURCES[@]+"${SOURCES[@]}"} 2>/dev/null) || return 0
   while IFS= read -r line; do
     [ -n "$line" ] || continue
     UNREACHABLE+=("$line")
     IFS=$'\t' read -r u why secs <<<"$line"
+    # the index of the build asked for: stop before anything is installed, unless a fallback was asked
+    if [ -n "$ASKED" ] && [ "$INDEX_FALLBACK" = 0 ] && { [ "$u" = "$src_index" ] || [ "$(url_build "$u")" = "$ASKED" ]; }; then
+      fail 1 "package index $u does not answer ($why, after $secs s), and $(build_words "$ASKED") was asked ($ASKED_BY): nothing installed; give a source that answers (--index-url, --find-links), or INDEX_FALLBACK=1 to take the build the other sources have"
+    fi
     warn "package index $u does not answer ($why, after $secs s); pip tries it $INDEX_RETRIES more time(s) per page, $INDEX_TIMEOUT s each (INDEX_RETRIES, INDEX_TIMEOUT), then takes what the other sources have"
   done <<<"$out"
 }
@@ -608,7 +627,50 @@ verify_build() {
   why=$(build_mismatch)
   [ -n "$why" ] || return 0
   more=$(retry_words)
+  if [ "$INDEX_FALLBACK" = 1 ]; then
+    warn "$why${more:+: $more}; INDEX_FALLBACK=1 took the build the other sources have"
+    return 0
+  fi
   fail 1 "$why${more:+: $more, and another source served torch}; give a source that has the build asked for (or EXTRA_PIP_ARGS=--force-reinstall once it answers), then re-run"
+}
+
+# Prints, for torchvision and torchaudio beside torch, "<name> <version> is built for <label>, torch <version>
+# for <label>" when both versions carry a build label (+cpu, +cu130) and they differ, and "<name> <version>
+# requires <requirement>, torch <version> is installed" when its metadata's torch requirement excludes it
+# (joined by "; "); nothing when they match.  Reads package metadata only.
+# shellcheck disable=SC2016  # python code, not shell
+COMPANION_CHECK='
+import importlib.metadata as md, sys
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+try:
+    torch = md.version("torch")
+except md.PackageNotFoundError:
+    sys.exit(0)
+label = lambda v: v.partition("+")[2]
+bad = []
+for name in ("torchvision", "torchaudio"):
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        continue
+    if label(have) and label(torch) and label(have) != label(torch):
+        bad.append("%s %s is built for %s, torch %s for %s" % (name, have, label(have), torch, label(torch)))
+    for r in md.requires(name) or []:
+        req = Requirement(r)
+        if req.name == "torch" and (req.marker is None or req.marker.evaluate()) and req.specifier and \
+                not req.specifier.contains(torch, prereleases=True):
+            bad.append("%s %s requires %s, torch %s is installed" % (name, have, r, torch))
+print("; ".join(bad))
+'
+# Fails (exit 1, one line) when torchvision or torchaudio is not built for the torch beside it.
+verify_companions() {
+  local why
+  why=$("$VPY" -I -c "$COMPANION_CHECK" 2>/dev/null) || why=""
+  [ -n "$why" ] || return 0
+  fail 1 "$why (in $PYTORCH_ENV): install all three from one source (the same --index-url), pin matching versions (TORCHVISION_SPEC, TORCHAUDIO_SPEC), or leave one out (an empty spec)"
 }
 
 # Fills REQ[0] and pyver from PYTHON; fails when it is missing or does not run.
@@ -718,7 +780,12 @@ up_to_date() {
   say "checking the venv at $PYTORCH_ENV ($VPY)"
   check_imports || exit 1
   WRONG_BUILD=$(build_mismatch)
+  if [ -n "$WRONG_BUILD" ] && [ "$INDEX_FALLBACK" = 1 ]; then
+    warn "$WRONG_BUILD; kept (INDEX_FALLBACK=1)"
+    WRONG_BUILD=""
+  fi
   [ -z "$WRONG_BUILD" ] || return 1
+  verify_companions
   echo "pytorch env at $PYTORCH_ENV is up to date; nothing changed ($((SECONDS - START)) s)"
   next_steps
   exit 0
@@ -806,6 +873,7 @@ if [ "$state" = venv ]; then
   fi
 fi
 
+probe_indexes
 if [ "$action" != update ]; then
   venv_args=()
   if [ "$action" = rebuild ]; then
@@ -848,7 +916,6 @@ if [ "$action" = update ]; then
     install_opts+=(--force-reinstall)
   fi
 fi
-probe_indexes
 say "pip install ${SPECS[*]}"
 t_pip=$SECONDS
 watched_pip install "${install_opts[@]}" "${SPECS[@]}" ||
@@ -860,5 +927,6 @@ if [ ${#CHANGES[@]} -gt 0 ]; then echo "changed: $(changes_text)"; fi
 say "checking the venv at $PYTORCH_ENV ($VPY)"
 check_imports || exit 1
 verify_build
+verify_companions
 echo "pytorch env at $PYTORCH_ENV is ready ($((SECONDS - START)) s)"
 next_steps

@@ -1247,6 +1247,21 @@ def this_machine(addr):
     return a in ("localhost", "::1", host, host.split(".")[0]) or a.startswith("127.")
 
 
+REPLICA_POD = re.compile(r"(.+)-(master|worker)-(\d+)")  # PyTorchJob's, MPIJob's and Volcano's pod names
+
+
+def pod_of_several(env, host=None):
+    """Why this process, with no launch variables, is one pod of a multi-pod job, or None: inside a pod
+    (KUBERNETES_SERVICE_HOST) whose name is a replica's, <job>-master-N or <job>-worker-N (a PyTorchJob v1
+    init container, a pod whose launcher writes its variables into other containers). Alone it would test
+    its own node and PASS with nothing between the nodes tested."""
+    if not env.get("KUBERNETES_SERVICE_HOST"):
+        return None
+    host = (host or socket.gethostname()).split(".")[0]
+    m = REPLICA_POD.fullmatch(host)
+    return f"this pod, {host}, is a {m.group(2)} replica of a multi-pod job ({m.group(1)})" if m else None
+
+
 def _no_rank(env):
     """No RANK (nor SLURM_PROCID): local mode, unless the environment is half a launch contract: a size or
     local rank without a rank, an MPI launcher's variables, or a master that is another machine (a multi-node
@@ -1265,6 +1280,12 @@ def _no_rank(env):
                              "multi-node launch; give each process RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT, or, "
                              "one process per node, PET_NNODES and PET_NODE_RANK (this tool then starts the node's "
                              f"ranks); unset {var} to run in local mode on this machine")
+    several = pod_of_several(env)
+    if several:
+        raise UsageError(f"{several}, but no launch variables reach this container (a PyTorchJob v1 init "
+                         "container gets none of the operator's): alone it would test this node only. Run it as "
+                         "the main container, or give it PET_NNODES, PET_NODE_RANK, MASTER_ADDR and MASTER_PORT; "
+                         "to test this node alone on purpose, PET_NNODES=1 PET_NODE_RANK=0 MASTER_ADDR=127.0.0.1")
 
 
 # An MPI launcher's rank variables (Open MPI, PMIx, MPICH/Hydra and Intel MPI), read after torchrun's and
@@ -9013,6 +9034,18 @@ def node_lines(state):
     return out
 
 
+def _node_once(state, ctx, uuid):
+    """aiv_node_check_gpu_once_timestamp_seconds{check,gpu,uuid}: the pass's end time for each GPU a WARN or FAIL
+    of evidence 'once' flagged (absent otherwise), so that a fleet counts the passes that flagged it again:
+    each such pass writes a new value (docs/node-gate.md, monitoring/)."""
+    rows = [(dict(ctx, check=f["check"], gpu=str(i), uuid=uuid.get(i, "")), state.get("ended_at_s"))
+            for f in state.get("findings") or [] if f.get("blame") == "once" and f["status"] in ("WARN", "FAIL")
+            for i in f.get("gpus") or []]
+    return ("aiv_node_check_gpu_once_timestamp_seconds", "When the pass that flagged the GPU with evidence 'once' "
+            "(slow, not slow again or not measured again: names no node) ended, Unix time in seconds; absent "
+            "when this pass did not.", rows)
+
+
 def node_metrics(state):
     """The node check as Prometheus text for node_exporter's textfile collector: gauges named aiv_node_check_*,
     labels context, check, gpu and uuid only (the node is the file's own: node_exporter adds its instance).
@@ -9066,6 +9099,7 @@ def node_metrics(state):
          "of its tolerance (1 or more: off the reference).", per_gpu["numerics"]),
         ("aiv_node_check_intra_node_busbw_gbps", "all_reduce bus bandwidth across the node's GPUs in GB/s, the best "
          "of two measurements.", [(ctx, busbw)]),
+        _node_once(state, ctx, uuid),
     ]
     lines = []
     for name, text, samples in families:

@@ -540,7 +540,8 @@ def test_the_pages_evidence_table_is_the_codes():
 
 
 def test_the_pages_metrics_table_lists_every_metric_with_its_labels():
-    s = state([aiv.finding("gpu-count", "PASS", "ok")], ctx="health", ended_at_s=1.0)
+    once = aiv.judge_node_speed("gpu7", {0: speed_of(100)}, {}, BY)  # slow, not measured again: 'once'
+    s = state([aiv.finding("gpu-count", "PASS", "ok")] + once, ctx="health", ended_at_s=1.0)
     s["measured"]["0"]["numerics"] = {"checks": {"matmul-fp32": {"err": 1.0, "tol": 2.0}}}
     from prometheus_client.parser import text_string_to_metric_families
     fams = {f.name: sorted({k for smp in f.samples for k in smp.labels}) for f in

@@ -77,6 +77,7 @@ if [ -e "$F/undrain-$n" ]; then export AIV_UNDRAIN=1; fi
 if [ -e "$F/slow-$n" ]; then export AIV_NODE_BUDGET=50; fi
 if [ -e "$F/gpus3-$ctx-$n" ]; then export AIV_EXPECT_GPUS=3; fi  # a node that should have 3 GPUs, lists none
 echo "$(date +%s.%N) $ctx" >> "{out}/$n/runs"
+if [ -e "$F/delay-$ctx-$n" ]; then sleep 6; fi  # this node's gate ends later than the others'
 "{script}" >> "{out}/$n/$ctx.summary"
 """
 
@@ -354,3 +355,45 @@ def test_a_node_busy_with_another_jobs_load_is_not_drained_for_speed(clean, caps
     with capsys.disabled():
         print(f"\n[node gate] node3 busy (job {job} holds its GPUs): {h['summary']}\n    beside a CPU-only "
               f"load: {loaded['summary']}")
+
+
+def test_the_batch_script_starts_only_after_every_nodes_prolog_passed(clean, capsys):
+    """PrologFlags=Alloc,DeferBatch: with Alloc alone the batch script starts when the first node's prolog
+    ends; here node2's and node3's prologs end 6 s after node1's, and the script must not start before them."""
+    g = clean
+    for n in ("node2", "node3"):
+        g.flag(f"delay-prolog-{n}")
+    t0 = time.time()
+    job = g.submit_job("--nodes=3", script='echo "batch-start $(date +%s.%N)"\nsrun hostname\n')
+    assert g.wait(job)[:2] == ("COMPLETED", "0:0"), g.job_info(job)[2]
+    start = float(re.search(r"batch-start (\S+)", (g.workdir / f"job_{job}.out").read_text()).group(1))
+    ends = {n: g.verdict(n, "prolog")["ended_at_s"] for n in NODES}
+    assert all(t0 - 1 <= e for e in ends.values()), (t0, ends)  # this job's prologs
+    assert all(start >= e - 0.1 for e in ends.values()), (start, ends)  # ended_at_s is rounded to 0.1 s
+    assert max(ends.values()) - min(ends.values()) >= 3, ends  # the delay held: Alloc alone would start early
+    with capsys.disabled():
+        print(f"\n[node gate] DeferBatch: the batch script started {start - max(ends.values()):.1f}s after the "
+              f"last prolog ended (prologs ended over {max(ends.values()) - min(ends.values()):.1f}s)")
+
+
+def test_an_interactive_srun_whose_prolog_fails_ends_nonzero_and_the_node_is_drained(clean, capsys):
+    """An srun outside a batch job cannot be requeued: it ends with an error, and the node is drained all the
+    same (docs/slurm.md, batch and interactive jobs)."""
+    g = clean
+    g.flag("corrupt-node1")
+    r = g.run("srun", "-w", "node1", "-N1", "--gpus-per-node=2", "hostname", env=g.job_env(), timeout=WAIT_S)
+    st, why = g.wait_for(lambda: (lambda s: s if "DRAIN" in s[0] else None)(g.states()["node1"]), 60,
+                         "node1 drained by its prolog")
+    assert r.returncode != 0 and "node1" not in r.stdout, r.stdout + r.stderr
+    assert why.startswith("aiv: node-check: numerics: GPU 1 computes wrong numbers") and why.endswith("[prolog]")
+    with capsys.disabled():
+        print(f"\n[node gate] interactive srun on corrupt node1: exit {r.returncode}: {r.stderr.strip()}"
+              f"\n    sinfo -R: {g.sinfo_r()}")
+
+
+def test_the_logrotate_block_rotates_the_scripts_default_log():
+    text = (REPO / "docs" / "slurm.md").read_text()
+    (block,) = [b for lang, b in fenced(text) if lang == "" and "rotate" in b]
+    default = re.search(r"LOG=\$\{NODE_CHECK_LOG:-(\S+)\}", documented_script()).group(1)
+    assert block.startswith(default + " {") and "copytruncate" not in block
+

@@ -48,6 +48,21 @@ def this_machine(addr):
     return a in ("localhost", "::1", host, host.split(".")[0]) or a.startswith("127.")
 
 
+REPLICA_POD = re.compile(r"(.+)-(master|worker)-(\d+)")  # PyTorchJob's, MPIJob's and Volcano's pod names
+
+
+def pod_of_several(env, host=None):
+    """Why this process, with no launch variables, is one pod of a multi-pod job, or None: inside a pod
+    (KUBERNETES_SERVICE_HOST) whose name is a replica's, <job>-master-N or <job>-worker-N (a PyTorchJob v1
+    init container, a pod whose launcher writes its variables into other containers). Alone it would test
+    its own node and PASS with nothing between the nodes tested."""
+    if not env.get("KUBERNETES_SERVICE_HOST"):
+        return None
+    host = (host or socket.gethostname()).split(".")[0]
+    m = REPLICA_POD.fullmatch(host)
+    return f"this pod, {host}, is a {m.group(2)} replica of a multi-pod job ({m.group(1)})" if m else None
+
+
 def _no_rank(env):
     """No RANK (nor SLURM_PROCID): local mode, unless the environment is half a launch contract: a size or
     local rank without a rank, an MPI launcher's variables, or a master that is another machine (a multi-node
@@ -66,6 +81,12 @@ def _no_rank(env):
                              "multi-node launch; give each process RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT, or, "
                              "one process per node, PET_NNODES and PET_NODE_RANK (this tool then starts the node's "
                              f"ranks); unset {var} to run in local mode on this machine")
+    several = pod_of_several(env)
+    if several:
+        raise UsageError(f"{several}, but no launch variables reach this container (a PyTorchJob v1 init "
+                         "container gets none of the operator's): alone it would test this node only. Run it as "
+                         "the main container, or give it PET_NNODES, PET_NODE_RANK, MASTER_ADDR and MASTER_PORT; "
+                         "to test this node alone on purpose, PET_NNODES=1 PET_NODE_RANK=0 MASTER_ADDR=127.0.0.1")
 
 
 # An MPI launcher's rank variables (Open MPI, PMIx, MPICH/Hydra and Intel MPI), read after torchrun's and

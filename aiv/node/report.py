@@ -79,6 +79,18 @@ def node_lines(state):
     return out
 
 
+def _node_once(state, ctx, uuid):
+    """aiv_node_check_gpu_once_timestamp_seconds{check,gpu,uuid}: the pass's end time for each GPU a WARN or FAIL
+    of evidence 'once' flagged (absent otherwise), so that a fleet counts the passes that flagged it again:
+    each such pass writes a new value (docs/node-gate.md, monitoring/)."""
+    rows = [(dict(ctx, check=f["check"], gpu=str(i), uuid=uuid.get(i, "")), state.get("ended_at_s"))
+            for f in state.get("findings") or [] if f.get("blame") == "once" and f["status"] in ("WARN", "FAIL")
+            for i in f.get("gpus") or []]
+    return ("aiv_node_check_gpu_once_timestamp_seconds", "When the pass that flagged the GPU with evidence 'once' "
+            "(slow, not slow again or not measured again: names no node) ended, Unix time in seconds; absent "
+            "when this pass did not.", rows)
+
+
 def node_metrics(state):
     """The node check as Prometheus text for node_exporter's textfile collector: gauges named aiv_node_check_*,
     labels context, check, gpu and uuid only (the node is the file's own: node_exporter adds its instance).
@@ -132,6 +144,7 @@ def node_metrics(state):
          "of its tolerance (1 or more: off the reference).", per_gpu["numerics"]),
         ("aiv_node_check_intra_node_busbw_gbps", "all_reduce bus bandwidth across the node's GPUs in GB/s, the best "
          "of two measurements.", [(ctx, busbw)]),
+        _node_once(state, ctx, uuid),
     ]
     lines = []
     for name, text, samples in families:
