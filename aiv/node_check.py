@@ -10,7 +10,6 @@ import json
 import os
 import queue
 import re
-import shlex
 import shutil
 import signal
 import socket
@@ -41,11 +40,12 @@ from .deadlines import (
     NODE_SLURM_BOUND_S,
     NODE_SMI_BOUND_S,
 )
+from .drain import node_drain
 from .files import write_json_atomic, write_text_atomic
 from .local import die_with_parent
 from .manifest_io import load_manifest
 from .measure import screen_busbw, screen_measure_gpu
-from .node_collect import driver_gpus, pci_gpus, process_owner, read_kmsg, read_slurm_node, slurm_update_node, smi_query
+from .node_collect import driver_gpus, pci_gpus, process_owner, read_kmsg, read_slurm_node, smi_query
 from .node_judge import (
     NODE_APP_FIELDS,
     NODE_GPU_FIELDS,
@@ -66,24 +66,19 @@ from .node_judge import (
     node_devices,
     node_drainable,
     node_exit_code,
-    node_reason,
     node_verdict,
     numerics_rows_of,
-    owned_reason,
     parse_compute_apps,
     parse_gpu_ids,
     parse_gres_gpus,
     parse_node_gpus,
     parse_slurm_node,
     parse_xids,
-    resume_blocker,
     speed_flagged,
     unassessed,
 )
 from .node_report import node_lines, node_metrics, node_npd_line, node_summary
 from .numerics_measure import numerics_measure
-from .options import DRAIN_PREFIX
-from .outputs import drain_keeps
 from .plan import free_port
 
 WORKER_VAR = "_AIV_NODE_WORKER"  # set for a node check's device worker (main() hands it to node_worker)
@@ -622,68 +617,6 @@ class NodeCheck:
         rows = [dict(r, rank=i) for i, r in load.items()]
         return judge_node_manifest(self.node, manifest, recs, rows)
 
-    # ------------------------------------------------------------------ act
-    def act(self, v):
-        """Tell Slurm: health drains this node on a FAIL that singles it out (with --drain on), and resumes our own
-        drain after a pass that judged the check that drained it (--undrain); prolog and epilog write the reason
-        before their exit 1 (Slurm then drains the node; the prolog's job is requeued). A reason not ours is
-        never touched. npd leaves Slurm alone. -> {'action', 'done', 'reason', 'command', 'said'}."""
-        out = {"action": "none", "done": False, "reason": "", "command": "", "said": ""}
-        if self.ctx == "npd":
-            if v["drainable"]:
-                out["said"] = "NPD problem (exit 1): the condition turns True"
-            return out
-        if v["drainable"]:
-            reason = node_reason(DRAIN_PREFIX, v["culprits"], self.ctx)
-            cmd = f"scontrol update nodename={self.node} state=drain reason={shlex.quote(reason)}"
-            out.update(action="drain", reason=reason, command=cmd)
-            slurm_does = "; exit 1: Slurm drains the node" + (" and requeues the job" if self.ctx == "prolog" else "")
-            if self.args.drain != "on":
-                out["said"] = f"not drained by the check (--drain {self.args.drain}): {cmd}" + (
-                    slurm_does if self.ctx != "health" else "")
-                return out
-            why = self.foreign_reason()
-            if why:
-                out["said"] = why + (slurm_does if self.ctx != "health" else "")
-                return out
-            err = slurm_update_node(self.node, self.verdict_bound(), state="drain", reason=reason)
-            out["done"] = err is None
-            out["said"] = (f"drained: {reason}" if err is None else f"not drained: {err}; run: {cmd}") + (
-                slurm_does if self.ctx != "health" else "")
-            return out
-        if self.ctx == "health" and self.args.undrain and v["verdict"] == "PASS":
-            out.update(self.resume())
-        return out
-
-    def foreign_reason(self):
-        """Why the drain is not written ('' when it may be): the node is drained or down for a reason not ours
-        (kept), or Slurm could not be asked."""
-        s = self.slurm
-        if s is None:
-            r = read_slurm_node(self.node, self.verdict_bound())
-            s = self.slurm = parse_slurm_node(r["text"]) if "text" in r else {"unread": r["unread"]}
-        if s.get("unread"):
-            return f"not drained: Slurm's view of the node was not read ({s['unread']})"
-        kept = drain_keeps({self.node: (s.get("state") or "", s.get("reason") or "")})
-        if kept:
-            return f"not drained by the check: already drained or down for another reason, kept ({kept[self.node]!r})"
-        return ""
-
-    def resume(self):
-        s = self.slurm or {}
-        if s.get("unread") or "DRAIN" not in (s.get("state") or ""):
-            return {}
-        if not owned_reason(DRAIN_PREFIX, s.get("reason")):
-            return {"said": f"left drained: its reason is not the node check's ({s.get('reason')!r})"}
-        ran = {f["check"] for f in self.findings if not f.get("unassessed")}
-        why = resume_blocker(s["reason"], self.findings, ran, DRAIN_PREFIX)
-        if why:
-            return {"action": "resume", "said": f"left drained: {why}"}
-        err = slurm_update_node(self.node, self.verdict_bound(), state="resume")
-        return {"action": "resume", "done": err is None,
-                "said": "resumed our own drain: the check that drained it passed" if err is None else
-                f"not resumed: {err}"}
-
     # ------------------------------------------------------------------ the pass
     def run(self):
         try:
@@ -718,7 +651,7 @@ class NodeCheck:
         for f in self.findings:
             f["drains"] = node_drainable(f, self.ctx)
         try:
-            drain = self.act(v)
+            drain = node_drain(self.ctx, v, self.findings, self.args, self.node, self.slurm, self.verdict_bound())
         except Exception as e:
             print_traceback(e)
             drain = {"action": "none", "done": False, "said": f"nothing drained: {first_line(e)}"}
