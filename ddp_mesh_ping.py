@@ -6543,15 +6543,6 @@ def gpu_fact_problems(row):
     pending row remap WARN (error containment and dynamic page offlining keep new work unaffected; the remap
     takes effect at the next GPU reset), a failed row remap FAILs (the GPU meets NVIDIA's RMA policy)."""
     out, g = [], row.get
-    if g("remap_failure"):
-        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it: NVIDIA's RMA "
-                            "policy)"))
-    elif g("remap_pending"):
-        out.append(("WARN", "row remapping pending: reset the GPU (nvidia-smi -r) when it is idle to apply it; new "
-                            "work is unaffected until then"))
-    if g("ecc_uncorrected"):
-        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded (contained "
-                            "and the page offlined; reset the GPU when it is idle)"))
     if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
         out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
     if g("pcie_speed") and g("pcie_speed_max") and g("pcie_speed") < g("pcie_speed_max"):
@@ -6559,6 +6550,15 @@ def gpu_fact_problems(row):
     if int(g("throttle") or 0) & THROTTLE_FAULTS:
         clock = f" (SM {g('sm_mhz'):g} of {g('sm_max_mhz'):g} MHz)" if g("sm_mhz") and g("sm_max_mhz") else ""
         out.append(("WARN", f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}{clock}"))
+    if g("ecc_uncorrected"):
+        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded (contained "
+                            "and the page offlined; reset the GPU when it is idle)"))
+    if g("remap_failure"):
+        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it: NVIDIA's RMA "
+                            "policy)"))
+    elif g("remap_pending"):
+        out.append(("WARN", "row remapping pending: reset the GPU (nvidia-smi -r) when it is idle to apply it; new "
+                            "work is unaffected until then"))
     return out
 
 
@@ -7931,7 +7931,8 @@ def judge_gpu_health(node, gpus, load, xids, kmsg_unread=None):
     and the clocks WARN); Xid lines in the kernel log (history since boot, not the state now): WARN."""
     out, rows = [], {r["rank"]: r for r in gpu_rows(node, gpus, load)}
     for f in judge_gpu_facts(list(rows.values()), "gpu-health", gpu_words(node)):
-        first = gpu_fact_problems(rows[f["ranks"][0]])[0][1].split(" (")[0].split(":")[0]  # the worst comes first
+        worst = sorted(gpu_fact_problems(rows[f["ranks"][0]]), key=lambda p: (p[0] != "FAIL", "PCIe" in p[1]))[0]
+        first = worst[1].split(" (")[0].split(":")[0]  # a failed remap, the memory, then the rest
         out.append(_node_tagged(f, node, f"GPU {format_ranges(f['ranks'])} {first}"[:90]))
     by_pci = {g["pci"]: g["index"] for g in gpus if g.get("pci")}
     per = {}

@@ -349,7 +349,8 @@ def judge_gpu_health(node, gpus, load, xids, kmsg_unread=None):
     and the clocks WARN); Xid lines in the kernel log (history since boot, not the state now): WARN."""
     out, rows = [], {r["rank"]: r for r in gpu_rows(node, gpus, load)}
     for f in judge_gpu_facts(list(rows.values()), "gpu-health", gpu_words(node)):
-        first = gpu_fact_problems(rows[f["ranks"][0]])[0][1].split(" (")[0].split(":")[0]  # the worst comes first
+        worst = sorted(gpu_fact_problems(rows[f["ranks"][0]]), key=lambda p: (p[0] != "FAIL", "PCIe" in p[1]))[0]
+        first = worst[1].split(" (")[0].split(":")[0]  # a failed remap, the memory, then the rest
         out.append(_node_tagged(f, node, f"GPU {format_ranges(f['ranks'])} {first}"[:90]))
     by_pci = {g["pci"]: g["index"] for g in gpus if g.get("pci")}
     per = {}

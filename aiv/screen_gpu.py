@@ -339,15 +339,6 @@ def gpu_fact_problems(row):
     pending row remap WARN (error containment and dynamic page offlining keep new work unaffected; the remap
     takes effect at the next GPU reset), a failed row remap FAILs (the GPU meets NVIDIA's RMA policy)."""
     out, g = [], row.get
-    if g("remap_failure"):
-        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it: NVIDIA's RMA "
-                            "policy)"))
-    elif g("remap_pending"):
-        out.append(("WARN", "row remapping pending: reset the GPU (nvidia-smi -r) when it is idle to apply it; new "
-                            "work is unaffected until then"))
-    if g("ecc_uncorrected"):
-        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded (contained "
-                            "and the page offlined; reset the GPU when it is idle)"))
     if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
         out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
     if g("pcie_speed") and g("pcie_speed_max") and g("pcie_speed") < g("pcie_speed_max"):
@@ -355,6 +346,15 @@ def gpu_fact_problems(row):
     if int(g("throttle") or 0) & THROTTLE_FAULTS:
         clock = f" (SM {g('sm_mhz'):g} of {g('sm_max_mhz'):g} MHz)" if g("sm_mhz") and g("sm_max_mhz") else ""
         out.append(("WARN", f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}{clock}"))
+    if g("ecc_uncorrected"):
+        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded (contained "
+                            "and the page offlined; reset the GPU when it is idle)"))
+    if g("remap_failure"):
+        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it: NVIDIA's RMA "
+                            "policy)"))
+    elif g("remap_pending"):
+        out.append(("WARN", "row remapping pending: reset the GPU (nvidia-smi -r) when it is idle to apply it; new "
+                            "work is unaffected until then"))
     return out
 
 

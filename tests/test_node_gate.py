@@ -156,14 +156,71 @@ def test_gpu_health_a_failed_remap_fails_counters_and_history_warn():
     got = {(f["status"], f["blame"], tuple(f["gpus"]), tuple(f["hosts"])) for f in fs}
     assert got == {("WARN", "own", (1,), ("n1",)), ("WARN", "own", (0,), ("n1",)), ("WARN", "own", (2,), ("n1",))}, fs
     (ecc,) = [f for f in fs if f["gpus"] == [1]]
-    assert ecc["short"] == "GPU 1 row remapping pending" and "3 uncorrected ECC error(s)" in ecc["reason"]
-    assert ecc["reason"].startswith("n1: GPU 1 (GPU-bbbb): row remapping pending") and not aiv.node_drainable(ecc,
-                                                                                                           "health")
+    assert ecc["short"] == "GPU 1 3 uncorrected ECC error(s) since the driver loaded" and not aiv.node_drainable(
+        ecc, "health")
+    assert ecc["reason"].startswith("n1: GPU 1 (GPU-bbbb): 3 uncorrected ECC error(s)") and "row remapping pending" \
+        in ecc["reason"]
     (f,) = aiv.judge_gpu_health("n1", [dict(rows[0], remap_failure=True)], {}, [])
     assert (f["status"], f["blame"], f["hosts"], f["short"]) == ("FAIL", "own", ["n1"], "GPU 0 row remapping failed")
     assert aiv.node_drainable(f, "health") and aiv.node_drainable(f, "epilog")
     (ok,) = aiv.judge_gpu_health("n1", [rows[0]], {}, [], kmsg_unread="/dev/kmsg: Permission denied")
     assert ok["status"] == "PASS" and "kernel log not read" in ok["reason"]
+
+
+# ---------------------------------------------------------------------------- one core under both modes
+@pytest.mark.parametrize("ecc, pending, failure, want", [
+    ("0", "No", "No", None),
+    ("3", "No", "No", "WARN"),
+    ("0", "Yes", "No", "WARN"),
+    ("3", "Yes", "No", "WARN"),
+    ("0", "No", "Yes", "FAIL"),
+    ("3", "Yes", "Yes", "FAIL"),
+])
+def test_the_same_memory_error_facts_judge_alike_in_the_preflight_and_the_node_gate(ecc, pending, failure, want):
+    """One ECC / row-remap policy: the preflight's rows (its node's nvidia-smi, parse_node_smi, attached by UUID) and
+    the node gate's (its own query, parse_node_gpus) give the same status and blame, name the same host and drain
+    alike, each through its own mode's path (blame_gate and drain_plan; the node gate's verdict and drain)."""
+    pre_rows = aiv.screen_gpu_rows(
+        [aiv_rec(0, "n1", {"uuid": "GPU-aaaa", "name": H100}, {"smi": {"gpus": aiv.parse_node_smi(
+            f"GPU-aaaa, {ecc}, {pending}, {failure}\n")}})], {0: {"rank": 0, "tflops": 700.0, "hbm_gbps": 3000.0}})
+    pre = aiv.blame_gate(aiv.judge_gpu_facts(pre_rows))
+    rows, _ = aiv.parse_node_gpus(f"0, GPU-aaaa, 00000000:1B:00.0, {H100}, 0, 81559, {ecc}, {pending}, {failure}\n")
+    node = [f for f in aiv.judge_gpu_health("n1", rows, {}, []) if f["status"] != "PASS"]
+    assert [(f["status"], f["blame"], f["hosts"]) for f in pre] == [(f["status"], f["blame"], f["hosts"])
+                                                                     for f in node] == \
+        ([(want, "own", ["n1"])] if want else [])
+    pre_plan = aiv.drain_plan(pre, "recommend", 4, "42")
+    node_plan = aiv.drain_plan(node, "recommend", 1, None, context="health")
+    assert pre_plan["hosts"] == node_plan["hosts"] == (["n1"] if want == "FAIL" else [])
+    assert aiv.node_verdict(node, "prolog")["exit_code"] == (1 if want == "FAIL" else 0)
+
+
+def aiv_rec(rank, host, gpu, node):
+    from conftest import rec
+    return rec(rank, host=host, gpu=gpu, node=node)
+
+
+def test_one_drain_planner_serves_both_modes():
+    """The preflight and the node gate plan their drains with the one drain_plan and apply them with the one
+    drain_apply: the node gate's reason is the plan's prolog, epilog or health variant; the rules that keep a
+    drain from happening (a check whose evidence does not persist, a check that does not run in the context) hold
+    in both."""
+    held = aiv.judge_gpu_procs("n1", "prolog", aiv.node_devices("prolog", GPUS, [1], 2, {}, {1: [HOG]}, False), {})
+    job = aiv.drain_plan(held, "recommend", 4, "42")
+    assert job["hosts"] == [] and "no failed check names a host" in job["skipped"]  # gpu-procs is no job check
+    for ctx in ("prolog", "epilog", "health"):
+        p = aiv.drain_plan(held, "recommend", 1, None, context=ctx)
+        assert p["hosts"] == ["n1"] and p["reason"].endswith(f"[{ctx}]") and p["skipped"] is None
+        assert p["argv"] == aiv.drain_command(["n1"], p["reason"])[0]
+    assert aiv.drain_plan(held, "off", 1, None, context="prolog")["command"]  # the line a prolog's exit 1 quotes
+    bits = dict(aiv.finding("numerics", "FAIL", "GPU 1 wrong", ["n1"], blame="reference"), short="GPU 1 wrong")
+    assert aiv.drain_plan([bits], "recommend", 1, None, context="health")["hosts"] == ["n1"]
+    assert aiv.drain_plan([bits], "recommend", 1, None, context="epilog")["hosts"] == []  # the epilog is passive
+    once = aiv.judge_node_speed("n1", {0: speed_of(100)}, {}, BY)
+    assert aiv.drain_plan(once, "recommend", 1, None, context="health")["hosts"] == []
+    writers = {p.name for p in (ROOT / "aiv").glob("*.py") for ln in p.read_text().splitlines()
+               if '"update"' in ln or "state=drain" in ln or "state=resume" in ln}
+    assert writers == {"outputs.py"}  # one drain: the only scontrol update lines are the planner's
 
 
 def test_a_device_error_is_the_gpus_own_only_beside_a_working_peer():
