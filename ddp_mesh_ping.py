@@ -7819,6 +7819,37 @@ def node_devices(context, gpus, job_ids, nproc, allocated, apps, cpu):
     return {"ids": ids, "held": held, "busy": busy, "compute": compute}
 
 
+def node_expectations(given, gres, pci, driver):
+    """What the node should have, [(source words, count)]: --expect-gpus (given: (words, n)) alone when given;
+    else the node's gres in Slurm (scontrol's Gres=), the NVIDIA GPUs on its PCI bus, the driver's list."""
+    if given is not None:
+        return [given]
+    out = []
+    if parse_gres_gpus(gres) is not None:
+        out.append(("the node's gres in Slurm", parse_gres_gpus(gres)))
+    if pci:
+        out.append(("NVIDIA GPUs on the PCI bus", len(pci)))
+    if driver:
+        out.append(("the NVIDIA driver's list", len(driver)))
+    return out
+
+
+def node_plan(context, facts, slurm, nproc, expectations):
+    """-> (cpu, gpus, devices): whether CPU workers stand in (no GPU seen and none expected), the node's GPUs
+    (NVML's rows, else the driver's list) and node_devices' plan with the compute processes by GPU index and, in
+    health, the GPUs Slurm gave to running jobs (slurm: parse_slurm_node's view)."""
+    cpu = not (facts["rows"] or facts["driver"]) and not facts["pci"] and all(n == 0 for _, n in expectations)
+    gpus = facts["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(facts["driver"])]
+    by_uuid = {g["uuid"]: g["index"] for g in gpus if g.get("uuid")}
+    apps = {}
+    for p in facts["apps"]:
+        if p["uuid"] in by_uuid:
+            apps.setdefault(by_uuid[p["uuid"]], []).append(p)
+    ids = list(range(nproc)) if cpu else [g["index"] for g in gpus]
+    used = gres_busy((slurm or {}).get("gres_used"), ids) if context == "health" else {}
+    return cpu, gpus, node_devices(context, gpus, facts["job_gpus"], nproc, used, apps, cpu)
+
+
 # ---------------------------------------------------------------------------------------------- findings
 def _f(check, status, reason, evidence, node, short=None, gpus=(), ranks=(), **kw):
     """A node-check finding: hosts=[node] only when its evidence singles the node out and it is no PASS."""
@@ -8086,6 +8117,95 @@ def judge_node_manifest(node, manifest, records, load_rows):
     screen = {"gpu": load_rows} if load_rows else None
     return [dict(f, blame=None if f["status"] == "PASS" else "manifest", gpus=[], short=f["reason"][:90])
             for f in judge_manifest(manifest, records, screen)]
+
+
+# ---------------------------------------------------------------------------------------------- one pass
+def gpus_by_id(gpus, measured):
+    """Each GPU's identity by index: NVML's row (gpus), completed by what its worker read (measured[i]['gpu'])."""
+    out = {g["index"]: {"uuid": g.get("uuid"), "name": g.get("name"), "pci": g.get("pci")} for g in gpus}
+    for i, m in measured.items():
+        if m.get("gpu"):
+            out[i] = dict(out.get(i) or {}, **{k: v for k, v in m["gpu"].items() if v is not None})
+    return out
+
+
+def judge_node(p):
+    """Every finding of one pass, from its plain data p (NodeCheck.judge gathers it: 'node', 'ctx', 'cpu',
+    'facts', 'gpus', 'devices', 'measured', 'again', 'why_once', 'allreduce', 'expectations', the floors
+    'min_tflops', 'min_hbm', 'min_busbw_intra', 'python', 'driver', 'cpu_model', 'manifest' (None, the
+    accepted manifest, or {'error'}) and 'node_facts'): the node gate's own checks, then the preflight's
+    judges on preflight-shaped rows."""
+    return _judge_passive(p) + _judge_measured(p) + _judge_node_manifest(p)
+
+
+def _judge_passive(p):
+    f, node, out = p["facts"], p["node"], []
+    if f.get("smi_unread"):
+        out.append(unassessed("gpu-health", f"{node}: nvidia-smi: {f['smi_unread']}: the GPUs' count, ECC and "
+                              "row remapping were not read (a slow nvidia-smi is often NVML starting without "
+                              "persistence mode: nvidia-smi -pm 1)", "nvidia-smi not read"))
+    else:
+        out += judge_gpu_count(node, [g["index"] for g in p["gpus"]], f["lost"], p["expectations"],
+                               f["job_gpus"], p["cpu"])
+    out += judge_gpu_procs(node, p["ctx"], p["devices"], {g["index"]: g.get("uuid") for g in p["gpus"]},
+                           "CPU worker(s)" if p["cpu"] else "GPU(s)")
+    if not p["cpu"] and not f.get("smi_unread"):
+        out += judge_gpu_health(node, f["rows"], _load(p), f["xids"], f["kmsg_unread"])
+    return out
+
+
+def _load(p):
+    """The first speed measurement of each device, with its facts under load: {index: row}."""
+    return {i: m["speed"] for i, m in p["measured"].items() if isinstance(m.get("speed"), dict)}
+
+
+def _judge_measured(p):
+    node, measured, out = p["node"], p["measured"], []
+    imports = sorted({m["import"] for m in measured.values() if m.get("import")})
+    if imports:
+        how = "usable" if imports[0].startswith("torch ") else "importable"  # a CPU-only build, or no torch
+        out.append(unassessed("local", f"{node}: torch is not {how} in {p['python']}: {imports[0]}: the numerics, "
+                              "speed and all-reduce were not run (the tool's environment, not the node)",
+                              f"torch not {how}: " + imports[0][:60]))
+    for i, m in sorted(measured.items()):
+        if m.get("internal"):
+            out.append(unassessed("internal", f"{node}: GPU {i}: {m['internal']}: a bug in the tool, not a fault "
+                                  "of the node", f"tool error on GPU {i}"))
+        if m.get("died"):
+            out.append(unassessed("launch", f"{node}: the worker for GPU {i} {m['died']}", f"worker {i} died"))
+    out += judge_node_devices(node, {i: m["error"] for i, m in measured.items() if m.get("error")},
+                              [i for i, m in measured.items() if m.get("ready") and not m.get("error")])
+    by_id = gpus_by_id(p["gpus"], measured)
+    posts = {i: m["numerics"] for i, m in measured.items() if isinstance(m.get("numerics"), dict)
+             and not m.get("error")}
+    if posts:
+        out += judge_node_numerics(node, numerics_rows_of(node, posts, by_id, p["driver"], p["cpu_model"]))
+    first = {i: r for i, r in _load(p).items() if not measured[i].get("error")}
+    out += judge_node_speed(node, first, p["again"], by_id, p["cpu"], p["min_tflops"], p["min_hbm"], p["why_once"])
+    ar = p["allreduce"]
+    if ar and ar.get("internal"):
+        return out + [unassessed("internal", f"{node}: the all-reduce: {ar['error']}: a bug in the tool",
+                                 "tool error in the all-reduce")]
+    return out + judge_node_allreduce(node, ar, p["min_busbw_intra"])
+
+
+def _judge_node_manifest(p):
+    """--manifest: the node's records (one per device, its node facts on the first) against the accepted class."""
+    if not p["manifest"]:
+        return []
+    if p["manifest"].get("error"):
+        return [unassessed("manifest", f"{p['node']}: {p['manifest']['error']}", "manifest unreadable")]
+    by_id, recs = gpus_by_id(p["gpus"], p["measured"]), []
+    for k, i in enumerate(p["devices"]["ids"]):
+        g = by_id.get(i) or {}
+        gpu = None if p["cpu"] else {"name": g.get("name"), "vram": g.get("vram"), "uuid": g.get("uuid"),
+                                     "pci": g.get("pci")}
+        recs.append({"rank": i, "host": p["node"], "local_rank": i, "gpu": gpu,
+                     "versions": (p["measured"].get(i) or {}).get("versions") or {},
+                     **({"node": p["node_facts"]} if k == 0 else {})})
+    recs = recs or [{"rank": 0, "host": p["node"], "local_rank": 0, "gpu": None, "versions": {},
+                     "node": p["node_facts"]}]
+    return judge_node_manifest(p["node"], p["manifest"], recs, [dict(r, rank=i) for i, r in _load(p).items()])
 
 
 # ---------------------------------------------------------------------------------------------- the verdict
@@ -13843,31 +13963,13 @@ class NodeCheck:
 
     def expectations(self):
         a, f = self.args, self.facts
-        if a.expect_gpus is not None:
-            return [(a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)]
-        out = []
-        gres = parse_gres_gpus((self.slurm or {}).get("gres"))
-        if gres is not None:
-            out.append(("the node's gres in Slurm", gres))
-        if f["pci"]:
-            out.append(("NVIDIA GPUs on the PCI bus", len(f["pci"])))
-        if f["driver"]:
-            out.append(("the NVIDIA driver's list", len(f["driver"])))
-        return out
+        given = None if a.expect_gpus is None else (a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)
+        return node_expectations(given, (self.slurm or {}).get("gres"), f["pci"], f["driver"])
 
     def plan(self):
-        f, a = self.facts, self.args
-        found = f["rows"] or f["driver"]
-        self.cpu = not found and not f["pci"] and all(n == 0 for _, n in self.expectations())
-        self.gpus = f["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(f["driver"])]
-        by_uuid = {g["uuid"]: g["index"] for g in self.gpus if g.get("uuid")}
-        apps = {}
-        for p in f["apps"]:
-            if p["uuid"] in by_uuid:
-                apps.setdefault(by_uuid[p["uuid"]], []).append(p)
-        ids = list(range(a.nproc or 2)) if self.cpu else [g["index"] for g in self.gpus]
-        used = gres_busy((self.slurm or {}).get("gres_used"), ids) if self.ctx == "health" else {}
-        self.devices = node_devices(self.ctx, self.gpus, f["job_gpus"], a.nproc or 2, used, apps, self.cpu)
+        f = self.facts
+        self.cpu, self.gpus, self.devices = node_plan(self.ctx, f, self.slurm, self.args.nproc or 2,
+                                                      self.expectations())
         if f.get("apps_unread") and self.ctx in ("prolog", "epilog"):
             self.findings.append(unassessed("gpu-procs", f"{self.node}: the GPUs' processes were not read "
                                             f"({f['apps_unread']})", "GPU processes not read"))
@@ -13901,7 +14003,8 @@ class NodeCheck:
         self.take_steps(ids, steps)
         ok = [i for i in ids if self.usable(i)]
         first = {i: self.measured[i]["speed"] for i in ok if isinstance(self.measured[i].get("speed"), dict)}
-        slow = speed_flagged(self.node, first, self.gpus_by_id(), self.cpu, a.min_tflops, a.min_hbm)
+        slow = speed_flagged(self.node, first, gpus_by_id(self.gpus, self.measured), self.cpu, a.min_tflops,
+                             a.min_hbm)
         if slow and not self.stopped:
             need = max(w.said[i]["speed"].get("secs", 0.0) for i in slow) + 1.0
             if self.left() < need:
@@ -13973,80 +14076,24 @@ class NodeCheck:
                 else:
                     m[s] = msg.get("value")
 
-    def gpus_by_id(self):
-        out = {}
-        for g in self.gpus:
-            out[g["index"]] = {"uuid": g.get("uuid"), "name": g.get("name"), "pci": g.get("pci")}
-        for i, m in self.measured.items():
-            if m.get("gpu"):
-                out[i] = dict(out.get(i) or {}, **{k: v for k, v in m["gpu"].items() if v is not None})
-        return out
-
     # ------------------------------------------------------------------ judge
     def judge(self):
-        f, node, a = self.facts, self.node, self.args
-        out = self.findings
-        if f.get("smi_unread"):
-            out.append(unassessed("gpu-health", f"{node}: nvidia-smi: {f['smi_unread']}: the GPUs' count, ECC and "
-                                  "row remapping were not read (a slow nvidia-smi is often NVML starting without "
-                                  "persistence mode: nvidia-smi -pm 1)", "nvidia-smi not read"))
-        else:
-            out += judge_gpu_count(node, [g["index"] for g in self.gpus], f["lost"], self.expectations(),
-                                   f["job_gpus"], self.cpu)
-        out += judge_gpu_procs(node, self.ctx, self.devices, {g["index"]: g.get("uuid") for g in self.gpus},
-                               "CPU worker(s)" if self.cpu else "GPU(s)")
-        by_id = self.gpus_by_id()
-        load = {i: m["speed"] for i, m in self.measured.items() if isinstance(m.get("speed"), dict)}
-        if not self.cpu and not f.get("smi_unread"):
-            out += judge_gpu_health(node, f["rows"], load, f["xids"], f["kmsg_unread"])
-        imports = sorted({m["import"] for m in self.measured.values() if m.get("import")})
-        if imports:
-            how = "usable" if imports[0].startswith("torch ") else "importable"  # a CPU-only build, or no torch
-            out.append(unassessed("local", f"{node}: torch is not {how} in {sys.executable}: {imports[0]}: the "
-                                  "numerics, speed and all-reduce were not run (the tool's environment, not the node)",
-                                  f"torch not {how}: " + imports[0][:60]))
-        for i, m in sorted(self.measured.items()):
-            if m.get("internal"):
-                out.append(unassessed("internal", f"{node}: GPU {i}: {m['internal']}: a bug in the tool, not a fault "
-                                      "of the node", f"tool error on GPU {i}"))
-            if m.get("died"):
-                out.append(unassessed("launch", f"{node}: the worker for GPU {i} {m['died']}", f"worker {i} died"))
-        errors = {i: m["error"] for i, m in self.measured.items() if m.get("error")}
-        done = [i for i, m in self.measured.items() if m.get("ready") and not m.get("error")]
-        out += judge_node_devices(node, errors, done)
-        posts = {i: m["numerics"] for i, m in self.measured.items() if isinstance(m.get("numerics"), dict)
-                 and not m.get("error")}
-        if posts:
-            rows = numerics_rows_of(node, posts, by_id, _driver_version(self.root), _cpu_model())
-            out += judge_node_numerics(node, rows)
-        first = {i: r for i, r in load.items() if not self.measured[i].get("error")}
-        out += judge_node_speed(node, first, self.again, by_id, self.cpu, a.min_tflops, a.min_hbm, self.why_once)
-        if self.allreduce and self.allreduce.get("internal"):
-            out.append(unassessed("internal", f"{node}: the all-reduce: {self.allreduce['error']}: a bug in the tool",
-                                  "tool error in the all-reduce"))
-        else:
-            out += judge_node_allreduce(node, self.allreduce, a.min_busbw_intra)
+        """The pass's plain data, with what the judges need read from the node (the driver, the CPU model, the
+        manifest and the node's facts), judged by node_judge.judge_node."""
+        a, manifest, facts = self.args, None, None
         if a.manifest:
-            out += self.judge_manifest(load)
-
-    def judge_manifest(self, load):
-        try:
-            manifest = load_manifest(self.args.manifest, self.args.origin.get("manifest", "--manifest"))
-        except Exception as e:
-            return [unassessed("manifest", f"{self.node}: {e}", "manifest unreadable")]
-        facts = collect_node_facts(self.root, None, "gloo", len(self.devices["ids"]), self.env)
-        by_id, recs = self.gpus_by_id(), []
-        for k, i in enumerate(self.devices["ids"]):
-            m = self.measured.get(i) or {}
-            g = by_id.get(i) or {}
-            gpu = None if self.cpu else {"name": g.get("name"), "vram": g.get("vram"), "uuid": g.get("uuid"),
-                                         "pci": g.get("pci")}
-            recs.append({"rank": i, "host": self.node, "local_rank": i, "gpu": gpu, "versions": m.get("versions") or {},
-                         **({"node": facts} if k == 0 else {})})
-        if not recs:
-            recs = [{"rank": 0, "host": self.node, "local_rank": 0, "gpu": None, "versions": {}, "node": facts}]
-        rows = [dict(r, rank=i) for i, r in load.items()]
-        return judge_node_manifest(self.node, manifest, recs, rows)
+            try:
+                manifest = load_manifest(a.manifest, a.origin.get("manifest", "--manifest"))
+            except Exception as e:
+                manifest = {"error": str(e)}
+            else:
+                facts = collect_node_facts(self.root, None, "gloo", len(self.devices["ids"]), self.env)
+        self.findings += judge_node({
+            "node": self.node, "ctx": self.ctx, "cpu": self.cpu, "facts": self.facts, "gpus": self.gpus,
+            "devices": self.devices, "measured": self.measured, "again": self.again, "why_once": self.why_once,
+            "allreduce": self.allreduce, "expectations": self.expectations(), "min_tflops": a.min_tflops,
+            "min_hbm": a.min_hbm, "min_busbw_intra": a.min_busbw_intra, "python": sys.executable,
+            "driver": _driver_version(self.root), "cpu_model": _cpu_model(), "manifest": manifest, "node_facts": facts})
 
     # ------------------------------------------------------------------ the pass
     def run(self):

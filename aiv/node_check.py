@@ -53,24 +53,16 @@ from .node_judge import (
     NODE_LINE_PREFIX,
     NODE_STEP_S,
     context_from_argv,
-    gres_busy,
-    judge_gpu_count,
-    judge_gpu_health,
-    judge_gpu_procs,
-    judge_node_allreduce,
-    judge_node_devices,
-    judge_node_manifest,
-    judge_node_numerics,
-    judge_node_speed,
+    gpus_by_id,
+    judge_node,
     node_context,
-    node_devices,
     node_drainable,
     node_exit_code,
+    node_expectations,
+    node_plan,
     node_verdict,
-    numerics_rows_of,
     parse_compute_apps,
     parse_gpu_ids,
-    parse_gres_gpus,
     parse_node_gpus,
     parse_slurm_node,
     parse_xids,
@@ -412,31 +404,13 @@ class NodeCheck:
 
     def expectations(self):
         a, f = self.args, self.facts
-        if a.expect_gpus is not None:
-            return [(a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)]
-        out = []
-        gres = parse_gres_gpus((self.slurm or {}).get("gres"))
-        if gres is not None:
-            out.append(("the node's gres in Slurm", gres))
-        if f["pci"]:
-            out.append(("NVIDIA GPUs on the PCI bus", len(f["pci"])))
-        if f["driver"]:
-            out.append(("the NVIDIA driver's list", len(f["driver"])))
-        return out
+        given = None if a.expect_gpus is None else (a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)
+        return node_expectations(given, (self.slurm or {}).get("gres"), f["pci"], f["driver"])
 
     def plan(self):
-        f, a = self.facts, self.args
-        found = f["rows"] or f["driver"]
-        self.cpu = not found and not f["pci"] and all(n == 0 for _, n in self.expectations())
-        self.gpus = f["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(f["driver"])]
-        by_uuid = {g["uuid"]: g["index"] for g in self.gpus if g.get("uuid")}
-        apps = {}
-        for p in f["apps"]:
-            if p["uuid"] in by_uuid:
-                apps.setdefault(by_uuid[p["uuid"]], []).append(p)
-        ids = list(range(a.nproc or 2)) if self.cpu else [g["index"] for g in self.gpus]
-        used = gres_busy((self.slurm or {}).get("gres_used"), ids) if self.ctx == "health" else {}
-        self.devices = node_devices(self.ctx, self.gpus, f["job_gpus"], a.nproc or 2, used, apps, self.cpu)
+        f = self.facts
+        self.cpu, self.gpus, self.devices = node_plan(self.ctx, f, self.slurm, self.args.nproc or 2,
+                                                      self.expectations())
         if f.get("apps_unread") and self.ctx in ("prolog", "epilog"):
             self.findings.append(unassessed("gpu-procs", f"{self.node}: the GPUs' processes were not read "
                                             f"({f['apps_unread']})", "GPU processes not read"))
@@ -470,7 +444,8 @@ class NodeCheck:
         self.take_steps(ids, steps)
         ok = [i for i in ids if self.usable(i)]
         first = {i: self.measured[i]["speed"] for i in ok if isinstance(self.measured[i].get("speed"), dict)}
-        slow = speed_flagged(self.node, first, self.gpus_by_id(), self.cpu, a.min_tflops, a.min_hbm)
+        slow = speed_flagged(self.node, first, gpus_by_id(self.gpus, self.measured), self.cpu, a.min_tflops,
+                             a.min_hbm)
         if slow and not self.stopped:
             need = max(w.said[i]["speed"].get("secs", 0.0) for i in slow) + 1.0
             if self.left() < need:
@@ -542,80 +517,24 @@ class NodeCheck:
                 else:
                     m[s] = msg.get("value")
 
-    def gpus_by_id(self):
-        out = {}
-        for g in self.gpus:
-            out[g["index"]] = {"uuid": g.get("uuid"), "name": g.get("name"), "pci": g.get("pci")}
-        for i, m in self.measured.items():
-            if m.get("gpu"):
-                out[i] = dict(out.get(i) or {}, **{k: v for k, v in m["gpu"].items() if v is not None})
-        return out
-
     # ------------------------------------------------------------------ judge
     def judge(self):
-        f, node, a = self.facts, self.node, self.args
-        out = self.findings
-        if f.get("smi_unread"):
-            out.append(unassessed("gpu-health", f"{node}: nvidia-smi: {f['smi_unread']}: the GPUs' count, ECC and "
-                                  "row remapping were not read (a slow nvidia-smi is often NVML starting without "
-                                  "persistence mode: nvidia-smi -pm 1)", "nvidia-smi not read"))
-        else:
-            out += judge_gpu_count(node, [g["index"] for g in self.gpus], f["lost"], self.expectations(),
-                                   f["job_gpus"], self.cpu)
-        out += judge_gpu_procs(node, self.ctx, self.devices, {g["index"]: g.get("uuid") for g in self.gpus},
-                               "CPU worker(s)" if self.cpu else "GPU(s)")
-        by_id = self.gpus_by_id()
-        load = {i: m["speed"] for i, m in self.measured.items() if isinstance(m.get("speed"), dict)}
-        if not self.cpu and not f.get("smi_unread"):
-            out += judge_gpu_health(node, f["rows"], load, f["xids"], f["kmsg_unread"])
-        imports = sorted({m["import"] for m in self.measured.values() if m.get("import")})
-        if imports:
-            how = "usable" if imports[0].startswith("torch ") else "importable"  # a CPU-only build, or no torch
-            out.append(unassessed("local", f"{node}: torch is not {how} in {sys.executable}: {imports[0]}: the "
-                                  "numerics, speed and all-reduce were not run (the tool's environment, not the node)",
-                                  f"torch not {how}: " + imports[0][:60]))
-        for i, m in sorted(self.measured.items()):
-            if m.get("internal"):
-                out.append(unassessed("internal", f"{node}: GPU {i}: {m['internal']}: a bug in the tool, not a fault "
-                                      "of the node", f"tool error on GPU {i}"))
-            if m.get("died"):
-                out.append(unassessed("launch", f"{node}: the worker for GPU {i} {m['died']}", f"worker {i} died"))
-        errors = {i: m["error"] for i, m in self.measured.items() if m.get("error")}
-        done = [i for i, m in self.measured.items() if m.get("ready") and not m.get("error")]
-        out += judge_node_devices(node, errors, done)
-        posts = {i: m["numerics"] for i, m in self.measured.items() if isinstance(m.get("numerics"), dict)
-                 and not m.get("error")}
-        if posts:
-            rows = numerics_rows_of(node, posts, by_id, _driver_version(self.root), _cpu_model())
-            out += judge_node_numerics(node, rows)
-        first = {i: r for i, r in load.items() if not self.measured[i].get("error")}
-        out += judge_node_speed(node, first, self.again, by_id, self.cpu, a.min_tflops, a.min_hbm, self.why_once)
-        if self.allreduce and self.allreduce.get("internal"):
-            out.append(unassessed("internal", f"{node}: the all-reduce: {self.allreduce['error']}: a bug in the tool",
-                                  "tool error in the all-reduce"))
-        else:
-            out += judge_node_allreduce(node, self.allreduce, a.min_busbw_intra)
+        """The pass's plain data, with what the judges need read from the node (the driver, the CPU model, the
+        manifest and the node's facts), judged by node_judge.judge_node."""
+        a, manifest, facts = self.args, None, None
         if a.manifest:
-            out += self.judge_manifest(load)
-
-    def judge_manifest(self, load):
-        try:
-            manifest = load_manifest(self.args.manifest, self.args.origin.get("manifest", "--manifest"))
-        except Exception as e:
-            return [unassessed("manifest", f"{self.node}: {e}", "manifest unreadable")]
-        facts = collect_node_facts(self.root, None, "gloo", len(self.devices["ids"]), self.env)
-        by_id, recs = self.gpus_by_id(), []
-        for k, i in enumerate(self.devices["ids"]):
-            m = self.measured.get(i) or {}
-            g = by_id.get(i) or {}
-            gpu = None if self.cpu else {"name": g.get("name"), "vram": g.get("vram"), "uuid": g.get("uuid"),
-                                         "pci": g.get("pci")}
-            recs.append({"rank": i, "host": self.node, "local_rank": i, "gpu": gpu, "versions": m.get("versions") or {},
-                         **({"node": facts} if k == 0 else {})})
-        if not recs:
-            recs = [{"rank": 0, "host": self.node, "local_rank": 0, "gpu": None, "versions": {}, "node": facts}]
-        rows = [dict(r, rank=i) for i, r in load.items()]
-        return judge_node_manifest(self.node, manifest, recs, rows)
+            try:
+                manifest = load_manifest(a.manifest, a.origin.get("manifest", "--manifest"))
+            except Exception as e:
+                manifest = {"error": str(e)}
+            else:
+                facts = collect_node_facts(self.root, None, "gloo", len(self.devices["ids"]), self.env)
+        self.findings += judge_node({
+            "node": self.node, "ctx": self.ctx, "cpu": self.cpu, "facts": self.facts, "gpus": self.gpus,
+            "devices": self.devices, "measured": self.measured, "again": self.again, "why_once": self.why_once,
+            "allreduce": self.allreduce, "expectations": self.expectations(), "min_tflops": a.min_tflops,
+            "min_hbm": a.min_hbm, "min_busbw_intra": a.min_busbw_intra, "python": sys.executable,
+            "driver": _driver_version(self.root), "cpu_model": _cpu_model(), "manifest": manifest, "node_facts": facts})
 
     # ------------------------------------------------------------------ the pass
     def run(self):

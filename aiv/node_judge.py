@@ -237,6 +237,37 @@ def node_devices(context, gpus, job_ids, nproc, allocated, apps, cpu):
     return {"ids": ids, "held": held, "busy": busy, "compute": compute}
 
 
+def node_expectations(given, gres, pci, driver):
+    """What the node should have, [(source words, count)]: --expect-gpus (given: (words, n)) alone when given;
+    else the node's gres in Slurm (scontrol's Gres=), the NVIDIA GPUs on its PCI bus, the driver's list."""
+    if given is not None:
+        return [given]
+    out = []
+    if parse_gres_gpus(gres) is not None:
+        out.append(("the node's gres in Slurm", parse_gres_gpus(gres)))
+    if pci:
+        out.append(("NVIDIA GPUs on the PCI bus", len(pci)))
+    if driver:
+        out.append(("the NVIDIA driver's list", len(driver)))
+    return out
+
+
+def node_plan(context, facts, slurm, nproc, expectations):
+    """-> (cpu, gpus, devices): whether CPU workers stand in (no GPU seen and none expected), the node's GPUs
+    (NVML's rows, else the driver's list) and node_devices' plan with the compute processes by GPU index and, in
+    health, the GPUs Slurm gave to running jobs (slurm: parse_slurm_node's view)."""
+    cpu = not (facts["rows"] or facts["driver"]) and not facts["pci"] and all(n == 0 for _, n in expectations)
+    gpus = facts["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(facts["driver"])]
+    by_uuid = {g["uuid"]: g["index"] for g in gpus if g.get("uuid")}
+    apps = {}
+    for p in facts["apps"]:
+        if p["uuid"] in by_uuid:
+            apps.setdefault(by_uuid[p["uuid"]], []).append(p)
+    ids = list(range(nproc)) if cpu else [g["index"] for g in gpus]
+    used = gres_busy((slurm or {}).get("gres_used"), ids) if context == "health" else {}
+    return cpu, gpus, node_devices(context, gpus, facts["job_gpus"], nproc, used, apps, cpu)
+
+
 # ---------------------------------------------------------------------------------------------- findings
 def _f(check, status, reason, evidence, node, short=None, gpus=(), ranks=(), **kw):
     """A node-check finding: hosts=[node] only when its evidence singles the node out and it is no PASS."""
@@ -504,6 +535,95 @@ def judge_node_manifest(node, manifest, records, load_rows):
     screen = {"gpu": load_rows} if load_rows else None
     return [dict(f, blame=None if f["status"] == "PASS" else "manifest", gpus=[], short=f["reason"][:90])
             for f in judge_manifest(manifest, records, screen)]
+
+
+# ---------------------------------------------------------------------------------------------- one pass
+def gpus_by_id(gpus, measured):
+    """Each GPU's identity by index: NVML's row (gpus), completed by what its worker read (measured[i]['gpu'])."""
+    out = {g["index"]: {"uuid": g.get("uuid"), "name": g.get("name"), "pci": g.get("pci")} for g in gpus}
+    for i, m in measured.items():
+        if m.get("gpu"):
+            out[i] = dict(out.get(i) or {}, **{k: v for k, v in m["gpu"].items() if v is not None})
+    return out
+
+
+def judge_node(p):
+    """Every finding of one pass, from its plain data p (NodeCheck.judge gathers it: 'node', 'ctx', 'cpu',
+    'facts', 'gpus', 'devices', 'measured', 'again', 'why_once', 'allreduce', 'expectations', the floors
+    'min_tflops', 'min_hbm', 'min_busbw_intra', 'python', 'driver', 'cpu_model', 'manifest' (None, the
+    accepted manifest, or {'error'}) and 'node_facts'): the node gate's own checks, then the preflight's
+    judges on preflight-shaped rows."""
+    return _judge_passive(p) + _judge_measured(p) + _judge_node_manifest(p)
+
+
+def _judge_passive(p):
+    f, node, out = p["facts"], p["node"], []
+    if f.get("smi_unread"):
+        out.append(unassessed("gpu-health", f"{node}: nvidia-smi: {f['smi_unread']}: the GPUs' count, ECC and "
+                              "row remapping were not read (a slow nvidia-smi is often NVML starting without "
+                              "persistence mode: nvidia-smi -pm 1)", "nvidia-smi not read"))
+    else:
+        out += judge_gpu_count(node, [g["index"] for g in p["gpus"]], f["lost"], p["expectations"],
+                               f["job_gpus"], p["cpu"])
+    out += judge_gpu_procs(node, p["ctx"], p["devices"], {g["index"]: g.get("uuid") for g in p["gpus"]},
+                           "CPU worker(s)" if p["cpu"] else "GPU(s)")
+    if not p["cpu"] and not f.get("smi_unread"):
+        out += judge_gpu_health(node, f["rows"], _load(p), f["xids"], f["kmsg_unread"])
+    return out
+
+
+def _load(p):
+    """The first speed measurement of each device, with its facts under load: {index: row}."""
+    return {i: m["speed"] for i, m in p["measured"].items() if isinstance(m.get("speed"), dict)}
+
+
+def _judge_measured(p):
+    node, measured, out = p["node"], p["measured"], []
+    imports = sorted({m["import"] for m in measured.values() if m.get("import")})
+    if imports:
+        how = "usable" if imports[0].startswith("torch ") else "importable"  # a CPU-only build, or no torch
+        out.append(unassessed("local", f"{node}: torch is not {how} in {p['python']}: {imports[0]}: the numerics, "
+                              "speed and all-reduce were not run (the tool's environment, not the node)",
+                              f"torch not {how}: " + imports[0][:60]))
+    for i, m in sorted(measured.items()):
+        if m.get("internal"):
+            out.append(unassessed("internal", f"{node}: GPU {i}: {m['internal']}: a bug in the tool, not a fault "
+                                  "of the node", f"tool error on GPU {i}"))
+        if m.get("died"):
+            out.append(unassessed("launch", f"{node}: the worker for GPU {i} {m['died']}", f"worker {i} died"))
+    out += judge_node_devices(node, {i: m["error"] for i, m in measured.items() if m.get("error")},
+                              [i for i, m in measured.items() if m.get("ready") and not m.get("error")])
+    by_id = gpus_by_id(p["gpus"], measured)
+    posts = {i: m["numerics"] for i, m in measured.items() if isinstance(m.get("numerics"), dict)
+             and not m.get("error")}
+    if posts:
+        out += judge_node_numerics(node, numerics_rows_of(node, posts, by_id, p["driver"], p["cpu_model"]))
+    first = {i: r for i, r in _load(p).items() if not measured[i].get("error")}
+    out += judge_node_speed(node, first, p["again"], by_id, p["cpu"], p["min_tflops"], p["min_hbm"], p["why_once"])
+    ar = p["allreduce"]
+    if ar and ar.get("internal"):
+        return out + [unassessed("internal", f"{node}: the all-reduce: {ar['error']}: a bug in the tool",
+                                 "tool error in the all-reduce")]
+    return out + judge_node_allreduce(node, ar, p["min_busbw_intra"])
+
+
+def _judge_node_manifest(p):
+    """--manifest: the node's records (one per device, its node facts on the first) against the accepted class."""
+    if not p["manifest"]:
+        return []
+    if p["manifest"].get("error"):
+        return [unassessed("manifest", f"{p['node']}: {p['manifest']['error']}", "manifest unreadable")]
+    by_id, recs = gpus_by_id(p["gpus"], p["measured"]), []
+    for k, i in enumerate(p["devices"]["ids"]):
+        g = by_id.get(i) or {}
+        gpu = None if p["cpu"] else {"name": g.get("name"), "vram": g.get("vram"), "uuid": g.get("uuid"),
+                                     "pci": g.get("pci")}
+        recs.append({"rank": i, "host": p["node"], "local_rank": i, "gpu": gpu,
+                     "versions": (p["measured"].get(i) or {}).get("versions") or {},
+                     **({"node": p["node_facts"]} if k == 0 else {})})
+    recs = recs or [{"rank": 0, "host": p["node"], "local_rank": 0, "gpu": None, "versions": {},
+                     "node": p["node_facts"]}]
+    return judge_node_manifest(p["node"], p["manifest"], recs, [dict(r, rank=i) for i, r in _load(p).items()])
 
 
 # ---------------------------------------------------------------------------------------------- the verdict
