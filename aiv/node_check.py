@@ -229,6 +229,48 @@ class _Workers:
             self.procs[i].stdin.write(json.dumps(cmd) + "\n")
             self.procs[i].stdin.flush()
 
+    def take(self, ids, steps, measured, skipped):
+        """What the workers said for these steps -> measured[i][step], their errors noted; skips (a step the
+        budget ended first, a step a worker skipped) appended to skipped."""
+        for i in ids:
+            m = measured.setdefault(i, {})
+            said = self.said[i]
+            if "import" in said:
+                m["import"] = said["import"]["error"]
+                continue
+            for s in steps:
+                if m.get("error") or m.get("internal") or m.get("died"):
+                    break  # nothing more comes from this worker
+                msg = said.get(s)
+                if msg is None:
+                    if i in self.dead:
+                        rc = self.procs[i].poll()
+                        m["died"] = (f"ended ({'killed by signal ' + str(-rc) if rc and rc < 0 else f'exit {rc}'}) "
+                                     f"before its {s} step: {self.stderr_tail(i) or 'no error on stderr'}")
+                    elif s != "ready":
+                        skipped.append(f"{s} on GPU {i} (the budget ended first)")
+                    continue
+                if msg.get("skipped"):
+                    skipped.append(f"{s} on GPU {i} ({msg['skipped']})")
+                elif msg.get("error"):
+                    m["internal" if msg.get("internal") else "error"] = f"{s}: {msg['error']}"
+                elif s == "ready":
+                    m["ready"], m["gpu"], m["versions"] = True, msg.get("gpu"), msg.get("versions")
+                else:
+                    m[s] = msg.get("value")
+
+    def allreduce_result(self, ok, done):
+        """The node's all-reduce as its workers said it: {'n', 'error', 'internal'} on an error, the first
+        worker's wrong sums or any worker's value when all answered in time, else None."""
+        said = [self.said[i].get("allreduce") for i in ok]
+        errors = [m for m in said if m and m.get("error")]
+        if errors:
+            return {"n": len(ok), "error": errors[0]["error"], "internal": errors[0].get("internal")}
+        if done and all(m and isinstance(m.get("value"), dict) for m in said):
+            vals = [m["value"] for m in said]
+            return dict(next((v for v in vals if not v["ok"]), None) or vals[0])
+        return None
+
     def stderr_tail(self, i):
         with contextlib.suppress(OSError, ValueError):
             self.errs[i].seek(0)
@@ -269,6 +311,7 @@ class NodeCheck:
         self.measured, self.allreduce, self.slurm, self.lock_fd = {}, None, None, None
         self.facts, self.devices, self.gpus = {}, {"ids": [], "held": {}, "busy": {}, "compute": []}, []
         self.cpu, self.again, self.why_once, self.phases, self.locked_out = False, {}, None, {}, False
+        self.expect = []  # what the node should have (node_expectations), [(source words, count)]
 
     def lap(self, name):
         """Seconds since the last lap (or the start) under name: where the budget went."""
@@ -402,15 +445,11 @@ class NodeCheck:
             still = {(p["pid"], p["uuid"]) for p in parse_compute_apps(a["text"])}
             f["apps"] = [p for p in f["apps"] if (p["pid"], p["uuid"]) in still]
 
-    def expectations(self):
-        a, f = self.args, self.facts
-        given = None if a.expect_gpus is None else (a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)
-        return node_expectations(given, (self.slurm or {}).get("gres"), f["pci"], f["driver"])
-
     def plan(self):
-        f = self.facts
-        self.cpu, self.gpus, self.devices = node_plan(self.ctx, f, self.slurm, self.args.nproc or 2,
-                                                      self.expectations())
+        f, a = self.facts, self.args
+        given = None if a.expect_gpus is None else (a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)
+        self.expect = node_expectations(given, (self.slurm or {}).get("gres"), f["pci"], f["driver"])
+        self.cpu, self.gpus, self.devices = node_plan(self.ctx, f, self.slurm, a.nproc or 2, self.expect)
         if f.get("apps_unread") and self.ctx in ("prolog", "epilog"):
             self.findings.append(unassessed("gpu-procs", f"{self.node}: the GPUs' processes were not read "
                                             f"({f['apps_unread']})", "GPU processes not read"))
@@ -441,8 +480,8 @@ class NodeCheck:
         self.workers = w = _Workers(specs, self.env)
         steps = ["ready"] + (["numerics"] if numerics else []) + (["speed"] if speed else [])
         w.wait(steps, ids, self.until, lambda: self.stopped)
-        self.take_steps(ids, steps)
-        ok = [i for i in ids if self.usable(i)]
+        w.take(ids, steps, self.measured, self.skipped)
+        ok = [i for i in ids if self.measured[i].get("ready") and not self.measured[i].get("error")]  # it worked
         first = {i: self.measured[i]["speed"] for i in ok if isinstance(self.measured[i].get("speed"), dict)}
         slow = speed_flagged(self.node, first, gpus_by_id(self.gpus, self.measured), self.cpu, a.min_tflops,
                              a.min_hbm)
@@ -454,7 +493,7 @@ class NodeCheck:
                 for i in slow:
                     w.send(i, do="speed", need=need)
                 w.wait(["speed2"], slow, self.until, lambda: self.stopped)
-                self.take_steps(slow, ["speed2"])
+                w.take(slow, ["speed2"], self.measured, self.skipped)
                 self.again = {i: self.measured[i]["speed2"] for i in slow
                               if isinstance(self.measured[i].get("speed2"), dict)}
                 if len(self.again) < len(slow):
@@ -470,52 +509,9 @@ class NodeCheck:
         port = free_port()
         for r, i in enumerate(ok):
             w.send(i, do="allreduce", port=port, n=len(ok), rank=r)
-        done = w.wait(["allreduce"], ok, self.until, lambda: self.stopped)
-        said = [w.said[i].get("allreduce") for i in ok]
-        errors = [m for m in said if m and m.get("error")]
-        if errors:
-            self.allreduce = {"n": len(ok), "error": errors[0]["error"], "internal": errors[0].get("internal")}
-        elif done and all(m and isinstance(m.get("value"), dict) for m in said):
-            vals = [m["value"] for m in said]
-            bad = next((v for v in vals if not v["ok"]), None)
-            self.allreduce = dict(bad or vals[0])
-        elif not self.stopped:
+        self.allreduce = w.allreduce_result(ok, w.wait(["allreduce"], ok, self.until, lambda: self.stopped))
+        if self.allreduce is None and not self.stopped:
             self.skipped.append("the all-reduce (did not finish within the budget)")
-
-    def usable(self, i):
-        """Whether worker i's device worked (ready without an error, no device error in a step)."""
-        m = self.measured.get(i) or {}
-        return bool(m.get("ready")) and not m.get("error")
-
-    def take_steps(self, ids, steps):
-        """What the workers said for these steps -> self.measured[i][step], their errors and skips noted."""
-        w = self.workers
-        for i in ids:
-            m = self.measured.setdefault(i, {})
-            said = w.said[i]
-            if "import" in said:
-                m["import"] = said["import"]["error"]
-                continue
-            for s in steps:
-                if m.get("error") or m.get("internal") or m.get("died"):
-                    break  # nothing more comes from this worker
-                msg = said.get(s)
-                if msg is None:
-                    if i in w.dead:
-                        rc = w.procs[i].poll()
-                        m["died"] = (f"ended ({'killed by signal ' + str(-rc) if rc and rc < 0 else f'exit {rc}'}) "
-                                     f"before its {s} step: {w.stderr_tail(i) or 'no error on stderr'}")
-                    elif s != "ready":
-                        self.skipped.append(f"{s} on GPU {i} (the budget ended first)")
-                    continue
-                if msg.get("skipped"):
-                    self.skipped.append(f"{s} on GPU {i} ({msg['skipped']})")
-                elif msg.get("error"):
-                    m["internal" if msg.get("internal") else "error"] = f"{s}: {msg['error']}"
-                elif s == "ready":
-                    m["ready"], m["gpu"], m["versions"] = True, msg.get("gpu"), msg.get("versions")
-                else:
-                    m[s] = msg.get("value")
 
     # ------------------------------------------------------------------ judge
     def judge(self):
@@ -532,7 +528,7 @@ class NodeCheck:
         self.findings += judge_node({
             "node": self.node, "ctx": self.ctx, "cpu": self.cpu, "facts": self.facts, "gpus": self.gpus,
             "devices": self.devices, "measured": self.measured, "again": self.again, "why_once": self.why_once,
-            "allreduce": self.allreduce, "expectations": self.expectations(), "min_tflops": a.min_tflops,
+            "allreduce": self.allreduce, "expectations": self.expect, "min_tflops": a.min_tflops,
             "min_hbm": a.min_hbm, "min_busbw_intra": a.min_busbw_intra, "python": sys.executable,
             "driver": _driver_version(self.root), "cpu_model": _cpu_model(), "manifest": manifest, "node_facts": facts})
 
