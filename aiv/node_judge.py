@@ -437,25 +437,25 @@ def numerics_rows_of(node, posts, gpus_by_id, driver=None, cpu_model=None):
     return rows
 
 
+NUMERICS_SHORT = {"reference": "off the fp64 reference", "majority": "bits unlike its peers",
+                  "own": "its device failed", "tie": "no majority", "everyone": "every GPU alike",
+                  "not-collected": "not checked in time"}
+
+
 def judge_node_numerics(node, rows):
-    """judge_numerics on the node's own GPUs, each finding tagged: a culprit off the fp64 reference
-    'reference', one whose bits alone differ from a strict majority 'majority'; a disagreement without a
-    majority 'tie'; every GPU of a model off alike 'everyone' (those name no host)."""
-    off = {r["rank"]: any(p.get("off") for p in r["checks"].values()) for r in rows}
+    """judge_numerics on the node's own GPUs, its findings and their evidence as they are (a culprit off the fp64
+    reference 'reference', bits unlike a strict majority 'majority'; a disagreement without a majority, or a
+    GPU alone off the reference, 'tie'; every GPU of a model off alike 'everyone': those name no host), with the
+    node gate's GPUs and short words."""
     out = []
     for f in judge_numerics(rows):
         if f["status"] == "PASS":
             out.append(dict(f, blame=None, short="numerics agree", gpus=[]))
             continue
-        if f["hosts"]:
-            ev = "reference" if any(off.get(r) for r in f["ranks"]) else "majority"
-            what = "off the fp64 reference" if ev == "reference" else "bits unlike its peers"
-        else:
-            ev = "tie" if "disagree bit for bit" in f["reason"] else "everyone"
-            what = "no majority" if ev == "tie" else "every GPU alike"
-        gl = f"GPU {format_ranges(f['ranks'])}"
-        out.append(dict(f, hosts=[node] if f["hosts"] else [], blame=ev, gpus=list(f["ranks"]),
-                        short=f"{gl} computes wrong numbers ({what})" if f["hosts"] else f"numerics: {what}"))
+        what = NUMERICS_SHORT.get(f.get("blame"), f.get("blame") or "wrong")
+        short = f"GPU {format_ranges(f['ranks'])} computes wrong numbers ({what})" if f["hosts"] else \
+            f"numerics: {what}"
+        out.append(_node_tagged(f, node, short))
     return out
 
 
