@@ -86,7 +86,7 @@ def drain_plan(findings, mode, nodes, job, max_nodes=None, context="job"):
     the culprits to drain, 'command': the scontrol line or '', 'argv', 'reason', 'max', 'skipped': why nothing
     is drained, or None}."""
     out = {"mode": mode, "hosts": [], "command": "", "argv": [], "reason": "", "max": drain_max(max_nodes, nodes),
-           "skipped": None, "done": False, "kept": {}, "context": context}
+           "skipped": None, "done": False, "kept": {}}
     culprits = {}
     for f in findings:
         if drains_in(f, context):
