@@ -20,6 +20,8 @@ from .screen_gpu import (
     judge_gpu_perf,
     judge_gpu_transients,
 )
+from .screen_judge import intra_levels, judge_intra
+from .screen_loop import judge_transients
 
 SCRIPT_CONTEXTS = {"prolog_slurmd": "prolog", "epilog_slurmd": "epilog"}  # Slurm's SLURM_SCRIPT_CONTEXT
 NODE_KMSG_BYTES = 8 << 20    # the most of the kernel log read for Xid lines (within NODE_KMSG_BOUND_S)
@@ -497,8 +499,9 @@ def judge_node_speed(node, first, again, gpus_by_id, cpu=False, min_tflops=None,
 def judge_node_allreduce(node, result, floor=None):
     """The node's own all-reduce across its compute GPUs (result: {'n', 'ok', 'want', 'got', 'busbw': [two
     measurements], 'error'}): wrong sums FAIL own; an error FAILs without a host ('not-collected': the node's
-    NVLink or fabric manager, or the software, cannot be told apart alone); busbw judged only against
-    --min-busbw-intra: below it both times 'persisted', once 'once' (WARN)."""
+    NVLink or fabric manager, or the software, cannot be told apart alone); its busbw (two measurements) by the
+    preflight's judge_intra and judge_transients on one row (alone, the node has only --min-busbw-intra to be
+    judged against): below it both times 'persisted', below it and then above a transient (WARN 'once')."""
     if not result:
         return []
     n = result.get("n")
@@ -512,19 +515,19 @@ def judge_node_allreduce(node, result, floor=None):
                    f"({result.get('got')} where {result.get('want')} was due): drain it; NVLink/PCIe between its "
                    "GPUs (nvidia-smi nvlink -s, dcgmi diag -r 2)", "own", node, "all-reduce wrong sums")]
     bw = [b for b in result.get("busbw") or [] if b is not None]
-    shown = " and ".join(f"{b:.4g}" for b in bw) or "not measured"
-    if floor is not None and bw:
-        below = [b for b in bw if b < floor]
-        if len(below) == len(bw) and len(bw) >= 2:
-            return [_f("intra-node", "FAIL", f"{node}: all-reduce busbw across its {n} GPU(s) {shown} GB/s, below "
-                       f"--min-busbw-intra {floor:g} both times: drain it (nvidia-smi topo -m, nvlink -s)",
-                       "persisted", node, f"busbw {max(bw):.3g} < {floor:g} GB/s twice")]
-        if below:
-            return [_f("intra-node", "WARN", f"{node}: all-reduce busbw across its {n} GPU(s) {shown} GB/s: below "
-                       f"--min-busbw-intra {floor:g} once: not drained", "once", node)]
-    judged = f"above --min-busbw-intra {floor:g}" if floor is not None else "not judged (no --min-busbw-intra)"
-    return [_f("intra-node", "PASS", f"{node}: all-reduce across its {n} GPU(s) right; busbw {shown} GB/s "
-               f"{judged}", None, node)]
+    if not bw:
+        return [_f("intra-node", "PASS", f"{node}: all-reduce across its {n} GPU(s) right; busbw not measured",
+                   None, node)]
+    again = intra_levels([{"host": node, "busbw": bw[0]}], floor)[1][node][0] != "OK"  # flagged: measured again
+    row = {"host": node, "busbw": max(bw) if again else bw[0], "values": bw if again else bw[:1],
+           "tries": len(bw) if again else 1, "first": bw[0]}
+    out = []  # the preflight's judges of a node's inside: judge_intra (alone: the floor) and its transients
+    for f in judge_transients({"intra": [row], "min_busbw_intra": floor}) + judge_intra([row], floor):
+        short = f"busbw {max(bw):.3g} < {floor:g} GB/s twice" if f["status"] == "FAIL" and floor else None
+        f = dict(f, blame="once" if f.get("transient") else f.get("blame"))
+        out.append(dict(_node_tagged(f, node, short or f["reason"][:90]), gpus=[],
+                        reason=f"{f['reason']} (the node's own all-reduce across its {n} GPU(s): right sums)"))
+    return out
 
 
 def judge_node_manifest(node, manifest, records, load_rows):
