@@ -611,10 +611,15 @@ UNLOCALISED = {
 EVIDENCE = tuple(LOCALISING) + tuple(UNLOCALISED)
 
 
+NODE_CONTEXTS = ("prolog", "epilog", "health", "npd")  # the node gate's (--node-check CONTEXT)
+NODE_COMPUTE = ("prolog", "health", "npd")  # where it computes; the epilog stays passive (the next job waits on it)
+
+
 def rule(names=(), drain=(), why=None, contexts=("job",)):
     """A check's declaration: the evidence on which it may name a host (names), the part of it on which it may
     drain (drain: a subset of names, each with `why` that evidence persists) and where it runs (contexts:
-    'job', the preflight; 'node', the node gate)."""
+    'job', the preflight; the node gate's NODE_CONTEXTS, where a FAIL on drain evidence fails a prolog or an
+    epilog, drains the node or raises the NPD condition)."""
     names, drain = tuple(names), tuple(drain)
     if not set(names) <= set(LOCALISING) or not set(drain) <= set(names) or (drain and not why):
         raise ValueError(f"rule(names={names}, drain={drain}): names must be localising evidence, drain a part of "
@@ -671,23 +676,34 @@ CHECK_RULES = {
                      "majority of them, or unlike its own first result) computes wrong again: silent data "
                      "corruption persists until the GPU is replaced"),
 }
-_NODE = ("job", "node")  # checks the node gate (--node-check) also makes
+_NODE = ("job",) + NODE_COMPUTE  # checks the node gate (--node-check) also makes, where it computes
 CHECK_RULES["intra-node"] = rule(("persisted", "own", "process", "never-issued"), ("persisted", "own", "process"),
                                  "a node slow inside in every try, beside known-good nodes, or whose own all-reduce "
                                  "returns wrong sums, stays so until its NVLink, NVSwitch or PCIe is repaired; "
                                  + _PROCESS_WHY, _NODE)
-for _check in ("device", "numerics", "gpu-perf", "manifest"):
+for _check in ("device", "numerics", "gpu-perf"):
     CHECK_RULES[_check] = dict(CHECK_RULES[_check], contexts=_NODE)
+CHECK_RULES["manifest"] = dict(CHECK_RULES["manifest"], contexts=("job",) + NODE_CONTEXTS)
 CHECK_RULES.update({
     "gpu-count": rule(("own",), ("own",), "a GPU the node should have (--expect-gpus, the job's SLURM_JOB_GPUS, the "
                       "node's gres, the GPUs on its PCI bus) that NVML does not list stays missing until the node is "
-                      "repaired", ("node",)),
+                      "repaired", NODE_CONTEXTS),
     "gpu-procs": rule(("own",), ("own",), "a process holding the job's GPU before the job starts or after it ended, "
                       "still there a second later, outlived its own job; a busy GPU beside jobs is never judged",
-                      ("node",)),
-    "gpu-health": rule(("own",), ("own",), "uncorrected ECC errors and the row-remap state are kept by the driver "
-                       "until the GPU is reset", ("node",)),
+                      NODE_CONTEXTS),
+    "gpu-health": rule(("own",), ("own",), "a failed row remap is memory the GPU can no longer repair: it stays "
+                       "until the GPU is replaced (NVIDIA's RMA policy); uncorrected ECC counts and a pending remap "
+                       "(contained, applied at the next GPU reset), the PCIe link and clocks under load and Xid lines "
+                       "WARN and drain nothing", NODE_CONTEXTS),
 })
+
+
+def drains_in(f, context):
+    """Whether finding f drains its hosts in `context` ('job', or one of NODE_CONTEXTS): drainable, and its check
+    runs there (CHECK_RULES' contexts)."""
+    return drainable(f) and context in CHECK_RULES[f["check"]]["contexts"]
+
+
 if set(CHECK_RULES) != set(CHECKS):  # a new check declares itself here (docs/development.md: adding a check)
     raise ValueError(f"CHECK_RULES and CHECKS differ: {sorted(set(CHECKS) ^ set(CHECK_RULES))}")
 
@@ -2779,16 +2795,6 @@ def read_slurm_node(name, seconds):
     if r["rc"] != 0:
         return {"unread": f"scontrol show node {name} exited {r['rc']}: {first_text_line(r['err'] or r['out'])}"}
     return {"text": r["out"]}
-
-
-def slurm_update_node(name, seconds, **fields):
-    """One `scontrol update nodename=NAME key=value ...` -> None when done, else Slurm's (or our) words why not."""
-    r = run_bounded(["scontrol", "update", f"nodename={name}", *(f"{k}={v}" for k, v in fields.items())], seconds)
-    if "unread" in r:
-        return r["unread"]
-    if r["rc"] != 0:
-        return f"scontrol exited {r['rc']}: {first_text_line(r['err'] or r['out']) or 'no message'}"
-    return None
 
 
 
@@ -6399,7 +6405,7 @@ def _gpu_perf_pass(n_gpus, against, cpu):
                    + (f" ({'; '.join(rules)})" if rules else ""))
 
 
-def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
+def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None):
     """Per-GPU compute and memory speed against its model's table row (GPU_TABLE), the other GPUs of the
     same model and the floors.
     per_rank: [{'rank': int, 'host': str, 'local_rank': int, 'uuid': str|None, 'model': str|None,
@@ -6413,8 +6419,9 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
     peers' reference FAIL and nothing WARNs. The worst level counts; the text names what decided it.
     -> findings under 'gpu-perf': one per flagged rank naming rank, host, local rank and GPU UUID (one
     finding per status listing them when more than SCREEN_LIST_MAX ranks are flagged), or one PASS
-    saying what each model was judged against (or that nothing was) and the count of GPUs."""
-    per_rank = list(per_rank or [])
+    saying what each model was judged against (or that nothing was) and the count of GPUs. who(row): a GPU's
+    words (the node gate's: its index on the node)."""
+    per_rank, who = list(per_rank or []), who or _gpu_who
     if not per_rank:
         return []
     floors = {"min_tflops": min_tflops, "min_hbm": min_hbm}
@@ -6425,13 +6432,13 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
     items = list(flags.items())
     if len(items) <= SCREEN_LIST_MAX:
         out = [_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                                       f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
+                                       f"{who(r)}: " + "; ".join(t for _, _, t in fl)
                                        + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else ""),
                                        [r.get("host")], [rk]),
                                evidence=_gpu_evidence(r, allrefs, cpu), action=_gpu_action(r)), [r])
                for rk, (r, fl) in items]
         return _gpu_everyone(out, per_rank)
-    return _gpu_everyone(_gpu_perf_many(items), per_rank)
+    return _gpu_everyone(_gpu_perf_many(items, who), per_rank)
 
 
 def _gpu_unused(r, allrefs):
@@ -6463,13 +6470,13 @@ def _gpu_action(r):
             "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
 
 
-def _gpu_perf_many(items):
+def _gpu_perf_many(items, who):
     """More than SCREEN_LIST_MAX flagged GPUs: one finding per status, the first few named."""
     out = []
     for status in ("FAIL", "WARN"):
         sel = [(rk, r, fl) for rk, (r, fl) in items if _screen_worst([lv for _, lv, _ in fl]) == status]
         if sel:
-            shown = "; ".join(f"{_gpu_who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
+            shown = "; ".join(f"{who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
             hosts = [r.get("host") for _, r, _ in sel]
             out.append(_gpu_blame(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} "
@@ -6572,9 +6579,11 @@ GPU_FACT_KEYS = ("pcie_width", "pcie_width_max", "pcie_speed", "pcie_speed_max",
 
 def gpu_fact_problems(row):
     """[(status, text)] for one GPU's facts (a judge_gpu_perf row with GPU_FACT_KEYS, each optional): under
-    load, PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS; from its node's one
-    nvidia-smi call (read_node_smi), uncorrected ECC errors since the driver loaded or a pending row remap
-    (WARN), a failed row remap (FAIL)."""
+    load, PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS; from its node's
+    nvidia-smi (the preflight's read_node_smi, the node gate's one query), the memory error policy of both
+    modes, after NVIDIA's GPU memory error management: uncorrected ECC errors since the driver loaded and a
+    pending row remap WARN (error containment and dynamic page offlining keep new work unaffected; the remap
+    takes effect at the next GPU reset), a failed row remap FAILs (the GPU meets NVIDIA's RMA policy)."""
     out, g = [], row.get
     if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
         out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
@@ -6584,21 +6593,25 @@ def gpu_fact_problems(row):
         clock = f" (SM {g('sm_mhz'):g} of {g('sm_max_mhz'):g} MHz)" if g("sm_mhz") and g("sm_max_mhz") else ""
         out.append(("WARN", f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}{clock}"))
     if g("ecc_uncorrected"):
-        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded"))
+        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded (contained "
+                            "and the page offlined; reset the GPU when it is idle)"))
     if g("remap_failure"):
-        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it)"))
+        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it: NVIDIA's RMA "
+                            "policy)"))
     elif g("remap_pending"):
-        out.append(("WARN", "row remapping pending: reset the GPU to apply it"))
+        out.append(("WARN", "row remapping pending: reset the GPU (nvidia-smi -r) when it is idle to apply it; new "
+                            "work is unaffected until then"))
     return out
 
 
-def judge_gpu_facts(per_rank):
-    """Findings under 'gpu-perf' from each GPU's facts (gpu_fact_problems): one per GPU
-    with a problem, or beyond SCREEN_LIST_MAX GPUs one per status listing the first ones and a count.
-    No PASS finding: judge_gpu_perf gives it."""
+def judge_gpu_facts(per_rank, check="gpu-perf", who=None):
+    """Findings under `check` ('gpu-perf' in the preflight, 'gpu-health' in the node gate) from each GPU's
+    facts (gpu_fact_problems), blame 'own': one per GPU with a problem, or beyond SCREEN_LIST_MAX GPUs one per
+    status listing the first ones and a count. who(row): the GPU's words. No PASS finding: judge_gpu_perf (the
+    node gate's judge_gpu_health) gives it."""
     flagged = [(r, p) for r in sorted(per_rank or [], key=lambda r: r["rank"]) for p in [gpu_fact_problems(r)] if p]
     items = [(_screen_worst([s for s, _ in p]), r, "; ".join(t for _, t in p)) for r, p in flagged]
-    return per_gpu_findings("gpu-perf", items, _gpu_who, "GPU(s) with a problem under load")
+    return per_gpu_findings(check, items, who or _gpu_who, "GPU(s) with a problem under load")
 
 
 def per_gpu_findings(check, items, who, headline, blame="own"):
@@ -6678,7 +6691,7 @@ def gpu_remeasured(per_rank, again):
     return out
 
 
-def judge_gpu_transients(per_rank, floors=None, cpu=False):
+def judge_gpu_transients(per_rank, floors=None, cpu=False, who=None):
     """GPUs slow at first and at speed when measured again: one WARN under 'gpu-perf' naming no host (a burst of
     another process's work, a moment of contention), with what was seen; [] when none."""
     rows = [r for r in per_rank or [] if _gpu_again(r)]
@@ -6686,7 +6699,8 @@ def judge_gpu_transients(per_rank, floors=None, cpu=False):
     seen = [r for r in rows if r["rank"] not in slow]
     if not seen:
         return []
-    items = [f"{_gpu_who(r)}: " + ", ".join(f"{SCREEN_GPU_LABELS[k]} {_sn((r.get('first') or {}).get(k) or 0)} then "
+    who = who or _gpu_who
+    items = [f"{who(r)}: " + ", ".join(f"{SCREEN_GPU_LABELS[k]} {_sn((r.get('first') or {}).get(k) or 0)} then "
                                              f"{_sn(r.get(k) or 0)}" for k, _, _ in SCREEN_GPU_METRICS) for r in seen]
     shown = "; ".join(items[:8]) + (f"; and {len(items) - 8} more" if len(items) > 8 else "")
     return [dict(finding("gpu-perf", "WARN", f"{len(seen)} GPU(s) slow at first and at speed when measured again: "
@@ -7630,72 +7644,22 @@ def judge_screen(screen):
 
 
 # ============================================================================ aiv/node/judge.py
-# Floor 3: the node gate (--node-check): its contexts, the checks it runs in each with whether they may drain
-NODE_CONTEXTS = ("prolog", "epilog", "health", "npd")
+# Floor 3: the node gate (--node-check): its contexts, what nvidia-smi, Slurm and the kernel log say as plain
 SCRIPT_CONTEXTS = {"prolog_slurmd": "prolog", "epilog_slurmd": "epilog"}  # Slurm's SLURM_SCRIPT_CONTEXT
 NODE_KMSG_BYTES = 8 << 20    # the most of the kernel log read for Xid lines (within NODE_KMSG_BOUND_S)
 NODE_NPD_MAX = 80            # NPD's max_output_length in the shipped plugin config: the npd line fits it
 NODE_LINE_PREFIX = "ai-infra-validator node-check:"  # the summary line, the one stdout line (grep it)
-NODE_DRAIN_TAG = "node-check"  # our drain reasons: "<DRAIN_PREFIX> node-check: <check>: <what> [<context>]"
-NODE_REASON_MAX = 120
 # What a step of a device's work costs at most (seconds; GPU / CPU), so that a step that cannot finish
 # before the budget ends is skipped and named instead of started. The re-measure costs what the first took.
 NODE_STEP_S = {"numerics": {"gpu": 4.0, "cpu": 2.0}, "speed": {"gpu": 5.0, "cpu": 1.5},
                "allreduce": {"gpu": 8.0, "cpu": 5.0}}
 
-# The evidence words the node gate uses (the blame law's, aiv/core/blame.py): the first five single this node out;
-# the others never name it.
-EVIDENCE_SINGLES = ("own", "persisted", "majority", "reference", "manifest")
-EVIDENCE_NAMES_NONE = ("once", "tie", "everyone", "not-collected")
-if not (set(EVIDENCE_SINGLES) <= set(LOCALISING) and set(EVIDENCE_NAMES_NONE) <= set(UNLOCALISED)):
-    raise ValueError("the node gate's evidence words must be the blame law's (aiv/core/blame.py)")
-EVIDENCE_WORDS = {
-    "own": "this node's own state: a counter, a process holding a GPU, a missing GPU",
-    "persisted": "slow, measured again, slow again",
-    "majority": "unlike a strict majority of its same-model peers on this node",
-    "reference": "off the fp64 reference beyond a tolerance a healthy device never exceeds",
-    "manifest": "unlike the accepted manifest class",
-    "once": "measured once (slow, not measured again, or at speed when measured again)",
-    "tie": "a disagreement with no majority",
-    "everyone": "every GPU of the node alike: the software or the model, not a GPU",
-    "not-collected": "what would decide was not collected",
-}
-ALL_CONTEXTS = NODE_CONTEXTS
-COMPUTE_CONTEXTS = ("prolog", "health", "npd")  # the epilog stays passive: its time holds the node from the next job
 
-# The checks of the node gate, as soperator's check runner declares its own: where each runs, whether its FAIL
-# may drain the node (fail a prolog or an epilog, be an NPD problem) and why the evidence it drains on persists.
-NODE_CHECKS = (
-    {"check": "gpu-count", "contexts": ALL_CONTEXTS, "drain": True, "blame": ("own",),
-     "persists": "a GPU the node should have (--expect-gpus, the job's SLURM_JOB_GPUS, the node's gres, the GPUs "
-                 "on its PCI bus) that NVML does not list stays missing until the node is repaired"},
-    {"check": "gpu-procs", "contexts": ALL_CONTEXTS, "drain": True, "blame": ("own",),
-     "persists": "prolog, epilog: a process holding the job's GPU before the job starts or after it ended, "
-                 "still there a second later, outlived its own job (pid and memory from nvidia-smi); health, npd: "
-                 "a busy GPU is not judged and never drained"},
-    {"check": "gpu-health", "contexts": ALL_CONTEXTS, "drain": True, "blame": ("own",),
-     "persists": "uncorrected ECC errors and the row-remap state are kept by the driver until the GPU is reset; "
-                 "the PCIe link and clock limits under load and Xid lines are WARNs that drain nothing"},
-    {"check": "manifest", "contexts": ALL_CONTEXTS, "drain": True, "blame": ("manifest",),
-     "persists": "with --manifest: the node's driver, CUDA, torch, GPUs or PCIe link unlike its accepted class "
-                 "stay so until the node is changed back or the change is accepted"},
-    {"check": "device", "contexts": COMPUTE_CONTEXTS, "drain": True, "blame": ("own", "everyone"),
-     "persists": "CUDA refuses this GPU while the node's other GPUs work with the same software; every GPU "
-                 "refused alike is the software's (everyone): not drained"},
-    {"check": "numerics", "contexts": COMPUTE_CONTEXTS, "drain": True,
-     "blame": ("majority", "reference", "tie", "everyone"),
-     "persists": "the results are deterministic: bits unlike a strict majority of the node's GPUs of the model, "
-                 "or off the fp64 reference beyond a tolerance a healthy device never exceeds, are a fault of that "
-                 "GPU; a tie or every GPU alike drains nothing"},
-    {"check": "gpu-perf", "contexts": COMPUTE_CONTEXTS, "drain": True, "blame": ("persisted", "once"),
-     "persists": "a GPU below its model's table row or its peers on the node is measured again; only one slow "
-                 "again drains (busy GPUs are never measured)"},
-    {"check": "intra-node", "contexts": COMPUTE_CONTEXTS, "drain": True,
-     "blame": ("own", "persisted", "once", "not-collected"),
-     "persists": "the node's own all-reduce across its GPUs: wrong sums are the node's; busbw below "
-                 "--min-busbw-intra in both of two measurements drains; an all-reduce that errs drains nothing"},
-)
-NODE_CHECK = {c["check"]: c for c in NODE_CHECKS}
+def node_checks():
+    """The checks the node gate makes (those CHECK_RULES runs in a node context): its own first, then those it
+    shares with the preflight, each in CHECKS order."""
+    mine = [c for c in CHECKS if set(CHECK_RULES[c]["contexts"]) & set(NODE_CONTEXTS)]
+    return sorted(mine, key=lambda c: "job" in CHECK_RULES[c]["contexts"])
 
 
 # ---------------------------------------------------------------------------------------------- context
@@ -7893,14 +7857,45 @@ def node_devices(context, gpus, job_ids, nproc, allocated, apps, cpu):
             busy[i] = f"{len(procs)} process(es) of others on it"
         elif i in (allocated or {}):
             busy[i] = allocated[i]
-    compute = [] if context not in COMPUTE_CONTEXTS else [i for i in ids if i not in held and i not in busy]
+    compute = [] if context not in NODE_COMPUTE else [i for i in ids if i not in held and i not in busy]
     return {"ids": ids, "held": held, "busy": busy, "compute": compute}
+
+
+def node_expectations(given, gres, pci, driver):
+    """What the node should have, [(source words, count)]: --expect-gpus (given: (words, n)) alone when given;
+    else the node's gres in Slurm (scontrol's Gres=), the NVIDIA GPUs on its PCI bus, the driver's list."""
+    if given is not None:
+        return [given]
+    out = []
+    if parse_gres_gpus(gres) is not None:
+        out.append(("the node's gres in Slurm", parse_gres_gpus(gres)))
+    if pci:
+        out.append(("NVIDIA GPUs on the PCI bus", len(pci)))
+    if driver:
+        out.append(("the NVIDIA driver's list", len(driver)))
+    return out
+
+
+def node_plan(context, facts, slurm, nproc, expectations):
+    """-> (cpu, gpus, devices): whether CPU workers stand in (no GPU seen and none expected), the node's GPUs
+    (NVML's rows, else the driver's list) and node_devices' plan with the compute processes by GPU index and, in
+    health, the GPUs Slurm gave to running jobs (slurm: parse_slurm_node's view)."""
+    cpu = not (facts["rows"] or facts["driver"]) and not facts["pci"] and all(n == 0 for _, n in expectations)
+    gpus = facts["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(facts["driver"])]
+    by_uuid = {g["uuid"]: g["index"] for g in gpus if g.get("uuid")}
+    apps = {}
+    for p in facts["apps"]:
+        if p["uuid"] in by_uuid:
+            apps.setdefault(by_uuid[p["uuid"]], []).append(p)
+    ids = list(range(nproc)) if cpu else [g["index"] for g in gpus]
+    used = gres_busy((slurm or {}).get("gres_used"), ids) if context == "health" else {}
+    return cpu, gpus, node_devices(context, gpus, facts["job_gpus"], nproc, used, apps, cpu)
 
 
 # ---------------------------------------------------------------------------------------------- findings
 def _f(check, status, reason, evidence, node, short=None, gpus=(), ranks=(), **kw):
     """A node-check finding: hosts=[node] only when its evidence singles the node out and it is no PASS."""
-    named = status != "PASS" and evidence in EVIDENCE_SINGLES
+    named = status != "PASS" and evidence in LOCALISING
     f = finding(check, status, reason, [node] if named else [], ranks)
     f.update(blame=evidence if status != "PASS" else None, short=short or reason[:90], gpus=sorted(set(gpus)),
              **kw)
@@ -7978,39 +7973,41 @@ def judge_gpu_procs(node, context, devices, uuids, noun="GPU(s)"):
     return out
 
 
+def gpu_rows(node, gpus, load=None):
+    """Preflight-shaped rows of the node's GPUs (judge_gpu_facts, judge_gpu_perf): one per GPU, host = the node,
+    rank and local rank = its index; gpus: NVML's rows (parse_node_gpus) or {index: {'uuid', 'name'}}; load:
+    {index: a measurement or the facts under load} merged in."""
+    by = {g["index"]: g for g in gpus} if isinstance(gpus, list) else {i: dict(g, index=i) for i, g in gpus.items()}
+    out = []
+    for i in sorted(set(by) | set(load or {})):
+        g = by.get(i) or {}
+        out.append(dict({k: v for k, v in g.items() if k not in ("index", "name")}, **(load or {}).get(i, {}),
+                        rank=i, host=node, local_rank=i, uuid=g.get("uuid"), model=g.get("name") or "CPU"))
+    return out
+
+
+def gpu_words(node):
+    """A GPU's words in the node gate's lines: '<node>: GPU <index> (<uuid>)'."""
+    return lambda r: f"{node}: {_gpu_word(r['rank'], r.get('uuid'))}"
+
+
+def _node_tagged(f, node, short):
+    """A shared judge's finding as the node gate says it: its GPUs (the ranks are the GPU indices) and its short
+    words (the drain reason, the NPD line)."""
+    return dict(f, gpus=list(f.get("ranks") or []), short=short, hosts=[node] if f["hosts"] else [])
+
+
 def judge_gpu_health(node, gpus, load, xids, kmsg_unread=None):
-    """Passive health per GPU from its NVML row (gpus): uncorrected ECC errors since the driver loaded, a row
-    remap pending or failed: FAIL own (the driver keeps them until a GPU reset); under load (load: {index:
-    the speed step's facts}): PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS:
-    WARN; Xid lines in the kernel log (history since boot, not the state now): WARN."""
-    out, by_pci = [], {g["pci"]: g["index"] for g in gpus if g.get("pci")}
-    for g in gpus:
-        i, u = g["index"], g.get("uuid")
-        if g.get("remap_failure"):
-            out.append(_f("gpu-health", "FAIL", f"{node}: {_gpu_word(i, u)}: row remapping failed: memory the GPU "
-                          "can no longer repair: drain it and replace the GPU", "own", node,
-                          f"GPU {i} row remap failed", [i]))
-        elif g.get("remap_pending"):
-            out.append(_f("gpu-health", "FAIL", f"{node}: {_gpu_word(i, u)}: a row remap is pending: reset the GPU "
-                          "(nvidia-smi -r) to apply it before a job runs on it", "own", node,
-                          f"GPU {i} row remap pending", [i]))
-        if g.get("ecc_uncorrected"):
-            out.append(_f("gpu-health", "FAIL", f"{node}: {_gpu_word(i, u)}: {g['ecc_uncorrected']} uncorrected "
-                          "ECC error(s) since the driver loaded: drain it, reset the GPU, and run the vendor's "
-                          "diagnostics (dcgmi diag -r 3) before it returns", "own", node,
-                          f"GPU {i} {g['ecc_uncorrected']} uncorrected ECC", [i]))
-    for i, row in sorted((load or {}).items()):
-        g = row.get
-        words = []
-        if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
-            words.append(f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load")
-        if g("pcie_speed") and g("pcie_speed_max") and g("pcie_speed") < g("pcie_speed_max"):
-            words.append(f"PCIe link {g('pcie_speed'):g} of {g('pcie_speed_max'):g} GT/s under load")
-        if int(g("throttle") or 0) & THROTTLE_FAULTS:
-            words.append(f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}")
-        if words:
-            out.append(_f("gpu-health", "WARN", f"{node}: GPU {i}: " + "; ".join(words) + " (with --manifest a "
-                          "narrower link than the accepted one FAILs)", "own", node, f"GPU {i} " + words[0], [i]))
+    """Passive health per GPU: its NVML row (gpus: ECC, row remapping) and its facts under load (load: {index:
+    the speed step's facts}: PCIe link, clocks), judged by the preflight's judge_gpu_facts under 'gpu-health'
+    (one policy in both modes: a failed row remap FAILs own, uncorrected ECC errors, a pending remap, the link
+    and the clocks WARN); Xid lines in the kernel log (history since boot, not the state now): WARN."""
+    out, rows = [], {r["rank"]: r for r in gpu_rows(node, gpus, load)}
+    for f in judge_gpu_facts(list(rows.values()), "gpu-health", gpu_words(node)):
+        worst = sorted(gpu_fact_problems(rows[f["ranks"][0]]), key=lambda p: (p[0] != "FAIL", "PCIe" in p[1]))[0]
+        first = worst[1].split(" (")[0].split(":")[0]  # a failed remap, the memory, then the rest
+        out.append(_node_tagged(f, node, f"GPU {format_ranges(f['ranks'])} {first}"[:90]))
+    by_pci = {g["pci"]: g["index"] for g in gpus if g.get("pci")}
     per = {}
     for x in xids or []:
         per.setdefault((by_pci.get(x["pci"]), x["pci"]), []).append(x)
@@ -8064,97 +8061,69 @@ def numerics_rows_of(node, posts, gpus_by_id, driver=None, cpu_model=None):
     return rows
 
 
+NUMERICS_SHORT = {"reference": "off the fp64 reference", "majority": "bits unlike its peers",
+                  "own": "its device failed", "tie": "no majority", "everyone": "every GPU alike",
+                  "not-collected": "not checked in time"}
+
+
 def judge_node_numerics(node, rows):
-    """judge_numerics on the node's own GPUs, each finding tagged: a culprit off the fp64 reference
-    'reference', one whose bits alone differ from a strict majority 'majority'; a disagreement without a
-    majority 'tie'; every GPU of a model off alike 'everyone' (those name no host)."""
-    off = {r["rank"]: any(p.get("off") for p in r["checks"].values()) for r in rows}
+    """judge_numerics on the node's own GPUs, its findings and their evidence as they are (a culprit off the fp64
+    reference 'reference', bits unlike a strict majority 'majority'; a disagreement without a majority, or a
+    GPU alone off the reference, 'tie'; every GPU of a model off alike 'everyone': those name no host), with the
+    node gate's GPUs and short words."""
     out = []
     for f in judge_numerics(rows):
         if f["status"] == "PASS":
             out.append(dict(f, blame=None, short="numerics agree", gpus=[]))
             continue
-        if f["hosts"]:
-            ev = "reference" if any(off.get(r) for r in f["ranks"]) else "majority"
-            what = "off the fp64 reference" if ev == "reference" else "bits unlike its peers"
-        else:
-            ev = "tie" if "disagree bit for bit" in f["reason"] else "everyone"
-            what = "no majority" if ev == "tie" else "every GPU alike"
-        gl = f"GPU {format_ranges(f['ranks'])}"
-        out.append(dict(f, hosts=[node] if f["hosts"] else [], blame=ev, gpus=list(f["ranks"]),
-                        short=f"{gl} computes wrong numbers ({what})" if f["hosts"] else f"numerics: {what}"))
+        what = NUMERICS_SHORT.get(f.get("blame"), f.get("blame") or "wrong")
+        short = f"GPU {format_ranges(f['ranks'])} computes wrong numbers ({what})" if f["hosts"] else \
+            f"numerics: {what}"
+        out.append(_node_tagged(f, node, short))
     return out
-
-
-def _speed_rows(node, rows, gpus_by_id, tries=1):
-    return [{"rank": i, "host": node, "local_rank": i, "uuid": (gpus_by_id.get(i) or {}).get("uuid"),
-             "model": (gpus_by_id.get(i) or {}).get("name") or "CPU", "tflops": r.get("tflops"),
-             "hbm_gbps": r.get("hbm_gbps"), "tries": tries} for i, r in sorted(rows.items())]
 
 
 def speed_flagged(node, first, gpus_by_id, cpu=False, min_tflops=None, min_hbm=None):
-    """The GPUs whose first measurement judge_gpu_perf flags (to be measured again)."""
-    rows = _speed_rows(node, first, gpus_by_id)
-    return sorted(f["ranks"][0] for f in judge_gpu_perf(rows, min_tflops, min_hbm, cpu) if rows
-                  and f["status"] != "PASS" and len(f["ranks"]) == 1)
-
-
-def _best(first, again):
-    """Per GPU the best of its two measurements (a fault only lowers a number)."""
-    out = {}
-    for i, r in first.items():
-        a = again.get(i) or {}
-        out[i] = {m: max([v for v in (r.get(m), a.get(m)) if v is not None], default=None)
-                  for m in ("tflops", "hbm_gbps")}
-    return out
+    """The GPUs whose first measurement (first: {index: {'tflops', 'hbm_gbps'}}) the preflight's rule flags
+    (gpu_suspects): those measured again before any is named."""
+    return gpu_suspects(gpu_rows(node, gpus_by_id, first), {"min_tflops": min_tflops, "min_hbm": min_hbm}, cpu)
 
 
 def judge_node_speed(node, first, again, gpus_by_id, cpu=False, min_tflops=None, min_hbm=None, why_once=None):
-    """The screen's rule, blame only what persists, on one node: the first measurements (first: {index:
-    {'tflops', 'hbm_gbps'}}) judged by judge_gpu_perf against the model's table row, its peers on the node and
-    the floors; a GPU flagged there was measured again (again: {index: row}) and is judged on its best value:
-    flagged again 'persisted' (names the node), at speed again a transient WARN 'once'; a GPU not measured
-    again (why_once says why) keeps its first status as 'once' (FAIL or WARN, no host named)."""
+    """The preflight's speed judge and its re-measure rule on one node: the first measurements (first: {index:
+    {'tflops', 'hbm_gbps'}}) merged with the second of the GPUs measured again (again: {index: row};
+    gpu_remeasured: each judged on its best value), then judge_gpu_perf against the model's table row, its peers
+    on the node and the floors (slow again: 'persisted', names the node; not measured again: 'once', no host;
+    why_once says why) and judge_gpu_transients (slow once, at speed again: a WARN 'once')."""
     if not first:
         return []
-    def judge(rows, tries=1):
-        return judge_gpu_perf(_speed_rows(node, rows, gpus_by_id, tries), min_tflops, min_hbm, cpu)
-    one = judge(first, 2)  # the blame is decided here, below: the judge's words only
-    flagged = {f["ranks"][0]: f for f in one if f["status"] != "PASS" and len(f["ranks"]) == 1}
-    if not flagged:
-        return [dict(f, blame=None, short="speed within the reference", gpus=[]) for f in one]
-    two = {f["ranks"][0]: f for f in judge(_best(first, again), 2) if f["status"] != "PASS" and len(f["ranks"]) == 1}
+    rows = gpu_remeasured(gpu_rows(node, gpus_by_id, first), again)
     out = []
-    for i, f in sorted(flagged.items()):
-        if i in two and i in again:
-            g = two[i]
-            out.append(dict(g, hosts=[node], blame="persisted", gpus=[i], evidence_text=g.get("evidence"),
-                            short=f"GPU {i} slow, measured twice",
-                            reason=g["reason"] + f"; measured twice, slow both times (first {_speeds(first[i])}, "
-                                                 f"again {_speeds(again[i])})"))
-        elif i in again:
-            out.append(dict(f, status="WARN", hosts=[], blame="once", gpus=[i], evidence_text=f.get("evidence"),
-                            short=f"GPU {i} slow once, at speed again",
-                            reason=f["reason"] + f"; at speed when measured again ({_speeds(again[i])}): a "
-                                                 "transient (another process, a burst): not drained"))
+    for f in judge_gpu_perf(rows, min_tflops, min_hbm, cpu, gpu_words(node)):
+        if f["status"] == "PASS":
+            out.append(dict(f, blame=None, short="speed within the reference", gpus=[]))
+            continue
+        gl = f"GPU {format_ranges(f['ranks'])}"
+        if f.get("blame") == "persisted":
+            out.append(_node_tagged(dict(f, reason=f"{f['reason']}; {f.get('evidence')}"), node,
+                                    f"{gl} slow, measured twice"))
         else:
-            out.append(dict(f, hosts=[], blame="once", gpus=[i], evidence_text=f.get("evidence"),
-                            short=f"GPU {i} slow, measured once",
-                            reason=f["reason"] + f"; measured once ({why_once or 'not measured again'}): "
-                                                 "not drained; run the node check again"))
-    return out
-
-
-def _speeds(r):
-    return ", ".join(f"{v:.4g} {u}" for v, u in ((r.get("tflops"), "TFLOPS"), (r.get("hbm_gbps"), "GB/s"))
-                     if v is not None) or "no value"
+            out.append(_node_tagged(dict(f, reason=f"{f['reason']}; measured once "
+                                                   f"({why_once or 'not measured again'}): not drained"), node,
+                                    f"{gl} slow, measured once"))
+    floors = {"min_tflops": min_tflops, "min_hbm": min_hbm}
+    slow = set(gpu_suspects(rows, floors, cpu))
+    seen = sorted(r["rank"] for r in rows if int(r.get("tries") or 1) >= 2 and r["rank"] not in slow)
+    return out + [_node_tagged(dict(f, ranks=seen), node, f"GPU {format_ranges(seen)} slow once, at speed again")
+                  for f in judge_gpu_transients(rows, floors, cpu, gpu_words(node))]
 
 
 def judge_node_allreduce(node, result, floor=None):
     """The node's own all-reduce across its compute GPUs (result: {'n', 'ok', 'want', 'got', 'busbw': [two
     measurements], 'error'}): wrong sums FAIL own; an error FAILs without a host ('not-collected': the node's
-    NVLink or fabric manager, or the software, cannot be told apart alone); busbw judged only against
-    --min-busbw-intra: below it both times 'persisted', once 'once' (WARN)."""
+    NVLink or fabric manager, or the software, cannot be told apart alone); its busbw (two measurements) by the
+    preflight's judge_intra and judge_transients on one row (alone, the node has only --min-busbw-intra to be
+    judged against): below it both times 'persisted', below it and then above a transient (WARN 'once')."""
     if not result:
         return []
     n = result.get("n")
@@ -8168,19 +8137,19 @@ def judge_node_allreduce(node, result, floor=None):
                    f"({result.get('got')} where {result.get('want')} was due): drain it; NVLink/PCIe between its "
                    "GPUs (nvidia-smi nvlink -s, dcgmi diag -r 2)", "own", node, "all-reduce wrong sums")]
     bw = [b for b in result.get("busbw") or [] if b is not None]
-    shown = " and ".join(f"{b:.4g}" for b in bw) or "not measured"
-    if floor is not None and bw:
-        below = [b for b in bw if b < floor]
-        if len(below) == len(bw) and len(bw) >= 2:
-            return [_f("intra-node", "FAIL", f"{node}: all-reduce busbw across its {n} GPU(s) {shown} GB/s, below "
-                       f"--min-busbw-intra {floor:g} both times: drain it (nvidia-smi topo -m, nvlink -s)",
-                       "persisted", node, f"busbw {max(bw):.3g} < {floor:g} GB/s twice")]
-        if below:
-            return [_f("intra-node", "WARN", f"{node}: all-reduce busbw across its {n} GPU(s) {shown} GB/s: below "
-                       f"--min-busbw-intra {floor:g} once: not drained", "once", node)]
-    judged = f"above --min-busbw-intra {floor:g}" if floor is not None else "not judged (no --min-busbw-intra)"
-    return [_f("intra-node", "PASS", f"{node}: all-reduce across its {n} GPU(s) right; busbw {shown} GB/s "
-               f"{judged}", None, node)]
+    if not bw:
+        return [_f("intra-node", "PASS", f"{node}: all-reduce across its {n} GPU(s) right; busbw not measured",
+                   None, node)]
+    again = intra_levels([{"host": node, "busbw": bw[0]}], floor)[1][node][0] != "OK"  # flagged: measured again
+    row = {"host": node, "busbw": max(bw) if again else bw[0], "values": bw if again else bw[:1],
+           "tries": len(bw) if again else 1, "first": bw[0]}
+    out = []  # the preflight's judges of a node's inside: judge_intra (alone: the floor) and its transients
+    for f in judge_transients({"intra": [row], "min_busbw_intra": floor}) + judge_intra([row], floor):
+        short = f"busbw {max(bw):.3g} < {floor:g} GB/s twice" if f["status"] == "FAIL" and floor else None
+        f = dict(f, blame="once" if f.get("transient") else f.get("blame"))
+        out.append(dict(_node_tagged(f, node, short or f["reason"][:90]), gpus=[],
+                        reason=f"{f['reason']} (the node's own all-reduce across its {n} GPU(s): right sums)"))
+    return out
 
 
 def judge_node_manifest(node, manifest, records, load_rows):
@@ -8193,12 +8162,100 @@ def judge_node_manifest(node, manifest, records, load_rows):
             for f in judge_manifest(manifest, records, screen)]
 
 
+# ---------------------------------------------------------------------------------------------- one pass
+def gpus_by_id(gpus, measured):
+    """Each GPU's identity by index: NVML's row (gpus), completed by what its worker read (measured[i]['gpu'])."""
+    out = {g["index"]: {"uuid": g.get("uuid"), "name": g.get("name"), "pci": g.get("pci")} for g in gpus}
+    for i, m in measured.items():
+        if m.get("gpu"):
+            out[i] = dict(out.get(i) or {}, **{k: v for k, v in m["gpu"].items() if v is not None})
+    return out
+
+
+def judge_node(p):
+    """Every finding of one pass, from its plain data p (NodeCheck.judge gathers it: 'node', 'ctx', 'cpu',
+    'facts', 'gpus', 'devices', 'measured', 'again', 'why_once', 'allreduce', 'expectations', the floors
+    'min_tflops', 'min_hbm', 'min_busbw_intra', 'python', 'driver', 'cpu_model', 'manifest' (None, the
+    accepted manifest, or {'error'}) and 'node_facts'): the node gate's own checks, then the preflight's
+    judges on preflight-shaped rows."""
+    return _judge_passive(p) + _judge_measured(p) + _judge_node_manifest(p)
+
+
+def _judge_passive(p):
+    f, node, out = p["facts"], p["node"], []
+    if f.get("smi_unread"):
+        out.append(unassessed("gpu-health", f"{node}: nvidia-smi: {f['smi_unread']}: the GPUs' count, ECC and "
+                              "row remapping were not read (a slow nvidia-smi is often NVML starting without "
+                              "persistence mode: nvidia-smi -pm 1)", "nvidia-smi not read"))
+    else:
+        out += judge_gpu_count(node, [g["index"] for g in p["gpus"]], f["lost"], p["expectations"],
+                               f["job_gpus"], p["cpu"])
+    out += judge_gpu_procs(node, p["ctx"], p["devices"], {g["index"]: g.get("uuid") for g in p["gpus"]},
+                           "CPU worker(s)" if p["cpu"] else "GPU(s)")
+    if not p["cpu"] and not f.get("smi_unread"):
+        out += judge_gpu_health(node, f["rows"], _load(p), f["xids"], f["kmsg_unread"])
+    return out
+
+
+def _load(p):
+    """The first speed measurement of each device, with its facts under load: {index: row}."""
+    return {i: m["speed"] for i, m in p["measured"].items() if isinstance(m.get("speed"), dict)}
+
+
+def _judge_measured(p):
+    node, measured, out = p["node"], p["measured"], []
+    imports = sorted({m["import"] for m in measured.values() if m.get("import")})
+    if imports:
+        how = "usable" if imports[0].startswith("torch ") else "importable"  # a CPU-only build, or no torch
+        out.append(unassessed("local", f"{node}: torch is not {how} in {p['python']}: {imports[0]}: the numerics, "
+                              "speed and all-reduce were not run (the tool's environment, not the node)",
+                              f"torch not {how}: " + imports[0][:60]))
+    for i, m in sorted(measured.items()):
+        if m.get("internal"):
+            out.append(unassessed("internal", f"{node}: GPU {i}: {m['internal']}: a bug in the tool, not a fault "
+                                  "of the node", f"tool error on GPU {i}"))
+        if m.get("died"):
+            out.append(unassessed("launch", f"{node}: the worker for GPU {i} {m['died']}", f"worker {i} died"))
+    out += judge_node_devices(node, {i: m["error"] for i, m in measured.items() if m.get("error")},
+                              [i for i, m in measured.items() if m.get("ready") and not m.get("error")])
+    by_id = gpus_by_id(p["gpus"], measured)
+    posts = {i: m["numerics"] for i, m in measured.items() if isinstance(m.get("numerics"), dict)
+             and not m.get("error")}
+    if posts:
+        out += judge_node_numerics(node, numerics_rows_of(node, posts, by_id, p["driver"], p["cpu_model"]))
+    first = {i: r for i, r in _load(p).items() if not measured[i].get("error")}
+    out += judge_node_speed(node, first, p["again"], by_id, p["cpu"], p["min_tflops"], p["min_hbm"], p["why_once"])
+    ar = p["allreduce"]
+    if ar and ar.get("internal"):
+        return out + [unassessed("internal", f"{node}: the all-reduce: {ar['error']}: a bug in the tool",
+                                 "tool error in the all-reduce")]
+    return out + judge_node_allreduce(node, ar, p["min_busbw_intra"])
+
+
+def _judge_node_manifest(p):
+    """--manifest: the node's records (one per device, its node facts on the first) against the accepted class."""
+    if not p["manifest"]:
+        return []
+    if p["manifest"].get("error"):
+        return [unassessed("manifest", f"{p['node']}: {p['manifest']['error']}", "manifest unreadable")]
+    by_id, recs = gpus_by_id(p["gpus"], p["measured"]), []
+    for k, i in enumerate(p["devices"]["ids"]):
+        g = by_id.get(i) or {}
+        gpu = None if p["cpu"] else {"name": g.get("name"), "vram": g.get("vram"), "uuid": g.get("uuid"),
+                                     "pci": g.get("pci")}
+        recs.append({"rank": i, "host": p["node"], "local_rank": i, "gpu": gpu,
+                     "versions": (p["measured"].get(i) or {}).get("versions") or {},
+                     **({"node": p["node_facts"]} if k == 0 else {})})
+    recs = recs or [{"rank": 0, "host": p["node"], "local_rank": 0, "gpu": None, "versions": {},
+                     "node": p["node_facts"]}]
+    return judge_node_manifest(p["node"], p["manifest"], recs, [dict(r, rank=i) for i, r in _load(p).items()])
+
+
 # ---------------------------------------------------------------------------------------------- the verdict
 def node_drainable(f, context):
-    """Whether a finding may drain the node: the blame law's (drainable: a FAIL naming it, on evidence its check
-    declares persistent in CHECK_RULES), of a check the node gate's table runs in this context."""
-    spec = NODE_CHECK.get(f["check"])
-    return drainable(f) and spec is not None and spec["drain"] and context in spec["contexts"]
+    """Whether a finding may drain the node in this context: the one table's rule (drains_in: a FAIL naming it, on
+    evidence its check declares persistent in CHECK_RULES, of a check that runs in this context)."""
+    return drains_in(f, context)
 
 
 def node_verdict(findings, context):
@@ -8209,37 +8266,6 @@ def node_verdict(findings, context):
     verdict = "FAIL" if fails else "NOT ASSESSED" if any(f.get("unassessed") for f in findings) else "PASS"
     return {"verdict": verdict, "drainable": bool(culprits), "culprits": culprits,
             "exit_code": node_exit_code(context, verdict, bool(culprits))}
-
-
-def node_reason(prefix, culprits, context):
-    """The drain reason: '<prefix> node-check: <check>: <what> [<context>]' (soperator's shape), at most
-    NODE_REASON_MAX characters; the first culprit's short words, and how many more."""
-    f = culprits[0]
-    more = f" (+{len(culprits) - 1} more)" if len(culprits) > 1 else ""
-    tail = f"{more} [{context}]"
-    head = " ".join(f"{prefix} {NODE_DRAIN_TAG}: {f['check']}: {f.get('short') or f['reason']}".split())
-    if len(head) + len(tail) > NODE_REASON_MAX:
-        head = head[:NODE_REASON_MAX - len(tail) - 3].rstrip() + "..."
-    return head + tail
-
-
-def owned_reason(prefix, reason):
-    """Whether a node's drain reason is one the node check wrote (the only ones it may resume)."""
-    return (reason or "").startswith(f"{prefix} {NODE_DRAIN_TAG}:")
-
-
-def resume_blocker(reason, findings, ran, prefix):
-    """Why a PASS may not resume a node drained with `reason` (None: it may): not our reason, or the check that
-    drained it did not run (or did not pass) this time. ran: the checks this pass judged."""
-    if not owned_reason(prefix, reason):
-        return f"its reason is not the node check's ({reason!r}): left alone"
-    m = re.match(rf"{re.escape(prefix)} {NODE_DRAIN_TAG}: ([a-z0-9-]+):", reason)
-    check = m.group(1) if m else None
-    if check not in ran:
-        return f"the check that drained it ({check}) was not judged in this pass"
-    if any(f["check"] == check and f["status"] != "PASS" for f in findings):
-        return f"the check that drained it ({check}) did not pass"
-    return None
 
 
 
@@ -8649,6 +8675,7 @@ def render_drain(drain):
 # Floor 4: what a verdict becomes outside the log: --drain (the scontrol plan and its application) and
 DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
 DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)
+NODE_DRAIN_TAG = "node-check"  # the node gate's reasons: "<DRAIN_PREFIX> node-check: <check>: <what> [<context>]"
 # Which findings may drain their hosts is declared by each check (CHECK_RULES in aiv/core/blame.py: the evidence on
 # which it drains, and why that evidence persists); a check that declares nothing drains nothing (drainable).
 
@@ -8676,12 +8703,21 @@ def drain_blocker(findings):
     return None
 
 
-def _drain_reason(f, job):
-    text = " ".join(f"{DRAIN_PREFIX} {f['check']}: {f['reason']}".split())
-    tail = f" (job {job})"
-    if len(text) + len(tail) > DRAIN_REASON_MAX:
-        text = text[:DRAIN_REASON_MAX - len(tail) - 3].rstrip() + "..."
-    return text + tail
+def drain_reason(fs, job=None, context="job"):
+    """The drain reason for the first culprit's findings fs, at most DRAIN_REASON_MAX characters: the preflight's
+    '<prefix> <check>: <reason> (job <id>)'; the node gate's (its prolog, epilog and health variants, soperator's
+    shape) '<prefix> node-check: <check>: <short words> (+<n> more) [<context>]'."""
+    f = fs[0]
+    if context == "job":
+        head, tail = f"{DRAIN_PREFIX} {f['check']}: {f['reason']}", f" (job {job})"
+    else:
+        more = f" (+{len(fs) - 1} more)" if len(fs) > 1 else ""
+        head = f"{DRAIN_PREFIX} {NODE_DRAIN_TAG}: {f['check']}: {f.get('short') or f['reason']}"
+        tail = f"{more} [{context}]"
+    head = " ".join(head.split())
+    if len(head) + len(tail) > DRAIN_REASON_MAX:
+        head = head[:DRAIN_REASON_MAX - len(tail) - 3].rstrip() + "..."
+    return head + tail
 
 
 def drain_command(hosts, reason):
@@ -8690,29 +8726,52 @@ def drain_command(hosts, reason):
     return argv, " ".join(argv[:4] + ["reason=" + shlex.quote(reason)])
 
 
-def drain_plan(findings, mode, nodes, job, max_nodes=None):
-    """What --drain does with a verdict (pure). findings: the run's; nodes: the allocation's node count;
-    job: SLURM_JOB_ID or None. -> {'mode', 'hosts': the culprits to drain, 'command': the scontrol line
-    or '', 'argv', 'reason', 'max', 'skipped': why nothing is drained, or None}."""
+def drain_plan(findings, mode, nodes, job, max_nodes=None, context="job"):
+    """What --drain does with a verdict (pure), in the preflight (context 'job') and in the node gate (context
+    prolog, epilog or health: its one node, no job needed, the command planned under --drain off too, for the
+    line that says what Slurm does on exit 1). findings: the verdict's; nodes: the allocation's node count;
+    job: SLURM_JOB_ID or None. A finding drains its hosts where drains_in(f, context). -> {'mode', 'hosts':
+    the culprits to drain, 'command': the scontrol line or '', 'argv', 'reason', 'max', 'skipped': why nothing
+    is drained, or None}."""
     out = {"mode": mode, "hosts": [], "command": "", "argv": [], "reason": "", "max": drain_max(max_nodes, nodes),
            "skipped": None, "done": False, "kept": {}}
     culprits = {}
     for f in findings:
-        if drainable(f):
+        if drains_in(f, context):
             for h in f["hosts"]:
-                culprits.setdefault(h, f)
+                culprits.setdefault(h, []).append(f)
     why = drain_blocker(findings) or ("no failed check names a host whose fault it is" if not culprits else None)
-    if why is None and not job:
+    if why is None and not job and context == "job":
         why = "not a Slurm job (no SLURM_JOB_ID)"
     if why is None and len(culprits) > out["max"]:
         why = (f"{len(culprits)} culprit node(s), more than the {out['max']} --drain-max allows (of {nodes} "
                "node(s)): a cause that wide is rarely the nodes; nothing is drained")
-    if mode == "off" or why is not None:
+    if (mode == "off" and context == "job") or why is not None:
         return dict(out, skipped=why if mode != "off" else "--drain off")
     hosts = _screen_sorted(culprits)
-    reason = _drain_reason(culprits[hosts[0]], job)
+    reason = drain_reason(culprits[hosts[0]], job, context)
     argv, line = drain_command(hosts, reason)
     return dict(out, hosts=hosts, command=line, argv=argv, reason=reason)
+
+
+def owned_reason(reason):
+    """Whether a node's drain reason is one the node gate wrote (the only ones it may resume)."""
+    return (reason or "").startswith(f"{DRAIN_PREFIX} {NODE_DRAIN_TAG}:")
+
+
+def resume_plan(node, reason, findings):
+    """The node gate's health --undrain after a PASS (pure): a node drained with `reason` is resumed only when the
+    reason is the node gate's and the check that drained it was judged and passed in this pass. -> {'argv',
+    'command', 'skipped': why it is left drained, or None}."""
+    check = re.match(rf"{re.escape(DRAIN_PREFIX)} {NODE_DRAIN_TAG}: ([a-z0-9-]+):", reason or "")
+    check = check.group(1) if check else None
+    ran = {f["check"] for f in findings if not f.get("unassessed")}
+    argv = ["scontrol", "update", f"nodename={node}", "state=resume"]
+    why = (f"its reason is not the node check's ({reason!r})" if not owned_reason(reason) else
+           f"the check that drained it ({check}) was not judged in this pass" if check not in ran else
+           f"the check that drained it ({check}) did not pass"
+           if any(f["check"] == check and f["status"] != "PASS" for f in findings) else None)
+    return {"argv": argv, "command": " ".join(argv), "skipped": why}
 
 
 def parse_scontrol_nodes(text):
@@ -8964,9 +9023,8 @@ STATUS_WORD = {"FAIL": "FAILURE", "WARN": "WARNING", "PASS": "PASS"}
 
 
 def _judged(state):
-    """The checks this pass judged (a PASS or more), in the table's order."""
-    seen = {f["check"] for f in state.get("findings") or [] if not f.get("unassessed")}
-    return [c["check"] for c in NODE_CHECKS if c["check"] in seen]
+    """The checks this pass judged (a PASS or more), in the order it judged them."""
+    return list(dict.fromkeys(f["check"] for f in state.get("findings") or [] if not f.get("unassessed")))
 
 
 def _shorts(fs, limit=3):
@@ -9089,8 +9147,7 @@ def node_metrics(state):
         ("aiv_node_check_gpus_busy", "GPUs in use by others: not computed on, not judged for speed.",
          [(ctx, len(dev.get("busy") or {}))]),
         ("aiv_node_check_status", "Worst status of the check's findings: 0 PASS, 1 WARN, 2 FAIL (checks not judged "
-         "are absent).", [(dict(ctx, check=c["check"]), worst[c["check"]]) for c in NODE_CHECKS
-                          if c["check"] in worst]),
+         "are absent).", [(dict(ctx, check=c), w) for c, w in worst.items()]),
         ("aiv_node_check_gpu_matmul_tflops", "The GPU's square matmul rate in TFLOPS (bf16 on GPUs, fp32 on CPU), "
          "the best of its measurements.", per_gpu["tflops"]),
         ("aiv_node_check_gpu_memory_bandwidth_gbps", "The GPU's device-memory copy rate in GB/s (read plus write), "
@@ -11308,7 +11365,7 @@ class Background:
 
 
 # ============================================================================ aiv/out/drain.py
-# Floor 5 (runtime): --drain on: the scontrol calls (one show, one update), within DRAIN_S. What to drain and
+# Floor 5 (runtime): the one drain, in the preflight (--drain on) and in the node gate (its prolog, epilog and
 def _scontrol(argv, until):
     """One scontrol call within the time left -> (rc, stdout, message). rc None: missing or silent."""
     try:
@@ -11324,16 +11381,19 @@ def _scontrol(argv, until):
     return p.returncode, p.stdout, msg or f"exit status {p.returncode}"
 
 
-def drain_apply(plan):
-    """--drain on: one `scontrol show node` (nodes drained for another reason keep it), then one
-    `scontrol update` for the rest, both within DRAIN_S. -> (plan with 'done'/'kept'/'hosts', findings:
-    a WARN quoting scontrol when it is missing, refused or silent; never a FAIL)."""
-    until = time.monotonic() + DRAIN_S
-    rc, out, msg = _scontrol(["scontrol", "show", "node", "-o", compress_hostlist(plan["hosts"])], until)
-    if rc != 0:
-        return plan, [finding("drain", "WARN", f"nothing drained: `scontrol show node` failed: {msg}; run by hand: "
-                              f"{plan['command']}", plan["hosts"])]
-    kept = drain_keeps(parse_scontrol_nodes(out))
+def drain_apply(plan, known=None, seconds=DRAIN_S):
+    """--drain on: one `scontrol show node` (nodes drained for another reason keep it; known: {node: (state,
+    reason)} already read, no show), then one `scontrol update` for the rest, both within `seconds`. -> (plan
+    with 'done'/'kept'/'hosts', findings: a WARN quoting scontrol when it is missing, refused or silent; never
+    a FAIL)."""
+    until = time.monotonic() + seconds
+    if known is None:
+        rc, out, msg = _scontrol(["scontrol", "show", "node", "-o", compress_hostlist(plan["hosts"])], until)
+        if rc != 0:
+            return plan, [finding("drain", "WARN", f"nothing drained: `scontrol show node` failed: {msg}; run by "
+                                  f"hand: {plan['command']}", plan["hosts"])]
+        known = parse_scontrol_nodes(out)
+    kept = drain_keeps(known)
     hosts = [h for h in plan["hosts"] if h not in kept]
     plan = dict(plan, kept=kept, hosts=hosts)
     if hosts:
@@ -11344,6 +11404,53 @@ def drain_apply(plan):
             return plan, [finding("drain", "WARN", f"nothing drained: scontrol refused: {msg}; an operator can "
                                   f"run: {plan['command']}", hosts)]
     return dict(plan, done=bool(hosts)), []
+
+
+def node_drain(ctx, verdict, findings, args, node, slurm, seconds):
+    """The node gate's drain (NodeCheck's verdict told to Slurm): health drains this node on a FAIL that singles
+    it out (--drain on) and resumes its own drain after a pass that judged the check that drained it
+    (--undrain); prolog and epilog write the reason before their exit 1 (Slurm then drains the node; the
+    prolog's job is requeued). A reason not ours is never touched; npd leaves Slurm alone. slurm: the node as
+    `scontrol show node` gave it ({'state', 'reason'} or {'unread'}), or None. -> {'action', 'done', 'reason',
+    'command', 'said'}."""
+    out = {"action": "none", "done": False, "reason": "", "command": "", "said": ""}
+    if ctx == "npd":
+        return dict(out, said="NPD problem (exit 1): the condition turns True" if verdict["drainable"] else "")
+    if not verdict["drainable"]:
+        if ctx == "health" and args.undrain and verdict["verdict"] == "PASS":
+            out.update(_node_resume(findings, node, slurm, seconds))
+        return out
+    plan = drain_plan(findings, args.drain, 1, None, context=ctx)
+    out.update(action="drain", reason=plan["reason"], command=plan["command"])
+    slurm_does = "; exit 1: Slurm drains the node" + (" and requeues the job" if ctx == "prolog" else "") \
+        if ctx != "health" else ""
+    if plan["skipped"] or args.drain != "on":
+        return dict(out, said=(f"not drained: {plan['skipped']}" if plan["skipped"] else
+                               f"not drained by the check (--drain {args.drain}): {plan['command']}") + slurm_does)
+    if slurm and slurm.get("unread"):
+        return dict(out, said=f"not drained: Slurm's view of the node was not read ({slurm['unread']})" + slurm_does)
+    known = {node: (slurm.get("state") or "", slurm.get("reason") or "")} if slurm else None
+    plan, warns = drain_apply(plan, known, seconds)
+    if plan["kept"]:
+        return dict(out, said=f"not drained by the check: already drained or down for another reason, kept "
+                              f"({plan['kept'][node]!r})" + slurm_does)
+    said = f"drained: {plan['reason']}" if plan["done"] else f"not drained: {warns[0]['reason']}"
+    return dict(out, done=plan["done"], said=said + slurm_does)
+
+
+def _node_resume(findings, node, slurm, seconds):
+    """--undrain after a PASS: resume_plan, then its one scontrol update."""
+    s = slurm or {}
+    if s.get("unread") or "DRAIN" not in (s.get("state") or ""):
+        return {}
+    if not owned_reason(s.get("reason")):
+        return {"said": f"left drained: its reason is not the node check's ({s.get('reason')!r})"}
+    plan = resume_plan(node, s["reason"], findings)
+    if plan["skipped"]:
+        return {"action": "resume", "command": plan["command"], "said": f"left drained: {plan['skipped']}"}
+    rc, _, msg = _scontrol(plan["argv"], time.monotonic() + seconds)
+    return {"action": "resume", "done": rc == 0, "command": plan["command"],
+            "said": "resumed our own drain: the check that drained it passed" if rc == 0 else f"not resumed: {msg}"}
 
 
 
@@ -13718,6 +13825,48 @@ class _Workers:
             self.procs[i].stdin.write(json.dumps(cmd) + "\n")
             self.procs[i].stdin.flush()
 
+    def take(self, ids, steps, measured, skipped):
+        """What the workers said for these steps -> measured[i][step], their errors noted; skips (a step the
+        budget ended first, a step a worker skipped) appended to skipped."""
+        for i in ids:
+            m = measured.setdefault(i, {})
+            said = self.said[i]
+            if "import" in said:
+                m["import"] = said["import"]["error"]
+                continue
+            for s in steps:
+                if m.get("error") or m.get("internal") or m.get("died"):
+                    break  # nothing more comes from this worker
+                msg = said.get(s)
+                if msg is None:
+                    if i in self.dead:
+                        rc = self.procs[i].poll()
+                        m["died"] = (f"ended ({'killed by signal ' + str(-rc) if rc and rc < 0 else f'exit {rc}'}) "
+                                     f"before its {s} step: {self.stderr_tail(i) or 'no error on stderr'}")
+                    elif s != "ready":
+                        skipped.append(f"{s} on GPU {i} (the budget ended first)")
+                    continue
+                if msg.get("skipped"):
+                    skipped.append(f"{s} on GPU {i} ({msg['skipped']})")
+                elif msg.get("error"):
+                    m["internal" if msg.get("internal") else "error"] = f"{s}: {msg['error']}"
+                elif s == "ready":
+                    m["ready"], m["gpu"], m["versions"] = True, msg.get("gpu"), msg.get("versions")
+                else:
+                    m[s] = msg.get("value")
+
+    def allreduce_result(self, ok, done):
+        """The node's all-reduce as its workers said it: {'n', 'error', 'internal'} on an error, the first
+        worker's wrong sums or any worker's value when all answered in time, else None."""
+        said = [self.said[i].get("allreduce") for i in ok]
+        errors = [m for m in said if m and m.get("error")]
+        if errors:
+            return {"n": len(ok), "error": errors[0]["error"], "internal": errors[0].get("internal")}
+        if done and all(m and isinstance(m.get("value"), dict) for m in said):
+            vals = [m["value"] for m in said]
+            return dict(next((v for v in vals if not v["ok"]), None) or vals[0])
+        return None
+
     def stderr_tail(self, i):
         with contextlib.suppress(OSError, ValueError):
             self.errs[i].seek(0)
@@ -13758,6 +13907,7 @@ class NodeCheck:
         self.measured, self.allreduce, self.slurm, self.lock_fd = {}, None, None, None
         self.facts, self.devices, self.gpus = {}, {"ids": [], "held": {}, "busy": {}, "compute": []}, []
         self.cpu, self.again, self.why_once, self.phases, self.locked_out = False, {}, None, {}, False
+        self.expect = []  # what the node should have (node_expectations), [(source words, count)]
 
     def lap(self, name):
         """Seconds since the last lap (or the start) under name: where the budget went."""
@@ -13891,33 +14041,11 @@ class NodeCheck:
             still = {(p["pid"], p["uuid"]) for p in parse_compute_apps(a["text"])}
             f["apps"] = [p for p in f["apps"] if (p["pid"], p["uuid"]) in still]
 
-    def expectations(self):
-        a, f = self.args, self.facts
-        if a.expect_gpus is not None:
-            return [(a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)]
-        out = []
-        gres = parse_gres_gpus((self.slurm or {}).get("gres"))
-        if gres is not None:
-            out.append(("the node's gres in Slurm", gres))
-        if f["pci"]:
-            out.append(("NVIDIA GPUs on the PCI bus", len(f["pci"])))
-        if f["driver"]:
-            out.append(("the NVIDIA driver's list", len(f["driver"])))
-        return out
-
     def plan(self):
         f, a = self.facts, self.args
-        found = f["rows"] or f["driver"]
-        self.cpu = not found and not f["pci"] and all(n == 0 for _, n in self.expectations())
-        self.gpus = f["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(f["driver"])]
-        by_uuid = {g["uuid"]: g["index"] for g in self.gpus if g.get("uuid")}
-        apps = {}
-        for p in f["apps"]:
-            if p["uuid"] in by_uuid:
-                apps.setdefault(by_uuid[p["uuid"]], []).append(p)
-        ids = list(range(a.nproc or 2)) if self.cpu else [g["index"] for g in self.gpus]
-        used = gres_busy((self.slurm or {}).get("gres_used"), ids) if self.ctx == "health" else {}
-        self.devices = node_devices(self.ctx, self.gpus, f["job_gpus"], a.nproc or 2, used, apps, self.cpu)
+        given = None if a.expect_gpus is None else (a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)
+        self.expect = node_expectations(given, (self.slurm or {}).get("gres"), f["pci"], f["driver"])
+        self.cpu, self.gpus, self.devices = node_plan(self.ctx, f, self.slurm, a.nproc or 2, self.expect)
         if f.get("apps_unread") and self.ctx in ("prolog", "epilog"):
             self.findings.append(unassessed("gpu-procs", f"{self.node}: the GPUs' processes were not read "
                                             f"({f['apps_unread']})", "GPU processes not read"))
@@ -13948,10 +14076,11 @@ class NodeCheck:
         self.workers = w = _Workers(specs, self.env)
         steps = ["ready"] + (["numerics"] if numerics else []) + (["speed"] if speed else [])
         w.wait(steps, ids, self.until, lambda: self.stopped)
-        self.take_steps(ids, steps)
-        ok = [i for i in ids if self.usable(i)]
+        w.take(ids, steps, self.measured, self.skipped)
+        ok = [i for i in ids if self.measured[i].get("ready") and not self.measured[i].get("error")]  # it worked
         first = {i: self.measured[i]["speed"] for i in ok if isinstance(self.measured[i].get("speed"), dict)}
-        slow = speed_flagged(self.node, first, self.gpus_by_id(), self.cpu, a.min_tflops, a.min_hbm)
+        slow = speed_flagged(self.node, first, gpus_by_id(self.gpus, self.measured), self.cpu, a.min_tflops,
+                             a.min_hbm)
         if slow and not self.stopped:
             need = max(w.said[i]["speed"].get("secs", 0.0) for i in slow) + 1.0
             if self.left() < need:
@@ -13960,7 +14089,7 @@ class NodeCheck:
                 for i in slow:
                     w.send(i, do="speed", need=need)
                 w.wait(["speed2"], slow, self.until, lambda: self.stopped)
-                self.take_steps(slow, ["speed2"])
+                w.take(slow, ["speed2"], self.measured, self.skipped)
                 self.again = {i: self.measured[i]["speed2"] for i in slow
                               if isinstance(self.measured[i].get("speed2"), dict)}
                 if len(self.again) < len(slow):
@@ -13976,189 +14105,28 @@ class NodeCheck:
         port = free_port()
         for r, i in enumerate(ok):
             w.send(i, do="allreduce", port=port, n=len(ok), rank=r)
-        done = w.wait(["allreduce"], ok, self.until, lambda: self.stopped)
-        said = [w.said[i].get("allreduce") for i in ok]
-        errors = [m for m in said if m and m.get("error")]
-        if errors:
-            self.allreduce = {"n": len(ok), "error": errors[0]["error"], "internal": errors[0].get("internal")}
-        elif done and all(m and isinstance(m.get("value"), dict) for m in said):
-            vals = [m["value"] for m in said]
-            bad = next((v for v in vals if not v["ok"]), None)
-            self.allreduce = dict(bad or vals[0])
-        elif not self.stopped:
+        self.allreduce = w.allreduce_result(ok, w.wait(["allreduce"], ok, self.until, lambda: self.stopped))
+        if self.allreduce is None and not self.stopped:
             self.skipped.append("the all-reduce (did not finish within the budget)")
-
-    def usable(self, i):
-        """Whether worker i's device worked (ready without an error, no device error in a step)."""
-        m = self.measured.get(i) or {}
-        return bool(m.get("ready")) and not m.get("error")
-
-    def take_steps(self, ids, steps):
-        """What the workers said for these steps -> self.measured[i][step], their errors and skips noted."""
-        w = self.workers
-        for i in ids:
-            m = self.measured.setdefault(i, {})
-            said = w.said[i]
-            if "import" in said:
-                m["import"] = said["import"]["error"]
-                continue
-            for s in steps:
-                if m.get("error") or m.get("internal") or m.get("died"):
-                    break  # nothing more comes from this worker
-                msg = said.get(s)
-                if msg is None:
-                    if i in w.dead:
-                        rc = w.procs[i].poll()
-                        m["died"] = (f"ended ({'killed by signal ' + str(-rc) if rc and rc < 0 else f'exit {rc}'}) "
-                                     f"before its {s} step: {w.stderr_tail(i) or 'no error on stderr'}")
-                    elif s != "ready":
-                        self.skipped.append(f"{s} on GPU {i} (the budget ended first)")
-                    continue
-                if msg.get("skipped"):
-                    self.skipped.append(f"{s} on GPU {i} ({msg['skipped']})")
-                elif msg.get("error"):
-                    m["internal" if msg.get("internal") else "error"] = f"{s}: {msg['error']}"
-                elif s == "ready":
-                    m["ready"], m["gpu"], m["versions"] = True, msg.get("gpu"), msg.get("versions")
-                else:
-                    m[s] = msg.get("value")
-
-    def gpus_by_id(self):
-        out = {}
-        for g in self.gpus:
-            out[g["index"]] = {"uuid": g.get("uuid"), "name": g.get("name"), "pci": g.get("pci")}
-        for i, m in self.measured.items():
-            if m.get("gpu"):
-                out[i] = dict(out.get(i) or {}, **{k: v for k, v in m["gpu"].items() if v is not None})
-        return out
 
     # ------------------------------------------------------------------ judge
     def judge(self):
-        f, node, a = self.facts, self.node, self.args
-        out = self.findings
-        if f.get("smi_unread"):
-            out.append(unassessed("gpu-health", f"{node}: nvidia-smi: {f['smi_unread']}: the GPUs' count, ECC and "
-                                  "row remapping were not read (a slow nvidia-smi is often NVML starting without "
-                                  "persistence mode: nvidia-smi -pm 1)", "nvidia-smi not read"))
-        else:
-            out += judge_gpu_count(node, [g["index"] for g in self.gpus], f["lost"], self.expectations(),
-                                   f["job_gpus"], self.cpu)
-        out += judge_gpu_procs(node, self.ctx, self.devices, {g["index"]: g.get("uuid") for g in self.gpus},
-                               "CPU worker(s)" if self.cpu else "GPU(s)")
-        by_id = self.gpus_by_id()
-        load = {i: m["speed"] for i, m in self.measured.items() if isinstance(m.get("speed"), dict)}
-        if not self.cpu and not f.get("smi_unread"):
-            out += judge_gpu_health(node, f["rows"], load, f["xids"], f["kmsg_unread"])
-        imports = sorted({m["import"] for m in self.measured.values() if m.get("import")})
-        if imports:
-            how = "usable" if imports[0].startswith("torch ") else "importable"  # a CPU-only build, or no torch
-            out.append(unassessed("local", f"{node}: torch is not {how} in {sys.executable}: {imports[0]}: the "
-                                  "numerics, speed and all-reduce were not run (the tool's environment, not the node)",
-                                  f"torch not {how}: " + imports[0][:60]))
-        for i, m in sorted(self.measured.items()):
-            if m.get("internal"):
-                out.append(unassessed("internal", f"{node}: GPU {i}: {m['internal']}: a bug in the tool, not a fault "
-                                      "of the node", f"tool error on GPU {i}"))
-            if m.get("died"):
-                out.append(unassessed("launch", f"{node}: the worker for GPU {i} {m['died']}", f"worker {i} died"))
-        errors = {i: m["error"] for i, m in self.measured.items() if m.get("error")}
-        done = [i for i, m in self.measured.items() if m.get("ready") and not m.get("error")]
-        out += judge_node_devices(node, errors, done)
-        posts = {i: m["numerics"] for i, m in self.measured.items() if isinstance(m.get("numerics"), dict)
-                 and not m.get("error")}
-        if posts:
-            rows = numerics_rows_of(node, posts, by_id, _driver_version(self.root), _cpu_model())
-            out += judge_node_numerics(node, rows)
-        first = {i: r for i, r in load.items() if not self.measured[i].get("error")}
-        out += judge_node_speed(node, first, self.again, by_id, self.cpu, a.min_tflops, a.min_hbm, self.why_once)
-        if self.allreduce and self.allreduce.get("internal"):
-            out.append(unassessed("internal", f"{node}: the all-reduce: {self.allreduce['error']}: a bug in the tool",
-                                  "tool error in the all-reduce"))
-        else:
-            out += judge_node_allreduce(node, self.allreduce, a.min_busbw_intra)
+        """The pass's plain data, with what the judges need read from the node (the driver, the CPU model, the
+        manifest and the node's facts), judged by node_judge.judge_node."""
+        a, manifest, facts = self.args, None, None
         if a.manifest:
-            out += self.judge_manifest(load)
-
-    def judge_manifest(self, load):
-        try:
-            manifest = load_manifest(self.args.manifest, self.args.origin.get("manifest", "--manifest"))
-        except Exception as e:
-            return [unassessed("manifest", f"{self.node}: {e}", "manifest unreadable")]
-        facts = collect_node_facts(self.root, None, "gloo", len(self.devices["ids"]), self.env)
-        by_id, recs = self.gpus_by_id(), []
-        for k, i in enumerate(self.devices["ids"]):
-            m = self.measured.get(i) or {}
-            g = by_id.get(i) or {}
-            gpu = None if self.cpu else {"name": g.get("name"), "vram": g.get("vram"), "uuid": g.get("uuid"),
-                                         "pci": g.get("pci")}
-            recs.append({"rank": i, "host": self.node, "local_rank": i, "gpu": gpu, "versions": m.get("versions") or {},
-                         **({"node": facts} if k == 0 else {})})
-        if not recs:
-            recs = [{"rank": 0, "host": self.node, "local_rank": 0, "gpu": None, "versions": {}, "node": facts}]
-        rows = [dict(r, rank=i) for i, r in load.items()]
-        return judge_node_manifest(self.node, manifest, recs, rows)
-
-    # ------------------------------------------------------------------ act
-    def act(self, v):
-        """Tell Slurm: health drains this node on a FAIL that singles it out (with --drain on), and resumes our own
-        drain after a pass that judged the check that drained it (--undrain); prolog and epilog write the reason
-        before their exit 1 (Slurm then drains the node; the prolog's job is requeued). A reason not ours is
-        never touched. npd leaves Slurm alone. -> {'action', 'done', 'reason', 'command', 'said'}."""
-        out = {"action": "none", "done": False, "reason": "", "command": "", "said": ""}
-        if self.ctx == "npd":
-            if v["drainable"]:
-                out["said"] = "NPD problem (exit 1): the condition turns True"
-            return out
-        if v["drainable"]:
-            reason = node_reason(DRAIN_PREFIX, v["culprits"], self.ctx)
-            cmd = f"scontrol update nodename={self.node} state=drain reason={shlex.quote(reason)}"
-            out.update(action="drain", reason=reason, command=cmd)
-            slurm_does = "; exit 1: Slurm drains the node" + (" and requeues the job" if self.ctx == "prolog" else "")
-            if self.args.drain != "on":
-                out["said"] = f"not drained by the check (--drain {self.args.drain}): {cmd}" + (
-                    slurm_does if self.ctx != "health" else "")
-                return out
-            why = self.foreign_reason()
-            if why:
-                out["said"] = why + (slurm_does if self.ctx != "health" else "")
-                return out
-            err = slurm_update_node(self.node, self.verdict_bound(), state="drain", reason=reason)
-            out["done"] = err is None
-            out["said"] = (f"drained: {reason}" if err is None else f"not drained: {err}; run: {cmd}") + (
-                slurm_does if self.ctx != "health" else "")
-            return out
-        if self.ctx == "health" and self.args.undrain and v["verdict"] == "PASS":
-            out.update(self.resume())
-        return out
-
-    def foreign_reason(self):
-        """Why the drain is not written ('' when it may be): the node is drained or down for a reason not ours
-        (kept), or Slurm could not be asked."""
-        s = self.slurm
-        if s is None:
-            r = read_slurm_node(self.node, self.verdict_bound())
-            s = self.slurm = parse_slurm_node(r["text"]) if "text" in r else {"unread": r["unread"]}
-        if s.get("unread"):
-            return f"not drained: Slurm's view of the node was not read ({s['unread']})"
-        kept = drain_keeps({self.node: (s.get("state") or "", s.get("reason") or "")})
-        if kept:
-            return f"not drained by the check: already drained or down for another reason, kept ({kept[self.node]!r})"
-        return ""
-
-    def resume(self):
-        s = self.slurm or {}
-        if s.get("unread") or "DRAIN" not in (s.get("state") or ""):
-            return {}
-        if not owned_reason(DRAIN_PREFIX, s.get("reason")):
-            return {"said": f"left drained: its reason is not the node check's ({s.get('reason')!r})"}
-        ran = {f["check"] for f in self.findings if not f.get("unassessed")}
-        why = resume_blocker(s["reason"], self.findings, ran, DRAIN_PREFIX)
-        if why:
-            return {"action": "resume", "said": f"left drained: {why}"}
-        err = slurm_update_node(self.node, self.verdict_bound(), state="resume")
-        return {"action": "resume", "done": err is None,
-                "said": "resumed our own drain: the check that drained it passed" if err is None else
-                f"not resumed: {err}"}
+            try:
+                manifest = load_manifest(a.manifest, a.origin.get("manifest", "--manifest"))
+            except Exception as e:
+                manifest = {"error": str(e)}
+            else:
+                facts = collect_node_facts(self.root, None, "gloo", len(self.devices["ids"]), self.env)
+        self.findings += judge_node({
+            "node": self.node, "ctx": self.ctx, "cpu": self.cpu, "facts": self.facts, "gpus": self.gpus,
+            "devices": self.devices, "measured": self.measured, "again": self.again, "why_once": self.why_once,
+            "allreduce": self.allreduce, "expectations": self.expect, "min_tflops": a.min_tflops,
+            "min_hbm": a.min_hbm, "min_busbw_intra": a.min_busbw_intra, "python": sys.executable,
+            "driver": _driver_version(self.root), "cpu_model": _cpu_model(), "manifest": manifest, "node_facts": facts})
 
     # ------------------------------------------------------------------ the pass
     def run(self):
@@ -14194,7 +14162,7 @@ class NodeCheck:
         for f in self.findings:
             f["drains"] = node_drainable(f, self.ctx)
         try:
-            drain = self.act(v)
+            drain = node_drain(self.ctx, v, self.findings, self.args, self.node, self.slurm, self.verdict_bound())
         except Exception as e:
             print_traceback(e)
             drain = {"action": "none", "done": False, "said": f"nothing drained: {first_line(e)}"}

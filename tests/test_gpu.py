@@ -338,7 +338,8 @@ def test_node_check_prolog_names_the_foreign_pid_and_health_calls_the_gpu_busy(t
 
 def test_node_check_names_a_gpu_computing_wrong(tmp_path):
     """The SDC injector on the last GPU's worker: with two or more GPUs a numerics FAIL naming that GPU drains
-    (npd 1); with one GPU off the reference alone it is 'everyone': a FAIL that names no node (npd 2)."""
+    (npd 1); with one GPU off the reference alone it is a 'tie' (the preflight's word): a FAIL that names no node
+    (npd 2)."""
     from pathlib import Path
     bad = NGPU - 1
     env = {"PYTHONPATH": str(Path(__file__).resolve().parent / "sdc"), "NUMERICS_FAULT_LOCAL_RANK": str(bad)}
@@ -349,7 +350,7 @@ def test_node_check_names_a_gpu_computing_wrong(tmp_path):
         assert r.returncode == 1 and f["blame"] in ("reference", "majority") and f["hosts"] == ["gpunode"]
         assert r.stdout.startswith(f"FAIL: GPU {bad} computes wrong numbers"), r.stdout
     else:
-        assert r.returncode == 2 and f["blame"] == "everyone" and f["hosts"] == [], r.stdout
+        assert r.returncode == 2 and f["blame"] == "tie" and f["hosts"] == [], r.stdout
 def test_nccls_ras_answers_status_for_a_one_rank_group():
     """NCCL's own view as the verdict reads it: a 1-rank NCCL group on cuda:0 answers RAS STATUS in JSON."""
     import subprocess

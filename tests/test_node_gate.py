@@ -51,14 +51,18 @@ def test_npd_exits_0_ok_1_problem_2_unknown():
                                                     ("NOT ASSESSED", False))] == [0, 1, 2, 2]
 
 
-def test_the_checks_table_is_plain_data_the_verdict_obeys():
-    words = set(aiv.EVIDENCE_SINGLES) | set(aiv.EVIDENCE_NAMES_NONE)
-    assert set(aiv.EVIDENCE_WORDS) == words and not set(aiv.EVIDENCE_SINGLES) & set(aiv.EVIDENCE_NAMES_NONE)
-    for c in aiv.NODE_CHECKS:
-        assert c["check"] in aiv.CHECKS and set(c["contexts"]) <= set(aiv.NODE_CONTEXTS), c
-        assert set(c["blame"]) <= words and isinstance(c["drain"], bool) and c["persists"], c
-        json.dumps(c)  # plain data
-    assert "epilog" not in aiv.NODE_CHECK["numerics"]["contexts"]  # the epilog stays passive
+def test_the_node_gates_checks_are_rows_of_the_one_check_table():
+    checks = aiv.node_checks()
+    assert checks and set(checks) <= set(aiv.CHECKS)
+    for c in checks:
+        r = aiv.CHECK_RULES[c]
+        assert set(r["contexts"]) <= {"job", *aiv.NODE_CONTEXTS} and r["drain"] and r["why"], c
+        json.dumps(r)  # plain data
+    assert "epilog" not in aiv.CHECK_RULES["numerics"]["contexts"]  # the epilog stays passive
+    assert {c for c in checks if "job" not in aiv.CHECK_RULES[c]["contexts"]} == {"gpu-count", "gpu-procs",
+                                                                                  "gpu-health"}  # node-only
+    own = dict(aiv.finding("gpu-count", "FAIL", "a GPU is missing", ["n1"], blame="own"))
+    assert aiv.node_drainable(own, "epilog") and not aiv.node_drainable(dict(own, check="numerics"), "epilog")
 
 
 # ---------------------------------------------------------------------------- parsers
@@ -142,16 +146,81 @@ def test_gpu_count_each_expectation_and_the_jobs_own_gpus():
     assert ok["status"] == "PASS" and "CPU workers stand in" in ok["reason"]
 
 
-def test_gpu_health_counters_fail_and_history_warns():
+def test_gpu_health_a_failed_remap_fails_counters_and_history_warn():
+    """NVIDIA's memory error policy, one in both modes: uncorrected ECC errors (contained, the page offlined) and a
+    pending row remap (applied at the next reset) WARN; a failed row remap (the RMA policy) FAILs and drains."""
     rows, _ = aiv.parse_node_gpus(SMI_ROWS)
     load = {0: {"pcie_width": 8, "pcie_width_max": 16, "throttle": 0x40}}
     xids = aiv.parse_xids("[ 10.0] NVRM: Xid (PCI:0000:9a:00): 31, pid=9, name=x, MMU Fault\n")
     fs = aiv.judge_gpu_health("n1", rows, load, xids)
-    got = {(f["status"], f["blame"], tuple(f["gpus"])) for f in fs}
-    assert got == {("FAIL", "own", (1,)), ("WARN", "own", (0,)), ("WARN", "own", (2,))}, fs
-    assert {f["short"] for f in fs if f["status"] == "FAIL"} == {"GPU 1 row remap pending", "GPU 1 3 uncorrected ECC"}
+    got = {(f["status"], f["blame"], tuple(f["gpus"]), tuple(f["hosts"])) for f in fs}
+    assert got == {("WARN", "own", (1,), ("n1",)), ("WARN", "own", (0,), ("n1",)), ("WARN", "own", (2,), ("n1",))}, fs
+    (ecc,) = [f for f in fs if f["gpus"] == [1]]
+    assert ecc["short"] == "GPU 1 3 uncorrected ECC error(s) since the driver loaded" and not aiv.node_drainable(
+        ecc, "health")
+    assert ecc["reason"].startswith("n1: GPU 1 (GPU-bbbb): 3 uncorrected ECC error(s)") and "row remapping pending" \
+        in ecc["reason"]
+    (f,) = aiv.judge_gpu_health("n1", [dict(rows[0], remap_failure=True)], {}, [])
+    assert (f["status"], f["blame"], f["hosts"], f["short"]) == ("FAIL", "own", ["n1"], "GPU 0 row remapping failed")
+    assert aiv.node_drainable(f, "health") and aiv.node_drainable(f, "epilog")
     (ok,) = aiv.judge_gpu_health("n1", [rows[0]], {}, [], kmsg_unread="/dev/kmsg: Permission denied")
     assert ok["status"] == "PASS" and "kernel log not read" in ok["reason"]
+
+
+# ---------------------------------------------------------------------------- one core under both modes
+@pytest.mark.parametrize("ecc, pending, failure, want", [
+    ("0", "No", "No", None),
+    ("3", "No", "No", "WARN"),
+    ("0", "Yes", "No", "WARN"),
+    ("3", "Yes", "No", "WARN"),
+    ("0", "No", "Yes", "FAIL"),
+    ("3", "Yes", "Yes", "FAIL"),
+])
+def test_the_same_memory_error_facts_judge_alike_in_the_preflight_and_the_node_gate(ecc, pending, failure, want):
+    """One ECC / row-remap policy: the preflight's rows (its node's nvidia-smi, parse_node_smi, attached by UUID) and
+    the node gate's (its own query, parse_node_gpus) give the same status and blame, name the same host and drain
+    alike, each through its own mode's path (blame_gate and drain_plan; the node gate's verdict and drain)."""
+    pre_rows = aiv.screen_gpu_rows(
+        [aiv_rec(0, "n1", {"uuid": "GPU-aaaa", "name": H100}, {"smi": {"gpus": aiv.parse_node_smi(
+            f"GPU-aaaa, {ecc}, {pending}, {failure}\n")}})], {0: {"rank": 0, "tflops": 700.0, "hbm_gbps": 3000.0}})
+    pre = aiv.blame_gate(aiv.judge_gpu_facts(pre_rows))
+    rows, _ = aiv.parse_node_gpus(f"0, GPU-aaaa, 00000000:1B:00.0, {H100}, 0, 81559, {ecc}, {pending}, {failure}\n")
+    node = [f for f in aiv.judge_gpu_health("n1", rows, {}, []) if f["status"] != "PASS"]
+    assert [(f["status"], f["blame"], f["hosts"]) for f in pre] == [(f["status"], f["blame"], f["hosts"])
+                                                                     for f in node] == \
+        ([(want, "own", ["n1"])] if want else [])
+    pre_plan = aiv.drain_plan(pre, "recommend", 4, "42")
+    node_plan = aiv.drain_plan(node, "recommend", 1, None, context="health")
+    assert pre_plan["hosts"] == node_plan["hosts"] == (["n1"] if want == "FAIL" else [])
+    assert aiv.node_verdict(node, "prolog")["exit_code"] == (1 if want == "FAIL" else 0)
+
+
+def aiv_rec(rank, host, gpu, node):
+    from conftest import rec
+    return rec(rank, host=host, gpu=gpu, node=node)
+
+
+def test_one_drain_planner_serves_both_modes():
+    """The preflight and the node gate plan their drains with the one drain_plan and apply them with the one
+    drain_apply: the node gate's reason is the plan's prolog, epilog or health variant; the rules that keep a
+    drain from happening (a check whose evidence does not persist, a check that does not run in the context) hold
+    in both."""
+    held = aiv.judge_gpu_procs("n1", "prolog", aiv.node_devices("prolog", GPUS, [1], 2, {}, {1: [HOG]}, False), {})
+    job = aiv.drain_plan(held, "recommend", 4, "42")
+    assert job["hosts"] == [] and "no failed check names a host" in job["skipped"]  # gpu-procs is no job check
+    for ctx in ("prolog", "epilog", "health"):
+        p = aiv.drain_plan(held, "recommend", 1, None, context=ctx)
+        assert p["hosts"] == ["n1"] and p["reason"].endswith(f"[{ctx}]") and p["skipped"] is None
+        assert p["argv"] == aiv.drain_command(["n1"], p["reason"])[0]
+    assert aiv.drain_plan(held, "off", 1, None, context="prolog")["command"]  # the line a prolog's exit 1 quotes
+    bits = dict(aiv.finding("numerics", "FAIL", "GPU 1 wrong", ["n1"], blame="reference"), short="GPU 1 wrong")
+    assert aiv.drain_plan([bits], "recommend", 1, None, context="health")["hosts"] == ["n1"]
+    assert aiv.drain_plan([bits], "recommend", 1, None, context="epilog")["hosts"] == []  # the epilog is passive
+    once = aiv.judge_node_speed("n1", {0: speed_of(100)}, {}, BY)
+    assert aiv.drain_plan(once, "recommend", 1, None, context="health")["hosts"] == []
+    writers = {str(p.relative_to(ROOT / "aiv")) for p in (ROOT / "aiv").rglob("*.py")
+               for ln in p.read_text().splitlines() if '"update"' in ln or "state=drain" in ln or "state=resume" in ln}
+    assert writers == {"out/outputs.py"}  # one drain: the only scontrol update lines are the planner's
 
 
 def test_a_device_error_is_the_gpus_own_only_beside_a_working_peer():
@@ -182,7 +251,7 @@ def test_numerics_evidence_reference_majority_tie_everyone():
     alike = numerics({0: post("x", off=True), 1: post("x", off=True)})
     assert {(f["status"], f["blame"], tuple(f["hosts"])) for f in alike} == {("FAIL", "everyone", ())}
     alone = numerics({0: post("x", off=True)})  # alone: the device cannot be told from the software
-    assert {(f["blame"], tuple(f["hosts"])) for f in alone} == {("everyone", ())}
+    assert {(f["blame"], tuple(f["hosts"])) for f in alone} == {("tie", ())}  # the preflight's word for it
 
 
 def speed_of(tflops, hbm=3000.0):
@@ -197,9 +266,11 @@ def test_speed_blames_only_what_persists():
     assert aiv.speed_flagged("n1", first, BY) == [1]
     (f,) = aiv.judge_node_speed("n1", first, {1: speed_of(310)}, BY)
     assert (f["status"], f["blame"], f["hosts"], f["gpus"]) == ("FAIL", "persisted", ["n1"], [1])
-    assert "measured twice, slow both times" in f["reason"] and aiv.node_drainable(f, "health")
-    (f,) = aiv.judge_node_speed("n1", first, {1: speed_of(705)}, BY)
-    assert (f["status"], f["blame"], f["hosts"]) == ("WARN", "once", []) and "transient" in f["reason"]
+    assert "measured again on n1, slow again" in f["reason"] and aiv.node_drainable(f, "health")
+    assert f["reason"].startswith("n1: GPU 1 (GPU-1): ") and f["short"] == "GPU 1 slow, measured twice"
+    ok, f = aiv.judge_node_speed("n1", first, {1: speed_of(705)}, BY)  # the preflight's PASS and its transient
+    assert ok["status"] == "PASS" and (f["status"], f["blame"], f["hosts"], f["gpus"]) == ("WARN", "once", [], [1])
+    assert "transient" in f["reason"]
     (f,) = aiv.judge_node_speed("n1", first, {}, BY, why_once="the re-measure needs about 3.0s, 1.0s left")
     assert (f["status"], f["blame"], f["hosts"]) == ("FAIL", "once", []) and not aiv.node_drainable(f, "health")
     assert "measured once (the re-measure needs about 3.0s" in f["reason"]
@@ -216,8 +287,12 @@ def test_the_nodes_all_reduce():
     f = one({"error": "DistBackendError: NCCL error"})
     assert (f["status"], f["blame"], f["hosts"]) == ("FAIL", "not-collected", [])
     assert one({"busbw": [10.0, 12.0]}, 50.0)["blame"] == "persisted"
-    assert (one({"busbw": [10.0, 60.0]}, 50.0)["status"], one({"busbw": [10.0, 60.0]}, 50.0)["blame"]) == \
-        ("WARN", "once")
+    (f,) = [f for f in aiv.judge_node_allreduce("n1", {"n": 4, "ok": True, "busbw": [10.0, 60.0]}, 50.0)
+            if f["status"] != "PASS"]  # the preflight's transient: slow once, above the floor again
+    assert (f["status"], f["blame"], f["hosts"]) == ("WARN", "once", []) and "transient" in f["reason"]
+    f = one({"busbw": [10.0, 12.0]}, 50.0)
+    assert (f["status"], f["hosts"], f["short"]) == ("FAIL", ["n1"], "busbw 12 < 50 GB/s twice")
+    assert aiv.node_drainable(f, "health")
 
 
 def test_the_verdict_drains_only_on_evidence_that_singles_the_node_out():
@@ -238,15 +313,19 @@ def test_the_verdict_drains_only_on_evidence_that_singles_the_node_out():
 def test_the_drain_reason_is_ours_bounded_and_resumed_only_by_its_own_check_passing():
     own = dict(aiv.judge_gpu_procs("n1", "prolog", aiv.node_devices("prolog", GPUS, [1], 2, {}, {1: [HOG] * 9},
                                                                      False), {})[0])
-    r = aiv.node_reason("aiv:", [own, own], "prolog")
+    p = aiv.drain_plan([own, dict(own)], "recommend", 1, None, context="prolog")  # the preflight's planner
+    r = p["reason"]
+    assert p["hosts"] == ["n1"] and p["argv"] == ["scontrol", "update", "nodename=n1", "state=drain", f"reason={r}"]
     assert r.startswith("aiv: node-check: gpu-procs: GPU 1 held by pid 4242") and r.endswith(" (+1 more) [prolog]")
-    long = aiv.node_reason("aiv:", [dict(own, short="x" * 300)], "health")
-    assert len(long) == aiv.NODE_REASON_MAX and long.endswith("... [health]")
-    assert aiv.owned_reason("aiv:", r) and not aiv.owned_reason("aiv:", "aiv: inter-node: slow (job 4)")
+    long = aiv.drain_reason([dict(own, short="x" * 300)], context="health")
+    assert len(long) == aiv.DRAIN_REASON_MAX and long.endswith("... [health]")
+    assert aiv.owned_reason(r) and not aiv.owned_reason("aiv: inter-node: slow (job 4)")
     ok = [aiv.finding("gpu-procs", "PASS", "fine")]
-    assert aiv.resume_blocker(r, ok, {"gpu-procs"}, "aiv:") is None
-    assert "not judged" in aiv.resume_blocker(r, ok, {"gpu-count"}, "aiv:")
-    assert "not the node check's" in aiv.resume_blocker("bad fan", ok, {"gpu-procs"}, "aiv:")
+    assert aiv.resume_plan("n1", r, ok)["skipped"] is None
+    assert aiv.resume_plan("n1", r, ok)["argv"] == ["scontrol", "update", "nodename=n1", "state=resume"]
+    assert "not judged" in aiv.resume_plan("n1", r, [aiv.finding("gpu-count", "PASS", "fine")])["skipped"]
+    assert "did not pass" in aiv.resume_plan("n1", r, [dict(own, status="WARN")])["skipped"]
+    assert "not the node check's" in aiv.resume_plan("n1", "bad fan", ok)["skipped"]
 
 
 # ---------------------------------------------------------------------------- render
@@ -452,8 +531,8 @@ def fake_scontrol(tmp_path, show):
                                           "esac")
 
 
-def test_health_drains_on_a_pending_row_remap_keeps_a_foreign_reason_and_resumes_its_own(tmp_path):
-    node, bad = "ngate-d", "0, GPU-aaaa, 00000000:1B:00.0, NVIDIA H100 80GB HBM3, 1, 81559, 0, Yes, No\n"
+def test_health_drains_on_a_failed_row_remap_keeps_a_foreign_reason_and_resumes_its_own(tmp_path):
+    node, bad = "ngate-d", "0, GPU-aaaa, 00000000:1B:00.0, NVIDIA H100 80GB HBM3, 1, 81559, 0, No, Yes\n"
     fake_smi(tmp_path, bad)
     calls = fake_scontrol(tmp_path, f"NodeName={node} Gres=gpu:1 State=IDLE")
     args = ["--node-check", "health", "--drain", "on", "--skip-numerics", "--skip-screen"]
@@ -461,14 +540,14 @@ def test_health_drains_on_a_pending_row_remap_keeps_a_foreign_reason_and_resumes
     assert r.returncode == 1 and d["drain"]["done"], r.stdout + r.stderr
     show, update = calls.read_text().splitlines()
     assert show == f"show node -d -o {node}"
-    assert update == (f"update nodename={node} state=drain reason=aiv: node-check: gpu-health: GPU 0 row remap "
-                      "pending [health]"), update
+    assert update == (f"update nodename={node} state=drain reason=aiv: node-check: gpu-health: GPU 0 row remapping "
+                      "failed [health]"), update
     calls.unlink()
     fake_scontrol(tmp_path, f"NodeName={node} Gres=gpu:1 State=IDLE+DRAIN Reason=bad fan [ops@2026-12-01T00:00:00]")
     r, d, _ = verdict(tmp_path, args, path_with(tmp_path), node=node)
     assert not d["drain"]["done"] and "kept ('bad fan')" in r.stdout and len(calls.read_text().splitlines()) == 1
     calls.unlink()
-    fake_smi(tmp_path, bad.replace("Yes", "No"))
+    fake_smi(tmp_path, bad.replace("No, Yes", "No, No"))
     fake_scontrol(tmp_path, SHOW_OURS.format(node=node).replace("GPU 1", "GPU 0"))
     r, d, _ = verdict(tmp_path, args, path_with(tmp_path), node=node)  # no --undrain: left drained
     assert d["verdict"] == "PASS" and calls.read_text().splitlines() == [f"show node -d -o {node}"]
@@ -527,16 +606,26 @@ def table(title_cells):
     return out
 
 
+NODE_EVIDENCE = ("own", "persisted", "majority", "reference", "manifest", "once", "tie", "everyone", "not-collected")
+
+
+def node_table_rows():
+    """The node gate's rows of the one check table (CHECK_RULES), as the page shows them."""
+    def words(kinds):
+        return ", ".join(kinds) or "nothing"
+    return [[f"`{c}`", ", ".join(x for x in r["contexts"] if x != "job"), words(r["names"]), words(r["drain"]),
+             r["why"]] for c in aiv.node_checks() for r in [aiv.CHECK_RULES[c]]]
+
+
 def test_the_pages_checks_table_is_the_codes():
-    rows = table(("check", "contexts", "may drain", "blame", "why the evidence persists"))
-    want = [[f"`{c['check']}`", ", ".join(c["contexts"]), "yes" if c["drain"] else "no", ", ".join(c["blame"]),
-             c["persists"]] for c in aiv.NODE_CHECKS]
-    assert rows == want
+    assert table(("check", "contexts", "names the node on", "drains on", "why the evidence persists")) == \
+        node_table_rows()
 
 
-def test_the_pages_evidence_table_is_the_codes():
+def test_the_pages_evidence_table_is_the_blame_laws():
     rows = table(("blame", "singles the node out", "meaning"))
-    assert rows == [[f"`{w}`", "yes" if w in aiv.EVIDENCE_SINGLES else "no", t] for w, t in aiv.EVIDENCE_WORDS.items()]
+    assert rows == [[f"`{w}`", "yes" if w in aiv.LOCALISING else "no",
+                     aiv.LOCALISING[w] if w in aiv.LOCALISING else aiv.UNLOCALISED[w][0]] for w in NODE_EVIDENCE]
 
 
 def test_the_pages_metrics_table_lists_every_metric_with_its_labels():

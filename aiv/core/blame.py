@@ -48,10 +48,15 @@ UNLOCALISED = {
 EVIDENCE = tuple(LOCALISING) + tuple(UNLOCALISED)
 
 
+NODE_CONTEXTS = ("prolog", "epilog", "health", "npd")  # the node gate's (--node-check CONTEXT)
+NODE_COMPUTE = ("prolog", "health", "npd")  # where it computes; the epilog stays passive (the next job waits on it)
+
+
 def rule(names=(), drain=(), why=None, contexts=("job",)):
     """A check's declaration: the evidence on which it may name a host (names), the part of it on which it may
     drain (drain: a subset of names, each with `why` that evidence persists) and where it runs (contexts:
-    'job', the preflight; 'node', the node gate)."""
+    'job', the preflight; the node gate's NODE_CONTEXTS, where a FAIL on drain evidence fails a prolog or an
+    epilog, drains the node or raises the NPD condition)."""
     names, drain = tuple(names), tuple(drain)
     if not set(names) <= set(LOCALISING) or not set(drain) <= set(names) or (drain and not why):
         raise ValueError(f"rule(names={names}, drain={drain}): names must be localising evidence, drain a part of "
@@ -108,23 +113,34 @@ CHECK_RULES = {
                      "majority of them, or unlike its own first result) computes wrong again: silent data "
                      "corruption persists until the GPU is replaced"),
 }
-_NODE = ("job", "node")  # checks the node gate (--node-check) also makes
+_NODE = ("job",) + NODE_COMPUTE  # checks the node gate (--node-check) also makes, where it computes
 CHECK_RULES["intra-node"] = rule(("persisted", "own", "process", "never-issued"), ("persisted", "own", "process"),
                                  "a node slow inside in every try, beside known-good nodes, or whose own all-reduce "
                                  "returns wrong sums, stays so until its NVLink, NVSwitch or PCIe is repaired; "
                                  + _PROCESS_WHY, _NODE)
-for _check in ("device", "numerics", "gpu-perf", "manifest"):
+for _check in ("device", "numerics", "gpu-perf"):
     CHECK_RULES[_check] = dict(CHECK_RULES[_check], contexts=_NODE)
+CHECK_RULES["manifest"] = dict(CHECK_RULES["manifest"], contexts=("job",) + NODE_CONTEXTS)
 CHECK_RULES.update({
     "gpu-count": rule(("own",), ("own",), "a GPU the node should have (--expect-gpus, the job's SLURM_JOB_GPUS, the "
                       "node's gres, the GPUs on its PCI bus) that NVML does not list stays missing until the node is "
-                      "repaired", ("node",)),
+                      "repaired", NODE_CONTEXTS),
     "gpu-procs": rule(("own",), ("own",), "a process holding the job's GPU before the job starts or after it ended, "
                       "still there a second later, outlived its own job; a busy GPU beside jobs is never judged",
-                      ("node",)),
-    "gpu-health": rule(("own",), ("own",), "uncorrected ECC errors and the row-remap state are kept by the driver "
-                       "until the GPU is reset", ("node",)),
+                      NODE_CONTEXTS),
+    "gpu-health": rule(("own",), ("own",), "a failed row remap is memory the GPU can no longer repair: it stays "
+                       "until the GPU is replaced (NVIDIA's RMA policy); uncorrected ECC counts and a pending remap "
+                       "(contained, applied at the next GPU reset), the PCIe link and clocks under load and Xid lines "
+                       "WARN and drain nothing", NODE_CONTEXTS),
 })
+
+
+def drains_in(f, context):
+    """Whether finding f drains its hosts in `context` ('job', or one of NODE_CONTEXTS): drainable, and its check
+    runs there (CHECK_RULES' contexts)."""
+    return drainable(f) and context in CHECK_RULES[f["check"]]["contexts"]
+
+
 if set(CHECK_RULES) != set(CHECKS):  # a new check declares itself here (docs/development.md: adding a check)
     raise ValueError(f"CHECK_RULES and CHECKS differ: {sorted(set(CHECKS) ^ set(CHECK_RULES))}")
 

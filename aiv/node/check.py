@@ -10,7 +10,6 @@ import json
 import os
 import queue
 import re
-import shlex
 import shutil
 import signal
 import socket
@@ -20,7 +19,14 @@ import tempfile
 import threading
 import time
 
-from ..checks.collect import _cpu_model, _driver_version, collect_gpu, collect_node_facts, cuda_problem, torch_versions
+from ..checks.collect import (
+    _cpu_model,
+    _driver_version,
+    collect_gpu,
+    collect_node_facts,
+    cuda_problem,
+    torch_versions,
+)
 from ..checks.manifest_io import load_manifest
 from ..checks.numerics_measure import numerics_measure
 from ..core.base import (
@@ -42,13 +48,12 @@ from ..core.deadlines import (
     NODE_SMI_BOUND_S,
 )
 from ..core.files import write_json_atomic, write_text_atomic
-from ..core.names import DRAIN_PREFIX
 from ..core.speak import emit, flush_all
 from ..launch.local import die_with_parent
 from ..launch.plan import free_port
-from ..out.outputs import drain_keeps
+from ..out.drain import node_drain
 from ..screen.measure import screen_busbw, screen_measure_gpu
-from .collect import driver_gpus, pci_gpus, process_owner, read_kmsg, read_slurm_node, slurm_update_node, smi_query
+from .collect import driver_gpus, pci_gpus, process_owner, read_kmsg, read_slurm_node, smi_query
 from .judge import (
     NODE_APP_FIELDS,
     NODE_GPU_FIELDS,
@@ -56,30 +61,19 @@ from .judge import (
     NODE_LINE_PREFIX,
     NODE_STEP_S,
     context_from_argv,
-    gres_busy,
-    judge_gpu_count,
-    judge_gpu_health,
-    judge_gpu_procs,
-    judge_node_allreduce,
-    judge_node_devices,
-    judge_node_manifest,
-    judge_node_numerics,
-    judge_node_speed,
+    gpus_by_id,
+    judge_node,
     node_context,
-    node_devices,
     node_drainable,
     node_exit_code,
-    node_reason,
+    node_expectations,
+    node_plan,
     node_verdict,
-    numerics_rows_of,
-    owned_reason,
     parse_compute_apps,
     parse_gpu_ids,
-    parse_gres_gpus,
     parse_node_gpus,
     parse_slurm_node,
     parse_xids,
-    resume_blocker,
     speed_flagged,
     unassessed,
 )
@@ -241,6 +235,48 @@ class _Workers:
             self.procs[i].stdin.write(json.dumps(cmd) + "\n")
             self.procs[i].stdin.flush()
 
+    def take(self, ids, steps, measured, skipped):
+        """What the workers said for these steps -> measured[i][step], their errors noted; skips (a step the
+        budget ended first, a step a worker skipped) appended to skipped."""
+        for i in ids:
+            m = measured.setdefault(i, {})
+            said = self.said[i]
+            if "import" in said:
+                m["import"] = said["import"]["error"]
+                continue
+            for s in steps:
+                if m.get("error") or m.get("internal") or m.get("died"):
+                    break  # nothing more comes from this worker
+                msg = said.get(s)
+                if msg is None:
+                    if i in self.dead:
+                        rc = self.procs[i].poll()
+                        m["died"] = (f"ended ({'killed by signal ' + str(-rc) if rc and rc < 0 else f'exit {rc}'}) "
+                                     f"before its {s} step: {self.stderr_tail(i) or 'no error on stderr'}")
+                    elif s != "ready":
+                        skipped.append(f"{s} on GPU {i} (the budget ended first)")
+                    continue
+                if msg.get("skipped"):
+                    skipped.append(f"{s} on GPU {i} ({msg['skipped']})")
+                elif msg.get("error"):
+                    m["internal" if msg.get("internal") else "error"] = f"{s}: {msg['error']}"
+                elif s == "ready":
+                    m["ready"], m["gpu"], m["versions"] = True, msg.get("gpu"), msg.get("versions")
+                else:
+                    m[s] = msg.get("value")
+
+    def allreduce_result(self, ok, done):
+        """The node's all-reduce as its workers said it: {'n', 'error', 'internal'} on an error, the first
+        worker's wrong sums or any worker's value when all answered in time, else None."""
+        said = [self.said[i].get("allreduce") for i in ok]
+        errors = [m for m in said if m and m.get("error")]
+        if errors:
+            return {"n": len(ok), "error": errors[0]["error"], "internal": errors[0].get("internal")}
+        if done and all(m and isinstance(m.get("value"), dict) for m in said):
+            vals = [m["value"] for m in said]
+            return dict(next((v for v in vals if not v["ok"]), None) or vals[0])
+        return None
+
     def stderr_tail(self, i):
         with contextlib.suppress(OSError, ValueError):
             self.errs[i].seek(0)
@@ -281,6 +317,7 @@ class NodeCheck:
         self.measured, self.allreduce, self.slurm, self.lock_fd = {}, None, None, None
         self.facts, self.devices, self.gpus = {}, {"ids": [], "held": {}, "busy": {}, "compute": []}, []
         self.cpu, self.again, self.why_once, self.phases, self.locked_out = False, {}, None, {}, False
+        self.expect = []  # what the node should have (node_expectations), [(source words, count)]
 
     def lap(self, name):
         """Seconds since the last lap (or the start) under name: where the budget went."""
@@ -414,33 +451,11 @@ class NodeCheck:
             still = {(p["pid"], p["uuid"]) for p in parse_compute_apps(a["text"])}
             f["apps"] = [p for p in f["apps"] if (p["pid"], p["uuid"]) in still]
 
-    def expectations(self):
-        a, f = self.args, self.facts
-        if a.expect_gpus is not None:
-            return [(a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)]
-        out = []
-        gres = parse_gres_gpus((self.slurm or {}).get("gres"))
-        if gres is not None:
-            out.append(("the node's gres in Slurm", gres))
-        if f["pci"]:
-            out.append(("NVIDIA GPUs on the PCI bus", len(f["pci"])))
-        if f["driver"]:
-            out.append(("the NVIDIA driver's list", len(f["driver"])))
-        return out
-
     def plan(self):
         f, a = self.facts, self.args
-        found = f["rows"] or f["driver"]
-        self.cpu = not found and not f["pci"] and all(n == 0 for _, n in self.expectations())
-        self.gpus = f["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(f["driver"])]
-        by_uuid = {g["uuid"]: g["index"] for g in self.gpus if g.get("uuid")}
-        apps = {}
-        for p in f["apps"]:
-            if p["uuid"] in by_uuid:
-                apps.setdefault(by_uuid[p["uuid"]], []).append(p)
-        ids = list(range(a.nproc or 2)) if self.cpu else [g["index"] for g in self.gpus]
-        used = gres_busy((self.slurm or {}).get("gres_used"), ids) if self.ctx == "health" else {}
-        self.devices = node_devices(self.ctx, self.gpus, f["job_gpus"], a.nproc or 2, used, apps, self.cpu)
+        given = None if a.expect_gpus is None else (a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)
+        self.expect = node_expectations(given, (self.slurm or {}).get("gres"), f["pci"], f["driver"])
+        self.cpu, self.gpus, self.devices = node_plan(self.ctx, f, self.slurm, a.nproc or 2, self.expect)
         if f.get("apps_unread") and self.ctx in ("prolog", "epilog"):
             self.findings.append(unassessed("gpu-procs", f"{self.node}: the GPUs' processes were not read "
                                             f"({f['apps_unread']})", "GPU processes not read"))
@@ -471,10 +486,11 @@ class NodeCheck:
         self.workers = w = _Workers(specs, self.env)
         steps = ["ready"] + (["numerics"] if numerics else []) + (["speed"] if speed else [])
         w.wait(steps, ids, self.until, lambda: self.stopped)
-        self.take_steps(ids, steps)
-        ok = [i for i in ids if self.usable(i)]
+        w.take(ids, steps, self.measured, self.skipped)
+        ok = [i for i in ids if self.measured[i].get("ready") and not self.measured[i].get("error")]  # it worked
         first = {i: self.measured[i]["speed"] for i in ok if isinstance(self.measured[i].get("speed"), dict)}
-        slow = speed_flagged(self.node, first, self.gpus_by_id(), self.cpu, a.min_tflops, a.min_hbm)
+        slow = speed_flagged(self.node, first, gpus_by_id(self.gpus, self.measured), self.cpu, a.min_tflops,
+                             a.min_hbm)
         if slow and not self.stopped:
             need = max(w.said[i]["speed"].get("secs", 0.0) for i in slow) + 1.0
             if self.left() < need:
@@ -483,7 +499,7 @@ class NodeCheck:
                 for i in slow:
                     w.send(i, do="speed", need=need)
                 w.wait(["speed2"], slow, self.until, lambda: self.stopped)
-                self.take_steps(slow, ["speed2"])
+                w.take(slow, ["speed2"], self.measured, self.skipped)
                 self.again = {i: self.measured[i]["speed2"] for i in slow
                               if isinstance(self.measured[i].get("speed2"), dict)}
                 if len(self.again) < len(slow):
@@ -499,189 +515,28 @@ class NodeCheck:
         port = free_port()
         for r, i in enumerate(ok):
             w.send(i, do="allreduce", port=port, n=len(ok), rank=r)
-        done = w.wait(["allreduce"], ok, self.until, lambda: self.stopped)
-        said = [w.said[i].get("allreduce") for i in ok]
-        errors = [m for m in said if m and m.get("error")]
-        if errors:
-            self.allreduce = {"n": len(ok), "error": errors[0]["error"], "internal": errors[0].get("internal")}
-        elif done and all(m and isinstance(m.get("value"), dict) for m in said):
-            vals = [m["value"] for m in said]
-            bad = next((v for v in vals if not v["ok"]), None)
-            self.allreduce = dict(bad or vals[0])
-        elif not self.stopped:
+        self.allreduce = w.allreduce_result(ok, w.wait(["allreduce"], ok, self.until, lambda: self.stopped))
+        if self.allreduce is None and not self.stopped:
             self.skipped.append("the all-reduce (did not finish within the budget)")
-
-    def usable(self, i):
-        """Whether worker i's device worked (ready without an error, no device error in a step)."""
-        m = self.measured.get(i) or {}
-        return bool(m.get("ready")) and not m.get("error")
-
-    def take_steps(self, ids, steps):
-        """What the workers said for these steps -> self.measured[i][step], their errors and skips noted."""
-        w = self.workers
-        for i in ids:
-            m = self.measured.setdefault(i, {})
-            said = w.said[i]
-            if "import" in said:
-                m["import"] = said["import"]["error"]
-                continue
-            for s in steps:
-                if m.get("error") or m.get("internal") or m.get("died"):
-                    break  # nothing more comes from this worker
-                msg = said.get(s)
-                if msg is None:
-                    if i in w.dead:
-                        rc = w.procs[i].poll()
-                        m["died"] = (f"ended ({'killed by signal ' + str(-rc) if rc and rc < 0 else f'exit {rc}'}) "
-                                     f"before its {s} step: {w.stderr_tail(i) or 'no error on stderr'}")
-                    elif s != "ready":
-                        self.skipped.append(f"{s} on GPU {i} (the budget ended first)")
-                    continue
-                if msg.get("skipped"):
-                    self.skipped.append(f"{s} on GPU {i} ({msg['skipped']})")
-                elif msg.get("error"):
-                    m["internal" if msg.get("internal") else "error"] = f"{s}: {msg['error']}"
-                elif s == "ready":
-                    m["ready"], m["gpu"], m["versions"] = True, msg.get("gpu"), msg.get("versions")
-                else:
-                    m[s] = msg.get("value")
-
-    def gpus_by_id(self):
-        out = {}
-        for g in self.gpus:
-            out[g["index"]] = {"uuid": g.get("uuid"), "name": g.get("name"), "pci": g.get("pci")}
-        for i, m in self.measured.items():
-            if m.get("gpu"):
-                out[i] = dict(out.get(i) or {}, **{k: v for k, v in m["gpu"].items() if v is not None})
-        return out
 
     # ------------------------------------------------------------------ judge
     def judge(self):
-        f, node, a = self.facts, self.node, self.args
-        out = self.findings
-        if f.get("smi_unread"):
-            out.append(unassessed("gpu-health", f"{node}: nvidia-smi: {f['smi_unread']}: the GPUs' count, ECC and "
-                                  "row remapping were not read (a slow nvidia-smi is often NVML starting without "
-                                  "persistence mode: nvidia-smi -pm 1)", "nvidia-smi not read"))
-        else:
-            out += judge_gpu_count(node, [g["index"] for g in self.gpus], f["lost"], self.expectations(),
-                                   f["job_gpus"], self.cpu)
-        out += judge_gpu_procs(node, self.ctx, self.devices, {g["index"]: g.get("uuid") for g in self.gpus},
-                               "CPU worker(s)" if self.cpu else "GPU(s)")
-        by_id = self.gpus_by_id()
-        load = {i: m["speed"] for i, m in self.measured.items() if isinstance(m.get("speed"), dict)}
-        if not self.cpu and not f.get("smi_unread"):
-            out += judge_gpu_health(node, f["rows"], load, f["xids"], f["kmsg_unread"])
-        imports = sorted({m["import"] for m in self.measured.values() if m.get("import")})
-        if imports:
-            how = "usable" if imports[0].startswith("torch ") else "importable"  # a CPU-only build, or no torch
-            out.append(unassessed("local", f"{node}: torch is not {how} in {sys.executable}: {imports[0]}: the "
-                                  "numerics, speed and all-reduce were not run (the tool's environment, not the node)",
-                                  f"torch not {how}: " + imports[0][:60]))
-        for i, m in sorted(self.measured.items()):
-            if m.get("internal"):
-                out.append(unassessed("internal", f"{node}: GPU {i}: {m['internal']}: a bug in the tool, not a fault "
-                                      "of the node", f"tool error on GPU {i}"))
-            if m.get("died"):
-                out.append(unassessed("launch", f"{node}: the worker for GPU {i} {m['died']}", f"worker {i} died"))
-        errors = {i: m["error"] for i, m in self.measured.items() if m.get("error")}
-        done = [i for i, m in self.measured.items() if m.get("ready") and not m.get("error")]
-        out += judge_node_devices(node, errors, done)
-        posts = {i: m["numerics"] for i, m in self.measured.items() if isinstance(m.get("numerics"), dict)
-                 and not m.get("error")}
-        if posts:
-            rows = numerics_rows_of(node, posts, by_id, _driver_version(self.root), _cpu_model())
-            out += judge_node_numerics(node, rows)
-        first = {i: r for i, r in load.items() if not self.measured[i].get("error")}
-        out += judge_node_speed(node, first, self.again, by_id, self.cpu, a.min_tflops, a.min_hbm, self.why_once)
-        if self.allreduce and self.allreduce.get("internal"):
-            out.append(unassessed("internal", f"{node}: the all-reduce: {self.allreduce['error']}: a bug in the tool",
-                                  "tool error in the all-reduce"))
-        else:
-            out += judge_node_allreduce(node, self.allreduce, a.min_busbw_intra)
+        """The pass's plain data, with what the judges need read from the node (the driver, the CPU model, the
+        manifest and the node's facts), judged by node_judge.judge_node."""
+        a, manifest, facts = self.args, None, None
         if a.manifest:
-            out += self.judge_manifest(load)
-
-    def judge_manifest(self, load):
-        try:
-            manifest = load_manifest(self.args.manifest, self.args.origin.get("manifest", "--manifest"))
-        except Exception as e:
-            return [unassessed("manifest", f"{self.node}: {e}", "manifest unreadable")]
-        facts = collect_node_facts(self.root, None, "gloo", len(self.devices["ids"]), self.env)
-        by_id, recs = self.gpus_by_id(), []
-        for k, i in enumerate(self.devices["ids"]):
-            m = self.measured.get(i) or {}
-            g = by_id.get(i) or {}
-            gpu = None if self.cpu else {"name": g.get("name"), "vram": g.get("vram"), "uuid": g.get("uuid"),
-                                         "pci": g.get("pci")}
-            recs.append({"rank": i, "host": self.node, "local_rank": i, "gpu": gpu, "versions": m.get("versions") or {},
-                         **({"node": facts} if k == 0 else {})})
-        if not recs:
-            recs = [{"rank": 0, "host": self.node, "local_rank": 0, "gpu": None, "versions": {}, "node": facts}]
-        rows = [dict(r, rank=i) for i, r in load.items()]
-        return judge_node_manifest(self.node, manifest, recs, rows)
-
-    # ------------------------------------------------------------------ act
-    def act(self, v):
-        """Tell Slurm: health drains this node on a FAIL that singles it out (with --drain on), and resumes our own
-        drain after a pass that judged the check that drained it (--undrain); prolog and epilog write the reason
-        before their exit 1 (Slurm then drains the node; the prolog's job is requeued). A reason not ours is
-        never touched. npd leaves Slurm alone. -> {'action', 'done', 'reason', 'command', 'said'}."""
-        out = {"action": "none", "done": False, "reason": "", "command": "", "said": ""}
-        if self.ctx == "npd":
-            if v["drainable"]:
-                out["said"] = "NPD problem (exit 1): the condition turns True"
-            return out
-        if v["drainable"]:
-            reason = node_reason(DRAIN_PREFIX, v["culprits"], self.ctx)
-            cmd = f"scontrol update nodename={self.node} state=drain reason={shlex.quote(reason)}"
-            out.update(action="drain", reason=reason, command=cmd)
-            slurm_does = "; exit 1: Slurm drains the node" + (" and requeues the job" if self.ctx == "prolog" else "")
-            if self.args.drain != "on":
-                out["said"] = f"not drained by the check (--drain {self.args.drain}): {cmd}" + (
-                    slurm_does if self.ctx != "health" else "")
-                return out
-            why = self.foreign_reason()
-            if why:
-                out["said"] = why + (slurm_does if self.ctx != "health" else "")
-                return out
-            err = slurm_update_node(self.node, self.verdict_bound(), state="drain", reason=reason)
-            out["done"] = err is None
-            out["said"] = (f"drained: {reason}" if err is None else f"not drained: {err}; run: {cmd}") + (
-                slurm_does if self.ctx != "health" else "")
-            return out
-        if self.ctx == "health" and self.args.undrain and v["verdict"] == "PASS":
-            out.update(self.resume())
-        return out
-
-    def foreign_reason(self):
-        """Why the drain is not written ('' when it may be): the node is drained or down for a reason not ours
-        (kept), or Slurm could not be asked."""
-        s = self.slurm
-        if s is None:
-            r = read_slurm_node(self.node, self.verdict_bound())
-            s = self.slurm = parse_slurm_node(r["text"]) if "text" in r else {"unread": r["unread"]}
-        if s.get("unread"):
-            return f"not drained: Slurm's view of the node was not read ({s['unread']})"
-        kept = drain_keeps({self.node: (s.get("state") or "", s.get("reason") or "")})
-        if kept:
-            return f"not drained by the check: already drained or down for another reason, kept ({kept[self.node]!r})"
-        return ""
-
-    def resume(self):
-        s = self.slurm or {}
-        if s.get("unread") or "DRAIN" not in (s.get("state") or ""):
-            return {}
-        if not owned_reason(DRAIN_PREFIX, s.get("reason")):
-            return {"said": f"left drained: its reason is not the node check's ({s.get('reason')!r})"}
-        ran = {f["check"] for f in self.findings if not f.get("unassessed")}
-        why = resume_blocker(s["reason"], self.findings, ran, DRAIN_PREFIX)
-        if why:
-            return {"action": "resume", "said": f"left drained: {why}"}
-        err = slurm_update_node(self.node, self.verdict_bound(), state="resume")
-        return {"action": "resume", "done": err is None,
-                "said": "resumed our own drain: the check that drained it passed" if err is None else
-                f"not resumed: {err}"}
+            try:
+                manifest = load_manifest(a.manifest, a.origin.get("manifest", "--manifest"))
+            except Exception as e:
+                manifest = {"error": str(e)}
+            else:
+                facts = collect_node_facts(self.root, None, "gloo", len(self.devices["ids"]), self.env)
+        self.findings += judge_node({
+            "node": self.node, "ctx": self.ctx, "cpu": self.cpu, "facts": self.facts, "gpus": self.gpus,
+            "devices": self.devices, "measured": self.measured, "again": self.again, "why_once": self.why_once,
+            "allreduce": self.allreduce, "expectations": self.expect, "min_tflops": a.min_tflops,
+            "min_hbm": a.min_hbm, "min_busbw_intra": a.min_busbw_intra, "python": sys.executable,
+            "driver": _driver_version(self.root), "cpu_model": _cpu_model(), "manifest": manifest, "node_facts": facts})
 
     # ------------------------------------------------------------------ the pass
     def run(self):
@@ -717,7 +572,7 @@ class NodeCheck:
         for f in self.findings:
             f["drains"] = node_drainable(f, self.ctx)
         try:
-            drain = self.act(v)
+            drain = node_drain(self.ctx, v, self.findings, self.args, self.node, self.slurm, self.verdict_bound())
         except Exception as e:
             print_traceback(e)
             drain = {"action": "none", "done": False, "said": f"nothing drained: {first_line(e)}"}

@@ -120,12 +120,3 @@ def read_slurm_node(name, seconds):
         return {"unread": f"scontrol show node {name} exited {r['rc']}: {first_text_line(r['err'] or r['out'])}"}
     return {"text": r["out"]}
 
-
-def slurm_update_node(name, seconds, **fields):
-    """One `scontrol update nodename=NAME key=value ...` -> None when done, else Slurm's (or our) words why not."""
-    r = run_bounded(["scontrol", "update", f"nodename={name}", *(f"{k}={v}" for k, v in fields.items())], seconds)
-    if "unread" in r:
-        return r["unread"]
-    if r["rc"] != 0:
-        return f"scontrol exited {r['rc']}: {first_text_line(r['err'] or r['out']) or 'no message'}"
-    return None

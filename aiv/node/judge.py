@@ -1,82 +1,43 @@
-"""Floor 3: the node gate (--node-check): its contexts, the checks it runs in each with whether they may drain
-and why their evidence persists (NODE_CHECKS), what nvidia-smi, Slurm and the kernel log say as plain data,
-and the judges of one node's facts and measurements. Every finding it makes carries `evidence`: a word from
-EVIDENCE_SINGLES when it singles this node out (only those fail a prolog, drain or make an NPD problem), from
-EVIDENCE_NAMES_NONE when it does not. Pure: plain data in, findings out."""
+"""Floor 3: the node gate (--node-check): its contexts, what nvidia-smi, Slurm and the kernel log say as plain
+data, and what is the node gate's alone (the GPU count, processes holding a GPU, the kernel's Xid lines). The
+rest it judges with the preflight's own judges on preflight-shaped rows (one per GPU, host = the node): the GPU
+facts (judge_gpu_facts: one ECC and row-remap policy), the numerics (judge_numerics), the speed with its
+re-measure rule (judge_gpu_perf, gpu_remeasured, judge_gpu_transients). Where each check runs and on what
+evidence it drains is the one check table, CHECK_RULES (aiv/blame.py). Every finding carries `evidence`
+(`blame`): a LOCALISING word names this node (only those fail a prolog, drain or make an NPD problem), an
+UNLOCALISED one does not. Pure: plain data in, findings out."""
 import re
 
 from ..checks.manifest import judge_manifest
 from ..checks.numerics import judge_numerics, numerics_group
-from ..core.base import finding, format_ranges, human_bytes, parse_ranges, scontrol_reason
-from ..core.blame import LOCALISING, UNLOCALISED, drainable
-from ..core.names import THROTTLE_FAULTS, throttle_names
-from ..screen.gpu import judge_gpu_perf
+from ..core.base import CHECKS, finding, format_ranges, human_bytes, parse_ranges, scontrol_reason
+from ..core.blame import CHECK_RULES, LOCALISING, NODE_COMPUTE, NODE_CONTEXTS, drains_in
+from ..screen.gpu import (
+    gpu_fact_problems,
+    gpu_remeasured,
+    gpu_suspects,
+    judge_gpu_facts,
+    judge_gpu_perf,
+    judge_gpu_transients,
+)
+from ..screen.judge import intra_levels, judge_intra
+from ..screen.loop import judge_transients
 
-NODE_CONTEXTS = ("prolog", "epilog", "health", "npd")
 SCRIPT_CONTEXTS = {"prolog_slurmd": "prolog", "epilog_slurmd": "epilog"}  # Slurm's SLURM_SCRIPT_CONTEXT
 NODE_KMSG_BYTES = 8 << 20    # the most of the kernel log read for Xid lines (within NODE_KMSG_BOUND_S)
 NODE_NPD_MAX = 80            # NPD's max_output_length in the shipped plugin config: the npd line fits it
 NODE_LINE_PREFIX = "ai-infra-validator node-check:"  # the summary line, the one stdout line (grep it)
-NODE_DRAIN_TAG = "node-check"  # our drain reasons: "<DRAIN_PREFIX> node-check: <check>: <what> [<context>]"
-NODE_REASON_MAX = 120
 # What a step of a device's work costs at most (seconds; GPU / CPU), so that a step that cannot finish
 # before the budget ends is skipped and named instead of started. The re-measure costs what the first took.
 NODE_STEP_S = {"numerics": {"gpu": 4.0, "cpu": 2.0}, "speed": {"gpu": 5.0, "cpu": 1.5},
                "allreduce": {"gpu": 8.0, "cpu": 5.0}}
 
-# The evidence words the node gate uses (the blame law's, aiv/core/blame.py): the first five single this node out;
-# the others never name it.
-EVIDENCE_SINGLES = ("own", "persisted", "majority", "reference", "manifest")
-EVIDENCE_NAMES_NONE = ("once", "tie", "everyone", "not-collected")
-if not (set(EVIDENCE_SINGLES) <= set(LOCALISING) and set(EVIDENCE_NAMES_NONE) <= set(UNLOCALISED)):
-    raise ValueError("the node gate's evidence words must be the blame law's (aiv/core/blame.py)")
-EVIDENCE_WORDS = {
-    "own": "this node's own state: a counter, a process holding a GPU, a missing GPU",
-    "persisted": "slow, measured again, slow again",
-    "majority": "unlike a strict majority of its same-model peers on this node",
-    "reference": "off the fp64 reference beyond a tolerance a healthy device never exceeds",
-    "manifest": "unlike the accepted manifest class",
-    "once": "measured once (slow, not measured again, or at speed when measured again)",
-    "tie": "a disagreement with no majority",
-    "everyone": "every GPU of the node alike: the software or the model, not a GPU",
-    "not-collected": "what would decide was not collected",
-}
-ALL_CONTEXTS = NODE_CONTEXTS
-COMPUTE_CONTEXTS = ("prolog", "health", "npd")  # the epilog stays passive: its time holds the node from the next job
 
-# The checks of the node gate, as soperator's check runner declares its own: where each runs, whether its FAIL
-# may drain the node (fail a prolog or an epilog, be an NPD problem) and why the evidence it drains on persists.
-NODE_CHECKS = (
-    {"check": "gpu-count", "contexts": ALL_CONTEXTS, "drain": True, "blame": ("own",),
-     "persists": "a GPU the node should have (--expect-gpus, the job's SLURM_JOB_GPUS, the node's gres, the GPUs "
-                 "on its PCI bus) that NVML does not list stays missing until the node is repaired"},
-    {"check": "gpu-procs", "contexts": ALL_CONTEXTS, "drain": True, "blame": ("own",),
-     "persists": "prolog, epilog: a process holding the job's GPU before the job starts or after it ended, "
-                 "still there a second later, outlived its own job (pid and memory from nvidia-smi); health, npd: "
-                 "a busy GPU is not judged and never drained"},
-    {"check": "gpu-health", "contexts": ALL_CONTEXTS, "drain": True, "blame": ("own",),
-     "persists": "uncorrected ECC errors and the row-remap state are kept by the driver until the GPU is reset; "
-                 "the PCIe link and clock limits under load and Xid lines are WARNs that drain nothing"},
-    {"check": "manifest", "contexts": ALL_CONTEXTS, "drain": True, "blame": ("manifest",),
-     "persists": "with --manifest: the node's driver, CUDA, torch, GPUs or PCIe link unlike its accepted class "
-                 "stay so until the node is changed back or the change is accepted"},
-    {"check": "device", "contexts": COMPUTE_CONTEXTS, "drain": True, "blame": ("own", "everyone"),
-     "persists": "CUDA refuses this GPU while the node's other GPUs work with the same software; every GPU "
-                 "refused alike is the software's (everyone): not drained"},
-    {"check": "numerics", "contexts": COMPUTE_CONTEXTS, "drain": True,
-     "blame": ("majority", "reference", "tie", "everyone"),
-     "persists": "the results are deterministic: bits unlike a strict majority of the node's GPUs of the model, "
-                 "or off the fp64 reference beyond a tolerance a healthy device never exceeds, are a fault of that "
-                 "GPU; a tie or every GPU alike drains nothing"},
-    {"check": "gpu-perf", "contexts": COMPUTE_CONTEXTS, "drain": True, "blame": ("persisted", "once"),
-     "persists": "a GPU below its model's table row or its peers on the node is measured again; only one slow "
-                 "again drains (busy GPUs are never measured)"},
-    {"check": "intra-node", "contexts": COMPUTE_CONTEXTS, "drain": True,
-     "blame": ("own", "persisted", "once", "not-collected"),
-     "persists": "the node's own all-reduce across its GPUs: wrong sums are the node's; busbw below "
-                 "--min-busbw-intra in both of two measurements drains; an all-reduce that errs drains nothing"},
-)
-NODE_CHECK = {c["check"]: c for c in NODE_CHECKS}
+def node_checks():
+    """The checks the node gate makes (those CHECK_RULES runs in a node context): its own first, then those it
+    shares with the preflight, each in CHECKS order."""
+    mine = [c for c in CHECKS if set(CHECK_RULES[c]["contexts"]) & set(NODE_CONTEXTS)]
+    return sorted(mine, key=lambda c: "job" in CHECK_RULES[c]["contexts"])
 
 
 # ---------------------------------------------------------------------------------------------- context
@@ -274,14 +235,45 @@ def node_devices(context, gpus, job_ids, nproc, allocated, apps, cpu):
             busy[i] = f"{len(procs)} process(es) of others on it"
         elif i in (allocated or {}):
             busy[i] = allocated[i]
-    compute = [] if context not in COMPUTE_CONTEXTS else [i for i in ids if i not in held and i not in busy]
+    compute = [] if context not in NODE_COMPUTE else [i for i in ids if i not in held and i not in busy]
     return {"ids": ids, "held": held, "busy": busy, "compute": compute}
+
+
+def node_expectations(given, gres, pci, driver):
+    """What the node should have, [(source words, count)]: --expect-gpus (given: (words, n)) alone when given;
+    else the node's gres in Slurm (scontrol's Gres=), the NVIDIA GPUs on its PCI bus, the driver's list."""
+    if given is not None:
+        return [given]
+    out = []
+    if parse_gres_gpus(gres) is not None:
+        out.append(("the node's gres in Slurm", parse_gres_gpus(gres)))
+    if pci:
+        out.append(("NVIDIA GPUs on the PCI bus", len(pci)))
+    if driver:
+        out.append(("the NVIDIA driver's list", len(driver)))
+    return out
+
+
+def node_plan(context, facts, slurm, nproc, expectations):
+    """-> (cpu, gpus, devices): whether CPU workers stand in (no GPU seen and none expected), the node's GPUs
+    (NVML's rows, else the driver's list) and node_devices' plan with the compute processes by GPU index and, in
+    health, the GPUs Slurm gave to running jobs (slurm: parse_slurm_node's view)."""
+    cpu = not (facts["rows"] or facts["driver"]) and not facts["pci"] and all(n == 0 for _, n in expectations)
+    gpus = facts["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(facts["driver"])]
+    by_uuid = {g["uuid"]: g["index"] for g in gpus if g.get("uuid")}
+    apps = {}
+    for p in facts["apps"]:
+        if p["uuid"] in by_uuid:
+            apps.setdefault(by_uuid[p["uuid"]], []).append(p)
+    ids = list(range(nproc)) if cpu else [g["index"] for g in gpus]
+    used = gres_busy((slurm or {}).get("gres_used"), ids) if context == "health" else {}
+    return cpu, gpus, node_devices(context, gpus, facts["job_gpus"], nproc, used, apps, cpu)
 
 
 # ---------------------------------------------------------------------------------------------- findings
 def _f(check, status, reason, evidence, node, short=None, gpus=(), ranks=(), **kw):
     """A node-check finding: hosts=[node] only when its evidence singles the node out and it is no PASS."""
-    named = status != "PASS" and evidence in EVIDENCE_SINGLES
+    named = status != "PASS" and evidence in LOCALISING
     f = finding(check, status, reason, [node] if named else [], ranks)
     f.update(blame=evidence if status != "PASS" else None, short=short or reason[:90], gpus=sorted(set(gpus)),
              **kw)
@@ -359,39 +351,41 @@ def judge_gpu_procs(node, context, devices, uuids, noun="GPU(s)"):
     return out
 
 
+def gpu_rows(node, gpus, load=None):
+    """Preflight-shaped rows of the node's GPUs (judge_gpu_facts, judge_gpu_perf): one per GPU, host = the node,
+    rank and local rank = its index; gpus: NVML's rows (parse_node_gpus) or {index: {'uuid', 'name'}}; load:
+    {index: a measurement or the facts under load} merged in."""
+    by = {g["index"]: g for g in gpus} if isinstance(gpus, list) else {i: dict(g, index=i) for i, g in gpus.items()}
+    out = []
+    for i in sorted(set(by) | set(load or {})):
+        g = by.get(i) or {}
+        out.append(dict({k: v for k, v in g.items() if k not in ("index", "name")}, **(load or {}).get(i, {}),
+                        rank=i, host=node, local_rank=i, uuid=g.get("uuid"), model=g.get("name") or "CPU"))
+    return out
+
+
+def gpu_words(node):
+    """A GPU's words in the node gate's lines: '<node>: GPU <index> (<uuid>)'."""
+    return lambda r: f"{node}: {_gpu_word(r['rank'], r.get('uuid'))}"
+
+
+def _node_tagged(f, node, short):
+    """A shared judge's finding as the node gate says it: its GPUs (the ranks are the GPU indices) and its short
+    words (the drain reason, the NPD line)."""
+    return dict(f, gpus=list(f.get("ranks") or []), short=short, hosts=[node] if f["hosts"] else [])
+
+
 def judge_gpu_health(node, gpus, load, xids, kmsg_unread=None):
-    """Passive health per GPU from its NVML row (gpus): uncorrected ECC errors since the driver loaded, a row
-    remap pending or failed: FAIL own (the driver keeps them until a GPU reset); under load (load: {index:
-    the speed step's facts}): PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS:
-    WARN; Xid lines in the kernel log (history since boot, not the state now): WARN."""
-    out, by_pci = [], {g["pci"]: g["index"] for g in gpus if g.get("pci")}
-    for g in gpus:
-        i, u = g["index"], g.get("uuid")
-        if g.get("remap_failure"):
-            out.append(_f("gpu-health", "FAIL", f"{node}: {_gpu_word(i, u)}: row remapping failed: memory the GPU "
-                          "can no longer repair: drain it and replace the GPU", "own", node,
-                          f"GPU {i} row remap failed", [i]))
-        elif g.get("remap_pending"):
-            out.append(_f("gpu-health", "FAIL", f"{node}: {_gpu_word(i, u)}: a row remap is pending: reset the GPU "
-                          "(nvidia-smi -r) to apply it before a job runs on it", "own", node,
-                          f"GPU {i} row remap pending", [i]))
-        if g.get("ecc_uncorrected"):
-            out.append(_f("gpu-health", "FAIL", f"{node}: {_gpu_word(i, u)}: {g['ecc_uncorrected']} uncorrected "
-                          "ECC error(s) since the driver loaded: drain it, reset the GPU, and run the vendor's "
-                          "diagnostics (dcgmi diag -r 3) before it returns", "own", node,
-                          f"GPU {i} {g['ecc_uncorrected']} uncorrected ECC", [i]))
-    for i, row in sorted((load or {}).items()):
-        g = row.get
-        words = []
-        if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
-            words.append(f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load")
-        if g("pcie_speed") and g("pcie_speed_max") and g("pcie_speed") < g("pcie_speed_max"):
-            words.append(f"PCIe link {g('pcie_speed'):g} of {g('pcie_speed_max'):g} GT/s under load")
-        if int(g("throttle") or 0) & THROTTLE_FAULTS:
-            words.append(f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}")
-        if words:
-            out.append(_f("gpu-health", "WARN", f"{node}: GPU {i}: " + "; ".join(words) + " (with --manifest a "
-                          "narrower link than the accepted one FAILs)", "own", node, f"GPU {i} " + words[0], [i]))
+    """Passive health per GPU: its NVML row (gpus: ECC, row remapping) and its facts under load (load: {index:
+    the speed step's facts}: PCIe link, clocks), judged by the preflight's judge_gpu_facts under 'gpu-health'
+    (one policy in both modes: a failed row remap FAILs own, uncorrected ECC errors, a pending remap, the link
+    and the clocks WARN); Xid lines in the kernel log (history since boot, not the state now): WARN."""
+    out, rows = [], {r["rank"]: r for r in gpu_rows(node, gpus, load)}
+    for f in judge_gpu_facts(list(rows.values()), "gpu-health", gpu_words(node)):
+        worst = sorted(gpu_fact_problems(rows[f["ranks"][0]]), key=lambda p: (p[0] != "FAIL", "PCIe" in p[1]))[0]
+        first = worst[1].split(" (")[0].split(":")[0]  # a failed remap, the memory, then the rest
+        out.append(_node_tagged(f, node, f"GPU {format_ranges(f['ranks'])} {first}"[:90]))
+    by_pci = {g["pci"]: g["index"] for g in gpus if g.get("pci")}
     per = {}
     for x in xids or []:
         per.setdefault((by_pci.get(x["pci"]), x["pci"]), []).append(x)
@@ -445,97 +439,69 @@ def numerics_rows_of(node, posts, gpus_by_id, driver=None, cpu_model=None):
     return rows
 
 
+NUMERICS_SHORT = {"reference": "off the fp64 reference", "majority": "bits unlike its peers",
+                  "own": "its device failed", "tie": "no majority", "everyone": "every GPU alike",
+                  "not-collected": "not checked in time"}
+
+
 def judge_node_numerics(node, rows):
-    """judge_numerics on the node's own GPUs, each finding tagged: a culprit off the fp64 reference
-    'reference', one whose bits alone differ from a strict majority 'majority'; a disagreement without a
-    majority 'tie'; every GPU of a model off alike 'everyone' (those name no host)."""
-    off = {r["rank"]: any(p.get("off") for p in r["checks"].values()) for r in rows}
+    """judge_numerics on the node's own GPUs, its findings and their evidence as they are (a culprit off the fp64
+    reference 'reference', bits unlike a strict majority 'majority'; a disagreement without a majority, or a
+    GPU alone off the reference, 'tie'; every GPU of a model off alike 'everyone': those name no host), with the
+    node gate's GPUs and short words."""
     out = []
     for f in judge_numerics(rows):
         if f["status"] == "PASS":
             out.append(dict(f, blame=None, short="numerics agree", gpus=[]))
             continue
-        if f["hosts"]:
-            ev = "reference" if any(off.get(r) for r in f["ranks"]) else "majority"
-            what = "off the fp64 reference" if ev == "reference" else "bits unlike its peers"
-        else:
-            ev = "tie" if "disagree bit for bit" in f["reason"] else "everyone"
-            what = "no majority" if ev == "tie" else "every GPU alike"
-        gl = f"GPU {format_ranges(f['ranks'])}"
-        out.append(dict(f, hosts=[node] if f["hosts"] else [], blame=ev, gpus=list(f["ranks"]),
-                        short=f"{gl} computes wrong numbers ({what})" if f["hosts"] else f"numerics: {what}"))
+        what = NUMERICS_SHORT.get(f.get("blame"), f.get("blame") or "wrong")
+        short = f"GPU {format_ranges(f['ranks'])} computes wrong numbers ({what})" if f["hosts"] else \
+            f"numerics: {what}"
+        out.append(_node_tagged(f, node, short))
     return out
-
-
-def _speed_rows(node, rows, gpus_by_id, tries=1):
-    return [{"rank": i, "host": node, "local_rank": i, "uuid": (gpus_by_id.get(i) or {}).get("uuid"),
-             "model": (gpus_by_id.get(i) or {}).get("name") or "CPU", "tflops": r.get("tflops"),
-             "hbm_gbps": r.get("hbm_gbps"), "tries": tries} for i, r in sorted(rows.items())]
 
 
 def speed_flagged(node, first, gpus_by_id, cpu=False, min_tflops=None, min_hbm=None):
-    """The GPUs whose first measurement judge_gpu_perf flags (to be measured again)."""
-    rows = _speed_rows(node, first, gpus_by_id)
-    return sorted(f["ranks"][0] for f in judge_gpu_perf(rows, min_tflops, min_hbm, cpu) if rows
-                  and f["status"] != "PASS" and len(f["ranks"]) == 1)
-
-
-def _best(first, again):
-    """Per GPU the best of its two measurements (a fault only lowers a number)."""
-    out = {}
-    for i, r in first.items():
-        a = again.get(i) or {}
-        out[i] = {m: max([v for v in (r.get(m), a.get(m)) if v is not None], default=None)
-                  for m in ("tflops", "hbm_gbps")}
-    return out
+    """The GPUs whose first measurement (first: {index: {'tflops', 'hbm_gbps'}}) the preflight's rule flags
+    (gpu_suspects): those measured again before any is named."""
+    return gpu_suspects(gpu_rows(node, gpus_by_id, first), {"min_tflops": min_tflops, "min_hbm": min_hbm}, cpu)
 
 
 def judge_node_speed(node, first, again, gpus_by_id, cpu=False, min_tflops=None, min_hbm=None, why_once=None):
-    """The screen's rule, blame only what persists, on one node: the first measurements (first: {index:
-    {'tflops', 'hbm_gbps'}}) judged by judge_gpu_perf against the model's table row, its peers on the node and
-    the floors; a GPU flagged there was measured again (again: {index: row}) and is judged on its best value:
-    flagged again 'persisted' (names the node), at speed again a transient WARN 'once'; a GPU not measured
-    again (why_once says why) keeps its first status as 'once' (FAIL or WARN, no host named)."""
+    """The preflight's speed judge and its re-measure rule on one node: the first measurements (first: {index:
+    {'tflops', 'hbm_gbps'}}) merged with the second of the GPUs measured again (again: {index: row};
+    gpu_remeasured: each judged on its best value), then judge_gpu_perf against the model's table row, its peers
+    on the node and the floors (slow again: 'persisted', names the node; not measured again: 'once', no host;
+    why_once says why) and judge_gpu_transients (slow once, at speed again: a WARN 'once')."""
     if not first:
         return []
-    def judge(rows, tries=1):
-        return judge_gpu_perf(_speed_rows(node, rows, gpus_by_id, tries), min_tflops, min_hbm, cpu)
-    one = judge(first, 2)  # the blame is decided here, below: the judge's words only
-    flagged = {f["ranks"][0]: f for f in one if f["status"] != "PASS" and len(f["ranks"]) == 1}
-    if not flagged:
-        return [dict(f, blame=None, short="speed within the reference", gpus=[]) for f in one]
-    two = {f["ranks"][0]: f for f in judge(_best(first, again), 2) if f["status"] != "PASS" and len(f["ranks"]) == 1}
+    rows = gpu_remeasured(gpu_rows(node, gpus_by_id, first), again)
     out = []
-    for i, f in sorted(flagged.items()):
-        if i in two and i in again:
-            g = two[i]
-            out.append(dict(g, hosts=[node], blame="persisted", gpus=[i], evidence_text=g.get("evidence"),
-                            short=f"GPU {i} slow, measured twice",
-                            reason=g["reason"] + f"; measured twice, slow both times (first {_speeds(first[i])}, "
-                                                 f"again {_speeds(again[i])})"))
-        elif i in again:
-            out.append(dict(f, status="WARN", hosts=[], blame="once", gpus=[i], evidence_text=f.get("evidence"),
-                            short=f"GPU {i} slow once, at speed again",
-                            reason=f["reason"] + f"; at speed when measured again ({_speeds(again[i])}): a "
-                                                 "transient (another process, a burst): not drained"))
+    for f in judge_gpu_perf(rows, min_tflops, min_hbm, cpu, gpu_words(node)):
+        if f["status"] == "PASS":
+            out.append(dict(f, blame=None, short="speed within the reference", gpus=[]))
+            continue
+        gl = f"GPU {format_ranges(f['ranks'])}"
+        if f.get("blame") == "persisted":
+            out.append(_node_tagged(dict(f, reason=f"{f['reason']}; {f.get('evidence')}"), node,
+                                    f"{gl} slow, measured twice"))
         else:
-            out.append(dict(f, hosts=[], blame="once", gpus=[i], evidence_text=f.get("evidence"),
-                            short=f"GPU {i} slow, measured once",
-                            reason=f["reason"] + f"; measured once ({why_once or 'not measured again'}): "
-                                                 "not drained; run the node check again"))
-    return out
-
-
-def _speeds(r):
-    return ", ".join(f"{v:.4g} {u}" for v, u in ((r.get("tflops"), "TFLOPS"), (r.get("hbm_gbps"), "GB/s"))
-                     if v is not None) or "no value"
+            out.append(_node_tagged(dict(f, reason=f"{f['reason']}; measured once "
+                                                   f"({why_once or 'not measured again'}): not drained"), node,
+                                    f"{gl} slow, measured once"))
+    floors = {"min_tflops": min_tflops, "min_hbm": min_hbm}
+    slow = set(gpu_suspects(rows, floors, cpu))
+    seen = sorted(r["rank"] for r in rows if int(r.get("tries") or 1) >= 2 and r["rank"] not in slow)
+    return out + [_node_tagged(dict(f, ranks=seen), node, f"GPU {format_ranges(seen)} slow once, at speed again")
+                  for f in judge_gpu_transients(rows, floors, cpu, gpu_words(node))]
 
 
 def judge_node_allreduce(node, result, floor=None):
     """The node's own all-reduce across its compute GPUs (result: {'n', 'ok', 'want', 'got', 'busbw': [two
     measurements], 'error'}): wrong sums FAIL own; an error FAILs without a host ('not-collected': the node's
-    NVLink or fabric manager, or the software, cannot be told apart alone); busbw judged only against
-    --min-busbw-intra: below it both times 'persisted', once 'once' (WARN)."""
+    NVLink or fabric manager, or the software, cannot be told apart alone); its busbw (two measurements) by the
+    preflight's judge_intra and judge_transients on one row (alone, the node has only --min-busbw-intra to be
+    judged against): below it both times 'persisted', below it and then above a transient (WARN 'once')."""
     if not result:
         return []
     n = result.get("n")
@@ -549,19 +515,19 @@ def judge_node_allreduce(node, result, floor=None):
                    f"({result.get('got')} where {result.get('want')} was due): drain it; NVLink/PCIe between its "
                    "GPUs (nvidia-smi nvlink -s, dcgmi diag -r 2)", "own", node, "all-reduce wrong sums")]
     bw = [b for b in result.get("busbw") or [] if b is not None]
-    shown = " and ".join(f"{b:.4g}" for b in bw) or "not measured"
-    if floor is not None and bw:
-        below = [b for b in bw if b < floor]
-        if len(below) == len(bw) and len(bw) >= 2:
-            return [_f("intra-node", "FAIL", f"{node}: all-reduce busbw across its {n} GPU(s) {shown} GB/s, below "
-                       f"--min-busbw-intra {floor:g} both times: drain it (nvidia-smi topo -m, nvlink -s)",
-                       "persisted", node, f"busbw {max(bw):.3g} < {floor:g} GB/s twice")]
-        if below:
-            return [_f("intra-node", "WARN", f"{node}: all-reduce busbw across its {n} GPU(s) {shown} GB/s: below "
-                       f"--min-busbw-intra {floor:g} once: not drained", "once", node)]
-    judged = f"above --min-busbw-intra {floor:g}" if floor is not None else "not judged (no --min-busbw-intra)"
-    return [_f("intra-node", "PASS", f"{node}: all-reduce across its {n} GPU(s) right; busbw {shown} GB/s "
-               f"{judged}", None, node)]
+    if not bw:
+        return [_f("intra-node", "PASS", f"{node}: all-reduce across its {n} GPU(s) right; busbw not measured",
+                   None, node)]
+    again = intra_levels([{"host": node, "busbw": bw[0]}], floor)[1][node][0] != "OK"  # flagged: measured again
+    row = {"host": node, "busbw": max(bw) if again else bw[0], "values": bw if again else bw[:1],
+           "tries": len(bw) if again else 1, "first": bw[0]}
+    out = []  # the preflight's judges of a node's inside: judge_intra (alone: the floor) and its transients
+    for f in judge_transients({"intra": [row], "min_busbw_intra": floor}) + judge_intra([row], floor):
+        short = f"busbw {max(bw):.3g} < {floor:g} GB/s twice" if f["status"] == "FAIL" and floor else None
+        f = dict(f, blame="once" if f.get("transient") else f.get("blame"))
+        out.append(dict(_node_tagged(f, node, short or f["reason"][:90]), gpus=[],
+                        reason=f"{f['reason']} (the node's own all-reduce across its {n} GPU(s): right sums)"))
+    return out
 
 
 def judge_node_manifest(node, manifest, records, load_rows):
@@ -574,12 +540,100 @@ def judge_node_manifest(node, manifest, records, load_rows):
             for f in judge_manifest(manifest, records, screen)]
 
 
+# ---------------------------------------------------------------------------------------------- one pass
+def gpus_by_id(gpus, measured):
+    """Each GPU's identity by index: NVML's row (gpus), completed by what its worker read (measured[i]['gpu'])."""
+    out = {g["index"]: {"uuid": g.get("uuid"), "name": g.get("name"), "pci": g.get("pci")} for g in gpus}
+    for i, m in measured.items():
+        if m.get("gpu"):
+            out[i] = dict(out.get(i) or {}, **{k: v for k, v in m["gpu"].items() if v is not None})
+    return out
+
+
+def judge_node(p):
+    """Every finding of one pass, from its plain data p (NodeCheck.judge gathers it: 'node', 'ctx', 'cpu',
+    'facts', 'gpus', 'devices', 'measured', 'again', 'why_once', 'allreduce', 'expectations', the floors
+    'min_tflops', 'min_hbm', 'min_busbw_intra', 'python', 'driver', 'cpu_model', 'manifest' (None, the
+    accepted manifest, or {'error'}) and 'node_facts'): the node gate's own checks, then the preflight's
+    judges on preflight-shaped rows."""
+    return _judge_passive(p) + _judge_measured(p) + _judge_node_manifest(p)
+
+
+def _judge_passive(p):
+    f, node, out = p["facts"], p["node"], []
+    if f.get("smi_unread"):
+        out.append(unassessed("gpu-health", f"{node}: nvidia-smi: {f['smi_unread']}: the GPUs' count, ECC and "
+                              "row remapping were not read (a slow nvidia-smi is often NVML starting without "
+                              "persistence mode: nvidia-smi -pm 1)", "nvidia-smi not read"))
+    else:
+        out += judge_gpu_count(node, [g["index"] for g in p["gpus"]], f["lost"], p["expectations"],
+                               f["job_gpus"], p["cpu"])
+    out += judge_gpu_procs(node, p["ctx"], p["devices"], {g["index"]: g.get("uuid") for g in p["gpus"]},
+                           "CPU worker(s)" if p["cpu"] else "GPU(s)")
+    if not p["cpu"] and not f.get("smi_unread"):
+        out += judge_gpu_health(node, f["rows"], _load(p), f["xids"], f["kmsg_unread"])
+    return out
+
+
+def _load(p):
+    """The first speed measurement of each device, with its facts under load: {index: row}."""
+    return {i: m["speed"] for i, m in p["measured"].items() if isinstance(m.get("speed"), dict)}
+
+
+def _judge_measured(p):
+    node, measured, out = p["node"], p["measured"], []
+    imports = sorted({m["import"] for m in measured.values() if m.get("import")})
+    if imports:
+        how = "usable" if imports[0].startswith("torch ") else "importable"  # a CPU-only build, or no torch
+        out.append(unassessed("local", f"{node}: torch is not {how} in {p['python']}: {imports[0]}: the numerics, "
+                              "speed and all-reduce were not run (the tool's environment, not the node)",
+                              f"torch not {how}: " + imports[0][:60]))
+    for i, m in sorted(measured.items()):
+        if m.get("internal"):
+            out.append(unassessed("internal", f"{node}: GPU {i}: {m['internal']}: a bug in the tool, not a fault "
+                                  "of the node", f"tool error on GPU {i}"))
+        if m.get("died"):
+            out.append(unassessed("launch", f"{node}: the worker for GPU {i} {m['died']}", f"worker {i} died"))
+    out += judge_node_devices(node, {i: m["error"] for i, m in measured.items() if m.get("error")},
+                              [i for i, m in measured.items() if m.get("ready") and not m.get("error")])
+    by_id = gpus_by_id(p["gpus"], measured)
+    posts = {i: m["numerics"] for i, m in measured.items() if isinstance(m.get("numerics"), dict)
+             and not m.get("error")}
+    if posts:
+        out += judge_node_numerics(node, numerics_rows_of(node, posts, by_id, p["driver"], p["cpu_model"]))
+    first = {i: r for i, r in _load(p).items() if not measured[i].get("error")}
+    out += judge_node_speed(node, first, p["again"], by_id, p["cpu"], p["min_tflops"], p["min_hbm"], p["why_once"])
+    ar = p["allreduce"]
+    if ar and ar.get("internal"):
+        return out + [unassessed("internal", f"{node}: the all-reduce: {ar['error']}: a bug in the tool",
+                                 "tool error in the all-reduce")]
+    return out + judge_node_allreduce(node, ar, p["min_busbw_intra"])
+
+
+def _judge_node_manifest(p):
+    """--manifest: the node's records (one per device, its node facts on the first) against the accepted class."""
+    if not p["manifest"]:
+        return []
+    if p["manifest"].get("error"):
+        return [unassessed("manifest", f"{p['node']}: {p['manifest']['error']}", "manifest unreadable")]
+    by_id, recs = gpus_by_id(p["gpus"], p["measured"]), []
+    for k, i in enumerate(p["devices"]["ids"]):
+        g = by_id.get(i) or {}
+        gpu = None if p["cpu"] else {"name": g.get("name"), "vram": g.get("vram"), "uuid": g.get("uuid"),
+                                     "pci": g.get("pci")}
+        recs.append({"rank": i, "host": p["node"], "local_rank": i, "gpu": gpu,
+                     "versions": (p["measured"].get(i) or {}).get("versions") or {},
+                     **({"node": p["node_facts"]} if k == 0 else {})})
+    recs = recs or [{"rank": 0, "host": p["node"], "local_rank": 0, "gpu": None, "versions": {},
+                     "node": p["node_facts"]}]
+    return judge_node_manifest(p["node"], p["manifest"], recs, [dict(r, rank=i) for i, r in _load(p).items()])
+
+
 # ---------------------------------------------------------------------------------------------- the verdict
 def node_drainable(f, context):
-    """Whether a finding may drain the node: the blame law's (drainable: a FAIL naming it, on evidence its check
-    declares persistent in CHECK_RULES), of a check the node gate's table runs in this context."""
-    spec = NODE_CHECK.get(f["check"])
-    return drainable(f) and spec is not None and spec["drain"] and context in spec["contexts"]
+    """Whether a finding may drain the node in this context: the one table's rule (drains_in: a FAIL naming it, on
+    evidence its check declares persistent in CHECK_RULES, of a check that runs in this context)."""
+    return drains_in(f, context)
 
 
 def node_verdict(findings, context):
@@ -590,34 +644,3 @@ def node_verdict(findings, context):
     verdict = "FAIL" if fails else "NOT ASSESSED" if any(f.get("unassessed") for f in findings) else "PASS"
     return {"verdict": verdict, "drainable": bool(culprits), "culprits": culprits,
             "exit_code": node_exit_code(context, verdict, bool(culprits))}
-
-
-def node_reason(prefix, culprits, context):
-    """The drain reason: '<prefix> node-check: <check>: <what> [<context>]' (soperator's shape), at most
-    NODE_REASON_MAX characters; the first culprit's short words, and how many more."""
-    f = culprits[0]
-    more = f" (+{len(culprits) - 1} more)" if len(culprits) > 1 else ""
-    tail = f"{more} [{context}]"
-    head = " ".join(f"{prefix} {NODE_DRAIN_TAG}: {f['check']}: {f.get('short') or f['reason']}".split())
-    if len(head) + len(tail) > NODE_REASON_MAX:
-        head = head[:NODE_REASON_MAX - len(tail) - 3].rstrip() + "..."
-    return head + tail
-
-
-def owned_reason(prefix, reason):
-    """Whether a node's drain reason is one the node check wrote (the only ones it may resume)."""
-    return (reason or "").startswith(f"{prefix} {NODE_DRAIN_TAG}:")
-
-
-def resume_blocker(reason, findings, ran, prefix):
-    """Why a PASS may not resume a node drained with `reason` (None: it may): not our reason, or the check that
-    drained it did not run (or did not pass) this time. ran: the checks this pass judged."""
-    if not owned_reason(prefix, reason):
-        return f"its reason is not the node check's ({reason!r}): left alone"
-    m = re.match(rf"{re.escape(prefix)} {NODE_DRAIN_TAG}: ([a-z0-9-]+):", reason)
-    check = m.group(1) if m else None
-    if check not in ran:
-        return f"the check that drained it ({check}) was not judged in this pass"
-    if any(f["check"] == check and f["status"] != "PASS" for f in findings):
-        return f"the check that drained it ({check}) did not pass"
-    return None

@@ -3,15 +3,14 @@
 the node check's state (the JSON's dict)."""
 from ..core.base import STATUS_RANK, format_ranges
 from ..out.outputs import _metrics_family
-from .judge import NODE_CHECKS, NODE_LINE_PREFIX, NODE_NPD_MAX
+from .judge import NODE_LINE_PREFIX, NODE_NPD_MAX
 
 STATUS_WORD = {"FAIL": "FAILURE", "WARN": "WARNING", "PASS": "PASS"}
 
 
 def _judged(state):
-    """The checks this pass judged (a PASS or more), in the table's order."""
-    seen = {f["check"] for f in state.get("findings") or [] if not f.get("unassessed")}
-    return [c["check"] for c in NODE_CHECKS if c["check"] in seen]
+    """The checks this pass judged (a PASS or more), in the order it judged them."""
+    return list(dict.fromkeys(f["check"] for f in state.get("findings") or [] if not f.get("unassessed")))
 
 
 def _shorts(fs, limit=3):
@@ -134,8 +133,7 @@ def node_metrics(state):
         ("aiv_node_check_gpus_busy", "GPUs in use by others: not computed on, not judged for speed.",
          [(ctx, len(dev.get("busy") or {}))]),
         ("aiv_node_check_status", "Worst status of the check's findings: 0 PASS, 1 WARN, 2 FAIL (checks not judged "
-         "are absent).", [(dict(ctx, check=c["check"]), worst[c["check"]]) for c in NODE_CHECKS
-                          if c["check"] in worst]),
+         "are absent).", [(dict(ctx, check=c), w) for c, w in worst.items()]),
         ("aiv_node_check_gpu_matmul_tflops", "The GPU's square matmul rate in TFLOPS (bf16 on GPUs, fp32 on CPU), "
          "the best of its measurements.", per_gpu["tflops"]),
         ("aiv_node_check_gpu_memory_bandwidth_gbps", "The GPU's device-memory copy rate in GB/s (read plus write), "

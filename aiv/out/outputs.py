@@ -18,7 +18,7 @@ from ..core.base import (
     safe_env,
     scontrol_reason,
 )
-from ..core.blame import blamed_hosts, drainable
+from ..core.blame import blamed_hosts, drains_in
 from ..core.deadlines import PHASES
 from ..core.names import DRAIN_PREFIX
 from ..screen.gpu import gpu_levels
@@ -27,6 +27,7 @@ from .render import failure_lines
 
 DRAIN_SHARE = 0.10          # --drain-max default: 10% of the allocation's nodes, at least 1
 DRAIN_REASON_MAX = 120      # characters of a drain reason (Slurm keeps it whole; sinfo -R shows it)
+NODE_DRAIN_TAG = "node-check"  # the node gate's reasons: "<DRAIN_PREFIX> node-check: <check>: <what> [<context>]"
 # Which findings may drain their hosts is declared by each check (CHECK_RULES in aiv/core/blame.py: the evidence on
 # which it drains, and why that evidence persists); a check that declares nothing drains nothing (drainable).
 
@@ -54,12 +55,21 @@ def drain_blocker(findings):
     return None
 
 
-def _drain_reason(f, job):
-    text = " ".join(f"{DRAIN_PREFIX} {f['check']}: {f['reason']}".split())
-    tail = f" (job {job})"
-    if len(text) + len(tail) > DRAIN_REASON_MAX:
-        text = text[:DRAIN_REASON_MAX - len(tail) - 3].rstrip() + "..."
-    return text + tail
+def drain_reason(fs, job=None, context="job"):
+    """The drain reason for the first culprit's findings fs, at most DRAIN_REASON_MAX characters: the preflight's
+    '<prefix> <check>: <reason> (job <id>)'; the node gate's (its prolog, epilog and health variants, soperator's
+    shape) '<prefix> node-check: <check>: <short words> (+<n> more) [<context>]'."""
+    f = fs[0]
+    if context == "job":
+        head, tail = f"{DRAIN_PREFIX} {f['check']}: {f['reason']}", f" (job {job})"
+    else:
+        more = f" (+{len(fs) - 1} more)" if len(fs) > 1 else ""
+        head = f"{DRAIN_PREFIX} {NODE_DRAIN_TAG}: {f['check']}: {f.get('short') or f['reason']}"
+        tail = f"{more} [{context}]"
+    head = " ".join(head.split())
+    if len(head) + len(tail) > DRAIN_REASON_MAX:
+        head = head[:DRAIN_REASON_MAX - len(tail) - 3].rstrip() + "..."
+    return head + tail
 
 
 def drain_command(hosts, reason):
@@ -68,29 +78,52 @@ def drain_command(hosts, reason):
     return argv, " ".join(argv[:4] + ["reason=" + shlex.quote(reason)])
 
 
-def drain_plan(findings, mode, nodes, job, max_nodes=None):
-    """What --drain does with a verdict (pure). findings: the run's; nodes: the allocation's node count;
-    job: SLURM_JOB_ID or None. -> {'mode', 'hosts': the culprits to drain, 'command': the scontrol line
-    or '', 'argv', 'reason', 'max', 'skipped': why nothing is drained, or None}."""
+def drain_plan(findings, mode, nodes, job, max_nodes=None, context="job"):
+    """What --drain does with a verdict (pure), in the preflight (context 'job') and in the node gate (context
+    prolog, epilog or health: its one node, no job needed, the command planned under --drain off too, for the
+    line that says what Slurm does on exit 1). findings: the verdict's; nodes: the allocation's node count;
+    job: SLURM_JOB_ID or None. A finding drains its hosts where drains_in(f, context). -> {'mode', 'hosts':
+    the culprits to drain, 'command': the scontrol line or '', 'argv', 'reason', 'max', 'skipped': why nothing
+    is drained, or None}."""
     out = {"mode": mode, "hosts": [], "command": "", "argv": [], "reason": "", "max": drain_max(max_nodes, nodes),
            "skipped": None, "done": False, "kept": {}}
     culprits = {}
     for f in findings:
-        if drainable(f):
+        if drains_in(f, context):
             for h in f["hosts"]:
-                culprits.setdefault(h, f)
+                culprits.setdefault(h, []).append(f)
     why = drain_blocker(findings) or ("no failed check names a host whose fault it is" if not culprits else None)
-    if why is None and not job:
+    if why is None and not job and context == "job":
         why = "not a Slurm job (no SLURM_JOB_ID)"
     if why is None and len(culprits) > out["max"]:
         why = (f"{len(culprits)} culprit node(s), more than the {out['max']} --drain-max allows (of {nodes} "
                "node(s)): a cause that wide is rarely the nodes; nothing is drained")
-    if mode == "off" or why is not None:
+    if (mode == "off" and context == "job") or why is not None:
         return dict(out, skipped=why if mode != "off" else "--drain off")
     hosts = _screen_sorted(culprits)
-    reason = _drain_reason(culprits[hosts[0]], job)
+    reason = drain_reason(culprits[hosts[0]], job, context)
     argv, line = drain_command(hosts, reason)
     return dict(out, hosts=hosts, command=line, argv=argv, reason=reason)
+
+
+def owned_reason(reason):
+    """Whether a node's drain reason is one the node gate wrote (the only ones it may resume)."""
+    return (reason or "").startswith(f"{DRAIN_PREFIX} {NODE_DRAIN_TAG}:")
+
+
+def resume_plan(node, reason, findings):
+    """The node gate's health --undrain after a PASS (pure): a node drained with `reason` is resumed only when the
+    reason is the node gate's and the check that drained it was judged and passed in this pass. -> {'argv',
+    'command', 'skipped': why it is left drained, or None}."""
+    check = re.match(rf"{re.escape(DRAIN_PREFIX)} {NODE_DRAIN_TAG}: ([a-z0-9-]+):", reason or "")
+    check = check.group(1) if check else None
+    ran = {f["check"] for f in findings if not f.get("unassessed")}
+    argv = ["scontrol", "update", f"nodename={node}", "state=resume"]
+    why = (f"its reason is not the node check's ({reason!r})" if not owned_reason(reason) else
+           f"the check that drained it ({check}) was not judged in this pass" if check not in ran else
+           f"the check that drained it ({check}) did not pass"
+           if any(f["check"] == check and f["status"] != "PASS" for f in findings) else None)
+    return {"argv": argv, "command": " ".join(argv), "skipped": why}
 
 
 def parse_scontrol_nodes(text):

@@ -159,7 +159,7 @@ def _gpu_perf_pass(n_gpus, against, cpu):
                    + (f" ({'; '.join(rules)})" if rules else ""))
 
 
-def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
+def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None):
     """Per-GPU compute and memory speed against its model's table row (GPU_TABLE), the other GPUs of the
     same model and the floors.
     per_rank: [{'rank': int, 'host': str, 'local_rank': int, 'uuid': str|None, 'model': str|None,
@@ -173,8 +173,9 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
     peers' reference FAIL and nothing WARNs. The worst level counts; the text names what decided it.
     -> findings under 'gpu-perf': one per flagged rank naming rank, host, local rank and GPU UUID (one
     finding per status listing them when more than SCREEN_LIST_MAX ranks are flagged), or one PASS
-    saying what each model was judged against (or that nothing was) and the count of GPUs."""
-    per_rank = list(per_rank or [])
+    saying what each model was judged against (or that nothing was) and the count of GPUs. who(row): a GPU's
+    words (the node gate's: its index on the node)."""
+    per_rank, who = list(per_rank or []), who or _gpu_who
     if not per_rank:
         return []
     floors = {"min_tflops": min_tflops, "min_hbm": min_hbm}
@@ -185,13 +186,13 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False):
     items = list(flags.items())
     if len(items) <= SCREEN_LIST_MAX:
         out = [_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                                       f"{_gpu_who(r)}: " + "; ".join(t for _, _, t in fl)
+                                       f"{who(r)}: " + "; ".join(t for _, _, t in fl)
                                        + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else ""),
                                        [r.get("host")], [rk]),
                                evidence=_gpu_evidence(r, allrefs, cpu), action=_gpu_action(r)), [r])
                for rk, (r, fl) in items]
         return _gpu_everyone(out, per_rank)
-    return _gpu_everyone(_gpu_perf_many(items), per_rank)
+    return _gpu_everyone(_gpu_perf_many(items, who), per_rank)
 
 
 def _gpu_unused(r, allrefs):
@@ -223,13 +224,13 @@ def _gpu_action(r):
             "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
 
 
-def _gpu_perf_many(items):
+def _gpu_perf_many(items, who):
     """More than SCREEN_LIST_MAX flagged GPUs: one finding per status, the first few named."""
     out = []
     for status in ("FAIL", "WARN"):
         sel = [(rk, r, fl) for rk, (r, fl) in items if _screen_worst([lv for _, lv, _ in fl]) == status]
         if sel:
-            shown = "; ".join(f"{_gpu_who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
+            shown = "; ".join(f"{who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
             more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
             hosts = [r.get("host") for _, r, _ in sel]
             out.append(_gpu_blame(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} "
@@ -332,9 +333,11 @@ GPU_FACT_KEYS = ("pcie_width", "pcie_width_max", "pcie_speed", "pcie_speed_max",
 
 def gpu_fact_problems(row):
     """[(status, text)] for one GPU's facts (a judge_gpu_perf row with GPU_FACT_KEYS, each optional): under
-    load, PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS; from its node's one
-    nvidia-smi call (read_node_smi), uncorrected ECC errors since the driver loaded or a pending row remap
-    (WARN), a failed row remap (FAIL)."""
+    load, PCIe link below its maximum width or speed, clocks slowed by THROTTLE_FAULTS; from its node's
+    nvidia-smi (the preflight's read_node_smi, the node gate's one query), the memory error policy of both
+    modes, after NVIDIA's GPU memory error management: uncorrected ECC errors since the driver loaded and a
+    pending row remap WARN (error containment and dynamic page offlining keep new work unaffected; the remap
+    takes effect at the next GPU reset), a failed row remap FAILs (the GPU meets NVIDIA's RMA policy)."""
     out, g = [], row.get
     if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
         out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
@@ -344,21 +347,25 @@ def gpu_fact_problems(row):
         clock = f" (SM {g('sm_mhz'):g} of {g('sm_max_mhz'):g} MHz)" if g("sm_mhz") and g("sm_max_mhz") else ""
         out.append(("WARN", f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}{clock}"))
     if g("ecc_uncorrected"):
-        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded"))
+        out.append(("WARN", f"{g('ecc_uncorrected'):g} uncorrected ECC error(s) since the driver loaded (contained "
+                            "and the page offlined; reset the GPU when it is idle)"))
     if g("remap_failure"):
-        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it)"))
+        out.append(("FAIL", "row remapping failed: memory the GPU can no longer repair (replace it: NVIDIA's RMA "
+                            "policy)"))
     elif g("remap_pending"):
-        out.append(("WARN", "row remapping pending: reset the GPU to apply it"))
+        out.append(("WARN", "row remapping pending: reset the GPU (nvidia-smi -r) when it is idle to apply it; new "
+                            "work is unaffected until then"))
     return out
 
 
-def judge_gpu_facts(per_rank):
-    """Findings under 'gpu-perf' from each GPU's facts (gpu_fact_problems): one per GPU
-    with a problem, or beyond SCREEN_LIST_MAX GPUs one per status listing the first ones and a count.
-    No PASS finding: judge_gpu_perf gives it."""
+def judge_gpu_facts(per_rank, check="gpu-perf", who=None):
+    """Findings under `check` ('gpu-perf' in the preflight, 'gpu-health' in the node gate) from each GPU's
+    facts (gpu_fact_problems), blame 'own': one per GPU with a problem, or beyond SCREEN_LIST_MAX GPUs one per
+    status listing the first ones and a count. who(row): the GPU's words. No PASS finding: judge_gpu_perf (the
+    node gate's judge_gpu_health) gives it."""
     flagged = [(r, p) for r in sorted(per_rank or [], key=lambda r: r["rank"]) for p in [gpu_fact_problems(r)] if p]
     items = [(_screen_worst([s for s, _ in p]), r, "; ".join(t for _, t in p)) for r, p in flagged]
-    return per_gpu_findings("gpu-perf", items, _gpu_who, "GPU(s) with a problem under load")
+    return per_gpu_findings(check, items, who or _gpu_who, "GPU(s) with a problem under load")
 
 
 def per_gpu_findings(check, items, who, headline, blame="own"):
@@ -438,7 +445,7 @@ def gpu_remeasured(per_rank, again):
     return out
 
 
-def judge_gpu_transients(per_rank, floors=None, cpu=False):
+def judge_gpu_transients(per_rank, floors=None, cpu=False, who=None):
     """GPUs slow at first and at speed when measured again: one WARN under 'gpu-perf' naming no host (a burst of
     another process's work, a moment of contention), with what was seen; [] when none."""
     rows = [r for r in per_rank or [] if _gpu_again(r)]
@@ -446,7 +453,8 @@ def judge_gpu_transients(per_rank, floors=None, cpu=False):
     seen = [r for r in rows if r["rank"] not in slow]
     if not seen:
         return []
-    items = [f"{_gpu_who(r)}: " + ", ".join(f"{SCREEN_GPU_LABELS[k]} {_sn((r.get('first') or {}).get(k) or 0)} then "
+    who = who or _gpu_who
+    items = [f"{who(r)}: " + ", ".join(f"{SCREEN_GPU_LABELS[k]} {_sn((r.get('first') or {}).get(k) or 0)} then "
                                              f"{_sn(r.get(k) or 0)}" for k, _, _ in SCREEN_GPU_METRICS) for r in seen]
     shown = "; ".join(items[:8]) + (f"; and {len(items) - 8} more" if len(items) > 8 else "")
     return [dict(finding("gpu-perf", "WARN", f"{len(seen)} GPU(s) slow at first and at speed when measured again: "
