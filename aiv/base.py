@@ -1,7 +1,6 @@
 """Floor 1: the tool's constants and stable names (CHECKS, exit codes), findings and verdict codes,
 hostlists and ranges, printing, and the one idiom for the tool's own errors (no host blamed)."""
 import contextlib
-import errno
 import os
 import re
 import sys
@@ -71,7 +70,7 @@ CHECK_LEVELS = {
     "gpu-count": ("FAIL", "WARN"), "gpu-procs": ("FAIL", "WARN"), "gpu-health": ("FAIL", "WARN"),
 }
 # --node-check: a check that could not run through the tool's own fault is a WARN row, the node NOT ASSESSED
-for _check in ("contract", "launch", "local", "interrupted", "manifest", "internal"):
+for _check in ("usage", "contract", "launch", "local", "interrupted", "manifest", "internal", "output"):
     CHECK_LEVELS[_check] = ("FAIL", "WARN")
 
 # Environment variables the report may print. Nothing else is ever echoed.
@@ -350,19 +349,38 @@ _PRINT_LOCK = threading.Lock()
 
 
 def emit(line, stream=None):
-    """Print a line. A reader that went away (`| head`, a closed terminal) never stops the run: the
-    stream's descriptor is pointed at /dev/null and the run goes on to its verdict and its JSON."""
+    """Print a line. A reader that went away (`| head`, a closed terminal), a full disk behind it, a stream
+    closed from the start (`>&-`) never stops the run: the stream's descriptor is pointed at /dev/null and the
+    run goes on to its verdict and its JSON."""
     with _PRINT_LOCK:
         stream = stream or sys.stdout
+        if stream is None:
+            return
         try:
             stream.write(line + "\n")
             stream.flush()
-        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+        except (OSError, ValueError):  # ValueError: the stream was closed; EPIPE, EIO, ENOSPC ...
             drop_stream(stream)
-        except OSError as e:
-            if e.errno not in (errno.EPIPE, errno.EIO):
-                raise
-            drop_stream(stream)
+
+
+def guard_std_streams():
+    """Descriptors 0, 1 and 2 closed at the start (`>&-`, a daemon's children) are opened on /dev/null, so that
+    no file or pipe the tool opens takes their numbers, and sys.stdout/stderr exist: the run's lines go
+    nowhere, its verdict, files and exit code are what they would be."""
+    for fd, name, mode in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY), (2, "stderr", os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                null = os.open(os.devnull, mode)
+                if null != fd:
+                    os.dup2(null, fd)
+                    os.close(null)
+            except OSError:
+                continue
+        if getattr(sys, name) is None:
+            with contextlib.suppress(OSError, ValueError):
+                setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
 
 
 def drop_stream(stream):

@@ -13,6 +13,7 @@ from .base import (
     UsageError,
     emit,
     first_line,
+    guard_std_streams,
     is_tool_error,
     where_raised,
 )
@@ -83,6 +84,7 @@ def rank_run(args, contract, env):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    guard_std_streams()  # a closed stdout or stderr: the lines go nowhere, the verdict and the files stay
     env = dict(os.environ)
     if "_AIV_NODE_MONITOR" in env:  # a node leader's liveness monitor (see node_monitor)
         try:

@@ -14,6 +14,7 @@ import time
 from .base import _screen_median, first_line, first_text_line, is_tool_error
 from .collect import pci_link, throttle_names
 from .deadlines import NODE_SMI_S
+from .files import run_bounded
 from .numerics_measure import NumericsRepeat, start_numerics
 
 # What the performance screen measures (section `screen` judges it). GPU: each measurement runs about
@@ -79,23 +80,13 @@ def read_node_smi(exe, bound=NODE_SMI_S, box=None):
     or {'unread': why, 'bound': bound}. The node leader calls it once; rank 0 gives each rank its GPU's row.
     box: where the child is kept (box['proc']) for whoever stops waiting for it earlier."""
     cmd = [exe, "--query-gpu=" + ",".join(NODE_SMI_FIELDS), "--format=csv,noheader,nounits"]
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)  # its own group: a wrapper's children die too
-    except OSError as e:
-        return {"unread": f"nvidia-smi could not start: {e.strerror or e}", "bound": bound}
-    if box is not None:
-        box["proc"] = proc
-    try:
-        out, err = proc.communicate(timeout=bound)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return {"unread": f"nvidia-smi gave no answer within {bound:g}s", "bound": bound}
-    if proc.returncode != 0:
+    r = run_bounded(cmd, bound, box, "nvidia-smi")  # its own group: a wrapper's children die too; reaped bounded
+    if "unread" in r:
+        return {"unread": r["unread"], "bound": bound}
+    out, err = r["out"], r["err"]
+    if r["rc"] != 0:
         why = first_text_line(err or out)
-        return {"unread": f"nvidia-smi exited {proc.returncode}" + (f": {why}" if why else ""), "bound": bound}
+        return {"unread": f"nvidia-smi exited {r['rc']}" + (f": {why}" if why else ""), "bound": bound}
     return {"gpus": parse_node_smi(out)}
 
 

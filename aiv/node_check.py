@@ -14,6 +14,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -34,23 +35,38 @@ from .base import (
 )
 from .collect import _cpu_model, _driver_version, collect_gpu, collect_node_facts, cuda_problem, torch_versions
 from .deadlines import (
+    CHILD_REAP_S,
+    NODE_BUDGET_DEFAULT,
     NODE_HELD_AGAIN_S,
     NODE_KMSG_BOUND_S,
     NODE_PREEMPT_S,
     NODE_RESERVE_S,
     NODE_SLURM_BOUND_S,
     NODE_SMI_BOUND_S,
+    BoundPassed,
+    within,
 )
 from .files import write_json_atomic, write_text_atomic
 from .local import die_with_parent
 from .manifest_io import load_manifest
 from .measure import screen_busbw, screen_measure_gpu
-from .node_collect import driver_gpus, pci_gpus, process_owner, read_kmsg, read_slurm_node, slurm_update_node, smi_query
+from .node_collect import (
+    WORKER_ARG,
+    driver_gpus,
+    pci_gpus,
+    process_owner,
+    read_kmsg,
+    read_slurm_node,
+    slurm_update_node,
+    smi_query,
+)
 from .node_judge import (
     NODE_APP_FIELDS,
+    NODE_CONTEXTS,
     NODE_GPU_FIELDS,
     NODE_KMSG_BYTES,
     NODE_LINE_PREFIX,
+    NODE_NPD_MAX,
     NODE_STEP_S,
     context_from_argv,
     gres_busy,
@@ -62,6 +78,7 @@ from .node_judge import (
     judge_node_manifest,
     judge_node_numerics,
     judge_node_speed,
+    judge_none_judged,
     node_context,
     node_devices,
     node_drainable,
@@ -203,7 +220,7 @@ class _Workers:
         self.q, self.procs, self.said, self.dead, self.errs = queue.Queue(), {}, {}, set(), {}
         for i, (spec, wenv) in specs.items():
             err = tempfile.TemporaryFile()
-            p = subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=dict(env, **wenv,
+            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), WORKER_ARG], env=dict(env, **wenv,
                                  **{WORKER_VAR: json.dumps(spec)}), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=err, text=True, start_new_session=True,
                                  preexec_fn=die_with_parent(signal.SIGKILL))
@@ -256,15 +273,44 @@ class _Workers:
         for p in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.0, until - time.monotonic()))
+        until = time.monotonic() + CHILD_REAP_S  # a worker stuck in the driver (state D) is left behind, said
         for p in self.procs.values():
             with contextlib.suppress(OSError):
                 os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, until - time.monotonic()))
             for s in (p.stdin, p.stdout):
                 with contextlib.suppress(OSError, ValueError):
                     s.close()
         for e in self.errs.values():
             e.close()
+
+
+# ---------------------------------------------------------------------------------------------- the lock
+def node_lock_dirs(uid=None):
+    """Where the node's lock may live (--node-lock-dir unset): root's own directories under /run (never a job's
+    TMPDIR, which a job sets and a job-container plugin may mount per job), else this user's own."""
+    uid = os.geteuid() if uid is None else uid
+    return ("/run/aiv", "/var/lock/aiv") if uid == 0 else (f"/run/user/{uid}/aiv", f"/tmp/aiv-node-check-{uid}")
+
+
+def node_lock_path(node, chosen=None):
+    """-> (the lock file of this node's checks, None), or (None, why not): in `chosen` (--node-lock-dir) or the
+    first of node_lock_dirs, a directory (made where missing) owned by this user and writable by no one else,
+    so that no other user's file can stand in for the lock (fs.protected_regular refuses to open those)."""
+    uid, whys = os.geteuid(), []
+    for d in [chosen] if chosen else node_lock_dirs(uid):
+        try:
+            os.makedirs(d, 0o755 if uid == 0 else 0o700, exist_ok=True)
+            st = os.lstat(d)
+        except OSError as e:
+            whys.append(f"{d}: {e.strerror}")
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+            whys.append(f"{d}: not a directory that only uid {uid} may write")
+            continue
+        return os.path.join(d, "aiv-node-check-" + re.sub(r"[^A-Za-z0-9._-]", "_", node) + ".lock"), None
+    return None, "; ".join(whys)
 
 
 # ---------------------------------------------------------------------------------------------- the check
@@ -282,6 +328,7 @@ class NodeCheck:
         self.measured, self.allreduce, self.slurm, self.lock_fd = {}, None, None, None
         self.facts, self.devices, self.gpus = {}, {"ids": [], "held": {}, "busy": {}, "compute": []}, []
         self.cpu, self.again, self.why_once, self.phases, self.locked_out = False, {}, None, {}, False
+        self.unlocked, self.procs_unjudged = None, None
 
     def lap(self, name):
         """Seconds since the last lap (or the start) under name: where the budget went."""
@@ -295,16 +342,21 @@ class NodeCheck:
     def take_lock(self):
         """health, npd: the lock alone (another pass running: not assessed); prolog, epilog: shared with each other
         (jobs on other GPUs of the node start and end side by side), and a health or npd pass holding it is
-        stopped (SIGTERM): a job start wins over a health pass. -> False when this pass must not go on."""
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", self.node)
-        path = os.path.join(tempfile.gettempdir(), f"aiv-node-check-{safe}.lock")
+        stopped (SIGTERM): a job start wins over a health pass. The lock is in a root-owned directory
+        (node_lock_path), never under a job's TMPDIR. A prolog or epilog that could not take it goes on without
+        it (self.unlocked says why): its GPUs' processes are not judged then, nor its speed (a health pass's
+        workers may be on them). -> False when this pass must not go on."""
+        path, why = node_lock_path(self.node, getattr(self.args, "node_lock_dir", None))
+        job = self.ctx in ("prolog", "epilog")
         try:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644) if path else None
         except OSError as e:
-            self.skipped.append(f"no lock ({path}: {e.strerror})")
+            fd, why = None, f"{path}: {e.strerror}"
+        if fd is None:
+            self.unlocked = f"the node check's lock could not be opened ({why})"
+            self.skipped.append(f"no lock ({why})")
             return True
         self.lock_fd = fd
-        job = self.ctx in ("prolog", "epilog")
         mode = fcntl.LOCK_SH if job else fcntl.LOCK_EX
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -318,23 +370,30 @@ class NodeCheck:
                 self.locked_out = True
                 return False
             self._preempt(holder)
-            until = time.monotonic() + NODE_PREEMPT_S
-            while True:
-                try:
-                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > until:
-                        self.skipped.append(f"the health pass holding {path} did not let go within {NODE_PREEMPT_S:g}s")
-                        return True
-                    time.sleep(0.1)
-        except OSError:
+            if not self._wait_lock(fd, mode):
+                who = f" (pid {holder[0]})" if holder else ""
+                self.unlocked = f"the health pass holding {path}{who} did not let go within {NODE_PREEMPT_S:g}s"
+                self.skipped.append(self.unlocked)
+                return True
+        except OSError as e:
+            self.unlocked = f"the node check's lock {path} could not be taken ({e.strerror})"
             return True
         if not job:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{os.getpid()} {self.ctx}\n".encode())
         return True
+
+    def _wait_lock(self, fd, mode):
+        until = time.monotonic() + NODE_PREEMPT_S
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > until or self.stopped:
+                    return False
+                time.sleep(0.1)
 
     def _preempt(self, holder):
         """SIGTERM to the health or npd pass holding the lock, when that pid is a node check."""
@@ -439,6 +498,8 @@ class NodeCheck:
         for p in f["apps"]:
             if p["uuid"] in by_uuid:
                 apps.setdefault(by_uuid[p["uuid"]], []).append(p)
+        if self.ctx in ("prolog", "epilog"):
+            apps = self.procs_we_cannot_judge(by_uuid, apps)
         ids = list(range(a.nproc or 2)) if self.cpu else [g["index"] for g in self.gpus]
         used = gres_busy((self.slurm or {}).get("gres_used"), ids) if self.ctx == "health" else {}
         self.devices = node_devices(self.ctx, self.gpus, f["job_gpus"], a.nproc or 2, used, apps, self.cpu)
@@ -446,11 +507,38 @@ class NodeCheck:
             self.findings.append(unassessed("gpu-procs", f"{self.node}: the GPUs' processes were not read "
                                             f"({f['apps_unread']})", "GPU processes not read"))
 
+    def procs_we_cannot_judge(self, by_uuid, apps):
+        """prolog, epilog: the processes on the GPUs that are not a leftover's: without the lock none is judged
+        (a health pass's workers may be on them); a node check's own worker (of a health pass stopped a moment
+        ago, or stuck in the driver) is ours, never a leftover. Either: gpu-procs not judged, said. -> the apps
+        that remain to judge ({index: [process]})."""
+        ours = sorted({(by_uuid[p["uuid"]], p["pid"]) for p in self.facts["apps"]
+                       if p.get("ours") and p["uuid"] in by_uuid})
+        why = None
+        if self.unlocked:
+            why = f"{self.unlocked}: the GPUs' processes were not judged (a node check's own workers may be on them)"
+        elif ours:
+            why = ("a node check's own worker is still on " + ", ".join(f"GPU {i} (pid {pid})" for i, pid in ours)
+                   + ": not a leftover of a job; the GPUs' processes were not judged")
+        if not why:
+            return apps
+        self.procs_unjudged = why
+        self.findings.append(unassessed("gpu-procs", f"{self.node}: {why}", "GPU processes not judged: " + (
+            "no lock" if self.unlocked else "our own worker on a GPU")))
+        if self.unlocked:
+            return {}
+        theirs = {i: [p for p in ps if not p.get("ours")] for i, ps in apps.items()}
+        return {i: ps for i, ps in theirs.items() if ps}  # another's process beside ours is still judged
+
     # ------------------------------------------------------------------ compute
     def compute(self):
         """Workers on the devices the plan allows; the re-measure of the slow ones; the node's all-reduce."""
         a, ids = self.args, self.devices["compute"]
         numerics, speed = not a.skip_numerics, not a.skip_screen
+        if speed and self.unlocked and ids:  # a health pass may compute beside us: the speed is not the GPUs'
+            speed = False
+            self.skipped.append("the speed and the all-reduce (without the lock: a health pass may compute beside "
+                                "this one)")
         if not ids or not (numerics or speed):
             if ids:
                 self.skipped.append("numerics and speed (--skip-numerics, --skip-screen)")
@@ -701,6 +789,9 @@ class NodeCheck:
                                                     "prolog taking the GPUs, or Slurm): this pass is void",
                                                     f"stopped by {self.stopped}"))
                 self.judge()
+                if self.procs_unjudged:  # its PASS would say "no process of others": not judged, said above
+                    self.findings[:] = [f for f in self.findings if f["check"] != "gpu-procs" or f["status"] != "PASS"]
+                self.findings += judge_none_judged(self.node, self.devices, "CPU worker(s)" if self.cpu else "GPU(s)")
                 self.lap("judge")
         except Exception as e:
             print_traceback(e)
@@ -748,21 +839,54 @@ class NodeCheck:
         return state
 
 
-def _write_outputs(args, state):
-    """The JSON and the Prometheus textfile, each atomically (a temporary file beside it, then a rename). A file
-    that cannot be written is a line on stderr, never a changed verdict (the node is not at fault)."""
-    said = []
-    for path, text in ((args.json, None), (args.metrics, node_metrics(state))):
-        if not path:
+def _output_paths(args):
+    return [(flag, path) for flag, path in (("--json", getattr(args, "json", None)),
+                                            ("--metrics", getattr(args, "metrics", None))) if path]
+
+
+def _write_one(flag, path, state, seconds):
+    """One file within `seconds` (on a thread: storage that hangs holds that thread, never the pass) -> None or
+    why it was not written."""
+    def write():
+        if flag == "--json":
+            write_json_atomic(path, state)
+        else:
+            write_text_atomic(path, node_metrics(state))
+    try:
+        within(write, seconds, f"{flag} {path}")
+    except BoundPassed:
+        return f"not written within {seconds:.1f}s (storage that hangs?)"
+    except Exception as e:
+        return first_line(e)
+    return None
+
+
+def write_outputs(paths, state, until):
+    """The JSON and the Prometheus textfile, each atomically, all by `until` (what is left of the budget, at
+    least 1 s). A file not written is the tool's own trouble: the pass becomes NOT ASSESSED (a FAIL on evidence
+    stays a FAIL), the files written before it are written again to say so, and the exit code is the new
+    verdict's. -> the state as it stands, and a WARNING line per file not written."""
+    said, done = [], []
+    for k, (flag, path) in enumerate(paths):
+        why = _write_one(flag, path, state, max(1.0, (until - time.monotonic()) / (len(paths) - k)))
+        if why is None:
+            done.append((flag, path))
             continue
-        try:
-            if text is None:
-                write_json_atomic(path, state)
-            else:
-                write_text_atomic(path, text)
-        except Exception as e:
-            said.append(f"WARNING: output: {path} not written: {first_line(e)}")
-    return said
+        said.append(f"WARNING: output: {path} not written: {why}")
+        state = _not_written(state, flag, path, why)
+        for flag2, path2 in done:  # they said what the pass was before it: said again, within what is left
+            if _write_one(flag2, path2, state, max(0.5, until - time.monotonic())):
+                said.append(f"WARNING: output: {path2} keeps the verdict before {path} failed")
+    return state, said
+
+
+def _not_written(state, flag, path, why):
+    fs = [*state["findings"], unassessed("output", f"{state['node']}: {flag} {path} not written: {why} (the "
+                                         "tool's storage, not the node)", f"{flag} not written")]
+    v = node_verdict(fs, state["context"]) if state["context"] in NODE_CONTEXTS else \
+        {"verdict": "NOT ASSESSED", "drainable": False, "exit_code": 2}
+    state = dict(state, findings=fs, verdict=v["verdict"], drainable=v["drainable"], exit_code=v["exit_code"])
+    return dict(state, summary=node_summary(state), npd=node_npd_line(state))
 
 
 def run_node_check(args, env):
@@ -778,25 +902,54 @@ def run_node_check(args, env):
         for line in node_lines(state):
             emit(line, sys.stderr)
         if not state["locked_out"]:  # the pass that holds the lock writes the files
-            for line in _write_outputs(args, state):
+            state, said = write_outputs(_output_paths(args), state, check.t0 + check.budget)
+            for line in said:
                 emit(line, sys.stderr)
         emit(state["npd"] if ctx == "npd" else state["summary"])
         return state["exit_code"]
     except Exception as e:
         print_traceback(e)
-        return node_check_usage(f"internal: {first_line(e)} in {where_raised(e)}: a bug in the tool", [], env, ctx)
+        return node_check_usage(f"internal: {first_line(e)} in {where_raised(e)}: a bug in the tool", [], env, ctx,
+                                args)
 
 
-def node_check_usage(e, argv, env, ctx=None):
+def _argv_paths(argv, env):
+    """--json and --metrics read without the parser (for a usage error): the flags, else AIV_JSON, AIV_METRICS."""
+    out = {}
+    for flag, var in (("--json", "AIV_JSON"), ("--metrics", "AIV_METRICS")):
+        for i, a in enumerate(argv):
+            if a.startswith(flag + "="):
+                out[flag] = a.split("=", 1)[1]
+            elif a == flag and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                out[flag] = argv[i + 1]
+        if not out.get(flag) and env.get(var):
+            out[flag] = env[var]
+    return [(flag, path) for flag, path in out.items() if path]
+
+
+def node_check_usage(e, argv, env, ctx=None, args=None):
     """A usage error on a --node-check command line (or the tool's own error): not the node's fault (fail open):
-    the line on stderr, NOT ASSESSED on stdout, and the context's exit code (0; npd: 2)."""
+    the line on stderr, NOT ASSESSED on stdout and in the --json and --metrics files asked for (aiv_node_check_
+    assessed 0, within NODE_RESERVE_S), and the context's exit code: 0; npd 2; a context word that is none of
+    the four, in no Slurm script: 2 (NPD's unknown; Slurm's HealthCheckProgram only logs it)."""
+    t0 = time.monotonic()
     ctx = ctx or context_from_argv(argv, env) or "health"
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
     emit(str(e), sys.stderr)
-    code = node_exit_code(ctx, "NOT ASSESSED", False)
-    if ctx == "npd":
-        emit(f"NOT ASSESSED: {str(e).replace('FAILURE: ', '')}"[:80])
-    else:
-        emit(f"{NODE_LINE_PREFIX} NOT ASSESSED on {node} [{ctx}]: {e}; exit {code} (fail open: nothing drained)")
+    code = node_exit_code(ctx, "NOT ASSESSED", False) if ctx in NODE_CONTEXTS else 2
+    reason = str(e).replace("FAILURE: ", "")
+    line = f"{NODE_LINE_PREFIX} NOT ASSESSED on {node} [{ctx}]: {e}; exit {code} (fail open: nothing drained)"
+    state = {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+             "mode": "node-check", "context": ctx, "node": node, "verdict": "NOT ASSESSED", "drainable": False,
+             "exit_code": code, "budget_s": NODE_BUDGET_DEFAULT, "elapsed_s": 0.0, "ended_at_s": round(time.time(), 1),
+             "python": sys.executable, "gpus": [], "devices": {"ids": [], "compute": [], "busy": {}, "held": {}},
+             "measured": {}, "allreduce": None, "skipped": [], "drain": {"action": "none", "done": False},
+             "findings": [unassessed("usage" if reason.startswith("usage") else "internal", f"{node}: {reason}",
+                                     reason[:80])], "summary": line, "npd": f"NOT ASSESSED: {reason}"[:NODE_NPD_MAX]}
+    with contextlib.suppress(Exception):
+        paths = _output_paths(args) if args is not None else _argv_paths(argv, env)
+        _, said = write_outputs(paths, state, t0 + NODE_RESERVE_S)
+        for w in said:
+            emit(w, sys.stderr)
+    emit(state["npd"] if ctx == "npd" else line)
     return code
-

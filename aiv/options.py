@@ -204,6 +204,9 @@ def _node_options(p):
     _opt(p, "--undrain", _switch, "off", "--node-check health with --drain on: a pass resumes the node when the "
          "check's own drain names a check that passed now; no value: on", nargs="?", const="on", default=False,
          metavar="on/off")
+    _opt(p, "--node-lock-dir", _directory, "/run/aiv (root), else the user's own", "--node-check: the directory of "
+         "the node's lock (one pass on the GPUs at a time): owned by the user that runs the check, writable by no "
+         "one else; never a job's TMPDIR", metavar="DIR")
     _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
          metavar="DIR")
 

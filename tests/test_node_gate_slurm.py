@@ -2,8 +2,8 @@
 fake GPUs each): the script of docs/slurm.md, verbatim, as Prolog=, Epilog= and HealthCheckProgram=, with the
 slurm.conf lines that page asks for. A test-side wrapper only points the script at this repository and its venv
 (`NODE_CHECK_*`), says the nodes have no real GPU (AIV_EXPECT_GPUS=0: CPU workers stand in for the fake ones),
-gives each cluster its own TMPDIR (the nodes' locks) and SLURM_CONF (a HealthCheckProgram gets none; a real node's
-scontrol reads /etc/slurm/slurm.conf), and, per node, by a flag file, injects a fault from outside:
+gives each cluster its own TMPDIR, lock directory (--node-lock-dir) and SLURM_CONF (a HealthCheckProgram gets
+none; a real node's scontrol reads /etc/slurm/slurm.conf), and, per node, by a flag file, injects a fault from outside:
 tests/sdc on the PYTHONPATH with NUMERICS_FAULT_LOCAL_RANK=1 (a GPU computing wrong numbers), a torch that fails
 to import or no python at all (the tool broken). Health checks run only on nodes whose flag arms them.
 
@@ -69,7 +69,8 @@ ctx=${{ctx%_slurmd}}
 if [ "$ctx" = health ] && [ ! -e "$F/health-$n" ]; then exit 0; fi
 mkdir -p "{out}/$n"
 export NODE_CHECK_PYTHON={python} NODE_CHECK_TOOL={tool} NODE_CHECK_DIR="{out}/$n" NODE_CHECK_LOG="{out}/$n/$ctx.log"
-export TMPDIR={tmp} AIV_EXPECT_GPUS=0 AIV_NPROC=2 SLURM_CONF={conf}  # a node's own is /etc/slurm/slurm.conf
+# SLURM_CONF: the cluster's (a node's own is /etc/slurm/slurm.conf)
+export TMPDIR={tmp} AIV_NODE_LOCK_DIR={locks} AIV_EXPECT_GPUS=0 AIV_NPROC=2 SLURM_CONF={conf}
 if [ -e "$F/corrupt-$n" ]; then export PYTHONPATH={sdc} NUMERICS_FAULT_LOCAL_RANK=1; fi
 if [ -e "$F/notorch-$n" ]; then export PYTHONPATH={notorch}; fi
 if [ -e "$F/nopython-$n" ]; then export NODE_CHECK_PYTHON=/nonexistent/bin/python; fi
@@ -176,15 +177,17 @@ def gate(tmp_path_factory):
     if not VENV_PY.exists():
         _skip_or_fail(f"the tests must run in a venv: {VENV_PY} missing")
     state, work = tmp_path_factory.mktemp("gate-slurm"), tmp_path_factory.mktemp("gate-work")
-    for d in ("flags", "out", "tmp", "notorch/torch"):
+    for d in ("flags", "out", "tmp", "locks", "notorch/torch"):
         (work / d).mkdir(parents=True)
+    os.chmod(work / "locks", 0o755)  # the nodes' locks: a directory only root writes (--node-lock-dir)
     os.chmod(work / "tmp", 0o1777)
     (work / "notorch" / "torch" / "__init__.py").write_text("raise ImportError('torch broken on this node (test)')\n")
     script = work / "aiv-node-check.sh"
     script.write_text(documented_script())
     wrapper = work / "gate.sh"
     wrapper.write_text(WRAPPER.format(flags=work / "flags", out=work / "out", python=VENV_PY, tool=TOOL,
-                                      tmp=work / "tmp", sdc=SDC, notorch=work / "notorch", script=script,
+                                      tmp=work / "tmp", locks=work / "locks", sdc=SDC, notorch=work / "notorch",
+                                      script=script,
                                       conf=state / "etc" / "slurm.conf"))
     for p in (script, wrapper):
         p.chmod(0o755)
