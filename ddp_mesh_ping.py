@@ -1069,7 +1069,7 @@ class Watchdog:
 
 
 # ============================================================================ aiv/files.py
-# Floor 1: files the tool writes (JSON, page, metrics, manifest): atomic replace and cross-job locks; and the
+# Floor 1: files the tool writes (JSON, page, metrics, manifest): atomic replace, cross-job locks, the node
 class LockTimeout(Exception):
     """The manifest's lock file stayed held by another job for the whole MANIFEST_LOCK_S."""
 
@@ -1164,6 +1164,33 @@ def _is_stream(path):
 def write_json_atomic(path, data, first=False):
     """data as JSON, through write_text_atomic."""
     return write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True, default=str) + "\n", ".json", first)
+
+
+# ---------------------------------------------------------------------------------------------- the node's lock
+def node_lock_dirs(uid=None):
+    """Where the node's lock may live (--node-lock-dir unset): root's own directories under /run (never a job's
+    TMPDIR, which a job sets and a job-container plugin may mount per job), else this user's own."""
+    uid = os.geteuid() if uid is None else uid
+    return ("/run/aiv", "/var/lock/aiv") if uid == 0 else (f"/run/user/{uid}/aiv", f"/tmp/aiv-node-check-{uid}")
+
+
+def node_lock_path(node, chosen=None):
+    """-> (the lock file of this node's checks, None), or (None, why not): in `chosen` (--node-lock-dir) or the
+    first of node_lock_dirs, a directory (made where missing) owned by this user and writable by no one else,
+    so that no other user's file can stand in for the lock (fs.protected_regular refuses to open those)."""
+    uid, whys = os.geteuid(), []
+    for d in [chosen] if chosen else node_lock_dirs(uid):
+        try:
+            os.makedirs(d, 0o755 if uid == 0 else 0o700, exist_ok=True)
+            st = os.lstat(d)
+        except OSError as e:
+            whys.append(f"{d}: {e.strerror}")
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+            whys.append(f"{d}: not a directory that only uid {uid} may write")
+            continue
+        return os.path.join(d, "aiv-node-check-" + re.sub(r"[^A-Za-z0-9._-]", "_", node) + ".lock"), None
+    return None, "; ".join(whys)
 
 
 # ---------------------------------------------------------------------------------------------- child processes
@@ -2094,6 +2121,21 @@ def _leftover(extra, parser):
     flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1) if arg.startswith("--") else []
     return UsageError(f"unknown option {arg!r}" + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
+
+
+def output_paths_from_argv(argv, env):
+    """--json and --metrics read without the parser (a --node-check usage error still writes them): the flags,
+    else AIV_JSON, AIV_METRICS. -> [(flag, path)]."""
+    out = {}
+    for flag, var in (("--json", "AIV_JSON"), ("--metrics", "AIV_METRICS")):
+        for i, a in enumerate(argv):
+            if a.startswith(flag + "="):
+                out[flag] = a.split("=", 1)[1]
+            elif a == flag and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                out[flag] = argv[i + 1]
+        if not out.get(flag) and env.get(var):
+            out[flag] = env[var]
+    return [(flag, path) for flag, path in out.items() if path]
 
 
 def parse_args(argv, env):
@@ -9173,6 +9215,28 @@ def node_metrics(state):
     return "\n".join(lines) + "\n"
 
 
+def node_not_written(state, flag, path, why):
+    """The state once a file asked for was not written (the tool's storage, not the node): an `output` NOTE
+    beside the findings, the verdict decided again (NOT ASSESSED; a FAIL on evidence stays a FAIL)."""
+    fs = [*state["findings"], unassessed("output", f"{state['node']}: {flag} {path} not written: {why} (the "
+                                         "tool's storage, not the node)", f"{flag} not written")]
+    v = node_verdict(fs, state["context"]) if state["context"] in NODE_CONTEXTS else \
+        {"verdict": "NOT ASSESSED", "drainable": False, "exit_code": 2}
+    state = dict(state, findings=fs, verdict=v["verdict"], drainable=v["drainable"], exit_code=v["exit_code"])
+    return dict(state, summary=node_summary(state), npd=node_npd_line(state))
+
+
+def node_usage_state(ctx, node, reason, code, line, ended_at, python):
+    """The state of a pass that never ran (a usage error, the tool's own error): NOT ASSESSED, for the files."""
+    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+            "mode": "node-check", "context": ctx, "node": node, "verdict": "NOT ASSESSED", "drainable": False,
+            "exit_code": code, "budget_s": NODE_BUDGET_DEFAULT, "elapsed_s": 0.0, "ended_at_s": ended_at,
+            "python": python, "gpus": [], "devices": {"ids": [], "compute": [], "busy": {}, "held": {}},
+            "measured": {}, "allreduce": None, "skipped": [], "drain": {"action": "none", "done": False},
+            "findings": [unassessed("usage" if reason.startswith("usage") else "internal", f"{node}: {reason}",
+                                    reason[:80])], "summary": line, "npd": f"NOT ASSESSED: {reason}"[:NODE_NPD_MAX]}
+
+
 
 # ============================================================================ aiv/page.py
 # Floor 4: --html: one self-contained page per run (inline SVG, no external resources).
@@ -13830,33 +13894,6 @@ class _Workers:
             e.close()
 
 
-# ---------------------------------------------------------------------------------------------- the lock
-def node_lock_dirs(uid=None):
-    """Where the node's lock may live (--node-lock-dir unset): root's own directories under /run (never a job's
-    TMPDIR, which a job sets and a job-container plugin may mount per job), else this user's own."""
-    uid = os.geteuid() if uid is None else uid
-    return ("/run/aiv", "/var/lock/aiv") if uid == 0 else (f"/run/user/{uid}/aiv", f"/tmp/aiv-node-check-{uid}")
-
-
-def node_lock_path(node, chosen=None):
-    """-> (the lock file of this node's checks, None), or (None, why not): in `chosen` (--node-lock-dir) or the
-    first of node_lock_dirs, a directory (made where missing) owned by this user and writable by no one else,
-    so that no other user's file can stand in for the lock (fs.protected_regular refuses to open those)."""
-    uid, whys = os.geteuid(), []
-    for d in [chosen] if chosen else node_lock_dirs(uid):
-        try:
-            os.makedirs(d, 0o755 if uid == 0 else 0o700, exist_ok=True)
-            st = os.lstat(d)
-        except OSError as e:
-            whys.append(f"{d}: {e.strerror}")
-            continue
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
-            whys.append(f"{d}: not a directory that only uid {uid} may write")
-            continue
-        return os.path.join(d, "aiv-node-check-" + re.sub(r"[^A-Za-z0-9._-]", "_", node) + ".lock"), None
-    return None, "; ".join(whys)
-
-
 # ---------------------------------------------------------------------------------------------- the check
 class NodeCheck:
     """One pass of the node gate in its context, within its budget; run() -> the state (the JSON's dict)."""
@@ -13977,7 +14014,8 @@ class NodeCheck:
                 f["rows"], f["lost"] = parse_node_gpus(r["text"])
             else:
                 f["smi_unread"] = r["unread"]
-            a = smi_query(exe, "compute-apps", NODE_APP_FIELDS, self.bound(NODE_SMI_BOUND_S))
+            a = {"unread": "not asked: the GPU query was not read"} if f.get("smi_unread") and "gave no answer" in \
+                f["smi_unread"] else smi_query(exe, "compute-apps", NODE_APP_FIELDS, self.bound(NODE_SMI_BOUND_S))
             if "text" in a:
                 f["apps"] = [dict(p, **{k: v for k, v in process_owner(p["pid"], root).items() if v})
                              for p in parse_compute_apps(a["text"])]
@@ -14417,20 +14455,11 @@ def write_outputs(paths, state, until):
             done.append((flag, path))
             continue
         said.append(f"WARNING: output: {path} not written: {why}")
-        state = _not_written(state, flag, path, why)
+        state = node_not_written(state, flag, path, why)
         for flag2, path2 in done:  # they said what the pass was before it: said again, within what is left
             if _write_one(flag2, path2, state, max(0.5, until - time.monotonic())):
                 said.append(f"WARNING: output: {path2} keeps the verdict before {path} failed")
     return state, said
-
-
-def _not_written(state, flag, path, why):
-    fs = [*state["findings"], unassessed("output", f"{state['node']}: {flag} {path} not written: {why} (the "
-                                         "tool's storage, not the node)", f"{flag} not written")]
-    v = node_verdict(fs, state["context"]) if state["context"] in NODE_CONTEXTS else \
-        {"verdict": "NOT ASSESSED", "drainable": False, "exit_code": 2}
-    state = dict(state, findings=fs, verdict=v["verdict"], drainable=v["drainable"], exit_code=v["exit_code"])
-    return dict(state, summary=node_summary(state), npd=node_npd_line(state))
 
 
 def run_node_check(args, env):
@@ -14457,20 +14486,6 @@ def run_node_check(args, env):
                                 args)
 
 
-def _argv_paths(argv, env):
-    """--json and --metrics read without the parser (for a usage error): the flags, else AIV_JSON, AIV_METRICS."""
-    out = {}
-    for flag, var in (("--json", "AIV_JSON"), ("--metrics", "AIV_METRICS")):
-        for i, a in enumerate(argv):
-            if a.startswith(flag + "="):
-                out[flag] = a.split("=", 1)[1]
-            elif a == flag and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                out[flag] = argv[i + 1]
-        if not out.get(flag) and env.get(var):
-            out[flag] = env[var]
-    return [(flag, path) for flag, path in out.items() if path]
-
-
 def node_check_usage(e, argv, env, ctx=None, args=None):
     """A usage error on a --node-check command line (or the tool's own error): not the node's fault (fail open):
     the line on stderr, NOT ASSESSED on stdout and in the --json and --metrics files asked for (aiv_node_check_
@@ -14483,15 +14498,9 @@ def node_check_usage(e, argv, env, ctx=None, args=None):
     code = node_exit_code(ctx, "NOT ASSESSED", False) if ctx in NODE_CONTEXTS else 2
     reason = str(e).replace("FAILURE: ", "")
     line = f"{NODE_LINE_PREFIX} NOT ASSESSED on {node} [{ctx}]: {e}; exit {code} (fail open: nothing drained)"
-    state = {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-             "mode": "node-check", "context": ctx, "node": node, "verdict": "NOT ASSESSED", "drainable": False,
-             "exit_code": code, "budget_s": NODE_BUDGET_DEFAULT, "elapsed_s": 0.0, "ended_at_s": round(time.time(), 1),
-             "python": sys.executable, "gpus": [], "devices": {"ids": [], "compute": [], "busy": {}, "held": {}},
-             "measured": {}, "allreduce": None, "skipped": [], "drain": {"action": "none", "done": False},
-             "findings": [unassessed("usage" if reason.startswith("usage") else "internal", f"{node}: {reason}",
-                                     reason[:80])], "summary": line, "npd": f"NOT ASSESSED: {reason}"[:NODE_NPD_MAX]}
+    state = node_usage_state(ctx, node, reason, code, line, round(time.time(), 1), sys.executable)
     with contextlib.suppress(Exception):
-        paths = _output_paths(args) if args is not None else _argv_paths(argv, env)
+        paths = _output_paths(args) if args is not None else output_paths_from_argv(argv, env)
         _, said = write_outputs(paths, state, t0 + NODE_RESERVE_S)
         for w in said:
             emit(w, sys.stderr)

@@ -1,9 +1,11 @@
-"""Floor 1: files the tool writes (JSON, page, metrics, manifest): atomic replace and cross-job locks; and the
-one bounded child process (run_bounded, child_finish): every command the tool runs, its reap bounded too."""
+"""Floor 1: files the tool writes (JSON, page, metrics, manifest): atomic replace, cross-job locks, the node
+gate's lock directory; and the one bounded child process (run_bounded, child_finish): every command the tool
+runs, its reap bounded too."""
 import contextlib
 import fcntl
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -107,6 +109,33 @@ def _is_stream(path):
 def write_json_atomic(path, data, first=False):
     """data as JSON, through write_text_atomic."""
     return write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True, default=str) + "\n", ".json", first)
+
+
+# ---------------------------------------------------------------------------------------------- the node's lock
+def node_lock_dirs(uid=None):
+    """Where the node's lock may live (--node-lock-dir unset): root's own directories under /run (never a job's
+    TMPDIR, which a job sets and a job-container plugin may mount per job), else this user's own."""
+    uid = os.geteuid() if uid is None else uid
+    return ("/run/aiv", "/var/lock/aiv") if uid == 0 else (f"/run/user/{uid}/aiv", f"/tmp/aiv-node-check-{uid}")
+
+
+def node_lock_path(node, chosen=None):
+    """-> (the lock file of this node's checks, None), or (None, why not): in `chosen` (--node-lock-dir) or the
+    first of node_lock_dirs, a directory (made where missing) owned by this user and writable by no one else,
+    so that no other user's file can stand in for the lock (fs.protected_regular refuses to open those)."""
+    uid, whys = os.geteuid(), []
+    for d in [chosen] if chosen else node_lock_dirs(uid):
+        try:
+            os.makedirs(d, 0o755 if uid == 0 else 0o700, exist_ok=True)
+            st = os.lstat(d)
+        except OSError as e:
+            whys.append(f"{d}: {e.strerror}")
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+            whys.append(f"{d}: not a directory that only uid {uid} may write")
+            continue
+        return os.path.join(d, "aiv-node-check-" + re.sub(r"[^A-Za-z0-9._-]", "_", node) + ".lock"), None
+    return None, "; ".join(whys)
 
 
 # ---------------------------------------------------------------------------------------------- child processes

@@ -299,6 +299,21 @@ def _leftover(extra, parser):
     return UsageError(f"unknown option {arg!r}" + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
 
 
+def output_paths_from_argv(argv, env):
+    """--json and --metrics read without the parser (a --node-check usage error still writes them): the flags,
+    else AIV_JSON, AIV_METRICS. -> [(flag, path)]."""
+    out = {}
+    for flag, var in (("--json", "AIV_JSON"), ("--metrics", "AIV_METRICS")):
+        for i, a in enumerate(argv):
+            if a.startswith(flag + "="):
+                out[flag] = a.split("=", 1)[1]
+            elif a == flag and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                out[flag] = argv[i + 1]
+        if not out.get(flag) and env.get(var):
+            out[flag] = env[var]
+    return [(flag, path) for flag, path in out.items() if path]
+
+
 def parse_args(argv, env):
     """Flags win over AIV_<OPTION> variables; every value goes through its option's converter, and the
     result records where each came from (args.origin: dest -> the flag or variable). UsageError else."""
