@@ -150,10 +150,11 @@ def proc_state(pid):
 
 def child_finish(proc, seconds, name=None):
     """The output of a child started with stdout (and stderr) piped, within `seconds` -> {'rc', 'out', 'err'}, or
-    {'unread': why, 'rc', 'stuck'}. Past the bound its process group (or the child alone, when it shares ours)
-    gets SIGKILL, and the reap is bounded too: at most CHILD_REAP_S more for it to exit and its pipes to close
-    (a grandchild of another session may hold them), then it is left behind, said with its state ('D': stuck in
-    the kernel, a driver call) and never waited for again."""
+    {'unread': why, 'rc', 'stuck'} (with 'out' and 'err', what it said before the bound, when it was reaped).
+    Past the bound its process group (or the child alone, when it shares ours) gets SIGKILL, and the reap is
+    bounded too: at most CHILD_REAP_S more for it to exit and its pipes to close (a grandchild of another
+    session may hold them), then it is left behind, said with its state ('D': stuck in the kernel, a driver
+    call) and never waited for again."""
     name = name or os.path.basename(str(proc.args[0] if isinstance(proc.args, (list, tuple)) else proc.args))
     try:
         out, err = proc.communicate(timeout=max(0.01, seconds))
@@ -162,8 +163,9 @@ def child_finish(proc, seconds, name=None):
         pass
     _kill_group(proc)
     try:
-        proc.communicate(timeout=CHILD_REAP_S)
-        return {"unread": f"{name} gave no answer within {seconds:g}s", "rc": proc.returncode, "stuck": None}
+        out, err = proc.communicate(timeout=CHILD_REAP_S)  # what it said before the bound is kept
+        return {"unread": f"{name} gave no answer within {seconds:g}s", "rc": proc.returncode, "stuck": None,
+                "out": _text(out), "err": _text(err)}
     except subprocess.TimeoutExpired:
         pass
     state = proc_state(proc.pid) if proc.poll() is None else None
