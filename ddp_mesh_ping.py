@@ -3341,25 +3341,23 @@ class SmiProbe:
             cmd = [self.exe, "--query-gpu=" + ",".join(self.variants.pop(0)), "--format=csv,noheader,nounits",
                    "-i", self.uuid]
             try:
-                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                             stderr=subprocess.DEVNULL, text=True)
+                self.proc = child_start(cmd, stderr=subprocess.DEVNULL)
             except OSError:
                 self.proc = None
 
     def finish(self, load):
-        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts."""
+        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts. Its output
+        is read, and it is reaped, by the one bounded child helper (child_finish)."""
         while self.proc is not None:
-            if self.proc.poll() is None:
-                if time.monotonic() - self.t0 > SCREEN_SMI_S:
-                    self.proc.kill()
-                    self.proc.wait()
-                    return {"smi_unread": SCREEN_SMI_S}
+            left = SCREEN_SMI_S - (time.monotonic() - self.t0)
+            if self.proc.poll() is None and left > 0:
                 load()
                 continue
-            text = self.proc.stdout.read()
-            self.proc.stdout.close()
-            if self.proc.returncode == 0:
-                return parse_smi(text)
+            r = child_finish(self.proc, max(0.0, left), "nvidia-smi")
+            if "unread" in r:
+                return {"smi_unread": SCREEN_SMI_S}
+            if r["rc"] == 0:
+                return parse_smi(r["out"])
             self._start()
         return {}
 

@@ -14,7 +14,7 @@ import time
 from .base import _screen_median, first_line, first_text_line, is_tool_error
 from .collect import pci_link, throttle_names
 from .deadlines import NODE_SMI_S
-from .files import run_bounded
+from .files import child_finish, child_start, run_bounded
 from .numerics_measure import NumericsRepeat, start_numerics
 
 # What the performance screen measures (section `screen` judges it). GPU: each measurement runs about
@@ -146,25 +146,23 @@ class SmiProbe:
             cmd = [self.exe, "--query-gpu=" + ",".join(self.variants.pop(0)), "--format=csv,noheader,nounits",
                    "-i", self.uuid]
             try:
-                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                             stderr=subprocess.DEVNULL, text=True)
+                self.proc = child_start(cmd, stderr=subprocess.DEVNULL)
             except OSError:
                 self.proc = None
 
     def finish(self, load):
-        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts."""
+        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts. Its output
+        is read, and it is reaped, by the one bounded child helper (child_finish)."""
         while self.proc is not None:
-            if self.proc.poll() is None:
-                if time.monotonic() - self.t0 > SCREEN_SMI_S:
-                    self.proc.kill()
-                    self.proc.wait()
-                    return {"smi_unread": SCREEN_SMI_S}
+            left = SCREEN_SMI_S - (time.monotonic() - self.t0)
+            if self.proc.poll() is None and left > 0:
                 load()
                 continue
-            text = self.proc.stdout.read()
-            self.proc.stdout.close()
-            if self.proc.returncode == 0:
-                return parse_smi(text)
+            r = child_finish(self.proc, max(0.0, left), "nvidia-smi")
+            if "unread" in r:
+                return {"smi_unread": SCREEN_SMI_S}
+            if r["rc"] == 0:
+                return parse_smi(r["out"])
             self._start()
         return {}
 

@@ -348,3 +348,20 @@ def test_a_node_check_whose_nvidia_smi_leaves_its_pipe_held_ends_within_its_budg
         assert "still holds its output open" in d["facts"]["smi_unread"]
     finally:
         kill_pidfile(pidfile)
+
+
+def test_the_screens_nvidia_smi_under_load_goes_through_the_helper_too(tmp_path, monkeypatch):
+    argv, pidfile = pipe_holder(tmp_path)
+    exe = tmp_path / "nvidia-smi"
+    monkeypatch.setattr(aiv.shutil, "which", lambda name: str(exe))
+    monkeypatch.setattr(aiv, "SCREEN_SMI_S", 1.0)
+    try:
+        exe.write_text("#!/bin/bash\necho '1980, 1980, 0x0000000000000004, 45, 650.12'\n")
+        exe.chmod(0o755)
+        assert aiv.SmiProbe("GPU-x").finish(lambda: time.sleep(0.01))["sm_mhz"] == 1980.0
+        exe.write_text("#!/bin/bash\nexec " + " ".join(f"'{a}'" for a in argv) + "\n")
+        t = time.monotonic()
+        assert aiv.SmiProbe("GPU-x").finish(lambda: time.sleep(0.01)) == {"smi_unread": 1.0}
+        assert time.monotonic() - t < 1.0 + 2.0
+    finally:
+        kill_pidfile(pidfile)
