@@ -13958,6 +13958,7 @@ class NodeCheck:
                 return True
         except OSError as e:
             self.unlocked = f"the node check's lock {path} could not be taken ({e.strerror})"
+            self.skipped.append(self.unlocked)
             return True
         if not job:
             with contextlib.suppress(OSError):
