@@ -13892,6 +13892,9 @@ class _Workers:
                     s.close()
         for e in self.errs.values():
             e.close()
+        return [f"the worker of device {i} (pid {p.pid}) did not end when killed: stuck, not reaped (state "
+                f"{proc_state(p.pid) or '?'}{': in the kernel, a driver call' if proc_state(p.pid) == 'D' else ''})"
+                for i, p in self.procs.items() if p.poll() is None]
 
 
 # ---------------------------------------------------------------------------------------------- the check
@@ -14383,7 +14386,7 @@ class NodeCheck:
                                             "tool error: " + first_line(e)[:60]))
         finally:
             if self.workers is not None:
-                self.workers.close(min(1.0, max(0.2, self.t0 + self.budget - time.monotonic() - 2.0)))
+                self.skipped += self.workers.close(min(1.0, max(0.2, self.t0 + self.budget - time.monotonic() - 2.0)))
                 self.lap("workers-exit")
         return self.finish()
 

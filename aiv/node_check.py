@@ -43,7 +43,7 @@ from .deadlines import (
     BoundPassed,
     within,
 )
-from .files import node_lock_path, write_json_atomic, write_text_atomic
+from .files import node_lock_path, proc_state, write_json_atomic, write_text_atomic
 from .local import die_with_parent
 from .manifest_io import load_manifest
 from .measure import screen_busbw, screen_measure_gpu
@@ -280,6 +280,9 @@ class _Workers:
                     s.close()
         for e in self.errs.values():
             e.close()
+        return [f"the worker of device {i} (pid {p.pid}) did not end when killed: stuck, not reaped (state "
+                f"{proc_state(p.pid) or '?'}{': in the kernel, a driver call' if proc_state(p.pid) == 'D' else ''})"
+                for i, p in self.procs.items() if p.poll() is None]
 
 
 # ---------------------------------------------------------------------------------------------- the check
@@ -771,7 +774,7 @@ class NodeCheck:
                                             "tool error: " + first_line(e)[:60]))
         finally:
             if self.workers is not None:
-                self.workers.close(min(1.0, max(0.2, self.t0 + self.budget - time.monotonic() - 2.0)))
+                self.skipped += self.workers.close(min(1.0, max(0.2, self.t0 + self.budget - time.monotonic() - 2.0)))
                 self.lap("workers-exit")
         return self.finish()
 
