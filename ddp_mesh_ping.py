@@ -13709,8 +13709,8 @@ def launch_local(args, argv, env, launch):
 
 
 
-# ============================================================================ aiv/node_check.py
-# Floor 6: the node gate's runtime (--node-check [CONTEXT]): this node alone, no other node, no srun. A lock
+# ============================================================================ aiv/node_workers.py
+# Floor 6: the node gate's device workers: one process per device (this file again, with WORKER_VAR set) that
 WORKER_VAR = "_AIV_NODE_WORKER"  # set for a node check's device worker (main() hands it to node_worker)
 
 
@@ -13897,6 +13897,9 @@ class _Workers:
                 for i, p in self.procs.items() if p.poll() is None]
 
 
+
+# ============================================================================ aiv/node_check.py
+# Floor 6: the node gate's runtime (--node-check [CONTEXT]): this node alone, no other node, no srun. A lock
 # ---------------------------------------------------------------------------------------------- the check
 class NodeCheck:
     """One pass of the node gate in its context, within its budget; run() -> the state (the JSON's dict)."""

@@ -23,7 +23,8 @@ from .follower import Follower
 from .liveness import node_monitor, proc_stat
 from .local import launch_local
 from .manifest_io import manifest_preflight, run_diff_manifest
-from .node_check import WORKER_VAR, node_check_usage, node_worker, run_node_check
+from .node_check import node_check_usage, run_node_check
+from .node_workers import WORKER_VAR, node_worker
 from .options import build_parser
 from .plan import LAUNCHER_VARS, check_json_target, plan
 from .rank import speak_once_per_node

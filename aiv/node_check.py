@@ -1,39 +1,30 @@
 """Floor 6: the node gate's runtime (--node-check [CONTEXT]): this node alone, no other node, no srun. A lock
 against a second pass, the passive facts (node_collect), one worker process per device for the numerics, the
-speed and the node's own all-reduce (this file again, with WORKER_VAR set), all within --node-budget; then the
+speed and the node's own all-reduce (node_workers), all within --node-budget; then the
 judges (node_judge), Slurm told (a drain reason, a resume) and the files (JSON, Prometheus textfile). Fail
 open: the tool's own fault is NOT ASSESSED, exit 0 (npd: 2), and never drains."""
 import contextlib
 import datetime
 import fcntl
-import json
 import os
-import queue
 import shlex
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 
 from .base import (
-    EXIT_TIMEOUT,
     SCHEMA_VERSION,
     VERSION,
     emit,
     first_line,
-    flush_all,
-    is_tool_error,
     print_traceback,
     read_text,
     where_raised,
 )
-from .collect import _cpu_model, _driver_version, collect_gpu, collect_node_facts, cuda_problem, torch_versions
+from .collect import _cpu_model, _driver_version, collect_node_facts
 from .deadlines import (
-    CHILD_REAP_S,
     NODE_HELD_AGAIN_S,
     NODE_KMSG_BOUND_S,
     NODE_PREEMPT_S,
@@ -43,12 +34,9 @@ from .deadlines import (
     BoundPassed,
     within,
 )
-from .files import node_lock_path, proc_state, write_json_atomic, write_text_atomic
-from .local import die_with_parent
+from .files import node_lock_path, write_json_atomic, write_text_atomic
 from .manifest_io import load_manifest
-from .measure import screen_busbw, screen_measure_gpu
 from .node_collect import (
-    WORKER_ARG,
     driver_gpus,
     pci_gpus,
     process_owner,
@@ -94,195 +82,10 @@ from .node_judge import (
     unassessed,
 )
 from .node_report import node_lines, node_metrics, node_not_written, node_npd_line, node_summary, node_usage_state
-from .numerics_measure import numerics_measure
+from .node_workers import _Workers
 from .options import DRAIN_PREFIX, output_paths_from_argv
 from .outputs import drain_keeps
 from .plan import free_port
-
-WORKER_VAR = "_AIV_NODE_WORKER"  # set for a node check's device worker (main() hands it to node_worker)
-
-
-# ---------------------------------------------------------------------------------------------- a worker
-def _failure(e):
-    return {"error": first_line(e), "internal": is_tool_error(e)}
-
-
-def _worker_say(step, **kw):
-    """One step of a node-check worker: a JSON line on stdout."""
-    emit(json.dumps(dict(kw, step=step), default=str))
-
-
-def _worker_step(name, fn, need, until):
-    """One measurement of a worker, when `need` seconds are left before `until`: its value or its error, said."""
-    left = until - time.monotonic()
-    if left < need:
-        _worker_say(name, skipped=f"needs about {need:g}s, {max(0.0, left):.1f}s left")
-        return
-    t = time.monotonic()
-    try:
-        value = fn()
-    except Exception as e:
-        _worker_say(name, secs=round(time.monotonic() - t, 2), **_failure(e))
-        return
-    _worker_say(name, value=value, secs=round(time.monotonic() - t, 2))
-
-
-def node_worker(spec):
-    """One device of the node check, in a process of its own: import torch, the device's identity, then the
-    numerics (numerics_measure) and the speed (screen_measure_gpu), each only when it fits in what is left of
-    spec['seconds']; then the parent's commands on stdin (one JSON line each): 'speed' (measure again),
-    'allreduce' (the node's own all-reduce with the other workers), 'exit'. Every step is one JSON line on
-    stdout; the process ends itself at its bound."""
-    t0 = time.monotonic()
-    until = t0 + spec["seconds"]
-    timer = threading.Timer(spec["seconds"] + 2.0, os._exit, [EXIT_TIMEOUT])  # the parent kills it before
-    timer.daemon = True
-    timer.start()
-    say = _worker_say
-    try:
-        import torch
-    except Exception as e:  # the tool's environment, not the node: the parent says NOT ASSESSED
-        say("import", error=first_line(e))
-        return 0
-    kind, j = spec["kind"], spec["cuda"]
-    if kind == "gpu" and torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        say("import", error=f"torch {torch.__version__} is a CPU-only build: GPUs are listed but this python "
-                            "cannot use them")  # the tool's environment (a wrong venv), not the node
-        return 0
-    try:
-        gpu, dev = None, "cpu"
-        if kind == "gpu":
-            problem = cuda_problem(torch)
-            if problem != "none":
-                raise RuntimeError(problem)  # the driver, the device or the build: judged as a device error
-            torch.cuda.set_device(j)
-            gpu, dev = collect_gpu(torch, j, spec["root"]), j
-        say("ready", gpu=gpu, versions=torch_versions(torch), secs=round(time.monotonic() - t0, 2))
-    except Exception as e:
-        say("ready", **_failure(e))
-        return 0
-
-    def step(name, fn, need):
-        _worker_step(name, fn, need, until)
-    uuid, pci = (gpu or {}).get("uuid"), (gpu or {}).get("pci")
-
-    def speed():
-        return screen_measure_gpu(torch, dev, kind, uuid, pci, spec["root"])
-    if spec["numerics"]:
-        step("numerics", lambda: numerics_measure(torch, dev, kind), NODE_STEP_S["numerics"][kind])
-    if spec["speed"]:
-        step("speed", speed, NODE_STEP_S["speed"][kind])
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["do"] == "speed":
-            step("speed2", speed, cmd["need"])
-        elif cmd["do"] == "allreduce":
-            step("allreduce", lambda c=cmd: _allreduce(torch, kind, dev, c, until), 0.0)
-        else:
-            break
-    flush_all()
-    os._exit(0)  # every line is out: the interpreter's and torch's teardown would only hold the check up
-
-
-def _allreduce(torch, kind, dev, cmd, until):
-    """This worker's part of the node's all-reduce: a group of the node's workers on 127.0.0.1 (NCCL on GPUs,
-    gloo on CPU), each adding rank + 1: every element must be n(n+1)/2; then busbw measured twice."""
-    import torch.distributed as dist
-    n, rank = cmd["n"], cmd["rank"]
-    device = torch.device("cuda", dev) if kind == "gpu" else torch.device("cpu")
-    kw = {"backend": "nccl" if kind == "gpu" else "gloo", "init_method": f"tcp://127.0.0.1:{cmd['port']}",
-          "rank": rank, "world_size": n, "timeout": datetime.timedelta(seconds=max(2.0, until - time.monotonic()))}
-    if kind == "gpu":
-        kw["device_id"] = device
-    dist.init_process_group(**kw)
-    try:
-        x = torch.full((1 << 16,), float(rank + 1), device=device)
-        dist.all_reduce(x)
-        want = n * (n + 1) / 2
-        bad = (x != want).nonzero()
-        got = float(x[bad[0, 0]]) if len(bad) else want
-        bw = [round(screen_busbw(torch, dist, None, n, device, kind)[0], 4) for _ in range(2)]
-    finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-    return {"n": n, "ok": not len(bad), "want": want, "got": got, "busbw": bw}
-
-
-class _Workers:
-    """The node check's worker processes: each in a session of its own (killed as a group), dead with the
-    check (die_with_parent), its stdout read line by line by a thread into one queue."""
-
-    def __init__(self, specs, env):
-        self.q, self.procs, self.said, self.dead, self.errs = queue.Queue(), {}, {}, set(), {}
-        for i, (spec, wenv) in specs.items():
-            err = tempfile.TemporaryFile()
-            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), WORKER_ARG], env=dict(env, **wenv,
-                                 **{WORKER_VAR: json.dumps(spec)}), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=err, text=True, start_new_session=True,
-                                 preexec_fn=die_with_parent(signal.SIGKILL))
-            self.procs[i], self.said[i], self.errs[i] = p, {}, err
-            threading.Thread(target=self._read, args=(i, p.stdout), daemon=True).start()
-
-    def _read(self, i, stream):
-        with contextlib.suppress(Exception):
-            for line in stream:
-                self.q.put((i, line))
-        self.q.put((i, None))
-
-    def wait(self, steps, ids, until, stopped):
-        """Lines until each of ids said each of steps (or ended), `until`, or stopped(). -> whether all did."""
-        while True:
-            pending = [i for i in ids if i not in self.dead and not all(s in self.said[i] for s in steps)]
-            left = until - time.monotonic()
-            if not pending:
-                return True
-            if left <= 0 or stopped():
-                return False
-            try:
-                i, line = self.q.get(timeout=min(0.2, left))
-            except queue.Empty:
-                continue
-            if line is None:
-                self.dead.add(i)
-                continue
-            with contextlib.suppress(ValueError):
-                msg = json.loads(line)
-                if isinstance(msg, dict) and "step" in msg:
-                    self.said[i][msg["step"]] = msg
-
-    def send(self, i, **cmd):
-        with contextlib.suppress(OSError, ValueError):
-            self.procs[i].stdin.write(json.dumps(cmd) + "\n")
-            self.procs[i].stdin.flush()
-
-    def stderr_tail(self, i):
-        with contextlib.suppress(OSError, ValueError):
-            self.errs[i].seek(0)
-            lines = [ln.strip() for ln in self.errs[i].read().decode(errors="replace").splitlines() if ln.strip()]
-            return lines[-1][:200] if lines else ""
-        return ""
-
-    def close(self, grace=1.0):
-        for i in self.procs:
-            self.send(i, do="exit")
-        until = time.monotonic() + grace
-        for p in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.0, until - time.monotonic()))
-        until = time.monotonic() + CHILD_REAP_S  # a worker stuck in the driver (state D) is left behind, said
-        for p in self.procs.values():
-            with contextlib.suppress(OSError):
-                os.killpg(p.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.0, until - time.monotonic()))
-            for s in (p.stdin, p.stdout):
-                with contextlib.suppress(OSError, ValueError):
-                    s.close()
-        for e in self.errs.values():
-            e.close()
-        return [f"the worker of device {i} (pid {p.pid}) did not end when killed: stuck, not reaped (state "
-                f"{proc_state(p.pid) or '?'}{': in the kernel, a driver call' if proc_state(p.pid) == 'D' else ''})"
-                for i, p in self.procs.items() if p.poll() is None]
 
 
 # ---------------------------------------------------------------------------------------------- the check

@@ -67,13 +67,14 @@ BUILD_ORDER = (
     "follower",      # every other rank
     "plan",          # what a command line becomes
     "local",         # the local launcher
+    "node_workers",  # --node-check: the device workers (one process per device) and the check's handle on them
     "node_check",    # --node-check: the node gate's runtime (lock, workers, budget, Slurm, files)
     "main",          # the entry point
 )
 # The pure layer: judges, render, manifest, verify-log and what they stand on. None of these imports a
 # module of the runtime, so each is a function of plain data that a test can call without a store.
 RUNTIME = ("manifest_io", "store", "liveness", "ras", "background", "drain", "conclusion", "screen_run", "rank",
-           "coordinator", "follower", "plan", "local", "node_check", "main")
+           "coordinator", "follower", "plan", "local", "node_workers", "node_check", "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
 # The judge and report modules: functions of plain data with no effects. None imports what acts on the world
 # (processes, threads, sockets, locks, native calls, torch); a check that needs one collects in a floor 2
