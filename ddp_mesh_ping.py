@@ -87,6 +87,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -161,7 +162,7 @@ CHECK_LEVELS = {
     "gpu-count": ("FAIL", "WARN"), "gpu-procs": ("FAIL", "WARN"), "gpu-health": ("FAIL", "WARN"),
 }
 # --node-check: a check that could not run through the tool's own fault is a WARN row, the node NOT ASSESSED
-for _check in ("contract", "launch", "local", "interrupted", "manifest", "internal"):
+for _check in ("usage", "contract", "launch", "local", "interrupted", "manifest", "internal", "output"):
     CHECK_LEVELS[_check] = ("FAIL", "WARN")
 
 # Environment variables the report may print. Nothing else is ever echoed.
@@ -825,6 +826,8 @@ VERDICT_S = 90.0          # rank 0, from the verdict's start to its exit (report
 DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scontrol calls (show, update) together
 NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
                           # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
+CHILD_REAP_S = 1.5        # a child killed at its bound: at most this more for it to exit and its pipes to close; then
+                          # it is left behind and said (a process stuck in the kernel cannot be reaped)
 LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
 # --node-check: one node's pass, all of it within --node-budget (NODE_BUDGET_DEFAULT, under LBNL NHC's 30 s
 # watchdog; Slurm kills a HealthCheckProgram at 60 s)
@@ -891,19 +894,38 @@ _PRINT_LOCK = threading.Lock()
 
 
 def emit(line, stream=None):
-    """Print a line. A reader that went away (`| head`, a closed terminal) never stops the run: the
-    stream's descriptor is pointed at /dev/null and the run goes on to its verdict and its JSON."""
+    """Print a line. A reader that went away (`| head`, a closed terminal), a full disk behind it, a stream
+    closed from the start (`>&-`) never stops the run: the stream's descriptor is pointed at /dev/null and the
+    run goes on to its verdict and its JSON."""
     with _PRINT_LOCK:
         stream = stream or sys.stdout
+        if stream is None:
+            return
         try:
             stream.write(line + "\n")
             stream.flush()
-        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+        except (OSError, ValueError):  # ValueError: the stream was closed; EPIPE, EIO, ENOSPC ...
             drop_stream(stream)
-        except OSError as e:
-            if e.errno not in (errno.EPIPE, errno.EIO):
-                raise
-            drop_stream(stream)
+
+
+def guard_std_streams():
+    """Descriptors 0, 1 and 2 closed at the start (`>&-`, a daemon's children) are opened on /dev/null, so that
+    no file or pipe the tool opens takes their numbers, and sys.stdout/stderr exist: the run's lines go
+    nowhere, its verdict, files and exit code are what they would be."""
+    for fd, name, mode in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY), (2, "stderr", os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                null = os.open(os.devnull, mode)
+                if null != fd:
+                    os.dup2(null, fd)
+                    os.close(null)
+            except OSError:
+                continue
+        if getattr(sys, name) is None:
+            with contextlib.suppress(OSError, ValueError):
+                setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
 
 
 def drop_stream(stream):
@@ -922,6 +944,7 @@ def flush_all():
             stream.flush()
         except (OSError, ValueError):
             drop_stream(stream)
+
 
 
 class Findings:
@@ -1132,7 +1155,7 @@ class Watchdog:
 
 
 # ============================================================================ aiv/core/files.py
-# Floor 1: files the tool writes (JSON, page, metrics, manifest): atomic replace and cross-job locks.
+# Floor 1: files the tool writes (JSON, page, metrics, manifest): atomic replace, cross-job locks, the node
 class LockTimeout(Exception):
     """The manifest's lock file stayed held by another job for the whole MANIFEST_LOCK_S."""
 
@@ -1187,6 +1210,10 @@ def write_text_atomic(path, text, suffix=".tmp", first=False):
     own 0600 would hide the file from everyone else), then a rename. first: only when no file is there yet
     (the first writer wins, atomically: a hard link that fails when the path exists), for the ranks and the
     batch file that write a verdict when rank 0 left none. -> whether it was written."""
+    if not first and _is_stream(path):  # a FIFO or a device (/dev/stdout, a collector's pipe): written into
+        with open(path, "w") as f:
+            f.write(text)
+        return True
     d = os.path.dirname(os.path.abspath(path)) or "."
     mode = _new_file_mode(path)
     fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=suffix, dir=d)
@@ -1212,9 +1239,123 @@ def write_text_atomic(path, text, suffix=".tmp", first=False):
         raise
 
 
+def _is_stream(path):
+    try:
+        m = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(m) or stat.S_ISCHR(m)
+
+
 def write_json_atomic(path, data, first=False):
     """data as JSON, through write_text_atomic."""
     return write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True, default=str) + "\n", ".json", first)
+
+
+# ---------------------------------------------------------------------------------------------- the node's lock
+def node_lock_dirs(uid=None):
+    """Where the node's lock may live (--node-lock-dir unset): root's own directories under /run (never a job's
+    TMPDIR, which a job sets and a job-container plugin may mount per job), else this user's own."""
+    uid = os.geteuid() if uid is None else uid
+    return ("/run/aiv", "/var/lock/aiv") if uid == 0 else (f"/run/user/{uid}/aiv", f"/tmp/aiv-node-check-{uid}")
+
+
+def node_lock_path(node, chosen=None):
+    """-> (the lock file of this node's checks, None), or (None, why not): in `chosen` (--node-lock-dir) or the
+    first of node_lock_dirs, a directory (made where missing) owned by this user and writable by no one else,
+    so that no other user's file can stand in for the lock (fs.protected_regular refuses to open those)."""
+    uid, whys = os.geteuid(), []
+    for d in [chosen] if chosen else node_lock_dirs(uid):
+        try:
+            os.makedirs(d, 0o755 if uid == 0 else 0o700, exist_ok=True)
+            st = os.lstat(d)
+        except OSError as e:
+            whys.append(f"{d}: {e.strerror}")
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+            whys.append(f"{d}: not a directory that only uid {uid} may write")
+            continue
+        return os.path.join(d, "aiv-node-check-" + re.sub(r"[^A-Za-z0-9._-]", "_", node) + ".lock"), None
+    return None, "; ".join(whys)
+
+
+# ---------------------------------------------------------------------------------------------- child processes
+def proc_state(pid):
+    """A process's state letter from /proc/PID/stat ('D': uninterruptible, in the kernel), None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def child_finish(proc, seconds, name=None):
+    """The output of a child started with stdout (and stderr) piped, within `seconds` -> {'rc', 'out', 'err'}, or
+    {'unread': why, 'rc', 'stuck'} (with 'out' and 'err', what it said before the bound, when it was reaped).
+    Past the bound its process group (or the child alone, when it shares ours) gets SIGKILL, and the reap is
+    bounded too: at most CHILD_REAP_S more for it to exit and its pipes to close (a grandchild of another
+    session may hold them), then it is left behind, said with its state ('D': stuck in the kernel, a driver
+    call) and never waited for again."""
+    name = name or os.path.basename(str(proc.args[0] if isinstance(proc.args, (list, tuple)) else proc.args))
+    try:
+        out, err = proc.communicate(timeout=max(0.01, seconds))
+        return {"rc": proc.returncode, "out": _text(out), "err": _text(err)}
+    except subprocess.TimeoutExpired:
+        pass
+    _kill_group(proc)
+    try:
+        out, err = proc.communicate(timeout=CHILD_REAP_S)  # what it said before the bound is kept
+        return {"unread": f"{name} gave no answer within {seconds:g}s", "rc": proc.returncode, "stuck": None,
+                "out": _text(out), "err": _text(err)}
+    except subprocess.TimeoutExpired:
+        pass
+    state = proc_state(proc.pid) if proc.poll() is None else None
+    for s in (proc.stdin, proc.stdout, proc.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            if s is not None:
+                s.close()
+    how = (f"stuck, not reaped (state {state}{': in the kernel, a driver call' if state == 'D' else ''})"
+           if state else "ended, but a process it started still holds its output open")
+    return {"unread": f"{name} gave no answer within {seconds:g}s and was killed: {how}", "rc": proc.returncode,
+            "stuck": state or "pipe"}
+
+
+def _kill_group(proc):
+    try:
+        own = os.getpgid(proc.pid) == proc.pid
+    except OSError:
+        return
+    with contextlib.suppress(OSError):
+        if own:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+
+
+def _text(b):
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def child_start(argv, **kw):
+    """argv in a session (process group) of its own, stdin from /dev/null, stdout and stderr piped, as text;
+    OSError when it cannot start."""
+    kw = dict({"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True,
+               "errors": "replace", "start_new_session": True}, **kw)
+    return subprocess.Popen(argv, **kw)
+
+
+def run_bounded(argv, seconds, box=None, name=None):
+    """argv within `seconds` (child_start, child_finish) -> {'rc', 'out', 'err'}, or {'unread': why} when it could
+    not start or did not answer in time. box: where the child is kept (box['proc']) for whoever stops waiting for
+    it earlier."""
+    name = name or os.path.basename(argv[0])
+    try:
+        p = child_start(argv)
+    except OSError as e:
+        return {"unread": f"{name} could not run: {e.strerror or e}"}
+    if box is not None:
+        box["proc"] = p
+    return child_finish(p, seconds, name)
 
 
 
@@ -1996,6 +2137,9 @@ def _node_options(p):
     _opt(p, "--undrain", _switch, "off", "--node-check health with --drain on: a pass resumes the node when the "
          "check's own drain names a check that passed now; no value: on", nargs="?", const="on", default=False,
          metavar="on/off")
+    _opt(p, "--node-lock-dir", _directory, "/run/aiv (root), else the user's own", "--node-check: the directory of "
+         "the node's lock (one pass on the GPUs at a time): owned by the user that runs the check, writable by no "
+         "one else; never a job's TMPDIR", metavar="DIR")
     _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
          metavar="DIR")
 
@@ -2086,6 +2230,21 @@ def _leftover(extra, parser):
     flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1) if arg.startswith("--") else []
     return UsageError(f"unknown option {arg!r}" + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
+
+
+def output_paths_from_argv(argv, env):
+    """--json and --metrics read without the parser (a --node-check usage error still writes them): the flags,
+    else AIV_JSON, AIV_METRICS. -> [(flag, path)]."""
+    out = {}
+    for flag, var in (("--json", "AIV_JSON"), ("--metrics", "AIV_METRICS")):
+        for i, a in enumerate(argv):
+            if a.startswith(flag + "="):
+                out[flag] = a.split("=", 1)[1]
+            elif a == flag and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                out[flag] = argv[i + 1]
+        if not out.get(flag) and env.get(var):
+            out[flag] = env[var]
+    return [(flag, path) for flag, path in out.items() if path]
 
 
 def parse_args(argv, env):
@@ -2534,15 +2693,11 @@ def finish_import_probe(proc, wait_s):
     A package without a line: the import that crashed the child (the first such) or was cut off."""
     if isinstance(proc, OSError):
         return {n: {"ok": False, "version": None, "error": f"probe could not start: {proc}"} for n in PROBED_PACKAGES}
-    why = None
-    try:
-        text, _ = proc.communicate(timeout=None if proc.poll() is not None else max(0.01, wait_s))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        text, _ = proc.communicate()
-        why = f"import took over {wait_s:.0f}s"
+    r = child_finish(proc, wait_s if proc.poll() is None else 60.0, "the import probe")
+    why = f"import took over {wait_s:.0f}s" + (f" ({r['unread'].split(': ', 1)[1]})" if r.get("stuck") else "") \
+        if "unread" in r else None
     out = {}
-    for line in (text or b"").decode(errors="replace").splitlines():
+    for line in (r.get("out") or "").splitlines():
         with contextlib.suppress(ValueError, TypeError, AttributeError):
             d = json.loads(line)
             out[d.pop("name")] = d
@@ -2688,24 +2843,6 @@ def pci_link(root, pci):
 
 # ============================================================================ aiv/node/collect.py
 # Floor 2: what the node gate (--node-check) reads on its node without torch: NVML's GPU list and compute
-def run_bounded(argv, seconds):
-    """argv in a process group of its own, killed (the whole group) past `seconds` -> {'rc', 'out', 'err'}, or
-    {'unread': why} when it could not start or did not answer in time."""
-    try:
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, errors="replace", start_new_session=True)
-    except OSError as e:
-        return {"unread": f"{os.path.basename(argv[0])} could not run: {e.strerror or e}"}
-    try:
-        out, err = p.communicate(timeout=max(0.1, seconds))
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        return {"unread": f"{os.path.basename(argv[0])} gave no answer within {seconds:g}s"}
-    return {"rc": p.returncode, "out": out, "err": err}
-
-
 def smi_query(exe, what, fields, seconds):
     """One `nvidia-smi --query-<what>=fields --format=csv,noheader,nounits` -> {'text'} (its stdout, also when it
     exits nonzero beside rows: a GPU it cannot reach is a line of its own) or {'unread': why}."""
@@ -2717,10 +2854,15 @@ def smi_query(exe, what, fields, seconds):
     return {"text": r["out"] + r["err"]}
 
 
+WORKER_ARG = "--aiv-node-check-worker"  # on a node check's device worker's command line: our own, never a leftover
+
+
 def process_owner(pid, root="/"):
-    """Who a process is: {'name', 'user', 'job'} from /proc (the Slurm job from its cgroup path), each None
-    where it cannot be read (another PID namespace, gone)."""
+    """Who a process is: {'name', 'user', 'job', 'ours'} from /proc (the Slurm job from its cgroup path; ours: a
+    node check's own device worker, by WORKER_ARG on its command line), each None where it cannot be read
+    (another PID namespace, gone)."""
     base = os.path.join(root, "proc", str(pid))
+    ours = WORKER_ARG.encode() in (read_bytes(os.path.join(base, "cmdline")) or b"").split(b"\0")
     status = read_text(os.path.join(base, "status"), "") or ""
     uid = re.search(r"^Uid:\s+(\d+)", status, re.M)
     user = None
@@ -2731,7 +2873,15 @@ def process_owner(pid, root="/"):
         user = user or f"uid {uid.group(1)}"
     job = re.search(r"/job_(\d+)(?:/|$)", read_text(os.path.join(base, "cgroup"), "") or "", re.M)
     name = (read_text(os.path.join(base, "comm"), "") or "").strip() or None
-    return {"name": name, "user": user, "job": job.group(1) if job else None}
+    return {"name": name, "user": user, "job": job.group(1) if job else None, "ours": ours or None}
+
+
+def read_bytes(path, limit=65536):
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit)
+    except OSError:
+        return None
 
 
 def pci_gpus(root="/"):
@@ -3174,23 +3324,13 @@ def read_node_smi(exe, bound=NODE_SMI_S, box=None):
     or {'unread': why, 'bound': bound}. The node leader calls it once; rank 0 gives each rank its GPU's row.
     box: where the child is kept (box['proc']) for whoever stops waiting for it earlier."""
     cmd = [exe, "--query-gpu=" + ",".join(NODE_SMI_FIELDS), "--format=csv,noheader,nounits"]
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)  # its own group: a wrapper's children die too
-    except OSError as e:
-        return {"unread": f"nvidia-smi could not start: {e.strerror or e}", "bound": bound}
-    if box is not None:
-        box["proc"] = proc
-    try:
-        out, err = proc.communicate(timeout=bound)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return {"unread": f"nvidia-smi gave no answer within {bound:g}s", "bound": bound}
-    if proc.returncode != 0:
+    r = run_bounded(cmd, bound, box, "nvidia-smi")  # its own group: a wrapper's children die too; reaped bounded
+    if "unread" in r:
+        return {"unread": r["unread"], "bound": bound}
+    out, err = r["out"], r["err"]
+    if r["rc"] != 0:
         why = first_text_line(err or out)
-        return {"unread": f"nvidia-smi exited {proc.returncode}" + (f": {why}" if why else ""), "bound": bound}
+        return {"unread": f"nvidia-smi exited {r['rc']}" + (f": {why}" if why else ""), "bound": bound}
     return {"gpus": parse_node_smi(out)}
 
 
@@ -3250,25 +3390,23 @@ class SmiProbe:
             cmd = [self.exe, "--query-gpu=" + ",".join(self.variants.pop(0)), "--format=csv,noheader,nounits",
                    "-i", self.uuid]
             try:
-                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                             stderr=subprocess.DEVNULL, text=True)
+                self.proc = child_start(cmd, stderr=subprocess.DEVNULL)
             except OSError:
                 self.proc = None
 
     def finish(self, load):
-        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts."""
+        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts. Its output
+        is read, and it is reaped, by the one bounded child helper (child_finish)."""
         while self.proc is not None:
-            if self.proc.poll() is None:
-                if time.monotonic() - self.t0 > SCREEN_SMI_S:
-                    self.proc.kill()
-                    self.proc.wait()
-                    return {"smi_unread": SCREEN_SMI_S}
+            left = SCREEN_SMI_S - (time.monotonic() - self.t0)
+            if self.proc.poll() is None and left > 0:
                 load()
                 continue
-            text = self.proc.stdout.read()
-            self.proc.stdout.close()
-            if self.proc.returncode == 0:
-                return parse_smi(text)
+            r = child_finish(self.proc, max(0.0, left), "nvidia-smi")
+            if "unread" in r:
+                return {"smi_unread": SCREEN_SMI_S}
+            if r["rc"] == 0:
+                return parse_smi(r["out"])
             self._start()
         return {}
 
@@ -7681,13 +7819,26 @@ def node_context(given, env):
 
 
 def context_from_argv(argv, env):
-    """The context a command line asks for, read without the parser (for a usage error's exit code)."""
+    """The context a command line asks for, read without the parser (for a usage error's exit code): its word
+    when it is one of NODE_CONTEXTS; no word: node_context's choice. A word that is none of them: Slurm's
+    SLURM_SCRIPT_CONTEXT, or a job's SLURM_JOB_ID (a prolog or epilog of a Slurm that does not set it), decides,
+    since a prolog must never exit 1 for it; else the word in another case or spacing ('nPd'); else 'unknown'
+    (exit 2: never 0, which NPD would read as OK)."""
     for i, a in enumerate(argv):
         if a.startswith("--node-check="):
-            return node_context(a.split("=", 1)[1], env)[0]
-        if a == "--node-check":
-            nxt = argv[i + 1] if i + 1 < len(argv) else "auto"
-            return node_context(nxt if nxt in NODE_CONTEXTS else "auto", env)[0]
+            word = a.split("=", 1)[1]
+        elif a == "--node-check":
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            word = "auto" if not nxt or nxt.startswith("--") else nxt
+        else:
+            continue
+        if word in NODE_CONTEXTS or word == "auto":
+            return node_context(word, env)[0]
+        sc = (env.get("SLURM_SCRIPT_CONTEXT") or "").strip()
+        if sc or env.get("SLURM_JOB_ID"):
+            return node_context("auto", env)[0] if sc else "prolog"
+        near = word.strip().lower()
+        return near if near in NODE_CONTEXTS else "unknown"
     return None
 
 
@@ -7876,10 +8027,11 @@ def node_expectations(given, gres, pci, driver):
     return out
 
 
-def node_plan(context, facts, slurm, nproc, expectations):
+def node_plan(context, facts, slurm, nproc, expectations, keep=None):
     """-> (cpu, gpus, devices): whether CPU workers stand in (no GPU seen and none expected), the node's GPUs
     (NVML's rows, else the driver's list) and node_devices' plan with the compute processes by GPU index and, in
-    health, the GPUs Slurm gave to running jobs (slurm: parse_slurm_node's view)."""
+    health, the GPUs Slurm gave to running jobs (slurm: parse_slurm_node's view). keep(by_uuid, apps) -> the
+    processes left to judge (the prolog's and epilog's: none without the lock, never a node check's own worker)."""
     cpu = not (facts["rows"] or facts["driver"]) and not facts["pci"] and all(n == 0 for _, n in expectations)
     gpus = facts["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(facts["driver"])]
     by_uuid = {g["uuid"]: g["index"] for g in gpus if g.get("uuid")}
@@ -7887,9 +8039,24 @@ def node_plan(context, facts, slurm, nproc, expectations):
     for p in facts["apps"]:
         if p["uuid"] in by_uuid:
             apps.setdefault(by_uuid[p["uuid"]], []).append(p)
+    if keep is not None:
+        apps = keep(by_uuid, apps)
     ids = list(range(nproc)) if cpu else [g["index"] for g in gpus]
     used = gres_busy((slurm or {}).get("gres_used"), ids) if context == "health" else {}
     return cpu, gpus, node_devices(context, gpus, facts["job_gpus"], nproc, used, apps, cpu)
+
+
+def judge_none_judged(node, devices, noun="GPU(s)"):
+    """A node with devices none of which was judged is never a PASS: every device busy with others (health,
+    npd: in use, so nothing of it is computed or judged for speed) -> a NOTE that says which and why, and the
+    node is NOT ASSESSED; [] when at least one device was judged (the others are 'busy, not judged')."""
+    ids, busy = devices.get("ids") or [], devices.get("busy") or {}
+    if not ids or any(i not in busy for i in ids):
+        return []
+    why = "; ".join(f"{i}: {w}" for i, w in sorted(busy.items()))
+    return [unassessed("gpu-procs", f"{node}: every one of its {len(ids)} {noun} is busy, none judged ({why}): "
+                       "no numerics, speed or all-reduce ran; run the check again when a GPU is free",
+                       f"every {noun[:-3]} busy, none judged")]
 
 
 # ---------------------------------------------------------------------------------------------- findings
@@ -9162,6 +9329,28 @@ def node_metrics(state):
     for name, text, samples in families:
         lines += _metrics_family(name, text, samples) or []
     return "\n".join(lines) + "\n"
+
+
+def node_not_written(state, flag, path, why):
+    """The state once a file asked for was not written (the tool's storage, not the node): an `output` NOTE
+    beside the findings, the verdict decided again (NOT ASSESSED; a FAIL on evidence stays a FAIL)."""
+    fs = [*state["findings"], unassessed("output", f"{state['node']}: {flag} {path} not written: {why} (the "
+                                         "tool's storage, not the node)", f"{flag} not written")]
+    v = node_verdict(fs, state["context"]) if state["context"] in NODE_CONTEXTS else \
+        {"verdict": "NOT ASSESSED", "drainable": False, "exit_code": 2}
+    state = dict(state, findings=fs, verdict=v["verdict"], drainable=v["drainable"], exit_code=v["exit_code"])
+    return dict(state, summary=node_summary(state), npd=node_npd_line(state))
+
+
+def node_usage_state(ctx, node, reason, code, line, ended_at, python):
+    """The state of a pass that never ran (a usage error, the tool's own error): NOT ASSESSED, for the files."""
+    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+            "mode": "node-check", "context": ctx, "node": node, "verdict": "NOT ASSESSED", "drainable": False,
+            "exit_code": code, "budget_s": NODE_BUDGET_DEFAULT, "elapsed_s": 0.0, "ended_at_s": ended_at,
+            "python": python, "gpus": [], "devices": {"ids": [], "compute": [], "busy": {}, "held": {}},
+            "measured": {}, "allreduce": None, "skipped": [], "drain": {"action": "none", "done": False},
+            "findings": [unassessed("usage" if reason.startswith("usage") else "internal", f"{node}: {reason}",
+                                    reason[:80])], "summary": line, "npd": f"NOT ASSESSED: {reason}"[:NODE_NPD_MAX]}
 
 
 
@@ -11368,17 +11557,17 @@ class Background:
 # Floor 5 (runtime): the one drain, in the preflight (--drain on) and in the node gate (its prolog, epilog and
 def _scontrol(argv, until):
     """One scontrol call within the time left -> (rc, stdout, message). rc None: missing or silent."""
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=max(0.1, until - time.monotonic()),
-                           stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        return None, "", "scontrol is not on PATH"
-    except subprocess.TimeoutExpired:
-        return None, "", f"scontrol did not answer within {DRAIN_S:g}s (slurmctld unreachable?)"
-    except OSError as e:
-        return None, "", f"scontrol could not run: {e.strerror or e}"
-    msg = " ".join((p.stderr or p.stdout or "").split())[:300]
-    return p.returncode, p.stdout, msg or f"exit status {p.returncode}"
+    r = run_bounded(argv, max(0.1, until - time.monotonic()))
+    if "unread" in r:
+        why = r["unread"]
+        if "could not run" in why and "No such file" in why:
+            return None, "", "scontrol is not on PATH"
+        if "gave no answer" in why:
+            return None, "", f"scontrol did not answer within {DRAIN_S:g}s (slurmctld unreachable?)" + (
+                f"; {why.split(': ', 1)[1]}" if r.get("stuck") else "")
+        return None, "", why
+    msg = " ".join((r["err"] or r["out"] or "").split())[:300]
+    return r["rc"], r["out"], msg or f"exit status {r['rc']}"
 
 
 def drain_apply(plan, known=None, seconds=DRAIN_S):
@@ -13667,8 +13856,8 @@ def launch_local(args, argv, env, launch):
 
 
 
-# ============================================================================ aiv/node/check.py
-# Floor 6: the node gate's runtime (--node-check [CONTEXT]): this node alone, no other node, no srun. A lock
+# ============================================================================ aiv/node/workers.py
+# Floor 6: the node gate's device workers: one process per device (this file again, with WORKER_VAR set) that
 WORKER_VAR = "_AIV_NODE_WORKER"  # set for a node check's device worker (main() hands it to node_worker)
 
 
@@ -13786,7 +13975,7 @@ class _Workers:
         self.q, self.procs, self.said, self.dead, self.errs = queue.Queue(), {}, {}, set(), {}
         for i, (spec, wenv) in specs.items():
             err = tempfile.TemporaryFile()
-            p = subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=dict(env, **wenv,
+            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), WORKER_ARG], env=dict(env, **wenv,
                                  **{WORKER_VAR: json.dumps(spec)}), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=err, text=True, start_new_session=True,
                                  preexec_fn=die_with_parent(signal.SIGKILL))
@@ -13881,17 +14070,25 @@ class _Workers:
         for p in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.0, until - time.monotonic()))
+        until = time.monotonic() + CHILD_REAP_S  # a worker stuck in the driver (state D) is left behind, said
         for p in self.procs.values():
             with contextlib.suppress(OSError):
                 os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, until - time.monotonic()))
             for s in (p.stdin, p.stdout):
                 with contextlib.suppress(OSError, ValueError):
                     s.close()
         for e in self.errs.values():
             e.close()
+        return [f"the worker of device {i} (pid {p.pid}) did not end when killed: stuck, not reaped (state "
+                f"{proc_state(p.pid) or '?'}{': in the kernel, a driver call' if proc_state(p.pid) == 'D' else ''})"
+                for i, p in self.procs.items() if p.poll() is None]
 
 
+
+# ============================================================================ aiv/node/check.py
+# Floor 6: the node gate's runtime (--node-check [CONTEXT]): this node alone, no other node, no srun. A lock
 # ---------------------------------------------------------------------------------------------- the check
 class NodeCheck:
     """One pass of the node gate in its context, within its budget; run() -> the state (the JSON's dict)."""
@@ -13908,6 +14105,7 @@ class NodeCheck:
         self.facts, self.devices, self.gpus = {}, {"ids": [], "held": {}, "busy": {}, "compute": []}, []
         self.cpu, self.again, self.why_once, self.phases, self.locked_out = False, {}, None, {}, False
         self.expect = []  # what the node should have (node_expectations), [(source words, count)]
+        self.unlocked, self.procs_unjudged = None, None
 
     def lap(self, name):
         """Seconds since the last lap (or the start) under name: where the budget went."""
@@ -13921,16 +14119,21 @@ class NodeCheck:
     def take_lock(self):
         """health, npd: the lock alone (another pass running: not assessed); prolog, epilog: shared with each other
         (jobs on other GPUs of the node start and end side by side), and a health or npd pass holding it is
-        stopped (SIGTERM): a job start wins over a health pass. -> False when this pass must not go on."""
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", self.node)
-        path = os.path.join(tempfile.gettempdir(), f"aiv-node-check-{safe}.lock")
+        stopped (SIGTERM): a job start wins over a health pass. The lock is in a root-owned directory
+        (node_lock_path), never under a job's TMPDIR. A prolog or epilog that could not take it goes on without
+        it (self.unlocked says why): its GPUs' processes are not judged then, nor its speed (a health pass's
+        workers may be on them). -> False when this pass must not go on."""
+        path, why = node_lock_path(self.node, getattr(self.args, "node_lock_dir", None))
+        job = self.ctx in ("prolog", "epilog")
         try:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644) if path else None
         except OSError as e:
-            self.skipped.append(f"no lock ({path}: {e.strerror})")
+            fd, why = None, f"{path}: {e.strerror}"
+        if fd is None:
+            self.unlocked = f"the node check's lock could not be opened ({why})"
+            self.skipped.append(f"no lock ({why})")
             return True
         self.lock_fd = fd
-        job = self.ctx in ("prolog", "epilog")
         mode = fcntl.LOCK_SH if job else fcntl.LOCK_EX
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -13944,23 +14147,31 @@ class NodeCheck:
                 self.locked_out = True
                 return False
             self._preempt(holder)
-            until = time.monotonic() + NODE_PREEMPT_S
-            while True:
-                try:
-                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > until:
-                        self.skipped.append(f"the health pass holding {path} did not let go within {NODE_PREEMPT_S:g}s")
-                        return True
-                    time.sleep(0.1)
-        except OSError:
+            if not self._wait_lock(fd, mode):
+                who = f" (pid {holder[0]})" if holder else ""
+                self.unlocked = f"the health pass holding {path}{who} did not let go within {NODE_PREEMPT_S:g}s"
+                self.skipped.append(self.unlocked)
+                return True
+        except OSError as e:
+            self.unlocked = f"the node check's lock {path} could not be taken ({e.strerror})"
+            self.skipped.append(self.unlocked)
             return True
         if not job:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{os.getpid()} {self.ctx}\n".encode())
         return True
+
+    def _wait_lock(self, fd, mode):
+        until = time.monotonic() + NODE_PREEMPT_S
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > until or self.stopped:
+                    return False
+                time.sleep(0.1)
 
     def _preempt(self, holder):
         """SIGTERM to the health or npd pass holding the lock, when that pid is a node check."""
@@ -14000,7 +14211,8 @@ class NodeCheck:
                 f["rows"], f["lost"] = parse_node_gpus(r["text"])
             else:
                 f["smi_unread"] = r["unread"]
-            a = smi_query(exe, "compute-apps", NODE_APP_FIELDS, self.bound(NODE_SMI_BOUND_S))
+            a = {"unread": "not asked: the GPU query was not read"} if f.get("smi_unread") and "gave no answer" in \
+                f["smi_unread"] else smi_query(exe, "compute-apps", NODE_APP_FIELDS, self.bound(NODE_SMI_BOUND_S))
             if "text" in a:
                 f["apps"] = [dict(p, **{k: v for k, v in process_owner(p["pid"], root).items() if v})
                              for p in parse_compute_apps(a["text"])]
@@ -14045,16 +14257,44 @@ class NodeCheck:
         f, a = self.facts, self.args
         given = None if a.expect_gpus is None else (a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)
         self.expect = node_expectations(given, (self.slurm or {}).get("gres"), f["pci"], f["driver"])
-        self.cpu, self.gpus, self.devices = node_plan(self.ctx, f, self.slurm, a.nproc or 2, self.expect)
+        keep = self.procs_we_cannot_judge if self.ctx in ("prolog", "epilog") else None
+        self.cpu, self.gpus, self.devices = node_plan(self.ctx, f, self.slurm, a.nproc or 2, self.expect, keep)
         if f.get("apps_unread") and self.ctx in ("prolog", "epilog"):
             self.findings.append(unassessed("gpu-procs", f"{self.node}: the GPUs' processes were not read "
                                             f"({f['apps_unread']})", "GPU processes not read"))
+
+    def procs_we_cannot_judge(self, by_uuid, apps):
+        """prolog, epilog: the processes on the GPUs that are not a leftover's: without the lock none is judged
+        (a health pass's workers may be on them); a node check's own worker (of a health pass stopped a moment
+        ago, or stuck in the driver) is ours, never a leftover. Either: gpu-procs not judged, said. -> the apps
+        that remain to judge ({index: [process]})."""
+        ours = sorted({(by_uuid[p["uuid"]], p["pid"]) for p in self.facts["apps"]
+                       if p.get("ours") and p["uuid"] in by_uuid})
+        why = None
+        if self.unlocked:
+            why = f"{self.unlocked}: the GPUs' processes were not judged (a node check's own workers may be on them)"
+        elif ours:
+            why = ("a node check's own worker is still on " + ", ".join(f"GPU {i} (pid {pid})" for i, pid in ours)
+                   + ": not a leftover of a job; the GPUs' processes were not judged")
+        if not why:
+            return apps
+        self.procs_unjudged = why
+        self.findings.append(unassessed("gpu-procs", f"{self.node}: {why}", "GPU processes not judged: " + (
+            "no lock" if self.unlocked else "our own worker on a GPU")))
+        if self.unlocked:
+            return {}
+        theirs = {i: [p for p in ps if not p.get("ours")] for i, ps in apps.items()}
+        return {i: ps for i, ps in theirs.items() if ps}  # another's process beside ours is still judged
 
     # ------------------------------------------------------------------ compute
     def compute(self):
         """Workers on the devices the plan allows; the re-measure of the slow ones; the node's all-reduce."""
         a, ids = self.args, self.devices["compute"]
         numerics, speed = not a.skip_numerics, not a.skip_screen
+        if speed and self.unlocked and ids:  # a health pass may compute beside us: the speed is not the GPUs'
+            speed = False
+            self.skipped.append("the speed and the all-reduce (without the lock: a health pass may compute beside "
+                                "this one)")
         if not ids or not (numerics or speed):
             if ids:
                 self.skipped.append("numerics and speed (--skip-numerics, --skip-screen)")
@@ -14145,6 +14385,9 @@ class NodeCheck:
                                                     "prolog taking the GPUs, or Slurm): this pass is void",
                                                     f"stopped by {self.stopped}"))
                 self.judge()
+                if self.procs_unjudged:  # its PASS would say "no process of others": not judged, said above
+                    self.findings[:] = [f for f in self.findings if f["check"] != "gpu-procs" or f["status"] != "PASS"]
+                self.findings += judge_none_judged(self.node, self.devices, "CPU worker(s)" if self.cpu else "GPU(s)")
                 self.lap("judge")
         except Exception as e:
             print_traceback(e)
@@ -14153,7 +14396,7 @@ class NodeCheck:
                                             "tool error: " + first_line(e)[:60]))
         finally:
             if self.workers is not None:
-                self.workers.close(min(1.0, max(0.2, self.t0 + self.budget - time.monotonic() - 2.0)))
+                self.skipped += self.workers.close(min(1.0, max(0.2, self.t0 + self.budget - time.monotonic() - 2.0)))
                 self.lap("workers-exit")
         return self.finish()
 
@@ -14192,21 +14435,45 @@ class NodeCheck:
         return state
 
 
-def _write_outputs(args, state):
-    """The JSON and the Prometheus textfile, each atomically (a temporary file beside it, then a rename). A file
-    that cannot be written is a line on stderr, never a changed verdict (the node is not at fault)."""
-    said = []
-    for path, text in ((args.json, None), (args.metrics, node_metrics(state))):
-        if not path:
+def _output_paths(args):
+    return [(flag, path) for flag, path in (("--json", getattr(args, "json", None)),
+                                            ("--metrics", getattr(args, "metrics", None))) if path]
+
+
+def _write_one(flag, path, state, seconds):
+    """One file within `seconds` (on a thread: storage that hangs holds that thread, never the pass) -> None or
+    why it was not written."""
+    def write():
+        if flag == "--json":
+            write_json_atomic(path, state)
+        else:
+            write_text_atomic(path, node_metrics(state))
+    try:
+        within(write, seconds, f"{flag} {path}")
+    except BoundPassed:
+        return f"not written within {seconds:.1f}s (storage that hangs?)"
+    except Exception as e:
+        return first_line(e)
+    return None
+
+
+def write_outputs(paths, state, until):
+    """The JSON and the Prometheus textfile, each atomically, all by `until` (what is left of the budget, at
+    least 1 s). A file not written is the tool's own trouble: the pass becomes NOT ASSESSED (a FAIL on evidence
+    stays a FAIL), the files written before it are written again to say so, and the exit code is the new
+    verdict's. -> the state as it stands, and a WARNING line per file not written."""
+    said, done = [], []
+    for k, (flag, path) in enumerate(paths):
+        why = _write_one(flag, path, state, max(1.0, (until - time.monotonic()) / (len(paths) - k)))
+        if why is None:
+            done.append((flag, path))
             continue
-        try:
-            if text is None:
-                write_json_atomic(path, state)
-            else:
-                write_text_atomic(path, text)
-        except Exception as e:
-            said.append(f"WARNING: output: {path} not written: {first_line(e)}")
-    return said
+        said.append(f"WARNING: output: {path} not written: {why}")
+        state = node_not_written(state, flag, path, why)
+        for flag2, path2 in done:  # they said what the pass was before it: said again, within what is left
+            if _write_one(flag2, path2, state, max(0.5, until - time.monotonic())):
+                said.append(f"WARNING: output: {path2} keeps the verdict before {path} failed")
+    return state, said
 
 
 def run_node_check(args, env):
@@ -14222,26 +14489,36 @@ def run_node_check(args, env):
         for line in node_lines(state):
             emit(line, sys.stderr)
         if not state["locked_out"]:  # the pass that holds the lock writes the files
-            for line in _write_outputs(args, state):
+            state, said = write_outputs(_output_paths(args), state, check.t0 + check.budget)
+            for line in said:
                 emit(line, sys.stderr)
         emit(state["npd"] if ctx == "npd" else state["summary"])
         return state["exit_code"]
     except Exception as e:
         print_traceback(e)
-        return node_check_usage(f"internal: {first_line(e)} in {where_raised(e)}: a bug in the tool", [], env, ctx)
+        return node_check_usage(f"internal: {first_line(e)} in {where_raised(e)}: a bug in the tool", [], env, ctx,
+                                args)
 
 
-def node_check_usage(e, argv, env, ctx=None):
+def node_check_usage(e, argv, env, ctx=None, args=None):
     """A usage error on a --node-check command line (or the tool's own error): not the node's fault (fail open):
-    the line on stderr, NOT ASSESSED on stdout, and the context's exit code (0; npd: 2)."""
+    the line on stderr, NOT ASSESSED on stdout and in the --json and --metrics files asked for (aiv_node_check_
+    assessed 0, within NODE_RESERVE_S), and the context's exit code: 0; npd 2; a context word that is none of
+    the four, in no Slurm script: 2 (NPD's unknown; Slurm's HealthCheckProgram only logs it)."""
+    t0 = time.monotonic()
     ctx = ctx or context_from_argv(argv, env) or "health"
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
     emit(str(e), sys.stderr)
-    code = node_exit_code(ctx, "NOT ASSESSED", False)
-    if ctx == "npd":
-        emit(f"NOT ASSESSED: {str(e).replace('FAILURE: ', '')}"[:80])
-    else:
-        emit(f"{NODE_LINE_PREFIX} NOT ASSESSED on {node} [{ctx}]: {e}; exit {code} (fail open: nothing drained)")
+    code = node_exit_code(ctx, "NOT ASSESSED", False) if ctx in NODE_CONTEXTS else 2
+    reason = str(e).replace("FAILURE: ", "")
+    line = f"{NODE_LINE_PREFIX} NOT ASSESSED on {node} [{ctx}]: {e}; exit {code} (fail open: nothing drained)"
+    state = node_usage_state(ctx, node, reason, code, line, round(time.time(), 1), sys.executable)
+    with contextlib.suppress(Exception):
+        paths = _output_paths(args) if args is not None else output_paths_from_argv(argv, env)
+        _, said = write_outputs(paths, state, t0 + NODE_RESERVE_S)
+        for w in said:
+            emit(w, sys.stderr)
+    emit(state["npd"] if ctx == "npd" else line)
     return code
 
 
@@ -14322,6 +14599,7 @@ def run_verify_log(args, argv=()):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    guard_std_streams()  # a closed stdout or stderr: the lines go nowhere, the verdict and the files stay
     env = dict(os.environ)
     if "_AIV_NODE_MONITOR" in env:  # a node leader's liveness monitor (see node_monitor)
         try:

@@ -18,11 +18,12 @@ from .core.base import (
 )
 from .core.bounds import BoundPassed, within
 from .core.deadlines import OUTPUT_S
-from .core.speak import emit
+from .core.speak import emit, guard_std_streams
 from .launch.local import launch_local
 from .launch.options import build_parser
 from .launch.plan import LAUNCHER_VARS, check_json_target, plan
-from .node.check import WORKER_VAR, node_check_usage, node_worker, run_node_check
+from .node.check import node_check_usage, run_node_check
+from .node.workers import WORKER_VAR, node_worker
 from .out.verify_log import read_log_lines, verify_log
 from .run.coordinator import Coordinator
 from .run.follower import Follower
@@ -104,6 +105,7 @@ def run_verify_log(args, argv=()):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    guard_std_streams()  # a closed stdout or stderr: the lines go nowhere, the verdict and the files stay
     env = dict(os.environ)
     if "_AIV_NODE_MONITOR" in env:  # a node leader's liveness monitor (see node_monitor)
         try:

@@ -332,8 +332,15 @@ def test_node_check_prolog_names_the_foreign_pid_and_health_calls_the_gpu_busy(t
     assert f["check"] == "gpu-procs" and f["gpus"] == [0] and f["pids"] == [hog] and f["blame"] == "own", f
     assert f"GPU 0 held by pid {hog}" in r.stdout and "holds" in f["reason"]
     r, d = node_check(tmp_path, "health")
-    assert r.returncode == 0 and d["verdict"] == "PASS", r.stdout + r.stderr
-    assert "0" in d["devices"]["busy"] and "busy, not judged: GPU 0" in r.stdout and "0" not in d["measured"]
+    assert "0" in d["devices"]["busy"] and "0" not in d["measured"], r.stdout + r.stderr
+    if NGPU == 1:  # the node's only GPU busy: nothing of the node was judged, so no PASS (npd: unknown, not OK)
+        assert r.returncode == 0 and d["verdict"] == "NOT ASSESSED", r.stdout + r.stderr
+        assert "every GPU busy, none judged" in r.stdout
+        r, d = node_check(tmp_path, "npd")
+        assert r.returncode == 2 and r.stdout.startswith("NOT ASSESSED: every GPU busy, none judged"), r.stdout
+    else:  # the others judged: a PASS that says GPU 0 was busy, not judged
+        assert r.returncode == 0 and d["verdict"] == "PASS", r.stdout + r.stderr
+        assert "busy, not judged: GPU 0" in r.stdout and set(d["devices"]["compute"]) == set(range(1, NGPU))
 
 
 def test_node_check_names_a_gpu_computing_wrong(tmp_path):

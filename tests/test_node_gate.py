@@ -453,8 +453,9 @@ def test_the_prolog_environment_is_no_batch_shell():
 
 
 def lock_path(node):
-    import tempfile
-    return Path(tempfile.gettempdir()) / f"aiv-node-check-{node}.lock"
+    path, why = aiv.node_lock_path(node)
+    assert path, why
+    return Path(path)
 
 
 def test_a_second_health_pass_is_not_assessed_and_a_prolog_stops_a_health_pass(tmp_path):

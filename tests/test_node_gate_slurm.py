@@ -2,8 +2,8 @@
 fake GPUs each): the script of docs/slurm.md, verbatim, as Prolog=, Epilog= and HealthCheckProgram=, with the
 slurm.conf lines that page asks for. A test-side wrapper only points the script at this repository and its venv
 (`NODE_CHECK_*`), says the nodes have no real GPU (AIV_EXPECT_GPUS=0: CPU workers stand in for the fake ones),
-gives each cluster its own TMPDIR (the nodes' locks) and SLURM_CONF (a HealthCheckProgram gets none; a real node's
-scontrol reads /etc/slurm/slurm.conf), and, per node, by a flag file, injects a fault from outside:
+gives each cluster its own TMPDIR, lock directory (--node-lock-dir) and SLURM_CONF (a HealthCheckProgram gets
+none; a real node's scontrol reads /etc/slurm/slurm.conf), and, per node, by a flag file, injects a fault from outside:
 tests/sdc on the PYTHONPATH with NUMERICS_FAULT_LOCAL_RANK=1 (a GPU computing wrong numbers), a torch that fails
 to import or no python at all (the tool broken). Health checks run only on nodes whose flag arms them.
 
@@ -69,7 +69,8 @@ ctx=${{ctx%_slurmd}}
 if [ "$ctx" = health ] && [ ! -e "$F/health-$n" ]; then exit 0; fi
 mkdir -p "{out}/$n"
 export NODE_CHECK_PYTHON={python} NODE_CHECK_TOOL={tool} NODE_CHECK_DIR="{out}/$n" NODE_CHECK_LOG="{out}/$n/$ctx.log"
-export TMPDIR={tmp} AIV_EXPECT_GPUS=0 AIV_NPROC=2 SLURM_CONF={conf}  # a node's own is /etc/slurm/slurm.conf
+# SLURM_CONF: the cluster's (a node's own is /etc/slurm/slurm.conf)
+export TMPDIR={tmp} AIV_NODE_LOCK_DIR={locks} AIV_EXPECT_GPUS=0 AIV_NPROC=2 SLURM_CONF={conf}
 if [ -e "$F/corrupt-$n" ]; then export PYTHONPATH={sdc} NUMERICS_FAULT_LOCAL_RANK=1; fi
 if [ -e "$F/notorch-$n" ]; then export PYTHONPATH={notorch}; fi
 if [ -e "$F/nopython-$n" ]; then export NODE_CHECK_PYTHON=/nonexistent/bin/python; fi
@@ -177,15 +178,17 @@ def gate(tmp_path_factory):
     if not VENV_PY.exists():
         _skip_or_fail(f"the tests must run in a venv: {VENV_PY} missing")
     state, work = tmp_path_factory.mktemp("gate-slurm"), tmp_path_factory.mktemp("gate-work")
-    for d in ("flags", "out", "tmp", "notorch/torch"):
+    for d in ("flags", "out", "tmp", "locks", "notorch/torch"):
         (work / d).mkdir(parents=True)
+    os.chmod(work / "locks", 0o755)  # the nodes' locks: a directory only root writes (--node-lock-dir)
     os.chmod(work / "tmp", 0o1777)
     (work / "notorch" / "torch" / "__init__.py").write_text("raise ImportError('torch broken on this node (test)')\n")
     script = work / "aiv-node-check.sh"
     script.write_text(documented_script())
     wrapper = work / "gate.sh"
     wrapper.write_text(WRAPPER.format(flags=work / "flags", out=work / "out", python=VENV_PY, tool=TOOL,
-                                      tmp=work / "tmp", sdc=SDC, notorch=work / "notorch", script=script,
+                                      tmp=work / "tmp", locks=work / "locks", sdc=SDC, notorch=work / "notorch",
+                                      script=script,
                                       conf=state / "etc" / "slurm.conf"))
     for p in (script, wrapper):
         p.chmod(0o755)
@@ -330,8 +333,8 @@ def test_a_broken_tool_drains_nothing(clean, broken, capsys):
 
 def test_a_node_busy_with_another_jobs_load_is_not_drained_for_speed(clean, capsys):
     """node3 runs a job that holds both its GPUs and burns its CPUs; then a job without GPUs burns them: a
-    health pass beside the first judges no GPU (busy, not judged), beside the second it measures the CPU workers
-    under load, and neither drains the node."""
+    health pass beside the first judges no GPU (every one busy: NOT ASSESSED, never a PASS), beside the second
+    it measures the CPU workers under load, and neither drains the node."""
     g = clean
     burn = ("srun --cpu-bind=none python3 -c 'import multiprocessing as m, time\n"
             "def spin(_):\n    t = time.time()\n    while time.time() - t < 40: pass\n"
@@ -341,8 +344,10 @@ def test_a_node_busy_with_another_jobs_load_is_not_drained_for_speed(clean, caps
     t = time.time()
     g.flag("health-node3")
     h = g.pass_after("node3", t)
-    assert h["verdict"] == "PASS" and set(h["devices"]["busy"]) == {"0", "1"} and h["measured"] == {}, h["summary"]
-    assert "busy, not judged: GPU 0-1" in h["summary"] and "DRAIN" not in g.states()["node3"][0]
+    assert h["verdict"] == "NOT ASSESSED" and set(h["devices"]["busy"]) == {"0", "1"} and h["measured"] == {}, \
+        h["summary"]
+    assert "every CPU worker busy, none judged" in h["summary"] and h["exit_code"] == 0
+    assert "DRAIN" not in g.states()["node3"][0]
     assert "allocated to running jobs" in h["devices"]["busy"]["0"]  # Slurm 22.05 says no IDX for fake GPUs
     g.run("scancel", job)
     g.flag("slow-node3")  # a budget that fits two imports of torch on a loaded machine

@@ -81,6 +81,7 @@ BUILD_ORDER = (
     # the face: what a command line becomes, and the entry point
     "launch/plan",        # what a command line becomes
     "launch/local",       # the local launcher
+    "node/workers",       # --node-check: the device workers (one process per device) and the check's handle on them
     "node/check",         # --node-check: the node gate's runtime (lock, workers, budget, Slurm, files)
     "main",               # the entry point
 )
@@ -88,7 +89,7 @@ BUILD_ORDER = (
 # module of the runtime, so each is a function of plain data that a test can call without a store.
 RUNTIME = ("checks/manifest_io", "run/store", "run/liveness", "run/ras", "run/background", "out/drain",
            "run/conclusion", "screen/run", "run/rank", "run/coordinator", "run/follower", "launch/plan",
-           "launch/local", "node/check", "main")
+           "launch/local", "node/workers", "node/check", "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
 # The judge and report modules, and the floor they stand on: functions of plain data with no effects. None
 # reaches what acts on the world (processes, threads, sockets, locks, native calls, torch), in its own text or

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from ..core.base import _screen_key, first_line, read_text, safe_env
+from ..core.files import child_finish
 from ..core.names import PROBED_PACKAGES, ib_hca_select
 from ..launch.launchers import allocated_gpus
 from .interfaces import _usable, list_interfaces
@@ -204,15 +205,11 @@ def finish_import_probe(proc, wait_s):
     A package without a line: the import that crashed the child (the first such) or was cut off."""
     if isinstance(proc, OSError):
         return {n: {"ok": False, "version": None, "error": f"probe could not start: {proc}"} for n in PROBED_PACKAGES}
-    why = None
-    try:
-        text, _ = proc.communicate(timeout=None if proc.poll() is not None else max(0.01, wait_s))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        text, _ = proc.communicate()
-        why = f"import took over {wait_s:.0f}s"
+    r = child_finish(proc, wait_s if proc.poll() is None else 60.0, "the import probe")
+    why = f"import took over {wait_s:.0f}s" + (f" ({r['unread'].split(': ', 1)[1]})" if r.get("stuck") else "") \
+        if "unread" in r else None
     out = {}
-    for line in (text or b"").decode(errors="replace").splitlines():
+    for line in (r.get("out") or "").splitlines():
         with contextlib.suppress(ValueError, TypeError, AttributeError):
             d = json.loads(line)
             out[d.pop("name")] = d

@@ -69,7 +69,7 @@ CHECK_LEVELS = {
     "gpu-count": ("FAIL", "WARN"), "gpu-procs": ("FAIL", "WARN"), "gpu-health": ("FAIL", "WARN"),
 }
 # --node-check: a check that could not run through the tool's own fault is a WARN row, the node NOT ASSESSED
-for _check in ("contract", "launch", "local", "interrupted", "manifest", "internal"):
+for _check in ("usage", "contract", "launch", "local", "interrupted", "manifest", "internal", "output"):
     CHECK_LEVELS[_check] = ("FAIL", "WARN")
 
 # Environment variables the report may print. Nothing else is ever echoed.

@@ -35,6 +35,8 @@ VERDICT_S = 90.0          # rank 0, from the verdict's start to its exit (report
 DRAIN_S = 10.0            # rank 0 at a FAIL verdict with --drain on: both scontrol calls (show, update) together
 NODE_SMI_S = 15.0         # a node leader's one nvidia-smi call for all its GPUs (ECC, row remapping), started at
                           # launch: NVML's start without persistence mode takes seconds per GPU; past it "not read"
+CHILD_REAP_S = 1.5        # a child killed at its bound: at most this more for it to exit and its pipes to close; then
+                          # it is left behind and said (a process stuck in the kernel cannot be reaped)
 LAUNCHER_SLACK_S = 30.0   # local launcher: its backstop past the worst case; then 5 s for the others after rank 0
 # --node-check: one node's pass, all of it within --node-budget (NODE_BUDGET_DEFAULT, under LBNL NHC's 30 s
 # watchdog; Slurm kills a HealthCheckProgram at 60 s)

@@ -1,7 +1,7 @@
 """Floor 1: speaking, the effects of the floor: one line printed under a lock that outlives a reader gone
 away (emit), the flush at the end, and the run's findings with one owner (Findings). The judges never
 print: they return findings and lines (aiv/core/base.py holds what they share)."""
-import errno
+import contextlib
 import os
 import sys
 import threading
@@ -12,19 +12,38 @@ _PRINT_LOCK = threading.Lock()
 
 
 def emit(line, stream=None):
-    """Print a line. A reader that went away (`| head`, a closed terminal) never stops the run: the
-    stream's descriptor is pointed at /dev/null and the run goes on to its verdict and its JSON."""
+    """Print a line. A reader that went away (`| head`, a closed terminal), a full disk behind it, a stream
+    closed from the start (`>&-`) never stops the run: the stream's descriptor is pointed at /dev/null and the
+    run goes on to its verdict and its JSON."""
     with _PRINT_LOCK:
         stream = stream or sys.stdout
+        if stream is None:
+            return
         try:
             stream.write(line + "\n")
             stream.flush()
-        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+        except (OSError, ValueError):  # ValueError: the stream was closed; EPIPE, EIO, ENOSPC ...
             drop_stream(stream)
-        except OSError as e:
-            if e.errno not in (errno.EPIPE, errno.EIO):
-                raise
-            drop_stream(stream)
+
+
+def guard_std_streams():
+    """Descriptors 0, 1 and 2 closed at the start (`>&-`, a daemon's children) are opened on /dev/null, so that
+    no file or pipe the tool opens takes their numbers, and sys.stdout/stderr exist: the run's lines go
+    nowhere, its verdict, files and exit code are what they would be."""
+    for fd, name, mode in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY), (2, "stderr", os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                null = os.open(os.devnull, mode)
+                if null != fd:
+                    os.dup2(null, fd)
+                    os.close(null)
+            except OSError:
+                continue
+        if getattr(sys, name) is None:
+            with contextlib.suppress(OSError, ValueError):
+                setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
 
 
 def drop_stream(stream):
@@ -43,6 +62,7 @@ def flush_all():
             stream.flush()
         except (OSError, ValueError):
             drop_stream(stream)
+
 
 
 class Findings:

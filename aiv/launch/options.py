@@ -205,6 +205,9 @@ def _node_options(p):
     _opt(p, "--undrain", _switch, "off", "--node-check health with --drain on: a pass resumes the node when the "
          "check's own drain names a check that passed now; no value: on", nargs="?", const="on", default=False,
          metavar="on/off")
+    _opt(p, "--node-lock-dir", _directory, "/run/aiv (root), else the user's own", "--node-check: the directory of "
+         "the node's lock (one pass on the GPUs at a time): owned by the user that runs the check, writable by no "
+         "one else; never a job's TMPDIR", metavar="DIR")
     _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
          metavar="DIR")
 
@@ -295,6 +298,21 @@ def _leftover(extra, parser):
     flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1) if arg.startswith("--") else []
     return UsageError(f"unknown option {arg!r}" + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
+
+
+def output_paths_from_argv(argv, env):
+    """--json and --metrics read without the parser (a --node-check usage error still writes them): the flags,
+    else AIV_JSON, AIV_METRICS. -> [(flag, path)]."""
+    out = {}
+    for flag, var in (("--json", "AIV_JSON"), ("--metrics", "AIV_METRICS")):
+        for i, a in enumerate(argv):
+            if a.startswith(flag + "="):
+                out[flag] = a.split("=", 1)[1]
+            elif a == flag and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                out[flag] = argv[i + 1]
+        if not out.get(flag) and env.get(var):
+            out[flag] = env[var]
+    return [(flag, path) for flag, path in out.items() if path]
 
 
 def parse_args(argv, env):

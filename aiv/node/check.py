@@ -1,44 +1,23 @@
 """Floor 6: the node gate's runtime (--node-check [CONTEXT]): this node alone, no other node, no srun. A lock
 against a second pass, the passive facts (node_collect), one worker process per device for the numerics, the
-speed and the node's own all-reduce (this file again, with WORKER_VAR set), all within --node-budget; then the
+speed and the node's own all-reduce (node_workers), all within --node-budget; then the
 judges (node_judge), Slurm told (a drain reason, a resume) and the files (JSON, Prometheus textfile). Fail
 open: the tool's own fault is NOT ASSESSED, exit 0 (npd: 2), and never drains."""
 import contextlib
 import datetime
 import fcntl
-import json
 import os
-import queue
-import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 
-from ..checks.collect import (
-    _cpu_model,
-    _driver_version,
-    collect_gpu,
-    collect_node_facts,
-    cuda_problem,
-    torch_versions,
-)
+from ..checks.collect import _cpu_model, _driver_version, collect_node_facts
 from ..checks.manifest_io import load_manifest
-from ..checks.numerics_measure import numerics_measure
-from ..core.base import (
-    EXIT_TIMEOUT,
-    SCHEMA_VERSION,
-    VERSION,
-    first_line,
-    is_tool_error,
-    print_traceback,
-    read_text,
-    where_raised,
-)
+from ..core.base import SCHEMA_VERSION, VERSION, first_line, print_traceback, read_text, where_raised
+from ..core.blame import NODE_CONTEXTS
+from ..core.bounds import BoundPassed, within
 from ..core.deadlines import (
     NODE_HELD_AGAIN_S,
     NODE_KMSG_BOUND_S,
@@ -47,12 +26,11 @@ from ..core.deadlines import (
     NODE_SLURM_BOUND_S,
     NODE_SMI_BOUND_S,
 )
-from ..core.files import write_json_atomic, write_text_atomic
-from ..core.speak import emit, flush_all
-from ..launch.local import die_with_parent
+from ..core.files import node_lock_path, write_json_atomic, write_text_atomic
+from ..core.speak import emit
+from ..launch.options import output_paths_from_argv
 from ..launch.plan import free_port
 from ..out.drain import node_drain
-from ..screen.measure import screen_busbw, screen_measure_gpu
 from .collect import driver_gpus, pci_gpus, process_owner, read_kmsg, read_slurm_node, smi_query
 from .judge import (
     NODE_APP_FIELDS,
@@ -63,6 +41,7 @@ from .judge import (
     context_from_argv,
     gpus_by_id,
     judge_node,
+    judge_none_judged,
     node_context,
     node_drainable,
     node_exit_code,
@@ -77,229 +56,8 @@ from .judge import (
     speed_flagged,
     unassessed,
 )
-from .report import node_lines, node_metrics, node_npd_line, node_summary
-
-WORKER_VAR = "_AIV_NODE_WORKER"  # set for a node check's device worker (main() hands it to node_worker)
-
-
-# ---------------------------------------------------------------------------------------------- a worker
-def _failure(e):
-    return {"error": first_line(e), "internal": is_tool_error(e)}
-
-
-def _worker_say(step, **kw):
-    """One step of a node-check worker: a JSON line on stdout."""
-    emit(json.dumps(dict(kw, step=step), default=str))
-
-
-def _worker_step(name, fn, need, until):
-    """One measurement of a worker, when `need` seconds are left before `until`: its value or its error, said."""
-    left = until - time.monotonic()
-    if left < need:
-        _worker_say(name, skipped=f"needs about {need:g}s, {max(0.0, left):.1f}s left")
-        return
-    t = time.monotonic()
-    try:
-        value = fn()
-    except Exception as e:
-        _worker_say(name, secs=round(time.monotonic() - t, 2), **_failure(e))
-        return
-    _worker_say(name, value=value, secs=round(time.monotonic() - t, 2))
-
-
-def node_worker(spec):
-    """One device of the node check, in a process of its own: import torch, the device's identity, then the
-    numerics (numerics_measure) and the speed (screen_measure_gpu), each only when it fits in what is left of
-    spec['seconds']; then the parent's commands on stdin (one JSON line each): 'speed' (measure again),
-    'allreduce' (the node's own all-reduce with the other workers), 'exit'. Every step is one JSON line on
-    stdout; the process ends itself at its bound."""
-    t0 = time.monotonic()
-    until = t0 + spec["seconds"]
-    timer = threading.Timer(spec["seconds"] + 2.0, os._exit, [EXIT_TIMEOUT])  # the parent kills it before
-    timer.daemon = True
-    timer.start()
-    say = _worker_say
-    try:
-        import torch
-    except Exception as e:  # the tool's environment, not the node: the parent says NOT ASSESSED
-        say("import", error=first_line(e))
-        return 0
-    kind, j = spec["kind"], spec["cuda"]
-    if kind == "gpu" and torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        say("import", error=f"torch {torch.__version__} is a CPU-only build: GPUs are listed but this python "
-                            "cannot use them")  # the tool's environment (a wrong venv), not the node
-        return 0
-    try:
-        gpu, dev = None, "cpu"
-        if kind == "gpu":
-            problem = cuda_problem(torch)
-            if problem != "none":
-                raise RuntimeError(problem)  # the driver, the device or the build: judged as a device error
-            torch.cuda.set_device(j)
-            gpu, dev = collect_gpu(torch, j, spec["root"]), j
-        say("ready", gpu=gpu, versions=torch_versions(torch), secs=round(time.monotonic() - t0, 2))
-    except Exception as e:
-        say("ready", **_failure(e))
-        return 0
-
-    def step(name, fn, need):
-        _worker_step(name, fn, need, until)
-    uuid, pci = (gpu or {}).get("uuid"), (gpu or {}).get("pci")
-
-    def speed():
-        return screen_measure_gpu(torch, dev, kind, uuid, pci, spec["root"])
-    if spec["numerics"]:
-        step("numerics", lambda: numerics_measure(torch, dev, kind), NODE_STEP_S["numerics"][kind])
-    if spec["speed"]:
-        step("speed", speed, NODE_STEP_S["speed"][kind])
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["do"] == "speed":
-            step("speed2", speed, cmd["need"])
-        elif cmd["do"] == "allreduce":
-            step("allreduce", lambda c=cmd: _allreduce(torch, kind, dev, c, until), 0.0)
-        else:
-            break
-    flush_all()
-    os._exit(0)  # every line is out: the interpreter's and torch's teardown would only hold the check up
-
-
-def _allreduce(torch, kind, dev, cmd, until):
-    """This worker's part of the node's all-reduce: a group of the node's workers on 127.0.0.1 (NCCL on GPUs,
-    gloo on CPU), each adding rank + 1: every element must be n(n+1)/2; then busbw measured twice."""
-    import torch.distributed as dist
-    n, rank = cmd["n"], cmd["rank"]
-    device = torch.device("cuda", dev) if kind == "gpu" else torch.device("cpu")
-    kw = {"backend": "nccl" if kind == "gpu" else "gloo", "init_method": f"tcp://127.0.0.1:{cmd['port']}",
-          "rank": rank, "world_size": n, "timeout": datetime.timedelta(seconds=max(2.0, until - time.monotonic()))}
-    if kind == "gpu":
-        kw["device_id"] = device
-    dist.init_process_group(**kw)
-    try:
-        x = torch.full((1 << 16,), float(rank + 1), device=device)
-        dist.all_reduce(x)
-        want = n * (n + 1) / 2
-        bad = (x != want).nonzero()
-        got = float(x[bad[0, 0]]) if len(bad) else want
-        bw = [round(screen_busbw(torch, dist, None, n, device, kind)[0], 4) for _ in range(2)]
-    finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-    return {"n": n, "ok": not len(bad), "want": want, "got": got, "busbw": bw}
-
-
-class _Workers:
-    """The node check's worker processes: each in a session of its own (killed as a group), dead with the
-    check (die_with_parent), its stdout read line by line by a thread into one queue."""
-
-    def __init__(self, specs, env):
-        self.q, self.procs, self.said, self.dead, self.errs = queue.Queue(), {}, {}, set(), {}
-        for i, (spec, wenv) in specs.items():
-            err = tempfile.TemporaryFile()
-            p = subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=dict(env, **wenv,
-                                 **{WORKER_VAR: json.dumps(spec)}), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=err, text=True, start_new_session=True,
-                                 preexec_fn=die_with_parent(signal.SIGKILL))
-            self.procs[i], self.said[i], self.errs[i] = p, {}, err
-            threading.Thread(target=self._read, args=(i, p.stdout), daemon=True).start()
-
-    def _read(self, i, stream):
-        with contextlib.suppress(Exception):
-            for line in stream:
-                self.q.put((i, line))
-        self.q.put((i, None))
-
-    def wait(self, steps, ids, until, stopped):
-        """Lines until each of ids said each of steps (or ended), `until`, or stopped(). -> whether all did."""
-        while True:
-            pending = [i for i in ids if i not in self.dead and not all(s in self.said[i] for s in steps)]
-            left = until - time.monotonic()
-            if not pending:
-                return True
-            if left <= 0 or stopped():
-                return False
-            try:
-                i, line = self.q.get(timeout=min(0.2, left))
-            except queue.Empty:
-                continue
-            if line is None:
-                self.dead.add(i)
-                continue
-            with contextlib.suppress(ValueError):
-                msg = json.loads(line)
-                if isinstance(msg, dict) and "step" in msg:
-                    self.said[i][msg["step"]] = msg
-
-    def send(self, i, **cmd):
-        with contextlib.suppress(OSError, ValueError):
-            self.procs[i].stdin.write(json.dumps(cmd) + "\n")
-            self.procs[i].stdin.flush()
-
-    def take(self, ids, steps, measured, skipped):
-        """What the workers said for these steps -> measured[i][step], their errors noted; skips (a step the
-        budget ended first, a step a worker skipped) appended to skipped."""
-        for i in ids:
-            m = measured.setdefault(i, {})
-            said = self.said[i]
-            if "import" in said:
-                m["import"] = said["import"]["error"]
-                continue
-            for s in steps:
-                if m.get("error") or m.get("internal") or m.get("died"):
-                    break  # nothing more comes from this worker
-                msg = said.get(s)
-                if msg is None:
-                    if i in self.dead:
-                        rc = self.procs[i].poll()
-                        m["died"] = (f"ended ({'killed by signal ' + str(-rc) if rc and rc < 0 else f'exit {rc}'}) "
-                                     f"before its {s} step: {self.stderr_tail(i) or 'no error on stderr'}")
-                    elif s != "ready":
-                        skipped.append(f"{s} on GPU {i} (the budget ended first)")
-                    continue
-                if msg.get("skipped"):
-                    skipped.append(f"{s} on GPU {i} ({msg['skipped']})")
-                elif msg.get("error"):
-                    m["internal" if msg.get("internal") else "error"] = f"{s}: {msg['error']}"
-                elif s == "ready":
-                    m["ready"], m["gpu"], m["versions"] = True, msg.get("gpu"), msg.get("versions")
-                else:
-                    m[s] = msg.get("value")
-
-    def allreduce_result(self, ok, done):
-        """The node's all-reduce as its workers said it: {'n', 'error', 'internal'} on an error, the first
-        worker's wrong sums or any worker's value when all answered in time, else None."""
-        said = [self.said[i].get("allreduce") for i in ok]
-        errors = [m for m in said if m and m.get("error")]
-        if errors:
-            return {"n": len(ok), "error": errors[0]["error"], "internal": errors[0].get("internal")}
-        if done and all(m and isinstance(m.get("value"), dict) for m in said):
-            vals = [m["value"] for m in said]
-            return dict(next((v for v in vals if not v["ok"]), None) or vals[0])
-        return None
-
-    def stderr_tail(self, i):
-        with contextlib.suppress(OSError, ValueError):
-            self.errs[i].seek(0)
-            lines = [ln.strip() for ln in self.errs[i].read().decode(errors="replace").splitlines() if ln.strip()]
-            return lines[-1][:200] if lines else ""
-        return ""
-
-    def close(self, grace=1.0):
-        for i in self.procs:
-            self.send(i, do="exit")
-        until = time.monotonic() + grace
-        for p in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.0, until - time.monotonic()))
-        for p in self.procs.values():
-            with contextlib.suppress(OSError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            for s in (p.stdin, p.stdout):
-                with contextlib.suppress(OSError, ValueError):
-                    s.close()
-        for e in self.errs.values():
-            e.close()
+from .report import node_lines, node_metrics, node_not_written, node_npd_line, node_summary, node_usage_state
+from .workers import _Workers
 
 
 # ---------------------------------------------------------------------------------------------- the check
@@ -318,6 +76,7 @@ class NodeCheck:
         self.facts, self.devices, self.gpus = {}, {"ids": [], "held": {}, "busy": {}, "compute": []}, []
         self.cpu, self.again, self.why_once, self.phases, self.locked_out = False, {}, None, {}, False
         self.expect = []  # what the node should have (node_expectations), [(source words, count)]
+        self.unlocked, self.procs_unjudged = None, None
 
     def lap(self, name):
         """Seconds since the last lap (or the start) under name: where the budget went."""
@@ -331,16 +90,21 @@ class NodeCheck:
     def take_lock(self):
         """health, npd: the lock alone (another pass running: not assessed); prolog, epilog: shared with each other
         (jobs on other GPUs of the node start and end side by side), and a health or npd pass holding it is
-        stopped (SIGTERM): a job start wins over a health pass. -> False when this pass must not go on."""
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", self.node)
-        path = os.path.join(tempfile.gettempdir(), f"aiv-node-check-{safe}.lock")
+        stopped (SIGTERM): a job start wins over a health pass. The lock is in a root-owned directory
+        (node_lock_path), never under a job's TMPDIR. A prolog or epilog that could not take it goes on without
+        it (self.unlocked says why): its GPUs' processes are not judged then, nor its speed (a health pass's
+        workers may be on them). -> False when this pass must not go on."""
+        path, why = node_lock_path(self.node, getattr(self.args, "node_lock_dir", None))
+        job = self.ctx in ("prolog", "epilog")
         try:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644) if path else None
         except OSError as e:
-            self.skipped.append(f"no lock ({path}: {e.strerror})")
+            fd, why = None, f"{path}: {e.strerror}"
+        if fd is None:
+            self.unlocked = f"the node check's lock could not be opened ({why})"
+            self.skipped.append(f"no lock ({why})")
             return True
         self.lock_fd = fd
-        job = self.ctx in ("prolog", "epilog")
         mode = fcntl.LOCK_SH if job else fcntl.LOCK_EX
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -354,23 +118,31 @@ class NodeCheck:
                 self.locked_out = True
                 return False
             self._preempt(holder)
-            until = time.monotonic() + NODE_PREEMPT_S
-            while True:
-                try:
-                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > until:
-                        self.skipped.append(f"the health pass holding {path} did not let go within {NODE_PREEMPT_S:g}s")
-                        return True
-                    time.sleep(0.1)
-        except OSError:
+            if not self._wait_lock(fd, mode):
+                who = f" (pid {holder[0]})" if holder else ""
+                self.unlocked = f"the health pass holding {path}{who} did not let go within {NODE_PREEMPT_S:g}s"
+                self.skipped.append(self.unlocked)
+                return True
+        except OSError as e:
+            self.unlocked = f"the node check's lock {path} could not be taken ({e.strerror})"
+            self.skipped.append(self.unlocked)
             return True
         if not job:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{os.getpid()} {self.ctx}\n".encode())
         return True
+
+    def _wait_lock(self, fd, mode):
+        until = time.monotonic() + NODE_PREEMPT_S
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > until or self.stopped:
+                    return False
+                time.sleep(0.1)
 
     def _preempt(self, holder):
         """SIGTERM to the health or npd pass holding the lock, when that pid is a node check."""
@@ -410,7 +182,8 @@ class NodeCheck:
                 f["rows"], f["lost"] = parse_node_gpus(r["text"])
             else:
                 f["smi_unread"] = r["unread"]
-            a = smi_query(exe, "compute-apps", NODE_APP_FIELDS, self.bound(NODE_SMI_BOUND_S))
+            a = {"unread": "not asked: the GPU query was not read"} if f.get("smi_unread") and "gave no answer" in \
+                f["smi_unread"] else smi_query(exe, "compute-apps", NODE_APP_FIELDS, self.bound(NODE_SMI_BOUND_S))
             if "text" in a:
                 f["apps"] = [dict(p, **{k: v for k, v in process_owner(p["pid"], root).items() if v})
                              for p in parse_compute_apps(a["text"])]
@@ -455,16 +228,44 @@ class NodeCheck:
         f, a = self.facts, self.args
         given = None if a.expect_gpus is None else (a.origin.get("expect_gpus", "--expect-gpus"), a.expect_gpus)
         self.expect = node_expectations(given, (self.slurm or {}).get("gres"), f["pci"], f["driver"])
-        self.cpu, self.gpus, self.devices = node_plan(self.ctx, f, self.slurm, a.nproc or 2, self.expect)
+        keep = self.procs_we_cannot_judge if self.ctx in ("prolog", "epilog") else None
+        self.cpu, self.gpus, self.devices = node_plan(self.ctx, f, self.slurm, a.nproc or 2, self.expect, keep)
         if f.get("apps_unread") and self.ctx in ("prolog", "epilog"):
             self.findings.append(unassessed("gpu-procs", f"{self.node}: the GPUs' processes were not read "
                                             f"({f['apps_unread']})", "GPU processes not read"))
+
+    def procs_we_cannot_judge(self, by_uuid, apps):
+        """prolog, epilog: the processes on the GPUs that are not a leftover's: without the lock none is judged
+        (a health pass's workers may be on them); a node check's own worker (of a health pass stopped a moment
+        ago, or stuck in the driver) is ours, never a leftover. Either: gpu-procs not judged, said. -> the apps
+        that remain to judge ({index: [process]})."""
+        ours = sorted({(by_uuid[p["uuid"]], p["pid"]) for p in self.facts["apps"]
+                       if p.get("ours") and p["uuid"] in by_uuid})
+        why = None
+        if self.unlocked:
+            why = f"{self.unlocked}: the GPUs' processes were not judged (a node check's own workers may be on them)"
+        elif ours:
+            why = ("a node check's own worker is still on " + ", ".join(f"GPU {i} (pid {pid})" for i, pid in ours)
+                   + ": not a leftover of a job; the GPUs' processes were not judged")
+        if not why:
+            return apps
+        self.procs_unjudged = why
+        self.findings.append(unassessed("gpu-procs", f"{self.node}: {why}", "GPU processes not judged: " + (
+            "no lock" if self.unlocked else "our own worker on a GPU")))
+        if self.unlocked:
+            return {}
+        theirs = {i: [p for p in ps if not p.get("ours")] for i, ps in apps.items()}
+        return {i: ps for i, ps in theirs.items() if ps}  # another's process beside ours is still judged
 
     # ------------------------------------------------------------------ compute
     def compute(self):
         """Workers on the devices the plan allows; the re-measure of the slow ones; the node's all-reduce."""
         a, ids = self.args, self.devices["compute"]
         numerics, speed = not a.skip_numerics, not a.skip_screen
+        if speed and self.unlocked and ids:  # a health pass may compute beside us: the speed is not the GPUs'
+            speed = False
+            self.skipped.append("the speed and the all-reduce (without the lock: a health pass may compute beside "
+                                "this one)")
         if not ids or not (numerics or speed):
             if ids:
                 self.skipped.append("numerics and speed (--skip-numerics, --skip-screen)")
@@ -555,6 +356,9 @@ class NodeCheck:
                                                     "prolog taking the GPUs, or Slurm): this pass is void",
                                                     f"stopped by {self.stopped}"))
                 self.judge()
+                if self.procs_unjudged:  # its PASS would say "no process of others": not judged, said above
+                    self.findings[:] = [f for f in self.findings if f["check"] != "gpu-procs" or f["status"] != "PASS"]
+                self.findings += judge_none_judged(self.node, self.devices, "CPU worker(s)" if self.cpu else "GPU(s)")
                 self.lap("judge")
         except Exception as e:
             print_traceback(e)
@@ -563,7 +367,7 @@ class NodeCheck:
                                             "tool error: " + first_line(e)[:60]))
         finally:
             if self.workers is not None:
-                self.workers.close(min(1.0, max(0.2, self.t0 + self.budget - time.monotonic() - 2.0)))
+                self.skipped += self.workers.close(min(1.0, max(0.2, self.t0 + self.budget - time.monotonic() - 2.0)))
                 self.lap("workers-exit")
         return self.finish()
 
@@ -602,21 +406,45 @@ class NodeCheck:
         return state
 
 
-def _write_outputs(args, state):
-    """The JSON and the Prometheus textfile, each atomically (a temporary file beside it, then a rename). A file
-    that cannot be written is a line on stderr, never a changed verdict (the node is not at fault)."""
-    said = []
-    for path, text in ((args.json, None), (args.metrics, node_metrics(state))):
-        if not path:
+def _output_paths(args):
+    return [(flag, path) for flag, path in (("--json", getattr(args, "json", None)),
+                                            ("--metrics", getattr(args, "metrics", None))) if path]
+
+
+def _write_one(flag, path, state, seconds):
+    """One file within `seconds` (on a thread: storage that hangs holds that thread, never the pass) -> None or
+    why it was not written."""
+    def write():
+        if flag == "--json":
+            write_json_atomic(path, state)
+        else:
+            write_text_atomic(path, node_metrics(state))
+    try:
+        within(write, seconds, f"{flag} {path}")
+    except BoundPassed:
+        return f"not written within {seconds:.1f}s (storage that hangs?)"
+    except Exception as e:
+        return first_line(e)
+    return None
+
+
+def write_outputs(paths, state, until):
+    """The JSON and the Prometheus textfile, each atomically, all by `until` (what is left of the budget, at
+    least 1 s). A file not written is the tool's own trouble: the pass becomes NOT ASSESSED (a FAIL on evidence
+    stays a FAIL), the files written before it are written again to say so, and the exit code is the new
+    verdict's. -> the state as it stands, and a WARNING line per file not written."""
+    said, done = [], []
+    for k, (flag, path) in enumerate(paths):
+        why = _write_one(flag, path, state, max(1.0, (until - time.monotonic()) / (len(paths) - k)))
+        if why is None:
+            done.append((flag, path))
             continue
-        try:
-            if text is None:
-                write_json_atomic(path, state)
-            else:
-                write_text_atomic(path, text)
-        except Exception as e:
-            said.append(f"WARNING: output: {path} not written: {first_line(e)}")
-    return said
+        said.append(f"WARNING: output: {path} not written: {why}")
+        state = node_not_written(state, flag, path, why)
+        for flag2, path2 in done:  # they said what the pass was before it: said again, within what is left
+            if _write_one(flag2, path2, state, max(0.5, until - time.monotonic())):
+                said.append(f"WARNING: output: {path2} keeps the verdict before {path} failed")
+    return state, said
 
 
 def run_node_check(args, env):
@@ -632,25 +460,34 @@ def run_node_check(args, env):
         for line in node_lines(state):
             emit(line, sys.stderr)
         if not state["locked_out"]:  # the pass that holds the lock writes the files
-            for line in _write_outputs(args, state):
+            state, said = write_outputs(_output_paths(args), state, check.t0 + check.budget)
+            for line in said:
                 emit(line, sys.stderr)
         emit(state["npd"] if ctx == "npd" else state["summary"])
         return state["exit_code"]
     except Exception as e:
         print_traceback(e)
-        return node_check_usage(f"internal: {first_line(e)} in {where_raised(e)}: a bug in the tool", [], env, ctx)
+        return node_check_usage(f"internal: {first_line(e)} in {where_raised(e)}: a bug in the tool", [], env, ctx,
+                                args)
 
 
-def node_check_usage(e, argv, env, ctx=None):
+def node_check_usage(e, argv, env, ctx=None, args=None):
     """A usage error on a --node-check command line (or the tool's own error): not the node's fault (fail open):
-    the line on stderr, NOT ASSESSED on stdout, and the context's exit code (0; npd: 2)."""
+    the line on stderr, NOT ASSESSED on stdout and in the --json and --metrics files asked for (aiv_node_check_
+    assessed 0, within NODE_RESERVE_S), and the context's exit code: 0; npd 2; a context word that is none of
+    the four, in no Slurm script: 2 (NPD's unknown; Slurm's HealthCheckProgram only logs it)."""
+    t0 = time.monotonic()
     ctx = ctx or context_from_argv(argv, env) or "health"
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
     emit(str(e), sys.stderr)
-    code = node_exit_code(ctx, "NOT ASSESSED", False)
-    if ctx == "npd":
-        emit(f"NOT ASSESSED: {str(e).replace('FAILURE: ', '')}"[:80])
-    else:
-        emit(f"{NODE_LINE_PREFIX} NOT ASSESSED on {node} [{ctx}]: {e}; exit {code} (fail open: nothing drained)")
+    code = node_exit_code(ctx, "NOT ASSESSED", False) if ctx in NODE_CONTEXTS else 2
+    reason = str(e).replace("FAILURE: ", "")
+    line = f"{NODE_LINE_PREFIX} NOT ASSESSED on {node} [{ctx}]: {e}; exit {code} (fail open: nothing drained)"
+    state = node_usage_state(ctx, node, reason, code, line, round(time.time(), 1), sys.executable)
+    with contextlib.suppress(Exception):
+        paths = _output_paths(args) if args is not None else output_paths_from_argv(argv, env)
+        _, said = write_outputs(paths, state, t0 + NODE_RESERVE_S)
+        for w in said:
+            emit(w, sys.stderr)
+    emit(state["npd"] if ctx == "npd" else line)
     return code
-

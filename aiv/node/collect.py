@@ -5,29 +5,10 @@ data out, an absent source said as {'unread': why}."""
 import contextlib
 import os
 import re
-import signal
-import subprocess
 import time
 
 from ..core.base import first_text_line, read_text
-
-
-def run_bounded(argv, seconds):
-    """argv in a process group of its own, killed (the whole group) past `seconds` -> {'rc', 'out', 'err'}, or
-    {'unread': why} when it could not start or did not answer in time."""
-    try:
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, errors="replace", start_new_session=True)
-    except OSError as e:
-        return {"unread": f"{os.path.basename(argv[0])} could not run: {e.strerror or e}"}
-    try:
-        out, err = p.communicate(timeout=max(0.1, seconds))
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        return {"unread": f"{os.path.basename(argv[0])} gave no answer within {seconds:g}s"}
-    return {"rc": p.returncode, "out": out, "err": err}
+from ..core.files import run_bounded
 
 
 def smi_query(exe, what, fields, seconds):
@@ -41,10 +22,15 @@ def smi_query(exe, what, fields, seconds):
     return {"text": r["out"] + r["err"]}
 
 
+WORKER_ARG = "--aiv-node-check-worker"  # on a node check's device worker's command line: our own, never a leftover
+
+
 def process_owner(pid, root="/"):
-    """Who a process is: {'name', 'user', 'job'} from /proc (the Slurm job from its cgroup path), each None
-    where it cannot be read (another PID namespace, gone)."""
+    """Who a process is: {'name', 'user', 'job', 'ours'} from /proc (the Slurm job from its cgroup path; ours: a
+    node check's own device worker, by WORKER_ARG on its command line), each None where it cannot be read
+    (another PID namespace, gone)."""
     base = os.path.join(root, "proc", str(pid))
+    ours = WORKER_ARG.encode() in (read_bytes(os.path.join(base, "cmdline")) or b"").split(b"\0")
     status = read_text(os.path.join(base, "status"), "") or ""
     uid = re.search(r"^Uid:\s+(\d+)", status, re.M)
     user = None
@@ -55,7 +41,15 @@ def process_owner(pid, root="/"):
         user = user or f"uid {uid.group(1)}"
     job = re.search(r"/job_(\d+)(?:/|$)", read_text(os.path.join(base, "cgroup"), "") or "", re.M)
     name = (read_text(os.path.join(base, "comm"), "") or "").strip() or None
-    return {"name": name, "user": user, "job": job.group(1) if job else None}
+    return {"name": name, "user": user, "job": job.group(1) if job else None, "ours": ours or None}
+
+
+def read_bytes(path, limit=65536):
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit)
+    except OSError:
+        return None
 
 
 def pci_gpus(root="/"):

@@ -59,13 +59,26 @@ def node_context(given, env):
 
 
 def context_from_argv(argv, env):
-    """The context a command line asks for, read without the parser (for a usage error's exit code)."""
+    """The context a command line asks for, read without the parser (for a usage error's exit code): its word
+    when it is one of NODE_CONTEXTS; no word: node_context's choice. A word that is none of them: Slurm's
+    SLURM_SCRIPT_CONTEXT, or a job's SLURM_JOB_ID (a prolog or epilog of a Slurm that does not set it), decides,
+    since a prolog must never exit 1 for it; else the word in another case or spacing ('nPd'); else 'unknown'
+    (exit 2: never 0, which NPD would read as OK)."""
     for i, a in enumerate(argv):
         if a.startswith("--node-check="):
-            return node_context(a.split("=", 1)[1], env)[0]
-        if a == "--node-check":
-            nxt = argv[i + 1] if i + 1 < len(argv) else "auto"
-            return node_context(nxt if nxt in NODE_CONTEXTS else "auto", env)[0]
+            word = a.split("=", 1)[1]
+        elif a == "--node-check":
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            word = "auto" if not nxt or nxt.startswith("--") else nxt
+        else:
+            continue
+        if word in NODE_CONTEXTS or word == "auto":
+            return node_context(word, env)[0]
+        sc = (env.get("SLURM_SCRIPT_CONTEXT") or "").strip()
+        if sc or env.get("SLURM_JOB_ID"):
+            return node_context("auto", env)[0] if sc else "prolog"
+        near = word.strip().lower()
+        return near if near in NODE_CONTEXTS else "unknown"
     return None
 
 
@@ -254,10 +267,11 @@ def node_expectations(given, gres, pci, driver):
     return out
 
 
-def node_plan(context, facts, slurm, nproc, expectations):
+def node_plan(context, facts, slurm, nproc, expectations, keep=None):
     """-> (cpu, gpus, devices): whether CPU workers stand in (no GPU seen and none expected), the node's GPUs
     (NVML's rows, else the driver's list) and node_devices' plan with the compute processes by GPU index and, in
-    health, the GPUs Slurm gave to running jobs (slurm: parse_slurm_node's view)."""
+    health, the GPUs Slurm gave to running jobs (slurm: parse_slurm_node's view). keep(by_uuid, apps) -> the
+    processes left to judge (the prolog's and epilog's: none without the lock, never a node check's own worker)."""
     cpu = not (facts["rows"] or facts["driver"]) and not facts["pci"] and all(n == 0 for _, n in expectations)
     gpus = facts["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(facts["driver"])]
     by_uuid = {g["uuid"]: g["index"] for g in gpus if g.get("uuid")}
@@ -265,9 +279,24 @@ def node_plan(context, facts, slurm, nproc, expectations):
     for p in facts["apps"]:
         if p["uuid"] in by_uuid:
             apps.setdefault(by_uuid[p["uuid"]], []).append(p)
+    if keep is not None:
+        apps = keep(by_uuid, apps)
     ids = list(range(nproc)) if cpu else [g["index"] for g in gpus]
     used = gres_busy((slurm or {}).get("gres_used"), ids) if context == "health" else {}
     return cpu, gpus, node_devices(context, gpus, facts["job_gpus"], nproc, used, apps, cpu)
+
+
+def judge_none_judged(node, devices, noun="GPU(s)"):
+    """A node with devices none of which was judged is never a PASS: every device busy with others (health,
+    npd: in use, so nothing of it is computed or judged for speed) -> a NOTE that says which and why, and the
+    node is NOT ASSESSED; [] when at least one device was judged (the others are 'busy, not judged')."""
+    ids, busy = devices.get("ids") or [], devices.get("busy") or {}
+    if not ids or any(i not in busy for i in ids):
+        return []
+    why = "; ".join(f"{i}: {w}" for i, w in sorted(busy.items()))
+    return [unassessed("gpu-procs", f"{node}: every one of its {len(ids)} {noun} is busy, none judged ({why}): "
+                       "no numerics, speed or all-reduce ran; run the check again when a GPU is free",
+                       f"every {noun[:-3]} busy, none judged")]
 
 
 # ---------------------------------------------------------------------------------------------- findings

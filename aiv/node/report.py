@@ -1,9 +1,11 @@
 """Floor 4: what the node gate (--node-check) says: the one summary line (stdout, the node's log), the NPD line
 (NPD's condition message), a line per finding (stderr), and the node's Prometheus textfile. Pure functions of
 the node check's state (the JSON's dict)."""
-from ..core.base import STATUS_RANK, format_ranges
+from ..core.base import SCHEMA_VERSION, STATUS_RANK, VERSION, format_ranges
+from ..core.blame import NODE_CONTEXTS
+from ..core.deadlines import NODE_BUDGET_DEFAULT
 from ..out.outputs import _metrics_family
-from .judge import NODE_LINE_PREFIX, NODE_NPD_MAX
+from .judge import NODE_LINE_PREFIX, NODE_NPD_MAX, node_verdict, unassessed
 
 STATUS_WORD = {"FAIL": "FAILURE", "WARN": "WARNING", "PASS": "PASS"}
 
@@ -148,3 +150,25 @@ def node_metrics(state):
     for name, text, samples in families:
         lines += _metrics_family(name, text, samples) or []
     return "\n".join(lines) + "\n"
+
+
+def node_not_written(state, flag, path, why):
+    """The state once a file asked for was not written (the tool's storage, not the node): an `output` NOTE
+    beside the findings, the verdict decided again (NOT ASSESSED; a FAIL on evidence stays a FAIL)."""
+    fs = [*state["findings"], unassessed("output", f"{state['node']}: {flag} {path} not written: {why} (the "
+                                         "tool's storage, not the node)", f"{flag} not written")]
+    v = node_verdict(fs, state["context"]) if state["context"] in NODE_CONTEXTS else \
+        {"verdict": "NOT ASSESSED", "drainable": False, "exit_code": 2}
+    state = dict(state, findings=fs, verdict=v["verdict"], drainable=v["drainable"], exit_code=v["exit_code"])
+    return dict(state, summary=node_summary(state), npd=node_npd_line(state))
+
+
+def node_usage_state(ctx, node, reason, code, line, ended_at, python):
+    """The state of a pass that never ran (a usage error, the tool's own error): NOT ASSESSED, for the files."""
+    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+            "mode": "node-check", "context": ctx, "node": node, "verdict": "NOT ASSESSED", "drainable": False,
+            "exit_code": code, "budget_s": NODE_BUDGET_DEFAULT, "elapsed_s": 0.0, "ended_at_s": ended_at,
+            "python": python, "gpus": [], "devices": {"ids": [], "compute": [], "busy": {}, "held": {}},
+            "measured": {}, "allreduce": None, "skipped": [], "drain": {"action": "none", "done": False},
+            "findings": [unassessed("usage" if reason.startswith("usage") else "internal", f"{node}: {reason}",
+                                    reason[:80])], "summary": line, "npd": f"NOT ASSESSED: {reason}"[:NODE_NPD_MAX]}

@@ -1,27 +1,27 @@
 """Floor 5 (runtime): the one drain, in the preflight (--drain on) and in the node gate (its prolog, epilog and
 health variants, and health's --undrain): the scontrol calls (one show, one update), within DRAIN_S or the
 node gate's bound. What to drain and why is aiv/out/outputs.py's drain_plan (pure), what to resume resume_plan."""
-import subprocess
 import time
 
 from ..core.base import compress_hostlist, finding
 from ..core.deadlines import DRAIN_S
+from ..core.files import run_bounded
 from .outputs import drain_command, drain_keeps, drain_plan, owned_reason, parse_scontrol_nodes, resume_plan
 
 
 def _scontrol(argv, until):
     """One scontrol call within the time left -> (rc, stdout, message). rc None: missing or silent."""
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=max(0.1, until - time.monotonic()),
-                           stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        return None, "", "scontrol is not on PATH"
-    except subprocess.TimeoutExpired:
-        return None, "", f"scontrol did not answer within {DRAIN_S:g}s (slurmctld unreachable?)"
-    except OSError as e:
-        return None, "", f"scontrol could not run: {e.strerror or e}"
-    msg = " ".join((p.stderr or p.stdout or "").split())[:300]
-    return p.returncode, p.stdout, msg or f"exit status {p.returncode}"
+    r = run_bounded(argv, max(0.1, until - time.monotonic()))
+    if "unread" in r:
+        why = r["unread"]
+        if "could not run" in why and "No such file" in why:
+            return None, "", "scontrol is not on PATH"
+        if "gave no answer" in why:
+            return None, "", f"scontrol did not answer within {DRAIN_S:g}s (slurmctld unreachable?)" + (
+                f"; {why.split(': ', 1)[1]}" if r.get("stuck") else "")
+        return None, "", why
+    msg = " ".join((r["err"] or r["out"] or "").split())[:300]
+    return r["rc"], r["out"], msg or f"exit status {r['rc']}"
 
 
 def drain_apply(plan, known=None, seconds=DRAIN_S):

@@ -15,6 +15,7 @@ from ..checks.collect import pci_link
 from ..checks.numerics_measure import NumericsRepeat, start_numerics
 from ..core.base import _screen_median, first_line, first_text_line, is_tool_error
 from ..core.deadlines import NODE_SMI_S
+from ..core.files import child_finish, child_start, run_bounded
 from ..core.names import throttle_names
 
 # What the performance screen measures (section `screen` judges it). GPU: each measurement runs about
@@ -78,23 +79,13 @@ def read_node_smi(exe, bound=NODE_SMI_S, box=None):
     or {'unread': why, 'bound': bound}. The node leader calls it once; rank 0 gives each rank its GPU's row.
     box: where the child is kept (box['proc']) for whoever stops waiting for it earlier."""
     cmd = [exe, "--query-gpu=" + ",".join(NODE_SMI_FIELDS), "--format=csv,noheader,nounits"]
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)  # its own group: a wrapper's children die too
-    except OSError as e:
-        return {"unread": f"nvidia-smi could not start: {e.strerror or e}", "bound": bound}
-    if box is not None:
-        box["proc"] = proc
-    try:
-        out, err = proc.communicate(timeout=bound)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return {"unread": f"nvidia-smi gave no answer within {bound:g}s", "bound": bound}
-    if proc.returncode != 0:
+    r = run_bounded(cmd, bound, box, "nvidia-smi")  # its own group: a wrapper's children die too; reaped bounded
+    if "unread" in r:
+        return {"unread": r["unread"], "bound": bound}
+    out, err = r["out"], r["err"]
+    if r["rc"] != 0:
         why = first_text_line(err or out)
-        return {"unread": f"nvidia-smi exited {proc.returncode}" + (f": {why}" if why else ""), "bound": bound}
+        return {"unread": f"nvidia-smi exited {r['rc']}" + (f": {why}" if why else ""), "bound": bound}
     return {"gpus": parse_node_smi(out)}
 
 
@@ -154,25 +145,23 @@ class SmiProbe:
             cmd = [self.exe, "--query-gpu=" + ",".join(self.variants.pop(0)), "--format=csv,noheader,nounits",
                    "-i", self.uuid]
             try:
-                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                             stderr=subprocess.DEVNULL, text=True)
+                self.proc = child_start(cmd, stderr=subprocess.DEVNULL)
             except OSError:
                 self.proc = None
 
     def finish(self, load):
-        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts."""
+        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts. Its output
+        is read, and it is reaped, by the one bounded child helper (child_finish)."""
         while self.proc is not None:
-            if self.proc.poll() is None:
-                if time.monotonic() - self.t0 > SCREEN_SMI_S:
-                    self.proc.kill()
-                    self.proc.wait()
-                    return {"smi_unread": SCREEN_SMI_S}
+            left = SCREEN_SMI_S - (time.monotonic() - self.t0)
+            if self.proc.poll() is None and left > 0:
                 load()
                 continue
-            text = self.proc.stdout.read()
-            self.proc.stdout.close()
-            if self.proc.returncode == 0:
-                return parse_smi(text)
+            r = child_finish(self.proc, max(0.0, left), "nvidia-smi")
+            if "unread" in r:
+                return {"smi_unread": SCREEN_SMI_S}
+            if r["rc"] == 0:
+                return parse_smi(r["out"])
             self._start()
         return {}
 
