@@ -13215,7 +13215,7 @@ class Follower(ScreenFollower, RankRun):
         host0 = (self.master or {}).get("host", self.addr)
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
                                        f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
-                                       f"({first_line(exc)})", "link"))
+                                       f"({first_line(exc)}){self.rank0_state()}", self.rank0_evidence("link")))
 
     def expire(self, phase):
         """Speak for this rank (before the roll call) or for rank 0, which gave no verdict in time."""
@@ -13226,7 +13226,8 @@ class Follower(ScreenFollower, RankRun):
         host0 = (self.master or {}).get("host", self.addr)
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from "
                                        f"rank 0 ({host0}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "
-                                       f"is frozen, hung or unreachable{self.rank0_state()}", "stuck"))
+                                       f"is frozen, hung or unreachable{self.rank0_state()}",
+                                       self.rank0_evidence("stuck")))
 
     def signalled(self, signum, name, phase):
         """Post that this rank was terminated (so that rank 0 does not take it for dead), exit 128 + signal.
@@ -13285,12 +13286,21 @@ class Follower(ScreenFollower, RankRun):
             time.sleep(0.05)
         return self.verdict_seen is None
 
-    def rank0_state(self):
+    def rank0_liveness(self):
+        """Rank 0's process state where it runs on this node (running, stopped, gone), else None."""
         m = self.master or {}
         if m.get("host") != self.host or not m.get("pid"):
-            return ""
-        st = liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
-        return f" (rank 0's process on this node is {st})"
+            return None
+        return liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
+
+    def rank0_state(self):
+        st = self.rank0_liveness()
+        return f" (rank 0's process on this node is {st})" if st else ""
+
+    def rank0_evidence(self, otherwise):
+        """What a rank that got no verdict stands on: rank 0's own process state where this node sees it stopped
+        or gone (`process`: it names rank 0's host), else `otherwise` (`link`, `stuck`: nobody)."""
+        return "process" if self.rank0_liveness() in ("stopped", "gone") else otherwise
 
 
 
