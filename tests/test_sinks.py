@@ -215,6 +215,7 @@ def test_a_rank_that_lost_rank_0_on_another_node_names_nobody(tmp_path):
     assert v["failures"] == [line] and v["findings"][0]["blame"] == "link", v
 
 
+SECRET = {"AIV_JOB_SECRET": "5d1c0ffee" * 8}  # the job's secret: an authenticated side channel
 UNAME = """import os
 _uname = os.uname
 os.uname = lambda: os.uname_result(tuple(_uname())[:2] + ("9.9.9-other",) + tuple(_uname())[3:])
@@ -226,7 +227,7 @@ def test_strict_makes_a_kernel_unlike_the_others_a_fail_that_drains_nothing(tmp_
     exit 1 and n2 in failed_hosts, but no drain (before: `scontrol update nodename=n2 state=drain`)."""
     (tmp_path / "uname").mkdir()
     (tmp_path / "uname" / "sitecustomize.py").write_text(UNAME)
-    procs = start(3, tmp_path, ["--strict", "--skip-screen", *files(tmp_path)], env={"SLURM_JOB_ID": "77"},
+    procs = start(3, tmp_path, ["--strict", "--skip-screen", *files(tmp_path)], env={"SLURM_JOB_ID": "77", **SECRET},
                   per_rank={2: {"PYTHONPATH": tmp_path / "uname"}})
     out = finish(procs, 180)
     assert [rc for rc, _, _ in out] == [aiv.EXIT_FAIL] * 3, describe(out)
@@ -253,7 +254,8 @@ def test_a_forged_culprit_appears_in_no_sink(tmp_path):
     liveness post saying rank 1 on n1 is gone. Both are refused; the run FAILs naming the forgery, and neither
     forged culprit (nor any other host) is named by the JSON, the metrics, the page, the ACTION lines, the
     FAILURE lines or the drain."""
-    env = {"AIV_JOB_SECRET": "5d1c0ffee" * 8, "AIV_FAILPOINT": "pause=4:collective:1", "SLURM_JOB_ID": "77"}
+    env = {**SECRET, "AIV_FAILPOINT": "pause=8:collective:1", "SLURM_JOB_ID": "77"}
+    import torch.distributed  # noqa: F401  (the forger's, before the run: importing it takes seconds)
     port = free_port()
     procs = start(3, tmp_path, ["--skip-screen", "--timeout", 30, *files(tmp_path)], env=env, port=port)
     assert wait_for((tmp_path / "mark").exists), describe(finish([p for p in procs if p.kill() or True]))
