@@ -1,9 +1,10 @@
 """Floor 5 (runtime): rank 0's verdict, given once. Conclusion takes the run's facts as plain data (copied
 under the run's lock when the verdict began), the findings and a store client, and: audits the side
-channel, passes every finding through the blame gate, plans the drain, prints the report (the SUCCESS or
-FAILURE lines reach the log before anything slower), publishes the code, runs the drain, writes the files
-(each within OUTPUT_S), appends an `output` FAIL for a file that could not be written, saves the manifest and
-keeps the store up for the acknowledgements. No rank object in here: its inputs are explicit."""
+channel, passes every finding through the blame gate (with the run's hosts), plans the drain, writes the
+files asked for (each within OUTPUT_S; one that could not be written is an `output` FAIL of this verdict),
+and only then prints the report block with the run's one `Verdict:` line and publishes the code every rank
+exits with; then runs the drain (its outcome written into the files), saves the manifest and keeps the store
+up for the acknowledgements. No rank object in here: its inputs are explicit."""
 import contextlib
 import ipaddress
 import sys
