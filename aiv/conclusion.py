@@ -99,6 +99,7 @@ class Conclusion:
             if not failed:
                 break
             st, text = self.report(found, code)
+            self.on_code(st["exit_code"])  # the verdict's own bound, should the second writes not finish
         return st, text
 
     # ---------------------------------------------------------------- the state and the report
