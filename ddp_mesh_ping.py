@@ -11456,7 +11456,7 @@ class Conclusion:
 
     def report(self, found, code):
         """The drain planned, then -> (state, the report's text). A report that cannot be rendered is an
-        `internal` FAIL with the FAILURE lines alone (added to `found`)."""
+        `internal` FAIL (added to `found`): its text is the `Verdict:` line and the FAILURE lines alone."""
         try:
             self.drain = self.plan_drain(found, verdict_code(found) or code)
             self.failpoint("report", only=("raise",))
