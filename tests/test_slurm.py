@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import aiv
+from conftest import SCRIPT, aiv
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_SH = REPO / "tests" / "slurm_cluster.sh"
@@ -499,10 +499,13 @@ def test_rank0_that_gave_its_verdict_without_a_json_is_trusted_and_names_nobody(
     """Rank 0's python ends with its verdict's code but leaves no verdict JSON (its storage refused it; the log
     says so): the batch file takes rank 0's code and names no host. Before: a FAIL naming MASTER_ADDR, exit 3,
     whenever the JSON was missing. The stand-in for AIV_SCRIPT is rank 0 whose JSON write failed after its
-    verdict (and ranks that end with it); the batch file, srun and Slurm are real."""
+    verdict (and ranks that end with it); the batch file, srun and Slurm are real, and so is the tool that
+    writes the batch file's verdict (the stand-in hands that call to it)."""
     stand_in = tmp_path / "rank0_without_json.py"
     stand_in.write_text(
         "import os, sys\n"
+        "if os.environ.get('_AIV_FALLBACK_VERDICT'):\n"
+        f"    os.execv(sys.executable, [sys.executable, {str(SCRIPT)!r}] + sys.argv[1:])\n"
         "if os.environ.get('SLURM_PROCID') == '0':\n"
         "    print('Verdict: FAIL exit=1 (an output the run was asked for could not be written: the lines above)')\n"
         "    print('FAILURE: output: --json x could not be written: Read-only file system')\n"
@@ -514,6 +517,7 @@ def test_rank0_that_gave_its_verdict_without_a_json_is_trusted_and_names_nobody(
     v = load_json(js)
     assert (v["exit_code"], v["failed_hosts"], v["exclude"], v["written_by"]) == (1, [], "", "submit_smoke_test.sbatch")
     assert "gave its verdict (exit code 1, in the log) but no verdict JSON" in v["failures"][0], v
+    assert v["failures"][0] in log and v["failures"][0].endswith(" [no host named]"), log
     assert "left no verdict" not in log, log
 
 
