@@ -606,6 +606,9 @@ UNLOCALISED = {
                    "the switches and the fabric's configuration; then a re-run"),
     "link": ("the path between the nodes, not either node: each is at speed with other partners",
              "the cables and the switch path between them; a re-run with other partners"),
+    "forged": ("a value on the side channel failed authentication: the run's evidence came through a store written "
+               "from outside the job, so no host is named on it",
+               "a re-run with the job's secret (AIV_JOB_SECRET) on a MASTER_PORT nothing else reaches"),
     "undeclared": ("its check declares no evidence that names a host",
                    "a report of this line: a check must declare its evidence (docs/development.md)"),
 }
@@ -728,34 +731,57 @@ def unlocalised(f, kind, localise=None, why=None):
     return out
 
 
-def blame_gate(findings):
-    """The one gate every finding passes at the verdict (pure). A WARN or FAIL keeps its hosts only when
-    localises(f); one naming hosts without such evidence is turned into unlocalised(f, ...) (its evidence
-    kept when it is an UNLOCALISED kind, else 'undeclared'). PASS findings are untouched. -> new findings."""
+def blame_gate(findings, hosts=(), nodes=0):
+    """The one gate every finding passes at the verdict (pure); every sink (report, ACTION, JSON, metrics, page,
+    drain, the fallback verdicts) reads the hosts of what it returns, never a finding's own. hosts: the run's
+    hosts (the roll call's), nodes: the allocation's node count where known. In order:
+    - a WARN or FAIL keeps its hosts only when localises(f); one naming hosts without such evidence is turned
+      into unlocalised(f, ...) (its evidence kept when it is an UNLOCALISED kind, else 'undeclared');
+    - a FAIL carrying `tamper` (a value on the side channel refused) names nobody, and no finding names a host
+      (`forged`): the run's evidence came through that store;
+    - a finding naming more than half of the run's hosts, or FAILs naming more than half of them together,
+      name none (`widespread`, marked so: nothing is drained), on any evidence: "most of the job" is not a
+      host's fault. A run of one host (or a call that gives neither hosts nor nodes) has no such guard.
+    PASS findings are untouched. -> new findings."""
+    out = [f if f["status"] == "PASS" or localises(f) or not (f["hosts"] or f.get("blame") in UNLOCALISED)
+           else unlocalised(f, f.get("blame") if f.get("blame") in UNLOCALISED else "undeclared") for f in findings]
+    if any(f.get("tamper") and f["status"] == "FAIL" for f in out):
+        return [unlocalised(f, "forged") if f["status"] != "PASS" and f["hosts"] else f for f in out]
+    return _widespread(out, hosts, nodes)
+
+
+def _widespread(findings, hosts, nodes):
+    """blame_gate's minority guard: the findings that would name more than half of the run's hosts, made
+    `widespread` (see blame_gate)."""
+    named = {h for f in findings if f["status"] != "PASS" for h in f["hosts"]}
+    failed = {h for f in findings if f["status"] == "FAIL" for h in f["hosts"]}
+    n = max(len(set(hosts) | named), nodes or 0)
+    if n < 2 or not (hosts or nodes):  # the run's hosts not known (a unit of a judge): nothing to weigh against
+        return findings
     out = []
     for f in findings:
-        if f["status"] == "PASS" or localises(f):
+        wide = f["hosts"] if 2 * len(f["hosts"]) > n else failed if f["status"] == "FAIL" and 2 * len(failed) > n \
+            else None
+        if f["status"] == "PASS" or not wide:
             out.append(f)
-        elif f["hosts"] or f.get("blame") in UNLOCALISED:
-            ev = f.get("blame")
-            out.append(unlocalised(f, ev if ev in UNLOCALISED else "undeclared"))
-        else:
-            out.append(f)
+            continue
+        why = (f"it would name {len(wide)} of the run's {n} nodes, more than half: a cause that wide is a switch, "
+               "the fabric, the software image or their configuration, not those nodes")
+        out.append(dict(unlocalised(f, "widespread", why=why), widespread=True))
     return out
 
 
 def blamed_hosts(findings):
-    """The hosts the gated findings blame: every FAIL's hosts (a finding standing on a value refused by the
-    side channel blames nobody: the run's evidence came through a store written from outside)."""
-    if any(f.get("tamper") and f["status"] == "FAIL" for f in findings):
-        return []
+    """The hosts the gated findings blame: every FAIL's hosts (blame_gate has already taken them away where the
+    run's evidence came through a store written from outside, or where they are most of the run)."""
     return sorted({h for f in findings if f["status"] == "FAIL" and localises(f) for h in f["hosts"]})
 
 
 def drainable(f):
     """Whether a gated FAIL may drain its hosts: its check declares its evidence persistent (CHECK_RULES
-    drain); a check that says nothing drains nothing."""
-    return (f["status"] == "FAIL" and bool(f["hosts"]) and localises(f)
+    drain); a check that says nothing drains nothing, and a WARN made a FAIL by --strict (`strict`) never
+    drains."""
+    return (f["status"] == "FAIL" and bool(f["hosts"]) and localises(f) and not f.get("strict")
             and f.get("blame") in CHECK_RULES[f["check"]]["drain"])
 
 
@@ -874,7 +900,8 @@ def deadlines(timeout, rollcall_timeout, soak=0.0):
 
 def worst_case(table, bandwidth=False, screen=True, soak=False):
     """The longest a run can take to its verdict: every phase at its bound, then naming and acks. The
-    verdict's own backstop (VERDICT_S) is not counted: the code is on the store before any file is written."""
+    verdict's own backstop (VERDICT_S) is not counted: the code is on the store before the drain, the manifest
+    and the acknowledgements (the files asked for come before it, each within OUTPUT_S)."""
     return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
                and (screen or p not in SCREEN_PHASES) and p != "verdict") + NAMING_S + ACKS_S
 
@@ -5027,9 +5054,10 @@ def judge_bandwidth(results, min_busbw=None):
 
 
 def apply_strict(findings, strict):
+    """--strict: every WARN a FAIL, marked `strict` (named as its evidence allows, never drained: drainable)."""
     if not strict:
         return findings
-    return [dict(f, status="FAIL") if f["status"] == "WARN" else f for f in findings]
+    return [dict(f, status="FAIL", strict=True) if f["status"] == "WARN" else f for f in findings]
 
 
 UNFINISHED_WORDS = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",
@@ -8816,8 +8844,14 @@ def action_lines(findings):
     return out
 
 
+NO_HOST_MARK = "[no host named]"  # ends every FAILURE line that names no host: grep -v it for the localised ones
+
+
 def failure_lines(findings):
-    return [f"FAILURE: {f['check']}: {f['reason']}" for f in findings if f["status"] == "FAIL"]
+    """One `FAILURE: <check>: <reason>` line per FAIL; a FAIL that names no host (after the gate) ends with
+    NO_HOST_MARK, so that a grep tells an unlocalised line from one that names its culprits."""
+    return [f"FAILURE: {f['check']}: {f['reason']}" + ("" if f.get("hosts") else f" {NO_HOST_MARK}")
+            for f in findings if f["status"] == "FAIL"]
 
 
 def render_drain(drain):
@@ -9181,6 +9215,45 @@ def verdict_state(run, found, code, drain):
             "phase_starts": run["starts"], "collectives": run.get("collectives"), "screen": screen,
             "soak": run.get("soak"), "ranks": [rank_record(r) for r in run["records"]], "env": safe_env(run["env"]),
             **({"notes": [note]} if note else {})}
+
+
+# Why a verdict written where rank 0 left none names nobody, and what would localise it, by its evidence.
+RANK0_LOST = {
+    "link": ("the connection to rank 0's store broke: rank 0's process, its node and the network between them "
+             "cannot be told apart from here",
+             "rank 0's node's own state (its kernel log, whether its process died) and a re-run: a rank 0 seen dead "
+             "on its own node is named"),
+    "stuck": ("rank 0 gave no verdict within its bound and nothing here shows why: frozen, hung, unreachable or "
+              "only slow",
+              "rank 0's node's own state (its kernel log, its process) and a re-run, or a longer bound on a loaded "
+              "node (--timeout)"),
+}
+
+
+def rank0_lost(reason, host0, kind, code=EXIT_TIMEOUT, check="rendezvous"):
+    """The finding of a rank (or the batch file) that got no verdict from rank 0 on host0, on evidence `kind`:
+    `process` (rank 0's process seen gone on its own node) may name host0; `link` and `stuck` never do (the
+    gate turns them into a finding naming nobody, with RANK0_LOST's words); `signal` (the job was cancelled)
+    nor any other."""
+    f = finding(check, "FAIL", reason, [host0] if host0 else [], code=code, blame=kind or None)
+    if kind in RANK0_LOST:
+        f["unlocalised"] = {"why": RANK0_LOST[kind][0], "localise": RANK0_LOST[kind][1]}
+    return f
+
+
+def fallback_verdict(found, code, world, written_by, hosts=()):
+    """The verdict JSON written where rank 0 left none (pure): by the first rank that lost rank 0
+    (Follower.speak_for_rank0) or by the batch file (--fallback: write_fallback). Its findings pass the same
+    gate as rank 0's (a lost connection is `link`, a silent rank 0 `stuck`: they name nobody; a rank 0 seen
+    dead on its node is `process`), and failed_hosts, exclude and `failures` are read from what it let
+    through. hosts: the run's hosts where known."""
+    found = blame_gate(found, hosts)
+    failed = blamed_hosts(found)
+    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code, "world_size": world,
+            "findings": found, "failures": failure_lines(found), "failed_hosts": failed,
+            "exclude": compress_hostlist(failed) if failed else "", "drain_command": "",
+            "interrupted": code == EXIT_INTERRUPTED, "written_by": written_by}
 
 
 
@@ -9551,17 +9624,13 @@ def _html_worst(levels):
 
 
 def _html_node_levels(state):
-    """{host: 'FAIL'|'WARN'} for flagged nodes: failed hosts, hosts of WARN/FAIL findings, suspect links."""
+    """{host: 'FAIL'|'WARN'} for flagged nodes: the hosts the gated WARN/FAIL findings name (blame_gate), the
+    same as failed_hosts for the FAILs. A suspect link colours no node: it is the path's (the pair view)."""
     out = {}
-    for s in state.get("suspect_links") or []:
-        for h in s.get("hosts") or []:
-            out[h] = "WARN"
     for f in state.get("findings") or []:
         if f.get("status") in ("WARN", "FAIL"):
             for h in f.get("hosts") or []:
                 out[h] = _html_worst([out.get(h), f["status"]])
-    for h in state.get("failed_hosts") or []:
-        out[h] = "FAIL"
     return out
 
 
@@ -11660,16 +11729,16 @@ class Conclusion:
         self.drain = None
 
     def give(self, found, code):
-        """-> the exit code. A report that cannot be rendered is an `internal` FAIL with the FAILURE lines alone
-        (and drains nobody); the files are written either way."""
-        found = blame_gate(list(found) + self.side_channel())  # the blame law: only evidence names a host
-        st, text = self.report(found, code)
-        if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
-            st, text = self.report(found, st["exit_code"])
+        """-> the exit code, decided once (decide: the outputs asked for are written first, and one that could
+        not be is a FAIL of the verdict), then the report block with the run's one `Verdict:` line, then the
+        code published on the store: every rank exits with it. After it only the drain's outcome and the
+        manifest's lines follow (neither changes the code)."""
+        found = blame_gate(list(found) + self.side_channel(), *self.run_hosts())  # the law: only evidence names
+        st, text = self.decide(found, code)
         code = st["exit_code"]
         self.on_code(code)
         self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code, counts=_counts(found))
-        emit(text)  # the verdict's lines first: everything after this may be slow (scontrol, shared storage)
+        emit(text)  # the verdict's lines before anything slower (scontrol, the manifest, the acknowledgements)
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.publish_verdict(code)
@@ -11680,17 +11749,7 @@ class Conclusion:
             st = self.state(found, code)
             emit("\n".join(render_drain(self.drain) + [f"  [{f['status']}] {f['check']}: {f['reason']}"
                                                        for f in warns]))
-        unwritten = self.write_files(st)
-        if unwritten:  # an output the operator asked for is missing: never a silent exit 0
-            found += [finding("output", "FAIL", f"--{flag} {path} could not be written: {why}; the verdict is in "
-                              "this log (fix the path or its storage)") for flag, path, why in unwritten]
-            st = self.state(found, code)
-            code = st["exit_code"]
-            self.on_code(code)
-            emit("\n".join(failure_lines(found[-len(unwritten):])
-                           + [f"Verdict: {st['verdict']} exit={code} (an output the run was asked for could not be "
-                              "written: the lines above)"]))
-            self.write_files(st, skip={flag for flag, _, _ in unwritten})  # the others say what the log says
+            self.write_files(st)  # the drain's outcome into the files; one that fails now is said on stderr
         if getattr(self.args, "save_manifest", None):  # after the report and the JSON: shared storage may be slow
             before = len(st["findings"])
             note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
@@ -11701,13 +11760,35 @@ class Conclusion:
             self.wait_acks(code)
         return code
 
+    def decide(self, found, code):
+        """The verdict, whole: the drain planned, the report rendered, the files asked for written (each within
+        OUTPUT_S). A file that could not be written is an `output` FAIL (never a silent exit 0): the report is
+        rendered again with it, and the files that were written are written again, so that they say what the
+        log says. -> (state, the report's text). `found` grows with what it adds."""
+        st, text = self.report(found, code)
+        if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
+            st, text = self.report(found, st["exit_code"])
+        failed = set()
+        for _ in range(2):  # the files, then once more those written, when one could not be
+            unwritten = self.write_files(st, skip=failed)
+            if failed and not unwritten:
+                break
+            found += [finding("output", "FAIL", f"--{flag} {path} could not be written: {why}; the verdict is in "
+                              "this log (fix the path or its storage)") for flag, path, why in unwritten]
+            failed |= {flag for flag, _, _ in unwritten}
+            if not failed:
+                break
+            st, text = self.report(found, code)
+            self.on_code(st["exit_code"])  # the verdict's own bound, should the second writes not finish
+        return st, text
+
     # ---------------------------------------------------------------- the state and the report
     def state(self, found, code):
         return verdict_state(dict(self.run, elapsed_s=elapsed()), found, verdict_code(found) or code, self.drain)
 
     def report(self, found, code):
         """The drain planned, then -> (state, the report's text). A report that cannot be rendered is an
-        `internal` FAIL with the FAILURE lines alone (added to `found`)."""
+        `internal` FAIL (added to `found`): its text is the `Verdict:` line and the FAILURE lines alone."""
         try:
             self.drain = self.plan_drain(found, verdict_code(found) or code)
             self.failpoint("report", only=("raise",))
@@ -11718,7 +11799,14 @@ class Conclusion:
             found.append(internal_finding(e, f"rank 0 on {self.run['host']}, rendering the report"))
             self.drain = self.plan_drain(found, verdict_code(found) or code)
             st = self.state(found, code)
-            return st, "\n".join(failure_lines(found))
+            return st, "\n".join([f"Verdict: {st['verdict']} exit={st['exit_code']} (the report could not be "
+                                  "rendered: the lines below)"] + failure_lines(found))
+
+    def run_hosts(self):
+        """The run's hosts and its allocation's node count, for the gate's minority guard."""
+        run = self.run
+        hosts = set(run["host_of"].values()) | {rec["host"] for rec in run["records"]}
+        return hosts, run["expect"].get("nodes") or 0
 
     def plan_drain(self, found, code):
         """--drain at the verdict (drain_plan, pure): what to drain, or why nothing; run once the verdict's lines
@@ -13460,7 +13548,7 @@ class Follower(ScreenFollower, RankRun):
         host0 = (self.master or {}).get("host", self.addr)
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
                                        f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
-                                       f"({first_line(exc)})"))
+                                       f"({first_line(exc)}){self.rank0_state()}", self.rank0_evidence("link")))
 
     def expire(self, phase):
         """Speak for this rank (before the roll call) or for rank 0, which gave no verdict in time."""
@@ -13471,7 +13559,8 @@ class Follower(ScreenFollower, RankRun):
         host0 = (self.master or {}).get("host", self.addr)
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from "
                                        f"rank 0 ({host0}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "
-                                       f"is frozen, hung or unreachable{self.rank0_state()}"))
+                                       f"is frozen, hung or unreachable{self.rank0_state()}",
+                                       self.rank0_evidence("stuck")))
 
     def signalled(self, signum, name, phase):
         """Post that this rank was terminated (so that rank 0 does not take it for dead), exit 128 + signal.
@@ -13481,30 +13570,32 @@ class Follower(ScreenFollower, RankRun):
             host0 = (self.master or {}).get("host", self.addr)
             self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank 0 ({host0}) died during {phase} before its "
                                            f"verdict (its process is gone); {name} then stopped rank {self.rank} "
-                                           f"({self.host})"))
+                                           f"({self.host})", "process"))
         if self.proto is not None:
             line = f"rank {self.rank} ({self.host}): terminated by {name} during {phase}"
             bounded(lambda: self.proto.clone().report_error(self.rank, phase, line, EXIT_INTERRUPTED, term=True),
                     STORE_OP_S)
         self.exit(128 + signum)
 
-    def speak_for_rank0(self, line):
-        """Rank 0 gave no verdict: say so once per node, and leave a FAIL JSON naming rank 0's host
-        where rank 0 left none (the batch file ends the step once a verdict JSON exists). A rank that
-        refused a forged value names that instead, and nobody (judge_forged). The listener and the main
-        thread can both get here: the second waits (for ever: the first exits) until the first has
-        written the JSON. -> the exit code."""
+    def speak_for_rank0(self, line, kind):
+        """Rank 0 gave no verdict: say so once per node, and leave a FAIL JSON where rank 0 left none (the batch
+        file ends the step once a verdict JSON exists). line: `FAILURE: rendezvous: ...`; kind: the evidence it
+        stands on (`link`: the store connection broke; `stuck`: no verdict in time; `process`: rank 0's process
+        seen gone on this node): the one fallback writer (fallback_verdict) gates it, so only `process` names
+        rank 0's host. A rank that refused a forged value names that instead, and nobody (judge_forged). The
+        listener and the main thread can both get here: the second waits (for ever: the first exits) until
+        the first has written the JSON. -> the exit code."""
         self.speak_lock.acquire()
-        host0, code = [(self.master or {}).get("host", self.addr)], EXIT_TIMEOUT
+        host0, code = (self.master or {}).get("host", self.addr), EXIT_TIMEOUT
+        found = [rank0_lost(line.split(": ", 2)[-1], host0, kind, code)]
         if self.proto is not None and self.proto.forged:
-            line = "\n".join(failure_lines(judge_forged(self.proto.forged, f"{self.addr}:{self.port}")))
-            host0, code = [], EXIT_FAIL
-        if not self.speak_for_node(line) or not self.args.json or os.path.exists(self.args.json):
+            found, code = judge_forged(self.proto.forged, f"{self.addr}:{self.port}"), EXIT_FAIL
+        state = fallback_verdict(found, code, self.world, f"rank {self.rank} ({self.host})",
+                                 set(self.host_of.values()) if getattr(self, "host_of", None) else ())
+        if not self.speak_for_node("\n".join(state["failures"])) or not self.args.json \
+                or os.path.exists(self.args.json):
             return code
-        self.write_json({"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-                         "verdict": "FAIL", "exit_code": code, "world_size": self.world,
-                         "failures": line.splitlines(), "failed_hosts": host0, "exclude": ",".join(host0),
-                         "drain_command": "", "written_by": f"rank {self.rank} ({self.host})"}, first=True)
+        self.write_json(state, first=True)
         return code
 
     def signalled_within(self, seconds):
@@ -13528,12 +13619,21 @@ class Follower(ScreenFollower, RankRun):
             time.sleep(0.05)
         return self.verdict_seen is None
 
-    def rank0_state(self):
+    def rank0_liveness(self):
+        """Rank 0's process state where it runs on this node (running, stopped, gone), else None."""
         m = self.master or {}
         if m.get("host") != self.host or not m.get("pid"):
-            return ""
-        st = liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
-        return f" (rank 0's process on this node is {st})"
+            return None
+        return liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
+
+    def rank0_state(self):
+        st = self.rank0_liveness()
+        return f" (rank 0's process on this node is {st})" if st else ""
+
+    def rank0_evidence(self, otherwise):
+        """What a rank that got no verdict stands on: rank 0's own process state where this node sees it stopped
+        or gone (`process`: it names rank 0's host), else `otherwise` (`link`, `stuck`: nobody)."""
+        return "process" if self.rank0_liveness() in ("stopped", "gone") else otherwise
 
 
 
@@ -14572,6 +14672,25 @@ def probe(fn, what, prefix="FAILURE: usage: "):
                          "point them at storage that answers, or leave them out") from None
 
 
+FALLBACK_VAR = "_AIV_FALLBACK_VERDICT"  # set by submit_smoke_test.sbatch: write the verdict rank 0 left none of
+
+
+def write_fallback(argv):
+    """The batch file's verdict where rank 0 left none, through the one fallback writer (fallback_verdict, the
+    gate): argv PATH CODE CHECK BLAME REASON [HOST]. Prints its FAILURE line and writes PATH unless a verdict
+    JSON is there already (the first writer wins). -> 0 written (or already there), 1 not written."""
+    path, code, check, blame, reason, *hosts = argv
+    state = fallback_verdict([rank0_lost(reason, (hosts or [None])[0], blame, int(code), check)], int(code), None,
+                             "submit_smoke_test.sbatch")
+    emit("\n".join(state["failures"]))
+    try:
+        within(lambda: write_json_atomic(path, state, first=True), OUTPUT_S, f"writing the verdict JSON {path}")
+    except OSError as e:  # BoundPassed too
+        emit(f"WARNING: could not write the verdict JSON {path}: {first_line(e)}", sys.stderr)
+        return EXIT_FAIL
+    return EXIT_PASS
+
+
 def rank_run(args, contract, env):
     """The role of this rank: Coordinator on rank 0, Follower on every other."""
     return (Coordinator if contract["rank"] == 0 else Follower)(args, contract, env)
@@ -14611,6 +14730,8 @@ def main(argv=None):
                  f"{where_raised(e)} (a bug in the tool): rank 0 reads this node's ranks from their beats alone",
                  sys.stderr)  # where a node monitor is started by hand; a rank's monitor has no stderr (srun)
             return EXIT_INTERNAL
+    if FALLBACK_VAR in env:  # the batch file's verdict where rank 0 left none
+        return write_fallback(argv)
     if WORKER_VAR in env:  # a device worker of --node-check
         return node_worker(json.loads(env[WORKER_VAR]))
     try:

@@ -45,7 +45,7 @@ def test_the_gate_keeps_hosts_only_on_declared_evidence():
     assert aiv.blamed_hosts(out) == ["n2"]
     assert [aiv.drainable(f) for f in out] == [True, False, False, False, False]
     tamper = dict(aiv.finding("rendezvous", "FAIL", "forged"), tamper=True)
-    assert aiv.blamed_hosts(out + [tamper]) == []          # evidence through a forged store blames nobody
+    assert aiv.blamed_hosts(aiv.blame_gate(out + [tamper])) == []  # evidence through a forged store blames nobody
 
 
 def test_majorities():
@@ -152,7 +152,7 @@ def judge_everything(records, results, rows, world):
     screen = {"cpu": False, "gpu": rows, "intra": [], "pairs": []}
     found = (aiv.judge_all(records, world, expect, results=results) + aiv.judge_ddp_grads(records, results)
              + aiv.judge_screen(screen))
-    return aiv.blame_gate(found)
+    return aiv.blame_gate(found, set(host_of.values()))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

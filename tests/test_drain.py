@@ -51,6 +51,9 @@ def test_a_host_culprit_is_recommended_with_the_exact_command():
     # a check that declares no drain (a WARN made a FAIL by --strict)
     ("no failed check names a host", aiv.apply_strict([aiv.finding("numa", "WARN", "far", ["node2"], blame="own")],
                                                       True)),
+    # a WARN made a FAIL by --strict on evidence its check does drain on: a kernel unlike the majority's
+    ("no failed check names a host", aiv.apply_strict([aiv.finding("versions", "WARN", "kernel differs", ["node2"],
+                                                                   blame="majority")], True)),
     ("not a Slurm job", None),
 ])
 def test_nothing_is_drained_without_evidence_that_persists(why, findings):

@@ -236,11 +236,12 @@ def test_a_requested_output_that_cannot_be_written_fails_the_run_on_stdout(tmp_p
         subprocess.run(["chattr", "-i", str(jp)], capture_output=True)
     rc0, log = out[0]
     assert rc0 == aiv.EXIT_FAIL, log
-    # the verdict's lines came first (storage is slower than the log), the output FAIL after them, and the log
-    # ends with the verdict that stands: --verify-log refuses it
+    # the verdict is decided once, after the files were tried: one `Verdict: FAIL exit=1` line, the output's
+    # FAILURE line after it, no SUCCESS line; --verify-log refuses it
     lines = log.splitlines()
     fail = lines.index(next(ln for ln in lines if ln.startswith(f"FAILURE: output: --json {jp} could not be written")))
-    assert lines.index(aiv.SUCCESS_LINE) < fail and lines[-1].startswith("Verdict: FAIL exit=1"), log
+    (verdict,) = [i for i, ln in enumerate(lines) if ln.startswith("Verdict:")]
+    assert lines[verdict].startswith("Verdict: FAIL exit=1") and verdict < fail and aiv.SUCCESS_LINE not in lines, log
     log_file = tmp_path / "run.log"
     log_file.write_text(log)
     r = subprocess.run([sys.executable, str(ROOT / "ddp_mesh_ping.py"), "--verify-log", str(log_file)],

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import aiv
+from conftest import SCRIPT, aiv
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_SH = REPO / "tests" / "slurm_cluster.sh"
@@ -457,9 +457,11 @@ def test_busy_forced_master_port_fails(cluster, capsys, record_property):
 
 def test_rank0_dies_batch_file_writes_fail_json(cluster, capsys, record_property):
     """Rank 0 is SIGKILLed at the roll call: no verdict from the preflight.  Whoever notices first writes
-    the FAIL verdict naming node1, exit 3, long before the others' --timeout 20: the batch file (rank 0's
-    python ended without a JSON) or any other rank, rank 1 on node1 included (its store connection to
-    rank 0 is gone).  The first writer wins, atomically; the others never replace it."""
+    the FAIL verdict, exit 3, long before the others' --timeout 20: the batch file (rank 0's python ended
+    without a JSON) or any other rank, rank 1 on node1 included (its store connection to rank 0 is gone).
+    Both go through the one fallback writer and the gate: a lost connection (`link`) and a missing verdict
+    (`stuck`) name nobody (before: node1, and MASTER_ADDR, an address, from the batch file).  The first
+    writer wins, atomically; the others never replace it."""
     job = cluster.submit(*SHAPE, script_args=("--timeout", "20"), AIV_FAILPOINT="die:rendezvous:0")
     state, code, _ = cluster.wait(job)
     assert (state, code) == ("FAILED", "3:0"), describe(cluster, job)
@@ -467,11 +469,12 @@ def test_rank0_dies_batch_file_writes_fail_json(cluster, capsys, record_property
     verdict = load_json(js)
     assert verdict["schema_version"] == 1 and verdict["tool"] == "ai-infra-validator"
     assert (verdict["verdict"], verdict["exit_code"]) == ("FAIL", 3), verdict
-    assert verdict["failed_hosts"] == ["node1"] and verdict["exclude"] == "node1", verdict
+    assert verdict["failed_hosts"] == [] and verdict["exclude"] == "", verdict
     assert len(verdict["failures"]) == 1, verdict
     line = verdict["failures"][0]
+    assert line.endswith(" [no host named]") and "no host is named" in line, line
     if verdict["written_by"] == "submit_smoke_test.sbatch":
-        assert re.fullmatch(r"FAILURE: rendezvous: rank 0 on node1 left no verdict \(srun exit code \d+\)", line), line
+        assert re.match(r"FAILURE: rendezvous: rank 0 on node1 left no verdict \(srun exit code \d+\); ", line), line
     else:
         writer = re.fullmatch(r"rank ([123]) \((node[12])\)", verdict["written_by"])
         assert writer and writer[2] == ("node1" if writer[1] == "1" else "node2"), verdict
@@ -496,10 +499,13 @@ def test_rank0_that_gave_its_verdict_without_a_json_is_trusted_and_names_nobody(
     """Rank 0's python ends with its verdict's code but leaves no verdict JSON (its storage refused it; the log
     says so): the batch file takes rank 0's code and names no host. Before: a FAIL naming MASTER_ADDR, exit 3,
     whenever the JSON was missing. The stand-in for AIV_SCRIPT is rank 0 whose JSON write failed after its
-    verdict (and ranks that end with it); the batch file, srun and Slurm are real."""
+    verdict (and ranks that end with it); the batch file, srun and Slurm are real, and so is the tool that
+    writes the batch file's verdict (the stand-in hands that call to it)."""
     stand_in = tmp_path / "rank0_without_json.py"
     stand_in.write_text(
         "import os, sys\n"
+        "if os.environ.get('_AIV_FALLBACK_VERDICT'):\n"
+        f"    os.execv(sys.executable, [sys.executable, {str(SCRIPT)!r}] + sys.argv[1:])\n"
         "if os.environ.get('SLURM_PROCID') == '0':\n"
         "    print('Verdict: FAIL exit=1 (an output the run was asked for could not be written: the lines above)')\n"
         "    print('FAILURE: output: --json x could not be written: Read-only file system')\n"
@@ -511,6 +517,7 @@ def test_rank0_that_gave_its_verdict_without_a_json_is_trusted_and_names_nobody(
     v = load_json(js)
     assert (v["exit_code"], v["failed_hosts"], v["exclude"], v["written_by"]) == (1, [], "", "submit_smoke_test.sbatch")
     assert "gave its verdict (exit code 1, in the log) but no verdict JSON" in v["failures"][0], v
+    assert v["failures"][0] in log and v["failures"][0].endswith(" [no host named]"), log
     assert "left no verdict" not in log, log
 
 

@@ -1,7 +1,7 @@
 """The verdict's path and its bounds, with real processes: a rank that fails before the roll call tells rank 0
 why, so the run ends in seconds and not at the roll call's bound (naming its host for its own fault, nobody for
-the tool's); the probes before torch are bounded (a manifest that never answers); the verdict's lines reach
-the log before the files are written."""
+the tool's); the probes before torch are bounded (a manifest that never answers). That the verdict's lines
+come once, after the files asked for were tried, is held in tests/test_sinks.py."""
 import json
 import os
 import subprocess

@@ -644,9 +644,10 @@ def judge_bandwidth(results, min_busbw=None):
 
 
 def apply_strict(findings, strict):
+    """--strict: every WARN a FAIL, marked `strict` (named as its evidence allows, never drained: drainable)."""
     if not strict:
         return findings
-    return [dict(f, status="FAIL") if f["status"] == "WARN" else f for f in findings]
+    return [dict(f, status="FAIL", strict=True) if f["status"] == "WARN" else f for f in findings]
 
 
 UNFINISHED_WORDS = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",

@@ -42,6 +42,9 @@ UNLOCALISED = {
                    "the switches and the fabric's configuration; then a re-run"),
     "link": ("the path between the nodes, not either node: each is at speed with other partners",
              "the cables and the switch path between them; a re-run with other partners"),
+    "forged": ("a value on the side channel failed authentication: the run's evidence came through a store written "
+               "from outside the job, so no host is named on it",
+               "a re-run with the job's secret (AIV_JOB_SECRET) on a MASTER_PORT nothing else reaches"),
     "undeclared": ("its check declares no evidence that names a host",
                    "a report of this line: a check must declare its evidence (docs/development.md)"),
 }
@@ -164,34 +167,57 @@ def unlocalised(f, kind, localise=None, why=None):
     return out
 
 
-def blame_gate(findings):
-    """The one gate every finding passes at the verdict (pure). A WARN or FAIL keeps its hosts only when
-    localises(f); one naming hosts without such evidence is turned into unlocalised(f, ...) (its evidence
-    kept when it is an UNLOCALISED kind, else 'undeclared'). PASS findings are untouched. -> new findings."""
+def blame_gate(findings, hosts=(), nodes=0):
+    """The one gate every finding passes at the verdict (pure); every sink (report, ACTION, JSON, metrics, page,
+    drain, the fallback verdicts) reads the hosts of what it returns, never a finding's own. hosts: the run's
+    hosts (the roll call's), nodes: the allocation's node count where known. In order:
+    - a WARN or FAIL keeps its hosts only when localises(f); one naming hosts without such evidence is turned
+      into unlocalised(f, ...) (its evidence kept when it is an UNLOCALISED kind, else 'undeclared');
+    - a FAIL carrying `tamper` (a value on the side channel refused) names nobody, and no finding names a host
+      (`forged`): the run's evidence came through that store;
+    - a finding naming more than half of the run's hosts, or FAILs naming more than half of them together,
+      name none (`widespread`, marked so: nothing is drained), on any evidence: "most of the job" is not a
+      host's fault. A run of one host (or a call that gives neither hosts nor nodes) has no such guard.
+    PASS findings are untouched. -> new findings."""
+    out = [f if f["status"] == "PASS" or localises(f) or not (f["hosts"] or f.get("blame") in UNLOCALISED)
+           else unlocalised(f, f.get("blame") if f.get("blame") in UNLOCALISED else "undeclared") for f in findings]
+    if any(f.get("tamper") and f["status"] == "FAIL" for f in out):
+        return [unlocalised(f, "forged") if f["status"] != "PASS" and f["hosts"] else f for f in out]
+    return _widespread(out, hosts, nodes)
+
+
+def _widespread(findings, hosts, nodes):
+    """blame_gate's minority guard: the findings that would name more than half of the run's hosts, made
+    `widespread` (see blame_gate)."""
+    named = {h for f in findings if f["status"] != "PASS" for h in f["hosts"]}
+    failed = {h for f in findings if f["status"] == "FAIL" for h in f["hosts"]}
+    n = max(len(set(hosts) | named), nodes or 0)
+    if n < 2 or not (hosts or nodes):  # the run's hosts not known (a unit of a judge): nothing to weigh against
+        return findings
     out = []
     for f in findings:
-        if f["status"] == "PASS" or localises(f):
+        wide = f["hosts"] if 2 * len(f["hosts"]) > n else failed if f["status"] == "FAIL" and 2 * len(failed) > n \
+            else None
+        if f["status"] == "PASS" or not wide:
             out.append(f)
-        elif f["hosts"] or f.get("blame") in UNLOCALISED:
-            ev = f.get("blame")
-            out.append(unlocalised(f, ev if ev in UNLOCALISED else "undeclared"))
-        else:
-            out.append(f)
+            continue
+        why = (f"it would name {len(wide)} of the run's {n} nodes, more than half: a cause that wide is a switch, "
+               "the fabric, the software image or their configuration, not those nodes")
+        out.append(dict(unlocalised(f, "widespread", why=why), widespread=True))
     return out
 
 
 def blamed_hosts(findings):
-    """The hosts the gated findings blame: every FAIL's hosts (a finding standing on a value refused by the
-    side channel blames nobody: the run's evidence came through a store written from outside)."""
-    if any(f.get("tamper") and f["status"] == "FAIL" for f in findings):
-        return []
+    """The hosts the gated findings blame: every FAIL's hosts (blame_gate has already taken them away where the
+    run's evidence came through a store written from outside, or where they are most of the run)."""
     return sorted({h for f in findings if f["status"] == "FAIL" and localises(f) for h in f["hosts"]})
 
 
 def drainable(f):
     """Whether a gated FAIL may drain its hosts: its check declares its evidence persistent (CHECK_RULES
-    drain); a check that says nothing drains nothing."""
-    return (f["status"] == "FAIL" and bool(f["hosts"]) and localises(f)
+    drain); a check that says nothing drains nothing, and a WARN made a FAIL by --strict (`strict`) never
+    drains."""
+    return (f["status"] == "FAIL" and bool(f["hosts"]) and localises(f) and not f.get("strict")
             and f.get("blame") in CHECK_RULES[f["check"]]["drain"])
 
 

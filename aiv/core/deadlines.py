@@ -83,7 +83,8 @@ def deadlines(timeout, rollcall_timeout, soak=0.0):
 
 def worst_case(table, bandwidth=False, screen=True, soak=False):
     """The longest a run can take to its verdict: every phase at its bound, then naming and acks. The
-    verdict's own backstop (VERDICT_S) is not counted: the code is on the store before any file is written."""
+    verdict's own backstop (VERDICT_S) is not counted: the code is on the store before the drain, the manifest
+    and the acknowledgements (the files asked for come before it, each within OUTPUT_S)."""
     return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
                and (screen or p not in SCREEN_PHASES) and p != "verdict") + NAMING_S + ACKS_S
 

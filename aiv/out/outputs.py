@@ -9,16 +9,19 @@ from ..checks.judge import rank_record
 from ..checks.manifest import mark_accepted
 from ..core.base import (
     CHECKS,
+    EXIT_INTERRUPTED,
     EXIT_PASS,
+    EXIT_TIMEOUT,
     SCHEMA_VERSION,
     VERSION,
     _screen_key,
     _screen_sorted,
     compress_hostlist,
+    finding,
     safe_env,
     scontrol_reason,
 )
-from ..core.blame import blamed_hosts, drains_in
+from ..core.blame import blame_gate, blamed_hosts, drains_in
 from ..core.deadlines import PHASES
 from ..core.names import DRAIN_PREFIX
 from ..screen.gpu import gpu_levels
@@ -366,3 +369,42 @@ def verdict_state(run, found, code, drain):
             "phase_starts": run["starts"], "collectives": run.get("collectives"), "screen": screen,
             "soak": run.get("soak"), "ranks": [rank_record(r) for r in run["records"]], "env": safe_env(run["env"]),
             **({"notes": [note]} if note else {})}
+
+
+# Why a verdict written where rank 0 left none names nobody, and what would localise it, by its evidence.
+RANK0_LOST = {
+    "link": ("the connection to rank 0's store broke: rank 0's process, its node and the network between them "
+             "cannot be told apart from here",
+             "rank 0's node's own state (its kernel log, whether its process died) and a re-run: a rank 0 seen dead "
+             "on its own node is named"),
+    "stuck": ("rank 0 gave no verdict within its bound and nothing here shows why: frozen, hung, unreachable or "
+              "only slow",
+              "rank 0's node's own state (its kernel log, its process) and a re-run, or a longer bound on a loaded "
+              "node (--timeout)"),
+}
+
+
+def rank0_lost(reason, host0, kind, code=EXIT_TIMEOUT, check="rendezvous"):
+    """The finding of a rank (or the batch file) that got no verdict from rank 0 on host0, on evidence `kind`:
+    `process` (rank 0's process seen gone on its own node) may name host0; `link` and `stuck` never do (the
+    gate turns them into a finding naming nobody, with RANK0_LOST's words); `signal` (the job was cancelled)
+    nor any other."""
+    f = finding(check, "FAIL", reason, [host0] if host0 else [], code=code, blame=kind or None)
+    if kind in RANK0_LOST:
+        f["unlocalised"] = {"why": RANK0_LOST[kind][0], "localise": RANK0_LOST[kind][1]}
+    return f
+
+
+def fallback_verdict(found, code, world, written_by, hosts=()):
+    """The verdict JSON written where rank 0 left none (pure): by the first rank that lost rank 0
+    (Follower.speak_for_rank0) or by the batch file (--fallback: write_fallback). Its findings pass the same
+    gate as rank 0's (a lost connection is `link`, a silent rank 0 `stuck`: they name nobody; a rank 0 seen
+    dead on its node is `process`), and failed_hosts, exclude and `failures` are read from what it let
+    through. hosts: the run's hosts where known."""
+    found = blame_gate(found, hosts)
+    failed = blamed_hosts(found)
+    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code, "world_size": world,
+            "findings": found, "failures": failure_lines(found), "failed_hosts": failed,
+            "exclude": compress_hostlist(failed) if failed else "", "drain_command": "",
+            "interrupted": code == EXIT_INTERRUPTED, "written_by": written_by}

@@ -205,17 +205,13 @@ def _html_worst(levels):
 
 
 def _html_node_levels(state):
-    """{host: 'FAIL'|'WARN'} for flagged nodes: failed hosts, hosts of WARN/FAIL findings, suspect links."""
+    """{host: 'FAIL'|'WARN'} for flagged nodes: the hosts the gated WARN/FAIL findings name (blame_gate), the
+    same as failed_hosts for the FAILs. A suspect link colours no node: it is the path's (the pair view)."""
     out = {}
-    for s in state.get("suspect_links") or []:
-        for h in s.get("hosts") or []:
-            out[h] = "WARN"
     for f in state.get("findings") or []:
         if f.get("status") in ("WARN", "FAIL"):
             for h in f.get("hosts") or []:
                 out[h] = _html_worst([out.get(h), f["status"]])
-    for h in state.get("failed_hosts") or []:
-        out[h] = "FAIL"
     return out
 
 

@@ -398,8 +398,14 @@ def action_lines(findings):
     return out
 
 
+NO_HOST_MARK = "[no host named]"  # ends every FAILURE line that names no host: grep -v it for the localised ones
+
+
 def failure_lines(findings):
-    return [f"FAILURE: {f['check']}: {f['reason']}" for f in findings if f["status"] == "FAIL"]
+    """One `FAILURE: <check>: <reason>` line per FAIL; a FAIL that names no host (after the gate) ends with
+    NO_HOST_MARK, so that a grep tells an unlocalised line from one that names its culprits."""
+    return [f"FAILURE: {f['check']}: {f['reason']}" + ("" if f.get("hosts") else f" {NO_HOST_MARK}")
+            for f in findings if f["status"] == "FAIL"]
 
 
 def render_drain(drain):

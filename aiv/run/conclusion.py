@@ -1,9 +1,10 @@
 """Floor 5 (runtime): rank 0's verdict, given once. Conclusion takes the run's facts as plain data (copied
 under the run's lock when the verdict began), the findings and a store client, and: audits the side
-channel, passes every finding through the blame gate, plans the drain, prints the report (the SUCCESS or
-FAILURE lines reach the log before anything slower), publishes the code, runs the drain, writes the files
-(each within OUTPUT_S), appends an `output` FAIL for a file that could not be written, saves the manifest and
-keeps the store up for the acknowledgements. No rank object in here: its inputs are explicit."""
+channel, passes every finding through the blame gate (with the run's hosts), plans the drain, writes the
+files asked for (each within OUTPUT_S; one that could not be written is an `output` FAIL of this verdict),
+and only then prints the report block with the run's one `Verdict:` line and publishes the code every rank
+exits with; then runs the drain (its outcome written into the files), saves the manifest and keeps the store
+up for the acknowledgements. No rank object in here: its inputs are explicit."""
 import contextlib
 import ipaddress
 import sys
@@ -49,16 +50,16 @@ class Conclusion:
         self.drain = None
 
     def give(self, found, code):
-        """-> the exit code. A report that cannot be rendered is an `internal` FAIL with the FAILURE lines alone
-        (and drains nobody); the files are written either way."""
-        found = blame_gate(list(found) + self.side_channel())  # the blame law: only evidence names a host
-        st, text = self.report(found, code)
-        if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
-            st, text = self.report(found, st["exit_code"])
+        """-> the exit code, decided once (decide: the outputs asked for are written first, and one that could
+        not be is a FAIL of the verdict), then the report block with the run's one `Verdict:` line, then the
+        code published on the store: every rank exits with it. After it only the drain's outcome and the
+        manifest's lines follow (neither changes the code)."""
+        found = blame_gate(list(found) + self.side_channel(), *self.run_hosts())  # the law: only evidence names
+        st, text = self.decide(found, code)
         code = st["exit_code"]
         self.on_code(code)
         self.progress("verdict", verdict="PASS" if code == EXIT_PASS else "FAIL", code=code, counts=_counts(found))
-        emit(text)  # the verdict's lines first: everything after this may be slow (scontrol, shared storage)
+        emit(text)  # the verdict's lines before anything slower (scontrol, the manifest, the acknowledgements)
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.publish_verdict(code)
@@ -69,17 +70,7 @@ class Conclusion:
             st = self.state(found, code)
             emit("\n".join(render_drain(self.drain) + [f"  [{f['status']}] {f['check']}: {f['reason']}"
                                                        for f in warns]))
-        unwritten = self.write_files(st)
-        if unwritten:  # an output the operator asked for is missing: never a silent exit 0
-            found += [finding("output", "FAIL", f"--{flag} {path} could not be written: {why}; the verdict is in "
-                              "this log (fix the path or its storage)") for flag, path, why in unwritten]
-            st = self.state(found, code)
-            code = st["exit_code"]
-            self.on_code(code)
-            emit("\n".join(failure_lines(found[-len(unwritten):])
-                           + [f"Verdict: {st['verdict']} exit={code} (an output the run was asked for could not be "
-                              "written: the lines above)"]))
-            self.write_files(st, skip={flag for flag, _, _ in unwritten})  # the others say what the log says
+            self.write_files(st)  # the drain's outcome into the files; one that fails now is said on stderr
         if getattr(self.args, "save_manifest", None):  # after the report and the JSON: shared storage may be slow
             before = len(st["findings"])
             note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
@@ -90,13 +81,35 @@ class Conclusion:
             self.wait_acks(code)
         return code
 
+    def decide(self, found, code):
+        """The verdict, whole: the drain planned, the report rendered, the files asked for written (each within
+        OUTPUT_S). A file that could not be written is an `output` FAIL (never a silent exit 0): the report is
+        rendered again with it, and the files that were written are written again, so that they say what the
+        log says. -> (state, the report's text). `found` grows with what it adds."""
+        st, text = self.report(found, code)
+        if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
+            st, text = self.report(found, st["exit_code"])
+        failed = set()
+        for _ in range(2):  # the files, then once more those written, when one could not be
+            unwritten = self.write_files(st, skip=failed)
+            if failed and not unwritten:
+                break
+            found += [finding("output", "FAIL", f"--{flag} {path} could not be written: {why}; the verdict is in "
+                              "this log (fix the path or its storage)") for flag, path, why in unwritten]
+            failed |= {flag for flag, _, _ in unwritten}
+            if not failed:
+                break
+            st, text = self.report(found, code)
+            self.on_code(st["exit_code"])  # the verdict's own bound, should the second writes not finish
+        return st, text
+
     # ---------------------------------------------------------------- the state and the report
     def state(self, found, code):
         return verdict_state(dict(self.run, elapsed_s=elapsed()), found, verdict_code(found) or code, self.drain)
 
     def report(self, found, code):
         """The drain planned, then -> (state, the report's text). A report that cannot be rendered is an
-        `internal` FAIL with the FAILURE lines alone (added to `found`)."""
+        `internal` FAIL (added to `found`): its text is the `Verdict:` line and the FAILURE lines alone."""
         try:
             self.drain = self.plan_drain(found, verdict_code(found) or code)
             self.failpoint("report", only=("raise",))
@@ -107,7 +120,14 @@ class Conclusion:
             found.append(internal_finding(e, f"rank 0 on {self.run['host']}, rendering the report"))
             self.drain = self.plan_drain(found, verdict_code(found) or code)
             st = self.state(found, code)
-            return st, "\n".join(failure_lines(found))
+            return st, "\n".join([f"Verdict: {st['verdict']} exit={st['exit_code']} (the report could not be "
+                                  "rendered: the lines below)"] + failure_lines(found))
+
+    def run_hosts(self):
+        """The run's hosts and its allocation's node count, for the gate's minority guard."""
+        run = self.run
+        hosts = set(run["host_of"].values()) | {rec["host"] for rec in run["records"]}
+        return hosts, run["expect"].get("nodes") or 0
 
     def plan_drain(self, found, code):
         """--drain at the verdict (drain_plan, pure): what to drain, or why nothing; run once the verdict's lines

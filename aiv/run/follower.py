@@ -11,8 +11,6 @@ from ..core.base import (
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_TIMEOUT,
-    SCHEMA_VERSION,
-    VERSION,
     Verdict,
     first_line,
     internal_finding,
@@ -30,6 +28,7 @@ from ..core.deadlines import (
     worst_case,
 )
 from ..launch.contract import launcher_store
+from ..out.outputs import fallback_verdict, rank0_lost
 from ..out.render import failure_lines
 from ..screen.run import ScreenFollower
 from .liveness import liveness, proc_stat, tell_rank0_without_torch
@@ -161,7 +160,7 @@ class Follower(ScreenFollower, RankRun):
         host0 = (self.master or {}).get("host", self.addr)
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
                                        f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
-                                       f"({first_line(exc)})"))
+                                       f"({first_line(exc)}){self.rank0_state()}", self.rank0_evidence("link")))
 
     def expire(self, phase):
         """Speak for this rank (before the roll call) or for rank 0, which gave no verdict in time."""
@@ -172,7 +171,8 @@ class Follower(ScreenFollower, RankRun):
         host0 = (self.master or {}).get("host", self.addr)
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from "
                                        f"rank 0 ({host0}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "
-                                       f"is frozen, hung or unreachable{self.rank0_state()}"))
+                                       f"is frozen, hung or unreachable{self.rank0_state()}",
+                                       self.rank0_evidence("stuck")))
 
     def signalled(self, signum, name, phase):
         """Post that this rank was terminated (so that rank 0 does not take it for dead), exit 128 + signal.
@@ -182,30 +182,32 @@ class Follower(ScreenFollower, RankRun):
             host0 = (self.master or {}).get("host", self.addr)
             self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank 0 ({host0}) died during {phase} before its "
                                            f"verdict (its process is gone); {name} then stopped rank {self.rank} "
-                                           f"({self.host})"))
+                                           f"({self.host})", "process"))
         if self.proto is not None:
             line = f"rank {self.rank} ({self.host}): terminated by {name} during {phase}"
             bounded(lambda: self.proto.clone().report_error(self.rank, phase, line, EXIT_INTERRUPTED, term=True),
                     STORE_OP_S)
         self.exit(128 + signum)
 
-    def speak_for_rank0(self, line):
-        """Rank 0 gave no verdict: say so once per node, and leave a FAIL JSON naming rank 0's host
-        where rank 0 left none (the batch file ends the step once a verdict JSON exists). A rank that
-        refused a forged value names that instead, and nobody (judge_forged). The listener and the main
-        thread can both get here: the second waits (for ever: the first exits) until the first has
-        written the JSON. -> the exit code."""
+    def speak_for_rank0(self, line, kind):
+        """Rank 0 gave no verdict: say so once per node, and leave a FAIL JSON where rank 0 left none (the batch
+        file ends the step once a verdict JSON exists). line: `FAILURE: rendezvous: ...`; kind: the evidence it
+        stands on (`link`: the store connection broke; `stuck`: no verdict in time; `process`: rank 0's process
+        seen gone on this node): the one fallback writer (fallback_verdict) gates it, so only `process` names
+        rank 0's host. A rank that refused a forged value names that instead, and nobody (judge_forged). The
+        listener and the main thread can both get here: the second waits (for ever: the first exits) until
+        the first has written the JSON. -> the exit code."""
         self.speak_lock.acquire()
-        host0, code = [(self.master or {}).get("host", self.addr)], EXIT_TIMEOUT
+        host0, code = (self.master or {}).get("host", self.addr), EXIT_TIMEOUT
+        found = [rank0_lost(line.split(": ", 2)[-1], host0, kind, code)]
         if self.proto is not None and self.proto.forged:
-            line = "\n".join(failure_lines(judge_forged(self.proto.forged, f"{self.addr}:{self.port}")))
-            host0, code = [], EXIT_FAIL
-        if not self.speak_for_node(line) or not self.args.json or os.path.exists(self.args.json):
+            found, code = judge_forged(self.proto.forged, f"{self.addr}:{self.port}"), EXIT_FAIL
+        state = fallback_verdict(found, code, self.world, f"rank {self.rank} ({self.host})",
+                                 set(self.host_of.values()) if getattr(self, "host_of", None) else ())
+        if not self.speak_for_node("\n".join(state["failures"])) or not self.args.json \
+                or os.path.exists(self.args.json):
             return code
-        self.write_json({"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-                         "verdict": "FAIL", "exit_code": code, "world_size": self.world,
-                         "failures": line.splitlines(), "failed_hosts": host0, "exclude": ",".join(host0),
-                         "drain_command": "", "written_by": f"rank {self.rank} ({self.host})"}, first=True)
+        self.write_json(state, first=True)
         return code
 
     def signalled_within(self, seconds):
@@ -229,9 +231,18 @@ class Follower(ScreenFollower, RankRun):
             time.sleep(0.05)
         return self.verdict_seen is None
 
-    def rank0_state(self):
+    def rank0_liveness(self):
+        """Rank 0's process state where it runs on this node (running, stopped, gone), else None."""
         m = self.master or {}
         if m.get("host") != self.host or not m.get("pid"):
-            return ""
-        st = liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
-        return f" (rank 0's process on this node is {st})"
+            return None
+        return liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
+
+    def rank0_state(self):
+        st = self.rank0_liveness()
+        return f" (rank 0's process on this node is {st})" if st else ""
+
+    def rank0_evidence(self, otherwise):
+        """What a rank that got no verdict stands on: rank 0's own process state where this node sees it stopped
+        or gone (`process`: it names rank 0's host), else `otherwise` (`link`, `stuck`: nobody)."""
+        return "process" if self.rank0_liveness() in ("stopped", "gone") else otherwise
