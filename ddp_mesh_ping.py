@@ -4148,27 +4148,51 @@ FABRIC_HINT = ("the screen's pair results (inter-node rows above), or a re-run w
 # -- NCCL's own view: its RAS service (NCCL >= 2.24; JSON from 2.28.7), read by rank 0 beside ours
 def ras_world(ras, world):
     """The job's world communicator in a RAS STATUS document (size == world, the one listing most ranks), or
-    None."""
-    comms = [c for c in (ras or {}).get("communicators") or [] if isinstance(c, dict) and c.get("size") == world]
-    return max(comms, key=lambda c: len(c.get("ranks") or []), default=None)
+    None. Any other shape (not a document, communicators not a list, ranks not a list) is no communicator."""
+    comms = (ras or {}).get("communicators") if isinstance(ras, dict) else None
+    comms = [c for c in comms if isinstance(c, dict) and c.get("size") == world] if isinstance(comms, list) else []
+    return max(comms, key=lambda c: len(_items(c.get("ranks"))), default=None)
+
+
+def _items(value):
+    """A list in NCCL's document, else nothing (a reply of another shape is never trusted)."""
+    return value if isinstance(value, list) else []
+
+
+def _obj(value):
+    return value if isinstance(value, dict) else {}
+
+
+def _rank_of(entry):
+    """An entry's int rank (a bool, a string, a missing rank: None)."""
+    r = entry.get("rank") if isinstance(entry, dict) else None
+    return r if isinstance(r, int) and not isinstance(r, bool) and r >= 0 else None
 
 
 def ras_rank_states(comm):
     """{rank: {'state': 'present'|'missing', 'count': collectives issued (sum of collective_counts) or None,
     'error': async_error or abort_flag seen, 'dead': RAS considers it dead, 'unresponsive'}} of one
-    communicator."""
-    out = {}
-    for r in comm.get("ranks") or []:
-        st = r.get("status") or {}
-        counts = r.get("collective_counts") or {}
-        total = sum(v for v in counts.values() if isinstance(v, int)) if counts else None
-        out[int(r["rank"])] = {"state": "present", "count": total, "init": st.get("init_state"),
-                               "error": bool(st.get("async_error")) or bool(st.get("abort_flag"))}
-    for r in comm.get("missing_ranks") or []:
-        st = r.get("status") or {}
-        out[int(r["rank"])] = {"state": "missing", "dead": bool(st.get("considered_dead")),
-                               "unresponsive": bool(st.get("unresponsive"))}
-    return out
+    communicator, and the number of entries of a shape NCCL does not write (no int rank, a status or counts
+    that is not an object): those are skipped, never guessed. -> (states, skipped)."""
+    out, skipped = {}, 0
+    for r in _items(comm.get("ranks")):
+        rank, st, counts = _rank_of(r), _obj((r or {}).get("status") if isinstance(r, dict) else None), \
+            (r.get("collective_counts") if isinstance(r, dict) else None)
+        if rank is None or (counts is not None and not isinstance(counts, dict)):
+            skipped += 1
+            continue
+        total = sum(v for v in counts.values() if isinstance(v, int) and not isinstance(v, bool)) if counts else None
+        out[rank] = {"state": "present", "count": total, "init": st.get("init_state"),
+                     "error": bool(st.get("async_error")) or bool(st.get("abort_flag"))}
+    for r in _items(comm.get("missing_ranks")):
+        rank = _rank_of(r)
+        if rank is None:
+            skipped += 1
+            continue
+        st = _obj(r.get("status"))
+        out[rank] = {"state": "missing", "dead": bool(st.get("considered_dead")),
+                     "unresponsive": bool(st.get("unresponsive"))}
+    return out, skipped
 
 
 def nccl_view(ras, world, host_of, kinds, named):
@@ -4179,18 +4203,22 @@ def nccl_view(ras, world, host_of, kinds, named):
     unresponsive), 'error' (an async error or abort on it), 'behind' (fewer collectives than the most any rank
     of the communicator issued), or 'ok'; ours 'named' for a rank we name by its process, else 'behind'
     (never issued), else 'ok'. They agree where both say the rank stopped the job or both say it did not."""
-    if not ras or not ras.get("ok"):
-        why = (ras or {}).get("why") or "not read"
+    if not isinstance(ras, dict) or not ras.get("ok"):
+        why = str(_obj(ras).get("why") or "not read")
         return {"read": False, "why": why, "agree": None, "ranks": {},
                 "words": f"NCCL's own view (RAS) not read: {why}"}
-    data = ras.get("data") or {}
-    version = data.get("nccl_version")
+    data = ras.get("data") if isinstance(ras.get("data"), dict) else {}
+    version = data.get("nccl_version") if isinstance(data.get("nccl_version"), str) else None
     comm = ras_world(data, world)
     if comm is None:
         why = f"RAS listed no communicator of the job's {world} rank(s)"
         return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version,
                 "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
-    states = ras_rank_states(comm)
+    states, skipped = ras_rank_states(comm)
+    if not states:
+        why = f"RAS listed the job's communicator with no rank it could read ({skipped} entr(ies) of another shape)"
+        return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version, "skipped": skipped,
+                "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
     top = max((s["count"] for s in states.values() if s.get("count") is not None), default=None)
     rows = {}
     for r in range(world):
@@ -4222,7 +4250,9 @@ def nccl_view(ras, world, host_of, kinds, named):
     else:
         counts = f"each issued {top} collective(s)" if top is not None else "no counts"
         words = f"{head} agrees: no rank missing, in error or behind ({counts})"
-    return {"read": True, "agree": not differ, "ranks": {str(r): x for r, x in rows.items()},
+    if skipped:
+        words += f"; {skipped} entr{'y' if skipped == 1 else 'ies'} of its reply not of NCCL's shape skipped"
+    return {"skipped": skipped, "read": True, "agree": not differ, "ranks": {str(r): x for r, x in rows.items()},
             "nccl_version": version, "missing": [r for r, x in rows.items() if x["nccl"] == "missing"],
             "hosts": compress_hostlist(sorted({host_of.get(r, "?") for r in marked})) if marked else "",
             "words": words}
@@ -12810,7 +12840,12 @@ class Coordinator(ScreenCoordinator, RankRun):
         kinds = {r: "dead" if live.get(r) == "gone" else "frozen" if live.get(r) == "stopped" else
                  "silent" if h in silent else "behind" if states.get(str(r)) == "behind" else "ok"
                  for r, h in self.host_of.items()}
-        view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        try:  # NCCL's view is said beside ours; it never changes the culprits or the exit code
+            view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        except Exception as e:
+            why = f"its reply could not be read ({type(e).__name__}: {first_line(e)})"
+            view = {"read": False, "why": why, "agree": None, "ranks": {},
+                    "words": f"NCCL's own view (RAS) not read: {why}"}
         diag = [ln for p in (issued or {}).values() if p for ln in p.get("diag") or []]
         if diag:
             view["diag"] = diag[:20]

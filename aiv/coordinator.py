@@ -410,7 +410,12 @@ class Coordinator(ScreenCoordinator, RankRun):
         kinds = {r: "dead" if live.get(r) == "gone" else "frozen" if live.get(r) == "stopped" else
                  "silent" if h in silent else "behind" if states.get(str(r)) == "behind" else "ok"
                  for r, h in self.host_of.items()}
-        view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        try:  # NCCL's view is said beside ours; it never changes the culprits or the exit code
+            view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        except Exception as e:
+            why = f"its reply could not be read ({type(e).__name__}: {first_line(e)})"
+            view = {"read": False, "why": why, "agree": None, "ranks": {},
+                    "words": f"NCCL's own view (RAS) not read: {why}"}
         diag = [ln for p in (issued or {}).values() if p for ln in p.get("diag") or []]
         if diag:
             view["diag"] = diag[:20]
