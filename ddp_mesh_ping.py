@@ -648,8 +648,8 @@ CHECK_RULES = {
     "usage": rule(), "contract": rule(), "launch": rule(), "layout": rule(),
     "world-size": rule(("majority",)),  # a process launched with another WORLD_SIZE than most nodes' ranks
     "bandwidth": rule(), "internal": rule(), "interrupted": rule(), "output": rule(), "drain": rule(),
-    "local": rule(("own",), ("own",), "a rank's own software or configuration on its host (a missing numpy, an "
-                  "old torch, an interface) stays until the node is fixed"),
+    "local": rule(("own", "majority"), ("own",), "a rank's own software or configuration on its host (a missing "
+                  "numpy, an old torch, an interface) stays until the node is fixed"),
     "device": rule(("own", "majority"), ("own", "majority"), "a GPU that CUDA cannot use, or a node whose ranks "
                    "chose another backend than the rest, stays so until the node is repaired"),
     "interface": rule(("own", "majority"), ("own", "majority"), "a node's interfaces and the address its hostname "
@@ -796,6 +796,14 @@ def minority_kind(bad, members):
 # Floor 1: every bound in one table (deadlines()), the small waits beside it, the watchdog, and Bound:
 TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
 ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
+# The roll call's last call (torchrun's rendezvous last_call_timeout, 30 s by default, is the anchor): once at
+# least half the world checked in (or failed before it), the ranks never heard of get last_call_grace() past the
+# latest arrival, not the whole --rollcall-timeout; a rank that said hello (its process reached the store, still
+# importing torch) keeps the whole bound
+LAST_CALL_FRACTION = 0.1  # of --rollcall-timeout: 30 s at the default 300 s
+LAST_CALL_MIN_S = 5.0     # never less (a short --rollcall-timeout in a test)
+LAST_CALL_LAUNCH_X = 2.0  # times what the launch showed: rank 0's start until half the world checked in
+HELLO_RETRY_S = 0.5       # a rank's hello to the store, tried again this often until it checks in
 NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name the culprits, publish
 RANK0_GRACE = 15.0        # the other ranks wait this long past their own bound before speaking for rank 0
 ACKS_S = 5.0              # rank 0 keeps its store up this long for live ranks to read the verdict
@@ -877,6 +885,41 @@ def worst_case(table, bandwidth=False, screen=True, soak=False):
     verdict's own backstop (VERDICT_S) is not counted: the code is on the store before any file is written."""
     return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
                and (screen or p not in SCREEN_PHASES) and p != "verdict") + NAMING_S + ACKS_S
+
+
+def last_call_grace(rollcall_s, launch_s):
+    """Seconds the ranks never heard of get past the latest arrival once the last call began: the larger of
+    LAST_CALL_FRACTION of the roll call's bound (30 s at the default) and LAST_CALL_LAUNCH_X times `launch_s`
+    (how long half the world took to start, import torch and check in: a slow launch, or a slow filesystem at
+    scale, gets a longer last call), at least LAST_CALL_MIN_S, never past the roll call's bound."""
+    rollcall_s = float(rollcall_s)
+    return min(rollcall_s, max(LAST_CALL_MIN_S, LAST_CALL_FRACTION * rollcall_s, LAST_CALL_LAUNCH_X * float(launch_s)))
+
+
+class LastCall:
+    """The roll call's last call as plain state (pure): seen(now, present, heard) at each look (present: ranks
+    checked in or failed before it; heard: those and the ranks that said hello); due(now) once at least half the
+    world is present and nothing new was heard for the grace (last_call_grace, fixed when half the world was
+    present: launch_s, seconds since the launch's start, is what the launch showed)."""
+
+    def __init__(self, world, rollcall_s, launch_t0):
+        self.world, self.rollcall_s, self.t0 = int(world), float(rollcall_s), launch_t0
+        self.begun = self.grace = None
+        self.heard, self.last = -1, None
+
+    def seen(self, now, present, heard):
+        if heard != self.heard:
+            self.heard, self.last = heard, now
+        if self.begun is None and 2 * present >= self.world:
+            self.begun = now
+            self.grace = last_call_grace(self.rollcall_s, now - self.t0)
+        return self
+
+    def due(self, now):
+        return self.begun is not None and now >= max(self.begun, self.last) + self.grace
+
+    def ends_at(self):
+        return None if self.begun is None else max(self.begun, self.last) + self.grace
 
 
 def live_period(nodes):
@@ -4694,6 +4737,42 @@ def judge_gloo_address(records):
         used.setdefault(f"{r['gloo']['iface']}({r['gloo']['addr']})", set()).add(r["host"])
     return [finding("interface", "PASS", "gloo uses " + "; ".join(
         f"{k} on {compress_hostlist(sorted(v))}" for k, v in sorted(used.items())))]
+
+
+NO_TORCH_WHY = ("the python this launch ran cannot import torch (no venv, the wrong python, PYTORCH_ENV unset): "
+                "the job's environment, not a fault of a node")
+NO_TORCH_HOW = ("bootstrap_env.sh, or the job pointed at the shared venv (PYTORCH_ENV); a node is named only when it "
+                "alone, of several, cannot import what a strict majority of the job's nodes import")
+
+
+def no_torch_finding(line, hosts=()):
+    """A rank whose python cannot import torch, judged alone: `local` FAIL, exit 2 (usage: the launch's
+    environment), no host named (hosts: kept as involved)."""
+    return unlocalised(finding("local", "FAIL", line, list(hosts), code=EXIT_USAGE), "launch", NO_TORCH_HOW,
+                       NO_TORCH_WHY)
+
+
+def judge_no_torch(reports, imported_hosts, nodes=None):
+    """The ranks whose python could not import torch ({rank: {'line', 'host'}}, from their reports at the roll
+    call) among the hosts whose ranks did (imported_hosts: they checked in); nodes: the job's node count where
+    the launch says it. Their hosts are named (`majority`, exit 1) only when a strict majority of the job's
+    nodes imported torch and those hosts are unlike it; else one FAIL, exit 2, naming no host."""
+    if not reports:
+        return []
+    ranks = sorted(reports)
+    bad = {reports[r].get("host") or "?" for r in ranks}
+    good = set(imported_hosts) - bad
+    total = max(len(good | bad), int(nodes or 0))
+    line = reports[ranks[0]]["line"] + (f"; {len(ranks) - 1} more rank(s) could not either (rank(s) "
+                                        f"{format_ranges(ranks)} on {compress_hostlist(sorted(bad))})"
+                                        if len(ranks) > 1 else "")
+    if len(good | bad) > 1 and 2 * len(good) > total:
+        return [finding("local", "FAIL", f"{line}; {len(good)} of {total} node(s) import torch in this launch: "
+                        f"{compress_hostlist(sorted(bad))} alone cannot", sorted(bad), ranks, code=EXIT_FAIL,
+                        blame="majority")]
+    f = no_torch_finding(line, sorted(bad))
+    f["ranks"] = ranks
+    return [f]
 
 
 def judge_pre(records, world_size, expect):
@@ -10309,6 +10388,8 @@ class StoreProtocol:
       strays         processes refused at the check-in (JSON lines, stray_reason)   a stray
       id/<rank>      identity at the roll call (JSON)             each rank
       arrived        ranks checked in (counter); all_arrived      each rank; the last one
+      hello/<rank>, hellos  its process reached the store (its host, unsigned: a wake-up; a forged one only keeps
+                     the roll call at its own bound); how many (counter)   each rank but 0, before torch
       node/<host>    [[rank, pid], ...] of a node, for its monitor rank 0
       stamp/<rank>   index in PHASES of the last phase finished   each rank
       live/<host>    {"seq": n, "ranks": {rank: state}}           each node's monitor
@@ -10537,6 +10618,18 @@ class StoreProtocol:
         """Whether every rank's record is there (one round trip)."""
         return self.store.check([f"id/{r}" for r in range(world)])
 
+    def arrived_count(self):
+        """Ranks checked in so far (a counter: a count to watch, the records are what counts)."""
+        return self.store.add("arrived", 0)
+
+    def hello_count(self):
+        """Ranks that said hello before their check-in (say_hello: their process reached the store)."""
+        return self.store.add("hellos", 0)
+
+    def said_hello(self, ranks):
+        """The ranks of `ranks` whose process said hello (reached the store, not checked in yet)."""
+        return [r for r in ranks if self.store.check([f"hello/{r}"])]
+
     def missing(self, world):
         if self.all_in(world):
             return []
@@ -10706,12 +10799,13 @@ class StoreProtocol:
         self._set("all_arrived", why)
 
     def errors(self):
-        """{rank: {'line', 'term', 'internal', 'phase', 'host'}}: the first report of each rank (term: it was
+        """{rank: {'line', 'term', 'internal', 'phase', 'host', 'code'}}: the first report of each rank (term: it was
         terminated by a signal; internal: it hit the tool's own error)."""
         out = {}
         for e in map(json.loads, self._lines("errors")):
             entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False, "internal": False,
-                                                    "phase": e.get("phase"), "host": e.get("host")})
+                                                    "phase": e.get("phase"), "host": e.get("host"),
+                                                    "code": e.get("code")})
             entry["term"] = entry["term"] or bool(e.get("term"))
             entry["internal"] = entry["internal"] or bool(e.get("internal"))
         return out
@@ -10869,6 +10963,27 @@ def node_monitor(cfg):
         seq += 1
         time.sleep(cfg["period"])
     return 0
+
+
+def say_hello(addr, port, prefix, rank, host, stop, seconds, retry_s):
+    """A rank other than 0, from its start (before it imports torch), on a thread of its own: tell rank 0's store
+    that its process is up and reaches the store (hello/<rank>, then the hellos counter), so that rank 0's last
+    call waits for it; tried every retry_s until it is said, `stop` is set (the rank checked in) or `seconds`
+    passed. -> whether it was said."""
+    end = time.monotonic() + seconds
+    while not stop.is_set() and time.monotonic() < end:
+        store = None
+        try:
+            store = LightStore(addr, port, prefix, min(1.0, max(0.1, end - time.monotonic())))
+            store.set(f"hello/{rank}", host)
+            store.add("hellos", 1)
+            return True
+        except (OSError, struct.error, ValueError):
+            stop.wait(retry_s)
+        finally:
+            if store is not None:
+                store.close()
+    return False
 
 
 def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds, code=1, internal=False):
@@ -11902,6 +12017,7 @@ class RankRun(ScreenRunner):
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
         self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
         self.signal_seen = None  # SIGTERM or SIGINT, once on_signal took it
+        self.hello_stop = threading.Event()  # set once this rank checked in: its hello (say_hello) is not needed
         self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
 
     # ---------------------------------------------------------------- flow
@@ -11997,6 +12113,10 @@ class RankRun(ScreenRunner):
     # ---------------------------------------------------------------- phases
     def phase_local(self):
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
+        if self.rank != 0:  # before torch: rank 0's last call knows this process is up and reaches the store
+            threading.Thread(target=say_hello, args=(self.addr, self.port, launcher_store(self.env)[0], self.rank,
+                                                     self.host, self.hello_stop, self.D["rollcall"], HELLO_RETRY_S),
+                             name="aiv-hello", daemon=True).start()
         # abort the communicator and raise, never kill the process (1, torchrun's default, kills rank 0
         # before its verdict); an operator's own setting outside torchrun is kept
         if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ or (
@@ -12054,11 +12174,12 @@ class RankRun(ScreenRunner):
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
 
     def no_torch(self, exc):
-        """torch (or what it needs) cannot be imported here: a `local` FAIL of this host (the other ranks tell
-        rank 0 through the store's wire, no torch needed: Follower.end)."""
+        """torch (or what it needs) cannot be imported here: the launch's environment (no venv, the wrong python),
+        exit 2, no host named (no_torch_finding); the other ranks tell rank 0 through the store's wire, no torch
+        needed (Follower.end), and rank 0 names a host only when it alone of several cannot (judge_no_torch)."""
         line = (f"rank {self.rank} ({self.host}): torch is not importable by {sys.executable}: {first_line(exc)}; "
                 "run bootstrap_env.sh on this node or point the job at the shared venv (PYTORCH_ENV)")
-        return failed("local", line, EXIT_FAIL, [self.host], [self.rank], blame="own")
+        return Verdict(EXIT_USAGE, [no_torch_finding(line, [self.host])])
 
     def phase_rollcall(self):
         R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)
@@ -12067,6 +12188,7 @@ class RankRun(ScreenRunner):
         self.failpoint("rendezvous")
         self.before_check_in(R)
         stray = self.proto.check_in(self.rank, self.identity, self.world, R + RANK0_GRACE)
+        self.hello_stop.set()
         if stray is not None:  # not a rank of this run: rank 0 names it; it takes no verdict of that run
             self.speak_for_node(f"FAILURE: {stray[0]}: rank {self.rank} ({self.host}, pid {os.getpid()}) is not a "
                                 f"rank of the run at {self.addr}:{self.port}: {stray[1]}")
@@ -12506,6 +12628,12 @@ def _warm_imports():
 
 # ============================================================================ aiv/coordinator.py
 # Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
+def hard_failures(broken):
+    """The local failures that end the roll call at once: all but a python without torch (judge_no_torch weighs
+    those once every rank checked in or failed)."""
+    return {r: e for r, e in broken.items() if not (e.get("code") == EXIT_USAGE and not e.get("internal"))}
+
+
 class Coordinator(ScreenCoordinator, RankRun):
     """Rank 0: serves the store, holds the roll call, judges what each phase gathered and owns the
     verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
@@ -12522,6 +12650,7 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.concluding = threading.Event()  # the tick handed a verdict to a thread of its own (conclude_apart)
         self.tick_busy = threading.Lock()  # held by the tick's store read, which may outlive its bound
         self.serving = False
+        self.last_call = None  # the roll call's last call, when it ended the roll call: {'grace', 'unheard'}
         self.verdict_code = None  # the code as the verdict stands (the verdict's bound exits with it)
         self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
         self.screen, self.screen_rounds, self.screen_made = None, {}, set()  # the screen's results, batches, groups
@@ -12566,17 +12695,18 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.roll_call()
 
     def roll_call(self):
-        """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
+        """Rank 0: wait for every rank (or the last call), judge what the roll call shows, then open the gate."""
         t, R = time.monotonic(), self.D["rollcall"]
         complete, strays, broken = self.wait_roll(t + self.bound.left())
-        if strays or broken:  # woken early: the others of its launch get a moment to post too
+        if strays or hard_failures(broken):  # woken early: the others of its launch get a moment to post too
             time.sleep(ERROR_GRACE)
             strays, broken = self.proto.strays(), self.local_failures()
-            self.findings += [finding("internal", "FAIL", e["line"], ranks=[r], code=EXIT_INTERNAL)
-                              if e.get("internal") else finding("local", "FAIL", e["line"], [e["host"]] if e.get("host")
-                                                                else [], [r], blame="own")
-                              for r, e in sorted(broken.items())]
-        early = bool(strays or broken)  # ranks still starting when the roll call ended early are not late
+        hard = hard_failures(broken)
+        self.findings += [finding("internal", "FAIL", e["line"], ranks=[r], code=EXIT_INTERNAL)
+                          if e.get("internal") else finding("local", "FAIL", e["line"], [e["host"]] if e.get("host")
+                                                            else [], [r], blame="own")
+                          for r, e in sorted(hard.items())]
+        early = bool(strays or hard)  # ranks still starting when the roll call ended early are not late
         unseen = [] if complete and not early else self.proto.missing(self.world)  # no record on the store
         missing = [r for r in unseen if r not in broken]
         absent = set(unseen) | set(broken)
@@ -12589,14 +12719,10 @@ class Coordinator(ScreenCoordinator, RankRun):
             raise Verdict(EXIT_FAIL)
         self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
         self.findings += judge_strays(strays, self.host_of.values()) if early else []
+        self.findings += judge_no_torch({r: e for r, e in broken.items() if r not in hard},
+                                        self.host_of.values(), self.expect.get("nodes"))
         if missing and not early:
-            where = slurm_expected_hosts(self.env, self.world)
-            names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
-            more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
-            self.findings.append(finding("rendezvous", "FAIL", f"rank(s) {names}{more} did not check in within "
-                                         f"{R:g}s ({len(present)}/{self.world} reported at {self.addr}:{self.port})",
-                                         [where[r] for r in missing if r in where], missing, code=EXIT_TIMEOUT,
-                                         blame="process"))
+            self.findings.append(self.not_checked_in(missing, present, R))
         self.findings += apply_strict(judge_pre(self.records, self.world, self.expect), self.args.strict)
         code = verdict_code(self.findings)
         self.progress("rollcall", present=len(present), world=self.world, secs=time.monotonic() - t,
@@ -12610,6 +12736,28 @@ class Coordinator(ScreenCoordinator, RankRun):
                        "nodes": len(set(self.host_of.values()))}
         self.proto.open_gate("roll", json.dumps(self.master))
 
+    def not_checked_in(self, missing, present, R):
+        """The `rendezvous` FAIL of the ranks that did not check in, each with its host from the launch plan
+        (Slurm's node list and tasks per node). At the last call: the ranks never heard of (no hello: not started,
+        or they cannot reach the store) are named; those whose process said hello are still starting (not
+        blamed). At the roll call's bound: every missing rank."""
+        where = slurm_expected_hosts(self.env, self.world)
+        at = f"{len(present)}/{self.world} reported at {self.addr}:{self.port}"
+        lc = self.last_call
+        named = [r for r in missing if lc is None or r in lc["unheard"]]
+        names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in named[:64])
+        more = f" and {len(named) - 64} more" if len(named) > 64 else ""
+        if lc is None:
+            why = f"did not check in within {R:g}s ({at})"
+        else:
+            starting = [r for r in missing if r not in named]
+            why = (f"did not check in: no word from its process within the last call ({lc['grace']:.0f}s after the "
+                   f"latest rank arrived; {at}): not started, or it cannot reach the store at {self.addr}:{self.port}"
+                   + (f"; rank(s) {format_ranges(starting)} reached the store and are still starting (not blamed)"
+                      if starting else ""))
+        return finding("rendezvous", "FAIL", f"rank(s) {names}{more} {why}", [where[r] for r in named if r in where],
+                       named, code=EXIT_TIMEOUT, blame="process")
+
     def local_failures(self):
         """{rank: report} of the ranks that failed their local phase before checking in (a rank without
         torch tells rank 0 through the store's wire: tell_rank0_without_torch)."""
@@ -12618,11 +12766,14 @@ class Coordinator(ScreenCoordinator, RankRun):
     def wait_roll(self, end):
         """The roll call's wait, until `end`: all_arrived wakes it, every rank's record ends it (a counter
         bumped from outside wakes it early, not ends it); a stray or a rank that failed its local phase
-        ends it early. Each second it checks that the world record is still its own.
-        -> (complete, strays, local failures)."""
-        mine = self.proto.store.get("world")
+        ends it early (a rank without torch: once every rank checked in or failed, judge_no_torch weighs
+        them). The last call (LastCall): once at least half the world is present, the ranks never heard of
+        (no hello) get last_call_grace past the latest news, not the whole bound (self.last_call says so).
+        Each second it checks that the world record is still its own. -> (complete, strays, local failures)."""
+        mine, self.last_call = self.proto.store.get("world"), None
+        lc = LastCall(self.world, self.D["rollcall"], _T0)
         while True:
-            complete = self.proto.wait_all(min(1.0, end - time.monotonic()))
+            complete = self.proto.wait_all(min(1.0, max(0.0, end - time.monotonic())))
             strays, now = self.proto.strays(), time.monotonic()
             held = self.proto.store.get("world")
             if held != mine:  # written over: put ours back (so the ranks can read the verdict), refuse theirs
@@ -12630,10 +12781,20 @@ class Coordinator(ScreenCoordinator, RankRun):
                 self.proto.refuse(Forged("world", held.decode(errors="replace").split("|")[-1],
                                          "was written over by something other than rank 0"))
             broken = self.local_failures() if self.proto.error_count() else {}
-            if strays or broken or self.proto.forged or now >= end:
+            if strays or hard_failures(broken) or self.proto.forged or now >= end:
                 return complete and self.proto.all_in(self.world), strays, broken
             if complete and self.proto.all_in(self.world):
                 return True, strays, broken
+            present = self.proto.arrived_count() + len(broken)
+            if broken and present >= self.world:  # every rank checked in or could not import torch
+                return False, strays, broken
+            if lc.seen(now, present, present + self.proto.hello_count()).due(now):
+                unseen = [r for r in self.proto.missing(self.world) if r not in broken]
+                said = set(self.proto.said_hello(unseen))
+                if any(r not in said for r in unseen):
+                    self.last_call = {"grace": lc.grace, "unheard": [r for r in unseen if r not in said]}
+                    return False, strays, broken
+                lc.last = now  # every missing rank is up and reaches the store: it keeps the bound
             if complete:  # woken before every record was there
                 time.sleep(FORGED_POLL_S)
 

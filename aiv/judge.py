@@ -8,6 +8,7 @@ from .base import (
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_TIMEOUT,
+    EXIT_USAGE,
     _screen_quantile,
     compress_hostlist,
     finding,
@@ -468,6 +469,42 @@ def judge_gloo_address(records):
         used.setdefault(f"{r['gloo']['iface']}({r['gloo']['addr']})", set()).add(r["host"])
     return [finding("interface", "PASS", "gloo uses " + "; ".join(
         f"{k} on {compress_hostlist(sorted(v))}" for k, v in sorted(used.items())))]
+
+
+NO_TORCH_WHY = ("the python this launch ran cannot import torch (no venv, the wrong python, PYTORCH_ENV unset): "
+                "the job's environment, not a fault of a node")
+NO_TORCH_HOW = ("bootstrap_env.sh, or the job pointed at the shared venv (PYTORCH_ENV); a node is named only when it "
+                "alone, of several, cannot import what a strict majority of the job's nodes import")
+
+
+def no_torch_finding(line, hosts=()):
+    """A rank whose python cannot import torch, judged alone: `local` FAIL, exit 2 (usage: the launch's
+    environment), no host named (hosts: kept as involved)."""
+    return unlocalised(finding("local", "FAIL", line, list(hosts), code=EXIT_USAGE), "launch", NO_TORCH_HOW,
+                       NO_TORCH_WHY)
+
+
+def judge_no_torch(reports, imported_hosts, nodes=None):
+    """The ranks whose python could not import torch ({rank: {'line', 'host'}}, from their reports at the roll
+    call) among the hosts whose ranks did (imported_hosts: they checked in); nodes: the job's node count where
+    the launch says it. Their hosts are named (`majority`, exit 1) only when a strict majority of the job's
+    nodes imported torch and those hosts are unlike it; else one FAIL, exit 2, naming no host."""
+    if not reports:
+        return []
+    ranks = sorted(reports)
+    bad = {reports[r].get("host") or "?" for r in ranks}
+    good = set(imported_hosts) - bad
+    total = max(len(good | bad), int(nodes or 0))
+    line = reports[ranks[0]]["line"] + (f"; {len(ranks) - 1} more rank(s) could not either (rank(s) "
+                                        f"{format_ranges(ranks)} on {compress_hostlist(sorted(bad))})"
+                                        if len(ranks) > 1 else "")
+    if len(good | bad) > 1 and 2 * len(good) > total:
+        return [finding("local", "FAIL", f"{line}; {len(good)} of {total} node(s) import torch in this launch: "
+                        f"{compress_hostlist(sorted(bad))} alone cannot", sorted(bad), ranks, code=EXIT_FAIL,
+                        blame="majority")]
+    f = no_torch_finding(line, sorted(bad))
+    f["ranks"] = ranks
+    return [f]
 
 
 def judge_pre(records, world_size, expect):

@@ -21,6 +21,7 @@ from .base import (
     EXIT_INTERNAL,
     EXIT_PASS,
     EXIT_TIMEOUT,
+    EXIT_USAGE,
     Findings,
     Verdict,
     emit,
@@ -49,6 +50,7 @@ from .collect import (
 )
 from .contract import job_secret, launcher_expectations, launcher_store, under_torchrun
 from .deadlines import (
+    HELLO_RETRY_S,
     IMPORT_PROBE_S,
     MARK_TTL,
     OUTPUT_S,
@@ -75,8 +77,9 @@ from .interfaces import (
     gloo_address,
     list_interfaces,
 )
+from .judge import no_torch_finding
 from .launchers import node_name
-from .liveness import launch_key, proc_stat, said_marker, sweep_said
+from .liveness import launch_key, proc_stat, said_marker, say_hello, sweep_said
 from .measure import soak_measure, start_node_smi, start_screen_gpu
 from .numerics_measure import ddp_local_grads, rank_numerics
 from .render import BAR
@@ -176,6 +179,7 @@ class RankRun(ScreenRunner):
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
         self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
         self.signal_seen = None  # SIGTERM or SIGINT, once on_signal took it
+        self.hello_stop = threading.Event()  # set once this rank checked in: its hello (say_hello) is not needed
         self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
 
     # ---------------------------------------------------------------- flow
@@ -271,6 +275,10 @@ class RankRun(ScreenRunner):
     # ---------------------------------------------------------------- phases
     def phase_local(self):
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
+        if self.rank != 0:  # before torch: rank 0's last call knows this process is up and reaches the store
+            threading.Thread(target=say_hello, args=(self.addr, self.port, launcher_store(self.env)[0], self.rank,
+                                                     self.host, self.hello_stop, self.D["rollcall"], HELLO_RETRY_S),
+                             name="aiv-hello", daemon=True).start()
         # abort the communicator and raise, never kill the process (1, torchrun's default, kills rank 0
         # before its verdict); an operator's own setting outside torchrun is kept
         if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ or (
@@ -328,11 +336,12 @@ class RankRun(ScreenRunner):
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
 
     def no_torch(self, exc):
-        """torch (or what it needs) cannot be imported here: a `local` FAIL of this host (the other ranks tell
-        rank 0 through the store's wire, no torch needed: Follower.end)."""
+        """torch (or what it needs) cannot be imported here: the launch's environment (no venv, the wrong python),
+        exit 2, no host named (no_torch_finding); the other ranks tell rank 0 through the store's wire, no torch
+        needed (Follower.end), and rank 0 names a host only when it alone of several cannot (judge_no_torch)."""
         line = (f"rank {self.rank} ({self.host}): torch is not importable by {sys.executable}: {first_line(exc)}; "
                 "run bootstrap_env.sh on this node or point the job at the shared venv (PYTORCH_ENV)")
-        return failed("local", line, EXIT_FAIL, [self.host], [self.rank], blame="own")
+        return Verdict(EXIT_USAGE, [no_torch_finding(line, [self.host])])
 
     def phase_rollcall(self):
         R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)
@@ -341,6 +350,7 @@ class RankRun(ScreenRunner):
         self.failpoint("rendezvous")
         self.before_check_in(R)
         stray = self.proto.check_in(self.rank, self.identity, self.world, R + RANK0_GRACE)
+        self.hello_stop.set()
         if stray is not None:  # not a rank of this run: rank 0 names it; it takes no verdict of that run
             self.speak_for_node(f"FAILURE: {stray[0]}: rank {self.rank} ({self.host}, pid {os.getpid()}) is not a "
                                 f"rank of the run at {self.addr}:{self.port}: {stray[1]}")
