@@ -80,6 +80,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 import queue
 import re
 import resource
@@ -4094,49 +4095,95 @@ def group_key(ranks):
     return format_ranges(ranks)
 
 
-def issued_source(posts, ranks):
-    """'recorder' when torch's flight recorder holds entries on every rank of `ranks` that posted (then its
-    sequence numbers are comparable across them), else 'own' (each rank's own record of what it issued)."""
+def own_completed(post, key):
+    """How many collectives a rank's own record says it finished on the group `key` (its set-up, number 0, not
+    counted): the last one's number when it finished, else one fewer."""
+    last = ((post or {}).get("own") or {}).get(key)
+    if not last or not isinstance(last[1], int):
+        return 0
+    return last[1] if last[2] else last[1] - 1
+
+
+def recorder_live(post, key):
+    """Whether torch's flight recorder is live on this rank for the group `key`: it could be read, and it holds
+    the group's collectives if the rank's own record says it finished one there (a recorder switched off or
+    overwritten holds nothing where the rank did finish collectives: then it is no evidence)."""
+    fr = post.get("fr")
+    return isinstance(fr, dict) and (fr.get(key) is not None or own_completed(post, key) == 0)
+
+
+def issued_source(posts, ranks, key=None):
+    """'recorder' when torch's flight recorder is live on every rank of `ranks` that posted (recorder_live) and
+    holds entries of the group on at least one of them (then its sequence numbers are comparable across them,
+    and a rank whose recorder lacks what its peers' hold never issued it to its backend), else 'own' (each
+    rank's own record of what it issued). Without a key: whether every posting rank's recorder held entries."""
     got = [posts[r] for r in ranks if posts.get(r) is not None]
-    return "recorder" if got and all(p.get("fr") for p in got) else "own"
+    if key is None:
+        return "recorder" if got and all(p.get("fr") for p in got) else "own"
+    held = any((p.get("fr") or {}).get(key) for p in got)
+    return "recorder" if got and held and all(recorder_live(p, key) for p in got) else "own"
 
 
 def issued_last(post, key, source):
-    """[op, seq, done] of the last collective a rank issued on the group `key` (None: none), from `source`."""
+    """[op, seq, done(, state)] of the last collective a rank issued on the group `key` (None: none), from
+    `source` (the recorder's entries carry its state: scheduled, started, completed)."""
     table = (post.get("fr") if source == "recorder" else post.get("own")) or {}
     last = table.get(key)
     return list(last) if last else None
 
 
+def _late_state(post, x, front, source, started):
+    """One late rank's place (ISSUED_STATES) and, when it is behind on the recorder's evidence although its own
+    record says it is inside the call, how: 'unseen' (its backend never saw the collective its peers' recorders
+    hold) or 'unstarted' (its entry stayed scheduled while a peer's started)."""
+    idle_s, inside = post.get("idle_s"), post.get("inflight")
+    inside_s = post.get("inflight_s")
+    if source == "recorder" and front is not None and (x is None or x[1] < front):
+        if not inside:
+            return ("between", None) if idle_s is not None and idle_s < BETWEEN_S else ("behind", None)
+        return ("between", None) if inside_s is not None and inside_s < BETWEEN_S else ("behind", "unseen")
+    if source == "recorder" and inside and x and x[1] == front and started and len(x) > 3 and \
+            x[3] == "scheduled" and (inside_s is None or inside_s >= BETWEEN_S):
+        return "behind", "unstarted"
+    if inside:  # its own record: the main thread is inside a collective call right now
+        return "waiting", None
+    if idle_s is not None and idle_s < BETWEEN_S:
+        return "between", None
+    if front is not None and (x is None or x[1] < front):
+        return "behind", None
+    return "idle", None
+
+
 def issued_states(ranks, posts, late, key):
     """The group `key` of `ranks`, from each rank's post ({rank: post or None}; a post: {'own': {key: [op, seq,
-    done]}, 'fr': the same from torch's flight recorder or None, 'inflight': key of the collective call the
-    rank's main thread is inside, or None, 'idle_s': seconds since it left its last call}). A rank's place
-    comes from `source` (issued_source); whether it is inside a call, from its own record.
+    done]}, 'fr': the same from torch's flight recorder with its state, {} when it holds nothing of this
+    rank's groups, None when it cannot be read, 'inflight': key of the collective call the rank's main thread
+    is inside, or None, 'inflight_s': for how long, 'idle_s': seconds since it left its last call}). A rank's
+    place comes from `source` (issued_source); whether it is inside a call, from its own record; where the
+    recorder is live, a rank inside the call whose recorder lacks the collective its peers' recorders hold
+    never issued it to its backend ('behind', how 'unseen'), and one whose entry stayed scheduled while a
+    peer's started is behind too ('unstarted').
     -> {'source', 'key', 'front': [op, seq] of the furthest collective a rank issued (None: none), 'issuers':
-    ranks that issued it, 'last': {rank: [op, seq, done] or None}, 'states': {rank: one of ISSUED_STATES} for
-    the late ranks}."""
-    source = issued_source(posts, ranks)
+    ranks that issued it, 'last': {rank: [op, seq, done(, state)] or None}, 'states': {rank: one of
+    ISSUED_STATES} for the late ranks, 'how': {rank: 'unseen'|'unstarted'} of the behind ranks that are inside
+    the call}."""
+    source = issued_source(posts, ranks, key)
     last = {r: issued_last(posts[r], key, source) for r in ranks if posts.get(r) is not None}
     seqs = [x[1] for x in last.values() if x]
     front = max(seqs) if seqs else None
     fop = next((x[0] for x in last.values() if x and x[1] == front), None)
-    states = {}
+    started = any(x and x[1] == front and len(x) > 3 and x[3] in ("started", "completed") for x in last.values())
+    states, how = {}, {}
     for r in late:
         if posts.get(r) is None:
             states[r] = "unposted"
             continue
-        x, idle_s = last.get(r), posts[r].get("idle_s")
-        if posts[r].get("inflight"):  # its own record: the main thread is inside a collective call right now
-            states[r] = "waiting"
-        elif idle_s is not None and idle_s < BETWEEN_S:
-            states[r] = "between"
-        elif front is not None and (x is None or x[1] < front):
-            states[r] = "behind"
-        else:
-            states[r] = "idle"
-    return {"source": source, "key": key, "front": None if front is None else [fop, front],
-            "issuers": sorted(r for r, x in last.items() if x and x[1] == front), "last": last, "states": states}
+        states[r], h = _late_state(posts[r], last.get(r), front, source, started)
+        if h:
+            how[r] = h
+    issuers = sorted(r for r, x in last.items() if x and x[1] == front and how.get(r) != "unstarted")
+    return {"source": source, "key": key, "front": None if front is None else [fop, front], "issuers": issuers,
+            "last": last, "states": states, "how": how}
 
 
 def op_text(front):
@@ -4157,10 +4204,19 @@ def on_hosts(ranks, host_of, limit=16):
 
 def never_issued_text(behind, an, host_of):
     """The greppable words for ranks that never issued a collective their peers issued:
-    'rank 1 (n1) never issued all_reduce #3 that ranks 0, 2-15 issued'."""
+    'rank 1 (n1) never issued all_reduce #3 that ranks 0, 2-15 issued'; a rank whose entry stayed scheduled
+    while its peers' started: 'rank 1 (n1) never started all_reduce #3 that ranks 0, 2-15 started'."""
     who = "rank" if len(an["issuers"]) == 1 else "ranks"
-    return (f"{on_hosts(behind, host_of)} never issued {op_text(an['front'])} that {who} "
-            f"{ranks_text(an['issuers'])} issued")
+    how = an.get("how") or {}
+    unstarted = [r for r in behind if how.get(r) == "unstarted"]
+    parts = []
+    if len(unstarted) < len(behind):
+        parts.append(f"{on_hosts([r for r in behind if r not in unstarted], host_of)} never issued "
+                     f"{op_text(an['front'])} that {who} {ranks_text(an['issuers'])} issued")
+    if unstarted:
+        parts.append(f"{on_hosts(unstarted, host_of)} never started {op_text(an['front'])} that {who} "
+                     f"{ranks_text(an['issuers'])} started")
+    return "; ".join(parts)
 
 
 def never_finished_text(ranks, phase, finished, host_of):
@@ -4967,6 +5023,12 @@ ISSUED_WORDS = {"waiting": "alive, inside a collective (waiting for its peers)",
                 "idle": "alive, outside any collective",
                 "between": "alive, between two collective calls",
                 "unposted": "alive, posted no record of what it issued within {s:g}s"}
+# a rank behind its peers, by how (hang.issued_states' 'how'): outside any collective; inside the call but its
+# backend never saw it (its recorder lacks what its peers' recorders hold); its entry scheduled, never started
+BEHIND_WORDS = {None: "alive, outside any collective; numbered by {src}",
+                "unseen": "alive, inside the collective call but its backend never saw it: torch's flight recorder "
+                          "holds it on its peers, not on this rank",
+                "unstarted": "alive, its entry stayed scheduled in torch's flight recorder while its peers' started"}
 PROCESS_KINDS = ("dead", "frozen", "silent")  # evidence of a rank's own process state
 STOPPED_WORDS = "the run was stopped from outside, not by a fault of the cluster: no host is blamed"
 NOT_BLAMED = " (not blamed)"
@@ -5131,9 +5193,11 @@ def _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, fini
     states = an["states"] if an else {}
     if evidence == "never-issued":
         behind = [r for r in culprits if states.get(r) == "behind"]
-        if behind:
-            how = "torch's flight recorder" if an["source"] == "recorder" else "its own record"
-            parts.append(f"{never_issued_text(behind, an, host_of)} (alive, outside any collective; numbered by {how})")
+        src, hows = "torch's flight recorder" if an["source"] == "recorder" else "its own record", an.get("how") or {}
+        for h, words in BEHIND_WORDS.items():
+            rs = [r for r in behind if hows.get(r) == h]
+            if rs:
+                parts.append(f"{never_issued_text(rs, an, host_of)} ({words.format(src=src)})")
         rest = [r for r in culprits if r not in behind]
         if rest:
             parts.append(never_finished_text(rest, phase, finished, host_of) + " (alive, outside any collective)")
@@ -11241,7 +11305,7 @@ class Issued:
     def start(self, op, key, seq=None):
         last = self.own.get(key)
         self.own[key] = [op, (last[1] + 1 if last else 1) if seq is None else seq, False]
-        self.inflight = key
+        self.inflight, self.since = key, time.monotonic()
 
     def done(self, key):
         self.own[key] = self.own[key][:2] + [True]
@@ -11253,18 +11317,45 @@ class Issued:
         inside, or None, 'idle_s': seconds since it left its last call, 'diag': NCCL DIAG lines seen}. Never
         raises: the recorder is evidence, not a dependency."""
         inflight, since = self.inflight, self.since
+        took = round(time.monotonic() - since, 3)
         return {"own": {k: list(v) for k, v in list(self.own.items())}, "fr": recorder_last(torch, dict(self.names)),
-                "inflight": inflight, "idle_s": None if inflight else round(time.monotonic() - since, 3),
+                "inflight": inflight, "idle_s": None if inflight else took, "inflight_s": took if inflight else None,
                 "diag": list(diag)[:8]}
+
+
+# torch's flight recorders, in the order read: ProcessGroupNCCL's own (NCCL's collectives: JSON from torch 2.5,
+# its pickle before; CUDA builds only), then the recorder of the other backends (gloo: torch >= 2.8), whose
+# _dump_fr_trace_json holds none of NCCL's collectives
+RECORDERS = (("_dump_nccl_trace_json", "json"), ("_dump_nccl_trace", "pickle"), ("_dump_fr_trace_json", "json"))
+
+
+def recorder_dump(torch):
+    """The first of torch's flight recorders (RECORDERS) that holds entries, as plain data ({'entries', 'pg_status',
+    ...}); {} when those that could be read hold none; None when none could be read."""
+    c10d, read = getattr(torch._C, "_distributed_c10d", None), False
+    for name, form in RECORDERS:
+        fn = getattr(c10d, name, None)
+        if fn is None:
+            continue
+        try:
+            j = json.loads(fn(True, False)) if form == "json" else pickle.loads(fn(True, False, False))  # noqa: S301
+        except Exception:
+            continue
+        read = read or isinstance(j, dict)
+        if isinstance(j, dict) and j.get("entries"):
+            return j
+    return {} if read else None
 
 
 def recorder_last(torch, names):
     """The last collective torch's flight recorder holds for each process group this rank knows (names: torch's
-    group name -> key): {key: [op, collective_seq_id, done]}, done from the recorder's per-group status (the last
-    completed collective), else the entry's state. None when it holds nothing or cannot be read."""
+    group name -> key): {key: [op, collective_seq_id, done, state]}, done from the recorder's per-group status (the
+    last completed collective), else the entry's state (scheduled, started, completed). {} when the recorder
+    holds nothing of these groups; None when it cannot be read: the recorder is evidence, not a dependency."""
     try:
-        dump = torch._C._distributed_c10d._dump_fr_trace_json
-        j = json.loads(dump(True, False))
+        j = recorder_dump(torch)
+        if j is None:
+            return None
         status, out = j.get("pg_status") or {}, {}
         for e in j.get("entries") or []:
             pg = e.get("process_group") or []
@@ -11274,8 +11365,9 @@ def recorder_last(torch, names):
             st = status.get(str(e.get("pg_id")))
             done = int(st["last_completed_collective"]) >= seq if st and "last_completed_collective" in st else \
                 e.get("state") == "completed"
-            out[key] = [str(e.get("profiling_name") or "?").split(":", 1)[-1], seq, done]
-        return out or None
+            state = "completed" if done else str(e.get("state") or "?")
+            out[key] = [str(e.get("profiling_name") or "?").split(":", 1)[-1], seq, done, state]
+        return out
     except Exception:
         return None
 
@@ -12011,7 +12103,7 @@ class RankRun(ScreenRunner):
         self.backend = self.device = self.results = self.bandwidth = None
         self.identity = None
         self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
-        self.issued, self.stalled = Issued(), set()  # what this rank issued last on each group (issuing)
+        self.issued, self.stalled, self.wedged = Issued(), set(), set()  # what this rank issued last (issuing)
         self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
         self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
@@ -12127,7 +12219,9 @@ class RankRun(ScreenRunner):
         if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
             self.bg.probe = start_import_probe()
         if not any(v in os.environ for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
-            os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"  # torch's flight recorder: what each rank issued (issuing)
+            # torch's flight recorder: what each rank issued (issuing); the second name for torch before 2.6,
+            # whose ProcessGroupNCCL reads only it (a later torch reads the first, and the second only without it)
+            os.environ["TORCH_FR_BUFFER_SIZE"] = os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
         t = time.monotonic()
         try:
             with gc_paused():
@@ -12241,6 +12335,9 @@ class RankRun(ScreenRunner):
             self.failpoint(self.phase, only=("stall",))
         key = group_key(range(self.world) if ranks is None else ranks)
         self.issued.start(op, key, seq)
+        if self.phase not in self.wedged:  # inside the call, its "about to issue" record made: the backend not yet
+            self.wedged.add(self.phase)
+            self.failpoint(self.phase, only=("wedge",))
         yield
         if self.backend == "nccl":
             self.torch.cuda.synchronize()
@@ -12404,12 +12501,15 @@ class RankRun(ScreenRunner):
           stall=S             an S-second pause right before the rank issues its first collective of <phase>
                               (init, screen-net, collective, ddp, bandwidth: alive, never issuing it), marked
                               like a pause
+          wedge=S             the same pause inside that call, after the rank's own "about to issue" record
+                              and before its backend sees the call (a rank stuck in a driver call or a lazy
+                              communicator set-up), marked like a pause
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
                               the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
                               e.g. helper-aiv-listener)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
-            m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall)=(\d+)):([\w-]+):(\d+)", item)
+            m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall|wedge)=(\d+)):([\w-]+):(\d+)", item)
             if not (m and m.group(4) == phase and int(m.group(5)) == self.rank and (m.group(2) or m.group(1)) in only):
                 continue
             flush_all()
@@ -12417,7 +12517,7 @@ class RankRun(ScreenRunner):
                 raise AssertionError(f"failpoint {item}")
             if m.group(3) is None:
                 os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
-            if m.group(2) in ("pause", "stall") and self.env.get("AIV_FAILPOINT_MARK"):
+            if m.group(2) in ("pause", "stall", "wedge") and self.env.get("AIV_FAILPOINT_MARK"):
                 with open(self.env["AIV_FAILPOINT_MARK"], "w") as f:
                     f.write(f"{phase} {self.rank}\n")
             time.sleep(int(m.group(3)))

@@ -699,6 +699,12 @@ ISSUED_WORDS = {"waiting": "alive, inside a collective (waiting for its peers)",
                 "idle": "alive, outside any collective",
                 "between": "alive, between two collective calls",
                 "unposted": "alive, posted no record of what it issued within {s:g}s"}
+# a rank behind its peers, by how (hang.issued_states' 'how'): outside any collective; inside the call but its
+# backend never saw it (its recorder lacks what its peers' recorders hold); its entry scheduled, never started
+BEHIND_WORDS = {None: "alive, outside any collective; numbered by {src}",
+                "unseen": "alive, inside the collective call but its backend never saw it: torch's flight recorder "
+                          "holds it on its peers, not on this rank",
+                "unstarted": "alive, its entry stayed scheduled in torch's flight recorder while its peers' started"}
 PROCESS_KINDS = ("dead", "frozen", "silent")  # evidence of a rank's own process state
 STOPPED_WORDS = "the run was stopped from outside, not by a fault of the cluster: no host is blamed"
 NOT_BLAMED = " (not blamed)"
@@ -863,9 +869,11 @@ def _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, fini
     states = an["states"] if an else {}
     if evidence == "never-issued":
         behind = [r for r in culprits if states.get(r) == "behind"]
-        if behind:
-            how = "torch's flight recorder" if an["source"] == "recorder" else "its own record"
-            parts.append(f"{never_issued_text(behind, an, host_of)} (alive, outside any collective; numbered by {how})")
+        src, hows = "torch's flight recorder" if an["source"] == "recorder" else "its own record", an.get("how") or {}
+        for h, words in BEHIND_WORDS.items():
+            rs = [r for r in behind if hows.get(r) == h]
+            if rs:
+                parts.append(f"{never_issued_text(rs, an, host_of)} ({words.format(src=src)})")
         rest = [r for r in culprits if r not in behind]
         if rest:
             parts.append(never_finished_text(rest, phase, finished, host_of) + " (alive, outside any collective)")

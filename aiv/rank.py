@@ -173,7 +173,7 @@ class RankRun(ScreenRunner):
         self.backend = self.device = self.results = self.bandwidth = None
         self.identity = None
         self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
-        self.issued, self.stalled = Issued(), set()  # what this rank issued last on each group (issuing)
+        self.issued, self.stalled, self.wedged = Issued(), set(), set()  # what this rank issued last (issuing)
         self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
         self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
@@ -289,7 +289,9 @@ class RankRun(ScreenRunner):
         if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
             self.bg.probe = start_import_probe()
         if not any(v in os.environ for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
-            os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"  # torch's flight recorder: what each rank issued (issuing)
+            # torch's flight recorder: what each rank issued (issuing); the second name for torch before 2.6,
+            # whose ProcessGroupNCCL reads only it (a later torch reads the first, and the second only without it)
+            os.environ["TORCH_FR_BUFFER_SIZE"] = os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
         t = time.monotonic()
         try:
             with gc_paused():
@@ -403,6 +405,9 @@ class RankRun(ScreenRunner):
             self.failpoint(self.phase, only=("stall",))
         key = group_key(range(self.world) if ranks is None else ranks)
         self.issued.start(op, key, seq)
+        if self.phase not in self.wedged:  # inside the call, its "about to issue" record made: the backend not yet
+            self.wedged.add(self.phase)
+            self.failpoint(self.phase, only=("wedge",))
         yield
         if self.backend == "nccl":
             self.torch.cuda.synchronize()
@@ -566,12 +571,15 @@ class RankRun(ScreenRunner):
           stall=S             an S-second pause right before the rank issues its first collective of <phase>
                               (init, screen-net, collective, ddp, bandwidth: alive, never issuing it), marked
                               like a pause
+          wedge=S             the same pause inside that call, after the rank's own "about to issue" record
+                              and before its backend sees the call (a rank stuck in a driver call or a lazy
+                              communicator set-up), marked like a pause
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
                               the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
                               e.g. helper-aiv-listener)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
-            m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall)=(\d+)):([\w-]+):(\d+)", item)
+            m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall|wedge)=(\d+)):([\w-]+):(\d+)", item)
             if not (m and m.group(4) == phase and int(m.group(5)) == self.rank and (m.group(2) or m.group(1)) in only):
                 continue
             flush_all()
@@ -579,7 +587,7 @@ class RankRun(ScreenRunner):
                 raise AssertionError(f"failpoint {item}")
             if m.group(3) is None:
                 os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
-            if m.group(2) in ("pause", "stall") and self.env.get("AIV_FAILPOINT_MARK"):
+            if m.group(2) in ("pause", "stall", "wedge") and self.env.get("AIV_FAILPOINT_MARK"):
                 with open(self.env["AIV_FAILPOINT_MARK"], "w") as f:
                     f.write(f"{phase} {self.rank}\n")
             time.sleep(int(m.group(3)))

@@ -332,4 +332,5 @@ def test_the_flight_recorder_holds_what_a_gloo_rank_issued():
     during, after, unknown = json.loads(r.stdout.splitlines()[-1])
     assert during["inflight"] == "0" and during["idle_s"] is None and during["own"] == {"0": ["all_reduce", 1, False]}
     assert after["fr"]["0"][:2] == ["all_reduce", 3] and after["inflight"] is None and after["idle_s"] >= 0
-    assert unknown is None  # a group the rank does not know is no entry
+    assert after["fr"]["0"][2:] == [True, "completed"]
+    assert unknown == {}  # a group the rank does not know is no entry (the recorder was read: not None)

@@ -338,3 +338,35 @@ def test_when_it_fails_shows_the_lines_the_code_makes():
 def aiv_root():
     from conftest import ROOT
     return ROOT
+
+
+# -- (f) inside the collective call, before its backend saw it: torch's flight recorder names it
+@pytest.mark.parametrize("world,stuck,args", [(2, 1, ("--skip-screen",)), (2, 0, ("--skip-screen",)), (3, 1, ())])
+def test_a_rank_stuck_inside_the_call_before_its_backend_saw_it_is_named_alone(tmp_path, world, stuck, args):
+    """Rank `stuck` blocks inside its all_reduce call after its own "about to issue" record and before gloo sees
+    the call (a rank stuck in a driver call or a lazy communicator set-up looks so), while its peers issued it:
+    torch's flight recorder (live: its peers' hold the collective) lacks it on that rank alone, so only its host
+    is named, never-issued, exit 3, for rank 1 and for rank 0 alike. It was `all-issued`: "every rank issued
+    all_reduce #1 and it did not finish: the fabric", no host named."""
+    procs = start(world, tmp_path, f"wedge=90:collective:{stuck}", ("--timeout", T, *args))
+    try:
+        procs[0 if stuck else 1].wait(120)
+        procs[0].wait(30)
+    finally:
+        procs[stuck].kill()
+    out, lines, v = ended(procs, tmp_path)
+    assert out[0][0] == aiv.EXIT_TIMEOUT, describe(out)
+    (line,) = lines
+    others = [r for r in range(world) if r != stuck]
+    who = "rank" if len(others) == 1 else "ranks"
+    assert line.startswith("FAILURE: collective: all_reduce of rank-encoded integers did not complete within 8s: "
+                           f"rank {stuck} (n{stuck}) never issued all_reduce #"), line
+    assert (f" that {who} {aiv.ranks_text(others)} issued (alive, inside the collective call but its backend never "
+            "saw it: torch's flight recorder holds it on its peers, not on this rank)") in line, line
+    assert (v["failed_hosts"], v["exclude"]) == ([f"n{stuck}"], f"n{stuck}"), v["failures"]
+    (f,) = fail_findings(v)
+    assert (f["blame"], f["ranks"], f["issued"]["source"]) == ("never-issued", [stuck], "recorder"), f["issued"]
+    assert f["issued"]["states"][str(stuck)] == "behind"
+    assert all(f["issued"]["states"][str(r)] == "waiting" for r in others), f["issued"]
+    for r in others:
+        assert out[r][0] == aiv.EXIT_TIMEOUT, describe(out)
