@@ -14,6 +14,12 @@ from .base import compress_hostlist, format_ranges
 #   unposted no post came back within ISSUED_S (alive, but its record was not collected)
 ISSUED_STATES = ("behind", "waiting", "idle", "between", "unposted")
 BETWEEN_S = 1.0  # a rank outside any collective call for less than this is between two calls
+# a rank behind its peers, by how (hang.issued_states' 'how'): outside any collective; inside the call but its
+# backend never saw it (its recorder lacks what its peers' recorders hold); its entry scheduled, never started
+BEHIND_WORDS = {None: "alive, outside any collective; numbered by {src}",
+                "unseen": "alive, inside the collective call but its backend never saw it: torch's flight recorder "
+                          "holds it on its peers, not on this rank",
+                "unstarted": "alive, its entry stayed scheduled in torch's flight recorder while its peers' started"}
 
 
 def ranks_text(ranks):

@@ -20,6 +20,7 @@ from .blame import minority_kind, odd_ones, unlocalised
 from .collect import PROBED_PACKAGES, ib_hca_select
 from .deadlines import ISSUE_PHASES, ISSUED_S, NODE_SMI_S, PHASE_CHECK, PHASES
 from .hang import (
+    BEHIND_WORDS,
     FABRIC_HINT,
     RERUN_HINT,
     group_key,
@@ -471,40 +472,28 @@ def judge_gloo_address(records):
         f"{k} on {compress_hostlist(sorted(v))}" for k, v in sorted(used.items())))]
 
 
-NO_TORCH_WHY = ("the python this launch ran cannot import torch (no venv, the wrong python, PYTORCH_ENV unset): "
-                "the job's environment, not a fault of a node")
-NO_TORCH_HOW = ("bootstrap_env.sh, or the job pointed at the shared venv (PYTORCH_ENV); a node is named only when it "
-                "alone, of several, cannot import what a strict majority of the job's nodes import")
-
-
-def no_torch_finding(line, hosts=()):
-    """A rank whose python cannot import torch, judged alone: `local` FAIL, exit 2 (usage: the launch's
-    environment), no host named (hosts: kept as involved)."""
-    return unlocalised(finding("local", "FAIL", line, list(hosts), code=EXIT_USAGE), "launch", NO_TORCH_HOW,
-                       NO_TORCH_WHY)
+NO_TORCH = ("the python this launch ran cannot import torch (no venv, the wrong python, PYTORCH_ENV unset): the "
+            "job's environment, not a fault of a node", "bootstrap_env.sh, or the job pointed at the shared venv "
+            "(PYTORCH_ENV); a node is named only when it alone, of several, cannot import what a strict majority "
+            "of the job's nodes import")
 
 
 def judge_no_torch(reports, imported_hosts, nodes=None):
-    """The ranks whose python could not import torch ({rank: {'line', 'host'}}, from their reports at the roll
-    call) among the hosts whose ranks did (imported_hosts: they checked in); nodes: the job's node count where
-    the launch says it. Their hosts are named (`majority`, exit 1) only when a strict majority of the job's
-    nodes imported torch and those hosts are unlike it; else one FAIL, exit 2, naming no host."""
-    if not reports:
-        return []
+    """The ranks whose python could not import torch ({rank: {'line', 'host'}}, their reports at the roll call)
+    among the hosts whose ranks did (imported_hosts); nodes: the job's node count where the launch says it. Their
+    hosts are named (`majority`, exit 1) only when a strict majority of the job's nodes imported torch; else exit 2,
+    no host (a rank alone: imported_hosts empty)."""
     ranks = sorted(reports)
     bad = {reports[r].get("host") or "?" for r in ranks}
-    good = set(imported_hosts) - bad
+    good, hl = set(imported_hosts) - bad, compress_hostlist(sorted(bad))
     total = max(len(good | bad), int(nodes or 0))
-    line = reports[ranks[0]]["line"] + (f"; {len(ranks) - 1} more rank(s) could not either (rank(s) "
-                                        f"{format_ranges(ranks)} on {compress_hostlist(sorted(bad))})"
-                                        if len(ranks) > 1 else "")
-    if len(good | bad) > 1 and 2 * len(good) > total:
-        return [finding("local", "FAIL", f"{line}; {len(good)} of {total} node(s) import torch in this launch: "
-                        f"{compress_hostlist(sorted(bad))} alone cannot", sorted(bad), ranks, code=EXIT_FAIL,
-                        blame="majority")]
-    f = no_torch_finding(line, sorted(bad))
-    f["ranks"] = ranks
-    return [f]
+    line = (reports[ranks[0]]["line"] + (f"; rank(s) {format_ranges(ranks)} on {hl} cannot either" if len(ranks) > 1
+                                         else "")) if ranks else ""
+    if ranks and len(good | bad) > 1 and 2 * len(good) > total:
+        return [finding("local", "FAIL", f"{line}; {len(good)} of {total} node(s) import torch in this launch: {hl} "
+                        "alone cannot", sorted(bad), ranks, code=EXIT_FAIL, blame="majority")]
+    return [unlocalised(finding("local", "FAIL", line, sorted(bad), ranks, code=EXIT_USAGE), "launch", NO_TORCH[1],
+                        NO_TORCH[0])] if ranks else []
 
 
 def judge_pre(records, world_size, expect):
@@ -699,12 +688,6 @@ ISSUED_WORDS = {"waiting": "alive, inside a collective (waiting for its peers)",
                 "idle": "alive, outside any collective",
                 "between": "alive, between two collective calls",
                 "unposted": "alive, posted no record of what it issued within {s:g}s"}
-# a rank behind its peers, by how (hang.issued_states' 'how'): outside any collective; inside the call but its
-# backend never saw it (its recorder lacks what its peers' recorders hold); its entry scheduled, never started
-BEHIND_WORDS = {None: "alive, outside any collective; numbered by {src}",
-                "unseen": "alive, inside the collective call but its backend never saw it: torch's flight recorder "
-                          "holds it on its peers, not on this rank",
-                "unstarted": "alive, its entry stayed scheduled in torch's flight recorder while its peers' started"}
 PROCESS_KINDS = ("dead", "frozen", "silent")  # evidence of a rank's own process state
 STOPPED_WORDS = "the run was stopped from outside, not by a fault of the cluster: no host is blamed"
 NOT_BLAMED = " (not blamed)"
@@ -869,7 +852,8 @@ def _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, fini
     states = an["states"] if an else {}
     if evidence == "never-issued":
         behind = [r for r in culprits if states.get(r) == "behind"]
-        src, hows = "torch's flight recorder" if an["source"] == "recorder" else "its own record", an.get("how") or {}
+        src = "torch's flight recorder" if (an or {}).get("source") == "recorder" else "its own record"
+        hows = (an or {}).get("how") or {}
         for h, words in BEHIND_WORDS.items():
             rs = [r for r in behind if hows.get(r) == h]
             if rs:

@@ -77,7 +77,7 @@ from .interfaces import (
     gloo_address,
     list_interfaces,
 )
-from .judge import no_torch_finding
+from .judge import judge_no_torch
 from .launchers import node_name
 from .liveness import launch_key, proc_stat, said_marker, say_hello, sweep_said
 from .measure import soak_measure, start_node_smi, start_screen_gpu
@@ -339,11 +339,11 @@ class RankRun(ScreenRunner):
 
     def no_torch(self, exc):
         """torch (or what it needs) cannot be imported here: the launch's environment (no venv, the wrong python),
-        exit 2, no host named (no_torch_finding); the other ranks tell rank 0 through the store's wire, no torch
+        exit 2, no host named (judge_no_torch); the other ranks tell rank 0 through the store's wire, no torch
         needed (Follower.end), and rank 0 names a host only when it alone of several cannot (judge_no_torch)."""
         line = (f"rank {self.rank} ({self.host}): torch is not importable by {sys.executable}: {first_line(exc)}; "
                 "run bootstrap_env.sh on this node or point the job at the shared venv (PYTORCH_ENV)")
-        return Verdict(EXIT_USAGE, [no_torch_finding(line, [self.host])])
+        return Verdict(EXIT_USAGE, judge_no_torch({self.rank: {"line": line, "host": self.host}}, ()))
 
     def phase_rollcall(self):
         R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)
