@@ -370,3 +370,46 @@ def test_a_rank_stuck_inside_the_call_before_its_backend_saw_it_is_named_alone(t
     assert all(f["issued"]["states"][str(r)] == "waiting" for r in others), f["issued"]
     for r in others:
         assert out[r][0] == aiv.EXIT_TIMEOUT, describe(out)
+
+
+def rec_ans(fr_seq=None, own_seq=3, inflight=True, inflight_s=12.0, state="scheduled", fr=True):
+    """A rank's answer with torch's flight recorder: fr_seq the last collective it holds on the world group
+    (None: none of it; fr=False: the recorder could not be read)."""
+    a = ans(own_seq, inflight=inflight)
+    a["inflight_s"] = inflight_s if inflight else None
+    a["fr"] = None if not fr else ({W: ["all_reduce", fr_seq, False, state]} if fr_seq is not None else {})
+    return a
+
+
+def test_the_recorder_names_a_rank_inside_the_call_that_its_backend_never_saw():
+    """Ranks 0, 2, 3 hold all_reduce #3 in their recorders; rank 1's own record says it is inside #3, its recorder
+    holds #2: it never handed #3 to its backend, named alone."""
+    peers = {r: rec_ans(3) for r in (0, 2, 3)}
+    f = judge({**peers, 1: rec_ans(2)})
+    assert (f["hosts"], f["blame"], f["issued"]["source"]) == (["n1"], "never-issued", "recorder"), f
+    assert "rank 1 (n1) never issued all_reduce #3 that ranks 0, 2-3 issued (alive, inside the collective call but " \
+           "its backend never saw it" in f["reason"], f["reason"]
+    f = judge({**peers, 1: rec_ans(None, own_seq=1)})  # its first collective: its recorder holds nothing of it
+    assert f["hosts"] == ["n1"], f
+
+
+def test_the_recorder_names_an_entry_that_stayed_scheduled_while_its_peers_started():
+    peers = {r: rec_ans(3, state="started") for r in (0, 2, 3)}
+    f = judge({**peers, 1: rec_ans(3, state="scheduled")})
+    assert (f["hosts"], f["blame"]) == (["n1"], "never-issued"), f
+    assert "rank 1 (n1) never started all_reduce #3 that ranks 0, 2-3 started (alive, its entry stayed scheduled" \
+           in f["reason"], f["reason"]
+    f = judge({r: rec_ans(3, state="scheduled") for r in range(4)})  # gloo: none started: the fabric, no host
+    assert (f["hosts"], f["blame"]) == ([], "all-issued"), f
+
+
+@pytest.mark.parametrize("why,one", [
+    ("the recorder of rank 1 cannot be read", dict(fr=False)),
+    ("rank 1 finished collectives its recorder does not hold (switched off there)", dict(fr_seq=None, own_seq=3)),
+    ("rank 1 entered the call a moment ago", dict(fr_seq=2, inflight_s=0.2)),
+])
+def test_a_recorder_that_is_no_evidence_names_nobody_inside_a_call(why, one):
+    """Where the recorder is not live on every rank, or the rank entered its call under BETWEEN_S ago, a rank
+    inside a call is never named: no host."""
+    f = judge({**{r: rec_ans(3) for r in (0, 2, 3)}, 1: rec_ans(**one)})
+    assert f["hosts"] == [], (why, f)
