@@ -7,7 +7,6 @@ its process groups, for rank 0's question when a phase does not finish."""
 import contextlib
 import json
 import os
-import pickle
 import sys
 import tempfile
 import threading
@@ -60,22 +59,22 @@ class Issued:
                 "diag": list(diag)[:8]}
 
 
-# torch's flight recorders, in the order read: ProcessGroupNCCL's own (NCCL's collectives: JSON from torch 2.5,
-# its pickle before; CUDA builds only), then the recorder of the other backends (gloo: torch >= 2.8), whose
-# _dump_fr_trace_json holds none of NCCL's collectives
-RECORDERS = (("_dump_nccl_trace_json", "json"), ("_dump_nccl_trace", "pickle"), ("_dump_fr_trace_json", "json"))
+# torch's flight recorders, in the order read: ProcessGroupNCCL's own (NCCL's collectives; CUDA builds only),
+# then the recorder of the other backends (gloo), whose dump holds none of NCCL's collectives. JSON only: nothing
+# a rank reads is unpickled (torch's pickle dump, _dump_nccl_trace, is left alone)
+RECORDERS = ("_dump_nccl_trace_json", "_dump_fr_trace_json")
 
 
 def recorder_dump(torch):
     """The first of torch's flight recorders (RECORDERS) that holds entries, as plain data ({'entries', 'pg_status',
     ...}); {} when those that could be read hold none; None when none could be read."""
     c10d, read = getattr(torch._C, "_distributed_c10d", None), False
-    for name, form in RECORDERS:
+    for name in RECORDERS:
         fn = getattr(c10d, name, None)
         if fn is None:
             continue
         try:
-            j = json.loads(fn(True, False)) if form == "json" else pickle.loads(fn(True, False, False))  # noqa: S301
+            j = json.loads(fn(True, False))
         except Exception:
             continue
         read = read or isinstance(j, dict)
