@@ -4815,8 +4815,8 @@ def judge_no_torch(reports, imported_hosts, nodes=None):
     bad = {reports[r].get("host") or "?" for r in ranks}
     good, hl = set(imported_hosts) - bad, compress_hostlist(sorted(bad))
     total = max(len(good | bad), int(nodes or 0))
-    line = (reports[ranks[0]]["line"] + (f"; rank(s) {format_ranges(ranks)} on {hl} cannot either" if len(ranks) > 1
-                                         else "")) if ranks else ""
+    line = reports[ranks[0]]["line"].split("; no host is named:")[0] if ranks else ""  # judged alone, it said so
+    line += f"; rank(s) {format_ranges(ranks)} on {hl} cannot either" if len(ranks) > 1 else ""
     if ranks and len(good | bad) > 1 and 2 * len(good) > total:
         return [finding("local", "FAIL", f"{line}; {len(good)} of {total} node(s) import torch in this launch: {hl} "
                         "alone cannot", sorted(bad), ranks, code=EXIT_FAIL, blame="majority")]

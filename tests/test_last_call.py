@@ -145,4 +145,5 @@ def test_a_node_alone_without_torch_is_named_only_against_a_strict_majority(tmp_
     assert (v["failed_hosts"], v["exit_code"]) == (named, code), v["failures"]
     (f,) = [f for f in v["findings"] if f["status"] == "FAIL"]
     assert f["blame"] == ("majority" if named else "launch"), f
+    assert ("no host is named" in f["reason"]) == (not named), f["reason"]  # one verdict, said once
     assert os.path.basename(SCRIPT) == "ddp_mesh_ping.py"
