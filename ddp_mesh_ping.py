@@ -638,8 +638,8 @@ CHECK_RULES = {
     "usage": rule(), "contract": rule(), "launch": rule(), "layout": rule(),
     "world-size": rule(("majority",)),  # a process launched with another WORLD_SIZE than most nodes' ranks
     "bandwidth": rule(), "internal": rule(), "interrupted": rule(), "output": rule(), "drain": rule(),
-    "local": rule(("own",), ("own",), "a rank's own software or configuration on its host (a missing numpy, an "
-                  "old torch, an interface) stays until the node is fixed"),
+    "local": rule(("own", "majority"), ("own",), "a rank's own software or configuration on its host (a missing "
+                  "numpy, an old torch, an interface) stays until the node is fixed"),
     "device": rule(("own", "majority"), ("own", "majority"), "a GPU that CUDA cannot use, or a node whose ranks "
                    "chose another backend than the rest, stays so until the node is repaired"),
     "interface": rule(("own", "majority"), ("own", "majority"), "a node's interfaces and the address its hostname "
@@ -820,6 +820,14 @@ def minority_kind(bad, members):
 # Floor 1: every bound in one table (deadlines()) and the small waits beside it, as plain numbers;
 TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
 ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
+# The roll call's last call (torchrun's rendezvous last_call_timeout, 30 s by default, is the anchor): once at
+# least half the world checked in (or failed before it), the ranks never heard of get last_call_grace() past the
+# latest arrival, not the whole --rollcall-timeout; a rank that said hello (its process reached the store, still
+# importing torch) keeps the whole bound
+LAST_CALL_FRACTION = 0.1  # of --rollcall-timeout: 30 s at the default 300 s
+LAST_CALL_MIN_S = 5.0     # never less (a short --rollcall-timeout in a test)
+LAST_CALL_LAUNCH_X = 2.0  # times what the launch showed: rank 0's start until half the world checked in
+HELLO_RETRY_S = 0.5       # a rank's hello to the store, tried again this often until it checks in
 NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name the culprits, publish
 RANK0_GRACE = 15.0        # the other ranks wait this long past their own bound before speaking for rank 0
 ACKS_S = 5.0              # rank 0 keeps its store up this long for live ranks to read the verdict
@@ -904,6 +912,41 @@ def worst_case(table, bandwidth=False, screen=True, soak=False):
     and the acknowledgements (the files asked for come before it, each within OUTPUT_S)."""
     return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
                and (screen or p not in SCREEN_PHASES) and p != "verdict") + NAMING_S + ACKS_S
+
+
+def last_call_grace(rollcall_s, launch_s):
+    """Seconds the ranks never heard of get past the latest arrival once the last call began: the larger of
+    LAST_CALL_FRACTION of the roll call's bound (30 s at the default) and LAST_CALL_LAUNCH_X times `launch_s`
+    (how long half the world took to start, import torch and check in: a slow launch, or a slow filesystem at
+    scale, gets a longer last call), at least LAST_CALL_MIN_S, never past the roll call's bound."""
+    rollcall_s = float(rollcall_s)
+    return min(rollcall_s, max(LAST_CALL_MIN_S, LAST_CALL_FRACTION * rollcall_s, LAST_CALL_LAUNCH_X * float(launch_s)))
+
+
+class LastCall:
+    """The roll call's last call as plain state (pure): seen(now, present, heard) at each look (present: ranks
+    checked in or failed before it; heard: those and the ranks that said hello); due(now) once at least half the
+    world is present and nothing new was heard for the grace (last_call_grace, fixed when half the world was
+    present: launch_s, seconds since the launch's start, is what the launch showed)."""
+
+    def __init__(self, world, rollcall_s, launch_t0):
+        self.world, self.rollcall_s, self.t0 = int(world), float(rollcall_s), launch_t0
+        self.begun = self.grace = None
+        self.heard, self.last = -1, None
+
+    def seen(self, now, present, heard):
+        if heard != self.heard:
+            self.heard, self.last = heard, now
+        if self.begun is None and 2 * present >= self.world:
+            self.begun = now
+            self.grace = last_call_grace(self.rollcall_s, now - self.t0)
+        return self
+
+    def due(self, now):
+        return self.begun is not None and now >= max(self.begun, self.last) + self.grace
+
+    def ends_at(self):
+        return None if self.begun is None else max(self.begun, self.last) + self.grace
 
 
 def live_period(nodes):
@@ -4252,6 +4295,12 @@ def judge_numerics_soak(rows):
 #   unposted no post came back within ISSUED_S (alive, but its record was not collected)
 ISSUED_STATES = ("behind", "waiting", "idle", "between", "unposted")
 BETWEEN_S = 1.0  # a rank outside any collective call for less than this is between two calls
+# a rank behind its peers, by how (hang.issued_states' 'how'): outside any collective; inside the call but its
+# backend never saw it (its recorder lacks what its peers' recorders hold); its entry scheduled, never started
+BEHIND_WORDS = {None: "alive, outside any collective; numbered by {src}",
+                "unseen": "alive, inside the collective call but its backend never saw it: torch's flight recorder "
+                          "holds it on its peers, not on this rank",
+                "unstarted": "alive, its entry stayed scheduled in torch's flight recorder while its peers' started"}
 
 
 def ranks_text(ranks):
@@ -4264,49 +4313,95 @@ def group_key(ranks):
     return format_ranges(ranks)
 
 
-def issued_source(posts, ranks):
-    """'recorder' when torch's flight recorder holds entries on every rank of `ranks` that posted (then its
-    sequence numbers are comparable across them), else 'own' (each rank's own record of what it issued)."""
+def own_completed(post, key):
+    """How many collectives a rank's own record says it finished on the group `key` (its set-up, number 0, not
+    counted): the last one's number when it finished, else one fewer."""
+    last = ((post or {}).get("own") or {}).get(key)
+    if not last or not isinstance(last[1], int):
+        return 0
+    return last[1] if last[2] else last[1] - 1
+
+
+def recorder_live(post, key):
+    """Whether torch's flight recorder is live on this rank for the group `key`: it could be read, and it holds
+    the group's collectives if the rank's own record says it finished one there (a recorder switched off or
+    overwritten holds nothing where the rank did finish collectives: then it is no evidence)."""
+    fr = post.get("fr")
+    return isinstance(fr, dict) and (fr.get(key) is not None or own_completed(post, key) == 0)
+
+
+def issued_source(posts, ranks, key=None):
+    """'recorder' when torch's flight recorder is live on every rank of `ranks` that posted (recorder_live) and
+    holds entries of the group on at least one of them (then its sequence numbers are comparable across them,
+    and a rank whose recorder lacks what its peers' hold never issued it to its backend), else 'own' (each
+    rank's own record of what it issued). Without a key: whether every posting rank's recorder held entries."""
     got = [posts[r] for r in ranks if posts.get(r) is not None]
-    return "recorder" if got and all(p.get("fr") for p in got) else "own"
+    if key is None:
+        return "recorder" if got and all(p.get("fr") for p in got) else "own"
+    held = any((p.get("fr") or {}).get(key) for p in got)
+    return "recorder" if got and held and all(recorder_live(p, key) for p in got) else "own"
 
 
 def issued_last(post, key, source):
-    """[op, seq, done] of the last collective a rank issued on the group `key` (None: none), from `source`."""
+    """[op, seq, done(, state)] of the last collective a rank issued on the group `key` (None: none), from
+    `source` (the recorder's entries carry its state: scheduled, started, completed)."""
     table = (post.get("fr") if source == "recorder" else post.get("own")) or {}
     last = table.get(key)
     return list(last) if last else None
 
 
+def _late_state(post, x, front, source, started):
+    """One late rank's place (ISSUED_STATES) and, when it is behind on the recorder's evidence although its own
+    record says it is inside the call, how: 'unseen' (its backend never saw the collective its peers' recorders
+    hold) or 'unstarted' (its entry stayed scheduled while a peer's started)."""
+    idle_s, inside = post.get("idle_s"), post.get("inflight")
+    inside_s = post.get("inflight_s")
+    if source == "recorder" and front is not None and (x is None or x[1] < front):
+        if not inside:
+            return ("between", None) if idle_s is not None and idle_s < BETWEEN_S else ("behind", None)
+        return ("between", None) if inside_s is not None and inside_s < BETWEEN_S else ("behind", "unseen")
+    if source == "recorder" and inside and x and x[1] == front and started and len(x) > 3 and \
+            x[3] == "scheduled" and (inside_s is None or inside_s >= BETWEEN_S):
+        return "behind", "unstarted"
+    if inside:  # its own record: the main thread is inside a collective call right now
+        return "waiting", None
+    if idle_s is not None and idle_s < BETWEEN_S:
+        return "between", None
+    if front is not None and (x is None or x[1] < front):
+        return "behind", None
+    return "idle", None
+
+
 def issued_states(ranks, posts, late, key):
     """The group `key` of `ranks`, from each rank's post ({rank: post or None}; a post: {'own': {key: [op, seq,
-    done]}, 'fr': the same from torch's flight recorder or None, 'inflight': key of the collective call the
-    rank's main thread is inside, or None, 'idle_s': seconds since it left its last call}). A rank's place
-    comes from `source` (issued_source); whether it is inside a call, from its own record.
+    done]}, 'fr': the same from torch's flight recorder with its state, {} when it holds nothing of this
+    rank's groups, None when it cannot be read, 'inflight': key of the collective call the rank's main thread
+    is inside, or None, 'inflight_s': for how long, 'idle_s': seconds since it left its last call}). A rank's
+    place comes from `source` (issued_source); whether it is inside a call, from its own record; where the
+    recorder is live, a rank inside the call whose recorder lacks the collective its peers' recorders hold
+    never issued it to its backend ('behind', how 'unseen'), and one whose entry stayed scheduled while a
+    peer's started is behind too ('unstarted').
     -> {'source', 'key', 'front': [op, seq] of the furthest collective a rank issued (None: none), 'issuers':
-    ranks that issued it, 'last': {rank: [op, seq, done] or None}, 'states': {rank: one of ISSUED_STATES} for
-    the late ranks}."""
-    source = issued_source(posts, ranks)
+    ranks that issued it, 'last': {rank: [op, seq, done(, state)] or None}, 'states': {rank: one of
+    ISSUED_STATES} for the late ranks, 'how': {rank: 'unseen'|'unstarted'} of the behind ranks that are inside
+    the call}."""
+    source = issued_source(posts, ranks, key)
     last = {r: issued_last(posts[r], key, source) for r in ranks if posts.get(r) is not None}
     seqs = [x[1] for x in last.values() if x]
     front = max(seqs) if seqs else None
     fop = next((x[0] for x in last.values() if x and x[1] == front), None)
-    states = {}
+    started = any(x and x[1] == front and len(x) > 3 and x[3] in ("started", "completed") for x in last.values())
+    states, how = {}, {}
     for r in late:
         if posts.get(r) is None:
             states[r] = "unposted"
             continue
-        x, idle_s = last.get(r), posts[r].get("idle_s")
-        if posts[r].get("inflight"):  # its own record: the main thread is inside a collective call right now
-            states[r] = "waiting"
-        elif idle_s is not None and idle_s < BETWEEN_S:
-            states[r] = "between"
-        elif front is not None and (x is None or x[1] < front):
-            states[r] = "behind"
-        else:
-            states[r] = "idle"
-    return {"source": source, "key": key, "front": None if front is None else [fop, front],
-            "issuers": sorted(r for r, x in last.items() if x and x[1] == front), "last": last, "states": states}
+        states[r], h = _late_state(posts[r], last.get(r), front, source, started)
+        if h:
+            how[r] = h
+    issuers = sorted(r for r, x in last.items() if x and x[1] == front and how.get(r) != "unstarted")
+    return {"source": source, "key": key, "front": None if front is None else [fop, front], "issuers": issuers,
+            "last": last, "states": states, "how": how}
 
 
 def op_text(front):
@@ -4327,10 +4422,19 @@ def on_hosts(ranks, host_of, limit=16):
 
 def never_issued_text(behind, an, host_of):
     """The greppable words for ranks that never issued a collective their peers issued:
-    'rank 1 (n1) never issued all_reduce #3 that ranks 0, 2-15 issued'."""
+    'rank 1 (n1) never issued all_reduce #3 that ranks 0, 2-15 issued'; a rank whose entry stayed scheduled
+    while its peers' started: 'rank 1 (n1) never started all_reduce #3 that ranks 0, 2-15 started'."""
     who = "rank" if len(an["issuers"]) == 1 else "ranks"
-    return (f"{on_hosts(behind, host_of)} never issued {op_text(an['front'])} that {who} "
-            f"{ranks_text(an['issuers'])} issued")
+    how = an.get("how") or {}
+    unstarted = [r for r in behind if how.get(r) == "unstarted"]
+    parts = []
+    if len(unstarted) < len(behind):
+        parts.append(f"{on_hosts([r for r in behind if r not in unstarted], host_of)} never issued "
+                     f"{op_text(an['front'])} that {who} {ranks_text(an['issuers'])} issued")
+    if unstarted:
+        parts.append(f"{on_hosts(unstarted, host_of)} never started {op_text(an['front'])} that {who} "
+                     f"{ranks_text(an['issuers'])} started")
+    return "; ".join(parts)
 
 
 def never_finished_text(ranks, phase, finished, host_of):
@@ -4361,27 +4465,51 @@ FABRIC_HINT = ("the screen's pair results (inter-node rows above), or a re-run w
 # -- NCCL's own view: its RAS service (NCCL >= 2.24; JSON from 2.28.7), read by rank 0 beside ours
 def ras_world(ras, world):
     """The job's world communicator in a RAS STATUS document (size == world, the one listing most ranks), or
-    None."""
-    comms = [c for c in (ras or {}).get("communicators") or [] if isinstance(c, dict) and c.get("size") == world]
-    return max(comms, key=lambda c: len(c.get("ranks") or []), default=None)
+    None. Any other shape (not a document, communicators not a list, ranks not a list) is no communicator."""
+    comms = (ras or {}).get("communicators") if isinstance(ras, dict) else None
+    comms = [c for c in comms if isinstance(c, dict) and c.get("size") == world] if isinstance(comms, list) else []
+    return max(comms, key=lambda c: len(_items(c.get("ranks"))), default=None)
+
+
+def _items(value):
+    """A list in NCCL's document, else nothing (a reply of another shape is never trusted)."""
+    return value if isinstance(value, list) else []
+
+
+def _obj(value):
+    return value if isinstance(value, dict) else {}
+
+
+def _rank_of(entry):
+    """An entry's int rank (a bool, a string, a missing rank: None)."""
+    r = entry.get("rank") if isinstance(entry, dict) else None
+    return r if isinstance(r, int) and not isinstance(r, bool) and r >= 0 else None
 
 
 def ras_rank_states(comm):
     """{rank: {'state': 'present'|'missing', 'count': collectives issued (sum of collective_counts) or None,
     'error': async_error or abort_flag seen, 'dead': RAS considers it dead, 'unresponsive'}} of one
-    communicator."""
-    out = {}
-    for r in comm.get("ranks") or []:
-        st = r.get("status") or {}
-        counts = r.get("collective_counts") or {}
-        total = sum(v for v in counts.values() if isinstance(v, int)) if counts else None
-        out[int(r["rank"])] = {"state": "present", "count": total, "init": st.get("init_state"),
-                               "error": bool(st.get("async_error")) or bool(st.get("abort_flag"))}
-    for r in comm.get("missing_ranks") or []:
-        st = r.get("status") or {}
-        out[int(r["rank"])] = {"state": "missing", "dead": bool(st.get("considered_dead")),
-                               "unresponsive": bool(st.get("unresponsive"))}
-    return out
+    communicator, and the number of entries of a shape NCCL does not write (no int rank, a status or counts
+    that is not an object): those are skipped, never guessed. -> (states, skipped)."""
+    out, skipped = {}, 0
+    for r in _items(comm.get("ranks")):
+        rank, st, counts = _rank_of(r), _obj((r or {}).get("status") if isinstance(r, dict) else None), \
+            (r.get("collective_counts") if isinstance(r, dict) else None)
+        if rank is None or (counts is not None and not isinstance(counts, dict)):
+            skipped += 1
+            continue
+        total = sum(v for v in counts.values() if isinstance(v, int) and not isinstance(v, bool)) if counts else None
+        out[rank] = {"state": "present", "count": total, "init": st.get("init_state"),
+                     "error": bool(st.get("async_error")) or bool(st.get("abort_flag"))}
+    for r in _items(comm.get("missing_ranks")):
+        rank = _rank_of(r)
+        if rank is None:
+            skipped += 1
+            continue
+        st = _obj(r.get("status"))
+        out[rank] = {"state": "missing", "dead": bool(st.get("considered_dead")),
+                     "unresponsive": bool(st.get("unresponsive"))}
+    return out, skipped
 
 
 def nccl_view(ras, world, host_of, kinds, named):
@@ -4392,18 +4520,22 @@ def nccl_view(ras, world, host_of, kinds, named):
     unresponsive), 'error' (an async error or abort on it), 'behind' (fewer collectives than the most any rank
     of the communicator issued), or 'ok'; ours 'named' for a rank we name by its process, else 'behind'
     (never issued), else 'ok'. They agree where both say the rank stopped the job or both say it did not."""
-    if not ras or not ras.get("ok"):
-        why = (ras or {}).get("why") or "not read"
+    if not isinstance(ras, dict) or not ras.get("ok"):
+        why = str(_obj(ras).get("why") or "not read")
         return {"read": False, "why": why, "agree": None, "ranks": {},
                 "words": f"NCCL's own view (RAS) not read: {why}"}
-    data = ras.get("data") or {}
-    version = data.get("nccl_version")
+    data = ras.get("data") if isinstance(ras.get("data"), dict) else {}
+    version = data.get("nccl_version") if isinstance(data.get("nccl_version"), str) else None
     comm = ras_world(data, world)
     if comm is None:
         why = f"RAS listed no communicator of the job's {world} rank(s)"
         return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version,
                 "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
-    states = ras_rank_states(comm)
+    states, skipped = ras_rank_states(comm)
+    if not states:
+        why = f"RAS listed the job's communicator with no rank it could read ({skipped} entr(ies) of another shape)"
+        return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version, "skipped": skipped,
+                "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
     top = max((s["count"] for s in states.values() if s.get("count") is not None), default=None)
     rows = {}
     for r in range(world):
@@ -4435,7 +4567,9 @@ def nccl_view(ras, world, host_of, kinds, named):
     else:
         counts = f"each issued {top} collective(s)" if top is not None else "no counts"
         words = f"{head} agrees: no rank missing, in error or behind ({counts})"
-    return {"read": True, "agree": not differ, "ranks": {str(r): x for r, x in rows.items()},
+    if skipped:
+        words += f"; {skipped} entr{'y' if skipped == 1 else 'ies'} of its reply not of NCCL's shape skipped"
+    return {"skipped": skipped, "read": True, "agree": not differ, "ranks": {str(r): x for r, x in rows.items()},
             "nccl_version": version, "missing": [r for r, x in rows.items() if x["nccl"] == "missing"],
             "hosts": compress_hostlist(sorted({host_of.get(r, "?") for r in marked})) if marked else "",
             "words": words}
@@ -4879,6 +5013,30 @@ def judge_gloo_address(records):
         f"{k} on {compress_hostlist(sorted(v))}" for k, v in sorted(used.items())))]
 
 
+NO_TORCH = ("the python this launch ran cannot import torch (no venv, the wrong python, PYTORCH_ENV unset): the "
+            "job's environment, not a fault of a node", "bootstrap_env.sh, or the job pointed at the shared venv "
+            "(PYTORCH_ENV); a node is named only when it alone, of several, cannot import what a strict majority "
+            "of the job's nodes import")
+
+
+def judge_no_torch(reports, imported_hosts, nodes=None):
+    """The ranks whose python could not import torch ({rank: {'line', 'host'}}, their reports at the roll call)
+    among the hosts whose ranks did (imported_hosts); nodes: the job's node count where the launch says it. Their
+    hosts are named (`majority`, exit 1) only when a strict majority of the job's nodes imported torch; else exit 2,
+    no host (a rank alone: imported_hosts empty)."""
+    ranks = sorted(reports)
+    bad = {reports[r].get("host") or "?" for r in ranks}
+    good, hl = set(imported_hosts) - bad, compress_hostlist(sorted(bad))
+    total = max(len(good | bad), int(nodes or 0))
+    line = reports[ranks[0]]["line"].split("; no host is named:")[0] if ranks else ""  # judged alone, it said so
+    line += f"; rank(s) {format_ranges(ranks)} on {hl} cannot either" if len(ranks) > 1 else ""
+    if ranks and len(good | bad) > 1 and 2 * len(good) > total:
+        return [finding("local", "FAIL", f"{line}; {len(good)} of {total} node(s) import torch in this launch: {hl} "
+                        "alone cannot", sorted(bad), ranks, code=EXIT_FAIL, blame="majority")]
+    return [unlocalised(finding("local", "FAIL", line, sorted(bad), ranks, code=EXIT_USAGE), "launch", NO_TORCH[1],
+                        NO_TORCH[0])] if ranks else []
+
+
 def judge_pre(records, world_size, expect):
     """Stage 1, from the roll call alone, before NCCL exists. The layout is judged only over a
     complete roll call: a missing rank is the cause, not a layout fault."""
@@ -5236,9 +5394,12 @@ def _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, fini
     states = an["states"] if an else {}
     if evidence == "never-issued":
         behind = [r for r in culprits if states.get(r) == "behind"]
-        if behind:
-            how = "torch's flight recorder" if an["source"] == "recorder" else "its own record"
-            parts.append(f"{never_issued_text(behind, an, host_of)} (alive, outside any collective; numbered by {how})")
+        src = "torch's flight recorder" if (an or {}).get("source") == "recorder" else "its own record"
+        hows = (an or {}).get("how") or {}
+        for h, words in BEHIND_WORDS.items():
+            rs = [r for r in behind if hows.get(r) == h]
+            if rs:
+                parts.append(f"{never_issued_text(rs, an, host_of)} ({words.format(src=src)})")
         rest = [r for r in culprits if r not in behind]
         if rest:
             parts.append(never_finished_text(rest, phase, finished, host_of) + " (alive, outside any collective)")
@@ -10630,6 +10791,8 @@ class StoreProtocol:
       strays         processes refused at the check-in (JSON lines, stray_reason)   a stray
       id/<rank>      identity at the roll call (JSON)             each rank
       arrived        ranks checked in (counter); all_arrived      each rank; the last one
+      hello/<rank>, hellos  its process reached the store (its host, unsigned: a wake-up; a forged one only keeps
+                     the roll call at its own bound); how many (counter)   each rank but 0, before torch
       node/<host>    [[rank, pid], ...] of a node, for its monitor rank 0
       stamp/<rank>   index in PHASES of the last phase finished   each rank
       live/<host>    {"seq": n, "ranks": {rank: state}}           each node's monitor
@@ -10858,6 +11021,18 @@ class StoreProtocol:
         """Whether every rank's record is there (one round trip)."""
         return self.store.check([f"id/{r}" for r in range(world)])
 
+    def arrived_count(self):
+        """Ranks checked in so far (a counter: a count to watch, the records are what counts)."""
+        return self.store.add("arrived", 0)
+
+    def hello_count(self):
+        """Ranks that said hello before their check-in (say_hello: their process reached the store)."""
+        return self.store.add("hellos", 0)
+
+    def said_hello(self, ranks):
+        """The ranks of `ranks` whose process said hello (reached the store, not checked in yet)."""
+        return [r for r in ranks if self.store.check([f"hello/{r}"])]
+
     def missing(self, world):
         if self.all_in(world):
             return []
@@ -11027,12 +11202,13 @@ class StoreProtocol:
         self._set("all_arrived", why)
 
     def errors(self):
-        """{rank: {'line', 'term', 'internal', 'phase', 'host'}}: the first report of each rank (term: it was
+        """{rank: {'line', 'term', 'internal', 'phase', 'host', 'code'}}: the first report of each rank (term: it was
         terminated by a signal; internal: it hit the tool's own error)."""
         out = {}
         for e in map(json.loads, self._lines("errors")):
             entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False, "internal": False,
-                                                    "phase": e.get("phase"), "host": e.get("host")})
+                                                    "phase": e.get("phase"), "host": e.get("host"),
+                                                    "code": e.get("code")})
             entry["term"] = entry["term"] or bool(e.get("term"))
             entry["internal"] = entry["internal"] or bool(e.get("internal"))
         return out
@@ -11190,6 +11366,27 @@ def node_monitor(cfg):
         seq += 1
         time.sleep(cfg["period"])
     return 0
+
+
+def say_hello(addr, port, prefix, rank, host, stop, seconds, retry_s):
+    """A rank other than 0, from its start (before it imports torch), on a thread of its own: tell rank 0's store
+    that its process is up and reaches the store (hello/<rank>, then the hellos counter), so that rank 0's last
+    call waits for it; tried every retry_s until it is said, `stop` is set (the rank checked in) or `seconds`
+    passed. -> whether it was said."""
+    end = time.monotonic() + seconds
+    while not stop.is_set() and time.monotonic() < end:
+        store = None
+        try:
+            store = LightStore(addr, port, prefix, min(1.0, max(0.1, end - time.monotonic())))
+            store.set(f"hello/{rank}", host)
+            store.add("hellos", 1)
+            return True
+        except (OSError, struct.error, ValueError):
+            stop.wait(retry_s)
+        finally:
+            if store is not None:
+                store.close()
+    return False
 
 
 def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds, code=1, internal=False):
@@ -11447,7 +11644,7 @@ class Issued:
     def start(self, op, key, seq=None):
         last = self.own.get(key)
         self.own[key] = [op, (last[1] + 1 if last else 1) if seq is None else seq, False]
-        self.inflight = key
+        self.inflight, self.since = key, time.monotonic()
 
     def done(self, key):
         self.own[key] = self.own[key][:2] + [True]
@@ -11459,18 +11656,45 @@ class Issued:
         inside, or None, 'idle_s': seconds since it left its last call, 'diag': NCCL DIAG lines seen}. Never
         raises: the recorder is evidence, not a dependency."""
         inflight, since = self.inflight, self.since
+        took = round(time.monotonic() - since, 3)
         return {"own": {k: list(v) for k, v in list(self.own.items())}, "fr": recorder_last(torch, dict(self.names)),
-                "inflight": inflight, "idle_s": None if inflight else round(time.monotonic() - since, 3),
+                "inflight": inflight, "idle_s": None if inflight else took, "inflight_s": took if inflight else None,
                 "diag": list(diag)[:8]}
+
+
+# torch's flight recorders, in the order read: ProcessGroupNCCL's own (NCCL's collectives; CUDA builds only),
+# then the recorder of the other backends (gloo), whose dump holds none of NCCL's collectives. JSON only: nothing
+# a rank reads is unpickled (torch's pickle dump, _dump_nccl_trace, is left alone)
+RECORDERS = ("_dump_nccl_trace_json", "_dump_fr_trace_json")
+
+
+def recorder_dump(torch):
+    """The first of torch's flight recorders (RECORDERS) that holds entries, as plain data ({'entries', 'pg_status',
+    ...}); {} when those that could be read hold none; None when none could be read."""
+    c10d, read = getattr(torch._C, "_distributed_c10d", None), False
+    for name in RECORDERS:
+        fn = getattr(c10d, name, None)
+        if fn is None:
+            continue
+        try:
+            j = json.loads(fn(True, False))
+        except Exception:
+            continue
+        read = read or isinstance(j, dict)
+        if isinstance(j, dict) and j.get("entries"):
+            return j
+    return {} if read else None
 
 
 def recorder_last(torch, names):
     """The last collective torch's flight recorder holds for each process group this rank knows (names: torch's
-    group name -> key): {key: [op, collective_seq_id, done]}, done from the recorder's per-group status (the last
-    completed collective), else the entry's state. None when it holds nothing or cannot be read."""
+    group name -> key): {key: [op, collective_seq_id, done, state]}, done from the recorder's per-group status (the
+    last completed collective), else the entry's state (scheduled, started, completed). {} when the recorder
+    holds nothing of these groups; None when it cannot be read: the recorder is evidence, not a dependency."""
     try:
-        dump = torch._C._distributed_c10d._dump_fr_trace_json
-        j = json.loads(dump(True, False))
+        j = recorder_dump(torch)
+        if j is None:
+            return None
         status, out = j.get("pg_status") or {}, {}
         for e in j.get("entries") or []:
             pg = e.get("process_group") or []
@@ -11480,8 +11704,9 @@ def recorder_last(torch, names):
             st = status.get(str(e.get("pg_id")))
             done = int(st["last_completed_collective"]) >= seq if st and "last_completed_collective" in st else \
                 e.get("state") == "completed"
-            out[key] = [str(e.get("profiling_name") or "?").split(":", 1)[-1], seq, done]
-        return out or None
+            state = "completed" if done else str(e.get("state") or "?")
+            out[key] = [str(e.get("profiling_name") or "?").split(":", 1)[-1], seq, done, state]
+        return out
     except Exception:
         return None
 
@@ -12286,12 +12511,13 @@ class RankRun(ScreenRunner):
         self.backend = self.device = self.results = self.bandwidth = None
         self.identity = None
         self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
-        self.issued, self.stalled = Issued(), set()  # what this rank issued last on each group (issuing)
+        self.issued, self.stalled, self.wedged = Issued(), set(), set()  # what this rank issued last (issuing)
         self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
         self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
         self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
         self.signal_seen = None  # SIGTERM or SIGINT, once on_signal took it
+        self.hello_stop = threading.Event()  # set once this rank checked in: its hello (say_hello) is not needed
         self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
 
     # ---------------------------------------------------------------- flow
@@ -12387,6 +12613,10 @@ class RankRun(ScreenRunner):
     # ---------------------------------------------------------------- phases
     def phase_local(self):
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
+        if self.rank != 0:  # before torch: rank 0's last call knows this process is up and reaches the store
+            threading.Thread(target=say_hello, args=(self.addr, self.port, launcher_store(self.env)[0], self.rank,
+                                                     self.host, self.hello_stop, self.D["rollcall"], HELLO_RETRY_S),
+                             name="aiv-hello", daemon=True).start()
         # abort the communicator and raise, never kill the process (1, torchrun's default, kills rank 0
         # before its verdict); an operator's own setting outside torchrun is kept
         if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ or (
@@ -12397,7 +12627,9 @@ class RankRun(ScreenRunner):
         if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
             self.bg.probe = start_import_probe()
         if not any(v in os.environ for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
-            os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"  # torch's flight recorder: what each rank issued (issuing)
+            # torch's flight recorder: what each rank issued (issuing); the second name for torch before 2.6,
+            # whose ProcessGroupNCCL reads only it (a later torch reads the first, and the second only without it)
+            os.environ["TORCH_FR_BUFFER_SIZE"] = os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
         t = time.monotonic()
         try:
             with gc_paused():
@@ -12444,11 +12676,12 @@ class RankRun(ScreenRunner):
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
 
     def no_torch(self, exc):
-        """torch (or what it needs) cannot be imported here: a `local` FAIL of this host (the other ranks tell
-        rank 0 through the store's wire, no torch needed: Follower.end)."""
+        """torch (or what it needs) cannot be imported here: the launch's environment (no venv, the wrong python),
+        exit 2, no host named (judge_no_torch); the other ranks tell rank 0 through the store's wire, no torch
+        needed (Follower.end), and rank 0 names a host only when it alone of several cannot (judge_no_torch)."""
         line = (f"rank {self.rank} ({self.host}): torch is not importable by {sys.executable}: {first_line(exc)}; "
                 "run bootstrap_env.sh on this node or point the job at the shared venv (PYTORCH_ENV)")
-        return failed("local", line, EXIT_FAIL, [self.host], [self.rank], blame="own")
+        return Verdict(EXIT_USAGE, judge_no_torch({self.rank: {"line": line, "host": self.host}}, ()))
 
     def phase_rollcall(self):
         R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)
@@ -12457,6 +12690,7 @@ class RankRun(ScreenRunner):
         self.failpoint("rendezvous")
         self.before_check_in(R)
         stray = self.proto.check_in(self.rank, self.identity, self.world, R + RANK0_GRACE)
+        self.hello_stop.set()
         if stray is not None:  # not a rank of this run: rank 0 names it; it takes no verdict of that run
             self.speak_for_node(f"FAILURE: {stray[0]}: rank {self.rank} ({self.host}, pid {os.getpid()}) is not a "
                                 f"rank of the run at {self.addr}:{self.port}: {stray[1]}")
@@ -12509,6 +12743,9 @@ class RankRun(ScreenRunner):
             self.failpoint(self.phase, only=("stall",))
         key = group_key(range(self.world) if ranks is None else ranks)
         self.issued.start(op, key, seq)
+        if self.phase not in self.wedged:  # inside the call, its "about to issue" record made: the backend not yet
+            self.wedged.add(self.phase)
+            self.failpoint(self.phase, only=("wedge",))
         yield
         if self.backend == "nccl":
             self.torch.cuda.synchronize()
@@ -12672,12 +12909,15 @@ class RankRun(ScreenRunner):
           stall=S             an S-second pause right before the rank issues its first collective of <phase>
                               (init, screen-net, collective, ddp, bandwidth: alive, never issuing it), marked
                               like a pause
+          wedge=S             the same pause inside that call, after the rank's own "about to issue" record
+                              and before its backend sees the call (a rank stuck in a driver call or a lazy
+                              communicator set-up), marked like a pause
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
                               the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
                               e.g. helper-aiv-listener)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
-            m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall)=(\d+)):([\w-]+):(\d+)", item)
+            m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall|wedge)=(\d+)):([\w-]+):(\d+)", item)
             if not (m and m.group(4) == phase and int(m.group(5)) == self.rank and (m.group(2) or m.group(1)) in only):
                 continue
             flush_all()
@@ -12685,7 +12925,7 @@ class RankRun(ScreenRunner):
                 raise AssertionError(f"failpoint {item}")
             if m.group(3) is None:
                 os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
-            if m.group(2) in ("pause", "stall") and self.env.get("AIV_FAILPOINT_MARK"):
+            if m.group(2) in ("pause", "stall", "wedge") and self.env.get("AIV_FAILPOINT_MARK"):
                 with open(self.env["AIV_FAILPOINT_MARK"], "w") as f:
                     f.write(f"{phase} {self.rank}\n")
             time.sleep(int(m.group(3)))
@@ -12896,6 +13136,12 @@ def _warm_imports():
 
 # ============================================================================ aiv/run/coordinator.py
 # Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
+def hard_failures(broken):
+    """The local failures that end the roll call at once: all but a python without torch (judge_no_torch weighs
+    those once every rank checked in or failed)."""
+    return {r: e for r, e in broken.items() if not (e.get("code") == EXIT_USAGE and not e.get("internal"))}
+
+
 class Coordinator(ScreenCoordinator, RankRun):
     """Rank 0: serves the store, holds the roll call, judges what each phase gathered and owns the
     verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
@@ -12912,6 +13158,7 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.concluding = threading.Event()  # the tick handed a verdict to a thread of its own (conclude_apart)
         self.tick_busy = threading.Lock()  # held by the tick's store read, which may outlive its bound
         self.serving = False
+        self.last_call = None  # the roll call's last call, when it ended the roll call: {'grace', 'unheard'}
         self.verdict_code = None  # the code as the verdict stands (the verdict's bound exits with it)
         self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
         self.screen, self.screen_rounds, self.screen_made = None, {}, set()  # the screen's results, batches, groups
@@ -12956,17 +13203,18 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.roll_call()
 
     def roll_call(self):
-        """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
+        """Rank 0: wait for every rank (or the last call), judge what the roll call shows, then open the gate."""
         t, R = time.monotonic(), self.D["rollcall"]
         complete, strays, broken = self.wait_roll(t + self.bound.left())
-        if strays or broken:  # woken early: the others of its launch get a moment to post too
+        if strays or hard_failures(broken):  # woken early: the others of its launch get a moment to post too
             time.sleep(ERROR_GRACE)
             strays, broken = self.proto.strays(), self.local_failures()
-            self.findings += [finding("internal", "FAIL", e["line"], ranks=[r], code=EXIT_INTERNAL)
-                              if e.get("internal") else finding("local", "FAIL", e["line"], [e["host"]] if e.get("host")
-                                                                else [], [r], blame="own")
-                              for r, e in sorted(broken.items())]
-        early = bool(strays or broken)  # ranks still starting when the roll call ended early are not late
+        hard = hard_failures(broken)
+        self.findings += [finding("internal", "FAIL", e["line"], ranks=[r], code=EXIT_INTERNAL)
+                          if e.get("internal") else finding("local", "FAIL", e["line"], [e["host"]] if e.get("host")
+                                                            else [], [r], blame="own")
+                          for r, e in sorted(hard.items())]
+        early = bool(strays or hard)  # ranks still starting when the roll call ended early are not late
         unseen = [] if complete and not early else self.proto.missing(self.world)  # no record on the store
         missing = [r for r in unseen if r not in broken]
         absent = set(unseen) | set(broken)
@@ -12979,14 +13227,10 @@ class Coordinator(ScreenCoordinator, RankRun):
             raise Verdict(EXIT_FAIL)
         self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
         self.findings += judge_strays(strays, self.host_of.values()) if early else []
+        self.findings += judge_no_torch({r: e for r, e in broken.items() if r not in hard},
+                                        self.host_of.values(), self.expect.get("nodes"))
         if missing and not early:
-            where = slurm_expected_hosts(self.env, self.world)
-            names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
-            more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
-            self.findings.append(finding("rendezvous", "FAIL", f"rank(s) {names}{more} did not check in within "
-                                         f"{R:g}s ({len(present)}/{self.world} reported at {self.addr}:{self.port})",
-                                         [where[r] for r in missing if r in where], missing, code=EXIT_TIMEOUT,
-                                         blame="process"))
+            self.findings.append(self.not_checked_in(missing, present, R))
         self.findings += apply_strict(judge_pre(self.records, self.world, self.expect), self.args.strict)
         code = verdict_code(self.findings)
         self.progress("rollcall", present=len(present), world=self.world, secs=time.monotonic() - t,
@@ -13000,6 +13244,28 @@ class Coordinator(ScreenCoordinator, RankRun):
                        "nodes": len(set(self.host_of.values()))}
         self.proto.open_gate("roll", json.dumps(self.master))
 
+    def not_checked_in(self, missing, present, R):
+        """The `rendezvous` FAIL of the ranks that did not check in, each with its host from the launch plan
+        (Slurm's node list and tasks per node). At the last call: the ranks never heard of (no hello: not started,
+        or they cannot reach the store) are named; those whose process said hello are still starting (not
+        blamed). At the roll call's bound: every missing rank."""
+        where = slurm_expected_hosts(self.env, self.world)
+        at = f"{len(present)}/{self.world} reported at {self.addr}:{self.port}"
+        lc = self.last_call
+        named = [r for r in missing if lc is None or r in lc["unheard"]]
+        names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in named[:64])
+        more = f" and {len(named) - 64} more" if len(named) > 64 else ""
+        if lc is None:
+            why = f"did not check in within {R:g}s ({at})"
+        else:
+            starting = [r for r in missing if r not in named]
+            why = (f"did not check in: no word from its process within the last call ({lc['grace']:.0f}s after the "
+                   f"latest rank arrived; {at}): not started, or it cannot reach the store at {self.addr}:{self.port}"
+                   + (f"; rank(s) {format_ranges(starting)} reached the store and are still starting (not blamed)"
+                      if starting else ""))
+        return finding("rendezvous", "FAIL", f"rank(s) {names}{more} {why}", [where[r] for r in named if r in where],
+                       named, code=EXIT_TIMEOUT, blame="process")
+
     def local_failures(self):
         """{rank: report} of the ranks that failed their local phase before checking in (a rank without
         torch tells rank 0 through the store's wire: tell_rank0_without_torch)."""
@@ -13008,11 +13274,14 @@ class Coordinator(ScreenCoordinator, RankRun):
     def wait_roll(self, end):
         """The roll call's wait, until `end`: all_arrived wakes it, every rank's record ends it (a counter
         bumped from outside wakes it early, not ends it); a stray or a rank that failed its local phase
-        ends it early. Each second it checks that the world record is still its own.
-        -> (complete, strays, local failures)."""
-        mine = self.proto.store.get("world")
+        ends it early (a rank without torch: once every rank checked in or failed, judge_no_torch weighs
+        them). The last call (LastCall): once at least half the world is present, the ranks never heard of
+        (no hello) get last_call_grace past the latest news, not the whole bound (self.last_call says so).
+        Each second it checks that the world record is still its own. -> (complete, strays, local failures)."""
+        mine, self.last_call = self.proto.store.get("world"), None
+        lc = LastCall(self.world, self.D["rollcall"], _T0)
         while True:
-            complete = self.proto.wait_all(min(1.0, end - time.monotonic()))
+            complete = self.proto.wait_all(min(1.0, max(0.0, end - time.monotonic())))
             strays, now = self.proto.strays(), time.monotonic()
             held = self.proto.store.get("world")
             if held != mine:  # written over: put ours back (so the ranks can read the verdict), refuse theirs
@@ -13020,10 +13289,20 @@ class Coordinator(ScreenCoordinator, RankRun):
                 self.proto.refuse(Forged("world", held.decode(errors="replace").split("|")[-1],
                                          "was written over by something other than rank 0"))
             broken = self.local_failures() if self.proto.error_count() else {}
-            if strays or broken or self.proto.forged or now >= end:
+            if strays or hard_failures(broken) or self.proto.forged or now >= end:
                 return complete and self.proto.all_in(self.world), strays, broken
             if complete and self.proto.all_in(self.world):
                 return True, strays, broken
+            present = self.proto.arrived_count() + len(broken)
+            if broken and present >= self.world:  # every rank checked in or could not import torch
+                return False, strays, broken
+            if lc.seen(now, present, present + self.proto.hello_count()).due(now):
+                unseen = [r for r in self.proto.missing(self.world) if r not in broken]
+                said = set(self.proto.said_hello(unseen))
+                if any(r not in said for r in unseen):
+                    self.last_call = {"grace": lc.grace, "unheard": [r for r in unseen if r not in said]}
+                    return False, strays, broken
+                lc.last = now  # every missing rank is up and reaches the store: it keeps the bound
             if complete:  # woken before every record was there
                 time.sleep(FORGED_POLL_S)
 
@@ -13230,7 +13509,12 @@ class Coordinator(ScreenCoordinator, RankRun):
         kinds = {r: "dead" if live.get(r) == "gone" else "frozen" if live.get(r) == "stopped" else
                  "silent" if h in silent else "behind" if states.get(str(r)) == "behind" else "ok"
                  for r, h in self.host_of.items()}
-        view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        try:  # NCCL's view is said beside ours; it never changes the culprits or the exit code
+            view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        except Exception as e:
+            why = f"its reply could not be read ({type(e).__name__}: {first_line(e)})"
+            view = {"read": False, "why": why, "agree": None, "ranks": {},
+                    "words": f"NCCL's own view (RAS) not read: {why}"}
         diag = [ln for p in (issued or {}).values() if p for ln in p.get("diag") or []]
         if diag:
             view["diag"] = diag[:20]

@@ -14,6 +14,12 @@ from ..core.base import compress_hostlist, format_ranges
 #   unposted no post came back within ISSUED_S (alive, but its record was not collected)
 ISSUED_STATES = ("behind", "waiting", "idle", "between", "unposted")
 BETWEEN_S = 1.0  # a rank outside any collective call for less than this is between two calls
+# a rank behind its peers, by how (hang.issued_states' 'how'): outside any collective; inside the call but its
+# backend never saw it (its recorder lacks what its peers' recorders hold); its entry scheduled, never started
+BEHIND_WORDS = {None: "alive, outside any collective; numbered by {src}",
+                "unseen": "alive, inside the collective call but its backend never saw it: torch's flight recorder "
+                          "holds it on its peers, not on this rank",
+                "unstarted": "alive, its entry stayed scheduled in torch's flight recorder while its peers' started"}
 
 
 def ranks_text(ranks):
@@ -26,49 +32,95 @@ def group_key(ranks):
     return format_ranges(ranks)
 
 
-def issued_source(posts, ranks):
-    """'recorder' when torch's flight recorder holds entries on every rank of `ranks` that posted (then its
-    sequence numbers are comparable across them), else 'own' (each rank's own record of what it issued)."""
+def own_completed(post, key):
+    """How many collectives a rank's own record says it finished on the group `key` (its set-up, number 0, not
+    counted): the last one's number when it finished, else one fewer."""
+    last = ((post or {}).get("own") or {}).get(key)
+    if not last or not isinstance(last[1], int):
+        return 0
+    return last[1] if last[2] else last[1] - 1
+
+
+def recorder_live(post, key):
+    """Whether torch's flight recorder is live on this rank for the group `key`: it could be read, and it holds
+    the group's collectives if the rank's own record says it finished one there (a recorder switched off or
+    overwritten holds nothing where the rank did finish collectives: then it is no evidence)."""
+    fr = post.get("fr")
+    return isinstance(fr, dict) and (fr.get(key) is not None or own_completed(post, key) == 0)
+
+
+def issued_source(posts, ranks, key=None):
+    """'recorder' when torch's flight recorder is live on every rank of `ranks` that posted (recorder_live) and
+    holds entries of the group on at least one of them (then its sequence numbers are comparable across them,
+    and a rank whose recorder lacks what its peers' hold never issued it to its backend), else 'own' (each
+    rank's own record of what it issued). Without a key: whether every posting rank's recorder held entries."""
     got = [posts[r] for r in ranks if posts.get(r) is not None]
-    return "recorder" if got and all(p.get("fr") for p in got) else "own"
+    if key is None:
+        return "recorder" if got and all(p.get("fr") for p in got) else "own"
+    held = any((p.get("fr") or {}).get(key) for p in got)
+    return "recorder" if got and held and all(recorder_live(p, key) for p in got) else "own"
 
 
 def issued_last(post, key, source):
-    """[op, seq, done] of the last collective a rank issued on the group `key` (None: none), from `source`."""
+    """[op, seq, done(, state)] of the last collective a rank issued on the group `key` (None: none), from
+    `source` (the recorder's entries carry its state: scheduled, started, completed)."""
     table = (post.get("fr") if source == "recorder" else post.get("own")) or {}
     last = table.get(key)
     return list(last) if last else None
 
 
+def _late_state(post, x, front, source, started):
+    """One late rank's place (ISSUED_STATES) and, when it is behind on the recorder's evidence although its own
+    record says it is inside the call, how: 'unseen' (its backend never saw the collective its peers' recorders
+    hold) or 'unstarted' (its entry stayed scheduled while a peer's started)."""
+    idle_s, inside = post.get("idle_s"), post.get("inflight")
+    inside_s = post.get("inflight_s")
+    if source == "recorder" and front is not None and (x is None or x[1] < front):
+        if not inside:
+            return ("between", None) if idle_s is not None and idle_s < BETWEEN_S else ("behind", None)
+        return ("between", None) if inside_s is not None and inside_s < BETWEEN_S else ("behind", "unseen")
+    if source == "recorder" and inside and x and x[1] == front and started and len(x) > 3 and \
+            x[3] == "scheduled" and (inside_s is None or inside_s >= BETWEEN_S):
+        return "behind", "unstarted"
+    if inside:  # its own record: the main thread is inside a collective call right now
+        return "waiting", None
+    if idle_s is not None and idle_s < BETWEEN_S:
+        return "between", None
+    if front is not None and (x is None or x[1] < front):
+        return "behind", None
+    return "idle", None
+
+
 def issued_states(ranks, posts, late, key):
     """The group `key` of `ranks`, from each rank's post ({rank: post or None}; a post: {'own': {key: [op, seq,
-    done]}, 'fr': the same from torch's flight recorder or None, 'inflight': key of the collective call the
-    rank's main thread is inside, or None, 'idle_s': seconds since it left its last call}). A rank's place
-    comes from `source` (issued_source); whether it is inside a call, from its own record.
+    done]}, 'fr': the same from torch's flight recorder with its state, {} when it holds nothing of this
+    rank's groups, None when it cannot be read, 'inflight': key of the collective call the rank's main thread
+    is inside, or None, 'inflight_s': for how long, 'idle_s': seconds since it left its last call}). A rank's
+    place comes from `source` (issued_source); whether it is inside a call, from its own record; where the
+    recorder is live, a rank inside the call whose recorder lacks the collective its peers' recorders hold
+    never issued it to its backend ('behind', how 'unseen'), and one whose entry stayed scheduled while a
+    peer's started is behind too ('unstarted').
     -> {'source', 'key', 'front': [op, seq] of the furthest collective a rank issued (None: none), 'issuers':
-    ranks that issued it, 'last': {rank: [op, seq, done] or None}, 'states': {rank: one of ISSUED_STATES} for
-    the late ranks}."""
-    source = issued_source(posts, ranks)
+    ranks that issued it, 'last': {rank: [op, seq, done(, state)] or None}, 'states': {rank: one of
+    ISSUED_STATES} for the late ranks, 'how': {rank: 'unseen'|'unstarted'} of the behind ranks that are inside
+    the call}."""
+    source = issued_source(posts, ranks, key)
     last = {r: issued_last(posts[r], key, source) for r in ranks if posts.get(r) is not None}
     seqs = [x[1] for x in last.values() if x]
     front = max(seqs) if seqs else None
     fop = next((x[0] for x in last.values() if x and x[1] == front), None)
-    states = {}
+    started = any(x and x[1] == front and len(x) > 3 and x[3] in ("started", "completed") for x in last.values())
+    states, how = {}, {}
     for r in late:
         if posts.get(r) is None:
             states[r] = "unposted"
             continue
-        x, idle_s = last.get(r), posts[r].get("idle_s")
-        if posts[r].get("inflight"):  # its own record: the main thread is inside a collective call right now
-            states[r] = "waiting"
-        elif idle_s is not None and idle_s < BETWEEN_S:
-            states[r] = "between"
-        elif front is not None and (x is None or x[1] < front):
-            states[r] = "behind"
-        else:
-            states[r] = "idle"
-    return {"source": source, "key": key, "front": None if front is None else [fop, front],
-            "issuers": sorted(r for r, x in last.items() if x and x[1] == front), "last": last, "states": states}
+        states[r], h = _late_state(posts[r], last.get(r), front, source, started)
+        if h:
+            how[r] = h
+    issuers = sorted(r for r, x in last.items() if x and x[1] == front and how.get(r) != "unstarted")
+    return {"source": source, "key": key, "front": None if front is None else [fop, front], "issuers": issuers,
+            "last": last, "states": states, "how": how}
 
 
 def op_text(front):
@@ -89,10 +141,19 @@ def on_hosts(ranks, host_of, limit=16):
 
 def never_issued_text(behind, an, host_of):
     """The greppable words for ranks that never issued a collective their peers issued:
-    'rank 1 (n1) never issued all_reduce #3 that ranks 0, 2-15 issued'."""
+    'rank 1 (n1) never issued all_reduce #3 that ranks 0, 2-15 issued'; a rank whose entry stayed scheduled
+    while its peers' started: 'rank 1 (n1) never started all_reduce #3 that ranks 0, 2-15 started'."""
     who = "rank" if len(an["issuers"]) == 1 else "ranks"
-    return (f"{on_hosts(behind, host_of)} never issued {op_text(an['front'])} that {who} "
-            f"{ranks_text(an['issuers'])} issued")
+    how = an.get("how") or {}
+    unstarted = [r for r in behind if how.get(r) == "unstarted"]
+    parts = []
+    if len(unstarted) < len(behind):
+        parts.append(f"{on_hosts([r for r in behind if r not in unstarted], host_of)} never issued "
+                     f"{op_text(an['front'])} that {who} {ranks_text(an['issuers'])} issued")
+    if unstarted:
+        parts.append(f"{on_hosts(unstarted, host_of)} never started {op_text(an['front'])} that {who} "
+                     f"{ranks_text(an['issuers'])} started")
+    return "; ".join(parts)
 
 
 def never_finished_text(ranks, phase, finished, host_of):
@@ -123,27 +184,51 @@ FABRIC_HINT = ("the screen's pair results (inter-node rows above), or a re-run w
 # -- NCCL's own view: its RAS service (NCCL >= 2.24; JSON from 2.28.7), read by rank 0 beside ours
 def ras_world(ras, world):
     """The job's world communicator in a RAS STATUS document (size == world, the one listing most ranks), or
-    None."""
-    comms = [c for c in (ras or {}).get("communicators") or [] if isinstance(c, dict) and c.get("size") == world]
-    return max(comms, key=lambda c: len(c.get("ranks") or []), default=None)
+    None. Any other shape (not a document, communicators not a list, ranks not a list) is no communicator."""
+    comms = (ras or {}).get("communicators") if isinstance(ras, dict) else None
+    comms = [c for c in comms if isinstance(c, dict) and c.get("size") == world] if isinstance(comms, list) else []
+    return max(comms, key=lambda c: len(_items(c.get("ranks"))), default=None)
+
+
+def _items(value):
+    """A list in NCCL's document, else nothing (a reply of another shape is never trusted)."""
+    return value if isinstance(value, list) else []
+
+
+def _obj(value):
+    return value if isinstance(value, dict) else {}
+
+
+def _rank_of(entry):
+    """An entry's int rank (a bool, a string, a missing rank: None)."""
+    r = entry.get("rank") if isinstance(entry, dict) else None
+    return r if isinstance(r, int) and not isinstance(r, bool) and r >= 0 else None
 
 
 def ras_rank_states(comm):
     """{rank: {'state': 'present'|'missing', 'count': collectives issued (sum of collective_counts) or None,
     'error': async_error or abort_flag seen, 'dead': RAS considers it dead, 'unresponsive'}} of one
-    communicator."""
-    out = {}
-    for r in comm.get("ranks") or []:
-        st = r.get("status") or {}
-        counts = r.get("collective_counts") or {}
-        total = sum(v for v in counts.values() if isinstance(v, int)) if counts else None
-        out[int(r["rank"])] = {"state": "present", "count": total, "init": st.get("init_state"),
-                               "error": bool(st.get("async_error")) or bool(st.get("abort_flag"))}
-    for r in comm.get("missing_ranks") or []:
-        st = r.get("status") or {}
-        out[int(r["rank"])] = {"state": "missing", "dead": bool(st.get("considered_dead")),
-                               "unresponsive": bool(st.get("unresponsive"))}
-    return out
+    communicator, and the number of entries of a shape NCCL does not write (no int rank, a status or counts
+    that is not an object): those are skipped, never guessed. -> (states, skipped)."""
+    out, skipped = {}, 0
+    for r in _items(comm.get("ranks")):
+        rank, st, counts = _rank_of(r), _obj((r or {}).get("status") if isinstance(r, dict) else None), \
+            (r.get("collective_counts") if isinstance(r, dict) else None)
+        if rank is None or (counts is not None and not isinstance(counts, dict)):
+            skipped += 1
+            continue
+        total = sum(v for v in counts.values() if isinstance(v, int) and not isinstance(v, bool)) if counts else None
+        out[rank] = {"state": "present", "count": total, "init": st.get("init_state"),
+                     "error": bool(st.get("async_error")) or bool(st.get("abort_flag"))}
+    for r in _items(comm.get("missing_ranks")):
+        rank = _rank_of(r)
+        if rank is None:
+            skipped += 1
+            continue
+        st = _obj(r.get("status"))
+        out[rank] = {"state": "missing", "dead": bool(st.get("considered_dead")),
+                     "unresponsive": bool(st.get("unresponsive"))}
+    return out, skipped
 
 
 def nccl_view(ras, world, host_of, kinds, named):
@@ -154,18 +239,22 @@ def nccl_view(ras, world, host_of, kinds, named):
     unresponsive), 'error' (an async error or abort on it), 'behind' (fewer collectives than the most any rank
     of the communicator issued), or 'ok'; ours 'named' for a rank we name by its process, else 'behind'
     (never issued), else 'ok'. They agree where both say the rank stopped the job or both say it did not."""
-    if not ras or not ras.get("ok"):
-        why = (ras or {}).get("why") or "not read"
+    if not isinstance(ras, dict) or not ras.get("ok"):
+        why = str(_obj(ras).get("why") or "not read")
         return {"read": False, "why": why, "agree": None, "ranks": {},
                 "words": f"NCCL's own view (RAS) not read: {why}"}
-    data = ras.get("data") or {}
-    version = data.get("nccl_version")
+    data = ras.get("data") if isinstance(ras.get("data"), dict) else {}
+    version = data.get("nccl_version") if isinstance(data.get("nccl_version"), str) else None
     comm = ras_world(data, world)
     if comm is None:
         why = f"RAS listed no communicator of the job's {world} rank(s)"
         return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version,
                 "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
-    states = ras_rank_states(comm)
+    states, skipped = ras_rank_states(comm)
+    if not states:
+        why = f"RAS listed the job's communicator with no rank it could read ({skipped} entr(ies) of another shape)"
+        return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version, "skipped": skipped,
+                "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
     top = max((s["count"] for s in states.values() if s.get("count") is not None), default=None)
     rows = {}
     for r in range(world):
@@ -197,7 +286,9 @@ def nccl_view(ras, world, host_of, kinds, named):
     else:
         counts = f"each issued {top} collective(s)" if top is not None else "no counts"
         words = f"{head} agrees: no rank missing, in error or behind ({counts})"
-    return {"read": True, "agree": not differ, "ranks": {str(r): x for r, x in rows.items()},
+    if skipped:
+        words += f"; {skipped} entr{'y' if skipped == 1 else 'ies'} of its reply not of NCCL's shape skipped"
+    return {"skipped": skipped, "read": True, "agree": not differ, "ranks": {str(r): x for r, x in rows.items()},
             "nccl_version": version, "missing": [r for r, x in rows.items() if x["nccl"] == "missing"],
             "hosts": compress_hostlist(sorted({host_of.get(r, "?") for r in marked})) if marked else "",
             "words": words}

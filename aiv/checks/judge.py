@@ -8,6 +8,7 @@ from ..core.base import (
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_TIMEOUT,
+    EXIT_USAGE,
     _screen_quantile,
     compress_hostlist,
     finding,
@@ -19,6 +20,7 @@ from ..core.blame import minority_kind, odd_ones, unlocalised
 from ..core.deadlines import ISSUE_PHASES, ISSUED_S, NODE_SMI_S, PHASE_CHECK, PHASES
 from ..core.names import NODE_SMI_WHAT, PROBED_PACKAGES, ib_hca_select
 from .hang import (
+    BEHIND_WORDS,
     FABRIC_HINT,
     RERUN_HINT,
     group_key,
@@ -469,6 +471,30 @@ def judge_gloo_address(records):
         f"{k} on {compress_hostlist(sorted(v))}" for k, v in sorted(used.items())))]
 
 
+NO_TORCH = ("the python this launch ran cannot import torch (no venv, the wrong python, PYTORCH_ENV unset): the "
+            "job's environment, not a fault of a node", "bootstrap_env.sh, or the job pointed at the shared venv "
+            "(PYTORCH_ENV); a node is named only when it alone, of several, cannot import what a strict majority "
+            "of the job's nodes import")
+
+
+def judge_no_torch(reports, imported_hosts, nodes=None):
+    """The ranks whose python could not import torch ({rank: {'line', 'host'}}, their reports at the roll call)
+    among the hosts whose ranks did (imported_hosts); nodes: the job's node count where the launch says it. Their
+    hosts are named (`majority`, exit 1) only when a strict majority of the job's nodes imported torch; else exit 2,
+    no host (a rank alone: imported_hosts empty)."""
+    ranks = sorted(reports)
+    bad = {reports[r].get("host") or "?" for r in ranks}
+    good, hl = set(imported_hosts) - bad, compress_hostlist(sorted(bad))
+    total = max(len(good | bad), int(nodes or 0))
+    line = reports[ranks[0]]["line"].split("; no host is named:")[0] if ranks else ""  # judged alone, it said so
+    line += f"; rank(s) {format_ranges(ranks)} on {hl} cannot either" if len(ranks) > 1 else ""
+    if ranks and len(good | bad) > 1 and 2 * len(good) > total:
+        return [finding("local", "FAIL", f"{line}; {len(good)} of {total} node(s) import torch in this launch: {hl} "
+                        "alone cannot", sorted(bad), ranks, code=EXIT_FAIL, blame="majority")]
+    return [unlocalised(finding("local", "FAIL", line, sorted(bad), ranks, code=EXIT_USAGE), "launch", NO_TORCH[1],
+                        NO_TORCH[0])] if ranks else []
+
+
 def judge_pre(records, world_size, expect):
     """Stage 1, from the roll call alone, before NCCL exists. The layout is judged only over a
     complete roll call: a missing rank is the cause, not a layout fault."""
@@ -826,9 +852,12 @@ def _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, fini
     states = an["states"] if an else {}
     if evidence == "never-issued":
         behind = [r for r in culprits if states.get(r) == "behind"]
-        if behind:
-            how = "torch's flight recorder" if an["source"] == "recorder" else "its own record"
-            parts.append(f"{never_issued_text(behind, an, host_of)} (alive, outside any collective; numbered by {how})")
+        src = "torch's flight recorder" if (an or {}).get("source") == "recorder" else "its own record"
+        hows = (an or {}).get("how") or {}
+        for h, words in BEHIND_WORDS.items():
+            rs = [r for r in behind if hows.get(r) == h]
+            if rs:
+                parts.append(f"{never_issued_text(rs, an, host_of)} ({words.format(src=src)})")
         rest = [r for r in culprits if r not in behind]
         if rest:
             parts.append(never_finished_text(rest, phase, finished, host_of) + " (alive, outside any collective)")

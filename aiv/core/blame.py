@@ -74,8 +74,8 @@ CHECK_RULES = {
     "usage": rule(), "contract": rule(), "launch": rule(), "layout": rule(),
     "world-size": rule(("majority",)),  # a process launched with another WORLD_SIZE than most nodes' ranks
     "bandwidth": rule(), "internal": rule(), "interrupted": rule(), "output": rule(), "drain": rule(),
-    "local": rule(("own",), ("own",), "a rank's own software or configuration on its host (a missing numpy, an "
-                  "old torch, an interface) stays until the node is fixed"),
+    "local": rule(("own", "majority"), ("own",), "a rank's own software or configuration on its host (a missing "
+                  "numpy, an old torch, an interface) stays until the node is fixed"),
     "device": rule(("own", "majority"), ("own", "majority"), "a GPU that CUDA cannot use, or a node whose ranks "
                    "chose another backend than the rest, stays so until the node is repaired"),
     "interface": rule(("own", "majority"), ("own", "majority"), "a node's interfaces and the address its hostname "

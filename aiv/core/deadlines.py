@@ -3,6 +3,14 @@ aiv/core/bounds.py holds what enforces them (Bound, the watchdog, within)."""
 
 TIMEOUT_DEFAULT = 120.0   # --timeout: each phase after the roll call (NCCL init of 2 H200s takes ~5 s)
 ROLLCALL_DEFAULT = 300.0  # --rollcall-timeout: start-up skew of thousands of ranks importing torch
+# The roll call's last call (torchrun's rendezvous last_call_timeout, 30 s by default, is the anchor): once at
+# least half the world checked in (or failed before it), the ranks never heard of get last_call_grace() past the
+# latest arrival, not the whole --rollcall-timeout; a rank that said hello (its process reached the store, still
+# importing torch) keeps the whole bound
+LAST_CALL_FRACTION = 0.1  # of --rollcall-timeout: 30 s at the default 300 s
+LAST_CALL_MIN_S = 5.0     # never less (a short --rollcall-timeout in a test)
+LAST_CALL_LAUNCH_X = 2.0  # times what the launch showed: rank 0's start until half the world checked in
+HELLO_RETRY_S = 0.5       # a rank's hello to the store, tried again this often until it checks in
 NAMING_S = 5.0            # rank 0, once a bound passes: settle liveness, name the culprits, publish
 RANK0_GRACE = 15.0        # the other ranks wait this long past their own bound before speaking for rank 0
 ACKS_S = 5.0              # rank 0 keeps its store up this long for live ranks to read the verdict
@@ -87,6 +95,41 @@ def worst_case(table, bandwidth=False, screen=True, soak=False):
     and the acknowledgements (the files asked for come before it, each within OUTPUT_S)."""
     return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
                and (screen or p not in SCREEN_PHASES) and p != "verdict") + NAMING_S + ACKS_S
+
+
+def last_call_grace(rollcall_s, launch_s):
+    """Seconds the ranks never heard of get past the latest arrival once the last call began: the larger of
+    LAST_CALL_FRACTION of the roll call's bound (30 s at the default) and LAST_CALL_LAUNCH_X times `launch_s`
+    (how long half the world took to start, import torch and check in: a slow launch, or a slow filesystem at
+    scale, gets a longer last call), at least LAST_CALL_MIN_S, never past the roll call's bound."""
+    rollcall_s = float(rollcall_s)
+    return min(rollcall_s, max(LAST_CALL_MIN_S, LAST_CALL_FRACTION * rollcall_s, LAST_CALL_LAUNCH_X * float(launch_s)))
+
+
+class LastCall:
+    """The roll call's last call as plain state (pure): seen(now, present, heard) at each look (present: ranks
+    checked in or failed before it; heard: those and the ranks that said hello); due(now) once at least half the
+    world is present and nothing new was heard for the grace (last_call_grace, fixed when half the world was
+    present: launch_s, seconds since the launch's start, is what the launch showed)."""
+
+    def __init__(self, world, rollcall_s, launch_t0):
+        self.world, self.rollcall_s, self.t0 = int(world), float(rollcall_s), launch_t0
+        self.begun = self.grace = None
+        self.heard, self.last = -1, None
+
+    def seen(self, now, present, heard):
+        if heard != self.heard:
+            self.heard, self.last = heard, now
+        if self.begun is None and 2 * present >= self.world:
+            self.begun = now
+            self.grace = last_call_grace(self.rollcall_s, now - self.t0)
+        return self
+
+    def due(self, now):
+        return self.begun is not None and now >= max(self.begun, self.last) + self.grace
+
+    def ends_at(self):
+        return None if self.begun is None else max(self.begun, self.last) + self.grace
 
 
 def live_period(nodes):

@@ -42,7 +42,7 @@ class Issued:
     def start(self, op, key, seq=None):
         last = self.own.get(key)
         self.own[key] = [op, (last[1] + 1 if last else 1) if seq is None else seq, False]
-        self.inflight = key
+        self.inflight, self.since = key, time.monotonic()
 
     def done(self, key):
         self.own[key] = self.own[key][:2] + [True]
@@ -54,18 +54,45 @@ class Issued:
         inside, or None, 'idle_s': seconds since it left its last call, 'diag': NCCL DIAG lines seen}. Never
         raises: the recorder is evidence, not a dependency."""
         inflight, since = self.inflight, self.since
+        took = round(time.monotonic() - since, 3)
         return {"own": {k: list(v) for k, v in list(self.own.items())}, "fr": recorder_last(torch, dict(self.names)),
-                "inflight": inflight, "idle_s": None if inflight else round(time.monotonic() - since, 3),
+                "inflight": inflight, "idle_s": None if inflight else took, "inflight_s": took if inflight else None,
                 "diag": list(diag)[:8]}
+
+
+# torch's flight recorders, in the order read: ProcessGroupNCCL's own (NCCL's collectives; CUDA builds only),
+# then the recorder of the other backends (gloo), whose dump holds none of NCCL's collectives. JSON only: nothing
+# a rank reads is unpickled (torch's pickle dump, _dump_nccl_trace, is left alone)
+RECORDERS = ("_dump_nccl_trace_json", "_dump_fr_trace_json")
+
+
+def recorder_dump(torch):
+    """The first of torch's flight recorders (RECORDERS) that holds entries, as plain data ({'entries', 'pg_status',
+    ...}); {} when those that could be read hold none; None when none could be read."""
+    c10d, read = getattr(torch._C, "_distributed_c10d", None), False
+    for name in RECORDERS:
+        fn = getattr(c10d, name, None)
+        if fn is None:
+            continue
+        try:
+            j = json.loads(fn(True, False))
+        except Exception:
+            continue
+        read = read or isinstance(j, dict)
+        if isinstance(j, dict) and j.get("entries"):
+            return j
+    return {} if read else None
 
 
 def recorder_last(torch, names):
     """The last collective torch's flight recorder holds for each process group this rank knows (names: torch's
-    group name -> key): {key: [op, collective_seq_id, done]}, done from the recorder's per-group status (the last
-    completed collective), else the entry's state. None when it holds nothing or cannot be read."""
+    group name -> key): {key: [op, collective_seq_id, done, state]}, done from the recorder's per-group status (the
+    last completed collective), else the entry's state (scheduled, started, completed). {} when the recorder
+    holds nothing of these groups; None when it cannot be read: the recorder is evidence, not a dependency."""
     try:
-        dump = torch._C._distributed_c10d._dump_fr_trace_json
-        j = json.loads(dump(True, False))
+        j = recorder_dump(torch)
+        if j is None:
+            return None
         status, out = j.get("pg_status") or {}, {}
         for e in j.get("entries") or []:
             pg = e.get("process_group") or []
@@ -75,8 +102,9 @@ def recorder_last(torch, names):
             st = status.get(str(e.get("pg_id")))
             done = int(st["last_completed_collective"]) >= seq if st and "last_completed_collective" in st else \
                 e.get("state") == "completed"
-            out[key] = [str(e.get("profiling_name") or "?").split(":", 1)[-1], seq, done]
-        return out or None
+            state = "completed" if done else str(e.get("state") or "?")
+            out[key] = [str(e.get("profiling_name") or "?").split(":", 1)[-1], seq, done, state]
+        return out
     except Exception:
         return None
 

@@ -15,6 +15,7 @@ from ..checks.judge import (
     apply_strict,
     judge_final,
     judge_gate,
+    judge_no_torch,
     judge_pre,
     judge_strays,
     judge_unfinished,
@@ -26,10 +27,12 @@ from ..checks.judge import (
 from ..checks.manifest import judge_bands, judge_manifest
 from ..checks.numerics import judge_ddp_grads
 from ..core.base import (
+    _T0,
     EXIT_FAIL,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_TIMEOUT,
+    EXIT_USAGE,
     VERSION,
     Verdict,
     _counts,
@@ -37,6 +40,7 @@ from ..core.base import (
     failed,
     finding,
     first_line,
+    format_ranges,
     internal_finding,
     print_traceback,
     verdict_code,
@@ -61,6 +65,7 @@ from ..core.deadlines import (
     SNAPSHOT_S,
     STORE_OP_S,
     TERM_REPORTS_S,
+    LastCall,
     live_period,
 )
 from ..core.speak import emit
@@ -73,6 +78,12 @@ from .liveness import liveness, proc_stat
 from .rank import HEADER, PROGRESS, RankRun
 from .ras import ras_addr, ras_status
 from .store import Forged, StoreProtocol, fd_limit_problem
+
+
+def hard_failures(broken):
+    """The local failures that end the roll call at once: all but a python without torch (judge_no_torch weighs
+    those once every rank checked in or failed)."""
+    return {r: e for r, e in broken.items() if not (e.get("code") == EXIT_USAGE and not e.get("internal"))}
 
 
 class Coordinator(ScreenCoordinator, RankRun):
@@ -91,6 +102,7 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.concluding = threading.Event()  # the tick handed a verdict to a thread of its own (conclude_apart)
         self.tick_busy = threading.Lock()  # held by the tick's store read, which may outlive its bound
         self.serving = False
+        self.last_call = None  # the roll call's last call, when it ended the roll call: {'grace', 'unheard'}
         self.verdict_code = None  # the code as the verdict stands (the verdict's bound exits with it)
         self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
         self.screen, self.screen_rounds, self.screen_made = None, {}, set()  # the screen's results, batches, groups
@@ -135,17 +147,18 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.roll_call()
 
     def roll_call(self):
-        """Rank 0: wait for every rank, judge what the roll call shows, then open the gate."""
+        """Rank 0: wait for every rank (or the last call), judge what the roll call shows, then open the gate."""
         t, R = time.monotonic(), self.D["rollcall"]
         complete, strays, broken = self.wait_roll(t + self.bound.left())
-        if strays or broken:  # woken early: the others of its launch get a moment to post too
+        if strays or hard_failures(broken):  # woken early: the others of its launch get a moment to post too
             time.sleep(ERROR_GRACE)
             strays, broken = self.proto.strays(), self.local_failures()
-            self.findings += [finding("internal", "FAIL", e["line"], ranks=[r], code=EXIT_INTERNAL)
-                              if e.get("internal") else finding("local", "FAIL", e["line"], [e["host"]] if e.get("host")
-                                                                else [], [r], blame="own")
-                              for r, e in sorted(broken.items())]
-        early = bool(strays or broken)  # ranks still starting when the roll call ended early are not late
+        hard = hard_failures(broken)
+        self.findings += [finding("internal", "FAIL", e["line"], ranks=[r], code=EXIT_INTERNAL)
+                          if e.get("internal") else finding("local", "FAIL", e["line"], [e["host"]] if e.get("host")
+                                                            else [], [r], blame="own")
+                          for r, e in sorted(hard.items())]
+        early = bool(strays or hard)  # ranks still starting when the roll call ended early are not late
         unseen = [] if complete and not early else self.proto.missing(self.world)  # no record on the store
         missing = [r for r in unseen if r not in broken]
         absent = set(unseen) | set(broken)
@@ -158,14 +171,10 @@ class Coordinator(ScreenCoordinator, RankRun):
             raise Verdict(EXIT_FAIL)
         self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
         self.findings += judge_strays(strays, self.host_of.values()) if early else []
+        self.findings += judge_no_torch({r: e for r, e in broken.items() if r not in hard},
+                                        self.host_of.values(), self.expect.get("nodes"))
         if missing and not early:
-            where = slurm_expected_hosts(self.env, self.world)
-            names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in missing[:64])
-            more = f" and {len(missing) - 64} more" if len(missing) > 64 else ""
-            self.findings.append(finding("rendezvous", "FAIL", f"rank(s) {names}{more} did not check in within "
-                                         f"{R:g}s ({len(present)}/{self.world} reported at {self.addr}:{self.port})",
-                                         [where[r] for r in missing if r in where], missing, code=EXIT_TIMEOUT,
-                                         blame="process"))
+            self.findings.append(self.not_checked_in(missing, present, R))
         self.findings += apply_strict(judge_pre(self.records, self.world, self.expect), self.args.strict)
         code = verdict_code(self.findings)
         self.progress("rollcall", present=len(present), world=self.world, secs=time.monotonic() - t,
@@ -179,6 +188,28 @@ class Coordinator(ScreenCoordinator, RankRun):
                        "nodes": len(set(self.host_of.values()))}
         self.proto.open_gate("roll", json.dumps(self.master))
 
+    def not_checked_in(self, missing, present, R):
+        """The `rendezvous` FAIL of the ranks that did not check in, each with its host from the launch plan
+        (Slurm's node list and tasks per node). At the last call: the ranks never heard of (no hello: not started,
+        or they cannot reach the store) are named; those whose process said hello are still starting (not
+        blamed). At the roll call's bound: every missing rank."""
+        where = slurm_expected_hosts(self.env, self.world)
+        at = f"{len(present)}/{self.world} reported at {self.addr}:{self.port}"
+        lc = self.last_call
+        named = [r for r in missing if lc is None or r in lc["unheard"]]
+        names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in named[:64])
+        more = f" and {len(named) - 64} more" if len(named) > 64 else ""
+        if lc is None:
+            why = f"did not check in within {R:g}s ({at})"
+        else:
+            starting = [r for r in missing if r not in named]
+            why = (f"did not check in: no word from its process within the last call ({lc['grace']:.0f}s after the "
+                   f"latest rank arrived; {at}): not started, or it cannot reach the store at {self.addr}:{self.port}"
+                   + (f"; rank(s) {format_ranges(starting)} reached the store and are still starting (not blamed)"
+                      if starting else ""))
+        return finding("rendezvous", "FAIL", f"rank(s) {names}{more} {why}", [where[r] for r in named if r in where],
+                       named, code=EXIT_TIMEOUT, blame="process")
+
     def local_failures(self):
         """{rank: report} of the ranks that failed their local phase before checking in (a rank without
         torch tells rank 0 through the store's wire: tell_rank0_without_torch)."""
@@ -187,11 +218,14 @@ class Coordinator(ScreenCoordinator, RankRun):
     def wait_roll(self, end):
         """The roll call's wait, until `end`: all_arrived wakes it, every rank's record ends it (a counter
         bumped from outside wakes it early, not ends it); a stray or a rank that failed its local phase
-        ends it early. Each second it checks that the world record is still its own.
-        -> (complete, strays, local failures)."""
-        mine = self.proto.store.get("world")
+        ends it early (a rank without torch: once every rank checked in or failed, judge_no_torch weighs
+        them). The last call (LastCall): once at least half the world is present, the ranks never heard of
+        (no hello) get last_call_grace past the latest news, not the whole bound (self.last_call says so).
+        Each second it checks that the world record is still its own. -> (complete, strays, local failures)."""
+        mine, self.last_call = self.proto.store.get("world"), None
+        lc = LastCall(self.world, self.D["rollcall"], _T0)
         while True:
-            complete = self.proto.wait_all(min(1.0, end - time.monotonic()))
+            complete = self.proto.wait_all(min(1.0, max(0.0, end - time.monotonic())))
             strays, now = self.proto.strays(), time.monotonic()
             held = self.proto.store.get("world")
             if held != mine:  # written over: put ours back (so the ranks can read the verdict), refuse theirs
@@ -199,10 +233,20 @@ class Coordinator(ScreenCoordinator, RankRun):
                 self.proto.refuse(Forged("world", held.decode(errors="replace").split("|")[-1],
                                          "was written over by something other than rank 0"))
             broken = self.local_failures() if self.proto.error_count() else {}
-            if strays or broken or self.proto.forged or now >= end:
+            if strays or hard_failures(broken) or self.proto.forged or now >= end:
                 return complete and self.proto.all_in(self.world), strays, broken
             if complete and self.proto.all_in(self.world):
                 return True, strays, broken
+            present = self.proto.arrived_count() + len(broken)
+            if broken and present >= self.world:  # every rank checked in or could not import torch
+                return False, strays, broken
+            if lc.seen(now, present, present + self.proto.hello_count()).due(now):
+                unseen = [r for r in self.proto.missing(self.world) if r not in broken]
+                said = set(self.proto.said_hello(unseen))
+                if any(r not in said for r in unseen):
+                    self.last_call = {"grace": lc.grace, "unheard": [r for r in unseen if r not in said]}
+                    return False, strays, broken
+                lc.last = now  # every missing rank is up and reaches the store: it keeps the bound
             if complete:  # woken before every record was there
                 time.sleep(FORGED_POLL_S)
 
@@ -409,7 +453,12 @@ class Coordinator(ScreenCoordinator, RankRun):
         kinds = {r: "dead" if live.get(r) == "gone" else "frozen" if live.get(r) == "stopped" else
                  "silent" if h in silent else "behind" if states.get(str(r)) == "behind" else "ok"
                  for r, h in self.host_of.items()}
-        view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        try:  # NCCL's view is said beside ours; it never changes the culprits or the exit code
+            view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        except Exception as e:
+            why = f"its reply could not be read ({type(e).__name__}: {first_line(e)})"
+            view = {"read": False, "why": why, "agree": None, "ranks": {},
+                    "words": f"NCCL's own view (RAS) not read: {why}"}
         diag = [ln for p in (issued or {}).values() if p for ln in p.get("diag") or []]
         if diag:
             view["diag"] = diag[:20]

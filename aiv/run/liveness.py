@@ -99,6 +99,27 @@ def node_monitor(cfg):
     return 0
 
 
+def say_hello(addr, port, prefix, rank, host, stop, seconds, retry_s):
+    """A rank other than 0, from its start (before it imports torch), on a thread of its own: tell rank 0's store
+    that its process is up and reaches the store (hello/<rank>, then the hellos counter), so that rank 0's last
+    call waits for it; tried every retry_s until it is said, `stop` is set (the rank checked in) or `seconds`
+    passed. -> whether it was said."""
+    end = time.monotonic() + seconds
+    while not stop.is_set() and time.monotonic() < end:
+        store = None
+        try:
+            store = LightStore(addr, port, prefix, min(1.0, max(0.1, end - time.monotonic())))
+            store.set(f"hello/{rank}", host)
+            store.add("hellos", 1)
+            return True
+        except (OSError, struct.error, ValueError):
+            stop.wait(retry_s)
+        finally:
+            if store is not None:
+                store.close()
+    return False
+
+
 def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds, code=1, internal=False):
     """A rank that failed before the roll call (torch missing or too old, a local check, the tool's own error)
     reports it to rank 0 through the store's own wire (LightStore: no torch needed), so that rank 0 ends the

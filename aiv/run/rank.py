@@ -27,11 +27,8 @@ from ..checks.collect import (
     torch_versions,
 )
 from ..checks.hang import group_key
-from ..checks.interfaces import (
-    check_interfaces,
-    gloo_address,
-    list_interfaces,
-)
+from ..checks.interfaces import check_interfaces, gloo_address, list_interfaces
+from ..checks.judge import judge_no_torch
 from ..checks.numerics_measure import ddp_local_grads, rank_numerics
 from ..core.base import (
     _T0,
@@ -39,6 +36,7 @@ from ..core.base import (
     EXIT_INTERNAL,
     EXIT_PASS,
     EXIT_TIMEOUT,
+    EXIT_USAGE,
     Verdict,
     failed,
     finding,
@@ -52,6 +50,7 @@ from ..core.base import (
 )
 from ..core.bounds import Bound, BoundPassed, Watchdog, within
 from ..core.deadlines import (
+    HELLO_RETRY_S,
     IMPORT_PROBE_S,
     MARK_TTL,
     OUTPUT_S,
@@ -75,7 +74,7 @@ from ..out.render import BAR
 from ..screen.measure import soak_measure, start_node_smi, start_screen_gpu
 from ..screen.run import ScreenRunner
 from .background import Background, Issued, NcclLog
-from .liveness import launch_key, proc_stat, said_marker, sweep_said
+from .liveness import launch_key, proc_stat, said_marker, say_hello, sweep_said
 from .store import Seal, StoreProtocol, norm_ip, run_base
 
 
@@ -165,12 +164,13 @@ class RankRun(ScreenRunner):
         self.backend = self.device = self.results = self.bandwidth = None
         self.identity = None
         self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
-        self.issued, self.stalled = Issued(), set()  # what this rank issued last on each group (issuing)
+        self.issued, self.stalled, self.wedged = Issued(), set(), set()  # what this rank issued last (issuing)
         self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
         self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
         self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
         self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
         self.signal_seen = None  # SIGTERM or SIGINT, once on_signal took it
+        self.hello_stop = threading.Event()  # set once this rank checked in: its hello (say_hello) is not needed
         self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
 
     # ---------------------------------------------------------------- flow
@@ -266,6 +266,10 @@ class RankRun(ScreenRunner):
     # ---------------------------------------------------------------- phases
     def phase_local(self):
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
+        if self.rank != 0:  # before torch: rank 0's last call knows this process is up and reaches the store
+            threading.Thread(target=say_hello, args=(self.addr, self.port, launcher_store(self.env)[0], self.rank,
+                                                     self.host, self.hello_stop, self.D["rollcall"], HELLO_RETRY_S),
+                             name="aiv-hello", daemon=True).start()
         # abort the communicator and raise, never kill the process (1, torchrun's default, kills rank 0
         # before its verdict); an operator's own setting outside torchrun is kept
         if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ or (
@@ -276,7 +280,9 @@ class RankRun(ScreenRunner):
         if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
             self.bg.probe = start_import_probe()
         if not any(v in os.environ for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
-            os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"  # torch's flight recorder: what each rank issued (issuing)
+            # torch's flight recorder: what each rank issued (issuing); the second name for torch before 2.6,
+            # whose ProcessGroupNCCL reads only it (a later torch reads the first, and the second only without it)
+            os.environ["TORCH_FR_BUFFER_SIZE"] = os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
         t = time.monotonic()
         try:
             with gc_paused():
@@ -323,11 +329,12 @@ class RankRun(ScreenRunner):
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
 
     def no_torch(self, exc):
-        """torch (or what it needs) cannot be imported here: a `local` FAIL of this host (the other ranks tell
-        rank 0 through the store's wire, no torch needed: Follower.end)."""
+        """torch (or what it needs) cannot be imported here: the launch's environment (no venv, the wrong python),
+        exit 2, no host named (judge_no_torch); the other ranks tell rank 0 through the store's wire, no torch
+        needed (Follower.end), and rank 0 names a host only when it alone of several cannot (judge_no_torch)."""
         line = (f"rank {self.rank} ({self.host}): torch is not importable by {sys.executable}: {first_line(exc)}; "
                 "run bootstrap_env.sh on this node or point the job at the shared venv (PYTORCH_ENV)")
-        return failed("local", line, EXIT_FAIL, [self.host], [self.rank], blame="own")
+        return Verdict(EXIT_USAGE, judge_no_torch({self.rank: {"line": line, "host": self.host}}, ()))
 
     def phase_rollcall(self):
         R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)
@@ -336,6 +343,7 @@ class RankRun(ScreenRunner):
         self.failpoint("rendezvous")
         self.before_check_in(R)
         stray = self.proto.check_in(self.rank, self.identity, self.world, R + RANK0_GRACE)
+        self.hello_stop.set()
         if stray is not None:  # not a rank of this run: rank 0 names it; it takes no verdict of that run
             self.speak_for_node(f"FAILURE: {stray[0]}: rank {self.rank} ({self.host}, pid {os.getpid()}) is not a "
                                 f"rank of the run at {self.addr}:{self.port}: {stray[1]}")
@@ -388,6 +396,9 @@ class RankRun(ScreenRunner):
             self.failpoint(self.phase, only=("stall",))
         key = group_key(range(self.world) if ranks is None else ranks)
         self.issued.start(op, key, seq)
+        if self.phase not in self.wedged:  # inside the call, its "about to issue" record made: the backend not yet
+            self.wedged.add(self.phase)
+            self.failpoint(self.phase, only=("wedge",))
         yield
         if self.backend == "nccl":
             self.torch.cuda.synchronize()
@@ -551,12 +562,15 @@ class RankRun(ScreenRunner):
           stall=S             an S-second pause right before the rank issues its first collective of <phase>
                               (init, screen-net, collective, ddp, bandwidth: alive, never issuing it), marked
                               like a pause
+          wedge=S             the same pause inside that call, after the rank's own "about to issue" record
+                              and before its backend sees the call (a rank stuck in a driver call or a lazy
+                              communicator set-up), marked like a pause
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
                               the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
                               e.g. helper-aiv-listener)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
-            m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall)=(\d+)):([\w-]+):(\d+)", item)
+            m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall|wedge)=(\d+)):([\w-]+):(\d+)", item)
             if not (m and m.group(4) == phase and int(m.group(5)) == self.rank and (m.group(2) or m.group(1)) in only):
                 continue
             flush_all()
@@ -564,7 +578,7 @@ class RankRun(ScreenRunner):
                 raise AssertionError(f"failpoint {item}")
             if m.group(3) is None:
                 os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
-            if m.group(2) in ("pause", "stall") and self.env.get("AIV_FAILPOINT_MARK"):
+            if m.group(2) in ("pause", "stall", "wedge") and self.env.get("AIV_FAILPOINT_MARK"):
                 with open(self.env["AIV_FAILPOINT_MARK"], "w") as f:
                     f.write(f"{phase} {self.rank}\n")
             time.sleep(int(m.group(3)))

@@ -126,6 +126,8 @@ class StoreProtocol:
       strays         processes refused at the check-in (JSON lines, stray_reason)   a stray
       id/<rank>      identity at the roll call (JSON)             each rank
       arrived        ranks checked in (counter); all_arrived      each rank; the last one
+      hello/<rank>, hellos  its process reached the store (its host, unsigned: a wake-up; a forged one only keeps
+                     the roll call at its own bound); how many (counter)   each rank but 0, before torch
       node/<host>    [[rank, pid], ...] of a node, for its monitor rank 0
       stamp/<rank>   index in PHASES of the last phase finished   each rank
       live/<host>    {"seq": n, "ranks": {rank: state}}           each node's monitor
@@ -354,6 +356,18 @@ class StoreProtocol:
         """Whether every rank's record is there (one round trip)."""
         return self.store.check([f"id/{r}" for r in range(world)])
 
+    def arrived_count(self):
+        """Ranks checked in so far (a counter: a count to watch, the records are what counts)."""
+        return self.store.add("arrived", 0)
+
+    def hello_count(self):
+        """Ranks that said hello before their check-in (say_hello: their process reached the store)."""
+        return self.store.add("hellos", 0)
+
+    def said_hello(self, ranks):
+        """The ranks of `ranks` whose process said hello (reached the store, not checked in yet)."""
+        return [r for r in ranks if self.store.check([f"hello/{r}"])]
+
     def missing(self, world):
         if self.all_in(world):
             return []
@@ -523,12 +537,13 @@ class StoreProtocol:
         self._set("all_arrived", why)
 
     def errors(self):
-        """{rank: {'line', 'term', 'internal', 'phase', 'host'}}: the first report of each rank (term: it was
+        """{rank: {'line', 'term', 'internal', 'phase', 'host', 'code'}}: the first report of each rank (term: it was
         terminated by a signal; internal: it hit the tool's own error)."""
         out = {}
         for e in map(json.loads, self._lines("errors")):
             entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False, "internal": False,
-                                                    "phase": e.get("phase"), "host": e.get("host")})
+                                                    "phase": e.get("phase"), "host": e.get("host"),
+                                                    "code": e.get("code")})
             entry["term"] = entry["term"] or bool(e.get("term"))
             entry["internal"] = entry["internal"] or bool(e.get("internal"))
         return out
