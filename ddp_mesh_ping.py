@@ -13124,7 +13124,7 @@ class Coordinator(ScreenCoordinator, RankRun):
             print_traceback(e)
             with contextlib.suppress(BaseException):
                 emit(f"FAILURE: internal: {first_line(e)} in {where_raised(e)} (rank 0 on {self.host}, giving the "
-                     "verdict): a bug in the tool, not a fault of the cluster: no host is blamed")
+                     f"verdict): a bug in the tool, not a fault of the cluster: no host is blamed {NO_HOST_MARK}")
             code = verdict_code(self.findings.snapshot()) or EXIT_INTERNAL
         self.exit(code)
 
@@ -13448,7 +13448,8 @@ class Follower(ScreenFollower, RankRun):
                 print_traceback(e)
                 f = internal_finding(e, f"rank {self.rank} on {self.host}, taking the verdict")
                 v = Verdict(EXIT_INTERNAL, [f])
-        self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
+        self.speak_for_node("\n".join(failure_lines(v.findings))
+                            or f"FAILURE: internal: rank {self.rank} {NO_HOST_MARK}")
         self.exit(v.code)
 
     def tell_rank0(self, v):

@@ -65,6 +65,7 @@ from ..core.deadlines import (
 )
 from ..core.speak import emit
 from ..launch.contract import slurm_expected_hosts
+from ..out.render import NO_HOST_MARK
 from ..screen.measure import SCREEN_MATMUL_N
 from ..screen.run import ScreenCoordinator
 from ..screen.soak import judge_soak, soak_rows
@@ -303,7 +304,7 @@ class Coordinator(ScreenCoordinator, RankRun):
             print_traceback(e)
             with contextlib.suppress(BaseException):
                 emit(f"FAILURE: internal: {first_line(e)} in {where_raised(e)} (rank 0 on {self.host}, giving the "
-                     "verdict): a bug in the tool, not a fault of the cluster: no host is blamed")
+                     f"verdict): a bug in the tool, not a fault of the cluster: no host is blamed {NO_HOST_MARK}")
             code = verdict_code(self.findings.snapshot()) or EXIT_INTERNAL
         self.exit(code)
 

@@ -29,7 +29,7 @@ from ..core.deadlines import (
 )
 from ..launch.contract import launcher_store
 from ..out.outputs import fallback_verdict, rank0_lost
-from ..out.render import failure_lines
+from ..out.render import NO_HOST_MARK, failure_lines
 from ..screen.run import ScreenFollower
 from .liveness import liveness, proc_stat, tell_rank0_without_torch
 from .rank import RankRun
@@ -60,7 +60,8 @@ class Follower(ScreenFollower, RankRun):
                 print_traceback(e)
                 f = internal_finding(e, f"rank {self.rank} on {self.host}, taking the verdict")
                 v = Verdict(EXIT_INTERNAL, [f])
-        self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
+        self.speak_for_node("\n".join(failure_lines(v.findings))
+                            or f"FAILURE: internal: rank {self.rank} {NO_HOST_MARK}")
         self.exit(v.code)
 
     def tell_rank0(self, v):
