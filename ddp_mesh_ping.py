@@ -899,9 +899,10 @@ def deadlines(timeout, rollcall_timeout, soak=0.0):
 
 
 def worst_case(table, bandwidth=False, screen=True, soak=False):
-    """The longest a run can take to its verdict: every phase at its bound, then naming and acks. The
-    verdict's own backstop (VERDICT_S) is not counted: the code is on the store before the drain, the manifest
-    and the acknowledgements (the files asked for come before it, each within OUTPUT_S)."""
+    """The longest a run takes to its verdict with its files written at once: every phase at its bound, then
+    naming and acks. The verdict itself is not counted: it writes the files asked for (--json, --metrics,
+    --html, each within OUTPUT_S) before it prints the report and publishes the code, then the drain, the
+    manifest and the acknowledgements; on slow storage all of it takes up to VERDICT_S."""
     return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
                and (screen or p not in SCREEN_PHASES) and p != "verdict") + NAMING_S + ACKS_S
 
@@ -2185,7 +2186,7 @@ def build_parser():
     for what, text in (("world-size", "N ranks in all"), ("nodes", "N nodes"),
                        ("ranks-per-node", "N ranks on every node")):
         _opt(p, f"--expect-{what}", _positive_int, "from Slurm", f"FAIL unless the run has {text}", metavar="N")
-    _opt(p, "--strict", _switch, "off", "treat every WARN as a FAIL; no value: on", nargs="?", const="on",
+    _opt(p, "--strict", _switch, "off", "turn every WARN into a FAIL (exit 1; such a FAIL never drains a node); no value: on", nargs="?", const="on",
          default=False, metavar="on/off")
     _opt(p, "--json", str, "none", "rank 0 writes the verdict as JSON here; tried before the run", metavar="PATH")
     _opt(p, "--nproc", _positive_int, "GPUs, or 2", "local mode (or a pod's per-node launch): ranks here (see the "
