@@ -296,6 +296,8 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.verdict_lock.acquire()  # a second caller waits here until the first one exits the process
         Bound(self.wd, "verdict", self.D["verdict"]).arm()  # the verdict's own bound: expire("verdict")
         self.verdict_code = code
+        if client is not None:  # the others now wait up to VERDICT_S for the code (the files come first)
+            bounded(client.post_deciding, STORE_OP_S)
         try:
             found = self.findings.close() + list(findings) + self.helper_findings()
             c = Conclusion(self.snapshot(), self.args, client, self.progress, self.failpoint, self.set_code)

@@ -545,7 +545,8 @@ class RankRun(ScreenRunner):
                               (rendezvous, init, telemetry, screen-gpu, screen-net, soak, collective, ddp;
                               round-<name>: rank 0 before it opens a screen batch's gate, e.g. round-p2;
                               done-<phase>: after the rank posted its own part of telemetry, screen-gpu or
-                              ddp, while the others may still work in it); a pause first creates the file
+                              ddp, while the others may still work in it; files: rank 0's verdict, before
+                              it writes the files asked for: slow storage); a pause first creates the file
                               AIV_FAILPOINT_MARK, if set, so that a test breaks something (a link) while the
                               run waits
           stall=S             an S-second pause right before the rank issues its first collective of <phase>
