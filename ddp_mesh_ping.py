@@ -12686,8 +12686,9 @@ class RankRun(ScreenRunner):
                               (init, screen-net, collective, ddp, bandwidth: alive, never issuing it), marked
                               like a pause
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
-                              the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
-                              e.g. helper-aiv-listener)
+                              the verdict's report (<phase> = report), at the verdict's start (verdict:
+                              rank 0 only, outside the report's own guard), or in a helper thread
+                              (helper-<name>, e.g. helper-aiv-listener)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
             m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall)=(\d+)):([\w-]+):(\d+)", item)
@@ -13132,6 +13133,7 @@ class Coordinator(ScreenCoordinator, RankRun):
         if client is not None:  # the others now wait up to VERDICT_S for the code (the files come first)
             bounded(client.post_deciding, STORE_OP_S)
         try:
+            self.failpoint("verdict", only=("raise",))
             found = self.findings.close() + list(findings) + self.helper_findings()
             c = Conclusion(self.snapshot(), self.args, client, self.progress, self.failpoint, self.set_code)
             code = c.give(found, code)

@@ -299,6 +299,7 @@ class Coordinator(ScreenCoordinator, RankRun):
         if client is not None:  # the others now wait up to VERDICT_S for the code (the files come first)
             bounded(client.post_deciding, STORE_OP_S)
         try:
+            self.failpoint("verdict", only=("raise",))
             found = self.findings.close() + list(findings) + self.helper_findings()
             c = Conclusion(self.snapshot(), self.args, client, self.progress, self.failpoint, self.set_code)
             code = c.give(found, code)

@@ -553,8 +553,9 @@ class RankRun(ScreenRunner):
                               (init, screen-net, collective, ddp, bandwidth: alive, never issuing it), marked
                               like a pause
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
-                              the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
-                              e.g. helper-aiv-listener)
+                              the verdict's report (<phase> = report), at the verdict's start (verdict:
+                              rank 0 only, outside the report's own guard), or in a helper thread
+                              (helper-<name>, e.g. helper-aiv-listener)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
             m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall)=(\d+)):([\w-]+):(\d+)", item)
