@@ -907,9 +907,11 @@ def deadlines(timeout, rollcall_timeout, soak=0.0):
 
 
 def worst_case(table, bandwidth=False, screen=True, soak=False):
-    """The longest a run can take to its verdict: every phase at its bound, then naming and acks. The
-    verdict's own backstop (VERDICT_S) is not counted: the code is on the store before the drain, the manifest
-    and the acknowledgements (the files asked for come before it, each within OUTPUT_S)."""
+    """The longest a run takes to its verdict with its files written at once: every phase at its bound, then
+    naming and acks. The verdict itself is not counted: it writes the files asked for (--json, --metrics,
+    --html, each within OUTPUT_S) before it prints the report and publishes the code, then the drain, the
+    manifest and the acknowledgements; on slow storage all of it takes up to VERDICT_S
+    (rank 0 posts "deciding" as it starts: the others then wait that long for the code, not RANK0_GRACE)."""
     return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
                and (screen or p not in SCREEN_PHASES) and p != "verdict") + NAMING_S + ACKS_S
 
@@ -2228,8 +2230,8 @@ def build_parser():
     for what, text in (("world-size", "N ranks in all"), ("nodes", "N nodes"),
                        ("ranks-per-node", "N ranks on every node")):
         _opt(p, f"--expect-{what}", _positive_int, "from Slurm", f"FAIL unless the run has {text}", metavar="N")
-    _opt(p, "--strict", _switch, "off", "treat every WARN as a FAIL; no value: on", nargs="?", const="on",
-         default=False, metavar="on/off")
+    _opt(p, "--strict", _switch, "off", "turn every WARN into a FAIL (exit 1; such a FAIL never drains a node); "
+         "no value: on", nargs="?", const="on", default=False, metavar="on/off")
     _opt(p, "--json", str, "none", "rank 0 writes the verdict as JSON here; tried before the run", metavar="PATH")
     _opt(p, "--nproc", _positive_int, "GPUs, or 2", "local mode (or a pod's per-node launch): ranks here (see the "
          "rule below); --node-check on a node without GPUs: the CPU workers standing in for GPUs", metavar="N")
@@ -11213,6 +11215,15 @@ class StoreProtocol:
             entry["internal"] = entry["internal"] or bool(e.get("internal"))
         return out
 
+    def post_deciding(self):
+        """Rank 0, as its verdict starts (before the files asked for, which come before the code): the other
+        ranks that see it wait up to VERDICT_S for the code instead of RANK0_GRACE."""
+        self._set("deciding", "1")
+
+    def deciding(self):
+        """Whether rank 0 posted that its verdict started (a value not of this run is refused: False)."""
+        return bool(self.store.check(["deciding"])) and self._open("deciding", self.store.get("deciding")) == "1"
+
     def publish_verdict(self, code):
         """The verdict, then `ask` (the listeners wait on it: it wakes them, and they find the verdict)."""
         self._set("verdict", str(code))
@@ -11994,6 +12005,7 @@ class Conclusion:
         if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
             st, text = self.report(found, st["exit_code"])
         failed = set()
+        self.failpoint("files", only=("pause",))  # the tests' slow shared storage
         for _ in range(2):  # the files, then once more those written, when one could not be
             unwritten = self.write_files(st, skip=failed)
             if failed and not unwritten:
@@ -12903,7 +12915,8 @@ class RankRun(ScreenRunner):
                               (rendezvous, init, telemetry, screen-gpu, screen-net, soak, collective, ddp;
                               round-<name>: rank 0 before it opens a screen batch's gate, e.g. round-p2;
                               done-<phase>: after the rank posted its own part of telemetry, screen-gpu or
-                              ddp, while the others may still work in it); a pause first creates the file
+                              ddp, while the others may still work in it; files: rank 0's verdict, before
+                              it writes the files asked for: slow storage); a pause first creates the file
                               AIV_FAILPOINT_MARK, if set, so that a test breaks something (a link) while the
                               run waits
           stall=S             an S-second pause right before the rank issues its first collective of <phase>
@@ -12913,8 +12926,9 @@ class RankRun(ScreenRunner):
                               and before its backend sees the call (a rank stuck in a driver call or a lazy
                               communicator set-up), marked like a pause
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
-                              the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
-                              e.g. helper-aiv-listener)
+                              the verdict's report (<phase> = report), at the verdict's start (verdict:
+                              rank 0 only, outside the report's own guard), or in a helper thread
+                              (helper-<name>, e.g. helper-aiv-listener)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
             m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall|wedge)=(\d+)):([\w-]+):(\d+)", item)
@@ -13395,7 +13409,10 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.verdict_lock.acquire()  # a second caller waits here until the first one exits the process
         Bound(self.wd, "verdict", self.D["verdict"]).arm()  # the verdict's own bound: expire("verdict")
         self.verdict_code = code
+        if client is not None:  # the others now wait up to VERDICT_S for the code (the files come first)
+            bounded(client.post_deciding, STORE_OP_S)
         try:
+            self.failpoint("verdict", only=("raise",))
             found = self.findings.close() + list(findings) + self.helper_findings()
             c = Conclusion(self.snapshot(), self.args, client, self.progress, self.failpoint, self.set_code)
             code = c.give(found, code)
@@ -13403,7 +13420,7 @@ class Coordinator(ScreenCoordinator, RankRun):
             print_traceback(e)
             with contextlib.suppress(BaseException):
                 emit(f"FAILURE: internal: {first_line(e)} in {where_raised(e)} (rank 0 on {self.host}, giving the "
-                     "verdict): a bug in the tool, not a fault of the cluster: no host is blamed")
+                     f"verdict): a bug in the tool, not a fault of the cluster: no host is blamed {NO_HOST_MARK}")
             code = verdict_code(self.findings.snapshot()) or EXIT_INTERNAL
         self.exit(code)
 
@@ -13732,7 +13749,8 @@ class Follower(ScreenFollower, RankRun):
                 print_traceback(e)
                 f = internal_finding(e, f"rank {self.rank} on {self.host}, taking the verdict")
                 v = Verdict(EXIT_INTERNAL, [f])
-        self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
+        self.speak_for_node("\n".join(failure_lines(v.findings))
+                            or f"FAILURE: internal: rank {self.rank} {NO_HOST_MARK}")
         self.exit(v.code)
 
     def tell_rank0(self, v):
@@ -13805,7 +13823,26 @@ class Follower(ScreenFollower, RankRun):
         except Exception as e:
             if is_tool_error(e):
                 raise
+            code = self.verdict_of_deciding(client) if store_timed_out(e) else None
+            if code is not None:
+                return code
             self.lost_rank0(e)
+
+    def verdict_of_deciding(self, client=None):
+        """Rank 0 posted `deciding` (its verdict started; the files asked for come before its code, and shared
+        storage can be slow): -> its code, waited for up to VERDICT_S (the verdict's own bound, within which
+        rank 0 publishes it) instead of RANK0_GRACE; None when there is no mark, or no code came."""
+        if self.proto is None or self.master is None:
+            return None
+        try:
+            client = client or within(self.proto.clone, STORE_OP_S, "a store connection")
+            if not within(client.deciding, STORE_OP_S, "reading rank 0's deciding mark"):
+                return None
+            return self.take_verdict(client, VERDICT_S)
+        except Exception as e:
+            if is_tool_error(e):
+                raise
+            return None
 
     def take_verdict(self, client, seconds):
         code = client.wait_verdict(seconds)
@@ -13840,6 +13877,9 @@ class Follower(ScreenFollower, RankRun):
         if self.master is None and not (self.proto is not None and self.proto.forged):
             self.speak_for_node(f"FAILURE: {PHASE_CHECK[phase]}: rank {self.rank} ({self.host}): {cause}")
             self.exit(EXIT_TIMEOUT)
+        code = self.verdict_of_deciding()  # rank 0 alive and deciding: its code, within the verdict's bound
+        if code is not None:
+            self.exit(code)
         host0 = (self.master or {}).get("host", self.addr)
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from "
                                        f"rank 0 ({host0}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "

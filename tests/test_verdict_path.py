@@ -67,3 +67,25 @@ def test_a_manifest_that_never_answers_is_one_usage_line_within_its_bound(tmp_pa
     (line,) = failures(r.stdout)
     assert line.startswith("FAILURE: usage: --manifest and --save-manifest did not answer within "), line
     assert aiv.OUTPUT_S <= took, took
+
+
+def test_the_other_ranks_wait_for_a_verdict_slow_to_write_its_files(tmp_path):
+    """Rank 0 writes the files asked for before it publishes its code: on slow storage (a pause there, longer
+    than --timeout + RANK0_GRACE) the other ranks saw its `deciding` mark and waited for its code up to
+    VERDICT_S, instead of speaking for a rank 0 alive and deciding (exit 3, nobody named)."""
+    t, pause = 15, 45
+    assert t + aiv.RANK0_GRACE < pause < aiv.VERDICT_S
+    out, took, v = nodes(tmp_path, 3, {0: {"AIV_FAILPOINT": f"pause={pause}:files:0"}}, args=("--timeout", t))
+    assert [code for code, _, _ in out] == [aiv.EXIT_PASS] * 3, describe(out)
+    assert sum(ln.startswith("Verdict:") for _, o, _ in out for ln in o.splitlines()) == 1, describe(out)
+    assert not any(failures(o) for _, o, _ in out), describe(out)
+    assert v["exit_code"] == aiv.EXIT_PASS and took >= pause, (v, took)
+
+
+def test_rank_0s_crash_in_the_verdict_is_one_internal_line_naming_no_host(tmp_path):
+    """The tool's own error at the start of rank 0's verdict, outside the report's guard: the last-resort
+    `internal` line, ending with the mark of a line that names no host, exit 4."""
+    out, took, _ = nodes(tmp_path, 2, {0: {"AIV_FAILPOINT": "raise:verdict:0"}}, args=("--timeout", 30))
+    assert out[0][0] == aiv.EXIT_INTERNAL, describe(out)
+    (line,) = [ln for ln in failures(out[0][1]) if "giving the verdict" in ln]
+    assert line.startswith("FAILURE: internal:") and line.endswith(aiv.NO_HOST_MARK), line

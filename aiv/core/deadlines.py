@@ -90,9 +90,11 @@ def deadlines(timeout, rollcall_timeout, soak=0.0):
 
 
 def worst_case(table, bandwidth=False, screen=True, soak=False):
-    """The longest a run can take to its verdict: every phase at its bound, then naming and acks. The
-    verdict's own backstop (VERDICT_S) is not counted: the code is on the store before the drain, the manifest
-    and the acknowledgements (the files asked for come before it, each within OUTPUT_S)."""
+    """The longest a run takes to its verdict with its files written at once: every phase at its bound, then
+    naming and acks. The verdict itself is not counted: it writes the files asked for (--json, --metrics,
+    --html, each within OUTPUT_S) before it prints the report and publishes the code, then the drain, the
+    manifest and the acknowledgements; on slow storage all of it takes up to VERDICT_S
+    (rank 0 posts "deciding" as it starts: the others then wait that long for the code, not RANK0_GRACE)."""
     return sum(s for p, s in table.items() if (bandwidth or p != "bandwidth") and (soak or p != "soak")
                and (screen or p not in SCREEN_PHASES) and p != "verdict") + NAMING_S + ACKS_S
 

@@ -226,8 +226,8 @@ def build_parser():
     for what, text in (("world-size", "N ranks in all"), ("nodes", "N nodes"),
                        ("ranks-per-node", "N ranks on every node")):
         _opt(p, f"--expect-{what}", _positive_int, "from Slurm", f"FAIL unless the run has {text}", metavar="N")
-    _opt(p, "--strict", _switch, "off", "treat every WARN as a FAIL; no value: on", nargs="?", const="on",
-         default=False, metavar="on/off")
+    _opt(p, "--strict", _switch, "off", "turn every WARN into a FAIL (exit 1; such a FAIL never drains a node); "
+         "no value: on", nargs="?", const="on", default=False, metavar="on/off")
     _opt(p, "--json", str, "none", "rank 0 writes the verdict as JSON here; tried before the run", metavar="PATH")
     _opt(p, "--nproc", _positive_int, "GPUs, or 2", "local mode (or a pod's per-node launch): ranks here (see the "
          "rule below); --node-check on a node without GPUs: the CPU workers standing in for GPUs", metavar="N")

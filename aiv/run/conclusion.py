@@ -90,6 +90,7 @@ class Conclusion:
         if self.drain["hosts"] and drain_blocker(found):  # the report itself failed: the tool's error
             st, text = self.report(found, st["exit_code"])
         failed = set()
+        self.failpoint("files", only=("pause",))  # the tests' slow shared storage
         for _ in range(2):  # the files, then once more those written, when one could not be
             unwritten = self.write_files(st, skip=failed)
             if failed and not unwritten:

@@ -70,6 +70,7 @@ from ..core.deadlines import (
 )
 from ..core.speak import emit
 from ..launch.contract import slurm_expected_hosts
+from ..out.render import NO_HOST_MARK
 from ..screen.measure import SCREEN_MATMUL_N
 from ..screen.run import ScreenCoordinator
 from ..screen.soak import judge_soak, soak_rows
@@ -339,7 +340,10 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.verdict_lock.acquire()  # a second caller waits here until the first one exits the process
         Bound(self.wd, "verdict", self.D["verdict"]).arm()  # the verdict's own bound: expire("verdict")
         self.verdict_code = code
+        if client is not None:  # the others now wait up to VERDICT_S for the code (the files come first)
+            bounded(client.post_deciding, STORE_OP_S)
         try:
+            self.failpoint("verdict", only=("raise",))
             found = self.findings.close() + list(findings) + self.helper_findings()
             c = Conclusion(self.snapshot(), self.args, client, self.progress, self.failpoint, self.set_code)
             code = c.give(found, code)
@@ -347,7 +351,7 @@ class Coordinator(ScreenCoordinator, RankRun):
             print_traceback(e)
             with contextlib.suppress(BaseException):
                 emit(f"FAILURE: internal: {first_line(e)} in {where_raised(e)} (rank 0 on {self.host}, giving the "
-                     "verdict): a bug in the tool, not a fault of the cluster: no host is blamed")
+                     f"verdict): a bug in the tool, not a fault of the cluster: no host is blamed {NO_HOST_MARK}")
             code = verdict_code(self.findings.snapshot()) or EXIT_INTERNAL
         self.exit(code)
 

@@ -17,7 +17,7 @@ from ..core.base import (
     is_tool_error,
     print_traceback,
 )
-from ..core.bounds import Bound, bounded
+from ..core.bounds import Bound, bounded, within
 from ..core.deadlines import (
     ACKS_SIGNALLED_S,
     NAMING_S,
@@ -25,14 +25,16 @@ from ..core.deadlines import (
     RANK0_GRACE,
     SIGNAL_SPREAD_S,
     STORE_OP_S,
+    VERDICT_S,
     worst_case,
 )
 from ..launch.contract import launcher_store
 from ..out.outputs import fallback_verdict, rank0_lost
-from ..out.render import failure_lines
+from ..out.render import NO_HOST_MARK, failure_lines
 from ..screen.run import ScreenFollower
 from .liveness import liveness, proc_stat, tell_rank0_without_torch
 from .rank import RankRun
+from .store import store_timed_out
 
 
 class Follower(ScreenFollower, RankRun):
@@ -60,7 +62,8 @@ class Follower(ScreenFollower, RankRun):
                 print_traceback(e)
                 f = internal_finding(e, f"rank {self.rank} on {self.host}, taking the verdict")
                 v = Verdict(EXIT_INTERNAL, [f])
-        self.speak_for_node("\n".join(failure_lines(v.findings)) or f"FAILURE: internal: rank {self.rank}")
+        self.speak_for_node("\n".join(failure_lines(v.findings))
+                            or f"FAILURE: internal: rank {self.rank} {NO_HOST_MARK}")
         self.exit(v.code)
 
     def tell_rank0(self, v):
@@ -133,7 +136,26 @@ class Follower(ScreenFollower, RankRun):
         except Exception as e:
             if is_tool_error(e):
                 raise
+            code = self.verdict_of_deciding(client) if store_timed_out(e) else None
+            if code is not None:
+                return code
             self.lost_rank0(e)
+
+    def verdict_of_deciding(self, client=None):
+        """Rank 0 posted `deciding` (its verdict started; the files asked for come before its code, and shared
+        storage can be slow): -> its code, waited for up to VERDICT_S (the verdict's own bound, within which
+        rank 0 publishes it) instead of RANK0_GRACE; None when there is no mark, or no code came."""
+        if self.proto is None or self.master is None:
+            return None
+        try:
+            client = client or within(self.proto.clone, STORE_OP_S, "a store connection")
+            if not within(client.deciding, STORE_OP_S, "reading rank 0's deciding mark"):
+                return None
+            return self.take_verdict(client, VERDICT_S)
+        except Exception as e:
+            if is_tool_error(e):
+                raise
+            return None
 
     def take_verdict(self, client, seconds):
         code = client.wait_verdict(seconds)
@@ -168,6 +190,9 @@ class Follower(ScreenFollower, RankRun):
         if self.master is None and not (self.proto is not None and self.proto.forged):
             self.speak_for_node(f"FAILURE: {PHASE_CHECK[phase]}: rank {self.rank} ({self.host}): {cause}")
             self.exit(EXIT_TIMEOUT)
+        code = self.verdict_of_deciding()  # rank 0 alive and deciding: its code, within the verdict's bound
+        if code is not None:
+            self.exit(code)
         host0 = (self.master or {}).get("host", self.addr)
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from "
                                        f"rank 0 ({host0}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "

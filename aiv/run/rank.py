@@ -556,7 +556,8 @@ class RankRun(ScreenRunner):
                               (rendezvous, init, telemetry, screen-gpu, screen-net, soak, collective, ddp;
                               round-<name>: rank 0 before it opens a screen batch's gate, e.g. round-p2;
                               done-<phase>: after the rank posted its own part of telemetry, screen-gpu or
-                              ddp, while the others may still work in it); a pause first creates the file
+                              ddp, while the others may still work in it; files: rank 0's verdict, before
+                              it writes the files asked for: slow storage); a pause first creates the file
                               AIV_FAILPOINT_MARK, if set, so that a test breaks something (a link) while the
                               run waits
           stall=S             an S-second pause right before the rank issues its first collective of <phase>
@@ -566,8 +567,9 @@ class RankRun(ScreenRunner):
                               and before its backend sees the call (a rank stuck in a driver call or a lazy
                               communicator set-up), marked like a pause
           raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
-                              the verdict's report (<phase> = report), or in a helper thread (helper-<name>,
-                              e.g. helper-aiv-listener)
+                              the verdict's report (<phase> = report), at the verdict's start (verdict:
+                              rank 0 only, outside the report's own guard), or in a helper thread
+                              (helper-<name>, e.g. helper-aiv-listener)
           skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
         for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
             m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall|wedge)=(\d+)):([\w-]+):(\d+)", item)

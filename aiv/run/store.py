@@ -548,6 +548,15 @@ class StoreProtocol:
             entry["internal"] = entry["internal"] or bool(e.get("internal"))
         return out
 
+    def post_deciding(self):
+        """Rank 0, as its verdict starts (before the files asked for, which come before the code): the other
+        ranks that see it wait up to VERDICT_S for the code instead of RANK0_GRACE."""
+        self._set("deciding", "1")
+
+    def deciding(self):
+        """Whether rank 0 posted that its verdict started (a value not of this run is refused: False)."""
+        return bool(self.store.check(["deciding"])) and self._open("deciding", self.store.get("deciding")) == "1"
+
     def publish_verdict(self, code):
         """The verdict, then `ask` (the listeners wait on it: it wakes them, and they find the verdict)."""
         self._set("verdict", str(code))
