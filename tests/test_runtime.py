@@ -147,6 +147,42 @@ def test_store_protocol_roll_call_stamps_errors_and_verdict(store):
     assert got == {"code": 3}
 
 
+class _NoClone:
+    """A torch < 2.8 store as the protocol sees it: every operation of the real PrefixStore, but no clone."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        if name == "clone":
+            raise AttributeError(name)
+        return getattr(self._store, name)
+
+
+def test_clone_without_store_clone_dials_a_second_connection(store):
+    """Where torch has no Store.clone, clone() is a second TCPStore client to the same host:port: a thread
+    blocked in a wait on it does not hold up the first connection, and both see the same keys."""
+    p0, p1 = proto_for(store), proto_for(store)
+    p1.store = _NoClone(p1.store)
+    p0.publish_world(2)
+    assert p1.check_in(1, {"rank": 1, "host": "n2", "pid": 11}, 2, 5) is None
+    listener = p1.clone()
+    assert not hasattr(p1.store, "clone") and listener.store is not p1.store and listener.run == p1.run
+    got = {}
+    t = threading.Thread(target=lambda: got.update(code=listener.wait_verdict(10)))
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    p1.stamp(1, "init")  # the first connection is free while the listener blocks on its own
+    assert time.monotonic() - t0 < 5
+    p0.stamp(0, "init")
+    assert p0.stamps(2) == {0: aiv.PHASES.index("init"), 1: aiv.PHASES.index("init")}
+    p0.publish_verdict(3)
+    t.join(10)
+    assert got == {"code": 3}
+    assert listener.clone().dial is p1.dial  # a clone of a clone dials the same store
+
+
 def test_store_protocol_refuses_a_second_claim_and_another_world(store):
     p0, p1, dup, other = (proto_for(store) for _ in range(4))
     p0.publish_world(2)
