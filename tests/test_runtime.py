@@ -183,6 +183,42 @@ def test_clone_without_store_clone_dials_a_second_connection(store):
     assert listener.clone().dial is p1.dial  # a clone of a clone dials the same store
 
 
+class _Torch24:
+    """torch.distributed as torch 2.4 has it for the store's server: the real TCPStore, but a listen fd is
+    refused as its libuv server refuses it."""
+    PrefixStore = dist.PrefixStore
+
+    @staticmethod
+    def TCPStore(*a, **kw):
+        if kw.get("master_listen_fd") is not None and kw.get("use_libuv", True):
+            raise NotImplementedError("The libuv TCPStore backend does not support initialization with an listen fd")
+        return dist.TCPStore(*a, **kw)
+
+
+def test_a_server_that_takes_no_listen_fd_binds_the_port_itself():
+    """torch 2.4: the socket rank 0 bound is closed and the server binds its port; a gate written with
+    compare_set wakes a rank waiting for it (torch 2.4's legacy server, the other way to serve a listen fd,
+    does not wake it: every gate hung until its bound)."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    fd = s.detach()
+    p0 = aiv.StoreProtocol.open(_Torch24, "127.0.0.1", port, 10, "aiv", listen_fd=fd)
+    p1 = aiv.StoreProtocol.open(dist, "127.0.0.1", port, 10, "aiv")
+    p0.publish_world(2)
+    assert p1.check_in(1, {"rank": 1, "host": "n2", "pid": 11}, 2, 5) is None
+    got = {}
+    t = threading.Thread(target=lambda: got.update(go=p1.wait_gate("phase/init", 10)))
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    p0.open_gate("phase/init")
+    t.join(10)
+    assert got == {"go": "go"} and time.monotonic() - t0 < 5
+
+
 def test_store_protocol_refuses_a_second_claim_and_another_world(store):
     p0, p1, dup, other = (proto_for(store) for _ in range(4))
     p0.publish_world(2)

@@ -112,13 +112,15 @@ class Seal:
 
 
 def store_server(dist, addr, port, t, listen_fd):
-    """The store's server on a socket rank 0 bound itself. torch 2.4's default (libuv) server takes no
-    listen fd (NotImplementedError): its legacy server does (use_libuv=False)."""
+    """The store's server on a socket rank 0 bound itself. torch 2.4's server (libuv) takes no listen fd
+    (NotImplementedError), and its legacy one (use_libuv=False) wakes no wait on a compare_set (every gate
+    would hang): there the socket is closed and the server binds the same port itself, on every interface."""
     try:
         return dist.TCPStore(addr, port, None, True, t, wait_for_workers=False, master_listen_fd=listen_fd)
     except NotImplementedError:
-        return dist.TCPStore(addr, port, None, True, t, wait_for_workers=False, master_listen_fd=listen_fd,
-                             use_libuv=False)
+        with contextlib.suppress(OSError):
+            os.close(listen_fd)
+        return dist.TCPStore(addr, port, None, True, t, wait_for_workers=False)
 
 
 class StoreProtocol:
