@@ -10,7 +10,8 @@
 #               aiv/checks/collect.py, a middle one, and the newest that installs from PyPI here)
 #   VENV_ROOT   where the venvs live, outside the repo (default: $HOME/aiv-torch-venvs; torch-X in it; PyPI's
 #               Linux wheels are CUDA builds, about 4.5 GB and 90 s each)
-#   TESTS       test files run in each venv        (default: tests/test_multiproc.py tests/test_side_channel.py
+#   TESTS       test files run in each venv        (default: tests/test_torch_compat.py, the table of docs/install.md
+#               against that torch, tests/test_multiproc.py tests/test_side_channel.py
 #               tests/test_torchrun.py tests/test_runtime.py)
 #   LOG_DIR     each run's output                  (default: a new directory under ${TMPDIR:-/tmp})
 # A test file that fails is run once more for its failed tests only (a timeout under load is re-run once
@@ -19,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VERSIONS=${VERSIONS:-2.4.1 2.8.0 2.14.1}
 VENV_ROOT=${VENV_ROOT:-$HOME/aiv-torch-venvs}
-TESTS=${TESTS:-tests/test_multiproc.py tests/test_side_channel.py tests/test_torchrun.py tests/test_runtime.py}
+TESTS=${TESTS:-tests/test_torch_compat.py tests/test_multiproc.py tests/test_side_channel.py tests/test_torchrun.py tests/test_runtime.py}
 LOG_DIR=${LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/torch_compat.XXXXXX")}
 mkdir -p "$VENV_ROOT" "$LOG_DIR"
 # what tests/run.sh imports before it uses a venv as it is (else it would build its own torch into it)
