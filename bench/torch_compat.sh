@@ -37,12 +37,13 @@ venv_for() {  # $1 version -> the venv's path, built when its torch is not that 
   echo "$venv"
 }
 
-# $1 pytest log -> "P passed, F failed" (pytest's last summary line)
+# $1 pytest log -> "P passed, F failed[, S skipped]" (pytest's last summary line)
 summary() {
-  local p f
+  local p f s
   p=$(tail -n 3 "$1" | grep -Eo '[0-9]+ passed' | grep -Eo '[0-9]+' || true)
   f=$(tail -n 3 "$1" | grep -Eo '[0-9]+ (failed|errors?)' | awk '{n += $1} END {print n + 0}')
-  echo "${p:-0} passed, ${f:-0} failed"
+  s=$(tail -n 3 "$1" | grep -Eo '[0-9]+ skipped' | grep -Eo '[0-9]+' || true)
+  echo "${p:-0} passed, ${f:-0} failed${s:+, $s skipped}"
 }
 
 all_ok=1
