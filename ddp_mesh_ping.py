@@ -2865,10 +2865,15 @@ def collect_gpu(torch_mod, index, root):
             **pci_link(root, pci)}  # manifest: PCIe link width and speed
 
 
-# The oldest torch this tool runs on: the store side channel clones its connection (Store.clone, torch 2.8);
-# below it nothing is attempted. Also used, all older: init_process_group(device_id=) (2.3), new_group(
-# use_local_synchronization=) and the store's append, multi_get, multi_set (2.1), split_group (2.6).
-TORCH_FLOOR = (2, 8)
+# The oldest torch this tool runs on, the one place it is written (docs/install.md's table, measured by
+# bench/torch_compat.sh on 2.4.1, 2.8.0 and 2.14.1). Newer APIs are probed where they are used, each with a
+# fallback or a named degradation: Store.clone (not in 2.4; else a second TCPStore client, StoreProtocol.clone),
+# the store server on a listen fd (not in 2.4; else the server binds the port itself, store_server),
+# split_group (2.6; else new_subgroups_by_enumeration, split_problem), the flight recorder's JSON dump (not in
+# 2.4; else the rank's own record, recorder_last), NCCL's RAS as JSON (NCCL 2.28.7; else not read, ras_status).
+# Used, all older: init_process_group(device_id=) (2.3), new_group(use_local_synchronization=) and the
+# store's append, multi_get, multi_set (2.1).
+TORCH_FLOOR = (2, 4)
 
 
 def torch_floor_problem(version):
@@ -10778,6 +10783,18 @@ class Seal:
         return payload
 
 
+def store_server(dist, addr, port, t, listen_fd):
+    """The store's server on a socket rank 0 bound itself. torch 2.4's server (libuv) takes no listen fd
+    (NotImplementedError), and its legacy one (use_libuv=False) wakes no wait on a compare_set (every gate
+    would hang): there the socket is closed and the server binds the same port itself, on every interface."""
+    try:
+        return dist.TCPStore(addr, port, None, True, t, wait_for_workers=False, master_listen_fd=listen_fd)
+    except NotImplementedError:
+        with contextlib.suppress(OSError):
+            os.close(listen_fd)
+        return dist.TCPStore(addr, port, None, True, t, wait_for_workers=False)
+
+
 class StoreProtocol:
     """The run's side channel: one TCPStore that every rank reaches, served by rank 0 (or, under
     torchrun, by the agent). A TCPStore client serialises its operations, so each thread that
@@ -10842,12 +10859,24 @@ class StoreProtocol:
         if listen_fd is None:
             raw = dist.TCPStore(addr, port, None, False, t)
         else:
-            raw = dist.TCPStore(addr, port, None, True, t, wait_for_workers=False, master_listen_fd=listen_fd)
-        return cls(dist.PrefixStore(prefix, raw), raw, prefix, seal)
+            raw = store_server(dist, addr, port, t, listen_fd)
+        p = cls(dist.PrefixStore(prefix, raw), raw, prefix, seal)
+        p.dial = lambda: dist.PrefixStore(prefix, dist.TCPStore(addr, port, None, False, t))
+        return p
+
+    dial = None  # open(): a new client connection to the same store (clone() where torch has no Store.clone)
 
     def clone(self):
-        c = StoreProtocol(self.store.clone(), None, self.prefix, self.seal, self.shared)
-        c.rank, c.world, c.tells = self.rank, self.world, self.tells
+        """Another connection to the same store, for another thread: Store.clone (torch >= 2.8), else a new
+        TCPStore client to the same host:port with the same timeout (dial)."""
+        try:
+            store = self.store.clone() if hasattr(self.store, "clone") or self.dial is None else self.dial()
+        except NotImplementedError:
+            if self.dial is None:
+                raise
+            store = self.dial()
+        c = StoreProtocol(store, None, self.prefix, self.seal, self.shared)
+        c.rank, c.world, c.tells, c.dial = self.rank, self.world, self.tells, self.dial
         return c
 
     @property

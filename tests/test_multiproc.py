@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from torch_probes import serves_listen_fd, torch_version
 
 from conftest import SCRIPT, aiv, clean_env, failures, own_tool_processes, run_tool, spawn
 
@@ -208,6 +209,9 @@ def _listeners(port):
 
 
 def test_store_listens_only_on_the_master_address():
+    if not serves_listen_fd():
+        pytest.skip(f"torch {torch_version()}: the store's server takes no listen fd; it binds its port on every "
+                    "interface (docs/install.md#supported-torch)")
     port = aiv.free_port()
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--timeout", "20"], text=True,
                             env=clean_env({"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1",

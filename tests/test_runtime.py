@@ -137,7 +137,8 @@ def test_store_protocol_roll_call_stamps_errors_and_verdict(store):
     assert p0.stamps(2) == {0: 0, 1: aiv.PHASES.index("init")}
     p1.report_error(1, "init", "rank 1 (n2): init failed: X", 1)
     assert p0.error_count() == 1 and p0.errors() == {1: {"line": "rank 1 (n2): init failed: X", "term": False,
-                                                                  "internal": False, "phase": "init", "host": None}}
+                                                                  "internal": False, "phase": "init", "host": None,
+                                                                  "code": 1}}
     got = {}
     listener = p1.clone()
     t = threading.Thread(target=lambda: got.update(code=listener.wait_verdict(10)))
@@ -145,6 +146,78 @@ def test_store_protocol_roll_call_stamps_errors_and_verdict(store):
     p0.publish_verdict(3)
     t.join(10)
     assert got == {"code": 3}
+
+
+class _NoClone:
+    """A torch < 2.8 store as the protocol sees it: every operation of the real PrefixStore, but no clone."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        if name == "clone":
+            raise AttributeError(name)
+        return getattr(self._store, name)
+
+
+def test_clone_without_store_clone_dials_a_second_connection(store):
+    """Where torch has no Store.clone, clone() is a second TCPStore client to the same host:port: a thread
+    blocked in a wait on it does not hold up the first connection, and both see the same keys."""
+    p0, p1 = proto_for(store), proto_for(store)
+    p1.store = _NoClone(p1.store)
+    p0.publish_world(2)
+    assert p1.check_in(1, {"rank": 1, "host": "n2", "pid": 11}, 2, 5) is None
+    listener = p1.clone()
+    assert not hasattr(p1.store, "clone") and listener.store is not p1.store and listener.run == p1.run
+    got = {}
+    t = threading.Thread(target=lambda: got.update(code=listener.wait_verdict(10)))
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    p1.stamp(1, "init")  # the first connection is free while the listener blocks on its own
+    assert time.monotonic() - t0 < 5
+    p0.stamp(0, "init")
+    assert p0.stamps(2) == {0: aiv.PHASES.index("init"), 1: aiv.PHASES.index("init")}
+    p0.publish_verdict(3)
+    t.join(10)
+    assert got == {"code": 3}
+    assert listener.clone().dial is p1.dial  # a clone of a clone dials the same store
+
+
+class _Torch24:
+    """torch.distributed as torch 2.4 has it for the store's server: the real TCPStore, but a listen fd is
+    refused as its libuv server refuses it."""
+    PrefixStore = dist.PrefixStore
+
+    @staticmethod
+    def TCPStore(*a, **kw):
+        if kw.get("master_listen_fd") is not None and kw.get("use_libuv", True):
+            raise NotImplementedError("The libuv TCPStore backend does not support initialization with an listen fd")
+        return dist.TCPStore(*a, **kw)
+
+
+def test_a_server_that_takes_no_listen_fd_binds_the_port_itself():
+    """torch 2.4: the socket rank 0 bound is closed and the server binds its port; a gate written with
+    compare_set wakes a rank waiting for it (torch 2.4's legacy server, the other way to serve a listen fd,
+    does not wake it: every gate hung until its bound)."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    fd = s.detach()
+    p0 = aiv.StoreProtocol.open(_Torch24, "127.0.0.1", port, 10, "aiv", listen_fd=fd)
+    p1 = aiv.StoreProtocol.open(dist, "127.0.0.1", port, 10, "aiv")
+    p0.publish_world(2)
+    assert p1.check_in(1, {"rank": 1, "host": "n2", "pid": 11}, 2, 5) is None
+    got = {}
+    t = threading.Thread(target=lambda: got.update(go=p1.wait_gate("phase/init", 10)))
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    p0.open_gate("phase/init")
+    t.join(10)
+    assert got == {"go": "go"} and time.monotonic() - t0 < 5
 
 
 def test_store_protocol_refuses_a_second_claim_and_another_world(store):

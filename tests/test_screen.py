@@ -792,7 +792,8 @@ def test_torch_floor():
     assert aiv.torch_floor_problem("2.13.0+cpu") is None and aiv.torch_floor_problem("2.8.0a0+git1234") is None
     assert aiv.torch_floor_problem("3.0.1") is None and aiv.torch_floor_problem("weird") is None
     floor = ".".join(map(str, aiv.TORCH_FLOOR))
-    assert aiv.torch_floor_problem("2.7.1+cu126") == f"torch 2.7.1+cu126 is older than the oldest supported {floor}"
+    assert aiv.torch_floor_problem("2.4.1+cu121") is None and aiv.torch_floor_problem("2.4.0a0+git1234") is None
+    assert aiv.torch_floor_problem("2.3.1+cu121") == f"torch 2.3.1+cu121 is older than the oldest supported {floor}"
     assert aiv.torch_floor_problem("1.13.1") is not None
 
 

@@ -305,10 +305,15 @@ def collect_gpu(torch_mod, index, root):
             **pci_link(root, pci)}  # manifest: PCIe link width and speed
 
 
-# The oldest torch this tool runs on: the store side channel clones its connection (Store.clone, torch 2.8);
-# below it nothing is attempted. Also used, all older: init_process_group(device_id=) (2.3), new_group(
-# use_local_synchronization=) and the store's append, multi_get, multi_set (2.1), split_group (2.6).
-TORCH_FLOOR = (2, 8)
+# The oldest torch this tool runs on, the one place it is written (docs/install.md's table, measured by
+# bench/torch_compat.sh on 2.4.1, 2.8.0 and 2.14.1). Newer APIs are probed where they are used, each with a
+# fallback or a named degradation: Store.clone (not in 2.4; else a second TCPStore client, StoreProtocol.clone),
+# the store server on a listen fd (not in 2.4; else the server binds the port itself, store_server),
+# split_group (2.6; else new_subgroups_by_enumeration, split_problem), the flight recorder's JSON dump (not in
+# 2.4; else the rank's own record, recorder_last), NCCL's RAS as JSON (NCCL 2.28.7; else not read, ras_status).
+# Used, all older: init_process_group(device_id=) (2.3), new_group(use_local_synchronization=) and the
+# store's append, multi_get, multi_set (2.1).
+TORCH_FLOOR = (2, 4)
 
 
 def torch_floor_problem(version):

@@ -111,6 +111,18 @@ class Seal:
         return payload
 
 
+def store_server(dist, addr, port, t, listen_fd):
+    """The store's server on a socket rank 0 bound itself. torch 2.4's server (libuv) takes no listen fd
+    (NotImplementedError), and its legacy one (use_libuv=False) wakes no wait on a compare_set (every gate
+    would hang): there the socket is closed and the server binds the same port itself, on every interface."""
+    try:
+        return dist.TCPStore(addr, port, None, True, t, wait_for_workers=False, master_listen_fd=listen_fd)
+    except NotImplementedError:
+        with contextlib.suppress(OSError):
+            os.close(listen_fd)
+        return dist.TCPStore(addr, port, None, True, t, wait_for_workers=False)
+
+
 class StoreProtocol:
     """The run's side channel: one TCPStore that every rank reaches, served by rank 0 (or, under
     torchrun, by the agent). A TCPStore client serialises its operations, so each thread that
@@ -175,12 +187,24 @@ class StoreProtocol:
         if listen_fd is None:
             raw = dist.TCPStore(addr, port, None, False, t)
         else:
-            raw = dist.TCPStore(addr, port, None, True, t, wait_for_workers=False, master_listen_fd=listen_fd)
-        return cls(dist.PrefixStore(prefix, raw), raw, prefix, seal)
+            raw = store_server(dist, addr, port, t, listen_fd)
+        p = cls(dist.PrefixStore(prefix, raw), raw, prefix, seal)
+        p.dial = lambda: dist.PrefixStore(prefix, dist.TCPStore(addr, port, None, False, t))
+        return p
+
+    dial = None  # open(): a new client connection to the same store (clone() where torch has no Store.clone)
 
     def clone(self):
-        c = StoreProtocol(self.store.clone(), None, self.prefix, self.seal, self.shared)
-        c.rank, c.world, c.tells = self.rank, self.world, self.tells
+        """Another connection to the same store, for another thread: Store.clone (torch >= 2.8), else a new
+        TCPStore client to the same host:port with the same timeout (dial)."""
+        try:
+            store = self.store.clone() if hasattr(self.store, "clone") or self.dial is None else self.dial()
+        except NotImplementedError:
+            if self.dial is None:
+                raise
+            store = self.dial()
+        c = StoreProtocol(store, None, self.prefix, self.seal, self.shared)
+        c.rank, c.world, c.tells, c.dial = self.rank, self.world, self.tells, self.dial
         return c
 
     @property
