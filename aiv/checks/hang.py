@@ -231,6 +231,20 @@ def ras_rank_states(comm):
     return out, skipped
 
 
+def _nccl_word(s, top):
+    """NCCL's word for one rank: 'absent' (not in RAS's reply), 'missing', 'error', 'behind' (fewer collectives
+    than top), or 'ok'."""
+    if s is None:
+        return "absent"
+    if s["state"] == "missing":
+        return "missing"
+    if s["error"]:
+        return "error"
+    if top is not None and s.get("count") is not None and s["count"] < top:
+        return "behind"
+    return "ok"
+
+
 def nccl_view(ras, world, host_of, kinds, named):
     """NCCL's view beside ours (never decides the verdict). ras: {'ok': True, 'data': STATUS JSON} or {'ok':
     False, 'why': ...}; kinds: {rank: our word for it: 'dead'|'frozen'|'silent'|'behind'|'waiting'|...};
@@ -259,16 +273,7 @@ def nccl_view(ras, world, host_of, kinds, named):
     rows = {}
     for r in range(world):
         s = states.get(r)
-        if s is None:
-            nccl = "absent"
-        elif s["state"] == "missing":
-            nccl = "missing"
-        elif s["error"]:
-            nccl = "error"
-        elif top is not None and s.get("count") is not None and s["count"] < top:
-            nccl = "behind"
-        else:
-            nccl = "ok"
+        nccl = _nccl_word(s, top)
         ours = kinds.get(r, "ok")
         ours = ours if ours in ("dead", "frozen", "silent", "behind") else "ok"
         blamed_ours = r in named or ours != "ok"

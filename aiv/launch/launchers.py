@@ -246,6 +246,12 @@ def read_node_launch(env):
             addrs.append((hosts_var, first))
             fix = " (Volcano's env plugin sets VC_TASK_INDEX)"
     nnodes, nodes_from = _first(env, name, "the node count", nodes, _count, fix)
+    more = [f"{v}={env[v].strip()}" for v in ("PET_NNODES", "LWS_GROUP_SIZE", "VC_WORKER_NUM")
+            if env.get(v, "").strip().isdigit() and int(env[v]) > 1]
+    if nnodes == 1 and more:  # one node by this launcher's count, several by another's: never a local run alone
+        raise UsageError(f"{name}: {nodes_from}={nnodes} (one node), but {', '.join(more)} say this pod is one of "
+                         "several: the environment mixes two launchers' variables; give the pod one launcher's",
+                         own=True)
     node_rank, node_from = _first(env, name, "this node's index", index,
                                   lambda e, v: _int_var(e, v, lo=0, hi=100_000), fix if key == "volcano" else "")
     if node_rank >= nnodes:
