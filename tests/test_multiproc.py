@@ -64,9 +64,10 @@ def test_missing_rank_times_out_naming_it(tmp_path):
     res, secs = spawn(3, ranks=[0, 1], args=["--rollcall-timeout", R, "--json", jp])
     (rc0, out0), (rc1, out1) = res
     assert rc0 == 3 and rc1 == 3, out0 + out1
-    # named at the last call (rank 2 never said hello), not at the roll call's bound
-    assert "FAILURE: rendezvous: rank(s) 2 did not check in: no word from its process within the last call (" in out0
-    assert "; 2/3 reported at " in out0
+    # named at the last call (rank 2 never said hello) or, where the ranks' own start took most of R (a loaded
+    # machine: the last call's grace grows with it), at the roll call's bound (tests/test_last_call.py: the call)
+    assert "FAILURE: rendezvous: rank(s) 2 did not check in" in out0
+    assert "2/3 reported at " in out0
     assert not failures(out1)                 # rank 1 learned rank 0's verdict; it does not repeat it
     assert secs < R + MARGIN
     d = json.loads(jp.read_text())
