@@ -1894,6 +1894,17 @@ def which_node_launcher(env):
     return None
 
 
+def _one_launch(env, name, nnodes, nodes_from):
+    """One node by this launcher's count and several by another's (a pod with two launchers' variables): a
+    UsageError, never a local run alone."""
+    more = [f"{v}={env[v].strip()}" for v in ("PET_NNODES", "LWS_GROUP_SIZE", "VC_WORKER_NUM")
+            if env.get(v, "").strip().isdigit() and int(env[v]) > 1]
+    if nnodes == 1 and more:
+        raise UsageError(f"{name}: {nodes_from}={nnodes} (one node), but {', '.join(more)} say this pod is one of "
+                         "several: the environment mixes two launchers' variables; give the pod one launcher's",
+                         own=True)
+
+
 def read_node_launch(env):
     """A per-node launch: {'launcher', 'name', 'nnodes', 'node_rank', 'nproc' ((variable, n) or None: one per GPU),
     'master_addr', 'master_port', 'from' (fact -> the variable it came from), 'world_given' (a WORLD_SIZE to
@@ -1937,12 +1948,7 @@ def read_node_launch(env):
             addrs.append((hosts_var, first))
             fix = " (Volcano's env plugin sets VC_TASK_INDEX)"
     nnodes, nodes_from = _first(env, name, "the node count", nodes, _count, fix)
-    more = [f"{v}={env[v].strip()}" for v in ("PET_NNODES", "LWS_GROUP_SIZE", "VC_WORKER_NUM")
-            if env.get(v, "").strip().isdigit() and int(env[v]) > 1]
-    if nnodes == 1 and more:  # one node by this launcher's count, several by another's: never a local run alone
-        raise UsageError(f"{name}: {nodes_from}={nnodes} (one node), but {', '.join(more)} say this pod is one of "
-                         "several: the environment mixes two launchers' variables; give the pod one launcher's",
-                         own=True)
+    _one_launch(env, name, nnodes, nodes_from)
     node_rank, node_from = _first(env, name, "this node's index", index,
                                   lambda e, v: _int_var(e, v, lo=0, hi=100_000), fix if key == "volcano" else "")
     if node_rank >= nnodes:
