@@ -11996,6 +11996,19 @@ def _node_resume(findings, node, slurm, seconds):
 
 # ============================================================================ aiv/run/conclusion.py
 # Floor 5 (runtime): rank 0's verdict, given once. Conclusion takes the run's facts as plain data (copied
+def write_json_within(path, state, first=False):
+    """--json (path; None: not asked), within OUTPUT_S (shared storage can hang). -> None, or why it could not be
+    written (also said on stderr). Rank 0's verdict and a rank speaking for rank 0 both write through it."""
+    if path:
+        try:
+            within(lambda: write_json_atomic(path, state, first), OUTPUT_S, f"writing --json {path}")
+        except OSError as e:  # BoundPassed too
+            why = e.strerror or str(e)
+            emit(f"WARNING: could not write --json {path}: {why}", sys.stderr)
+            return why
+    return None
+
+
 class Conclusion:
     """One verdict. run: the run's facts (Coordinator.snapshot): host, world, addr, port, records, host_of,
     gone (ranks found dead or frozen), serving, forged, authenticated, expect, env, the report's facts
@@ -12121,17 +12134,7 @@ class Conclusion:
 
     # ---------------------------------------------------------------- the files
     def write_json(self, state, first=False):
-        """--json, within OUTPUT_S (shared storage can hang). -> None, or why it could not be written (also said
-        on stderr)."""
-        if self.args.json:
-            try:
-                within(lambda: write_json_atomic(self.args.json, state, first), OUTPUT_S,
-                       f"writing --json {self.args.json}")
-            except OSError as e:  # BoundPassed too
-                why = e.strerror or str(e)
-                emit(f"WARNING: could not write --json {self.args.json}: {why}", sys.stderr)
-                return why
-        return None
+        return write_json_within(self.args.json, state, first)
 
     def write_files(self, st, skip=()):
         """--json, then --metrics and --html (but those in `skip`), each within OUTPUT_S. -> [(flag, path, why)]
@@ -13167,17 +13170,7 @@ class RankRun(ScreenRunner):
         return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
 
     def write_json(self, state, first=False):
-        """--json, within OUTPUT_S (shared storage can hang). -> None, or why it could not be written (also
-        said on stderr)."""
-        if self.args.json:
-            try:
-                within(lambda: write_json_atomic(self.args.json, state, first), OUTPUT_S,
-                       f"writing --json {self.args.json}")
-            except OSError as e:  # BoundPassed too
-                why = e.strerror or str(e)
-                emit(f"WARNING: could not write --json {self.args.json}: {why}", sys.stderr)
-                return why
-        return None
+        return write_json_within(self.args.json, state, first)
 
 
 

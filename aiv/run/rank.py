@@ -53,7 +53,6 @@ from ..core.deadlines import (
     HELLO_RETRY_S,
     IMPORT_PROBE_S,
     MARK_TTL,
-    OUTPUT_S,
     PHASE_CHECK,
     PHASE_WHAT,
     PHASES,
@@ -66,7 +65,6 @@ from ..core.deadlines import (
     live_period,
     worst_case,
 )
-from ..core.files import write_json_atomic
 from ..core.speak import Findings, emit, flush_all
 from ..launch.contract import job_secret, launcher_expectations, launcher_store, under_torchrun
 from ..launch.launchers import node_name
@@ -74,6 +72,7 @@ from ..out.render import BAR
 from ..screen.measure import soak_measure, start_node_smi, start_screen_gpu
 from ..screen.run import ScreenRunner
 from .background import Background, Issued, NcclLog
+from .conclusion import write_json_within
 from .liveness import launch_key, proc_stat, said_marker, say_hello, sweep_said
 from .store import Seal, StoreProtocol, norm_ip, run_base
 
@@ -762,17 +761,7 @@ class RankRun(ScreenRunner):
         return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
 
     def write_json(self, state, first=False):
-        """--json, within OUTPUT_S (shared storage can hang). -> None, or why it could not be written (also
-        said on stderr)."""
-        if self.args.json:
-            try:
-                within(lambda: write_json_atomic(self.args.json, state, first), OUTPUT_S,
-                       f"writing --json {self.args.json}")
-            except OSError as e:  # BoundPassed too
-                why = e.strerror or str(e)
-                emit(f"WARNING: could not write --json {self.args.json}: {why}", sys.stderr)
-                return why
-        return None
+        return write_json_within(self.args.json, state, first)
 
 
 
