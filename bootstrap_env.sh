@@ -33,7 +33,7 @@
 #                     (Debian/Ubuntu: apt-get install python3-venv) [python3]
 #   TORCH_SPEC        [torch==2.14.1]
 #   TORCHVISION_SPEC  [torchvision==0.29.1]
-#   TORCHAUDIO_SPEC   [torchaudio==2.11.1]
+#   TORCHAUDIO_SPEC   [torchaudio==2.11.0]
 #   PSUTIL_SPEC       [psutil]
 #   NUMPY_SPEC        [numpy]  object collectives in torch.distributed need numpy
 #                     Each spec is one pip requirement (name==version, name>=version, a wheel
@@ -76,9 +76,11 @@
 #      version's +cpu/+cuXYZ label and torch.version.cuda (or .hip).  Another build (say the CPU
 #      index was unreachable and an extra index served a CUDA one) is ONE error line naming both,
 #      the index that did not answer and the seconds pip spent retrying it; exit 1, never "ready".
-#   6. checks that torchvision and torchaudio are built for the torch beside them: the same build
-#      label (+cpu, +cu130) where both have one, and the torch their metadata requires; another is
-#      ONE error line naming both, exit 1.
+#   6. checks that torchvision and torchaudio are built for the torch beside them, as each reports
+#      itself when imported: the same build label (+cpu, +cu130) where both have one, the same CUDA
+#      in their compiled extensions as torch.version.cuda, and the torch their metadata requires;
+#      another is ONE error line naming both, exit 1.  (The default torchaudio is 2.11.0: PyPI's
+#      2.11.1 is built for CUDA 13.2, its 2.11.0 for 13.0, the CUDA of PyPI's torch 2.14.1.)
 #   Before the venv is made or pip runs, each http(s) index is probed once (INDEX_TIMEOUT).  When a
 #   build was asked (--cpu, TORCH_BUILD, a build-specific index) and its index (the main index, or
 #   the one that names the build) does not answer, that is ONE error line and exit 1 at once,
@@ -128,7 +130,7 @@ PYTORCH_ENV=${PYTORCH_ENV:-/shared/apps/pytorch_env}
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.14.1}
 TORCHVISION_SPEC=${TORCHVISION_SPEC-torchvision==0.29.1}
-TORCHAUDIO_SPEC=${TORCHAUDIO_SPEC-torchaudio==2.11.1}
+TORCHAUDIO_SPEC=${TORCHAUDIO_SPEC-torchaudio==2.11.0}
 PSUTIL_SPEC=${PSUTIL_SPEC-psutil}
 NUMPY_SPEC=${NUMPY_SPEC:-numpy}
 INDEX_URL=${INDEX_URL:-}
@@ -634,35 +636,60 @@ verify_build() {
   fail 1 "$why${more:+: $more, and another source served torch}; give a source that has the build asked for (or EXTRA_PIP_ARGS=--force-reinstall once it answers), then re-run"
 }
 
-# Prints, for torchvision and torchaudio beside torch, "<name> <version> is built for <label>, torch <version>
-# for <label>" when both versions carry a build label (+cpu, +cu130) and they differ, and "<name> <version>
-# requires <requirement>, torch <version> is installed" when its metadata's torch requirement excludes it
-# (joined by "; "); nothing when they match.  Reads package metadata only.
+# Prints, for torchvision and torchaudio beside torch, what makes one of them another build than the
+# torch it sits beside (joined by "; "), nothing when they match.  It imports the three with the venv's
+# python and reads what each reports at run time, not its metadata alone (PyPI's wheels carry their
+# build label only there: torch 2.14.1 reports 2.14.1+cu130, torchaudio 2.11.1 2.11.1+cu132):
+#   "<name> <version> is built for <label>, torch <version> for <label>": both report a build label
+#     (+cpu, +cu130) and the labels differ;
+#   "<name> <version> is built for CUDA <x.y>, torch <version> for CUDA <x.y>": the CUDA its compiled
+#     extension reports (torch.ops.torchvision._cuda_version, torch.ops._torchaudio.cuda_version) is not
+#     torch.version.cuda;
+#   "<name> <version> requires <requirement>, torch <version> is installed": its metadata's torch
+#     requirement excludes the installed torch.
 # shellcheck disable=SC2016  # python code, not shell
 COMPANION_CHECK='
-import importlib.metadata as md, sys
+import importlib, importlib.metadata as md, sys
 try:
     from packaging.requirements import Requirement
 except ImportError:
     from pip._vendor.packaging.requirements import Requirement
 try:
-    torch = md.version("torch")
-except md.PackageNotFoundError:
+    import torch
+    torch_md = md.version("torch")
+except Exception:
     sys.exit(0)
 label = lambda v: v.partition("+")[2]
+torch_v = str(getattr(torch, "__version__", "") or torch_md)
+torch_cuda = getattr(getattr(torch, "version", None), "cuda", None)
+def ext_cuda(name):
+    try:
+        if name == "torchvision":
+            v = torch.ops.torchvision._cuda_version()
+        else:
+            v = torch.ops._torchaudio.cuda_version()
+        v = int(v)
+    except Exception:
+        return None
+    return "%d.%d" % (v // 1000, v % 1000 // 10) if v > 0 else None
 bad = []
 for name in ("torchvision", "torchaudio"):
     try:
-        have = md.version(name)
-    except md.PackageNotFoundError:
+        have_md = md.version(name)
+        mod = importlib.import_module(name)
+    except Exception:
         continue
-    if label(have) and label(torch) and label(have) != label(torch):
-        bad.append("%s %s is built for %s, torch %s for %s" % (name, have, label(have), torch, label(torch)))
+    have = str(getattr(mod, "__version__", "") or have_md)
+    cuda = ext_cuda(name)
+    if label(have) and label(torch_v) and label(have) != label(torch_v):
+        bad.append("%s %s is built for %s, torch %s for %s" % (name, have, label(have), torch_v, label(torch_v)))
+    elif cuda and torch_cuda and cuda != ".".join(str(torch_cuda).split(".")[:2]):
+        bad.append("%s %s is built for CUDA %s, torch %s for CUDA %s" % (name, have, cuda, torch_v, torch_cuda))
     for r in md.requires(name) or []:
         req = Requirement(r)
         if req.name == "torch" and (req.marker is None or req.marker.evaluate()) and req.specifier and \
-                not req.specifier.contains(torch, prereleases=True):
-            bad.append("%s %s requires %s, torch %s is installed" % (name, have, r, torch))
+                not req.specifier.contains(torch_md, prereleases=True):
+            bad.append("%s %s requires %s, torch %s is installed" % (name, have, r, torch_v))
 print("; ".join(bad))
 '
 # Fails (exit 1, one line) when torchvision or torchaudio is not built for the torch beside it.

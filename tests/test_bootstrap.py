@@ -58,6 +58,21 @@ raise OSError("libtorchaudio.so: cannot load the extension\\n"
               "undefined symbol: _ZN3c1017fake_symbol_for_testsEv")
 '''
 
+# a torchaudio whose compiled extension says CUDA 13.2, as the real one registers torch.ops._torchaudio
+TORCHAUDIO_CUDA_13_2 = '''\
+__version__ = "1.0.3"
+import torch
+
+
+class _torchaudio:
+    @staticmethod
+    def cuda_version():
+        return 13020
+
+
+torch.ops = type("ops", (), {"_torchaudio": _torchaudio})
+'''
+
 # (distribution, wheel version, files, Requires-Dist)
 FAKES = [
     ("torch", "1.0.0+cpu", {"torch/__init__.py": TORCH_INIT}, []),
@@ -646,6 +661,18 @@ def test_torchvision_or_torchaudio_of_another_build_than_torch_is_one_error_line
     (err,) = error_lines(r)
     assert r.returncode == 1 and err.startswith("ERROR: torchvision 1.0.2 requires torch==2.0.0, torch 1.0.0+cpu is "
                                                 "installed"), show(r)
+    # PyPI's shape: no build label in the metadata, one in what the package reports when imported
+    write_wheel(house, "torchaudio", "1.0.2", {"torchaudio/__init__.py": '__version__ = "1.0.2+cu132"\n'}, ["torch"])
+    r = run(base_env, PYTORCH_ENV=str(env_dir), FIND_LINKS=str(house), TORCHAUDIO_SPEC="torchaudio==1.0.2")
+    (err,) = error_lines(r)
+    assert r.returncode == 1 and err.startswith("ERROR: torchaudio 1.0.2+cu132 is built for cu132, torch 1.0.0+cpu "
+                                                "for cpu (in "), show(r)
+    # no label anywhere, but its compiled extension reports another CUDA than torch.version.cuda (12.8)
+    write_wheel(house, "torchaudio", "1.0.3", {"torchaudio/__init__.py": TORCHAUDIO_CUDA_13_2}, ["torch"])
+    r = run(base_env, PYTORCH_ENV=str(env_dir), FIND_LINKS=str(house), TORCHAUDIO_SPEC="torchaudio==1.0.3")
+    (err,) = error_lines(r)
+    assert r.returncode == 1 and err.startswith("ERROR: torchaudio 1.0.3 is built for CUDA 13.2, torch 1.0.0+cpu for "
+                                                "CUDA 12.8 (in "), show(r)
     # (torchaudio==1.0.0 would keep 1.0.0+cu132: a local label matches a spec without one) left out: ready
     r = run(base_env, PYTORCH_ENV=str(env_dir), FIND_LINKS=str(house), TORCHAUDIO_SPEC="")
     assert r.returncode == 0 and "is ready" in r.stdout and not error_lines(r), show(r)
