@@ -747,17 +747,21 @@ def quiet_monitor_note(quiet, budget):
             "the node unreachable: no host is blamed for it")
 
 
-def _unfinished_culprits(kinds, late, world, finished, an, phase, fabric_hint):
-    """Who is named for a phase that did not finish, and on what evidence: (culprits, check or None, code or
-    None, evidence, unlocalised or None). In order: a rank's own process state anywhere in the world (dead,
-    frozen, unreachable: also a rank that finished its part and then died), whatever else happened; a signal
-    (`interrupted`) or the tool's own error (`internal`), whose consequences are nobody's fault; errors ranks
-    reported themselves (when not every rank did); then, among the live ranks that did not finish, those
-    that never issued a collective their peers issued (an: hang.issued_states of the phase's group), or,
-    outside any collective (in a phase whose work is each rank's own, or as their post says) while a peer
-    finished the phase, those that never finished their part. Anything else (every rank inside the
-    collective, records not collected, every rank alike) FAILs naming no host, saying what would localise
-    it."""
+def hang_culprits(kinds, late, world, states, finished, recorded, all_issued=None):
+    """The one blame law on work that did not finish, a phase of every rank or a screen round of groups:
+    -> (culprits, check or None, code or None, evidence, unlocalised or None). kinds: {rank: UNFINISHED_WORDS
+    key} of every rank; late: the ranks that did not finish; states: {rank: one of ISSUED_STATES} of the late
+    live ranks, what they issued last (hang.issued_states of their group), "idle" for a rank outside any
+    collective; finished: whether some rank finished; recorded: whether what the ranks issued was collected
+    where the work issues collectives; all_issued: (words, hint) when the live ranks wait inside a collective
+    every member of its group issued (the caller knows its groups), else None. In order: a rank's own process
+    state anywhere in the world (dead, frozen, unreachable: also a rank that finished its part and then
+    died), whatever else happened; a signal (`interrupted`) or the tool's own error (`internal`), whose
+    consequences are nobody's fault; errors ranks reported themselves (when not every rank did); then, among
+    the live ranks that did not finish, those that never issued a collective their peers issued, and, while
+    a peer finished, those outside any collective that never finished their part. Anything else (every rank
+    inside the collective, records not collected, every rank alike) FAILs naming no host, saying what would
+    localise it."""
     hard = [r for r in range(world) if kinds[r] in PROCESS_KINDS]
     if hard:
         return hard, None, EXIT_FAIL if any(kinds[r] == "dead" for r in hard) else EXIT_TIMEOUT, "process", None
@@ -772,33 +776,27 @@ def _unfinished_culprits(kinds, late, world, finished, an, phase, fabric_hint):
         return [], None, None, "everyone", unlocalised_record(
             "every rank reported an error of its own, so none is unlike its peers", RERUN_HINT)
     stuck = [r for r in late if kinds[r] == "stuck"]
-    states = an["states"] if an else {}
-    behind = [r for r in stuck if states.get(r) == "behind"]
-    if behind:
-        return behind, None, EXIT_TIMEOUT, "never-issued", None
-    idle = [r for r in stuck if (states.get(r) == "idle" if an else phase not in ISSUE_PHASES)]
-    if idle and finished:
-        return idle, None, EXIT_TIMEOUT, "never-issued", None
+    named = [r for r in stuck if states.get(r) == "behind" or (finished and states.get(r) == "idle")]
+    if named:
+        return named, None, EXIT_TIMEOUT, "never-issued", None
     if not stuck:
         return [], None, EXIT_TIMEOUT, "not-collected", unlocalised_record(
-            "every rank did its part of the phase and none is behind; what held it back was not seen", RERUN_HINT)
+            "every rank did its part and none is behind; what held it back was not seen", RERUN_HINT)
     unposted = [r for r in stuck if states.get(r) == "unposted"]
-    if unposted or (phase in ISSUE_PHASES and not an):
+    if unposted or not recorded:
         who = f"rank(s) {ranks_text(unposted)}" if unposted else "the ranks"
         return [], None, EXIT_TIMEOUT, "not-collected", unlocalised_record(
             f"what {who} issued last was not collected (a rank whose main thread holds the interpreter, or a "
             "store connection that did not answer), and no other evidence singles one out", RERUN_HINT)
-    waiting = [r for r in stuck if states.get(r) == "waiting"]
-    if an and an["front"] and waiting:
-        front = an["front"][1]
-        every = all((an["last"].get(r) or [None, -1])[1] == front for r in stuck)
-        what = (f"every rank issued {op_text(an['front'])} and it did not finish" if every else
-                f"ranks {ranks_text(waiting)} wait inside a collective and no rank is stopped outside one")
-        return [], None, EXIT_TIMEOUT, "all-issued", unlocalised_record(
-            f"{what}: the fabric or a link between the ranks, which no rank's own state singles out",
-            fabric_hint or FABRIC_HINT)
-    return [], None, EXIT_TIMEOUT, "everyone", unlocalised_record(
-        "every rank that did not finish is alive and outside any collective: none is behind another", RERUN_HINT)
+    if all_issued:
+        return [], None, EXIT_TIMEOUT, "all-issued", unlocalised_record(*all_issued)
+    if all(states.get(r) == "idle" for r in stuck):
+        return [], None, EXIT_TIMEOUT, "everyone", unlocalised_record(
+            "every rank that did not finish is alive and outside any collective: none is behind another",
+            RERUN_HINT)
+    return [], None, EXIT_TIMEOUT, "not-collected", unlocalised_record(
+        "the ranks that did not finish are alive and none is behind another (some inside a collective, some "
+        "between calls), and no other evidence singles one out", RERUN_HINT)
 
 
 def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=None, silent_hosts=(), issued=None,
@@ -808,7 +806,7 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
     a signal, hit the tool's own error, reported an error, or is alive: then, in a phase that issues
     collectives, what it posted when rank 0 asked (issued: {rank: post or None}; None: not asked) tells
     whether it never issued a collective its peers issued (named), waits inside one (not named), or is
-    outside any. The culprits and the evidence: see _unfinished_culprits. A run stopped by a signal with no
+    outside any. The culprits and the evidence: see hang_culprits. A run stopped by a signal with no
     other culprit is check `interrupted` (exit 5), one stopped by the tool's own error `internal` (exit 4),
     naming no host. Exit code otherwise: 1 when a rank is dead, 3 when one is frozen, unreachable or stuck,
     else `code` (the reported error's). A FAIL that names no host says so, why, and what would localise it
@@ -822,8 +820,18 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
     kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in range(world)}
     an = issued_states(range(world), issued, [r for r in late if kinds[r] == "stuck"], group_key(range(world))) \
         if issued is not None else None
-    culprits, check, ccode, evidence, unloc = _unfinished_culprits(kinds, late, world, finished, an, phase,
-                                                                  fabric_hint)
+    stuck = [r for r in late if kinds[r] == "stuck"]
+    states = an["states"] if an else {r: "idle" for r in stuck} if phase not in ISSUE_PHASES else {}
+    waiting = [r for r in stuck if states.get(r) == "waiting"]
+    all_issued = None
+    if an and an["front"] and waiting:
+        every = all((an["last"].get(r) or [None, -1])[1] == an["front"][1] for r in stuck)
+        what = (f"every rank issued {op_text(an['front'])} and it did not finish" if every else
+                f"ranks {ranks_text(waiting)} wait inside a collective and no rank is stopped outside one")
+        all_issued = (f"{what}: the fabric or a link between the ranks, which no rank's own state singles out",
+                      fabric_hint or FABRIC_HINT)
+    culprits, check, ccode, evidence, unloc = hang_culprits(kinds, late, world, states, bool(finished),
+                                                            bool(an) or phase not in ISSUE_PHASES, all_issued)
     code = ccode or code or EXIT_FAIL
     detail = _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, finished)
     first_err = next((errors[r]["line"] for r in culprits or late if r in errors and not errors[r].get("term")), None)

@@ -2,17 +2,16 @@
 the groups each rank joins; levels against the reference. Plain data only."""
 from ..checks.hang import (
     LINK_HINT,
-    RERUN_HINT,
     group_key,
     issued_states,
     never_finished_text,
     never_issued_text,
     on_hosts,
-    unlocalised_record,
     unlocalised_words,
 )
 from ..checks.judge import (
     PROCESS_KINDS,
+    hang_culprits,
     judge_unfinished,
     screen_reference,
     unfinished_kind,
@@ -298,31 +297,6 @@ def _stuck_states(hung, loose, stuck, issued, host_of):
     return states, behind_words
 
 
-def _stuck_blame(world, missing, kinds, hard, stuck, states, hung, done):
-    """The blame law on a screen round that did not finish: -> (culprits, blame kind, unlocalised record or
-    None, the idle ranks named for never finishing their part)."""
-    errs = [r for r in missing if kinds[r] == "error"]
-    behind = [r for r in stuck if states.get(r) == "behind"]
-    idle = [r for r in stuck if states.get(r) == "idle"] if done else []
-    if hard:
-        return hard, "process", None, idle
-    if errs and len(errs) < world:
-        return errs, "own", None, idle
-    if behind or idle:
-        return behind + idle, "never-issued", None, idle
-    if stuck and all(states.get(r) == "waiting" for r in stuck) and hung:
-        more = " and the others" if len(hung) > 1 else ""
-        return [], "all-issued", unlocalised_record(
-            f"every member of {_screen_group_words(hung[0])}{more} issued its all_reduce and it did not finish: "
-            "the link, which neither end's own state singles out", LINK_HINT), idle
-    if errs:
-        return [], "everyone", unlocalised_record("every rank reported an error of its own, so none is unlike its "
-                                                  "peers", RERUN_HINT), idle
-    return [], "not-collected", unlocalised_record(
-        "what the ranks that did not finish issued last was not collected (or they are alike), and no other "
-        "evidence singles one out", RERUN_HINT), idle
-
-
 def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silent_hosts=(), issued=None):
     """Who did not finish a screen round (one FAIL finding under PHASE_CHECK[phase]), or None when every
     rank posted every round. rounds: [(name, groups)] of the phase in the order they ran; posted: {name:
@@ -350,7 +324,14 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
     stuck = [r for r in missing if kinds[r] == "stuck"]
     states, behind_words = _stuck_states(hung, loose, stuck, issued, host_of)
     done = sorted(set(range(world)) - set(missing))
-    culprits, evidence, unloc, idle = _stuck_blame(world, missing, kinds, hard, stuck, states, hung, done)
+    all_issued = None
+    if stuck and hung and all(states.get(r) == "waiting" for r in stuck):
+        all_issued = (f"every member of {_screen_group_words(hung[0])}{' and the others' if len(hung) > 1 else ''} "
+                      "issued its all_reduce and it did not finish: the link, which neither end's own state singles "
+                      "out", LINK_HINT)
+    culprits, _, _, evidence, unloc = hang_culprits(kinds, missing, world, states, bool(done), issued is not None,
+                                                    all_issued)
+    idle = [r for r in culprits if evidence == "never-issued" and states.get(r) == "idle"]
     what = [_screen_group_words(g) for g in hung[:8]] + ([f"{len(hung) - 8} more group(s)"] if len(hung) > 8 else [])
     what += [f"{on_hosts(loose, host_of)} (in no group of {label})"] if loose else []
     parts = behind_words + ([never_finished_text(idle, label, done, host_of)] if idle and evidence ==
