@@ -94,6 +94,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from typing import NamedTuple
 
 
@@ -256,6 +257,14 @@ def finding_rows(findings):
 
 def elapsed():
     return time.monotonic() - _T0
+
+
+def group_by(items, key, value=lambda x: x):
+    """{key(x): [value(x), ...]}, the keys in the order first seen."""
+    out = {}
+    for x in items:
+        out.setdefault(key(x), []).append(value(x))
+    return out
 
 
 def format_ranges(nums):
@@ -511,16 +520,22 @@ def _counts(findings):
 PROBED_PACKAGES = ("torchvision", "torchaudio")
 
 
-def ib_hca_select(spec, ports):
-    """Ports NCCL_IB_HCA selects: 'mlx5_0:1,mlx5_1' prefixes; '=' exact; '^' exclude."""
-    if not spec:
-        return ports
+def nccl_list(spec):
+    """NCCL's list of names (NCCL_SOCKET_IFNAME, NCCL_IB_HCA): '^' excludes, '=' matches exactly, else
+    prefixes -> (exclude, exact, [pattern])."""
     spec = spec.strip()
     exclude = spec.startswith("^")
     spec = spec[1:] if exclude else spec
     exact = spec.startswith("=")
     spec = spec[1:] if exact else spec
-    pats = [p.strip() for p in spec.split(",") if p.strip()]
+    return exclude, exact, [p.strip() for p in spec.split(",") if p.strip()]
+
+
+def ib_hca_select(spec, ports):
+    """Ports NCCL_IB_HCA selects: 'mlx5_0:1,mlx5_1' prefixes; '=' exact; '^' exclude."""
+    if not spec:
+        return ports
+    exclude, exact, pats = nccl_list(spec)
 
     def hit(port):
         dev, num = port["port"].split(":")
@@ -946,9 +961,6 @@ class LastCall:
 
     def due(self, now):
         return self.begun is not None and now >= max(self.begun, self.last) + self.grace
-
-    def ends_at(self):
-        return None if self.begun is None else max(self.begun, self.last) + self.grace
 
 
 def live_period(nodes):
@@ -2069,33 +2081,32 @@ def _soak(text):
     return v
 
 
-def _positive_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise ValueError("is not an integer") from None
-    if v < 1:
-        raise ValueError("is below 1")
-    return v
+def _int_from(low):
+    def conv(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise ValueError("is not an integer") from None
+        if v < low:
+            raise ValueError(f"is below {low}")
+        return v
+    return conv
 
 
-def _count_arg(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise ValueError("is not an integer") from None
-    if v < 0:
-        raise ValueError("is below 0")
-    return v
+def _one_of(words):
+    def conv(text):
+        if text not in words:
+            raise ValueError("is not " + ", ".join(words[:-1]) + " or " + words[-1])
+        return text
+    return conv
 
 
+_positive_int, _count_arg = _int_from(1), _int_from(0)
 NODE_CHECK_WORDS = ("prolog", "epilog", "health", "npd", "auto")
-
-
-def _node_check(text):
-    if text not in NODE_CHECK_WORDS:
-        raise ValueError("is not " + ", ".join(NODE_CHECK_WORDS[:-1]) + " or " + NODE_CHECK_WORDS[-1])
-    return text
+# Where the verdict goes besides the log and the JSON: Slurm's node state (drain), Prometheus text, one
+# page. Each is planned or rendered by a pure function of the verdict's state; only drain_apply acts.
+DRAIN_MODES = ("off", "recommend", "on")
+_node_check, _backend, _drain_mode = _one_of(NODE_CHECK_WORDS), _one_of(("auto", "nccl", "gloo")), _one_of(DRAIN_MODES)
 
 
 def _switch(text):
@@ -2121,18 +2132,6 @@ def _sizes(text):
             raise ValueError(f"has a size outside 1 B-{human_bytes(SIZE_MAX)}")
         out.append(n)
     return out
-
-
-def _backend(text):
-    if text not in ("auto", "nccl", "gloo"):
-        raise ValueError("is not auto, nccl or gloo")
-    return text
-
-
-def _drain_mode(text):
-    if text not in DRAIN_MODES:
-        raise ValueError("is not " + ", ".join(DRAIN_MODES[:-1]) + " or " + DRAIN_MODES[-1])
-    return text
 
 
 def _directory(text):
@@ -2363,11 +2362,6 @@ def parse_args(argv, env):
     return ns
 
 
-# Where the verdict goes besides the log and the JSON: Slurm's node state (drain), Prometheus text, one
-# page. Each is planned or rendered by a pure function of the verdict's state; only drain_apply acts.
-DRAIN_MODES = ("off", "recommend", "on")
-
-
 # --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the
 # interpreter, torch and a gloo group; measured with 2 and 4 ranks), and the node's import probe and
 # liveness monitor add ~0.3 GiB once: 512 MiB per CPU rank covers both. A rank that drives a GPU also
@@ -2417,14 +2411,7 @@ def _usable(info):
 
 def nccl_ifname_select(spec, names):
     """Interfaces NCCL_SOCKET_IFNAME selects: comma list of prefixes; '=' exact; '^' exclude."""
-    spec = spec.strip()
-    exclude = spec.startswith("^")
-    if exclude:
-        spec = spec[1:]
-    exact = spec.startswith("=")
-    if exact:
-        spec = spec[1:]
-    pats = [p.strip() for p in spec.split(",") if p.strip()]
+    exclude, exact, pats = nccl_list(spec)
 
     def hit(name):
         return any(name == p if exact else name.startswith(p) for p in pats)
@@ -4060,9 +4047,7 @@ def _who(r):
 
 
 def _ranks_words(rows, limit=8):
-    by = {}
-    for r in rows:
-        by.setdefault(r.get("host"), []).append(r["rank"])
+    by = group_by(rows, lambda r: r.get("host"), lambda r: r["rank"])
     parts = [f"rank(s) {format_ranges(v)} ({h})" for h, v in list(by.items())[:limit]]
     return ", ".join(parts) + (f" and {len(by) - limit} more node(s)" if len(by) > limit else "")
 
@@ -4085,9 +4070,7 @@ def _check_order(names):
 def _numerics_bits(c, on, culprits):
     """Check c among the ranks `on` the reference: a strict majority of bits names the minority (added to
     culprits). -> the classes {digest: rows} where there is no majority (a tie), else None."""
-    by = {}
-    for r in on:
-        by.setdefault(r["checks"][c].get("digest"), []).append(r)
+    by = group_by(on, lambda r: r["checks"][c].get("digest"))
     if len(by) <= 1:
         return None
     top = max(by.values(), key=len)
@@ -4603,10 +4586,7 @@ def nccl_view(ras, world, host_of, kinds, named):
 # ============================================================================ aiv/checks/judge.py
 # Floor 3: pure checks of plain data -> findings (PASS / WARN / FAIL with hosts and ranks), and who is
 def _by_host(records):
-    hosts = {}
-    for r in records:
-        hosts.setdefault(r["host"], []).append(r)
-    return hosts
+    return group_by(records, lambda r: r["host"])
 
 
 def _rank_str(r):
@@ -5152,9 +5132,8 @@ def judge_collectives(results, world_size, host_of=None):
     else:
         out.append(finding("collective", "PASS", f"all_reduce exact on {len(results)} rank(s): "
                            f"sum {want} = w(w+1)/2, element-wise pattern verified"))
-    digests = {}
-    for r in results:
-        digests.setdefault(r["grads"] if isinstance(r["grads"], str) else repr(r["grads"]), []).append(r["rank"])
+    digests = group_by(results, lambda r: r["grads"] if isinstance(r["grads"], str) else repr(r["grads"]),
+                       lambda r: r["rank"])
     if len(digests) > 1:
         odd, kind = odd_ones(digests)
         text = "; ".join(f"ranks {format_ranges(rs)}" if len(rs) > 1 else f"rank {rs[0]}" for rs in
@@ -5197,7 +5176,7 @@ def judge_transport(records, ib_disable=None):
     if per_host and not any(f["status"] == "FAIL" for f in out):
         out.insert(0, finding("transport", "PASS", "NCCL transports: " + "; ".join(
             f"{'+'.join(sorted(k)) or 'none'} on {compress_hostlist(sorted(hs))}"
-            for k, hs in _invert(per_host).items()), sorted(per_host)))
+            for k, hs in group_by(per_host, lambda h: tuple(sorted(per_host[h]))).items()), sorted(per_host)))
     return out
 
 
@@ -5216,13 +5195,6 @@ def nccl_log_why(log):
     if src == "private":
         return f"NCCL wrote no INFO line to the rank's private log ({path})"
     return "the rank's NCCL log facts did not come with its results"
-def _invert(per_host):
-    out = {}
-    for h, kinds in per_host.items():
-        out.setdefault(tuple(sorted(kinds)), []).append(h)
-    return out
-
-
 def judge_bandwidth(results, min_busbw=None):
     """results: [{'bytes', 'busbw', ...}] measured on the whole job; FAIL below --min-busbw."""
     if not results:
@@ -5800,10 +5772,6 @@ def _most_common(hv):
     return max(counts.values(), key=lambda c: (c[1], _canon(c[0])))[0] if counts else None
 
 
-def _host_index(classes):
-    return {h: k for k, x in sorted(classes.items()) for h in sorted(x["hosts"])}
-
-
 def _project(field, new, accepted):
     """gpu_memory is compared model by model, for the models both sides know: a job given some GPUs of a
     mixed node sees fewer models, and a changed model is gpu_model's finding already."""
@@ -5838,7 +5806,8 @@ def judge_manifest(manifest, records, screen=None):
     if not manifest:
         return []
     classes = {k: _expand_class(c) for k, c in manifest["classes"].items()}
-    index, drift, unchecked, unknown, counts = _host_index(classes), {}, set(), {}, [[], []]
+    index = {h: k for k, x in sorted(classes.items()) for h in sorted(x["hosts"])}
+    drift, unchecked, unknown, counts = {}, set(), {}, [[], []]
     load = screen_load(screen)
     slow = {h for f in judge_bands(manifest, records, screen)  # not a match: judge_bands FAILs it, named or not
             for h in f["hosts"] + f.get("involved", [])}
@@ -6562,11 +6531,7 @@ def _screen_names(names, limit=4):
 
 
 SCREEN_GPU_METRICS = (("tflops", "TFLOPS", "min_tflops"), ("hbm_gbps", "GB/s memory", "min_hbm"))
-
-
 SCREEN_GPU_LABELS = {"tflops": "matmul TFLOPS", "hbm_gbps": "memory GB/s"}
-
-
 SCREEN_FLOOR_OPTIONS = {"min_tflops": "--min-tflops", "min_hbm": "--min-hbm", "min_busbw_intra": "--min-busbw-intra",
                         "min_busbw_inter": "--min-busbw-inter"}
 
@@ -6624,14 +6589,8 @@ def screen_against(what, count, noun, kind, peers, unit, table=None, floor=None,
 # board, TFLOPS and GB/s from a clean run of this tool on a healthy, idle GPU (the screen-gpu progress
 # line) lowered by a few percent, and a comment saying where the numbers come from.
 SCREEN_TABLE_FAIL = 0.70    # GPU TFLOPS or memory GB/s below 0.70 of its model's row: FAIL
-
-
 SCREEN_TABLE_WARN = 0.85    # ... below 0.85: WARN
-
-
 GPU_TABLE_EXCLUDE = r"\b(pcie|nvl)\b"
-
-
 GPU_TABLE = (  # (row, pattern, TFLOPS, GB/s)
     # measured by this tool on H200 SXM 141 GB: 670-686 TFLOPS, 4,212-4,213 GB/s (20 back-to-back
     # matmuls elsewhere: 760-790); set below the lowest run. "NVIDIA H200" (not GH200, not H200 NVL)
@@ -6678,9 +6637,7 @@ def gpu_refs(per_rank, floors, cpu=False, bands=None):
     """Per model and metric what the GPUs were judged against: {(model, metric): {'peers': screen_reference,
     'table': {'row', 'ref'}|None (never on CPU), 'floor': float|None, 'against': screen_against(...)}}.
     bands: the names of the manifest's judging bands (screen_band_names), or None when not known here."""
-    by_model, out = {}, {}
-    for r in per_rank:
-        by_model.setdefault(r.get("model") or "unknown", []).append(r)
+    by_model, out = group_by(per_rank, lambda r: r.get("model") or "unknown"), {}
     for model, rs in sorted(by_model.items()):
         row = None if cpu else gpu_table_row(model)
         for metric, unit, floor_name in SCREEN_GPU_METRICS:
@@ -7089,9 +7046,7 @@ def intra_levels(per_node, min_busbw=None, cpu=False):
     """-> ({class: screen_reference}, {host: (level, class)}) for judge_intra's rows; the reference is
     taken per (ranks per node, GPU model) class (_intra_class)."""
     fail, warn = screen_fractions("net", cpu)
-    by_cls = {}
-    for p in per_node:
-        by_cls.setdefault(_intra_class(p), []).append(p)
+    by_cls = group_by(per_node, _intra_class)
     refs = {k: screen_reference(p.get("busbw") for p in ps) for k, ps in by_cls.items()}
     peers = {k: r if r["count"] >= 2 else {} for k, r in refs.items()}  # one node is its own maximum: no peers
     return refs, {p["host"]: (screen_level(p.get("busbw"), peers[_intra_class(p)], fail, warn, min_busbw),
@@ -7101,9 +7056,7 @@ def intra_levels(per_node, min_busbw=None, cpu=False):
 def intra_against(per_node, min_busbw=None, bands=None):
     """What each class of intra-node rows was judged against (screen_against): its peers from 2 nodes on, the
     floor, the manifest band; never a table (no per-model numbers for NVLink/NVSwitch/PCIe busbw)."""
-    by_cls = {}
-    for p in per_node:
-        by_cls.setdefault(_intra_class(p), []).append(p)
+    by_cls = group_by(per_node, _intra_class)
     out = {}
     for k, ps in sorted(by_cls.items(), key=str):
         band = None if bands is None else next((b for b in [f"intra.busbw/{k[0] or 0} ranks"] if b in bands), "")
@@ -7344,9 +7297,7 @@ def _screen_rails_text(rails, all_rails):
 def _pair_node_findings(results, d):
     """One finding per culprit node: its rails (every rail: the node as a whole), HCAs, partners, speed."""
     ev = _pair_evidence(results, d["levels"])
-    out, by_node = [], {}
-    for n, rail in d["culprits"]:
-        by_node.setdefault(n, []).append(rail)
+    out, by_node = [], group_by(d["culprits"], lambda c: c[0], lambda c: c[1])
     for n in _screen_sorted(by_node):
         rails = sorted(by_node[n])
         own = sorted({m["rail"] for m in results if n in m["nodes"]})
@@ -7393,9 +7344,8 @@ def _pair_node_findings(results, d):
 def _pair_link_findings(results, d):
     """One finding per group whose slow measurements no culprit explains: the link or path between them.
     Both ends fine with other partners (after round 3): a suspect link, WARN at most, naming no host."""
-    ev, groups = _pair_evidence(results, d["levels"]), {}
-    for i in d["links"]:
-        groups.setdefault(tuple(_screen_sorted(results[i]["nodes"])), []).append(i)
+    ev = _pair_evidence(results, d["levels"])
+    groups = group_by(d["links"], lambda i: tuple(_screen_sorted(results[i]["nodes"])))
     out = []
     for g in sorted(groups, key=lambda g: [_screen_key(x) for x in g]):
         idx = groups[g]
@@ -7604,10 +7554,7 @@ def judge_soak(rows, cpu=False):
         ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
                   r.get("tflops_last") is not None]
         temps = [r["temp_max_c"] for r in rows if r.get("temp_max_c") is not None]
-        limits = {}
-        for r in rows:
-            for n in throttle_names(r.get("throttle_seen")):
-                limits[n] = limits.get(n, 0) + 1
+        limits = Counter(n for r in rows for n in throttle_names(r.get("throttle_seen")))
         none = [r for r in rows if not r.get("telemetry") or not r.get("samples")]
         parts = [f"the slowest held {min(ratios):.2f} of its first window" if ratios else "too short to time windows",
                  f"max temperature {max(temps):g} C" if temps else None,
@@ -8378,9 +8325,7 @@ def judge_gpu_health(node, gpus, load, xids, kmsg_unread=None):
         first = worst[1].split(" (")[0].split(":")[0]  # a failed remap, the memory, then the rest
         out.append(_node_tagged(f, node, f"GPU {format_ranges(f['ranks'])} {first}"[:90]))
     by_pci = {g["pci"]: g["index"] for g in gpus if g.get("pci")}
-    per = {}
-    for x in xids or []:
-        per.setdefault((by_pci.get(x["pci"]), x["pci"]), []).append(x)
+    per = group_by(xids or [], lambda x: (by_pci.get(x["pci"]), x["pci"]))
     for (i, pci), xs in sorted(per.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0, kv[0][1])):
         codes = sorted({x["xid"] for x in xs})
         last = xs[-1]
@@ -8665,9 +8610,7 @@ def _perf_gpu_lines(screen, cpu):
         L.append(f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
                  + (_screen_ref_text(iref, 'GB/s', 'nodes') if iref["count"] >= 2 else
                     "none among peers (1 node of its class)"))
-    by_host = {}
-    for r in per_rank:
-        by_host.setdefault(r.get("host"), []).append(r)
+    by_host = group_by(per_rank, lambda r: r.get("host"))
     hosts = _screen_sorted(set(by_host) | set(ibw))
     rows, healthy = [], []
     for h in hosts:
@@ -8712,9 +8655,7 @@ def _perf_pair_lines(screen, cpu):
          + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
          "  groups per round: " + " ".join(f"{r}:{len(g)}" for r, g in sorted(rounds.items(), key=lambda x: str(x[0])))
          + f"; {len(results)} measurement(s), {len(slow)} slow"]
-    by_group = {}
-    for i, m in enumerate(results):
-        by_group.setdefault((m.get("round"), tuple(m["nodes"])), []).append(i)
+    by_group = group_by(range(len(results)), lambda i: (results[i].get("round"), tuple(results[i]["nodes"])))
     show_all = len(d["nodes"]) <= SCREEN_RENDER_ALL
     listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
     for rnd, g in listed[: None if show_all else SCREEN_RENDER_SLOW]:
@@ -8774,10 +8715,7 @@ def _perf_read_lines(screen):
     full = sum(r["pcie_width"] >= (r.get("pcie_width_max") or 0) and r["pcie_speed"] >= (r.get("pcie_speed_max") or 0)
                for r in links)
     sm = [float(r["sm_mhz"]) for r in rows if r.get("sm_mhz") is not None]
-    limits = {}
-    for r in rows:
-        for n in throttle_names(r.get("throttle")):
-            limits[n] = limits.get(n, 0) + 1
+    limits = Counter(n for r in rows for n in throttle_names(r.get("throttle")))
     parts = [f"PCIe at its maximum width and speed on {full}/{len(links)}" if links else "PCIe link not readable",
              f"SM clock min/median {min(sm):.0f}/{_screen_median(sm):.0f} MHz" if sm else "clocks not read",
              "clock limits: " + (", ".join(f"{n} on {k}" for n, k in sorted(limits.items())) or "none"),
@@ -9206,6 +9144,11 @@ def _metrics_family(name, text, samples):
     return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"] + lines
 
 
+def metrics_text(families):
+    """[(name, help, samples)] as Prometheus text, a family with no value left out."""
+    return "\n".join(line for family in families for line in _metrics_family(*family) or []) + "\n"
+
+
 def _metrics_severity(status):
     """0 PASS, 1 WARN, 2 FAIL (None: another status)."""
     return {"PASS": 0, "WARN": 1, "FAIL": 2}.get(status)
@@ -9277,17 +9220,12 @@ def _metrics_node_status(state):
 def _metrics_gpus(state, screen):
     """Per node and GPU (gpu: the local rank): the screen's matmul TFLOPS and memory-copy GB/s."""
     uuids = {r.get("rank"): (r.get("gpu") or {}).get("uuid") for r in state.get("ranks") or []}
-    tflops, hbm = [], []
-    for g in screen.get("gpu") or []:
-        labels = {"node": g.get("host"), "gpu": str(g.get("local_rank")),
-                  "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""}
-        tflops.append((labels, g.get("tflops")))
-        hbm.append((labels, g.get("hbm_gbps")))
-    levels, _ = gpu_levels(screen)
-    ratio = {m: [({"node": g.get("host"), "gpu": str(g.get("local_rank")),
-                   "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""}, levels[g.get("rank")][m][1])
-                 for g in screen.get("gpu") or [] if m in levels.get(g.get("rank"), {})]
-             for m in ("tflops", "hbm_gbps")}
+    gpus, (levels, _) = screen.get("gpu") or [], gpu_levels(screen)
+    labels = [{"node": g.get("host"), "gpu": str(g.get("local_rank")),
+               "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""} for g in gpus]
+    tflops, hbm = ([(lb, g.get(m)) for lb, g in zip(labels, gpus, strict=True)] for m in ("tflops", "hbm_gbps"))
+    ratio = {m: [(lb, levels[g.get("rank")][m][1]) for lb, g in zip(labels, gpus, strict=True)
+                 if m in levels.get(g.get("rank"), {})] for m in ("tflops", "hbm_gbps")}
     return [("aiv_gpu_matmul_tflops", "Performance screen: the GPU's square matmul rate in TFLOPS (10^12 floating "
              "point operations per second; bf16 on GPUs, fp32 on CPU).", tflops),
             ("aiv_gpu_memory_bandwidth_gbps", "Performance screen: the GPU's device-memory copy rate in GB/s "
@@ -9363,10 +9301,7 @@ def render_metrics(state):
     families = (_metrics_run(state) + _metrics_checks(state) + _metrics_node_status(state)
                 + _metrics_gpus(state, screen) + _metrics_numerics(state) + _metrics_intra(screen)
                 + _metrics_inter(screen) + _metrics_phases(state) + _metrics_drain(state))
-    lines = []
-    for name, text, samples in families:
-        lines += _metrics_family(name, text, samples) or []
-    return "\n".join(lines) + "\n"
+    return metrics_text(families)
 
 
 def verdict_state(run, found, code, drain):
@@ -9573,10 +9508,7 @@ def node_metrics(state):
          "of two measurements.", [(ctx, busbw)]),
         _node_once(state, ctx, uuid),
     ]
-    lines = []
-    for name, text, samples in families:
-        lines += _metrics_family(name, text, samples) or []
-    return "\n".join(lines) + "\n"
+    return metrics_text(families)
 
 
 def node_not_written(state, flag, path, why):
@@ -9787,9 +9719,7 @@ def _html_nccl_view(state, limit=64):
             f"{table}</div></section>")
 
 
-def _html_gpu_levels(screen):
-    """gpu_levels (the judge's references and levels), for the page."""
-    return gpu_levels(screen)
+_html_gpu_levels = gpu_levels  # the judge's references and levels, for the page
 
 
 def _html_worst(levels):
@@ -9812,10 +9742,8 @@ def _html_node_levels(state):
 def _html_nodes(state):
     """{host: [rank record or screen row, ...]} in natural order (ranks, else the screen's GPU rows)."""
     recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []
-    nodes = {}
-    for r in sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)):
-        nodes.setdefault(r.get("host"), []).append(r)
-    return nodes
+    return group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
+                    lambda r: r.get("host"))
 
 
 def _html_gpu_cell(r, gl):
@@ -9865,11 +9793,6 @@ FLAGGED_BARS_MAX = 64   # ... at most this many of those (the lowest first), the
 BREAK_RATIO = 2.0       # a line this far above every value and every reference is drawn above a broken axis
 
 
-def _html_v(x):
-    """A measured value as text: 3 significant digits (0.0921, 12.3, 670, 4213), never rounded to nothing."""
-    return _s3(x)
-
-
 def _html_step(top):
     """A round tick step (1, 2 or 5 x 10^k) giving about five ticks from 0 to top."""
     raw = max(top, 1e-12) / 5
@@ -9905,7 +9828,7 @@ def _html_chart_geometry(bars, lines):
     slot = max(16.0, 680.0 / n)
     flat = slot >= 64  # room for labels written across
     name_h = 32 if flat else 10 + 6.2 * max([len(b[0]) for b in bars] + [4])
-    val_h = 16 if slot >= 44 else 10 + 6.2 * max([len(_html_v(v)) for v in vals] + [1])
+    val_h = 16 if slot >= 44 else 10 + 6.2 * max([len(_s3(v)) for v in vals] + [1])
     left, right, plot_h = 60, 330, 200
     brk_h = 16 * len(broken) + 22 if broken else 0
     y0 = 8 + brk_h + val_h
@@ -9926,7 +9849,7 @@ def _html_chart_axis(g, unit):
     while t <= top * (1 + 1e-9):
         yt = _html_chart_y(g, t)
         out.append(f'<line class="tick" x1="{left}" x2="{left + w:.1f}" y1="{yt:.1f}" y2="{yt:.1f}"/>'
-                   f'<text x="{left - 5}" y="{yt + 4:.1f}" text-anchor="end">{_html_v(t) if t else "0"}</text>')
+                   f'<text x="{left - 5}" y="{yt + 4:.1f}" text-anchor="end">{_s3(t) if t else "0"}</text>')
         t += g["step"]
     out.append(f'<text class="unit" x="{left - 5}" y="{g["y0"] - g["val_h"] + 2:.1f}" text-anchor="end">'
                f'{_html_e(unit)}</text>')
@@ -9946,7 +9869,7 @@ def _html_chart_bar(g, i, name, v, lv, tip):
         out.append(f'<rect class="bar b-{lv}" x="{x + 1:.1f}" y="{yb:.1f}" width="{bw:.1f}" '
                    f'height="{max(y0 + plot_h - yt, 1):.1f}" data-gpu="{_html_e(name)}" '
                    f'data-value="{float(v):.6g}" data-level="{lv}"><title>{_html_e(tip)}</title></rect>')
-        vt, vy = _html_v(v), yb - 3
+        vt, vy = _s3(v), yb - 3
         out.append(f'<text class="val v-{lv}" x="{cx:.1f}" y="{vy:.1f}" text-anchor="middle">{vt}</text>'
                    if slot >= 44 else
                    f'<text class="val v-{lv}" transform="translate({cx + 3.5:.1f},{vy:.1f}) rotate(-90)">'
@@ -10020,10 +9943,10 @@ def _html_ranges(cid, groups, lines, unit, caption):
     out = [f'<rect class="grid" x="{left}" y="8" width="{w:.0f}" height="{h}"/>']
     step = _html_step(top)
     for i in range(int(top / step) + 1):
-        out.append(f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_html_v(i * step) if i else 0}'
+        out.append(f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_s3(i * step) if i else 0}'
                    '</text>')
     for i, (host, vs, lv) in enumerate(groups):  # a bar up to the node's lowest GPU, its range above it
-        tip = f"{_html_e(host)}: {_html_v(min(vs))}-{_html_v(max(vs))} {_html_e(unit)} [{lv}]"
+        tip = f"{_html_e(host)}: {_s3(min(vs))}-{_s3(max(vs))} {_html_e(unit)} [{lv}]"
         out.append(f'<rect x="{left + i * bw:.2f}" y="{y(min(vs)):.1f}" width="{max(bw, 0.8):.2f}" '
                    f'height="{max(8 + h - y(min(vs)), 1):.1f}" class="rng b-{lv}" data-gpu="{_html_e(host)}" '
                    f'data-value="{min(vs):.6g}" data-level="{lv}"><title>{tip}</title></rect>'
@@ -10073,7 +9996,7 @@ def _html_gpu_chart(screen, gl, refs, metric, unit, model=None):
         value = v[0] if v else None
         lv = _html_worst([v[2] if v else "NA", band_level(value, r.get("host"), mine)])
         tip = (f"{r.get('host')} rank {r.get('rank')} local rank {r.get('local_rank')} {r.get('uuid') or ''}: "
-               + (f"{_html_v(value)} {unit} = {v[1]:.3f} of the reference [{lv}]" if v else "not measured"))
+               + (f"{_s3(value)} {unit} = {v[1]:.3f} of the reference [{lv}]" if v else "not measured"))
         bars.append((_html_gpu_name(r, cpu), value, lv, tip))
     slow = [b for b in bars if b[2] in ("FAIL", "WARN")]
     caption = (f"{_html_e(unit)} per {'CPU rank' if cpu else 'GPU'} of {_html_e(model)} <span class=\"muted small\">"
@@ -10142,7 +10065,7 @@ def _html_intra(screen):
             v = p.get("busbw")
             lv = _html_worst([levels[p["host"]][0], band_level(v, p["host"], band)])
             bars.append((str(p["host"]), v, lv, f"{p['host']}: intra-node all_reduce busbw "
-                         + (f"{_html_v(v)} GB/s [{lv}]" if v is not None else "failed")))
+                         + (f"{_s3(v)} GB/s [{lv}]" if v is not None else "failed")))
         alone = "" if refs[cls].get("count", 0) >= 2 else "; one node: no peers to judge it against"
         charts.append(_html_chart(f"intra-{k}", bars, lines, "GB/s",
                                   f"intra-node busbw of {_html_e(_intra_class_text(cls))} <span class=\"muted small\">"
@@ -10193,7 +10116,7 @@ def _html_rail_marks(pairs, idx, rail, d, c, bad):
                                                 f'class="{cls}"><title>{_html_e(tip)}</title></rect>')
             if c >= CELL_NUMBERS_MIN:  # the value itself, where the cell holds it
                 cells.append(f'<text class="cv c-{cls}" x="{x + w / 2:.1f}" y="{y + w / 2 + 3:.1f}" '
-                             f'text-anchor="middle">{"failed" if bw is None else _html_v(bw)}</text>')
+                             f'text-anchor="middle">{"failed" if bw is None else _s3(bw)}</text>')
             if k in lone:
                 boxes.append(f'<rect x="{x - 2:.1f}" y="{y - 2:.1f}" width="{w + 4:.1f}" height="{w + 4:.1f}" '
                              f'class="suspect"><title>suspect link: {_html_e(tip)}</title></rect>')
@@ -10272,7 +10195,7 @@ def _html_slow_pairs(pairs, d, floor):
         below = floor is not None and float(bw or 0.0) < floor
         rows.append(f'<tr><td><span class="st {d["levels"][k]}">{d["levels"][k]}</span></td>'
                     f'<td><code>{_html_e(" - ".join(map(str, m["nodes"])))}</code></td><td>{_html_e(m["rail"])}</td>'
-                    f'<td>{"failed" if bw is None else _html_v(bw)}</td><td>{_html_v(ref["ref"] or 0)} '
+                    f'<td>{"failed" if bw is None else _s3(bw)}</td><td>{_s3(ref["ref"] or 0)} '
                     f'({_html_e(ref["how"])})</td><td>{float(bw or 0.0) / (ref["ref"] or 1.0):.2f}'
                     + (f" (below --min-busbw-inter {floor:g})" if below else "") + "</td></tr>")
     more = (f'<p class="muted small">and {len(slow) - SLOW_ROWS_MAX} more</p>' if len(slow) > SLOW_ROWS_MAX else "")

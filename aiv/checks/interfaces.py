@@ -7,6 +7,7 @@ import socket
 import struct
 
 from ..core.base import finding, read_text
+from ..core.names import nccl_list
 
 SIOCGIFFLAGS, SIOCGIFADDR, IFF_UP = 0x8913, 0x8915, 0x1
 
@@ -43,14 +44,7 @@ def _usable(info):
 
 def nccl_ifname_select(spec, names):
     """Interfaces NCCL_SOCKET_IFNAME selects: comma list of prefixes; '=' exact; '^' exclude."""
-    spec = spec.strip()
-    exclude = spec.startswith("^")
-    if exclude:
-        spec = spec[1:]
-    exact = spec.startswith("=")
-    if exact:
-        spec = spec[1:]
-    pats = [p.strip() for p in spec.split(",") if p.strip()]
+    exclude, exact, pats = nccl_list(spec)
 
     def hit(name):
         return any(name == p if exact else name.startswith(p) for p in pats)

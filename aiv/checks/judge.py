@@ -13,6 +13,7 @@ from ..core.base import (
     compress_hostlist,
     finding,
     format_ranges,
+    group_by,
     human_bytes,
     parse_ranges,
 )
@@ -37,10 +38,7 @@ from .numerics import judge_numerics_records
 
 
 def _by_host(records):
-    hosts = {}
-    for r in records:
-        hosts.setdefault(r["host"], []).append(r)
-    return hosts
+    return group_by(records, lambda r: r["host"])
 
 
 def _rank_str(r):
@@ -586,9 +584,8 @@ def judge_collectives(results, world_size, host_of=None):
     else:
         out.append(finding("collective", "PASS", f"all_reduce exact on {len(results)} rank(s): "
                            f"sum {want} = w(w+1)/2, element-wise pattern verified"))
-    digests = {}
-    for r in results:
-        digests.setdefault(r["grads"] if isinstance(r["grads"], str) else repr(r["grads"]), []).append(r["rank"])
+    digests = group_by(results, lambda r: r["grads"] if isinstance(r["grads"], str) else repr(r["grads"]),
+                       lambda r: r["rank"])
     if len(digests) > 1:
         odd, kind = odd_ones(digests)
         text = "; ".join(f"ranks {format_ranges(rs)}" if len(rs) > 1 else f"rank {rs[0]}" for rs in
@@ -631,7 +628,7 @@ def judge_transport(records, ib_disable=None):
     if per_host and not any(f["status"] == "FAIL" for f in out):
         out.insert(0, finding("transport", "PASS", "NCCL transports: " + "; ".join(
             f"{'+'.join(sorted(k)) or 'none'} on {compress_hostlist(sorted(hs))}"
-            for k, hs in _invert(per_host).items()), sorted(per_host)))
+            for k, hs in group_by(per_host, lambda h: tuple(sorted(per_host[h]))).items()), sorted(per_host)))
     return out
 
 
@@ -650,13 +647,6 @@ def nccl_log_why(log):
     if src == "private":
         return f"NCCL wrote no INFO line to the rank's private log ({path})"
     return "the rank's NCCL log facts did not come with its results"
-def _invert(per_host):
-    out = {}
-    for h, kinds in per_host.items():
-        out.setdefault(tuple(sorted(kinds)), []).append(h)
-    return out
-
-
 def judge_bandwidth(results, min_busbw=None):
     """results: [{'bytes', 'busbw', ...}] measured on the whole job; FAIL below --min-busbw."""
     if not results:

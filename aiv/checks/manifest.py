@@ -338,10 +338,6 @@ def _most_common(hv):
     return max(counts.values(), key=lambda c: (c[1], _canon(c[0])))[0] if counts else None
 
 
-def _host_index(classes):
-    return {h: k for k, x in sorted(classes.items()) for h in sorted(x["hosts"])}
-
-
 def _project(field, new, accepted):
     """gpu_memory is compared model by model, for the models both sides know: a job given some GPUs of a
     mixed node sees fewer models, and a changed model is gpu_model's finding already."""
@@ -376,7 +372,8 @@ def judge_manifest(manifest, records, screen=None):
     if not manifest:
         return []
     classes = {k: _expand_class(c) for k, c in manifest["classes"].items()}
-    index, drift, unchecked, unknown, counts = _host_index(classes), {}, set(), {}, [[], []]
+    index = {h: k for k, x in sorted(classes.items()) for h in sorted(x["hosts"])}
+    drift, unchecked, unknown, counts = {}, set(), {}, [[], []]
     load = screen_load(screen)
     slow = {h for f in judge_bands(manifest, records, screen)  # not a match: judge_bands FAILs it, named or not
             for h in f["hosts"] + f.get("involved", [])}

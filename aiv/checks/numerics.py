@@ -1,7 +1,7 @@
 """Floor 3: how the numerics check (silent data corruption) is judged: every rank's results (numerics_measure)
 grouped by GPU model and software, bit for bit within a group and against the fp64 reference; the DDP step's
 local gradients; the soak's repeats. Pure functions of plain data."""
-from ..core.base import EXIT_INTERNAL, compress_hostlist, finding, format_ranges
+from ..core.base import EXIT_INTERNAL, compress_hostlist, finding, format_ranges, group_by
 from ..core.blame import unlocalised
 from ..core.names import NUMERICS_CHECKS, NUMERICS_WHAT
 
@@ -55,9 +55,7 @@ def _who(r):
 
 
 def _ranks_words(rows, limit=8):
-    by = {}
-    for r in rows:
-        by.setdefault(r.get("host"), []).append(r["rank"])
+    by = group_by(rows, lambda r: r.get("host"), lambda r: r["rank"])
     parts = [f"rank(s) {format_ranges(v)} ({h})" for h, v in list(by.items())[:limit]]
     return ", ".join(parts) + (f" and {len(by) - limit} more node(s)" if len(by) > limit else "")
 
@@ -80,9 +78,7 @@ def _check_order(names):
 def _numerics_bits(c, on, culprits):
     """Check c among the ranks `on` the reference: a strict majority of bits names the minority (added to
     culprits). -> the classes {digest: rows} where there is no majority (a tie), else None."""
-    by = {}
-    for r in on:
-        by.setdefault(r["checks"][c].get("digest"), []).append(r)
+    by = group_by(on, lambda r: r["checks"][c].get("digest"))
     if len(by) <= 1:
         return None
     top = max(by.values(), key=len)

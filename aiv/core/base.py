@@ -165,6 +165,14 @@ def elapsed():
     return time.monotonic() - _T0
 
 
+def group_by(items, key, value=lambda x: x):
+    """{key(x): [value(x), ...]}, the keys in the order first seen."""
+    out = {}
+    for x in items:
+        out.setdefault(key(x), []).append(value(x))
+    return out
+
+
 def format_ranges(nums):
     """[0,1,2,5,7,8] -> '0-2,5,7-8'."""
     nums = sorted(set(nums))

@@ -130,9 +130,6 @@ class LastCall:
     def due(self, now):
         return self.begun is not None and now >= max(self.begun, self.last) + self.grace
 
-    def ends_at(self):
-        return None if self.begun is None else max(self.begun, self.last) + self.grace
-
 
 def live_period(nodes):
     """Seconds between a node monitor's posts (and its leader's beats): two operations per node per

@@ -6,16 +6,22 @@ prefix. A judge imports these from here, never from the module that reads the fa
 PROBED_PACKAGES = ("torchvision", "torchaudio")
 
 
-def ib_hca_select(spec, ports):
-    """Ports NCCL_IB_HCA selects: 'mlx5_0:1,mlx5_1' prefixes; '=' exact; '^' exclude."""
-    if not spec:
-        return ports
+def nccl_list(spec):
+    """NCCL's list of names (NCCL_SOCKET_IFNAME, NCCL_IB_HCA): '^' excludes, '=' matches exactly, else
+    prefixes -> (exclude, exact, [pattern])."""
     spec = spec.strip()
     exclude = spec.startswith("^")
     spec = spec[1:] if exclude else spec
     exact = spec.startswith("=")
     spec = spec[1:] if exact else spec
-    pats = [p.strip() for p in spec.split(",") if p.strip()]
+    return exclude, exact, [p.strip() for p in spec.split(",") if p.strip()]
+
+
+def ib_hca_select(spec, ports):
+    """Ports NCCL_IB_HCA selects: 'mlx5_0:1,mlx5_1' prefixes; '=' exact; '^' exclude."""
+    if not spec:
+        return ports
+    exclude, exact, pats = nccl_list(spec)
 
     def hit(port):
         dev, num = port["port"].split(":")

@@ -53,33 +53,32 @@ def _soak(text):
     return v
 
 
-def _positive_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise ValueError("is not an integer") from None
-    if v < 1:
-        raise ValueError("is below 1")
-    return v
+def _int_from(low):
+    def conv(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise ValueError("is not an integer") from None
+        if v < low:
+            raise ValueError(f"is below {low}")
+        return v
+    return conv
 
 
-def _count_arg(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise ValueError("is not an integer") from None
-    if v < 0:
-        raise ValueError("is below 0")
-    return v
+def _one_of(words):
+    def conv(text):
+        if text not in words:
+            raise ValueError("is not " + ", ".join(words[:-1]) + " or " + words[-1])
+        return text
+    return conv
 
 
+_positive_int, _count_arg = _int_from(1), _int_from(0)
 NODE_CHECK_WORDS = ("prolog", "epilog", "health", "npd", "auto")
-
-
-def _node_check(text):
-    if text not in NODE_CHECK_WORDS:
-        raise ValueError("is not " + ", ".join(NODE_CHECK_WORDS[:-1]) + " or " + NODE_CHECK_WORDS[-1])
-    return text
+# Where the verdict goes besides the log and the JSON: Slurm's node state (drain), Prometheus text, one
+# page. Each is planned or rendered by a pure function of the verdict's state; only drain_apply acts.
+DRAIN_MODES = ("off", "recommend", "on")
+_node_check, _backend, _drain_mode = _one_of(NODE_CHECK_WORDS), _one_of(("auto", "nccl", "gloo")), _one_of(DRAIN_MODES)
 
 
 def _switch(text):
@@ -105,18 +104,6 @@ def _sizes(text):
             raise ValueError(f"has a size outside 1 B-{human_bytes(SIZE_MAX)}")
         out.append(n)
     return out
-
-
-def _backend(text):
-    if text not in ("auto", "nccl", "gloo"):
-        raise ValueError("is not auto, nccl or gloo")
-    return text
-
-
-def _drain_mode(text):
-    if text not in DRAIN_MODES:
-        raise ValueError("is not " + ", ".join(DRAIN_MODES[:-1]) + " or " + DRAIN_MODES[-1])
-    return text
 
 
 def _directory(text):
@@ -345,11 +332,6 @@ def parse_args(argv, env):
                              f"{ns.origin['bandwidth']} turns off")
         ns.bandwidth = _sizes(DEFAULT_BW_SIZES)
     return ns
-
-
-# Where the verdict goes besides the log and the JSON: Slurm's node state (drain), Prometheus text, one
-# page. Each is planned or rendered by a pure function of the verdict's state; only drain_apply acts.
-DRAIN_MODES = ("off", "recommend", "on")
 
 
 # --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the

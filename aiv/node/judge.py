@@ -10,7 +10,7 @@ import re
 
 from ..checks.manifest import judge_manifest
 from ..checks.numerics import judge_numerics, numerics_group
-from ..core.base import CHECKS, finding, format_ranges, human_bytes, parse_ranges, scontrol_reason
+from ..core.base import CHECKS, finding, format_ranges, group_by, human_bytes, parse_ranges, scontrol_reason
 from ..core.blame import CHECK_RULES, LOCALISING, NODE_COMPUTE, NODE_CONTEXTS, drains_in
 from ..screen.gpu import (
     gpu_fact_problems,
@@ -415,9 +415,7 @@ def judge_gpu_health(node, gpus, load, xids, kmsg_unread=None):
         first = worst[1].split(" (")[0].split(":")[0]  # a failed remap, the memory, then the rest
         out.append(_node_tagged(f, node, f"GPU {format_ranges(f['ranks'])} {first}"[:90]))
     by_pci = {g["pci"]: g["index"] for g in gpus if g.get("pci")}
-    per = {}
-    for x in xids or []:
-        per.setdefault((by_pci.get(x["pci"]), x["pci"]), []).append(x)
+    per = group_by(xids or [], lambda x: (by_pci.get(x["pci"]), x["pci"]))
     for (i, pci), xs in sorted(per.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0, kv[0][1])):
         codes = sorted({x["xid"] for x in xs})
         last = xs[-1]

@@ -4,7 +4,7 @@ the node check's state (the JSON's dict)."""
 from ..core.base import SCHEMA_VERSION, STATUS_RANK, VERSION, format_ranges
 from ..core.blame import NODE_CONTEXTS
 from ..core.deadlines import NODE_BUDGET_DEFAULT
-from ..out.outputs import _metrics_family
+from ..out.outputs import metrics_text
 from .judge import NODE_LINE_PREFIX, NODE_NPD_MAX, node_verdict, unassessed
 
 STATUS_WORD = {"FAIL": "FAILURE", "WARN": "WARNING", "PASS": "PASS"}
@@ -146,10 +146,7 @@ def node_metrics(state):
          "of two measurements.", [(ctx, busbw)]),
         _node_once(state, ctx, uuid),
     ]
-    lines = []
-    for name, text, samples in families:
-        lines += _metrics_family(name, text, samples) or []
-    return "\n".join(lines) + "\n"
+    return metrics_text(families)
 
 
 def node_not_written(state, flag, path, why):

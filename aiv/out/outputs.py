@@ -185,6 +185,11 @@ def _metrics_family(name, text, samples):
     return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"] + lines
 
 
+def metrics_text(families):
+    """[(name, help, samples)] as Prometheus text, a family with no value left out."""
+    return "\n".join(line for family in families for line in _metrics_family(*family) or []) + "\n"
+
+
 def _metrics_severity(status):
     """0 PASS, 1 WARN, 2 FAIL (None: another status)."""
     return {"PASS": 0, "WARN": 1, "FAIL": 2}.get(status)
@@ -256,17 +261,12 @@ def _metrics_node_status(state):
 def _metrics_gpus(state, screen):
     """Per node and GPU (gpu: the local rank): the screen's matmul TFLOPS and memory-copy GB/s."""
     uuids = {r.get("rank"): (r.get("gpu") or {}).get("uuid") for r in state.get("ranks") or []}
-    tflops, hbm = [], []
-    for g in screen.get("gpu") or []:
-        labels = {"node": g.get("host"), "gpu": str(g.get("local_rank")),
-                  "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""}
-        tflops.append((labels, g.get("tflops")))
-        hbm.append((labels, g.get("hbm_gbps")))
-    levels, _ = gpu_levels(screen)
-    ratio = {m: [({"node": g.get("host"), "gpu": str(g.get("local_rank")),
-                   "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""}, levels[g.get("rank")][m][1])
-                 for g in screen.get("gpu") or [] if m in levels.get(g.get("rank"), {})]
-             for m in ("tflops", "hbm_gbps")}
+    gpus, (levels, _) = screen.get("gpu") or [], gpu_levels(screen)
+    labels = [{"node": g.get("host"), "gpu": str(g.get("local_rank")),
+               "uuid": g.get("uuid") or uuids.get(g.get("rank")) or ""} for g in gpus]
+    tflops, hbm = ([(lb, g.get(m)) for lb, g in zip(labels, gpus, strict=True)] for m in ("tflops", "hbm_gbps"))
+    ratio = {m: [(lb, levels[g.get("rank")][m][1]) for lb, g in zip(labels, gpus, strict=True)
+                 if m in levels.get(g.get("rank"), {})] for m in ("tflops", "hbm_gbps")}
     return [("aiv_gpu_matmul_tflops", "Performance screen: the GPU's square matmul rate in TFLOPS (10^12 floating "
              "point operations per second; bf16 on GPUs, fp32 on CPU).", tflops),
             ("aiv_gpu_memory_bandwidth_gbps", "Performance screen: the GPU's device-memory copy rate in GB/s "
@@ -342,10 +342,7 @@ def render_metrics(state):
     families = (_metrics_run(state) + _metrics_checks(state) + _metrics_node_status(state)
                 + _metrics_gpus(state, screen) + _metrics_numerics(state) + _metrics_intra(screen)
                 + _metrics_inter(screen) + _metrics_phases(state) + _metrics_drain(state))
-    lines = []
-    for name, text, samples in families:
-        lines += _metrics_family(name, text, samples) or []
-    return "\n".join(lines) + "\n"
+    return metrics_text(families)
 
 
 def verdict_state(run, found, code, drain):

@@ -2,7 +2,7 @@
 import html
 import math
 
-from ..core.base import _screen_key, _screen_sorted, compress_hostlist
+from ..core.base import _screen_key, _screen_sorted, compress_hostlist, group_by
 from ..core.deadlines import PHASES
 from ..screen.gpu import band_level, gpu_levels, gpu_refs, judging_lines
 from ..screen.judge import _intra_class, _intra_class_text, _screen_hca, intra_levels, screen_diagnose
@@ -193,9 +193,7 @@ def _html_nccl_view(state, limit=64):
             f"{table}</div></section>")
 
 
-def _html_gpu_levels(screen):
-    """gpu_levels (the judge's references and levels), for the page."""
-    return gpu_levels(screen)
+_html_gpu_levels = gpu_levels  # the judge's references and levels, for the page
 
 
 def _html_worst(levels):
@@ -218,10 +216,8 @@ def _html_node_levels(state):
 def _html_nodes(state):
     """{host: [rank record or screen row, ...]} in natural order (ranks, else the screen's GPU rows)."""
     recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []
-    nodes = {}
-    for r in sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)):
-        nodes.setdefault(r.get("host"), []).append(r)
-    return nodes
+    return group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
+                    lambda r: r.get("host"))
 
 
 def _html_gpu_cell(r, gl):
@@ -271,11 +267,6 @@ FLAGGED_BARS_MAX = 64   # ... at most this many of those (the lowest first), the
 BREAK_RATIO = 2.0       # a line this far above every value and every reference is drawn above a broken axis
 
 
-def _html_v(x):
-    """A measured value as text: 3 significant digits (0.0921, 12.3, 670, 4213), never rounded to nothing."""
-    return _s3(x)
-
-
 def _html_step(top):
     """A round tick step (1, 2 or 5 x 10^k) giving about five ticks from 0 to top."""
     raw = max(top, 1e-12) / 5
@@ -311,7 +302,7 @@ def _html_chart_geometry(bars, lines):
     slot = max(16.0, 680.0 / n)
     flat = slot >= 64  # room for labels written across
     name_h = 32 if flat else 10 + 6.2 * max([len(b[0]) for b in bars] + [4])
-    val_h = 16 if slot >= 44 else 10 + 6.2 * max([len(_html_v(v)) for v in vals] + [1])
+    val_h = 16 if slot >= 44 else 10 + 6.2 * max([len(_s3(v)) for v in vals] + [1])
     left, right, plot_h = 60, 330, 200
     brk_h = 16 * len(broken) + 22 if broken else 0
     y0 = 8 + brk_h + val_h
@@ -332,7 +323,7 @@ def _html_chart_axis(g, unit):
     while t <= top * (1 + 1e-9):
         yt = _html_chart_y(g, t)
         out.append(f'<line class="tick" x1="{left}" x2="{left + w:.1f}" y1="{yt:.1f}" y2="{yt:.1f}"/>'
-                   f'<text x="{left - 5}" y="{yt + 4:.1f}" text-anchor="end">{_html_v(t) if t else "0"}</text>')
+                   f'<text x="{left - 5}" y="{yt + 4:.1f}" text-anchor="end">{_s3(t) if t else "0"}</text>')
         t += g["step"]
     out.append(f'<text class="unit" x="{left - 5}" y="{g["y0"] - g["val_h"] + 2:.1f}" text-anchor="end">'
                f'{_html_e(unit)}</text>')
@@ -352,7 +343,7 @@ def _html_chart_bar(g, i, name, v, lv, tip):
         out.append(f'<rect class="bar b-{lv}" x="{x + 1:.1f}" y="{yb:.1f}" width="{bw:.1f}" '
                    f'height="{max(y0 + plot_h - yt, 1):.1f}" data-gpu="{_html_e(name)}" '
                    f'data-value="{float(v):.6g}" data-level="{lv}"><title>{_html_e(tip)}</title></rect>')
-        vt, vy = _html_v(v), yb - 3
+        vt, vy = _s3(v), yb - 3
         out.append(f'<text class="val v-{lv}" x="{cx:.1f}" y="{vy:.1f}" text-anchor="middle">{vt}</text>'
                    if slot >= 44 else
                    f'<text class="val v-{lv}" transform="translate({cx + 3.5:.1f},{vy:.1f}) rotate(-90)">'
@@ -426,10 +417,10 @@ def _html_ranges(cid, groups, lines, unit, caption):
     out = [f'<rect class="grid" x="{left}" y="8" width="{w:.0f}" height="{h}"/>']
     step = _html_step(top)
     for i in range(int(top / step) + 1):
-        out.append(f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_html_v(i * step) if i else 0}'
+        out.append(f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_s3(i * step) if i else 0}'
                    '</text>')
     for i, (host, vs, lv) in enumerate(groups):  # a bar up to the node's lowest GPU, its range above it
-        tip = f"{_html_e(host)}: {_html_v(min(vs))}-{_html_v(max(vs))} {_html_e(unit)} [{lv}]"
+        tip = f"{_html_e(host)}: {_s3(min(vs))}-{_s3(max(vs))} {_html_e(unit)} [{lv}]"
         out.append(f'<rect x="{left + i * bw:.2f}" y="{y(min(vs)):.1f}" width="{max(bw, 0.8):.2f}" '
                    f'height="{max(8 + h - y(min(vs)), 1):.1f}" class="rng b-{lv}" data-gpu="{_html_e(host)}" '
                    f'data-value="{min(vs):.6g}" data-level="{lv}"><title>{tip}</title></rect>'
@@ -479,7 +470,7 @@ def _html_gpu_chart(screen, gl, refs, metric, unit, model=None):
         value = v[0] if v else None
         lv = _html_worst([v[2] if v else "NA", band_level(value, r.get("host"), mine)])
         tip = (f"{r.get('host')} rank {r.get('rank')} local rank {r.get('local_rank')} {r.get('uuid') or ''}: "
-               + (f"{_html_v(value)} {unit} = {v[1]:.3f} of the reference [{lv}]" if v else "not measured"))
+               + (f"{_s3(value)} {unit} = {v[1]:.3f} of the reference [{lv}]" if v else "not measured"))
         bars.append((_html_gpu_name(r, cpu), value, lv, tip))
     slow = [b for b in bars if b[2] in ("FAIL", "WARN")]
     caption = (f"{_html_e(unit)} per {'CPU rank' if cpu else 'GPU'} of {_html_e(model)} <span class=\"muted small\">"
@@ -548,7 +539,7 @@ def _html_intra(screen):
             v = p.get("busbw")
             lv = _html_worst([levels[p["host"]][0], band_level(v, p["host"], band)])
             bars.append((str(p["host"]), v, lv, f"{p['host']}: intra-node all_reduce busbw "
-                         + (f"{_html_v(v)} GB/s [{lv}]" if v is not None else "failed")))
+                         + (f"{_s3(v)} GB/s [{lv}]" if v is not None else "failed")))
         alone = "" if refs[cls].get("count", 0) >= 2 else "; one node: no peers to judge it against"
         charts.append(_html_chart(f"intra-{k}", bars, lines, "GB/s",
                                   f"intra-node busbw of {_html_e(_intra_class_text(cls))} <span class=\"muted small\">"
@@ -599,7 +590,7 @@ def _html_rail_marks(pairs, idx, rail, d, c, bad):
                                                 f'class="{cls}"><title>{_html_e(tip)}</title></rect>')
             if c >= CELL_NUMBERS_MIN:  # the value itself, where the cell holds it
                 cells.append(f'<text class="cv c-{cls}" x="{x + w / 2:.1f}" y="{y + w / 2 + 3:.1f}" '
-                             f'text-anchor="middle">{"failed" if bw is None else _html_v(bw)}</text>')
+                             f'text-anchor="middle">{"failed" if bw is None else _s3(bw)}</text>')
             if k in lone:
                 boxes.append(f'<rect x="{x - 2:.1f}" y="{y - 2:.1f}" width="{w + 4:.1f}" height="{w + 4:.1f}" '
                              f'class="suspect"><title>suspect link: {_html_e(tip)}</title></rect>')
@@ -678,7 +669,7 @@ def _html_slow_pairs(pairs, d, floor):
         below = floor is not None and float(bw or 0.0) < floor
         rows.append(f'<tr><td><span class="st {d["levels"][k]}">{d["levels"][k]}</span></td>'
                     f'<td><code>{_html_e(" - ".join(map(str, m["nodes"])))}</code></td><td>{_html_e(m["rail"])}</td>'
-                    f'<td>{"failed" if bw is None else _html_v(bw)}</td><td>{_html_v(ref["ref"] or 0)} '
+                    f'<td>{"failed" if bw is None else _s3(bw)}</td><td>{_s3(ref["ref"] or 0)} '
                     f'({_html_e(ref["how"])})</td><td>{float(bw or 0.0) / (ref["ref"] or 1.0):.2f}'
                     + (f" (below --min-busbw-inter {floor:g})" if below else "") + "</td></tr>")
     more = (f'<p class="muted small">and {len(slow) - SLOW_ROWS_MAX} more</p>' if len(slow) > SLOW_ROWS_MAX else "")

@@ -1,6 +1,7 @@
 """Floor 4: the report: topology, environment, fabric, collectives, performance, soak, findings."""
 import json
 import re
+from collections import Counter
 
 from ..checks.judge import _by_host, _import_state, screen_reference
 from ..core.base import (
@@ -10,6 +11,7 @@ from ..core.base import (
     compress_hostlist,
     finding_rows,
     format_ranges,
+    group_by,
     human_bytes,
 )
 from ..core.deadlines import DRAIN_S, PHASES
@@ -44,9 +46,7 @@ def _perf_gpu_lines(screen, cpu):
         L.append(f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
                  + (_screen_ref_text(iref, 'GB/s', 'nodes') if iref["count"] >= 2 else
                     "none among peers (1 node of its class)"))
-    by_host = {}
-    for r in per_rank:
-        by_host.setdefault(r.get("host"), []).append(r)
+    by_host = group_by(per_rank, lambda r: r.get("host"))
     hosts = _screen_sorted(set(by_host) | set(ibw))
     rows, healthy = [], []
     for h in hosts:
@@ -91,9 +91,7 @@ def _perf_pair_lines(screen, cpu):
          + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
          "  groups per round: " + " ".join(f"{r}:{len(g)}" for r, g in sorted(rounds.items(), key=lambda x: str(x[0])))
          + f"; {len(results)} measurement(s), {len(slow)} slow"]
-    by_group = {}
-    for i, m in enumerate(results):
-        by_group.setdefault((m.get("round"), tuple(m["nodes"])), []).append(i)
+    by_group = group_by(range(len(results)), lambda i: (results[i].get("round"), tuple(results[i]["nodes"])))
     show_all = len(d["nodes"]) <= SCREEN_RENDER_ALL
     listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
     for rnd, g in listed[: None if show_all else SCREEN_RENDER_SLOW]:
@@ -153,10 +151,7 @@ def _perf_read_lines(screen):
     full = sum(r["pcie_width"] >= (r.get("pcie_width_max") or 0) and r["pcie_speed"] >= (r.get("pcie_speed_max") or 0)
                for r in links)
     sm = [float(r["sm_mhz"]) for r in rows if r.get("sm_mhz") is not None]
-    limits = {}
-    for r in rows:
-        for n in throttle_names(r.get("throttle")):
-            limits[n] = limits.get(n, 0) + 1
+    limits = Counter(n for r in rows for n in throttle_names(r.get("throttle")))
     parts = [f"PCIe at its maximum width and speed on {full}/{len(links)}" if links else "PCIe link not readable",
              f"SM clock min/median {min(sm):.0f}/{_screen_median(sm):.0f} MHz" if sm else "clocks not read",
              "clock limits: " + (", ".join(f"{n} on {k}" for n, k in sorted(limits.items())) or "none"),

@@ -6,7 +6,7 @@ import re
 
 from ..checks.judge import screen_reference
 from ..checks.manifest import BAND_MIN_RUNS, BAND_SLACK, BAND_SLACK_CPU, _band_points, _host_classes
-from ..core.base import _screen_sorted, finding
+from ..core.base import _screen_sorted, finding, group_by
 from ..core.blame import unlocalised
 from ..core.names import THROTTLE_FAULTS, throttle_names
 from .plan import (
@@ -37,14 +37,8 @@ from .plan import (
 # board, TFLOPS and GB/s from a clean run of this tool on a healthy, idle GPU (the screen-gpu progress
 # line) lowered by a few percent, and a comment saying where the numbers come from.
 SCREEN_TABLE_FAIL = 0.70    # GPU TFLOPS or memory GB/s below 0.70 of its model's row: FAIL
-
-
 SCREEN_TABLE_WARN = 0.85    # ... below 0.85: WARN
-
-
 GPU_TABLE_EXCLUDE = r"\b(pcie|nvl)\b"
-
-
 GPU_TABLE = (  # (row, pattern, TFLOPS, GB/s)
     # measured by this tool on H200 SXM 141 GB: 670-686 TFLOPS, 4,212-4,213 GB/s (20 back-to-back
     # matmuls elsewhere: 760-790); set below the lowest run. "NVIDIA H200" (not GH200, not H200 NVL)
@@ -91,9 +85,7 @@ def gpu_refs(per_rank, floors, cpu=False, bands=None):
     """Per model and metric what the GPUs were judged against: {(model, metric): {'peers': screen_reference,
     'table': {'row', 'ref'}|None (never on CPU), 'floor': float|None, 'against': screen_against(...)}}.
     bands: the names of the manifest's judging bands (screen_band_names), or None when not known here."""
-    by_model, out = {}, {}
-    for r in per_rank:
-        by_model.setdefault(r.get("model") or "unknown", []).append(r)
+    by_model, out = group_by(per_rank, lambda r: r.get("model") or "unknown"), {}
     for model, rs in sorted(by_model.items()):
         row = None if cpu else gpu_table_row(model)
         for metric, unit, floor_name in SCREEN_GPU_METRICS:

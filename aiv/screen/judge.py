@@ -4,7 +4,7 @@ culprits, GPU facts under load."""
 
 from ..checks.judge import screen_reference
 from ..checks.manifest import BAND_MIN_RUNS, _band_points, _host_classes
-from ..core.base import _screen_key, _screen_median, _screen_sorted, compress_hostlist, finding, format_ranges
+from ..core.base import _screen_key, _screen_median, _screen_sorted, compress_hostlist, finding, format_ranges, group_by
 from ..core.blame import unlocalised
 from .gpu import gpu_refs
 from .plan import (
@@ -57,9 +57,7 @@ def intra_levels(per_node, min_busbw=None, cpu=False):
     """-> ({class: screen_reference}, {host: (level, class)}) for judge_intra's rows; the reference is
     taken per (ranks per node, GPU model) class (_intra_class)."""
     fail, warn = screen_fractions("net", cpu)
-    by_cls = {}
-    for p in per_node:
-        by_cls.setdefault(_intra_class(p), []).append(p)
+    by_cls = group_by(per_node, _intra_class)
     refs = {k: screen_reference(p.get("busbw") for p in ps) for k, ps in by_cls.items()}
     peers = {k: r if r["count"] >= 2 else {} for k, r in refs.items()}  # one node is its own maximum: no peers
     return refs, {p["host"]: (screen_level(p.get("busbw"), peers[_intra_class(p)], fail, warn, min_busbw),
@@ -69,9 +67,7 @@ def intra_levels(per_node, min_busbw=None, cpu=False):
 def intra_against(per_node, min_busbw=None, bands=None):
     """What each class of intra-node rows was judged against (screen_against): its peers from 2 nodes on, the
     floor, the manifest band; never a table (no per-model numbers for NVLink/NVSwitch/PCIe busbw)."""
-    by_cls = {}
-    for p in per_node:
-        by_cls.setdefault(_intra_class(p), []).append(p)
+    by_cls = group_by(per_node, _intra_class)
     out = {}
     for k, ps in sorted(by_cls.items(), key=str):
         band = None if bands is None else next((b for b in [f"intra.busbw/{k[0] or 0} ranks"] if b in bands), "")
@@ -312,9 +308,7 @@ def _screen_rails_text(rails, all_rails):
 def _pair_node_findings(results, d):
     """One finding per culprit node: its rails (every rail: the node as a whole), HCAs, partners, speed."""
     ev = _pair_evidence(results, d["levels"])
-    out, by_node = [], {}
-    for n, rail in d["culprits"]:
-        by_node.setdefault(n, []).append(rail)
+    out, by_node = [], group_by(d["culprits"], lambda c: c[0], lambda c: c[1])
     for n in _screen_sorted(by_node):
         rails = sorted(by_node[n])
         own = sorted({m["rail"] for m in results if n in m["nodes"]})
@@ -361,9 +355,8 @@ def _pair_node_findings(results, d):
 def _pair_link_findings(results, d):
     """One finding per group whose slow measurements no culprit explains: the link or path between them.
     Both ends fine with other partners (after round 3): a suspect link, WARN at most, naming no host."""
-    ev, groups = _pair_evidence(results, d["levels"]), {}
-    for i in d["links"]:
-        groups.setdefault(tuple(_screen_sorted(results[i]["nodes"])), []).append(i)
+    ev = _pair_evidence(results, d["levels"])
+    groups = group_by(d["links"], lambda i: tuple(_screen_sorted(results[i]["nodes"])))
     out = []
     for g in sorted(groups, key=lambda g: [_screen_key(x) for x in g]):
         idx = groups[g]

@@ -1,5 +1,7 @@
 """Floor 3: the soak's judges (--soak): a GPU whose matmul speed decays under sustained load, or whose
 clocks slow for heat or power, named with its host."""
+from collections import Counter
+
 from ..checks.numerics import judge_numerics_soak
 from ..core.base import finding
 from ..core.names import throttle_names
@@ -76,10 +78,7 @@ def judge_soak(rows, cpu=False):
         ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
                   r.get("tflops_last") is not None]
         temps = [r["temp_max_c"] for r in rows if r.get("temp_max_c") is not None]
-        limits = {}
-        for r in rows:
-            for n in throttle_names(r.get("throttle_seen")):
-                limits[n] = limits.get(n, 0) + 1
+        limits = Counter(n for r in rows for n in throttle_names(r.get("throttle_seen")))
         none = [r for r in rows if not r.get("telemetry") or not r.get("samples")]
         parts = [f"the slowest held {min(ratios):.2f} of its first window" if ratios else "too short to time windows",
                  f"max temperature {max(temps):g} C" if temps else None,
