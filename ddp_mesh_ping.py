@@ -10725,52 +10725,10 @@ def store_server(dist, addr, port, t, listen_fd):
         return dist.TCPStore(addr, port, None, True, t, wait_for_workers=False)
 
 
-class StoreProtocol:
-    """The run's side channel: one TCPStore that every rank reaches, served by rank 0 (or, under
-    torchrun, by the agent). A TCPStore client serialises its operations, so each thread that
-    blocks on the store has its own connection (clone()). Every value is sealed (Seal: the job's
-    secret and the run id); a value that does not unseal is never believed: it is dropped and kept in
-    `forged` (shared by the clones), and a rank other than 0 reports it to rank 0 under `forged`.
-    Counters (arrived, nerr, acks, screen/<round>/n) cannot be signed: they only wake a reader, who
-    then counts the sealed records. Every key, under one prefix:
-
-      world          {"world": N, "run": run id}: the world size every rank is held to, and the
-                     run id every value is bound to (said markers, node monitors)   rank 0, first
-      who/<rank>     'pid P on HOST' of the rank's first claimant (compare_set)   each rank
-      strays         processes refused at the check-in (JSON lines, stray_reason)   a stray
-      id/<rank>      identity at the roll call (JSON)             each rank
-      arrived        ranks checked in (counter); all_arrived      each rank; the last one
-      hello/<rank>, hellos  its process reached the store (its host, unsigned: a wake-up; a forged one only keeps
-                     the roll call at its own bound); how many (counter)   each rank but 0, before torch
-      node/<host>    [[rank, pid], ...] of a node, for its monitor rank 0
-      stamp/<rank>   index in PHASES of the last phase finished   each rank
-      live/<host>    {"seq": n, "ranks": {rank: state}}           each node's monitor
-      monitor/<host> the monitor's check of its own client (unsigned: read by nobody else)   each node's monitor
-      gate/<name>    rank 0's go after the roll call and the judge rank 0
-      errors, nerr   error lines (JSON, appended) and their count  any rank
-      forged         values a rank refused (JSON lines: key, why, claim)   any rank but 0
-      verdict        rank 0's exit code: listeners exit with it   rank 0
-      ask            rank 0's question when a phase did not finish ('1'): each rank's listener, which waits
-                     on this key, answers under posts/issued; set to 'verdict' after the verdict (the
-                     listener then takes the verdict)   rank 0
-      ack/<rank>, acks  a rank read the verdict; how many did (counter)   each rank
-      screen/q<k>/<rank>                                          rank 0
-                     the rank's part of the screen loop's k-th batch (JSON: its group, the batch's group
-                     creation from screen_rank_plans), or {"done": true} after the last batch
-      screen/<round> a batch's measurements, one JSON line per rank (appended): gpu, intra, p1-p3, b<k>
-                     (every rank posts every batch it reaches, also outside any group)   each rank
-      screen/<round>/n, screen/<round>/all  posts counted; set by the last of the world  each rank
-      gate/screen    rank 0's go after the screen's judgement     rank 0
-      posts/<name>   a fan-in to rank 0, one JSON line per rank (appended): telemetry (identity and
-                     node facts), results (the collectives' and DDP step's), issued (the last collective
-                     each rank issued on each of its groups, when rank 0 asked)   each rank
-      posts/<name>/n, posts/<name>/all  posts counted; set by the last of the world   each rank
-    Measurements travel here, not through a collective of the world, so that a hung group of two
-    nodes cannot hang the others: rank 0 waits for the keys within the phase's bound and names the
-    groups whose members did not post. The telemetry and the results come here too (not gather_object,
-    which on NCCL is world - 1 point-to-point connections into rank 0): rank 0 reads the whole world's
-    posts in one read of one key. Nothing here is unpickled: every payload is JSON or a number.
-    """
+class SealedStore:
+    """The side channel's wire, under every key of StoreProtocol: the store (under the run's prefix; raw,
+    the bare client), each value written sealed (Seal) and read only when it unseals; a value that does
+    not is refused, kept in `forged` (shared by the clones) and, by a rank other than 0, told to rank 0."""
 
     def __init__(self, store, raw=None, prefix=None, seal=None, shared=None):
         self.store, self.raw, self.prefix = store, raw, prefix
@@ -10781,33 +10739,6 @@ class StoreProtocol:
         self.forged = self.shared["forged"]
         self.rank = self.world = None
         self.tells = False  # refusals are reported to rank 0 (every process but rank 0's)
-
-    @classmethod
-    def open(cls, dist, addr, port, timeout, prefix, listen_fd=None, seal=None):
-        """Serve the store on a socket rank 0 bound itself (listen_fd), or connect to it."""
-        t = datetime.timedelta(seconds=timeout)
-        if listen_fd is None:
-            raw = dist.TCPStore(addr, port, None, False, t)
-        else:
-            raw = store_server(dist, addr, port, t, listen_fd)
-        p = cls(dist.PrefixStore(prefix, raw), raw, prefix, seal)
-        p.dial = lambda: dist.PrefixStore(prefix, dist.TCPStore(addr, port, None, False, t))
-        return p
-
-    dial = None  # open(): a new client connection to the same store (clone() where torch has no Store.clone)
-
-    def clone(self):
-        """Another connection to the same store, for another thread: Store.clone (torch >= 2.8), else a new
-        TCPStore client to the same host:port with the same timeout (dial)."""
-        try:
-            store = self.store.clone() if hasattr(self.store, "clone") or self.dial is None else self.dial()
-        except NotImplementedError:
-            if self.dial is None:
-                raise
-            store = self.dial()
-        c = StoreProtocol(store, None, self.prefix, self.seal, self.shared)
-        c.rank, c.world, c.tells, c.dial = self.rank, self.world, self.tells, self.dial
-        return c
 
     @property
     def run(self):
@@ -10894,7 +10825,21 @@ class StoreProtocol:
         """Whether a forgery of this key, for this reason, is kept already."""
         return any(f["key"] == entry.get("key") and f["why"] == entry.get("why") for f in self.forged)
 
-    # -- roll call
+    def _existing(self, keys):
+        """The keys of `keys` that exist (one round trip when all do): a read never waits for a key."""
+        if not keys or self.store.check(keys):
+            return keys
+        return [k for k in keys if self.store.check([k])]
+
+    def _values(self, keys):
+        return self.store.multi_get(keys) if keys else []
+
+
+class StoreRollCall:
+    """The roll call's keys (world, who/<rank>, strays, id/<rank>, arrived, all_arrived, hello/<rank>, hellos,
+    node/<host>; StoreProtocol lists them): the world record and its run id, each rank's check-in, who
+    arrived, their identities, each node's ranks for its monitor. Mixed into StoreProtocol."""
+
     def publish_world(self, world):
         """Rank 0, before its check-in: the world size every rank is held to, and the run id."""
         nonce = os.urandom(8).hex()
@@ -11022,6 +10967,81 @@ class StoreProtocol:
         """A node's [[rank, pid, start], ...] (None when the record does not unseal)."""
         payload = self._open(f"node/{host}", self.store.get(f"node/{host}"))
         return None if payload is None else json.loads(payload)
+
+
+class StoreProtocol(StoreRollCall, SealedStore):
+    """The run's side channel: one TCPStore that every rank reaches, served by rank 0 (or, under
+    torchrun, by the agent). A TCPStore client serialises its operations, so each thread that
+    blocks on the store has its own connection (clone()). Every value is sealed (Seal: the job's
+    secret and the run id); a value that does not unseal is never believed: it is dropped and kept in
+    `forged` (shared by the clones), and a rank other than 0 reports it to rank 0 under `forged`.
+    Counters (arrived, nerr, acks, screen/<round>/n) cannot be signed: they only wake a reader, who
+    then counts the sealed records. Every key, under one prefix:
+
+      world          {"world": N, "run": run id}: the world size every rank is held to, and the
+                     run id every value is bound to (said markers, node monitors)   rank 0, first
+      who/<rank>     'pid P on HOST' of the rank's first claimant (compare_set)   each rank
+      strays         processes refused at the check-in (JSON lines, stray_reason)   a stray
+      id/<rank>      identity at the roll call (JSON)             each rank
+      arrived        ranks checked in (counter); all_arrived      each rank; the last one
+      hello/<rank>, hellos  its process reached the store (its host, unsigned: a wake-up; a forged one only keeps
+                     the roll call at its own bound); how many (counter)   each rank but 0, before torch
+      node/<host>    [[rank, pid], ...] of a node, for its monitor rank 0
+      stamp/<rank>   index in PHASES of the last phase finished   each rank
+      live/<host>    {"seq": n, "ranks": {rank: state}}           each node's monitor
+      monitor/<host> the monitor's check of its own client (unsigned: read by nobody else)   each node's monitor
+      gate/<name>    rank 0's go after the roll call and the judge rank 0
+      errors, nerr   error lines (JSON, appended) and their count  any rank
+      forged         values a rank refused (JSON lines: key, why, claim)   any rank but 0
+      verdict        rank 0's exit code: listeners exit with it   rank 0
+      ask            rank 0's question when a phase did not finish ('1'): each rank's listener, which waits
+                     on this key, answers under posts/issued; set to 'verdict' after the verdict (the
+                     listener then takes the verdict)   rank 0
+      ack/<rank>, acks  a rank read the verdict; how many did (counter)   each rank
+      screen/q<k>/<rank>                                          rank 0
+                     the rank's part of the screen loop's k-th batch (JSON: its group, the batch's group
+                     creation from screen_rank_plans), or {"done": true} after the last batch
+      screen/<round> a batch's measurements, one JSON line per rank (appended): gpu, intra, p1-p3, b<k>
+                     (every rank posts every batch it reaches, also outside any group)   each rank
+      screen/<round>/n, screen/<round>/all  posts counted; set by the last of the world  each rank
+      gate/screen    rank 0's go after the screen's judgement     rank 0
+      posts/<name>   a fan-in to rank 0, one JSON line per rank (appended): telemetry (identity and
+                     node facts), results (the collectives' and DDP step's), issued (the last collective
+                     each rank issued on each of its groups, when rank 0 asked)   each rank
+      posts/<name>/n, posts/<name>/all  posts counted; set by the last of the world   each rank
+    Measurements travel here, not through a collective of the world, so that a hung group of two
+    nodes cannot hang the others: rank 0 waits for the keys within the phase's bound and names the
+    groups whose members did not post. The telemetry and the results come here too (not gather_object,
+    which on NCCL is world - 1 point-to-point connections into rank 0): rank 0 reads the whole world's
+    posts in one read of one key. Nothing here is unpickled: every payload is JSON or a number.
+    """
+
+    @classmethod
+    def open(cls, dist, addr, port, timeout, prefix, listen_fd=None, seal=None):
+        """Serve the store on a socket rank 0 bound itself (listen_fd), or connect to it."""
+        t = datetime.timedelta(seconds=timeout)
+        if listen_fd is None:
+            raw = dist.TCPStore(addr, port, None, False, t)
+        else:
+            raw = store_server(dist, addr, port, t, listen_fd)
+        p = cls(dist.PrefixStore(prefix, raw), raw, prefix, seal)
+        p.dial = lambda: dist.PrefixStore(prefix, dist.TCPStore(addr, port, None, False, t))
+        return p
+
+    dial = None  # open(): a new client connection to the same store (clone() where torch has no Store.clone)
+
+    def clone(self):
+        """Another connection to the same store, for another thread: Store.clone (torch >= 2.8), else a new
+        TCPStore client to the same host:port with the same timeout (dial)."""
+        try:
+            store = self.store.clone() if hasattr(self.store, "clone") or self.dial is None else self.dial()
+        except NotImplementedError:
+            if self.dial is None:
+                raise
+            store = self.dial()
+        c = StoreProtocol(store, None, self.prefix, self.seal, self.shared)
+        c.rank, c.world, c.tells, c.dial = self.rank, self.world, self.tells, self.dial
+        return c
 
     # -- progress and liveness
     def stamp(self, rank, phase):
@@ -11241,15 +11261,6 @@ class StoreProtocol:
         for key in sorted(self.shared["lists"] | {"errors", "strays"}):
             self._lines(key)
         return self.forgeries()
-
-    def _existing(self, keys):
-        """The keys of `keys` that exist (one round trip when all do): a read never waits for a key."""
-        if not keys or self.store.check(keys):
-            return keys
-        return [k for k in keys if self.store.check([k])]
-
-    def _values(self, keys):
-        return self.store.multi_get(keys) if keys else []
 
 
 
@@ -12397,60 +12408,8 @@ class ScreenCoordinator:
 
 
 
-# ============================================================================ aiv/run/rank.py
-# Floor 5 (runtime): RankRun, what every rank runs: the phases in order, each under its bound.
-def speak_once_per_node(text, env, local_rank=0, topic="run"):
-    """Lines a rank prints for itself or for rank 0 when rank 0 cannot: once per node. The first local
-    rank (lowest first) to mark a node-local file keyed by job, step, launcher (the parent process all
-    ranks of a node share under srun, torchrun and local mode: its pid and start time) and topic (the
-    port, and the run's nonce once the roll call gave one), under an fcntl lock, prints; the others
-    stay silent. A marker older than MARK_TTL never silences a later run. Returns whether this
-    process printed."""
-    time.sleep(min(max(local_rank, 0), 20) * 0.05)
-    path = said_marker(env, topic, launch_key(os.getppid()))
-    sweep_said()
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
-            said = os.read(fd, 32).decode(errors="replace")
-            if said and time.time() - float(said or 0) < MARK_TTL:
-                return False
-            os.lseek(fd, 0, os.SEEK_SET)
-            os.write(fd, f"{time.time():.3f}".ljust(32).encode())  # older than MARK_TTL: another run's
-        finally:
-            os.close(fd)
-    except (OSError, ValueError):
-        pass  # no node-local coordination here: better a line twice than never
-    emit(text)
-    return True
-
-
-PROGRESS = {
-    "contract": "contract: rank {rank} of {world}, local_rank {local_rank}, master {master}; {how}",
-    "local": "local: backend {backend}, device {device}, interfaces checked: {ifaces}, {failed} local check(s) "
-             "failed (import torch {import_s:.2f}s)",
-    "rollcall_open": "rendezvous: store at {master}, roll call of {world} rank(s) within {seconds:g}s",
-    "rollcall": "rendezvous: {present}/{world} rank(s) checked in ({secs:.2f}s); pre-init checks (layout, "
-                "GPU affinity, device, local) {result}",
-    "init": "init: {backend} process group of {world} ready ({secs:.2f}s)",
-    "telemetry": "telemetry: gathered from {ranks} rank(s), max {size} B per rank ({secs:.2f}s); node checks: "
-                 "{counts}",
-    "collective": "collective: all_reduce of rank-encoded integers on {world} rank(s) ({secs:.2f}s)",
-    "ddp": "ddp: DDP step on nn.Linear(10, 10), results gathered ({secs:.2f}s)",
-    "bandwidth": "bandwidth: {size} all_reduce {us:.1f} us, algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s",
-    "screen_gpu": "screen-gpu: {n} {what}: matmul {tflops} TFLOPS, memory copy {hbm} GB/s (min/median) ({secs:.2f}s)",
-    "screen_net": "screen-net: {detail}; screen findings: {counts} ({secs:.2f}s)",
-    "soak": "soak: {n} {what} loaded at once for {seconds:g}s: {detail}; soak findings: {counts} ({secs:.2f}s)",
-    "verdict": "verdict: {verdict} (exit {code}); findings: {counts}",
-}
-
-
-HEADER = (BAR, "ai-infra-validator {version} ddp_mesh_ping  {started}  host={host}", "Total Execution Ranks: {world}",
-          "Master: {master} ({port_from})  launch: {launch}  deadlines: roll call {rollcall:g}s, each later phase "
-          "{timeout:g}s  expect: {expect}", BAR)
-
-
+# ============================================================================ aiv/run/setup.py
+# Floor 5 (runtime): a rank's set-up (RankSetup, mixed into RankRun): torch's and NCCL's variables before
 def _torch_older_than(version):
     """Whether the torch this python would import is older than version ((major, minor)), read from its
     metadata without importing it; unknown: True (the older torch's variable is set too, at worst a warning)."""
@@ -12462,140 +12421,42 @@ def _torch_older_than(version):
     return m is None or (int(m.group(1)), int(m.group(2))) < version
 
 
-class RankRun(ScreenRunner):
-    """What every rank runs: the phases of PHASES in order, each under deadline(phase), and the plumbing
-    they share. The two roles are subclasses (rank_run picks one):
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cycle collector off while a block imports torch: an import makes many objects and almost no
+    garbage, so the collections it sets off find nothing (measured, a 2-core machine: `import torch` 7%
+    less CPU, `torch._dynamo` 23% less: bench/import_gc.py). What garbage there is waits for the next
+    collection after the block."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
-      Coordinator  rank 0: serves the store, holds the roll call, judges every phase, owns the verdict
-                   (the report, the JSON, the exit code published on the store)
-      Follower     every other rank: reports its own error (if any) and exits with rank 0's code, which
-                   a listener thread reads even while the main thread is blocked in a collective; speaks
-                   for rank 0 when rank 0 gives no verdict in time
 
-    Every way a run ends goes through Verdict and end(). The hooks a role defines: end, grace,
-    enter_phase, own_error, open_store, before_check_in, after_check_in, phase_telemetry,
-    results_gathered, phase_final, expire, signalled, progress, header."""
+def ddp_imports():
+    """What the DDP constructor pulls in lazily (torch._dynamo), imported with the collector paused."""
+    with gc_paused():
+        import torch._dynamo  # noqa: F401
+        import torch.nn.parallel  # noqa: F401
 
-    on_tick = None  # the Coordinator's liveness tick; the others have none
-    beats = True  # a node leader beats for its node (rank 0 reads its own node's ranks from /proc)
 
-    def __init__(self, args, contract, env):
-        self.args, self.c, self.env = args, contract, env
-        self.rank, self.world, self.local_rank = contract["rank"], contract["world_size"], contract["local_rank"]
-        self.host = node_name(env)
-        self.addr, self.port = contract["master_addr"], contract["master_port"]
-        self.D = deadlines(args.timeout, args.rollcall_timeout, args.soak)
-        self.expect = dict(launcher_expectations(env), **{k: getattr(args, "expect_" + k) for k in
-                                                       ("world_size", "nodes", "ranks_per_node")
-                                                       if getattr(args, "expect_" + k) is not None})
-        self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, Findings(), [], {}
-        self.state_lock = threading.RLock()  # what the verdict copies (Coordinator.snapshot) is written under it
-        self.starts = {}  # phase -> seconds from start
-        self.proto = self.poll = self.master = None
-        self.backend = self.device = self.results = self.bandwidth = None
-        self.identity = None
-        self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
-        self.issued, self.stalled, self.wedged = Issued(), set(), set()  # what this rank issued last (issuing)
-        self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
-        self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
-        self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
-        self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
-        self.signal_seen = None  # SIGTERM or SIGINT, once on_signal took it
-        self.hello_stop = threading.Event()  # set once this rank checked in: its hello (say_hello) is not needed
-        self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
+def _warm_imports():
+    """ddp_imports, while this rank waits on the network (an error there is the DDP step's to report)."""
+    try:
+        ddp_imports()
+    except Exception:
+        pass
 
-    # ---------------------------------------------------------------- flow
-    def run(self):
-        """main() blocked SIGTERM and SIGINT in every thread before this object existed; one thread takes them."""
-        self.helper("aiv-signals", self.on_signal)
-        try:
-            self.header()
-            for phase in PHASES:
-                if (phase in SCREEN_PHASES and self.args.skip_screen) or (phase == "soak" and not self.args.soak):
-                    continue
-                with self.deadline(phase):
-                    getattr(self, "phase_" + phase.replace("-", "_"))()
-            raise Verdict(EXIT_INTERNAL, [finding("internal", "FAIL", "the phases ended without a verdict",
-                                                  code=EXIT_INTERNAL)])
-        except Verdict as v:
-            self.end(v)
-        except BaseException as e:  # a bug still ends in one line and an exit code, blaming no host
-            print_traceback(e)
-            self.end(Verdict(EXIT_INTERNAL, [internal_finding(e, f"rank {self.rank} on {self.host}")]))
 
-    @contextlib.contextmanager
-    def deadline(self, phase):
-        """The phase under its one Bound (armed on entry, disarmed on the way out, the stamp inside): a
-        torch error inside becomes this rank's Verdict, any other exception the tool's own (`internal`).
-        Rank 0 speaks first in every phase: after the roll call every phase starts at a gate rank 0 opens
-        (enter_phase), and the other ranks count their bound + RANK0_GRACE from that gate, however late
-        rank 0 got there."""
-        self.phase = phase
-        self.failpoint(phase, only=("skew",))
-        b = self.bound = Bound(self.wd, phase, self.D[phase], self.grace(phase))
-        try:
-            with b:
-                if PHASES.index(phase) > PHASES.index("rollcall") and self.proto is not None:
-                    self.enter_phase(b)
-                self.failpoint(phase, only=("raise",))
-                yield b
-                with self.state_lock:
-                    self.times[phase] = round(time.monotonic() - b.start, 3)
-                    self.starts[phase] = round(b.start - _T0, 3)
-                if self.proto is not None:  # under the bound: rank 0's store may have frozen meanwhile
-                    self.proto.stamp(self.rank, phase)
-        except Verdict:
-            raise
-        except Exception as e:
-            raise self.phase_error(phase, e) from None
-        finally:
-            with self.state_lock:
-                self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
-                self.starts.setdefault(phase, round(b.start - _T0, 3))
+class RankSetup:
+    """What a rank sets up before the roll call and keeps for the phases: its environment before torch, the
+    local phase (phase_local: torch, the local checks, its device, its identity), its device as torch names
+    it, and on a node leader the node's facts, the import probe and the liveness monitor. Mixed into
+    RankRun: the state it fills (identity, backend, device, bg) is the rank's."""
 
-    @property
-    def phase_t0(self):
-        """When the phase in progress started counting its bound (its Bound's start)."""
-        return self.bound.start
-
-    def grace(self, phase):
-        """What this role adds to a phase's bound before its watchdog speaks (Coordinator, Follower)."""
-        return 0.0
-
-    def enter_phase(self, bound):
-        """The start of each phase after the roll call (Coordinator opens its gate, Follower waits for it)."""
-
-    def phase_error(self, phase, exc):
-        """An error inside a phase. The tool's own (is_tool_error): the `internal` verdict, no host. A torch
-        error: posted on the store, then the role's own_error."""
-        if is_tool_error(exc):
-            return self.internal_error(phase, exc)
-        line = f"rank {self.rank} ({self.host}): {PHASE_WHAT[phase]} failed: {first_line(exc)}"
-        code = EXIT_TIMEOUT if re.search(r"[Tt]imed? ?out|timeout", str(exc)) else EXIT_FAIL
-        if self.proto is not None:
-            try:
-                self.proto.report_error(self.rank, phase, line, code)
-            except Exception:
-                pass
-        return self.own_error(phase, line, code)
-
-    def own_error(self, phase, line, code):
-        """A rank's own torch error in a phase: its host, its rank (rank 0 overrides this once it can name
-        who did not finish the phase)."""
-        return failed(PHASE_CHECK[phase], line, code, [self.host], [self.rank], blame="own")
-
-    def internal_error(self, phase, exc):
-        """The tool's own error in a phase: posted (so that rank 0 blames nobody for it), then a Verdict."""
-        print_traceback(exc)
-        f = internal_finding(exc, f"rank {self.rank} on {self.host}, during {phase}")
-        if self.proto is not None:
-            with contextlib.suppress(Exception):
-                self.proto.report_error(self.rank, phase, f"rank {self.rank} ({self.host}): {f['reason']}",
-                                        EXIT_INTERNAL, internal=True)
-        return Verdict(EXIT_INTERNAL, [f])
-
-    # ---------------------------------------------------------------- phases
     def before_torch(self):
         """What a rank sets up before it imports torch: its hello to rank 0's last call, torch's and NCCL's
         variables (error handling, the flight recorder)."""
@@ -12675,6 +12536,429 @@ class RankRun(ScreenRunner):
                 "run bootstrap_env.sh on this node or point the job at the shared venv (PYTORCH_ENV)")
         return Verdict(EXIT_USAGE, judge_no_torch({self.rank: {"line": line, "host": self.host}}, ()))
 
+    def _device(self):
+        return self.torch.device("cuda", self.device) if self.backend == "nccl" else self.torch.device("cpu")
+
+    def _dev_str(self):
+        return f"cuda:{self.device}" if self.device is not None else "cpu"
+
+    def local_checks(self, ifaces, expected):
+        """Checks before any communication. Returns (findings, gpu facts or None). With --backend auto
+        a rank that is expected to have GPUs (expected: gpus_expected's reason) but cannot use CUDA FAILs:
+        never a CPU run."""
+        import importlib.util
+        torch, dist = self.torch, self.dist
+        out, gpu, who = [], None, f"rank {self.rank} ({self.host})"
+        if importlib.util.find_spec("numpy") is None:
+            out.append(finding("local", "FAIL", f"numpy is not importable by {sys.executable} on {self.host} "
+                               f"(object collectives need it: pip install numpy)", [self.host]))
+        backend = self.args.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "gloo" and expected:
+                out.append(finding("device", "FAIL", f"{who}: GPUs expected ({expected}) but CUDA is unusable: "
+                                   f"{cuda_problem(torch)}", [self.host]))
+        self.backend = backend
+        if backend == "nccl" and not torch.cuda.is_available():
+            out.append(finding("device", "FAIL", f"{who}: --backend nccl but CUDA is unusable: "
+                               f"{cuda_problem(torch)}", [self.host]))
+        elif backend == "nccl" and not dist.is_nccl_available():
+            out.append(finding("local", "FAIL", f"torch {torch.__version__} on {self.host} has no NCCL", [self.host]))
+        elif backend == "nccl":
+            gpu = self._take_gpu(out, who)
+        elif not dist.is_gloo_available():
+            out.append(finding("local", "FAIL", f"torch {torch.__version__} on {self.host} has no gloo", [self.host]))
+        out += check_interfaces(self.env, ifaces, self.host)
+        for f in out:
+            f["ranks"] = [self.rank]
+        return out, gpu
+
+    def _take_gpu(self, out, who):
+        torch = self.torch
+        count = torch.cuda.device_count()
+        dev = 0 if count == 1 else self.local_rank
+        if dev >= count:
+            out.append(finding("device", "FAIL", f"{who}: LOCAL_RANK={self.local_rank} but only {count} GPU(s) "
+                               f"visible (CUDA_VISIBLE_DEVICES={self.env.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                               [self.host]))
+            return None
+        try:
+            torch.cuda.set_device(dev)
+            self.device = dev
+            return collect_gpu(torch, dev, self.args.sysfs_root)
+        except Exception as e:
+            if is_tool_error(e):  # the tool's own error: `internal`, never this GPU's fault
+                raise
+            out.append(finding("device", "FAIL", f"{who}: cuda:{dev} unusable: {first_line(e)}", [self.host]))
+            return None
+
+    def _collect_node(self, box):
+        try:
+            count = self.torch.cuda.device_count() if self.backend == "nccl" else 0
+            box["facts"] = collect_node_facts(self.args.sysfs_root, self.torch, self.backend, count, self.env)
+        except Exception as e:
+            box["internal" if is_tool_error(e) else "error"] = e if is_tool_error(e) else first_line(e)
+
+    def import_results(self, wait_s=None):
+        """Node leaders: the torchvision/torchaudio probe started at launch (usually done by now); taken once
+        (the screen takes it early, so that it measures a quiet node), within half the phase's time left."""
+        if self.bg.probe is None or self.bg.imports is not None:
+            return self.bg.imports
+        imports = self.bg.take_imports(min(IMPORT_PROBE_S, self.bound.left() / 2) if wait_s is None else wait_s)
+        with self.state_lock:
+            self.times["imports"] = self.bg.imports_s
+        return imports
+
+    def quiesce(self):
+        """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
+        node leader the import probe and the node monitor's first post), each wait
+        bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly."""
+        wait = self.bound.left() / 4
+        if self.bg.warm is not None:
+            self.bg.warm.join(timeout=wait)
+        self.import_results(min(IMPORT_PROBE_S, wait))
+        end = time.monotonic() + wait
+        while self.bg.monitor is not None and time.monotonic() < end and self.bg.monitor.poll() is None:
+            if "seq" in self.proto.live([self.host])[self.host]:
+                break
+            time.sleep(0.05)
+
+    def start_monitor(self):
+        """Node leaders: the liveness monitor of this node's ranks, a child process (node_monitor)."""
+        ranks = self.proto.node_ranks(self.host)
+        if ranks is None:  # refused (kept in forged, reported): no monitor posts on a list rank 0 did not write
+            return
+        cfg = {"addr": self.addr, "port": self.port, "prefix": self.proto.prefix, "host": self.host,
+               "ranks": ranks, "period": live_period(self.master["nodes"]),
+               "lifetime": worst_case(self.D, True, soak=bool(self.args.soak))}
+        cfg["run"] = self.proto.run  # it posts into this run's store only, never into a later run's
+        self.bg.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
+                                        env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)  # never holds the task's output open (srun)
+        if self.beats:  # rank 0 sees its own node's ranks in /proc
+            self.helper("aiv-beat", self.beat, cfg["period"])
+
+    def beat(self, period):
+        """A node leader's thread: the node's beat every liveness period, on a connection of its own. With
+        the monitor's posts, the second sign that the node reaches the store: a node is unreachable only
+        when both stop (settled_live). A store that went away ends it quietly (the run is ending, or rank 0
+        is gone, which the phases name); the tool's own error is raised (helper: said in the report)."""
+        try:
+            client = self.proto.clone()
+            while True:
+                client.beat(self.host)
+                time.sleep(period)
+        except Exception as e:
+            if is_tool_error(e):
+                raise
+
+
+
+# ============================================================================ aiv/run/guard.py
+# Floor 5 (runtime): what guards every rank's phases (RankGuard, mixed into RankRun): each phase under its
+def speak_once_per_node(text, env, local_rank=0, topic="run"):
+    """Lines a rank prints for itself or for rank 0 when rank 0 cannot: once per node. The first local
+    rank (lowest first) to mark a node-local file keyed by job, step, launcher (the parent process all
+    ranks of a node share under srun, torchrun and local mode: its pid and start time) and topic (the
+    port, and the run's nonce once the roll call gave one), under an fcntl lock, prints; the others
+    stay silent. A marker older than MARK_TTL never silences a later run. Returns whether this
+    process printed."""
+    time.sleep(min(max(local_rank, 0), 20) * 0.05)
+    path = said_marker(env, topic, launch_key(os.getppid()))
+    sweep_said()
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
+            said = os.read(fd, 32).decode(errors="replace")
+            if said and time.time() - float(said or 0) < MARK_TTL:
+                return False
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, f"{time.time():.3f}".ljust(32).encode())  # older than MARK_TTL: another run's
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        pass  # no node-local coordination here: better a line twice than never
+    emit(text)
+    return True
+
+
+class RankGuard:
+    """The plumbing around every phase of RankRun: deadline(phase) arms its Bound and turns an error inside
+    into a Verdict; on_expire and on_signal hand a bound passed or a signal to the role (expire,
+    signalled); exit() is every rank's way out. Mixed into RankRun: the state it uses (the bound, the
+    watchdog, the store, the deadlines) is the rank's. The hooks with a default here: grace, enter_phase,
+    own_error, expire_failed."""
+
+    # ---------------------------------------------------------------- each phase under its bound
+    @contextlib.contextmanager
+    def deadline(self, phase):
+        """The phase under its one Bound (armed on entry, disarmed on the way out, the stamp inside): a
+        torch error inside becomes this rank's Verdict, any other exception the tool's own (`internal`).
+        Rank 0 speaks first in every phase: after the roll call every phase starts at a gate rank 0 opens
+        (enter_phase), and the other ranks count their bound + RANK0_GRACE from that gate, however late
+        rank 0 got there."""
+        self.phase = phase
+        self.failpoint(phase, only=("skew",))
+        b = self.bound = Bound(self.wd, phase, self.D[phase], self.grace(phase))
+        try:
+            with b:
+                if PHASES.index(phase) > PHASES.index("rollcall") and self.proto is not None:
+                    self.enter_phase(b)
+                self.failpoint(phase, only=("raise",))
+                yield b
+                with self.state_lock:
+                    self.times[phase] = round(time.monotonic() - b.start, 3)
+                    self.starts[phase] = round(b.start - _T0, 3)
+                if self.proto is not None:  # under the bound: rank 0's store may have frozen meanwhile
+                    self.proto.stamp(self.rank, phase)
+        except Verdict:
+            raise
+        except Exception as e:
+            raise self.phase_error(phase, e) from None
+        finally:
+            with self.state_lock:
+                self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
+                self.starts.setdefault(phase, round(b.start - _T0, 3))
+
+    @property
+    def phase_t0(self):
+        """When the phase in progress started counting its bound (its Bound's start)."""
+        return self.bound.start
+
+    def grace(self, phase):
+        """What this role adds to a phase's bound before its watchdog speaks (Coordinator, Follower)."""
+        return 0.0
+
+    def enter_phase(self, bound):
+        """The start of each phase after the roll call (Coordinator opens its gate, Follower waits for it)."""
+
+    def phase_error(self, phase, exc):
+        """An error inside a phase. The tool's own (is_tool_error): the `internal` verdict, no host. A torch
+        error: posted on the store, then the role's own_error."""
+        if is_tool_error(exc):
+            return self.internal_error(phase, exc)
+        line = f"rank {self.rank} ({self.host}): {PHASE_WHAT[phase]} failed: {first_line(exc)}"
+        code = EXIT_TIMEOUT if re.search(r"[Tt]imed? ?out|timeout", str(exc)) else EXIT_FAIL
+        if self.proto is not None:
+            try:
+                self.proto.report_error(self.rank, phase, line, code)
+            except Exception:
+                pass
+        return self.own_error(phase, line, code)
+
+    def own_error(self, phase, line, code):
+        """A rank's own torch error in a phase: its host, its rank (rank 0 overrides this once it can name
+        who did not finish the phase)."""
+        return failed(PHASE_CHECK[phase], line, code, [self.host], [self.rank], blame="own")
+
+    def internal_error(self, phase, exc):
+        """The tool's own error in a phase: posted (so that rank 0 blames nobody for it), then a Verdict."""
+        print_traceback(exc)
+        f = internal_finding(exc, f"rank {self.rank} on {self.host}, during {phase}")
+        if self.proto is not None:
+            with contextlib.suppress(Exception):
+                self.proto.report_error(self.rank, phase, f"rank {self.rank} ({self.host}): {f['reason']}",
+                                        EXIT_INTERNAL, internal=True)
+        return Verdict(EXIT_INTERNAL, [f])
+
+    # ---------------------------------------------------------------- bounds, signals, the way out
+    def on_expire(self, phase):
+        """The watchdog's bound passed (the role's expire). Never lets the bound itself fail: the tool's own
+        error here still ends the process with `internal`."""
+        try:
+            self.expire(phase)
+        except BaseException as e:
+            print_traceback(e)
+            self.expire_failed(phase, e)
+            self.exit(EXIT_INTERNAL)
+
+    def expire_failed(self, phase, exc):
+        """The tool's own error at a bound: rank 0 gives the `internal` verdict; the others just exit 4."""
+
+    def expiry_cause(self, phase):
+        if phase == "rollcall" and self.proto is None:  # still connecting to the store
+            return self.unanswered(self.D[phase])
+        return self.bound.cause() if self.bound is not None and self.bound.phase == phase else \
+            Bound(None, phase, self.D[phase]).cause()
+
+    def unanswered(self, seconds):
+        """Why the store's connect did not finish: a listener that accepts but never answers, or none."""
+        try:
+            socket.create_connection((self.addr, self.port), timeout=PROBE_CONNECT_S).close()
+        except OSError:
+            return f"cannot reach the master {self.addr}:{self.port}: no store answered within {seconds:g}s"
+        return (f"something on MASTER_PORT ({self.addr}:{self.port}) accepts connections but does not answer as "
+                f"the job's store (no answer within {seconds:g}s): another service or a stale process holds "
+                f"the port; pick a free MASTER_PORT")
+
+    def on_signal(self):
+        """SIGTERM or SIGINT: scancel, the time limit, preemption, a launcher (torchrun, when another worker
+        died), Ctrl-C. main() blocked both in every thread before this object existed; this thread takes
+        them and hands them to the role (signalled)."""
+        signum = signal.sigwait({signal.SIGTERM, signal.SIGINT})
+        self.signal_seen = signum
+        self.signalled(signum, signal.Signals(signum).name, self.phase)
+
+    def speak_for_node(self, text):
+        run = getattr(self.proto, "run", None) or ""  # the roll call's nonce: this run, not an earlier one
+        return speak_once_per_node(text, self.env, self.local_rank, f"{self.port}-{run}")
+
+    def exit(self, code):
+        """Flush and leave without interpreter teardown (gloo threads can SIGABRT there). Every way out of a
+        rank passes here: its NCCL WARN lines are relayed first (NcclLog.relay)."""
+        self.bg.stop()
+        who = f"rank {self.rank} ({self.host}): "
+        self.nccl.relay(who)
+        self.nccl.close(code != EXIT_PASS, who)
+        flush_all()
+        os._exit(code)
+
+    # ---------------------------------------------------------------- helpers of the phases
+    def failpoint(self, phase, only=("die", "hang", "pause")):
+        """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
+          die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
+                              (rendezvous, init, telemetry, screen-gpu, screen-net, soak, collective, ddp;
+                              round-<name>: rank 0 before it opens a screen batch's gate, e.g. round-p2;
+                              done-<phase>: after the rank posted its own part of telemetry, screen-gpu or
+                              ddp, while the others may still work in it; files: rank 0's verdict, before
+                              it writes the files asked for: slow storage); a pause first creates the file
+                              AIV_FAILPOINT_MARK, if set, so that a test breaks something (a link) while the
+                              run waits
+          stall=S             an S-second pause right before the rank issues its first collective of <phase>
+                              (init, screen-net, collective, ddp, bandwidth: alive, never issuing it), marked
+                              like a pause
+          wedge=S             the same pause inside that call, after the rank's own "about to issue" record
+                              and before its backend sees the call (a rank stuck in a driver call or a lazy
+                              communicator set-up), marked like a pause
+          raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
+                              the verdict's report (<phase> = report), at the verdict's start (verdict:
+                              rank 0 only, outside the report's own guard), or in a helper thread
+                              (helper-<name>, e.g. helper-aiv-listener)
+          skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
+        for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
+            m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall|wedge)=(\d+)):([\w-]+):(\d+)", item)
+            if not (m and m.group(4) == phase and int(m.group(5)) == self.rank and (m.group(2) or m.group(1)) in only):
+                continue
+            flush_all()
+            if m.group(1) == "raise":
+                raise AssertionError(f"failpoint {item}")
+            if m.group(3) is None:
+                os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
+            if m.group(2) in ("pause", "stall", "wedge") and self.env.get("AIV_FAILPOINT_MARK"):
+                with open(self.env["AIV_FAILPOINT_MARK"], "w") as f:
+                    f.write(f"{phase} {self.rank}\n")
+            time.sleep(int(m.group(3)))
+
+    def helper(self, name, fn, *args):
+        """Start a helper thread. One that dies of an exception says so: on stderr at once, and in the
+        report as a WARN `internal` (rank 0's own at the verdict, the others' with their results)."""
+        def run():
+            try:
+                self.failpoint("helper-" + name, only=("raise",))
+                fn(*args)
+            except BaseException as e:
+                self.helper_died(name, e)
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    def helper_died(self, name, exc):
+        self.helper_errors.append(f"{name} stopped: {first_line(exc)} in {where_raised(exc)}")
+        emit(f"rank {self.rank} ({self.host}): WARNING: helper thread {name} stopped: {first_line(exc)}", sys.stderr)
+        print_traceback(exc)
+
+
+
+# ============================================================================ aiv/run/rank.py
+# Floor 5 (runtime): RankRun, what every rank runs: the phases in order, each under its bound.
+PROGRESS = {
+    "contract": "contract: rank {rank} of {world}, local_rank {local_rank}, master {master}; {how}",
+    "local": "local: backend {backend}, device {device}, interfaces checked: {ifaces}, {failed} local check(s) "
+             "failed (import torch {import_s:.2f}s)",
+    "rollcall_open": "rendezvous: store at {master}, roll call of {world} rank(s) within {seconds:g}s",
+    "rollcall": "rendezvous: {present}/{world} rank(s) checked in ({secs:.2f}s); pre-init checks (layout, "
+                "GPU affinity, device, local) {result}",
+    "init": "init: {backend} process group of {world} ready ({secs:.2f}s)",
+    "telemetry": "telemetry: gathered from {ranks} rank(s), max {size} B per rank ({secs:.2f}s); node checks: "
+                 "{counts}",
+    "collective": "collective: all_reduce of rank-encoded integers on {world} rank(s) ({secs:.2f}s)",
+    "ddp": "ddp: DDP step on nn.Linear(10, 10), results gathered ({secs:.2f}s)",
+    "bandwidth": "bandwidth: {size} all_reduce {us:.1f} us, algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s",
+    "screen_gpu": "screen-gpu: {n} {what}: matmul {tflops} TFLOPS, memory copy {hbm} GB/s (min/median) ({secs:.2f}s)",
+    "screen_net": "screen-net: {detail}; screen findings: {counts} ({secs:.2f}s)",
+    "soak": "soak: {n} {what} loaded at once for {seconds:g}s: {detail}; soak findings: {counts} ({secs:.2f}s)",
+    "verdict": "verdict: {verdict} (exit {code}); findings: {counts}",
+}
+
+
+HEADER = (BAR, "ai-infra-validator {version} ddp_mesh_ping  {started}  host={host}", "Total Execution Ranks: {world}",
+          "Master: {master} ({port_from})  launch: {launch}  deadlines: roll call {rollcall:g}s, each later phase "
+          "{timeout:g}s  expect: {expect}", BAR)
+
+
+class RankRun(RankSetup, RankGuard, ScreenRunner):
+    """What every rank runs: the phases of PHASES in order, each under deadline(phase), and the plumbing
+    they share. The two roles are subclasses (rank_run picks one):
+
+      Coordinator  rank 0: serves the store, holds the roll call, judges every phase, owns the verdict
+                   (the report, the JSON, the exit code published on the store)
+      Follower     every other rank: reports its own error (if any) and exits with rank 0's code, which
+                   a listener thread reads even while the main thread is blocked in a collective; speaks
+                   for rank 0 when rank 0 gives no verdict in time
+
+    Every way a run ends goes through Verdict and end(). The hooks a role defines: end, grace,
+    enter_phase, own_error, open_store, before_check_in, after_check_in, phase_telemetry,
+    results_gathered, phase_final, expire, signalled, progress, header."""
+
+    on_tick = None  # the Coordinator's liveness tick; the others have none
+    beats = True  # a node leader beats for its node (rank 0 reads its own node's ranks from /proc)
+
+    def __init__(self, args, contract, env):
+        self.args, self.c, self.env = args, contract, env
+        self.rank, self.world, self.local_rank = contract["rank"], contract["world_size"], contract["local_rank"]
+        self.host = node_name(env)
+        self.addr, self.port = contract["master_addr"], contract["master_port"]
+        self.D = deadlines(args.timeout, args.rollcall_timeout, args.soak)
+        self.expect = dict(launcher_expectations(env), **{k: getattr(args, "expect_" + k) for k in
+                                                       ("world_size", "nodes", "ranks_per_node")
+                                                       if getattr(args, "expect_" + k) is not None})
+        self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.phase, self.times, self.findings, self.records, self.host_of = "local", {}, Findings(), [], {}
+        self.state_lock = threading.RLock()  # what the verdict copies (Coordinator.snapshot) is written under it
+        self.starts = {}  # phase -> seconds from start
+        self.proto = self.poll = self.master = None
+        self.backend = self.device = self.results = self.bandwidth = None
+        self.identity = None
+        self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
+        self.issued, self.stalled, self.wedged = Issued(), set(), set()  # what this rank issued last (issuing)
+        self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
+        self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
+        self.seal = Seal(job_secret(env), run_base(env))  # every value on the store, signed with the job's secret
+        self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
+        self.signal_seen = None  # SIGTERM or SIGINT, once on_signal took it
+        self.hello_stop = threading.Event()  # set once this rank checked in: its hello (say_hello) is not needed
+        self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
+
+    # ---------------------------------------------------------------- flow
+    def run(self):
+        """main() blocked SIGTERM and SIGINT in every thread before this object existed; one thread takes them."""
+        self.helper("aiv-signals", self.on_signal)
+        try:
+            self.header()
+            for phase in PHASES:
+                if (phase in SCREEN_PHASES and self.args.skip_screen) or (phase == "soak" and not self.args.soak):
+                    continue
+                with self.deadline(phase):
+                    getattr(self, "phase_" + phase.replace("-", "_"))()
+            raise Verdict(EXIT_INTERNAL, [finding("internal", "FAIL", "the phases ended without a verdict",
+                                                  code=EXIT_INTERNAL)])
+        except Verdict as v:
+            self.end(v)
+        except BaseException as e:  # a bug still ends in one line and an exit code, blaming no host
+            print_traceback(e)
+            self.end(Verdict(EXIT_INTERNAL, [internal_finding(e, f"rank {self.rank} on {self.host}")]))
+
+    # ---------------------------------------------------------------- phases
     def phase_rollcall(self):
         R, (prefix, serve) = self.D["rollcall"], launcher_store(self.env)
         self.proto = self.open_store(R, prefix, serve)
@@ -12830,232 +13114,12 @@ class RankRun(ScreenRunner):
         if self.args.bandwidth:
             self.bandwidth = [self.bandwidth_at(size) for size in self.args.bandwidth]
 
-    # ---------------------------------------------------------------- bounds, signals, the way out
-    def on_expire(self, phase):
-        """The watchdog's bound passed (the role's expire). Never lets the bound itself fail: the tool's own
-        error here still ends the process with `internal`."""
-        try:
-            self.expire(phase)
-        except BaseException as e:
-            print_traceback(e)
-            self.expire_failed(phase, e)
-            self.exit(EXIT_INTERNAL)
-
-    def expire_failed(self, phase, exc):
-        """The tool's own error at a bound: rank 0 gives the `internal` verdict; the others just exit 4."""
-
-    def expiry_cause(self, phase):
-        if phase == "rollcall" and self.proto is None:  # still connecting to the store
-            return self.unanswered(self.D[phase])
-        return self.bound.cause() if self.bound is not None and self.bound.phase == phase else \
-            Bound(None, phase, self.D[phase]).cause()
-
-    def unanswered(self, seconds):
-        """Why the store's connect did not finish: a listener that accepts but never answers, or none."""
-        try:
-            socket.create_connection((self.addr, self.port), timeout=PROBE_CONNECT_S).close()
-        except OSError:
-            return f"cannot reach the master {self.addr}:{self.port}: no store answered within {seconds:g}s"
-        return (f"something on MASTER_PORT ({self.addr}:{self.port}) accepts connections but does not answer as "
-                f"the job's store (no answer within {seconds:g}s): another service or a stale process holds "
-                f"the port; pick a free MASTER_PORT")
-
-    def on_signal(self):
-        """SIGTERM or SIGINT: scancel, the time limit, preemption, a launcher (torchrun, when another worker
-        died), Ctrl-C. main() blocked both in every thread before this object existed; this thread takes
-        them and hands them to the role (signalled)."""
-        signum = signal.sigwait({signal.SIGTERM, signal.SIGINT})
-        self.signal_seen = signum
-        self.signalled(signum, signal.Signals(signum).name, self.phase)
-
-    def speak_for_node(self, text):
-        run = getattr(self.proto, "run", None) or ""  # the roll call's nonce: this run, not an earlier one
-        return speak_once_per_node(text, self.env, self.local_rank, f"{self.port}-{run}")
-
-    def exit(self, code):
-        """Flush and leave without interpreter teardown (gloo threads can SIGABRT there). Every way out of a
-        rank passes here: its NCCL WARN lines are relayed first (NcclLog.relay)."""
-        self.bg.stop()
-        who = f"rank {self.rank} ({self.host}): "
-        self.nccl.relay(who)
-        self.nccl.close(code != EXIT_PASS, who)
-        flush_all()
-        os._exit(code)
-
     # ---------------------------------------------------------------- helpers of the phases
     def progress(self, key, **kw):
         """Rank 0 prints the progress lines (Coordinator); the others are silent."""
 
     def header(self):
         """Rank 0 prints the header (Coordinator)."""
-
-    def failpoint(self, phase, only=("die", "hang", "pause")):
-        """Test-only fault injection: AIV_FAILPOINT=<kind>:<phase>:<rank>[,...], kinds:
-          die, hang, pause=S  SIGKILL, SIGSTOP or an S-second pause of this rank where it reaches <phase>
-                              (rendezvous, init, telemetry, screen-gpu, screen-net, soak, collective, ddp;
-                              round-<name>: rank 0 before it opens a screen batch's gate, e.g. round-p2;
-                              done-<phase>: after the rank posted its own part of telemetry, screen-gpu or
-                              ddp, while the others may still work in it; files: rank 0's verdict, before
-                              it writes the files asked for: slow storage); a pause first creates the file
-                              AIV_FAILPOINT_MARK, if set, so that a test breaks something (a link) while the
-                              run waits
-          stall=S             an S-second pause right before the rank issues its first collective of <phase>
-                              (init, screen-net, collective, ddp, bandwidth: alive, never issuing it), marked
-                              like a pause
-          wedge=S             the same pause inside that call, after the rank's own "about to issue" record
-                              and before its backend sees the call (a rank stuck in a driver call or a lazy
-                              communicator set-up), marked like a pause
-          raise               the tool's own error (AssertionError) at the start of a phase of PHASES, in
-                              the verdict's report (<phase> = report), at the verdict's start (verdict:
-                              rank 0 only, outside the report's own guard), or in a helper thread
-                              (helper-<name>, e.g. helper-aiv-listener)
-          skew=S              an S-second sleep before the rank enters a phase of PHASES (late start)"""
-        for item in filter(None, self.env.get("AIV_FAILPOINT", "").split(",")):
-            m = re.fullmatch(r"(die|hang|raise|(pause|skew|stall|wedge)=(\d+)):([\w-]+):(\d+)", item)
-            if not (m and m.group(4) == phase and int(m.group(5)) == self.rank and (m.group(2) or m.group(1)) in only):
-                continue
-            flush_all()
-            if m.group(1) == "raise":
-                raise AssertionError(f"failpoint {item}")
-            if m.group(3) is None:
-                os.kill(os.getpid(), signal.SIGKILL if m.group(1) == "die" else signal.SIGSTOP)
-            if m.group(2) in ("pause", "stall", "wedge") and self.env.get("AIV_FAILPOINT_MARK"):
-                with open(self.env["AIV_FAILPOINT_MARK"], "w") as f:
-                    f.write(f"{phase} {self.rank}\n")
-            time.sleep(int(m.group(3)))
-
-    def _device(self):
-        return self.torch.device("cuda", self.device) if self.backend == "nccl" else self.torch.device("cpu")
-
-    def _dev_str(self):
-        return f"cuda:{self.device}" if self.device is not None else "cpu"
-
-    def local_checks(self, ifaces, expected):
-        """Checks before any communication. Returns (findings, gpu facts or None). With --backend auto
-        a rank that is expected to have GPUs (expected: gpus_expected's reason) but cannot use CUDA FAILs:
-        never a CPU run."""
-        import importlib.util
-        torch, dist = self.torch, self.dist
-        out, gpu, who = [], None, f"rank {self.rank} ({self.host})"
-        if importlib.util.find_spec("numpy") is None:
-            out.append(finding("local", "FAIL", f"numpy is not importable by {sys.executable} on {self.host} "
-                               f"(object collectives need it: pip install numpy)", [self.host]))
-        backend = self.args.backend
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "gloo" and expected:
-                out.append(finding("device", "FAIL", f"{who}: GPUs expected ({expected}) but CUDA is unusable: "
-                                   f"{cuda_problem(torch)}", [self.host]))
-        self.backend = backend
-        if backend == "nccl" and not torch.cuda.is_available():
-            out.append(finding("device", "FAIL", f"{who}: --backend nccl but CUDA is unusable: "
-                               f"{cuda_problem(torch)}", [self.host]))
-        elif backend == "nccl" and not dist.is_nccl_available():
-            out.append(finding("local", "FAIL", f"torch {torch.__version__} on {self.host} has no NCCL", [self.host]))
-        elif backend == "nccl":
-            gpu = self._take_gpu(out, who)
-        elif not dist.is_gloo_available():
-            out.append(finding("local", "FAIL", f"torch {torch.__version__} on {self.host} has no gloo", [self.host]))
-        out += check_interfaces(self.env, ifaces, self.host)
-        for f in out:
-            f["ranks"] = [self.rank]
-        return out, gpu
-
-    def _take_gpu(self, out, who):
-        torch = self.torch
-        count = torch.cuda.device_count()
-        dev = 0 if count == 1 else self.local_rank
-        if dev >= count:
-            out.append(finding("device", "FAIL", f"{who}: LOCAL_RANK={self.local_rank} but only {count} GPU(s) "
-                               f"visible (CUDA_VISIBLE_DEVICES={self.env.get('CUDA_VISIBLE_DEVICES', 'unset')})",
-                               [self.host]))
-            return None
-        try:
-            torch.cuda.set_device(dev)
-            self.device = dev
-            return collect_gpu(torch, dev, self.args.sysfs_root)
-        except Exception as e:
-            if is_tool_error(e):  # the tool's own error: `internal`, never this GPU's fault
-                raise
-            out.append(finding("device", "FAIL", f"{who}: cuda:{dev} unusable: {first_line(e)}", [self.host]))
-            return None
-
-    def _collect_node(self, box):
-        try:
-            count = self.torch.cuda.device_count() if self.backend == "nccl" else 0
-            box["facts"] = collect_node_facts(self.args.sysfs_root, self.torch, self.backend, count, self.env)
-        except Exception as e:
-            box["internal" if is_tool_error(e) else "error"] = e if is_tool_error(e) else first_line(e)
-
-    def import_results(self, wait_s=None):
-        """Node leaders: the torchvision/torchaudio probe started at launch (usually done by now); taken once
-        (the screen takes it early, so that it measures a quiet node), within half the phase's time left."""
-        if self.bg.probe is None or self.bg.imports is not None:
-            return self.bg.imports
-        imports = self.bg.take_imports(min(IMPORT_PROBE_S, self.bound.left() / 2) if wait_s is None else wait_s)
-        with self.state_lock:
-            self.times["imports"] = self.bg.imports_s
-        return imports
-
-    def quiesce(self):
-        """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
-        node leader the import probe and the node monitor's first post), each wait
-        bounded by a quarter of the phase's bound. Small CPU machines feel them; GPU nodes hardly."""
-        wait = self.bound.left() / 4
-        if self.bg.warm is not None:
-            self.bg.warm.join(timeout=wait)
-        self.import_results(min(IMPORT_PROBE_S, wait))
-        end = time.monotonic() + wait
-        while self.bg.monitor is not None and time.monotonic() < end and self.bg.monitor.poll() is None:
-            if "seq" in self.proto.live([self.host])[self.host]:
-                break
-            time.sleep(0.05)
-
-    def start_monitor(self):
-        """Node leaders: the liveness monitor of this node's ranks, a child process (node_monitor)."""
-        ranks = self.proto.node_ranks(self.host)
-        if ranks is None:  # refused (kept in forged, reported): no monitor posts on a list rank 0 did not write
-            return
-        cfg = {"addr": self.addr, "port": self.port, "prefix": self.proto.prefix, "host": self.host,
-               "ranks": ranks, "period": live_period(self.master["nodes"]),
-               "lifetime": worst_case(self.D, True, soak=bool(self.args.soak))}
-        cfg["run"] = self.proto.run  # it posts into this run's store only, never into a later run's
-        self.bg.monitor = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
-                                        env=dict(os.environ, _AIV_NODE_MONITOR=json.dumps(cfg)),
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)  # never holds the task's output open (srun)
-        if self.beats:  # rank 0 sees its own node's ranks in /proc
-            self.helper("aiv-beat", self.beat, cfg["period"])
-
-    def beat(self, period):
-        """A node leader's thread: the node's beat every liveness period, on a connection of its own. With
-        the monitor's posts, the second sign that the node reaches the store: a node is unreachable only
-        when both stop (settled_live). A store that went away ends it quietly (the run is ending, or rank 0
-        is gone, which the phases name); the tool's own error is raised (helper: said in the report)."""
-        try:
-            client = self.proto.clone()
-            while True:
-                client.beat(self.host)
-                time.sleep(period)
-        except Exception as e:
-            if is_tool_error(e):
-                raise
-
-    def helper(self, name, fn, *args):
-        """Start a helper thread. One that dies of an exception says so: on stderr at once, and in the
-        report as a WARN `internal` (rank 0's own at the verdict, the others' with their results)."""
-        def run():
-            try:
-                self.failpoint("helper-" + name, only=("raise",))
-                fn(*args)
-            except BaseException as e:
-                self.helper_died(name, e)
-        threading.Thread(target=run, name=name, daemon=True).start()
-
-    def helper_died(self, name, exc):
-        self.helper_errors.append(f"{name} stopped: {first_line(exc)} in {where_raised(exc)}")
-        emit(f"rank {self.rank} ({self.host}): WARNING: helper thread {name} stopped: {first_line(exc)}", sys.stderr)
-        print_traceback(exc)
 
     def bandwidth_at(self, size):
         """all_reduce bus bandwidth as nccl-tests defines it: busbw = algbw * 2(n-1)/n, warm-up then
@@ -13087,88 +13151,19 @@ class RankRun(ScreenRunner):
 
 
 
-@contextlib.contextmanager
-def gc_paused():
-    """Python's cycle collector off while a block imports torch: an import makes many objects and almost no
-    garbage, so the collections it sets off find nothing (measured, a 2-core machine: `import torch` 7%
-    less CPU, `torch._dynamo` 23% less: bench/import_gc.py). What garbage there is waits for the next
-    collection after the block."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def ddp_imports():
-    """What the DDP constructor pulls in lazily (torch._dynamo), imported with the collector paused."""
-    with gc_paused():
-        import torch._dynamo  # noqa: F401
-        import torch.nn.parallel  # noqa: F401
-
-
-def _warm_imports():
-    """ddp_imports, while this rank waits on the network (an error there is the DDP step's to report)."""
-    try:
-        ddp_imports()
-    except Exception:
-        pass
-
-
-
-# ============================================================================ aiv/run/coordinator.py
-# Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
+# ============================================================================ aiv/run/rollcall.py
+# Floor 5 (runtime): rank 0's roll call (RollCall, mixed into Coordinator): the store served on a socket rank 0
 def hard_failures(broken):
     """The local failures that end the roll call at once: all but a python without torch (judge_no_torch weighs
     those once every rank checked in or failed)."""
     return {r: e for r, e in broken.items() if not (e.get("code") == EXIT_USAGE and not e.get("internal"))}
 
 
-class Coordinator(ScreenCoordinator, RankRun):
-    """Rank 0: serves the store, holds the roll call, judges what each phase gathered and owns the
-    verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
-    the watchdog, the signal thread); it names who did not finish a phase (unfinished) from the
-    stamps, the node monitors' liveness and the error reports."""
+class RollCall:
+    """Rank 0's roll call: the store (open_store, _listen_socket), the wait for every rank (wait_roll, the
+    last call), the judges of what it shows (roll_call, not_checked_in), then the go. Mixed into
+    Coordinator: the state it fills (records, host_of, master, poll) is the rank's."""
 
-    beats = False  # rank 0 reads its own node's ranks from /proc
-
-    def __init__(self, args, contract, env):
-        self.alarm_at = None  # on_tick: when the first error report was seen
-        self.gone = set()  # ranks found dead or frozen: no acknowledgement to wait for
-        self.acks_s = ACKS_S  # how long the store stays up for the acknowledgements
-        self.verdict_lock = threading.Lock()
-        self.concluding = threading.Event()  # the tick handed a verdict to a thread of its own (conclude_apart)
-        self.tick_busy = threading.Lock()  # held by the tick's store read, which may outlive its bound
-        self.serving = False
-        self.last_call = None  # the roll call's last call, when it ended the roll call: {'grace', 'unheard'}
-        self.verdict_code = None  # the code as the verdict stands (the verdict's bound exits with it)
-        self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
-        self.screen, self.screen_rounds, self.screen_made = None, {}, set()  # the screen's results, batches, groups
-        super().__init__(args, contract, env)
-
-    # ---------------------------------------------------------------- flow
-    def end(self, v):
-        self.conclude(v.code, v.findings, self.proto)
-
-    def grace(self, phase):
-        """Rank 0's watchdog at the roll call: NAMING_S past the bound, to name who did not check in."""
-        return NAMING_S if phase == "rollcall" else 0.0
-
-    def enter_phase(self, bound):
-        """Rank 0 opens every phase's gate after the roll call."""
-        self.proto.open_gate("phase/" + bound.phase)
-
-    def own_error(self, phase, line, code):
-        """Rank 0's own torch error: once the roll call is done, ERROR_GRACE for the others' reports, then
-        the finding naming who did not finish the phase."""
-        if self.poll is None:
-            return super().own_error(phase, line, code)
-        time.sleep(ERROR_GRACE)
-        return Verdict(code, [self.unfinished(phase, self.proto, f"{PHASE_WHAT[phase]} failed", code)])
-
-    # ---------------------------------------------------------------- phases
     def open_store(self, R, prefix, serve):
         """Rank 0 serves the store on a socket it bound itself, unless torchrun's agent serves it."""
         self.serving = serve  # a store of its own: rank 0 sees who connects to it
@@ -13179,12 +13174,6 @@ class Coordinator(ScreenCoordinator, RankRun):
             raise failed("rendezvous", f"rank 0 ({self.host}): {problem}", hosts=[self.host], blame="own")
         fd = self._listen_socket().detach()
         return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd, seal=self.seal)
-
-    def before_check_in(self, R):
-        self.proto.publish_world(self.world)
-
-    def after_check_in(self, R):
-        self.roll_call()
 
     def roll_call(self):
         """Rank 0: wait for every rank (or the last call), judge what the roll call shows, then open the gate."""
@@ -13289,6 +13278,251 @@ class Coordinator(ScreenCoordinator, RankRun):
                 lc.last = now  # every missing rank is up and reaches the store: it keeps the bound
             if complete:  # woken before every record was there
                 time.sleep(FORGED_POLL_S)
+
+    def _listen_socket(self):
+        """Rank 0 binds the store's socket itself: only where MASTER_ADDR points, named errors."""
+        try:
+            infos = socket.getaddrinfo(self.addr, self.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank 0's host "
+                         f"{self.host}: {e.strerror}: check MASTER_ADDR and the node's resolver") from None
+        infos.sort(key=lambda i: i[0] != socket.AF_INET)
+        fam, _, _, _, sa = infos[0]
+        ip = sa[0]
+        multi_node = self.expect.get("nodes", 1) > 1  # Slurm's node count is already in the expectation
+        bind_ip = ("::" if fam == socket.AF_INET6 else "0.0.0.0") if (ip.startswith("127.") or ip == "::1") \
+            and multi_node else ip
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((bind_ip, self.port))
+            s.listen(min(4096, max(128, self.world)))
+        except OSError as e:
+            s.close()
+            if e.errno == errno.EADDRINUSE:
+                why = (f"address already in use on {self.host}:{self.port} (MASTER_ADDR={self.addr}, "
+                       f"MASTER_PORT={self.port}): another process listens there; pick a free MASTER_PORT")
+            elif e.errno == errno.EADDRNOTAVAIL:
+                why = (f"MASTER_ADDR={self.addr} resolves to {ip}, which is not an address of rank 0's host "
+                       f"{self.host}: MASTER_ADDR must name the node running rank 0")
+            else:
+                why = f"cannot listen on {bind_ip}:{self.port} on {self.host}: {e.strerror}"
+            raise failed("rendezvous", why) from None  # the launch's MASTER_ADDR/MASTER_PORT: no node's fault
+        return s
+
+
+
+# ============================================================================ aiv/run/naming.py
+# Floor 5 (runtime): rank 0 naming who did not finish a phase (Naming, mixed into Coordinator): the stamps, the
+class Naming:
+    """Rank 0's findings for a phase that did not finish (unfinished) or was interrupted (interruption),
+    each judged by judge_unfinished on what rank 0 collected within its bounds. Mixed into Coordinator:
+    the state it reads (host_of, records, the screen) is the rank's."""
+
+    def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
+        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
+        that issues collectives also from what each live rank issued last (asked at once, collected within
+        ISSUED_S while the liveness settles) and, on NCCL, NCCL's own view beside ours (nccl_view_read)."""
+        hosts = sorted(set(self.host_of.values()))
+        asked = self.ask_issued(client, phase)
+        ras = self.nccl_view_read(phase)
+        try:
+            live, silent, quiet = client.settled_live(hosts, budget)
+            stamps, errors = client.stamps(self.world), client.errors()
+        except Exception as e:
+            f = finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the ranks: "
+                        f"{first_line(e)}; no host is named", code=EXIT_TIMEOUT)
+            f["blame"], f["unlocalised"] = "not-collected", {"why": "rank 0's store could not be read",
+                                                                "localise": "a re-run"}
+            return f
+        live.update(self.own_node_live())
+        silent, quiet = unreachable_hosts(silent, quiet, self.host, self.host_of, errors)
+        issued = None
+        if asked is not None:
+            with contextlib.suppress(Exception):  # not collected: the finding says so
+                issued = self.issued_posts(client, asked, live, silent)
+        f = self._unfinished(phase, client, cause, code, live, silent, stamps, errors, issued)
+        if quiet:
+            f["reason"] += "; " + quiet_monitor_note(quiet, budget)
+        if ras is not None:
+            self.nccl_view_add(f, ras, live, silent, issued)
+        return f
+
+    def ask_issued(self, client, phase):
+        """In a phase that issues collectives: ask every live rank what it issued last (their listeners answer
+        on posts/issued). -> when it asked, or None."""
+        if phase not in ISSUE_PHASES:
+            return None
+        try:
+            client.ask()
+        except Exception:
+            return None
+        return time.monotonic()
+
+    def issued_posts(self, client, asked, live, silent):
+        """{rank: its answer or None} once every live rank answered, at most ISSUED_S after the question; rank 0's
+        own record read here."""
+        expect = {r for r, h in self.host_of.items() if r and live.get(r, "running") == "running" and h not in silent}
+        while True:  # the counter is read every 50 ms (one small operation), the posts once it says enough
+            late = time.monotonic() >= asked + ISSUED_S
+            if late or client.post_count("issued") >= len(expect):
+                posts = client.posts("issued")
+                if late or expect <= set(posts):
+                    break
+            time.sleep(0.05)
+        out = {r: posts.get(r) for r in range(self.world)}
+        out[0] = self.issued.record(self.torch, self.nccl.diag())
+        return out
+
+    def nccl_view_read(self, phase):
+        """On NCCL, in a phase that issues collectives: NCCL's RAS STATUS read on a thread of its own (its node's
+        RAS answers for the whole job), within NCCL_RAS_S. -> (thread, box) or None."""
+        if self.backend != "nccl" or phase not in ISSUE_PHASES:
+            return None
+        box = {}
+        th = threading.Thread(target=lambda: box.update(ras=ras_status(*ras_addr(self.env), NCCL_RAS_S)),
+                              name="aiv-ras", daemon=True)
+        th.start()
+        return th, box
+
+    def nccl_view_add(self, f, ras, live, silent, issued=None):
+        """NCCL's view beside ours in the finding: its words in the reason, its data under 'nccl_view' (with the
+        NCCL DIAG lines the ranks' answers carried)."""
+        th, box = ras
+        th.join(NCCL_RAS_S + 0.5)
+        got = box.get("ras") or {"ok": False, "why": f"no answer within {NCCL_RAS_S:g}s"}
+        states = (f.get("issued") or {}).get("states") or {}
+        kinds = {r: "dead" if live.get(r) == "gone" else "frozen" if live.get(r) == "stopped" else
+                 "silent" if h in silent else "behind" if states.get(str(r)) == "behind" else "ok"
+                 for r, h in self.host_of.items()}
+        try:  # NCCL's view is said beside ours; it never changes the culprits or the exit code
+            view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        except Exception as e:
+            why = f"its reply could not be read ({type(e).__name__}: {first_line(e)})"
+            view = {"read": False, "why": why, "agree": None, "ranks": {},
+                    "words": f"NCCL's own view (RAS) not read: {why}"}
+        diag = [ln for p in (issued or {}).values() if p for ln in p.get("diag") or []]
+        if diag:
+            view["diag"] = diag[:20]
+            view["words"] += f"; NCCL DIAG ({len(diag)} line(s)): {diag[0]}"
+        f["reason"] += "; " + view["words"]
+        f["nccl_view"] = view
+
+    def fabric_hint(self):
+        """What would localise a collective that every rank issued and none finished, in this run's words."""
+        if (self.screen or {}).get("pairs"):
+            return ("the screen's pair results (inter-node rows above: every pair of nodes measured before this "
+                    "phase), or a re-run with NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection "
+                    "failed)")
+        if self.args.skip_screen:
+            return ("the network screen (a run without --skip-screen measures every pair of nodes), or a re-run with "
+                    "NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection failed)")
+        return None
+
+    def own_node_live(self):
+        """Rank 0's own node: its ranks' processes read here, from /proc (rank 0 shares the host; its
+        node's monitor is not needed to see them, and a slow one is never news about the node)."""
+        return {rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec["pid_start"])) for rec in self.records
+                if rec.get("host") == self.host and rec.get("pid") and rec.get("pid_start")}
+
+    def _unfinished(self, phase, client, cause, code, live, silent, stamps, errors, issued=None):
+        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
+        if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
+            with contextlib.suppress(Exception):
+                done, idx = self.round_posted(client, "soak"), PHASES.index(phase)
+                stamps = {r: max(s, idx) if r in done else s for r, s in stamps.items()}
+        if phase in FAN_IN:  # a rank that posted its telemetry or results finished its part: it waits for rank 0
+            with contextlib.suppress(Exception):
+                done, idx = set(client.posts(FAN_IN[phase])), PHASES.index(phase)
+                stamps = {r: max(s, idx) if r in done else s for r, s in stamps.items()}
+        if phase in SCREEN_PHASES and self.screen is not None:
+            try:
+                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps, issued)
+            except Exception:
+                f = None
+            if f is not None:
+                return f
+        return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent, issued,
+                                self.fabric_hint())
+
+    def interruption(self, phase, name, client):
+        """Rank 0's finding for a signal during `phase`: liveness as it was when the signal came (the ranks
+        it stops are not yet gone), then, TERM_REPORTS_S later, the others' reports."""
+        why = (f"{PHASE_WHAT[phase]} was interrupted by {name} (scancel, the time limit, preemption, the launcher "
+               "or Ctrl-C)")
+        if self.poll is None or client is None:  # before the roll call ended: nobody to name
+            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
+                           code=EXIT_INTERRUPTED)
+        hosts = sorted(set(self.host_of.values()))
+        snap = bounded(lambda: client.live(hosts), SNAPSHOT_S, {})
+        live = {int(r): st for snap_h in snap.values() for r, st in (snap_h.get("ranks") or {}).items()}
+        # this node's ranks read directly: a worker that died just before the launcher's SIGTERM (torchrun
+        # stops the others at once) is gone here, even when the monitor has not posted it yet
+        live.update({rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec.get("pid_start") or ""))
+                     for rec in self.records if rec.get("host") == self.host and rec.get("pid_start")})
+        time.sleep(TERM_REPORTS_S)
+        seen = bounded(lambda: (client.stamps(self.world), client.errors()), SNAPSHOT_S)
+        if seen is None:
+            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
+                           code=EXIT_INTERRUPTED)
+        stamps, errors = seen
+        errors[0] = {"line": f"rank 0 ({self.host}): {name}", "term": True, "internal": False}
+        # the signalled ranks will not acknowledge: the job's KillWait (often 30 s) must not pass on the acks
+        self.gone |= {r for r, e in errors.items() if e.get("term")} | {r for r, st in live.items() if st != "running"}
+        return judge_unfinished(phase, why, self.world, self.host_of, stamps, live, errors)
+
+
+
+# ============================================================================ aiv/run/coordinator.py
+# Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
+class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
+    """Rank 0: serves the store, holds the roll call (RollCall), judges what each phase gathered and owns
+    the verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
+    the watchdog, the signal thread); it names who did not finish a phase (Naming: unfinished) from the
+    stamps, the node monitors' liveness and the error reports."""
+
+    beats = False  # rank 0 reads its own node's ranks from /proc
+
+    def __init__(self, args, contract, env):
+        self.alarm_at = None  # on_tick: when the first error report was seen
+        self.gone = set()  # ranks found dead or frozen: no acknowledgement to wait for
+        self.acks_s = ACKS_S  # how long the store stays up for the acknowledgements
+        self.verdict_lock = threading.Lock()
+        self.concluding = threading.Event()  # the tick handed a verdict to a thread of its own (conclude_apart)
+        self.tick_busy = threading.Lock()  # held by the tick's store read, which may outlive its bound
+        self.serving = False
+        self.last_call = None  # the roll call's last call, when it ended the roll call: {'grace', 'unheard'}
+        self.verdict_code = None  # the code as the verdict stands (the verdict's bound exits with it)
+        self.soak = self.drain = self.collectives = None  # the soak's rows (--soak); the --drain plan; collectives
+        self.screen, self.screen_rounds, self.screen_made = None, {}, set()  # the screen's results, batches, groups
+        super().__init__(args, contract, env)
+
+    # ---------------------------------------------------------------- flow
+    def end(self, v):
+        self.conclude(v.code, v.findings, self.proto)
+
+    def grace(self, phase):
+        """Rank 0's watchdog at the roll call: NAMING_S past the bound, to name who did not check in."""
+        return NAMING_S if phase == "rollcall" else 0.0
+
+    def enter_phase(self, bound):
+        """Rank 0 opens every phase's gate after the roll call."""
+        self.proto.open_gate("phase/" + bound.phase)
+
+    def own_error(self, phase, line, code):
+        """Rank 0's own torch error: once the roll call is done, ERROR_GRACE for the others' reports, then
+        the finding naming who did not finish the phase."""
+        if self.poll is None:
+            return super().own_error(phase, line, code)
+        time.sleep(ERROR_GRACE)
+        return Verdict(code, [self.unfinished(phase, self.proto, f"{PHASE_WHAT[phase]} failed", code)])
+
+    # ---------------------------------------------------------------- phases
+    def before_check_in(self, R):
+        self.proto.publish_world(self.world)
+
+    def after_check_in(self, R):
+        self.roll_call()
 
     def phase_telemetry(self):
         t = time.monotonic()
@@ -13420,132 +13654,6 @@ class Coordinator(ScreenCoordinator, RankRun):
         return [finding("internal", "WARN", f"{ln}: a helper thread of the tool died (a bug in the tool: please report "
                         "it); the run went on without it") for ln in lines]
 
-    def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
-        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
-        that issues collectives also from what each live rank issued last (asked at once, collected within
-        ISSUED_S while the liveness settles) and, on NCCL, NCCL's own view beside ours (nccl_view_read)."""
-        hosts = sorted(set(self.host_of.values()))
-        asked = self.ask_issued(client, phase)
-        ras = self.nccl_view_read(phase)
-        try:
-            live, silent, quiet = client.settled_live(hosts, budget)
-            stamps, errors = client.stamps(self.world), client.errors()
-        except Exception as e:
-            f = finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the ranks: "
-                        f"{first_line(e)}; no host is named", code=EXIT_TIMEOUT)
-            f["blame"], f["unlocalised"] = "not-collected", {"why": "rank 0's store could not be read",
-                                                                "localise": "a re-run"}
-            return f
-        live.update(self.own_node_live())
-        silent, quiet = unreachable_hosts(silent, quiet, self.host, self.host_of, errors)
-        issued = None
-        if asked is not None:
-            with contextlib.suppress(Exception):  # not collected: the finding says so
-                issued = self.issued_posts(client, asked, live, silent)
-        f = self._unfinished(phase, client, cause, code, live, silent, stamps, errors, issued)
-        if quiet:
-            f["reason"] += "; " + quiet_monitor_note(quiet, budget)
-        if ras is not None:
-            self.nccl_view_add(f, ras, live, silent, issued)
-        return f
-
-    def ask_issued(self, client, phase):
-        """In a phase that issues collectives: ask every live rank what it issued last (their listeners answer
-        on posts/issued). -> when it asked, or None."""
-        if phase not in ISSUE_PHASES:
-            return None
-        try:
-            client.ask()
-        except Exception:
-            return None
-        return time.monotonic()
-
-    def issued_posts(self, client, asked, live, silent):
-        """{rank: its answer or None} once every live rank answered, at most ISSUED_S after the question; rank 0's
-        own record read here."""
-        expect = {r for r, h in self.host_of.items() if r and live.get(r, "running") == "running" and h not in silent}
-        while True:  # the counter is read every 50 ms (one small operation), the posts once it says enough
-            late = time.monotonic() >= asked + ISSUED_S
-            if late or client.post_count("issued") >= len(expect):
-                posts = client.posts("issued")
-                if late or expect <= set(posts):
-                    break
-            time.sleep(0.05)
-        out = {r: posts.get(r) for r in range(self.world)}
-        out[0] = self.issued.record(self.torch, self.nccl.diag())
-        return out
-
-    def nccl_view_read(self, phase):
-        """On NCCL, in a phase that issues collectives: NCCL's RAS STATUS read on a thread of its own (its node's
-        RAS answers for the whole job), within NCCL_RAS_S. -> (thread, box) or None."""
-        if self.backend != "nccl" or phase not in ISSUE_PHASES:
-            return None
-        box = {}
-        th = threading.Thread(target=lambda: box.update(ras=ras_status(*ras_addr(self.env), NCCL_RAS_S)),
-                              name="aiv-ras", daemon=True)
-        th.start()
-        return th, box
-
-    def nccl_view_add(self, f, ras, live, silent, issued=None):
-        """NCCL's view beside ours in the finding: its words in the reason, its data under 'nccl_view' (with the
-        NCCL DIAG lines the ranks' answers carried)."""
-        th, box = ras
-        th.join(NCCL_RAS_S + 0.5)
-        got = box.get("ras") or {"ok": False, "why": f"no answer within {NCCL_RAS_S:g}s"}
-        states = (f.get("issued") or {}).get("states") or {}
-        kinds = {r: "dead" if live.get(r) == "gone" else "frozen" if live.get(r) == "stopped" else
-                 "silent" if h in silent else "behind" if states.get(str(r)) == "behind" else "ok"
-                 for r, h in self.host_of.items()}
-        try:  # NCCL's view is said beside ours; it never changes the culprits or the exit code
-            view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
-        except Exception as e:
-            why = f"its reply could not be read ({type(e).__name__}: {first_line(e)})"
-            view = {"read": False, "why": why, "agree": None, "ranks": {},
-                    "words": f"NCCL's own view (RAS) not read: {why}"}
-        diag = [ln for p in (issued or {}).values() if p for ln in p.get("diag") or []]
-        if diag:
-            view["diag"] = diag[:20]
-            view["words"] += f"; NCCL DIAG ({len(diag)} line(s)): {diag[0]}"
-        f["reason"] += "; " + view["words"]
-        f["nccl_view"] = view
-
-    def fabric_hint(self):
-        """What would localise a collective that every rank issued and none finished, in this run's words."""
-        if (self.screen or {}).get("pairs"):
-            return ("the screen's pair results (inter-node rows above: every pair of nodes measured before this "
-                    "phase), or a re-run with NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection "
-                    "failed)")
-        if self.args.skip_screen:
-            return ("the network screen (a run without --skip-screen measures every pair of nodes), or a re-run with "
-                    "NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection failed)")
-        return None
-
-    def own_node_live(self):
-        """Rank 0's own node: its ranks' processes read here, from /proc (rank 0 shares the host; its
-        node's monitor is not needed to see them, and a slow one is never news about the node)."""
-        return {rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec["pid_start"])) for rec in self.records
-                if rec.get("host") == self.host and rec.get("pid") and rec.get("pid_start")}
-
-    def _unfinished(self, phase, client, cause, code, live, silent, stamps, errors, issued=None):
-        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
-        if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
-            with contextlib.suppress(Exception):
-                done, idx = self.round_posted(client, "soak"), PHASES.index(phase)
-                stamps = {r: max(s, idx) if r in done else s for r, s in stamps.items()}
-        if phase in FAN_IN:  # a rank that posted its telemetry or results finished its part: it waits for rank 0
-            with contextlib.suppress(Exception):
-                done, idx = set(client.posts(FAN_IN[phase])), PHASES.index(phase)
-                stamps = {r: max(s, idx) if r in done else s for r, s in stamps.items()}
-        if phase in SCREEN_PHASES and self.screen is not None:
-            try:
-                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps, issued)
-            except Exception:
-                f = None
-            if f is not None:
-                return f
-        return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent, issued,
-                                self.fabric_hint())
-
     # ---------------------------------------------------------------- bounds and signals
     def expire(self, phase):
         """The bound passed: name who did not finish (before the roll call ended, only rank 0 itself). The
@@ -13622,32 +13730,6 @@ class Coordinator(ScreenCoordinator, RankRun):
         self.acks_s = ACKS_SIGNALLED_S
         self.conclude(EXIT_INTERRUPTED, [self.interruption(phase, name, client)], client)
 
-    def interruption(self, phase, name, client):
-        """Rank 0's finding for a signal during `phase`: liveness as it was when the signal came (the ranks
-        it stops are not yet gone), then, TERM_REPORTS_S later, the others' reports."""
-        why = (f"{PHASE_WHAT[phase]} was interrupted by {name} (scancel, the time limit, preemption, the launcher "
-               "or Ctrl-C)")
-        if self.poll is None or client is None:  # before the roll call ended: nobody to name
-            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
-                           code=EXIT_INTERRUPTED)
-        hosts = sorted(set(self.host_of.values()))
-        snap = bounded(lambda: client.live(hosts), SNAPSHOT_S, {})
-        live = {int(r): st for snap_h in snap.values() for r, st in (snap_h.get("ranks") or {}).items()}
-        # this node's ranks read directly: a worker that died just before the launcher's SIGTERM (torchrun
-        # stops the others at once) is gone here, even when the monitor has not posted it yet
-        live.update({rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec.get("pid_start") or ""))
-                     for rec in self.records if rec.get("host") == self.host and rec.get("pid_start")})
-        time.sleep(TERM_REPORTS_S)
-        seen = bounded(lambda: (client.stamps(self.world), client.errors()), SNAPSHOT_S)
-        if seen is None:
-            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
-                           code=EXIT_INTERRUPTED)
-        stamps, errors = seen
-        errors[0] = {"line": f"rank 0 ({self.host}): {name}", "term": True, "internal": False}
-        # the signalled ranks will not acknowledge: the job's KillWait (often 30 s) must not pass on the acks
-        self.gone |= {r for r, e in errors.items() if e.get("term")} | {r for r, st in live.items() if st != "running"}
-        return judge_unfinished(phase, why, self.world, self.host_of, stamps, live, errors)
-
     # ---------------------------------------------------------------- output
     def progress(self, key, **kw):
         emit(f"[{elapsed():9.2f}s] " + PROGRESS[key].format(**kw))
@@ -13658,37 +13740,6 @@ class Coordinator(ScreenCoordinator, RankRun):
             master=f"{self.addr}:{self.port}", port_from=self.c.get("port_from", "port from " + self.c["port_source"]),
             launch=self.c.get("launch", self.c["source"]), rollcall=self.D["rollcall"],
             timeout=self.D["init"], expect=" ".join(f"{k}={v}" for k, v in sorted(self.expect.items())) or "none"))
-
-    def _listen_socket(self):
-        """Rank 0 binds the store's socket itself: only where MASTER_ADDR points, named errors."""
-        try:
-            infos = socket.getaddrinfo(self.addr, self.port, type=socket.SOCK_STREAM)
-        except socket.gaierror as e:
-            raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank 0's host "
-                         f"{self.host}: {e.strerror}: check MASTER_ADDR and the node's resolver") from None
-        infos.sort(key=lambda i: i[0] != socket.AF_INET)
-        fam, _, _, _, sa = infos[0]
-        ip = sa[0]
-        multi_node = self.expect.get("nodes", 1) > 1  # Slurm's node count is already in the expectation
-        bind_ip = ("::" if fam == socket.AF_INET6 else "0.0.0.0") if (ip.startswith("127.") or ip == "::1") \
-            and multi_node else ip
-        s = socket.socket(fam, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((bind_ip, self.port))
-            s.listen(min(4096, max(128, self.world)))
-        except OSError as e:
-            s.close()
-            if e.errno == errno.EADDRINUSE:
-                why = (f"address already in use on {self.host}:{self.port} (MASTER_ADDR={self.addr}, "
-                       f"MASTER_PORT={self.port}): another process listens there; pick a free MASTER_PORT")
-            elif e.errno == errno.EADDRNOTAVAIL:
-                why = (f"MASTER_ADDR={self.addr} resolves to {ip}, which is not an address of rank 0's host "
-                       f"{self.host}: MASTER_ADDR must name the node running rank 0")
-            else:
-                why = f"cannot listen on {bind_ip}:{self.port} on {self.host}: {e.strerror}"
-            raise failed("rendezvous", why) from None  # the launch's MASTER_ADDR/MASTER_PORT: no node's fault
-        return s
 
 
 
@@ -14480,36 +14531,83 @@ class _Workers:
                 for i, p in self.procs.items() if p.poll() is None]
 
 
+# ---------------------------------------------------------------------------------------------- the pass's compute
+class NodeCompute:
+    """The pass's device step (compute): workers on the devices the plan allows, the slow ones measured
+    again, the node's all-reduce. Mixed into NodeCheck: the state it fills (workers, measured, again,
+    why_once, allreduce, skipped) is the pass's."""
 
-# ============================================================================ aiv/node/check.py
-# Floor 6: the node gate's runtime (--node-check [CONTEXT]): this node alone, no other node, no srun. A lock
-# ---------------------------------------------------------------------------------------------- the check
-class NodeCheck:
-    """One pass of the node gate in its context, within its budget; run() -> the state (the JSON's dict)."""
+    def compute(self):
+        """Workers on the devices the plan allows; the re-measure of the slow ones; the node's all-reduce."""
+        a, ids = self.args, self.devices["compute"]
+        numerics, speed = not a.skip_numerics, not a.skip_screen
+        if speed and self.unlocked and ids:  # a health pass may compute beside us: the speed is not the GPUs'
+            speed = False
+            self.skipped.append("the speed and the all-reduce (without the lock: a health pass may compute beside "
+                                "this one)")
+        if not ids or not (numerics or speed):
+            if ids:
+                self.skipped.append("numerics and speed (--skip-numerics, --skip-screen)")
+            return
+        kind = "cpu" if self.cpu else "gpu"
+        if self.left() < 2.0:
+            self.skipped.append(f"every device step (the passive checks left {max(0.0, self.left()):.1f}s)")
+            return
+        wenv = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+        if self.cpu:
+            wenv["CUDA_VISIBLE_DEVICES"] = ""
+        else:
+            uuids = {g["index"]: g.get("uuid") for g in self.gpus}
+            wenv.update(CUDA_VISIBLE_DEVICES=",".join(uuids.get(i) or str(i) for i in ids),
+                        CUDA_DEVICE_ORDER="PCI_BUS_ID")  # the driver's order, as nvidia-smi's indices
+        specs = {i: ({"kind": kind, "id": i, "cuda": k, "seconds": round(self.left(), 2), "root": self.root,
+                      "numerics": numerics, "speed": speed}, dict(wenv, LOCAL_RANK=str(i)))
+                 for k, i in enumerate(ids)}
+        self.workers = w = _Workers(specs, self.env)
+        steps = ["ready"] + (["numerics"] if numerics else []) + (["speed"] if speed else [])
+        w.wait(steps, ids, self.until, lambda: self.stopped)
+        w.take(ids, steps, self.measured, self.skipped)
+        ok = [i for i in ids if self.measured[i].get("ready") and not self.measured[i].get("error")]  # it worked
+        first = {i: self.measured[i]["speed"] for i in ok if isinstance(self.measured[i].get("speed"), dict)}
+        slow = speed_flagged(self.node, first, gpus_by_id(self.gpus, self.measured), self.cpu, a.min_tflops,
+                             a.min_hbm)
+        if slow and not self.stopped:
+            need = max(w.said[i]["speed"].get("secs", 0.0) for i in slow) + 1.0
+            if self.left() < need:
+                self.why_once = f"the re-measure needs about {need:.1f}s, {max(0.0, self.left()):.1f}s left"
+            else:
+                for i in slow:
+                    w.send(i, do="speed", need=need)
+                w.wait(["speed2"], slow, self.until, lambda: self.stopped)
+                w.take(slow, ["speed2"], self.measured, self.skipped)
+                self.again = {i: self.measured[i]["speed2"] for i in slow
+                              if isinstance(self.measured[i].get("speed2"), dict)}
+                if len(self.again) < len(slow):
+                    self.why_once = "the re-measure did not finish within the budget"
+        if speed and len(ok) >= 2 and not self.stopped:
+            self.node_allreduce(ok, kind)
 
-    def __init__(self, args, env, context, problem=None):
-        self.args, self.env, self.ctx, self.problem = args, env, context, problem
-        self.t0, self.wall0 = time.monotonic(), time.time()
-        self.node = env.get("SLURMD_NODENAME") or socket.gethostname()
-        self.root = args.sysfs_root
-        self.budget = float(args.node_budget)
-        self.until = self.t0 + self.budget - NODE_RESERVE_S
-        self.findings, self.skipped, self.stopped, self.workers = [], [], None, None
-        self.measured, self.allreduce, self.slurm, self.lock_fd = {}, None, None, None
-        self.facts, self.devices, self.gpus = {}, {"ids": [], "held": {}, "busy": {}, "compute": []}, []
-        self.cpu, self.again, self.why_once, self.phases, self.locked_out = False, {}, None, {}, False
-        self.expect = []  # what the node should have (node_expectations), [(source words, count)]
-        self.unlocked, self.procs_unjudged = None, None
+    def node_allreduce(self, ok, kind):
+        w, need = self.workers, NODE_STEP_S["allreduce"][kind]
+        if self.left() < need:
+            self.skipped.append(f"the all-reduce (needs about {need:g}s, {max(0.0, self.left()):.1f}s left)")
+            return
+        port = free_port()
+        for r, i in enumerate(ok):
+            w.send(i, do="allreduce", port=port, n=len(ok), rank=r)
+        self.allreduce = w.allreduce_result(ok, w.wait(["allreduce"], ok, self.until, lambda: self.stopped))
+        if self.allreduce is None and not self.stopped:
+            self.skipped.append("the all-reduce (did not finish within the budget)")
 
-    def lap(self, name):
-        """Seconds since the last lap (or the start) under name: where the budget went."""
-        now = time.monotonic()
-        self.phases[name] = round(max(0.0, now - self.t0 - sum(self.phases.values())), 2)
 
-    def left(self):
-        return self.until - time.monotonic()
 
-    # ------------------------------------------------------------------ lock: one pass touches the GPUs at a time
+# ============================================================================ aiv/node/lock.py
+# Floor 6: the node gate's lock (NodeLock, mixed into NodeCheck): one pass touches the GPUs at a time; a job's
+class NodeLock:
+    """take_lock and what it needs: the lock file in a root-owned directory (node_lock_path), taken shared
+    or alone by context, the holder's pid written, a health pass preempted. Mixed into NodeCheck: the
+    state it fills (lock_fd, unlocked, skipped, findings, locked_out) is the pass's."""
+
     def take_lock(self):
         """health, npd: the lock alone (another pass running: not assessed); prolog, epilog: shared with each other
         (jobs on other GPUs of the node start and end side by side), and a health or npd pass holding it is
@@ -14575,6 +14673,37 @@ class NodeCheck:
         if "--node-check" in cmd:
             with contextlib.suppress(OSError):
                 os.kill(int(holder[0]), signal.SIGTERM)
+
+
+
+# ============================================================================ aiv/node/check.py
+# Floor 6: the node gate's runtime (--node-check [CONTEXT]): this node alone, no other node, no srun. A lock
+# ---------------------------------------------------------------------------------------------- the check
+class NodeCheck(NodeLock, NodeCompute):
+    """One pass of the node gate in its context, within its budget; run() -> the state (the JSON's dict). Its
+    lock (NodeLock) and its device step (NodeCompute) are mixed in."""
+
+    def __init__(self, args, env, context, problem=None):
+        self.args, self.env, self.ctx, self.problem = args, env, context, problem
+        self.t0, self.wall0 = time.monotonic(), time.time()
+        self.node = env.get("SLURMD_NODENAME") or socket.gethostname()
+        self.root = args.sysfs_root
+        self.budget = float(args.node_budget)
+        self.until = self.t0 + self.budget - NODE_RESERVE_S
+        self.findings, self.skipped, self.stopped, self.workers = [], [], None, None
+        self.measured, self.allreduce, self.slurm, self.lock_fd = {}, None, None, None
+        self.facts, self.devices, self.gpus = {}, {"ids": [], "held": {}, "busy": {}, "compute": []}, []
+        self.cpu, self.again, self.why_once, self.phases, self.locked_out = False, {}, None, {}, False
+        self.expect = []  # what the node should have (node_expectations), [(source words, count)]
+        self.unlocked, self.procs_unjudged = None, None
+
+    def lap(self, name):
+        """Seconds since the last lap (or the start) under name: where the budget went."""
+        now = time.monotonic()
+        self.phases[name] = round(max(0.0, now - self.t0 - sum(self.phases.values())), 2)
+
+    def left(self):
+        return self.until - time.monotonic()
 
     def on_signal(self, signum, frame):
         self.stopped = signal.Signals(signum).name
@@ -14679,69 +14808,6 @@ class NodeCheck:
             return {}
         theirs = {i: [p for p in ps if not p.get("ours")] for i, ps in apps.items()}
         return {i: ps for i, ps in theirs.items() if ps}  # another's process beside ours is still judged
-
-    # ------------------------------------------------------------------ compute
-    def compute(self):
-        """Workers on the devices the plan allows; the re-measure of the slow ones; the node's all-reduce."""
-        a, ids = self.args, self.devices["compute"]
-        numerics, speed = not a.skip_numerics, not a.skip_screen
-        if speed and self.unlocked and ids:  # a health pass may compute beside us: the speed is not the GPUs'
-            speed = False
-            self.skipped.append("the speed and the all-reduce (without the lock: a health pass may compute beside "
-                                "this one)")
-        if not ids or not (numerics or speed):
-            if ids:
-                self.skipped.append("numerics and speed (--skip-numerics, --skip-screen)")
-            return
-        kind = "cpu" if self.cpu else "gpu"
-        if self.left() < 2.0:
-            self.skipped.append(f"every device step (the passive checks left {max(0.0, self.left()):.1f}s)")
-            return
-        wenv = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
-        if self.cpu:
-            wenv["CUDA_VISIBLE_DEVICES"] = ""
-        else:
-            uuids = {g["index"]: g.get("uuid") for g in self.gpus}
-            wenv.update(CUDA_VISIBLE_DEVICES=",".join(uuids.get(i) or str(i) for i in ids),
-                        CUDA_DEVICE_ORDER="PCI_BUS_ID")  # the driver's order, as nvidia-smi's indices
-        specs = {i: ({"kind": kind, "id": i, "cuda": k, "seconds": round(self.left(), 2), "root": self.root,
-                      "numerics": numerics, "speed": speed}, dict(wenv, LOCAL_RANK=str(i)))
-                 for k, i in enumerate(ids)}
-        self.workers = w = _Workers(specs, self.env)
-        steps = ["ready"] + (["numerics"] if numerics else []) + (["speed"] if speed else [])
-        w.wait(steps, ids, self.until, lambda: self.stopped)
-        w.take(ids, steps, self.measured, self.skipped)
-        ok = [i for i in ids if self.measured[i].get("ready") and not self.measured[i].get("error")]  # it worked
-        first = {i: self.measured[i]["speed"] for i in ok if isinstance(self.measured[i].get("speed"), dict)}
-        slow = speed_flagged(self.node, first, gpus_by_id(self.gpus, self.measured), self.cpu, a.min_tflops,
-                             a.min_hbm)
-        if slow and not self.stopped:
-            need = max(w.said[i]["speed"].get("secs", 0.0) for i in slow) + 1.0
-            if self.left() < need:
-                self.why_once = f"the re-measure needs about {need:.1f}s, {max(0.0, self.left()):.1f}s left"
-            else:
-                for i in slow:
-                    w.send(i, do="speed", need=need)
-                w.wait(["speed2"], slow, self.until, lambda: self.stopped)
-                w.take(slow, ["speed2"], self.measured, self.skipped)
-                self.again = {i: self.measured[i]["speed2"] for i in slow
-                              if isinstance(self.measured[i].get("speed2"), dict)}
-                if len(self.again) < len(slow):
-                    self.why_once = "the re-measure did not finish within the budget"
-        if speed and len(ok) >= 2 and not self.stopped:
-            self.node_allreduce(ok, kind)
-
-    def node_allreduce(self, ok, kind):
-        w, need = self.workers, NODE_STEP_S["allreduce"][kind]
-        if self.left() < need:
-            self.skipped.append(f"the all-reduce (needs about {need:g}s, {max(0.0, self.left()):.1f}s left)")
-            return
-        port = free_port()
-        for r, i in enumerate(ok):
-            w.send(i, do="allreduce", port=port, n=len(ok), rank=r)
-        self.allreduce = w.allreduce_result(ok, w.wait(["allreduce"], ok, self.until, lambda: self.stopped))
-        if self.allreduce is None and not self.stopped:
-            self.skipped.append("the all-reduce (did not finish within the budget)")
 
     # ------------------------------------------------------------------ judge
     def judge(self):

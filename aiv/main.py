@@ -29,8 +29,8 @@ from .out.outputs import fallback_verdict, rank0_lost
 from .out.verify_log import read_log_lines, verify_log
 from .run.coordinator import Coordinator
 from .run.follower import Follower
+from .run.guard import speak_once_per_node
 from .run.liveness import node_monitor, proc_stat
-from .run.rank import speak_once_per_node
 
 
 def _rank_hint(env):

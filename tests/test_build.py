@@ -190,6 +190,20 @@ def test_a_method_defined_twice_in_a_class_fails_the_build(tmp_path):
     assert "aiv/core/speak.py" in err and "class Findings defines snapshot again" in err, err
 
 
+def test_a_class_over_300_lines_fails_the_build(tmp_path):
+    """A class longer than MAX_CLASS_LINES holds more than one concern: the build names it, its file and its
+    length; one of exactly 300 lines passes."""
+    src = _copy_source(tmp_path)
+    _append(src / "out" / "page.py", "class _Long:\n" + "".join(f"    a{i} = {i}\n" for i in range(300)))
+    _append(src / "out" / "render.py", "class _Fits:\n" + "".join(f"    a{i} = {i}\n" for i in range(299)))
+    err = _check(src, tmp_path)
+    assert build.MAX_CLASS_LINES == 300
+    assert "aiv/out/page.py:" in err and "class _Long is 301 lines, over the 300" in err, err
+    assert "_Fits" not in err, err
+    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    assert r.returncode == 1 and "class _Long is 301 lines" in r.stderr, r.stderr
+
+
 def test_a_property_and_its_setter_are_one_method(tmp_path):
     src = _copy_source(tmp_path)
     _append(src / "out" / "page.py", "class _Box:\n    @property\n    def size(self):\n        return 1\n\n"

@@ -367,9 +367,11 @@ def test_roles_keep_to_their_own_part():
     assert issubclass(aiv.Coordinator, aiv.ScreenCoordinator) and not issubclass(aiv.Follower, aiv.ScreenCoordinator)
     assert issubclass(aiv.Follower, aiv.ScreenFollower) and not issubclass(aiv.Coordinator, aiv.ScreenFollower)
     import inspect  # each role owns its part: no branch on "am I rank 0" anywhere in the runtime's classes
-    for cls in (*parts, aiv.RankRun, aiv.Coordinator, aiv.Follower):
+    rank0 = (aiv.RollCall, aiv.Naming)  # rank 0's parts, mixed into Coordinator alone
+    for cls in (*parts, *rank0, aiv.RankSetup, aiv.RankGuard, aiv.RankRun, aiv.Coordinator, aiv.Follower):
         assert "is0" not in inspect.getsource(cls), cls.__name__
-    assert verdict <= set(vars(aiv.Coordinator)) and not verdict & set(dir(aiv.Follower))
+    assert all(issubclass(aiv.Coordinator, c) and not issubclass(aiv.Follower, c) for c in rank0)
+    assert verdict <= {n for c in (aiv.Coordinator, *rank0) for n in vars(c)} and not verdict & set(dir(aiv.Follower))
     assert follow <= set(vars(aiv.Follower)) and not follow & set(dir(aiv.Coordinator))
     assert issubclass(aiv.Coordinator, aiv.ScreenRunner) and issubclass(aiv.Follower, aiv.ScreenRunner)
     # the verdict itself is a room of its own with explicit inputs (the run's facts as plain data), no rank

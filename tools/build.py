@@ -14,7 +14,8 @@ once at the top of the file.
                             imports from a module after it (or from itself), when a pure module
                             imports the runtime, when an effect-free module acts on the world or
                             imports, however deep, a module that does (the chain is named), when
-                            two modules define one top-level name, or a class one method twice
+                            two modules define one top-level name, a class one method twice, or when
+                            a class is over 300 lines (MAX_CLASS_LINES)
 
 Standard library only: it runs with any python3 >= 3.9.
 """
@@ -75,21 +76,27 @@ BUILD_ORDER = (
     "out/drain",          # --drain on: the scontrol calls
     "run/conclusion",     # rank 0's verdict, given once: the gate, the report first, the files, the drain, the acks
     "screen/run",         # the collectives the screen asks for, on every rank
+    "run/setup",          # a rank's set-up: before torch, the local phase, a node leader's work beside the phases
+    "run/guard",          # what guards a rank's phases: each bound, an error's verdict, signals, helpers, the way out
     "run/rank",           # RankRun: the phases, each under its bound
+    "run/rollcall",       # rank 0's roll call: the store served, every check-in waited for, what it shows judged
+    "run/naming",         # rank 0 naming who did not finish a phase, or was already stopped when a signal came
     "run/coordinator",    # rank 0: the roll call, the judges, the verdict
     "run/follower",       # every other rank
     # the face: what a command line becomes, and the entry point
     "launch/plan",        # what a command line becomes
     "launch/local",       # the local launcher
     "node/workers",       # --node-check: the device workers (one process per device) and the check's handle on them
+    "node/lock",          # --node-check: the lock, one pass on the GPUs at a time
     "node/check",         # --node-check: the node gate's runtime (lock, workers, budget, Slurm, files)
     "main",               # the entry point
 )
 # The pure layer: judges, render, manifest, verify-log and what they stand on. None of these imports a
 # module of the runtime, so each is a function of plain data that a test can call without a store.
 RUNTIME = ("checks/manifest_io", "run/store", "run/liveness", "run/ras", "run/background", "out/drain",
-           "run/conclusion", "screen/run", "run/rank", "run/coordinator", "run/follower", "launch/plan",
-           "launch/local", "node/workers", "node/check", "main")
+           "run/conclusion", "screen/run", "run/setup", "run/guard", "run/rank", "run/rollcall", "run/naming",
+           "run/coordinator", "run/follower", "launch/plan", "launch/local", "node/workers", "node/lock", "node/check",
+           "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
 # The judge and report modules, and the floor they stand on: functions of plain data with no effects. None
 # reaches what acts on the world (processes, threads, sockets, locks, native calls, torch), in its own text or
@@ -104,6 +111,9 @@ EFFECTS = ("subprocess", "threading", "socket", "fcntl", "ctypes", "torch", "mul
 # prefix), and the builtins that import or run any code by name.
 OS_EFFECTS = ("system", "popen", "fork", "forkpty", "kill", "killpg", "exec", "spawn", "posix_spawn")
 BUILTIN_EFFECTS = ("__import__", "import_module", "exec", "eval")
+# No class over this many lines (its `class` line to its last): a longer one holds more than one concern; split it
+# by concern (a mixin or a collaborator each, as RankRun's RankSetup and RankGuard).
+MAX_CLASS_LINES = 300
 
 HEADER = """\
 #!/usr/bin/env python3
@@ -274,6 +284,13 @@ def duplicate_methods(name, tree):
     return out
 
 
+def long_classes(name, tree):
+    """A class over MAX_CLASS_LINES lines, at any depth of the module."""
+    return [f"aiv/{name}.py:{n.lineno}: class {n.name} is {n.end_lineno - n.lineno + 1} lines, over the "
+            f"{MAX_CLASS_LINES} a class may hold: split it by concern (a mixin or a collaborator each)"
+            for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES]
+
+
 def problems():
     """Everything wrong with the layering of aiv/, as lines (empty when none)."""
     out = room_problems()
@@ -309,7 +326,7 @@ def problems():
                 if any(m.split(".")[0] in ("aiv", "ddp_mesh_ping") for m in mods):
                     out.append(f"aiv/{name}.py:{n.lineno}: absolute import of the tool; use `from .module import` "
                                "or `from ..room.module import`")
-        out += duplicate_methods(name, tree)
+        out += duplicate_methods(name, tree) + long_classes(name, tree)
         seen = {}
         for n in tree.body:  # a def or class given twice: the later one wins wherever the name is called
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):

@@ -5,7 +5,6 @@ judges (node_judge), Slurm told (a drain reason, a resume) and the files (JSON, 
 open: the tool's own fault is NOT ASSESSED, exit 0 (npd: 2), and never drains."""
 import contextlib
 import datetime
-import fcntl
 import os
 import shutil
 import signal
@@ -18,18 +17,10 @@ from ..checks.manifest_io import load_manifest
 from ..core.base import SCHEMA_VERSION, VERSION, first_line, print_traceback, read_text, where_raised
 from ..core.blame import NODE_CONTEXTS
 from ..core.bounds import BoundPassed, within
-from ..core.deadlines import (
-    NODE_HELD_AGAIN_S,
-    NODE_KMSG_BOUND_S,
-    NODE_PREEMPT_S,
-    NODE_RESERVE_S,
-    NODE_SLURM_BOUND_S,
-    NODE_SMI_BOUND_S,
-)
-from ..core.files import node_lock_path, write_json_atomic, write_text_atomic
+from ..core.deadlines import NODE_HELD_AGAIN_S, NODE_KMSG_BOUND_S, NODE_RESERVE_S, NODE_SLURM_BOUND_S, NODE_SMI_BOUND_S
+from ..core.files import write_json_atomic, write_text_atomic
 from ..core.speak import emit
 from ..launch.options import output_paths_from_argv
-from ..launch.plan import free_port
 from ..out.drain import node_drain
 from .collect import driver_gpus, pci_gpus, process_owner, read_kmsg, read_slurm_node, smi_query
 from .judge import (
@@ -37,9 +28,7 @@ from .judge import (
     NODE_GPU_FIELDS,
     NODE_KMSG_BYTES,
     NODE_LINE_PREFIX,
-    NODE_STEP_S,
     context_from_argv,
-    gpus_by_id,
     judge_node,
     judge_none_judged,
     node_context,
@@ -53,16 +42,17 @@ from .judge import (
     parse_node_gpus,
     parse_slurm_node,
     parse_xids,
-    speed_flagged,
     unassessed,
 )
+from .lock import NodeLock
 from .report import node_lines, node_metrics, node_not_written, node_npd_line, node_summary, node_usage_state
-from .workers import _Workers
+from .workers import NodeCompute
 
 
 # ---------------------------------------------------------------------------------------------- the check
-class NodeCheck:
-    """One pass of the node gate in its context, within its budget; run() -> the state (the JSON's dict)."""
+class NodeCheck(NodeLock, NodeCompute):
+    """One pass of the node gate in its context, within its budget; run() -> the state (the JSON's dict). Its
+    lock (NodeLock) and its device step (NodeCompute) are mixed in."""
 
     def __init__(self, args, env, context, problem=None):
         self.args, self.env, self.ctx, self.problem = args, env, context, problem
@@ -85,73 +75,6 @@ class NodeCheck:
 
     def left(self):
         return self.until - time.monotonic()
-
-    # ------------------------------------------------------------------ lock: one pass touches the GPUs at a time
-    def take_lock(self):
-        """health, npd: the lock alone (another pass running: not assessed); prolog, epilog: shared with each other
-        (jobs on other GPUs of the node start and end side by side), and a health or npd pass holding it is
-        stopped (SIGTERM): a job start wins over a health pass. The lock is in a root-owned directory
-        (node_lock_path), never under a job's TMPDIR. A prolog or epilog that could not take it goes on without
-        it (self.unlocked says why): its GPUs' processes are not judged then, nor its speed (a health pass's
-        workers may be on them). -> False when this pass must not go on."""
-        path, why = node_lock_path(self.node, getattr(self.args, "node_lock_dir", None))
-        job = self.ctx in ("prolog", "epilog")
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644) if path else None
-        except OSError as e:
-            fd, why = None, f"{path}: {e.strerror}"
-        if fd is None:
-            self.unlocked = f"the node check's lock could not be opened ({why})"
-            self.skipped.append(f"no lock ({why})")
-            return True
-        self.lock_fd = fd
-        mode = fcntl.LOCK_SH if job else fcntl.LOCK_EX
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = (read_text(path, "") or "").split()
-            if not job:
-                who = f" (pid {holder[0]}, {holder[1]})" if len(holder) >= 2 else " (a job's prolog or epilog)"
-                self.findings.append(unassessed("interrupted", f"{self.node}: another node check holds {path}{who}: "
-                                                "this pass did not run (its files are left to that pass)",
-                                                "another node check is running"))
-                self.locked_out = True
-                return False
-            self._preempt(holder)
-            if not self._wait_lock(fd, mode):
-                who = f" (pid {holder[0]})" if holder else ""
-                self.unlocked = f"the health pass holding {path}{who} did not let go within {NODE_PREEMPT_S:g}s"
-                self.skipped.append(self.unlocked)
-                return True
-        except OSError as e:
-            self.unlocked = f"the node check's lock {path} could not be taken ({e.strerror})"
-            self.skipped.append(self.unlocked)
-            return True
-        if not job:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-                os.write(fd, f"{os.getpid()} {self.ctx}\n".encode())
-        return True
-
-    def _wait_lock(self, fd, mode):
-        until = time.monotonic() + NODE_PREEMPT_S
-        while True:
-            try:
-                fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if time.monotonic() > until or self.stopped:
-                    return False
-                time.sleep(0.1)
-
-    def _preempt(self, holder):
-        """SIGTERM to the health or npd pass holding the lock, when that pid is a node check."""
-        if not holder or not holder[0].isdigit():
-            return
-        cmd = read_text(f"/proc/{holder[0]}/cmdline", "") or ""
-        if "--node-check" in cmd:
-            with contextlib.suppress(OSError):
-                os.kill(int(holder[0]), signal.SIGTERM)
 
     def on_signal(self, signum, frame):
         self.stopped = signal.Signals(signum).name
@@ -256,69 +179,6 @@ class NodeCheck:
             return {}
         theirs = {i: [p for p in ps if not p.get("ours")] for i, ps in apps.items()}
         return {i: ps for i, ps in theirs.items() if ps}  # another's process beside ours is still judged
-
-    # ------------------------------------------------------------------ compute
-    def compute(self):
-        """Workers on the devices the plan allows; the re-measure of the slow ones; the node's all-reduce."""
-        a, ids = self.args, self.devices["compute"]
-        numerics, speed = not a.skip_numerics, not a.skip_screen
-        if speed and self.unlocked and ids:  # a health pass may compute beside us: the speed is not the GPUs'
-            speed = False
-            self.skipped.append("the speed and the all-reduce (without the lock: a health pass may compute beside "
-                                "this one)")
-        if not ids or not (numerics or speed):
-            if ids:
-                self.skipped.append("numerics and speed (--skip-numerics, --skip-screen)")
-            return
-        kind = "cpu" if self.cpu else "gpu"
-        if self.left() < 2.0:
-            self.skipped.append(f"every device step (the passive checks left {max(0.0, self.left()):.1f}s)")
-            return
-        wenv = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
-        if self.cpu:
-            wenv["CUDA_VISIBLE_DEVICES"] = ""
-        else:
-            uuids = {g["index"]: g.get("uuid") for g in self.gpus}
-            wenv.update(CUDA_VISIBLE_DEVICES=",".join(uuids.get(i) or str(i) for i in ids),
-                        CUDA_DEVICE_ORDER="PCI_BUS_ID")  # the driver's order, as nvidia-smi's indices
-        specs = {i: ({"kind": kind, "id": i, "cuda": k, "seconds": round(self.left(), 2), "root": self.root,
-                      "numerics": numerics, "speed": speed}, dict(wenv, LOCAL_RANK=str(i)))
-                 for k, i in enumerate(ids)}
-        self.workers = w = _Workers(specs, self.env)
-        steps = ["ready"] + (["numerics"] if numerics else []) + (["speed"] if speed else [])
-        w.wait(steps, ids, self.until, lambda: self.stopped)
-        w.take(ids, steps, self.measured, self.skipped)
-        ok = [i for i in ids if self.measured[i].get("ready") and not self.measured[i].get("error")]  # it worked
-        first = {i: self.measured[i]["speed"] for i in ok if isinstance(self.measured[i].get("speed"), dict)}
-        slow = speed_flagged(self.node, first, gpus_by_id(self.gpus, self.measured), self.cpu, a.min_tflops,
-                             a.min_hbm)
-        if slow and not self.stopped:
-            need = max(w.said[i]["speed"].get("secs", 0.0) for i in slow) + 1.0
-            if self.left() < need:
-                self.why_once = f"the re-measure needs about {need:.1f}s, {max(0.0, self.left()):.1f}s left"
-            else:
-                for i in slow:
-                    w.send(i, do="speed", need=need)
-                w.wait(["speed2"], slow, self.until, lambda: self.stopped)
-                w.take(slow, ["speed2"], self.measured, self.skipped)
-                self.again = {i: self.measured[i]["speed2"] for i in slow
-                              if isinstance(self.measured[i].get("speed2"), dict)}
-                if len(self.again) < len(slow):
-                    self.why_once = "the re-measure did not finish within the budget"
-        if speed and len(ok) >= 2 and not self.stopped:
-            self.node_allreduce(ok, kind)
-
-    def node_allreduce(self, ok, kind):
-        w, need = self.workers, NODE_STEP_S["allreduce"][kind]
-        if self.left() < need:
-            self.skipped.append(f"the all-reduce (needs about {need:g}s, {max(0.0, self.left()):.1f}s left)")
-            return
-        port = free_port()
-        for r, i in enumerate(ok):
-            w.send(i, do="allreduce", port=port, n=len(ok), rank=r)
-        self.allreduce = w.allreduce_result(ok, w.wait(["allreduce"], ok, self.until, lambda: self.stopped))
-        if self.allreduce is None and not self.stopped:
-            self.skipped.append("the all-reduce (did not finish within the budget)")
 
     # ------------------------------------------------------------------ judge
     def judge(self):

@@ -1,7 +1,7 @@
 """Floor 6: the node gate's device workers: one process per device (this file again, with WORKER_VAR set) that
 imports torch, identifies its device and measures the numerics, the speed and the node's own all-reduce, each
-step a JSON line on its stdout; and the check's handle on them (_Workers), which reads those lines and kills
-them, whole process groups, at the bound."""
+step a JSON line on its stdout; the check's handle on them (_Workers), which reads those lines and kills
+them, whole process groups, at the bound; and the pass's step that runs them (NodeCompute)."""
 import contextlib
 import datetime
 import json
@@ -21,9 +21,10 @@ from ..core.deadlines import CHILD_REAP_S
 from ..core.files import proc_state
 from ..core.speak import emit, flush_all
 from ..launch.local import die_with_parent
+from ..launch.plan import free_port
 from ..screen.measure import screen_busbw, screen_measure_gpu
 from .collect import WORKER_ARG
-from .judge import NODE_STEP_S
+from .judge import NODE_STEP_S, gpus_by_id, speed_flagged
 
 WORKER_VAR = "_AIV_NODE_WORKER"  # set for a node check's device worker (main() hands it to node_worker)
 
@@ -251,3 +252,72 @@ class _Workers:
         return [f"the worker of device {i} (pid {p.pid}) did not end when killed: stuck, not reaped (state "
                 f"{proc_state(p.pid) or '?'}{': in the kernel, a driver call' if proc_state(p.pid) == 'D' else ''})"
                 for i, p in self.procs.items() if p.poll() is None]
+
+
+# ---------------------------------------------------------------------------------------------- the pass's compute
+class NodeCompute:
+    """The pass's device step (compute): workers on the devices the plan allows, the slow ones measured
+    again, the node's all-reduce. Mixed into NodeCheck: the state it fills (workers, measured, again,
+    why_once, allreduce, skipped) is the pass's."""
+
+    def compute(self):
+        """Workers on the devices the plan allows; the re-measure of the slow ones; the node's all-reduce."""
+        a, ids = self.args, self.devices["compute"]
+        numerics, speed = not a.skip_numerics, not a.skip_screen
+        if speed and self.unlocked and ids:  # a health pass may compute beside us: the speed is not the GPUs'
+            speed = False
+            self.skipped.append("the speed and the all-reduce (without the lock: a health pass may compute beside "
+                                "this one)")
+        if not ids or not (numerics or speed):
+            if ids:
+                self.skipped.append("numerics and speed (--skip-numerics, --skip-screen)")
+            return
+        kind = "cpu" if self.cpu else "gpu"
+        if self.left() < 2.0:
+            self.skipped.append(f"every device step (the passive checks left {max(0.0, self.left()):.1f}s)")
+            return
+        wenv = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+        if self.cpu:
+            wenv["CUDA_VISIBLE_DEVICES"] = ""
+        else:
+            uuids = {g["index"]: g.get("uuid") for g in self.gpus}
+            wenv.update(CUDA_VISIBLE_DEVICES=",".join(uuids.get(i) or str(i) for i in ids),
+                        CUDA_DEVICE_ORDER="PCI_BUS_ID")  # the driver's order, as nvidia-smi's indices
+        specs = {i: ({"kind": kind, "id": i, "cuda": k, "seconds": round(self.left(), 2), "root": self.root,
+                      "numerics": numerics, "speed": speed}, dict(wenv, LOCAL_RANK=str(i)))
+                 for k, i in enumerate(ids)}
+        self.workers = w = _Workers(specs, self.env)
+        steps = ["ready"] + (["numerics"] if numerics else []) + (["speed"] if speed else [])
+        w.wait(steps, ids, self.until, lambda: self.stopped)
+        w.take(ids, steps, self.measured, self.skipped)
+        ok = [i for i in ids if self.measured[i].get("ready") and not self.measured[i].get("error")]  # it worked
+        first = {i: self.measured[i]["speed"] for i in ok if isinstance(self.measured[i].get("speed"), dict)}
+        slow = speed_flagged(self.node, first, gpus_by_id(self.gpus, self.measured), self.cpu, a.min_tflops,
+                             a.min_hbm)
+        if slow and not self.stopped:
+            need = max(w.said[i]["speed"].get("secs", 0.0) for i in slow) + 1.0
+            if self.left() < need:
+                self.why_once = f"the re-measure needs about {need:.1f}s, {max(0.0, self.left()):.1f}s left"
+            else:
+                for i in slow:
+                    w.send(i, do="speed", need=need)
+                w.wait(["speed2"], slow, self.until, lambda: self.stopped)
+                w.take(slow, ["speed2"], self.measured, self.skipped)
+                self.again = {i: self.measured[i]["speed2"] for i in slow
+                              if isinstance(self.measured[i].get("speed2"), dict)}
+                if len(self.again) < len(slow):
+                    self.why_once = "the re-measure did not finish within the budget"
+        if speed and len(ok) >= 2 and not self.stopped:
+            self.node_allreduce(ok, kind)
+
+    def node_allreduce(self, ok, kind):
+        w, need = self.workers, NODE_STEP_S["allreduce"][kind]
+        if self.left() < need:
+            self.skipped.append(f"the all-reduce (needs about {need:g}s, {max(0.0, self.left()):.1f}s left)")
+            return
+        port = free_port()
+        for r, i in enumerate(ok):
+            w.send(i, do="allreduce", port=port, n=len(ok), rank=r)
+        self.allreduce = w.allreduce_result(ok, w.wait(["allreduce"], ok, self.until, lambda: self.stopped))
+        if self.allreduce is None and not self.stopped:
+            self.skipped.append("the all-reduce (did not finish within the budget)")

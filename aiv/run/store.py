@@ -123,52 +123,10 @@ def store_server(dist, addr, port, t, listen_fd):
         return dist.TCPStore(addr, port, None, True, t, wait_for_workers=False)
 
 
-class StoreProtocol:
-    """The run's side channel: one TCPStore that every rank reaches, served by rank 0 (or, under
-    torchrun, by the agent). A TCPStore client serialises its operations, so each thread that
-    blocks on the store has its own connection (clone()). Every value is sealed (Seal: the job's
-    secret and the run id); a value that does not unseal is never believed: it is dropped and kept in
-    `forged` (shared by the clones), and a rank other than 0 reports it to rank 0 under `forged`.
-    Counters (arrived, nerr, acks, screen/<round>/n) cannot be signed: they only wake a reader, who
-    then counts the sealed records. Every key, under one prefix:
-
-      world          {"world": N, "run": run id}: the world size every rank is held to, and the
-                     run id every value is bound to (said markers, node monitors)   rank 0, first
-      who/<rank>     'pid P on HOST' of the rank's first claimant (compare_set)   each rank
-      strays         processes refused at the check-in (JSON lines, stray_reason)   a stray
-      id/<rank>      identity at the roll call (JSON)             each rank
-      arrived        ranks checked in (counter); all_arrived      each rank; the last one
-      hello/<rank>, hellos  its process reached the store (its host, unsigned: a wake-up; a forged one only keeps
-                     the roll call at its own bound); how many (counter)   each rank but 0, before torch
-      node/<host>    [[rank, pid], ...] of a node, for its monitor rank 0
-      stamp/<rank>   index in PHASES of the last phase finished   each rank
-      live/<host>    {"seq": n, "ranks": {rank: state}}           each node's monitor
-      monitor/<host> the monitor's check of its own client (unsigned: read by nobody else)   each node's monitor
-      gate/<name>    rank 0's go after the roll call and the judge rank 0
-      errors, nerr   error lines (JSON, appended) and their count  any rank
-      forged         values a rank refused (JSON lines: key, why, claim)   any rank but 0
-      verdict        rank 0's exit code: listeners exit with it   rank 0
-      ask            rank 0's question when a phase did not finish ('1'): each rank's listener, which waits
-                     on this key, answers under posts/issued; set to 'verdict' after the verdict (the
-                     listener then takes the verdict)   rank 0
-      ack/<rank>, acks  a rank read the verdict; how many did (counter)   each rank
-      screen/q<k>/<rank>                                          rank 0
-                     the rank's part of the screen loop's k-th batch (JSON: its group, the batch's group
-                     creation from screen_rank_plans), or {"done": true} after the last batch
-      screen/<round> a batch's measurements, one JSON line per rank (appended): gpu, intra, p1-p3, b<k>
-                     (every rank posts every batch it reaches, also outside any group)   each rank
-      screen/<round>/n, screen/<round>/all  posts counted; set by the last of the world  each rank
-      gate/screen    rank 0's go after the screen's judgement     rank 0
-      posts/<name>   a fan-in to rank 0, one JSON line per rank (appended): telemetry (identity and
-                     node facts), results (the collectives' and DDP step's), issued (the last collective
-                     each rank issued on each of its groups, when rank 0 asked)   each rank
-      posts/<name>/n, posts/<name>/all  posts counted; set by the last of the world   each rank
-    Measurements travel here, not through a collective of the world, so that a hung group of two
-    nodes cannot hang the others: rank 0 waits for the keys within the phase's bound and names the
-    groups whose members did not post. The telemetry and the results come here too (not gather_object,
-    which on NCCL is world - 1 point-to-point connections into rank 0): rank 0 reads the whole world's
-    posts in one read of one key. Nothing here is unpickled: every payload is JSON or a number.
-    """
+class SealedStore:
+    """The side channel's wire, under every key of StoreProtocol: the store (under the run's prefix; raw,
+    the bare client), each value written sealed (Seal) and read only when it unseals; a value that does
+    not is refused, kept in `forged` (shared by the clones) and, by a rank other than 0, told to rank 0."""
 
     def __init__(self, store, raw=None, prefix=None, seal=None, shared=None):
         self.store, self.raw, self.prefix = store, raw, prefix
@@ -179,33 +137,6 @@ class StoreProtocol:
         self.forged = self.shared["forged"]
         self.rank = self.world = None
         self.tells = False  # refusals are reported to rank 0 (every process but rank 0's)
-
-    @classmethod
-    def open(cls, dist, addr, port, timeout, prefix, listen_fd=None, seal=None):
-        """Serve the store on a socket rank 0 bound itself (listen_fd), or connect to it."""
-        t = datetime.timedelta(seconds=timeout)
-        if listen_fd is None:
-            raw = dist.TCPStore(addr, port, None, False, t)
-        else:
-            raw = store_server(dist, addr, port, t, listen_fd)
-        p = cls(dist.PrefixStore(prefix, raw), raw, prefix, seal)
-        p.dial = lambda: dist.PrefixStore(prefix, dist.TCPStore(addr, port, None, False, t))
-        return p
-
-    dial = None  # open(): a new client connection to the same store (clone() where torch has no Store.clone)
-
-    def clone(self):
-        """Another connection to the same store, for another thread: Store.clone (torch >= 2.8), else a new
-        TCPStore client to the same host:port with the same timeout (dial)."""
-        try:
-            store = self.store.clone() if hasattr(self.store, "clone") or self.dial is None else self.dial()
-        except NotImplementedError:
-            if self.dial is None:
-                raise
-            store = self.dial()
-        c = StoreProtocol(store, None, self.prefix, self.seal, self.shared)
-        c.rank, c.world, c.tells, c.dial = self.rank, self.world, self.tells, self.dial
-        return c
 
     @property
     def run(self):
@@ -292,7 +223,21 @@ class StoreProtocol:
         """Whether a forgery of this key, for this reason, is kept already."""
         return any(f["key"] == entry.get("key") and f["why"] == entry.get("why") for f in self.forged)
 
-    # -- roll call
+    def _existing(self, keys):
+        """The keys of `keys` that exist (one round trip when all do): a read never waits for a key."""
+        if not keys or self.store.check(keys):
+            return keys
+        return [k for k in keys if self.store.check([k])]
+
+    def _values(self, keys):
+        return self.store.multi_get(keys) if keys else []
+
+
+class StoreRollCall:
+    """The roll call's keys (world, who/<rank>, strays, id/<rank>, arrived, all_arrived, hello/<rank>, hellos,
+    node/<host>; StoreProtocol lists them): the world record and its run id, each rank's check-in, who
+    arrived, their identities, each node's ranks for its monitor. Mixed into StoreProtocol."""
+
     def publish_world(self, world):
         """Rank 0, before its check-in: the world size every rank is held to, and the run id."""
         nonce = os.urandom(8).hex()
@@ -420,6 +365,81 @@ class StoreProtocol:
         """A node's [[rank, pid, start], ...] (None when the record does not unseal)."""
         payload = self._open(f"node/{host}", self.store.get(f"node/{host}"))
         return None if payload is None else json.loads(payload)
+
+
+class StoreProtocol(StoreRollCall, SealedStore):
+    """The run's side channel: one TCPStore that every rank reaches, served by rank 0 (or, under
+    torchrun, by the agent). A TCPStore client serialises its operations, so each thread that
+    blocks on the store has its own connection (clone()). Every value is sealed (Seal: the job's
+    secret and the run id); a value that does not unseal is never believed: it is dropped and kept in
+    `forged` (shared by the clones), and a rank other than 0 reports it to rank 0 under `forged`.
+    Counters (arrived, nerr, acks, screen/<round>/n) cannot be signed: they only wake a reader, who
+    then counts the sealed records. Every key, under one prefix:
+
+      world          {"world": N, "run": run id}: the world size every rank is held to, and the
+                     run id every value is bound to (said markers, node monitors)   rank 0, first
+      who/<rank>     'pid P on HOST' of the rank's first claimant (compare_set)   each rank
+      strays         processes refused at the check-in (JSON lines, stray_reason)   a stray
+      id/<rank>      identity at the roll call (JSON)             each rank
+      arrived        ranks checked in (counter); all_arrived      each rank; the last one
+      hello/<rank>, hellos  its process reached the store (its host, unsigned: a wake-up; a forged one only keeps
+                     the roll call at its own bound); how many (counter)   each rank but 0, before torch
+      node/<host>    [[rank, pid], ...] of a node, for its monitor rank 0
+      stamp/<rank>   index in PHASES of the last phase finished   each rank
+      live/<host>    {"seq": n, "ranks": {rank: state}}           each node's monitor
+      monitor/<host> the monitor's check of its own client (unsigned: read by nobody else)   each node's monitor
+      gate/<name>    rank 0's go after the roll call and the judge rank 0
+      errors, nerr   error lines (JSON, appended) and their count  any rank
+      forged         values a rank refused (JSON lines: key, why, claim)   any rank but 0
+      verdict        rank 0's exit code: listeners exit with it   rank 0
+      ask            rank 0's question when a phase did not finish ('1'): each rank's listener, which waits
+                     on this key, answers under posts/issued; set to 'verdict' after the verdict (the
+                     listener then takes the verdict)   rank 0
+      ack/<rank>, acks  a rank read the verdict; how many did (counter)   each rank
+      screen/q<k>/<rank>                                          rank 0
+                     the rank's part of the screen loop's k-th batch (JSON: its group, the batch's group
+                     creation from screen_rank_plans), or {"done": true} after the last batch
+      screen/<round> a batch's measurements, one JSON line per rank (appended): gpu, intra, p1-p3, b<k>
+                     (every rank posts every batch it reaches, also outside any group)   each rank
+      screen/<round>/n, screen/<round>/all  posts counted; set by the last of the world  each rank
+      gate/screen    rank 0's go after the screen's judgement     rank 0
+      posts/<name>   a fan-in to rank 0, one JSON line per rank (appended): telemetry (identity and
+                     node facts), results (the collectives' and DDP step's), issued (the last collective
+                     each rank issued on each of its groups, when rank 0 asked)   each rank
+      posts/<name>/n, posts/<name>/all  posts counted; set by the last of the world   each rank
+    Measurements travel here, not through a collective of the world, so that a hung group of two
+    nodes cannot hang the others: rank 0 waits for the keys within the phase's bound and names the
+    groups whose members did not post. The telemetry and the results come here too (not gather_object,
+    which on NCCL is world - 1 point-to-point connections into rank 0): rank 0 reads the whole world's
+    posts in one read of one key. Nothing here is unpickled: every payload is JSON or a number.
+    """
+
+    @classmethod
+    def open(cls, dist, addr, port, timeout, prefix, listen_fd=None, seal=None):
+        """Serve the store on a socket rank 0 bound itself (listen_fd), or connect to it."""
+        t = datetime.timedelta(seconds=timeout)
+        if listen_fd is None:
+            raw = dist.TCPStore(addr, port, None, False, t)
+        else:
+            raw = store_server(dist, addr, port, t, listen_fd)
+        p = cls(dist.PrefixStore(prefix, raw), raw, prefix, seal)
+        p.dial = lambda: dist.PrefixStore(prefix, dist.TCPStore(addr, port, None, False, t))
+        return p
+
+    dial = None  # open(): a new client connection to the same store (clone() where torch has no Store.clone)
+
+    def clone(self):
+        """Another connection to the same store, for another thread: Store.clone (torch >= 2.8), else a new
+        TCPStore client to the same host:port with the same timeout (dial)."""
+        try:
+            store = self.store.clone() if hasattr(self.store, "clone") or self.dial is None else self.dial()
+        except NotImplementedError:
+            if self.dial is None:
+                raise
+            store = self.dial()
+        c = StoreProtocol(store, None, self.prefix, self.seal, self.shared)
+        c.rank, c.world, c.tells, c.dial = self.rank, self.world, self.tells, self.dial
+        return c
 
     # -- progress and liveness
     def stamp(self, rank, phase):
@@ -640,11 +660,3 @@ class StoreProtocol:
             self._lines(key)
         return self.forgeries()
 
-    def _existing(self, keys):
-        """The keys of `keys` that exist (one round trip when all do): a read never waits for a key."""
-        if not keys or self.store.check(keys):
-            return keys
-        return [k for k in keys if self.store.check([k])]
-
-    def _values(self, keys):
-        return self.store.multi_get(keys) if keys else []
