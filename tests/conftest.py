@@ -1,5 +1,6 @@
 """Shared helpers: the tool imported as a module, and a runner for real processes; the session's own
 TMPDIR (removed at its end); the order and groups in which pytest-xdist hands tests to its workers."""
+import atexit
 import fnmatch
 import os
 import shutil
@@ -17,6 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "ddp_mesh_ping.py"
 sys.path.insert(0, str(ROOT))
+
+import fork_server as forks  # noqa: E402  (tests/fork_server.py)
 
 import ddp_mesh_ping as aiv  # noqa: E402,F401  (the tool as a module, for the tests)
 
@@ -46,16 +49,60 @@ def free_port():
         return s.getsockname()[1]
 
 
+# ---------------------------------------------------------------------------- starting the tool
+# Every run of the tool a test starts as `python ddp_mesh_ping.py ARGS` goes through tool_popen or
+# tool_ranks: a child of this pytest process's fork server (tests/fork_server.py: torch imported once,
+# each rank forked from it), or a plain Popen where a fork cannot reproduce the start (another python, an
+# environment that changes what torch reads at import, preexec_fn, ...; AIV_TEST_FORK=0: always).
+_SERVER = []
+
+
+def fork_server():
+    """This process's fork server, started on first use (None with AIV_TEST_FORK=0)."""
+    if not forks.enabled():
+        return None
+    if not _SERVER or _SERVER[0].pid_owner != os.getpid():
+        s = forks.Server(SCRIPT, clean_env())
+        s.pid_owner = os.getpid()
+        _SERVER[:] = [s]
+        atexit.register(stop_fork_server)
+    return _SERVER[0]
+
+
+def stop_fork_server():
+    while _SERVER:
+        s = _SERVER.pop()
+        if s.pid_owner == os.getpid():
+            s.stop()
+
+
+def tool_popen(args=(), env=None, python=None, fork=True, **kwargs):
+    """`python ddp_mesh_ping.py ARGS` as subprocess.Popen(cmd, env=env, **kwargs) would start it (python: an
+    argv prefix instead of this venv's python); forked from the fork server unless fork is False or the
+    fork cannot reproduce the start. A Popen object either way (.forked, .fallback: why not)."""
+    cmd = [*(python or [sys.executable]), str(SCRIPT), *map(str, args)]
+    return forks.ToolPopen(cmd, server=fork_server() if fork else None, env=env, **kwargs)
+
+
+def tool_ranks(envs, args=(), python=None, **kwargs):
+    """One run of the tool per environment in `envs` (python: {index: argv prefix}), all forked or none
+    (so that every rank of a launch has the same parent, as under srun or torchrun)."""
+    python = python or {}
+    server = fork_server()
+    fork = server is not None and all(
+        forks.refusal([*python.get(i, [sys.executable]), str(SCRIPT), *map(str, args)], e, server.env,
+                            server.python, server.script) is None for i, e in enumerate(envs))
+    return [tool_popen(args, env=e, python=python.get(i), fork=fork, **kwargs) for i, e in enumerate(envs)]
+
+
 def spawn(world, ranks=None, args=(), env=None, per_rank=None, timeout=240, port=None):
     """Start the given ranks of a world by hand (as srun or torchrun would). -> [(rc, out)], seconds."""
     port = port or free_port()
-    procs = []
     t0 = time.monotonic()
-    for r in (range(world) if ranks is None else ranks):
-        e = clean_env({"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
+    envs = [clean_env({"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": port, **(env or {}), **(per_rank or {}).get(r, {})})
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            for r in (range(world) if ranks is None else ranks)]
+    procs = tool_ranks(envs, args, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     return [(rc, o) for rc, o, _ in finish(procs, timeout)], time.monotonic() - t0
 
 
@@ -93,10 +140,17 @@ def describe(out):
 
 
 def run_tool(args=(), env=None, timeout=300, cwd=None, user=None):
-    cmd = [sys.executable, str(SCRIPT), *map(str, args)]
-    if user:
-        cmd = ["runuser", "-u", user, "--", *cmd]
-    return subprocess.run(cmd, env=clean_env(env), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    """subprocess.run of the tool (capture_output, text, timeout), through tool_popen."""
+    python = ["runuser", "-u", user, "--", sys.executable] if user else None
+    with tool_popen(args, env=clean_env(env), python=python, cwd=cwd, text=True, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def failures(text):
@@ -158,6 +212,10 @@ def pytest_configure(config):
 
 def _interrupted(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")  # pytest's own way out: unconfigure runs
+
+
+def pytest_sessionfinish(session, exitstatus):
+    stop_fork_server()
 
 
 def pytest_unconfigure(config):

@@ -5,14 +5,13 @@ healthy host is ever named, and every planted host is named or its finding says 
 and real runs, one rank per simulated node, with other software on one node of two and of three."""
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port, gpu, rec
+from conftest import aiv, clean_env, describe, failures, finish, free_port, gpu, rec, tool_ranks
 
 SOFTWARE = str(Path(__file__).resolve().parent / "software")
 
@@ -213,13 +212,11 @@ def test_facts_not_collected_are_said_and_never_compared_as_none():
 # ---------------------------------------------------------------------------- real runs
 def run_nodes(tmp_path, world, per_rank=None, args=()):
     """One rank per simulated node (SLURMD_NODENAME n0, n1, ...), srun-style environment, gloo on loopback."""
-    port, procs = free_port(), []
-    for r in range(world):
-        env = clean_env({"RANK": r, "LOCAL_RANK": 0, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
-                         "MASTER_PORT": port, "SLURMD_NODENAME": f"n{r}", "AIV_JSON": tmp_path / "v.json",
-                         **(per_rank or {}).get(r, {})})
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--skip-screen", *args], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    port = free_port()
+    envs = [clean_env({"RANK": r, "LOCAL_RANK": 0, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": port, "SLURMD_NODENAME": f"n{r}", "AIV_JSON": tmp_path / "v.json",
+                       **(per_rank or {}).get(r, {})}) for r in range(world)]
+    procs = tool_ranks(envs, ["--skip-screen", *args], text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = finish(procs, 240)
     return out, json.loads((tmp_path / "v.json").read_text())
 

@@ -13,13 +13,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port, wait_for
+from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port, tool_ranks, wait_for
 
 
 def nodes(world):
@@ -28,13 +27,9 @@ def nodes(world):
 
 def start(world, env, args=()):
     port = free_port()
-    procs = []
-    for r in range(world):
-        e = clean_env({"RANK": r, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                       **env, **nodes(world)[r]})
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return procs
+    envs = [clean_env({"RANK": r, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                       **env, **nodes(world)[r]}) for r in range(world)]
+    return tool_ranks(envs, args, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def verdict(tmp_path, out):
@@ -227,14 +222,12 @@ def test_failpoint_doc_names_every_kind():
 
 def start_on(hosts, env, args=()):
     """One rank per entry of `hosts` (SLURMD_NODENAME), local ranks counted per host."""
-    port, procs, seen = free_port(), [], {}
+    port, envs, seen = free_port(), [], {}
     for r, h in enumerate(hosts):
         seen[h] = seen.get(h, -1) + 1
-        e = clean_env({"RANK": r, "WORLD_SIZE": len(hosts), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                       "SLURMD_NODENAME": h, "LOCAL_RANK": seen[h], **env})
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return procs
+        envs.append(clean_env({"RANK": r, "WORLD_SIZE": len(hosts), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                               "SLURMD_NODENAME": h, "LOCAL_RANK": seen[h], **env}))
+    return tool_ranks(envs, args, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def monitor_of(proc):

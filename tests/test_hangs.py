@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPT, aiv, clean_env, failures, free_port
+from conftest import SCRIPT, aiv, clean_env, failures, free_port, tool_ranks
 
 T = 8                 # --timeout of these runs
 T_DDP = 25            # ... of the runs that stop in the DDP step (its lazy imports are inside the bound)
@@ -32,11 +32,12 @@ class Ranks:
         port = free_port()
         self.t0 = time.monotonic()
         self.procs, self.ended, self.out = {}, {}, {}
-        for r in (range(world) if ranks is None else ranks):
-            e = clean_env({"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": port, **(env or {}), **(per_rank or {}).get(r, {})})
-            self.procs[r] = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
-                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        rs = list(range(world) if ranks is None else ranks)
+        envs = [clean_env({"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": port, **(env or {}), **(per_rank or {}).get(r, {})}) for r in rs]
+        procs = tool_ranks(envs, args, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for r, p in zip(rs, procs, strict=True):
+            self.procs[r] = p
             threading.Thread(target=self._reap, args=(r,), daemon=True).start()
 
     def _reap(self, r):

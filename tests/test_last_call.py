@@ -10,12 +10,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port
+from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port, tool_ranks
 
 SLURM2 = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[0-1]", "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_NNODES": "2"}
 
@@ -30,14 +29,11 @@ def no_torch_python():
 
 def start(world, tmp_path, per_rank=None, args=(), extra=None, python=None):
     """One rank per simulated host n0..n<world-1>; per_rank: {rank: variables}; python: {rank: argv prefix}."""
-    port, procs = free_port(), []
-    for r in range(world):
-        e = clean_env({"RANK": r, "WORLD_SIZE": world, "LOCAL_RANK": 0, "MASTER_ADDR": "127.0.0.1",
+    port = free_port()
+    envs = [clean_env({"RANK": r, "WORLD_SIZE": world, "LOCAL_RANK": 0, "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": port, "SLURMD_NODENAME": f"n{r}", "AIV_JSON": tmp_path / "v.json",
-                       **(extra or {}), **(per_rank or {}).get(r, {})})
-        cmd = [*(python or {}).get(r, [sys.executable]), str(SCRIPT), *map(str, args)]
-        procs.append(subprocess.Popen(cmd, env=e, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return procs
+                       **(extra or {}), **(per_rank or {}).get(r, {})}) for r in range(world)]
+    return tool_ranks(envs, args, python=python, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 # -- the last call as plain data

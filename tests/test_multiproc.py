@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from torch_probes import serves_listen_fd, torch_version
 
-from conftest import SCRIPT, aiv, clean_env, failures, own_tool_processes, run_tool, spawn
+from conftest import SCRIPT, aiv, clean_env, failures, own_tool_processes, run_tool, spawn, tool_popen
 
 MARGIN = 25  # seconds a verdict may take beyond --timeout on a loaded 2-core machine
 
@@ -214,9 +214,9 @@ def test_store_listens_only_on_the_master_address():
         pytest.skip(f"torch {torch_version()}: the store's server takes no listen fd; it binds its port on every "
                     "interface (docs/install.md#supported-torch)")
     port = aiv.free_port()
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--timeout", "20"], text=True,
-                            env=clean_env({"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1",
-                                           "MASTER_PORT": port}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = tool_popen(["--timeout", "20"], text=True,
+                      env=clean_env({"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1",
+                                     "MASTER_PORT": port}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while not _listeners(port) and time.monotonic() < deadline and proc.poll() is None:

@@ -18,21 +18,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port, run_tool, wait_for
+from conftest import (
+    SCRIPT,
+    aiv,
+    clean_env,
+    describe,
+    failures,
+    finish,
+    free_port,
+    run_tool,
+    tool_popen,
+    tool_ranks,
+    wait_for,
+)
 
 SECRET = "5d1c0ffee" * 8  # 72 characters: the tests' job secret
 
 
 def start(world, env, args=(), port=None):
     port = port or free_port()
-    procs = []
-    for r in range(world):
-        e = clean_env({"RANK": r, "LOCAL_RANK": 0, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": port, "SLURMD_NODENAME": f"node{r + 1}", **env})
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--timeout", "30", "--rollcall-timeout", "30",
-                                       *map(str, args)], env=e, text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE))
-    return procs, port
+    envs = [clean_env({"RANK": r, "LOCAL_RANK": 0, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": port, "SLURMD_NODENAME": f"node{r + 1}", **env}) for r in range(world)]
+    return tool_ranks(envs, ["--timeout", "30", "--rollcall-timeout", "30", *args], text=True,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE), port
 
 
 def forger(port):
@@ -288,8 +296,8 @@ def test_a_secret_less_rank_in_an_authenticated_run_is_named_not_blamed(tmp_path
     procs[1].communicate()
     e = clean_env({"RANK": 1, "LOCAL_RANK": 0, "WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                    "SLURMD_NODENAME": "node2"})
-    procs[1] = subprocess.Popen([sys.executable, str(SCRIPT), "--timeout", "30", "--skip-screen"], env=e, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    procs[1] = tool_popen(["--timeout", "30", "--skip-screen"], env=e, fork=procs[0].forked, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = finish(procs)
     v = judged(tmp_path, out)
     assert_forgery_named(v, out, what="did not carry the job's secret (it is unsigned)")

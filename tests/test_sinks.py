@@ -12,11 +12,10 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port, rec, run_tool, wait_for
+from conftest import aiv, clean_env, describe, failures, finish, free_port, rec, run_tool, tool_ranks, wait_for
 
 HOSTS = ["n1", "n2", "n3", "n4"]
 ONE, WIDE = ["n2"], ["n2", "n3", "n4"]  # one host of four; three of four (more than half)
@@ -166,14 +165,11 @@ def test_the_batch_files_fallback_is_written_by_the_tool_and_names_nobody(tmp_pa
 # ---------------------------------------------------------------- real processes
 def start(world, tmp_path, args=(), env=None, per_rank=None, port=None):
     """One rank per simulated host n0..n<world-1>, srun-style variables, on `port`."""
-    port, procs = port or free_port(), []
-    for r in range(world):
-        e = clean_env({"RANK": r, "WORLD_SIZE": world, "LOCAL_RANK": 0, "MASTER_ADDR": "127.0.0.1",
+    port = port or free_port()
+    envs = [clean_env({"RANK": r, "WORLD_SIZE": world, "LOCAL_RANK": 0, "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": port, "SLURMD_NODENAME": f"n{r}", "AIV_FAILPOINT_MARK": tmp_path / "mark",
-                       **(env or {}), **(per_rank or {}).get(r, {})})
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return procs
+                       **(env or {}), **(per_rank or {}).get(r, {})}) for r in range(world)]
+    return tool_ranks(envs, args, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def outputs(tmp_path):

@@ -12,21 +12,19 @@ import time
 
 import pytest
 
-from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port, wait_for
+from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port, tool_ranks, wait_for
 
 T = 8  # --timeout of the runs that wait out a bound
 
 
 def start(world, tmp_path, failpoint, args=(), extra=None):
     """One rank per simulated host n0..n<world-1>, srun-style variables, the JSON at tmp_path/v.json."""
-    port, procs = free_port(), []
-    for r in range(world):
-        e = clean_env({"RANK": r, "WORLD_SIZE": world, "LOCAL_RANK": 0, "MASTER_ADDR": "127.0.0.1",
+    port = free_port()
+    envs = [clean_env({"RANK": r, "WORLD_SIZE": world, "LOCAL_RANK": 0, "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": port, "SLURMD_NODENAME": f"n{r}", "AIV_FAILPOINT": failpoint,
                        "AIV_JSON": tmp_path / "v.json", "AIV_FAILPOINT_MARK": tmp_path / "mark", **(extra or {})})
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=e, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return procs
+            for r in range(world)]
+    return tool_ranks(envs, args, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def ended(procs, tmp_path, timeout=180):

@@ -9,21 +9,19 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port
+from conftest import SCRIPT, aiv, clean_env, describe, failures, finish, free_port, tool_ranks
 
 SOFTWARE = str(Path(__file__).resolve().parent / "software")
 R = 240  # the roll call's bound: the run must end long before it
 
 
 def nodes(tmp_path, world, per_rank, args=()):
-    port, procs = free_port(), []
-    for r in range(world):
-        env = clean_env({"RANK": r, "LOCAL_RANK": 0, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
-                         "MASTER_PORT": port, "SLURMD_NODENAME": f"n{r}", "AIV_JSON": tmp_path / "v.json",
-                         **per_rank.get(r, {})})
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--rollcall-timeout", str(R), "--skip-screen",
-                                       *map(str, args)], env=env, text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE))
+    port = free_port()
+    envs = [clean_env({"RANK": r, "LOCAL_RANK": 0, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": port, "SLURMD_NODENAME": f"n{r}", "AIV_JSON": tmp_path / "v.json",
+                       **per_rank.get(r, {})}) for r in range(world)]
+    procs = tool_ranks(envs, ["--rollcall-timeout", R, "--skip-screen", *args], text=True, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE)
     t = time.monotonic()
     try:  # rank 0's verdict: a rank still starting when it came waits for the store up to R, by design
         procs[0].wait(R + 60)

@@ -1,0 +1,394 @@
+"""The tests' fork server: ranks of the tool started without importing torch again.
+
+Each run of the tool the tests start as `python ddp_mesh_ping.py ARGS` imports torch (about 2 CPU-seconds on
+a 2-core machine), and the suite starts many hundreds of them. The fork server is a python of the test venv,
+one per pytest process, started on the first request, that imports torch and torch.distributed once (import
+only: no thread, no computation, nothing that a fork breaks) and forks a child per request. The child becomes
+what `python ddp_mesh_ping.py ARGS` would have been: its session or process group as the Popen call asked,
+the caller's umask and working directory, stdin/stdout/stderr from the caller's file descriptors (passed over
+the Unix socket), every other descriptor closed, the environment replaced wholesale, /proc/<pid>/cmdline
+rewritten to `python ddp_mesh_ping.py ARGS` (the server's own command line carries the room: no exec), sys.argv
+and sys.path[0] a script's, fresh sys.std* streams, then `runpy.run_path(script, run_name="__main__")`. An
+exit, an uncaught exception (its traceback on stderr, exit 1) or a signal ends it as it would end a python; the
+server reaps it and writes its return code (-signum for a signal, as Popen says it) back on the request's
+connection.
+
+The test side is `ToolPopen`, a subprocess.Popen whose start goes through the server: pipes, text mode,
+communicate(), wait(timeout) and TimeoutExpired, poll(), kill(), terminate(), send_signal() and `with` are
+Popen's own. A start the fork cannot reproduce is a plain Popen (`refusal` says why): another python or script,
+a shell, preexec_fn, user/group, pass_fds, close_fds=False, an environment that changes what python or torch
+read when they start (PYTHON*, LD_*, TORCH_*, PYTORCH_*, OMP_*, MKL_*, KMP_*, GOMP_*, MALLOC_*, GLIBC_TUNABLES,
+LC_*, LANG, LANGUAGE differing from the server's), a command line longer than the room, or a server that does
+not answer. AIV_TEST_FORK=1 turns the server on; 0, the default for now, makes every start a plain Popen.
+
+What differs from a fresh process, by construction: the rank's parent is the fork server (the same for every
+rank a pytest process starts, as the pytest process was), /proc/<pid>/environ shows the server's starting
+environment (os.environ and getenv are the request's), the command line ends in padding NULs, and the string
+hash seed is the server's.
+"""
+import inspect
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOM = 8192  # bytes of command line a child can have: the server's own argv carries them as padding
+_SENSITIVE_PREFIXES = ("PYTHON", "LD_", "TORCH_", "PYTORCH_", "OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LC_")
+_SENSITIVE = ("GLIBC_TUNABLES", "LANG", "LANGUAGE")
+
+
+def sensitive(name):
+    """Whether a variable changes what python or torch read as they start (so a fork cannot honour it)."""
+    return name.startswith(_SENSITIVE_PREFIXES) or name in _SENSITIVE
+
+
+def env_refusal(env, server_env):
+    """Why a fork of a server started with `server_env` cannot run with `env`, or None."""
+    for k in sorted(set(env) | set(server_env)):
+        if sensitive(k) and env.get(k) != server_env.get(k):
+            return f"{k} differs from the fork server's"
+    return None
+
+
+def cmdline(argv):
+    return b"\0".join(os.fsencode(a) for a in argv) + b"\0"
+
+
+def refusal(argv, env, server_env, python, script):
+    """Why `argv` with `env` cannot be forked from a server of `python` serving `script`, or None."""
+    if len(argv) < 2 or os.path.abspath(argv[0]) != os.path.abspath(python):
+        return "another python"
+    if os.path.realpath(argv[1]) != os.path.realpath(script):
+        return "another script"
+    if len(cmdline(argv)) > ROOM:
+        return "a command line longer than the fork server's room"
+    return env_refusal(env, server_env)
+
+
+# ---------------------------------------------------------------------------- the server
+def _send(conn, msg):
+    try:
+        conn.sendall(json.dumps(msg).encode() + b"\n")
+    except OSError:  # the test side went away: nothing to tell
+        pass
+
+
+def _read_request(conn):
+    conn.settimeout(30)
+    data, fds = b"", []
+    while not data.endswith(b"\n"):
+        chunk, got, _, _ = socket.recv_fds(conn, 1 << 20, 8)
+        fds += got
+        if not chunk:
+            break
+        data += chunk
+    return json.loads(data), fds
+
+
+def serve(listen_fd, parent, script):
+    """Accept requests until the parent goes; returns (request, fds) in a forked child only."""
+    import torch  # noqa: F401  (import only: no thread, no computation, before any fork)
+    import torch.distributed  # noqa: F401
+    lst = socket.socket(fileno=listen_fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *a: None)
+    server_env = dict(os.environ)
+    kids = {}  # pid -> the connection its status goes back on
+    while os.getppid() == parent:
+        ready, _, _ = select.select([lst, wake_r], [], [], 1.0)
+        if wake_r in ready:
+            while True:
+                try:
+                    if not os.read(wake_r, 512):
+                        break
+                except BlockingIOError:
+                    break
+        while kids:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                break
+            conn = kids.pop(pid, None)
+            if conn is not None:
+                _send(conn, {"rc": os.waitstatus_to_exitcode(status)})
+                conn.close()
+        if lst not in ready:
+            continue
+        try:
+            conn, _ = lst.accept()
+        except OSError:
+            continue
+        fds = []
+        try:
+            req, fds = _read_request(conn)
+            why = _server_refusal(conn, req, fds, server_env, script)
+            if why:
+                _send(conn, {"refused": why})
+                conn.close()
+                continue
+            pid = os.fork()
+        except Exception as e:  # a request we cannot serve: the test side falls back to a plain Popen
+            _send(conn, {"refused": f"{type(e).__name__}: {e}"})
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+            continue
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for c in kids.values():
+                c.close()
+            conn.close()
+            lst.close()
+            return req, fds
+        for fd in fds:
+            os.close(fd)
+        conn.settimeout(None)
+        _send(conn, {"pid": pid})
+        kids[pid] = conn
+    return None
+
+
+def _server_refusal(conn, req, fds, server_env, script):
+    import struct
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    if struct.unpack("3i", creds)[1] != os.getuid():
+        return "another user"
+    if len(fds) != 3:
+        return "not three descriptors"
+    return refusal(req["argv"], req["env"], server_env, sys.executable, script)
+
+
+def _set_cmdline(argv):
+    """/proc/self/cmdline := argv, written over this process's own argument area (no exec)."""
+    import ctypes
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (stat fields 48 and 49)
+    data = cmdline(argv)
+    ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
+
+
+def _stdio(unbuffered):
+    """Fresh sys.stdin/stdout/stderr on descriptors 0-2, as python makes them at its start."""
+    import io
+    made = []
+    for fd, old in ((0, sys.__stdin__), (1, sys.__stdout__), (2, sys.__stderr__)):
+        raw = io.FileIO(fd, "rb" if fd == 0 else "wb", closefd=False)
+        if fd == 0:
+            buf, lines = io.BufferedReader(raw), False
+        elif unbuffered:
+            buf, lines = raw, False
+        else:
+            buf, lines = io.BufferedWriter(raw), fd == 2 or raw.isatty()
+        made.append(io.TextIOWrapper(buf, encoding=old.encoding, errors=old.errors, line_buffering=lines,
+                                     write_through=bool(unbuffered and fd)))
+    sys.stdin, sys.stdout, sys.stderr = made
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = made
+
+
+def become(req, fds):
+    """In the forked child: turn into `python SCRIPT ARGS` as the request describes, then run it."""
+    if req.get("setsid"):
+        os.setsid()
+    elif req.get("pgid") is not None:
+        os.setpgid(0, req["pgid"])
+    os.umask(req["umask"])
+    os.chdir(req["cwd"])
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) > 2:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass
+    os.environ.clear()
+    os.environ.update(req["env"])
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    time.tzset()
+    argv = req["argv"]
+    _set_cmdline(argv)
+    script = argv[1]
+    sys.argv = list(argv[1:])
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    _stdio(bool(os.environ.get("PYTHONUNBUFFERED")))
+    import runpy
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # python's own report of an uncaught exception: from the script's frames on
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != script:
+            tb = tb.tb_next
+        e.__traceback__ = tb or e.__traceback__
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------------------- the test side
+def enabled():
+    return os.environ.get("AIV_TEST_FORK", "0") == "1"
+
+
+class Server:
+    """A fork server started by this process (`start`), reached over a Unix socket in a private directory."""
+
+    def __init__(self, script, env, python=sys.executable):
+        self.script, self.env, self.python = str(script), dict(env), python
+        self.dir = tempfile.mkdtemp(prefix="aiv-fork-")
+        self.path = os.path.join(self.dir, "s")
+        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lst.bind(self.path)
+        lst.listen(128)
+        try:
+            argv = [python, os.path.abspath(__file__), str(lst.fileno()), str(os.getpid()),
+                    os.fsencode(self.script).hex(), " " * ROOM]
+            self.proc = subprocess.Popen(argv, pass_fds=[lst.fileno()], env=self.env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL)
+        finally:
+            lst.close()  # the server's copy is the only one: a dead server refuses connections
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        import shutil
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def request(self, argv, env, cwd, setsid, pgid, fds):
+        """-> (connection, pid); raises OSError or ValueError (the reason) when the server will not fork."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(300)  # the server's first request waits for its own import of torch
+            conn.connect(self.path)
+            umask = os.umask(0)
+            os.umask(umask)
+            msg = {"argv": list(argv), "env": env, "cwd": cwd, "setsid": setsid, "pgid": pgid, "umask": umask}
+            socket.send_fds(conn, [json.dumps(msg).encode() + b"\n"], fds)
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    raise OSError("the fork server closed the connection")
+                data += chunk
+            reply = json.loads(data)
+            if "pid" not in reply:
+                raise ValueError(reply.get("refused", "refused"))
+            conn.settimeout(None)
+            return conn, reply["pid"]
+        except BaseException:
+            conn.close()
+            raise
+
+
+_EXEC_PARAMS = list(inspect.signature(subprocess.Popen._execute_child).parameters)[1:]
+
+
+class ToolPopen(subprocess.Popen):
+    """subprocess.Popen whose child is forked by `server` when the fork can reproduce the start (`forked`; else
+    `fallback` says why and it is a plain Popen)."""
+
+    def __init__(self, args, *, server=None, **kwargs):
+        self._server, self._conn, self._buf = server, None, b""
+        self._status_lock = threading.Lock()
+        self.forked, self.fallback = False, None
+        super().__init__(args, **kwargs)
+
+    def _why_not(self, a):
+        if self._server is None:
+            return "no fork server"
+        if not self._server.alive():
+            return "the fork server is not running"
+        if a.get("shell") or a.get("executable") is not None:
+            return "a shell or another executable"
+        if a.get("preexec_fn") is not None or a.get("pass_fds") or not a.get("close_fds", True):
+            return "preexec_fn, pass_fds or close_fds=False"
+        if any(a.get(k) not in (None, -1) for k in ("uid", "gid", "gids", "umask")):
+            return "user, group or umask"
+        if not a.get("restore_signals", True):
+            return "restore_signals=False"
+        cwd = a.get("cwd")
+        if cwd is not None and not os.path.isdir(cwd):
+            return "no such working directory"
+        env = os.environ if a.get("env") is None else a["env"]
+        return refusal([os.fsdecode(x) for x in a["args"]], {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()},
+                       self._server.env, self._server.python, self._server.script)
+
+    def _execute_child(self, *args):
+        known = len(args) == len(_EXEC_PARAMS)
+        a = dict(zip(_EXEC_PARAMS, args, strict=False))
+        self.fallback = self._why_not(a) if known else "an unknown Popen"
+        if self.fallback is None:
+            fds = [a["p2cread"] if a["p2cread"] != -1 else 0, a["c2pwrite"] if a["c2pwrite"] != -1 else 1,
+                   a["errwrite"] if a["errwrite"] != -1 else 2]
+            env = os.environ if a.get("env") is None else a["env"]
+            pg = a.get("process_group")
+            try:
+                self._conn, self.pid = self._server.request(
+                    [os.fsdecode(x) for x in a["args"]], {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()},
+                    os.fsdecode(a["cwd"]) if a.get("cwd") is not None else os.getcwd(),
+                    bool(a.get("start_new_session")), None if pg in (None, -1) else pg, fds)
+            except (OSError, ValueError) as e:
+                self.fallback = f"the fork server did not fork: {e}"
+            else:
+                self.forked, self._child_created = True, True
+                self._close_pipe_fds(a["p2cread"], a["p2cwrite"], a["c2pread"], a["c2pwrite"], a["errread"],
+                                     a["errwrite"])
+                return
+        super()._execute_child(*args)
+
+    def _read_status(self, timeout):
+        """Read the server's status line within `timeout` (None: until it comes); True once returncode is set."""
+        if self.returncode is not None:
+            return True
+        ready, _, _ = select.select([self._conn], [], [], timeout)
+        if not ready:
+            return False
+        chunk = self._conn.recv(4096)
+        self._buf += chunk
+        if b"\n" in self._buf:
+            self.returncode = json.loads(self._buf.split(b"\n", 1)[0])["rc"]
+        elif not chunk:  # the server went away without a status: the child's end is unknown
+            self.returncode = -signal.SIGKILL
+        if self.returncode is not None:
+            self._conn.close()
+        return self.returncode is not None
+
+    def _internal_poll(self, *args, **kwargs):
+        if not self.forked:
+            return super()._internal_poll(*args, **kwargs)
+        with self._status_lock:
+            self._read_status(0)
+        return self.returncode
+
+    def _wait(self, timeout):
+        if not self.forked:
+            return super()._wait(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._status_lock:
+            while not self._read_status(None if end is None else max(0.0, end - time.monotonic())):
+                if end is not None and time.monotonic() >= end:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+
+if __name__ == "__main__":
+    # argv: the listening socket's fd, the parent's pid, the script in hex (so that no search of command lines
+    # for the script's path takes the server for a run of the tool), the room for the children's command lines
+    job = serve(int(sys.argv[1]), int(sys.argv[2]), os.fsdecode(bytes.fromhex(sys.argv[3])))
+    if job is None:
+        sys.exit(0)
+    become(*job)

@@ -1,0 +1,148 @@
+"""The tests' fork server (tests/fork_server.py): a forked child ends, talks and is waited on as the plain
+Popen of `python SCRIPT ARGS` would, and a start it cannot reproduce is a plain Popen."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import fork_server as forks
+import pytest
+
+from conftest import SCRIPT, clean_env, tool_popen
+
+PROBE = r'''
+import json, os, sys, tempfile, time
+what = sys.argv[1]
+if what == "report":
+    with open(f"/proc/{os.getpid()}/cmdline", "rb") as f:
+        cmd = [a.decode() for a in f.read().rstrip(b"\0").split(b"\0")]
+    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "x": os.environ.get("FORK_X"),
+                      "getenv_x": os.getenv("FORK_X"), "home_gone": "FORK_GONE" not in os.environ,
+                      "tmp": tempfile.gettempdir(), "name": __name__, "file": __file__, "path0": sys.path[0],
+                      "cmdline": cmd, "sid": os.getsid(0), "pid": os.getpid(), "umask": os.umask(0),
+                      "line": sys.stdin.readline()}))
+    print("to stderr", file=sys.stderr)
+    sys.exit(3)
+if what == "sleep":
+    print("sleeping", flush=True)
+    time.sleep(60)
+if what == "kill":
+    os.kill(os.getpid(), 9)
+if what == "raise":
+    raise ValueError("from the probe")
+if what == "message":
+    sys.exit("a message")
+'''
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    script = tmp_path_factory.mktemp("fork") / "probe.py"
+    script.write_text(PROBE)
+    s = forks.Server(script, clean_env())
+    yield s
+    s.stop()
+
+
+def popen(server, what, env=None, **kw):
+    kw = {"text": True, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kw}
+    return forks.ToolPopen([sys.executable, server.script, what], server=server, env=env or clean_env(), **kw)
+
+
+def test_a_forked_child_runs_as_python_script_would(server, tmp_path):
+    env = clean_env({"FORK_X": "y", "TMPDIR": str(tmp_path)})
+    os.environ["FORK_GONE"] = "1"  # in this process only: the child's environment is the request's, wholesale
+    try:
+        with popen(server, "report", env=env, cwd=tmp_path, stdin=subprocess.PIPE, start_new_session=True) as p:
+            out, err = p.communicate("a line\n", timeout=120)
+    finally:
+        del os.environ["FORK_GONE"]
+    assert p.forked, p.fallback
+    assert (p.returncode, err) == (3, "to stderr\n")
+    got = json.loads(out)
+    assert got["argv"] == [server.script, "report"] and got["name"] == "__main__" and got["file"] == server.script
+    assert got["cmdline"] == [sys.executable, server.script, "report"]  # /proc/<pid>/cmdline as Popen's
+    assert (got["x"], got["getenv_x"], got["home_gone"]) == ("y", "y", True)
+    assert (got["cwd"], got["tmp"], got["path0"]) == (str(tmp_path), str(tmp_path), os.path.dirname(server.script))
+    assert got["sid"] == got["pid"] == p.pid and got["line"] == "a line\n"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert got["umask"] == umask
+
+
+def test_a_signal_death_is_minus_the_signal(server):
+    p = popen(server, "kill")
+    assert p.forked and p.wait(timeout=120) == -signal.SIGKILL
+    q = popen(server, "sleep")
+    assert q.stdout.readline() == "sleeping\n"
+    q.terminate()
+    assert q.wait(timeout=60) == -signal.SIGTERM and q.poll() == -signal.SIGTERM
+
+
+def test_wait_and_communicate_raise_timeout_expired(server):
+    p = popen(server, "sleep")
+    assert p.stdout.readline() == "sleeping\n"
+    t = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout=0.3)
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.communicate(timeout=0.3)
+    assert time.monotonic() - t < 30 and p.poll() is None
+    p.kill()
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+
+
+def test_an_uncaught_exception_and_an_exit_message_end_as_in_python(server):
+    p = popen(server, "raise")
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and err.startswith("Traceback") and "ValueError: from the probe" in err
+    assert "fork_server" not in err and "runpy" not in err, err  # the script's frames only, as python shows
+    q = popen(server, "message")
+    _, err = q.communicate(timeout=120)
+    assert (q.returncode, err) == (1, "a message\n")
+
+
+@pytest.mark.parametrize("extra", [{"LD_PRELOAD": ""}, {"PYTHONPATH": "/nowhere"}, {"TORCH_CPP_LOG_LEVEL": "INFO"},
+                                   {"OMP_NUM_THREADS": "7"}, {"TORCH_SHOW_CPP_STACKTRACES": "1"}])
+def test_an_environment_torch_reads_at_import_is_a_plain_popen(server, extra):
+    p = popen(server, "report", env=clean_env({"FORK_X": "z", **extra}), stdin=subprocess.DEVNULL)
+    out, _ = p.communicate(timeout=120)
+    assert not p.forked and "differs from the fork server's" in p.fallback
+    assert p.returncode == 3 and json.loads(out)["x"] == "z"
+
+
+def test_what_a_fork_cannot_reproduce_is_a_plain_popen(server, tmp_path):
+    other = forks.ToolPopen(["/bin/sh", "-c", "exit 4"], server=server)
+    assert (other.wait(timeout=60), other.forked, other.fallback) == (4, False, "another python")
+    pre = popen(server, "message", preexec_fn=lambda: None)
+    pre.communicate(timeout=120)
+    assert (pre.returncode, pre.forked) == (1, False) and "preexec_fn" in pre.fallback
+    with pytest.raises(FileNotFoundError):  # as Popen says it
+        popen(server, "message", cwd=str(tmp_path / "no such dir"))
+
+
+def test_a_dead_server_is_a_plain_popen(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    s = forks.Server(script, clean_env())
+    s.stop()
+    p = popen(s, "message")
+    p.communicate(timeout=120)
+    assert (p.returncode, p.forked) == (1, False) and "not running" in p.fallback
+
+
+def test_the_tool_forked_and_plain_say_the_same(monkeypatch):
+    was = forks.enabled()
+    forked = tool_popen(["--help"], env=clean_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    fo, fe = forked.communicate(timeout=120)
+    monkeypatch.setenv("AIV_TEST_FORK", "0")
+    plain = tool_popen(["--help"], env=clean_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    po, pe = plain.communicate(timeout=120)
+    assert forks.enabled() is False and not plain.forked
+    if was:
+        assert forked.forked, forked.fallback
+    assert (forked.returncode, fo, fe) == (plain.returncode, po, pe) == (0, po, "")
+    assert str(SCRIPT) in forked.args
