@@ -12,7 +12,7 @@ import time
 
 import psutil
 
-from conftest import ROOT, SCRIPT, aiv, clean_env, failures, free_port, run_tool, spawn
+from conftest import ROOT, SCRIPT, aiv, clean_env, failures, free_port, run_tool, spawn, wait_for
 
 SUCCESS_LINE = aiv.SUCCESS_LINE
 
@@ -122,11 +122,20 @@ def test_the_batch_files_time_limit_covers_the_worst_case():
 # ---------------------------------------------------------------------------- a foreign listener on MASTER_PORT
 def test_a_listener_that_never_answers_is_named_within_the_bound():
     """Something accepts on MASTER_PORT and never answers: the client rank names it (rc 3) within the roll
-    call's bound + NAMING_S of its first connection, long before the bound + RANK0_GRACE backstop."""
-    held, first = [], []
+    call's bound + NAMING_S of its store connection, long before the bound + RANK0_GRACE backstop. Its store
+    connection is the one it holds open to the end; the others are its hellos from before its import of
+    torch, each given up after a second (so the bound is counted from the store connection, whatever the
+    import of torch took on a loaded machine)."""
+    conns = []  # [accepted, closed by the rank or None]
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(16)
+
+    def hold(c, life):  # never answered; reads until the rank closes it
+        with c:
+            while c.recv(4096):
+                pass
+        life[1] = time.monotonic()
 
     def accept():
         while True:
@@ -134,10 +143,10 @@ def test_a_listener_that_never_answers_is_named_within_the_bound():
                 c, _ = srv.accept()
             except OSError:
                 return
-            first.append(first[0] if first else time.monotonic())
-            held.append(c)  # held open, never answered
+            conns.append([time.monotonic(), None])
+            threading.Thread(target=hold, args=(c, conns[-1]), daemon=True).start()
     threading.Thread(target=accept, daemon=True).start()
-    R, port = 20, srv.getsockname()[1]  # R also bounds the import of torch: over 10 s on a loaded machine
+    R, port = 20, srv.getsockname()[1]
     res, _ = spawn(2, ranks=[1], port=port, args=["--rollcall-timeout", R], timeout=120)
     done = time.monotonic()
     srv.close()
@@ -146,8 +155,9 @@ def test_a_listener_that_never_answers_is_named_within_the_bound():
     (line,) = failures(out)
     assert line.startswith("FAILURE: rendezvous: rank 1 (") and f"something on MASTER_PORT (127.0.0.1:{port})" in line
     assert "accepts connections but does not answer as the job's store" in line, line
-    print(f"named {done - first[0]:.1f}s after the first connection")
-    assert first and done - first[0] < R + aiv.RANK0_GRACE  # ordering: named before the old backstop
+    wait_for(lambda: all(c[1] is not None for c in conns), 10)  # the rank has exited: every connection closes
+    first = max(conns, key=lambda c: c[1] - c[0])  # the store connection: held longest
+    print(f"named {done - first[0]:.1f}s after the store connection ({len(conns)} connections)")
     assert done - first[0] < R + aiv.NAMING_S + 5  # generous: + 5 s for the exit on a loaded machine
 
 
