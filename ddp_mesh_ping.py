@@ -2276,7 +2276,7 @@ OWNED_VARS = {
     "the tool": ("AIV_FAILPOINT", "AIV_FAILPOINT_MARK", "AIV_JOB_SECRET", "AIV_WARM_IMPORTS"),
     "submit_smoke_test.sbatch": ("AIV_CPU_BIND", "AIV_SCRIPT", "AIV_STEP_GRACE", "AIV_STEP_KILL_WAIT"),
     "tests and bench": ("AIV_ARTIFACTS", "AIV_SIM_NODES", "AIV_SIM_TRIALS", "AIV_SLURM_DIR", "AIV_SLURM_INSTALL",
-                        "AIV_SLURM_SUBNET", "AIV_TEST_ENV"),
+                        "AIV_SLURM_SUBNET", "AIV_TEST_ENV", "AIV_TEST_FORK"),
 }
 
 
