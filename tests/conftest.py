@@ -43,8 +43,27 @@ def clean_env(extra=None):
     return env
 
 
+_PORT_BLOCK = 1000
+_next_port = [0]
+
+
 def free_port():
-    with socket.socket() as s:
+    """A port free now, from a block of this pytest process's own below the kernel's ephemeral range (32768
+    and up): a port the kernel gives another worker's run (local mode binds port 0) or that another worker
+    picked is never this one, so parallel tests cannot meet on a port."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    block = int(worker[2:]) if worker[2:].isdigit() else 11
+    base = 20000 + (block % 12) * _PORT_BLOCK
+    for _ in range(_PORT_BLOCK):
+        port = base + _next_port[0] % _PORT_BLOCK
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the whole block is taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
