@@ -13,6 +13,7 @@ import time
 import zlib
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,6 +142,14 @@ def finish(procs, timeout=120):
                 e += "\n<killed by test: hang>"
         out.append((p.returncode, o, e))
     return out
+
+
+def state(proc):
+    """A psutil process's state, or "gone": a process may exit between being listed and being looked at."""
+    try:
+        return proc.status()
+    except psutil.NoSuchProcess:
+        return "gone"
 
 
 def wait_for(pred, seconds=90):

@@ -2,6 +2,7 @@
 id, torchrun's own shape is the expectation, a dead worker makes the agent SIGTERM the others and
 rank 0 still names it, and two agents in two network namespaces with their own hostnames make a
 2-node run."""
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import SCRIPT, aiv, clean_env, failures, free_port
+from conftest import SCRIPT, aiv, clean_env, failures, free_port, state
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 if not TORCHRUN.exists():
@@ -58,10 +59,11 @@ def test_failpoints_under_torchrun_give_the_named_verdict(fault, word, code, tmp
             time.sleep(0.2)
         while agent.poll() is None and time.monotonic() < deadline:
             stopped = [c for c in psutil.Process(agent.pid).children(recursive=True)
-                       if c.status() == psutil.STATUS_STOPPED]
+                       if state(c) == psutil.STATUS_STOPPED]
             if stopped:
                 for c in stopped:
-                    c.kill()
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        c.kill()
                 break
             time.sleep(0.2)
     try:
