@@ -265,11 +265,21 @@ def effect_problems(modules):
     return out
 
 
+_CLASSES = {}
+
+
+def classes(tree):
+    """Every class of a module, at any depth (walked once per tree)."""
+    if id(tree) not in _CLASSES:
+        _CLASSES[id(tree)] = tree, [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    return _CLASSES[id(tree)][1]
+
+
 def duplicate_methods(name, tree):
     """A method defined twice in one class: the later replaces the first for every caller (a property's
     setter and deleter, and typing's overloads, are the same name on purpose)."""
     out = []
-    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+    for cls in classes(tree):
         seen = {}
         for n in cls.body:
             if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -288,7 +298,7 @@ def long_classes(name, tree):
     """A class over MAX_CLASS_LINES lines, at any depth of the module."""
     return [f"aiv/{name}.py:{n.lineno}: class {n.name} is {n.end_lineno - n.lineno + 1} lines, over the "
             f"{MAX_CLASS_LINES} a class may hold: split it by concern (a mixin or a collaborator each)"
-            for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES]
+            for n in classes(tree) if n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES]
 
 
 def problems():
@@ -342,6 +352,15 @@ def problems():
     return out + effect_problems([m for m in BUILD_ORDER if m in present])
 
 
+def segment(lines, n):
+    """The source of statement n from the module's lines (ast.get_source_segment, without its re-split of the
+    whole text for every call)."""
+    part = lines[n.lineno - 1:n.end_lineno]
+    if len(part) == 1:
+        return part[0][n.col_offset:n.end_col_offset]
+    return part[0][n.col_offset:] + "".join(part[1:-1]) + part[-1][:n.end_col_offset]
+
+
 def strip_module(name):
     """A module's text for the built file: its docstring, standard imports and relative imports removed.
     -> (body, [standard import statements], docstring's first line)."""
@@ -353,7 +372,7 @@ def strip_module(name):
         if isinstance(n, (ast.Import, ast.ImportFrom)):
             drop.update(range(n.lineno - 1, n.end_lineno))
             if not getattr(n, "level", 0):
-                std.append(ast.get_source_segment(text, n))
+                std.append(segment(lines, n))
         elif (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
               and n is tree.body[0]):
             drop.update(range(n.lineno - 1, n.end_lineno))
