@@ -1,6 +1,7 @@
 """Real multi-process runs: gloo process groups over loopback, no mocks."""
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -86,12 +87,14 @@ def test_master_port_in_use_is_named():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        t0 = time.monotonic()
         res, _ = spawn(2, ranks=[0], port=port, args=["--timeout", 30])
     rc, out = res[0]
     assert rc == 1
     assert f"FAILURE: rendezvous: address already in use on {socket.gethostname()}:{port}" in out
-    assert time.monotonic() - t0 < 25
+    # named at once, not at a bound: counted by the run's own clock from the end of its local phase (import torch
+    # and the local checks, which take what the machine's load makes of them)
+    elapsed, local = re.search(r"^Verdict: .* elapsed=([\d.]+)s phases=.*\blocal=([\d.]+)", out, re.M).groups()
+    assert float(elapsed) - float(local) < 10, out
 
 
 def test_unreachable_master_every_rank_says_so():

@@ -325,7 +325,8 @@ def test_the_flight_recorder_holds_what_a_gloo_rank_issued():
             "[dist.all_reduce(x) for _ in range(3)]\n"
             "i = aiv.Issued(); i.names[dist.group.WORLD.group_name] = '0'\n"
             "with_start = (i.start('all_reduce', '0'), i.record(torch))[1]\n"
-            "i.done('0'); print(json.dumps([with_start, i.record(torch), aiv.recorder_last(torch, {})]))\n")
+            "i.done('0'); print(json.dumps([with_start, i.record(torch), aiv.recorder_last(torch, {})]))\n"
+            "dist.destroy_process_group()\n")  # gloo's threads torn down before exit, not by it (an abort, at times)
     r = subprocess.run([sys.executable, "-c", code, str(aiv.__file__.rsplit("/", 1)[0])], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr

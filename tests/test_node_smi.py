@@ -120,9 +120,10 @@ def test_a_silent_nvidia_smi_is_a_visible_warn_not_silence(tmp_path):
     """nvidia-smi never answers: the node's facts are "not read" in a WARN naming the node and the bound; the
     run still ends (a WARN, exit 0), the telemetry waiting a quarter of its bound at most."""
     t = time.monotonic()
-    r, v, made = run_with(tmp_path, "sleep 120", "--timeout", 20)
+    r, v, made = run_with(tmp_path, "sleep 600", "--timeout", 20)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert len(made) == 1 and time.monotonic() - t < 60
+    # a run that waited for this nvidia-smi could not end within half of its sleep, however loaded the machine
+    assert len(made) == 1 and time.monotonic() - t < 300
     host = v["ranks"][0]["host"]
     (w,) = [f for f in v["findings"] if f["check"] == "day0" and "not read" in f["reason"]]
     assert w["status"] == "WARN" and w["involved"] == [host] and w["hosts"] == [] and w["ranks"] == [0, 1]
