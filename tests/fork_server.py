@@ -19,7 +19,7 @@ Popen's own. A start the fork cannot reproduce is a plain Popen (`refusal` says 
 a shell, preexec_fn, user/group, pass_fds, close_fds=False, an environment that changes what python or torch
 read when they start (PYTHON*, LD_*, TORCH_*, PYTORCH_*, OMP_*, MKL_*, KMP_*, GOMP_*, MALLOC_*, GLIBC_TUNABLES,
 LC_*, LANG, LANGUAGE differing from the server's), a command line longer than the room, or a server that does
-not answer. AIV_TEST_FORK=1 turns the server on; 0, the default for now, makes every start a plain Popen.
+not answer. AIV_TEST_FORK=1 (the default) turns the server on; 0 makes every start a plain Popen.
 
 What differs from a fresh process, by construction: the rank's parent is the fork server (the same for every
 rank a pytest process starts, as the pytest process was), /proc/<pid>/environ shows the server's starting
@@ -237,7 +237,7 @@ def become(req, fds):
 
 # ---------------------------------------------------------------------------- the test side
 def enabled():
-    return os.environ.get("AIV_TEST_FORK", "0") == "1"
+    return os.environ.get("AIV_TEST_FORK", "1") == "1"
 
 
 class Server:

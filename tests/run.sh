@@ -25,10 +25,9 @@
 #                    tests wait out a bound with their CPU idle, and a fourth worker fills what 3
 #                    leave (92% of the CPU busy instead of 80%); 0 runs in this process, without xdist)
 #   TEST_DURATIONS   how many of the slowest tests to list at the end (default: 15; 0 lists all)
-#   AIV_TEST_FORK    1: the tests' runs of the tool are forked from a fork server per pytest process, which
-#                    imported torch once (tests/fork_server.py), instead of each importing torch itself; a
-#                    start a fork cannot reproduce is still a plain process. 0 (default): every run a plain
-#                    process
+#   AIV_TEST_FORK    1 (default): the tests' runs of the tool are forked from a fork server per pytest process,
+#                    which imported torch once (tests/fork_server.py), instead of each importing torch itself;
+#                    a start a fork cannot reproduce is still a plain process. 0: every run a plain process
 # Each worker that runs tests/test_slurm.py brings up a Slurm test cluster of its own (tests/slurm_cluster.sh
 # keeps several apart, each in namespaces of its own); each worker gets a share of equal cost, its waits
 # spread out, and an idle worker takes over half of a busy one's queue (--dist worksteal; conftest.py).
