@@ -208,7 +208,7 @@ class Conclusion:
         if run["host_of"]:
             ranks = [r for r in run["host_of"] if r and r not in run["gone"]]
             return ranks, len(ranks)
-        return None, max(0, bounded(self.client.arrived, STORE_OP_S, 1) - 1)
+        return None, max(0, bounded(self.client.arrived_count, STORE_OP_S, 1) - 1)
 
     def wait_acks(self, code):
         """Keep the store up until every listener acknowledged (their sealed ack/<rank>; the counter only wakes

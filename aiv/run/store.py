@@ -499,62 +499,58 @@ class StoreProtocol(StoreRollCall, SealedStore):
         return json.loads(self._wait_valid(f"screen/{name}/{rank}", seconds))
 
     def screen_post(self, rnd, rank, data, world):
-        self._append(f"screen/{rnd}", json.dumps(dict(data, rank=rank)))
-        if self.store.add(f"screen/{rnd}/n", 1) == world:
-            self._set(f"screen/{rnd}/all", "1")
+        self._fan_post(f"screen/{rnd}", rank, data, world)
 
     def screen_wait(self, rnd, seconds):
-        """Whether every rank posted the round within `seconds`: screen/<round>/all wakes the wait, the
-        sealed posts of the whole world end it."""
-        end = time.monotonic() + seconds
-        while True:
-            try:
-                self._wait([f"screen/{rnd}/all"], end - time.monotonic())
-            except Exception as e:
-                if not store_timed_out(e):
-                    raise
-                return False
-            if self.world is None or len(self.screen_posts(rnd)) >= self.world:
-                return True
-            if time.monotonic() >= end:
-                return False
-            time.sleep(FORGED_POLL_S)
+        return self._fan_wait(f"screen/{rnd}", seconds)[0]
 
     def screen_posts(self, rnd):
-        """{rank: its post} of a round, so far (sealed posts only)."""
-        return {int(e["rank"]): e for e in map(json.loads, self._lines(f"screen/{rnd}"))}
+        return self._fan_in(f"screen/{rnd}")
 
-    # -- fan-in to rank 0: the telemetry and the results
+    # -- fan-in to rank 0: the telemetry and the results (posts/<name>), the screen's rounds (screen/<round>)
     def post(self, name, rank, data):
-        """This rank's part of the fan-in `name`: one sealed JSON line appended to posts/<name>; the last
-        rank of the world to post sets posts/<name>/all (the counter only wakes rank 0)."""
-        self._append(f"posts/{name}", json.dumps(dict(data, rank=rank), default=str))
-        if self.store.add(f"posts/{name}/n", 1) == self.world:
-            self._set(f"posts/{name}/all", "1")
+        self._fan_post(f"posts/{name}", rank, data, self.world)
 
     def post_count(self, name):
         """How many posts of the fan-in `name` were counted (a wake-up: posts() holds the sealed posts)."""
         return self.store.add(f"posts/{name}/n", 0)
 
     def posts(self, name):
-        """{rank: its post} of the fan-in `name`, so far: one read of the list (sealed posts only)."""
-        return {int(e["rank"]): e for e in map(json.loads, self._lines(f"posts/{name}"))}
+        return self._fan_in(f"posts/{name}")
 
     def wait_posts(self, name, seconds):
-        """{rank: its post} once the whole world posted `name`, or what came within `seconds`:
-        posts/<name>/all wakes the wait, the sealed posts of the whole world end it (a forged line or a
-        counter bumped from outside only makes rank 0 read again, every FORGED_POLL_S)."""
+        """{rank: its post} once the whole world posted `name`, or what came within `seconds`."""
+        got = self._fan_wait(f"posts/{name}", seconds)[1]
+        return self.posts(name) if got is None else got
+
+    def _fan_post(self, key, rank, data, world):
+        """This rank's part of the fan-in `key`: one sealed JSON line appended to it; the last rank of the world
+        to post sets <key>/all (the counter <key>/n only wakes rank 0)."""
+        self._append(key, json.dumps(dict(data, rank=rank), default=str))
+        if self.store.add(f"{key}/n", 1) == world:
+            self._set(f"{key}/all", "1")
+
+    def _fan_in(self, key):
+        """{rank: its post} of the fan-in `key`, so far: one read of the list (sealed posts only)."""
+        return {int(e["rank"]): e for e in map(json.loads, self._lines(key))}
+
+    def _fan_wait(self, key, seconds):
+        """Whether every rank posted to the fan-in `key` within `seconds`, and its posts as last read (None: not
+        read): <key>/all wakes the wait, the sealed posts of the whole world end it (a forged line or a counter
+        bumped from outside only makes rank 0 read again, every FORGED_POLL_S)."""
         end = time.monotonic() + seconds
         while True:
             try:
-                self._wait([f"posts/{name}/all"], end - time.monotonic())
+                self._wait([f"{key}/all"], end - time.monotonic())
             except Exception as e:  # the bound passed: what came is what there is
                 if not store_timed_out(e):
                     raise
-                return self.posts(name)
-            got = self.posts(name)
-            if len(got) >= self.world or time.monotonic() >= end:
-                return got
+                return False, None
+            got = None if self.world is None else self._fan_in(key)
+            if got is None or len(got) >= self.world:
+                return True, got
+            if time.monotonic() >= end:
+                return False, got
             time.sleep(FORGED_POLL_S)
 
     # -- gates, errors, verdict
@@ -635,9 +631,6 @@ class StoreProtocol(StoreRollCall, SealedStore):
         if not keys or not self.store.check(keys):
             return not keys
         return all(self._open(k, v) == "1" for k, v in zip(keys, self.store.multi_get(keys), strict=True))
-
-    def arrived(self):
-        return self.store.add("arrived", 0)
 
     def audit(self, ranks, hosts):
         """Rank 0, before it publishes the verdict: every value the run wrote, checked once more, so that a
