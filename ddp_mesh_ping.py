@@ -150,21 +150,20 @@ CHECKS = (
 
 # What each check can say besides PASS, without --strict (which makes every WARN a FAIL). docs/checks.md's
 # table has a FAIL and a WARN column per check: a test holds them to this, and finding() refuses any other
-# level, as it refuses a check not in CHECKS.
+# level, as it refuses a check not in CHECKS. --node-check: a check that could not run through the tool's own
+# fault (usage, contract, launch, local, interrupted, manifest, internal, output) is a WARN row, the node NOT ASSESSED.
+_FW = ("FAIL", "WARN")
 CHECK_LEVELS = {
-    "usage": ("FAIL",), "contract": ("FAIL",), "launch": ("FAIL",), "local": ("FAIL",), "device": ("FAIL",),
-    "interface": ("FAIL",), "rendezvous": ("FAIL", "WARN"), "world-size": ("FAIL",), "layout": ("FAIL",),
-    "gpu-affinity": ("FAIL",), "numa": ("WARN",), "versions": ("FAIL", "WARN"), "imports": ("WARN",),
+    "usage": _FW, "contract": _FW, "launch": _FW, "local": _FW, "device": ("FAIL",),
+    "interface": ("FAIL",), "rendezvous": _FW, "world-size": ("FAIL",), "layout": ("FAIL",),
+    "gpu-affinity": ("FAIL",), "numa": ("WARN",), "versions": _FW, "imports": ("WARN",),
     "fabric": ("WARN",), "day0": ("WARN",), "init": ("FAIL",), "telemetry": ("FAIL",), "collective": ("FAIL",),
-    "ddp": ("FAIL",), "verdict": ("FAIL",), "bandwidth": ("FAIL",), "transport": ("FAIL", "WARN"),
-    "manifest": ("FAIL", "WARN"), "internal": ("FAIL", "WARN"), "interrupted": ("FAIL",),
-    "gpu-perf": ("FAIL", "WARN"), "intra-node": ("FAIL", "WARN"), "inter-node": ("FAIL", "WARN"),
-    "soak": ("FAIL", "WARN"), "numerics": ("FAIL", "WARN"), "drain": ("WARN",), "output": ("FAIL",),
-    "gpu-count": ("FAIL", "WARN"), "gpu-procs": ("FAIL", "WARN"), "gpu-health": ("FAIL", "WARN"),
+    "ddp": ("FAIL",), "verdict": ("FAIL",), "bandwidth": ("FAIL",), "transport": _FW,
+    "manifest": _FW, "internal": _FW, "interrupted": _FW,
+    "gpu-perf": _FW, "intra-node": _FW, "inter-node": _FW,
+    "soak": _FW, "numerics": _FW, "drain": ("WARN",), "output": _FW,
+    "gpu-count": _FW, "gpu-procs": _FW, "gpu-health": _FW,
 }
-# --node-check: a check that could not run through the tool's own fault is a WARN row, the node NOT ASSESSED
-for _check in ("usage", "contract", "launch", "local", "interrupted", "manifest", "internal", "output"):
-    CHECK_LEVELS[_check] = ("FAIL", "WARN")
 
 # Environment variables the report may print. Nothing else is ever echoed.
 ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "AIV_")
@@ -648,6 +647,7 @@ def rule(names=(), drain=(), why=None, contexts=("job",)):
 
 _PROCESS_WHY = ("a rank whose process died, froze or whose node stopped answering in the middle of a run is a "
                 "fault of its node (its GPU, kernel, memory or network) that a re-run there meets again")
+_NODE = ("job",) + NODE_COMPUTE  # checks the node gate (--node-check) also makes, where it computes
 # Every check of CHECKS, declared. A check not declared here names no host and drains nothing.
 CHECK_RULES = {
     "usage": rule(), "contract": rule(), "launch": rule(), "layout": rule(),
@@ -656,7 +656,7 @@ CHECK_RULES = {
     "local": rule(("own", "majority"), ("own",), "a rank's own software or configuration on its host (a missing "
                   "numpy, an old torch, an interface) stays until the node is fixed"),
     "device": rule(("own", "majority"), ("own", "majority"), "a GPU that CUDA cannot use, or a node whose ranks "
-                   "chose another backend than the rest, stays so until the node is repaired"),
+                   "chose another backend than the rest, stays so until the node is repaired", _NODE),
     "interface": rule(("own", "majority"), ("own", "majority"), "a node's interfaces and the address its hostname "
                       "maps to stay until the node is reconfigured"),
     "rendezvous": rule(("process", "own"), ("process",), _PROCESS_WHY + "; so does a rank that never checked in "
@@ -677,13 +677,13 @@ CHECK_RULES = {
     "transport": rule(("own",), ("own",), "NCCL falling back to sockets on a node whose InfiniBand ports are "
                       "ACTIVE is its own libraries or device access, which stay until fixed"),
     "manifest": rule(("manifest",), ("manifest",), "a node unlike the accepted manifest stays so until it is "
-                     "reinstalled or the manifest is accepted anew"),
+                     "reinstalled or the manifest is accepted anew", ("job",) + NODE_CONTEXTS),
     "gpu-perf": rule(("persisted", "own", "process", "never-issued"), ("persisted", "own", "process"),
                      "a GPU slow again when measured again, or whose row remapping failed, stays so until it "
-                     "is repaired; " + _PROCESS_WHY),
-    "intra-node": rule(("persisted", "process", "never-issued"), ("persisted", "process"),
-                       "a node slow inside in every try, beside known-good nodes, stays so until its NVLink, "
-                       "NVSwitch or PCIe is repaired; " + _PROCESS_WHY),
+                     "is repaired; " + _PROCESS_WHY, _NODE),
+    "intra-node": rule(("persisted", "own", "process", "never-issued"), ("persisted", "own", "process"),
+                       "a node slow inside in every try, beside known-good nodes, or whose own all-reduce returns "
+                       "wrong sums, stays so until its NVLink, NVSwitch or PCIe is repaired; " + _PROCESS_WHY, _NODE),
     "inter-node": rule(("persisted", "process", "never-issued"), ("persisted", "process"),
                        "a node slow with two different partners after re-measurement and fine with none stays so "
                        "until its NIC, cable or switch port is repaired; " + _PROCESS_WHY),
@@ -693,17 +693,7 @@ CHECK_RULES = {
     "numerics": rule(("reference", "majority", "own"), ("reference", "majority", "own"),
                      "a GPU that computed wrong bits (off the fp64 reference its peers meet, unlike a strict "
                      "majority of them, or unlike its own first result) computes wrong again: silent data "
-                     "corruption persists until the GPU is replaced"),
-}
-_NODE = ("job",) + NODE_COMPUTE  # checks the node gate (--node-check) also makes, where it computes
-CHECK_RULES["intra-node"] = rule(("persisted", "own", "process", "never-issued"), ("persisted", "own", "process"),
-                                 "a node slow inside in every try, beside known-good nodes, or whose own all-reduce "
-                                 "returns wrong sums, stays so until its NVLink, NVSwitch or PCIe is repaired; "
-                                 + _PROCESS_WHY, _NODE)
-for _check in ("device", "numerics", "gpu-perf"):
-    CHECK_RULES[_check] = dict(CHECK_RULES[_check], contexts=_NODE)
-CHECK_RULES["manifest"] = dict(CHECK_RULES["manifest"], contexts=("job",) + NODE_CONTEXTS)
-CHECK_RULES.update({
+                     "corruption persists until the GPU is replaced", _NODE),
     "gpu-count": rule(("own",), ("own",), "a GPU the node should have (--expect-gpus, the job's SLURM_JOB_GPUS, the "
                       "node's gres, the GPUs on its PCI bus) that NVML does not list stays missing until the node is "
                       "repaired", NODE_CONTEXTS),
@@ -714,7 +704,7 @@ CHECK_RULES.update({
                        "until the GPU is replaced (NVIDIA's RMA policy); uncorrected ECC counts and a pending remap "
                        "(contained, applied at the next GPU reset), the PCIe link and clocks under load and Xid lines "
                        "WARN and drain nothing", NODE_CONTEXTS),
-})
+}
 
 
 def drains_in(f, context):
@@ -5464,14 +5454,6 @@ BAND_MIN_RUNS = 3  # a speed band judges only once this many accepted runs built
 BAND_WINDOW = 5    # a band spans the last this many accepted runs (older ones age out; see merge_bands)
 
 
-def _always_fail(old, new):
-    return "FAIL"
-
-
-def _always_warn(old, new):
-    return "WARN"
-
-
 def _lower_fails(old, new):
     """A downgrade (below the accepted) FAILs; an upgrade is a change to review (WARN)."""
     try:
@@ -5487,19 +5469,19 @@ def _transport_severity(old, new):
     return "FAIL" if not o or max(n) < max(o) or min(n) < min(o) else "WARN"
 
 
-# (field, what a finding calls it, severity of a change old -> new). Order: how findings are listed.
+# (field, what a finding calls it, severity of a change: FAIL, WARN or a function of old, new), in listing order.
 MANIFEST_FIELDS = (
-    ("driver", "driver", _always_fail), ("cuda", "CUDA", _always_fail), ("nccl", "NCCL", _always_fail),
-    ("torch", "torch", _always_fail), ("gpu_model", "GPU model", _always_fail),
-    ("gpus_per_node", "GPUs per node", _always_fail), ("gpu_memory", "GPU memory", _always_fail),
-    ("ib_ports", "IB port count", _always_fail), ("ib_rate", "IB rate", _always_fail),
+    ("driver", "driver", "FAIL"), ("cuda", "CUDA", "FAIL"), ("nccl", "NCCL", "FAIL"),
+    ("torch", "torch", "FAIL"), ("gpu_model", "GPU model", "FAIL"),
+    ("gpus_per_node", "GPUs per node", "FAIL"), ("gpu_memory", "GPU memory", "FAIL"),
+    ("ib_ports", "IB port count", "FAIL"), ("ib_rate", "IB rate", "FAIL"),
     ("pcie_width", "PCIe link width", _lower_fails), ("pcie_speed", "PCIe link speed", _lower_fails),
     ("transport_intra", "NCCL transport within the node", _transport_severity),
     ("transport_inter", "NCCL transport between nodes", _transport_severity),
-    ("torchvision", "torchvision", _always_warn), ("torchaudio", "torchaudio", _always_warn),
-    ("python", "Python", _always_warn), ("kernel", "kernel", _always_warn), ("os", "OS", _always_warn),
-    ("ib_state", "IB port state", _always_warn), ("ifaces", "interfaces", _always_warn),
-    ("env", "environment", _always_warn),
+    ("torchvision", "torchvision", "WARN"), ("torchaudio", "torchaudio", "WARN"),
+    ("python", "Python", "WARN"), ("kernel", "kernel", "WARN"), ("os", "OS", "WARN"),
+    ("ib_state", "IB port state", "WARN"), ("ifaces", "interfaces", "WARN"),
+    ("env", "environment", "WARN"),
 )
 FIELD_NAMES = tuple(f[0] for f in MANIFEST_FIELDS)
 
@@ -5795,7 +5777,8 @@ def _judge_host(h, fields, cls, listed, drift, unchecked):
         old = accepted[0] if listed else _most_common(dict(enumerate(accepted)))
         text = "; ".join(f"{lab[4:]} {o} -> {n}" if field == "env" else f"{o} -> {n}"
                          for lab, o, n in _changes(field, old, new))
-        drift.setdefault((field, severity(old, new)), {}).setdefault(text, []).append(h)
+        sev = severity if isinstance(severity, str) else severity(old, new)
+        drift.setdefault((field, sev), {}).setdefault(text, []).append(h)
 
 
 def judge_manifest(manifest, records, screen=None):

@@ -30,14 +30,6 @@ BAND_MIN_RUNS = 3  # a speed band judges only once this many accepted runs built
 BAND_WINDOW = 5    # a band spans the last this many accepted runs (older ones age out; see merge_bands)
 
 
-def _always_fail(old, new):
-    return "FAIL"
-
-
-def _always_warn(old, new):
-    return "WARN"
-
-
 def _lower_fails(old, new):
     """A downgrade (below the accepted) FAILs; an upgrade is a change to review (WARN)."""
     try:
@@ -53,19 +45,19 @@ def _transport_severity(old, new):
     return "FAIL" if not o or max(n) < max(o) or min(n) < min(o) else "WARN"
 
 
-# (field, what a finding calls it, severity of a change old -> new). Order: how findings are listed.
+# (field, what a finding calls it, severity of a change: FAIL, WARN or a function of old, new), in listing order.
 MANIFEST_FIELDS = (
-    ("driver", "driver", _always_fail), ("cuda", "CUDA", _always_fail), ("nccl", "NCCL", _always_fail),
-    ("torch", "torch", _always_fail), ("gpu_model", "GPU model", _always_fail),
-    ("gpus_per_node", "GPUs per node", _always_fail), ("gpu_memory", "GPU memory", _always_fail),
-    ("ib_ports", "IB port count", _always_fail), ("ib_rate", "IB rate", _always_fail),
+    ("driver", "driver", "FAIL"), ("cuda", "CUDA", "FAIL"), ("nccl", "NCCL", "FAIL"),
+    ("torch", "torch", "FAIL"), ("gpu_model", "GPU model", "FAIL"),
+    ("gpus_per_node", "GPUs per node", "FAIL"), ("gpu_memory", "GPU memory", "FAIL"),
+    ("ib_ports", "IB port count", "FAIL"), ("ib_rate", "IB rate", "FAIL"),
     ("pcie_width", "PCIe link width", _lower_fails), ("pcie_speed", "PCIe link speed", _lower_fails),
     ("transport_intra", "NCCL transport within the node", _transport_severity),
     ("transport_inter", "NCCL transport between nodes", _transport_severity),
-    ("torchvision", "torchvision", _always_warn), ("torchaudio", "torchaudio", _always_warn),
-    ("python", "Python", _always_warn), ("kernel", "kernel", _always_warn), ("os", "OS", _always_warn),
-    ("ib_state", "IB port state", _always_warn), ("ifaces", "interfaces", _always_warn),
-    ("env", "environment", _always_warn),
+    ("torchvision", "torchvision", "WARN"), ("torchaudio", "torchaudio", "WARN"),
+    ("python", "Python", "WARN"), ("kernel", "kernel", "WARN"), ("os", "OS", "WARN"),
+    ("ib_state", "IB port state", "WARN"), ("ifaces", "interfaces", "WARN"),
+    ("env", "environment", "WARN"),
 )
 FIELD_NAMES = tuple(f[0] for f in MANIFEST_FIELDS)
 
@@ -361,7 +353,8 @@ def _judge_host(h, fields, cls, listed, drift, unchecked):
         old = accepted[0] if listed else _most_common(dict(enumerate(accepted)))
         text = "; ".join(f"{lab[4:]} {o} -> {n}" if field == "env" else f"{o} -> {n}"
                          for lab, o, n in _changes(field, old, new))
-        drift.setdefault((field, severity(old, new)), {}).setdefault(text, []).append(h)
+        sev = severity if isinstance(severity, str) else severity(old, new)
+        drift.setdefault((field, sev), {}).setdefault(text, []).append(h)
 
 
 def judge_manifest(manifest, records, screen=None):

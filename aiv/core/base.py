@@ -56,21 +56,20 @@ CHECKS = (
 
 # What each check can say besides PASS, without --strict (which makes every WARN a FAIL). docs/checks.md's
 # table has a FAIL and a WARN column per check: a test holds them to this, and finding() refuses any other
-# level, as it refuses a check not in CHECKS.
+# level, as it refuses a check not in CHECKS. --node-check: a check that could not run through the tool's own
+# fault (usage, contract, launch, local, interrupted, manifest, internal, output) is a WARN row, the node NOT ASSESSED.
+_FW = ("FAIL", "WARN")
 CHECK_LEVELS = {
-    "usage": ("FAIL",), "contract": ("FAIL",), "launch": ("FAIL",), "local": ("FAIL",), "device": ("FAIL",),
-    "interface": ("FAIL",), "rendezvous": ("FAIL", "WARN"), "world-size": ("FAIL",), "layout": ("FAIL",),
-    "gpu-affinity": ("FAIL",), "numa": ("WARN",), "versions": ("FAIL", "WARN"), "imports": ("WARN",),
+    "usage": _FW, "contract": _FW, "launch": _FW, "local": _FW, "device": ("FAIL",),
+    "interface": ("FAIL",), "rendezvous": _FW, "world-size": ("FAIL",), "layout": ("FAIL",),
+    "gpu-affinity": ("FAIL",), "numa": ("WARN",), "versions": _FW, "imports": ("WARN",),
     "fabric": ("WARN",), "day0": ("WARN",), "init": ("FAIL",), "telemetry": ("FAIL",), "collective": ("FAIL",),
-    "ddp": ("FAIL",), "verdict": ("FAIL",), "bandwidth": ("FAIL",), "transport": ("FAIL", "WARN"),
-    "manifest": ("FAIL", "WARN"), "internal": ("FAIL", "WARN"), "interrupted": ("FAIL",),
-    "gpu-perf": ("FAIL", "WARN"), "intra-node": ("FAIL", "WARN"), "inter-node": ("FAIL", "WARN"),
-    "soak": ("FAIL", "WARN"), "numerics": ("FAIL", "WARN"), "drain": ("WARN",), "output": ("FAIL",),
-    "gpu-count": ("FAIL", "WARN"), "gpu-procs": ("FAIL", "WARN"), "gpu-health": ("FAIL", "WARN"),
+    "ddp": ("FAIL",), "verdict": ("FAIL",), "bandwidth": ("FAIL",), "transport": _FW,
+    "manifest": _FW, "internal": _FW, "interrupted": _FW,
+    "gpu-perf": _FW, "intra-node": _FW, "inter-node": _FW,
+    "soak": _FW, "numerics": _FW, "drain": ("WARN",), "output": _FW,
+    "gpu-count": _FW, "gpu-procs": _FW, "gpu-health": _FW,
 }
-# --node-check: a check that could not run through the tool's own fault is a WARN row, the node NOT ASSESSED
-for _check in ("usage", "contract", "launch", "local", "interrupted", "manifest", "internal", "output"):
-    CHECK_LEVELS[_check] = ("FAIL", "WARN")
 
 # Environment variables the report may print. Nothing else is ever echoed.
 ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "AIV_")

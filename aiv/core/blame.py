@@ -69,6 +69,7 @@ def rule(names=(), drain=(), why=None, contexts=("job",)):
 
 _PROCESS_WHY = ("a rank whose process died, froze or whose node stopped answering in the middle of a run is a "
                 "fault of its node (its GPU, kernel, memory or network) that a re-run there meets again")
+_NODE = ("job",) + NODE_COMPUTE  # checks the node gate (--node-check) also makes, where it computes
 # Every check of CHECKS, declared. A check not declared here names no host and drains nothing.
 CHECK_RULES = {
     "usage": rule(), "contract": rule(), "launch": rule(), "layout": rule(),
@@ -77,7 +78,7 @@ CHECK_RULES = {
     "local": rule(("own", "majority"), ("own",), "a rank's own software or configuration on its host (a missing "
                   "numpy, an old torch, an interface) stays until the node is fixed"),
     "device": rule(("own", "majority"), ("own", "majority"), "a GPU that CUDA cannot use, or a node whose ranks "
-                   "chose another backend than the rest, stays so until the node is repaired"),
+                   "chose another backend than the rest, stays so until the node is repaired", _NODE),
     "interface": rule(("own", "majority"), ("own", "majority"), "a node's interfaces and the address its hostname "
                       "maps to stay until the node is reconfigured"),
     "rendezvous": rule(("process", "own"), ("process",), _PROCESS_WHY + "; so does a rank that never checked in "
@@ -98,13 +99,13 @@ CHECK_RULES = {
     "transport": rule(("own",), ("own",), "NCCL falling back to sockets on a node whose InfiniBand ports are "
                       "ACTIVE is its own libraries or device access, which stay until fixed"),
     "manifest": rule(("manifest",), ("manifest",), "a node unlike the accepted manifest stays so until it is "
-                     "reinstalled or the manifest is accepted anew"),
+                     "reinstalled or the manifest is accepted anew", ("job",) + NODE_CONTEXTS),
     "gpu-perf": rule(("persisted", "own", "process", "never-issued"), ("persisted", "own", "process"),
                      "a GPU slow again when measured again, or whose row remapping failed, stays so until it "
-                     "is repaired; " + _PROCESS_WHY),
-    "intra-node": rule(("persisted", "process", "never-issued"), ("persisted", "process"),
-                       "a node slow inside in every try, beside known-good nodes, stays so until its NVLink, "
-                       "NVSwitch or PCIe is repaired; " + _PROCESS_WHY),
+                     "is repaired; " + _PROCESS_WHY, _NODE),
+    "intra-node": rule(("persisted", "own", "process", "never-issued"), ("persisted", "own", "process"),
+                       "a node slow inside in every try, beside known-good nodes, or whose own all-reduce returns "
+                       "wrong sums, stays so until its NVLink, NVSwitch or PCIe is repaired; " + _PROCESS_WHY, _NODE),
     "inter-node": rule(("persisted", "process", "never-issued"), ("persisted", "process"),
                        "a node slow with two different partners after re-measurement and fine with none stays so "
                        "until its NIC, cable or switch port is repaired; " + _PROCESS_WHY),
@@ -114,17 +115,7 @@ CHECK_RULES = {
     "numerics": rule(("reference", "majority", "own"), ("reference", "majority", "own"),
                      "a GPU that computed wrong bits (off the fp64 reference its peers meet, unlike a strict "
                      "majority of them, or unlike its own first result) computes wrong again: silent data "
-                     "corruption persists until the GPU is replaced"),
-}
-_NODE = ("job",) + NODE_COMPUTE  # checks the node gate (--node-check) also makes, where it computes
-CHECK_RULES["intra-node"] = rule(("persisted", "own", "process", "never-issued"), ("persisted", "own", "process"),
-                                 "a node slow inside in every try, beside known-good nodes, or whose own all-reduce "
-                                 "returns wrong sums, stays so until its NVLink, NVSwitch or PCIe is repaired; "
-                                 + _PROCESS_WHY, _NODE)
-for _check in ("device", "numerics", "gpu-perf"):
-    CHECK_RULES[_check] = dict(CHECK_RULES[_check], contexts=_NODE)
-CHECK_RULES["manifest"] = dict(CHECK_RULES["manifest"], contexts=("job",) + NODE_CONTEXTS)
-CHECK_RULES.update({
+                     "corruption persists until the GPU is replaced", _NODE),
     "gpu-count": rule(("own",), ("own",), "a GPU the node should have (--expect-gpus, the job's SLURM_JOB_GPUS, the "
                       "node's gres, the GPUs on its PCI bus) that NVML does not list stays missing until the node is "
                       "repaired", NODE_CONTEXTS),
@@ -135,7 +126,7 @@ CHECK_RULES.update({
                        "until the GPU is replaced (NVIDIA's RMA policy); uncorrected ECC counts and a pending remap "
                        "(contained, applied at the next GPU reset), the PCIe link and clocks under load and Xid lines "
                        "WARN and drain nothing", NODE_CONTEXTS),
-})
+}
 
 
 def drains_in(f, context):
