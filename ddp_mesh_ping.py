@@ -2579,13 +2579,13 @@ def count_visible_gpus(env, root="/"):
     return min(n, len(items)) if cvd is not None else n
 
 
-def driver_gpu_count(root="/"):
-    """The node's own GPU count: the NVIDIA driver's list (/proc/driver/nvidia/gpus), whatever share of it
-    the job was given (CUDA_VISIBLE_DEVICES, --gpus-per-node); None where the driver lists none."""
+def driver_gpus(root="/"):
+    """The NVIDIA driver's own list of its GPUs (/proc/driver/nvidia/gpus/<bus id>), [] without the driver: the
+    node's own GPUs, whatever share of them the job was given (CUDA_VISIBLE_DEVICES, --gpus-per-node)."""
     try:
-        return len(os.listdir(os.path.join(root, "proc/driver/nvidia/gpus"))) or None
+        return sorted(d.lower() for d in os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
     except OSError:
-        return None
+        return []
 
 
 NO_DEVICES = ("", "-1", "NoDevFiles")
@@ -2605,12 +2605,7 @@ def gpus_expected(env, root="/"):
         if re.fullmatch(r"SLURM_\w*GPUS\w*", k) and v and v != "(null)" and (
                 re.search(r"[1-9]", v) or k in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")):
             return f"{k}={v}"
-    try:
-        if os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")):
-            return "the NVIDIA driver lists GPUs in /proc/driver/nvidia/gpus"
-    except OSError:
-        pass
-    return ""
+    return "the NVIDIA driver lists GPUs in /proc/driver/nvidia/gpus" if driver_gpus(root) else ""
 
 
 def cuda_problem(torch_mod):
@@ -2792,7 +2787,7 @@ def collect_node_facts(root, torch_mod, backend, device_count, env=None):
         "shm": shm,
         "ifaces": {n: i["addrs"][:1] for n, i in list_interfaces().items() if _usable(i)},
         "gpus_visible": device_count,
-        "gpus_driver": driver_gpu_count(root),  # manifest: the node's own GPU count (its class)
+        "gpus_driver": len(driver_gpus(root)) or None,  # manifest: the node's own GPU count (its class)
         "peer": None,
         "env": node_env(env) if env is not None else None,  # manifest: this node's NCCL_/GLOO_ settings
     }
@@ -2965,14 +2960,6 @@ def pci_gpus(root="/"):
         if vendor == "0x10de" and cls.startswith(("0x0300", "0x0302")):
             out.append(n.lower())
     return out
-
-
-def driver_gpus(root="/"):
-    """The NVIDIA driver's own list of its GPUs (/proc/driver/nvidia/gpus/<bus id>), [] without the driver."""
-    try:
-        return sorted(d.lower() for d in os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
-    except OSError:
-        return []
 
 
 def read_kmsg(root="/", seconds=1.0, limit=8 << 20):
@@ -8168,10 +8155,7 @@ def node_plan(context, facts, slurm, nproc, expectations, keep=None):
     cpu = not (facts["rows"] or facts["driver"]) and not facts["pci"] and all(n == 0 for _, n in expectations)
     gpus = facts["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(facts["driver"])]
     by_uuid = {g["uuid"]: g["index"] for g in gpus if g.get("uuid")}
-    apps = {}
-    for p in facts["apps"]:
-        if p["uuid"] in by_uuid:
-            apps.setdefault(by_uuid[p["uuid"]], []).append(p)
+    apps = group_by([p for p in facts["apps"] if p["uuid"] in by_uuid], lambda p: by_uuid[p["uuid"]])
     if keep is not None:
         apps = keep(by_uuid, apps)
     ids = list(range(nproc)) if cpu else [g["index"] for g in gpus]
@@ -8347,16 +8331,11 @@ def judge_node_devices(node, errors, done):
 
 
 def numerics_rows_of(node, posts, gpus_by_id, driver=None, cpu_model=None):
-    """judge_numerics' rows from the workers' numerics posts ({index: post}); a worker's index is its rank."""
-    rows = []
-    for i, post in sorted(posts.items()):
-        g = gpus_by_id.get(i) or {}
-        model = g.get("name") or "CPU"
-        rows.append({"rank": i, "host": node, "local_rank": i, "device": i if g.get("uuid") else None,
-                     "uuid": g.get("uuid"), "model": model,
-                     "group": numerics_group(model, post.get("software"), driver, cpu_model),
-                     "checks": post.get("checks") or {}, "error": None, "internal": None, "unread": None})
-    return rows
+    """judge_numerics' rows from the workers' numerics posts ({index: post}): the preflight's numerics_rows on
+    records shaped as its own (a worker's index is its rank, and its CUDA index where it has a GPU)."""
+    facts = {"driver": driver, "cpu_model": cpu_model}
+    return numerics_rows([{"rank": i, "host": node, "local_rank": i, "device": i if g.get("uuid") else None, "gpu": g,
+                           "node": facts} for i in sorted(posts) for g in [gpus_by_id.get(i) or {}]], posts)
 
 
 NUMERICS_SHORT = {"reference": "off the fp64 reference", "majority": "bits unlike its peers",
@@ -8550,17 +8529,11 @@ def _judge_node_manifest(p):
 
 
 # ---------------------------------------------------------------------------------------------- the verdict
-def node_drainable(f, context):
-    """Whether a finding may drain the node in this context: the one table's rule (drains_in: a FAIL naming it, on
-    evidence its check declares persistent in CHECK_RULES, of a check that runs in this context)."""
-    return drains_in(f, context)
-
-
 def node_verdict(findings, context):
     """-> {'verdict': PASS | FAIL | NOT ASSESSED, 'drainable', 'culprits': the findings that drain, 'exit_code'}.
     A FAIL wins; without one, a check that could not run through our own fault makes NOT ASSESSED."""
     fails = [f for f in findings if f["status"] == "FAIL"]
-    culprits = [f for f in fails if node_drainable(f, context)]
+    culprits = [f for f in fails if drains_in(f, context)]  # the one table's rule
     verdict = "FAIL" if fails else "NOT ASSESSED" if any(f.get("unassessed") for f in findings) else "PASS"
     return {"verdict": verdict, "drainable": bool(culprits), "culprits": culprits,
             "exit_code": node_exit_code(context, verdict, bool(culprits))}
@@ -9702,9 +9675,6 @@ def _html_nccl_view(state, limit=64):
             f"{table}</div></section>")
 
 
-_html_gpu_levels = gpu_levels  # the judge's references and levels, for the page
-
-
 def _html_worst(levels):
     """The worst of 'FAIL', 'WARN', 'OK' (None/empty: 'NA')."""
     levels = set(levels)
@@ -10238,7 +10208,7 @@ def render_html(state):
     a pure function of the run's JSON state: verdict, findings, culprits and actions, topology,
     per-GPU speed against the model references, per-rail inter-node busbw heat maps, phase timeline."""
     screen = state.get("screen") or {}
-    gl, refs = _html_gpu_levels(screen)
+    gl, refs = gpu_levels(screen)
     title = f"{state.get('verdict') or 'FAIL'} - ai-infra-validator - {state.get('host') or ''}"
     body = (_html_verdict(state) + _html_findings(state) + _html_actions(state) + _html_topology(state, gl)
             + _html_gpus(screen, gl, refs) + _html_intra(screen) + _html_numerics(state) + _html_nccl_view(state)
@@ -12698,11 +12668,6 @@ class RankGuard:
                 self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
                 self.starts.setdefault(phase, round(b.start - _T0, 3))
 
-    @property
-    def phase_t0(self):
-        """When the phase in progress started counting its bound (its Bound's start)."""
-        return self.bound.start
-
     def grace(self, phase):
         """What this role adds to a phase's bound before its watchdog speaks (Coordinator, Follower)."""
         return 0.0
@@ -14839,7 +14804,7 @@ class NodeCheck(NodeLock, NodeCompute):
     def finish(self):
         v = node_verdict(self.findings, self.ctx)
         for f in self.findings:
-            f["drains"] = node_drainable(f, self.ctx)
+            f["drains"] = drains_in(f, self.ctx)
         try:
             drain = node_drain(self.ctx, v, self.findings, self.args, self.node, self.slurm, self.verdict_bound())
         except Exception as e:

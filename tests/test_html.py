@@ -46,7 +46,7 @@ def test_a_lone_gpu_is_drawn_against_the_table_row_that_judged_it():
     row = aiv.gpu_table_row("NVIDIA H200")
     screen = {"cpu": False, "gpu": [{"rank": 0, "host": "n1", "local_rank": 0, "model": "NVIDIA H200",
                                      "tflops": 0.47 * row["tflops"], "hbm_gbps": row["hbm_gbps"]}]}
-    levels, refs = aiv._html_gpu_levels(screen)
+    levels, refs = aiv.gpu_levels(screen)
     value, ratio, level = levels[0]["tflops"]
     assert ratio == pytest.approx(0.47) and level == "FAIL"
     assert levels[0]["hbm_gbps"][1] == pytest.approx(1.0) and levels[0]["hbm_gbps"][2] == "OK"

@@ -115,13 +115,13 @@ def test_class_is_the_nodes_own_gpu_count_not_the_jobs():
     assert aiv.host_view(no_driver)[0]["gpus_per_node"] == 4
 
 
-def test_driver_gpu_count_reads_the_drivers_list(tmp_path):
+def test_driver_gpus_reads_the_drivers_list(tmp_path):
     d = tmp_path / "proc/driver/nvidia/gpus"
     d.mkdir(parents=True)
     for bus in ("0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0"):
         (d / bus).mkdir()
-    assert aiv.driver_gpu_count(str(tmp_path)) == 3
-    assert aiv.driver_gpu_count(str(tmp_path / "none")) is None
+    assert aiv.driver_gpus(str(tmp_path)) == ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0"]
+    assert aiv.driver_gpus(str(tmp_path / "none")) == []
     facts = aiv.collect_node_facts(str(tmp_path), None, "gloo", 0, env={"CUDA_VISIBLE_DEVICES": "0"})
     assert facts["gpus_driver"] == 3 and facts["gpus_visible"] == 0
 
@@ -686,7 +686,7 @@ def test_gpu_run_saves_gpu_pcie_and_transport_then_matches(tmp_path, stubs):
         pytest.skip(f"this machine's run has WARNs: {d['notes']}")
     (c,) = json.loads(path.read_text())["classes"].values()
     assert c["key"]["gpu_model"] == g["name"] and c["key"]["gpus_per_node"] >= len(d["ranks"])
-    assert c["key"]["gpus_per_node"] == (aiv.driver_gpu_count() or c["key"]["gpus_per_node"])
+    assert c["key"]["gpus_per_node"] == (len(aiv.driver_gpus()) or c["key"]["gpus_per_node"])
     assert {"driver", "cuda", "nccl", "gpu_memory"} <= set(c["fields"])
     load = (d.get("screen") or {}).get("gpu") or []                      # the PCIe link read under load
     assert ("pcie_width" in c["fields"]) == any(x.get("pcie_width") is not None for x in load)

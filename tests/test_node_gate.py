@@ -62,7 +62,7 @@ def test_the_node_gates_checks_are_rows_of_the_one_check_table():
     assert {c for c in checks if "job" not in aiv.CHECK_RULES[c]["contexts"]} == {"gpu-count", "gpu-procs",
                                                                                   "gpu-health"}  # node-only
     own = dict(aiv.finding("gpu-count", "FAIL", "a GPU is missing", ["n1"], blame="own"))
-    assert aiv.node_drainable(own, "epilog") and not aiv.node_drainable(dict(own, check="numerics"), "epilog")
+    assert aiv.drains_in(own, "epilog") and not aiv.drains_in(dict(own, check="numerics"), "epilog")
 
 
 # ---------------------------------------------------------------------------- parsers
@@ -156,13 +156,13 @@ def test_gpu_health_a_failed_remap_fails_counters_and_history_warn():
     got = {(f["status"], f["blame"], tuple(f["gpus"]), tuple(f["hosts"])) for f in fs}
     assert got == {("WARN", "own", (1,), ("n1",)), ("WARN", "own", (0,), ("n1",)), ("WARN", "own", (2,), ("n1",))}, fs
     (ecc,) = [f for f in fs if f["gpus"] == [1]]
-    assert ecc["short"] == "GPU 1 3 uncorrected ECC error(s) since the driver loaded" and not aiv.node_drainable(
+    assert ecc["short"] == "GPU 1 3 uncorrected ECC error(s) since the driver loaded" and not aiv.drains_in(
         ecc, "health")
     assert ecc["reason"].startswith("n1: GPU 1 (GPU-bbbb): 3 uncorrected ECC error(s)") and "row remapping pending" \
         in ecc["reason"]
     (f,) = aiv.judge_gpu_health("n1", [dict(rows[0], remap_failure=True)], {}, [])
     assert (f["status"], f["blame"], f["hosts"], f["short"]) == ("FAIL", "own", ["n1"], "GPU 0 row remapping failed")
-    assert aiv.node_drainable(f, "health") and aiv.node_drainable(f, "epilog")
+    assert aiv.drains_in(f, "health") and aiv.drains_in(f, "epilog")
     (ok,) = aiv.judge_gpu_health("n1", [rows[0]], {}, [], kmsg_unread="/dev/kmsg: Permission denied")
     assert ok["status"] == "PASS" and "kernel log not read" in ok["reason"]
 
@@ -266,13 +266,13 @@ def test_speed_blames_only_what_persists():
     assert aiv.speed_flagged("n1", first, BY) == [1]
     (f,) = aiv.judge_node_speed("n1", first, {1: speed_of(310)}, BY)
     assert (f["status"], f["blame"], f["hosts"], f["gpus"]) == ("FAIL", "persisted", ["n1"], [1])
-    assert "measured again on n1, slow again" in f["reason"] and aiv.node_drainable(f, "health")
+    assert "measured again on n1, slow again" in f["reason"] and aiv.drains_in(f, "health")
     assert f["reason"].startswith("n1: GPU 1 (GPU-1): ") and f["short"] == "GPU 1 slow, measured twice"
     ok, f = aiv.judge_node_speed("n1", first, {1: speed_of(705)}, BY)  # the preflight's PASS and its transient
     assert ok["status"] == "PASS" and (f["status"], f["blame"], f["hosts"], f["gpus"]) == ("WARN", "once", [], [1])
     assert "transient" in f["reason"]
     (f,) = aiv.judge_node_speed("n1", first, {}, BY, why_once="the re-measure needs about 3.0s, 1.0s left")
-    assert (f["status"], f["blame"], f["hosts"]) == ("FAIL", "once", []) and not aiv.node_drainable(f, "health")
+    assert (f["status"], f["blame"], f["hosts"]) == ("FAIL", "once", []) and not aiv.drains_in(f, "health")
     assert "measured once (the re-measure needs about 3.0s" in f["reason"]
     (p,) = aiv.judge_node_speed("n1", {0: speed_of(700)}, {}, BY)  # one GPU: its table row judges it
     assert p["status"] == "PASS" and "H100 SXM" in p["reason"]
@@ -292,7 +292,7 @@ def test_the_nodes_all_reduce():
     assert (f["status"], f["blame"], f["hosts"]) == ("WARN", "once", []) and "transient" in f["reason"]
     f = one({"busbw": [10.0, 12.0]}, 50.0)
     assert (f["status"], f["hosts"], f["short"]) == ("FAIL", ["n1"], "busbw 12 < 50 GB/s twice")
-    assert aiv.node_drainable(f, "health")
+    assert aiv.drains_in(f, "health")
 
 
 def test_the_verdict_drains_only_on_evidence_that_singles_the_node_out():
@@ -332,7 +332,7 @@ def test_the_drain_reason_is_ours_bounded_and_resumed_only_by_its_own_check_pass
 def state(findings, ctx="npd", **kw):
     v = aiv.node_verdict(findings, ctx)
     for f in findings:
-        f["drains"] = aiv.node_drainable(f, ctx)
+        f["drains"] = aiv.drains_in(f, ctx)
     return dict({"context": ctx, "node": "gpu7", "verdict": v["verdict"], "drainable": v["drainable"],
                  "exit_code": v["exit_code"], "findings": findings, "elapsed_s": 9.3, "budget_s": 25.0,
                  "devices": {"ids": [0, 1], "busy": {}, "held": {}, "compute": [0, 1]},
@@ -704,7 +704,7 @@ def test_the_manifest_judges_the_node_against_its_accepted_class():
     drift = [dict(r, versions=dict(r["versions"], torch="2.99.0")) for r in recs]
     (f,) = aiv.judge_node_manifest("gpu7", manifest, drift, [])
     assert (f["status"], f["blame"], f["hosts"]) == ("FAIL", "manifest", ["gpu7"]) and "torch" in f["reason"]
-    assert aiv.node_drainable(f, "prolog") and aiv.judge_node_manifest("gpu7", None, recs, []) == []
+    assert aiv.drains_in(f, "prolog") and aiv.judge_node_manifest("gpu7", None, recs, []) == []
 
 
 def test_an_unreadable_manifest_is_not_assessed_not_a_failed_node(tmp_path):

@@ -782,9 +782,9 @@ def test_band_names_come_from_the_manifest_bands_that_judge():
 
 
 def test_page_levels_agree_with_the_table():
-    levels, _ = aiv._html_gpu_levels({"cpu": False, "gpu": [one_gpu(305.6, 1839.0)]})
+    levels, _ = aiv.gpu_levels({"cpu": False, "gpu": [one_gpu(305.6, 1839.0)]})
     assert levels[0]["tflops"][2] == "FAIL" and levels[0]["hbm_gbps"][2] == "FAIL"
-    levels, _ = aiv._html_gpu_levels({"cpu": False, "gpu": [one_gpu(680.0, 4213.0)]})
+    levels, _ = aiv.gpu_levels({"cpu": False, "gpu": [one_gpu(680.0, 4213.0)]})
     assert levels[0]["tflops"][2] == "OK"
 
 

@@ -30,13 +30,13 @@ def count_visible_gpus(env, root="/"):
     return min(n, len(items)) if cvd is not None else n
 
 
-def driver_gpu_count(root="/"):
-    """The node's own GPU count: the NVIDIA driver's list (/proc/driver/nvidia/gpus), whatever share of it
-    the job was given (CUDA_VISIBLE_DEVICES, --gpus-per-node); None where the driver lists none."""
+def driver_gpus(root="/"):
+    """The NVIDIA driver's own list of its GPUs (/proc/driver/nvidia/gpus/<bus id>), [] without the driver: the
+    node's own GPUs, whatever share of them the job was given (CUDA_VISIBLE_DEVICES, --gpus-per-node)."""
     try:
-        return len(os.listdir(os.path.join(root, "proc/driver/nvidia/gpus"))) or None
+        return sorted(d.lower() for d in os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
     except OSError:
-        return None
+        return []
 
 
 NO_DEVICES = ("", "-1", "NoDevFiles")
@@ -56,12 +56,7 @@ def gpus_expected(env, root="/"):
         if re.fullmatch(r"SLURM_\w*GPUS\w*", k) and v and v != "(null)" and (
                 re.search(r"[1-9]", v) or k in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")):
             return f"{k}={v}"
-    try:
-        if os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")):
-            return "the NVIDIA driver lists GPUs in /proc/driver/nvidia/gpus"
-    except OSError:
-        pass
-    return ""
+    return "the NVIDIA driver lists GPUs in /proc/driver/nvidia/gpus" if driver_gpus(root) else ""
 
 
 def cuda_problem(torch_mod):
@@ -243,7 +238,7 @@ def collect_node_facts(root, torch_mod, backend, device_count, env=None):
         "shm": shm,
         "ifaces": {n: i["addrs"][:1] for n, i in list_interfaces().items() if _usable(i)},
         "gpus_visible": device_count,
-        "gpus_driver": driver_gpu_count(root),  # manifest: the node's own GPU count (its class)
+        "gpus_driver": len(driver_gpus(root)) or None,  # manifest: the node's own GPU count (its class)
         "peer": None,
         "env": node_env(env) if env is not None else None,  # manifest: this node's NCCL_/GLOO_ settings
     }

@@ -12,17 +12,17 @@ import socket
 import sys
 import time
 
-from ..checks.collect import _cpu_model, _driver_version, collect_node_facts
+from ..checks.collect import _cpu_model, _driver_version, collect_node_facts, driver_gpus
 from ..checks.manifest_io import load_manifest
 from ..core.base import SCHEMA_VERSION, VERSION, first_line, print_traceback, read_text, where_raised
-from ..core.blame import NODE_CONTEXTS
+from ..core.blame import NODE_CONTEXTS, drains_in
 from ..core.bounds import BoundPassed, within
 from ..core.deadlines import NODE_HELD_AGAIN_S, NODE_KMSG_BOUND_S, NODE_RESERVE_S, NODE_SLURM_BOUND_S, NODE_SMI_BOUND_S
 from ..core.files import write_json_atomic, write_text_atomic
 from ..core.speak import emit
 from ..launch.options import output_paths_from_argv
 from ..out.drain import node_drain
-from .collect import driver_gpus, pci_gpus, process_owner, read_kmsg, read_slurm_node, smi_query
+from .collect import pci_gpus, process_owner, read_kmsg, read_slurm_node, smi_query
 from .judge import (
     NODE_APP_FIELDS,
     NODE_GPU_FIELDS,
@@ -32,7 +32,6 @@ from .judge import (
     judge_node,
     judge_none_judged,
     node_context,
-    node_drainable,
     node_exit_code,
     node_expectations,
     node_plan,
@@ -234,7 +233,7 @@ class NodeCheck(NodeLock, NodeCompute):
     def finish(self):
         v = node_verdict(self.findings, self.ctx)
         for f in self.findings:
-            f["drains"] = node_drainable(f, self.ctx)
+            f["drains"] = drains_in(f, self.ctx)
         try:
             drain = node_drain(self.ctx, v, self.findings, self.args, self.node, self.slurm, self.verdict_bound())
         except Exception as e:

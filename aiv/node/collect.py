@@ -69,14 +69,6 @@ def pci_gpus(root="/"):
     return out
 
 
-def driver_gpus(root="/"):
-    """The NVIDIA driver's own list of its GPUs (/proc/driver/nvidia/gpus/<bus id>), [] without the driver."""
-    try:
-        return sorted(d.lower() for d in os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
-    except OSError:
-        return []
-
-
 def read_kmsg(root="/", seconds=1.0, limit=8 << 20):
     """The kernel's log buffer, read without blocking from /dev/kmsg (root, or CAP_SYSLOG) -> {'text'} or
     {'unread': why}; at most `limit` bytes and `seconds`."""

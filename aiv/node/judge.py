@@ -9,7 +9,7 @@ UNLOCALISED one does not. Pure: plain data in, findings out."""
 import re
 
 from ..checks.manifest import judge_manifest
-from ..checks.numerics import judge_numerics, numerics_group
+from ..checks.numerics import judge_numerics, numerics_rows
 from ..core.base import CHECKS, finding, format_ranges, group_by, human_bytes, parse_ranges, scontrol_reason
 from ..core.blame import CHECK_RULES, LOCALISING, NODE_COMPUTE, NODE_CONTEXTS, drains_in
 from ..screen.gpu import (
@@ -275,10 +275,7 @@ def node_plan(context, facts, slurm, nproc, expectations, keep=None):
     cpu = not (facts["rows"] or facts["driver"]) and not facts["pci"] and all(n == 0 for _, n in expectations)
     gpus = facts["rows"] or [{"index": i, "uuid": None, "pci": p} for i, p in enumerate(facts["driver"])]
     by_uuid = {g["uuid"]: g["index"] for g in gpus if g.get("uuid")}
-    apps = {}
-    for p in facts["apps"]:
-        if p["uuid"] in by_uuid:
-            apps.setdefault(by_uuid[p["uuid"]], []).append(p)
+    apps = group_by([p for p in facts["apps"] if p["uuid"] in by_uuid], lambda p: by_uuid[p["uuid"]])
     if keep is not None:
         apps = keep(by_uuid, apps)
     ids = list(range(nproc)) if cpu else [g["index"] for g in gpus]
@@ -454,16 +451,11 @@ def judge_node_devices(node, errors, done):
 
 
 def numerics_rows_of(node, posts, gpus_by_id, driver=None, cpu_model=None):
-    """judge_numerics' rows from the workers' numerics posts ({index: post}); a worker's index is its rank."""
-    rows = []
-    for i, post in sorted(posts.items()):
-        g = gpus_by_id.get(i) or {}
-        model = g.get("name") or "CPU"
-        rows.append({"rank": i, "host": node, "local_rank": i, "device": i if g.get("uuid") else None,
-                     "uuid": g.get("uuid"), "model": model,
-                     "group": numerics_group(model, post.get("software"), driver, cpu_model),
-                     "checks": post.get("checks") or {}, "error": None, "internal": None, "unread": None})
-    return rows
+    """judge_numerics' rows from the workers' numerics posts ({index: post}): the preflight's numerics_rows on
+    records shaped as its own (a worker's index is its rank, and its CUDA index where it has a GPU)."""
+    facts = {"driver": driver, "cpu_model": cpu_model}
+    return numerics_rows([{"rank": i, "host": node, "local_rank": i, "device": i if g.get("uuid") else None, "gpu": g,
+                           "node": facts} for i in sorted(posts) for g in [gpus_by_id.get(i) or {}]], posts)
 
 
 NUMERICS_SHORT = {"reference": "off the fp64 reference", "majority": "bits unlike its peers",
@@ -657,17 +649,11 @@ def _judge_node_manifest(p):
 
 
 # ---------------------------------------------------------------------------------------------- the verdict
-def node_drainable(f, context):
-    """Whether a finding may drain the node in this context: the one table's rule (drains_in: a FAIL naming it, on
-    evidence its check declares persistent in CHECK_RULES, of a check that runs in this context)."""
-    return drains_in(f, context)
-
-
 def node_verdict(findings, context):
     """-> {'verdict': PASS | FAIL | NOT ASSESSED, 'drainable', 'culprits': the findings that drain, 'exit_code'}.
     A FAIL wins; without one, a check that could not run through our own fault makes NOT ASSESSED."""
     fails = [f for f in findings if f["status"] == "FAIL"]
-    culprits = [f for f in fails if node_drainable(f, context)]
+    culprits = [f for f in fails if drains_in(f, context)]  # the one table's rule
     verdict = "FAIL" if fails else "NOT ASSESSED" if any(f.get("unassessed") for f in findings) else "PASS"
     return {"verdict": verdict, "drainable": bool(culprits), "culprits": culprits,
             "exit_code": node_exit_code(context, verdict, bool(culprits))}

@@ -193,9 +193,6 @@ def _html_nccl_view(state, limit=64):
             f"{table}</div></section>")
 
 
-_html_gpu_levels = gpu_levels  # the judge's references and levels, for the page
-
-
 def _html_worst(levels):
     """The worst of 'FAIL', 'WARN', 'OK' (None/empty: 'NA')."""
     levels = set(levels)
@@ -729,7 +726,7 @@ def render_html(state):
     a pure function of the run's JSON state: verdict, findings, culprits and actions, topology,
     per-GPU speed against the model references, per-rail inter-node busbw heat maps, phase timeline."""
     screen = state.get("screen") or {}
-    gl, refs = _html_gpu_levels(screen)
+    gl, refs = gpu_levels(screen)
     title = f"{state.get('verdict') or 'FAIL'} - ai-infra-validator - {state.get('host') or ''}"
     body = (_html_verdict(state) + _html_findings(state) + _html_actions(state) + _html_topology(state, gl)
             + _html_gpus(screen, gl, refs) + _html_intra(screen) + _html_numerics(state) + _html_nccl_view(state)

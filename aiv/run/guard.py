@@ -96,11 +96,6 @@ class RankGuard:
                 self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
                 self.starts.setdefault(phase, round(b.start - _T0, 3))
 
-    @property
-    def phase_t0(self):
-        """When the phase in progress started counting its bound (its Bound's start)."""
-        return self.bound.start
-
     def grace(self, phase):
         """What this role adds to a phase's bound before its watchdog speaks (Coordinator, Follower)."""
         return 0.0
