@@ -4391,9 +4391,7 @@ def op_text(front):
 
 def on_hosts(ranks, host_of, limit=16):
     """'rank 1 (node2)' or 'ranks 4-7 (node2), 9 (node3)'; at most `limit` hosts, then a count."""
-    by_host = {}
-    for r in sorted(ranks):
-        by_host.setdefault(host_of.get(r, "?"), []).append(r)
+    by_host = group_by(sorted(ranks), lambda r: host_of.get(r, "?"))
     items = [f"{format_ranges(rs)} ({h})" for h, rs in list(by_host.items())[:limit]]
     more = f" and {len(by_host) - limit} more node(s)" if len(by_host) > limit else ""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(items) + more
@@ -4720,11 +4718,7 @@ def judge_gpu_affinity(records):
     gpu_recs = [r for r in records if r.get("gpu")]
     if not gpu_recs:
         return []
-    out, seen = [], {}
-    for r in gpu_recs:
-        g = r["gpu"]
-        key = g.get("uuid") or f"{r['host']}/{g.get('pci')}"
-        seen.setdefault(key, []).append(r)
+    out, seen = [], group_by(gpu_recs, lambda r: r["gpu"].get("uuid") or f"{r['host']}/{r['gpu'].get('pci')}")
     shared = [rs for _, rs in sorted(seen.items()) if len(rs) > 1]
     kind = minority_kind({r["host"] for rs in shared for r in rs}, {r["host"] for r in gpu_recs})
     for rs in shared:
@@ -4956,9 +4950,8 @@ def judge_device_use(records):
         seen.setdefault(r.get("backend"), set()).add(r["host"])
     if len(seen) > 1:
         odd, kind = odd_ones(seen)
-        f = finding("device", "FAIL", "ranks chose different backends: " + "; ".join(
-            f"{b} on {compress_hostlist(sorted(hs))}" for b, hs in sorted(seen.items(), key=str)),
-            odd, [r["rank"] for r in records if r["host"] in odd], blame="majority")
+        f = finding("device", "FAIL", "ranks chose different backends: " + _spread(seen), odd,
+                    [r["rank"] for r in records if r["host"] in odd], blame="majority")
         return [f if kind == "majority" else unlocalised(f, kind)]
     unused = {r["host"]: r["gpus_expected"] for r in records if r.get("backend") == "gloo" and r.get("gpus_expected")
               and not any(f["check"] == "device" for f in r.get("local") or [])}
@@ -5224,6 +5217,13 @@ def unfinished_parts(ranks_of, states, named, host_of, by_issued):
         if rs:
             parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
     return parts
+
+
+def finished_by(stamps, done, phase):
+    """stamps ({rank: index in PHASES of its last finished phase}) with the ranks in `done` counted as having
+    finished `phase` (they posted their part of it: they wait for rank 0, not stuck themselves)."""
+    idx = PHASES.index(phase)
+    return {r: max(s, idx) if r in done else s for r, s in stamps.items()}
 
 
 def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
@@ -12081,10 +12081,7 @@ class ScreenRunner:
             with self.state_lock:
                 self.times["gpu_measure"] = self.bg.gpu["secs"]
         if row is None:  # CPU ranks (their own CPU clock), or a starved measuring thread: on a quiet process
-            self.quiesce()
-            g = self.identity.get("gpu") or {}
-            row = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
-                                     self.args.sysfs_root)
+            row = self.measure_quiet()
         self.proto.screen_post("gpu", self.rank, row, self.world)
         self.failpoint("done-screen-gpu")
 
@@ -12100,37 +12097,31 @@ class ScreenRunner:
         self.round_gate(name)
         post = {"split_s": round(made, 3)}
         if e.get("gpu"):  # measured again: a slow GPU is named only when slow again
-            post["gpu"] = self.gpu_again()
+            post["gpu"] = None  # the interpreter starved: the first measurement stands alone (named once)
+            with contextlib.suppress(HostStarved):
+                post["gpu"] = self.measure_quiet()
         if e.get("g"):
             with self.issuing("all_reduce (busbw)", e["g"]):
                 bw, sec = screen_busbw(self.torch, self.dist, self.my_groups[tuple(e["g"])], len(e["g"]),
                                        self._device(), self._kind())
             post.update(busbw=float(f"{bw:.4g}"), time_us=round(sec * 1e6, 1))
             if e.get("rail") is not None and self.nccl:
-                post["hca"] = self.nccl_hca()
+                post["hca"] = self.nccl.hca_since_last()  # this pair's connections, from NCCL's log
         self.proto.screen_post(name, self.rank, post, self.world)
 
-    def gpu_again(self):
-        """This rank's device measured again, on a quiet process (its background work done first), or None when
-        the interpreter was starved (the first measurement then stands alone: named once, never blamed)."""
+    def measure_quiet(self):
+        """This rank's device measured (again) on a quiet process, its background work done first (HostStarved
+        when the interpreter was starved all the same)."""
         self.quiesce()
         g = self.identity.get("gpu") or {}
-        try:
-            return screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
-                                      self.args.sysfs_root)
-        except HostStarved:
-            return None
+        return screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
+                                  self.args.sysfs_root)
 
     def round_gate(self, name):
         """Every rank starts `name` together (the soak's load, a screen batch): this rank posts that it is
         ready, then the role's screen_together (rank 0 opens the gate once every rank is ready)."""
         self.proto.screen_post(f"{name}-ready", self.rank, {}, self.world)
         self.screen_together(name)
-
-    def nccl_hca(self):
-        """The HCA of this rank's connections since the last call (a pair round's communicator), from NCCL's
-        log (parse_nccl_hca)."""
-        return self.nccl.hca_since_last()
 
     def screen_group(self, name, entry, key):
         """(this rank's new group of the batch or None, seconds its creation took). One creation per batch
@@ -12286,9 +12277,7 @@ class ScreenCoordinator:
     def screen_together(self, name):
         """Every group of a batch starts together: once every rank has posted that its group is made (within
         the phase's bound, else it names the batch's groups), rank 0 opens the gate."""
-        if not self.proto.screen_wait(f"{name}-ready", self.screen_left()):
-            cause = self.bound.cause()
-            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+        self.screen_wait(f"{name}-ready")
         self.failpoint(f"round-{name}")  # a test holds the run here (pause=S) between two batches
         self.proto.open_gate(f"round-{name}")
 
@@ -12297,15 +12286,19 @@ class ScreenCoordinator:
         ends the run here, naming its groups (as the watchdog does when rank 0 is itself blocked in one)."""
         out = {}
         for name in names:
-            if not self.proto.screen_wait(name, self.screen_left()):
-                cause = self.bound.cause()
-                raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+            self.screen_wait(name)
             out[name] = self.proto.screen_posts(name)
             made = screen_creation(self.round_groups().get(name) or [], out[name])
             if made:
                 with self.state_lock:
                     self.screen["splits"][name] = made
         return out
+
+    def screen_wait(self, name):
+        """Every rank's post of `name` (a batch, the soak) within the phase's bound, else the run ends here naming
+        who did not post."""
+        if not self.proto.screen_wait(name, self.screen_left()):
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
 
     def round_groups(self):
         return dict(r for rs in self.screen_rounds.values() for r in rs)
@@ -12315,8 +12308,7 @@ class ScreenCoordinator:
         batch, or None; the stamps for judge_unfinished, where a post of the GPU round counts as finishing
         it: rank 0 posts before it waits for the others)."""
         if phase == "screen-gpu":
-            posted, idx = set(client.screen_posts("gpu")), PHASES.index(phase)
-            return None, {r: max(s, idx) if r in posted else s for r, s in stamps.items()}
+            return None, finished_by(stamps, client.screen_posts("gpu"), phase)
         rounds = self.screen_rounds.get(phase) or []
         posted = {n: self.round_posted(client, n) for n, _ in rounds}
         how = cause[len(PHASE_WHAT[phase]):].strip() if cause.startswith(PHASE_WHAT[phase]) else cause
@@ -13092,8 +13084,8 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
 
 
 
-# ============================================================================ aiv/run/rollcall.py
-# Floor 5 (runtime): rank 0's roll call (RollCall, mixed into Coordinator): the store served on a socket rank 0
+# ============================================================================ aiv/run/coordinator.py
+# Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
 def hard_failures(broken):
     """The local failures that end the roll call at once: all but a python without torch (judge_no_torch weighs
     those once every rank checked in or failed)."""
@@ -13252,9 +13244,6 @@ class RollCall:
         return s
 
 
-
-# ============================================================================ aiv/run/naming.py
-# Floor 5 (runtime): rank 0 naming who did not finish a phase (Naming, mixed into Coordinator): the stamps, the
 class Naming:
     """Rank 0's findings for a phase that did not finish (unfinished) or was interrupted (interruption),
     each judged by judge_unfinished on what rank 0 collected within its bounds. Mixed into Coordinator:
@@ -13370,12 +13359,10 @@ class Naming:
         self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
         if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
             with contextlib.suppress(Exception):
-                done, idx = self.round_posted(client, "soak"), PHASES.index(phase)
-                stamps = {r: max(s, idx) if r in done else s for r, s in stamps.items()}
+                stamps = finished_by(stamps, self.round_posted(client, "soak"), phase)
         if phase in FAN_IN:  # a rank that posted its telemetry or results finished its part: it waits for rank 0
             with contextlib.suppress(Exception):
-                done, idx = set(client.posts(FAN_IN[phase])), PHASES.index(phase)
-                stamps = {r: max(s, idx) if r in done else s for r, s in stamps.items()}
+                stamps = finished_by(stamps, client.posts(FAN_IN[phase]), phase)
         if phase in SCREEN_PHASES and self.screen is not None:
             try:
                 f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps, issued)
@@ -13391,21 +13378,19 @@ class Naming:
         it stops are not yet gone), then, TERM_REPORTS_S later, the others' reports."""
         why = (f"{PHASE_WHAT[phase]} was interrupted by {name} (scancel, the time limit, preemption, the launcher "
                "or Ctrl-C)")
+        nobody = finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}", code=EXIT_INTERRUPTED)
         if self.poll is None or client is None:  # before the roll call ended: nobody to name
-            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
-                           code=EXIT_INTERRUPTED)
+            return nobody
         hosts = sorted(set(self.host_of.values()))
         snap = bounded(lambda: client.live(hosts), SNAPSHOT_S, {})
         live = {int(r): st for snap_h in snap.values() for r, st in (snap_h.get("ranks") or {}).items()}
         # this node's ranks read directly: a worker that died just before the launcher's SIGTERM (torchrun
         # stops the others at once) is gone here, even when the monitor has not posted it yet
-        live.update({rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec.get("pid_start") or ""))
-                     for rec in self.records if rec.get("host") == self.host and rec.get("pid_start")})
+        live.update(self.own_node_live())
         time.sleep(TERM_REPORTS_S)
         seen = bounded(lambda: (client.stamps(self.world), client.errors()), SNAPSHOT_S)
         if seen is None:
-            return finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}",
-                           code=EXIT_INTERRUPTED)
+            return nobody
         stamps, errors = seen
         errors[0] = {"line": f"rank 0 ({self.host}): {name}", "term": True, "internal": False}
         # the signalled ranks will not acknowledge: the job's KillWait (often 30 s) must not pass on the acks
@@ -13413,9 +13398,6 @@ class Naming:
         return judge_unfinished(phase, why, self.world, self.host_of, stamps, live, errors)
 
 
-
-# ============================================================================ aiv/run/coordinator.py
-# Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
 class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
     """Rank 0: serves the store, holds the roll call (RollCall), judges what each phase gathered and owns
     the verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
@@ -13485,8 +13467,7 @@ class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
         and ends the run on a FAIL before the collectives."""
         t = time.monotonic()
         row = super().phase_soak()
-        if not self.proto.screen_wait("soak", self.bound.left()):
-            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
+        self.screen_wait("soak")
         cpu = self._kind() == "cpu"
         rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
         soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),

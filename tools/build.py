@@ -79,9 +79,8 @@ BUILD_ORDER = (
     "run/setup",          # a rank's set-up: before torch, the local phase, a node leader's work beside the phases
     "run/guard",          # what guards a rank's phases: each bound, an error's verdict, signals, helpers, the way out
     "run/rank",           # RankRun: the phases, each under its bound
-    "run/rollcall",       # rank 0's roll call: the store served, every check-in waited for, what it shows judged
-    "run/naming",         # rank 0 naming who did not finish a phase, or was already stopped when a signal came
-    "run/coordinator",    # rank 0: the roll call, the judges, the verdict
+    "run/coordinator",    # rank 0: the roll call (the store served, every check-in waited for), the judges, naming
+                          # who did not finish a phase (or was already stopped when a signal came), the verdict
     "run/follower",       # every other rank
     # the face: what a command line becomes, and the entry point
     "launch/plan",        # what a command line becomes
@@ -94,9 +93,8 @@ BUILD_ORDER = (
 # The pure layer: judges, render, manifest, verify-log and what they stand on. None of these imports a
 # module of the runtime, so each is a function of plain data that a test can call without a store.
 RUNTIME = ("checks/manifest_io", "run/store", "run/liveness", "run/ras", "run/background", "out/drain",
-           "run/conclusion", "screen/run", "run/setup", "run/guard", "run/rank", "run/rollcall", "run/naming",
-           "run/coordinator", "run/follower", "launch/plan", "launch/local", "node/workers", "node/lock", "node/check",
-           "main")
+           "run/conclusion", "screen/run", "run/setup", "run/guard", "run/rank", "run/coordinator", "run/follower",
+           "launch/plan", "launch/local", "node/workers", "node/lock", "node/check", "main")
 PURE = tuple(m for m in BUILD_ORDER if m not in RUNTIME)
 # The judge and report modules, and the floor they stand on: functions of plain data with no effects. None
 # reaches what acts on the world (processes, threads, sockets, locks, native calls, torch), in its own text or

@@ -1,7 +1,7 @@
 """Floor 3: who is behind in a phase that did not finish, from plain data: the last collective each rank
 issued (its post when rank 0 asked: torch's flight recorder, else the rank's own record), and NCCL's own
 view of the job (its RAS STATUS) beside ours. Pure functions; judge_unfinished and screen_stuck use them."""
-from ..core.base import compress_hostlist, format_ranges
+from ..core.base import compress_hostlist, format_ranges, group_by
 
 # What a late rank was doing when rank 0 asked, per group (issued_states):
 #   behind   outside any collective, and it never issued one that a peer of the group issued: the rank
@@ -131,9 +131,7 @@ def op_text(front):
 
 def on_hosts(ranks, host_of, limit=16):
     """'rank 1 (node2)' or 'ranks 4-7 (node2), 9 (node3)'; at most `limit` hosts, then a count."""
-    by_host = {}
-    for r in sorted(ranks):
-        by_host.setdefault(host_of.get(r, "?"), []).append(r)
+    by_host = group_by(sorted(ranks), lambda r: host_of.get(r, "?"))
     items = [f"{format_ranges(rs)} ({h})" for h, rs in list(by_host.items())[:limit]]
     more = f" and {len(by_host) - limit} more node(s)" if len(by_host) > limit else ""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(items) + more

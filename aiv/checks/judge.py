@@ -195,11 +195,7 @@ def judge_gpu_affinity(records):
     gpu_recs = [r for r in records if r.get("gpu")]
     if not gpu_recs:
         return []
-    out, seen = [], {}
-    for r in gpu_recs:
-        g = r["gpu"]
-        key = g.get("uuid") or f"{r['host']}/{g.get('pci')}"
-        seen.setdefault(key, []).append(r)
+    out, seen = [], group_by(gpu_recs, lambda r: r["gpu"].get("uuid") or f"{r['host']}/{r['gpu'].get('pci')}")
     shared = [rs for _, rs in sorted(seen.items()) if len(rs) > 1]
     kind = minority_kind({r["host"] for rs in shared for r in rs}, {r["host"] for r in gpu_recs})
     for rs in shared:
@@ -431,9 +427,8 @@ def judge_device_use(records):
         seen.setdefault(r.get("backend"), set()).add(r["host"])
     if len(seen) > 1:
         odd, kind = odd_ones(seen)
-        f = finding("device", "FAIL", "ranks chose different backends: " + "; ".join(
-            f"{b} on {compress_hostlist(sorted(hs))}" for b, hs in sorted(seen.items(), key=str)),
-            odd, [r["rank"] for r in records if r["host"] in odd], blame="majority")
+        f = finding("device", "FAIL", "ranks chose different backends: " + _spread(seen), odd,
+                    [r["rank"] for r in records if r["host"] in odd], blame="majority")
         return [f if kind == "majority" else unlocalised(f, kind)]
     unused = {r["host"]: r["gpus_expected"] for r in records if r.get("backend") == "gloo" and r.get("gpus_expected")
               and not any(f["check"] == "device" for f in r.get("local") or [])}
@@ -699,6 +694,13 @@ def unfinished_parts(ranks_of, states, named, host_of, by_issued):
         if rs:
             parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
     return parts
+
+
+def finished_by(stamps, done, phase):
+    """stamps ({rank: index in PHASES of its last finished phase}) with the ranks in `done` counted as having
+    finished `phase` (they posted their part of it: they wait for rank 0, not stuck themselves)."""
+    idx = PHASES.index(phase)
+    return {r: max(s, idx) if r in done else s for r, s in stamps.items()}
 
 
 def unfinished_kind(r, live, errors, host_of, silent_hosts=()):

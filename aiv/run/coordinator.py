@@ -1,25 +1,51 @@
-"""Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict."""
+"""Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
+RollCall (mixed into Coordinator): the store served on a socket rank 0 bound itself, every rank's check-in waited
+for (the last call), what the roll call shows judged, the gate opened. Naming (mixed into Coordinator): who did not
+finish a phase, from the stamps, the node monitors' liveness, the error reports, what each live rank issued last,
+NCCL's own view beside ours; and who was already dead or frozen when a signal came (interruption)."""
 import contextlib
 import copy
+import errno
 import json
+import os
+import socket
 import sys
 import threading
 import time
 
-from ..checks.judge import apply_strict, judge_final, judge_gate, judge_strays, rank_record, with_results
+from ..checks.hang import nccl_view
+from ..checks.judge import (
+    STOPPED_WORDS,
+    apply_strict,
+    finished_by,
+    judge_final,
+    judge_gate,
+    judge_no_torch,
+    judge_pre,
+    judge_strays,
+    judge_unfinished,
+    quiet_monitor_note,
+    rank_record,
+    unreachable_hosts,
+    with_results,
+)
 from ..checks.manifest import judge_bands, judge_manifest
 from ..checks.numerics import judge_ddp_grads
 from ..core.base import (
+    _T0,
     EXIT_FAIL,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_TIMEOUT,
+    EXIT_USAGE,
     VERSION,
     Verdict,
     _counts,
     elapsed,
+    failed,
     finding,
     first_line,
+    format_ranges,
     internal_finding,
     print_traceback,
     verdict_code,
@@ -27,16 +53,348 @@ from ..core.base import (
 )
 from ..core.blame import unlocalised
 from ..core.bounds import Bound, bounded
-from ..core.deadlines import ACKS_S, ACKS_SIGNALLED_S, ERROR_GRACE, NAMING_S, PHASE_CHECK, PHASE_WHAT, STORE_OP_S
+from ..core.deadlines import (
+    ACKS_S,
+    ACKS_SIGNALLED_S,
+    ERROR_GRACE,
+    FAN_IN,
+    FORGED_POLL_S,
+    ISSUE_PHASES,
+    ISSUED_S,
+    NAMING_S,
+    NCCL_RAS_S,
+    PHASE_CHECK,
+    PHASE_WHAT,
+    SCREEN_PHASES,
+    SNAPSHOT_S,
+    STORE_OP_S,
+    TERM_REPORTS_S,
+    LastCall,
+    live_period,
+)
 from ..core.speak import emit
+from ..launch.contract import slurm_expected_hosts
 from ..out.render import NO_HOST_MARK
 from ..screen.measure import SCREEN_MATMUL_N
 from ..screen.run import ScreenCoordinator
 from ..screen.soak import judge_soak, soak_rows
 from .conclusion import Conclusion
-from .naming import Naming
+from .liveness import liveness, proc_stat
 from .rank import HEADER, PROGRESS, RankRun
-from .rollcall import RollCall
+from .ras import ras_addr, ras_status
+from .store import Forged, StoreProtocol, fd_limit_problem
+
+
+def hard_failures(broken):
+    """The local failures that end the roll call at once: all but a python without torch (judge_no_torch weighs
+    those once every rank checked in or failed)."""
+    return {r: e for r, e in broken.items() if not (e.get("code") == EXIT_USAGE and not e.get("internal"))}
+
+
+class RollCall:
+    """Rank 0's roll call: the store (open_store, _listen_socket), the wait for every rank (wait_roll, the
+    last call), the judges of what it shows (roll_call, not_checked_in), then the go. Mixed into
+    Coordinator: the state it fills (records, host_of, master, poll) is the rank's."""
+
+    def open_store(self, R, prefix, serve):
+        """Rank 0 serves the store on a socket it bound itself, unless torchrun's agent serves it."""
+        self.serving = serve  # a store of its own: rank 0 sees who connects to it
+        if not serve:
+            return super().open_store(R, prefix, serve)
+        problem = fd_limit_problem(self.world, self.expect.get("nodes") or self.world)
+        if problem:
+            raise failed("rendezvous", f"rank 0 ({self.host}): {problem}", hosts=[self.host], blame="own")
+        fd = self._listen_socket().detach()
+        return StoreProtocol.open(self.dist, self.addr, self.port, R, prefix, listen_fd=fd, seal=self.seal)
+
+    def roll_call(self):
+        """Rank 0: wait for every rank (or the last call), judge what the roll call shows, then open the gate."""
+        t, R = time.monotonic(), self.D["rollcall"]
+        complete, strays, broken = self.wait_roll(t + self.bound.left())
+        if strays or hard_failures(broken):  # woken early: the others of its launch get a moment to post too
+            time.sleep(ERROR_GRACE)
+            strays, broken = self.proto.strays(), self.local_failures()
+        hard = hard_failures(broken)
+        self.findings += [finding("internal", "FAIL", e["line"], ranks=[r], code=EXIT_INTERNAL)
+                          if e.get("internal") else finding("local", "FAIL", e["line"], [e["host"]] if e.get("host")
+                                                            else [], [r], blame="own")
+                          for r, e in sorted(hard.items())]
+        early = bool(strays or hard)  # ranks still starting when the roll call ended early are not late
+        unseen = [] if complete and not early else self.proto.missing(self.world)  # no record on the store
+        missing = [r for r in unseen if r not in broken]
+        absent = set(unseen) | set(broken)
+        present = [r for r in range(self.world) if r not in absent]
+        with self.state_lock:
+            self.records = [rank_record(r) for r in self.proto.identities(present)]
+        if self.proto.forged:  # a record not of this run: nothing it says is believed, nobody is blamed for it
+            self.progress("rollcall", present=len(self.records), world=self.world, secs=time.monotonic() - t,
+                          result="FAIL")
+            raise Verdict(EXIT_FAIL)
+        self.host_of = {rec["rank"]: rec["host"] for rec in self.records}
+        self.findings += judge_strays(strays, self.host_of.values()) if early else []
+        self.findings += judge_no_torch({r: e for r, e in broken.items() if r not in hard},
+                                        self.host_of.values(), self.expect.get("nodes"))
+        if missing and not early:
+            self.findings.append(self.not_checked_in(missing, present, R))
+        self.findings += apply_strict(judge_pre(self.records, self.world, self.expect), self.args.strict)
+        code = verdict_code(self.findings)
+        self.progress("rollcall", present=len(present), world=self.world, secs=time.monotonic() - t,
+                      result="FAIL" if code else "pass")
+        if code:
+            raise Verdict(code)
+        self.proto.prepare(self.records)
+        self.poll = self.proto.clone()
+        self.wd.period = live_period(len(set(self.host_of.values())))
+        self.master = {"host": self.host, "pid": os.getpid(), "pid_start": (proc_stat(os.getpid()) or ("", ""))[1],
+                       "nodes": len(set(self.host_of.values()))}
+        self.proto.open_gate("roll", json.dumps(self.master))
+
+    def not_checked_in(self, missing, present, R):
+        """The `rendezvous` FAIL of the ranks that did not check in, each with its host from the launch plan
+        (Slurm's node list and tasks per node). At the last call: the ranks never heard of (no hello: not started,
+        or they cannot reach the store) are named; those whose process said hello are still starting (not
+        blamed). At the roll call's bound: every missing rank."""
+        where = slurm_expected_hosts(self.env, self.world)
+        at = f"{len(present)}/{self.world} reported at {self.addr}:{self.port}"
+        lc = self.last_call
+        named = [r for r in missing if lc is None or r in lc["unheard"]]
+        names = ", ".join(f"{r} (expected on {where[r]})" if r in where else str(r) for r in named[:64])
+        more = f" and {len(named) - 64} more" if len(named) > 64 else ""
+        if lc is None:
+            why = f"did not check in within {R:g}s ({at})"
+        else:
+            starting = [r for r in missing if r not in named]
+            why = (f"did not check in: no word from its process within the last call ({lc['grace']:.0f}s after the "
+                   f"latest rank arrived; {at}): not started, or it cannot reach the store at {self.addr}:{self.port}"
+                   + (f"; rank(s) {format_ranges(starting)} reached the store and are still starting (not blamed)"
+                      if starting else ""))
+        return finding("rendezvous", "FAIL", f"rank(s) {names}{more} {why}", [where[r] for r in named if r in where],
+                       named, code=EXIT_TIMEOUT, blame="process")
+
+    def local_failures(self):
+        """{rank: report} of the ranks that failed their local phase before checking in (a rank without
+        torch tells rank 0 through the store's wire: tell_rank0_without_torch)."""
+        return {r: e for r, e in self.proto.errors().items() if e.get("phase") == "local"}
+
+    def wait_roll(self, end):
+        """The roll call's wait, until `end`: all_arrived wakes it, every rank's record ends it (a counter
+        bumped from outside wakes it early, not ends it); a stray or a rank that failed its local phase
+        ends it early (a rank without torch: once every rank checked in or failed, judge_no_torch weighs
+        them). The last call (LastCall): once at least half the world is present, the ranks never heard of
+        (no hello) get last_call_grace past the latest news, not the whole bound (self.last_call says so).
+        Each second it checks that the world record is still its own. -> (complete, strays, local failures)."""
+        mine, self.last_call = self.proto.store.get("world"), None
+        lc = LastCall(self.world, self.D["rollcall"], _T0)
+        while True:
+            complete = self.proto.wait_all(min(1.0, max(0.0, end - time.monotonic())))
+            strays, now = self.proto.strays(), time.monotonic()
+            held = self.proto.store.get("world")
+            if held != mine:  # written over: put ours back (so the ranks can read the verdict), refuse theirs
+                self.proto.store.set("world", mine)
+                self.proto.refuse(Forged("world", held.decode(errors="replace").split("|")[-1],
+                                         "was written over by something other than rank 0"))
+            broken = self.local_failures() if self.proto.error_count() else {}
+            if strays or hard_failures(broken) or self.proto.forged or now >= end:
+                return complete and self.proto.all_in(self.world), strays, broken
+            if complete and self.proto.all_in(self.world):
+                return True, strays, broken
+            present = self.proto.arrived_count() + len(broken)
+            if broken and present >= self.world:  # every rank checked in or could not import torch
+                return False, strays, broken
+            if lc.seen(now, present, present + self.proto.hello_count()).due(now):
+                unseen = [r for r in self.proto.missing(self.world) if r not in broken]
+                said = set(self.proto.said_hello(unseen))
+                if any(r not in said for r in unseen):
+                    self.last_call = {"grace": lc.grace, "unheard": [r for r in unseen if r not in said]}
+                    return False, strays, broken
+                lc.last = now  # every missing rank is up and reaches the store: it keeps the bound
+            if complete:  # woken before every record was there
+                time.sleep(FORGED_POLL_S)
+
+    def _listen_socket(self):
+        """Rank 0 binds the store's socket itself: only where MASTER_ADDR points, named errors."""
+        try:
+            infos = socket.getaddrinfo(self.addr, self.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank 0's host "
+                         f"{self.host}: {e.strerror}: check MASTER_ADDR and the node's resolver") from None
+        infos.sort(key=lambda i: i[0] != socket.AF_INET)
+        fam, _, _, _, sa = infos[0]
+        ip = sa[0]
+        multi_node = self.expect.get("nodes", 1) > 1  # Slurm's node count is already in the expectation
+        bind_ip = ("::" if fam == socket.AF_INET6 else "0.0.0.0") if (ip.startswith("127.") or ip == "::1") \
+            and multi_node else ip
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((bind_ip, self.port))
+            s.listen(min(4096, max(128, self.world)))
+        except OSError as e:
+            s.close()
+            if e.errno == errno.EADDRINUSE:
+                why = (f"address already in use on {self.host}:{self.port} (MASTER_ADDR={self.addr}, "
+                       f"MASTER_PORT={self.port}): another process listens there; pick a free MASTER_PORT")
+            elif e.errno == errno.EADDRNOTAVAIL:
+                why = (f"MASTER_ADDR={self.addr} resolves to {ip}, which is not an address of rank 0's host "
+                       f"{self.host}: MASTER_ADDR must name the node running rank 0")
+            else:
+                why = f"cannot listen on {bind_ip}:{self.port} on {self.host}: {e.strerror}"
+            raise failed("rendezvous", why) from None  # the launch's MASTER_ADDR/MASTER_PORT: no node's fault
+        return s
+
+
+class Naming:
+    """Rank 0's findings for a phase that did not finish (unfinished) or was interrupted (interruption),
+    each judged by judge_unfinished on what rank 0 collected within its bounds. Mixed into Coordinator:
+    the state it reads (host_of, records, the screen) is the rank's."""
+
+    def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
+        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
+        that issues collectives also from what each live rank issued last (asked at once, collected within
+        ISSUED_S while the liveness settles) and, on NCCL, NCCL's own view beside ours (nccl_view_read)."""
+        hosts = sorted(set(self.host_of.values()))
+        asked = self.ask_issued(client, phase)
+        ras = self.nccl_view_read(phase)
+        try:
+            live, silent, quiet = client.settled_live(hosts, budget)
+            stamps, errors = client.stamps(self.world), client.errors()
+        except Exception as e:
+            f = finding(PHASE_CHECK[phase], "FAIL", f"{cause}; the store could not be read to name the ranks: "
+                        f"{first_line(e)}; no host is named", code=EXIT_TIMEOUT)
+            f["blame"], f["unlocalised"] = "not-collected", {"why": "rank 0's store could not be read",
+                                                                "localise": "a re-run"}
+            return f
+        live.update(self.own_node_live())
+        silent, quiet = unreachable_hosts(silent, quiet, self.host, self.host_of, errors)
+        issued = None
+        if asked is not None:
+            with contextlib.suppress(Exception):  # not collected: the finding says so
+                issued = self.issued_posts(client, asked, live, silent)
+        f = self._unfinished(phase, client, cause, code, live, silent, stamps, errors, issued)
+        if quiet:
+            f["reason"] += "; " + quiet_monitor_note(quiet, budget)
+        if ras is not None:
+            self.nccl_view_add(f, ras, live, silent, issued)
+        return f
+
+    def ask_issued(self, client, phase):
+        """In a phase that issues collectives: ask every live rank what it issued last (their listeners answer
+        on posts/issued). -> when it asked, or None."""
+        if phase not in ISSUE_PHASES:
+            return None
+        try:
+            client.ask()
+        except Exception:
+            return None
+        return time.monotonic()
+
+    def issued_posts(self, client, asked, live, silent):
+        """{rank: its answer or None} once every live rank answered, at most ISSUED_S after the question; rank 0's
+        own record read here."""
+        expect = {r for r, h in self.host_of.items() if r and live.get(r, "running") == "running" and h not in silent}
+        while True:  # the counter is read every 50 ms (one small operation), the posts once it says enough
+            late = time.monotonic() >= asked + ISSUED_S
+            if late or client.post_count("issued") >= len(expect):
+                posts = client.posts("issued")
+                if late or expect <= set(posts):
+                    break
+            time.sleep(0.05)
+        out = {r: posts.get(r) for r in range(self.world)}
+        out[0] = self.issued.record(self.torch, self.nccl.diag())
+        return out
+
+    def nccl_view_read(self, phase):
+        """On NCCL, in a phase that issues collectives: NCCL's RAS STATUS read on a thread of its own (its node's
+        RAS answers for the whole job), within NCCL_RAS_S. -> (thread, box) or None."""
+        if self.backend != "nccl" or phase not in ISSUE_PHASES:
+            return None
+        box = {}
+        th = threading.Thread(target=lambda: box.update(ras=ras_status(*ras_addr(self.env), NCCL_RAS_S)),
+                              name="aiv-ras", daemon=True)
+        th.start()
+        return th, box
+
+    def nccl_view_add(self, f, ras, live, silent, issued=None):
+        """NCCL's view beside ours in the finding: its words in the reason, its data under 'nccl_view' (with the
+        NCCL DIAG lines the ranks' answers carried)."""
+        th, box = ras
+        th.join(NCCL_RAS_S + 0.5)
+        got = box.get("ras") or {"ok": False, "why": f"no answer within {NCCL_RAS_S:g}s"}
+        states = (f.get("issued") or {}).get("states") or {}
+        kinds = {r: "dead" if live.get(r) == "gone" else "frozen" if live.get(r) == "stopped" else
+                 "silent" if h in silent else "behind" if states.get(str(r)) == "behind" else "ok"
+                 for r, h in self.host_of.items()}
+        try:  # NCCL's view is said beside ours; it never changes the culprits or the exit code
+            view = nccl_view(got, self.world, self.host_of, kinds, f.get("ranks") or [])
+        except Exception as e:
+            why = f"its reply could not be read ({type(e).__name__}: {first_line(e)})"
+            view = {"read": False, "why": why, "agree": None, "ranks": {},
+                    "words": f"NCCL's own view (RAS) not read: {why}"}
+        diag = [ln for p in (issued or {}).values() if p for ln in p.get("diag") or []]
+        if diag:
+            view["diag"] = diag[:20]
+            view["words"] += f"; NCCL DIAG ({len(diag)} line(s)): {diag[0]}"
+        f["reason"] += "; " + view["words"]
+        f["nccl_view"] = view
+
+    def fabric_hint(self):
+        """What would localise a collective that every rank issued and none finished, in this run's words."""
+        if (self.screen or {}).get("pairs"):
+            return ("the screen's pair results (inter-node rows above: every pair of nodes measured before this "
+                    "phase), or a re-run with NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection "
+                    "failed)")
+        if self.args.skip_screen:
+            return ("the network screen (a run without --skip-screen measures every pair of nodes), or a re-run with "
+                    "NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection failed)")
+        return None
+
+    def own_node_live(self):
+        """Rank 0's own node: its ranks' processes read here, from /proc (rank 0 shares the host; its
+        node's monitor is not needed to see them, and a slow one is never news about the node)."""
+        return {rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec["pid_start"])) for rec in self.records
+                if rec.get("host") == self.host and rec.get("pid") and rec.get("pid_start")}
+
+    def _unfinished(self, phase, client, cause, code, live, silent, stamps, errors, issued=None):
+        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
+        if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
+            with contextlib.suppress(Exception):
+                stamps = finished_by(stamps, self.round_posted(client, "soak"), phase)
+        if phase in FAN_IN:  # a rank that posted its telemetry or results finished its part: it waits for rank 0
+            with contextlib.suppress(Exception):
+                stamps = finished_by(stamps, client.posts(FAN_IN[phase]), phase)
+        if phase in SCREEN_PHASES and self.screen is not None:
+            try:
+                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps, issued)
+            except Exception:
+                f = None
+            if f is not None:
+                return f
+        return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent, issued,
+                                self.fabric_hint())
+
+    def interruption(self, phase, name, client):
+        """Rank 0's finding for a signal during `phase`: liveness as it was when the signal came (the ranks
+        it stops are not yet gone), then, TERM_REPORTS_S later, the others' reports."""
+        why = (f"{PHASE_WHAT[phase]} was interrupted by {name} (scancel, the time limit, preemption, the launcher "
+               "or Ctrl-C)")
+        nobody = finding("interrupted", "FAIL", f"rank 0 ({self.host}): {why}; {STOPPED_WORDS}", code=EXIT_INTERRUPTED)
+        if self.poll is None or client is None:  # before the roll call ended: nobody to name
+            return nobody
+        hosts = sorted(set(self.host_of.values()))
+        snap = bounded(lambda: client.live(hosts), SNAPSHOT_S, {})
+        live = {int(r): st for snap_h in snap.values() for r, st in (snap_h.get("ranks") or {}).items()}
+        # this node's ranks read directly: a worker that died just before the launcher's SIGTERM (torchrun
+        # stops the others at once) is gone here, even when the monitor has not posted it yet
+        live.update(self.own_node_live())
+        time.sleep(TERM_REPORTS_S)
+        seen = bounded(lambda: (client.stamps(self.world), client.errors()), SNAPSHOT_S)
+        if seen is None:
+            return nobody
+        stamps, errors = seen
+        errors[0] = {"line": f"rank 0 ({self.host}): {name}", "term": True, "internal": False}
+        # the signalled ranks will not acknowledge: the job's KillWait (often 30 s) must not pass on the acks
+        self.gone |= {r for r, e in errors.items() if e.get("term")} | {r for r, st in live.items() if st != "running"}
+        return judge_unfinished(phase, why, self.world, self.host_of, stamps, live, errors)
 
 
 class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
@@ -108,8 +466,7 @@ class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
         and ends the run on a FAIL before the collectives."""
         t = time.monotonic()
         row = super().phase_soak()
-        if not self.proto.screen_wait("soak", self.bound.left()):
-            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
+        self.screen_wait("soak")
         cpu = self._kind() == "cpu"
         rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
         soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),

@@ -7,9 +7,9 @@ import datetime
 import time
 
 from ..checks.hang import group_key
-from ..checks.judge import apply_strict
+from ..checks.judge import apply_strict, finished_by
 from ..core.base import EXIT_TIMEOUT, Verdict, _counts, _screen_median, verdict_code
-from ..core.deadlines import NAMING_S, PHASE_WHAT, PHASES, TORCH_BACKSTOP_S
+from ..core.deadlines import NAMING_S, PHASE_WHAT, TORCH_BACKSTOP_S
 from .gpu import gpu_remeasured, gpu_suspects, judge_gpu_facts, screen_band_lines
 from .judge import screen_band_names, screen_judged_against
 from .loop import judge_screen, screen_loop
@@ -34,10 +34,7 @@ class ScreenRunner:
             with self.state_lock:
                 self.times["gpu_measure"] = self.bg.gpu["secs"]
         if row is None:  # CPU ranks (their own CPU clock), or a starved measuring thread: on a quiet process
-            self.quiesce()
-            g = self.identity.get("gpu") or {}
-            row = screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
-                                     self.args.sysfs_root)
+            row = self.measure_quiet()
         self.proto.screen_post("gpu", self.rank, row, self.world)
         self.failpoint("done-screen-gpu")
 
@@ -53,37 +50,31 @@ class ScreenRunner:
         self.round_gate(name)
         post = {"split_s": round(made, 3)}
         if e.get("gpu"):  # measured again: a slow GPU is named only when slow again
-            post["gpu"] = self.gpu_again()
+            post["gpu"] = None  # the interpreter starved: the first measurement stands alone (named once)
+            with contextlib.suppress(HostStarved):
+                post["gpu"] = self.measure_quiet()
         if e.get("g"):
             with self.issuing("all_reduce (busbw)", e["g"]):
                 bw, sec = screen_busbw(self.torch, self.dist, self.my_groups[tuple(e["g"])], len(e["g"]),
                                        self._device(), self._kind())
             post.update(busbw=float(f"{bw:.4g}"), time_us=round(sec * 1e6, 1))
             if e.get("rail") is not None and self.nccl:
-                post["hca"] = self.nccl_hca()
+                post["hca"] = self.nccl.hca_since_last()  # this pair's connections, from NCCL's log
         self.proto.screen_post(name, self.rank, post, self.world)
 
-    def gpu_again(self):
-        """This rank's device measured again, on a quiet process (its background work done first), or None when
-        the interpreter was starved (the first measurement then stands alone: named once, never blamed)."""
+    def measure_quiet(self):
+        """This rank's device measured (again) on a quiet process, its background work done first (HostStarved
+        when the interpreter was starved all the same)."""
         self.quiesce()
         g = self.identity.get("gpu") or {}
-        try:
-            return screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
-                                      self.args.sysfs_root)
-        except HostStarved:
-            return None
+        return screen_measure_gpu(self.torch, self._device(), self._kind(), g.get("uuid"), g.get("pci"),
+                                  self.args.sysfs_root)
 
     def round_gate(self, name):
         """Every rank starts `name` together (the soak's load, a screen batch): this rank posts that it is
         ready, then the role's screen_together (rank 0 opens the gate once every rank is ready)."""
         self.proto.screen_post(f"{name}-ready", self.rank, {}, self.world)
         self.screen_together(name)
-
-    def nccl_hca(self):
-        """The HCA of this rank's connections since the last call (a pair round's communicator), from NCCL's
-        log (parse_nccl_hca)."""
-        return self.nccl.hca_since_last()
 
     def screen_group(self, name, entry, key):
         """(this rank's new group of the batch or None, seconds its creation took). One creation per batch
@@ -239,9 +230,7 @@ class ScreenCoordinator:
     def screen_together(self, name):
         """Every group of a batch starts together: once every rank has posted that its group is made (within
         the phase's bound, else it names the batch's groups), rank 0 opens the gate."""
-        if not self.proto.screen_wait(f"{name}-ready", self.screen_left()):
-            cause = self.bound.cause()
-            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+        self.screen_wait(f"{name}-ready")
         self.failpoint(f"round-{name}")  # a test holds the run here (pause=S) between two batches
         self.proto.open_gate(f"round-{name}")
 
@@ -250,15 +239,19 @@ class ScreenCoordinator:
         ends the run here, naming its groups (as the watchdog does when rank 0 is itself blocked in one)."""
         out = {}
         for name in names:
-            if not self.proto.screen_wait(name, self.screen_left()):
-                cause = self.bound.cause()
-                raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, cause)])
+            self.screen_wait(name)
             out[name] = self.proto.screen_posts(name)
             made = screen_creation(self.round_groups().get(name) or [], out[name])
             if made:
                 with self.state_lock:
                     self.screen["splits"][name] = made
         return out
+
+    def screen_wait(self, name):
+        """Every rank's post of `name` (a batch, the soak) within the phase's bound, else the run ends here naming
+        who did not post."""
+        if not self.proto.screen_wait(name, self.screen_left()):
+            raise Verdict(EXIT_TIMEOUT, [self.unfinished(self.phase, self.proto, self.bound.cause())])
 
     def round_groups(self):
         return dict(r for rs in self.screen_rounds.values() for r in rs)
@@ -268,8 +261,7 @@ class ScreenCoordinator:
         batch, or None; the stamps for judge_unfinished, where a post of the GPU round counts as finishing
         it: rank 0 posts before it waits for the others)."""
         if phase == "screen-gpu":
-            posted, idx = set(client.screen_posts("gpu")), PHASES.index(phase)
-            return None, {r: max(s, idx) if r in posted else s for r, s in stamps.items()}
+            return None, finished_by(stamps, client.screen_posts("gpu"), phase)
         rounds = self.screen_rounds.get(phase) or []
         posted = {n: self.round_posted(client, n) for n, _ in rounds}
         how = cause[len(PHASE_WHAT[phase]):].strip() if cause.startswith(PHASE_WHAT[phase]) else cause
