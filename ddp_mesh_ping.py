@@ -357,17 +357,13 @@ def expand_hostlist(text, limit=100_000):
 
 def compress_hostlist(hosts):
     """Inverse of expand_hostlist for names that end in digits: node1,node2,node3 -> node[1-3]."""
-    groups, order = {}, []
+    groups = {}  # in the order first seen
     for h in hosts:
         m = re.fullmatch(r"(.*?)(\d+)", h)
         key = (m.group(1), len(m.group(2)) if m.group(2).startswith("0") else 0) if m else (h, None)
-        if key not in groups:
-            groups[key] = []
-            order.append(key)
-        groups[key].append(m.group(2) if m else None)
+        groups.setdefault(key, []).append(m.group(2) if m else None)
     out = []
-    for prefix, width in order:
-        vals = groups[(prefix, width)]
+    for (prefix, width), vals in groups.items():
         if width is None:
             out.append(prefix)
             continue
@@ -414,13 +410,8 @@ def read_text(path, default=None, limit=65536):
 
 def safe_env(env):
     """The allow-listed environment: what the report and JSON may show."""
-    out = {}
-    for k in sorted(env):
-        if any(w in k.upper() for w in ENV_DENY_WORDS):
-            continue
-        if k in ENV_ALLOW_NAMES or k.startswith(ENV_ALLOW_PREFIXES):
-            out[k] = env[k][:200]
-    return out
+    return {k: env[k][:200] for k in sorted(env) if not any(w in k.upper() for w in ENV_DENY_WORDS)
+            and (k in ENV_ALLOW_NAMES or k.startswith(ENV_ALLOW_PREFIXES))}
 
 
 def _screen_key(name):
@@ -794,10 +785,7 @@ def strict_majority(groups):
     """{value: [members]} -> the value a strict majority of all members share, or None (a tie, or no value
     held by more than half)."""
     total = sum(len(v) for v in groups.values())
-    for value, members in groups.items():
-        if 2 * len(members) > total:
-            return value
-    return None
+    return next((value for value, members in groups.items() if 2 * len(members) > total), None)
 
 
 def odd_ones(groups):
@@ -1454,10 +1442,7 @@ def _int_var(env, name, lo=None, hi=None):
 
 
 def _pick(env, *names):
-    for n in names:
-        if n in env:
-            return n
-    return None
+    return next((n for n in names if n in env), None)
 
 
 def derive_port(job_id):
@@ -2682,17 +2667,13 @@ def nearest_hca(root, pci, spec=None):
 
 
 def _cpu_model():
-    for line in (read_text("/proc/cpuinfo", "") or "").splitlines():
-        if line.lower().startswith(("model name", "cpu model", "hardware")):
-            return line.split(":", 1)[1].strip()
-    return os.uname().machine
+    return next((ln.split(":", 1)[1].strip() for ln in read_text("/proc/cpuinfo", "").splitlines()
+                 if ln.lower().startswith(("model name", "cpu model", "hardware"))), os.uname().machine)
 
 
 def _os_name():
-    for line in (read_text("/etc/os-release", "") or "").splitlines():
-        if line.startswith("PRETTY_NAME="):
-            return line.split("=", 1)[1].strip().strip('"')
-    return None
+    return next((ln.split("=", 1)[1].strip().strip('"') for ln in read_text("/etc/os-release", "").splitlines()
+                 if ln.startswith("PRETTY_NAME=")), None)
 
 
 def _mem_total():
@@ -5822,23 +5803,14 @@ def _is_count(v):
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _is_texts(v):
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)
-
-
-def _is_memory(v):
-    return isinstance(v, dict) and bool(v) and all(_is_count(n) and n > 0 for n in v.values())
-
-
-def _is_env(v):
-    return isinstance(v, dict) and all(isinstance(x, str) for x in v.values())
-
-
 # What a manifest value must be, by kind: (test, words for the problem line).
 VALUE_KINDS = {"text": (lambda v: isinstance(v, str), "a string"), "count": (_is_count, "an integer >= 0"),
                "rate": (lambda v: _is_num(v) and v > 0, "a finite number > 0"),
-               "memory": (_is_memory, "an object {GPU model: bytes > 0}"), "names": (_is_texts, "a list of strings"),
-               "env": (_is_env, "an object {variable: string}"),
+               "memory": (lambda v: isinstance(v, dict) and bool(v) and all(_is_count(n) and n > 0 for n in v.values()),
+                          "an object {GPU model: bytes > 0}"),
+               "names": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+               "env": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                       "an object {variable: string}"),
                "when": (lambda v: v is None or isinstance(v, str), "a string or null")}
 FIELD_KINDS = dict({f: "text" for f in FIELD_NAMES}, gpus_per_node="count", ib_ports="count", pcie_width="count",
                    ib_rate="rate", pcie_speed="rate", gpu_memory="memory", transport_intra="names",
@@ -6068,10 +6040,8 @@ def judge_bands(manifest, records, screen):
     if not manifest or not screen:
         return []
     slack = BAND_SLACK_CPU if screen.get("cpu") else BAND_SLACK
-    out = []
-    for cls, band, v, hosts, ranks, where, tries in _band_points(screen, _host_classes(records)):
-        out += _below_band(manifest, cls, band, v, hosts, slack, ranks, where, tries)
-    return out
+    return [f for cls, band, v, hosts, ranks, where, tries in _band_points(screen, _host_classes(records))
+            for f in _below_band(manifest, cls, band, v, hosts, slack, ranks, where, tries)]
 
 
 def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None, tries=1):
@@ -8262,12 +8232,9 @@ def gpu_rows(node, gpus, load=None):
     rank and local rank = its index; gpus: NVML's rows (parse_node_gpus) or {index: {'uuid', 'name'}}; load:
     {index: a measurement or the facts under load} merged in."""
     by = {g["index"]: g for g in gpus} if isinstance(gpus, list) else {i: dict(g, index=i) for i, g in gpus.items()}
-    out = []
-    for i in sorted(set(by) | set(load or {})):
-        g = by.get(i) or {}
-        out.append(dict({k: v for k, v in g.items() if k not in ("index", "name")}, **(load or {}).get(i, {}),
-                        rank=i, host=node, local_rank=i, uuid=g.get("uuid"), model=g.get("name") or "CPU"))
-    return out
+    return [dict({k: v for k, v in g.items() if k not in ("index", "name")}, **(load or {}).get(i, {}), rank=i,
+                 host=node, local_rank=i, uuid=g.get("uuid"), model=g.get("name") or "CPU")
+            for i in sorted(set(by) | set(load or {})) for g in [by.get(i) or {}]]
 
 
 def gpu_words(node):
@@ -8749,16 +8716,9 @@ def node_signature(rs):
 def group_nodes(records, flagged_hosts, collapse_at=2):
     """[(hosts, ranks_of_first)]: identical nodes collapsed, every flagged node alone."""
     hosts = _by_host(records)
-    groups, order = {}, []
-    for h, rs in hosts.items():
-        key = ("flagged", h) if h in flagged_hosts else node_signature(rs)
-        if key not in groups:
-            groups[key] = []
-            order.append(key)
-        groups[key].append(h)
+    groups = group_by(hosts, lambda h: ("flagged", h) if h in flagged_hosts else node_signature(hosts[h]))
     out = []
-    for key in order:
-        hs = groups[key]
+    for hs in groups.values():
         if len(hs) < collapse_at:
             out.extend(([h], hosts[h]) for h in hs)
         else:
@@ -9105,11 +9065,6 @@ def metrics_text(families):
     return "\n".join(line for family in families for line in _metrics_family(*family) or []) + "\n"
 
 
-def _metrics_severity(status):
-    """0 PASS, 1 WARN, 2 FAIL (None: another status)."""
-    return {"PASS": 0, "WARN": 1, "FAIL": 2}.get(status)
-
-
 def _metrics_max(values):
     """The largest of the values that are numbers (None, NaN and the like skipped), or None."""
     return max((v for v in values if _metrics_value(v) is not None), default=None)
@@ -9157,7 +9112,7 @@ def _metrics_checks(state):
     """aiv_check_status{check}: the worst status of each judged check, in CHECKS order (unknown ones last)."""
     worst = {}
     for f in state.get("findings") or []:
-        worst[f.get("check")] = _metrics_max([worst.get(f.get("check")), _metrics_severity(f.get("status"))])
+        worst[f.get("check")] = _metrics_max([worst.get(f.get("check")), STATUS_RANK.get(f.get("status"))])
     order = [c for c in CHECKS if c in worst] + sorted(str(c) for c in worst if c not in CHECKS)
     return [("aiv_check_status", "Worst status of the check's findings: 0 PASS, 1 WARN, 2 FAIL (checks not judged "
              "are absent).", [({"check": c}, worst[c]) for c in order])]
@@ -9166,7 +9121,7 @@ def _metrics_checks(state):
 def _metrics_node_status(state):
     """aiv_node_status{node}: the worst finding naming the node; 0 for a node no finding names."""
     findings = state.get("findings") or []
-    rows = [({"node": h}, _metrics_max([0] + [_metrics_severity(f.get("status")) for f in findings
+    rows = [({"node": h}, _metrics_max([0] + [STATUS_RANK.get(f.get("status")) for f in findings
                                                if h in (f.get("hosts") or [])]))
             for h in _metrics_hosts(state)]
     return [("aiv_node_status", "Worst status of the findings that name the node: 0 PASS (or named by none), "

@@ -133,17 +133,13 @@ def nearest_hca(root, pci, spec=None):
 
 
 def _cpu_model():
-    for line in (read_text("/proc/cpuinfo", "") or "").splitlines():
-        if line.lower().startswith(("model name", "cpu model", "hardware")):
-            return line.split(":", 1)[1].strip()
-    return os.uname().machine
+    return next((ln.split(":", 1)[1].strip() for ln in read_text("/proc/cpuinfo", "").splitlines()
+                 if ln.lower().startswith(("model name", "cpu model", "hardware"))), os.uname().machine)
 
 
 def _os_name():
-    for line in (read_text("/etc/os-release", "") or "").splitlines():
-        if line.startswith("PRETTY_NAME="):
-            return line.split("=", 1)[1].strip().strip('"')
-    return None
+    return next((ln.split("=", 1)[1].strip().strip('"') for ln in read_text("/etc/os-release", "").splitlines()
+                 if ln.startswith("PRETTY_NAME=")), None)
 
 
 def _mem_total():

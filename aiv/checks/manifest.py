@@ -411,23 +411,14 @@ def _is_count(v):
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _is_texts(v):
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)
-
-
-def _is_memory(v):
-    return isinstance(v, dict) and bool(v) and all(_is_count(n) and n > 0 for n in v.values())
-
-
-def _is_env(v):
-    return isinstance(v, dict) and all(isinstance(x, str) for x in v.values())
-
-
 # What a manifest value must be, by kind: (test, words for the problem line).
 VALUE_KINDS = {"text": (lambda v: isinstance(v, str), "a string"), "count": (_is_count, "an integer >= 0"),
                "rate": (lambda v: _is_num(v) and v > 0, "a finite number > 0"),
-               "memory": (_is_memory, "an object {GPU model: bytes > 0}"), "names": (_is_texts, "a list of strings"),
-               "env": (_is_env, "an object {variable: string}"),
+               "memory": (lambda v: isinstance(v, dict) and bool(v) and all(_is_count(n) and n > 0 for n in v.values()),
+                          "an object {GPU model: bytes > 0}"),
+               "names": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+               "env": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                       "an object {variable: string}"),
                "when": (lambda v: v is None or isinstance(v, str), "a string or null")}
 FIELD_KINDS = dict({f: "text" for f in FIELD_NAMES}, gpus_per_node="count", ib_ports="count", pcie_width="count",
                    ib_rate="rate", pcie_speed="rate", gpu_memory="memory", transport_intra="names",
@@ -657,10 +648,8 @@ def judge_bands(manifest, records, screen):
     if not manifest or not screen:
         return []
     slack = BAND_SLACK_CPU if screen.get("cpu") else BAND_SLACK
-    out = []
-    for cls, band, v, hosts, ranks, where, tries in _band_points(screen, _host_classes(records)):
-        out += _below_band(manifest, cls, band, v, hosts, slack, ranks, where, tries)
-    return out
+    return [f for cls, band, v, hosts, ranks, where, tries in _band_points(screen, _host_classes(records))
+            for f in _below_band(manifest, cls, band, v, hosts, slack, ranks, where, tries)]
 
 
 def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None, tries=1):

@@ -263,17 +263,13 @@ def expand_hostlist(text, limit=100_000):
 
 def compress_hostlist(hosts):
     """Inverse of expand_hostlist for names that end in digits: node1,node2,node3 -> node[1-3]."""
-    groups, order = {}, []
+    groups = {}  # in the order first seen
     for h in hosts:
         m = re.fullmatch(r"(.*?)(\d+)", h)
         key = (m.group(1), len(m.group(2)) if m.group(2).startswith("0") else 0) if m else (h, None)
-        if key not in groups:
-            groups[key] = []
-            order.append(key)
-        groups[key].append(m.group(2) if m else None)
+        groups.setdefault(key, []).append(m.group(2) if m else None)
     out = []
-    for prefix, width in order:
-        vals = groups[(prefix, width)]
+    for (prefix, width), vals in groups.items():
         if width is None:
             out.append(prefix)
             continue
@@ -320,13 +316,8 @@ def read_text(path, default=None, limit=65536):
 
 def safe_env(env):
     """The allow-listed environment: what the report and JSON may show."""
-    out = {}
-    for k in sorted(env):
-        if any(w in k.upper() for w in ENV_DENY_WORDS):
-            continue
-        if k in ENV_ALLOW_NAMES or k.startswith(ENV_ALLOW_PREFIXES):
-            out[k] = env[k][:200]
-    return out
+    return {k: env[k][:200] for k in sorted(env) if not any(w in k.upper() for w in ENV_DENY_WORDS)
+            and (k in ENV_ALLOW_NAMES or k.startswith(ENV_ALLOW_PREFIXES))}
 
 
 def _screen_key(name):

@@ -216,10 +216,7 @@ def strict_majority(groups):
     """{value: [members]} -> the value a strict majority of all members share, or None (a tie, or no value
     held by more than half)."""
     total = sum(len(v) for v in groups.values())
-    for value, members in groups.items():
-        if 2 * len(members) > total:
-            return value
-    return None
+    return next((value for value, members in groups.items() if 2 * len(members) > total), None)
 
 
 def odd_ones(groups):

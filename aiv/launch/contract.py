@@ -24,10 +24,7 @@ def _int_var(env, name, lo=None, hi=None):
 
 
 def _pick(env, *names):
-    for n in names:
-        if n in env:
-            return n
-    return None
+    return next((n for n in names if n in env), None)
 
 
 def derive_port(job_id):

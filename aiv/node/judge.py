@@ -382,12 +382,9 @@ def gpu_rows(node, gpus, load=None):
     rank and local rank = its index; gpus: NVML's rows (parse_node_gpus) or {index: {'uuid', 'name'}}; load:
     {index: a measurement or the facts under load} merged in."""
     by = {g["index"]: g for g in gpus} if isinstance(gpus, list) else {i: dict(g, index=i) for i, g in gpus.items()}
-    out = []
-    for i in sorted(set(by) | set(load or {})):
-        g = by.get(i) or {}
-        out.append(dict({k: v for k, v in g.items() if k not in ("index", "name")}, **(load or {}).get(i, {}),
-                        rank=i, host=node, local_rank=i, uuid=g.get("uuid"), model=g.get("name") or "CPU"))
-    return out
+    return [dict({k: v for k, v in g.items() if k not in ("index", "name")}, **(load or {}).get(i, {}), rank=i,
+                 host=node, local_rank=i, uuid=g.get("uuid"), model=g.get("name") or "CPU")
+            for i in sorted(set(by) | set(load or {})) for g in [by.get(i) or {}]]
 
 
 def gpu_words(node):

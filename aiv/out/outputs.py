@@ -13,6 +13,7 @@ from ..core.base import (
     EXIT_PASS,
     EXIT_TIMEOUT,
     SCHEMA_VERSION,
+    STATUS_RANK,
     VERSION,
     _screen_key,
     _screen_sorted,
@@ -190,11 +191,6 @@ def metrics_text(families):
     return "\n".join(line for family in families for line in _metrics_family(*family) or []) + "\n"
 
 
-def _metrics_severity(status):
-    """0 PASS, 1 WARN, 2 FAIL (None: another status)."""
-    return {"PASS": 0, "WARN": 1, "FAIL": 2}.get(status)
-
-
 def _metrics_max(values):
     """The largest of the values that are numbers (None, NaN and the like skipped), or None."""
     return max((v for v in values if _metrics_value(v) is not None), default=None)
@@ -242,7 +238,7 @@ def _metrics_checks(state):
     """aiv_check_status{check}: the worst status of each judged check, in CHECKS order (unknown ones last)."""
     worst = {}
     for f in state.get("findings") or []:
-        worst[f.get("check")] = _metrics_max([worst.get(f.get("check")), _metrics_severity(f.get("status"))])
+        worst[f.get("check")] = _metrics_max([worst.get(f.get("check")), STATUS_RANK.get(f.get("status"))])
     order = [c for c in CHECKS if c in worst] + sorted(str(c) for c in worst if c not in CHECKS)
     return [("aiv_check_status", "Worst status of the check's findings: 0 PASS, 1 WARN, 2 FAIL (checks not judged "
              "are absent).", [({"check": c}, worst[c]) for c in order])]
@@ -251,7 +247,7 @@ def _metrics_checks(state):
 def _metrics_node_status(state):
     """aiv_node_status{node}: the worst finding naming the node; 0 for a node no finding names."""
     findings = state.get("findings") or []
-    rows = [({"node": h}, _metrics_max([0] + [_metrics_severity(f.get("status")) for f in findings
+    rows = [({"node": h}, _metrics_max([0] + [STATUS_RANK.get(f.get("status")) for f in findings
                                                if h in (f.get("hosts") or [])]))
             for h in _metrics_hosts(state)]
     return [("aiv_node_status", "Worst status of the findings that name the node: 0 PASS (or named by none), "

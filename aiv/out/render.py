@@ -229,16 +229,9 @@ def node_signature(rs):
 def group_nodes(records, flagged_hosts, collapse_at=2):
     """[(hosts, ranks_of_first)]: identical nodes collapsed, every flagged node alone."""
     hosts = _by_host(records)
-    groups, order = {}, []
-    for h, rs in hosts.items():
-        key = ("flagged", h) if h in flagged_hosts else node_signature(rs)
-        if key not in groups:
-            groups[key] = []
-            order.append(key)
-        groups[key].append(h)
+    groups = group_by(hosts, lambda h: ("flagged", h) if h in flagged_hosts else node_signature(hosts[h]))
     out = []
-    for key in order:
-        hs = groups[key]
+    for hs in groups.values():
         if len(hs) < collapse_at:
             out.extend(([h], hosts[h]) for h in hs)
         else:
