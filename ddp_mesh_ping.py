@@ -992,12 +992,10 @@ def guard_std_streams():
 
 def drop_stream(stream):
     """Point a dead stream's descriptor at /dev/null: later writes and the flush at exit are silent."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, stream.fileno())
         os.close(null)
-    except (OSError, ValueError):
-        pass
 
 
 def flush_all():
@@ -1359,18 +1357,14 @@ def child_finish(proc, seconds, name=None):
     session may hold them), then it is left behind, said with its state ('D': stuck in the kernel, a driver
     call) and never waited for again."""
     name = name or os.path.basename(str(proc.args[0] if isinstance(proc.args, (list, tuple)) else proc.args))
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         out, err = proc.communicate(timeout=max(0.01, seconds))
         return {"rc": proc.returncode, "out": _text(out), "err": _text(err)}
-    except subprocess.TimeoutExpired:
-        pass
     _kill_group(proc)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         out, err = proc.communicate(timeout=CHILD_REAP_S)  # what it said before the bound is kept
         return {"unread": f"{name} gave no answer within {seconds:g}s", "rc": proc.returncode, "stuck": None,
                 "out": _text(out), "err": _text(err)}
-    except subprocess.TimeoutExpired:
-        pass
     state = proc_state(proc.pid) if proc.poll() is None else None
     for s in (proc.stdin, proc.stdout, proc.stderr):
         with contextlib.suppress(OSError, ValueError):
@@ -1617,26 +1611,20 @@ def slurm_expectations(env):
     for key, names in (("world_size", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")),
                        ("nodes", ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES"))):
         for var in names:
-            try:
+            with contextlib.suppress(ValueError):
                 if env.get(var):
                     out[key] = int(env[var])
                     break
-            except ValueError:
-                pass
     layout = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     if layout:
-        try:
+        with contextlib.suppress(ValueError):
             counts = set(parse_tasks_per_node(layout))
             if len(counts) == 1:
                 out["ranks_per_node"] = counts.pop()
             return out
-        except ValueError:
-            pass
-    try:
+    with contextlib.suppress(ValueError):
         if env.get("SLURM_NTASKS_PER_NODE"):
             out["ranks_per_node"] = int(env["SLURM_NTASKS_PER_NODE"])
-    except ValueError:
-        pass
     return out
 
 
@@ -1663,10 +1651,8 @@ def launcher_expectations(env):
     out = {}
     for key, var in (("world_size", "WORLD_SIZE"), ("ranks_per_node", "LOCAL_WORLD_SIZE"),
                      ("nodes", "GROUP_WORLD_SIZE")):
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             out[key] = int(env[var])
-        except (KeyError, ValueError):
-            pass
     return out
 
 
@@ -1996,12 +1982,10 @@ def describe_node(node, nproc, why):
 def describe_contract(contract, env):
     """{'launch', 'how', 'port_from'} of a per-process contract: what this tool's own launcher said
     (LAUNCH_VAR), else which launcher's variables were read."""
-    try:
+    with contextlib.suppress(KeyError, ValueError):
         told = json.loads(env[LAUNCH_VAR])
         if isinstance(told, dict) and all(isinstance(told.get(k), str) for k in ("launch", "how", "port_from")):
             return {k: told[k] for k in ("launch", "how", "port_from")}
-    except (KeyError, ValueError):
-        pass
     names = ", ".join(contract.get("vars", ()))
     source = contract.get("source")
     launch = ("Slurm srun" if source == "slurm" else "mpirun" if source == "mpi" else
@@ -2366,10 +2350,8 @@ def list_interfaces():
             except OSError:
                 flags = 0
             addrs = []
-            try:
+            with contextlib.suppress(OSError):
                 addrs.append(socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFADDR, req)[20:24]))
-            except OSError:
-                pass
             out[name] = {"up": bool(flags & IFF_UP), "addrs": addrs}
     finally:
         s.close()
@@ -2750,11 +2732,9 @@ def finish_import_probe(proc, wait_s):
 def collect_node_facts(root, torch_mod, backend, device_count, env=None):
     """Facts collected once per node (by local rank 0). Missing sources -> None."""
     shm = None
-    try:
+    with contextlib.suppress(OSError):
         st = os.statvfs("/dev/shm")
         shm = st.f_frsize * st.f_blocks
-    except OSError:
-        pass
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     ib = read_ib_ports(root)
     facts = {
@@ -2820,11 +2800,9 @@ def collect_gpu(torch_mod, index, root):
         if txt and txt.strip():
             numa_cpus = txt.strip()
     used = None
-    try:
+    with contextlib.suppress(Exception):
         free, total = torch_mod.cuda.mem_get_info(index)
         used = total - free
-    except Exception:
-        pass
     return {"name": p.name, "vram": int(p.total_memory), "uuid": uuid, "pci": pci,
             "numa": numa, "numa_cpus": numa_cpus, "mem_used": used,
             **pci_link(root, pci)}  # manifest: PCIe link width and speed
@@ -3038,12 +3016,10 @@ def fp32_matmul_precision(torch_mod, mode):
 def cublas_version():
     """cuBLASLt's version (e.g. 130100) from the library this process already loaded, or None."""
     for major in (13, 12, 11):
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             lib = ctypes.CDLL(f"libcublasLt.so.{major}", mode=getattr(os, "RTLD_NOLOAD", 4) | ctypes.RTLD_GLOBAL)
             lib.cublasLtGetVersion.restype = ctypes.c_size_t
             return int(lib.cublasLtGetVersion())
-        except (OSError, AttributeError):
-            continue
     return None
 
 
@@ -3325,7 +3301,7 @@ def parse_smi(text, keys=SMI_KEYS):
         return {}
     out = {}
     for key, v in zip(keys, vals, strict=True):
-        try:
+        with contextlib.suppress(ValueError):
             if key == "throttle":
                 out[key] = int(v, 16)
             elif key.startswith("remap_"):
@@ -3333,8 +3309,6 @@ def parse_smi(text, keys=SMI_KEYS):
                     out[key] = v.lower() == "yes"
             else:
                 out[key] = float(v)
-        except ValueError:
-            continue
     return out
 
 
@@ -3811,10 +3785,8 @@ def nvml_reader(uuid):
     def read():
         out = {}
         for key, call in calls:
-            try:
+            with contextlib.suppress(Exception):
                 out[key] = call()
-            except Exception:
-                continue
         return out
     return read
 
@@ -6555,10 +6527,8 @@ def gpu_table_row(model):
     name = " ".join(str(model or "").lower().split())
     if not name or re.search(GPU_TABLE_EXCLUDE, name):
         return None
-    for row, pattern, tflops, gbps in GPU_TABLE:
-        if re.search(pattern, name):
-            return {"row": row, "tflops": tflops, "hbm_gbps": gbps}
-    return None
+    return next(({"row": row, "tflops": tflops, "hbm_gbps": gbps} for row, pattern, tflops, gbps in GPU_TABLE
+                 if re.search(pattern, name)), None)
 
 
 def table_level(value, ref):
@@ -8921,16 +8891,14 @@ def drain_blocker(findings):
     fails = [f for f in findings if f["status"] == "FAIL"]
     if not fails:
         return "the run passed"
-    for test, why in ((lambda f: f["check"] == "interrupted", "the run was interrupted (scancel, the time limit, "
-                       "preemption): an interrupted run drains nobody"),
-                      (lambda f: f["check"] == "internal", "the tool's own error: it drains nobody"),
-                      (lambda f: f.get("tamper"), "a value on the side channel failed authentication: evidence "
-                       "that came through it drains nobody"),
-                      (lambda f: f.get("widespread"), "the cause is widespread (more nodes implicated than "
-                       "passed: a switch, the fabric or its configuration): it drains nobody")):
-        if any(test(f) for f in fails):
-            return why
-    return None
+    return next((why for test, why in (
+        (lambda f: f["check"] == "interrupted", "the run was interrupted (scancel, the time limit, preemption): an "
+         "interrupted run drains nobody"),
+        (lambda f: f["check"] == "internal", "the tool's own error: it drains nobody"),
+        (lambda f: f.get("tamper"), "a value on the side channel failed authentication: evidence that came through "
+         "it drains nobody"),
+        (lambda f: f.get("widespread"), "the cause is widespread (more nodes implicated than passed: a switch, the "
+         "fabric or its configuration): it drains nobody")) if any(test(f) for f in fails)), None)
 
 
 def drain_reason(fs, job=None, context="job"):
@@ -10271,11 +10239,9 @@ def _verify_ranks_reported(lines, world, problems):
 
 def _sum_matches(text, want):
     """sum= is printed with :g (1.00324e+06 for large worlds); expected= is an exact integer."""
-    try:
+    with contextlib.suppress(OverflowError):
         if text == format(want, "g"):
             return True
-    except OverflowError:
-        pass
     try:
         return float(text) == want
     except ValueError:
@@ -11309,14 +11275,12 @@ def monitor_store(cfg, wait_s):
         # reached; torch's client would find none either, after seconds of importing torch and wait_s more
         # (a monitor that outlived its run by 15 s on a loaded machine): the OSError ends the monitor
         light = LightStore(cfg["addr"], cfg["port"], cfg["prefix"], wait_s)
-        try:
+        with contextlib.suppress(OSError, struct.error):
             key, mark = f"monitor/{cfg['host']}", f"{os.getpid()}.{time.time():.6f}"
             light.set(key, mark)
             if light.check(["world", key]) and light.get(key) == mark.encode() \
                     and light.compare_set(key, mark, mark + ".1") == (mark + ".1").encode():
                 return light
-        except (OSError, struct.error):
-            pass
         light.close()
     import torch.distributed as dist
     raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=wait_s))
@@ -12338,10 +12302,8 @@ def ddp_imports():
 
 def _warm_imports():
     """ddp_imports, while this rank waits on the network (an error there is the DDP step's to report)."""
-    try:
+    with contextlib.suppress(Exception):
         ddp_imports()
-    except Exception:
-        pass
 
 
 class RankSetup:
@@ -12560,7 +12522,7 @@ def speak_once_per_node(text, env, local_rank=0, topic="run"):
     time.sleep(min(max(local_rank, 0), 20) * 0.05)
     path = said_marker(env, topic, launch_key(os.getppid()))
     sweep_said()
-    try:
+    with contextlib.suppress(OSError, ValueError):  # no node-local coordination here: better a line twice than never
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
@@ -12571,8 +12533,6 @@ def speak_once_per_node(text, env, local_rank=0, topic="run"):
             os.write(fd, f"{time.time():.3f}".ljust(32).encode())  # older than MARK_TTL: another run's
         finally:
             os.close(fd)
-    except (OSError, ValueError):
-        pass  # no node-local coordination here: better a line twice than never
     emit(text)
     return True
 
@@ -12630,10 +12590,8 @@ class RankGuard:
         line = f"rank {self.rank} ({self.host}): {PHASE_WHAT[phase]} failed: {first_line(exc)}"
         code = EXIT_TIMEOUT if re.search(r"[Tt]imed? ?out|timeout", str(exc)) else EXIT_FAIL
         if self.proto is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.proto.report_error(self.rank, phase, line, code)
-            except Exception:
-                pass
         return self.own_error(phase, line, code)
 
     def own_error(self, phase, line, code):
@@ -13748,10 +13706,8 @@ class Follower(ScreenFollower, RankRun):
         with self.ack_lock:
             if not self.acked:
                 self.acked = True
-                try:
+                with contextlib.suppress(Exception):  # rank 0 stopped waiting for acks: the code is what matters
                     client.ack(self.rank)
-                except Exception:  # rank 0 stopped waiting for acks: the code is what matters
-                    pass
         return code
 
     def lost_rank0(self, exc):
@@ -14865,10 +14821,8 @@ def node_check_usage(e, argv, env, ctx=None, args=None):
 def _rank_hint(env):
     """This process's rank when it can be read at all (to print usage errors once, not per rank)."""
     for var in ("RANK", "SLURM_PROCID"):
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             return int(env[var])
-        except (KeyError, ValueError):
-            continue
     return None
 
 

@@ -1,4 +1,5 @@
 """Floor 6: the entry point."""
+import contextlib
 import json
 import os
 import signal
@@ -36,10 +37,8 @@ from .run.liveness import node_monitor, proc_stat
 def _rank_hint(env):
     """This process's rank when it can be read at all (to print usage errors once, not per rank)."""
     for var in ("RANK", "SLURM_PROCID"):
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             return int(env[var])
-        except (KeyError, ValueError):
-            continue
     return None
 
 

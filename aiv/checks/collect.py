@@ -216,11 +216,9 @@ def finish_import_probe(proc, wait_s):
 def collect_node_facts(root, torch_mod, backend, device_count, env=None):
     """Facts collected once per node (by local rank 0). Missing sources -> None."""
     shm = None
-    try:
+    with contextlib.suppress(OSError):
         st = os.statvfs("/dev/shm")
         shm = st.f_frsize * st.f_blocks
-    except OSError:
-        pass
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     ib = read_ib_ports(root)
     facts = {
@@ -286,11 +284,9 @@ def collect_gpu(torch_mod, index, root):
         if txt and txt.strip():
             numa_cpus = txt.strip()
     used = None
-    try:
+    with contextlib.suppress(Exception):
         free, total = torch_mod.cuda.mem_get_info(index)
         used = total - free
-    except Exception:
-        pass
     return {"name": p.name, "vram": int(p.total_memory), "uuid": uuid, "pci": pci,
             "numa": numa, "numa_cpus": numa_cpus, "mem_used": used,
             **pci_link(root, pci)}  # manifest: PCIe link width and speed

@@ -1,5 +1,6 @@
 """Floor 2: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME against the host's interfaces, and the lines of NCCL's
 own log (interfaces, HCAs, transports, WARNs)."""
+import contextlib
 import fcntl
 import os
 import re
@@ -24,10 +25,8 @@ def list_interfaces():
             except OSError:
                 flags = 0
             addrs = []
-            try:
+            with contextlib.suppress(OSError):
                 addrs.append(socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFADDR, req)[20:24]))
-            except OSError:
-                pass
             out[name] = {"up": bool(flags & IFF_UP), "addrs": addrs}
     finally:
         s.close()

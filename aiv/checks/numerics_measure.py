@@ -63,12 +63,10 @@ def fp32_matmul_precision(torch_mod, mode):
 def cublas_version():
     """cuBLASLt's version (e.g. 130100) from the library this process already loaded, or None."""
     for major in (13, 12, 11):
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             lib = ctypes.CDLL(f"libcublasLt.so.{major}", mode=getattr(os, "RTLD_NOLOAD", 4) | ctypes.RTLD_GLOBAL)
             lib.cublasLtGetVersion.restype = ctypes.c_size_t
             return int(lib.cublasLtGetVersion())
-        except (OSError, AttributeError):
-            continue
     return None
 
 

@@ -156,18 +156,14 @@ def child_finish(proc, seconds, name=None):
     session may hold them), then it is left behind, said with its state ('D': stuck in the kernel, a driver
     call) and never waited for again."""
     name = name or os.path.basename(str(proc.args[0] if isinstance(proc.args, (list, tuple)) else proc.args))
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         out, err = proc.communicate(timeout=max(0.01, seconds))
         return {"rc": proc.returncode, "out": _text(out), "err": _text(err)}
-    except subprocess.TimeoutExpired:
-        pass
     _kill_group(proc)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         out, err = proc.communicate(timeout=CHILD_REAP_S)  # what it said before the bound is kept
         return {"unread": f"{name} gave no answer within {seconds:g}s", "rc": proc.returncode, "stuck": None,
                 "out": _text(out), "err": _text(err)}
-    except subprocess.TimeoutExpired:
-        pass
     state = proc_state(proc.pid) if proc.poll() is None else None
     for s in (proc.stdin, proc.stdout, proc.stderr):
         with contextlib.suppress(OSError, ValueError):

@@ -48,12 +48,10 @@ def guard_std_streams():
 
 def drop_stream(stream):
     """Point a dead stream's descriptor at /dev/null: later writes and the flush at exit are silent."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, stream.fileno())
         os.close(null)
-    except (OSError, ValueError):
-        pass
 
 
 def flush_all():

@@ -1,5 +1,6 @@
 """Floor 2: the launch contract: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, the Slurm and
 torchrun fallbacks, the expectations a launcher states, and the job's secret."""
+import contextlib
 import re
 import socket
 
@@ -199,26 +200,20 @@ def slurm_expectations(env):
     for key, names in (("world_size", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")),
                        ("nodes", ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES"))):
         for var in names:
-            try:
+            with contextlib.suppress(ValueError):
                 if env.get(var):
                     out[key] = int(env[var])
                     break
-            except ValueError:
-                pass
     layout = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     if layout:
-        try:
+        with contextlib.suppress(ValueError):
             counts = set(parse_tasks_per_node(layout))
             if len(counts) == 1:
                 out["ranks_per_node"] = counts.pop()
             return out
-        except ValueError:
-            pass
-    try:
+    with contextlib.suppress(ValueError):
         if env.get("SLURM_NTASKS_PER_NODE"):
             out["ranks_per_node"] = int(env["SLURM_NTASKS_PER_NODE"])
-    except ValueError:
-        pass
     return out
 
 
@@ -245,10 +240,8 @@ def launcher_expectations(env):
     out = {}
     for key, var in (("world_size", "WORLD_SIZE"), ("ranks_per_node", "LOCAL_WORLD_SIZE"),
                      ("nodes", "GROUP_WORLD_SIZE")):
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             out[key] = int(env[var])
-        except (KeyError, ValueError):
-            pass
     return out
 
 

@@ -3,6 +3,7 @@ node count, this node's index, the ranks per node and the rendezvous are read fr
 per-node launch (one process per node or pod: Kubeflow Trainer v2, PyTorchJob v1, an Indexed Job, JobSet,
 LeaderWorkerSet, Volcano), where this tool starts the node's ranks; and the words that say which contract
 a run read."""
+import contextlib
 import json
 import re
 import socket
@@ -318,12 +319,10 @@ def describe_node(node, nproc, why):
 def describe_contract(contract, env):
     """{'launch', 'how', 'port_from'} of a per-process contract: what this tool's own launcher said
     (LAUNCH_VAR), else which launcher's variables were read."""
-    try:
+    with contextlib.suppress(KeyError, ValueError):
         told = json.loads(env[LAUNCH_VAR])
         if isinstance(told, dict) and all(isinstance(told.get(k), str) for k in ("launch", "how", "port_from")):
             return {k: told[k] for k in ("launch", "how", "port_from")}
-    except (KeyError, ValueError):
-        pass
     names = ", ".join(contract.get("vars", ()))
     source = contract.get("source")
     launch = ("Slurm srun" if source == "slurm" else "mpirun" if source == "mpi" else

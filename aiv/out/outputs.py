@@ -47,16 +47,14 @@ def drain_blocker(findings):
     fails = [f for f in findings if f["status"] == "FAIL"]
     if not fails:
         return "the run passed"
-    for test, why in ((lambda f: f["check"] == "interrupted", "the run was interrupted (scancel, the time limit, "
-                       "preemption): an interrupted run drains nobody"),
-                      (lambda f: f["check"] == "internal", "the tool's own error: it drains nobody"),
-                      (lambda f: f.get("tamper"), "a value on the side channel failed authentication: evidence "
-                       "that came through it drains nobody"),
-                      (lambda f: f.get("widespread"), "the cause is widespread (more nodes implicated than "
-                       "passed: a switch, the fabric or its configuration): it drains nobody")):
-        if any(test(f) for f in fails):
-            return why
-    return None
+    return next((why for test, why in (
+        (lambda f: f["check"] == "interrupted", "the run was interrupted (scancel, the time limit, preemption): an "
+         "interrupted run drains nobody"),
+        (lambda f: f["check"] == "internal", "the tool's own error: it drains nobody"),
+        (lambda f: f.get("tamper"), "a value on the side channel failed authentication: evidence that came through "
+         "it drains nobody"),
+        (lambda f: f.get("widespread"), "the cause is widespread (more nodes implicated than passed: a switch, the "
+         "fabric or its configuration): it drains nobody")) if any(test(f) for f in fails)), None)
 
 
 def drain_reason(fs, job=None, context="job"):

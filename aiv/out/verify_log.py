@@ -1,4 +1,5 @@
 """Floor 4: --verify-log: a whole log judged again, with no torch and no cluster."""
+import contextlib
 import re
 
 from ..core.base import SUCCESS_LINE, expand_hostlist, parse_ranges
@@ -97,11 +98,9 @@ def _verify_ranks_reported(lines, world, problems):
 
 def _sum_matches(text, want):
     """sum= is printed with :g (1.00324e+06 for large worlds); expected= is an exact integer."""
-    try:
+    with contextlib.suppress(OverflowError):
         if text == format(want, "g"):
             return True
-    except OverflowError:
-        pass
     try:
         return float(text) == want
     except ValueError:

@@ -1,5 +1,6 @@
 """Floor 5 (runtime): every other rank: reports its own error, takes rank 0's verdict, speaks for a
 rank 0 that gives none in time."""
+import contextlib
 import json
 import os
 import threading
@@ -163,10 +164,8 @@ class Follower(ScreenFollower, RankRun):
         with self.ack_lock:
             if not self.acked:
                 self.acked = True
-                try:
+                with contextlib.suppress(Exception):  # rank 0 stopped waiting for acks: the code is what matters
                     client.ack(self.rank)
-                except Exception:  # rank 0 stopped waiting for acks: the code is what matters
-                    pass
         return code
 
     def lost_rank0(self, exc):

@@ -41,7 +41,7 @@ def speak_once_per_node(text, env, local_rank=0, topic="run"):
     time.sleep(min(max(local_rank, 0), 20) * 0.05)
     path = said_marker(env, topic, launch_key(os.getppid()))
     sweep_said()
-    try:
+    with contextlib.suppress(OSError, ValueError):  # no node-local coordination here: better a line twice than never
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever marks the file
@@ -52,8 +52,6 @@ def speak_once_per_node(text, env, local_rank=0, topic="run"):
             os.write(fd, f"{time.time():.3f}".ljust(32).encode())  # older than MARK_TTL: another run's
         finally:
             os.close(fd)
-    except (OSError, ValueError):
-        pass  # no node-local coordination here: better a line twice than never
     emit(text)
     return True
 
@@ -111,10 +109,8 @@ class RankGuard:
         line = f"rank {self.rank} ({self.host}): {PHASE_WHAT[phase]} failed: {first_line(exc)}"
         code = EXIT_TIMEOUT if re.search(r"[Tt]imed? ?out|timeout", str(exc)) else EXIT_FAIL
         if self.proto is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.proto.report_error(self.rank, phase, line, code)
-            except Exception:
-                pass
         return self.own_error(phase, line, code)
 
     def own_error(self, phase, line, code):

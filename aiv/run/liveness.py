@@ -158,14 +158,12 @@ def monitor_store(cfg, wait_s):
         # reached; torch's client would find none either, after seconds of importing torch and wait_s more
         # (a monitor that outlived its run by 15 s on a loaded machine): the OSError ends the monitor
         light = LightStore(cfg["addr"], cfg["port"], cfg["prefix"], wait_s)
-        try:
+        with contextlib.suppress(OSError, struct.error):
             key, mark = f"monitor/{cfg['host']}", f"{os.getpid()}.{time.time():.6f}"
             light.set(key, mark)
             if light.check(["world", key]) and light.get(key) == mark.encode() \
                     and light.compare_set(key, mark, mark + ".1") == (mark + ".1").encode():
                 return light
-        except (OSError, struct.error):
-            pass
         light.close()
     import torch.distributed as dist
     raw = dist.TCPStore(cfg["addr"], cfg["port"], None, False, datetime.timedelta(seconds=wait_s))

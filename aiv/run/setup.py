@@ -70,10 +70,8 @@ def ddp_imports():
 
 def _warm_imports():
     """ddp_imports, while this rank waits on the network (an error there is the DDP step's to report)."""
-    try:
+    with contextlib.suppress(Exception):
         ddp_imports()
-    except Exception:
-        pass
 
 
 class RankSetup:

@@ -63,10 +63,8 @@ def gpu_table_row(model):
     name = " ".join(str(model or "").lower().split())
     if not name or re.search(GPU_TABLE_EXCLUDE, name):
         return None
-    for row, pattern, tflops, gbps in GPU_TABLE:
-        if re.search(pattern, name):
-            return {"row": row, "tflops": tflops, "hbm_gbps": gbps}
-    return None
+    return next(({"row": row, "tflops": tflops, "hbm_gbps": gbps} for row, pattern, tflops, gbps in GPU_TABLE
+                 if re.search(pattern, name)), None)
 
 
 def table_level(value, ref):

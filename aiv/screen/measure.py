@@ -46,7 +46,7 @@ def parse_smi(text, keys=SMI_KEYS):
         return {}
     out = {}
     for key, v in zip(keys, vals, strict=True):
-        try:
+        with contextlib.suppress(ValueError):
             if key == "throttle":
                 out[key] = int(v, 16)
             elif key.startswith("remap_"):
@@ -54,8 +54,6 @@ def parse_smi(text, keys=SMI_KEYS):
                     out[key] = v.lower() == "yes"
             else:
                 out[key] = float(v)
-        except ValueError:
-            continue
     return out
 
 
@@ -532,10 +530,8 @@ def nvml_reader(uuid):
     def read():
         out = {}
         for key, call in calls:
-            try:
+            with contextlib.suppress(Exception):
                 out[key] = call()
-            except Exception:
-                continue
         return out
     return read
 
