@@ -2830,12 +2830,10 @@ def torch_floor_problem(version):
 
 def torch_versions(torch_mod):
     nccl = None
-    try:
+    with contextlib.suppress(Exception):
         if torch_mod.cuda.is_available():
             v = torch_mod.cuda.nccl.version()
             nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-    except Exception:
-        nccl = None
     return {"torch": torch_mod.__version__, "cuda": torch_mod.version.cuda, "nccl": nccl,
             "python": ".".join(map(str, sys.version_info[:3]))}
 
@@ -3397,10 +3395,8 @@ class SmiProbe:
         if self.exe and self.variants:
             cmd = [self.exe, "--query-gpu=" + ",".join(self.variants.pop(0)), "--format=csv,noheader,nounits",
                    "-i", self.uuid]
-            try:
+            with contextlib.suppress(OSError):  # cannot start: those facts are absent
                 self.proc = child_start(cmd, stderr=subprocess.DEVNULL)
-            except OSError:
-                self.proc = None
 
     def finish(self, load):
         """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts. Its output
@@ -7351,12 +7347,10 @@ def judge_pairs(results, min_busbw=None, cpu=False):
 def screen_band_names(manifest, records, screen):
     """The manifest's speed bands that judge this run's measurements (as judge_bands: BAND_MIN_RUNS runs or
     more, in the class of one of the run's nodes) -> sorted band names, [] without a manifest."""
-    classes, out = (manifest or {}).get("classes") or {}, set()
-    for cls, band, *_ in _band_points(screen, _host_classes(records or [])):
-        b = ((classes.get(cls) or {}).get("bands") or {}).get(band)
-        if b and b.get("runs", 1) >= BAND_MIN_RUNS:
-            out.add(band)
-    return sorted(out)
+    classes = (manifest or {}).get("classes") or {}
+    return sorted({band for cls, band, *_ in _band_points(screen, _host_classes(records or []))
+                   for b in [((classes.get(cls) or {}).get("bands") or {}).get(band)]
+                   if b and b.get("runs", 1) >= BAND_MIN_RUNS})
 
 
 def screen_judged_against(screen, bands=None):

@@ -314,12 +314,10 @@ def torch_floor_problem(version):
 
 def torch_versions(torch_mod):
     nccl = None
-    try:
+    with contextlib.suppress(Exception):
         if torch_mod.cuda.is_available():
             v = torch_mod.cuda.nccl.version()
             nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-    except Exception:
-        nccl = None
     return {"torch": torch_mod.__version__, "cuda": torch_mod.version.cuda, "nccl": nccl,
             "python": ".".join(map(str, sys.version_info[:3]))}
 

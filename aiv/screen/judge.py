@@ -452,12 +452,10 @@ def judge_pairs(results, min_busbw=None, cpu=False):
 def screen_band_names(manifest, records, screen):
     """The manifest's speed bands that judge this run's measurements (as judge_bands: BAND_MIN_RUNS runs or
     more, in the class of one of the run's nodes) -> sorted band names, [] without a manifest."""
-    classes, out = (manifest or {}).get("classes") or {}, set()
-    for cls, band, *_ in _band_points(screen, _host_classes(records or [])):
-        b = ((classes.get(cls) or {}).get("bands") or {}).get(band)
-        if b and b.get("runs", 1) >= BAND_MIN_RUNS:
-            out.add(band)
-    return sorted(out)
+    classes = (manifest or {}).get("classes") or {}
+    return sorted({band for cls, band, *_ in _band_points(screen, _host_classes(records or []))
+                   for b in [((classes.get(cls) or {}).get("bands") or {}).get(band)]
+                   if b and b.get("runs", 1) >= BAND_MIN_RUNS})
 
 
 def screen_judged_against(screen, bands=None):

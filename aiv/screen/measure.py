@@ -142,10 +142,8 @@ class SmiProbe:
         if self.exe and self.variants:
             cmd = [self.exe, "--query-gpu=" + ",".join(self.variants.pop(0)), "--format=csv,noheader,nounits",
                    "-i", self.uuid]
-            try:
+            with contextlib.suppress(OSError):  # cannot start: those facts are absent
                 self.proc = child_start(cmd, stderr=subprocess.DEVNULL)
-            except OSError:
-                self.proc = None
 
     def finish(self, load):
         """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts. Its output
