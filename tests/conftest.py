@@ -276,6 +276,26 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_line(f"session TMPDIR {made}: left by the runs: {left or 'nothing'} (removed now)")
 
 
+# AIV_TEST_TIMELINE=FILE: each test's start and end (wall clock) and its worker, a JSON line per test
+# appended to FILE: where a worker's time went (bench/suite_timeline.py reads it).
+_STARTED = {}
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _STARTED[nodeid] = time.time()
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("AIV_TEST_TIMELINE")
+    if not path or report.when != "teardown" or report.nodeid not in _STARTED:
+        return
+    import json
+    line = {"id": report.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+            "start": _STARTED.pop(report.nodeid), "end": time.time(), "cpu": round(time.process_time(), 2)}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 def pytest_report_header(config):
     made = getattr(config, "_aiv_session_tmp", (None,))[0]
     return f"session TMPDIR: {made} (removed at the end)" if made else None
