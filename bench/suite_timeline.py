@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where the test suite's time went, from a timeline written by the tests themselves
-(AIV_TEST_TIMELINE=FILE tests/run.sh ...: a JSON line per test, its worker, start and end).
+(TEST_TIMELINE=FILE tests/run.sh ...: a JSON line per test, its worker, start and end).
 
     python3 bench/suite_timeline.py FILE [--top N]
 

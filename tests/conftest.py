@@ -276,7 +276,7 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_line(f"session TMPDIR {made}: left by the runs: {left or 'nothing'} (removed now)")
 
 
-# AIV_TEST_TIMELINE=FILE: each test's start and end (wall clock) and its worker, a JSON line per test
+# TEST_TIMELINE=FILE: each test's start and end (wall clock) and its worker, a JSON line per test
 # appended to FILE: where a worker's time went (bench/suite_timeline.py reads it).
 _STARTED = {}
 
@@ -286,7 +286,7 @@ def pytest_runtest_logstart(nodeid, location):
 
 
 def pytest_runtest_logreport(report):
-    path = os.environ.get("AIV_TEST_TIMELINE")
+    path = os.environ.get("TEST_TIMELINE")
     if not path or report.when != "teardown" or report.nodeid not in _STARTED:
         return
     import json

@@ -25,6 +25,8 @@
 #                    tests wait out a bound with their CPU idle, and a fourth worker fills what 3
 #                    leave (92% of the CPU busy instead of 80%); 0 runs in this process, without xdist)
 #   TEST_DURATIONS   how many of the slowest tests to list at the end (default: 15; 0 lists all)
+#   TEST_TIMELINE    a file: each test's worker, start and end appended as a JSON line (unset: none);
+#                    python3 bench/suite_timeline.py FILE says where the time went
 #   AIV_TEST_FORK    1 (default): the tests' runs of the tool are forked from a fork server per pytest process,
 #                    which imported torch once (tests/fork_server.py), instead of each importing torch itself;
 #                    a start a fork cannot reproduce is still a plain process. 0: every run a plain process
