@@ -287,11 +287,11 @@ def pytest_runtest_logstart(nodeid, location):
 
 def pytest_runtest_logreport(report):
     path = os.environ.get("TEST_TIMELINE")
-    if not path or report.when != "teardown" or report.nodeid not in _STARTED:
-        return
+    if not path or report.when != "teardown" or report.nodeid not in _STARTED or hasattr(report, "node"):
+        return  # (a report with .node is an xdist worker's, seen again by the controller)
     import json
     line = {"id": report.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-            "start": _STARTED.pop(report.nodeid), "end": time.time(), "cpu": round(time.process_time(), 2)}
+            "start": _STARTED.pop(report.nodeid), "end": time.time()}
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
 
