@@ -3076,9 +3076,7 @@ def _compare(torch_mod, res, ref, scale, tol):
 
 
 def _post(torch_mod, res, ref, scale, tol):
-    out = _compare(torch_mod, res, ref, scale, tol)
-    out["digest"] = numerics_digest(torch_mod, res)
-    return out
+    return dict(_compare(torch_mod, res, ref, scale, tol), digest=numerics_digest(torch_mod, res))
 
 
 def numerics_operands(torch_mod, kind):
@@ -3218,11 +3216,7 @@ def ddp_local_grads(torch_mod, dev):
     mag = 2.0 / n * (_mm64(torch_mod, x64.abs(), w64.abs().t()) + b64.abs() + y64.abs())  # the scale of d's terms
     scale = torch_mod.cat([_mm64(torch_mod, mag.t(), x64.abs()).flatten(), mag.sum(0)])
     tf32_forced = os.environ.get("NVIDIA_TF32_OVERRIDE", "").strip() not in ("", "0")
-    tol = 4 * numerics_tolerance("ddp-grad", 16, tf32_forced)
-    got_cpu = got.cpu()
-    out = _compare(torch_mod, got_cpu, ref, scale, tol)
-    out["digest"] = numerics_digest(torch_mod, got_cpu)
-    return out
+    return _post(torch_mod, got.cpu(), ref, scale, 4 * numerics_tolerance("ddp-grad", 16, tf32_forced))
 # -- the soak's repeats: the same GPU must give the same bits every time, also hot
 class NumericsRepeat:
     """--soak: the bf16 and fp32 matmuls of the numerics check made once on the rank's device (first results
@@ -3982,11 +3976,15 @@ def _n(x):
     return "?" if x is None else f"{x:.3g}"
 
 
-def _off_words(c, p):
+def _off_words(c, p, detail_only=False):
+    """Check c of a rank off the fp64 reference: by how much and where (detail_only: that alone), and why its
+    reference is not believed."""
     at = ", ".join(map(str, p.get("at") or []))
     ratio = _n((p.get("err") or 0) / p["tol"]) if p.get("tol") else "?"
-    return (f"max abs error {_n(p.get('abs'))} at element ({at}) ({_n(p.get('value'))} where fp64 gives "
-            f"{_n(p.get('ref'))}: rel {_n(p.get('rel'))}, {ratio}x the tolerance)")
+    detail = (f"max abs error {_n(p.get('abs'))} at element ({at}) ({_n(p.get('value'))} where fp64 gives "
+              f"{_n(p.get('ref'))}: rel {_n(p.get('rel'))}, {ratio}x the tolerance)")
+    return detail if detail_only else (f"{c} ({NUMERICS_WHAT.get(c, c)}) is off the fp64 reference: {detail}"
+                                       + (f"; {p['reference']}" if p.get("reference") else ""))
 
 
 def _check_order(names):
@@ -4063,10 +4061,7 @@ def judge_numerics(rows, stage="numerics check"):
                 out.append(_numerics_all_off(group, c, have, off))
                 continue
             for r in off:
-                p = r["checks"][c]
-                culprits.setdefault(r["rank"], (r, []))[1].append(
-                    f"{c} ({NUMERICS_WHAT.get(c, c)}) is off the fp64 reference: {_off_words(c, p)}"
-                    + (f"; {p['reference']}" if p.get("reference") else ""))
+                culprits.setdefault(r["rank"], (r, []))[1].append(_off_words(c, r["checks"][c]))
             tie = _numerics_bits(c, [r for r in have if not r["checks"][c].get("off")], culprits)
             if tie:
                 ties.append((group, c, tie))
@@ -4102,18 +4097,15 @@ def _numerics_all_off(group, c, have, off):
     worst = max(off, key=lambda r: r["checks"][c].get("err") or 0)
     p = worst["checks"][c]
     if len(have) == 1:
-        return finding("numerics", "FAIL", f"{_who(worst)}: {c} ({NUMERICS_WHAT.get(c, c)}) is off "
-                       f"the fp64 reference: {_off_words(c, p)}"
-                       + (f"; {p['reference']}" if p.get("reference") else "")
-                       + f"; the only rank of its model and software ({group}) in this run, so its "
-                       f"device cannot be told from the software: run dcgmi diag -r 3 on "
-                       f"{worst.get('host')}, or run with a second device of the model; no host "
-                       f"blamed", ranks=[worst["rank"]], blame="tie")
+        return finding("numerics", "FAIL", f"{_who(worst)}: {_off_words(c, p)}; the only rank of its model and "
+                       f"software ({group}) in this run, so its device cannot be told from the software: run dcgmi "
+                       f"diag -r 3 on {worst.get('host')}, or run with a second device of the model; no host blamed",
+                       ranks=[worst["rank"]], blame="tie")
     same = len({r["checks"][c].get("digest") for r in have}) == 1
     return finding("numerics", "FAIL", f"every one of the {len(have)} rank(s) of {group} computes "
                    f"{c} ({NUMERICS_WHAT.get(c, c)}) off the fp64 reference"
                    + (" with the same bits" if same else ", and their bits differ")
-                   + f" (worst: {_ranks_words([worst])}: {_off_words(c, p)}): a fault of the software "
+                   + f" (worst: {_ranks_words([worst])}: {_off_words(c, p, True)}): a fault of the software "
                    "(torch, CUDA, cuBLAS, driver) or of the model, not of a host: no host blamed; "
                    "report it with this line, and try another software version",
                    ranks=[r["rank"] for r in have], blame="everyone")
