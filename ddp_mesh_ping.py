@@ -2606,13 +2606,11 @@ def read_ib_ports(root="/"):
         except OSError:
             continue
         for p in ports:
-            d = os.path.join(base, dev, "ports", p)
-            state = (read_text(os.path.join(d, "state"), "") or "").strip()
-            rate = (read_text(os.path.join(d, "rate"), "") or "").strip()
+            state, rate, layer = ((read_text(os.path.join(base, dev, "ports", p, name), "") or "").strip()
+                                  for name in ("state", "rate", "link_layer"))
             m = re.match(r"([\d.]+)\s*Gb", rate)
             out.append({"port": f"{dev}:{p}", "state": state.split(":")[-1].strip() or "UNKNOWN",
-                        "rate_gbps": float(m.group(1)) if m else None,
-                        "link_layer": (read_text(os.path.join(d, "link_layer"), "") or "").strip() or None})
+                        "rate_gbps": float(m.group(1)) if m else None, "link_layer": layer or None})
     return out
 
 
@@ -2736,12 +2734,11 @@ def collect_node_facts(root, torch_mod, backend, device_count, env=None):
         st = os.statvfs("/dev/shm")
         shm = st.f_frsize * st.f_blocks
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    ib = read_ib_ports(root)
     facts = {
         "cpu_model": _cpu_model(), "cpus": os.cpu_count(), "mem_total": _mem_total(),
         "os": _os_name(), "kernel": os.uname().release,
         "driver": _driver_version(root),
-        "ib": ib,
+        "ib": read_ib_ports(root),
         "peermem": any(os.path.isdir(os.path.join(root, "sys/module", m))
                        for m in ("nvidia_peermem", "nv_peer_mem")),
         "memlock": "unlimited" if soft == resource.RLIM_INFINITY else soft,
@@ -2783,22 +2780,15 @@ def _cpu_affinity():
 def collect_gpu(torch_mod, index, root):
     """Facts of this rank's GPU (after torch.cuda.set_device)."""
     p = torch_mod.cuda.get_device_properties(index)
-    pci = None
-    if hasattr(p, "pci_bus_id"):
-        pci = f"{getattr(p, 'pci_domain_id', 0):04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # sysfs form
+    pci = (f"{getattr(p, 'pci_domain_id', 0):04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # sysfs form
+           if hasattr(p, "pci_bus_id") else None)
     uuid = str(getattr(p, "uuid", "") or "") or None
     if uuid and not uuid.startswith(("GPU-", "MIG-")):
         uuid = "GPU-" + uuid
-    numa = None
-    if pci:
-        txt = read_text(os.path.join(root, "sys/bus/pci/devices", pci.lower(), "numa_node"))
-        if txt and txt.strip().lstrip("-").isdigit():
-            numa = int(txt.strip())
-    numa_cpus = None
-    if numa is not None and numa >= 0:
-        txt = read_text(os.path.join(root, f"sys/devices/system/node/node{numa}/cpulist"))
-        if txt and txt.strip():
-            numa_cpus = txt.strip()
+    txt = (read_text(os.path.join(root, "sys/bus/pci/devices", pci.lower(), "numa_node")) or "").strip() if pci else ""
+    numa = int(txt) if txt.lstrip("-").isdigit() else None
+    numa_cpus = ((read_text(os.path.join(root, f"sys/devices/system/node/node{numa}/cpulist")) or "").strip() or None
+                 if numa is not None and numa >= 0 else None)
     used = None
     with contextlib.suppress(Exception):
         free, total = torch_mod.cuda.mem_get_info(index)
@@ -4297,10 +4287,7 @@ def issued_states(ranks, posts, late, key):
     done]}, 'fr': the same from torch's flight recorder with its state, {} when it holds nothing of this
     rank's groups, None when it cannot be read, 'inflight': key of the collective call the rank's main thread
     is inside, or None, 'inflight_s': for how long, 'idle_s': seconds since it left its last call}). A rank's
-    place comes from `source` (issued_source); whether it is inside a call, from its own record; where the
-    recorder is live, a rank inside the call whose recorder lacks the collective its peers' recorders hold
-    never issued it to its backend ('behind', how 'unseen'), and one whose entry stayed scheduled while a
-    peer's started is behind too ('unstarted').
+    place comes from `source` (issued_source); whether it is inside a call, from its own record (_late_state).
     -> {'source', 'key', 'front': [op, seq] of the furthest collective a rank issued (None: none), 'issuers':
     ranks that issued it, 'last': {rank: [op, seq, done(, state)] or None}, 'states': {rank: one of
     ISSUED_STATES} for the late ranks, 'how': {rank: 'unseen'|'unstarted'} of the behind ranks that are inside
@@ -4313,10 +4300,8 @@ def issued_states(ranks, posts, late, key):
     started = any(x and x[1] == front and len(x) > 3 and x[3] in ("started", "completed") for x in last.values())
     states, how = {}, {}
     for r in late:
-        if posts.get(r) is None:
-            states[r] = "unposted"
-            continue
-        states[r], h = _late_state(posts[r], last.get(r), front, source, started)
+        states[r], h = (_late_state(posts[r], last.get(r), front, source, started) if posts.get(r) is not None
+                        else ("unposted", None))
         if h:
             how[r] = h
     issuers = sorted(r for r, x in last.items() if x and x[1] == front and how.get(r) != "unstarted")
@@ -4411,8 +4396,7 @@ def ras_rank_states(comm):
     that is not an object): those are skipped, never guessed. -> (states, skipped)."""
     out, skipped = {}, 0
     for r in _items(comm.get("ranks")):
-        rank, st, counts = _rank_of(r), _obj((r or {}).get("status") if isinstance(r, dict) else None), \
-            (r.get("collective_counts") if isinstance(r, dict) else None)
+        rank, st, counts = _rank_of(r), _obj(_obj(r).get("status")), _obj(r).get("collective_counts")
         if rank is None or (counts is not None and not isinstance(counts, dict)):
             skipped += 1
             continue
@@ -4458,30 +4442,23 @@ def nccl_view(ras, world, host_of, kinds, named):
                 "words": f"NCCL's own view (RAS) not read: {why}"}
     data = ras.get("data") if isinstance(ras.get("data"), dict) else {}
     version = data.get("nccl_version") if isinstance(data.get("nccl_version"), str) else None
+    head = f"NCCL's own view (RAS{', NCCL ' + version if version else ''})"
     comm = ras_world(data, world)
-    if comm is None:
-        why = f"RAS listed no communicator of the job's {world} rank(s)"
-        return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version,
-                "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
-    states, skipped = ras_rank_states(comm)
+    states, skipped = ras_rank_states(comm) if comm is not None else ({}, 0)
     if not states:
-        why = f"RAS listed the job's communicator with no rank it could read ({skipped} entr(ies) of another shape)"
-        return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version, "skipped": skipped,
-                "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
+        why = (f"RAS listed no communicator of the job's {world} rank(s)" if comm is None else
+               f"RAS listed the job's communicator with no rank it could read ({skipped} entr(ies) of another shape)")
+        return dict({"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version},
+                    **({} if comm is None else {"skipped": skipped}), words=f"{head}: {why}")
     top = max((s["count"] for s in states.values() if s.get("count") is not None), default=None)
     rows = {}
     for r in range(world):
-        s = states.get(r)
-        nccl = _nccl_word(s, top)
-        ours = kinds.get(r, "ok")
-        ours = ours if ours in ("dead", "frozen", "silent", "behind") else "ok"
-        blamed_ours = r in named or ours != "ok"
-        blamed_nccl = nccl in ("missing", "error", "behind")
-        rows[r] = {"ours": ours, "nccl": nccl, "agree": blamed_ours == blamed_nccl or nccl == "absent",
-                   "count": (s or {}).get("count")}
+        s, ours = states.get(r), kinds.get(r, "ok")
+        nccl, ours = _nccl_word(s, top), ours if ours in ("dead", "frozen", "silent", "behind") else "ok"
+        agree = (r in named or ours != "ok") == (nccl in ("missing", "error", "behind")) or nccl == "absent"
+        rows[r] = {"ours": ours, "nccl": nccl, "agree": agree, "count": (s or {}).get("count")}
     differ = sorted(r for r, x in rows.items() if not x["agree"])
     marked = sorted(r for r, x in rows.items() if x["nccl"] != "ok" and x["nccl"] != "absent")
-    head = f"NCCL's own view (RAS{', NCCL ' + version if version else ''})"
     if differ:
         parts = [f"{on_hosts([r], host_of)}: ours {rows[r]['ours']}, NCCL's {rows[r]['nccl']}" for r in differ[:8]]
         words = f"{head} differs on {len(differ)} rank(s): " + "; ".join(parts) + (" ..." if len(differ) > 8 else "")
@@ -4579,11 +4556,9 @@ def judge_forged(forged, master, limit=4):
     out = []
     for e in forged[:limit]:
         hint = ", or a rank of this job was started without its AIV_JOB_SECRET" if "unsigned" in e["why"] else ""
-        f = finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: something "
-                    f"outside the job writes to MASTER_PORT ({master}){hint}; no host is excluded on this run's "
-                    "evidence")
-        f["tamper"] = True
-        out.append(f)
+        out.append(dict(finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: "
+                                f"something outside the job writes to MASTER_PORT ({master}){hint}; no host is "
+                                "excluded on this run's evidence"), tamper=True))
     if len(forged) > limit:
         out[-1]["reason"] += f" ({len(forged) - limit} more refused value(s) not shown)"
     return out
@@ -4614,10 +4589,9 @@ def judge_store_peers(peers, allowed, authenticated, master):
     if authenticated:
         return [finding("rendezvous", "WARN", f"{what}; the side channel is authenticated, so nothing they wrote "
                         "was believed")]
-    f = finding("rendezvous", "FAIL", f"{what}; the side channel is not authenticated (AIV_JOB_SECRET unset), so "
-                "what they wrote cannot be told from the run's own records; no host is excluded on this run's evidence")
-    f["tamper"] = True
-    return [f]
+    return [dict(finding("rendezvous", "FAIL", f"{what}; the side channel is not authenticated (AIV_JOB_SECRET "
+                         "unset), so what they wrote cannot be told from the run's own records; no host is excluded "
+                         "on this run's evidence"), tamper=True)]
 
 
 def judge_layout(records, expect):
@@ -4732,9 +4706,8 @@ def judge_versions(records):
     for label, sev, get in VERSION_FIELDS:
         values = {}
         for r in records:
-            if label in NODE_VERSION_FIELDS and (not r.get("node") or r["host"] in unread):
-                continue
-            values.setdefault(str(get(r)), set()).add(r["host"])
+            if label not in NODE_VERSION_FIELDS or (r.get("node") and r["host"] not in unread):
+                values.setdefault(str(get(r)), set()).add(r["host"])
         if len(values) > 1:
             out.append(_differs("versions", sev, f"{label} differs across nodes", values,
                                 "an accepted --manifest (docs/manifest.md), or a run with a third node of the class"))
@@ -4792,9 +4765,7 @@ def judge_fabric(records, ib_hca=None):
             elif (p["rate_gbps"] or 0) < node_max[h]:
                 out.append(finding("fabric", "WARN", f"{h} {p['port']} runs at {p['rate_gbps']:g} Gb/s, "
                                    f"below {node_max[h]:g} Gb/s of its sibling ports", [h], blame="own"))
-    rates = {}
-    for h, m in node_max.items():
-        rates.setdefault(f"{m:g} Gb/s", set()).add(h)
+    rates = group_by(node_max, lambda h: f"{node_max[h]:g} Gb/s")
     if len(rates) > 1:
         out.append(_differs("fabric", "WARN", "the fastest InfiniBand port's rate differs across nodes", rates))
     missing = sorted(set(nodes) - set(with_ib))
@@ -4871,24 +4842,19 @@ def judge_local(records):
     reason (ranks of one host that share a misconfiguration are named together). A local check is the
     rank's own state on its host (evidence 'own')."""
     merged = {}
-    for r in records:
-        for f in r.get("local") or []:
-            if f["status"] == "PASS":
-                continue
-            key = (f["check"], f["status"], f["reason"])
-            if key in merged:
-                merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
-            else:
-                merged[key] = dict(f, blame=f.get("blame") or "own")
+    for f in (f for r in records for f in r.get("local") or [] if f["status"] != "PASS"):
+        key = (f["check"], f["status"], f["reason"])
+        if key in merged:
+            merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
+        else:
+            merged[key] = dict(f, blame=f.get("blame") or "own")
     return list(merged.values())
 
 
 def judge_device_use(records):
     """One backend on every rank (the nodes unlike a strict majority named); with gloo asked for explicitly,
     say which GPUs were not exercised."""
-    seen = {}
-    for r in records:
-        seen.setdefault(r.get("backend"), set()).add(r["host"])
+    seen = {b: set(hs) for b, hs in group_by(records, lambda r: r.get("backend"), lambda r: r["host"]).items()}
     if len(seen) > 1:
         odd, kind = odd_ones(seen)
         f = finding("device", "FAIL", "ranks chose different backends: " + _spread(seen), odd,
@@ -4921,11 +4887,9 @@ def judge_gloo_address(records):
                     blame="majority")
         kind = minority_kind(loop, hosts)
         return [f if kind == "majority" else unlocalised(f, kind, "GLOO_SOCKET_IFNAME for every node")]
-    used = {}
-    for r in gl:
-        used.setdefault(f"{r['gloo']['iface']}({r['gloo']['addr']})", set()).add(r["host"])
+    used = group_by(gl, lambda r: f"{r['gloo']['iface']}({r['gloo']['addr']})", lambda r: r["host"])
     return [finding("interface", "PASS", "gloo uses " + "; ".join(
-        f"{k} on {compress_hostlist(sorted(v))}" for k, v in sorted(used.items())))]
+        f"{k} on {compress_hostlist(sorted(set(v)))}" for k, v in sorted(used.items())))]
 
 
 NO_TORCH = ("the python this launch ran cannot import torch (no venv, the wrong python, PYTORCH_ENV unset): the "
@@ -5010,8 +4974,7 @@ def with_results(records, results):
     for rec in records:
         rec, res = rank_record(rec), by_rank.get(rec["rank"])
         if res is not None:
-            rec["transport"], rec["nccl_net"], rec["nccl_log"] = (res.get("transport"), res.get("nccl_net"),
-                                                                  res.get("nccl_log"))
+            rec.update({k: res.get(k) for k in ("transport", "nccl_net", "nccl_log")})
             if rec["node"] is not None and res.get("imports") is not None:
                 rec["node"] = dict(rec["node"], imports=res["imports"])
         out.append(rec)
@@ -5274,9 +5237,8 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
     late = [r for r in range(world) if stamps.get(r, -1) < idx]
     finished = [r for r in range(world) if r not in late]
     kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in range(world)}
-    an = issued_states(range(world), issued, [r for r in late if kinds[r] == "stuck"], group_key(range(world))) \
-        if issued is not None else None
     stuck = [r for r in late if kinds[r] == "stuck"]
+    an = issued_states(range(world), issued, stuck, group_key(range(world))) if issued is not None else None
     states = an["states"] if an else {r: "idle" for r in stuck} if phase not in ISSUE_PHASES else {}
     waiting = [r for r in stuck if states.get(r) == "waiting"]
     all_issued = None
