@@ -2451,8 +2451,7 @@ def parse_nccl_nics(text):
     for line in re.findall(r"NET/(?!Socket\b)[\w.\-]+ ?: Using ([^;\n]*)", text):
         cur = {}
         for idx, body in re.findall(r"\[(\d+)\](=\{[^}]*\}|[^\s\[]+)", line):
-            devs = re.findall(r"([\w.\-]+):(\d+)", body)
-            if devs:
+            if devs := re.findall(r"([\w.\-]+):(\d+)", body):
                 cur[int(idx)] = "+".join(d if p == "1" else f"{d}:{p}" for d, p in devs)
         if cur:
             nics = cur
@@ -2508,8 +2507,7 @@ def nccl_diag_lines(text, limit=NCCL_WARN_RELAY):
 def nccl_debug_file(env, host=None, pid=None):
     """The operator's NCCL_DEBUG_FILE as NCCL expands it for this process (%h: host name up to the first
     dot, %p: pid, %%: %); None when unset."""
-    spec = env.get("NCCL_DEBUG_FILE")
-    if not spec:
+    if not (spec := env.get("NCCL_DEBUG_FILE")):
         return None
     host = (host or socket.gethostname()).split(".")[0]
     return re.sub(r"%([hp%])", lambda m: {"h": host, "p": str(pid or os.getpid()), "%": "%"}[m.group(1)], spec)
@@ -2633,17 +2631,12 @@ def nearest_hca(root, pci, spec=None):
     gpu = _pci_chain(os.path.join(root, "sys/bus/pci/devices", pci.lower())) if pci else []
     if not gpu:
         return None
-    ports = ib_hca_select(spec, read_ib_ports(root))
-    best = None
+    ports, rank = ib_hca_select(spec, read_ib_ports(root)), {}  # rank: {device: (ACTIVE, common path length)}
     for dev in sorted({p["port"].split(":")[0] for p in ports}, key=_screen_key):
-        chain = _pci_chain(os.path.join(root, "sys/class/infiniband", dev, "device"))
-        if not chain:
-            continue
-        active = any(p["state"] == "ACTIVE" for p in ports if p["port"].split(":")[0] == dev)
-        key = (active, len(os.path.commonprefix([gpu, chain])))
-        if best is None or key > best[0]:
-            best = (key, dev)
-    return best[1] if best else None
+        if chain := _pci_chain(os.path.join(root, "sys/class/infiniband", dev, "device")):
+            rank[dev] = (any(p["state"] == "ACTIVE" for p in ports if p["port"].split(":")[0] == dev),
+                         len(os.path.commonprefix([gpu, chain])))
+    return max(rank, key=rank.get, default=None)
 
 
 def _cpu_model():
@@ -3097,8 +3090,7 @@ def numerics_measure(torch_mod, dev, kind):
     ctx = contextlib.ExitStack()
     if gpu:
         torch_mod.cuda.set_device(dev)
-        stream = torch_mod.cuda.Stream(dev)
-        ctx.enter_context(torch_mod.cuda.stream(stream))
+        ctx.enter_context(torch_mod.cuda.stream(torch_mod.cuda.Stream(dev)))
         device = torch_mod.device("cuda", dev)
     else:
         torch_mod.set_num_threads(1)  # one thread: the same kernels (and bits) on every rank
@@ -4037,8 +4029,7 @@ def judge_numerics(rows, stage="numerics check"):
         return []
     out, culprits, groups = [], {}, {}
     for r in rows:
-        unjudged = _numerics_unjudged(r, stage)
-        if unjudged:
+        if unjudged := _numerics_unjudged(r, stage):
             out.append(unjudged)
         elif r.get("checks"):
             groups.setdefault(r["group"], []).append(r)
@@ -4052,13 +4043,10 @@ def judge_numerics(rows, stage="numerics check"):
                 continue
             for r in off:
                 culprits.setdefault(r["rank"], (r, []))[1].append(_off_words(c, r["checks"][c]))
-            tie = _numerics_bits(c, [r for r in have if not r["checks"][c].get("off")], culprits)
-            if tie:
+            if tie := _numerics_bits(c, [r for r in have if not r["checks"][c].get("off")], culprits):
                 ties.append((group, c, tie))
-    for group, c, by in ties:  # after every check: a tie is explained by culprits of any check
-        f = _numerics_tie(group, c, by, culprits)
-        if f:
-            out.append(f)
+    # after every check: a tie is explained by culprits of any check
+    out += filter(None, [_numerics_tie(group, c, by, culprits) for group, c, by in ties])
     out += _numerics_culprits(culprits, stage)
     if not out:
         out.append(_numerics_pass(groups, stage))
@@ -4154,10 +4142,9 @@ def judge_numerics_records(records):
 def judge_ddp_grads(records, results):
     """judge_numerics of the DDP step's local gradients (each rank's results['grads_local'], posted with its
     results), [] when no rank checked them."""
-    posts = {res["rank"]: {"checks": {"ddp-grad": res["grads_local"]}} for res in results or []
-             if isinstance(res.get("grads_local"), dict)}
-    posts = {k: dict(v, software=(next((rec.get("numerics") or {} for rec in records if rec["rank"] == k), {})
-                                  ).get("software")) for k, v in posts.items()}
+    software = {rec["rank"]: (rec.get("numerics") or {}).get("software") for rec in records}
+    posts = {res["rank"]: {"checks": {"ddp-grad": res["grads_local"]}, "software": software.get(res["rank"])}
+             for res in results or [] if isinstance(res.get("grads_local"), dict)}
     rows = numerics_rows(records, posts)
     return judge_numerics(rows, "DDP step's local backward (before the all-reduce)") if rows else []
 
@@ -4815,8 +4802,7 @@ def judge_node_smi(records):
     (evidence 'not-collected')."""
     out = []
     for h, rs in sorted(_by_host(records).items()):
-        smi = next((r["node"].get("smi") for r in rs if r.get("node")), None)
-        if not smi:
+        if not (smi := next((r["node"].get("smi") for r in rs if r.get("node")), None)):
             continue
         gpus = sorted((r for r in rs if (r.get("gpu") or {}).get("uuid")), key=lambda r: r["local_rank"])
         missing = gpus if smi.get("unread") else [r for r in gpus if r["gpu"]["uuid"].startswith("GPU-")
@@ -5580,11 +5566,8 @@ def mark_accepted(manifest, findings):
     index = {}
     for e in (manifest or {}).get("accepted_warns") or []:
         index.setdefault(e["key"], set()).update(_hosts_in(e.get("hosts")))
-    out = []
-    for f in findings:
-        hs = index.get(warn_key(f)) if f["status"] == "WARN" else None
-        out.append(dict(f, accepted=True) if hs is not None and set(f.get("hosts") or ()) <= hs else f)
-    return out
+    return [dict(f, accepted=True) if f["status"] == "WARN" and warn_key(f) in index
+            and set(f.get("hosts") or ()) <= index[warn_key(f)] else f for f in findings]
 
 
 def merge_manifests(old, new):
@@ -5870,8 +5853,7 @@ def manifest_problem(data):
         return "classes: not an object"
     seen = {}
     for name, c in data["classes"].items():
-        problem = _class_problem(name, c)
-        if problem:
+        if problem := _class_problem(name, c):
             return problem
         for h in _hosts_in(c["hosts"]):
             if h in seen:
@@ -10352,8 +10334,7 @@ def load_manifest(path, origin):
         data = json.loads(text)
     except ValueError as e:
         raise UsageError(f"{origin} {path}: not a manifest (not JSON: {e})") from None
-    problem = manifest_problem(data)
-    if problem:
+    if problem := manifest_problem(data):
         raise UsageError(f"{origin} {path}: {problem}")
     return data
 
@@ -10383,8 +10364,7 @@ def save_manifest(path, state, written_at):
     state's deadlines['manifest-lock'], else MANIFEST_LOCK_S). -> the report's note. A PASS saves, its WARNs
     recorded as accepted; a FAIL never saves. A save that cannot take the lock in time or cannot write also
     adds a WARN finding to state['findings'] naming the file (no host: the nodes are not at fault)."""
-    why = manifest_refusal(state)
-    if why:
+    if why := manifest_refusal(state):
         return f"manifest not saved to {path}: {why}; a manifest is saved only from a PASS"
     try:
         with _file_lock(path, (state.get("deadlines") or {}).get("manifest-lock")):

@@ -117,17 +117,12 @@ def nearest_hca(root, pci, spec=None):
     gpu = _pci_chain(os.path.join(root, "sys/bus/pci/devices", pci.lower())) if pci else []
     if not gpu:
         return None
-    ports = ib_hca_select(spec, read_ib_ports(root))
-    best = None
+    ports, rank = ib_hca_select(spec, read_ib_ports(root)), {}  # rank: {device: (ACTIVE, common path length)}
     for dev in sorted({p["port"].split(":")[0] for p in ports}, key=_screen_key):
-        chain = _pci_chain(os.path.join(root, "sys/class/infiniband", dev, "device"))
-        if not chain:
-            continue
-        active = any(p["state"] == "ACTIVE" for p in ports if p["port"].split(":")[0] == dev)
-        key = (active, len(os.path.commonprefix([gpu, chain])))
-        if best is None or key > best[0]:
-            best = (key, dev)
-    return best[1] if best else None
+        if chain := _pci_chain(os.path.join(root, "sys/class/infiniband", dev, "device")):
+            rank[dev] = (any(p["state"] == "ACTIVE" for p in ports if p["port"].split(":")[0] == dev),
+                         len(os.path.commonprefix([gpu, chain])))
+    return max(rank, key=rank.get, default=None)
 
 
 def _cpu_model():

@@ -374,8 +374,7 @@ def judge_node_smi(records):
     (evidence 'not-collected')."""
     out = []
     for h, rs in sorted(_by_host(records).items()):
-        smi = next((r["node"].get("smi") for r in rs if r.get("node")), None)
-        if not smi:
+        if not (smi := next((r["node"].get("smi") for r in rs if r.get("node")), None)):
             continue
         gpus = sorted((r for r in rs if (r.get("gpu") or {}).get("uuid")), key=lambda r: r["local_rank"])
         missing = gpus if smi.get("unread") else [r for r in gpus if r["gpu"]["uuid"].startswith("GPU-")

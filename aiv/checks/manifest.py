@@ -266,11 +266,8 @@ def mark_accepted(manifest, findings):
     index = {}
     for e in (manifest or {}).get("accepted_warns") or []:
         index.setdefault(e["key"], set()).update(_hosts_in(e.get("hosts")))
-    out = []
-    for f in findings:
-        hs = index.get(warn_key(f)) if f["status"] == "WARN" else None
-        out.append(dict(f, accepted=True) if hs is not None and set(f.get("hosts") or ()) <= hs else f)
-    return out
+    return [dict(f, accepted=True) if f["status"] == "WARN" and warn_key(f) in index
+            and set(f.get("hosts") or ()) <= index[warn_key(f)] else f for f in findings]
 
 
 def merge_manifests(old, new):
@@ -556,8 +553,7 @@ def manifest_problem(data):
         return "classes: not an object"
     seen = {}
     for name, c in data["classes"].items():
-        problem = _class_problem(name, c)
-        if problem:
+        if problem := _class_problem(name, c):
             return problem
         for h in _hosts_in(c["hosts"]):
             if h in seen:

@@ -135,8 +135,7 @@ def judge_numerics(rows, stage="numerics check"):
         return []
     out, culprits, groups = [], {}, {}
     for r in rows:
-        unjudged = _numerics_unjudged(r, stage)
-        if unjudged:
+        if unjudged := _numerics_unjudged(r, stage):
             out.append(unjudged)
         elif r.get("checks"):
             groups.setdefault(r["group"], []).append(r)
@@ -150,13 +149,10 @@ def judge_numerics(rows, stage="numerics check"):
                 continue
             for r in off:
                 culprits.setdefault(r["rank"], (r, []))[1].append(_off_words(c, r["checks"][c]))
-            tie = _numerics_bits(c, [r for r in have if not r["checks"][c].get("off")], culprits)
-            if tie:
+            if tie := _numerics_bits(c, [r for r in have if not r["checks"][c].get("off")], culprits):
                 ties.append((group, c, tie))
-    for group, c, by in ties:  # after every check: a tie is explained by culprits of any check
-        f = _numerics_tie(group, c, by, culprits)
-        if f:
-            out.append(f)
+    # after every check: a tie is explained by culprits of any check
+    out += filter(None, [_numerics_tie(group, c, by, culprits) for group, c, by in ties])
     out += _numerics_culprits(culprits, stage)
     if not out:
         out.append(_numerics_pass(groups, stage))
@@ -252,10 +248,9 @@ def judge_numerics_records(records):
 def judge_ddp_grads(records, results):
     """judge_numerics of the DDP step's local gradients (each rank's results['grads_local'], posted with its
     results), [] when no rank checked them."""
-    posts = {res["rank"]: {"checks": {"ddp-grad": res["grads_local"]}} for res in results or []
-             if isinstance(res.get("grads_local"), dict)}
-    posts = {k: dict(v, software=(next((rec.get("numerics") or {} for rec in records if rec["rank"] == k), {})
-                                  ).get("software")) for k, v in posts.items()}
+    software = {rec["rank"]: (rec.get("numerics") or {}).get("software") for rec in records}
+    posts = {res["rank"]: {"checks": {"ddp-grad": res["grads_local"]}, "software": software.get(res["rank"])}
+             for res in results or [] if isinstance(res.get("grads_local"), dict)}
     rows = numerics_rows(records, posts)
     return judge_numerics(rows, "DDP step's local backward (before the all-reduce)") if rows else []
 

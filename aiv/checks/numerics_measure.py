@@ -156,8 +156,7 @@ def numerics_measure(torch_mod, dev, kind):
     ctx = contextlib.ExitStack()
     if gpu:
         torch_mod.cuda.set_device(dev)
-        stream = torch_mod.cuda.Stream(dev)
-        ctx.enter_context(torch_mod.cuda.stream(stream))
+        ctx.enter_context(torch_mod.cuda.stream(torch_mod.cuda.Stream(dev)))
         device = torch_mod.device("cuda", dev)
     else:
         torch_mod.set_num_threads(1)  # one thread: the same kernels (and bits) on every rank
