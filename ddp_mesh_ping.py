@@ -61,6 +61,7 @@ Stable strings for automation:
   FAILURE: <check>: <reason>        (check names: see CHECKS below)
 """
 import argparse
+import collections
 import contextlib
 import copy
 import ctypes
@@ -2518,13 +2519,8 @@ NCCL_TRANSPORTS = ("P2P", "SHM", "NET/Socket", "NET/IB", "COLLNET", "NVLS", "NET
 
 def parse_nccl_transport(text):
     """Transports NCCL chose, from its own INFO lines ('Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM')."""
-    found = set()
-    for m in re.finditer(r" via (P2P|SHM|NET/\w+|COLLNET|CollNet|NVLS)", text):
-        k = m.group(1)
-        if k.startswith("NET/") and k not in NCCL_TRANSPORTS:
-            k = "NET/other"
-        found.add(k.upper() if k in ("CollNet",) else k)
-    return sorted(found)
+    return sorted({"COLLNET" if k == "CollNet" else "NET/other" if k.startswith("NET/") and k not in NCCL_TRANSPORTS
+                   else k for k in re.findall(r" via (P2P|SHM|NET/\w+|COLLNET|CollNet|NVLS)", text)})
 
 
 
@@ -4740,8 +4736,7 @@ def judge_fabric(records, ib_hca=None):
     state); a node's rate, or its having IB ports at all, unlike a strict majority of the nodes (WARN)."""
     out = []
     nodes = {r["host"]: r["node"] for r in records if r.get("node")}
-    with_ib = {h: ib_hca_select(ib_hca, n.get("ib") or []) for h, n in nodes.items()}
-    with_ib = {h: ps for h, ps in with_ib.items() if ps}
+    with_ib = {h: ps for h, n in nodes.items() if (ps := ib_hca_select(ib_hca, n.get("ib") or []))}
     if not with_ib:
         return [finding("fabric", "PASS", "no InfiniBand ports on any node (sockets only)")] if nodes else []
     node_max = {h: max((p["rate_gbps"] or 0) for p in ps) for h, ps in with_ib.items()}
@@ -5245,8 +5240,7 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
               + ("; a bug in the tool, not a fault of the cluster: no host is blamed" if check == "internal" else "")
               + (f"; {unlocalised_words(unloc)}" if unloc else ""))
     f = finding(check or PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits,
-                code=code)
-    f["blame"] = evidence
+                code=code, blame=evidence)
     if unloc:
         f["unlocalised"] = unloc
     if an:
@@ -5400,8 +5394,7 @@ def _node_fields(node):
 
 
 def _transport_fields(rs):
-    seen = [r["transport"] for r in rs if r.get("transport") is not None]
-    kinds = sorted(set().union(*seen)) if seen else []
+    kinds = sorted(set().union(*(r["transport"] for r in rs if r.get("transport") is not None)))
     intra = [k for k in kinds if k in INTRA_TRANSPORTS]
     inter = [k for k in kinds if k not in INTRA_TRANSPORTS]
     return {"transport_intra": intra or None, "transport_inter": inter or None}  # a path not used: unmeasured
@@ -5897,10 +5890,8 @@ def _band_points(screen, host_class):
         yield host_class.get(n.get("host")), f"intra.busbw/{len(ranks)} ranks", n.get("busbw"), \
             [n.get("host")], ranks, f"{n.get('host')} (ranks {format_ranges(ranks) or '-'})", \
             max(int(n.get("tries") or 1), len(n.get("values") or ()))
-    pairs, rails = screen.get("pairs") or [], {}
-    for pr in pairs:
-        k = (pr.get("round"), tuple(sorted(pr.get("nodes") or ())))
-        rails[k] = rails.get(k, 0) + 1
+    pairs = screen.get("pairs") or []
+    rails = collections.Counter((pr.get("round"), tuple(sorted(pr.get("nodes") or ()))) for pr in pairs)
     for pr in pairs:
         hosts, ranks = sorted(pr.get("nodes") or ()), list(pr.get("ranks") or ())
         classes = {host_class.get(h) for h in hosts}

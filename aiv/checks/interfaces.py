@@ -193,10 +193,5 @@ NCCL_TRANSPORTS = ("P2P", "SHM", "NET/Socket", "NET/IB", "COLLNET", "NVLS", "NET
 
 def parse_nccl_transport(text):
     """Transports NCCL chose, from its own INFO lines ('Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM')."""
-    found = set()
-    for m in re.finditer(r" via (P2P|SHM|NET/\w+|COLLNET|CollNet|NVLS)", text):
-        k = m.group(1)
-        if k.startswith("NET/") and k not in NCCL_TRANSPORTS:
-            k = "NET/other"
-        found.add(k.upper() if k in ("CollNet",) else k)
-    return sorted(found)
+    return sorted({"COLLNET" if k == "CollNet" else "NET/other" if k.startswith("NET/") and k not in NCCL_TRANSPORTS
+                   else k for k in re.findall(r" via (P2P|SHM|NET/\w+|COLLNET|CollNet|NVLS)", text)})

@@ -312,8 +312,7 @@ def judge_fabric(records, ib_hca=None):
     state); a node's rate, or its having IB ports at all, unlike a strict majority of the nodes (WARN)."""
     out = []
     nodes = {r["host"]: r["node"] for r in records if r.get("node")}
-    with_ib = {h: ib_hca_select(ib_hca, n.get("ib") or []) for h, n in nodes.items()}
-    with_ib = {h: ps for h, ps in with_ib.items() if ps}
+    with_ib = {h: ps for h, n in nodes.items() if (ps := ib_hca_select(ib_hca, n.get("ib") or []))}
     if not with_ib:
         return [finding("fabric", "PASS", "no InfiniBand ports on any node (sockets only)")] if nodes else []
     node_max = {h: max((p["rate_gbps"] or 0) for p in ps) for h, ps in with_ib.items()}
@@ -817,8 +816,7 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
               + ("; a bug in the tool, not a fault of the cluster: no host is blamed" if check == "internal" else "")
               + (f"; {unlocalised_words(unloc)}" if unloc else ""))
     f = finding(check or PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits,
-                code=code)
-    f["blame"] = evidence
+                code=code, blame=evidence)
     if unloc:
         f["unlocalised"] = unloc
     if an:

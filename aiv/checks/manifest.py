@@ -1,4 +1,5 @@
 """Floor 3: the cluster manifest: --save-manifest, --manifest (drift is a finding), --diff-manifest."""
+import collections
 import json
 import math
 import re
@@ -100,8 +101,7 @@ def _node_fields(node):
 
 
 def _transport_fields(rs):
-    seen = [r["transport"] for r in rs if r.get("transport") is not None]
-    kinds = sorted(set().union(*seen)) if seen else []
+    kinds = sorted(set().union(*(r["transport"] for r in rs if r.get("transport") is not None)))
     intra = [k for k in kinds if k in INTRA_TRANSPORTS]
     inter = [k for k in kinds if k not in INTRA_TRANSPORTS]
     return {"transport_intra": intra or None, "transport_inter": inter or None}  # a path not used: unmeasured
@@ -597,10 +597,8 @@ def _band_points(screen, host_class):
         yield host_class.get(n.get("host")), f"intra.busbw/{len(ranks)} ranks", n.get("busbw"), \
             [n.get("host")], ranks, f"{n.get('host')} (ranks {format_ranges(ranks) or '-'})", \
             max(int(n.get("tries") or 1), len(n.get("values") or ()))
-    pairs, rails = screen.get("pairs") or [], {}
-    for pr in pairs:
-        k = (pr.get("round"), tuple(sorted(pr.get("nodes") or ())))
-        rails[k] = rails.get(k, 0) + 1
+    pairs = screen.get("pairs") or []
+    rails = collections.Counter((pr.get("round"), tuple(sorted(pr.get("nodes") or ()))) for pr in pairs)
     for pr in pairs:
         hosts, ranks = sorted(pr.get("nodes") or ()), list(pr.get("ranks") or ())
         classes = {host_class.get(h) for h in hosts}
