@@ -61,6 +61,7 @@ Stable strings for automation:
   FAILURE: <check>: <reason>        (check names: see CHECKS below)
 """
 import argparse
+import collections
 import contextlib
 import copy
 import ctypes
@@ -2451,8 +2452,7 @@ def parse_nccl_nics(text):
     for line in re.findall(r"NET/(?!Socket\b)[\w.\-]+ ?: Using ([^;\n]*)", text):
         cur = {}
         for idx, body in re.findall(r"\[(\d+)\](=\{[^}]*\}|[^\s\[]+)", line):
-            devs = re.findall(r"([\w.\-]+):(\d+)", body)
-            if devs:
+            if devs := re.findall(r"([\w.\-]+):(\d+)", body):
                 cur[int(idx)] = "+".join(d if p == "1" else f"{d}:{p}" for d, p in devs)
         if cur:
             nics = cur
@@ -2508,8 +2508,7 @@ def nccl_diag_lines(text, limit=NCCL_WARN_RELAY):
 def nccl_debug_file(env, host=None, pid=None):
     """The operator's NCCL_DEBUG_FILE as NCCL expands it for this process (%h: host name up to the first
     dot, %p: pid, %%: %); None when unset."""
-    spec = env.get("NCCL_DEBUG_FILE")
-    if not spec:
+    if not (spec := env.get("NCCL_DEBUG_FILE")):
         return None
     host = (host or socket.gethostname()).split(".")[0]
     return re.sub(r"%([hp%])", lambda m: {"h": host, "p": str(pid or os.getpid()), "%": "%"}[m.group(1)], spec)
@@ -2520,13 +2519,8 @@ NCCL_TRANSPORTS = ("P2P", "SHM", "NET/Socket", "NET/IB", "COLLNET", "NVLS", "NET
 
 def parse_nccl_transport(text):
     """Transports NCCL chose, from its own INFO lines ('Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM')."""
-    found = set()
-    for m in re.finditer(r" via (P2P|SHM|NET/\w+|COLLNET|CollNet|NVLS)", text):
-        k = m.group(1)
-        if k.startswith("NET/") and k not in NCCL_TRANSPORTS:
-            k = "NET/other"
-        found.add(k.upper() if k in ("CollNet",) else k)
-    return sorted(found)
+    return sorted({"COLLNET" if k == "CollNet" else "NET/other" if k.startswith("NET/") and k not in NCCL_TRANSPORTS
+                   else k for k in re.findall(r" via (P2P|SHM|NET/\w+|COLLNET|CollNet|NVLS)", text)})
 
 
 
@@ -2606,13 +2600,11 @@ def read_ib_ports(root="/"):
         except OSError:
             continue
         for p in ports:
-            d = os.path.join(base, dev, "ports", p)
-            state = (read_text(os.path.join(d, "state"), "") or "").strip()
-            rate = (read_text(os.path.join(d, "rate"), "") or "").strip()
+            state, rate, layer = ((read_text(os.path.join(base, dev, "ports", p, name), "") or "").strip()
+                                  for name in ("state", "rate", "link_layer"))
             m = re.match(r"([\d.]+)\s*Gb", rate)
             out.append({"port": f"{dev}:{p}", "state": state.split(":")[-1].strip() or "UNKNOWN",
-                        "rate_gbps": float(m.group(1)) if m else None,
-                        "link_layer": (read_text(os.path.join(d, "link_layer"), "") or "").strip() or None})
+                        "rate_gbps": float(m.group(1)) if m else None, "link_layer": layer or None})
     return out
 
 
@@ -2635,17 +2627,12 @@ def nearest_hca(root, pci, spec=None):
     gpu = _pci_chain(os.path.join(root, "sys/bus/pci/devices", pci.lower())) if pci else []
     if not gpu:
         return None
-    ports = ib_hca_select(spec, read_ib_ports(root))
-    best = None
+    ports, rank = ib_hca_select(spec, read_ib_ports(root)), {}  # rank: {device: (ACTIVE, common path length)}
     for dev in sorted({p["port"].split(":")[0] for p in ports}, key=_screen_key):
-        chain = _pci_chain(os.path.join(root, "sys/class/infiniband", dev, "device"))
-        if not chain:
-            continue
-        active = any(p["state"] == "ACTIVE" for p in ports if p["port"].split(":")[0] == dev)
-        key = (active, len(os.path.commonprefix([gpu, chain])))
-        if best is None or key > best[0]:
-            best = (key, dev)
-    return best[1] if best else None
+        if chain := _pci_chain(os.path.join(root, "sys/class/infiniband", dev, "device")):
+            rank[dev] = (any(p["state"] == "ACTIVE" for p in ports if p["port"].split(":")[0] == dev),
+                         len(os.path.commonprefix([gpu, chain])))
+    return max(rank, key=rank.get, default=None)
 
 
 def _cpu_model():
@@ -2736,12 +2723,11 @@ def collect_node_facts(root, torch_mod, backend, device_count, env=None):
         st = os.statvfs("/dev/shm")
         shm = st.f_frsize * st.f_blocks
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    ib = read_ib_ports(root)
     facts = {
         "cpu_model": _cpu_model(), "cpus": os.cpu_count(), "mem_total": _mem_total(),
         "os": _os_name(), "kernel": os.uname().release,
         "driver": _driver_version(root),
-        "ib": ib,
+        "ib": read_ib_ports(root),
         "peermem": any(os.path.isdir(os.path.join(root, "sys/module", m))
                        for m in ("nvidia_peermem", "nv_peer_mem")),
         "memlock": "unlimited" if soft == resource.RLIM_INFINITY else soft,
@@ -2783,22 +2769,15 @@ def _cpu_affinity():
 def collect_gpu(torch_mod, index, root):
     """Facts of this rank's GPU (after torch.cuda.set_device)."""
     p = torch_mod.cuda.get_device_properties(index)
-    pci = None
-    if hasattr(p, "pci_bus_id"):
-        pci = f"{getattr(p, 'pci_domain_id', 0):04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # sysfs form
+    pci = (f"{getattr(p, 'pci_domain_id', 0):04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # sysfs form
+           if hasattr(p, "pci_bus_id") else None)
     uuid = str(getattr(p, "uuid", "") or "") or None
     if uuid and not uuid.startswith(("GPU-", "MIG-")):
         uuid = "GPU-" + uuid
-    numa = None
-    if pci:
-        txt = read_text(os.path.join(root, "sys/bus/pci/devices", pci.lower(), "numa_node"))
-        if txt and txt.strip().lstrip("-").isdigit():
-            numa = int(txt.strip())
-    numa_cpus = None
-    if numa is not None and numa >= 0:
-        txt = read_text(os.path.join(root, f"sys/devices/system/node/node{numa}/cpulist"))
-        if txt and txt.strip():
-            numa_cpus = txt.strip()
+    txt = (read_text(os.path.join(root, "sys/bus/pci/devices", pci.lower(), "numa_node")) or "").strip() if pci else ""
+    numa = int(txt) if txt.lstrip("-").isdigit() else None
+    numa_cpus = ((read_text(os.path.join(root, f"sys/devices/system/node/node{numa}/cpulist")) or "").strip() or None
+                 if numa is not None and numa >= 0 else None)
     used = None
     with contextlib.suppress(Exception):
         free, total = torch_mod.cuda.mem_get_info(index)
@@ -3076,9 +3055,7 @@ def _compare(torch_mod, res, ref, scale, tol):
 
 
 def _post(torch_mod, res, ref, scale, tol):
-    out = _compare(torch_mod, res, ref, scale, tol)
-    out["digest"] = numerics_digest(torch_mod, res)
-    return out
+    return dict(_compare(torch_mod, res, ref, scale, tol), digest=numerics_digest(torch_mod, res))
 
 
 def numerics_operands(torch_mod, kind):
@@ -3109,8 +3086,7 @@ def numerics_measure(torch_mod, dev, kind):
     ctx = contextlib.ExitStack()
     if gpu:
         torch_mod.cuda.set_device(dev)
-        stream = torch_mod.cuda.Stream(dev)
-        ctx.enter_context(torch_mod.cuda.stream(stream))
+        ctx.enter_context(torch_mod.cuda.stream(torch_mod.cuda.Stream(dev)))
         device = torch_mod.device("cuda", dev)
     else:
         torch_mod.set_num_threads(1)  # one thread: the same kernels (and bits) on every rank
@@ -3218,11 +3194,7 @@ def ddp_local_grads(torch_mod, dev):
     mag = 2.0 / n * (_mm64(torch_mod, x64.abs(), w64.abs().t()) + b64.abs() + y64.abs())  # the scale of d's terms
     scale = torch_mod.cat([_mm64(torch_mod, mag.t(), x64.abs()).flatten(), mag.sum(0)])
     tf32_forced = os.environ.get("NVIDIA_TF32_OVERRIDE", "").strip() not in ("", "0")
-    tol = 4 * numerics_tolerance("ddp-grad", 16, tf32_forced)
-    got_cpu = got.cpu()
-    out = _compare(torch_mod, got_cpu, ref, scale, tol)
-    out["digest"] = numerics_digest(torch_mod, got_cpu)
-    return out
+    return _post(torch_mod, got.cpu(), ref, scale, 4 * numerics_tolerance("ddp-grad", 16, tf32_forced))
 # -- the soak's repeats: the same GPU must give the same bits every time, also hot
 class NumericsRepeat:
     """--soak: the bf16 and fp32 matmuls of the numerics check made once on the rank's device (first results
@@ -3982,11 +3954,15 @@ def _n(x):
     return "?" if x is None else f"{x:.3g}"
 
 
-def _off_words(c, p):
+def _off_words(c, p, detail_only=False):
+    """Check c of a rank off the fp64 reference: by how much and where (detail_only: that alone), and why its
+    reference is not believed."""
     at = ", ".join(map(str, p.get("at") or []))
     ratio = _n((p.get("err") or 0) / p["tol"]) if p.get("tol") else "?"
-    return (f"max abs error {_n(p.get('abs'))} at element ({at}) ({_n(p.get('value'))} where fp64 gives "
-            f"{_n(p.get('ref'))}: rel {_n(p.get('rel'))}, {ratio}x the tolerance)")
+    detail = (f"max abs error {_n(p.get('abs'))} at element ({at}) ({_n(p.get('value'))} where fp64 gives "
+              f"{_n(p.get('ref'))}: rel {_n(p.get('rel'))}, {ratio}x the tolerance)")
+    return detail if detail_only else (f"{c} ({NUMERICS_WHAT.get(c, c)}) is off the fp64 reference: {detail}"
+                                       + (f"; {p['reference']}" if p.get("reference") else ""))
 
 
 def _check_order(names):
@@ -4049,8 +4025,7 @@ def judge_numerics(rows, stage="numerics check"):
         return []
     out, culprits, groups = [], {}, {}
     for r in rows:
-        unjudged = _numerics_unjudged(r, stage)
-        if unjudged:
+        if unjudged := _numerics_unjudged(r, stage):
             out.append(unjudged)
         elif r.get("checks"):
             groups.setdefault(r["group"], []).append(r)
@@ -4063,17 +4038,11 @@ def judge_numerics(rows, stage="numerics check"):
                 out.append(_numerics_all_off(group, c, have, off))
                 continue
             for r in off:
-                p = r["checks"][c]
-                culprits.setdefault(r["rank"], (r, []))[1].append(
-                    f"{c} ({NUMERICS_WHAT.get(c, c)}) is off the fp64 reference: {_off_words(c, p)}"
-                    + (f"; {p['reference']}" if p.get("reference") else ""))
-            tie = _numerics_bits(c, [r for r in have if not r["checks"][c].get("off")], culprits)
-            if tie:
+                culprits.setdefault(r["rank"], (r, []))[1].append(_off_words(c, r["checks"][c]))
+            if tie := _numerics_bits(c, [r for r in have if not r["checks"][c].get("off")], culprits):
                 ties.append((group, c, tie))
-    for group, c, by in ties:  # after every check: a tie is explained by culprits of any check
-        f = _numerics_tie(group, c, by, culprits)
-        if f:
-            out.append(f)
+    # after every check: a tie is explained by culprits of any check
+    out += filter(None, [_numerics_tie(group, c, by, culprits) for group, c, by in ties])
     out += _numerics_culprits(culprits, stage)
     if not out:
         out.append(_numerics_pass(groups, stage))
@@ -4102,18 +4071,15 @@ def _numerics_all_off(group, c, have, off):
     worst = max(off, key=lambda r: r["checks"][c].get("err") or 0)
     p = worst["checks"][c]
     if len(have) == 1:
-        return finding("numerics", "FAIL", f"{_who(worst)}: {c} ({NUMERICS_WHAT.get(c, c)}) is off "
-                       f"the fp64 reference: {_off_words(c, p)}"
-                       + (f"; {p['reference']}" if p.get("reference") else "")
-                       + f"; the only rank of its model and software ({group}) in this run, so its "
-                       f"device cannot be told from the software: run dcgmi diag -r 3 on "
-                       f"{worst.get('host')}, or run with a second device of the model; no host "
-                       f"blamed", ranks=[worst["rank"]], blame="tie")
+        return finding("numerics", "FAIL", f"{_who(worst)}: {_off_words(c, p)}; the only rank of its model and "
+                       f"software ({group}) in this run, so its device cannot be told from the software: run dcgmi "
+                       f"diag -r 3 on {worst.get('host')}, or run with a second device of the model; no host blamed",
+                       ranks=[worst["rank"]], blame="tie")
     same = len({r["checks"][c].get("digest") for r in have}) == 1
     return finding("numerics", "FAIL", f"every one of the {len(have)} rank(s) of {group} computes "
                    f"{c} ({NUMERICS_WHAT.get(c, c)}) off the fp64 reference"
                    + (" with the same bits" if same else ", and their bits differ")
-                   + f" (worst: {_ranks_words([worst])}: {_off_words(c, p)}): a fault of the software "
+                   + f" (worst: {_ranks_words([worst])}: {_off_words(c, p, True)}): a fault of the software "
                    "(torch, CUDA, cuBLAS, driver) or of the model, not of a host: no host blamed; "
                    "report it with this line, and try another software version",
                    ranks=[r["rank"] for r in have], blame="everyone")
@@ -4172,10 +4138,9 @@ def judge_numerics_records(records):
 def judge_ddp_grads(records, results):
     """judge_numerics of the DDP step's local gradients (each rank's results['grads_local'], posted with its
     results), [] when no rank checked them."""
-    posts = {res["rank"]: {"checks": {"ddp-grad": res["grads_local"]}} for res in results or []
-             if isinstance(res.get("grads_local"), dict)}
-    posts = {k: dict(v, software=(next((rec.get("numerics") or {} for rec in records if rec["rank"] == k), {})
-                                  ).get("software")) for k, v in posts.items()}
+    software = {rec["rank"]: (rec.get("numerics") or {}).get("software") for rec in records}
+    posts = {res["rank"]: {"checks": {"ddp-grad": res["grads_local"]}, "software": software.get(res["rank"])}
+             for res in results or [] if isinstance(res.get("grads_local"), dict)}
     rows = numerics_rows(records, posts)
     return judge_numerics(rows, "DDP step's local backward (before the all-reduce)") if rows else []
 
@@ -4305,10 +4270,7 @@ def issued_states(ranks, posts, late, key):
     done]}, 'fr': the same from torch's flight recorder with its state, {} when it holds nothing of this
     rank's groups, None when it cannot be read, 'inflight': key of the collective call the rank's main thread
     is inside, or None, 'inflight_s': for how long, 'idle_s': seconds since it left its last call}). A rank's
-    place comes from `source` (issued_source); whether it is inside a call, from its own record; where the
-    recorder is live, a rank inside the call whose recorder lacks the collective its peers' recorders hold
-    never issued it to its backend ('behind', how 'unseen'), and one whose entry stayed scheduled while a
-    peer's started is behind too ('unstarted').
+    place comes from `source` (issued_source); whether it is inside a call, from its own record (_late_state).
     -> {'source', 'key', 'front': [op, seq] of the furthest collective a rank issued (None: none), 'issuers':
     ranks that issued it, 'last': {rank: [op, seq, done(, state)] or None}, 'states': {rank: one of
     ISSUED_STATES} for the late ranks, 'how': {rank: 'unseen'|'unstarted'} of the behind ranks that are inside
@@ -4321,10 +4283,8 @@ def issued_states(ranks, posts, late, key):
     started = any(x and x[1] == front and len(x) > 3 and x[3] in ("started", "completed") for x in last.values())
     states, how = {}, {}
     for r in late:
-        if posts.get(r) is None:
-            states[r] = "unposted"
-            continue
-        states[r], h = _late_state(posts[r], last.get(r), front, source, started)
+        states[r], h = (_late_state(posts[r], last.get(r), front, source, started) if posts.get(r) is not None
+                        else ("unposted", None))
         if h:
             how[r] = h
     issuers = sorted(r for r, x in last.items() if x and x[1] == front and how.get(r) != "unstarted")
@@ -4419,8 +4379,7 @@ def ras_rank_states(comm):
     that is not an object): those are skipped, never guessed. -> (states, skipped)."""
     out, skipped = {}, 0
     for r in _items(comm.get("ranks")):
-        rank, st, counts = _rank_of(r), _obj((r or {}).get("status") if isinstance(r, dict) else None), \
-            (r.get("collective_counts") if isinstance(r, dict) else None)
+        rank, st, counts = _rank_of(r), _obj(_obj(r).get("status")), _obj(r).get("collective_counts")
         if rank is None or (counts is not None and not isinstance(counts, dict)):
             skipped += 1
             continue
@@ -4466,30 +4425,23 @@ def nccl_view(ras, world, host_of, kinds, named):
                 "words": f"NCCL's own view (RAS) not read: {why}"}
     data = ras.get("data") if isinstance(ras.get("data"), dict) else {}
     version = data.get("nccl_version") if isinstance(data.get("nccl_version"), str) else None
+    head = f"NCCL's own view (RAS{', NCCL ' + version if version else ''})"
     comm = ras_world(data, world)
-    if comm is None:
-        why = f"RAS listed no communicator of the job's {world} rank(s)"
-        return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version,
-                "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
-    states, skipped = ras_rank_states(comm)
+    states, skipped = ras_rank_states(comm) if comm is not None else ({}, 0)
     if not states:
-        why = f"RAS listed the job's communicator with no rank it could read ({skipped} entr(ies) of another shape)"
-        return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version, "skipped": skipped,
-                "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
+        why = (f"RAS listed no communicator of the job's {world} rank(s)" if comm is None else
+               f"RAS listed the job's communicator with no rank it could read ({skipped} entr(ies) of another shape)")
+        return dict({"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version},
+                    **({} if comm is None else {"skipped": skipped}), words=f"{head}: {why}")
     top = max((s["count"] for s in states.values() if s.get("count") is not None), default=None)
     rows = {}
     for r in range(world):
-        s = states.get(r)
-        nccl = _nccl_word(s, top)
-        ours = kinds.get(r, "ok")
-        ours = ours if ours in ("dead", "frozen", "silent", "behind") else "ok"
-        blamed_ours = r in named or ours != "ok"
-        blamed_nccl = nccl in ("missing", "error", "behind")
-        rows[r] = {"ours": ours, "nccl": nccl, "agree": blamed_ours == blamed_nccl or nccl == "absent",
-                   "count": (s or {}).get("count")}
+        s, ours = states.get(r), kinds.get(r, "ok")
+        nccl, ours = _nccl_word(s, top), ours if ours in ("dead", "frozen", "silent", "behind") else "ok"
+        agree = (r in named or ours != "ok") == (nccl in ("missing", "error", "behind")) or nccl == "absent"
+        rows[r] = {"ours": ours, "nccl": nccl, "agree": agree, "count": (s or {}).get("count")}
     differ = sorted(r for r, x in rows.items() if not x["agree"])
     marked = sorted(r for r, x in rows.items() if x["nccl"] != "ok" and x["nccl"] != "absent")
-    head = f"NCCL's own view (RAS{', NCCL ' + version if version else ''})"
     if differ:
         parts = [f"{on_hosts([r], host_of)}: ours {rows[r]['ours']}, NCCL's {rows[r]['nccl']}" for r in differ[:8]]
         words = f"{head} differs on {len(differ)} rank(s): " + "; ".join(parts) + (" ..." if len(differ) > 8 else "")
@@ -4587,11 +4539,9 @@ def judge_forged(forged, master, limit=4):
     out = []
     for e in forged[:limit]:
         hint = ", or a rank of this job was started without its AIV_JOB_SECRET" if "unsigned" in e["why"] else ""
-        f = finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: something "
-                    f"outside the job writes to MASTER_PORT ({master}){hint}; no host is excluded on this run's "
-                    "evidence")
-        f["tamper"] = True
-        out.append(f)
+        out.append(dict(finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: "
+                                f"something outside the job writes to MASTER_PORT ({master}){hint}; no host is "
+                                "excluded on this run's evidence"), tamper=True))
     if len(forged) > limit:
         out[-1]["reason"] += f" ({len(forged) - limit} more refused value(s) not shown)"
     return out
@@ -4622,10 +4572,9 @@ def judge_store_peers(peers, allowed, authenticated, master):
     if authenticated:
         return [finding("rendezvous", "WARN", f"{what}; the side channel is authenticated, so nothing they wrote "
                         "was believed")]
-    f = finding("rendezvous", "FAIL", f"{what}; the side channel is not authenticated (AIV_JOB_SECRET unset), so "
-                "what they wrote cannot be told from the run's own records; no host is excluded on this run's evidence")
-    f["tamper"] = True
-    return [f]
+    return [dict(finding("rendezvous", "FAIL", f"{what}; the side channel is not authenticated (AIV_JOB_SECRET "
+                         "unset), so what they wrote cannot be told from the run's own records; no host is excluded "
+                         "on this run's evidence"), tamper=True)]
 
 
 def judge_layout(records, expect):
@@ -4740,9 +4689,8 @@ def judge_versions(records):
     for label, sev, get in VERSION_FIELDS:
         values = {}
         for r in records:
-            if label in NODE_VERSION_FIELDS and (not r.get("node") or r["host"] in unread):
-                continue
-            values.setdefault(str(get(r)), set()).add(r["host"])
+            if label not in NODE_VERSION_FIELDS or (r.get("node") and r["host"] not in unread):
+                values.setdefault(str(get(r)), set()).add(r["host"])
         if len(values) > 1:
             out.append(_differs("versions", sev, f"{label} differs across nodes", values,
                                 "an accepted --manifest (docs/manifest.md), or a run with a third node of the class"))
@@ -4788,8 +4736,7 @@ def judge_fabric(records, ib_hca=None):
     state); a node's rate, or its having IB ports at all, unlike a strict majority of the nodes (WARN)."""
     out = []
     nodes = {r["host"]: r["node"] for r in records if r.get("node")}
-    with_ib = {h: ib_hca_select(ib_hca, n.get("ib") or []) for h, n in nodes.items()}
-    with_ib = {h: ps for h, ps in with_ib.items() if ps}
+    with_ib = {h: ps for h, n in nodes.items() if (ps := ib_hca_select(ib_hca, n.get("ib") or []))}
     if not with_ib:
         return [finding("fabric", "PASS", "no InfiniBand ports on any node (sockets only)")] if nodes else []
     node_max = {h: max((p["rate_gbps"] or 0) for p in ps) for h, ps in with_ib.items()}
@@ -4800,9 +4747,7 @@ def judge_fabric(records, ib_hca=None):
             elif (p["rate_gbps"] or 0) < node_max[h]:
                 out.append(finding("fabric", "WARN", f"{h} {p['port']} runs at {p['rate_gbps']:g} Gb/s, "
                                    f"below {node_max[h]:g} Gb/s of its sibling ports", [h], blame="own"))
-    rates = {}
-    for h, m in node_max.items():
-        rates.setdefault(f"{m:g} Gb/s", set()).add(h)
+    rates = group_by(node_max, lambda h: f"{node_max[h]:g} Gb/s")
     if len(rates) > 1:
         out.append(_differs("fabric", "WARN", "the fastest InfiniBand port's rate differs across nodes", rates))
     missing = sorted(set(nodes) - set(with_ib))
@@ -4852,8 +4797,7 @@ def judge_node_smi(records):
     (evidence 'not-collected')."""
     out = []
     for h, rs in sorted(_by_host(records).items()):
-        smi = next((r["node"].get("smi") for r in rs if r.get("node")), None)
-        if not smi:
+        if not (smi := next((r["node"].get("smi") for r in rs if r.get("node")), None)):
             continue
         gpus = sorted((r for r in rs if (r.get("gpu") or {}).get("uuid")), key=lambda r: r["local_rank"])
         missing = gpus if smi.get("unread") else [r for r in gpus if r["gpu"]["uuid"].startswith("GPU-")
@@ -4879,24 +4823,19 @@ def judge_local(records):
     reason (ranks of one host that share a misconfiguration are named together). A local check is the
     rank's own state on its host (evidence 'own')."""
     merged = {}
-    for r in records:
-        for f in r.get("local") or []:
-            if f["status"] == "PASS":
-                continue
-            key = (f["check"], f["status"], f["reason"])
-            if key in merged:
-                merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
-            else:
-                merged[key] = dict(f, blame=f.get("blame") or "own")
+    for f in (f for r in records for f in r.get("local") or [] if f["status"] != "PASS"):
+        key = (f["check"], f["status"], f["reason"])
+        if key in merged:
+            merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
+        else:
+            merged[key] = dict(f, blame=f.get("blame") or "own")
     return list(merged.values())
 
 
 def judge_device_use(records):
     """One backend on every rank (the nodes unlike a strict majority named); with gloo asked for explicitly,
     say which GPUs were not exercised."""
-    seen = {}
-    for r in records:
-        seen.setdefault(r.get("backend"), set()).add(r["host"])
+    seen = {b: set(hs) for b, hs in group_by(records, lambda r: r.get("backend"), lambda r: r["host"]).items()}
     if len(seen) > 1:
         odd, kind = odd_ones(seen)
         f = finding("device", "FAIL", "ranks chose different backends: " + _spread(seen), odd,
@@ -4929,11 +4868,9 @@ def judge_gloo_address(records):
                     blame="majority")
         kind = minority_kind(loop, hosts)
         return [f if kind == "majority" else unlocalised(f, kind, "GLOO_SOCKET_IFNAME for every node")]
-    used = {}
-    for r in gl:
-        used.setdefault(f"{r['gloo']['iface']}({r['gloo']['addr']})", set()).add(r["host"])
+    used = group_by(gl, lambda r: f"{r['gloo']['iface']}({r['gloo']['addr']})", lambda r: r["host"])
     return [finding("interface", "PASS", "gloo uses " + "; ".join(
-        f"{k} on {compress_hostlist(sorted(v))}" for k, v in sorted(used.items())))]
+        f"{k} on {compress_hostlist(sorted(set(v)))}" for k, v in sorted(used.items())))]
 
 
 NO_TORCH = ("the python this launch ran cannot import torch (no venv, the wrong python, PYTORCH_ENV unset): the "
@@ -5018,8 +4955,7 @@ def with_results(records, results):
     for rec in records:
         rec, res = rank_record(rec), by_rank.get(rec["rank"])
         if res is not None:
-            rec["transport"], rec["nccl_net"], rec["nccl_log"] = (res.get("transport"), res.get("nccl_net"),
-                                                                  res.get("nccl_log"))
+            rec.update({k: res.get(k) for k in ("transport", "nccl_net", "nccl_log")})
             if rec["node"] is not None and res.get("imports") is not None:
                 rec["node"] = dict(rec["node"], imports=res["imports"])
         out.append(rec)
@@ -5282,9 +5218,8 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
     late = [r for r in range(world) if stamps.get(r, -1) < idx]
     finished = [r for r in range(world) if r not in late]
     kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in range(world)}
-    an = issued_states(range(world), issued, [r for r in late if kinds[r] == "stuck"], group_key(range(world))) \
-        if issued is not None else None
     stuck = [r for r in late if kinds[r] == "stuck"]
+    an = issued_states(range(world), issued, stuck, group_key(range(world))) if issued is not None else None
     states = an["states"] if an else {r: "idle" for r in stuck} if phase not in ISSUE_PHASES else {}
     waiting = [r for r in stuck if states.get(r) == "waiting"]
     all_issued = None
@@ -5305,8 +5240,7 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
               + ("; a bug in the tool, not a fault of the cluster: no host is blamed" if check == "internal" else "")
               + (f"; {unlocalised_words(unloc)}" if unloc else ""))
     f = finding(check or PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits,
-                code=code)
-    f["blame"] = evidence
+                code=code, blame=evidence)
     if unloc:
         f["unlocalised"] = unloc
     if an:
@@ -5460,8 +5394,7 @@ def _node_fields(node):
 
 
 def _transport_fields(rs):
-    seen = [r["transport"] for r in rs if r.get("transport") is not None]
-    kinds = sorted(set().union(*seen)) if seen else []
+    kinds = sorted(set().union(*(r["transport"] for r in rs if r.get("transport") is not None)))
     intra = [k for k in kinds if k in INTRA_TRANSPORTS]
     inter = [k for k in kinds if k not in INTRA_TRANSPORTS]
     return {"transport_intra": intra or None, "transport_inter": inter or None}  # a path not used: unmeasured
@@ -5626,11 +5559,8 @@ def mark_accepted(manifest, findings):
     index = {}
     for e in (manifest or {}).get("accepted_warns") or []:
         index.setdefault(e["key"], set()).update(_hosts_in(e.get("hosts")))
-    out = []
-    for f in findings:
-        hs = index.get(warn_key(f)) if f["status"] == "WARN" else None
-        out.append(dict(f, accepted=True) if hs is not None and set(f.get("hosts") or ()) <= hs else f)
-    return out
+    return [dict(f, accepted=True) if f["status"] == "WARN" and warn_key(f) in index
+            and set(f.get("hosts") or ()) <= index[warn_key(f)] else f for f in findings]
 
 
 def merge_manifests(old, new):
@@ -5773,6 +5703,7 @@ def _is_count(v):
 
 # What a manifest value must be, by kind: (test, words for the problem line).
 VALUE_KINDS = {"text": (lambda v: isinstance(v, str), "a string"), "count": (_is_count, "an integer >= 0"),
+               "runs": (lambda v: _is_count(v) and v >= 1, "an integer >= 1"),
                "rate": (lambda v: _is_num(v) and v > 0, "a finite number > 0"),
                "memory": (lambda v: isinstance(v, dict) and bool(v) and all(_is_count(n) and n > 0 for n in v.values()),
                           "an object {GPU model: bytes > 0}"),
@@ -5785,16 +5716,27 @@ FIELD_KINDS = dict({f: "text" for f in FIELD_NAMES}, gpus_per_node="count", ib_p
                    transport_inter="names", ifaces="names", env="env")
 KEY_KINDS = {"gpu_model": "text", "gpus_per_node": "count", "ib_ports": "count", "ib_rate_gbps": "rate"}
 CLASS_KEYS = ("key", "hosts", "runs", "first_accepted_at", "last_accepted_at", "fields", "bands")
+CLASS_KINDS = {"runs": "runs", "first_accepted_at": "when", "last_accepted_at": "when"}
 ACCEPTED_KINDS = {"check": "text", "key": "text", "reason": "text", "accepted_at": "when"}
+SPAN_KEYS = ("ref", "lo", "hi")
 
 
 def _qn(name):
     return json.dumps(name)
 
 
+def _first_problem(problems):
+    return next(filter(None, problems), None)
+
+
 def _kind_problem(where, v, kind):
     ok, words = VALUE_KINDS[kind]
     return None if ok(v) else f"{where}: {json.dumps(v, default=str)[:60]} is not {words}"
+
+
+def _kinds_problem(where, x, kinds):
+    """The first value of x ({key: value}) not of its kind (kinds: {key: a kind of VALUE_KINDS}), or None."""
+    return _first_problem(_kind_problem(f"{where}.{k}", x[k], kind) for k, kind in kinds.items())
 
 
 def _hosts_problem(where, x):
@@ -5809,38 +5751,29 @@ def _hosts_problem(where, x):
     return None
 
 
-def _object_problem(where, x, allowed, required=()):
+def _object_problem(where, x, keys):
+    """x an object of exactly these keys."""
     if not isinstance(x, dict):
         return f"{where}: not an object"
-    extra = [k for k in x if k not in allowed]
-    missing = [k for k in required if k not in x]
+    extra = [k for k in x if k not in keys]
+    missing = [k for k in keys if k not in x]
     return (f"{where}: unknown key {_qn(extra[0])}" if extra else
             f"{where}: {_qn(missing[0])} is missing" if missing else None)
 
 
-def _span_problem(where, w):
-    """A band or one run of its window: ref, lo, hi finite and above 0, lo not above hi."""
-    bad = next((k for k in ("ref", "lo", "hi") if not (_is_num(w[k]) and w[k] > 0)), None)
-    if bad:
-        return f"{where}.{bad}: {json.dumps(w[bad], default=str)[:60]} is not a finite number > 0"
-    return f"{where}: lo {w['lo']:g} is above hi {w['hi']:g}" if w["lo"] > w["hi"] else None
+def _span_problem(where, w, keys=SPAN_KEYS):
+    """A band (keys: its own) or one run of its window: an object of keys; ref, lo, hi finite and above 0, lo
+    not above hi."""
+    return (_object_problem(where, w, keys) or _kinds_problem(where, w, dict.fromkeys(SPAN_KEYS, "rate"))
+            or (f"{where}: lo {w['lo']:g} is above hi {w['hi']:g}" if w["lo"] > w["hi"] else None))
 
 
 def _band_problem(where, b):
-    keys = ("ref", "lo", "hi", "runs", "window")
-    problem = _object_problem(where, b, keys, keys) or _span_problem(where, b)
-    if problem:
-        return problem
-    if not (_is_count(b["runs"]) and b["runs"] >= 1):
-        return f"{where}.runs: {json.dumps(b['runs'], default=str)[:60]} is not an integer >= 1"
-    if not isinstance(b["window"], list) or not b["window"]:
-        return f"{where}.window: not a non-empty list"
-    for i, w in enumerate(b["window"]):
-        at = f"{where}.window[{i}]"
-        problem = _object_problem(at, w, ("ref", "lo", "hi"), ("ref", "lo", "hi")) or _span_problem(at, w)
-        if problem:
-            return problem
-    return None
+    problem = (_span_problem(where, b, (*SPAN_KEYS, "runs", "window"))
+               or _kind_problem(f"{where}.runs", b["runs"], "runs"))
+    if problem or not isinstance(b["window"], list) or not b["window"]:
+        return problem or f"{where}.window: not a non-empty list"
+    return _first_problem(_span_problem(f"{where}.window[{i}]", w) for i, w in enumerate(b["window"]))
 
 
 def _fields_problem(where, fields):
@@ -5852,32 +5785,22 @@ def _fields_problem(where, fields):
             return f"{at}: unknown field (known: {', '.join(FIELD_NAMES)})"
         if not isinstance(variants, list):
             return f"{at}: not a list of {{value, hosts}}"
-        for i, var in enumerate(variants):
-            problem = (_object_problem(f"{at}[{i}]", var, ("value", "hosts"), ("value", "hosts"))
-                       or _kind_problem(f"{at}[{i}].value", var["value"], FIELD_KINDS[field])
-                       or _hosts_problem(f"{at}[{i}].hosts", var["hosts"]))
-            if problem:
-                return problem
+        problem = _first_problem(_object_problem(f"{at}[{i}]", var, ("value", "hosts"))
+                                 or _kind_problem(f"{at}[{i}].value", var["value"], FIELD_KINDS[field])
+                                 or _hosts_problem(f"{at}[{i}].hosts", var["hosts"]) for i, var in enumerate(variants))
+        if problem:
+            return problem
     return None
 
 
 def _class_problem(name, c):
     where = f"classes[{_qn(name)}]"
-    problem = (_object_problem(where, c, CLASS_KEYS, CLASS_KEYS)
-               or _object_problem(f"{where}.key", c["key"], KEY_KINDS, KEY_KINDS)
-               or next(filter(None, (_kind_problem(f"{where}.key.{k}", c["key"][k], kind)
-                                     for k, kind in KEY_KINDS.items() if c["key"][k] is not None)), None)
-               or _hosts_problem(f"{where}.hosts", c["hosts"])
-               or (None if _is_count(c["runs"]) and c["runs"] >= 1 else
-                   f"{where}.runs: {json.dumps(c['runs'], default=str)[:60]} is not an integer >= 1")
-               or _kind_problem(f"{where}.first_accepted_at", c["first_accepted_at"], "when")
-               or _kind_problem(f"{where}.last_accepted_at", c["last_accepted_at"], "when")
-               or _fields_problem(f"{where}.fields", c["fields"]))
-    if problem:
-        return problem
-    if not isinstance(c["bands"], dict):
-        return f"{where}.bands: not an object"
-    return next(filter(None, (_band_problem(f"{where}.bands[{_qn(k)}]", b) for k, b in c["bands"].items())), None)
+    return (_object_problem(where, c, CLASS_KEYS) or _object_problem(f"{where}.key", c["key"], KEY_KINDS)
+            or _kinds_problem(f"{where}.key", c["key"], {k: v for k, v in KEY_KINDS.items() if c["key"][k] is not None})
+            or _hosts_problem(f"{where}.hosts", c["hosts"]) or _kinds_problem(where, c, CLASS_KINDS)
+            or _fields_problem(f"{where}.fields", c["fields"])
+            or (None if isinstance(c["bands"], dict) else f"{where}.bands: not an object")
+            or _first_problem(_band_problem(f"{where}.bands[{_qn(k)}]", b) for k, b in c["bands"].items()))
 
 
 def _accepted_problem(entries):
@@ -5885,9 +5808,7 @@ def _accepted_problem(entries):
         return "accepted_warns: not a list"
     for i, e in enumerate(entries):
         at = f"accepted_warns[{i}]"
-        problem = (_object_problem(at, e, (*ACCEPTED_KINDS, "hosts"), (*ACCEPTED_KINDS, "hosts"))
-                   or next(filter(None, (_kind_problem(f"{at}.{k}", e[k], kind) for k, kind in ACCEPTED_KINDS.items())),
-                           None)
+        problem = (_object_problem(at, e, (*ACCEPTED_KINDS, "hosts")) or _kinds_problem(at, e, ACCEPTED_KINDS)
                    or _hosts_problem(f"{at}.hosts", e["hosts"]))
         if problem:
             return problem
@@ -5916,7 +5837,7 @@ def manifest_problem(data):
     if not isinstance(data, dict) or data.get("tool") != MANIFEST_TOOL:
         return "not an ai-infra-validator manifest (no \"tool\": \"ai-infra-validator\")"
     top = ("schema_version", "tool", "version", "written_at", "classes", "accepted_warns")
-    problem = (_schema_problem(data) or _object_problem("manifest", data, top, top)
+    problem = (_schema_problem(data) or _object_problem("manifest", data, top)
                or _kind_problem("version", data["version"], "text")
                or _kind_problem("written_at", data["written_at"], "when"))
     if problem:
@@ -5925,8 +5846,7 @@ def manifest_problem(data):
         return "classes: not an object"
     seen = {}
     for name, c in data["classes"].items():
-        problem = _class_problem(name, c)
-        if problem:
+        if problem := _class_problem(name, c):
             return problem
         for h in _hosts_in(c["hosts"]):
             if h in seen:
@@ -5970,10 +5890,8 @@ def _band_points(screen, host_class):
         yield host_class.get(n.get("host")), f"intra.busbw/{len(ranks)} ranks", n.get("busbw"), \
             [n.get("host")], ranks, f"{n.get('host')} (ranks {format_ranges(ranks) or '-'})", \
             max(int(n.get("tries") or 1), len(n.get("values") or ()))
-    pairs, rails = screen.get("pairs") or [], {}
-    for pr in pairs:
-        k = (pr.get("round"), tuple(sorted(pr.get("nodes") or ())))
-        rails[k] = rails.get(k, 0) + 1
+    pairs = screen.get("pairs") or []
+    rails = collections.Counter((pr.get("round"), tuple(sorted(pr.get("nodes") or ()))) for pr in pairs)
     for pr in pairs:
         hosts, ranks = sorted(pr.get("nodes") or ()), list(pr.get("ranks") or ())
         classes = {host_class.get(h) for h in hosts}
@@ -10407,8 +10325,7 @@ def load_manifest(path, origin):
         data = json.loads(text)
     except ValueError as e:
         raise UsageError(f"{origin} {path}: not a manifest (not JSON: {e})") from None
-    problem = manifest_problem(data)
-    if problem:
+    if problem := manifest_problem(data):
         raise UsageError(f"{origin} {path}: {problem}")
     return data
 
@@ -10438,8 +10355,7 @@ def save_manifest(path, state, written_at):
     state's deadlines['manifest-lock'], else MANIFEST_LOCK_S). -> the report's note. A PASS saves, its WARNs
     recorded as accepted; a FAIL never saves. A save that cannot take the lock in time or cannot write also
     adds a WARN finding to state['findings'] naming the file (no host: the nodes are not at fault)."""
-    why = manifest_refusal(state)
-    if why:
+    if why := manifest_refusal(state):
         return f"manifest not saved to {path}: {why}; a manifest is saved only from a PASS"
     try:
         with _file_lock(path, (state.get("deadlines") or {}).get("manifest-lock")):

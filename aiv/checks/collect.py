@@ -90,13 +90,11 @@ def read_ib_ports(root="/"):
         except OSError:
             continue
         for p in ports:
-            d = os.path.join(base, dev, "ports", p)
-            state = (read_text(os.path.join(d, "state"), "") or "").strip()
-            rate = (read_text(os.path.join(d, "rate"), "") or "").strip()
+            state, rate, layer = ((read_text(os.path.join(base, dev, "ports", p, name), "") or "").strip()
+                                  for name in ("state", "rate", "link_layer"))
             m = re.match(r"([\d.]+)\s*Gb", rate)
             out.append({"port": f"{dev}:{p}", "state": state.split(":")[-1].strip() or "UNKNOWN",
-                        "rate_gbps": float(m.group(1)) if m else None,
-                        "link_layer": (read_text(os.path.join(d, "link_layer"), "") or "").strip() or None})
+                        "rate_gbps": float(m.group(1)) if m else None, "link_layer": layer or None})
     return out
 
 
@@ -119,17 +117,12 @@ def nearest_hca(root, pci, spec=None):
     gpu = _pci_chain(os.path.join(root, "sys/bus/pci/devices", pci.lower())) if pci else []
     if not gpu:
         return None
-    ports = ib_hca_select(spec, read_ib_ports(root))
-    best = None
+    ports, rank = ib_hca_select(spec, read_ib_ports(root)), {}  # rank: {device: (ACTIVE, common path length)}
     for dev in sorted({p["port"].split(":")[0] for p in ports}, key=_screen_key):
-        chain = _pci_chain(os.path.join(root, "sys/class/infiniband", dev, "device"))
-        if not chain:
-            continue
-        active = any(p["state"] == "ACTIVE" for p in ports if p["port"].split(":")[0] == dev)
-        key = (active, len(os.path.commonprefix([gpu, chain])))
-        if best is None or key > best[0]:
-            best = (key, dev)
-    return best[1] if best else None
+        if chain := _pci_chain(os.path.join(root, "sys/class/infiniband", dev, "device")):
+            rank[dev] = (any(p["state"] == "ACTIVE" for p in ports if p["port"].split(":")[0] == dev),
+                         len(os.path.commonprefix([gpu, chain])))
+    return max(rank, key=rank.get, default=None)
 
 
 def _cpu_model():
@@ -220,12 +213,11 @@ def collect_node_facts(root, torch_mod, backend, device_count, env=None):
         st = os.statvfs("/dev/shm")
         shm = st.f_frsize * st.f_blocks
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    ib = read_ib_ports(root)
     facts = {
         "cpu_model": _cpu_model(), "cpus": os.cpu_count(), "mem_total": _mem_total(),
         "os": _os_name(), "kernel": os.uname().release,
         "driver": _driver_version(root),
-        "ib": ib,
+        "ib": read_ib_ports(root),
         "peermem": any(os.path.isdir(os.path.join(root, "sys/module", m))
                        for m in ("nvidia_peermem", "nv_peer_mem")),
         "memlock": "unlimited" if soft == resource.RLIM_INFINITY else soft,
@@ -267,22 +259,15 @@ def _cpu_affinity():
 def collect_gpu(torch_mod, index, root):
     """Facts of this rank's GPU (after torch.cuda.set_device)."""
     p = torch_mod.cuda.get_device_properties(index)
-    pci = None
-    if hasattr(p, "pci_bus_id"):
-        pci = f"{getattr(p, 'pci_domain_id', 0):04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # sysfs form
+    pci = (f"{getattr(p, 'pci_domain_id', 0):04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # sysfs form
+           if hasattr(p, "pci_bus_id") else None)
     uuid = str(getattr(p, "uuid", "") or "") or None
     if uuid and not uuid.startswith(("GPU-", "MIG-")):
         uuid = "GPU-" + uuid
-    numa = None
-    if pci:
-        txt = read_text(os.path.join(root, "sys/bus/pci/devices", pci.lower(), "numa_node"))
-        if txt and txt.strip().lstrip("-").isdigit():
-            numa = int(txt.strip())
-    numa_cpus = None
-    if numa is not None and numa >= 0:
-        txt = read_text(os.path.join(root, f"sys/devices/system/node/node{numa}/cpulist"))
-        if txt and txt.strip():
-            numa_cpus = txt.strip()
+    txt = (read_text(os.path.join(root, "sys/bus/pci/devices", pci.lower(), "numa_node")) or "").strip() if pci else ""
+    numa = int(txt) if txt.lstrip("-").isdigit() else None
+    numa_cpus = ((read_text(os.path.join(root, f"sys/devices/system/node/node{numa}/cpulist")) or "").strip() or None
+                 if numa is not None and numa >= 0 else None)
     used = None
     with contextlib.suppress(Exception):
         free, total = torch_mod.cuda.mem_get_info(index)

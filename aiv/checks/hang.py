@@ -96,10 +96,7 @@ def issued_states(ranks, posts, late, key):
     done]}, 'fr': the same from torch's flight recorder with its state, {} when it holds nothing of this
     rank's groups, None when it cannot be read, 'inflight': key of the collective call the rank's main thread
     is inside, or None, 'inflight_s': for how long, 'idle_s': seconds since it left its last call}). A rank's
-    place comes from `source` (issued_source); whether it is inside a call, from its own record; where the
-    recorder is live, a rank inside the call whose recorder lacks the collective its peers' recorders hold
-    never issued it to its backend ('behind', how 'unseen'), and one whose entry stayed scheduled while a
-    peer's started is behind too ('unstarted').
+    place comes from `source` (issued_source); whether it is inside a call, from its own record (_late_state).
     -> {'source', 'key', 'front': [op, seq] of the furthest collective a rank issued (None: none), 'issuers':
     ranks that issued it, 'last': {rank: [op, seq, done(, state)] or None}, 'states': {rank: one of
     ISSUED_STATES} for the late ranks, 'how': {rank: 'unseen'|'unstarted'} of the behind ranks that are inside
@@ -112,10 +109,8 @@ def issued_states(ranks, posts, late, key):
     started = any(x and x[1] == front and len(x) > 3 and x[3] in ("started", "completed") for x in last.values())
     states, how = {}, {}
     for r in late:
-        if posts.get(r) is None:
-            states[r] = "unposted"
-            continue
-        states[r], h = _late_state(posts[r], last.get(r), front, source, started)
+        states[r], h = (_late_state(posts[r], last.get(r), front, source, started) if posts.get(r) is not None
+                        else ("unposted", None))
         if h:
             how[r] = h
     issuers = sorted(r for r, x in last.items() if x and x[1] == front and how.get(r) != "unstarted")
@@ -210,8 +205,7 @@ def ras_rank_states(comm):
     that is not an object): those are skipped, never guessed. -> (states, skipped)."""
     out, skipped = {}, 0
     for r in _items(comm.get("ranks")):
-        rank, st, counts = _rank_of(r), _obj((r or {}).get("status") if isinstance(r, dict) else None), \
-            (r.get("collective_counts") if isinstance(r, dict) else None)
+        rank, st, counts = _rank_of(r), _obj(_obj(r).get("status")), _obj(r).get("collective_counts")
         if rank is None or (counts is not None and not isinstance(counts, dict)):
             skipped += 1
             continue
@@ -257,30 +251,23 @@ def nccl_view(ras, world, host_of, kinds, named):
                 "words": f"NCCL's own view (RAS) not read: {why}"}
     data = ras.get("data") if isinstance(ras.get("data"), dict) else {}
     version = data.get("nccl_version") if isinstance(data.get("nccl_version"), str) else None
+    head = f"NCCL's own view (RAS{', NCCL ' + version if version else ''})"
     comm = ras_world(data, world)
-    if comm is None:
-        why = f"RAS listed no communicator of the job's {world} rank(s)"
-        return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version,
-                "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
-    states, skipped = ras_rank_states(comm)
+    states, skipped = ras_rank_states(comm) if comm is not None else ({}, 0)
     if not states:
-        why = f"RAS listed the job's communicator with no rank it could read ({skipped} entr(ies) of another shape)"
-        return {"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version, "skipped": skipped,
-                "words": f"NCCL's own view (RAS{', NCCL ' + version if version else ''}): {why}"}
+        why = (f"RAS listed no communicator of the job's {world} rank(s)" if comm is None else
+               f"RAS listed the job's communicator with no rank it could read ({skipped} entr(ies) of another shape)")
+        return dict({"read": True, "why": why, "agree": None, "ranks": {}, "nccl_version": version},
+                    **({} if comm is None else {"skipped": skipped}), words=f"{head}: {why}")
     top = max((s["count"] for s in states.values() if s.get("count") is not None), default=None)
     rows = {}
     for r in range(world):
-        s = states.get(r)
-        nccl = _nccl_word(s, top)
-        ours = kinds.get(r, "ok")
-        ours = ours if ours in ("dead", "frozen", "silent", "behind") else "ok"
-        blamed_ours = r in named or ours != "ok"
-        blamed_nccl = nccl in ("missing", "error", "behind")
-        rows[r] = {"ours": ours, "nccl": nccl, "agree": blamed_ours == blamed_nccl or nccl == "absent",
-                   "count": (s or {}).get("count")}
+        s, ours = states.get(r), kinds.get(r, "ok")
+        nccl, ours = _nccl_word(s, top), ours if ours in ("dead", "frozen", "silent", "behind") else "ok"
+        agree = (r in named or ours != "ok") == (nccl in ("missing", "error", "behind")) or nccl == "absent"
+        rows[r] = {"ours": ours, "nccl": nccl, "agree": agree, "count": (s or {}).get("count")}
     differ = sorted(r for r, x in rows.items() if not x["agree"])
     marked = sorted(r for r, x in rows.items() if x["nccl"] != "ok" and x["nccl"] != "absent")
-    head = f"NCCL's own view (RAS{', NCCL ' + version if version else ''})"
     if differ:
         parts = [f"{on_hosts([r], host_of)}: ours {rows[r]['ours']}, NCCL's {rows[r]['nccl']}" for r in differ[:8]]
         words = f"{head} differs on {len(differ)} rank(s): " + "; ".join(parts) + (" ..." if len(differ) > 8 else "")

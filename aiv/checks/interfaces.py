@@ -126,8 +126,7 @@ def parse_nccl_nics(text):
     for line in re.findall(r"NET/(?!Socket\b)[\w.\-]+ ?: Using ([^;\n]*)", text):
         cur = {}
         for idx, body in re.findall(r"\[(\d+)\](=\{[^}]*\}|[^\s\[]+)", line):
-            devs = re.findall(r"([\w.\-]+):(\d+)", body)
-            if devs:
+            if devs := re.findall(r"([\w.\-]+):(\d+)", body):
                 cur[int(idx)] = "+".join(d if p == "1" else f"{d}:{p}" for d, p in devs)
         if cur:
             nics = cur
@@ -183,8 +182,7 @@ def nccl_diag_lines(text, limit=NCCL_WARN_RELAY):
 def nccl_debug_file(env, host=None, pid=None):
     """The operator's NCCL_DEBUG_FILE as NCCL expands it for this process (%h: host name up to the first
     dot, %p: pid, %%: %); None when unset."""
-    spec = env.get("NCCL_DEBUG_FILE")
-    if not spec:
+    if not (spec := env.get("NCCL_DEBUG_FILE")):
         return None
     host = (host or socket.gethostname()).split(".")[0]
     return re.sub(r"%([hp%])", lambda m: {"h": host, "p": str(pid or os.getpid()), "%": "%"}[m.group(1)], spec)
@@ -195,10 +193,5 @@ NCCL_TRANSPORTS = ("P2P", "SHM", "NET/Socket", "NET/IB", "COLLNET", "NVLS", "NET
 
 def parse_nccl_transport(text):
     """Transports NCCL chose, from its own INFO lines ('Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM')."""
-    found = set()
-    for m in re.finditer(r" via (P2P|SHM|NET/\w+|COLLNET|CollNet|NVLS)", text):
-        k = m.group(1)
-        if k.startswith("NET/") and k not in NCCL_TRANSPORTS:
-            k = "NET/other"
-        found.add(k.upper() if k in ("CollNet",) else k)
-    return sorted(found)
+    return sorted({"COLLNET" if k == "CollNet" else "NET/other" if k.startswith("NET/") and k not in NCCL_TRANSPORTS
+                   else k for k in re.findall(r" via (P2P|SHM|NET/\w+|COLLNET|CollNet|NVLS)", text)})

@@ -115,11 +115,9 @@ def judge_forged(forged, master, limit=4):
     out = []
     for e in forged[:limit]:
         hint = ", or a rank of this job was started without its AIV_JOB_SECRET" if "unsigned" in e["why"] else ""
-        f = finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: something "
-                    f"outside the job writes to MASTER_PORT ({master}){hint}; no host is excluded on this run's "
-                    "evidence")
-        f["tamper"] = True
-        out.append(f)
+        out.append(dict(finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: "
+                                f"something outside the job writes to MASTER_PORT ({master}){hint}; no host is "
+                                "excluded on this run's evidence"), tamper=True))
     if len(forged) > limit:
         out[-1]["reason"] += f" ({len(forged) - limit} more refused value(s) not shown)"
     return out
@@ -150,10 +148,9 @@ def judge_store_peers(peers, allowed, authenticated, master):
     if authenticated:
         return [finding("rendezvous", "WARN", f"{what}; the side channel is authenticated, so nothing they wrote "
                         "was believed")]
-    f = finding("rendezvous", "FAIL", f"{what}; the side channel is not authenticated (AIV_JOB_SECRET unset), so "
-                "what they wrote cannot be told from the run's own records; no host is excluded on this run's evidence")
-    f["tamper"] = True
-    return [f]
+    return [dict(finding("rendezvous", "FAIL", f"{what}; the side channel is not authenticated (AIV_JOB_SECRET "
+                         "unset), so what they wrote cannot be told from the run's own records; no host is excluded "
+                         "on this run's evidence"), tamper=True)]
 
 
 def judge_layout(records, expect):
@@ -268,9 +265,8 @@ def judge_versions(records):
     for label, sev, get in VERSION_FIELDS:
         values = {}
         for r in records:
-            if label in NODE_VERSION_FIELDS and (not r.get("node") or r["host"] in unread):
-                continue
-            values.setdefault(str(get(r)), set()).add(r["host"])
+            if label not in NODE_VERSION_FIELDS or (r.get("node") and r["host"] not in unread):
+                values.setdefault(str(get(r)), set()).add(r["host"])
         if len(values) > 1:
             out.append(_differs("versions", sev, f"{label} differs across nodes", values,
                                 "an accepted --manifest (docs/manifest.md), or a run with a third node of the class"))
@@ -316,8 +312,7 @@ def judge_fabric(records, ib_hca=None):
     state); a node's rate, or its having IB ports at all, unlike a strict majority of the nodes (WARN)."""
     out = []
     nodes = {r["host"]: r["node"] for r in records if r.get("node")}
-    with_ib = {h: ib_hca_select(ib_hca, n.get("ib") or []) for h, n in nodes.items()}
-    with_ib = {h: ps for h, ps in with_ib.items() if ps}
+    with_ib = {h: ps for h, n in nodes.items() if (ps := ib_hca_select(ib_hca, n.get("ib") or []))}
     if not with_ib:
         return [finding("fabric", "PASS", "no InfiniBand ports on any node (sockets only)")] if nodes else []
     node_max = {h: max((p["rate_gbps"] or 0) for p in ps) for h, ps in with_ib.items()}
@@ -328,9 +323,7 @@ def judge_fabric(records, ib_hca=None):
             elif (p["rate_gbps"] or 0) < node_max[h]:
                 out.append(finding("fabric", "WARN", f"{h} {p['port']} runs at {p['rate_gbps']:g} Gb/s, "
                                    f"below {node_max[h]:g} Gb/s of its sibling ports", [h], blame="own"))
-    rates = {}
-    for h, m in node_max.items():
-        rates.setdefault(f"{m:g} Gb/s", set()).add(h)
+    rates = group_by(node_max, lambda h: f"{node_max[h]:g} Gb/s")
     if len(rates) > 1:
         out.append(_differs("fabric", "WARN", "the fastest InfiniBand port's rate differs across nodes", rates))
     missing = sorted(set(nodes) - set(with_ib))
@@ -380,8 +373,7 @@ def judge_node_smi(records):
     (evidence 'not-collected')."""
     out = []
     for h, rs in sorted(_by_host(records).items()):
-        smi = next((r["node"].get("smi") for r in rs if r.get("node")), None)
-        if not smi:
+        if not (smi := next((r["node"].get("smi") for r in rs if r.get("node")), None)):
             continue
         gpus = sorted((r for r in rs if (r.get("gpu") or {}).get("uuid")), key=lambda r: r["local_rank"])
         missing = gpus if smi.get("unread") else [r for r in gpus if r["gpu"]["uuid"].startswith("GPU-")
@@ -407,24 +399,19 @@ def judge_local(records):
     reason (ranks of one host that share a misconfiguration are named together). A local check is the
     rank's own state on its host (evidence 'own')."""
     merged = {}
-    for r in records:
-        for f in r.get("local") or []:
-            if f["status"] == "PASS":
-                continue
-            key = (f["check"], f["status"], f["reason"])
-            if key in merged:
-                merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
-            else:
-                merged[key] = dict(f, blame=f.get("blame") or "own")
+    for f in (f for r in records for f in r.get("local") or [] if f["status"] != "PASS"):
+        key = (f["check"], f["status"], f["reason"])
+        if key in merged:
+            merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
+        else:
+            merged[key] = dict(f, blame=f.get("blame") or "own")
     return list(merged.values())
 
 
 def judge_device_use(records):
     """One backend on every rank (the nodes unlike a strict majority named); with gloo asked for explicitly,
     say which GPUs were not exercised."""
-    seen = {}
-    for r in records:
-        seen.setdefault(r.get("backend"), set()).add(r["host"])
+    seen = {b: set(hs) for b, hs in group_by(records, lambda r: r.get("backend"), lambda r: r["host"]).items()}
     if len(seen) > 1:
         odd, kind = odd_ones(seen)
         f = finding("device", "FAIL", "ranks chose different backends: " + _spread(seen), odd,
@@ -457,11 +444,9 @@ def judge_gloo_address(records):
                     blame="majority")
         kind = minority_kind(loop, hosts)
         return [f if kind == "majority" else unlocalised(f, kind, "GLOO_SOCKET_IFNAME for every node")]
-    used = {}
-    for r in gl:
-        used.setdefault(f"{r['gloo']['iface']}({r['gloo']['addr']})", set()).add(r["host"])
+    used = group_by(gl, lambda r: f"{r['gloo']['iface']}({r['gloo']['addr']})", lambda r: r["host"])
     return [finding("interface", "PASS", "gloo uses " + "; ".join(
-        f"{k} on {compress_hostlist(sorted(v))}" for k, v in sorted(used.items())))]
+        f"{k} on {compress_hostlist(sorted(set(v)))}" for k, v in sorted(used.items())))]
 
 
 NO_TORCH = ("the python this launch ran cannot import torch (no venv, the wrong python, PYTORCH_ENV unset): the "
@@ -546,8 +531,7 @@ def with_results(records, results):
     for rec in records:
         rec, res = rank_record(rec), by_rank.get(rec["rank"])
         if res is not None:
-            rec["transport"], rec["nccl_net"], rec["nccl_log"] = (res.get("transport"), res.get("nccl_net"),
-                                                                  res.get("nccl_log"))
+            rec.update({k: res.get(k) for k in ("transport", "nccl_net", "nccl_log")})
             if rec["node"] is not None and res.get("imports") is not None:
                 rec["node"] = dict(rec["node"], imports=res["imports"])
         out.append(rec)
@@ -810,9 +794,8 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
     late = [r for r in range(world) if stamps.get(r, -1) < idx]
     finished = [r for r in range(world) if r not in late]
     kinds = {r: unfinished_kind(r, live, errors, host_of, silent_hosts) for r in range(world)}
-    an = issued_states(range(world), issued, [r for r in late if kinds[r] == "stuck"], group_key(range(world))) \
-        if issued is not None else None
     stuck = [r for r in late if kinds[r] == "stuck"]
+    an = issued_states(range(world), issued, stuck, group_key(range(world))) if issued is not None else None
     states = an["states"] if an else {r: "idle" for r in stuck} if phase not in ISSUE_PHASES else {}
     waiting = [r for r in stuck if states.get(r) == "waiting"]
     all_issued = None
@@ -833,8 +816,7 @@ def judge_unfinished(phase, cause, world, host_of, stamps, live, errors, code=No
               + ("; a bug in the tool, not a fault of the cluster: no host is blamed" if check == "internal" else "")
               + (f"; {unlocalised_words(unloc)}" if unloc else ""))
     f = finding(check or PHASE_CHECK[phase], "FAIL", reason, [host_of.get(r, "?") for r in culprits], culprits,
-                code=code)
-    f["blame"] = evidence
+                code=code, blame=evidence)
     if unloc:
         f["unlocalised"] = unloc
     if an:

@@ -1,4 +1,5 @@
 """Floor 3: the cluster manifest: --save-manifest, --manifest (drift is a finding), --diff-manifest."""
+import collections
 import json
 import math
 import re
@@ -100,8 +101,7 @@ def _node_fields(node):
 
 
 def _transport_fields(rs):
-    seen = [r["transport"] for r in rs if r.get("transport") is not None]
-    kinds = sorted(set().union(*seen)) if seen else []
+    kinds = sorted(set().union(*(r["transport"] for r in rs if r.get("transport") is not None)))
     intra = [k for k in kinds if k in INTRA_TRANSPORTS]
     inter = [k for k in kinds if k not in INTRA_TRANSPORTS]
     return {"transport_intra": intra or None, "transport_inter": inter or None}  # a path not used: unmeasured
@@ -266,11 +266,8 @@ def mark_accepted(manifest, findings):
     index = {}
     for e in (manifest or {}).get("accepted_warns") or []:
         index.setdefault(e["key"], set()).update(_hosts_in(e.get("hosts")))
-    out = []
-    for f in findings:
-        hs = index.get(warn_key(f)) if f["status"] == "WARN" else None
-        out.append(dict(f, accepted=True) if hs is not None and set(f.get("hosts") or ()) <= hs else f)
-    return out
+    return [dict(f, accepted=True) if f["status"] == "WARN" and warn_key(f) in index
+            and set(f.get("hosts") or ()) <= index[warn_key(f)] else f for f in findings]
 
 
 def merge_manifests(old, new):
@@ -413,6 +410,7 @@ def _is_count(v):
 
 # What a manifest value must be, by kind: (test, words for the problem line).
 VALUE_KINDS = {"text": (lambda v: isinstance(v, str), "a string"), "count": (_is_count, "an integer >= 0"),
+               "runs": (lambda v: _is_count(v) and v >= 1, "an integer >= 1"),
                "rate": (lambda v: _is_num(v) and v > 0, "a finite number > 0"),
                "memory": (lambda v: isinstance(v, dict) and bool(v) and all(_is_count(n) and n > 0 for n in v.values()),
                           "an object {GPU model: bytes > 0}"),
@@ -425,16 +423,27 @@ FIELD_KINDS = dict({f: "text" for f in FIELD_NAMES}, gpus_per_node="count", ib_p
                    transport_inter="names", ifaces="names", env="env")
 KEY_KINDS = {"gpu_model": "text", "gpus_per_node": "count", "ib_ports": "count", "ib_rate_gbps": "rate"}
 CLASS_KEYS = ("key", "hosts", "runs", "first_accepted_at", "last_accepted_at", "fields", "bands")
+CLASS_KINDS = {"runs": "runs", "first_accepted_at": "when", "last_accepted_at": "when"}
 ACCEPTED_KINDS = {"check": "text", "key": "text", "reason": "text", "accepted_at": "when"}
+SPAN_KEYS = ("ref", "lo", "hi")
 
 
 def _qn(name):
     return json.dumps(name)
 
 
+def _first_problem(problems):
+    return next(filter(None, problems), None)
+
+
 def _kind_problem(where, v, kind):
     ok, words = VALUE_KINDS[kind]
     return None if ok(v) else f"{where}: {json.dumps(v, default=str)[:60]} is not {words}"
+
+
+def _kinds_problem(where, x, kinds):
+    """The first value of x ({key: value}) not of its kind (kinds: {key: a kind of VALUE_KINDS}), or None."""
+    return _first_problem(_kind_problem(f"{where}.{k}", x[k], kind) for k, kind in kinds.items())
 
 
 def _hosts_problem(where, x):
@@ -449,38 +458,29 @@ def _hosts_problem(where, x):
     return None
 
 
-def _object_problem(where, x, allowed, required=()):
+def _object_problem(where, x, keys):
+    """x an object of exactly these keys."""
     if not isinstance(x, dict):
         return f"{where}: not an object"
-    extra = [k for k in x if k not in allowed]
-    missing = [k for k in required if k not in x]
+    extra = [k for k in x if k not in keys]
+    missing = [k for k in keys if k not in x]
     return (f"{where}: unknown key {_qn(extra[0])}" if extra else
             f"{where}: {_qn(missing[0])} is missing" if missing else None)
 
 
-def _span_problem(where, w):
-    """A band or one run of its window: ref, lo, hi finite and above 0, lo not above hi."""
-    bad = next((k for k in ("ref", "lo", "hi") if not (_is_num(w[k]) and w[k] > 0)), None)
-    if bad:
-        return f"{where}.{bad}: {json.dumps(w[bad], default=str)[:60]} is not a finite number > 0"
-    return f"{where}: lo {w['lo']:g} is above hi {w['hi']:g}" if w["lo"] > w["hi"] else None
+def _span_problem(where, w, keys=SPAN_KEYS):
+    """A band (keys: its own) or one run of its window: an object of keys; ref, lo, hi finite and above 0, lo
+    not above hi."""
+    return (_object_problem(where, w, keys) or _kinds_problem(where, w, dict.fromkeys(SPAN_KEYS, "rate"))
+            or (f"{where}: lo {w['lo']:g} is above hi {w['hi']:g}" if w["lo"] > w["hi"] else None))
 
 
 def _band_problem(where, b):
-    keys = ("ref", "lo", "hi", "runs", "window")
-    problem = _object_problem(where, b, keys, keys) or _span_problem(where, b)
-    if problem:
-        return problem
-    if not (_is_count(b["runs"]) and b["runs"] >= 1):
-        return f"{where}.runs: {json.dumps(b['runs'], default=str)[:60]} is not an integer >= 1"
-    if not isinstance(b["window"], list) or not b["window"]:
-        return f"{where}.window: not a non-empty list"
-    for i, w in enumerate(b["window"]):
-        at = f"{where}.window[{i}]"
-        problem = _object_problem(at, w, ("ref", "lo", "hi"), ("ref", "lo", "hi")) or _span_problem(at, w)
-        if problem:
-            return problem
-    return None
+    problem = (_span_problem(where, b, (*SPAN_KEYS, "runs", "window"))
+               or _kind_problem(f"{where}.runs", b["runs"], "runs"))
+    if problem or not isinstance(b["window"], list) or not b["window"]:
+        return problem or f"{where}.window: not a non-empty list"
+    return _first_problem(_span_problem(f"{where}.window[{i}]", w) for i, w in enumerate(b["window"]))
 
 
 def _fields_problem(where, fields):
@@ -492,32 +492,22 @@ def _fields_problem(where, fields):
             return f"{at}: unknown field (known: {', '.join(FIELD_NAMES)})"
         if not isinstance(variants, list):
             return f"{at}: not a list of {{value, hosts}}"
-        for i, var in enumerate(variants):
-            problem = (_object_problem(f"{at}[{i}]", var, ("value", "hosts"), ("value", "hosts"))
-                       or _kind_problem(f"{at}[{i}].value", var["value"], FIELD_KINDS[field])
-                       or _hosts_problem(f"{at}[{i}].hosts", var["hosts"]))
-            if problem:
-                return problem
+        problem = _first_problem(_object_problem(f"{at}[{i}]", var, ("value", "hosts"))
+                                 or _kind_problem(f"{at}[{i}].value", var["value"], FIELD_KINDS[field])
+                                 or _hosts_problem(f"{at}[{i}].hosts", var["hosts"]) for i, var in enumerate(variants))
+        if problem:
+            return problem
     return None
 
 
 def _class_problem(name, c):
     where = f"classes[{_qn(name)}]"
-    problem = (_object_problem(where, c, CLASS_KEYS, CLASS_KEYS)
-               or _object_problem(f"{where}.key", c["key"], KEY_KINDS, KEY_KINDS)
-               or next(filter(None, (_kind_problem(f"{where}.key.{k}", c["key"][k], kind)
-                                     for k, kind in KEY_KINDS.items() if c["key"][k] is not None)), None)
-               or _hosts_problem(f"{where}.hosts", c["hosts"])
-               or (None if _is_count(c["runs"]) and c["runs"] >= 1 else
-                   f"{where}.runs: {json.dumps(c['runs'], default=str)[:60]} is not an integer >= 1")
-               or _kind_problem(f"{where}.first_accepted_at", c["first_accepted_at"], "when")
-               or _kind_problem(f"{where}.last_accepted_at", c["last_accepted_at"], "when")
-               or _fields_problem(f"{where}.fields", c["fields"]))
-    if problem:
-        return problem
-    if not isinstance(c["bands"], dict):
-        return f"{where}.bands: not an object"
-    return next(filter(None, (_band_problem(f"{where}.bands[{_qn(k)}]", b) for k, b in c["bands"].items())), None)
+    return (_object_problem(where, c, CLASS_KEYS) or _object_problem(f"{where}.key", c["key"], KEY_KINDS)
+            or _kinds_problem(f"{where}.key", c["key"], {k: v for k, v in KEY_KINDS.items() if c["key"][k] is not None})
+            or _hosts_problem(f"{where}.hosts", c["hosts"]) or _kinds_problem(where, c, CLASS_KINDS)
+            or _fields_problem(f"{where}.fields", c["fields"])
+            or (None if isinstance(c["bands"], dict) else f"{where}.bands: not an object")
+            or _first_problem(_band_problem(f"{where}.bands[{_qn(k)}]", b) for k, b in c["bands"].items()))
 
 
 def _accepted_problem(entries):
@@ -525,9 +515,7 @@ def _accepted_problem(entries):
         return "accepted_warns: not a list"
     for i, e in enumerate(entries):
         at = f"accepted_warns[{i}]"
-        problem = (_object_problem(at, e, (*ACCEPTED_KINDS, "hosts"), (*ACCEPTED_KINDS, "hosts"))
-                   or next(filter(None, (_kind_problem(f"{at}.{k}", e[k], kind) for k, kind in ACCEPTED_KINDS.items())),
-                           None)
+        problem = (_object_problem(at, e, (*ACCEPTED_KINDS, "hosts")) or _kinds_problem(at, e, ACCEPTED_KINDS)
                    or _hosts_problem(f"{at}.hosts", e["hosts"]))
         if problem:
             return problem
@@ -556,7 +544,7 @@ def manifest_problem(data):
     if not isinstance(data, dict) or data.get("tool") != MANIFEST_TOOL:
         return "not an ai-infra-validator manifest (no \"tool\": \"ai-infra-validator\")"
     top = ("schema_version", "tool", "version", "written_at", "classes", "accepted_warns")
-    problem = (_schema_problem(data) or _object_problem("manifest", data, top, top)
+    problem = (_schema_problem(data) or _object_problem("manifest", data, top)
                or _kind_problem("version", data["version"], "text")
                or _kind_problem("written_at", data["written_at"], "when"))
     if problem:
@@ -565,8 +553,7 @@ def manifest_problem(data):
         return "classes: not an object"
     seen = {}
     for name, c in data["classes"].items():
-        problem = _class_problem(name, c)
-        if problem:
+        if problem := _class_problem(name, c):
             return problem
         for h in _hosts_in(c["hosts"]):
             if h in seen:
@@ -610,10 +597,8 @@ def _band_points(screen, host_class):
         yield host_class.get(n.get("host")), f"intra.busbw/{len(ranks)} ranks", n.get("busbw"), \
             [n.get("host")], ranks, f"{n.get('host')} (ranks {format_ranges(ranks) or '-'})", \
             max(int(n.get("tries") or 1), len(n.get("values") or ()))
-    pairs, rails = screen.get("pairs") or [], {}
-    for pr in pairs:
-        k = (pr.get("round"), tuple(sorted(pr.get("nodes") or ())))
-        rails[k] = rails.get(k, 0) + 1
+    pairs = screen.get("pairs") or []
+    rails = collections.Counter((pr.get("round"), tuple(sorted(pr.get("nodes") or ()))) for pr in pairs)
     for pr in pairs:
         hosts, ranks = sorted(pr.get("nodes") or ()), list(pr.get("ranks") or ())
         classes = {host_class.get(h) for h in hosts}

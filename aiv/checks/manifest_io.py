@@ -29,8 +29,7 @@ def load_manifest(path, origin):
         data = json.loads(text)
     except ValueError as e:
         raise UsageError(f"{origin} {path}: not a manifest (not JSON: {e})") from None
-    problem = manifest_problem(data)
-    if problem:
+    if problem := manifest_problem(data):
         raise UsageError(f"{origin} {path}: {problem}")
     return data
 
@@ -60,8 +59,7 @@ def save_manifest(path, state, written_at):
     state's deadlines['manifest-lock'], else MANIFEST_LOCK_S). -> the report's note. A PASS saves, its WARNs
     recorded as accepted; a FAIL never saves. A save that cannot take the lock in time or cannot write also
     adds a WARN finding to state['findings'] naming the file (no host: the nodes are not at fault)."""
-    why = manifest_refusal(state)
-    if why:
+    if why := manifest_refusal(state):
         return f"manifest not saved to {path}: {why}; a manifest is saved only from a PASS"
     try:
         with _file_lock(path, (state.get("deadlines") or {}).get("manifest-lock")):

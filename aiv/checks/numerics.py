@@ -64,11 +64,15 @@ def _n(x):
     return "?" if x is None else f"{x:.3g}"
 
 
-def _off_words(c, p):
+def _off_words(c, p, detail_only=False):
+    """Check c of a rank off the fp64 reference: by how much and where (detail_only: that alone), and why its
+    reference is not believed."""
     at = ", ".join(map(str, p.get("at") or []))
     ratio = _n((p.get("err") or 0) / p["tol"]) if p.get("tol") else "?"
-    return (f"max abs error {_n(p.get('abs'))} at element ({at}) ({_n(p.get('value'))} where fp64 gives "
-            f"{_n(p.get('ref'))}: rel {_n(p.get('rel'))}, {ratio}x the tolerance)")
+    detail = (f"max abs error {_n(p.get('abs'))} at element ({at}) ({_n(p.get('value'))} where fp64 gives "
+              f"{_n(p.get('ref'))}: rel {_n(p.get('rel'))}, {ratio}x the tolerance)")
+    return detail if detail_only else (f"{c} ({NUMERICS_WHAT.get(c, c)}) is off the fp64 reference: {detail}"
+                                       + (f"; {p['reference']}" if p.get("reference") else ""))
 
 
 def _check_order(names):
@@ -131,8 +135,7 @@ def judge_numerics(rows, stage="numerics check"):
         return []
     out, culprits, groups = [], {}, {}
     for r in rows:
-        unjudged = _numerics_unjudged(r, stage)
-        if unjudged:
+        if unjudged := _numerics_unjudged(r, stage):
             out.append(unjudged)
         elif r.get("checks"):
             groups.setdefault(r["group"], []).append(r)
@@ -145,17 +148,11 @@ def judge_numerics(rows, stage="numerics check"):
                 out.append(_numerics_all_off(group, c, have, off))
                 continue
             for r in off:
-                p = r["checks"][c]
-                culprits.setdefault(r["rank"], (r, []))[1].append(
-                    f"{c} ({NUMERICS_WHAT.get(c, c)}) is off the fp64 reference: {_off_words(c, p)}"
-                    + (f"; {p['reference']}" if p.get("reference") else ""))
-            tie = _numerics_bits(c, [r for r in have if not r["checks"][c].get("off")], culprits)
-            if tie:
+                culprits.setdefault(r["rank"], (r, []))[1].append(_off_words(c, r["checks"][c]))
+            if tie := _numerics_bits(c, [r for r in have if not r["checks"][c].get("off")], culprits):
                 ties.append((group, c, tie))
-    for group, c, by in ties:  # after every check: a tie is explained by culprits of any check
-        f = _numerics_tie(group, c, by, culprits)
-        if f:
-            out.append(f)
+    # after every check: a tie is explained by culprits of any check
+    out += filter(None, [_numerics_tie(group, c, by, culprits) for group, c, by in ties])
     out += _numerics_culprits(culprits, stage)
     if not out:
         out.append(_numerics_pass(groups, stage))
@@ -184,18 +181,15 @@ def _numerics_all_off(group, c, have, off):
     worst = max(off, key=lambda r: r["checks"][c].get("err") or 0)
     p = worst["checks"][c]
     if len(have) == 1:
-        return finding("numerics", "FAIL", f"{_who(worst)}: {c} ({NUMERICS_WHAT.get(c, c)}) is off "
-                       f"the fp64 reference: {_off_words(c, p)}"
-                       + (f"; {p['reference']}" if p.get("reference") else "")
-                       + f"; the only rank of its model and software ({group}) in this run, so its "
-                       f"device cannot be told from the software: run dcgmi diag -r 3 on "
-                       f"{worst.get('host')}, or run with a second device of the model; no host "
-                       f"blamed", ranks=[worst["rank"]], blame="tie")
+        return finding("numerics", "FAIL", f"{_who(worst)}: {_off_words(c, p)}; the only rank of its model and "
+                       f"software ({group}) in this run, so its device cannot be told from the software: run dcgmi "
+                       f"diag -r 3 on {worst.get('host')}, or run with a second device of the model; no host blamed",
+                       ranks=[worst["rank"]], blame="tie")
     same = len({r["checks"][c].get("digest") for r in have}) == 1
     return finding("numerics", "FAIL", f"every one of the {len(have)} rank(s) of {group} computes "
                    f"{c} ({NUMERICS_WHAT.get(c, c)}) off the fp64 reference"
                    + (" with the same bits" if same else ", and their bits differ")
-                   + f" (worst: {_ranks_words([worst])}: {_off_words(c, p)}): a fault of the software "
+                   + f" (worst: {_ranks_words([worst])}: {_off_words(c, p, True)}): a fault of the software "
                    "(torch, CUDA, cuBLAS, driver) or of the model, not of a host: no host blamed; "
                    "report it with this line, and try another software version",
                    ranks=[r["rank"] for r in have], blame="everyone")
@@ -254,10 +248,9 @@ def judge_numerics_records(records):
 def judge_ddp_grads(records, results):
     """judge_numerics of the DDP step's local gradients (each rank's results['grads_local'], posted with its
     results), [] when no rank checked them."""
-    posts = {res["rank"]: {"checks": {"ddp-grad": res["grads_local"]}} for res in results or []
-             if isinstance(res.get("grads_local"), dict)}
-    posts = {k: dict(v, software=(next((rec.get("numerics") or {} for rec in records if rec["rank"] == k), {})
-                                  ).get("software")) for k, v in posts.items()}
+    software = {rec["rank"]: (rec.get("numerics") or {}).get("software") for rec in records}
+    posts = {res["rank"]: {"checks": {"ddp-grad": res["grads_local"]}, "software": software.get(res["rank"])}
+             for res in results or [] if isinstance(res.get("grads_local"), dict)}
     rows = numerics_rows(records, posts)
     return judge_numerics(rows, "DDP step's local backward (before the all-reduce)") if rows else []
 

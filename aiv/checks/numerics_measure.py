@@ -125,9 +125,7 @@ def _compare(torch_mod, res, ref, scale, tol):
 
 
 def _post(torch_mod, res, ref, scale, tol):
-    out = _compare(torch_mod, res, ref, scale, tol)
-    out["digest"] = numerics_digest(torch_mod, res)
-    return out
+    return dict(_compare(torch_mod, res, ref, scale, tol), digest=numerics_digest(torch_mod, res))
 
 
 def numerics_operands(torch_mod, kind):
@@ -158,8 +156,7 @@ def numerics_measure(torch_mod, dev, kind):
     ctx = contextlib.ExitStack()
     if gpu:
         torch_mod.cuda.set_device(dev)
-        stream = torch_mod.cuda.Stream(dev)
-        ctx.enter_context(torch_mod.cuda.stream(stream))
+        ctx.enter_context(torch_mod.cuda.stream(torch_mod.cuda.Stream(dev)))
         device = torch_mod.device("cuda", dev)
     else:
         torch_mod.set_num_threads(1)  # one thread: the same kernels (and bits) on every rank
@@ -267,11 +264,7 @@ def ddp_local_grads(torch_mod, dev):
     mag = 2.0 / n * (_mm64(torch_mod, x64.abs(), w64.abs().t()) + b64.abs() + y64.abs())  # the scale of d's terms
     scale = torch_mod.cat([_mm64(torch_mod, mag.t(), x64.abs()).flatten(), mag.sum(0)])
     tf32_forced = os.environ.get("NVIDIA_TF32_OVERRIDE", "").strip() not in ("", "0")
-    tol = 4 * numerics_tolerance("ddp-grad", 16, tf32_forced)
-    got_cpu = got.cpu()
-    out = _compare(torch_mod, got_cpu, ref, scale, tol)
-    out["digest"] = numerics_digest(torch_mod, got_cpu)
-    return out
+    return _post(torch_mod, got.cpu(), ref, scale, 4 * numerics_tolerance("ddp-grad", 16, tf32_forced))
 # -- the soak's repeats: the same GPU must give the same bits every time, also hot
 class NumericsRepeat:
     """--soak: the bf16 and fp32 matmuls of the numerics check made once on the rank's device (first results
