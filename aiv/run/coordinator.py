@@ -339,13 +339,12 @@ class Naming:
 
     def fabric_hint(self):
         """What would localise a collective that every rank issued and none finished, in this run's words."""
+        rerun = "a re-run with NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection failed)"
         if (self.screen or {}).get("pairs"):
             return ("the screen's pair results (inter-node rows above: every pair of nodes measured before this "
-                    "phase), or a re-run with NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection "
-                    "failed)")
+                    f"phase), or {rerun}")
         if self.args.skip_screen:
-            return ("the network screen (a run without --skip-screen measures every pair of nodes), or a re-run with "
-                    "NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection failed)")
+            return f"the network screen (a run without --skip-screen measures every pair of nodes), or {rerun}"
         return None
 
     def own_node_live(self):
@@ -469,10 +468,9 @@ class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
         self.screen_wait("soak")
         cpu = self._kind() == "cpu"
         rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
-        soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
-                     "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
         with self.state_lock:
-            self.soak = soak
+            self.soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
+                         "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
         found = apply_strict(judge_soak(rows, cpu), self.args.strict)
         self.findings += found
         ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
@@ -503,13 +501,11 @@ class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
         return [posts[r] for r in range(self.world)]
 
     def results_gathered(self, loss_sum):
-        gathered = self.fan_in("results")
-        self.results = gathered
-        collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
-                            "ranks": self.world, "loss": loss_sum / self.world,
-                            "grads_identical": len({res["grads"] for res in gathered}) == 1}
+        gathered = self.results = self.fan_in("results")
         with self.state_lock:
-            self.collectives = collectives
+            self.collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
+                                "ranks": self.world, "loss": loss_sum / self.world,
+                                "grads_identical": len({res["grads"] for res in gathered}) == 1}
 
     def phase_final(self):
         """Judge what the collectives returned: the verdict."""
