@@ -152,18 +152,10 @@ CHECKS = (
 # table has a FAIL and a WARN column per check: a test holds them to this, and finding() refuses any other
 # level, as it refuses a check not in CHECKS. --node-check: a check that could not run through the tool's own
 # fault (usage, contract, launch, local, interrupted, manifest, internal, output) is a WARN row, the node NOT ASSESSED.
-_FW = ("FAIL", "WARN")
-CHECK_LEVELS = {
-    "usage": _FW, "contract": _FW, "launch": _FW, "local": _FW, "device": ("FAIL",),
-    "interface": ("FAIL",), "rendezvous": _FW, "world-size": ("FAIL",), "layout": ("FAIL",),
-    "gpu-affinity": ("FAIL",), "numa": ("WARN",), "versions": _FW, "imports": ("WARN",),
-    "fabric": ("WARN",), "day0": ("WARN",), "init": ("FAIL",), "telemetry": ("FAIL",), "collective": ("FAIL",),
-    "ddp": ("FAIL",), "verdict": ("FAIL",), "bandwidth": ("FAIL",), "transport": _FW,
-    "manifest": _FW, "internal": _FW, "interrupted": _FW,
-    "gpu-perf": _FW, "intra-node": _FW, "inter-node": _FW,
-    "soak": _FW, "numerics": _FW, "drain": ("WARN",), "output": _FW,
-    "gpu-count": _FW, "gpu-procs": _FW, "gpu-health": _FW,
-}
+_FAIL_ONLY = ("device", "interface", "world-size", "layout", "gpu-affinity", "init", "telemetry", "collective", "ddp",
+              "verdict", "bandwidth")
+_WARN_ONLY = ("numa", "imports", "fabric", "day0", "drain")
+CHECK_LEVELS = {c: ("FAIL",) if c in _FAIL_ONLY else ("WARN",) if c in _WARN_ONLY else ("FAIL", "WARN") for c in CHECKS}
 
 # Environment variables the report may print. Nothing else is ever echoed.
 ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "AIV_")
@@ -10514,9 +10506,8 @@ def run_base(env):
 
 
 def store_timed_out(exc):
-    """Whether `exc` is the store's own timeout (a wait that ran out of time: torch's DistStoreError 'wait
-    timeout', or TimeoutError). Nothing else is: a store that is gone, and the tool's own error, are
-    raised to the phase, which tells them apart (is_tool_error): never read as 'not arrived'."""
+    """Whether `exc` is the store's own timeout (torch's DistStoreError 'wait timeout', or TimeoutError). A store
+    that is gone, and the tool's own error, are not: raised to the phase (is_tool_error), never 'not arrived'."""
     return isinstance(exc, TimeoutError) or (type(exc).__name__ == "DistStoreError" and "timeout" in str(exc).lower())
 
 
@@ -10693,9 +10684,8 @@ class SealedStore:
 
 
 class StoreRollCall:
-    """The roll call's keys (world, who/<rank>, strays, id/<rank>, arrived, all_arrived, hello/<rank>, hellos,
-    node/<host>; StoreProtocol lists them): the world record and its run id, each rank's check-in, who
-    arrived, their identities, each node's ranks for its monitor. Mixed into StoreProtocol."""
+    """The roll call's keys (StoreProtocol lists them), mixed into StoreProtocol: the world record and its run
+    id, each rank's check-in, who arrived, their identities, each node's ranks for its monitor."""
 
     def publish_world(self, world):
         """Rank 0, before its check-in: the world size every rank is held to, and the run id."""
@@ -11079,11 +11069,11 @@ class StoreProtocol(StoreRollCall, SealedStore):
         return all(self._open(k, v) == "1" for k, v in zip(keys, self.store.multi_get(keys), strict=True))
 
     def audit(self, ranks, hosts):
-        """Rank 0, before it publishes the verdict: every value the run wrote, checked once more, so that a
-        value written from outside is found even where nobody read it after (a stamp on a passing run,
-        a screen post after its round was judged). Rank 0's own values must still be its own; each
-        rank's identity, claim and stamp, each node's liveness, and every appended list read so far
-        must unseal; a verdict key before the verdict is foreign. -> the forgeries (forgeries())."""
+        """Rank 0, before it publishes the verdict: every value the run wrote, checked once more, so that a value
+        written from outside is found even where nobody read it after (a stamp on a passing run, a screen post
+        after its round was judged). Rank 0's own values must still be its own; each rank's identity, claim and
+        stamp, each node's liveness and every appended list read so far must unseal; a verdict key before the
+        verdict is foreign. -> the forgeries (forgeries())."""
         mine = dict(self.shared["mine"])
         keys = self._existing(sorted(mine))
         for k, v in zip(keys, self._values(keys), strict=True):
@@ -11436,7 +11426,7 @@ def ras_status(host, port, seconds):
 
 
 # ============================================================================ aiv/run/background.py
-# Floor 5 (runtime): a rank's work off its main thread and its NCCL log. Background holds what a rank
+# Floor 5 (runtime): a rank's work off its main thread, each taken within a bound (Background), its NCCL log
 class Issued:
     """What this rank issued last on each of its process groups, kept in memory as it goes (cheap: a list per
     group): the collective's name, its number on that group (1, 2, ...; the group's own set-up is 0) and
@@ -11614,7 +11604,7 @@ class NcclLog:
 
 class Background:
     """A rank's work off its main thread: started at the local phase, taken by the phase that needs it,
-    each within a bound. Children (the import probe, the node monitor) are killed at exit."""
+    each within a bound, none outliving the rank: children (the import probe, the node monitor) are killed at exit."""
 
     def __init__(self):
         self.probe = None     # node leaders: the torchvision/torchaudio import probe (a child, nice 19)
@@ -12227,7 +12217,7 @@ class ScreenCoordinator:
 
 
 # ============================================================================ aiv/run/setup.py
-# Floor 5 (runtime): a rank's set-up (RankSetup, mixed into RankRun): torch's and NCCL's variables before
+# Floor 5 (runtime): a rank's set-up before the roll call and a node leader's work beside the phases
 def _torch_older_than(version):
     """Whether the torch this python would import is older than version ((major, minor)), read from its
     metadata without importing it; unknown: True (the older torch's variable is set too, at worst a warning)."""
@@ -12954,7 +12944,7 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
 
 
 # ============================================================================ aiv/run/coordinator.py
-# Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
+# Floor 5 (runtime): rank 0 (Coordinator): serves the store and holds the roll call (RollCall), judges every
 def hard_failures(broken):
     """The local failures that end the roll call at once: all but a python without torch (judge_no_torch weighs
     those once every rank checked in or failed)."""
@@ -13119,7 +13109,7 @@ class Naming:
     the state it reads (host_of, records, the screen) is the rank's."""
 
     def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
-        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
+        """The finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
         that issues collectives also from what each live rank issued last (asked at once, collected within
         ISSUED_S while the liveness settles) and, on NCCL, NCCL's own view beside ours (nccl_view_read)."""
         hosts = sorted(set(self.host_of.values()))
@@ -13267,10 +13257,8 @@ class Naming:
 
 
 class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
-    """Rank 0: serves the store, holds the roll call (RollCall), judges what each phase gathered and owns
-    the verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
-    the watchdog, the signal thread); it names who did not finish a phase (Naming: unfinished) from the
-    stamps, the node monitors' liveness and the error reports."""
+    """Rank 0: the roll call (RollCall), the judges of each phase, the naming (Naming), the verdict. conclude() is
+    the one way out, from whichever thread gets there first (the main thread, the watchdog, the signal thread)."""
 
     beats = False  # rank 0 reads its own node's ranks from /proc
 

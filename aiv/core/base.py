@@ -59,18 +59,10 @@ CHECKS = (
 # table has a FAIL and a WARN column per check: a test holds them to this, and finding() refuses any other
 # level, as it refuses a check not in CHECKS. --node-check: a check that could not run through the tool's own
 # fault (usage, contract, launch, local, interrupted, manifest, internal, output) is a WARN row, the node NOT ASSESSED.
-_FW = ("FAIL", "WARN")
-CHECK_LEVELS = {
-    "usage": _FW, "contract": _FW, "launch": _FW, "local": _FW, "device": ("FAIL",),
-    "interface": ("FAIL",), "rendezvous": _FW, "world-size": ("FAIL",), "layout": ("FAIL",),
-    "gpu-affinity": ("FAIL",), "numa": ("WARN",), "versions": _FW, "imports": ("WARN",),
-    "fabric": ("WARN",), "day0": ("WARN",), "init": ("FAIL",), "telemetry": ("FAIL",), "collective": ("FAIL",),
-    "ddp": ("FAIL",), "verdict": ("FAIL",), "bandwidth": ("FAIL",), "transport": _FW,
-    "manifest": _FW, "internal": _FW, "interrupted": _FW,
-    "gpu-perf": _FW, "intra-node": _FW, "inter-node": _FW,
-    "soak": _FW, "numerics": _FW, "drain": ("WARN",), "output": _FW,
-    "gpu-count": _FW, "gpu-procs": _FW, "gpu-health": _FW,
-}
+_FAIL_ONLY = ("device", "interface", "world-size", "layout", "gpu-affinity", "init", "telemetry", "collective", "ddp",
+              "verdict", "bandwidth")
+_WARN_ONLY = ("numa", "imports", "fabric", "day0", "drain")
+CHECK_LEVELS = {c: ("FAIL",) if c in _FAIL_ONLY else ("WARN",) if c in _WARN_ONLY else ("FAIL", "WARN") for c in CHECKS}
 
 # Environment variables the report may print. Nothing else is ever echoed.
 ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "AIV_")

@@ -1,8 +1,5 @@
-"""Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
-RollCall (mixed into Coordinator): the store served on a socket rank 0 bound itself, every rank's check-in waited
-for (the last call), what the roll call shows judged, the gate opened. Naming (mixed into Coordinator): who did not
-finish a phase, from the stamps, the node monitors' liveness, the error reports, what each live rank issued last,
-NCCL's own view beside ours; and who was already dead or frozen when a signal came (interruption)."""
+"""Floor 5 (runtime): rank 0 (Coordinator): serves the store and holds the roll call (RollCall), judges every
+phase, names who did not finish one or was already dead when a signal came (Naming), owns the verdict."""
 import contextlib
 import copy
 import errno
@@ -249,7 +246,7 @@ class Naming:
     the state it reads (host_of, records, the screen) is the rank's."""
 
     def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
-        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
+        """The finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
         that issues collectives also from what each live rank issued last (asked at once, collected within
         ISSUED_S while the liveness settles) and, on NCCL, NCCL's own view beside ours (nccl_view_read)."""
         hosts = sorted(set(self.host_of.values()))
@@ -397,10 +394,8 @@ class Naming:
 
 
 class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
-    """Rank 0: serves the store, holds the roll call (RollCall), judges what each phase gathered and owns
-    the verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
-    the watchdog, the signal thread); it names who did not finish a phase (Naming: unfinished) from the
-    stamps, the node monitors' liveness and the error reports."""
+    """Rank 0: the roll call (RollCall), the judges of each phase, the naming (Naming), the verdict. conclude() is
+    the one way out, from whichever thread gets there first (the main thread, the watchdog, the signal thread)."""
 
     beats = False  # rank 0 reads its own node's ranks from /proc
 

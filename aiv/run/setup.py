@@ -1,6 +1,5 @@
-"""Floor 5 (runtime): a rank's set-up (RankSetup, mixed into RankRun): torch's and NCCL's variables before
-torch, the local phase (torch imported with the collector paused, the local checks, the device taken, the
-node's facts), and a node leader's work beside the phases (the import probe, the node monitor, its beat)."""
+"""Floor 5 (runtime): a rank's set-up before the roll call and a node leader's work beside the phases
+(RankSetup, mixed into RankRun)."""
 import contextlib
 import gc
 import json

@@ -55,9 +55,8 @@ def run_base(env):
 
 
 def store_timed_out(exc):
-    """Whether `exc` is the store's own timeout (a wait that ran out of time: torch's DistStoreError 'wait
-    timeout', or TimeoutError). Nothing else is: a store that is gone, and the tool's own error, are
-    raised to the phase, which tells them apart (is_tool_error): never read as 'not arrived'."""
+    """Whether `exc` is the store's own timeout (torch's DistStoreError 'wait timeout', or TimeoutError). A store
+    that is gone, and the tool's own error, are not: raised to the phase (is_tool_error), never 'not arrived'."""
     return isinstance(exc, TimeoutError) or (type(exc).__name__ == "DistStoreError" and "timeout" in str(exc).lower())
 
 
@@ -234,9 +233,8 @@ class SealedStore:
 
 
 class StoreRollCall:
-    """The roll call's keys (world, who/<rank>, strays, id/<rank>, arrived, all_arrived, hello/<rank>, hellos,
-    node/<host>; StoreProtocol lists them): the world record and its run id, each rank's check-in, who
-    arrived, their identities, each node's ranks for its monitor. Mixed into StoreProtocol."""
+    """The roll call's keys (StoreProtocol lists them), mixed into StoreProtocol: the world record and its run
+    id, each rank's check-in, who arrived, their identities, each node's ranks for its monitor."""
 
     def publish_world(self, world):
         """Rank 0, before its check-in: the world size every rank is held to, and the run id."""
@@ -620,11 +618,11 @@ class StoreProtocol(StoreRollCall, SealedStore):
         return all(self._open(k, v) == "1" for k, v in zip(keys, self.store.multi_get(keys), strict=True))
 
     def audit(self, ranks, hosts):
-        """Rank 0, before it publishes the verdict: every value the run wrote, checked once more, so that a
-        value written from outside is found even where nobody read it after (a stamp on a passing run,
-        a screen post after its round was judged). Rank 0's own values must still be its own; each
-        rank's identity, claim and stamp, each node's liveness, and every appended list read so far
-        must unseal; a verdict key before the verdict is foreign. -> the forgeries (forgeries())."""
+        """Rank 0, before it publishes the verdict: every value the run wrote, checked once more, so that a value
+        written from outside is found even where nobody read it after (a stamp on a passing run, a screen post
+        after its round was judged). Rank 0's own values must still be its own; each rank's identity, claim and
+        stamp, each node's liveness and every appended list read so far must unseal; a verdict key before the
+        verdict is foreign. -> the forgeries (forgeries())."""
         mine = dict(self.shared["mine"])
         keys = self._existing(sorted(mine))
         for k, v in zip(keys, self._values(keys), strict=True):
