@@ -153,18 +153,10 @@ CHECKS = (
 # table has a FAIL and a WARN column per check: a test holds them to this, and finding() refuses any other
 # level, as it refuses a check not in CHECKS. --node-check: a check that could not run through the tool's own
 # fault (usage, contract, launch, local, interrupted, manifest, internal, output) is a WARN row, the node NOT ASSESSED.
-_FW = ("FAIL", "WARN")
-CHECK_LEVELS = {
-    "usage": _FW, "contract": _FW, "launch": _FW, "local": _FW, "device": ("FAIL",),
-    "interface": ("FAIL",), "rendezvous": _FW, "world-size": ("FAIL",), "layout": ("FAIL",),
-    "gpu-affinity": ("FAIL",), "numa": ("WARN",), "versions": _FW, "imports": ("WARN",),
-    "fabric": ("WARN",), "day0": ("WARN",), "init": ("FAIL",), "telemetry": ("FAIL",), "collective": ("FAIL",),
-    "ddp": ("FAIL",), "verdict": ("FAIL",), "bandwidth": ("FAIL",), "transport": _FW,
-    "manifest": _FW, "internal": _FW, "interrupted": _FW,
-    "gpu-perf": _FW, "intra-node": _FW, "inter-node": _FW,
-    "soak": _FW, "numerics": _FW, "drain": ("WARN",), "output": _FW,
-    "gpu-count": _FW, "gpu-procs": _FW, "gpu-health": _FW,
-}
+_FAIL_ONLY = ("device", "interface", "world-size", "layout", "gpu-affinity", "init", "telemetry", "collective", "ddp",
+              "verdict", "bandwidth")
+_WARN_ONLY = ("numa", "imports", "fabric", "day0", "drain")
+CHECK_LEVELS = {c: ("FAIL",) if c in _FAIL_ONLY else ("WARN",) if c in _WARN_ONLY else ("FAIL", "WARN") for c in CHECKS}
 
 # Environment variables the report may print. Nothing else is ever echoed.
 ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "AIV_")
@@ -268,16 +260,9 @@ def group_by(items, key, value=lambda x: x):
 
 
 def format_ranges(nums):
-    """[0,1,2,5,7,8] -> '0-2,5,7-8'."""
-    nums = sorted(set(nums))
-    out, i = [], 0
-    while i < len(nums):
-        j = i
-        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
-            j += 1
-        out.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
-        i = j + 1
-    return ",".join(out)
+    """[0,1,2,5,7,8] -> '0-2,5,7-8' (a run of consecutive numbers keeps one difference to its index)."""
+    runs = [[n for _, n in g] for _, g in itertools.groupby(enumerate(sorted(set(nums))), lambda p: p[1] - p[0])]
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def parse_ranges(text):
@@ -287,14 +272,11 @@ def parse_ranges(text):
         part = part.strip()
         if not part:
             raise ValueError("empty range")
-        if "-" in part:
-            a, b = part.split("-", 1)
-            a, b = int(a), int(b)
-            if b < a or b - a > 1_000_000:
-                raise ValueError(f"bad range {part}")
-            out.extend(range(a, b + 1))
-        else:
-            out.append(int(part))
+        a, sep, b = part.partition("-")
+        a, b = int(a), int(b) if sep else int(a)
+        if b < a or b - a > 1_000_000:
+            raise ValueError(f"bad range {part}")
+        out.extend(range(a, b + 1))
     return out
 
 
@@ -372,10 +354,7 @@ def compress_hostlist(hosts):
         if len(nums) == 1:
             out.append(f"{prefix}{str(nums[0]).zfill(width)}")
             continue
-        parts = []
-        for r in format_ranges(nums).split(","):
-            a, _, b = r.partition("-")
-            parts.append(str(int(a)).zfill(width) + (("-" + str(int(b)).zfill(width)) if b else ""))
+        parts = ("-".join(str(n).zfill(width) for n in r.split("-")) for r in format_ranges(nums).split(","))
         out.append(f"{prefix}[{','.join(parts)}]")
     return ",".join(out)
 
@@ -398,7 +377,6 @@ def human_bytes(n):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024.0
-    return str(n)
 
 
 def read_text(path, default=None, limit=65536):
@@ -461,11 +439,16 @@ def first_line(exc):
     return type(exc).__name__
 
 
+# The exceptions that can be news about the cluster: torch reports distributed, CUDA and NCCL failures as
+# RuntimeError (DistError, DistBackendError, OutOfMemoryError, AcceleratorError), the network as OSError or
+# TimeoutError. `except CLUSTER_ERRORS:` handles those and lets the tool's own error through.
+CLUSTER_ERRORS = (RuntimeError, OSError, TimeoutError, MemoryError)
+
+
 def is_tool_error(exc):
-    """An exception that says nothing about the cluster: a bug in the tool (check `internal`, exit 4, no
-    host blamed). torch reports distributed, CUDA and NCCL failures as RuntimeError (DistError,
-    DistBackendError, OutOfMemoryError, AcceleratorError), the network as OSError or TimeoutError."""
-    return not isinstance(exc, (RuntimeError, OSError, TimeoutError, MemoryError))
+    """An exception that says nothing about the cluster (none of CLUSTER_ERRORS): a bug in the tool (check
+    `internal`, exit 4, no host blamed)."""
+    return not isinstance(exc, CLUSTER_ERRORS)
 
 
 def where_raised(exc):
@@ -1005,7 +988,6 @@ def flush_all():
             stream.flush()
         except (OSError, ValueError):
             drop_stream(stream)
-
 
 
 class Findings:
@@ -10440,9 +10422,8 @@ def run_base(env):
 
 
 def store_timed_out(exc):
-    """Whether `exc` is the store's own timeout (a wait that ran out of time: torch's DistStoreError 'wait
-    timeout', or TimeoutError). Nothing else is: a store that is gone, and the tool's own error, are
-    raised to the phase, which tells them apart (is_tool_error): never read as 'not arrived'."""
+    """Whether `exc` is the store's own timeout (torch's DistStoreError 'wait timeout', or TimeoutError). A store
+    that is gone, and the tool's own error, are not: raised to the phase (is_tool_error), never 'not arrived'."""
     return isinstance(exc, TimeoutError) or (type(exc).__name__ == "DistStoreError" and "timeout" in str(exc).lower())
 
 
@@ -10552,10 +10533,11 @@ class SealedStore:
     def _append(self, key, payload):
         self.store.append(key, self.seal.seal(key, payload) + "\n")
 
-    def _open(self, key, value, default=None):
-        """The payload of a sealed value; `default` (and the forgery kept) when it does not unseal."""
+    def _open(self, key, value, default=None, read=None):
+        """The payload of a sealed value (read: value -> payload, or Forged; default unseal); `default` (and the
+        forgery kept) when it does not unseal."""
         try:
-            return self.seal.unseal(key, value)
+            return read(value) if read else self.seal.unseal(key, value)
         except Forged as e:
             self.refuse(e)
             return default
@@ -10569,16 +10551,14 @@ class SealedStore:
         return [p for p in (self._open(key, ln) for ln in lines if ln) if p is not None]
 
     def _wait_valid(self, key, seconds, read=None):
-        """Wait for `key` to hold a value that unseals (read: value -> payload, or Forged; default unseal),
-        within `seconds`. A forged value is refused and waited past: the real writer may still overwrite
-        it. TimeoutError when none came."""
-        end, read = time.monotonic() + seconds, read or (lambda v: self.seal.unseal(key, v))
+        """Wait for `key` to hold a value that unseals (read: as _open's), within `seconds`. A forged value is
+        refused and waited past: the real writer may still overwrite it. TimeoutError when none came."""
+        end = time.monotonic() + seconds
         while True:
             self._wait([key], end - time.monotonic())
-            try:
-                return read(self.store.get(key))
-            except Forged as e:
-                self.refuse(e)
+            got = self._open(key, self.store.get(key), read=read)
+            if got is not None:
+                return got
             if time.monotonic() >= end:
                 raise TimeoutError(f"{key} held no value of this run within {seconds:g}s")
             time.sleep(FORGED_POLL_S)
@@ -10620,9 +10600,8 @@ class SealedStore:
 
 
 class StoreRollCall:
-    """The roll call's keys (world, who/<rank>, strays, id/<rank>, arrived, all_arrived, hello/<rank>, hellos,
-    node/<host>; StoreProtocol lists them): the world record and its run id, each rank's check-in, who
-    arrived, their identities, each node's ranks for its monitor. Mixed into StoreProtocol."""
+    """The roll call's keys (StoreProtocol lists them), mixed into StoreProtocol: the world record and its run
+    id, each rank's check-in, who arrived, their identities, each node's ranks for its monitor."""
 
     def publish_world(self, world):
         """Rank 0, before its check-in: the world size every rank is held to, and the run id."""
@@ -10641,13 +10620,8 @@ class StoreRollCall:
 
     def _world(self):
         """The world record if there is one that unseals (a forged one is refused), else None; never waits."""
-        if not self.store.check(["world"]):
-            return None
-        try:
-            return self.read_world(self.store.get("world"))
-        except Forged as e:
-            self.refuse(e)
-            return None
+        has = self.store.check(["world"])
+        return self._open("world", self.store.get("world"), read=self.read_world) if has else None
 
     def adopt_run(self):
         """Before its check-in (an error, a signal): take the run id from the world record, if there is one
@@ -10730,18 +10704,14 @@ class StoreRollCall:
 
     def identities(self, ranks):
         """The identities of `ranks` that unseal (a forged one is kept in `forged`, not returned)."""
-        if not ranks:
-            return []
-        vals = self.store.multi_get([f"id/{r}" for r in ranks])
+        vals = self._values([f"id/{r}" for r in ranks])
         out = [self._open(f"id/{r}", v) for r, v in zip(ranks, vals, strict=True)]
         return [json.loads(p) for p in out if p is not None]
 
     def prepare(self, records):
         """Rank 0, before the go: each node's ranks and PIDs, empty liveness and error keys (so that
         no later read waits on a key that was never written)."""
-        nodes = {}
-        for rec in records:
-            nodes.setdefault(rec["host"], []).append([rec["rank"], rec["pid"], rec.get("pid_start")])
+        nodes = group_by(records, lambda rec: rec["host"], lambda rec: [rec["rank"], rec["pid"], rec.get("pid_start")])
         self._multi_set([f"node/{h}" for h in nodes] + [f"live/{h}" for h in nodes],
                         [json.dumps(v) for v in nodes.values()] + ["{}"] * len(nodes))
         self.store.multi_set([f"beat/{h}" for h in nodes], ["0"] * len(nodes))
@@ -10804,10 +10774,8 @@ class StoreProtocol(StoreRollCall, SealedStore):
     def open(cls, dist, addr, port, timeout, prefix, listen_fd=None, seal=None):
         """Serve the store on a socket rank 0 bound itself (listen_fd), or connect to it."""
         t = datetime.timedelta(seconds=timeout)
-        if listen_fd is None:
-            raw = dist.TCPStore(addr, port, None, False, t)
-        else:
-            raw = store_server(dist, addr, port, t, listen_fd)
+        raw = store_server(dist, addr, port, t, listen_fd) if listen_fd is not None else \
+            dist.TCPStore(addr, port, None, False, t)
         p = cls(dist.PrefixStore(prefix, raw), raw, prefix, seal)
         p.dial = lambda: dist.PrefixStore(prefix, dist.TCPStore(addr, port, None, False, t))
         return p
@@ -10855,13 +10823,12 @@ class StoreProtocol(StoreRollCall, SealedStore):
         return {h: int(v) if (v := got.get(f"beat/{h}", b"0")).isdigit() else 0 for h in hosts}
 
     def settled_live(self, hosts, budget):
-        """Liveness once every node has posted after this call (or its ranks are all gone), within
-        `budget` seconds. -> ({rank: state}, silent, quiet). silent: nodes whose monitor posted nothing in the
-        window (it stopped, or never posted since the go) and whose leader rank's beat did not move either:
-        monitor and ranks silent, unreachable. quiet: nodes whose monitor posted nothing in the window while
-        their leader still beats: the tool's own monitor slow or stopped, never evidence against the node.
-        (A node whose monitor never posted and whose leader never beat is silent: the ranks on the other
-        nodes, hung behind it, must not be named in its place.)"""
+        """Liveness once every node has posted after this call (or its ranks are all gone), within `budget`
+        seconds. -> ({rank: state}, silent, quiet). silent: nodes whose monitor posted nothing in the window (it
+        stopped, or never posted since the go) and whose leader's beat did not move either (or never beat):
+        unreachable, so that the ranks on other nodes, hung behind it, are not named in its place. quiet: the
+        monitor silent while the leader still beats: the tool's own monitor slow or stopped, never evidence
+        against the node."""
         first, beats, end = self.live(hosts), self.beats(hosts), time.monotonic() + budget
         while True:
             cur = self.live(hosts)
@@ -10968,10 +10935,9 @@ class StoreProtocol(StoreRollCall, SealedStore):
         out = {}
         for e in map(json.loads, self._lines("errors")):
             entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False, "internal": False,
-                                                    "phase": e.get("phase"), "host": e.get("host"),
-                                                    "code": e.get("code")})
-            entry["term"] = entry["term"] or bool(e.get("term"))
-            entry["internal"] = entry["internal"] or bool(e.get("internal"))
+                                                    **{k: e.get(k) for k in ("phase", "host", "code")}})
+            for k in ("term", "internal"):
+                entry[k] = entry[k] or bool(e.get(k))
         return out
 
     def post_deciding(self):
@@ -11019,11 +10985,11 @@ class StoreProtocol(StoreRollCall, SealedStore):
         return all(self._open(k, v) == "1" for k, v in zip(keys, self.store.multi_get(keys), strict=True))
 
     def audit(self, ranks, hosts):
-        """Rank 0, before it publishes the verdict: every value the run wrote, checked once more, so that a
-        value written from outside is found even where nobody read it after (a stamp on a passing run,
-        a screen post after its round was judged). Rank 0's own values must still be its own; each
-        rank's identity, claim and stamp, each node's liveness, and every appended list read so far
-        must unseal; a verdict key before the verdict is foreign. -> the forgeries (forgeries())."""
+        """Rank 0, before it publishes the verdict: every value the run wrote, checked once more, so that a value
+        written from outside is found even where nobody read it after (a stamp on a passing run, a screen post
+        after its round was judged). Rank 0's own values must still be its own; each rank's identity, claim and
+        stamp, each node's liveness and every appended list read so far must unseal; a verdict key before the
+        verdict is foreign. -> the forgeries (forgeries())."""
         mine = dict(self.shared["mine"])
         keys = self._existing(sorted(mine))
         for k, v in zip(keys, self._values(keys), strict=True):
@@ -11133,17 +11099,13 @@ def say_hello(addr, port, prefix, rank, host, stop, seconds, retry_s):
     passed. -> whether it was said."""
     end = time.monotonic() + seconds
     while not stop.is_set() and time.monotonic() < end:
-        store = None
         try:
-            store = LightStore(addr, port, prefix, min(1.0, max(0.1, end - time.monotonic())))
-            store.set(f"hello/{rank}", host)
-            store.add("hellos", 1)
+            with contextlib.closing(LightStore(addr, port, prefix, min(1.0, max(0.1, end - time.monotonic())))) as s:
+                s.set(f"hello/{rank}", host)
+                s.add("hellos", 1)
             return True
         except (OSError, struct.error, ValueError):
             stop.wait(retry_s)
-        finally:
-            if store is not None:
-                store.close()
     return False
 
 
@@ -11153,23 +11115,18 @@ def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds, code
     roll call at once (naming this host, or nobody for the tool's own error) rather than waiting out the roll
     call. -> whether the report was posted (the store and rank 0's world record answered within `seconds`)."""
     end = time.monotonic() + seconds
-    store = None
     try:
-        store = LightStore(addr, port, prefix, max(0.5, seconds))
-        seal = Seal(job_secret(os.environ), run_base(os.environ))
-        proto = StoreProtocol(store, seal=seal)
-        while not proto.adopt_run():  # rank 0 publishes the world record (the run id) as its store opens
-            if time.monotonic() >= end:
-                return False
-            time.sleep(0.2)
-        proto.report_error(rank, "local", line, code, internal=internal, host=host)
-        proto.wake_roll_call("local")
-        return True
+        with contextlib.closing(LightStore(addr, port, prefix, max(0.5, seconds))) as store:
+            proto = StoreProtocol(store, seal=Seal(job_secret(os.environ), run_base(os.environ)))
+            while not proto.adopt_run():  # rank 0 publishes the world record (the run id) as its store opens
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(0.2)
+            proto.report_error(rank, "local", line, code, internal=internal, host=host)
+            proto.wake_roll_call("local")
+            return True
     except (OSError, struct.error, ValueError):
         return False
-    finally:
-        if store is not None:
-            store.close()
 
 
 def monitor_store(cfg, wait_s):
@@ -11385,7 +11342,7 @@ def ras_status(host, port, seconds):
 
 
 # ============================================================================ aiv/run/background.py
-# Floor 5 (runtime): a rank's work off its main thread and its NCCL log. Background holds what a rank
+# Floor 5 (runtime): a rank's work off its main thread, each taken within a bound (Background), its NCCL log
 class Issued:
     """What this rank issued last on each of its process groups, kept in memory as it goes (cheap: a list per
     group): the collective's name, its number on that group (1, 2, ...; the group's own set-up is 0) and
@@ -11563,7 +11520,7 @@ class NcclLog:
 
 class Background:
     """A rank's work off its main thread: started at the local phase, taken by the phase that needs it,
-    each within a bound. Children (the import probe, the node monitor) are killed at exit."""
+    each within a bound, none outliving the rank: children (the import probe, the node monitor) are killed at exit."""
 
     def __init__(self):
         self.probe = None     # node leaders: the torchvision/torchaudio import probe (a child, nice 19)
@@ -12176,7 +12133,7 @@ class ScreenCoordinator:
 
 
 # ============================================================================ aiv/run/setup.py
-# Floor 5 (runtime): a rank's set-up (RankSetup, mixed into RankRun): torch's and NCCL's variables before
+# Floor 5 (runtime): a rank's set-up before the roll call and a node leader's work beside the phases
 def _torch_older_than(version):
     """Whether the torch this python would import is older than version ((major, minor)), read from its
     metadata without importing it; unknown: True (the older torch's variable is set too, at worst a warning)."""
@@ -12351,9 +12308,7 @@ class RankSetup:
             torch.cuda.set_device(dev)
             self.device = dev
             return collect_gpu(torch, dev, self.args.sysfs_root)
-        except Exception as e:
-            if is_tool_error(e):  # the tool's own error: `internal`, never this GPU's fault
-                raise
+        except CLUSTER_ERRORS as e:  # the tool's own error is raised: `internal`, never this GPU's fault
             out.append(finding("device", "FAIL", f"{who}: cuda:{dev} unusable: {first_line(e)}", [self.host]))
             return None
 
@@ -12361,8 +12316,10 @@ class RankSetup:
         try:
             count = self.torch.cuda.device_count() if self.backend == "nccl" else 0
             box["facts"] = collect_node_facts(self.args.sysfs_root, self.torch, self.backend, count, self.env)
-        except Exception as e:
-            box["internal" if is_tool_error(e) else "error"] = e if is_tool_error(e) else first_line(e)
+        except CLUSTER_ERRORS as e:
+            box["error"] = first_line(e)
+        except Exception as e:  # the tool's own error: raised where the facts are taken (node_facts)
+            box["internal"] = e
 
     def import_results(self, wait_s=None):
         """Node leaders: the torchvision/torchaudio probe started at launch (usually done by now); taken once
@@ -12409,14 +12366,11 @@ class RankSetup:
         the monitor's posts, the second sign that the node reaches the store: a node is unreachable only
         when both stop (settled_live). A store that went away ends it quietly (the run is ending, or rank 0
         is gone, which the phases name); the tool's own error is raised (helper: said in the report)."""
-        try:
+        with contextlib.suppress(*CLUSTER_ERRORS):
             client = self.proto.clone()
             while True:
                 client.beat(self.host)
                 time.sleep(period)
-        except Exception as e:
-            if is_tool_error(e):
-                raise
 
 
 
@@ -12743,9 +12697,7 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
         except BoundPassed:
             raise failed("rendezvous", f"rank {self.rank} ({self.host}): {self.unanswered(R)}", EXIT_TIMEOUT,
                          [self.host]) from None
-        except Exception as e:
-            if is_tool_error(e):
-                raise
+        except CLUSTER_ERRORS as e:
             raise failed("rendezvous", f"rank {self.rank} ({self.host}) cannot reach the "
                          f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
                          f"{first_line(e)}", EXIT_TIMEOUT, [self.host]) from None
@@ -12908,7 +12860,7 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
 
 
 # ============================================================================ aiv/run/coordinator.py
-# Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
+# Floor 5 (runtime): rank 0 (Coordinator): serves the store and holds the roll call (RollCall), judges every
 def hard_failures(broken):
     """The local failures that end the roll call at once: all but a python without torch (judge_no_torch weighs
     those once every rank checked in or failed)."""
@@ -13073,7 +13025,7 @@ class Naming:
     the state it reads (host_of, records, the screen) is the rank's."""
 
     def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
-        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
+        """The finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
         that issues collectives also from what each live rank issued last (asked at once, collected within
         ISSUED_S while the liveness settles) and, on NCCL, NCCL's own view beside ours (nccl_view_read)."""
         hosts = sorted(set(self.host_of.values()))
@@ -13163,13 +13115,12 @@ class Naming:
 
     def fabric_hint(self):
         """What would localise a collective that every rank issued and none finished, in this run's words."""
+        rerun = "a re-run with NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection failed)"
         if (self.screen or {}).get("pairs"):
             return ("the screen's pair results (inter-node rows above: every pair of nodes measured before this "
-                    "phase), or a re-run with NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection "
-                    "failed)")
+                    f"phase), or {rerun}")
         if self.args.skip_screen:
-            return ("the network screen (a run without --skip-screen measures every pair of nodes), or a re-run with "
-                    "NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection failed)")
+            return f"the network screen (a run without --skip-screen measures every pair of nodes), or {rerun}"
         return None
 
     def own_node_live(self):
@@ -13222,10 +13173,8 @@ class Naming:
 
 
 class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
-    """Rank 0: serves the store, holds the roll call (RollCall), judges what each phase gathered and owns
-    the verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
-    the watchdog, the signal thread); it names who did not finish a phase (Naming: unfinished) from the
-    stamps, the node monitors' liveness and the error reports."""
+    """Rank 0: the roll call (RollCall), the judges of each phase, the naming (Naming), the verdict. conclude() is
+    the one way out, from whichever thread gets there first (the main thread, the watchdog, the signal thread)."""
 
     beats = False  # rank 0 reads its own node's ranks from /proc
 
@@ -13293,10 +13242,9 @@ class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
         self.screen_wait("soak")
         cpu = self._kind() == "cpu"
         rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
-        soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
-                     "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
         with self.state_lock:
-            self.soak = soak
+            self.soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
+                         "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
         found = apply_strict(judge_soak(rows, cpu), self.args.strict)
         self.findings += found
         ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
@@ -13327,13 +13275,11 @@ class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
         return [posts[r] for r in range(self.world)]
 
     def results_gathered(self, loss_sum):
-        gathered = self.fan_in("results")
-        self.results = gathered
-        collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
-                            "ranks": self.world, "loss": loss_sum / self.world,
-                            "grads_identical": len({res["grads"] for res in gathered}) == 1}
+        gathered = self.results = self.fan_in("results")
         with self.state_lock:
-            self.collectives = collectives
+            self.collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
+                                "ranks": self.world, "loss": loss_sum / self.world,
+                                "grads_identical": len({res["grads"] for res in gathered}) == 1}
 
     def phase_final(self):
         """Judge what the collectives returned: the verdict."""
@@ -13561,12 +13507,9 @@ class Follower(ScreenFollower, RankRun):
         (a phase did not finish), post what this rank issued last (answer); then exit with the verdict."""
         client = self.proto.clone()
         end = time.monotonic() + worst_case(self.D, True, soak=bool(self.args.soak)) + RANK0_GRACE
-        try:
+        with contextlib.suppress(*CLUSTER_ERRORS):  # a store that went away or timed out: the verdict's wait says so
             if client.wait_ask(end - time.monotonic()) == "ask":
                 self.answer(client)
-        except Exception as e:  # a store that went away or timed out: the verdict's wait below says so
-            if is_tool_error(e):
-                raise
         self.exit(self.verdict_within(client, max(0.001, end - time.monotonic())))
 
     def answer(self, client):
@@ -13586,9 +13529,7 @@ class Follower(ScreenFollower, RankRun):
         (lost_rank0); the tool's own error is raised as it is (`internal`, no host blamed)."""
         try:
             return self.take_verdict(client, seconds)
-        except Exception as e:
-            if is_tool_error(e):
-                raise
+        except CLUSTER_ERRORS as e:
             code = self.verdict_of_deciding(client) if store_timed_out(e) else None
             if code is not None:
                 return code
@@ -13605,9 +13546,7 @@ class Follower(ScreenFollower, RankRun):
             if not within(client.deciding, STORE_OP_S, "reading rank 0's deciding mark"):
                 return None
             return self.take_verdict(client, VERDICT_S)
-        except Exception as e:
-            if is_tool_error(e):
-                raise
+        except CLUSTER_ERRORS:
             return None
 
     def take_verdict(self, client, seconds):
@@ -14814,7 +14753,6 @@ def run_verify_log(args, argv=()):
     emit(f"verify-log: {'PASS' if ok else 'FAIL'} {args.verify_log} world_size={facts.get('world_size')} "
          f"nodes={facts.get('nodes')} torch={facts.get('torch')}")
     return EXIT_PASS if ok else EXIT_FAIL
-
 
 
 def main(argv=None):

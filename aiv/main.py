@@ -122,7 +122,6 @@ def run_verify_log(args, argv=()):
     return EXIT_PASS if ok else EXIT_FAIL
 
 
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     guard_std_streams()  # a closed stdout or stderr: the lines go nowhere, the verdict and the files stay

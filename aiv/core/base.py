@@ -1,6 +1,7 @@
 """Floor 1: the tool's constants and stable names (CHECKS, exit codes), findings and verdict codes,
 hostlists and ranges, and the one idiom for the tool's own errors (no host blamed)."""
 import contextlib
+import itertools
 import os
 import re
 import sys
@@ -58,18 +59,10 @@ CHECKS = (
 # table has a FAIL and a WARN column per check: a test holds them to this, and finding() refuses any other
 # level, as it refuses a check not in CHECKS. --node-check: a check that could not run through the tool's own
 # fault (usage, contract, launch, local, interrupted, manifest, internal, output) is a WARN row, the node NOT ASSESSED.
-_FW = ("FAIL", "WARN")
-CHECK_LEVELS = {
-    "usage": _FW, "contract": _FW, "launch": _FW, "local": _FW, "device": ("FAIL",),
-    "interface": ("FAIL",), "rendezvous": _FW, "world-size": ("FAIL",), "layout": ("FAIL",),
-    "gpu-affinity": ("FAIL",), "numa": ("WARN",), "versions": _FW, "imports": ("WARN",),
-    "fabric": ("WARN",), "day0": ("WARN",), "init": ("FAIL",), "telemetry": ("FAIL",), "collective": ("FAIL",),
-    "ddp": ("FAIL",), "verdict": ("FAIL",), "bandwidth": ("FAIL",), "transport": _FW,
-    "manifest": _FW, "internal": _FW, "interrupted": _FW,
-    "gpu-perf": _FW, "intra-node": _FW, "inter-node": _FW,
-    "soak": _FW, "numerics": _FW, "drain": ("WARN",), "output": _FW,
-    "gpu-count": _FW, "gpu-procs": _FW, "gpu-health": _FW,
-}
+_FAIL_ONLY = ("device", "interface", "world-size", "layout", "gpu-affinity", "init", "telemetry", "collective", "ddp",
+              "verdict", "bandwidth")
+_WARN_ONLY = ("numa", "imports", "fabric", "day0", "drain")
+CHECK_LEVELS = {c: ("FAIL",) if c in _FAIL_ONLY else ("WARN",) if c in _WARN_ONLY else ("FAIL", "WARN") for c in CHECKS}
 
 # Environment variables the report may print. Nothing else is ever echoed.
 ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "AIV_")
@@ -173,16 +166,9 @@ def group_by(items, key, value=lambda x: x):
 
 
 def format_ranges(nums):
-    """[0,1,2,5,7,8] -> '0-2,5,7-8'."""
-    nums = sorted(set(nums))
-    out, i = [], 0
-    while i < len(nums):
-        j = i
-        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
-            j += 1
-        out.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
-        i = j + 1
-    return ",".join(out)
+    """[0,1,2,5,7,8] -> '0-2,5,7-8' (a run of consecutive numbers keeps one difference to its index)."""
+    runs = [[n for _, n in g] for _, g in itertools.groupby(enumerate(sorted(set(nums))), lambda p: p[1] - p[0])]
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def parse_ranges(text):
@@ -192,14 +178,11 @@ def parse_ranges(text):
         part = part.strip()
         if not part:
             raise ValueError("empty range")
-        if "-" in part:
-            a, b = part.split("-", 1)
-            a, b = int(a), int(b)
-            if b < a or b - a > 1_000_000:
-                raise ValueError(f"bad range {part}")
-            out.extend(range(a, b + 1))
-        else:
-            out.append(int(part))
+        a, sep, b = part.partition("-")
+        a, b = int(a), int(b) if sep else int(a)
+        if b < a or b - a > 1_000_000:
+            raise ValueError(f"bad range {part}")
+        out.extend(range(a, b + 1))
     return out
 
 
@@ -277,10 +260,7 @@ def compress_hostlist(hosts):
         if len(nums) == 1:
             out.append(f"{prefix}{str(nums[0]).zfill(width)}")
             continue
-        parts = []
-        for r in format_ranges(nums).split(","):
-            a, _, b = r.partition("-")
-            parts.append(str(int(a)).zfill(width) + (("-" + str(int(b)).zfill(width)) if b else ""))
+        parts = ("-".join(str(n).zfill(width) for n in r.split("-")) for r in format_ranges(nums).split(","))
         out.append(f"{prefix}[{','.join(parts)}]")
     return ",".join(out)
 
@@ -303,7 +283,6 @@ def human_bytes(n):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024.0
-    return str(n)
 
 
 def read_text(path, default=None, limit=65536):
@@ -366,11 +345,16 @@ def first_line(exc):
     return type(exc).__name__
 
 
+# The exceptions that can be news about the cluster: torch reports distributed, CUDA and NCCL failures as
+# RuntimeError (DistError, DistBackendError, OutOfMemoryError, AcceleratorError), the network as OSError or
+# TimeoutError. `except CLUSTER_ERRORS:` handles those and lets the tool's own error through.
+CLUSTER_ERRORS = (RuntimeError, OSError, TimeoutError, MemoryError)
+
+
 def is_tool_error(exc):
-    """An exception that says nothing about the cluster: a bug in the tool (check `internal`, exit 4, no
-    host blamed). torch reports distributed, CUDA and NCCL failures as RuntimeError (DistError,
-    DistBackendError, OutOfMemoryError, AcceleratorError), the network as OSError or TimeoutError."""
-    return not isinstance(exc, (RuntimeError, OSError, TimeoutError, MemoryError))
+    """An exception that says nothing about the cluster (none of CLUSTER_ERRORS): a bug in the tool (check
+    `internal`, exit 4, no host blamed)."""
+    return not isinstance(exc, CLUSTER_ERRORS)
 
 
 def where_raised(exc):

@@ -62,7 +62,6 @@ def flush_all():
             drop_stream(stream)
 
 
-
 class Findings:
     """The run's findings, one owner. The phases add to it (+=, append) and read it (iteration, code()),
     every call under one lock; the verdict, given by whichever thread concludes first (the main thread,

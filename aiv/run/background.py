@@ -1,9 +1,5 @@
-"""Floor 5 (runtime): a rank's work off its main thread and its NCCL log. Background holds what a rank
-starts early and takes when a phase needs it (the node's import probe and monitor, the node's facts and
-nvidia-smi, the GPU screen's measurement, DDP's lazy imports), each taken within a bound, none outliving
-the rank. NcclLog holds NCCL's INFO lines in a private per-rank file: the transport it chose, the HCAs
-of a pair round, its WARN lines relayed once at exit. Issued keeps what the rank issued last on each of
-its process groups, for rank 0's question when a phase does not finish."""
+"""Floor 5 (runtime): a rank's work off its main thread, each taken within a bound (Background), its NCCL log
+(NcclLog), and what it issued last on each of its process groups, for rank 0's question (Issued)."""
 import contextlib
 import json
 import os
@@ -205,7 +201,7 @@ class NcclLog:
 
 class Background:
     """A rank's work off its main thread: started at the local phase, taken by the phase that needs it,
-    each within a bound. Children (the import probe, the node monitor) are killed at exit."""
+    each within a bound, none outliving the rank: children (the import probe, the node monitor) are killed at exit."""
 
     def __init__(self):
         self.probe = None     # node leaders: the torchvision/torchaudio import probe (a child, nice 19)

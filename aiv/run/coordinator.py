@@ -1,8 +1,5 @@
-"""Floor 5 (runtime): rank 0: serves the store, holds the roll call, judges every phase, owns the verdict.
-RollCall (mixed into Coordinator): the store served on a socket rank 0 bound itself, every rank's check-in waited
-for (the last call), what the roll call shows judged, the gate opened. Naming (mixed into Coordinator): who did not
-finish a phase, from the stamps, the node monitors' liveness, the error reports, what each live rank issued last,
-NCCL's own view beside ours; and who was already dead or frozen when a signal came (interruption)."""
+"""Floor 5 (runtime): rank 0 (Coordinator): serves the store and holds the roll call (RollCall), judges every
+phase, names who did not finish one or was already dead when a signal came (Naming), owns the verdict."""
 import contextlib
 import copy
 import errno
@@ -249,7 +246,7 @@ class Naming:
     the state it reads (host_of, records, the screen) is the rank's."""
 
     def unfinished(self, phase, client, cause, code=EXIT_TIMEOUT, budget=NAMING_S - 1):
-        """Rank 0: the finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
+        """The finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
         that issues collectives also from what each live rank issued last (asked at once, collected within
         ISSUED_S while the liveness settles) and, on NCCL, NCCL's own view beside ours (nccl_view_read)."""
         hosts = sorted(set(self.host_of.values()))
@@ -339,13 +336,12 @@ class Naming:
 
     def fabric_hint(self):
         """What would localise a collective that every rank issued and none finished, in this run's words."""
+        rerun = "a re-run with NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection failed)"
         if (self.screen or {}).get("pairs"):
             return ("the screen's pair results (inter-node rows above: every pair of nodes measured before this "
-                    "phase), or a re-run with NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection "
-                    "failed)")
+                    f"phase), or {rerun}")
         if self.args.skip_screen:
-            return ("the network screen (a run without --skip-screen measures every pair of nodes), or a re-run with "
-                    "NCCL_DEBUG=INFO (NCCL's WARN lines name the peer whose connection failed)")
+            return f"the network screen (a run without --skip-screen measures every pair of nodes), or {rerun}"
         return None
 
     def own_node_live(self):
@@ -398,10 +394,8 @@ class Naming:
 
 
 class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
-    """Rank 0: serves the store, holds the roll call (RollCall), judges what each phase gathered and owns
-    the verdict. conclude() is the one way out, from whichever thread gets there first (the main thread,
-    the watchdog, the signal thread); it names who did not finish a phase (Naming: unfinished) from the
-    stamps, the node monitors' liveness and the error reports."""
+    """Rank 0: the roll call (RollCall), the judges of each phase, the naming (Naming), the verdict. conclude() is
+    the one way out, from whichever thread gets there first (the main thread, the watchdog, the signal thread)."""
 
     beats = False  # rank 0 reads its own node's ranks from /proc
 
@@ -469,10 +463,9 @@ class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
         self.screen_wait("soak")
         cpu = self._kind() == "cpu"
         rows = soak_rows(self.records, self.proto.screen_posts("soak"), cpu)
-        soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
-                     "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
         with self.state_lock:
-            self.soak = soak
+            self.soak = {"seconds": self.args.soak, "cpu": cpu, "dtype": row.get("dtype"),
+                         "n": SCREEN_MATMUL_N[self._kind()], "gpus": rows}
         found = apply_strict(judge_soak(rows, cpu), self.args.strict)
         self.findings += found
         ratios = [r["tflops_last"] / r["tflops_first"] for r in rows if r.get("tflops_first") and
@@ -503,13 +496,11 @@ class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
         return [posts[r] for r in range(self.world)]
 
     def results_gathered(self, loss_sum):
-        gathered = self.fan_in("results")
-        self.results = gathered
-        collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
-                            "ranks": self.world, "loss": loss_sum / self.world,
-                            "grads_identical": len({res["grads"] for res in gathered}) == 1}
+        gathered = self.results = self.fan_in("results")
         with self.state_lock:
-            self.collectives = collectives
+            self.collectives = {"ar_sum": gathered[0]["ar_sum"], "ar_expected": self.world * (self.world + 1) // 2,
+                                "ranks": self.world, "loss": loss_sum / self.world,
+                                "grads_identical": len({res["grads"] for res in gathered}) == 1}
 
     def phase_final(self):
         """Judge what the collectives returned: the verdict."""

@@ -8,6 +8,7 @@ import time
 
 from ..checks.judge import judge_forged
 from ..core.base import (
+    CLUSTER_ERRORS,
     EXIT_FAIL,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
@@ -109,12 +110,9 @@ class Follower(ScreenFollower, RankRun):
         (a phase did not finish), post what this rank issued last (answer); then exit with the verdict."""
         client = self.proto.clone()
         end = time.monotonic() + worst_case(self.D, True, soak=bool(self.args.soak)) + RANK0_GRACE
-        try:
+        with contextlib.suppress(*CLUSTER_ERRORS):  # a store that went away or timed out: the verdict's wait says so
             if client.wait_ask(end - time.monotonic()) == "ask":
                 self.answer(client)
-        except Exception as e:  # a store that went away or timed out: the verdict's wait below says so
-            if is_tool_error(e):
-                raise
         self.exit(self.verdict_within(client, max(0.001, end - time.monotonic())))
 
     def answer(self, client):
@@ -134,9 +132,7 @@ class Follower(ScreenFollower, RankRun):
         (lost_rank0); the tool's own error is raised as it is (`internal`, no host blamed)."""
         try:
             return self.take_verdict(client, seconds)
-        except Exception as e:
-            if is_tool_error(e):
-                raise
+        except CLUSTER_ERRORS as e:
             code = self.verdict_of_deciding(client) if store_timed_out(e) else None
             if code is not None:
                 return code
@@ -153,9 +149,7 @@ class Follower(ScreenFollower, RankRun):
             if not within(client.deciding, STORE_OP_S, "reading rank 0's deciding mark"):
                 return None
             return self.take_verdict(client, VERDICT_S)
-        except Exception as e:
-            if is_tool_error(e):
-                raise
+        except CLUSTER_ERRORS:
             return None
 
     def take_verdict(self, client, seconds):

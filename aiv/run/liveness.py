@@ -106,17 +106,13 @@ def say_hello(addr, port, prefix, rank, host, stop, seconds, retry_s):
     passed. -> whether it was said."""
     end = time.monotonic() + seconds
     while not stop.is_set() and time.monotonic() < end:
-        store = None
         try:
-            store = LightStore(addr, port, prefix, min(1.0, max(0.1, end - time.monotonic())))
-            store.set(f"hello/{rank}", host)
-            store.add("hellos", 1)
+            with contextlib.closing(LightStore(addr, port, prefix, min(1.0, max(0.1, end - time.monotonic())))) as s:
+                s.set(f"hello/{rank}", host)
+                s.add("hellos", 1)
             return True
         except (OSError, struct.error, ValueError):
             stop.wait(retry_s)
-        finally:
-            if store is not None:
-                store.close()
     return False
 
 
@@ -126,23 +122,18 @@ def tell_rank0_without_torch(addr, port, prefix, rank, host, line, seconds, code
     roll call at once (naming this host, or nobody for the tool's own error) rather than waiting out the roll
     call. -> whether the report was posted (the store and rank 0's world record answered within `seconds`)."""
     end = time.monotonic() + seconds
-    store = None
     try:
-        store = LightStore(addr, port, prefix, max(0.5, seconds))
-        seal = Seal(job_secret(os.environ), run_base(os.environ))
-        proto = StoreProtocol(store, seal=seal)
-        while not proto.adopt_run():  # rank 0 publishes the world record (the run id) as its store opens
-            if time.monotonic() >= end:
-                return False
-            time.sleep(0.2)
-        proto.report_error(rank, "local", line, code, internal=internal, host=host)
-        proto.wake_roll_call("local")
-        return True
+        with contextlib.closing(LightStore(addr, port, prefix, max(0.5, seconds))) as store:
+            proto = StoreProtocol(store, seal=Seal(job_secret(os.environ), run_base(os.environ)))
+            while not proto.adopt_run():  # rank 0 publishes the world record (the run id) as its store opens
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(0.2)
+            proto.report_error(rank, "local", line, code, internal=internal, host=host)
+            proto.wake_roll_call("local")
+            return True
     except (OSError, struct.error, ValueError):
         return False
-    finally:
-        if store is not None:
-            store.close()
 
 
 def monitor_store(cfg, wait_s):

@@ -10,6 +10,7 @@ import time
 from ..checks.hang import group_key
 from ..checks.numerics_measure import ddp_local_grads, rank_numerics
 from ..core.base import (
+    CLUSTER_ERRORS,
     EXIT_FAIL,
     EXIT_INTERNAL,
     EXIT_TIMEOUT,
@@ -19,7 +20,6 @@ from ..core.base import (
     first_line,
     human_bytes,
     internal_finding,
-    is_tool_error,
     print_traceback,
 )
 from ..core.bounds import BoundPassed, Watchdog, within
@@ -152,9 +152,7 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
         except BoundPassed:
             raise failed("rendezvous", f"rank {self.rank} ({self.host}): {self.unanswered(R)}", EXIT_TIMEOUT,
                          [self.host]) from None
-        except Exception as e:
-            if is_tool_error(e):
-                raise
+        except CLUSTER_ERRORS as e:
             raise failed("rendezvous", f"rank {self.rank} ({self.host}) cannot reach the "
                          f"{'master' if serve else 'torchrun agent store at'} {self.addr}:{self.port}: "
                          f"{first_line(e)}", EXIT_TIMEOUT, [self.host]) from None

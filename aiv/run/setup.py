@@ -1,6 +1,5 @@
-"""Floor 5 (runtime): a rank's set-up (RankSetup, mixed into RankRun): torch's and NCCL's variables before
-torch, the local phase (torch imported with the collector paused, the local checks, the device taken, the
-node's facts), and a node leader's work beside the phases (the import probe, the node monitor, its beat)."""
+"""Floor 5 (runtime): a rank's set-up before the roll call and a node leader's work beside the phases
+(RankSetup, mixed into RankRun)."""
 import contextlib
 import gc
 import json
@@ -26,7 +25,7 @@ from ..checks.collect import (
 )
 from ..checks.interfaces import check_interfaces, gloo_address, list_interfaces
 from ..checks.judge import judge_no_torch
-from ..core.base import EXIT_FAIL, EXIT_USAGE, Verdict, failed, finding, first_line, format_ranges, is_tool_error
+from ..core.base import CLUSTER_ERRORS, EXIT_FAIL, EXIT_USAGE, Verdict, failed, finding, first_line, format_ranges
 from ..core.deadlines import HELLO_RETRY_S, IMPORT_PROBE_S, live_period, worst_case
 from ..launch.contract import launcher_store, under_torchrun
 from ..screen.measure import start_node_smi, start_screen_gpu
@@ -209,9 +208,7 @@ class RankSetup:
             torch.cuda.set_device(dev)
             self.device = dev
             return collect_gpu(torch, dev, self.args.sysfs_root)
-        except Exception as e:
-            if is_tool_error(e):  # the tool's own error: `internal`, never this GPU's fault
-                raise
+        except CLUSTER_ERRORS as e:  # the tool's own error is raised: `internal`, never this GPU's fault
             out.append(finding("device", "FAIL", f"{who}: cuda:{dev} unusable: {first_line(e)}", [self.host]))
             return None
 
@@ -219,8 +216,10 @@ class RankSetup:
         try:
             count = self.torch.cuda.device_count() if self.backend == "nccl" else 0
             box["facts"] = collect_node_facts(self.args.sysfs_root, self.torch, self.backend, count, self.env)
-        except Exception as e:
-            box["internal" if is_tool_error(e) else "error"] = e if is_tool_error(e) else first_line(e)
+        except CLUSTER_ERRORS as e:
+            box["error"] = first_line(e)
+        except Exception as e:  # the tool's own error: raised where the facts are taken (node_facts)
+            box["internal"] = e
 
     def import_results(self, wait_s=None):
         """Node leaders: the torchvision/torchaudio probe started at launch (usually done by now); taken once
@@ -267,11 +266,8 @@ class RankSetup:
         the monitor's posts, the second sign that the node reaches the store: a node is unreachable only
         when both stop (settled_live). A store that went away ends it quietly (the run is ending, or rank 0
         is gone, which the phases name); the tool's own error is raised (helper: said in the report)."""
-        try:
+        with contextlib.suppress(*CLUSTER_ERRORS):
             client = self.proto.clone()
             while True:
                 client.beat(self.host)
                 time.sleep(period)
-        except Exception as e:
-            if is_tool_error(e):
-                raise

@@ -11,6 +11,7 @@ import resource
 import time
 
 from ..checks.judge import stray_reason
+from ..core.base import group_by
 from ..core.deadlines import FORGED_POLL_S, PHASES
 
 
@@ -54,9 +55,8 @@ def run_base(env):
 
 
 def store_timed_out(exc):
-    """Whether `exc` is the store's own timeout (a wait that ran out of time: torch's DistStoreError 'wait
-    timeout', or TimeoutError). Nothing else is: a store that is gone, and the tool's own error, are
-    raised to the phase, which tells them apart (is_tool_error): never read as 'not arrived'."""
+    """Whether `exc` is the store's own timeout (torch's DistStoreError 'wait timeout', or TimeoutError). A store
+    that is gone, and the tool's own error, are not: raised to the phase (is_tool_error), never 'not arrived'."""
     return isinstance(exc, TimeoutError) or (type(exc).__name__ == "DistStoreError" and "timeout" in str(exc).lower())
 
 
@@ -166,10 +166,11 @@ class SealedStore:
     def _append(self, key, payload):
         self.store.append(key, self.seal.seal(key, payload) + "\n")
 
-    def _open(self, key, value, default=None):
-        """The payload of a sealed value; `default` (and the forgery kept) when it does not unseal."""
+    def _open(self, key, value, default=None, read=None):
+        """The payload of a sealed value (read: value -> payload, or Forged; default unseal); `default` (and the
+        forgery kept) when it does not unseal."""
         try:
-            return self.seal.unseal(key, value)
+            return read(value) if read else self.seal.unseal(key, value)
         except Forged as e:
             self.refuse(e)
             return default
@@ -183,16 +184,14 @@ class SealedStore:
         return [p for p in (self._open(key, ln) for ln in lines if ln) if p is not None]
 
     def _wait_valid(self, key, seconds, read=None):
-        """Wait for `key` to hold a value that unseals (read: value -> payload, or Forged; default unseal),
-        within `seconds`. A forged value is refused and waited past: the real writer may still overwrite
-        it. TimeoutError when none came."""
-        end, read = time.monotonic() + seconds, read or (lambda v: self.seal.unseal(key, v))
+        """Wait for `key` to hold a value that unseals (read: as _open's), within `seconds`. A forged value is
+        refused and waited past: the real writer may still overwrite it. TimeoutError when none came."""
+        end = time.monotonic() + seconds
         while True:
             self._wait([key], end - time.monotonic())
-            try:
-                return read(self.store.get(key))
-            except Forged as e:
-                self.refuse(e)
+            got = self._open(key, self.store.get(key), read=read)
+            if got is not None:
+                return got
             if time.monotonic() >= end:
                 raise TimeoutError(f"{key} held no value of this run within {seconds:g}s")
             time.sleep(FORGED_POLL_S)
@@ -234,9 +233,8 @@ class SealedStore:
 
 
 class StoreRollCall:
-    """The roll call's keys (world, who/<rank>, strays, id/<rank>, arrived, all_arrived, hello/<rank>, hellos,
-    node/<host>; StoreProtocol lists them): the world record and its run id, each rank's check-in, who
-    arrived, their identities, each node's ranks for its monitor. Mixed into StoreProtocol."""
+    """The roll call's keys (StoreProtocol lists them), mixed into StoreProtocol: the world record and its run
+    id, each rank's check-in, who arrived, their identities, each node's ranks for its monitor."""
 
     def publish_world(self, world):
         """Rank 0, before its check-in: the world size every rank is held to, and the run id."""
@@ -255,13 +253,8 @@ class StoreRollCall:
 
     def _world(self):
         """The world record if there is one that unseals (a forged one is refused), else None; never waits."""
-        if not self.store.check(["world"]):
-            return None
-        try:
-            return self.read_world(self.store.get("world"))
-        except Forged as e:
-            self.refuse(e)
-            return None
+        has = self.store.check(["world"])
+        return self._open("world", self.store.get("world"), read=self.read_world) if has else None
 
     def adopt_run(self):
         """Before its check-in (an error, a signal): take the run id from the world record, if there is one
@@ -344,18 +337,14 @@ class StoreRollCall:
 
     def identities(self, ranks):
         """The identities of `ranks` that unseal (a forged one is kept in `forged`, not returned)."""
-        if not ranks:
-            return []
-        vals = self.store.multi_get([f"id/{r}" for r in ranks])
+        vals = self._values([f"id/{r}" for r in ranks])
         out = [self._open(f"id/{r}", v) for r, v in zip(ranks, vals, strict=True)]
         return [json.loads(p) for p in out if p is not None]
 
     def prepare(self, records):
         """Rank 0, before the go: each node's ranks and PIDs, empty liveness and error keys (so that
         no later read waits on a key that was never written)."""
-        nodes = {}
-        for rec in records:
-            nodes.setdefault(rec["host"], []).append([rec["rank"], rec["pid"], rec.get("pid_start")])
+        nodes = group_by(records, lambda rec: rec["host"], lambda rec: [rec["rank"], rec["pid"], rec.get("pid_start")])
         self._multi_set([f"node/{h}" for h in nodes] + [f"live/{h}" for h in nodes],
                         [json.dumps(v) for v in nodes.values()] + ["{}"] * len(nodes))
         self.store.multi_set([f"beat/{h}" for h in nodes], ["0"] * len(nodes))
@@ -418,10 +407,8 @@ class StoreProtocol(StoreRollCall, SealedStore):
     def open(cls, dist, addr, port, timeout, prefix, listen_fd=None, seal=None):
         """Serve the store on a socket rank 0 bound itself (listen_fd), or connect to it."""
         t = datetime.timedelta(seconds=timeout)
-        if listen_fd is None:
-            raw = dist.TCPStore(addr, port, None, False, t)
-        else:
-            raw = store_server(dist, addr, port, t, listen_fd)
+        raw = store_server(dist, addr, port, t, listen_fd) if listen_fd is not None else \
+            dist.TCPStore(addr, port, None, False, t)
         p = cls(dist.PrefixStore(prefix, raw), raw, prefix, seal)
         p.dial = lambda: dist.PrefixStore(prefix, dist.TCPStore(addr, port, None, False, t))
         return p
@@ -469,13 +456,12 @@ class StoreProtocol(StoreRollCall, SealedStore):
         return {h: int(v) if (v := got.get(f"beat/{h}", b"0")).isdigit() else 0 for h in hosts}
 
     def settled_live(self, hosts, budget):
-        """Liveness once every node has posted after this call (or its ranks are all gone), within
-        `budget` seconds. -> ({rank: state}, silent, quiet). silent: nodes whose monitor posted nothing in the
-        window (it stopped, or never posted since the go) and whose leader rank's beat did not move either:
-        monitor and ranks silent, unreachable. quiet: nodes whose monitor posted nothing in the window while
-        their leader still beats: the tool's own monitor slow or stopped, never evidence against the node.
-        (A node whose monitor never posted and whose leader never beat is silent: the ranks on the other
-        nodes, hung behind it, must not be named in its place.)"""
+        """Liveness once every node has posted after this call (or its ranks are all gone), within `budget`
+        seconds. -> ({rank: state}, silent, quiet). silent: nodes whose monitor posted nothing in the window (it
+        stopped, or never posted since the go) and whose leader's beat did not move either (or never beat):
+        unreachable, so that the ranks on other nodes, hung behind it, are not named in its place. quiet: the
+        monitor silent while the leader still beats: the tool's own monitor slow or stopped, never evidence
+        against the node."""
         first, beats, end = self.live(hosts), self.beats(hosts), time.monotonic() + budget
         while True:
             cur = self.live(hosts)
@@ -582,10 +568,9 @@ class StoreProtocol(StoreRollCall, SealedStore):
         out = {}
         for e in map(json.loads, self._lines("errors")):
             entry = out.setdefault(int(e["rank"]), {"line": e["line"], "term": False, "internal": False,
-                                                    "phase": e.get("phase"), "host": e.get("host"),
-                                                    "code": e.get("code")})
-            entry["term"] = entry["term"] or bool(e.get("term"))
-            entry["internal"] = entry["internal"] or bool(e.get("internal"))
+                                                    **{k: e.get(k) for k in ("phase", "host", "code")}})
+            for k in ("term", "internal"):
+                entry[k] = entry[k] or bool(e.get(k))
         return out
 
     def post_deciding(self):
@@ -633,11 +618,11 @@ class StoreProtocol(StoreRollCall, SealedStore):
         return all(self._open(k, v) == "1" for k, v in zip(keys, self.store.multi_get(keys), strict=True))
 
     def audit(self, ranks, hosts):
-        """Rank 0, before it publishes the verdict: every value the run wrote, checked once more, so that a
-        value written from outside is found even where nobody read it after (a stamp on a passing run,
-        a screen post after its round was judged). Rank 0's own values must still be its own; each
-        rank's identity, claim and stamp, each node's liveness, and every appended list read so far
-        must unseal; a verdict key before the verdict is foreign. -> the forgeries (forgeries())."""
+        """Rank 0, before it publishes the verdict: every value the run wrote, checked once more, so that a value
+        written from outside is found even where nobody read it after (a stamp on a passing run, a screen post
+        after its round was judged). Rank 0's own values must still be its own; each rank's identity, claim and
+        stamp, each node's liveness and every appended list read so far must unseal; a verdict key before the
+        verdict is foreign. -> the forgeries (forgeries())."""
         mine = dict(self.shared["mine"])
         keys = self._existing(sorted(mine))
         for k, v in zip(keys, self._values(keys), strict=True):
