@@ -3451,15 +3451,14 @@ class HostStarved(RuntimeError):
     (screen-gpu then measures again on its quiet main thread); there, it says the node cannot drive its GPU."""
 
 
-def _capture(torch_mod, fn, calls, stream):
-    """fn() `calls` times in one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
+def _capture(torch_mod, stream, body):
+    """body()'s CUDA calls as one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
     rank's other threads (NCCL's init among them) go on, neither refused nor captured."""
     graph = torch_mod.cuda.CUDAGraph()
     with torch_mod.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            for _ in range(calls):
-                fn()
+            body()
         finally:
             graph.capture_end()
     return graph
@@ -3535,13 +3534,8 @@ def _graph_rate(torch_mod, fn, work, stream, during, k, before=None):
     cuda = torch_mod.cuda
     pairs = [(cuda.Event(enable_timing=True, external=True), cuda.Event(enable_timing=True, external=True))
              for _ in range(SCREEN_BLOCKS)]
-    graph = cuda.CUDAGraph()
+    graph = _capture(torch_mod, stream, lambda: timed_blocks(fn, k, pairs, lambda e: e.record(stream)))
     with cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            timed_blocks(fn, k, pairs, lambda e: e.record(stream))
-        finally:
-            graph.capture_end()
         if before is not None:
             before.replay()
         graph.replay()
@@ -3600,7 +3594,7 @@ def _gated_rate(torch_mod, fn, work, stream, during, k):
     if k is None:
         k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS / max(a.elapsed_time(b) / 2e3, 1e-7)))
     cycles = int((1 << 20) * SCREEN_HOLD_S / max(b.elapsed_time(c) / 1e3, 1e-7))
-    graph = _capture(torch_mod, fn, k, stream)
+    graph = _capture(torch_mod, stream, lambda: timed_blocks(fn, k, (), None))  # k calls of fn, no timed block
     for _ in range(SCREEN_HOLD_GROWTH):
         with cuda.stream(stream):  # a replay goes to the current stream
             spans, whole = gated_blocks(lambda n=cycles: cuda._sleep(n), record, graph.replay, lambda e: e.query())
@@ -3616,16 +3610,19 @@ def _gated_rate(torch_mod, fn, work, stream, during, k):
                       "starved of CPU")
 
 
-def _screen_operands(torch_mod, dev, kind):
-    """The matmul's a, b, c (bf16 where the GPU has it, Ampere on, else fp16; fp32 on CPU) and the memory
-    measurement's src, dst (fp32, SCREEN_COPY_BYTES each)."""
+def _mm_operands(torch_mod, dev, kind):
+    """The square matmul's a, b, c: bf16 where the GPU has it (Ampere on), else fp16; fp32 on CPU."""
     n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
     if kind == "gpu":  # the model's peers run the same
         dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
-    mm = [torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2)] + [
+    return [torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2)] + [
         torch_mod.empty(n, n, device=dev, dtype=dtype)]
+
+
+def _screen_operands(torch_mod, dev, kind):
+    """The matmul's a, b, c (_mm_operands) and the memory measurement's src, dst (fp32, SCREEN_COPY_BYTES each)."""
     src = torch_mod.ones(SCREEN_COPY_BYTES[kind] // 4, dtype=torch_mod.float32, device=dev)
-    return mm, (src, torch_mod.empty_like(src))
+    return _mm_operands(torch_mod, dev, kind), (src, torch_mod.empty_like(src))
 
 
 def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
@@ -3871,23 +3868,21 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None, numerics=
     (NumericsRepeat). -> the row judge_soak takes (without the rank's record facts)."""
     cpu = kind == "cpu"
     sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
-    n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
-    if not cpu:
-        dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
     threads = torch_mod.get_num_threads()
     if cpu:
         torch_mod.set_num_threads(1)
     try:
-        a, b = (torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
-        c = torch_mod.empty(n, n, device=dev, dtype=dtype)
-        for _ in range(2):
-            torch_mod.mm(a, b, out=c)
-        sync()
-        t = time.perf_counter()
-        for _ in range(2):
-            torch_mod.mm(a, b, out=c)
-        sync()
-        per_block = max(1, int(SOAK_BLOCK_S[kind] / max((time.perf_counter() - t) / 2, 1e-7)))
+        a, b, c = _mm_operands(torch_mod, dev, kind)
+        n, dtype = SCREEN_MATMUL_N[kind], c.dtype
+
+        def mm(calls):  # `calls` matmuls, synchronised -> their seconds
+            t = time.perf_counter()
+            for _ in range(calls):
+                torch_mod.mm(a, b, out=c)
+            sync()
+            return time.perf_counter() - t
+        mm(2)
+        per_block = max(1, int(SOAK_BLOCK_S[kind] / max(mm(2) / 2, 1e-7)))
         repeat = NumericsRepeat(torch_mod, dev, kind) if numerics else None
         if start is not None:
             start()
@@ -3895,11 +3890,7 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None, numerics=
         blocks, t0 = [], time.perf_counter()
         try:
             while time.perf_counter() - t0 < seconds:
-                t = time.perf_counter()
-                for _ in range(per_block):
-                    torch_mod.mm(a, b, out=c)
-                sync()
-                blocks.append(2 * n ** 3 * per_block / 1e12 / max(time.perf_counter() - t, 1e-9))
+                blocks.append(2 * n ** 3 * per_block / 1e12 / max(mm(per_block), 1e-9))
                 if repeat is not None:  # between timed blocks: never inside a block's time
                     repeat.tick(time.perf_counter() - t0)
             loaded = time.perf_counter() - t0
@@ -6297,9 +6288,8 @@ def screen_creation(groups, posts):
 def screen_gpu_rows(records, posts, cpu=False):
     """judge_gpu_perf's per_rank rows: each posting rank's record facts and its measurement, with its GPU's
     row of its node's one nvidia-smi call (node.smi.gpus, by UUID: ECC and row remapping) where there is one."""
-    smi = {}
-    for rec in records:
-        smi.update((((rec.get("node") or {}).get("smi") or {}).get("gpus")) or {})
+    smi = {u: row for rec in records
+           for u, row in (((rec.get("node") or {}).get("smi") or {}).get("gpus") or {}).items()}
     out = []
     for rec in sorted(records, key=lambda r: r["rank"]):
         p = posts.get(rec["rank"])
@@ -6470,11 +6460,10 @@ def screen_against(what, count, noun, kind, peers, unit, table=None, floor=None,
         got.append(f"the floor {floor:g} {unit} ({SCREEN_FLOOR_OPTIONS.get(floor_name, 'floor')})")
     else:
         miss.append(("a floor", "no floor"))
-    if band is not None:
-        if band:
-            got.append(f"the manifest band {band}")
-        else:
-            miss.append(("a manifest band", "no manifest band"))
+    if band:
+        got.append(f"the manifest band {band}")
+    elif band is not None:
+        miss.append(("a manifest band", "no manifest band"))
     head = f"{what} ({count} {noun}{s})"
     text = (f"{head}: no reference: {', '.join(n for _, n in miss)}" if not got else
             f"{head}: against {', '.join(got)}" + (f"; not against {', '.join(m for m, _ in miss)}" if miss else ""))
@@ -6636,8 +6625,7 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None)
     items = list(flags.items())
     if len(items) <= SCREEN_LIST_MAX:
         out = [_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                                       f"{who(r)}: " + "; ".join(t for _, _, t in fl)
-                                       + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else ""),
+                                       f"{who(r)}: " + "; ".join(t for _, _, t in fl) + _gpu_unused(r, allrefs),
                                        [r.get("host")], [rk]),
                                evidence=_gpu_evidence(r, allrefs, cpu), action=_gpu_action(r)), [r])
                for rk, (r, fl) in items]
@@ -6646,12 +6634,12 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None)
 
 
 def _gpu_unused(r, allrefs):
-    """What rank r's GPU was not judged against (a reference missing, per metric), or ''."""
+    """'; not judged against' what rank r's GPU lacked (a reference missing, per metric), or ''."""
     lack = {}
     for k, _, _ in SCREEN_GPU_METRICS:
         for m in allrefs[(r.get("model") or "unknown", k)]["against"]["missing"]:
             lack.setdefault(m, []).append(SCREEN_GPU_LABELS[k])
-    return "not judged against " + ", ".join(
+    return "; not judged against " + ", ".join(
         m if len(ks) == len(SCREEN_GPU_METRICS) else f"{m} for {' and '.join(ks)}" for m, ks in lack.items()) \
         if lack else ""
 
@@ -6664,7 +6652,7 @@ def _gpu_evidence(r, allrefs, cpu):
         f"{_sn(v)} {u}" for k, u, _ in SCREEN_GPU_METRICS for v in [(r.get("first") or {}).get(k)] if v is not None)
         + ", the better counting)"
         if _gpu_again(r) else f"measured once on {r.get('host')}")
-    return f"{again} ({how})" + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else "")
+    return f"{again} ({how}){_gpu_unused(r, allrefs)}"
 
 
 def _gpu_action(r):
@@ -6869,10 +6857,7 @@ def gpu_levels(screen):
 def gpu_suspects(per_rank, floors=None, cpu=False):
     """The ranks whose GPU row is slow (WARN or FAIL against its peers, its table row or a floor: judge_gpu_perf's
     rule): the GPUs measured again before any is named (the screen blames only what persists)."""
-    floors = floors or {}
-    _, flags = _gpu_flags(list(per_rank or []), {"min_tflops": floors.get("min_tflops"),
-                                                 "min_hbm": floors.get("min_hbm")}, cpu)
-    return sorted(flags)
+    return sorted(_gpu_flags(list(per_rank or []), floors or {}, cpu)[1])  # floors: min_tflops, min_hbm
 
 
 def gpu_remeasured(per_rank, again):
@@ -6889,8 +6874,7 @@ def gpu_remeasured(per_rank, again):
         merged = dict(r, tries=int(r.get("tries") or 1) + 1,
                       first={k: r.get(k) for k, _, _ in SCREEN_GPU_METRICS})
         for k, _, _ in SCREEN_GPU_METRICS:
-            vals = [v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))]
-            merged[k] = max(vals) if vals else None
+            merged[k] = max([v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))], default=None)
         out.append(merged)
     return out
 
@@ -6931,10 +6915,9 @@ def screen_best(rows, redone):
         if r is None:
             out.append(m)
             continue
-        tries = m.get("tries", 1) + 1
         keep = m if (m.get("busbw") or 0.0) >= (r.get("busbw") or 0.0) else dict(m, busbw=r["busbw"],
                                                                                time_us=r.get("time_us"))
-        out.append(dict(keep, tries=tries, first=m.get("first", m.get("busbw"))))
+        out.append(dict(keep, tries=m.get("tries", 1) + 1, first=m.get("first", m.get("busbw"))))
     return out
 
 
@@ -7207,9 +7190,10 @@ def _pair_node_findings(results, d):
     for n in _screen_sorted(by_node):
         rails = sorted(by_node[n])
         own = sorted({m["rail"] for m in results if n in m["nodes"]})
+        slow = {rail: sorted(i for ids in ev[(n, rail)]["slow"].values() for i in ids) for rail in rails}
         parts, statuses, ratios = [], [], []
         for rail in rails:
-            idx = sorted(i for ids in ev[(n, rail)]["slow"].values() for i in ids)
+            idx = slow[rail]
             # consistent evidence: the node is at least as bad as its least bad slow measurement
             statuses.append("WARN" if "WARN" in [d["levels"][i] for i in idx] else "FAIL")
             hca = next((h for i in idx for h in [_screen_hca(results[i], n)] if h), None)
@@ -7219,10 +7203,8 @@ def _pair_node_findings(results, d):
             ratios.append(bw / ref)
         partners = _screen_sorted(p for rail in rails for ps in ev[(n, rail)]["slow"] for p in ps)
         whole = len(rails) > 1 and rails == own
-        named = ""  # one rail: its HCA on this node beside it (node3 rail 2 (HCA mlx5_2))
-        if len(rails) == 1:
-            named = _screen_hca_text(results, sorted(i for ids in ev[(n, rails[0])]["slow"].values() for i in ids),
-                                     [n])
+        # one rail: its HCA on this node beside it (node3 rail 2 (HCA mlx5_2))
+        named = _screen_hca_text(results, slow[rails[0]], [n]) if len(rails) == 1 else ""
         if whole:
             speed = f"busbw median {_screen_median(ratios):.2f} of the rails' references"
             where = ("a node-wide network fault (its NICs or their switch ports together, or the host side: "
@@ -7230,7 +7212,7 @@ def _pair_node_findings(results, d):
         else:
             speed = "; ".join(parts)
             where = "its NIC, cable or switch port on " + ("that rail" if len(rails) == 1 else "those rails")
-        every = sorted(i for rail in rails for ids in ev[(n, rail)]["slow"].values() for i in ids)
+        every = sorted(i for rail in rails for i in slow[rail])
         tries = max(results[i].get("tries", 1) for i in every)
         act = (f"drain {n}; its NICs together or the host side: check their PCIe links and firmware, run the "
                "vendor's diagnostics" if whole else
@@ -7724,10 +7706,7 @@ class _Loop:
             name = name or f"b{len(self.batches) + 1}"
             batch = [dict(g, batch=name) for g in batch]
             posts = self.measure(batch) or {}
-            kinds = {}
-            for g in batch:
-                kinds[g["kind"]] = kinds.get(g["kind"], 0) + 1
-            self.batches.append({"name": name, "groups": len(batch), "kinds": kinds})
+            self.batches.append({"name": name, "groups": len(batch), "kinds": dict(Counter(g["kind"] for g in batch))})
             self.take(batch, posts)
         return self.result()
 
@@ -8311,14 +8290,10 @@ def judge_node_speed(node, first, again, gpus_by_id, cpu=False, min_tflops=None,
         if f["status"] == "PASS":
             out.append(dict(f, blame=None, short="speed within the reference", gpus=[]))
             continue
-        gl = f"GPU {format_ranges(f['ranks'])}"
-        if f.get("blame") == "persisted":
-            out.append(_node_tagged(dict(f, reason=f"{f['reason']}; {f.get('evidence')}"), node,
-                                    f"{gl} slow, measured twice"))
-        else:
-            out.append(_node_tagged(dict(f, reason=f"{f['reason']}; measured once "
-                                                   f"({why_once or 'not measured again'}): not drained"), node,
-                                    f"{gl} slow, measured once"))
+        twice = f.get("blame") == "persisted"
+        how = f.get("evidence") if twice else f"measured once ({why_once or 'not measured again'}): not drained"
+        out.append(_node_tagged(dict(f, reason=f"{f['reason']}; {how}"), node,
+                                f"GPU {format_ranges(f['ranks'])} slow, measured {'twice' if twice else 'once'}"))
     floors = {"min_tflops": min_tflops, "min_hbm": min_hbm}
     slow = set(gpu_suspects(rows, floors, cpu))
     seen = sorted(r["rank"] for r in rows if int(r.get("tries") or 1) >= 2 and r["rank"] not in slow)
@@ -9342,10 +9317,9 @@ def node_metrics(state):
     per_gpu = {"tflops": [], "hbm_gbps": [], "numerics": []}
     for i, m in sorted((state.get("measured") or {}).items(), key=lambda kv: int(kv[0])):
         labels = dict(ctx, gpu=str(i), uuid=uuid.get(int(i), ""))
-        best = {k: max([v for v in ((m.get("speed") or {}).get(k), (m.get("speed2") or {}).get(k)) if v is not None],
-                       default=None) for k in ("tflops", "hbm_gbps")}
-        per_gpu["tflops"].append((labels, best["tflops"]))
-        per_gpu["hbm_gbps"].append((labels, best["hbm_gbps"]))
+        for k in ("tflops", "hbm_gbps"):  # the best of its measurements
+            per_gpu[k].append((labels, max([v for v in ((m.get("speed") or {}).get(k), (m.get("speed2") or {}).get(k))
+                                             if v is not None], default=None)))
         checks = ((m.get("numerics") or {}).get("checks") or {}).values()
         ratios = [p["err"] / p["tol"] for p in checks if p.get("tol") and p.get("err") is not None]
         per_gpu["numerics"].append((labels, max(ratios) if ratios else None))
@@ -14707,9 +14681,8 @@ class NodeCheck(NodeLock, NodeCompute):
                  "ended_at_s": round(time.time(), 1), "python": sys.executable, "phases": self.phases,
                  "gpus": [{k: g.get(k) for k in ("index", "uuid", "pci", "name", "numa", "mem_used_mib",
                                                  "mem_total_mib")} for g in self.gpus],
-                 "devices": {"ids": dev["ids"], "compute": dev["compute"], "busy": {str(k): x for k, x in
-                                                                                     dev["busy"].items()},
-                             "held": {str(k): x for k, x in dev["held"].items()}},
+                 "devices": {"ids": dev["ids"], "compute": dev["compute"],
+                             **{k: {str(i): x for i, x in dev[k].items()} for k in ("busy", "held")}},
                  "measured": {str(i): {k: m.get(k) for k in ("numerics", "speed", "speed2", "error", "versions")}
                               for i, m in self.measured.items()},
                  "allreduce": self.allreduce, "skipped": self.skipped, "findings": self.findings, "drain": drain,

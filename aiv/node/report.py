@@ -107,10 +107,9 @@ def node_metrics(state):
     per_gpu = {"tflops": [], "hbm_gbps": [], "numerics": []}
     for i, m in sorted((state.get("measured") or {}).items(), key=lambda kv: int(kv[0])):
         labels = dict(ctx, gpu=str(i), uuid=uuid.get(int(i), ""))
-        best = {k: max([v for v in ((m.get("speed") or {}).get(k), (m.get("speed2") or {}).get(k)) if v is not None],
-                       default=None) for k in ("tflops", "hbm_gbps")}
-        per_gpu["tflops"].append((labels, best["tflops"]))
-        per_gpu["hbm_gbps"].append((labels, best["hbm_gbps"]))
+        for k in ("tflops", "hbm_gbps"):  # the best of its measurements
+            per_gpu[k].append((labels, max([v for v in ((m.get("speed") or {}).get(k), (m.get("speed2") or {}).get(k))
+                                             if v is not None], default=None)))
         checks = ((m.get("numerics") or {}).get("checks") or {}).values()
         ratios = [p["err"] / p["tol"] for p in checks if p.get("tol") and p.get("err") is not None]
         per_gpu["numerics"].append((labels, max(ratios) if ratios else None))

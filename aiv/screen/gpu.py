@@ -176,8 +176,7 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None)
     items = list(flags.items())
     if len(items) <= SCREEN_LIST_MAX:
         out = [_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                                       f"{who(r)}: " + "; ".join(t for _, _, t in fl)
-                                       + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else ""),
+                                       f"{who(r)}: " + "; ".join(t for _, _, t in fl) + _gpu_unused(r, allrefs),
                                        [r.get("host")], [rk]),
                                evidence=_gpu_evidence(r, allrefs, cpu), action=_gpu_action(r)), [r])
                for rk, (r, fl) in items]
@@ -186,12 +185,12 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None)
 
 
 def _gpu_unused(r, allrefs):
-    """What rank r's GPU was not judged against (a reference missing, per metric), or ''."""
+    """'; not judged against' what rank r's GPU lacked (a reference missing, per metric), or ''."""
     lack = {}
     for k, _, _ in SCREEN_GPU_METRICS:
         for m in allrefs[(r.get("model") or "unknown", k)]["against"]["missing"]:
             lack.setdefault(m, []).append(SCREEN_GPU_LABELS[k])
-    return "not judged against " + ", ".join(
+    return "; not judged against " + ", ".join(
         m if len(ks) == len(SCREEN_GPU_METRICS) else f"{m} for {' and '.join(ks)}" for m, ks in lack.items()) \
         if lack else ""
 
@@ -204,7 +203,7 @@ def _gpu_evidence(r, allrefs, cpu):
         f"{_sn(v)} {u}" for k, u, _ in SCREEN_GPU_METRICS for v in [(r.get("first") or {}).get(k)] if v is not None)
         + ", the better counting)"
         if _gpu_again(r) else f"measured once on {r.get('host')}")
-    return f"{again} ({how})" + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else "")
+    return f"{again} ({how}){_gpu_unused(r, allrefs)}"
 
 
 def _gpu_action(r):
@@ -409,10 +408,7 @@ def gpu_levels(screen):
 def gpu_suspects(per_rank, floors=None, cpu=False):
     """The ranks whose GPU row is slow (WARN or FAIL against its peers, its table row or a floor: judge_gpu_perf's
     rule): the GPUs measured again before any is named (the screen blames only what persists)."""
-    floors = floors or {}
-    _, flags = _gpu_flags(list(per_rank or []), {"min_tflops": floors.get("min_tflops"),
-                                                 "min_hbm": floors.get("min_hbm")}, cpu)
-    return sorted(flags)
+    return sorted(_gpu_flags(list(per_rank or []), floors or {}, cpu)[1])  # floors: min_tflops, min_hbm
 
 
 def gpu_remeasured(per_rank, again):
@@ -429,8 +425,7 @@ def gpu_remeasured(per_rank, again):
         merged = dict(r, tries=int(r.get("tries") or 1) + 1,
                       first={k: r.get(k) for k, _, _ in SCREEN_GPU_METRICS})
         for k, _, _ in SCREEN_GPU_METRICS:
-            vals = [v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))]
-            merged[k] = max(vals) if vals else None
+            merged[k] = max([v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))], default=None)
         out.append(merged)
     return out
 

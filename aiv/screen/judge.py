@@ -36,10 +36,9 @@ def screen_best(rows, redone):
         if r is None:
             out.append(m)
             continue
-        tries = m.get("tries", 1) + 1
         keep = m if (m.get("busbw") or 0.0) >= (r.get("busbw") or 0.0) else dict(m, busbw=r["busbw"],
                                                                                time_us=r.get("time_us"))
-        out.append(dict(keep, tries=tries, first=m.get("first", m.get("busbw"))))
+        out.append(dict(keep, tries=m.get("tries", 1) + 1, first=m.get("first", m.get("busbw"))))
     return out
 
 
@@ -312,9 +311,10 @@ def _pair_node_findings(results, d):
     for n in _screen_sorted(by_node):
         rails = sorted(by_node[n])
         own = sorted({m["rail"] for m in results if n in m["nodes"]})
+        slow = {rail: sorted(i for ids in ev[(n, rail)]["slow"].values() for i in ids) for rail in rails}
         parts, statuses, ratios = [], [], []
         for rail in rails:
-            idx = sorted(i for ids in ev[(n, rail)]["slow"].values() for i in ids)
+            idx = slow[rail]
             # consistent evidence: the node is at least as bad as its least bad slow measurement
             statuses.append("WARN" if "WARN" in [d["levels"][i] for i in idx] else "FAIL")
             hca = next((h for i in idx for h in [_screen_hca(results[i], n)] if h), None)
@@ -324,10 +324,8 @@ def _pair_node_findings(results, d):
             ratios.append(bw / ref)
         partners = _screen_sorted(p for rail in rails for ps in ev[(n, rail)]["slow"] for p in ps)
         whole = len(rails) > 1 and rails == own
-        named = ""  # one rail: its HCA on this node beside it (node3 rail 2 (HCA mlx5_2))
-        if len(rails) == 1:
-            named = _screen_hca_text(results, sorted(i for ids in ev[(n, rails[0])]["slow"].values() for i in ids),
-                                     [n])
+        # one rail: its HCA on this node beside it (node3 rail 2 (HCA mlx5_2))
+        named = _screen_hca_text(results, slow[rails[0]], [n]) if len(rails) == 1 else ""
         if whole:
             speed = f"busbw median {_screen_median(ratios):.2f} of the rails' references"
             where = ("a node-wide network fault (its NICs or their switch ports together, or the host side: "
@@ -335,7 +333,7 @@ def _pair_node_findings(results, d):
         else:
             speed = "; ".join(parts)
             where = "its NIC, cable or switch port on " + ("that rail" if len(rails) == 1 else "those rails")
-        every = sorted(i for rail in rails for ids in ev[(n, rail)]["slow"].values() for i in ids)
+        every = sorted(i for rail in rails for i in slow[rail])
         tries = max(results[i].get("tries", 1) for i in every)
         act = (f"drain {n}; its NICs together or the host side: check their PCIe links and firmware, run the "
                "vendor's diagnostics" if whole else

@@ -2,6 +2,8 @@
 once, what is measured again, which known-good nodes a slow node is measured beside, how a node slow
 inside is localised to a GPU or a GPU pair, and when to stop. Plain data in, the screen dict that
 judge_screen judges out; measure() is its only effect (the runtime's collectives, or a simulation)."""
+from collections import Counter
+
 from ..checks.judge import screen_reference
 from ..core.base import _screen_key, finding
 from .gpu import judge_gpu_perf, judge_gpu_transients
@@ -252,10 +254,7 @@ class _Loop:
             name = name or f"b{len(self.batches) + 1}"
             batch = [dict(g, batch=name) for g in batch]
             posts = self.measure(batch) or {}
-            kinds = {}
-            for g in batch:
-                kinds[g["kind"]] = kinds.get(g["kind"], 0) + 1
-            self.batches.append({"name": name, "groups": len(batch), "kinds": kinds})
+            self.batches.append({"name": name, "groups": len(batch), "kinds": dict(Counter(g["kind"] for g in batch))})
             self.take(batch, posts)
         return self.result()
 

@@ -198,15 +198,14 @@ class HostStarved(RuntimeError):
     (screen-gpu then measures again on its quiet main thread); there, it says the node cannot drive its GPU."""
 
 
-def _capture(torch_mod, fn, calls, stream):
-    """fn() `calls` times in one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
+def _capture(torch_mod, stream, body):
+    """body()'s CUDA calls as one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
     rank's other threads (NCCL's init among them) go on, neither refused nor captured."""
     graph = torch_mod.cuda.CUDAGraph()
     with torch_mod.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            for _ in range(calls):
-                fn()
+            body()
         finally:
             graph.capture_end()
     return graph
@@ -282,13 +281,8 @@ def _graph_rate(torch_mod, fn, work, stream, during, k, before=None):
     cuda = torch_mod.cuda
     pairs = [(cuda.Event(enable_timing=True, external=True), cuda.Event(enable_timing=True, external=True))
              for _ in range(SCREEN_BLOCKS)]
-    graph = cuda.CUDAGraph()
+    graph = _capture(torch_mod, stream, lambda: timed_blocks(fn, k, pairs, lambda e: e.record(stream)))
     with cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            timed_blocks(fn, k, pairs, lambda e: e.record(stream))
-        finally:
-            graph.capture_end()
         if before is not None:
             before.replay()
         graph.replay()
@@ -347,7 +341,7 @@ def _gated_rate(torch_mod, fn, work, stream, during, k):
     if k is None:
         k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS / max(a.elapsed_time(b) / 2e3, 1e-7)))
     cycles = int((1 << 20) * SCREEN_HOLD_S / max(b.elapsed_time(c) / 1e3, 1e-7))
-    graph = _capture(torch_mod, fn, k, stream)
+    graph = _capture(torch_mod, stream, lambda: timed_blocks(fn, k, (), None))  # k calls of fn, no timed block
     for _ in range(SCREEN_HOLD_GROWTH):
         with cuda.stream(stream):  # a replay goes to the current stream
             spans, whole = gated_blocks(lambda n=cycles: cuda._sleep(n), record, graph.replay, lambda e: e.query())
@@ -363,16 +357,19 @@ def _gated_rate(torch_mod, fn, work, stream, during, k):
                       "starved of CPU")
 
 
-def _screen_operands(torch_mod, dev, kind):
-    """The matmul's a, b, c (bf16 where the GPU has it, Ampere on, else fp16; fp32 on CPU) and the memory
-    measurement's src, dst (fp32, SCREEN_COPY_BYTES each)."""
+def _mm_operands(torch_mod, dev, kind):
+    """The square matmul's a, b, c: bf16 where the GPU has it (Ampere on), else fp16; fp32 on CPU."""
     n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
     if kind == "gpu":  # the model's peers run the same
         dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
-    mm = [torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2)] + [
+    return [torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2)] + [
         torch_mod.empty(n, n, device=dev, dtype=dtype)]
+
+
+def _screen_operands(torch_mod, dev, kind):
+    """The matmul's a, b, c (_mm_operands) and the memory measurement's src, dst (fp32, SCREEN_COPY_BYTES each)."""
     src = torch_mod.ones(SCREEN_COPY_BYTES[kind] // 4, dtype=torch_mod.float32, device=dev)
-    return mm, (src, torch_mod.empty_like(src))
+    return _mm_operands(torch_mod, dev, kind), (src, torch_mod.empty_like(src))
 
 
 def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
@@ -618,23 +615,21 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None, numerics=
     (NumericsRepeat). -> the row judge_soak takes (without the rank's record facts)."""
     cpu = kind == "cpu"
     sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
-    n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
-    if not cpu:
-        dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
     threads = torch_mod.get_num_threads()
     if cpu:
         torch_mod.set_num_threads(1)
     try:
-        a, b = (torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
-        c = torch_mod.empty(n, n, device=dev, dtype=dtype)
-        for _ in range(2):
-            torch_mod.mm(a, b, out=c)
-        sync()
-        t = time.perf_counter()
-        for _ in range(2):
-            torch_mod.mm(a, b, out=c)
-        sync()
-        per_block = max(1, int(SOAK_BLOCK_S[kind] / max((time.perf_counter() - t) / 2, 1e-7)))
+        a, b, c = _mm_operands(torch_mod, dev, kind)
+        n, dtype = SCREEN_MATMUL_N[kind], c.dtype
+
+        def mm(calls):  # `calls` matmuls, synchronised -> their seconds
+            t = time.perf_counter()
+            for _ in range(calls):
+                torch_mod.mm(a, b, out=c)
+            sync()
+            return time.perf_counter() - t
+        mm(2)
+        per_block = max(1, int(SOAK_BLOCK_S[kind] / max(mm(2) / 2, 1e-7)))
         repeat = NumericsRepeat(torch_mod, dev, kind) if numerics else None
         if start is not None:
             start()
@@ -642,11 +637,7 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None, numerics=
         blocks, t0 = [], time.perf_counter()
         try:
             while time.perf_counter() - t0 < seconds:
-                t = time.perf_counter()
-                for _ in range(per_block):
-                    torch_mod.mm(a, b, out=c)
-                sync()
-                blocks.append(2 * n ** 3 * per_block / 1e12 / max(time.perf_counter() - t, 1e-9))
+                blocks.append(2 * n ** 3 * per_block / 1e12 / max(mm(per_block), 1e-9))
                 if repeat is not None:  # between timed blocks: never inside a block's time
                     repeat.tick(time.perf_counter() - t0)
             loaded = time.perf_counter() - t0

@@ -252,9 +252,8 @@ def screen_creation(groups, posts):
 def screen_gpu_rows(records, posts, cpu=False):
     """judge_gpu_perf's per_rank rows: each posting rank's record facts and its measurement, with its GPU's
     row of its node's one nvidia-smi call (node.smi.gpus, by UUID: ECC and row remapping) where there is one."""
-    smi = {}
-    for rec in records:
-        smi.update((((rec.get("node") or {}).get("smi") or {}).get("gpus")) or {})
+    smi = {u: row for rec in records
+           for u, row in (((rec.get("node") or {}).get("smi") or {}).get("gpus") or {}).items()}
     out = []
     for rec in sorted(records, key=lambda r: r["rank"]):
         p = posts.get(rec["rank"])
@@ -425,11 +424,10 @@ def screen_against(what, count, noun, kind, peers, unit, table=None, floor=None,
         got.append(f"the floor {floor:g} {unit} ({SCREEN_FLOOR_OPTIONS.get(floor_name, 'floor')})")
     else:
         miss.append(("a floor", "no floor"))
-    if band is not None:
-        if band:
-            got.append(f"the manifest band {band}")
-        else:
-            miss.append(("a manifest band", "no manifest band"))
+    if band:
+        got.append(f"the manifest band {band}")
+    elif band is not None:
+        miss.append(("a manifest band", "no manifest band"))
     head = f"{what} ({count} {noun}{s})"
     text = (f"{head}: no reference: {', '.join(n for _, n in miss)}" if not got else
             f"{head}: against {', '.join(got)}" + (f"; not against {', '.join(m for m, _ in miss)}" if miss else ""))
