@@ -3399,8 +3399,7 @@ class SmiProbe:
                 self.proc = child_start(cmd, stderr=subprocess.DEVNULL)
 
     def finish(self, load):
-        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts. Its output
-        is read, and it is reaped, by the one bounded child helper (child_finish)."""
+        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts."""
         while self.proc is not None:
             left = SCREEN_SMI_S - (time.monotonic() - self.t0)
             if self.proc.poll() is None and left > 0:
@@ -3526,11 +3525,9 @@ def timed_blocks(fn, k, pairs, record):
 
 
 def _graph_rate(torch_mod, fn, work, stream, during, k, before=None):
-    """_device_rate with in-graph timing: the lead block and the SCREEN_BLOCKS timed blocks, with their
-    events, are one CUDA graph launched once; the device runs it back to back, so no host delay (other
-    threads holding the interpreter lock) can enter or stop a measurement. `before`: a graph replayed
-    just ahead of it (the calibration's), so that the device is under this load again when the lead
-    block starts, however long the capture kept it idle. -> (rate, the graph)."""
+    """_device_rate with in-graph timing (timed_blocks, launched once). `before`: a graph replayed just ahead
+    of it (the calibration's), so that the device is under this load again when the lead block starts,
+    however long the capture kept it idle. -> (rate, the graph)."""
     cuda = torch_mod.cuda
     pairs = [(cuda.Event(enable_timing=True, external=True), cuda.Event(enable_timing=True, external=True))
              for _ in range(SCREEN_BLOCKS)]
@@ -3551,13 +3548,11 @@ def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
     so that what the host does meanwhile (this rank's other threads, NCCL's init, the node's imports) cannot
     enter the number: k calls of fn() make a block of about SCREEN_TARGET_S / SCREEN_BLOCKS of work; the
     median of SCREEN_BLOCKS timed blocks counts. Where torch times events inside a graph (graph_timing),
-    the whole measurement is one graph and one launch (_graph_rate), and so is the calibration of k (a
-    matmul's rate depends on how long the load lasts: the power cap lowers the clocks within a second, so
-    a k shrunk by a stalled host would read a burst rate, ~10% higher on an H100). Before that (torch < 2.9)
-    each block is one replay, all of them queued behind a hold (gated_blocks); a host too slow to queue
-    them within the hold gets a hold twice as long, up to SCREEN_HOLD_GROWTH times, then HostStarved, never
-    a slow number.
-    -> (rate, the graph: one measurement's work, for load under nvidia-smi)."""
+    the whole measurement is one graph and one launch (_graph_rate): the device runs it back to back, so no
+    host delay (other threads holding the interpreter lock) can enter or stop it; so is the calibration of k
+    (a matmul's rate depends on how long the load lasts: the power cap lowers the clocks within a second, so
+    a k shrunk by a stalled host would read a burst rate, ~10% higher on an H100). Before that (torch < 2.9):
+    _gated_rate. -> (rate, the graph: one measurement's work, for load under nvidia-smi)."""
     with quick_switch():  # each captured or queued call gets the interpreter back at once
         if not graph_timing(torch_mod):
             return _gated_rate(torch_mod, fn, work, stream, during, k)
@@ -3574,7 +3569,8 @@ def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
 
 def _gated_rate(torch_mod, fn, work, stream, during, k):
     """_device_rate before torch 2.9: each block one replay of a graph of k calls, all of them queued
-    behind a hold (gated_blocks)."""
+    behind a hold (gated_blocks); a host too slow to queue them within the hold gets a hold twice as long,
+    up to SCREEN_HOLD_GROWTH times, then HostStarved, never a slow number."""
     cuda = torch_mod.cuda
 
     def record():
@@ -3626,11 +3622,9 @@ def _screen_operands(torch_mod, dev, kind):
 
 
 def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
-    """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
-    'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
-    the PCIe link from sysfs, nvidia-smi's clocks, limits, temperature, power where it answers in time,
-    else 'smi_unread'). GPU: timed on the device (_measure_device), so it may run on a thread of its own while
-    the rank waits; CPU: on one thread, timed on its CPU clock (_host_rate)."""
+    """One rank's device speed: {'tflops': dense matmul (_mm_operands), 'hbm_gbps': memory copy (read +
+    write)}. GPU: _measure_device, with the facts read under load; CPU: on one thread, timed on its CPU
+    clock (_host_rate)."""
     if kind == "gpu":
         return _measure_device(torch_mod, dev, uuid, pci, root)
     (a, b, c), (src, dst) = _screen_operands(torch_mod, dev, kind)
@@ -3645,8 +3639,10 @@ def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
 
 
 def _measure_device(torch_mod, dev, uuid, pci, root):
-    """screen_measure_gpu on a GPU: the matmul and the copy each timed by _device_rate on a stream of the
-    caller's own (any thread), nvidia-smi's facts read while the matmul's graph keeps the GPU loaded."""
+    """screen_measure_gpu on a GPU: the matmul and the copy each timed on the device by _device_rate on a
+    stream of the caller's own (so it may run on a thread of its own while the rank waits), and the facts
+    read under load (GPU_FACT_KEYS: the PCIe link from sysfs; nvidia-smi's clocks, limits, temperature, power
+    while the matmul's graph keeps the GPU loaded, where it answers in time, else 'smi_unread')."""
     cuda, facts, graphs = torch_mod.cuda, {}, []
     cuda.set_device(dev)  # a thread's own current device (the measuring thread's too)
     stream = cuda.Stream(dev)
@@ -6072,14 +6068,10 @@ def _diff_fields(key, va, vb):
 # peers, and every value against its floor (--min-*); screen_judged_against says, per measurement, which
 # of these it had (a single value is no peer reference: its own maximum).
 #
-# Flow for the runtime (rank 0 plans and judges, every rank measures):
-#   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
-#   screen_loop(records, measure) (aiv/screen/loop.py): the batches of groups -> intra and pair rows:
-#   per node one all_reduce group; rounds = screen_rounds(nodes), one 2- or 3-rank group per rail (local
-#   rank r with local rank r of the partners); every slow measurement again (the best counts), a slow
-#   node beside known-good ones and localised to its GPU or GPU pair; the suspect round
-#   (screen_third_round); suspect links (a slow pair whose ends are fine elsewhere) name no host
-#   findings = judge_screen(screen); report = render_performance(screen)
+# Flow for the runtime (rank 0 plans and judges, every rank measures): per GPU, all ranks at once -> the
+# per_rank rows of judge_gpu_perf; screen_loop(records, measure) (aiv/screen/loop.py says how: the rounds of
+# screen_rounds, one 2- or 3-rank group per rail, every slow measurement again, the suspect round) -> the
+# intra and pair rows; findings = judge_screen(screen); report = render_performance(screen).
 SCREEN_GPU_FAIL = 0.80      # GPU TFLOPS or memory GB/s below 0.80 of its model's reference: FAIL
 SCREEN_GPU_WARN = 0.90      # ... below 0.90: WARN
 SCREEN_NET_FAIL = 0.70      # all_reduce busbw (intra-node group, inter-node pair) below 0.70 of the reference: FAIL
@@ -6393,6 +6385,13 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
     return f
 
 
+def _per_status(items, status_of):
+    """Beyond SCREEN_LIST_MAX flagged items, one finding per status: [(status, its items, '; and <n> more'
+    past the first SCREEN_LIST_MAX, or '')] for FAIL, then WARN, where there are any."""
+    return [(s, sel, f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else "")
+            for s in ("FAIL", "WARN") for sel in [[x for x in items if status_of(x) == s]] if sel]
+
+
 def _screen_worst(levels):
     return "FAIL" if "FAIL" in levels else "WARN" if "WARN" in levels else "OK"
 
@@ -6599,17 +6598,15 @@ def _gpu_perf_pass(n_gpus, against, cpu):
 
 
 def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None):
-    """Per-GPU compute and memory speed against its model's table row (GPU_TABLE), the other GPUs of the
-    same model and the floors.
+    """Per-GPU compute and memory speed against its model's table row (GPU_TABLE, GPU only, whatever the
+    number of GPUs: below SCREEN_TABLE_FAIL of it FAIL, below SCREEN_TABLE_WARN WARN), the other GPUs of its
+    model (from 2 on, per model and metric: below SCREEN_GPU_FAIL of their screen_reference FAIL, below
+    SCREEN_GPU_WARN WARN) and the floors min_tflops, min_hbm (FAIL below; None: none). The worst level
+    counts; the text names what decided it. cpu=True: no table; ranks sharing cores give numbers that are
+    not comparable, so only values below SCREEN_CPU_FAIL of the peers' reference FAIL and nothing WARNs.
     per_rank: [{'rank': int, 'host': str, 'local_rank': int, 'uuid': str|None, 'model': str|None,
                 'tflops': float|None (dense matmul, bf16 on GPU, fp32 on CPU, in 1e12 FLOP/s),
                 'hbm_gbps': float|None (device-memory copy, 1e9 B/s)}]; None: not measured (skipped).
-    min_tflops, min_hbm: absolute floors (FAIL below), or None.
-    Table (GPU only, whatever the number of GPUs): below SCREEN_TABLE_FAIL of the row FAIL, below
-    SCREEN_TABLE_WARN WARN. Peers (from 2 GPUs of a model on; references per model and metric,
-    screen_reference): below SCREEN_GPU_FAIL FAIL, below SCREEN_GPU_WARN WARN. cpu=True: no table; ranks
-    sharing cores give numbers that are not comparable, so only values below SCREEN_CPU_FAIL of the
-    peers' reference FAIL and nothing WARNs. The worst level counts; the text names what decided it.
     -> findings under 'gpu-perf': one per flagged rank naming rank, host, local rank and GPU UUID (one
     finding per status listing them when more than SCREEN_LIST_MAX ranks are flagged), or one PASS
     saying what each model was judged against (or that nothing was) and the count of GPUs. who(row): a GPU's
@@ -6665,17 +6662,15 @@ def _gpu_action(r):
 def _gpu_perf_many(items, who):
     """More than SCREEN_LIST_MAX flagged GPUs: one finding per status, the first few named."""
     out = []
-    for status in ("FAIL", "WARN"):
-        sel = [(rk, r, fl) for rk, (r, fl) in items if _screen_worst([lv for _, lv, _ in fl]) == status]
-        if sel:
-            shown = "; ".join(f"{who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
-            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            hosts = [r.get("host") for _, r, _ in sel]
-            out.append(_gpu_blame(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} "
-                                               f"node(s): {shown}{more}", hosts, [rk for rk, _, _ in sel]),
-                                       evidence=f"{len(sel)} GPU(s), each measured "
-                                       + ("again" if all(_gpu_again(r) for _, r, _ in sel) else "once"),
-                                       action=_gpu_action(sel[0][1])), [r for _, r, _ in sel]))
+    for status, sel, more in _per_status([(rk, r, fl) for rk, (r, fl) in items],
+                                         lambda x: _screen_worst([lv for _, lv, _ in x[2]])):
+        shown = "; ".join(f"{who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
+        hosts = [r.get("host") for _, r, _ in sel]
+        out.append(_gpu_blame(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} "
+                                           f"node(s): {shown}{more}", hosts, [rk for rk, _, _ in sel]),
+                                   evidence=f"{len(sel)} GPU(s), each measured "
+                                   + ("again" if all(_gpu_again(r) for _, r, _ in sel) else "once"),
+                                   action=_gpu_action(sel[0][1])), [r for _, r, _ in sel]))
     return out
 
 
@@ -6812,15 +6807,10 @@ def per_gpu_findings(check, items, who, headline, blame="own"):
     if len(items) <= SCREEN_LIST_MAX:
         return [finding(check, st, f"{who(r)}: {txt}", [r.get("host")], [r["rank"]], blame=blame)
                 for st, r, txt in items]
-    out = []
-    for status in ("FAIL", "WARN"):
-        sel = [(r, txt) for st, r, txt in items if st == status]
-        if sel:
-            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
-                f"{who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
-                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel], blame=blame))
-    return out
+    return [finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
+        f"{who(r)}: {txt}" for _, r, txt in sel[:SCREEN_LIST_MAX]) + more,
+        [r.get("host") for _, r, _ in sel], [r["rank"] for _, r, _ in sel], blame=blame)
+        for status, sel, more in _per_status(items, lambda x: x[0])]
 
 
 def gpu_levels(screen):
@@ -7036,18 +7026,13 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
         return [_measured_blame(dict(finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node; {ev}",
                                              [h], ranks), evidence=ev, action=act), [tries[h]])
                 for lv, h, txt, (ev, act, ranks) in flagged]
-    out = []
-    for status in ("FAIL", "WARN"):
-        sel = [f for f in flagged if f[0] == status]
-        if sel:
-            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(_measured_blame(dict(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
-                                                    + "; ".join(t for _, _, t, _ in sel[:SCREEN_LIST_MAX]) + more,
-                                                    [h for _, h, _, _ in sel]),
-                                            evidence="; ".join(f"{h}: {e[0]}" for _, h, _, e in sel[:SCREEN_LIST_MAX]),
-                                            action="drain them; run the vendor's diagnostics on each"),
-                                       [tries[h] for _, h, _, _ in sel]))
-    return out
+    return [_measured_blame(dict(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
+                                         + "; ".join(t for _, _, t, _ in sel[:SCREEN_LIST_MAX]) + more,
+                                         [h for _, h, _, _ in sel]),
+                                 evidence="; ".join(f"{h}: {e[0]}" for _, h, _, e in sel[:SCREEN_LIST_MAX]),
+                                 action="drain them; run the vendor's diagnostics on each"),
+                            [tries[h] for _, h, _, _ in sel])
+            for status, sel, more in _per_status(flagged, lambda f: f[0])]
 
 
 def _measured_blame(f, tries):
@@ -7096,7 +7081,7 @@ def screen_diagnose(results, min_busbw=None, cpu=False):
       'two_nodes': bool}.
     suspects: culprit nodes and every member of an unexplained slow group (after round 3 only those of
     links that are not suspect links). Widespread: before round 3, more suspects than passing nodes
-    (N >= 3), or no node passed at all."""
+    (N >= 3), or no node passed at all. Also 'min_busbw' (for _pair_floor_text)."""
     refs, levels = screen_pair_levels(results, min_busbw, cpu)
     nodes = _screen_sorted(n for m in results for n in m["nodes"])
     ev = _pair_evidence(results, levels)
@@ -7286,17 +7271,13 @@ def judge_pairs(results, min_busbw=None, cpu=False):
     every round's measurements together (rounds 1-2 to plan the suspect round, all rounds to judge).
     min_busbw: absolute floor (FAIL below) or None; cpu=True: only below SCREEN_CPU_FAIL FAILs and
     nothing WARNs (gloo over loopback is CPU-bound: never a culprit out of noise).
-    Reference: per rail (screen_rail_refs). Each is FAIL/WARN/OK (screen_level with
-    SCREEN_NET_FAIL/SCREEN_NET_WARN). Localisation, per rail:
-      a node slow with two different partners (or groups) and fine with none: that node on that rail
-        (the HCA named when known); on every rail: the node as a whole;
-      a slow group none of whose members is such a node: the link or path between them; when every
-        member is fine with another partner there, a suspect link (WARN at most, no host named, the
-        JSON's suspect_links); else both named;
-        a node slow only beside bad partners is fine with its suspect-round partner and is cleared;
-      two nodes only: the pair is named (slow after re-measurement: nothing can localise it);
-      more suspects than passing nodes before round 3 (or no node passing): widespread, one FAIL
-        naming every suspect.
+    Reference: per rail (screen_rail_refs), each measurement FAIL/WARN/OK against it (screen_level with
+    SCREEN_NET_FAIL/SCREEN_NET_WARN). Localised per rail (screen_diagnose): a node slow with two different
+    partners (or groups) and fine with none is named on that rail (the HCA named when known; on every rail:
+    the node as a whole; _pair_culprits); a slow group none of whose members is such a node is the link or
+    path between them, a suspect link when every member is fine with another partner there (WARN at most,
+    no host named, the JSON's suspect_links), else both named; two nodes only: the pair is named (nothing
+    can localise it); widespread (screen_diagnose): one FAIL naming every suspect.
     -> (findings under 'inter-node', suspects: sorted node names implicated: before round 3 the nodes
         to give suspect_round, after it the nodes the findings name). One PASS finding with the
         reference and the count of measurements when nothing is slow."""
@@ -7756,11 +7737,9 @@ def screen_loop(records, measure, min_busbw_intra=None, min_busbw_inter=None, cp
     'kind': 'intra'|'pair'|'gpu-pair', 'batch': the batch's name ('intra', 'p1', 'p2', 'p3', then 'b<k>')},
     a pair also 'round', a GPU pair 'gpus' (local ranks).
     Batches: the intra-node round (every node of two or more ranks), the pair rounds of screen_rounds
-    (every rail), then, packed together while their ranks are free: each slow measurement again (the best
-    counts; pairs SCREEN_TRIES times at most, a node's all_reduce SCREEN_INTRA_TRIES, from its
-    SCREEN_CONTROL_TRY-th beside SCREEN_CONTROLS known-good nodes), the suspect round
-    (screen_third_round) once the pair rounds are settled, and the localisation of each node slow in every
-    try. -> {'intra': judge_intra's rows (re-measured ones with 'tries', 'first', 'values', 'beside';
+    (every rail), then, packed together while their ranks are free: the re-measurements and localisations
+    of the comment above, and the suspect round (screen_third_round) once the pair rounds are settled.
+    -> {'intra': judge_intra's rows (re-measured ones with 'tries', 'first', 'values', 'beside';
     localised ones with 'local'), 'pairs': judge_pairs' rows, 'suspect_links', 'third', 'batches':
     [{'name', 'groups', 'kinds'}]}."""
     return _Loop(records, measure, min_busbw_intra, min_busbw_inter, cpu).run()

@@ -146,8 +146,7 @@ class SmiProbe:
                 self.proc = child_start(cmd, stderr=subprocess.DEVNULL)
 
     def finish(self, load):
-        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts. Its output
-        is read, and it is reaped, by the one bounded child helper (child_finish)."""
+        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts."""
         while self.proc is not None:
             left = SCREEN_SMI_S - (time.monotonic() - self.t0)
             if self.proc.poll() is None and left > 0:
@@ -273,11 +272,9 @@ def timed_blocks(fn, k, pairs, record):
 
 
 def _graph_rate(torch_mod, fn, work, stream, during, k, before=None):
-    """_device_rate with in-graph timing: the lead block and the SCREEN_BLOCKS timed blocks, with their
-    events, are one CUDA graph launched once; the device runs it back to back, so no host delay (other
-    threads holding the interpreter lock) can enter or stop a measurement. `before`: a graph replayed
-    just ahead of it (the calibration's), so that the device is under this load again when the lead
-    block starts, however long the capture kept it idle. -> (rate, the graph)."""
+    """_device_rate with in-graph timing (timed_blocks, launched once). `before`: a graph replayed just ahead
+    of it (the calibration's), so that the device is under this load again when the lead block starts,
+    however long the capture kept it idle. -> (rate, the graph)."""
     cuda = torch_mod.cuda
     pairs = [(cuda.Event(enable_timing=True, external=True), cuda.Event(enable_timing=True, external=True))
              for _ in range(SCREEN_BLOCKS)]
@@ -298,13 +295,11 @@ def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
     so that what the host does meanwhile (this rank's other threads, NCCL's init, the node's imports) cannot
     enter the number: k calls of fn() make a block of about SCREEN_TARGET_S / SCREEN_BLOCKS of work; the
     median of SCREEN_BLOCKS timed blocks counts. Where torch times events inside a graph (graph_timing),
-    the whole measurement is one graph and one launch (_graph_rate), and so is the calibration of k (a
-    matmul's rate depends on how long the load lasts: the power cap lowers the clocks within a second, so
-    a k shrunk by a stalled host would read a burst rate, ~10% higher on an H100). Before that (torch < 2.9)
-    each block is one replay, all of them queued behind a hold (gated_blocks); a host too slow to queue
-    them within the hold gets a hold twice as long, up to SCREEN_HOLD_GROWTH times, then HostStarved, never
-    a slow number.
-    -> (rate, the graph: one measurement's work, for load under nvidia-smi)."""
+    the whole measurement is one graph and one launch (_graph_rate): the device runs it back to back, so no
+    host delay (other threads holding the interpreter lock) can enter or stop it; so is the calibration of k
+    (a matmul's rate depends on how long the load lasts: the power cap lowers the clocks within a second, so
+    a k shrunk by a stalled host would read a burst rate, ~10% higher on an H100). Before that (torch < 2.9):
+    _gated_rate. -> (rate, the graph: one measurement's work, for load under nvidia-smi)."""
     with quick_switch():  # each captured or queued call gets the interpreter back at once
         if not graph_timing(torch_mod):
             return _gated_rate(torch_mod, fn, work, stream, during, k)
@@ -321,7 +316,8 @@ def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
 
 def _gated_rate(torch_mod, fn, work, stream, during, k):
     """_device_rate before torch 2.9: each block one replay of a graph of k calls, all of them queued
-    behind a hold (gated_blocks)."""
+    behind a hold (gated_blocks); a host too slow to queue them within the hold gets a hold twice as long,
+    up to SCREEN_HOLD_GROWTH times, then HostStarved, never a slow number."""
     cuda = torch_mod.cuda
 
     def record():
@@ -373,11 +369,9 @@ def _screen_operands(torch_mod, dev, kind):
 
 
 def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
-    """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
-    'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
-    the PCIe link from sysfs, nvidia-smi's clocks, limits, temperature, power where it answers in time,
-    else 'smi_unread'). GPU: timed on the device (_measure_device), so it may run on a thread of its own while
-    the rank waits; CPU: on one thread, timed on its CPU clock (_host_rate)."""
+    """One rank's device speed: {'tflops': dense matmul (_mm_operands), 'hbm_gbps': memory copy (read +
+    write)}. GPU: _measure_device, with the facts read under load; CPU: on one thread, timed on its CPU
+    clock (_host_rate)."""
     if kind == "gpu":
         return _measure_device(torch_mod, dev, uuid, pci, root)
     (a, b, c), (src, dst) = _screen_operands(torch_mod, dev, kind)
@@ -392,8 +386,10 @@ def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
 
 
 def _measure_device(torch_mod, dev, uuid, pci, root):
-    """screen_measure_gpu on a GPU: the matmul and the copy each timed by _device_rate on a stream of the
-    caller's own (any thread), nvidia-smi's facts read while the matmul's graph keeps the GPU loaded."""
+    """screen_measure_gpu on a GPU: the matmul and the copy each timed on the device by _device_rate on a
+    stream of the caller's own (so it may run on a thread of its own while the rank waits), and the facts
+    read under load (GPU_FACT_KEYS: the PCIe link from sysfs; nvidia-smi's clocks, limits, temperature, power
+    while the matmul's graph keeps the GPU loaded, where it answers in time, else 'smi_unread')."""
     cuda, facts, graphs = torch_mod.cuda, {}, []
     cuda.set_device(dev)  # a thread's own current device (the measuring thread's too)
     stream = cuda.Stream(dev)

@@ -36,14 +36,10 @@ from ..core.deadlines import PHASE_CHECK, PHASES
 # peers, and every value against its floor (--min-*); screen_judged_against says, per measurement, which
 # of these it had (a single value is no peer reference: its own maximum).
 #
-# Flow for the runtime (rank 0 plans and judges, every rank measures):
-#   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
-#   screen_loop(records, measure) (aiv/screen/loop.py): the batches of groups -> intra and pair rows:
-#   per node one all_reduce group; rounds = screen_rounds(nodes), one 2- or 3-rank group per rail (local
-#   rank r with local rank r of the partners); every slow measurement again (the best counts), a slow
-#   node beside known-good ones and localised to its GPU or GPU pair; the suspect round
-#   (screen_third_round); suspect links (a slow pair whose ends are fine elsewhere) name no host
-#   findings = judge_screen(screen); report = render_performance(screen)
+# Flow for the runtime (rank 0 plans and judges, every rank measures): per GPU, all ranks at once -> the
+# per_rank rows of judge_gpu_perf; screen_loop(records, measure) (aiv/screen/loop.py says how: the rounds of
+# screen_rounds, one 2- or 3-rank group per rail, every slow measurement again, the suspect round) -> the
+# intra and pair rows; findings = judge_screen(screen); report = render_performance(screen).
 SCREEN_GPU_FAIL = 0.80      # GPU TFLOPS or memory GB/s below 0.80 of its model's reference: FAIL
 SCREEN_GPU_WARN = 0.90      # ... below 0.90: WARN
 SCREEN_NET_FAIL = 0.70      # all_reduce busbw (intra-node group, inter-node pair) below 0.70 of the reference: FAIL
@@ -355,6 +351,13 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
     if unloc:
         f["unlocalised"] = unloc
     return f
+
+
+def _per_status(items, status_of):
+    """Beyond SCREEN_LIST_MAX flagged items, one finding per status: [(status, its items, '; and <n> more'
+    past the first SCREEN_LIST_MAX, or '')] for FAIL, then WARN, where there are any."""
+    return [(s, sel, f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else "")
+            for s in ("FAIL", "WARN") for sel in [[x for x in items if status_of(x) == s]] if sel]
 
 
 def _screen_worst(levels):
