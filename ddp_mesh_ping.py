@@ -7923,8 +7923,7 @@ def parse_compute_apps(text):
         vals = [v.strip() for v in line.split(",")]
         if len(vals) < 3 or not vals[0].isdigit() or not vals[2].startswith(("GPU-", "MIG-")):
             continue
-        mem = vals[1]
-        out.append({"pid": int(vals[0]), "mem_mib": int(mem) if mem.isdigit() else None, "uuid": vals[2],
+        out.append({"pid": int(vals[0]), "mem_mib": int(vals[1]) if vals[1].isdigit() else None, "uuid": vals[2],
                     "name": ",".join(vals[3:]).strip() or None})
     return out
 
@@ -9287,10 +9286,8 @@ def node_metrics(state):
     Written by each pass over the last (per context, when the recipe names a file per context)."""
     ctx = {"context": state["context"]}
     fs = state.get("findings") or []
-    worst = {}
-    for f in fs:
-        if not f.get("unassessed"):
-            worst[f["check"]] = max(worst.get(f["check"], 0), STATUS_RANK.get(f["status"], 0))
+    worst = {c: max(ranks) for c, ranks in group_by([f for f in fs if not f.get("unassessed")], lambda f: f["check"],
+                                                    lambda f: STATUS_RANK.get(f["status"], 0)).items()}
     dev = state.get("devices") or {}
     uuid = {g["index"]: g.get("uuid") or "" for g in state.get("gpus") or []}
     per_gpu = {"tflops": [], "hbm_gbps": [], "numerics": []}

@@ -151,8 +151,7 @@ def parse_compute_apps(text):
         vals = [v.strip() for v in line.split(",")]
         if len(vals) < 3 or not vals[0].isdigit() or not vals[2].startswith(("GPU-", "MIG-")):
             continue
-        mem = vals[1]
-        out.append({"pid": int(vals[0]), "mem_mib": int(mem) if mem.isdigit() else None, "uuid": vals[2],
+        out.append({"pid": int(vals[0]), "mem_mib": int(vals[1]) if vals[1].isdigit() else None, "uuid": vals[2],
                     "name": ",".join(vals[3:]).strip() or None})
     return out
 
