@@ -3353,8 +3353,7 @@ class SmiProbe:
                 self.proc = child_start(cmd, stderr=subprocess.DEVNULL)
 
     def finish(self, load):
-        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts. Its output
-        is read, and it is reaped, by the one bounded child helper (child_finish)."""
+        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts."""
         while self.proc is not None:
             left = SCREEN_SMI_S - (time.monotonic() - self.t0)
             if self.proc.poll() is None and left > 0:
@@ -3405,15 +3404,14 @@ class HostStarved(RuntimeError):
     (screen-gpu then measures again on its quiet main thread); there, it says the node cannot drive its GPU."""
 
 
-def _capture(torch_mod, fn, calls, stream):
-    """fn() `calls` times in one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
+def _capture(torch_mod, stream, body):
+    """body()'s CUDA calls as one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
     rank's other threads (NCCL's init among them) go on, neither refused nor captured."""
     graph = torch_mod.cuda.CUDAGraph()
     with torch_mod.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            for _ in range(calls):
-                fn()
+            body()
         finally:
             graph.capture_end()
     return graph
@@ -3481,21 +3479,14 @@ def timed_blocks(fn, k, pairs, record):
 
 
 def _graph_rate(torch_mod, fn, work, stream, during, k, before=None):
-    """_device_rate with in-graph timing: the lead block and the SCREEN_BLOCKS timed blocks, with their
-    events, are one CUDA graph launched once; the device runs it back to back, so no host delay (other
-    threads holding the interpreter lock) can enter or stop a measurement. `before`: a graph replayed
-    just ahead of it (the calibration's), so that the device is under this load again when the lead
-    block starts, however long the capture kept it idle. -> (rate, the graph)."""
+    """_device_rate with in-graph timing (timed_blocks, launched once). `before`: a graph replayed just ahead
+    of it (the calibration's), so that the device is under this load again when the lead block starts,
+    however long the capture kept it idle. -> (rate, the graph)."""
     cuda = torch_mod.cuda
     pairs = [(cuda.Event(enable_timing=True, external=True), cuda.Event(enable_timing=True, external=True))
              for _ in range(SCREEN_BLOCKS)]
-    graph = cuda.CUDAGraph()
+    graph = _capture(torch_mod, stream, lambda: timed_blocks(fn, k, pairs, lambda e: e.record(stream)))
     with cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            timed_blocks(fn, k, pairs, lambda e: e.record(stream))
-        finally:
-            graph.capture_end()
         if before is not None:
             before.replay()
         graph.replay()
@@ -3511,13 +3502,11 @@ def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
     so that what the host does meanwhile (this rank's other threads, NCCL's init, the node's imports) cannot
     enter the number: k calls of fn() make a block of about SCREEN_TARGET_S / SCREEN_BLOCKS of work; the
     median of SCREEN_BLOCKS timed blocks counts. Where torch times events inside a graph (graph_timing),
-    the whole measurement is one graph and one launch (_graph_rate), and so is the calibration of k (a
-    matmul's rate depends on how long the load lasts: the power cap lowers the clocks within a second, so
-    a k shrunk by a stalled host would read a burst rate, ~10% higher on an H100). Before that (torch < 2.9)
-    each block is one replay, all of them queued behind a hold (gated_blocks); a host too slow to queue
-    them within the hold gets a hold twice as long, up to SCREEN_HOLD_GROWTH times, then HostStarved, never
-    a slow number.
-    -> (rate, the graph: one measurement's work, for load under nvidia-smi)."""
+    the whole measurement is one graph and one launch (_graph_rate): the device runs it back to back, so no
+    host delay (other threads holding the interpreter lock) can enter or stop it; so is the calibration of k
+    (a matmul's rate depends on how long the load lasts: the power cap lowers the clocks within a second, so
+    a k shrunk by a stalled host would read a burst rate, ~10% higher on an H100). Before that (torch < 2.9):
+    _gated_rate. -> (rate, the graph: one measurement's work, for load under nvidia-smi)."""
     with quick_switch():  # each captured or queued call gets the interpreter back at once
         if not graph_timing(torch_mod):
             return _gated_rate(torch_mod, fn, work, stream, during, k)
@@ -3534,7 +3523,8 @@ def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
 
 def _gated_rate(torch_mod, fn, work, stream, during, k):
     """_device_rate before torch 2.9: each block one replay of a graph of k calls, all of them queued
-    behind a hold (gated_blocks)."""
+    behind a hold (gated_blocks); a host too slow to queue them within the hold gets a hold twice as long,
+    up to SCREEN_HOLD_GROWTH times, then HostStarved, never a slow number."""
     cuda = torch_mod.cuda
 
     def record():
@@ -3554,7 +3544,7 @@ def _gated_rate(torch_mod, fn, work, stream, during, k):
     if k is None:
         k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS / max(a.elapsed_time(b) / 2e3, 1e-7)))
     cycles = int((1 << 20) * SCREEN_HOLD_S / max(b.elapsed_time(c) / 1e3, 1e-7))
-    graph = _capture(torch_mod, fn, k, stream)
+    graph = _capture(torch_mod, stream, lambda: timed_blocks(fn, k, (), None))  # k calls of fn, no timed block
     for _ in range(SCREEN_HOLD_GROWTH):
         with cuda.stream(stream):  # a replay goes to the current stream
             spans, whole = gated_blocks(lambda n=cycles: cuda._sleep(n), record, graph.replay, lambda e: e.query())
@@ -3570,24 +3560,25 @@ def _gated_rate(torch_mod, fn, work, stream, during, k):
                       "starved of CPU")
 
 
-def _screen_operands(torch_mod, dev, kind):
-    """The matmul's a, b, c (bf16 where the GPU has it, Ampere on, else fp16; fp32 on CPU) and the memory
-    measurement's src, dst (fp32, SCREEN_COPY_BYTES each)."""
+def _mm_operands(torch_mod, dev, kind):
+    """The square matmul's a, b, c: bf16 where the GPU has it (Ampere on), else fp16; fp32 on CPU."""
     n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
     if kind == "gpu":  # the model's peers run the same
         dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
-    mm = [torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2)] + [
+    return [torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2)] + [
         torch_mod.empty(n, n, device=dev, dtype=dtype)]
+
+
+def _screen_operands(torch_mod, dev, kind):
+    """The matmul's a, b, c (_mm_operands) and the memory measurement's src, dst (fp32, SCREEN_COPY_BYTES each)."""
     src = torch_mod.ones(SCREEN_COPY_BYTES[kind] // 4, dtype=torch_mod.float32, device=dev)
-    return mm, (src, torch_mod.empty_like(src))
+    return _mm_operands(torch_mod, dev, kind), (src, torch_mod.empty_like(src))
 
 
 def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
-    """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
-    'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
-    the PCIe link from sysfs, nvidia-smi's clocks, limits, temperature, power where it answers in time,
-    else 'smi_unread'). GPU: timed on the device (_measure_device), so it may run on a thread of its own while
-    the rank waits; CPU: on one thread, timed on its CPU clock (_host_rate)."""
+    """One rank's device speed: {'tflops': dense matmul (_mm_operands), 'hbm_gbps': memory copy (read +
+    write)}. GPU: _measure_device, with the facts read under load; CPU: on one thread, timed on its CPU
+    clock (_host_rate)."""
     if kind == "gpu":
         return _measure_device(torch_mod, dev, uuid, pci, root)
     (a, b, c), (src, dst) = _screen_operands(torch_mod, dev, kind)
@@ -3602,8 +3593,10 @@ def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
 
 
 def _measure_device(torch_mod, dev, uuid, pci, root):
-    """screen_measure_gpu on a GPU: the matmul and the copy each timed by _device_rate on a stream of the
-    caller's own (any thread), nvidia-smi's facts read while the matmul's graph keeps the GPU loaded."""
+    """screen_measure_gpu on a GPU: the matmul and the copy each timed on the device by _device_rate on a
+    stream of the caller's own (so it may run on a thread of its own while the rank waits), and the facts
+    read under load (GPU_FACT_KEYS: the PCIe link from sysfs; nvidia-smi's clocks, limits, temperature, power
+    while the matmul's graph keeps the GPU loaded, where it answers in time, else 'smi_unread')."""
     cuda, facts, graphs = torch_mod.cuda, {}, []
     cuda.set_device(dev)  # a thread's own current device (the measuring thread's too)
     stream = cuda.Stream(dev)
@@ -3825,23 +3818,21 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None, numerics=
     (NumericsRepeat). -> the row judge_soak takes (without the rank's record facts)."""
     cpu = kind == "cpu"
     sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
-    n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
-    if not cpu:
-        dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
     threads = torch_mod.get_num_threads()
     if cpu:
         torch_mod.set_num_threads(1)
     try:
-        a, b = (torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
-        c = torch_mod.empty(n, n, device=dev, dtype=dtype)
-        for _ in range(2):
-            torch_mod.mm(a, b, out=c)
-        sync()
-        t = time.perf_counter()
-        for _ in range(2):
-            torch_mod.mm(a, b, out=c)
-        sync()
-        per_block = max(1, int(SOAK_BLOCK_S[kind] / max((time.perf_counter() - t) / 2, 1e-7)))
+        a, b, c = _mm_operands(torch_mod, dev, kind)
+        n, dtype = SCREEN_MATMUL_N[kind], c.dtype
+
+        def mm(calls):  # `calls` matmuls, synchronised -> their seconds
+            t = time.perf_counter()
+            for _ in range(calls):
+                torch_mod.mm(a, b, out=c)
+            sync()
+            return time.perf_counter() - t
+        mm(2)
+        per_block = max(1, int(SOAK_BLOCK_S[kind] / max(mm(2) / 2, 1e-7)))
         repeat = NumericsRepeat(torch_mod, dev, kind) if numerics else None
         if start is not None:
             start()
@@ -3849,11 +3840,7 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None, numerics=
         blocks, t0 = [], time.perf_counter()
         try:
             while time.perf_counter() - t0 < seconds:
-                t = time.perf_counter()
-                for _ in range(per_block):
-                    torch_mod.mm(a, b, out=c)
-                sync()
-                blocks.append(2 * n ** 3 * per_block / 1e12 / max(time.perf_counter() - t, 1e-9))
+                blocks.append(2 * n ** 3 * per_block / 1e12 / max(mm(per_block), 1e-9))
                 if repeat is not None:  # between timed blocks: never inside a block's time
                     repeat.tick(time.perf_counter() - t0)
             loaded = time.perf_counter() - t0
@@ -5981,14 +5968,10 @@ def _diff_fields(key, va, vb):
 # peers, and every value against its floor (--min-*); screen_judged_against says, per measurement, which
 # of these it had (a single value is no peer reference: its own maximum).
 #
-# Flow for the runtime (rank 0 plans and judges, every rank measures):
-#   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
-#   screen_loop(records, measure) (aiv/screen/loop.py): the batches of groups -> intra and pair rows:
-#   per node one all_reduce group; rounds = screen_rounds(nodes), one 2- or 3-rank group per rail (local
-#   rank r with local rank r of the partners); every slow measurement again (the best counts), a slow
-#   node beside known-good ones and localised to its GPU or GPU pair; the suspect round
-#   (screen_third_round); suspect links (a slow pair whose ends are fine elsewhere) name no host
-#   findings = judge_screen(screen); report = render_performance(screen)
+# Flow for the runtime (rank 0 plans and judges, every rank measures): per GPU, all ranks at once -> the
+# per_rank rows of judge_gpu_perf; screen_loop(records, measure) (aiv/screen/loop.py says how: the rounds of
+# screen_rounds, one 2- or 3-rank group per rail, every slow measurement again, the suspect round) -> the
+# intra and pair rows; findings = judge_screen(screen); report = render_performance(screen).
 SCREEN_GPU_FAIL = 0.80      # GPU TFLOPS or memory GB/s below 0.80 of its model's reference: FAIL
 SCREEN_GPU_WARN = 0.90      # ... below 0.90: WARN
 SCREEN_NET_FAIL = 0.70      # all_reduce busbw (intra-node group, inter-node pair) below 0.70 of the reference: FAIL
@@ -6197,9 +6180,8 @@ def screen_creation(groups, posts):
 def screen_gpu_rows(records, posts, cpu=False):
     """judge_gpu_perf's per_rank rows: each posting rank's record facts and its measurement, with its GPU's
     row of its node's one nvidia-smi call (node.smi.gpus, by UUID: ECC and row remapping) where there is one."""
-    smi = {}
-    for rec in records:
-        smi.update((((rec.get("node") or {}).get("smi") or {}).get("gpus")) or {})
+    smi = {u: row for rec in records
+           for u, row in (((rec.get("node") or {}).get("smi") or {}).get("gpus") or {}).items()}
     out = []
     for rec in sorted(records, key=lambda r: r["rank"]):
         p = posts.get(rec["rank"])
@@ -6303,6 +6285,13 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
     return f
 
 
+def _per_status(items, status_of):
+    """Beyond SCREEN_LIST_MAX flagged items, one finding per status: [(status, its items, '; and <n> more'
+    past the first SCREEN_LIST_MAX, or '')] for FAIL, then WARN, where there are any."""
+    return [(s, sel, f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else "")
+            for s in ("FAIL", "WARN") for sel in [[x for x in items if status_of(x) == s]] if sel]
+
+
 def _screen_worst(levels):
     return "FAIL" if "FAIL" in levels else "WARN" if "WARN" in levels else "OK"
 
@@ -6370,11 +6359,10 @@ def screen_against(what, count, noun, kind, peers, unit, table=None, floor=None,
         got.append(f"the floor {floor:g} {unit} ({SCREEN_FLOOR_OPTIONS.get(floor_name, 'floor')})")
     else:
         miss.append(("a floor", "no floor"))
-    if band is not None:
-        if band:
-            got.append(f"the manifest band {band}")
-        else:
-            miss.append(("a manifest band", "no manifest band"))
+    if band:
+        got.append(f"the manifest band {band}")
+    elif band is not None:
+        miss.append(("a manifest band", "no manifest band"))
     head = f"{what} ({count} {noun}{s})"
     text = (f"{head}: no reference: {', '.join(n for _, n in miss)}" if not got else
             f"{head}: against {', '.join(got)}" + (f"; not against {', '.join(m for m, _ in miss)}" if miss else ""))
@@ -6510,17 +6498,15 @@ def _gpu_perf_pass(n_gpus, against, cpu):
 
 
 def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None):
-    """Per-GPU compute and memory speed against its model's table row (GPU_TABLE), the other GPUs of the
-    same model and the floors.
+    """Per-GPU compute and memory speed against its model's table row (GPU_TABLE, GPU only, whatever the
+    number of GPUs: below SCREEN_TABLE_FAIL of it FAIL, below SCREEN_TABLE_WARN WARN), the other GPUs of its
+    model (from 2 on, per model and metric: below SCREEN_GPU_FAIL of their screen_reference FAIL, below
+    SCREEN_GPU_WARN WARN) and the floors min_tflops, min_hbm (FAIL below; None: none). The worst level
+    counts; the text names what decided it. cpu=True: no table; ranks sharing cores give numbers that are
+    not comparable, so only values below SCREEN_CPU_FAIL of the peers' reference FAIL and nothing WARNs.
     per_rank: [{'rank': int, 'host': str, 'local_rank': int, 'uuid': str|None, 'model': str|None,
                 'tflops': float|None (dense matmul, bf16 on GPU, fp32 on CPU, in 1e12 FLOP/s),
                 'hbm_gbps': float|None (device-memory copy, 1e9 B/s)}]; None: not measured (skipped).
-    min_tflops, min_hbm: absolute floors (FAIL below), or None.
-    Table (GPU only, whatever the number of GPUs): below SCREEN_TABLE_FAIL of the row FAIL, below
-    SCREEN_TABLE_WARN WARN. Peers (from 2 GPUs of a model on; references per model and metric,
-    screen_reference): below SCREEN_GPU_FAIL FAIL, below SCREEN_GPU_WARN WARN. cpu=True: no table; ranks
-    sharing cores give numbers that are not comparable, so only values below SCREEN_CPU_FAIL of the
-    peers' reference FAIL and nothing WARNs. The worst level counts; the text names what decided it.
     -> findings under 'gpu-perf': one per flagged rank naming rank, host, local rank and GPU UUID (one
     finding per status listing them when more than SCREEN_LIST_MAX ranks are flagged), or one PASS
     saying what each model was judged against (or that nothing was) and the count of GPUs. who(row): a GPU's
@@ -6536,8 +6522,7 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None)
     items = list(flags.items())
     if len(items) <= SCREEN_LIST_MAX:
         out = [_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                                       f"{who(r)}: " + "; ".join(t for _, _, t in fl)
-                                       + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else ""),
+                                       f"{who(r)}: " + "; ".join(t for _, _, t in fl) + _gpu_unused(r, allrefs),
                                        [r.get("host")], [rk]),
                                evidence=_gpu_evidence(r, allrefs, cpu), action=_gpu_action(r)), [r])
                for rk, (r, fl) in items]
@@ -6546,12 +6531,12 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None)
 
 
 def _gpu_unused(r, allrefs):
-    """What rank r's GPU was not judged against (a reference missing, per metric), or ''."""
+    """'; not judged against' what rank r's GPU lacked (a reference missing, per metric), or ''."""
     lack = {}
     for k, _, _ in SCREEN_GPU_METRICS:
         for m in allrefs[(r.get("model") or "unknown", k)]["against"]["missing"]:
             lack.setdefault(m, []).append(SCREEN_GPU_LABELS[k])
-    return "not judged against " + ", ".join(
+    return "; not judged against " + ", ".join(
         m if len(ks) == len(SCREEN_GPU_METRICS) else f"{m} for {' and '.join(ks)}" for m, ks in lack.items()) \
         if lack else ""
 
@@ -6564,7 +6549,7 @@ def _gpu_evidence(r, allrefs, cpu):
         f"{_sn(v)} {u}" for k, u, _ in SCREEN_GPU_METRICS for v in [(r.get("first") or {}).get(k)] if v is not None)
         + ", the better counting)"
         if _gpu_again(r) else f"measured once on {r.get('host')}")
-    return f"{again} ({how})" + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else "")
+    return f"{again} ({how}){_gpu_unused(r, allrefs)}"
 
 
 def _gpu_action(r):
@@ -6577,17 +6562,15 @@ def _gpu_action(r):
 def _gpu_perf_many(items, who):
     """More than SCREEN_LIST_MAX flagged GPUs: one finding per status, the first few named."""
     out = []
-    for status in ("FAIL", "WARN"):
-        sel = [(rk, r, fl) for rk, (r, fl) in items if _screen_worst([lv for _, lv, _ in fl]) == status]
-        if sel:
-            shown = "; ".join(f"{who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
-            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            hosts = [r.get("host") for _, r, _ in sel]
-            out.append(_gpu_blame(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} "
-                                               f"node(s): {shown}{more}", hosts, [rk for rk, _, _ in sel]),
-                                       evidence=f"{len(sel)} GPU(s), each measured "
-                                       + ("again" if all(_gpu_again(r) for _, r, _ in sel) else "once"),
-                                       action=_gpu_action(sel[0][1])), [r for _, r, _ in sel]))
+    for status, sel, more in _per_status([(rk, r, fl) for rk, (r, fl) in items],
+                                         lambda x: _screen_worst([lv for _, lv, _ in x[2]])):
+        shown = "; ".join(f"{who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
+        hosts = [r.get("host") for _, r, _ in sel]
+        out.append(_gpu_blame(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} "
+                                           f"node(s): {shown}{more}", hosts, [rk for rk, _, _ in sel]),
+                                   evidence=f"{len(sel)} GPU(s), each measured "
+                                   + ("again" if all(_gpu_again(r) for _, r, _ in sel) else "once"),
+                                   action=_gpu_action(sel[0][1])), [r for _, r, _ in sel]))
     return out
 
 
@@ -6724,15 +6707,10 @@ def per_gpu_findings(check, items, who, headline, blame="own"):
     if len(items) <= SCREEN_LIST_MAX:
         return [finding(check, st, f"{who(r)}: {txt}", [r.get("host")], [r["rank"]], blame=blame)
                 for st, r, txt in items]
-    out = []
-    for status in ("FAIL", "WARN"):
-        sel = [(r, txt) for st, r, txt in items if st == status]
-        if sel:
-            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
-                f"{who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
-                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel], blame=blame))
-    return out
+    return [finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
+        f"{who(r)}: {txt}" for _, r, txt in sel[:SCREEN_LIST_MAX]) + more,
+        [r.get("host") for _, r, _ in sel], [r["rank"] for _, r, _ in sel], blame=blame)
+        for status, sel, more in _per_status(items, lambda x: x[0])]
 
 
 def gpu_levels(screen):
@@ -6769,10 +6747,7 @@ def gpu_levels(screen):
 def gpu_suspects(per_rank, floors=None, cpu=False):
     """The ranks whose GPU row is slow (WARN or FAIL against its peers, its table row or a floor: judge_gpu_perf's
     rule): the GPUs measured again before any is named (the screen blames only what persists)."""
-    floors = floors or {}
-    _, flags = _gpu_flags(list(per_rank or []), {"min_tflops": floors.get("min_tflops"),
-                                                 "min_hbm": floors.get("min_hbm")}, cpu)
-    return sorted(flags)
+    return sorted(_gpu_flags(list(per_rank or []), floors or {}, cpu)[1])  # floors: min_tflops, min_hbm
 
 
 def gpu_remeasured(per_rank, again):
@@ -6789,8 +6764,7 @@ def gpu_remeasured(per_rank, again):
         merged = dict(r, tries=int(r.get("tries") or 1) + 1,
                       first={k: r.get(k) for k, _, _ in SCREEN_GPU_METRICS})
         for k, _, _ in SCREEN_GPU_METRICS:
-            vals = [v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))]
-            merged[k] = max(vals) if vals else None
+            merged[k] = max([v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))], default=None)
         out.append(merged)
     return out
 
@@ -6831,10 +6805,9 @@ def screen_best(rows, redone):
         if r is None:
             out.append(m)
             continue
-        tries = m.get("tries", 1) + 1
         keep = m if (m.get("busbw") or 0.0) >= (r.get("busbw") or 0.0) else dict(m, busbw=r["busbw"],
                                                                                time_us=r.get("time_us"))
-        out.append(dict(keep, tries=tries, first=m.get("first", m.get("busbw"))))
+        out.append(dict(keep, tries=m.get("tries", 1) + 1, first=m.get("first", m.get("busbw"))))
     return out
 
 
@@ -6953,18 +6926,13 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
         return [_measured_blame(dict(finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node; {ev}",
                                              [h], ranks), evidence=ev, action=act), [tries[h]])
                 for lv, h, txt, (ev, act, ranks) in flagged]
-    out = []
-    for status in ("FAIL", "WARN"):
-        sel = [f for f in flagged if f[0] == status]
-        if sel:
-            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(_measured_blame(dict(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
-                                                    + "; ".join(t for _, _, t, _ in sel[:SCREEN_LIST_MAX]) + more,
-                                                    [h for _, h, _, _ in sel]),
-                                            evidence="; ".join(f"{h}: {e[0]}" for _, h, _, e in sel[:SCREEN_LIST_MAX]),
-                                            action="drain them; run the vendor's diagnostics on each"),
-                                       [tries[h] for _, h, _, _ in sel]))
-    return out
+    return [_measured_blame(dict(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
+                                         + "; ".join(t for _, _, t, _ in sel[:SCREEN_LIST_MAX]) + more,
+                                         [h for _, h, _, _ in sel]),
+                                 evidence="; ".join(f"{h}: {e[0]}" for _, h, _, e in sel[:SCREEN_LIST_MAX]),
+                                 action="drain them; run the vendor's diagnostics on each"),
+                            [tries[h] for _, h, _, _ in sel])
+            for status, sel, more in _per_status(flagged, lambda f: f[0])]
 
 
 def _measured_blame(f, tries):
@@ -7013,7 +6981,7 @@ def screen_diagnose(results, min_busbw=None, cpu=False):
       'two_nodes': bool}.
     suspects: culprit nodes and every member of an unexplained slow group (after round 3 only those of
     links that are not suspect links). Widespread: before round 3, more suspects than passing nodes
-    (N >= 3), or no node passed at all."""
+    (N >= 3), or no node passed at all. Also 'min_busbw' (for _pair_floor_text)."""
     refs, levels = screen_pair_levels(results, min_busbw, cpu)
     nodes = _screen_sorted(n for m in results for n in m["nodes"])
     ev = _pair_evidence(results, levels)
@@ -7107,9 +7075,10 @@ def _pair_node_findings(results, d):
     for n in _screen_sorted(by_node):
         rails = sorted(by_node[n])
         own = sorted({m["rail"] for m in results if n in m["nodes"]})
+        slow = {rail: sorted(i for ids in ev[(n, rail)]["slow"].values() for i in ids) for rail in rails}
         parts, statuses, ratios = [], [], []
         for rail in rails:
-            idx = sorted(i for ids in ev[(n, rail)]["slow"].values() for i in ids)
+            idx = slow[rail]
             # consistent evidence: the node is at least as bad as its least bad slow measurement
             statuses.append("WARN" if "WARN" in [d["levels"][i] for i in idx] else "FAIL")
             hca = next((h for i in idx for h in [_screen_hca(results[i], n)] if h), None)
@@ -7119,10 +7088,8 @@ def _pair_node_findings(results, d):
             ratios.append(bw / ref)
         partners = _screen_sorted(p for rail in rails for ps in ev[(n, rail)]["slow"] for p in ps)
         whole = len(rails) > 1 and rails == own
-        named = ""  # one rail: its HCA on this node beside it (node3 rail 2 (HCA mlx5_2))
-        if len(rails) == 1:
-            named = _screen_hca_text(results, sorted(i for ids in ev[(n, rails[0])]["slow"].values() for i in ids),
-                                     [n])
+        # one rail: its HCA on this node beside it (node3 rail 2 (HCA mlx5_2))
+        named = _screen_hca_text(results, slow[rails[0]], [n]) if len(rails) == 1 else ""
         if whole:
             speed = f"busbw median {_screen_median(ratios):.2f} of the rails' references"
             where = ("a node-wide network fault (its NICs or their switch ports together, or the host side: "
@@ -7130,7 +7097,7 @@ def _pair_node_findings(results, d):
         else:
             speed = "; ".join(parts)
             where = "its NIC, cable or switch port on " + ("that rail" if len(rails) == 1 else "those rails")
-        every = sorted(i for rail in rails for ids in ev[(n, rail)]["slow"].values() for i in ids)
+        every = sorted(i for rail in rails for i in slow[rail])
         tries = max(results[i].get("tries", 1) for i in every)
         act = (f"drain {n}; its NICs together or the host side: check their PCIe links and firmware, run the "
                "vendor's diagnostics" if whole else
@@ -7204,17 +7171,13 @@ def judge_pairs(results, min_busbw=None, cpu=False):
     every round's measurements together (rounds 1-2 to plan the suspect round, all rounds to judge).
     min_busbw: absolute floor (FAIL below) or None; cpu=True: only below SCREEN_CPU_FAIL FAILs and
     nothing WARNs (gloo over loopback is CPU-bound: never a culprit out of noise).
-    Reference: per rail (screen_rail_refs). Each is FAIL/WARN/OK (screen_level with
-    SCREEN_NET_FAIL/SCREEN_NET_WARN). Localisation, per rail:
-      a node slow with two different partners (or groups) and fine with none: that node on that rail
-        (the HCA named when known); on every rail: the node as a whole;
-      a slow group none of whose members is such a node: the link or path between them; when every
-        member is fine with another partner there, a suspect link (WARN at most, no host named, the
-        JSON's suspect_links); else both named;
-        a node slow only beside bad partners is fine with its suspect-round partner and is cleared;
-      two nodes only: the pair is named (slow after re-measurement: nothing can localise it);
-      more suspects than passing nodes before round 3 (or no node passing): widespread, one FAIL
-        naming every suspect.
+    Reference: per rail (screen_rail_refs), each measurement FAIL/WARN/OK against it (screen_level with
+    SCREEN_NET_FAIL/SCREEN_NET_WARN). Localised per rail (screen_diagnose): a node slow with two different
+    partners (or groups) and fine with none is named on that rail (the HCA named when known; on every rail:
+    the node as a whole; _pair_culprits); a slow group none of whose members is such a node is the link or
+    path between them, a suspect link when every member is fine with another partner there (WARN at most,
+    no host named, the JSON's suspect_links), else both named; two nodes only: the pair is named (nothing
+    can localise it); widespread (screen_diagnose): one FAIL naming every suspect.
     -> (findings under 'inter-node', suspects: sorted node names implicated: before round 3 the nodes
         to give suspect_round, after it the nodes the findings name). One PASS finding with the
         reference and the count of measurements when nothing is slow."""
@@ -7624,10 +7587,7 @@ class _Loop:
             name = name or f"b{len(self.batches) + 1}"
             batch = [dict(g, batch=name) for g in batch]
             posts = self.measure(batch) or {}
-            kinds = {}
-            for g in batch:
-                kinds[g["kind"]] = kinds.get(g["kind"], 0) + 1
-            self.batches.append({"name": name, "groups": len(batch), "kinds": kinds})
+            self.batches.append({"name": name, "groups": len(batch), "kinds": dict(Counter(g["kind"] for g in batch))})
             self.take(batch, posts)
         return self.result()
 
@@ -7677,11 +7637,9 @@ def screen_loop(records, measure, min_busbw_intra=None, min_busbw_inter=None, cp
     'kind': 'intra'|'pair'|'gpu-pair', 'batch': the batch's name ('intra', 'p1', 'p2', 'p3', then 'b<k>')},
     a pair also 'round', a GPU pair 'gpus' (local ranks).
     Batches: the intra-node round (every node of two or more ranks), the pair rounds of screen_rounds
-    (every rail), then, packed together while their ranks are free: each slow measurement again (the best
-    counts; pairs SCREEN_TRIES times at most, a node's all_reduce SCREEN_INTRA_TRIES, from its
-    SCREEN_CONTROL_TRY-th beside SCREEN_CONTROLS known-good nodes), the suspect round
-    (screen_third_round) once the pair rounds are settled, and the localisation of each node slow in every
-    try. -> {'intra': judge_intra's rows (re-measured ones with 'tries', 'first', 'values', 'beside';
+    (every rail), then, packed together while their ranks are free: the re-measurements and localisations
+    of the comment above, and the suspect round (screen_third_round) once the pair rounds are settled.
+    -> {'intra': judge_intra's rows (re-measured ones with 'tries', 'first', 'values', 'beside';
     localised ones with 'local'), 'pairs': judge_pairs' rows, 'suspect_links', 'third', 'batches':
     [{'name', 'groups', 'kinds'}]}."""
     return _Loop(records, measure, min_busbw_intra, min_busbw_inter, cpu).run()
@@ -7865,8 +7823,7 @@ def parse_compute_apps(text):
         vals = [v.strip() for v in line.split(",")]
         if len(vals) < 3 or not vals[0].isdigit() or not vals[2].startswith(("GPU-", "MIG-")):
             continue
-        mem = vals[1]
-        out.append({"pid": int(vals[0]), "mem_mib": int(mem) if mem.isdigit() else None, "uuid": vals[2],
+        out.append({"pid": int(vals[0]), "mem_mib": int(vals[1]) if vals[1].isdigit() else None, "uuid": vals[2],
                     "name": ",".join(vals[3:]).strip() or None})
     return out
 
@@ -8211,14 +8168,10 @@ def judge_node_speed(node, first, again, gpus_by_id, cpu=False, min_tflops=None,
         if f["status"] == "PASS":
             out.append(dict(f, blame=None, short="speed within the reference", gpus=[]))
             continue
-        gl = f"GPU {format_ranges(f['ranks'])}"
-        if f.get("blame") == "persisted":
-            out.append(_node_tagged(dict(f, reason=f"{f['reason']}; {f.get('evidence')}"), node,
-                                    f"{gl} slow, measured twice"))
-        else:
-            out.append(_node_tagged(dict(f, reason=f"{f['reason']}; measured once "
-                                                   f"({why_once or 'not measured again'}): not drained"), node,
-                                    f"{gl} slow, measured once"))
+        twice = f.get("blame") == "persisted"
+        how = f.get("evidence") if twice else f"measured once ({why_once or 'not measured again'}): not drained"
+        out.append(_node_tagged(dict(f, reason=f"{f['reason']}; {how}"), node,
+                                f"GPU {format_ranges(f['ranks'])} slow, measured {'twice' if twice else 'once'}"))
     floors = {"min_tflops": min_tflops, "min_hbm": min_hbm}
     slow = set(gpu_suspects(rows, floors, cpu))
     seen = sorted(r["rank"] for r in rows if int(r.get("tries") or 1) >= 2 and r["rank"] not in slow)
@@ -9233,19 +9186,16 @@ def node_metrics(state):
     Written by each pass over the last (per context, when the recipe names a file per context)."""
     ctx = {"context": state["context"]}
     fs = state.get("findings") or []
-    worst = {}
-    for f in fs:
-        if not f.get("unassessed"):
-            worst[f["check"]] = max(worst.get(f["check"], 0), STATUS_RANK.get(f["status"], 0))
+    worst = {c: max(ranks) for c, ranks in group_by([f for f in fs if not f.get("unassessed")], lambda f: f["check"],
+                                                    lambda f: STATUS_RANK.get(f["status"], 0)).items()}
     dev = state.get("devices") or {}
     uuid = {g["index"]: g.get("uuid") or "" for g in state.get("gpus") or []}
     per_gpu = {"tflops": [], "hbm_gbps": [], "numerics": []}
     for i, m in sorted((state.get("measured") or {}).items(), key=lambda kv: int(kv[0])):
         labels = dict(ctx, gpu=str(i), uuid=uuid.get(int(i), ""))
-        best = {k: max([v for v in ((m.get("speed") or {}).get(k), (m.get("speed2") or {}).get(k)) if v is not None],
-                       default=None) for k in ("tflops", "hbm_gbps")}
-        per_gpu["tflops"].append((labels, best["tflops"]))
-        per_gpu["hbm_gbps"].append((labels, best["hbm_gbps"]))
+        for k in ("tflops", "hbm_gbps"):  # the best of its measurements
+            per_gpu[k].append((labels, max([v for v in ((m.get("speed") or {}).get(k), (m.get("speed2") or {}).get(k))
+                                             if v is not None], default=None)))
         checks = ((m.get("numerics") or {}).get("checks") or {}).values()
         ratios = [p["err"] / p["tol"] for p in checks if p.get("tol") and p.get("err") is not None]
         per_gpu["numerics"].append((labels, max(ratios) if ratios else None))
@@ -14562,9 +14512,8 @@ class NodeCheck(NodeLock, NodeCompute):
                  "ended_at_s": round(time.time(), 1), "python": sys.executable, "phases": self.phases,
                  "gpus": [{k: g.get(k) for k in ("index", "uuid", "pci", "name", "numa", "mem_used_mib",
                                                  "mem_total_mib")} for g in self.gpus],
-                 "devices": {"ids": dev["ids"], "compute": dev["compute"], "busy": {str(k): x for k, x in
-                                                                                     dev["busy"].items()},
-                             "held": {str(k): x for k, x in dev["held"].items()}},
+                 "devices": {"ids": dev["ids"], "compute": dev["compute"],
+                             **{k: {str(i): x for i, x in dev[k].items()} for k in ("busy", "held")}},
                  "measured": {str(i): {k: m.get(k) for k in ("numerics", "speed", "speed2", "error", "versions")}
                               for i, m in self.measured.items()},
                  "allreduce": self.allreduce, "skipped": self.skipped, "findings": self.findings, "drain": drain,

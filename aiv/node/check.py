@@ -250,9 +250,8 @@ class NodeCheck(NodeLock, NodeCompute):
                  "ended_at_s": round(time.time(), 1), "python": sys.executable, "phases": self.phases,
                  "gpus": [{k: g.get(k) for k in ("index", "uuid", "pci", "name", "numa", "mem_used_mib",
                                                  "mem_total_mib")} for g in self.gpus],
-                 "devices": {"ids": dev["ids"], "compute": dev["compute"], "busy": {str(k): x for k, x in
-                                                                                     dev["busy"].items()},
-                             "held": {str(k): x for k, x in dev["held"].items()}},
+                 "devices": {"ids": dev["ids"], "compute": dev["compute"],
+                             **{k: {str(i): x for i, x in dev[k].items()} for k in ("busy", "held")}},
                  "measured": {str(i): {k: m.get(k) for k in ("numerics", "speed", "speed2", "error", "versions")}
                               for i, m in self.measured.items()},
                  "allreduce": self.allreduce, "skipped": self.skipped, "findings": self.findings, "drain": drain,

@@ -151,8 +151,7 @@ def parse_compute_apps(text):
         vals = [v.strip() for v in line.split(",")]
         if len(vals) < 3 or not vals[0].isdigit() or not vals[2].startswith(("GPU-", "MIG-")):
             continue
-        mem = vals[1]
-        out.append({"pid": int(vals[0]), "mem_mib": int(mem) if mem.isdigit() else None, "uuid": vals[2],
+        out.append({"pid": int(vals[0]), "mem_mib": int(vals[1]) if vals[1].isdigit() else None, "uuid": vals[2],
                     "name": ",".join(vals[3:]).strip() or None})
     return out
 
@@ -497,14 +496,10 @@ def judge_node_speed(node, first, again, gpus_by_id, cpu=False, min_tflops=None,
         if f["status"] == "PASS":
             out.append(dict(f, blame=None, short="speed within the reference", gpus=[]))
             continue
-        gl = f"GPU {format_ranges(f['ranks'])}"
-        if f.get("blame") == "persisted":
-            out.append(_node_tagged(dict(f, reason=f"{f['reason']}; {f.get('evidence')}"), node,
-                                    f"{gl} slow, measured twice"))
-        else:
-            out.append(_node_tagged(dict(f, reason=f"{f['reason']}; measured once "
-                                                   f"({why_once or 'not measured again'}): not drained"), node,
-                                    f"{gl} slow, measured once"))
+        twice = f.get("blame") == "persisted"
+        how = f.get("evidence") if twice else f"measured once ({why_once or 'not measured again'}): not drained"
+        out.append(_node_tagged(dict(f, reason=f"{f['reason']}; {how}"), node,
+                                f"GPU {format_ranges(f['ranks'])} slow, measured {'twice' if twice else 'once'}"))
     floors = {"min_tflops": min_tflops, "min_hbm": min_hbm}
     slow = set(gpu_suspects(rows, floors, cpu))
     seen = sorted(r["rank"] for r in rows if int(r.get("tries") or 1) >= 2 and r["rank"] not in slow)

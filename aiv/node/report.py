@@ -1,7 +1,7 @@
 """Floor 4: what the node gate (--node-check) says: the one summary line (stdout, the node's log), the NPD line
 (NPD's condition message), a line per finding (stderr), and the node's Prometheus textfile. Pure functions of
 the node check's state (the JSON's dict)."""
-from ..core.base import SCHEMA_VERSION, STATUS_RANK, VERSION, format_ranges
+from ..core.base import SCHEMA_VERSION, STATUS_RANK, VERSION, format_ranges, group_by
 from ..core.blame import NODE_CONTEXTS
 from ..core.deadlines import NODE_BUDGET_DEFAULT
 from ..out.outputs import metrics_text
@@ -98,19 +98,16 @@ def node_metrics(state):
     Written by each pass over the last (per context, when the recipe names a file per context)."""
     ctx = {"context": state["context"]}
     fs = state.get("findings") or []
-    worst = {}
-    for f in fs:
-        if not f.get("unassessed"):
-            worst[f["check"]] = max(worst.get(f["check"], 0), STATUS_RANK.get(f["status"], 0))
+    worst = {c: max(ranks) for c, ranks in group_by([f for f in fs if not f.get("unassessed")], lambda f: f["check"],
+                                                    lambda f: STATUS_RANK.get(f["status"], 0)).items()}
     dev = state.get("devices") or {}
     uuid = {g["index"]: g.get("uuid") or "" for g in state.get("gpus") or []}
     per_gpu = {"tflops": [], "hbm_gbps": [], "numerics": []}
     for i, m in sorted((state.get("measured") or {}).items(), key=lambda kv: int(kv[0])):
         labels = dict(ctx, gpu=str(i), uuid=uuid.get(int(i), ""))
-        best = {k: max([v for v in ((m.get("speed") or {}).get(k), (m.get("speed2") or {}).get(k)) if v is not None],
-                       default=None) for k in ("tflops", "hbm_gbps")}
-        per_gpu["tflops"].append((labels, best["tflops"]))
-        per_gpu["hbm_gbps"].append((labels, best["hbm_gbps"]))
+        for k in ("tflops", "hbm_gbps"):  # the best of its measurements
+            per_gpu[k].append((labels, max([v for v in ((m.get("speed") or {}).get(k), (m.get("speed2") or {}).get(k))
+                                             if v is not None], default=None)))
         checks = ((m.get("numerics") or {}).get("checks") or {}).values()
         ratios = [p["err"] / p["tol"] for p in checks if p.get("tol") and p.get("err") is not None]
         per_gpu["numerics"].append((labels, max(ratios) if ratios else None))

@@ -15,6 +15,7 @@ from .plan import (
     SCREEN_GPU_METRICS,
     SCREEN_LIST_MAX,
     SCREEN_NOISE_SIGMAS,
+    _per_status,
     _s3,
     _screen_ref_text,
     _screen_rule,
@@ -150,17 +151,15 @@ def _gpu_perf_pass(n_gpus, against, cpu):
 
 
 def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None):
-    """Per-GPU compute and memory speed against its model's table row (GPU_TABLE), the other GPUs of the
-    same model and the floors.
+    """Per-GPU compute and memory speed against its model's table row (GPU_TABLE, GPU only, whatever the
+    number of GPUs: below SCREEN_TABLE_FAIL of it FAIL, below SCREEN_TABLE_WARN WARN), the other GPUs of its
+    model (from 2 on, per model and metric: below SCREEN_GPU_FAIL of their screen_reference FAIL, below
+    SCREEN_GPU_WARN WARN) and the floors min_tflops, min_hbm (FAIL below; None: none). The worst level
+    counts; the text names what decided it. cpu=True: no table; ranks sharing cores give numbers that are
+    not comparable, so only values below SCREEN_CPU_FAIL of the peers' reference FAIL and nothing WARNs.
     per_rank: [{'rank': int, 'host': str, 'local_rank': int, 'uuid': str|None, 'model': str|None,
                 'tflops': float|None (dense matmul, bf16 on GPU, fp32 on CPU, in 1e12 FLOP/s),
                 'hbm_gbps': float|None (device-memory copy, 1e9 B/s)}]; None: not measured (skipped).
-    min_tflops, min_hbm: absolute floors (FAIL below), or None.
-    Table (GPU only, whatever the number of GPUs): below SCREEN_TABLE_FAIL of the row FAIL, below
-    SCREEN_TABLE_WARN WARN. Peers (from 2 GPUs of a model on; references per model and metric,
-    screen_reference): below SCREEN_GPU_FAIL FAIL, below SCREEN_GPU_WARN WARN. cpu=True: no table; ranks
-    sharing cores give numbers that are not comparable, so only values below SCREEN_CPU_FAIL of the
-    peers' reference FAIL and nothing WARNs. The worst level counts; the text names what decided it.
     -> findings under 'gpu-perf': one per flagged rank naming rank, host, local rank and GPU UUID (one
     finding per status listing them when more than SCREEN_LIST_MAX ranks are flagged), or one PASS
     saying what each model was judged against (or that nothing was) and the count of GPUs. who(row): a GPU's
@@ -176,8 +175,7 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None)
     items = list(flags.items())
     if len(items) <= SCREEN_LIST_MAX:
         out = [_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                                       f"{who(r)}: " + "; ".join(t for _, _, t in fl)
-                                       + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else ""),
+                                       f"{who(r)}: " + "; ".join(t for _, _, t in fl) + _gpu_unused(r, allrefs),
                                        [r.get("host")], [rk]),
                                evidence=_gpu_evidence(r, allrefs, cpu), action=_gpu_action(r)), [r])
                for rk, (r, fl) in items]
@@ -186,12 +184,12 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None)
 
 
 def _gpu_unused(r, allrefs):
-    """What rank r's GPU was not judged against (a reference missing, per metric), or ''."""
+    """'; not judged against' what rank r's GPU lacked (a reference missing, per metric), or ''."""
     lack = {}
     for k, _, _ in SCREEN_GPU_METRICS:
         for m in allrefs[(r.get("model") or "unknown", k)]["against"]["missing"]:
             lack.setdefault(m, []).append(SCREEN_GPU_LABELS[k])
-    return "not judged against " + ", ".join(
+    return "; not judged against " + ", ".join(
         m if len(ks) == len(SCREEN_GPU_METRICS) else f"{m} for {' and '.join(ks)}" for m, ks in lack.items()) \
         if lack else ""
 
@@ -204,7 +202,7 @@ def _gpu_evidence(r, allrefs, cpu):
         f"{_sn(v)} {u}" for k, u, _ in SCREEN_GPU_METRICS for v in [(r.get("first") or {}).get(k)] if v is not None)
         + ", the better counting)"
         if _gpu_again(r) else f"measured once on {r.get('host')}")
-    return f"{again} ({how})" + (f"; {_gpu_unused(r, allrefs)}" if _gpu_unused(r, allrefs) else "")
+    return f"{again} ({how}){_gpu_unused(r, allrefs)}"
 
 
 def _gpu_action(r):
@@ -217,17 +215,15 @@ def _gpu_action(r):
 def _gpu_perf_many(items, who):
     """More than SCREEN_LIST_MAX flagged GPUs: one finding per status, the first few named."""
     out = []
-    for status in ("FAIL", "WARN"):
-        sel = [(rk, r, fl) for rk, (r, fl) in items if _screen_worst([lv for _, lv, _ in fl]) == status]
-        if sel:
-            shown = "; ".join(f"{who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
-            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            hosts = [r.get("host") for _, r, _ in sel]
-            out.append(_gpu_blame(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} "
-                                               f"node(s): {shown}{more}", hosts, [rk for rk, _, _ in sel]),
-                                       evidence=f"{len(sel)} GPU(s), each measured "
-                                       + ("again" if all(_gpu_again(r) for _, r, _ in sel) else "once"),
-                                       action=_gpu_action(sel[0][1])), [r for _, r, _ in sel]))
+    for status, sel, more in _per_status([(rk, r, fl) for rk, (r, fl) in items],
+                                         lambda x: _screen_worst([lv for _, lv, _ in x[2]])):
+        shown = "; ".join(f"{who(r)}: {fl[0][2]}" for _, r, fl in sel[:SCREEN_LIST_MAX])
+        hosts = [r.get("host") for _, r, _ in sel]
+        out.append(_gpu_blame(dict(finding("gpu-perf", status, f"{len(sel)} GPU(s) slow on {len(set(hosts))} "
+                                           f"node(s): {shown}{more}", hosts, [rk for rk, _, _ in sel]),
+                                   evidence=f"{len(sel)} GPU(s), each measured "
+                                   + ("again" if all(_gpu_again(r) for _, r, _ in sel) else "once"),
+                                   action=_gpu_action(sel[0][1])), [r for _, r, _ in sel]))
     return out
 
 
@@ -364,15 +360,10 @@ def per_gpu_findings(check, items, who, headline, blame="own"):
     if len(items) <= SCREEN_LIST_MAX:
         return [finding(check, st, f"{who(r)}: {txt}", [r.get("host")], [r["rank"]], blame=blame)
                 for st, r, txt in items]
-    out = []
-    for status in ("FAIL", "WARN"):
-        sel = [(r, txt) for st, r, txt in items if st == status]
-        if sel:
-            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
-                f"{who(r)}: {txt}" for r, txt in sel[:SCREEN_LIST_MAX]) + more,
-                [r.get("host") for r, _ in sel], [r["rank"] for r, _ in sel], blame=blame))
-    return out
+    return [finding(check, status, f"{len(sel)} {headline}: " + "; ".join(
+        f"{who(r)}: {txt}" for _, r, txt in sel[:SCREEN_LIST_MAX]) + more,
+        [r.get("host") for _, r, _ in sel], [r["rank"] for _, r, _ in sel], blame=blame)
+        for status, sel, more in _per_status(items, lambda x: x[0])]
 
 
 def gpu_levels(screen):
@@ -409,10 +400,7 @@ def gpu_levels(screen):
 def gpu_suspects(per_rank, floors=None, cpu=False):
     """The ranks whose GPU row is slow (WARN or FAIL against its peers, its table row or a floor: judge_gpu_perf's
     rule): the GPUs measured again before any is named (the screen blames only what persists)."""
-    floors = floors or {}
-    _, flags = _gpu_flags(list(per_rank or []), {"min_tflops": floors.get("min_tflops"),
-                                                 "min_hbm": floors.get("min_hbm")}, cpu)
-    return sorted(flags)
+    return sorted(_gpu_flags(list(per_rank or []), floors or {}, cpu)[1])  # floors: min_tflops, min_hbm
 
 
 def gpu_remeasured(per_rank, again):
@@ -429,8 +417,7 @@ def gpu_remeasured(per_rank, again):
         merged = dict(r, tries=int(r.get("tries") or 1) + 1,
                       first={k: r.get(k) for k, _, _ in SCREEN_GPU_METRICS})
         for k, _, _ in SCREEN_GPU_METRICS:
-            vals = [v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))]
-            merged[k] = max(vals) if vals else None
+            merged[k] = max([v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))], default=None)
         out.append(merged)
     return out
 

@@ -10,6 +10,7 @@ from .gpu import gpu_refs
 from .plan import (
     SCREEN_FLOOR_OPTIONS,
     SCREEN_LIST_MAX,
+    _per_status,
     _screen_names,
     _screen_ref_text,
     _screen_rule,
@@ -36,10 +37,9 @@ def screen_best(rows, redone):
         if r is None:
             out.append(m)
             continue
-        tries = m.get("tries", 1) + 1
         keep = m if (m.get("busbw") or 0.0) >= (r.get("busbw") or 0.0) else dict(m, busbw=r["busbw"],
                                                                                time_us=r.get("time_us"))
-        out.append(dict(keep, tries=tries, first=m.get("first", m.get("busbw"))))
+        out.append(dict(keep, tries=m.get("tries", 1) + 1, first=m.get("first", m.get("busbw"))))
     return out
 
 
@@ -158,18 +158,13 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
         return [_measured_blame(dict(finding("intra-node", lv, f"{txt}: NVLink/NVSwitch/PCIe inside the node; {ev}",
                                              [h], ranks), evidence=ev, action=act), [tries[h]])
                 for lv, h, txt, (ev, act, ranks) in flagged]
-    out = []
-    for status in ("FAIL", "WARN"):
-        sel = [f for f in flagged if f[0] == status]
-        if sel:
-            more = f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else ""
-            out.append(_measured_blame(dict(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
-                                                    + "; ".join(t for _, _, t, _ in sel[:SCREEN_LIST_MAX]) + more,
-                                                    [h for _, h, _, _ in sel]),
-                                            evidence="; ".join(f"{h}: {e[0]}" for _, h, _, e in sel[:SCREEN_LIST_MAX]),
-                                            action="drain them; run the vendor's diagnostics on each"),
-                                       [tries[h] for _, h, _, _ in sel]))
-    return out
+    return [_measured_blame(dict(finding("intra-node", status, f"{len(sel)} node(s) slow inside: "
+                                         + "; ".join(t for _, _, t, _ in sel[:SCREEN_LIST_MAX]) + more,
+                                         [h for _, h, _, _ in sel]),
+                                 evidence="; ".join(f"{h}: {e[0]}" for _, h, _, e in sel[:SCREEN_LIST_MAX]),
+                                 action="drain them; run the vendor's diagnostics on each"),
+                            [tries[h] for _, h, _, _ in sel])
+            for status, sel, more in _per_status(flagged, lambda f: f[0])]
 
 
 def _measured_blame(f, tries):
@@ -218,7 +213,7 @@ def screen_diagnose(results, min_busbw=None, cpu=False):
       'two_nodes': bool}.
     suspects: culprit nodes and every member of an unexplained slow group (after round 3 only those of
     links that are not suspect links). Widespread: before round 3, more suspects than passing nodes
-    (N >= 3), or no node passed at all."""
+    (N >= 3), or no node passed at all. Also 'min_busbw' (for _pair_floor_text)."""
     refs, levels = screen_pair_levels(results, min_busbw, cpu)
     nodes = _screen_sorted(n for m in results for n in m["nodes"])
     ev = _pair_evidence(results, levels)
@@ -312,9 +307,10 @@ def _pair_node_findings(results, d):
     for n in _screen_sorted(by_node):
         rails = sorted(by_node[n])
         own = sorted({m["rail"] for m in results if n in m["nodes"]})
+        slow = {rail: sorted(i for ids in ev[(n, rail)]["slow"].values() for i in ids) for rail in rails}
         parts, statuses, ratios = [], [], []
         for rail in rails:
-            idx = sorted(i for ids in ev[(n, rail)]["slow"].values() for i in ids)
+            idx = slow[rail]
             # consistent evidence: the node is at least as bad as its least bad slow measurement
             statuses.append("WARN" if "WARN" in [d["levels"][i] for i in idx] else "FAIL")
             hca = next((h for i in idx for h in [_screen_hca(results[i], n)] if h), None)
@@ -324,10 +320,8 @@ def _pair_node_findings(results, d):
             ratios.append(bw / ref)
         partners = _screen_sorted(p for rail in rails for ps in ev[(n, rail)]["slow"] for p in ps)
         whole = len(rails) > 1 and rails == own
-        named = ""  # one rail: its HCA on this node beside it (node3 rail 2 (HCA mlx5_2))
-        if len(rails) == 1:
-            named = _screen_hca_text(results, sorted(i for ids in ev[(n, rails[0])]["slow"].values() for i in ids),
-                                     [n])
+        # one rail: its HCA on this node beside it (node3 rail 2 (HCA mlx5_2))
+        named = _screen_hca_text(results, slow[rails[0]], [n]) if len(rails) == 1 else ""
         if whole:
             speed = f"busbw median {_screen_median(ratios):.2f} of the rails' references"
             where = ("a node-wide network fault (its NICs or their switch ports together, or the host side: "
@@ -335,7 +329,7 @@ def _pair_node_findings(results, d):
         else:
             speed = "; ".join(parts)
             where = "its NIC, cable or switch port on " + ("that rail" if len(rails) == 1 else "those rails")
-        every = sorted(i for rail in rails for ids in ev[(n, rail)]["slow"].values() for i in ids)
+        every = sorted(i for rail in rails for i in slow[rail])
         tries = max(results[i].get("tries", 1) for i in every)
         act = (f"drain {n}; its NICs together or the host side: check their PCIe links and firmware, run the "
                "vendor's diagnostics" if whole else
@@ -409,17 +403,13 @@ def judge_pairs(results, min_busbw=None, cpu=False):
     every round's measurements together (rounds 1-2 to plan the suspect round, all rounds to judge).
     min_busbw: absolute floor (FAIL below) or None; cpu=True: only below SCREEN_CPU_FAIL FAILs and
     nothing WARNs (gloo over loopback is CPU-bound: never a culprit out of noise).
-    Reference: per rail (screen_rail_refs). Each is FAIL/WARN/OK (screen_level with
-    SCREEN_NET_FAIL/SCREEN_NET_WARN). Localisation, per rail:
-      a node slow with two different partners (or groups) and fine with none: that node on that rail
-        (the HCA named when known); on every rail: the node as a whole;
-      a slow group none of whose members is such a node: the link or path between them; when every
-        member is fine with another partner there, a suspect link (WARN at most, no host named, the
-        JSON's suspect_links); else both named;
-        a node slow only beside bad partners is fine with its suspect-round partner and is cleared;
-      two nodes only: the pair is named (slow after re-measurement: nothing can localise it);
-      more suspects than passing nodes before round 3 (or no node passing): widespread, one FAIL
-        naming every suspect.
+    Reference: per rail (screen_rail_refs), each measurement FAIL/WARN/OK against it (screen_level with
+    SCREEN_NET_FAIL/SCREEN_NET_WARN). Localised per rail (screen_diagnose): a node slow with two different
+    partners (or groups) and fine with none is named on that rail (the HCA named when known; on every rail:
+    the node as a whole; _pair_culprits); a slow group none of whose members is such a node is the link or
+    path between them, a suspect link when every member is fine with another partner there (WARN at most,
+    no host named, the JSON's suspect_links), else both named; two nodes only: the pair is named (nothing
+    can localise it); widespread (screen_diagnose): one FAIL naming every suspect.
     -> (findings under 'inter-node', suspects: sorted node names implicated: before round 3 the nodes
         to give suspect_round, after it the nodes the findings name). One PASS finding with the
         reference and the count of measurements when nothing is slow."""

@@ -2,6 +2,8 @@
 once, what is measured again, which known-good nodes a slow node is measured beside, how a node slow
 inside is localised to a GPU or a GPU pair, and when to stop. Plain data in, the screen dict that
 judge_screen judges out; measure() is its only effect (the runtime's collectives, or a simulation)."""
+from collections import Counter
+
 from ..checks.judge import screen_reference
 from ..core.base import _screen_key, finding
 from .gpu import judge_gpu_perf, judge_gpu_transients
@@ -252,10 +254,7 @@ class _Loop:
             name = name or f"b{len(self.batches) + 1}"
             batch = [dict(g, batch=name) for g in batch]
             posts = self.measure(batch) or {}
-            kinds = {}
-            for g in batch:
-                kinds[g["kind"]] = kinds.get(g["kind"], 0) + 1
-            self.batches.append({"name": name, "groups": len(batch), "kinds": kinds})
+            self.batches.append({"name": name, "groups": len(batch), "kinds": dict(Counter(g["kind"] for g in batch))})
             self.take(batch, posts)
         return self.result()
 
@@ -305,11 +304,9 @@ def screen_loop(records, measure, min_busbw_intra=None, min_busbw_inter=None, cp
     'kind': 'intra'|'pair'|'gpu-pair', 'batch': the batch's name ('intra', 'p1', 'p2', 'p3', then 'b<k>')},
     a pair also 'round', a GPU pair 'gpus' (local ranks).
     Batches: the intra-node round (every node of two or more ranks), the pair rounds of screen_rounds
-    (every rail), then, packed together while their ranks are free: each slow measurement again (the best
-    counts; pairs SCREEN_TRIES times at most, a node's all_reduce SCREEN_INTRA_TRIES, from its
-    SCREEN_CONTROL_TRY-th beside SCREEN_CONTROLS known-good nodes), the suspect round
-    (screen_third_round) once the pair rounds are settled, and the localisation of each node slow in every
-    try. -> {'intra': judge_intra's rows (re-measured ones with 'tries', 'first', 'values', 'beside';
+    (every rail), then, packed together while their ranks are free: the re-measurements and localisations
+    of the comment above, and the suspect round (screen_third_round) once the pair rounds are settled.
+    -> {'intra': judge_intra's rows (re-measured ones with 'tries', 'first', 'values', 'beside';
     localised ones with 'local'), 'pairs': judge_pairs' rows, 'suspect_links', 'third', 'batches':
     [{'name', 'groups', 'kinds'}]}."""
     return _Loop(records, measure, min_busbw_intra, min_busbw_inter, cpu).run()

@@ -146,8 +146,7 @@ class SmiProbe:
                 self.proc = child_start(cmd, stderr=subprocess.DEVNULL)
 
     def finish(self, load):
-        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts. Its output
-        is read, and it is reaped, by the one bounded child helper (child_finish)."""
+        """Call load() (one unit of GPU work, synchronised) until nvidia-smi has answered. -> facts."""
         while self.proc is not None:
             left = SCREEN_SMI_S - (time.monotonic() - self.t0)
             if self.proc.poll() is None and left > 0:
@@ -198,15 +197,14 @@ class HostStarved(RuntimeError):
     (screen-gpu then measures again on its quiet main thread); there, it says the node cannot drive its GPU."""
 
 
-def _capture(torch_mod, fn, calls, stream):
-    """fn() `calls` times in one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
+def _capture(torch_mod, stream, body):
+    """body()'s CUDA calls as one CUDA graph, captured on `stream` in thread-local mode: the CUDA calls of the
     rank's other threads (NCCL's init among them) go on, neither refused nor captured."""
     graph = torch_mod.cuda.CUDAGraph()
     with torch_mod.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            for _ in range(calls):
-                fn()
+            body()
         finally:
             graph.capture_end()
     return graph
@@ -274,21 +272,14 @@ def timed_blocks(fn, k, pairs, record):
 
 
 def _graph_rate(torch_mod, fn, work, stream, during, k, before=None):
-    """_device_rate with in-graph timing: the lead block and the SCREEN_BLOCKS timed blocks, with their
-    events, are one CUDA graph launched once; the device runs it back to back, so no host delay (other
-    threads holding the interpreter lock) can enter or stop a measurement. `before`: a graph replayed
-    just ahead of it (the calibration's), so that the device is under this load again when the lead
-    block starts, however long the capture kept it idle. -> (rate, the graph)."""
+    """_device_rate with in-graph timing (timed_blocks, launched once). `before`: a graph replayed just ahead
+    of it (the calibration's), so that the device is under this load again when the lead block starts,
+    however long the capture kept it idle. -> (rate, the graph)."""
     cuda = torch_mod.cuda
     pairs = [(cuda.Event(enable_timing=True, external=True), cuda.Event(enable_timing=True, external=True))
              for _ in range(SCREEN_BLOCKS)]
-    graph = cuda.CUDAGraph()
+    graph = _capture(torch_mod, stream, lambda: timed_blocks(fn, k, pairs, lambda e: e.record(stream)))
     with cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            timed_blocks(fn, k, pairs, lambda e: e.record(stream))
-        finally:
-            graph.capture_end()
         if before is not None:
             before.replay()
         graph.replay()
@@ -304,13 +295,11 @@ def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
     so that what the host does meanwhile (this rank's other threads, NCCL's init, the node's imports) cannot
     enter the number: k calls of fn() make a block of about SCREEN_TARGET_S / SCREEN_BLOCKS of work; the
     median of SCREEN_BLOCKS timed blocks counts. Where torch times events inside a graph (graph_timing),
-    the whole measurement is one graph and one launch (_graph_rate), and so is the calibration of k (a
-    matmul's rate depends on how long the load lasts: the power cap lowers the clocks within a second, so
-    a k shrunk by a stalled host would read a burst rate, ~10% higher on an H100). Before that (torch < 2.9)
-    each block is one replay, all of them queued behind a hold (gated_blocks); a host too slow to queue
-    them within the hold gets a hold twice as long, up to SCREEN_HOLD_GROWTH times, then HostStarved, never
-    a slow number.
-    -> (rate, the graph: one measurement's work, for load under nvidia-smi)."""
+    the whole measurement is one graph and one launch (_graph_rate): the device runs it back to back, so no
+    host delay (other threads holding the interpreter lock) can enter or stop it; so is the calibration of k
+    (a matmul's rate depends on how long the load lasts: the power cap lowers the clocks within a second, so
+    a k shrunk by a stalled host would read a burst rate, ~10% higher on an H100). Before that (torch < 2.9):
+    _gated_rate. -> (rate, the graph: one measurement's work, for load under nvidia-smi)."""
     with quick_switch():  # each captured or queued call gets the interpreter back at once
         if not graph_timing(torch_mod):
             return _gated_rate(torch_mod, fn, work, stream, during, k)
@@ -327,7 +316,8 @@ def _device_rate(torch_mod, fn, work, stream, during=None, k=None):
 
 def _gated_rate(torch_mod, fn, work, stream, during, k):
     """_device_rate before torch 2.9: each block one replay of a graph of k calls, all of them queued
-    behind a hold (gated_blocks)."""
+    behind a hold (gated_blocks); a host too slow to queue them within the hold gets a hold twice as long,
+    up to SCREEN_HOLD_GROWTH times, then HostStarved, never a slow number."""
     cuda = torch_mod.cuda
 
     def record():
@@ -347,7 +337,7 @@ def _gated_rate(torch_mod, fn, work, stream, during, k):
     if k is None:
         k = max(1, int(SCREEN_TARGET_S["gpu"] / SCREEN_BLOCKS / max(a.elapsed_time(b) / 2e3, 1e-7)))
     cycles = int((1 << 20) * SCREEN_HOLD_S / max(b.elapsed_time(c) / 1e3, 1e-7))
-    graph = _capture(torch_mod, fn, k, stream)
+    graph = _capture(torch_mod, stream, lambda: timed_blocks(fn, k, (), None))  # k calls of fn, no timed block
     for _ in range(SCREEN_HOLD_GROWTH):
         with cuda.stream(stream):  # a replay goes to the current stream
             spans, whole = gated_blocks(lambda n=cycles: cuda._sleep(n), record, graph.replay, lambda e: e.query())
@@ -363,24 +353,25 @@ def _gated_rate(torch_mod, fn, work, stream, during, k):
                       "starved of CPU")
 
 
-def _screen_operands(torch_mod, dev, kind):
-    """The matmul's a, b, c (bf16 where the GPU has it, Ampere on, else fp16; fp32 on CPU) and the memory
-    measurement's src, dst (fp32, SCREEN_COPY_BYTES each)."""
+def _mm_operands(torch_mod, dev, kind):
+    """The square matmul's a, b, c: bf16 where the GPU has it (Ampere on), else fp16; fp32 on CPU."""
     n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
     if kind == "gpu":  # the model's peers run the same
         dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
-    mm = [torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2)] + [
+    return [torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2)] + [
         torch_mod.empty(n, n, device=dev, dtype=dtype)]
+
+
+def _screen_operands(torch_mod, dev, kind):
+    """The matmul's a, b, c (_mm_operands) and the memory measurement's src, dst (fp32, SCREEN_COPY_BYTES each)."""
     src = torch_mod.ones(SCREEN_COPY_BYTES[kind] // 4, dtype=torch_mod.float32, device=dev)
-    return mm, (src, torch_mod.empty_like(src))
+    return _mm_operands(torch_mod, dev, kind), (src, torch_mod.empty_like(src))
 
 
 def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
-    """One rank's device speed: {'tflops': dense matmul (bf16 on GPU, fp16 before Ampere, fp32 on one CPU thread),
-    'hbm_gbps': memory copy (read + write)}; on GPU also the facts read under load (GPU_FACT_KEYS:
-    the PCIe link from sysfs, nvidia-smi's clocks, limits, temperature, power where it answers in time,
-    else 'smi_unread'). GPU: timed on the device (_measure_device), so it may run on a thread of its own while
-    the rank waits; CPU: on one thread, timed on its CPU clock (_host_rate)."""
+    """One rank's device speed: {'tflops': dense matmul (_mm_operands), 'hbm_gbps': memory copy (read +
+    write)}. GPU: _measure_device, with the facts read under load; CPU: on one thread, timed on its CPU
+    clock (_host_rate)."""
     if kind == "gpu":
         return _measure_device(torch_mod, dev, uuid, pci, root)
     (a, b, c), (src, dst) = _screen_operands(torch_mod, dev, kind)
@@ -395,8 +386,10 @@ def screen_measure_gpu(torch_mod, dev, kind, uuid=None, pci=None, root="/"):
 
 
 def _measure_device(torch_mod, dev, uuid, pci, root):
-    """screen_measure_gpu on a GPU: the matmul and the copy each timed by _device_rate on a stream of the
-    caller's own (any thread), nvidia-smi's facts read while the matmul's graph keeps the GPU loaded."""
+    """screen_measure_gpu on a GPU: the matmul and the copy each timed on the device by _device_rate on a
+    stream of the caller's own (so it may run on a thread of its own while the rank waits), and the facts
+    read under load (GPU_FACT_KEYS: the PCIe link from sysfs; nvidia-smi's clocks, limits, temperature, power
+    while the matmul's graph keeps the GPU loaded, where it answers in time, else 'smi_unread')."""
     cuda, facts, graphs = torch_mod.cuda, {}, []
     cuda.set_device(dev)  # a thread's own current device (the measuring thread's too)
     stream = cuda.Stream(dev)
@@ -618,23 +611,21 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None, numerics=
     (NumericsRepeat). -> the row judge_soak takes (without the rank's record facts)."""
     cpu = kind == "cpu"
     sync = (lambda: None) if cpu else (lambda: torch_mod.cuda.synchronize(dev))
-    n, dtype = SCREEN_MATMUL_N[kind], torch_mod.float32
-    if not cpu:
-        dtype = torch_mod.bfloat16 if torch_mod.cuda.is_bf16_supported() else torch_mod.float16
     threads = torch_mod.get_num_threads()
     if cpu:
         torch_mod.set_num_threads(1)
     try:
-        a, b = (torch_mod.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
-        c = torch_mod.empty(n, n, device=dev, dtype=dtype)
-        for _ in range(2):
-            torch_mod.mm(a, b, out=c)
-        sync()
-        t = time.perf_counter()
-        for _ in range(2):
-            torch_mod.mm(a, b, out=c)
-        sync()
-        per_block = max(1, int(SOAK_BLOCK_S[kind] / max((time.perf_counter() - t) / 2, 1e-7)))
+        a, b, c = _mm_operands(torch_mod, dev, kind)
+        n, dtype = SCREEN_MATMUL_N[kind], c.dtype
+
+        def mm(calls):  # `calls` matmuls, synchronised -> their seconds
+            t = time.perf_counter()
+            for _ in range(calls):
+                torch_mod.mm(a, b, out=c)
+            sync()
+            return time.perf_counter() - t
+        mm(2)
+        per_block = max(1, int(SOAK_BLOCK_S[kind] / max(mm(2) / 2, 1e-7)))
         repeat = NumericsRepeat(torch_mod, dev, kind) if numerics else None
         if start is not None:
             start()
@@ -642,11 +633,7 @@ def soak_measure(torch_mod, dev, kind, seconds, uuid=None, start=None, numerics=
         blocks, t0 = [], time.perf_counter()
         try:
             while time.perf_counter() - t0 < seconds:
-                t = time.perf_counter()
-                for _ in range(per_block):
-                    torch_mod.mm(a, b, out=c)
-                sync()
-                blocks.append(2 * n ** 3 * per_block / 1e12 / max(time.perf_counter() - t, 1e-9))
+                blocks.append(2 * n ** 3 * per_block / 1e12 / max(mm(per_block), 1e-9))
                 if repeat is not None:  # between timed blocks: never inside a block's time
                     repeat.tick(time.perf_counter() - t0)
             loaded = time.perf_counter() - t0

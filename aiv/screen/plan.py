@@ -36,14 +36,10 @@ from ..core.deadlines import PHASE_CHECK, PHASES
 # peers, and every value against its floor (--min-*); screen_judged_against says, per measurement, which
 # of these it had (a single value is no peer reference: its own maximum).
 #
-# Flow for the runtime (rank 0 plans and judges, every rank measures):
-#   per GPU, all ranks at once     -> per_rank rows for judge_gpu_perf
-#   screen_loop(records, measure) (aiv/screen/loop.py): the batches of groups -> intra and pair rows:
-#   per node one all_reduce group; rounds = screen_rounds(nodes), one 2- or 3-rank group per rail (local
-#   rank r with local rank r of the partners); every slow measurement again (the best counts), a slow
-#   node beside known-good ones and localised to its GPU or GPU pair; the suspect round
-#   (screen_third_round); suspect links (a slow pair whose ends are fine elsewhere) name no host
-#   findings = judge_screen(screen); report = render_performance(screen)
+# Flow for the runtime (rank 0 plans and judges, every rank measures): per GPU, all ranks at once -> the
+# per_rank rows of judge_gpu_perf; screen_loop(records, measure) (aiv/screen/loop.py says how: the rounds of
+# screen_rounds, one 2- or 3-rank group per rail, every slow measurement again, the suspect round) -> the
+# intra and pair rows; findings = judge_screen(screen); report = render_performance(screen).
 SCREEN_GPU_FAIL = 0.80      # GPU TFLOPS or memory GB/s below 0.80 of its model's reference: FAIL
 SCREEN_GPU_WARN = 0.90      # ... below 0.90: WARN
 SCREEN_NET_FAIL = 0.70      # all_reduce busbw (intra-node group, inter-node pair) below 0.70 of the reference: FAIL
@@ -252,9 +248,8 @@ def screen_creation(groups, posts):
 def screen_gpu_rows(records, posts, cpu=False):
     """judge_gpu_perf's per_rank rows: each posting rank's record facts and its measurement, with its GPU's
     row of its node's one nvidia-smi call (node.smi.gpus, by UUID: ECC and row remapping) where there is one."""
-    smi = {}
-    for rec in records:
-        smi.update((((rec.get("node") or {}).get("smi") or {}).get("gpus")) or {})
+    smi = {u: row for rec in records
+           for u, row in (((rec.get("node") or {}).get("smi") or {}).get("gpus") or {}).items()}
     out = []
     for rec in sorted(records, key=lambda r: r["rank"]):
         p = posts.get(rec["rank"])
@@ -358,6 +353,13 @@ def screen_stuck(phase, how, world, rounds, posted, host_of, live, errors, silen
     return f
 
 
+def _per_status(items, status_of):
+    """Beyond SCREEN_LIST_MAX flagged items, one finding per status: [(status, its items, '; and <n> more'
+    past the first SCREEN_LIST_MAX, or '')] for FAIL, then WARN, where there are any."""
+    return [(s, sel, f"; and {len(sel) - SCREEN_LIST_MAX} more" if len(sel) > SCREEN_LIST_MAX else "")
+            for s in ("FAIL", "WARN") for sel in [[x for x in items if status_of(x) == s]] if sel]
+
+
 def _screen_worst(levels):
     return "FAIL" if "FAIL" in levels else "WARN" if "WARN" in levels else "OK"
 
@@ -425,11 +427,10 @@ def screen_against(what, count, noun, kind, peers, unit, table=None, floor=None,
         got.append(f"the floor {floor:g} {unit} ({SCREEN_FLOOR_OPTIONS.get(floor_name, 'floor')})")
     else:
         miss.append(("a floor", "no floor"))
-    if band is not None:
-        if band:
-            got.append(f"the manifest band {band}")
-        else:
-            miss.append(("a manifest band", "no manifest band"))
+    if band:
+        got.append(f"the manifest band {band}")
+    elif band is not None:
+        miss.append(("a manifest band", "no manifest band"))
     head = f"{what} ({count} {noun}{s})"
     text = (f"{head}: no reference: {', '.join(n for _, n in miss)}" if not got else
             f"{head}: against {', '.join(got)}" + (f"; not against {', '.join(m for m, _ in miss)}" if miss else ""))
