@@ -8499,7 +8499,7 @@ def _perf_gpu_lines(screen, cpu):
                     "none among peers (1 node of its class)"))
     by_host = group_by(per_rank, lambda r: r.get("host"))
     hosts = _screen_sorted(set(by_host) | set(ibw))
-    rows, healthy = [], []
+    collapse, healthy = len(hosts) > SCREEN_RENDER_ALL, []
     for h in hosts:
         rs = by_host.get(h, [])
         tf = [float(r["tflops"]) for r in rs if r.get("tflops") is not None]
@@ -8511,13 +8511,10 @@ def _perf_gpu_lines(screen, cpu):
         cells = f"gpus={len(rs)} " + (f"tflops min/med={_sn(min(tf))}/{_sn(_screen_median(tf))} " if tf else "")
         cells += f"mem min/med={min(hb):.0f}/{_screen_median(hb):.0f}GB/s " if hb else ""
         cells += f"intra={_sn(ibw[h])}GB/s" if ibw.get(h) is not None else "intra=-"
-        rows.append((h, cells, marks, tf, hb))
-        if not marks:
-            healthy.append((h, tf, hb))
-    collapse = len(hosts) > SCREEN_RENDER_ALL
-    for h, cells, marks, _, _ in rows:
         if marks or not collapse:
             L.append(f"  node={h} {cells}" + (f"  <- slow: {', '.join(marks)}" if marks else ""))
+        if not marks:
+            healthy.append((h, tf, hb))
     if collapse and healthy:
         tf = [x for _, t, _ in healthy for x in t]
         hb = [x for _, _, b in healthy for x in b]
@@ -8532,17 +8529,14 @@ def _perf_pair_lines(screen, cpu):
     if not results:
         return []
     d = screen_diagnose(results, screen.get("min_busbw_inter"), cpu)
-    ref = d["ref"]
     per_rail = {rail: screen_reference(m.get("busbw") for m in results if m["rail"] == rail) for rail in d["rails"]}
-    rounds = {}
-    for m in results:
-        rounds.setdefault(m.get("round"), set()).add(tuple(m["nodes"]))
-    slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
-    L = [f"  inter-node reference: {_screen_ref_text(ref, 'GB/s', 'measurements')}; per rail: "
-         + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
-         "  groups per round: " + " ".join(f"{r}:{len(g)}" for r, g in sorted(rounds.items(), key=lambda x: str(x[0])))
-         + f"; {len(results)} measurement(s), {len(slow)} slow"]
     by_group = group_by(range(len(results)), lambda i: (results[i].get("round"), tuple(results[i]["nodes"])))
+    rounds = Counter(r for r, _ in by_group)
+    slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
+    L = [f"  inter-node reference: {_screen_ref_text(d['ref'], 'GB/s', 'measurements')}; per rail: "
+         + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
+         "  groups per round: " + " ".join(f"{r}:{n}" for r, n in sorted(rounds.items(), key=lambda x: str(x[0])))
+         + f"; {len(results)} measurement(s), {len(slow)} slow"]
     show_all = len(d["nodes"]) <= SCREEN_RENDER_ALL
     listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
     for rnd, g in listed[: None if show_all else SCREEN_RENDER_SLOW]:
@@ -8608,8 +8602,7 @@ def _perf_read_lines(screen):
              "clock limits: " + (", ".join(f"{n} on {k}" for n, k in sorted(limits.items())) or "none"),
              f"uncorrected ECC errors on {sum(bool(r.get('ecc_uncorrected')) for r in rows)}"]
     L = [f"  under load ({len(rows)} GPU(s)): " + "; ".join(parts)]
-    bad = [(r, gpu_fact_problems(r)) for r in rows]
-    bad = [(r, p) for r, p in bad if p]
+    bad = [(r, p) for r in rows for p in [gpu_fact_problems(r)] if p]
     L += [f"    rank {r['rank']} {r.get('host')} {r.get('uuid') or '-'}: " + "; ".join(t for _, t in p)
           for r, p in bad[:SCREEN_RENDER_SLOW]]
     if len(bad) > SCREEN_RENDER_SLOW:
@@ -8665,10 +8658,13 @@ def _q(s):
     return f'"{s}"' if re.search(r"\s", s) else s
 
 
+def _node_of(rs):
+    return next((r.get("node") for r in rs if r.get("node")), {}) or {}
+
+
 def node_signature(rs):
     """What makes two nodes 'identical' for the collapsed topology view."""
-    n = next((r.get("node") for r in rs if r.get("node")), {}) or {}
-    g = rs[0].get("gpu") or {}
+    n, g = _node_of(rs), rs[0].get("gpu") or {}
     return json.dumps([len(rs), sorted(r["local_rank"] for r in rs) == list(range(len(rs))),
                        g.get("name"), g.get("vram"), rs[0]["versions"], n.get("os"), n.get("kernel"),
                        n.get("driver"), n.get("cpu_model"), n.get("cpus"),
@@ -8681,13 +8677,7 @@ def group_nodes(records, flagged_hosts, collapse_at=2):
     """[(hosts, ranks_of_first)]: identical nodes collapsed, every flagged node alone."""
     hosts = _by_host(records)
     groups = group_by(hosts, lambda h: ("flagged", h) if h in flagged_hosts else node_signature(hosts[h]))
-    out = []
-    for hs in groups.values():
-        if len(hs) < collapse_at:
-            out.extend(([h], hosts[h]) for h in hs)
-        else:
-            out.append((hs, hosts[hs[0]]))
-    return out
+    return [(g, hosts[g[0]]) for hs in groups.values() for g in ([[h] for h in hs] if len(hs) < collapse_at else [hs])]
 
 
 def _phase_times(phases):
@@ -8704,14 +8694,11 @@ def render_report(state):
     flagged = {h for f in state.get("findings") or [] if f["status"] != "PASS" for h in f["hosts"]}
     groups = group_nodes(recs, flagged)
     out = []
-    for section in (_render_topology, _render_environment, _render_fabric, _render_collectives, _render_performance,
-                    _render_soak, _render_findings):
+    for section in (_render_topology, _render_environment, _render_fabric, _render_collectives):
         out += section(state, recs, groups)
-    return "\n".join(out)
-
-
-def _node_of(rs):
-    return next((r.get("node") for r in rs if r.get("node")), {}) or {}
+    out += render_performance(state["screen"]) if state.get("screen") else []
+    out += render_soak(state["soak"]) if state.get("soak") else []
+    return "\n".join(out + _render_findings(state, recs, groups))
 
 
 def _render_topology(state, recs, groups):
@@ -8796,14 +8783,6 @@ def _render_collectives(state, recs, groups):
     return L
 
 
-def _render_performance(state, recs, groups):
-    return render_performance(state["screen"]) if state.get("screen") else []
-
-
-def _render_soak(state, recs, groups):
-    return render_soak(state["soak"]) if state.get("soak") else []
-
-
 def _render_findings(state, recs, groups):
     L = [BAR, "FINDINGS", BAR] + [f"  [{st}] {check}: {text}" for st, check, text in
                                    finding_rows(state.get("findings") or [])]
@@ -8830,11 +8809,8 @@ def action_lines(findings):
             f" {compress_hostlist(f['involved'])} (not blamed)" if f.get("involved") else ""
         act = f"nothing is drained: to localise it, {f['unlocalised']['localise']}" if f.get("unlocalised") else \
             f.get("action") or "see the finding"
-        line = f"{f['check']}{who}: {act}" + (
-            f" (evidence: {f['evidence']})" if f.get("evidence") else "")
-        if line not in out:
-            out.append(line)
-    return out
+        out.append(f"{f['check']}{who}: {act}" + (f" (evidence: {f['evidence']})" if f.get("evidence") else ""))
+    return list(dict.fromkeys(out))
 
 
 NO_HOST_MARK = "[no host named]"  # ends every FAILURE line that names no host: grep -v it for the localised ones
@@ -8927,11 +8903,8 @@ def drain_plan(findings, mode, nodes, job, max_nodes=None, context="job"):
     is drained, or None}."""
     out = {"mode": mode, "hosts": [], "command": "", "argv": [], "reason": "", "max": drain_max(max_nodes, nodes),
            "skipped": None, "done": False, "kept": {}}
-    culprits = {}
-    for f in findings:
-        if drains_in(f, context):
-            for h in f["hosts"]:
-                culprits.setdefault(h, []).append(f)
+    culprits = group_by([(h, f) for f in findings if drains_in(f, context) for h in f["hosts"]], lambda x: x[0],
+                        lambda x: x[1])
     why = drain_blocker(findings) or ("no failed check names a host whose fault it is" if not culprits else None)
     if why is None and not job and context == "job":
         why = "not a Slurm job (no SLURM_JOB_ID)"
@@ -8992,17 +8965,13 @@ def _metrics_escape(value):
 
 def _metrics_value(v):
     """A sample's value as text, or None (omitted) for None, NaN, infinities and anything not a number."""
-    if isinstance(v, bool):
+    if isinstance(v, int):  # a bool too: 1 or 0
         return str(int(v))
-    if isinstance(v, int):
-        return str(v)
     try:
         x = float(v)
     except (TypeError, ValueError):
         return None
-    if not math.isfinite(x):
-        return None
-    return str(int(x)) if x.is_integer() and abs(x) < 2 ** 53 else repr(x)
+    return None if not math.isfinite(x) else str(int(x)) if x.is_integer() and abs(x) < 2 ** 53 else repr(x)
 
 
 def _metrics_family(name, text, samples):
@@ -9072,9 +9041,8 @@ def _metrics_run(state):
 
 def _metrics_checks(state):
     """aiv_check_status{check}: the worst status of each judged check, in CHECKS order (unknown ones last)."""
-    worst = {}
-    for f in state.get("findings") or []:
-        worst[f.get("check")] = _metrics_max([worst.get(f.get("check")), STATUS_RANK.get(f.get("status"))])
+    ranks = group_by(state.get("findings") or [], lambda f: f.get("check"), lambda f: STATUS_RANK.get(f.get("status")))
+    worst = {c: _metrics_max(v) for c, v in ranks.items()}
     order = [c for c in CHECKS if c in worst] + sorted(str(c) for c in worst if c not in CHECKS)
     return [("aiv_check_status", "Worst status of the check's findings: 0 PASS, 1 WARN, 2 FAIL (checks not judged "
              "are absent).", [({"check": c}, worst[c]) for c in order])]
@@ -9133,11 +9101,9 @@ def _metrics_intra(screen):
 def _metrics_inter(screen):
     """Per node and rail: the best busbw of the pair rounds the node took part in; per rail: the reference."""
     pairs = [m for m in screen.get("pairs") or [] if m.get("nodes") and m.get("rail") is not None]
-    best = {}
-    for m in pairs:
-        for n in m["nodes"]:
-            key = (n, str(m["rail"]))
-            best[key] = _metrics_max([best.get(key), m.get("busbw")])
+    seen = group_by([((n, str(m["rail"])), m.get("busbw")) for m in pairs for n in m["nodes"]], lambda x: x[0],
+                    lambda x: x[1])
+    best = {key: _metrics_max(v) for key, v in seen.items()}
     refs = screen_diagnose(pairs, screen.get("min_busbw_inter"), bool(screen.get("cpu")))["refs"] if pairs else {}
     rails = _screen_sorted(r for _, r in best)
     rows = [({"node": n, "rail": r}, best.get((n, r))) for n in _screen_sorted(n for n, _ in best) for r in rails]
@@ -10137,15 +10103,9 @@ def _log_after(lines, prefix):
 
 
 def _verify_totals(lines, problems, facts):
-    totals = []
-    for s in lines:
-        m = re.search(r"Total Execution Ranks:\s*(\S+)", s)
-        if m:
-            n = _log_int(m.group(1))
-            if n is None:
-                problems.append(f"garbled 'Total Execution Ranks' line: {s[:80]}")
-            else:
-                totals.append(n)
+    read = [(s, _log_int(m.group(1))) for s in lines for m in [re.search(r"Total Execution Ranks:\s*(\S+)", s)] if m]
+    problems += [f"garbled 'Total Execution Ranks' line: {s[:80]}" for s, n in read if n is None]
+    totals = [n for _, n in read if n is not None]
     if not totals:
         problems.append("no 'Total Execution Ranks: N' line")
     elif len(set(totals)) > 1:
@@ -10231,17 +10191,10 @@ def _verify_findings(lines, strict, problems, facts):
     if lines is None:
         problems.append("no FINDINGS section")
         return
-    counts = {"PASS": 0, "WARN": 0, "FAIL": 0}
-    for s in lines:
-        m = _LOG_FINDING.match(s)
-        if not m:
-            continue
-        counts[m.group(1)] += 1
-        if m.group(1) == "FAIL":
-            problems.append(f"finding: {s[:200]}")
-        elif m.group(1) == "WARN" and strict:
-            problems.append(f"finding (a FAIL under --strict): {s[:200]}")
-    facts["findings"] = counts
+    found = [(m.group(1), s) for s in lines for m in [_LOG_FINDING.match(s)] if m]
+    problems += [f"finding: {s[:200]}" if st == "FAIL" else f"finding (a FAIL under --strict): {s[:200]}"
+                 for st, s in found if st == "FAIL" or st == "WARN" and strict]
+    facts["findings"] = {st: sum(x == st for x, _ in found) for st in ("PASS", "WARN", "FAIL")}
 
 
 def _topology_line(s, problems):
@@ -10284,11 +10237,7 @@ def _verify_topology(lines, problems, facts):
 
 
 def _verify_versions(lines, problems, facts):
-    found = {}
-    for s in lines:
-        for key, val in re.findall(r"\b(torch|cuda|nccl)=(\S+)", s):
-            if val != "-":
-                found[key] = val
+    found = {key: val for s in lines for key, val in re.findall(r"\b(torch|cuda|nccl)=(\S+)", s) if val != "-"}
     if not found.get("torch"):
         problems.append("torch version missing")
     if facts.get("backend") == "nccl" and not (found.get("cuda") and found.get("nccl")):

@@ -48,7 +48,7 @@ def _perf_gpu_lines(screen, cpu):
                     "none among peers (1 node of its class)"))
     by_host = group_by(per_rank, lambda r: r.get("host"))
     hosts = _screen_sorted(set(by_host) | set(ibw))
-    rows, healthy = [], []
+    collapse, healthy = len(hosts) > SCREEN_RENDER_ALL, []
     for h in hosts:
         rs = by_host.get(h, [])
         tf = [float(r["tflops"]) for r in rs if r.get("tflops") is not None]
@@ -60,13 +60,10 @@ def _perf_gpu_lines(screen, cpu):
         cells = f"gpus={len(rs)} " + (f"tflops min/med={_sn(min(tf))}/{_sn(_screen_median(tf))} " if tf else "")
         cells += f"mem min/med={min(hb):.0f}/{_screen_median(hb):.0f}GB/s " if hb else ""
         cells += f"intra={_sn(ibw[h])}GB/s" if ibw.get(h) is not None else "intra=-"
-        rows.append((h, cells, marks, tf, hb))
-        if not marks:
-            healthy.append((h, tf, hb))
-    collapse = len(hosts) > SCREEN_RENDER_ALL
-    for h, cells, marks, _, _ in rows:
         if marks or not collapse:
             L.append(f"  node={h} {cells}" + (f"  <- slow: {', '.join(marks)}" if marks else ""))
+        if not marks:
+            healthy.append((h, tf, hb))
     if collapse and healthy:
         tf = [x for _, t, _ in healthy for x in t]
         hb = [x for _, _, b in healthy for x in b]
@@ -81,17 +78,14 @@ def _perf_pair_lines(screen, cpu):
     if not results:
         return []
     d = screen_diagnose(results, screen.get("min_busbw_inter"), cpu)
-    ref = d["ref"]
     per_rail = {rail: screen_reference(m.get("busbw") for m in results if m["rail"] == rail) for rail in d["rails"]}
-    rounds = {}
-    for m in results:
-        rounds.setdefault(m.get("round"), set()).add(tuple(m["nodes"]))
-    slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
-    L = [f"  inter-node reference: {_screen_ref_text(ref, 'GB/s', 'measurements')}; per rail: "
-         + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
-         "  groups per round: " + " ".join(f"{r}:{len(g)}" for r, g in sorted(rounds.items(), key=lambda x: str(x[0])))
-         + f"; {len(results)} measurement(s), {len(slow)} slow"]
     by_group = group_by(range(len(results)), lambda i: (results[i].get("round"), tuple(results[i]["nodes"])))
+    rounds = Counter(r for r, _ in by_group)
+    slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
+    L = [f"  inter-node reference: {_screen_ref_text(d['ref'], 'GB/s', 'measurements')}; per rail: "
+         + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
+         "  groups per round: " + " ".join(f"{r}:{n}" for r, n in sorted(rounds.items(), key=lambda x: str(x[0])))
+         + f"; {len(results)} measurement(s), {len(slow)} slow"]
     show_all = len(d["nodes"]) <= SCREEN_RENDER_ALL
     listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
     for rnd, g in listed[: None if show_all else SCREEN_RENDER_SLOW]:
@@ -157,8 +151,7 @@ def _perf_read_lines(screen):
              "clock limits: " + (", ".join(f"{n} on {k}" for n, k in sorted(limits.items())) or "none"),
              f"uncorrected ECC errors on {sum(bool(r.get('ecc_uncorrected')) for r in rows)}"]
     L = [f"  under load ({len(rows)} GPU(s)): " + "; ".join(parts)]
-    bad = [(r, gpu_fact_problems(r)) for r in rows]
-    bad = [(r, p) for r, p in bad if p]
+    bad = [(r, p) for r in rows for p in [gpu_fact_problems(r)] if p]
     L += [f"    rank {r['rank']} {r.get('host')} {r.get('uuid') or '-'}: " + "; ".join(t for _, t in p)
           for r, p in bad[:SCREEN_RENDER_SLOW]]
     if len(bad) > SCREEN_RENDER_SLOW:
@@ -214,10 +207,13 @@ def _q(s):
     return f'"{s}"' if re.search(r"\s", s) else s
 
 
+def _node_of(rs):
+    return next((r.get("node") for r in rs if r.get("node")), {}) or {}
+
+
 def node_signature(rs):
     """What makes two nodes 'identical' for the collapsed topology view."""
-    n = next((r.get("node") for r in rs if r.get("node")), {}) or {}
-    g = rs[0].get("gpu") or {}
+    n, g = _node_of(rs), rs[0].get("gpu") or {}
     return json.dumps([len(rs), sorted(r["local_rank"] for r in rs) == list(range(len(rs))),
                        g.get("name"), g.get("vram"), rs[0]["versions"], n.get("os"), n.get("kernel"),
                        n.get("driver"), n.get("cpu_model"), n.get("cpus"),
@@ -230,13 +226,7 @@ def group_nodes(records, flagged_hosts, collapse_at=2):
     """[(hosts, ranks_of_first)]: identical nodes collapsed, every flagged node alone."""
     hosts = _by_host(records)
     groups = group_by(hosts, lambda h: ("flagged", h) if h in flagged_hosts else node_signature(hosts[h]))
-    out = []
-    for hs in groups.values():
-        if len(hs) < collapse_at:
-            out.extend(([h], hosts[h]) for h in hs)
-        else:
-            out.append((hs, hosts[hs[0]]))
-    return out
+    return [(g, hosts[g[0]]) for hs in groups.values() for g in ([[h] for h in hs] if len(hs) < collapse_at else [hs])]
 
 
 def _phase_times(phases):
@@ -253,14 +243,11 @@ def render_report(state):
     flagged = {h for f in state.get("findings") or [] if f["status"] != "PASS" for h in f["hosts"]}
     groups = group_nodes(recs, flagged)
     out = []
-    for section in (_render_topology, _render_environment, _render_fabric, _render_collectives, _render_performance,
-                    _render_soak, _render_findings):
+    for section in (_render_topology, _render_environment, _render_fabric, _render_collectives):
         out += section(state, recs, groups)
-    return "\n".join(out)
-
-
-def _node_of(rs):
-    return next((r.get("node") for r in rs if r.get("node")), {}) or {}
+    out += render_performance(state["screen"]) if state.get("screen") else []
+    out += render_soak(state["soak"]) if state.get("soak") else []
+    return "\n".join(out + _render_findings(state, recs, groups))
 
 
 def _render_topology(state, recs, groups):
@@ -345,14 +332,6 @@ def _render_collectives(state, recs, groups):
     return L
 
 
-def _render_performance(state, recs, groups):
-    return render_performance(state["screen"]) if state.get("screen") else []
-
-
-def _render_soak(state, recs, groups):
-    return render_soak(state["soak"]) if state.get("soak") else []
-
-
 def _render_findings(state, recs, groups):
     L = [BAR, "FINDINGS", BAR] + [f"  [{st}] {check}: {text}" for st, check, text in
                                    finding_rows(state.get("findings") or [])]
@@ -379,11 +358,8 @@ def action_lines(findings):
             f" {compress_hostlist(f['involved'])} (not blamed)" if f.get("involved") else ""
         act = f"nothing is drained: to localise it, {f['unlocalised']['localise']}" if f.get("unlocalised") else \
             f.get("action") or "see the finding"
-        line = f"{f['check']}{who}: {act}" + (
-            f" (evidence: {f['evidence']})" if f.get("evidence") else "")
-        if line not in out:
-            out.append(line)
-    return out
+        out.append(f"{f['check']}{who}: {act}" + (f" (evidence: {f['evidence']})" if f.get("evidence") else ""))
+    return list(dict.fromkeys(out))
 
 
 NO_HOST_MARK = "[no host named]"  # ends every FAILURE line that names no host: grep -v it for the localised ones

@@ -43,15 +43,9 @@ def _log_after(lines, prefix):
 
 
 def _verify_totals(lines, problems, facts):
-    totals = []
-    for s in lines:
-        m = re.search(r"Total Execution Ranks:\s*(\S+)", s)
-        if m:
-            n = _log_int(m.group(1))
-            if n is None:
-                problems.append(f"garbled 'Total Execution Ranks' line: {s[:80]}")
-            else:
-                totals.append(n)
+    read = [(s, _log_int(m.group(1))) for s in lines for m in [re.search(r"Total Execution Ranks:\s*(\S+)", s)] if m]
+    problems += [f"garbled 'Total Execution Ranks' line: {s[:80]}" for s, n in read if n is None]
+    totals = [n for _, n in read if n is not None]
     if not totals:
         problems.append("no 'Total Execution Ranks: N' line")
     elif len(set(totals)) > 1:
@@ -137,17 +131,10 @@ def _verify_findings(lines, strict, problems, facts):
     if lines is None:
         problems.append("no FINDINGS section")
         return
-    counts = {"PASS": 0, "WARN": 0, "FAIL": 0}
-    for s in lines:
-        m = _LOG_FINDING.match(s)
-        if not m:
-            continue
-        counts[m.group(1)] += 1
-        if m.group(1) == "FAIL":
-            problems.append(f"finding: {s[:200]}")
-        elif m.group(1) == "WARN" and strict:
-            problems.append(f"finding (a FAIL under --strict): {s[:200]}")
-    facts["findings"] = counts
+    found = [(m.group(1), s) for s in lines for m in [_LOG_FINDING.match(s)] if m]
+    problems += [f"finding: {s[:200]}" if st == "FAIL" else f"finding (a FAIL under --strict): {s[:200]}"
+                 for st, s in found if st == "FAIL" or st == "WARN" and strict]
+    facts["findings"] = {st: sum(x == st for x, _ in found) for st in ("PASS", "WARN", "FAIL")}
 
 
 def _topology_line(s, problems):
@@ -190,11 +177,7 @@ def _verify_topology(lines, problems, facts):
 
 
 def _verify_versions(lines, problems, facts):
-    found = {}
-    for s in lines:
-        for key, val in re.findall(r"\b(torch|cuda|nccl)=(\S+)", s):
-            if val != "-":
-                found[key] = val
+    found = {key: val for s in lines for key, val in re.findall(r"\b(torch|cuda|nccl)=(\S+)", s) if val != "-"}
     if not found.get("torch"):
         problems.append("torch version missing")
     if facts.get("backend") == "nccl" and not (found.get("cuda") and found.get("nccl")):
