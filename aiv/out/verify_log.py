@@ -222,10 +222,8 @@ def read_log_lines(f):
 
 
 def verify_log(text, expect, strict=False):
-    """Automation's check of a saved log (its text, or read_log_lines' list). Returns (ok, problems,
-    facts); ok only for a clean PASS.
-
-    strict: a [WARN] finding is a problem too (as --strict makes it a FAIL in a run)."""
+    """Automation's check of a saved log (its text, or read_log_lines' list). Returns (ok, problems, facts); ok
+    only for a clean PASS. strict: a [WARN] finding is a problem too (as --strict makes it a FAIL in a run)."""
     problems, facts = [], {"backend": None}
     lines = [ln.strip() for ln in text.splitlines()] if isinstance(text, str) else list(text)
     sections = _log_sections(lines)
