@@ -391,9 +391,8 @@ def _html_ranges(cid, groups, lines, unit, caption):
 
     out = [f'<rect class="grid" x="{left}" y="8" width="{w:.0f}" height="{h}"/>']
     step = _html_step(top)
-    for i in range(int(top / step) + 1):
-        out.append(f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_s3(i * step) if i else 0}'
-                   '</text>')
+    out += [f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_s3(i * step) if i else 0}</text>'
+            for i in range(int(top / step) + 1)]
     for i, (host, vs, lv) in enumerate(groups):  # a bar up to the node's lowest GPU, its range above it
         tip = f"{_html_e(host)}: {_s3(min(vs))}-{_s3(max(vs))} {_html_e(unit)} [{lv}]"
         out.append(f'<rect x="{left + i * bw:.2f}" y="{y(min(vs)):.1f}" width="{max(bw, 0.8):.2f}" '
@@ -402,9 +401,8 @@ def _html_ranges(cid, groups, lines, unit, caption):
                    f'<rect x="{left + i * bw:.2f}" y="{y(max(vs)):.1f}" width="{max(bw, 0.8):.2f}" '
                    f'height="{max(y(min(vs)) - y(max(vs)), 1):.1f}" class="rng-top"><title>{tip}</title></rect>')
     every = max(1, len(groups) // 16)
-    for i in range(0, len(groups), every):
-        out.append(f'<text class="lab" x="{left + (i + 0.5) * bw:.1f}" y="{h + 22}" text-anchor="middle">'
-                   f'{_html_e(groups[i][0])}</text>')
+    out += [f'<text class="lab" x="{left + (i + 0.5) * bw:.1f}" y="{h + 22}" text-anchor="middle">'
+            f'{_html_e(groups[i][0])}</text>' for i in range(0, len(groups), every)]
     lys = _html_label_ys([y(ln["value"]) + 4 for ln in shown], 12, h + 8)
     out += ["".join(_html_jline(ln, left, f"{left + w + 6:.0f}", f'{y(ln["value"]):.1f}', "/>", f"{left + w + 14:.0f}",
                                 f"{ly:.1f}")) for ln, ly in zip(shown, lys, strict=True)]
@@ -425,8 +423,7 @@ def _html_gpu_chart(screen, gl, refs, metric, unit, model=None):
     if not rows:
         return ""
     model = model or rows[0].get("model") or "unknown"
-    floors = {k: screen.get(k) for k in ("min_tflops", "min_hbm")}
-    ref = gpu_refs(rows, floors, cpu)[(model, metric)]
+    ref = gpu_refs(rows, {k: screen.get(k) for k in ("min_tflops", "min_hbm")}, cpu)[(model, metric)]
     fail, warn = screen_fractions("gpu", cpu)
     mine = [b for b in bands if b["band"] == f"gpu.{metric}/{model}"]
     lines = judging_lines(ref["peers"], fail, warn, ref["table"], ref["floor"],
@@ -514,12 +511,9 @@ SLOW_ROWS_MAX = 64       # the table of slow inter-node measurements lists at mo
 def _html_axis(nodes, c):
     """Node-name labels along the top and left of a heat map (every k-th one when there are many)."""
     step = max(1, len(nodes) // 8) if len(nodes) > 24 else 1
-    out = []
-    for i in range(0, len(nodes), step):
-        p = 90 + (i + 0.5) * c
-        out.append(f'<text class="lab" x="86" y="{p + 3:.1f}" text-anchor="end">{_html_e(nodes[i])}</text>'
-                   f'<text class="lab" transform="translate({p + 3:.1f},86) rotate(-60)">{_html_e(nodes[i])}</text>')
-    return "".join(out)
+    return "".join(f'<text class="lab" x="86" y="{p + 3:.1f}" text-anchor="end">{_html_e(nodes[i])}</text>'
+                   f'<text class="lab" transform="translate({p + 3:.1f},86) rotate(-60)">{_html_e(nodes[i])}</text>'
+                   for i in range(0, len(nodes), step) for p in [90 + (i + 0.5) * c])
 
 
 def _html_rail_marks(pairs, idx, rail, d, c, bad):
@@ -569,10 +563,8 @@ def _html_rail_bad(pairs, rail, d, failed):
 
 def _html_heatmap(pairs, rail, d, failed, size):
     """One rail's node-by-node busbw heat map (an SVG, id heatmap-rail-<rail>)."""
-    nodes = d["nodes"]
-    idx = {n: i for i, n in enumerate(nodes)}
-    c = size / max(len(nodes), 1)
-    ref = d["refs"][rail]
+    nodes, ref = d["nodes"], d["refs"][rail]
+    idx, c = {n: i for i, n in enumerate(nodes)}, size / max(len(nodes), 1)
     bad = _html_rail_bad(pairs, rail, d, failed)
     nslow = sum(1 for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK")
     hcas = {n: h for m in pairs if m["rail"] == rail for n in m["nodes"] for h in [_screen_hca(m, n)] if h}

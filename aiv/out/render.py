@@ -326,10 +326,8 @@ def _render_collectives(state, recs, groups):
          f"  all_reduce exact: sum={coll['ar_sum']} expected={coll['ar_expected']} on {coll['ranks']} rank(s)",
          f"  DDP nn.Linear(10,10): global average loss={coll['loss']:.6f} "
          f"gradients_identical={'yes' if coll['grads_identical'] else 'NO'}"]
-    for b in coll.get("bandwidth") or []:
-        L.append(f"  busbw size={human_bytes(b['bytes'])} time={b['time_us']:.1f}us "
-                 f"algbw={b['algbw']:.2f}GB/s busbw={b['busbw']:.2f}GB/s")
-    return L
+    return L + [f"  busbw size={human_bytes(b['bytes'])} time={b['time_us']:.1f}us algbw={b['algbw']:.2f}GB/s "
+                f"busbw={b['busbw']:.2f}GB/s" for b in coll.get("bandwidth") or []]
 
 
 def _render_findings(state, recs, groups):
