@@ -1790,14 +1790,6 @@ def _first(env, launcher, fact, sources, read, fix):
     return value, var
 
 
-def _addr(env, var):
-    return check_host(var, env[var])
-
-
-def _port(env, var):
-    return _int_var(env, var, lo=1, hi=65535)
-
-
 def _nproc(env):
     """PET_NPROC_PER_NODE: a number of ranks for this node, or None for one per GPU (auto, gpu, or unset)."""
     raw = env.get("PET_NPROC_PER_NODE")
@@ -1919,11 +1911,12 @@ def read_node_launch(env):
                                   lambda e, v: _int_var(e, v, lo=0, hi=100_000), fix if key == "volcano" else "")
     if node_rank >= nnodes:
         raise UsageError(f"{name}: {node_from}={node_rank} is not below {nodes_from}={nnodes}", own=True)
-    addr, addr_from = _first(env, name, "the master's address", addrs, _addr, f" (the host of node 0{where})")
+    addr, addr_from = _first(env, name, "the master's address", addrs, lambda e, v: check_host(v, e[v]),
+                             f" (the host of node 0{where})")
     if default_port is not None and not any(var in env for var, _ in ports):
         port, port_from = default_port, f"torchrun's default {default_port}: no MASTER_PORT"
     else:
-        port, port_var = _first(env, name, "the master's port", ports, _port, "")
+        port, port_var = _first(env, name, "the master's port", ports, lambda e, v: _int_var(e, v, lo=1, hi=65535), "")
         port_from = f"port from {port_var}"
     return {"launcher": key, "name": name, "nnodes": nnodes, "node_rank": node_rank, "nproc": _nproc(env),
             "master_addr": addr, "master_port": port, "port_from": port_from,
@@ -1980,9 +1973,8 @@ def describe_contract(contract, env):
         if isinstance(told, dict) and all(isinstance(told.get(k), str) for k in ("launch", "how", "port_from")):
             return {k: told[k] for k in ("launch", "how", "port_from")}
     names = ", ".join(contract.get("vars", ()))
-    source = contract.get("source")
-    launch = ("Slurm srun" if source == "slurm" else "mpirun" if source == "mpi" else
-              "torchrun" if under_torchrun(env) else "RANK, WORLD_SIZE, LOCAL_RANK")
+    launch = {"slurm": "Slurm srun", "mpi": "mpirun"}.get(contract.get("source")) or (
+        "torchrun" if under_torchrun(env) else "RANK, WORLD_SIZE, LOCAL_RANK")
     return {"launch": launch, "how": f"{launch}: {names}, one process per rank started by the launcher",
             "port_from": f"port from {contract.get('port_source', 'MASTER_PORT')}"}
 
@@ -8935,11 +8927,9 @@ def parse_scontrol_nodes(text):
     the next field of the line (or its end)."""
     out = {}
     for line in text.splitlines():
-        name = re.search(r"(?:^|\s)NodeName=(\S+)", line)
-        if not name:
-            continue
-        state = re.search(r"\sState=(\S+)", line)
-        out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
+        name, state = re.search(r"(?:^|\s)NodeName=(\S+)", line), re.search(r"\sState=(\S+)", line)
+        if name:
+            out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
     return out
 
 
@@ -10200,16 +10190,12 @@ def _topology_line(s, problems):
 
 def _verify_topology(lines, problems, facts):
     """Nodes and ranks the topology section accounts for; returns the ranks-per-node values seen."""
-    nodes, ranks, rpn_seen = 0, 0, set()
     for s in lines:
         m = re.search(r"\bbackend=(\w+)", s)
         if m and s.startswith("nodes="):
             facts["backend"] = m.group(1)
-        if s.startswith("node="):
-            nk = _topology_line(s, problems)
-            if nk:
-                nodes, ranks = nodes + nk[0], ranks + nk[0] * nk[1]
-                rpn_seen.add(nk[1])
+    shapes = [nk for s in lines if s.startswith("node=") for nk in [_topology_line(s, problems)] if nk]
+    nodes, ranks, rpn_seen = sum(n for n, _ in shapes), sum(n * k for n, k in shapes), {k for _, k in shapes}
     if nodes == 0:
         problems.append("no node lines in the CLUSTER HARDWARE TOPOLOGY REPORT section")
         return rpn_seen
@@ -13938,13 +13924,12 @@ def _start_ranks(cmd, env, launch, node, nproc, base, world, port):
     procs, secret = [], {} if keep else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
     told = json.dumps({"launch": launch.get("launch", "local mode"), "how": launch.get("how", "local mode"),
                        "port_from": launch.get("port_from") or "a free port"})
+    expect = {"AIV_EXPECT_NODES": str(node["nnodes"]), "AIV_EXPECT_RANKS_PER_NODE": str(nproc),
+              "AIV_EXPECT_WORLD_SIZE": str(world), **env}  # the launch's shape, unless exported
     for r in range(nproc):
-        cenv = dict(env, **secret, RANK=str(base + r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+        cenv = dict(expect, **secret, RANK=str(base + r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                     LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=launch.get("master_addr") or "127.0.0.1",
                     MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **{LAUNCH_VAR: told})
-        cenv.setdefault("AIV_EXPECT_NODES", str(node["nnodes"]))
-        cenv.setdefault("AIV_EXPECT_RANKS_PER_NODE", str(nproc))
-        cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(world))
         procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL, start_new_session=True,
                                       preexec_fn=die_with_parent(signal.SIGTERM)))
     return procs

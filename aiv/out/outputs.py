@@ -131,11 +131,9 @@ def parse_scontrol_nodes(text):
     the next field of the line (or its end)."""
     out = {}
     for line in text.splitlines():
-        name = re.search(r"(?:^|\s)NodeName=(\S+)", line)
-        if not name:
-            continue
-        state = re.search(r"\sState=(\S+)", line)
-        out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
+        name, state = re.search(r"(?:^|\s)NodeName=(\S+)", line), re.search(r"\sState=(\S+)", line)
+        if name:
+            out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
     return out
 
 

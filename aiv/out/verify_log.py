@@ -157,16 +157,12 @@ def _topology_line(s, problems):
 
 def _verify_topology(lines, problems, facts):
     """Nodes and ranks the topology section accounts for; returns the ranks-per-node values seen."""
-    nodes, ranks, rpn_seen = 0, 0, set()
     for s in lines:
         m = re.search(r"\bbackend=(\w+)", s)
         if m and s.startswith("nodes="):
             facts["backend"] = m.group(1)
-        if s.startswith("node="):
-            nk = _topology_line(s, problems)
-            if nk:
-                nodes, ranks = nodes + nk[0], ranks + nk[0] * nk[1]
-                rpn_seen.add(nk[1])
+    shapes = [nk for s in lines if s.startswith("node=") for nk in [_topology_line(s, problems)] if nk]
+    nodes, ranks, rpn_seen = sum(n for n, _ in shapes), sum(n * k for n, k in shapes), {k for _, k in shapes}
     if nodes == 0:
         problems.append("no node lines in the CLUSTER HARDWARE TOPOLOGY REPORT section")
         return rpn_seen
