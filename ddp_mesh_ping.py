@@ -68,6 +68,7 @@ import datetime
 import difflib
 import errno
 import fcntl
+import functools
 import gc
 import glob
 import hashlib
@@ -8461,10 +8462,8 @@ def node_verdict(findings, context):
 def _lone_table_text(model, cpu):
     """What judged a lone GPU of its model: its table row, when it has one."""
     row = None if cpu else gpu_table_row(model)
-    if not row:
-        return ""
     return (f"; judged against the table row {row['row']}: {_sn(row['tflops'])} TFLOPS, {row['hbm_gbps']:.0f} GB/s "
-            f"({_table_rule()})")
+            f"({_table_rule()})") if row else ""
 
 
 def _perf_gpu_lines(screen, cpu):
@@ -8478,10 +8477,9 @@ def _perf_gpu_lines(screen, cpu):
          if max(refs[(m, k)]["count"] for k, _, _ in SCREEN_GPU_METRICS) >= 2 else
          f"  gpu reference {m}: none among peers (1 GPU of its model)" + _lone_table_text(m, cpu)
          for m in sorted({m for m, _ in refs})]
-    for k, iref in sorted(irefs.items(), key=str):
-        L.append(f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
-                 + (_screen_ref_text(iref, 'GB/s', 'nodes') if iref["count"] >= 2 else
-                    "none among peers (1 node of its class)"))
+    L += [f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
+          + (_screen_ref_text(ref, "GB/s", "nodes") if ref["count"] >= 2 else "none among peers (1 node of its class)")
+          for k, ref in sorted(irefs.items(), key=str)]
     by_host = group_by(per_rank, lambda r: r.get("host"))
     hosts = _screen_sorted(set(by_host) | set(ibw))
     collapse, healthy = len(hosts) > SCREEN_RENDER_ALL, []
@@ -8489,8 +8487,8 @@ def _perf_gpu_lines(screen, cpu):
         rs = by_host.get(h, [])
         tf = [float(r["tflops"]) for r in rs if r.get("tflops") is not None]
         hb = [float(r["hbm_gbps"]) for r in rs if r.get("hbm_gbps") is not None]
-        bad = [(rk, fl) for rk, (r, fl) in flags.items() if r.get("host") == h]
-        marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, fl in bad for k, lv, _ in fl]
+        marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, (r, fl) in flags.items()
+                 if r.get("host") == h for k, lv, _ in fl]
         if ilv.get(h, "OK") != "OK":
             marks.append(f"intra [{ilv[h]}]")
         cells = f"gpus={len(rs)} " + (f"tflops min/med={_sn(min(tf))}/{_sn(_screen_median(tf))} " if tf else "")
@@ -8597,10 +8595,8 @@ def _perf_read_lines(screen):
 
 def _perf_cost_lines(screen):
     made = screen.get("splits") or {}
-    if not made:
-        return []
     return ["  group creation (each group's last member, the slowest group): "
-            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())]
+            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())] if made else []
 
 
 def render_soak(soak):
@@ -8678,9 +8674,8 @@ def render_report(state):
     recs = state.get("ranks") or []
     flagged = {h for f in state.get("findings") or [] if f["status"] != "PASS" for h in f["hosts"]}
     groups = group_nodes(recs, flagged)
-    out = []
-    for section in (_render_topology, _render_environment, _render_fabric, _render_collectives):
-        out += section(state, recs, groups)
+    out = [s for section in (_render_topology, _render_environment, _render_fabric, _render_collectives)
+           for s in section(state, recs, groups)]
     out += render_performance(state["screen"]) if state.get("screen") else []
     out += render_soak(state["soak"]) if state.get("soak") else []
     return "\n".join(out + _render_findings(state, recs, groups))
@@ -9106,11 +9101,10 @@ def _metrics_phases(state):
 
 def _metrics_drain(state):
     """aiv_drain_nodes: how many nodes the --drain plan named (drained, or recommended), when it ran."""
-    drain = state.get("drain")
-    if not isinstance(drain, dict):
-        return []
+    drain = state.get("drain")  # not a plan: no sample, so no family written
+    nodes = len(drain.get("hosts") or []) if isinstance(drain, dict) else None
     return [("aiv_drain_nodes", "Nodes the --drain plan named: drained with --drain on, else recommended "
-             "(0: nothing to drain, or the plan was skipped).", [({}, len(drain.get("hosts") or []))])]
+             "(0: nothing to drain, or the plan was skipped).", [({}, nodes)])]
 
 
 def render_metrics(state):
@@ -9425,10 +9419,9 @@ def _html_section(sid, title, inner):
 def _html_verdict(state):
     """The verdict banner: PASS/FAIL, exit code, time, host, world size."""
     v = "PASS" if state.get("verdict") == "PASS" else "FAIL"
-    facts = [("exit code", state.get("exit_code")), ("started", state.get("started_at")), ("host", state.get("host")),
-             ("world size", state.get("world_size")), ("backend", state.get("backend")),
-             ("elapsed", f"{_html_n(state.get('elapsed_s'))} s"), ("tool", state.get("version")),
-             ("ranks reported", state.get("ranks_reported"))]
+    facts = [(k, f"{_html_n(state.get(key))} s" if key == "elapsed_s" else state.get(key)) for k, key in (
+        ("exit code", "exit_code"), ("started", "started_at"), ("host", "host"), ("world size", "world_size"),
+        ("backend", "backend"), ("elapsed", "elapsed_s"), ("tool", "version"), ("ranks reported", "ranks_reported"))]
     dl = "".join(f"<dt>{_html_e(k)}</dt><dd>{_html_e(x)}</dd>" for k, x in facts if x is not None)
     return f'<section id="verdict" class="{v}"><div class="big">{v}</div><dl>{dl}</dl></section>'
 
@@ -9535,13 +9528,6 @@ def _html_node_levels(state):
     return {h: _html_worst(st) for h, st in group_by(named, lambda x: x[0], lambda x: x[1]).items()}
 
 
-def _html_nodes(state):
-    """{host: [rank record or screen row, ...]} in natural order (ranks, else the screen's GPU rows)."""
-    recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []
-    return group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
-                    lambda r: r.get("host"))
-
-
 def _html_gpu_cell(r, gl):
     """One GPU square of a node card, coloured by its worst screen level."""
     g = r.get("gpu") or {}
@@ -9564,7 +9550,10 @@ def _html_node_card(host, recs, flag, gl):
 
 def _html_topology(state, gl):
     """Nodes with their ranks and GPUs; beyond 64 nodes a dot per node, and cards for the flagged ones."""
-    nodes, flags = _html_nodes(state), _html_node_levels(state)
+    recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []  # else the screen's GPU rows
+    nodes = group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
+                     lambda r: r.get("host"))  # {host: [rank record, ...]} in natural order
+    flags = _html_node_levels(state)
     if not nodes:
         return ""
     rpn = sorted({len(v) for v in nodes.values()})
@@ -9731,11 +9720,7 @@ def _html_ranges(cid, groups, lines, unit, caption):
     shown = [ln for ln in lines if ln["value"] <= BREAK_RATIO * core]
     top = max([core] + [ln["value"] for ln in shown]) * 1.08
     left, right, h, w = 60, 330, 160, 700.0
-    bw = w / max(len(groups), 1)
-
-    def y(v):
-        return 8 + h * (1 - min(max(float(v), 0.0), top) / top)
-
+    bw, y = w / max(len(groups), 1), functools.partial(_html_chart_y, {"y0": 8, "plot_h": h, "top": top})
     out = [f'<rect class="grid" x="{left}" y="8" width="{w:.0f}" height="{h}"/>']
     step = _html_step(top)
     out += [f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_s3(i * step) if i else 0}</text>'
@@ -9902,22 +9887,17 @@ def _html_cross(i, node, c, n):
             f'<rect class="culprit" x="{p - t / 2:.1f}" y="90" width="{t:.1f}" height="{size:.1f}"/></g>')
 
 
-def _html_rail_bad(pairs, rail, d, failed):
-    """Nodes outlined on a rail: the judge's (node, rail) culprits, and failed hosts in a slow measurement there."""
-    slow = {n for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK" for n in m["nodes"]}
-    return _screen_sorted({n for n, r in d["culprits"] if r == rail} | (slow & set(failed)))
-
-
 def _html_heatmap(pairs, rail, d, failed, size):
     """One rail's node-by-node busbw heat map (an SVG, id heatmap-rail-<rail>)."""
     nodes, ref = d["nodes"], d["refs"][rail]
     idx, c = {n: i for i, n in enumerate(nodes)}, size / max(len(nodes), 1)
-    bad = _html_rail_bad(pairs, rail, d, failed)
-    nslow = sum(1 for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK")
+    slow = [m for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK"]
+    in_slow = {n for m in slow for n in m["nodes"]}  # outlined: the judge's culprits, failed hosts in a slow pair
+    bad = _screen_sorted({n for n, r in d["culprits"] if r == rail} | (in_slow & set(failed)))
     hcas = {n: h for m in pairs if m["rail"] == rail for n in m["nodes"] for h in [_screen_hca(m, n)] if h}
     hca = ", ".join(sorted(set(hcas.values()), key=_screen_key)) or None
     cap = (f"rail {_html_e(rail)}{' (' + _html_e(hca) + ')' if hca else ''}: reference {_html_n(ref['ref'])} GB/s "
-           f"({_html_e(ref['how'])} of {ref['count']}), {nslow} slow"
+           f"({_html_e(ref['how'])} of {ref['count']}), {len(slow)} slow"
            + (f", culprit {_html_e(compress_hostlist(bad))}" if bad else ""))
     svg = (f'<svg id="heatmap-rail-{_html_e(rail)}" width="{size + 100:.0f}" height="{size + 100:.0f}" '
            f'viewBox="0 0 {size + 100:.0f} {size + 100:.0f}" role="img"><title>{cap}</title>'
@@ -9958,8 +9938,7 @@ def _html_slow_pairs(pairs, d, floor):
         return '<p class="muted small">no inter-node measurement below a line</p>'
     rows = []
     for k in slow[:SLOW_ROWS_MAX]:
-        m, ref = pairs[k], d["refs"][pairs[k]["rail"]]
-        bw = m.get("busbw")
+        m, ref, bw = pairs[k], d["refs"][pairs[k]["rail"]], pairs[k].get("busbw")
         below = floor is not None and float(bw or 0.0) < floor
         rows.append(f'<tr><td><span class="st {d["levels"][k]}">{d["levels"][k]}</span></td>'
                     f'<td><code>{_html_e(" - ".join(map(str, m["nodes"])))}</code></td><td>{_html_e(m["rail"])}</td>'
@@ -9995,14 +9974,11 @@ def _html_timeline(state):
         return ""
     end = max([s + d for _, s, d in spans] + [float(state.get("elapsed_s") or 0.0), 0.001])
     w, rh = 900.0, 18
-    rows = []
-    for i, (p, s, d) in enumerate(spans):
-        y = 8 + i * rh
-        cls = "ph s" if p.startswith("screen") else "ph"
-        rows.append(f'<text x="126" y="{y + 12}" text-anchor="end">{_html_e(p)}</text>'
-                    f'<rect x="{130 + w * s / end:.1f}" y="{y + 2}" width="{max(w * d / end, 1):.1f}" height="13" '
-                    f'class="{cls}"><title>{_html_e(p)}: {s:.3f} s + {d:.3f} s</title></rect>'
-                    f'<text x="{134 + w * (s + d) / end:.1f}" y="{y + 12}">{d:.2f} s</text>')
+    rows = [f'<text x="126" y="{y + 12}" text-anchor="end">{_html_e(p)}</text>'
+            f'<rect x="{130 + w * s / end:.1f}" y="{y + 2}" width="{max(w * d / end, 1):.1f}" height="13" '
+            f'class="ph{" s" if p.startswith("screen") else ""}"><title>{_html_e(p)}: {s:.3f} s + {d:.3f} s</title>'
+            f'</rect><text x="{134 + w * (s + d) / end:.1f}" y="{y + 12}">{d:.2f} s</text>'
+            for i, (p, s, d) in enumerate(spans) for y in [8 + i * rh]]
     h = 8 + len(spans) * rh
     ticks = "".join(f'<line x1="{130 + w * t / end:.1f}" x2="{130 + w * t / end:.1f}" y1="4" y2="{h}" '
                     f'stroke="#e3e8ee"/><text x="{130 + w * t / end:.1f}" y="{h + 14}" text-anchor="middle">{t:g} s'
@@ -10054,10 +10030,6 @@ def _log_int(text):
     return int(text) if re.fullmatch(r"[0-9]+", text) else None
 
 
-def _distinct(values):
-    return list(dict.fromkeys(values))
-
-
 def _log_sections(lines):
     """{section title: its lines}; lines before the first section are under ''."""
     out, section = {"": []}, ""
@@ -10095,7 +10067,7 @@ def _verify_markers(lines, problems):
 
 def _verify_verdict(lines, problems, facts):
     """Exactly one verdict, and it is PASS with exit code 0 (several identical lines are fine)."""
-    heads = _distinct(" ".join(v.split()[:2]) for v in _log_after(lines, "Verdict:"))
+    heads = list(dict.fromkeys(" ".join(v.split()[:2]) for v in _log_after(lines, "Verdict:")))  # each once
     if not heads:
         problems.append("no 'Verdict:' line")
         return
@@ -10106,7 +10078,7 @@ def _verify_verdict(lines, problems, facts):
 
 
 def _verify_ranks_reported(lines, world, problems):
-    values = _distinct(_log_after(lines, "Ranks Reported:"))
+    values = list(dict.fromkeys(_log_after(lines, "Ranks Reported:")))
     if not values:
         problems.append("no 'Ranks Reported: k/N' line")
     elif len(values) > 1:
@@ -10154,7 +10126,7 @@ def _verify_collectives(lines, world, problems):
         problems.append("no 'all_reduce exact: sum=S expected=E' line (COLLECTIVES)")
     for m in sums:
         _verify_sum_line(m, world, problems)
-    grads = _distinct(m.group(1) for m in map(_LOG_GRADS.match, lines) if m)
+    grads = list(dict.fromkeys(m.group(1) for m in map(_LOG_GRADS.match, lines) if m))
     if not grads:
         problems.append("no 'gradients_identical=' line (COLLECTIVES)")
     problems += [f"DDP gradients_identical={g or '(empty)'}, not yes" for g in grads if g != "yes"]

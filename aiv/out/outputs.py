@@ -310,11 +310,10 @@ def _metrics_phases(state):
 
 def _metrics_drain(state):
     """aiv_drain_nodes: how many nodes the --drain plan named (drained, or recommended), when it ran."""
-    drain = state.get("drain")
-    if not isinstance(drain, dict):
-        return []
+    drain = state.get("drain")  # not a plan: no sample, so no family written
+    nodes = len(drain.get("hosts") or []) if isinstance(drain, dict) else None
     return [("aiv_drain_nodes", "Nodes the --drain plan named: drained with --drain on, else recommended "
-             "(0: nothing to drain, or the plan was skipped).", [({}, len(drain.get("hosts") or []))])]
+             "(0: nothing to drain, or the plan was skipped).", [({}, nodes)])]
 
 
 def render_metrics(state):

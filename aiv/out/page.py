@@ -1,4 +1,5 @@
 """Floor 4: --html: one self-contained page per run (inline SVG, no external resources)."""
+import functools
 import html
 import math
 
@@ -78,10 +79,9 @@ def _html_section(sid, title, inner):
 def _html_verdict(state):
     """The verdict banner: PASS/FAIL, exit code, time, host, world size."""
     v = "PASS" if state.get("verdict") == "PASS" else "FAIL"
-    facts = [("exit code", state.get("exit_code")), ("started", state.get("started_at")), ("host", state.get("host")),
-             ("world size", state.get("world_size")), ("backend", state.get("backend")),
-             ("elapsed", f"{_html_n(state.get('elapsed_s'))} s"), ("tool", state.get("version")),
-             ("ranks reported", state.get("ranks_reported"))]
+    facts = [(k, f"{_html_n(state.get(key))} s" if key == "elapsed_s" else state.get(key)) for k, key in (
+        ("exit code", "exit_code"), ("started", "started_at"), ("host", "host"), ("world size", "world_size"),
+        ("backend", "backend"), ("elapsed", "elapsed_s"), ("tool", "version"), ("ranks reported", "ranks_reported"))]
     dl = "".join(f"<dt>{_html_e(k)}</dt><dd>{_html_e(x)}</dd>" for k, x in facts if x is not None)
     return f'<section id="verdict" class="{v}"><div class="big">{v}</div><dl>{dl}</dl></section>'
 
@@ -188,13 +188,6 @@ def _html_node_levels(state):
     return {h: _html_worst(st) for h, st in group_by(named, lambda x: x[0], lambda x: x[1]).items()}
 
 
-def _html_nodes(state):
-    """{host: [rank record or screen row, ...]} in natural order (ranks, else the screen's GPU rows)."""
-    recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []
-    return group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
-                    lambda r: r.get("host"))
-
-
 def _html_gpu_cell(r, gl):
     """One GPU square of a node card, coloured by its worst screen level."""
     g = r.get("gpu") or {}
@@ -217,7 +210,10 @@ def _html_node_card(host, recs, flag, gl):
 
 def _html_topology(state, gl):
     """Nodes with their ranks and GPUs; beyond 64 nodes a dot per node, and cards for the flagged ones."""
-    nodes, flags = _html_nodes(state), _html_node_levels(state)
+    recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []  # else the screen's GPU rows
+    nodes = group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
+                     lambda r: r.get("host"))  # {host: [rank record, ...]} in natural order
+    flags = _html_node_levels(state)
     if not nodes:
         return ""
     rpn = sorted({len(v) for v in nodes.values()})
@@ -384,11 +380,7 @@ def _html_ranges(cid, groups, lines, unit, caption):
     shown = [ln for ln in lines if ln["value"] <= BREAK_RATIO * core]
     top = max([core] + [ln["value"] for ln in shown]) * 1.08
     left, right, h, w = 60, 330, 160, 700.0
-    bw = w / max(len(groups), 1)
-
-    def y(v):
-        return 8 + h * (1 - min(max(float(v), 0.0), top) / top)
-
+    bw, y = w / max(len(groups), 1), functools.partial(_html_chart_y, {"y0": 8, "plot_h": h, "top": top})
     out = [f'<rect class="grid" x="{left}" y="8" width="{w:.0f}" height="{h}"/>']
     step = _html_step(top)
     out += [f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_s3(i * step) if i else 0}</text>'
@@ -555,22 +547,17 @@ def _html_cross(i, node, c, n):
             f'<rect class="culprit" x="{p - t / 2:.1f}" y="90" width="{t:.1f}" height="{size:.1f}"/></g>')
 
 
-def _html_rail_bad(pairs, rail, d, failed):
-    """Nodes outlined on a rail: the judge's (node, rail) culprits, and failed hosts in a slow measurement there."""
-    slow = {n for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK" for n in m["nodes"]}
-    return _screen_sorted({n for n, r in d["culprits"] if r == rail} | (slow & set(failed)))
-
-
 def _html_heatmap(pairs, rail, d, failed, size):
     """One rail's node-by-node busbw heat map (an SVG, id heatmap-rail-<rail>)."""
     nodes, ref = d["nodes"], d["refs"][rail]
     idx, c = {n: i for i, n in enumerate(nodes)}, size / max(len(nodes), 1)
-    bad = _html_rail_bad(pairs, rail, d, failed)
-    nslow = sum(1 for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK")
+    slow = [m for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK"]
+    in_slow = {n for m in slow for n in m["nodes"]}  # outlined: the judge's culprits, failed hosts in a slow pair
+    bad = _screen_sorted({n for n, r in d["culprits"] if r == rail} | (in_slow & set(failed)))
     hcas = {n: h for m in pairs if m["rail"] == rail for n in m["nodes"] for h in [_screen_hca(m, n)] if h}
     hca = ", ".join(sorted(set(hcas.values()), key=_screen_key)) or None
     cap = (f"rail {_html_e(rail)}{' (' + _html_e(hca) + ')' if hca else ''}: reference {_html_n(ref['ref'])} GB/s "
-           f"({_html_e(ref['how'])} of {ref['count']}), {nslow} slow"
+           f"({_html_e(ref['how'])} of {ref['count']}), {len(slow)} slow"
            + (f", culprit {_html_e(compress_hostlist(bad))}" if bad else ""))
     svg = (f'<svg id="heatmap-rail-{_html_e(rail)}" width="{size + 100:.0f}" height="{size + 100:.0f}" '
            f'viewBox="0 0 {size + 100:.0f} {size + 100:.0f}" role="img"><title>{cap}</title>'
@@ -611,8 +598,7 @@ def _html_slow_pairs(pairs, d, floor):
         return '<p class="muted small">no inter-node measurement below a line</p>'
     rows = []
     for k in slow[:SLOW_ROWS_MAX]:
-        m, ref = pairs[k], d["refs"][pairs[k]["rail"]]
-        bw = m.get("busbw")
+        m, ref, bw = pairs[k], d["refs"][pairs[k]["rail"]], pairs[k].get("busbw")
         below = floor is not None and float(bw or 0.0) < floor
         rows.append(f'<tr><td><span class="st {d["levels"][k]}">{d["levels"][k]}</span></td>'
                     f'<td><code>{_html_e(" - ".join(map(str, m["nodes"])))}</code></td><td>{_html_e(m["rail"])}</td>'
@@ -648,14 +634,11 @@ def _html_timeline(state):
         return ""
     end = max([s + d for _, s, d in spans] + [float(state.get("elapsed_s") or 0.0), 0.001])
     w, rh = 900.0, 18
-    rows = []
-    for i, (p, s, d) in enumerate(spans):
-        y = 8 + i * rh
-        cls = "ph s" if p.startswith("screen") else "ph"
-        rows.append(f'<text x="126" y="{y + 12}" text-anchor="end">{_html_e(p)}</text>'
-                    f'<rect x="{130 + w * s / end:.1f}" y="{y + 2}" width="{max(w * d / end, 1):.1f}" height="13" '
-                    f'class="{cls}"><title>{_html_e(p)}: {s:.3f} s + {d:.3f} s</title></rect>'
-                    f'<text x="{134 + w * (s + d) / end:.1f}" y="{y + 12}">{d:.2f} s</text>')
+    rows = [f'<text x="126" y="{y + 12}" text-anchor="end">{_html_e(p)}</text>'
+            f'<rect x="{130 + w * s / end:.1f}" y="{y + 2}" width="{max(w * d / end, 1):.1f}" height="13" '
+            f'class="ph{" s" if p.startswith("screen") else ""}"><title>{_html_e(p)}: {s:.3f} s + {d:.3f} s</title>'
+            f'</rect><text x="{134 + w * (s + d) / end:.1f}" y="{y + 12}">{d:.2f} s</text>'
+            for i, (p, s, d) in enumerate(spans) for y in [8 + i * rh]]
     h = 8 + len(spans) * rh
     ticks = "".join(f'<line x1="{130 + w * t / end:.1f}" x2="{130 + w * t / end:.1f}" y1="4" y2="{h}" '
                     f'stroke="#e3e8ee"/><text x="{130 + w * t / end:.1f}" y="{h + 14}" text-anchor="middle">{t:g} s'

@@ -25,10 +25,8 @@ from ..screen.soak import SOAK_DECAY_FAIL, SOAK_DECAY_WARN, _soak_n, soak_proble
 def _lone_table_text(model, cpu):
     """What judged a lone GPU of its model: its table row, when it has one."""
     row = None if cpu else gpu_table_row(model)
-    if not row:
-        return ""
     return (f"; judged against the table row {row['row']}: {_sn(row['tflops'])} TFLOPS, {row['hbm_gbps']:.0f} GB/s "
-            f"({_table_rule()})")
+            f"({_table_rule()})") if row else ""
 
 
 def _perf_gpu_lines(screen, cpu):
@@ -42,10 +40,9 @@ def _perf_gpu_lines(screen, cpu):
          if max(refs[(m, k)]["count"] for k, _, _ in SCREEN_GPU_METRICS) >= 2 else
          f"  gpu reference {m}: none among peers (1 GPU of its model)" + _lone_table_text(m, cpu)
          for m in sorted({m for m, _ in refs})]
-    for k, iref in sorted(irefs.items(), key=str):
-        L.append(f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
-                 + (_screen_ref_text(iref, 'GB/s', 'nodes') if iref["count"] >= 2 else
-                    "none among peers (1 node of its class)"))
+    L += [f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
+          + (_screen_ref_text(ref, "GB/s", "nodes") if ref["count"] >= 2 else "none among peers (1 node of its class)")
+          for k, ref in sorted(irefs.items(), key=str)]
     by_host = group_by(per_rank, lambda r: r.get("host"))
     hosts = _screen_sorted(set(by_host) | set(ibw))
     collapse, healthy = len(hosts) > SCREEN_RENDER_ALL, []
@@ -53,8 +50,8 @@ def _perf_gpu_lines(screen, cpu):
         rs = by_host.get(h, [])
         tf = [float(r["tflops"]) for r in rs if r.get("tflops") is not None]
         hb = [float(r["hbm_gbps"]) for r in rs if r.get("hbm_gbps") is not None]
-        bad = [(rk, fl) for rk, (r, fl) in flags.items() if r.get("host") == h]
-        marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, fl in bad for k, lv, _ in fl]
+        marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, (r, fl) in flags.items()
+                 if r.get("host") == h for k, lv, _ in fl]
         if ilv.get(h, "OK") != "OK":
             marks.append(f"intra [{ilv[h]}]")
         cells = f"gpus={len(rs)} " + (f"tflops min/med={_sn(min(tf))}/{_sn(_screen_median(tf))} " if tf else "")
@@ -161,10 +158,8 @@ def _perf_read_lines(screen):
 
 def _perf_cost_lines(screen):
     made = screen.get("splits") or {}
-    if not made:
-        return []
     return ["  group creation (each group's last member, the slowest group): "
-            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())]
+            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())] if made else []
 
 
 def render_soak(soak):
@@ -242,9 +237,8 @@ def render_report(state):
     recs = state.get("ranks") or []
     flagged = {h for f in state.get("findings") or [] if f["status"] != "PASS" for h in f["hosts"]}
     groups = group_nodes(recs, flagged)
-    out = []
-    for section in (_render_topology, _render_environment, _render_fabric, _render_collectives):
-        out += section(state, recs, groups)
+    out = [s for section in (_render_topology, _render_environment, _render_fabric, _render_collectives)
+           for s in section(state, recs, groups)]
     out += render_performance(state["screen"]) if state.get("screen") else []
     out += render_soak(state["soak"]) if state.get("soak") else []
     return "\n".join(out + _render_findings(state, recs, groups))

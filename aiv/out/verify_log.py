@@ -21,10 +21,6 @@ def _log_int(text):
     return int(text) if re.fullmatch(r"[0-9]+", text) else None
 
 
-def _distinct(values):
-    return list(dict.fromkeys(values))
-
-
 def _log_sections(lines):
     """{section title: its lines}; lines before the first section are under ''."""
     out, section = {"": []}, ""
@@ -62,7 +58,7 @@ def _verify_markers(lines, problems):
 
 def _verify_verdict(lines, problems, facts):
     """Exactly one verdict, and it is PASS with exit code 0 (several identical lines are fine)."""
-    heads = _distinct(" ".join(v.split()[:2]) for v in _log_after(lines, "Verdict:"))
+    heads = list(dict.fromkeys(" ".join(v.split()[:2]) for v in _log_after(lines, "Verdict:")))  # each once
     if not heads:
         problems.append("no 'Verdict:' line")
         return
@@ -73,7 +69,7 @@ def _verify_verdict(lines, problems, facts):
 
 
 def _verify_ranks_reported(lines, world, problems):
-    values = _distinct(_log_after(lines, "Ranks Reported:"))
+    values = list(dict.fromkeys(_log_after(lines, "Ranks Reported:")))
     if not values:
         problems.append("no 'Ranks Reported: k/N' line")
     elif len(values) > 1:
@@ -121,7 +117,7 @@ def _verify_collectives(lines, world, problems):
         problems.append("no 'all_reduce exact: sum=S expected=E' line (COLLECTIVES)")
     for m in sums:
         _verify_sum_line(m, world, problems)
-    grads = _distinct(m.group(1) for m in map(_LOG_GRADS.match, lines) if m)
+    grads = list(dict.fromkeys(m.group(1) for m in map(_LOG_GRADS.match, lines) if m))
     if not grads:
         problems.append("no 'gradients_identical=' line (COLLECTIVES)")
     problems += [f"DDP gradients_identical={g or '(empty)'}, not yes" for g in grads if g != "yes"]
