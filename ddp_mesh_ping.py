@@ -69,6 +69,7 @@ import datetime
 import difflib
 import errno
 import fcntl
+import functools
 import gc
 import glob
 import hashlib
@@ -1515,7 +1516,7 @@ def check_host(var, addr):
 
 
 def _master(env):
-    """(address, the variable it came from, port, the variable it came from)."""
+    """(address, port, the variable the port came from)."""
     addr_var, addr = "MASTER_ADDR", env.get("MASTER_ADDR")
     if addr is None and env.get("SLURM_JOB_NODELIST"):
         addr_var = "SLURM_JOB_NODELIST"
@@ -1527,9 +1528,9 @@ def _master(env):
         raise UsageError("MASTER_ADDR is not set (nor SLURM_JOB_NODELIST)")
     addr = check_host(addr_var, addr)
     if "MASTER_PORT" in env:
-        return addr, addr_var, _int_var(env, "MASTER_PORT", lo=1, hi=65535), "MASTER_PORT"
+        return addr, _int_var(env, "MASTER_PORT", lo=1, hi=65535), "MASTER_PORT"
     if "SLURM_JOB_ID" in env:
-        return addr, addr_var, derive_port(_int_var(env, "SLURM_JOB_ID", lo=0)), "SLURM_JOB_ID"
+        return addr, derive_port(_int_var(env, "SLURM_JOB_ID", lo=0)), "SLURM_JOB_ID"
     raise UsageError("MASTER_PORT is not set (nor SLURM_JOB_ID to derive one)")
 
 
@@ -1551,7 +1552,7 @@ def read_contract(env):
     if local_rank > rank:
         raise UsageError(f"{names['LOCAL_RANK']}={local_rank} is larger than {names['RANK']}={rank}", own=True)
     try:
-        addr, _, port, port_src = _master(env)
+        addr, port, port_src = _master(env)
     except UsageError as e:
         if names["RANK"] in MPI_RANK_VARS:  # mpirun sets no rendezvous of its own
             raise UsageError(f"{e}: under an MPI launcher ({names['RANK']} is set) export MASTER_ADDR (the host of "
@@ -1577,19 +1578,12 @@ def slurm_expected_hosts(env, world):
         return {}
     if len(hosts) != len(counts) or sum(counts) != world:
         return {}
-    out, r = {}, 0
-    for h, c in zip(hosts, counts, strict=True):
-        for _ in range(c):
-            out[r] = h
-            r += 1
-    return out
+    return dict(enumerate(h for h, c in zip(hosts, counts, strict=True) for _ in range(c)))
 
 
 def slurm_expectations(env):
-    """Default expected shape from what Slurm launched (the srun step first, then the job).
-
-    Absent keys mean no expectation; an uneven layout (e.g. 2,1) sets no ranks-per-node.
-    """
+    """Default expected shape from what Slurm launched (the srun step first, then the job); absent keys mean no
+    expectation, and an uneven layout (e.g. 2,1) sets no ranks-per-node."""
     out = {}
     for key, names in (("world_size", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")),
                        ("nodes", ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES"))):
@@ -1780,14 +1774,6 @@ def _first(env, launcher, fact, sources, read, fix):
     return value, var
 
 
-def _addr(env, var):
-    return check_host(var, env[var])
-
-
-def _port(env, var):
-    return _int_var(env, var, lo=1, hi=65535)
-
-
 def _nproc(env):
     """PET_NPROC_PER_NODE: a number of ranks for this node, or None for one per GPU (auto, gpu, or unset)."""
     raw = env.get("PET_NPROC_PER_NODE")
@@ -1909,11 +1895,12 @@ def read_node_launch(env):
                                   lambda e, v: _int_var(e, v, lo=0, hi=100_000), fix if key == "volcano" else "")
     if node_rank >= nnodes:
         raise UsageError(f"{name}: {node_from}={node_rank} is not below {nodes_from}={nnodes}", own=True)
-    addr, addr_from = _first(env, name, "the master's address", addrs, _addr, f" (the host of node 0{where})")
+    addr, addr_from = _first(env, name, "the master's address", addrs, lambda e, v: check_host(v, e[v]),
+                             f" (the host of node 0{where})")
     if default_port is not None and not any(var in env for var, _ in ports):
         port, port_from = default_port, f"torchrun's default {default_port}: no MASTER_PORT"
     else:
-        port, port_var = _first(env, name, "the master's port", ports, _port, "")
+        port, port_var = _first(env, name, "the master's port", ports, lambda e, v: _int_var(e, v, lo=1, hi=65535), "")
         port_from = f"port from {port_var}"
     return {"launcher": key, "name": name, "nnodes": nnodes, "node_rank": node_rank, "nproc": _nproc(env),
             "master_addr": addr, "master_port": port, "port_from": port_from,
@@ -1970,9 +1957,8 @@ def describe_contract(contract, env):
         if isinstance(told, dict) and all(isinstance(told.get(k), str) for k in ("launch", "how", "port_from")):
             return {k: told[k] for k in ("launch", "how", "port_from")}
     names = ", ".join(contract.get("vars", ()))
-    source = contract.get("source")
-    launch = ("Slurm srun" if source == "slurm" else "mpirun" if source == "mpi" else
-              "torchrun" if under_torchrun(env) else "RANK, WORLD_SIZE, LOCAL_RANK")
+    launch = {"slurm": "Slurm srun", "mpi": "mpirun"}.get(contract.get("source")) or (
+        "torchrun" if under_torchrun(env) else "RANK, WORLD_SIZE, LOCAL_RANK")
     return {"launch": launch, "how": f"{launch}: {names}, one process per rank started by the launcher",
             "port_from": f"port from {contract.get('port_source', 'MASTER_PORT')}"}
 
@@ -2116,59 +2102,6 @@ def _epilog():
         "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT, 4 INTERNAL, 5 INTERRUPTED."))
 
 
-def _screen_options(p):
-    # performance screen (section `screen`): on by default, floors in the units of the report
-    _opt(p, "--skip-screen", _switch, "off", "skip the performance screen (GPU matmul and memory, intra-node and "
-         "inter-node busbw); no value: on", nargs="?", const="on", default=False, metavar="on/off")
-    _opt(p, "--skip-numerics", _switch, "off", "skip the numerics check (every rank's matmuls compared bit for bit "
-         "with its model's peers and with an fp64 reference; the DDP step's local gradients); no value: on",
-         nargs="?", const="on", default=False, metavar="on/off")
-    _opt(p, "--min-tflops", _positive_float, "none", "screen: FAIL a GPU whose dense matmul is below this (bf16 on "
-         "GPU, fp32 on CPU)", metavar="TFLOPS")
-    _opt(p, "--min-hbm", _positive_float, "none", "screen: FAIL a GPU whose device-memory copy is below this (GB/s, "
-         "read + write)", metavar="GBPS")
-    _opt(p, "--min-busbw-intra", _positive_float, "none", "screen: FAIL a node whose all_reduce busbw inside the "
-         "node is below this (GB/s)", metavar="GBPS")
-    _opt(p, "--min-busbw-inter", _positive_float, "none", "screen: FAIL an inter-node measurement (a pair on one "
-         "rail) below this busbw (GB/s)", metavar="GBPS")
-    _opt(p, "--soak", _soak, "0", "after the screen, bf16 matmul on every GPU at once for SECONDS (fp32 on CPU), "
-         "sampling clocks, temperature, power and clock-event reasons; FAIL a GPU whose speed decays or whose "
-         "clocks slow for heat or a power brake; 0: no soak", default=0.0, metavar="SECONDS")
-
-
-def _output_options(p):
-    # where the verdict goes besides the log and the JSON (section `outputs`)
-    _opt(p, "--drain", _drain_mode, "recommend", "on a FAIL whose culprits are hosts: 'on' drains them in Slurm "
-         f"(scontrol, reason '{DRAIN_PREFIX} ...'), 'recommend' prints the command, 'off' neither",
-         default="recommend", metavar="{off,recommend,on}")
-    _opt(p, "--drain-max", _positive_int, "10% of the nodes, at least 1", "more culprits than this: nothing is "
-         "drained (a cause that wide is rarely the nodes)", metavar="N")
-    _opt(p, "--metrics", str, "none", "rank 0 writes the run as Prometheus text here (atomically: the "
-         "node_exporter textfile collector's convention); tried before the run", metavar="PATH")
-    _opt(p, "--html", str, "none", "rank 0 writes one self-contained page of the run here (the batch file: "
-         "ai_infra_smoke_test_<jobid>.html); tried before the run", metavar="PATH")
-
-
-def _node_options(p):
-    # the node gate (docs/node-gate.md): this node alone, as Slurm's Prolog/Epilog/HealthCheckProgram or NPD's plugin
-    _opt(p, "--node-check", _node_check, "none", "check this node alone and exit: prolog, epilog, health "
-         "(HealthCheckProgram) or npd (Node Problem Detector); no value or auto: Slurm's SLURM_SCRIPT_CONTEXT, else "
-         "health. Exit 1 only on a FAIL whose evidence singles the node out; the tool's own trouble exits 0 (npd: 2)",
-         env=False, nargs="?", const="auto", metavar="CONTEXT", want="prolog, epilog, health, npd or auto")
-    _opt(p, "--node-budget", _seconds, f"{NODE_BUDGET_DEFAULT:g}", "--node-check: seconds for the whole check; "
-         "what does not fit is skipped and named", default=NODE_BUDGET_DEFAULT, metavar="SECONDS")
-    _opt(p, "--expect-gpus", _count_arg, "the job's GPUs, the node's gres, its PCI bus", "--node-check: FAIL unless "
-         "the node lists N GPUs; 0: a node without GPUs (CPU workers stand in)", metavar="N")
-    _opt(p, "--undrain", _switch, "off", "--node-check health with --drain on: a pass resumes the node when the "
-         "check's own drain names a check that passed now; no value: on", nargs="?", const="on", default=False,
-         metavar="on/off")
-    _opt(p, "--node-lock-dir", _directory, "/run/aiv (root), else the user's own", "--node-check: the directory of "
-         "the node's lock (one pass on the GPUs at a time): owned by the user that runs the check, writable by no "
-         "one else; never a job's TMPDIR", metavar="DIR")
-    _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
-         metavar="DIR")
-
-
 def build_parser():
     p = _Parser(prog="ddp_mesh_ping.py", description=DESCRIPTION, add_help=False, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
@@ -2200,9 +2133,50 @@ def build_parser():
     _opt(p, "--diff-manifest", str, "none", "print the differences between two manifests and exit: 0 equal, "
          "1 different, 2 unreadable", env=False, nargs=2, metavar=("A", "B"))
     p.set_defaults(manifest_data=None)  # the --manifest file, read up front by rank 0 (manifest_preflight)
-    _screen_options(p)
-    _output_options(p)
-    _node_options(p)
+    # performance screen (section `screen`): on by default, floors in the units of the report
+    _opt(p, "--skip-screen", _switch, "off", "skip the performance screen (GPU matmul and memory, intra-node and "
+         "inter-node busbw); no value: on", nargs="?", const="on", default=False, metavar="on/off")
+    _opt(p, "--skip-numerics", _switch, "off", "skip the numerics check (every rank's matmuls compared bit for bit "
+         "with its model's peers and with an fp64 reference; the DDP step's local gradients); no value: on",
+         nargs="?", const="on", default=False, metavar="on/off")
+    _opt(p, "--min-tflops", _positive_float, "none", "screen: FAIL a GPU whose dense matmul is below this (bf16 on "
+         "GPU, fp32 on CPU)", metavar="TFLOPS")
+    _opt(p, "--min-hbm", _positive_float, "none", "screen: FAIL a GPU whose device-memory copy is below this (GB/s, "
+         "read + write)", metavar="GBPS")
+    _opt(p, "--min-busbw-intra", _positive_float, "none", "screen: FAIL a node whose all_reduce busbw inside the "
+         "node is below this (GB/s)", metavar="GBPS")
+    _opt(p, "--min-busbw-inter", _positive_float, "none", "screen: FAIL an inter-node measurement (a pair on one "
+         "rail) below this busbw (GB/s)", metavar="GBPS")
+    _opt(p, "--soak", _soak, "0", "after the screen, bf16 matmul on every GPU at once for SECONDS (fp32 on CPU), "
+         "sampling clocks, temperature, power and clock-event reasons; FAIL a GPU whose speed decays or whose "
+         "clocks slow for heat or a power brake; 0: no soak", default=0.0, metavar="SECONDS")
+    # where the verdict goes besides the log and the JSON (section `outputs`)
+    _opt(p, "--drain", _drain_mode, "recommend", "on a FAIL whose culprits are hosts: 'on' drains them in Slurm "
+         f"(scontrol, reason '{DRAIN_PREFIX} ...'), 'recommend' prints the command, 'off' neither",
+         default="recommend", metavar="{off,recommend,on}")
+    _opt(p, "--drain-max", _positive_int, "10% of the nodes, at least 1", "more culprits than this: nothing is "
+         "drained (a cause that wide is rarely the nodes)", metavar="N")
+    _opt(p, "--metrics", str, "none", "rank 0 writes the run as Prometheus text here (atomically: the "
+         "node_exporter textfile collector's convention); tried before the run", metavar="PATH")
+    _opt(p, "--html", str, "none", "rank 0 writes one self-contained page of the run here (the batch file: "
+         "ai_infra_smoke_test_<jobid>.html); tried before the run", metavar="PATH")
+    # the node gate (docs/node-gate.md): this node alone, as Slurm's Prolog/Epilog/HealthCheckProgram or NPD's plugin
+    _opt(p, "--node-check", _node_check, "none", "check this node alone and exit: prolog, epilog, health "
+         "(HealthCheckProgram) or npd (Node Problem Detector); no value or auto: Slurm's SLURM_SCRIPT_CONTEXT, else "
+         "health. Exit 1 only on a FAIL whose evidence singles the node out; the tool's own trouble exits 0 (npd: 2)",
+         env=False, nargs="?", const="auto", metavar="CONTEXT", want="prolog, epilog, health, npd or auto")
+    _opt(p, "--node-budget", _seconds, f"{NODE_BUDGET_DEFAULT:g}", "--node-check: seconds for the whole check; "
+         "what does not fit is skipped and named", default=NODE_BUDGET_DEFAULT, metavar="SECONDS")
+    _opt(p, "--expect-gpus", _count_arg, "the job's GPUs, the node's gres, its PCI bus", "--node-check: FAIL unless "
+         "the node lists N GPUs; 0: a node without GPUs (CPU workers stand in)", metavar="N")
+    _opt(p, "--undrain", _switch, "off", "--node-check health with --drain on: a pass resumes the node when the "
+         "check's own drain names a check that passed now; no value: on", nargs="?", const="on", default=False,
+         metavar="on/off")
+    _opt(p, "--node-lock-dir", _directory, "/run/aiv (root), else the user's own", "--node-check: the directory of "
+         "the node's lock (one pass on the GPUs at a time): owned by the user that runs the check, writable by no "
+         "one else; never a job's TMPDIR", metavar="DIR")
+    _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
+         metavar="DIR")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     return p
 
@@ -8329,10 +8303,8 @@ def node_verdict(findings, context):
 def _lone_table_text(model, cpu):
     """What judged a lone GPU of its model: its table row, when it has one."""
     row = None if cpu else gpu_table_row(model)
-    if not row:
-        return ""
     return (f"; judged against the table row {row['row']}: {_sn(row['tflops'])} TFLOPS, {row['hbm_gbps']:.0f} GB/s "
-            f"({_table_rule()})")
+            f"({_table_rule()})") if row else ""
 
 
 def _perf_gpu_lines(screen, cpu):
@@ -8346,31 +8318,27 @@ def _perf_gpu_lines(screen, cpu):
          if max(refs[(m, k)]["count"] for k, _, _ in SCREEN_GPU_METRICS) >= 2 else
          f"  gpu reference {m}: none among peers (1 GPU of its model)" + _lone_table_text(m, cpu)
          for m in sorted({m for m, _ in refs})]
-    for k, iref in sorted(irefs.items(), key=str):
-        L.append(f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
-                 + (_screen_ref_text(iref, 'GB/s', 'nodes') if iref["count"] >= 2 else
-                    "none among peers (1 node of its class)"))
+    L += [f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
+          + (_screen_ref_text(ref, "GB/s", "nodes") if ref["count"] >= 2 else "none among peers (1 node of its class)")
+          for k, ref in sorted(irefs.items(), key=str)]
     by_host = group_by(per_rank, lambda r: r.get("host"))
     hosts = _screen_sorted(set(by_host) | set(ibw))
-    rows, healthy = [], []
+    collapse, healthy = len(hosts) > SCREEN_RENDER_ALL, []
     for h in hosts:
         rs = by_host.get(h, [])
         tf = [float(r["tflops"]) for r in rs if r.get("tflops") is not None]
         hb = [float(r["hbm_gbps"]) for r in rs if r.get("hbm_gbps") is not None]
-        bad = [(rk, fl) for rk, (r, fl) in flags.items() if r.get("host") == h]
-        marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, fl in bad for k, lv, _ in fl]
+        marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, (r, fl) in flags.items()
+                 if r.get("host") == h for k, lv, _ in fl]
         if ilv.get(h, "OK") != "OK":
             marks.append(f"intra [{ilv[h]}]")
         cells = f"gpus={len(rs)} " + (f"tflops min/med={_sn(min(tf))}/{_sn(_screen_median(tf))} " if tf else "")
         cells += f"mem min/med={min(hb):.0f}/{_screen_median(hb):.0f}GB/s " if hb else ""
         cells += f"intra={_sn(ibw[h])}GB/s" if ibw.get(h) is not None else "intra=-"
-        rows.append((h, cells, marks, tf, hb))
-        if not marks:
-            healthy.append((h, tf, hb))
-    collapse = len(hosts) > SCREEN_RENDER_ALL
-    for h, cells, marks, _, _ in rows:
         if marks or not collapse:
             L.append(f"  node={h} {cells}" + (f"  <- slow: {', '.join(marks)}" if marks else ""))
+        if not marks:
+            healthy.append((h, tf, hb))
     if collapse and healthy:
         tf = [x for _, t, _ in healthy for x in t]
         hb = [x for _, _, b in healthy for x in b]
@@ -8385,17 +8353,14 @@ def _perf_pair_lines(screen, cpu):
     if not results:
         return []
     d = screen_diagnose(results, screen.get("min_busbw_inter"), cpu)
-    ref = d["ref"]
     per_rail = {rail: screen_reference(m.get("busbw") for m in results if m["rail"] == rail) for rail in d["rails"]}
-    rounds = {}
-    for m in results:
-        rounds.setdefault(m.get("round"), set()).add(tuple(m["nodes"]))
-    slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
-    L = [f"  inter-node reference: {_screen_ref_text(ref, 'GB/s', 'measurements')}; per rail: "
-         + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
-         "  groups per round: " + " ".join(f"{r}:{len(g)}" for r, g in sorted(rounds.items(), key=lambda x: str(x[0])))
-         + f"; {len(results)} measurement(s), {len(slow)} slow"]
     by_group = group_by(range(len(results)), lambda i: (results[i].get("round"), tuple(results[i]["nodes"])))
+    rounds = Counter(r for r, _ in by_group)
+    slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
+    L = [f"  inter-node reference: {_screen_ref_text(d['ref'], 'GB/s', 'measurements')}; per rail: "
+         + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
+         "  groups per round: " + " ".join(f"{r}:{n}" for r, n in sorted(rounds.items(), key=lambda x: str(x[0])))
+         + f"; {len(results)} measurement(s), {len(slow)} slow"]
     show_all = len(d["nodes"]) <= SCREEN_RENDER_ALL
     listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
     for rnd, g in listed[: None if show_all else SCREEN_RENDER_SLOW]:
@@ -8461,8 +8426,7 @@ def _perf_read_lines(screen):
              "clock limits: " + (", ".join(f"{n} on {k}" for n, k in sorted(limits.items())) or "none"),
              f"uncorrected ECC errors on {sum(bool(r.get('ecc_uncorrected')) for r in rows)}"]
     L = [f"  under load ({len(rows)} GPU(s)): " + "; ".join(parts)]
-    bad = [(r, gpu_fact_problems(r)) for r in rows]
-    bad = [(r, p) for r, p in bad if p]
+    bad = [(r, p) for r in rows for p in [gpu_fact_problems(r)] if p]
     L += [f"    rank {r['rank']} {r.get('host')} {r.get('uuid') or '-'}: " + "; ".join(t for _, t in p)
           for r, p in bad[:SCREEN_RENDER_SLOW]]
     if len(bad) > SCREEN_RENDER_SLOW:
@@ -8472,10 +8436,8 @@ def _perf_read_lines(screen):
 
 def _perf_cost_lines(screen):
     made = screen.get("splits") or {}
-    if not made:
-        return []
     return ["  group creation (each group's last member, the slowest group): "
-            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())]
+            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())] if made else []
 
 
 def render_soak(soak):
@@ -8518,10 +8480,13 @@ def _q(s):
     return f'"{s}"' if re.search(r"\s", s) else s
 
 
+def _node_of(rs):
+    return next((r.get("node") for r in rs if r.get("node")), {}) or {}
+
+
 def node_signature(rs):
     """What makes two nodes 'identical' for the collapsed topology view."""
-    n = next((r.get("node") for r in rs if r.get("node")), {}) or {}
-    g = rs[0].get("gpu") or {}
+    n, g = _node_of(rs), rs[0].get("gpu") or {}
     return json.dumps([len(rs), sorted(r["local_rank"] for r in rs) == list(range(len(rs))),
                        g.get("name"), g.get("vram"), rs[0]["versions"], n.get("os"), n.get("kernel"),
                        n.get("driver"), n.get("cpu_model"), n.get("cpus"),
@@ -8534,13 +8499,7 @@ def group_nodes(records, flagged_hosts, collapse_at=2):
     """[(hosts, ranks_of_first)]: identical nodes collapsed, every flagged node alone."""
     hosts = _by_host(records)
     groups = group_by(hosts, lambda h: ("flagged", h) if h in flagged_hosts else node_signature(hosts[h]))
-    out = []
-    for hs in groups.values():
-        if len(hs) < collapse_at:
-            out.extend(([h], hosts[h]) for h in hs)
-        else:
-            out.append((hs, hosts[hs[0]]))
-    return out
+    return [(g, hosts[g[0]]) for hs in groups.values() for g in ([[h] for h in hs] if len(hs) < collapse_at else [hs])]
 
 
 def _phase_times(phases):
@@ -8556,15 +8515,11 @@ def render_report(state):
     recs = state.get("ranks") or []
     flagged = {h for f in state.get("findings") or [] if f["status"] != "PASS" for h in f["hosts"]}
     groups = group_nodes(recs, flagged)
-    out = []
-    for section in (_render_topology, _render_environment, _render_fabric, _render_collectives, _render_performance,
-                    _render_soak, _render_findings):
-        out += section(state, recs, groups)
-    return "\n".join(out)
-
-
-def _node_of(rs):
-    return next((r.get("node") for r in rs if r.get("node")), {}) or {}
+    out = [s for section in (_render_topology, _render_environment, _render_fabric, _render_collectives)
+           for s in section(state, recs, groups)]
+    out += render_performance(state["screen"]) if state.get("screen") else []
+    out += render_soak(state["soak"]) if state.get("soak") else []
+    return "\n".join(out + _render_findings(state, recs, groups))
 
 
 def _render_topology(state, recs, groups):
@@ -8643,18 +8598,8 @@ def _render_collectives(state, recs, groups):
          f"  all_reduce exact: sum={coll['ar_sum']} expected={coll['ar_expected']} on {coll['ranks']} rank(s)",
          f"  DDP nn.Linear(10,10): global average loss={coll['loss']:.6f} "
          f"gradients_identical={'yes' if coll['grads_identical'] else 'NO'}"]
-    for b in coll.get("bandwidth") or []:
-        L.append(f"  busbw size={human_bytes(b['bytes'])} time={b['time_us']:.1f}us "
-                 f"algbw={b['algbw']:.2f}GB/s busbw={b['busbw']:.2f}GB/s")
-    return L
-
-
-def _render_performance(state, recs, groups):
-    return render_performance(state["screen"]) if state.get("screen") else []
-
-
-def _render_soak(state, recs, groups):
-    return render_soak(state["soak"]) if state.get("soak") else []
+    return L + [f"  busbw size={human_bytes(b['bytes'])} time={b['time_us']:.1f}us algbw={b['algbw']:.2f}GB/s "
+                f"busbw={b['busbw']:.2f}GB/s" for b in coll.get("bandwidth") or []]
 
 
 def _render_findings(state, recs, groups):
@@ -8683,11 +8628,8 @@ def action_lines(findings):
             f" {compress_hostlist(f['involved'])} (not blamed)" if f.get("involved") else ""
         act = f"nothing is drained: to localise it, {f['unlocalised']['localise']}" if f.get("unlocalised") else \
             f.get("action") or "see the finding"
-        line = f"{f['check']}{who}: {act}" + (
-            f" (evidence: {f['evidence']})" if f.get("evidence") else "")
-        if line not in out:
-            out.append(line)
-    return out
+        out.append(f"{f['check']}{who}: {act}" + (f" (evidence: {f['evidence']})" if f.get("evidence") else ""))
+    return list(dict.fromkeys(out))
 
 
 NO_HOST_MARK = "[no host named]"  # ends every FAILURE line that names no host: grep -v it for the localised ones
@@ -8780,11 +8722,8 @@ def drain_plan(findings, mode, nodes, job, max_nodes=None, context="job"):
     is drained, or None}."""
     out = {"mode": mode, "hosts": [], "command": "", "argv": [], "reason": "", "max": drain_max(max_nodes, nodes),
            "skipped": None, "done": False, "kept": {}}
-    culprits = {}
-    for f in findings:
-        if drains_in(f, context):
-            for h in f["hosts"]:
-                culprits.setdefault(h, []).append(f)
+    culprits = group_by([(h, f) for f in findings if drains_in(f, context) for h in f["hosts"]], lambda x: x[0],
+                        lambda x: x[1])
     why = drain_blocker(findings) or ("no failed check names a host whose fault it is" if not culprits else None)
     if why is None and not job and context == "job":
         why = "not a Slurm job (no SLURM_JOB_ID)"
@@ -8824,11 +8763,9 @@ def parse_scontrol_nodes(text):
     the next field of the line (or its end)."""
     out = {}
     for line in text.splitlines():
-        name = re.search(r"(?:^|\s)NodeName=(\S+)", line)
-        if not name:
-            continue
-        state = re.search(r"\sState=(\S+)", line)
-        out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
+        name, state = re.search(r"(?:^|\s)NodeName=(\S+)", line), re.search(r"\sState=(\S+)", line)
+        if name:
+            out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
     return out
 
 
@@ -8845,17 +8782,13 @@ def _metrics_escape(value):
 
 def _metrics_value(v):
     """A sample's value as text, or None (omitted) for None, NaN, infinities and anything not a number."""
-    if isinstance(v, bool):
+    if isinstance(v, int):  # a bool too: 1 or 0
         return str(int(v))
-    if isinstance(v, int):
-        return str(v)
     try:
         x = float(v)
     except (TypeError, ValueError):
         return None
-    if not math.isfinite(x):
-        return None
-    return str(int(x)) if x.is_integer() and abs(x) < 2 ** 53 else repr(x)
+    return None if not math.isfinite(x) else str(int(x)) if x.is_integer() and abs(x) < 2 ** 53 else repr(x)
 
 
 def _metrics_family(name, text, samples):
@@ -8925,9 +8858,8 @@ def _metrics_run(state):
 
 def _metrics_checks(state):
     """aiv_check_status{check}: the worst status of each judged check, in CHECKS order (unknown ones last)."""
-    worst = {}
-    for f in state.get("findings") or []:
-        worst[f.get("check")] = _metrics_max([worst.get(f.get("check")), STATUS_RANK.get(f.get("status"))])
+    ranks = group_by(state.get("findings") or [], lambda f: f.get("check"), lambda f: STATUS_RANK.get(f.get("status")))
+    worst = {c: _metrics_max(v) for c, v in ranks.items()}
     order = [c for c in CHECKS if c in worst] + sorted(str(c) for c in worst if c not in CHECKS)
     return [("aiv_check_status", "Worst status of the check's findings: 0 PASS, 1 WARN, 2 FAIL (checks not judged "
              "are absent).", [({"check": c}, worst[c]) for c in order])]
@@ -8986,11 +8918,9 @@ def _metrics_intra(screen):
 def _metrics_inter(screen):
     """Per node and rail: the best busbw of the pair rounds the node took part in; per rail: the reference."""
     pairs = [m for m in screen.get("pairs") or [] if m.get("nodes") and m.get("rail") is not None]
-    best = {}
-    for m in pairs:
-        for n in m["nodes"]:
-            key = (n, str(m["rail"]))
-            best[key] = _metrics_max([best.get(key), m.get("busbw")])
+    seen = group_by([((n, str(m["rail"])), m.get("busbw")) for m in pairs for n in m["nodes"]], lambda x: x[0],
+                    lambda x: x[1])
+    best = {key: _metrics_max(v) for key, v in seen.items()}
     refs = screen_diagnose(pairs, screen.get("min_busbw_inter"), bool(screen.get("cpu")))["refs"] if pairs else {}
     rails = _screen_sorted(r for _, r in best)
     rows = [({"node": n, "rail": r}, best.get((n, r))) for n in _screen_sorted(n for n, _ in best) for r in rails]
@@ -9012,11 +8942,10 @@ def _metrics_phases(state):
 
 def _metrics_drain(state):
     """aiv_drain_nodes: how many nodes the --drain plan named (drained, or recommended), when it ran."""
-    drain = state.get("drain")
-    if not isinstance(drain, dict):
-        return []
+    drain = state.get("drain")  # not a plan: no sample, so no family written
+    nodes = len(drain.get("hosts") or []) if isinstance(drain, dict) else None
     return [("aiv_drain_nodes", "Nodes the --drain plan named: drained with --drain on, else recommended "
-             "(0: nothing to drain, or the plan was skipped).", [({}, len(drain.get("hosts") or []))])]
+             "(0: nothing to drain, or the plan was skipped).", [({}, nodes)])]
 
 
 def render_metrics(state):
@@ -9261,59 +9190,44 @@ def node_usage_state(ctx, node, reason, code, line, ended_at, python):
 # Floor 4: --html: one self-contained page per run (inline SVG, no external resources).
 # One self-contained page of the run (--html): the verdict, findings, topology, per-GPU bars, per-rail
 # heat maps and the phase timeline, as inline SVG drawn here; every text from the state is escaped.
-def _html_css():
-    """The page's inline style sheet."""
-    return """
+HTML_CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;background:#f4f6f9;color:#1d2430}
-main{max-width:1180px;margin:0 auto;padding:18px 22px 40px}
-h2{font-size:17px;margin:26px 0 8px;border-bottom:1px solid #d5dbe3;padding-bottom:4px}
-h3{font-size:14px;margin:12px 0 4px}
-.card{background:#fff;border:1px solid #dde3ea;border-radius:8px;padding:12px 16px;margin:8px 0}
-#verdict{display:flex;gap:22px;align-items:center;color:#fff;border-radius:10px;padding:16px 22px}
-#verdict.PASS{background:#1f8a4c}#verdict.FAIL{background:#c23030}
-#verdict .big{font-size:44px;font-weight:800;letter-spacing:2px}
-#verdict dl{display:grid;grid-template-columns:auto auto auto auto;gap:2px 14px;margin:0}
-#verdict dt{opacity:.8}#verdict dd{margin:0;font-weight:600}
-pre,code{font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,monospace}
-pre{white-space:pre-wrap;word-break:break-word;background:#fbf3f3;border-left:4px solid #c23030;
-padding:8px 10px;margin:6px 0}
-pre.cmd{background:#f3f5f9;border-left-color:#5465ff}
-table{border-collapse:collapse;width:100%}
-td,th{text-align:left;vertical-align:top;padding:4px 8px;border-bottom:1px solid #eef1f5}
-.st{font-weight:700;border-radius:4px;padding:1px 6px;color:#fff;font-size:12px}
-.st.FAIL{background:#c23030}.st.WARN{background:#d18b00}.st.PASS{background:#1f8a4c}
-.chip{display:inline-block;background:#fde7e7;color:#8a1414;border-radius:4px;padding:0 6px;
-margin:2px 3px 0 0;font:12px ui-monospace,monospace}
-.muted{color:#6b7685}.small{font-size:12px}
-.nodes{display:grid;grid-template-columns:repeat(auto-fill,minmax(150px,1fr));gap:6px}
-.node{background:#fff;border:1px solid #dde3ea;border-radius:6px;padding:4px 7px;font-size:12px}
-.node b{font:600 12px ui-monospace,monospace}.node.FAIL{border:2px solid #c23030;background:#fff4f4}
-.node.WARN{border:2px solid #d18b00;background:#fffaf0}
-.gpus{display:flex;flex-wrap:wrap;gap:2px;margin-top:3px}.g{width:14px;height:14px;border-radius:2px;display:inline-block}
-.dots{display:flex;flex-wrap:wrap;gap:2px;margin:6px 0}
-.dots i{width:8px;height:8px;border-radius:1px;display:inline-block}
-.OK{background:#3aa76d}.WARN.g,.dots .WARN{background:#e3a008}.FAIL.g,.dots .FAIL{background:#d43d3d}
-.NA{background:#c5ccd6}
-svg text{font:11px system-ui,sans-serif;fill:#4a5563}svg .lab{font:10px ui-monospace,monospace;fill:#1d2430}
-.b-OK{fill:#3aa76d}.b-WARN{fill:#e3a008}.b-FAIL{fill:#d43d3d}.b-NA{fill:#c5ccd6}.rng-top{fill:#1d2430}
-.chart{overflow-x:auto}.tick{stroke:#e3e8ee}.unit{font-weight:600}
+main{max-width:1180px;margin:0 auto;padding:18px 22px 40px}h2{font-size:17px;margin:26px 0 8px;
+border-bottom:1px solid #d5dbe3;padding-bottom:4px}h3{font-size:14px;margin:12px 0 4px}.card{background:#fff;
+border:1px solid #dde3ea;border-radius:8px;padding:12px 16px;margin:8px 0}#verdict{display:flex;gap:22px;
+align-items:center;color:#fff;border-radius:10px;padding:16px 22px}#verdict.PASS{background:#1f8a4c}
+#verdict.FAIL{background:#c23030}#verdict .big{font-size:44px;font-weight:800;letter-spacing:2px}
+#verdict dl{display:grid;grid-template-columns:auto auto auto auto;gap:2px 14px;margin:0}#verdict dt{opacity:.8}
+#verdict dd{margin:0;font-weight:600}pre,code{font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,monospace}
+pre{white-space:pre-wrap;word-break:break-word;background:#fbf3f3;border-left:4px solid #c23030;padding:8px 10px;
+margin:6px 0}pre.cmd{background:#f3f5f9;border-left-color:#5465ff}table{border-collapse:collapse;width:100%}
+td,th{text-align:left;vertical-align:top;padding:4px 8px;border-bottom:1px solid #eef1f5}.st{font-weight:700;
+border-radius:4px;padding:1px 6px;color:#fff;font-size:12px}.st.FAIL{background:#c23030}.st.WARN{background:#d18b00}
+.st.PASS{background:#1f8a4c}.chip{display:inline-block;background:#fde7e7;color:#8a1414;border-radius:4px;padding:0 6px;
+margin:2px 3px 0 0;font:12px ui-monospace,monospace}.muted{color:#6b7685}.small{font-size:12px}.nodes{display:grid;
+grid-template-columns:repeat(auto-fill,minmax(150px,1fr));gap:6px}.node{background:#fff;border:1px solid #dde3ea;
+border-radius:6px;padding:4px 7px;font-size:12px}.node b{font:600 12px ui-monospace,monospace}
+.node.FAIL{border:2px solid #c23030;background:#fff4f4}.node.WARN{border:2px solid #d18b00;background:#fffaf0}
+.gpus{display:flex;flex-wrap:wrap;gap:2px;margin-top:3px}.g{width:14px;height:14px;border-radius:2px;
+display:inline-block}.dots{display:flex;flex-wrap:wrap;gap:2px;margin:6px 0}.dots i{width:8px;height:8px;
+border-radius:1px;display:inline-block}.OK{background:#3aa76d}.WARN.g,.dots .WARN{background:#e3a008}
+.FAIL.g,.dots .FAIL{background:#d43d3d}.NA{background:#c5ccd6}svg text{font:11px system-ui,sans-serif;fill:#4a5563}
+svg .lab{font:10px ui-monospace,monospace;fill:#1d2430}.b-OK{fill:#3aa76d}.b-WARN{fill:#e3a008}.b-FAIL{fill:#d43d3d}
+.b-NA{fill:#c5ccd6}.rng-top{fill:#1d2430}.chart{overflow-x:auto}.tick{stroke:#e3e8ee}.unit{font-weight:600}
 svg .val{font:600 10px ui-monospace,monospace;fill:#1d2430;paint-order:stroke;stroke:#fff;stroke-width:3px}
-svg .val.v-FAIL{fill:#a11616}
-.jl{stroke-width:1.4}.lead{stroke:#aab3bf;stroke-width:.8}.j-ref,.j-row{stroke:#1d2430}.j-warn{stroke:#d18b00;
-stroke-dasharray:5 3}.j-fail{stroke:#d43d3d;stroke-dasharray:5 3}.j-floor{stroke:#a11616;stroke-width:2}
-.j-band{stroke:#7a3fd1;stroke-dasharray:2 2;stroke-width:1.8}.j-row{stroke-dasharray:8 3 2 3}
-svg text.jlab{font:11px system-ui,sans-serif;stroke:none}svg text.j-warn{fill:#9a6700}svg text.j-fail,
-svg text.j-floor{fill:#a11616}svg text.j-band{fill:#5b2ca0}svg text.j-ref,svg text.j-row{fill:#1d2430}
-.brk{fill:none;stroke:#1d2430;stroke-width:1.4}svg .brk-t{font-style:italic}
-svg .cv{font:9px ui-monospace,monospace;fill:#fff}svg .cv.c-k1,svg .cv.c-k2{fill:#1d2430}
-.k0{fill:#1f8a4c;background:#1f8a4c}.k1{fill:#7cc79a;background:#7cc79a}.k2{fill:#e3a008;background:#e3a008}
-.k3{fill:#d43d3d;background:#d43d3d}.k4{fill:#5a0d0d;background:#5a0d0d}
-.hm{background:#fff;border:1px solid #dde3ea;border-radius:6px;padding:6px}.hm svg{display:block}
+svg .val.v-FAIL{fill:#a11616}.jl{stroke-width:1.4}.lead{stroke:#aab3bf;stroke-width:.8}.j-ref,.j-row{stroke:#1d2430}
+.j-warn{stroke:#d18b00;stroke-dasharray:5 3}.j-fail{stroke:#d43d3d;stroke-dasharray:5 3}.j-floor{stroke:#a11616;
+stroke-width:2}.j-band{stroke:#7a3fd1;stroke-dasharray:2 2;stroke-width:1.8}.j-row{stroke-dasharray:8 3 2 3}
+svg text.jlab{font:11px system-ui,sans-serif;stroke:none}svg text.j-warn{fill:#9a6700}
+svg text.j-fail,svg text.j-floor{fill:#a11616}svg text.j-band{fill:#5b2ca0}svg text.j-ref,svg text.j-row{fill:#1d2430}
+.brk{fill:none;stroke:#1d2430;stroke-width:1.4}svg .brk-t{font-style:italic}svg .cv{font:9px ui-monospace,monospace;
+fill:#fff}svg .cv.c-k1,svg .cv.c-k2{fill:#1d2430}.k0{fill:#1f8a4c;background:#1f8a4c}.k1{fill:#7cc79a;
+background:#7cc79a}.k2{fill:#e3a008;background:#e3a008}.k3{fill:#d43d3d;background:#d43d3d}.k4{fill:#5a0d0d;
+background:#5a0d0d}.hm{background:#fff;border:1px solid #dde3ea;border-radius:6px;padding:6px}.hm svg{display:block}
 .hms{display:flex;flex-wrap:wrap;gap:10px}.culprit{fill:rgba(176,0,32,.07);stroke:#b00020;stroke-width:1.6}
 .suspect{fill:none;stroke:#5465ff;stroke-width:1.6;stroke-dasharray:3 2}.grid{fill:#f7f9fb;stroke:#e3e8ee}
 .ph{fill:#5b8def}.ph.s{fill:#8e6bd8}.legend i{display:inline-block;width:11px;height:11px;margin:0 3px 0 10px;
-vertical-align:-1px;border-radius:2px}
-details summary{cursor:pointer;color:#3a4656}
+vertical-align:-1px;border-radius:2px}details summary{cursor:pointer;color:#3a4656}
 """
 
 
@@ -9327,21 +9241,25 @@ def _html_n(x, nd=1):
     return "-" if x is None else f"{float(x):.{nd}f}"
 
 
-def _html_hosts(hosts, limit=64, cls="hostl"):
+def _html_hosts(hosts, limit=64):
     """Hosts as escaped chips, the first `limit` of them, then a count."""
     hosts = list(hosts or [])
     chips = "".join(f'<span class="chip">{_html_e(h)}</span>' for h in hosts[:limit])
     more = f' <span class="muted">and {len(hosts) - limit} more</span>' if len(hosts) > limit else ""
-    return f'<span class="{cls}">{chips}{more}</span>' if hosts else '<span class="muted">none</span>'
+    return f'<span class="hostl">{chips}{more}</span>' if hosts else '<span class="muted">none</span>'
+
+
+def _html_section(sid, title, inner):
+    """A section of the page: its id, its heading, its content on a card."""
+    return f'<section id="{sid}"><h2>{title}</h2><div class="card">{inner}</div></section>'
 
 
 def _html_verdict(state):
     """The verdict banner: PASS/FAIL, exit code, time, host, world size."""
     v = "PASS" if state.get("verdict") == "PASS" else "FAIL"
-    facts = [("exit code", state.get("exit_code")), ("started", state.get("started_at")), ("host", state.get("host")),
-             ("world size", state.get("world_size")), ("backend", state.get("backend")),
-             ("elapsed", f"{_html_n(state.get('elapsed_s'))} s"), ("tool", state.get("version")),
-             ("ranks reported", state.get("ranks_reported"))]
+    facts = [(k, f"{_html_n(state.get(key))} s" if key == "elapsed_s" else state.get(key)) for k, key in (
+        ("exit code", "exit_code"), ("started", "started_at"), ("host", "host"), ("world size", "world_size"),
+        ("backend", "backend"), ("elapsed", "elapsed_s"), ("tool", "version"), ("ranks reported", "ranks_reported"))]
     dl = "".join(f"<dt>{_html_e(k)}</dt><dd>{_html_e(x)}</dd>" for k, x in facts if x is not None)
     return f'<section id="verdict" class="{v}"><div class="big">{v}</div><dl>{dl}</dl></section>'
 
@@ -9364,35 +9282,28 @@ def _html_findings(state):
 
 def _html_actions(state):
     """Culprits (failed_hosts), the exclude list, suspect links and the drain command."""
-    failed = state.get("failed_hosts") or []
-    exclude = state.get("exclude") or ""
-    links = state.get("suspect_links") or []
+    findings, exclude = state.get("findings") or [], state.get("exclude") or ""
+    cmd, drain = state.get("drain_command") or "", state.get("drain") or {}
     lk = "".join(f"<li><code>{_html_e(' - '.join(map(str, s.get('hosts') or [])))}</code> rail {_html_e(s.get('rail'))}"
                  f": {_html_n(s.get('busbw'))} GB/s ({_html_n(s.get('ratio'), 2)} of the rail's reference)</li>"
-                 for s in links)
-    cmd = state.get("drain_command") or ""
-    drain = state.get("drain") or {}
-    dtext = ("drained" if drain.get("done") else f"recommended (--drain {_html_e(drain.get('mode'))})") if cmd else ""
-    ex = f'<code id="exclude">{_html_e(exclude)}</code>' if exclude else '<span class="muted">-</span>'
+                 for s in state.get("suspect_links") or [])
+    dtext = "drained" if drain.get("done") else f"recommended (--drain {_html_e(drain.get('mode'))})"
     skipped = drain.get("skipped") if drain.get("mode") not in (None, "off") else None
     unl = "".join(f"<li>{_html_e(f['check'])}: {_html_e(f['unlocalised']['why'])}; to localise it: "
                   f"{_html_e(f['unlocalised']['localise'])}"
                   + (f" (involves {_html_e(compress_hostlist(f['involved']))}, none of them blamed)"
                      if f.get("involved") else "") + "</li>"
-                  for f in state.get("findings") or [] if f["status"] == "FAIL" and f.get("unlocalised"))
-    return ('<section id="actions"><h2>Culprits and actions</h2><div class="card">'
-            f'<p><b>Failed hosts:</b> <span id="culprits">{_html_hosts(failed, 256)}</span></p>'
-            f'<p><b>Exclude:</b> {ex}</p>'
-            + (f'<p><b>Not localised</b> (these FAILs name no host):</p><ul id="unlocalised">{unl}</ul>' if unl
-               else "")
-            + (f'<p><b>Suspect links</b> (the path, not either node):</p><ul id="suspect-links">{lk}</ul>'
-               if lk else "")
-            + ('<p><b>What to do</b>:</p><ul id="finding-actions">'
-               + "".join(f"<li>{_html_e(a)}</li>" for a in action_lines(state.get("findings") or [])) + "</ul>"
-               if action_lines(state.get("findings") or []) else "")
-            + (f'<p><b>Drain</b> ({dtext}):</p><pre class="cmd" id="drain">{_html_e(cmd)}</pre>' if cmd else "")
-            + (f'<p class="muted small">Drain: nothing drained: {_html_e(skipped)}</p>' if skipped else "")
-            + "</div></section>")
+                  for f in findings if f["status"] == "FAIL" and f.get("unlocalised"))
+    todo = "".join(f"<li>{_html_e(a)}</li>" for a in action_lines(findings))
+    parts = [f'<p><b>Failed hosts:</b> <span id="culprits">{_html_hosts(state.get("failed_hosts"), 256)}</span></p>',
+             "<p><b>Exclude:</b> " + (f'<code id="exclude">{_html_e(exclude)}</code>' if exclude
+                                      else '<span class="muted">-</span>') + "</p>",
+             unl and f'<p><b>Not localised</b> (these FAILs name no host):</p><ul id="unlocalised">{unl}</ul>',
+             lk and f'<p><b>Suspect links</b> (the path, not either node):</p><ul id="suspect-links">{lk}</ul>',
+             todo and f'<p><b>What to do</b>:</p><ul id="finding-actions">{todo}</ul>',
+             cmd and f'<p><b>Drain</b> ({dtext}):</p><pre class="cmd" id="drain">{_html_e(cmd)}</pre>',
+             skipped and f'<p class="muted small">Drain: nothing drained: {_html_e(skipped)}</p>']
+    return _html_section("actions", "Culprits and actions", "".join(p for p in parts if p))
 
 
 def _html_numerics(state, limit=64):
@@ -9416,11 +9327,11 @@ def _html_numerics(state, limit=64):
         f'<td>{_html_n(ratio, 3)}</td><td>' + ('<span class="st FAIL">named</span>' if not clean else "") + "</td></tr>"
         for clean, _, r, worst, ratio in rows[:limit])
     more = f'<p class="muted small">and {len(rows) - limit} more rank(s)</p>' if len(rows) > limit else ""
-    return ('<section id="numerics"><h2>Numerics</h2><div class="card"><p class="muted small">Each rank\'s largest '
-            'error against the fp64 reference, as a fraction of the tolerance (1 or more: off the reference); '
-            '"named": a numerics FAIL names the rank (bits unlike its peers\', or off the reference).</p><table>'
-            "<tr><th>rank</th><th>host</th><th>GPU</th><th>worst check</th><th>error / tolerance</th><th></th></tr>"
-            f"{body}</table>{more}</div></section>")
+    return _html_section("numerics", "Numerics", '<p class="muted small">Each rank\'s largest error against the fp64 '
+                         'reference, as a fraction of the tolerance (1 or more: off the reference); "named": a '
+                         'numerics FAIL names the rank (bits unlike its peers\', or off the reference).</p><table>'
+                         "<tr><th>rank</th><th>host</th><th>GPU</th><th>worst check</th><th>error / tolerance</th>"
+                         f"<th></th></tr>{body}</table>{more}")
 
 
 def _html_nccl_view(state, limit=64):
@@ -9438,8 +9349,7 @@ def _html_nccl_view(state, limit=64):
                    for r, x in rows[:limit])
     head = "<tr><th>rank</th><th>host</th><th>ours</th><th>NCCL's</th><th>collectives (NCCL)</th><th></th></tr>"
     table = f"<table>{head}{body}</table>" if body else ""
-    return (f'<section id="nccl-view"><h2>NCCL\'s own view</h2><div class="card"><p>{_html_e(v.get("words"))}</p>'
-            f"{table}</div></section>")
+    return _html_section("nccl-view", "NCCL's own view", f"<p>{_html_e(v.get('words'))}</p>{table}")
 
 
 def _html_worst(levels):
@@ -9451,19 +9361,9 @@ def _html_worst(levels):
 def _html_node_levels(state):
     """{host: 'FAIL'|'WARN'} for flagged nodes: the hosts the gated WARN/FAIL findings name (blame_gate), the
     same as failed_hosts for the FAILs. A suspect link colours no node: it is the path's (the pair view)."""
-    out = {}
-    for f in state.get("findings") or []:
-        if f.get("status") in ("WARN", "FAIL"):
-            for h in f.get("hosts") or []:
-                out[h] = _html_worst([out.get(h), f["status"]])
-    return out
-
-
-def _html_nodes(state):
-    """{host: [rank record or screen row, ...]} in natural order (ranks, else the screen's GPU rows)."""
-    recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []
-    return group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
-                    lambda r: r.get("host"))
+    named = [(h, f["status"]) for f in state.get("findings") or [] if f.get("status") in ("WARN", "FAIL")
+             for h in f.get("hosts") or []]
+    return {h: _html_worst(st) for h, st in group_by(named, lambda x: x[0], lambda x: x[1]).items()}
 
 
 def _html_gpu_cell(r, gl):
@@ -9488,7 +9388,10 @@ def _html_node_card(host, recs, flag, gl):
 
 def _html_topology(state, gl):
     """Nodes with their ranks and GPUs; beyond 64 nodes a dot per node, and cards for the flagged ones."""
-    nodes, flags = _html_nodes(state), _html_node_levels(state)
+    recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []  # else the screen's GPU rows
+    nodes = group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
+                     lambda r: r.get("host"))  # {host: [rank record, ...]} in natural order
+    flags = _html_node_levels(state)
     if not nodes:
         return ""
     rpn = sorted({len(v) for v in nodes.values()})
@@ -9605,26 +9508,26 @@ def _html_chart_bar(g, i, name, v, lv, tip):
     return out
 
 
+def _html_jline(ln, x1, x2, y, tail, label_x, label_y):
+    """A judging line from x1 to x2 at height y (tail: the rest of its tag) and its label (coordinates as text)."""
+    return (f'<line class="jl j-{ln["kind"]}" x1="{x1}" x2="{x2}" y1="{y}" y2="{y}" data-kind="{ln["kind"]}" '
+            f'data-level="{ln["level"] or "ref"}" data-value="{ln["value"]:.6g}"{tail}',
+            f'<text class="jlab j-{ln["kind"]}" x="{label_x}" y="{label_y}">{_html_e(ln["text"])}</text>')
+
+
 def _html_chart_lines(g):
     """The judging lines: those to scale with their labels kept apart, those above the broken axis, the break."""
     left, w, shown, broken, out = g["left"], g["w"], g["shown"], g["broken"], []
+    x2, xl = f"{left + w + 6:.1f}", f"{left + w + 14:.1f}"
     lys = _html_label_ys([_html_chart_y(g, ln["value"]) + 4 for ln in shown], g["y0"] + 4,
                          g["y0"] + g["plot_h"] + g["name_h"])
     for ln, ly in zip(shown, lys, strict=True):
-        yl = _html_chart_y(g, ln["value"])
-        out.append(f'<line class="jl j-{ln["kind"]}" x1="{left}" x2="{left + w + 6:.1f}" y1="{yl:.1f}" y2="{yl:.1f}" '
-                   f'data-kind="{ln["kind"]}" data-level="{ln["level"] or "ref"}" data-value="{ln["value"]:.6g}">'
-                   f'<title>{_html_e(ln["text"])}</title></line>'
-                   f'<line class="lead" x1="{left + w + 6:.1f}" x2="{left + w + 12:.1f}" y1="{yl:.1f}" '
-                   f'y2="{ly - 4:.1f}"/><text class="jlab j-{ln["kind"]}" x="{left + w + 14:.1f}" y="{ly:.1f}">'
-                   f'{_html_e(ln["text"])}</text>')
+        yl = f'{_html_chart_y(g, ln["value"]):.1f}'
+        line, label = _html_jline(ln, left, x2, yl, f'><title>{_html_e(ln["text"])}</title></line>', xl, f"{ly:.1f}")
+        out.append(f'{line}<line class="lead" x1="{x2}" x2="{left + w + 12:.1f}" y1="{yl}" y2="{ly - 4:.1f}"/>{label}')
     for k, ln in enumerate(broken):
-        yl = 12 + 16 * k
-        out.append(f'<line class="jl j-{ln["kind"]}" x1="{left}" x2="{left + w + 6:.1f}" y1="{yl}" y2="{yl}" '
-                   f'data-kind="{ln["kind"]}" data-level="{ln["level"] or "ref"}" data-value="{ln["value"]:.6g}" '
-                   f'data-broken="1"><title>{_html_e(ln["text"])}</title></line>'
-                   f'<text class="jlab j-{ln["kind"]}" x="{left + w + 14:.1f}" y="{yl + 4}">'
-                   f'{_html_e(ln["text"])}</text>')
+        tail = f' data-broken="1"><title>{_html_e(ln["text"])}</title></line>'
+        out.append("".join(_html_jline(ln, left, x2, 12 + 16 * k, tail, xl, 16 + 16 * k)))
     if broken:  # the break: a zigzag across the axis, and words that say so
         zy = 8 + 16 * len(broken) + 2
         out.append(f'<path class="brk" d="M{left - 8},{zy + 4} l4,-4 l4,8 l4,-8 l4,8 l4,-4"/>'
@@ -9655,16 +9558,11 @@ def _html_ranges(cid, groups, lines, unit, caption):
     shown = [ln for ln in lines if ln["value"] <= BREAK_RATIO * core]
     top = max([core] + [ln["value"] for ln in shown]) * 1.08
     left, right, h, w = 60, 330, 160, 700.0
-    bw = w / max(len(groups), 1)
-
-    def y(v):
-        return 8 + h * (1 - min(max(float(v), 0.0), top) / top)
-
+    bw, y = w / max(len(groups), 1), functools.partial(_html_chart_y, {"y0": 8, "plot_h": h, "top": top})
     out = [f'<rect class="grid" x="{left}" y="8" width="{w:.0f}" height="{h}"/>']
     step = _html_step(top)
-    for i in range(int(top / step) + 1):
-        out.append(f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_s3(i * step) if i else 0}'
-                   '</text>')
+    out += [f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_s3(i * step) if i else 0}</text>'
+            for i in range(int(top / step) + 1)]
     for i, (host, vs, lv) in enumerate(groups):  # a bar up to the node's lowest GPU, its range above it
         tip = f"{_html_e(host)}: {_s3(min(vs))}-{_s3(max(vs))} {_html_e(unit)} [{lv}]"
         out.append(f'<rect x="{left + i * bw:.2f}" y="{y(min(vs)):.1f}" width="{max(bw, 0.8):.2f}" '
@@ -9673,26 +9571,17 @@ def _html_ranges(cid, groups, lines, unit, caption):
                    f'<rect x="{left + i * bw:.2f}" y="{y(max(vs)):.1f}" width="{max(bw, 0.8):.2f}" '
                    f'height="{max(y(min(vs)) - y(max(vs)), 1):.1f}" class="rng-top"><title>{tip}</title></rect>')
     every = max(1, len(groups) // 16)
-    for i in range(0, len(groups), every):
-        out.append(f'<text class="lab" x="{left + (i + 0.5) * bw:.1f}" y="{h + 22}" text-anchor="middle">'
-                   f'{_html_e(groups[i][0])}</text>')
+    out += [f'<text class="lab" x="{left + (i + 0.5) * bw:.1f}" y="{h + 22}" text-anchor="middle">'
+            f'{_html_e(groups[i][0])}</text>' for i in range(0, len(groups), every)]
     lys = _html_label_ys([y(ln["value"]) + 4 for ln in shown], 12, h + 8)
-    for ln, ly in zip(shown, lys, strict=True):
-        out.append(f'<line class="jl j-{ln["kind"]}" x1="{left}" x2="{left + w + 6:.0f}" y1="{y(ln["value"]):.1f}" '
-                   f'y2="{y(ln["value"]):.1f}" data-kind="{ln["kind"]}" data-level="{ln["level"] or "ref"}" '
-                   f'data-value="{ln["value"]:.6g}"/><text class="jlab j-{ln["kind"]}" x="{left + w + 14:.0f}" '
-                   f'y="{ly:.1f}">{_html_e(ln["text"])}</text>')
+    out += ["".join(_html_jline(ln, left, f"{left + w + 6:.0f}", f'{y(ln["value"]):.1f}', "/>", f"{left + w + 14:.0f}",
+                                f"{ly:.1f}")) for ln, ly in zip(shown, lys, strict=True)]
     over = [ln for ln in lines if ln not in shown]
     note = ("; off the axis: " + "; ".join(_html_e(ln["text"]) for ln in over)) if over else ""
     return (f'<h3>{caption}</h3><p class="muted small">one column per node: the range of its GPUs, in node order '
             f'(node names every {every}){note}</p><div class="chart"><svg id="{_html_e(cid)}" class="ranges" '
             f'width="{left + w + right:.0f}" height="{h + 32}" viewBox="0 0 {left + w + right:.0f} {h + 32}" '
             f'role="img">{"".join(out)}</svg></div>')
-
-
-def _html_gpu_name(r, cpu=False):
-    """A bar's label: the GPU by its node and local rank (a CPU rank by its node and local rank)."""
-    return f"{r.get('host')} {'rank' if cpu else 'GPU'} {r.get('local_rank')}"
 
 
 def _html_gpu_chart(screen, gl, refs, metric, unit, model=None):
@@ -9704,8 +9593,7 @@ def _html_gpu_chart(screen, gl, refs, metric, unit, model=None):
     if not rows:
         return ""
     model = model or rows[0].get("model") or "unknown"
-    floors = {k: screen.get(k) for k in ("min_tflops", "min_hbm")}
-    ref = gpu_refs(rows, floors, cpu)[(model, metric)]
+    ref = gpu_refs(rows, {k: screen.get(k) for k in ("min_tflops", "min_hbm")}, cpu)[(model, metric)]
     fail, warn = screen_fractions("gpu", cpu)
     mine = [b for b in bands if b["band"] == f"gpu.{metric}/{model}"]
     lines = judging_lines(ref["peers"], fail, warn, ref["table"], ref["floor"],
@@ -9717,31 +9605,25 @@ def _html_gpu_chart(screen, gl, refs, metric, unit, model=None):
         lv = _html_worst([v[2] if v else "NA", band_level(value, r.get("host"), mine)])
         tip = (f"{r.get('host')} rank {r.get('rank')} local rank {r.get('local_rank')} {r.get('uuid') or ''}: "
                + (f"{_s3(value)} {unit} = {v[1]:.3f} of the reference [{lv}]" if v else "not measured"))
-        bars.append((_html_gpu_name(r, cpu), value, lv, tip))
+        bars.append((f"{r.get('host')} {'rank' if cpu else 'GPU'} {r.get('local_rank')}", value, lv, tip))  # its label
     slow = [b for b in bars if b[2] in ("FAIL", "WARN")]
     caption = (f"{_html_e(unit)} per {'CPU rank' if cpu else 'GPU'} of {_html_e(model)} <span class=\"muted small\">"
                f"({len(bars)} {'rank' if cpu else 'GPU'}(s), "
                f"{len(slow)} below a line{'; CPU ranks: nothing WARNs' if cpu else ''})</span>")
-    cid = f"gpu-{metric}" + ("" if len(screen.get("gpu_models") or [model]) == 1 else f"-{_html_slug(model)}")
+    slug = "".join(c if c.isalnum() else "-" for c in str(model)).strip("-").lower()
+    cid = f"gpu-{metric}" + ("" if len(screen.get("gpu_models") or [model]) == 1 else f"-{slug}")
     if len(bars) <= GPU_BARS_MAX:
         return _html_chart(cid, bars, lines, unit, caption)
-    groups = {}
-    for (_, value, lv, _), r in zip(bars, rows, strict=True):
-        if value is not None:
-            g = groups.setdefault(r.get("host"), [[], "OK"])
-            g[0].append(value)
-            g[1] = _html_worst([g[1], lv])
+    groups = group_by([(r.get("host"), b) for b, r in zip(bars, rows, strict=True) if b[1] is not None],
+                      lambda x: x[0], lambda x: x[1])
     flagged = sorted(slow, key=lambda b: b[1] if b[1] is not None else -1.0)
     more = (f'<p class="muted small">and {len(flagged) - FLAGGED_BARS_MAX} more GPU(s) below a line (the JSON and '
             'the report list them)</p>' if len(flagged) > FLAGGED_BARS_MAX else "")
     part = (_html_chart(cid + "-flagged", flagged[:FLAGGED_BARS_MAX], lines, unit,
                         f"{_html_e(unit)} of the GPUs below a line, lowest first") + more if flagged
             else '<p class="muted small">no GPU below a line</p>')
-    return _html_ranges(cid, [(h, vs, lv) for h, (vs, lv) in groups.items()], lines, unit, caption) + part
-
-
-def _html_slug(text):
-    return "".join(c if c.isalnum() else "-" for c in str(text)).strip("-").lower()
+    ranges = [(h, [b[1] for b in bs], _html_worst(["OK"] + [b[2] for b in bs])) for h, bs in groups.items()]
+    return _html_ranges(cid, ranges, lines, unit, caption) + part
 
 
 def _html_gpus(screen, gl, refs):
@@ -9752,8 +9634,7 @@ def _html_gpus(screen, gl, refs):
     scr = dict(screen, gpu_models=models)
     charts = "".join(_html_gpu_chart(scr, gl, refs, m, u, model) for model in models
                      for m, u in (("tflops", "TFLOPS"), ("hbm_gbps", "GB/s")))
-    return (f'<section id="gpu-perf"><h2>GPU speed</h2><div class="card">{_html_legend(screen)}{charts}</div>'
-            '</section>')
+    return _html_section("gpu-perf", "GPU speed", _html_legend(screen) + charts)
 
 
 def _html_legend(screen):
@@ -9790,30 +9671,19 @@ def _html_intra(screen):
         charts.append(_html_chart(f"intra-{k}", bars, lines, "GB/s",
                                   f"intra-node busbw of {_html_e(_intra_class_text(cls))} <span class=\"muted small\">"
                                   f"({len(bars)} node(s){alone})</span>"))
-    return (f'<section id="intra"><h2>Intra-node busbw</h2><div class="card">{_html_legend(screen)}{"".join(charts)}'
-            '</div></section>')
+    return _html_section("intra", "Intra-node busbw", _html_legend(screen) + "".join(charts))
 
 
 CELL_NUMBERS_MIN = 26.0  # a heat-map cell at least this many pixels wide shows its busbw in figures
 SLOW_ROWS_MAX = 64       # the table of slow inter-node measurements lists at most this many, lowest first
 
 
-def _html_cell_class(level, ratio):
-    """Heat map colour class: k0/k1 OK (near/below the reference), k2 WARN, k3 FAIL, k4 not measured."""
-    if ratio is None:
-        return "k4"
-    return {"FAIL": "k3", "WARN": "k2"}.get(level, "k0" if ratio >= 0.97 else "k1")
-
-
 def _html_axis(nodes, c):
     """Node-name labels along the top and left of a heat map (every k-th one when there are many)."""
     step = max(1, len(nodes) // 8) if len(nodes) > 24 else 1
-    out = []
-    for i in range(0, len(nodes), step):
-        p = 90 + (i + 0.5) * c
-        out.append(f'<text class="lab" x="86" y="{p + 3:.1f}" text-anchor="end">{_html_e(nodes[i])}</text>'
-                   f'<text class="lab" transform="translate({p + 3:.1f},86) rotate(-60)">{_html_e(nodes[i])}</text>')
-    return "".join(out)
+    return "".join(f'<text class="lab" x="86" y="{p + 3:.1f}" text-anchor="end">{_html_e(nodes[i])}</text>'
+                   f'<text class="lab" transform="translate({p + 3:.1f},86) rotate(-60)">{_html_e(nodes[i])}</text>'
+                   for i in range(0, len(nodes), step) for p in [90 + (i + 0.5) * c])
 
 
 def _html_rail_marks(pairs, idx, rail, d, c, bad):
@@ -9821,14 +9691,17 @@ def _html_rail_marks(pairs, idx, rail, d, c, bad):
     crosses and suspect-link boxes."""
     mw, cells, slow, boxes = (c - 1 if c > 6 else 3.0), [], [], []
     ref = d["refs"][rail]["ref"] or 1.0
-    lone = {i for i in d["suspect_links"]}
+    lone = set(d["suspect_links"])
     for k, m in enumerate(pairs):
         if m["rail"] != rail:
             continue
         bw = m.get("busbw")
-        cls = _html_cell_class(d["levels"][k], None if bw is None else float(bw) / ref)
+        ratio = None if bw is None else float(bw) / ref
+        # the colour: k0/k1 OK (near/below the reference), k2 WARN, k3 FAIL, k4 not measured
+        cls = "k4" if ratio is None else {"FAIL": "k3", "WARN": "k2"}.get(d["levels"][k])
+        cls = cls or ("k0" if ratio >= 0.97 else "k1")
         tip = f"{' - '.join(m['nodes'])} rail {rail} round {m.get('round')}: {_html_n(bw)} GB/s"
-        tip += f" ({float(bw) / ref:.2f})" if bw is not None else " (failed)"
+        tip += " (failed)" if ratio is None else f" ({ratio:.2f})"
         ns, w = sorted(idx[n] for n in m["nodes"]), mw if cls in ("k0", "k1") else max(mw, 6.0)
         for a, b in ((ns[i], ns[j]) for i in range(len(ns)) for j in range(i + 1, len(ns))):
             x, y = 90 + (b + 0.5) * c - w / 2, 90 + (a + 0.5) * c - w / 2
@@ -9852,24 +9725,17 @@ def _html_cross(i, node, c, n):
             f'<rect class="culprit" x="{p - t / 2:.1f}" y="90" width="{t:.1f}" height="{size:.1f}"/></g>')
 
 
-def _html_rail_bad(pairs, rail, d, failed):
-    """Nodes outlined on a rail: the judge's (node, rail) culprits, and failed hosts in a slow measurement there."""
-    slow = {n for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK" for n in m["nodes"]}
-    return _screen_sorted({n for n, r in d["culprits"] if r == rail} | (slow & set(failed)))
-
-
 def _html_heatmap(pairs, rail, d, failed, size):
     """One rail's node-by-node busbw heat map (an SVG, id heatmap-rail-<rail>)."""
-    nodes = d["nodes"]
-    idx = {n: i for i, n in enumerate(nodes)}
-    c = size / max(len(nodes), 1)
-    ref = d["refs"][rail]
-    bad = _html_rail_bad(pairs, rail, d, failed)
-    nslow = sum(1 for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK")
+    nodes, ref = d["nodes"], d["refs"][rail]
+    idx, c = {n: i for i, n in enumerate(nodes)}, size / max(len(nodes), 1)
+    slow = [m for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK"]
+    in_slow = {n for m in slow for n in m["nodes"]}  # outlined: the judge's culprits, failed hosts in a slow pair
+    bad = _screen_sorted({n for n, r in d["culprits"] if r == rail} | (in_slow & set(failed)))
     hcas = {n: h for m in pairs if m["rail"] == rail for n in m["nodes"] for h in [_screen_hca(m, n)] if h}
     hca = ", ".join(sorted(set(hcas.values()), key=_screen_key)) or None
     cap = (f"rail {_html_e(rail)}{' (' + _html_e(hca) + ')' if hca else ''}: reference {_html_n(ref['ref'])} GB/s "
-           f"({_html_e(ref['how'])} of {ref['count']}), {nslow} slow"
+           f"({_html_e(ref['how'])} of {ref['count']}), {len(slow)} slow"
            + (f", culprit {_html_e(compress_hostlist(bad))}" if bad else ""))
     svg = (f'<svg id="heatmap-rail-{_html_e(rail)}" width="{size + 100:.0f}" height="{size + 100:.0f}" '
            f'viewBox="0 0 {size + 100:.0f} {size + 100:.0f}" role="img"><title>{cap}</title>'
@@ -9897,8 +9763,8 @@ def _html_pairs(screen, failed):
               '<i style="border:2px solid #b00020"></i>culprit row/column<i style="border:2px dashed #5465ff"></i>'
               f'suspect link</p><p class="small">Cells: the measured pairs only, each with its busbw in GB/s where the '
               f'cell holds it; {rule}.</p>')
-    return (f'<section id="pairs"><h2>Inter-node busbw per rail</h2><div class="card">{legend}'
-            f'<div class="hms">{maps}</div>{_html_slow_pairs(pairs, d, floor)}</div></section>')
+    return _html_section("pairs", "Inter-node busbw per rail",
+                         f'{legend}<div class="hms">{maps}</div>{_html_slow_pairs(pairs, d, floor)}')
 
 
 def _html_slow_pairs(pairs, d, floor):
@@ -9910,8 +9776,7 @@ def _html_slow_pairs(pairs, d, floor):
         return '<p class="muted small">no inter-node measurement below a line</p>'
     rows = []
     for k in slow[:SLOW_ROWS_MAX]:
-        m, ref = pairs[k], d["refs"][pairs[k]["rail"]]
-        bw = m.get("busbw")
+        m, ref, bw = pairs[k], d["refs"][pairs[k]["rail"]], pairs[k].get("busbw")
         below = floor is not None and float(bw or 0.0) < floor
         rows.append(f'<tr><td><span class="st {d["levels"][k]}">{d["levels"][k]}</span></td>'
                     f'<td><code>{_html_e(" - ".join(map(str, m["nodes"])))}</code></td><td>{_html_e(m["rail"])}</td>'
@@ -9947,20 +9812,17 @@ def _html_timeline(state):
         return ""
     end = max([s + d for _, s, d in spans] + [float(state.get("elapsed_s") or 0.0), 0.001])
     w, rh = 900.0, 18
-    rows = []
-    for i, (p, s, d) in enumerate(spans):
-        y = 8 + i * rh
-        cls = "ph s" if p.startswith("screen") else "ph"
-        rows.append(f'<text x="126" y="{y + 12}" text-anchor="end">{_html_e(p)}</text>'
-                    f'<rect x="{130 + w * s / end:.1f}" y="{y + 2}" width="{max(w * d / end, 1):.1f}" height="13" '
-                    f'class="{cls}"><title>{_html_e(p)}: {s:.3f} s + {d:.3f} s</title></rect>'
-                    f'<text x="{134 + w * (s + d) / end:.1f}" y="{y + 12}">{d:.2f} s</text>')
+    rows = [f'<text x="126" y="{y + 12}" text-anchor="end">{_html_e(p)}</text>'
+            f'<rect x="{130 + w * s / end:.1f}" y="{y + 2}" width="{max(w * d / end, 1):.1f}" height="13" '
+            f'class="ph{" s" if p.startswith("screen") else ""}"><title>{_html_e(p)}: {s:.3f} s + {d:.3f} s</title>'
+            f'</rect><text x="{134 + w * (s + d) / end:.1f}" y="{y + 12}">{d:.2f} s</text>'
+            for i, (p, s, d) in enumerate(spans) for y in [8 + i * rh]]
     h = 8 + len(spans) * rh
     ticks = "".join(f'<line x1="{130 + w * t / end:.1f}" x2="{130 + w * t / end:.1f}" y1="4" y2="{h}" '
                     f'stroke="#e3e8ee"/><text x="{130 + w * t / end:.1f}" y="{h + 14}" text-anchor="middle">{t:g} s'
                     '</text>' for t in _html_ticks(end))
-    return (f'<section id="timeline"><h2>Phase timeline</h2><div class="card"><svg width="100%" viewBox="0 0 '
-            f'{w + 200:.0f} {h + 20}" role="img">{ticks}{"".join(rows)}</svg></div></section>')
+    return _html_section("timeline", "Phase timeline", f'<svg width="100%" viewBox="0 0 {w + 200:.0f} {h + 20}" '
+                         f'role="img">{ticks}{"".join(rows)}</svg>')
 
 
 def _html_ticks(end):
@@ -9981,7 +9843,7 @@ def render_html(state):
             + _html_gpus(screen, gl, refs) + _html_intra(screen) + _html_numerics(state) + _html_nccl_view(state)
             + _html_pairs(screen, state.get("failed_hosts") or []) + _html_timeline(state))
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_html_e(title)}</title>'
-            f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{_html_css()}</style></head>'
+            f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{HTML_CSS}</style></head>'
             f'<body><main>{body}<p class="muted small">ai-infra-validator {_html_e(state.get("version"))}, schema '
             f'{_html_e(state.get("schema_version"))}</p></main></body></html>\n')
 
@@ -10006,10 +9868,6 @@ def _log_int(text):
     return int(text) if re.fullmatch(r"[0-9]+", text) else None
 
 
-def _distinct(values):
-    return list(dict.fromkeys(values))
-
-
 def _log_sections(lines):
     """{section title: its lines}; lines before the first section are under ''."""
     out, section = {"": []}, ""
@@ -10028,15 +9886,9 @@ def _log_after(lines, prefix):
 
 
 def _verify_totals(lines, problems, facts):
-    totals = []
-    for s in lines:
-        m = re.search(r"Total Execution Ranks:\s*(\S+)", s)
-        if m:
-            n = _log_int(m.group(1))
-            if n is None:
-                problems.append(f"garbled 'Total Execution Ranks' line: {s[:80]}")
-            else:
-                totals.append(n)
+    read = [(s, _log_int(m.group(1))) for s in lines for m in [re.search(r"Total Execution Ranks:\s*(\S+)", s)] if m]
+    problems += [f"garbled 'Total Execution Ranks' line: {s[:80]}" for s, n in read if n is None]
+    totals = [n for _, n in read if n is not None]
     if not totals:
         problems.append("no 'Total Execution Ranks: N' line")
     elif len(set(totals)) > 1:
@@ -10053,7 +9905,7 @@ def _verify_markers(lines, problems):
 
 def _verify_verdict(lines, problems, facts):
     """Exactly one verdict, and it is PASS with exit code 0 (several identical lines are fine)."""
-    heads = _distinct(" ".join(v.split()[:2]) for v in _log_after(lines, "Verdict:"))
+    heads = list(dict.fromkeys(" ".join(v.split()[:2]) for v in _log_after(lines, "Verdict:")))  # each once
     if not heads:
         problems.append("no 'Verdict:' line")
         return
@@ -10064,7 +9916,7 @@ def _verify_verdict(lines, problems, facts):
 
 
 def _verify_ranks_reported(lines, world, problems):
-    values = _distinct(_log_after(lines, "Ranks Reported:"))
+    values = list(dict.fromkeys(_log_after(lines, "Ranks Reported:")))
     if not values:
         problems.append("no 'Ranks Reported: k/N' line")
     elif len(values) > 1:
@@ -10112,7 +9964,7 @@ def _verify_collectives(lines, world, problems):
         problems.append("no 'all_reduce exact: sum=S expected=E' line (COLLECTIVES)")
     for m in sums:
         _verify_sum_line(m, world, problems)
-    grads = _distinct(m.group(1) for m in map(_LOG_GRADS.match, lines) if m)
+    grads = list(dict.fromkeys(m.group(1) for m in map(_LOG_GRADS.match, lines) if m))
     if not grads:
         problems.append("no 'gradients_identical=' line (COLLECTIVES)")
     problems += [f"DDP gradients_identical={g or '(empty)'}, not yes" for g in grads if g != "yes"]
@@ -10122,17 +9974,10 @@ def _verify_findings(lines, strict, problems, facts):
     if lines is None:
         problems.append("no FINDINGS section")
         return
-    counts = {"PASS": 0, "WARN": 0, "FAIL": 0}
-    for s in lines:
-        m = _LOG_FINDING.match(s)
-        if not m:
-            continue
-        counts[m.group(1)] += 1
-        if m.group(1) == "FAIL":
-            problems.append(f"finding: {s[:200]}")
-        elif m.group(1) == "WARN" and strict:
-            problems.append(f"finding (a FAIL under --strict): {s[:200]}")
-    facts["findings"] = counts
+    found = [(m.group(1), s) for s in lines for m in [_LOG_FINDING.match(s)] if m]
+    problems += [f"finding: {s[:200]}" if st == "FAIL" else f"finding (a FAIL under --strict): {s[:200]}"
+                 for st, s in found if st == "FAIL" or st == "WARN" and strict]
+    facts["findings"] = {st: sum(x == st for x, _ in found) for st in ("PASS", "WARN", "FAIL")}
 
 
 def _topology_line(s, problems):
@@ -10155,16 +10000,12 @@ def _topology_line(s, problems):
 
 def _verify_topology(lines, problems, facts):
     """Nodes and ranks the topology section accounts for; returns the ranks-per-node values seen."""
-    nodes, ranks, rpn_seen = 0, 0, set()
     for s in lines:
         m = re.search(r"\bbackend=(\w+)", s)
         if m and s.startswith("nodes="):
             facts["backend"] = m.group(1)
-        if s.startswith("node="):
-            nk = _topology_line(s, problems)
-            if nk:
-                nodes, ranks = nodes + nk[0], ranks + nk[0] * nk[1]
-                rpn_seen.add(nk[1])
+    shapes = [nk for s in lines if s.startswith("node=") for nk in [_topology_line(s, problems)] if nk]
+    nodes, ranks, rpn_seen = sum(n for n, _ in shapes), sum(n * k for n, k in shapes), {k for _, k in shapes}
     if nodes == 0:
         problems.append("no node lines in the CLUSTER HARDWARE TOPOLOGY REPORT section")
         return rpn_seen
@@ -10175,11 +10016,7 @@ def _verify_topology(lines, problems, facts):
 
 
 def _verify_versions(lines, problems, facts):
-    found = {}
-    for s in lines:
-        for key, val in re.findall(r"\b(torch|cuda|nccl)=(\S+)", s):
-            if val != "-":
-                found[key] = val
+    found = {key: val for s in lines for key, val in re.findall(r"\b(torch|cuda|nccl)=(\S+)", s) if val != "-"}
     if not found.get("torch"):
         problems.append("torch version missing")
     if facts.get("backend") == "nccl" and not (found.get("cuda") and found.get("nccl")):
@@ -10224,10 +10061,8 @@ def read_log_lines(f):
 
 
 def verify_log(text, expect, strict=False):
-    """Automation's check of a saved log (its text, or read_log_lines' list). Returns (ok, problems,
-    facts); ok only for a clean PASS.
-
-    strict: a [WARN] finding is a problem too (as --strict makes it a FAIL in a run)."""
+    """Automation's check of a saved log (its text, or read_log_lines' list). Returns (ok, problems, facts); ok
+    only for a clean PASS. strict: a [WARN] finding is a problem too (as --strict makes it a FAIL in a run)."""
     problems, facts = [], {"backend": None}
     lines = [ln.strip() for ln in text.splitlines()] if isinstance(text, str) else list(text)
     sections = _log_sections(lines)
@@ -13766,12 +13601,9 @@ def plan(argv, env, root="/"):
         args = parse_args(argv, env)
     except UsageError as e:
         raise _line("usage", e) from None
-    if args.verify_log is not None:
-        return {"mode": "verify-log", "args": args}
-    if args.diff_manifest is not None:
-        return {"mode": "diff-manifest", "args": args}
-    if args.node_check is not None:  # this node alone: no launch contract (a prolog's environment is a job's)
-        return {"mode": "node-check", "args": args}
+    for mode in ("verify-log", "diff-manifest", "node-check"):  # node-check: this node alone, no launch contract
+        if getattr(args, mode.replace("-", "_")) is not None:    # (a prolog's environment is a job's)
+            return {"mode": mode, "args": args}
     try:
         node = read_node_launch(env)  # one process per node or pod: this tool starts the node's ranks
         contract = None if node else read_contract(env)
@@ -13854,13 +13686,12 @@ def _start_ranks(cmd, env, launch, node, nproc, base, world, port):
     procs, secret = [], {} if keep else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
     told = json.dumps({"launch": launch.get("launch", "local mode"), "how": launch.get("how", "local mode"),
                        "port_from": launch.get("port_from") or "a free port"})
+    expect = {"AIV_EXPECT_NODES": str(node["nnodes"]), "AIV_EXPECT_RANKS_PER_NODE": str(nproc),
+              "AIV_EXPECT_WORLD_SIZE": str(world), **env}  # the launch's shape, unless exported
     for r in range(nproc):
-        cenv = dict(env, **secret, RANK=str(base + r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+        cenv = dict(expect, **secret, RANK=str(base + r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                     LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=launch.get("master_addr") or "127.0.0.1",
                     MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **{LAUNCH_VAR: told})
-        cenv.setdefault("AIV_EXPECT_NODES", str(node["nnodes"]))
-        cenv.setdefault("AIV_EXPECT_RANKS_PER_NODE", str(nproc))
-        cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(world))
         procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL, start_new_session=True,
                                       preexec_fn=die_with_parent(signal.SIGTERM)))
     return procs

@@ -121,7 +121,7 @@ def check_host(var, addr):
 
 
 def _master(env):
-    """(address, the variable it came from, port, the variable it came from)."""
+    """(address, port, the variable the port came from)."""
     addr_var, addr = "MASTER_ADDR", env.get("MASTER_ADDR")
     if addr is None and env.get("SLURM_JOB_NODELIST"):
         addr_var = "SLURM_JOB_NODELIST"
@@ -133,9 +133,9 @@ def _master(env):
         raise UsageError("MASTER_ADDR is not set (nor SLURM_JOB_NODELIST)")
     addr = check_host(addr_var, addr)
     if "MASTER_PORT" in env:
-        return addr, addr_var, _int_var(env, "MASTER_PORT", lo=1, hi=65535), "MASTER_PORT"
+        return addr, _int_var(env, "MASTER_PORT", lo=1, hi=65535), "MASTER_PORT"
     if "SLURM_JOB_ID" in env:
-        return addr, addr_var, derive_port(_int_var(env, "SLURM_JOB_ID", lo=0)), "SLURM_JOB_ID"
+        return addr, derive_port(_int_var(env, "SLURM_JOB_ID", lo=0)), "SLURM_JOB_ID"
     raise UsageError("MASTER_PORT is not set (nor SLURM_JOB_ID to derive one)")
 
 
@@ -157,7 +157,7 @@ def read_contract(env):
     if local_rank > rank:
         raise UsageError(f"{names['LOCAL_RANK']}={local_rank} is larger than {names['RANK']}={rank}", own=True)
     try:
-        addr, _, port, port_src = _master(env)
+        addr, port, port_src = _master(env)
     except UsageError as e:
         if names["RANK"] in MPI_RANK_VARS:  # mpirun sets no rendezvous of its own
             raise UsageError(f"{e}: under an MPI launcher ({names['RANK']} is set) export MASTER_ADDR (the host of "
@@ -183,19 +183,12 @@ def slurm_expected_hosts(env, world):
         return {}
     if len(hosts) != len(counts) or sum(counts) != world:
         return {}
-    out, r = {}, 0
-    for h, c in zip(hosts, counts, strict=True):
-        for _ in range(c):
-            out[r] = h
-            r += 1
-    return out
+    return dict(enumerate(h for h, c in zip(hosts, counts, strict=True) for _ in range(c)))
 
 
 def slurm_expectations(env):
-    """Default expected shape from what Slurm launched (the srun step first, then the job).
-
-    Absent keys mean no expectation; an uneven layout (e.g. 2,1) sets no ranks-per-node.
-    """
+    """Default expected shape from what Slurm launched (the srun step first, then the job); absent keys mean no
+    expectation, and an uneven layout (e.g. 2,1) sets no ranks-per-node."""
     out = {}
     for key, names in (("world_size", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")),
                        ("nodes", ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES"))):

@@ -134,14 +134,6 @@ def _first(env, launcher, fact, sources, read, fix):
     return value, var
 
 
-def _addr(env, var):
-    return check_host(var, env[var])
-
-
-def _port(env, var):
-    return _int_var(env, var, lo=1, hi=65535)
-
-
 def _nproc(env):
     """PET_NPROC_PER_NODE: a number of ranks for this node, or None for one per GPU (auto, gpu, or unset)."""
     raw = env.get("PET_NPROC_PER_NODE")
@@ -263,11 +255,12 @@ def read_node_launch(env):
                                   lambda e, v: _int_var(e, v, lo=0, hi=100_000), fix if key == "volcano" else "")
     if node_rank >= nnodes:
         raise UsageError(f"{name}: {node_from}={node_rank} is not below {nodes_from}={nnodes}", own=True)
-    addr, addr_from = _first(env, name, "the master's address", addrs, _addr, f" (the host of node 0{where})")
+    addr, addr_from = _first(env, name, "the master's address", addrs, lambda e, v: check_host(v, e[v]),
+                             f" (the host of node 0{where})")
     if default_port is not None and not any(var in env for var, _ in ports):
         port, port_from = default_port, f"torchrun's default {default_port}: no MASTER_PORT"
     else:
-        port, port_var = _first(env, name, "the master's port", ports, _port, "")
+        port, port_var = _first(env, name, "the master's port", ports, lambda e, v: _int_var(e, v, lo=1, hi=65535), "")
         port_from = f"port from {port_var}"
     return {"launcher": key, "name": name, "nnodes": nnodes, "node_rank": node_rank, "nproc": _nproc(env),
             "master_addr": addr, "master_port": port, "port_from": port_from,
@@ -324,8 +317,7 @@ def describe_contract(contract, env):
         if isinstance(told, dict) and all(isinstance(told.get(k), str) for k in ("launch", "how", "port_from")):
             return {k: told[k] for k in ("launch", "how", "port_from")}
     names = ", ".join(contract.get("vars", ()))
-    source = contract.get("source")
-    launch = ("Slurm srun" if source == "slurm" else "mpirun" if source == "mpi" else
-              "torchrun" if under_torchrun(env) else "RANK, WORLD_SIZE, LOCAL_RANK")
+    launch = {"slurm": "Slurm srun", "mpi": "mpirun"}.get(contract.get("source")) or (
+        "torchrun" if under_torchrun(env) else "RANK, WORLD_SIZE, LOCAL_RANK")
     return {"launch": launch, "how": f"{launch}: {names}, one process per rank started by the launcher",
             "port_from": f"port from {contract.get('port_source', 'MASTER_PORT')}"}

@@ -55,13 +55,12 @@ def _start_ranks(cmd, env, launch, node, nproc, base, world, port):
     procs, secret = [], {} if keep else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
     told = json.dumps({"launch": launch.get("launch", "local mode"), "how": launch.get("how", "local mode"),
                        "port_from": launch.get("port_from") or "a free port"})
+    expect = {"AIV_EXPECT_NODES": str(node["nnodes"]), "AIV_EXPECT_RANKS_PER_NODE": str(nproc),
+              "AIV_EXPECT_WORLD_SIZE": str(world), **env}  # the launch's shape, unless exported
     for r in range(nproc):
-        cenv = dict(env, **secret, RANK=str(base + r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+        cenv = dict(expect, **secret, RANK=str(base + r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                     LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=launch.get("master_addr") or "127.0.0.1",
                     MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **{LAUNCH_VAR: told})
-        cenv.setdefault("AIV_EXPECT_NODES", str(node["nnodes"]))
-        cenv.setdefault("AIV_EXPECT_RANKS_PER_NODE", str(nproc))
-        cenv.setdefault("AIV_EXPECT_WORLD_SIZE", str(world))
         procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL, start_new_session=True,
                                       preexec_fn=die_with_parent(signal.SIGTERM)))
     return procs

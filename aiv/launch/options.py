@@ -146,59 +146,6 @@ def _epilog():
         "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT, 4 INTERNAL, 5 INTERRUPTED."))
 
 
-def _screen_options(p):
-    # performance screen (section `screen`): on by default, floors in the units of the report
-    _opt(p, "--skip-screen", _switch, "off", "skip the performance screen (GPU matmul and memory, intra-node and "
-         "inter-node busbw); no value: on", nargs="?", const="on", default=False, metavar="on/off")
-    _opt(p, "--skip-numerics", _switch, "off", "skip the numerics check (every rank's matmuls compared bit for bit "
-         "with its model's peers and with an fp64 reference; the DDP step's local gradients); no value: on",
-         nargs="?", const="on", default=False, metavar="on/off")
-    _opt(p, "--min-tflops", _positive_float, "none", "screen: FAIL a GPU whose dense matmul is below this (bf16 on "
-         "GPU, fp32 on CPU)", metavar="TFLOPS")
-    _opt(p, "--min-hbm", _positive_float, "none", "screen: FAIL a GPU whose device-memory copy is below this (GB/s, "
-         "read + write)", metavar="GBPS")
-    _opt(p, "--min-busbw-intra", _positive_float, "none", "screen: FAIL a node whose all_reduce busbw inside the "
-         "node is below this (GB/s)", metavar="GBPS")
-    _opt(p, "--min-busbw-inter", _positive_float, "none", "screen: FAIL an inter-node measurement (a pair on one "
-         "rail) below this busbw (GB/s)", metavar="GBPS")
-    _opt(p, "--soak", _soak, "0", "after the screen, bf16 matmul on every GPU at once for SECONDS (fp32 on CPU), "
-         "sampling clocks, temperature, power and clock-event reasons; FAIL a GPU whose speed decays or whose "
-         "clocks slow for heat or a power brake; 0: no soak", default=0.0, metavar="SECONDS")
-
-
-def _output_options(p):
-    # where the verdict goes besides the log and the JSON (section `outputs`)
-    _opt(p, "--drain", _drain_mode, "recommend", "on a FAIL whose culprits are hosts: 'on' drains them in Slurm "
-         f"(scontrol, reason '{DRAIN_PREFIX} ...'), 'recommend' prints the command, 'off' neither",
-         default="recommend", metavar="{off,recommend,on}")
-    _opt(p, "--drain-max", _positive_int, "10% of the nodes, at least 1", "more culprits than this: nothing is "
-         "drained (a cause that wide is rarely the nodes)", metavar="N")
-    _opt(p, "--metrics", str, "none", "rank 0 writes the run as Prometheus text here (atomically: the "
-         "node_exporter textfile collector's convention); tried before the run", metavar="PATH")
-    _opt(p, "--html", str, "none", "rank 0 writes one self-contained page of the run here (the batch file: "
-         "ai_infra_smoke_test_<jobid>.html); tried before the run", metavar="PATH")
-
-
-def _node_options(p):
-    # the node gate (docs/node-gate.md): this node alone, as Slurm's Prolog/Epilog/HealthCheckProgram or NPD's plugin
-    _opt(p, "--node-check", _node_check, "none", "check this node alone and exit: prolog, epilog, health "
-         "(HealthCheckProgram) or npd (Node Problem Detector); no value or auto: Slurm's SLURM_SCRIPT_CONTEXT, else "
-         "health. Exit 1 only on a FAIL whose evidence singles the node out; the tool's own trouble exits 0 (npd: 2)",
-         env=False, nargs="?", const="auto", metavar="CONTEXT", want="prolog, epilog, health, npd or auto")
-    _opt(p, "--node-budget", _seconds, f"{NODE_BUDGET_DEFAULT:g}", "--node-check: seconds for the whole check; "
-         "what does not fit is skipped and named", default=NODE_BUDGET_DEFAULT, metavar="SECONDS")
-    _opt(p, "--expect-gpus", _count_arg, "the job's GPUs, the node's gres, its PCI bus", "--node-check: FAIL unless "
-         "the node lists N GPUs; 0: a node without GPUs (CPU workers stand in)", metavar="N")
-    _opt(p, "--undrain", _switch, "off", "--node-check health with --drain on: a pass resumes the node when the "
-         "check's own drain names a check that passed now; no value: on", nargs="?", const="on", default=False,
-         metavar="on/off")
-    _opt(p, "--node-lock-dir", _directory, "/run/aiv (root), else the user's own", "--node-check: the directory of "
-         "the node's lock (one pass on the GPUs at a time): owned by the user that runs the check, writable by no "
-         "one else; never a job's TMPDIR", metavar="DIR")
-    _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
-         metavar="DIR")
-
-
 def build_parser():
     p = _Parser(prog="ddp_mesh_ping.py", description=DESCRIPTION, add_help=False, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
@@ -230,9 +177,50 @@ def build_parser():
     _opt(p, "--diff-manifest", str, "none", "print the differences between two manifests and exit: 0 equal, "
          "1 different, 2 unreadable", env=False, nargs=2, metavar=("A", "B"))
     p.set_defaults(manifest_data=None)  # the --manifest file, read up front by rank 0 (manifest_preflight)
-    _screen_options(p)
-    _output_options(p)
-    _node_options(p)
+    # performance screen (section `screen`): on by default, floors in the units of the report
+    _opt(p, "--skip-screen", _switch, "off", "skip the performance screen (GPU matmul and memory, intra-node and "
+         "inter-node busbw); no value: on", nargs="?", const="on", default=False, metavar="on/off")
+    _opt(p, "--skip-numerics", _switch, "off", "skip the numerics check (every rank's matmuls compared bit for bit "
+         "with its model's peers and with an fp64 reference; the DDP step's local gradients); no value: on",
+         nargs="?", const="on", default=False, metavar="on/off")
+    _opt(p, "--min-tflops", _positive_float, "none", "screen: FAIL a GPU whose dense matmul is below this (bf16 on "
+         "GPU, fp32 on CPU)", metavar="TFLOPS")
+    _opt(p, "--min-hbm", _positive_float, "none", "screen: FAIL a GPU whose device-memory copy is below this (GB/s, "
+         "read + write)", metavar="GBPS")
+    _opt(p, "--min-busbw-intra", _positive_float, "none", "screen: FAIL a node whose all_reduce busbw inside the "
+         "node is below this (GB/s)", metavar="GBPS")
+    _opt(p, "--min-busbw-inter", _positive_float, "none", "screen: FAIL an inter-node measurement (a pair on one "
+         "rail) below this busbw (GB/s)", metavar="GBPS")
+    _opt(p, "--soak", _soak, "0", "after the screen, bf16 matmul on every GPU at once for SECONDS (fp32 on CPU), "
+         "sampling clocks, temperature, power and clock-event reasons; FAIL a GPU whose speed decays or whose "
+         "clocks slow for heat or a power brake; 0: no soak", default=0.0, metavar="SECONDS")
+    # where the verdict goes besides the log and the JSON (section `outputs`)
+    _opt(p, "--drain", _drain_mode, "recommend", "on a FAIL whose culprits are hosts: 'on' drains them in Slurm "
+         f"(scontrol, reason '{DRAIN_PREFIX} ...'), 'recommend' prints the command, 'off' neither",
+         default="recommend", metavar="{off,recommend,on}")
+    _opt(p, "--drain-max", _positive_int, "10% of the nodes, at least 1", "more culprits than this: nothing is "
+         "drained (a cause that wide is rarely the nodes)", metavar="N")
+    _opt(p, "--metrics", str, "none", "rank 0 writes the run as Prometheus text here (atomically: the "
+         "node_exporter textfile collector's convention); tried before the run", metavar="PATH")
+    _opt(p, "--html", str, "none", "rank 0 writes one self-contained page of the run here (the batch file: "
+         "ai_infra_smoke_test_<jobid>.html); tried before the run", metavar="PATH")
+    # the node gate (docs/node-gate.md): this node alone, as Slurm's Prolog/Epilog/HealthCheckProgram or NPD's plugin
+    _opt(p, "--node-check", _node_check, "none", "check this node alone and exit: prolog, epilog, health "
+         "(HealthCheckProgram) or npd (Node Problem Detector); no value or auto: Slurm's SLURM_SCRIPT_CONTEXT, else "
+         "health. Exit 1 only on a FAIL whose evidence singles the node out; the tool's own trouble exits 0 (npd: 2)",
+         env=False, nargs="?", const="auto", metavar="CONTEXT", want="prolog, epilog, health, npd or auto")
+    _opt(p, "--node-budget", _seconds, f"{NODE_BUDGET_DEFAULT:g}", "--node-check: seconds for the whole check; "
+         "what does not fit is skipped and named", default=NODE_BUDGET_DEFAULT, metavar="SECONDS")
+    _opt(p, "--expect-gpus", _count_arg, "the job's GPUs, the node's gres, its PCI bus", "--node-check: FAIL unless "
+         "the node lists N GPUs; 0: a node without GPUs (CPU workers stand in)", metavar="N")
+    _opt(p, "--undrain", _switch, "off", "--node-check health with --drain on: a pass resumes the node when the "
+         "check's own drain names a check that passed now; no value: on", nargs="?", const="on", default=False,
+         metavar="on/off")
+    _opt(p, "--node-lock-dir", _directory, "/run/aiv (root), else the user's own", "--node-check: the directory of "
+         "the node's lock (one pass on the GPUs at a time): owned by the user that runs the check, writable by no "
+         "one else; never a job's TMPDIR", metavar="DIR")
+    _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
+         metavar="DIR")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     return p
 

@@ -169,12 +169,9 @@ def plan(argv, env, root="/"):
         args = parse_args(argv, env)
     except UsageError as e:
         raise _line("usage", e) from None
-    if args.verify_log is not None:
-        return {"mode": "verify-log", "args": args}
-    if args.diff_manifest is not None:
-        return {"mode": "diff-manifest", "args": args}
-    if args.node_check is not None:  # this node alone: no launch contract (a prolog's environment is a job's)
-        return {"mode": "node-check", "args": args}
+    for mode in ("verify-log", "diff-manifest", "node-check"):  # node-check: this node alone, no launch contract
+        if getattr(args, mode.replace("-", "_")) is not None:    # (a prolog's environment is a job's)
+            return {"mode": mode, "args": args}
     try:
         node = read_node_launch(env)  # one process per node or pod: this tool starts the node's ranks
         contract = None if node else read_contract(env)

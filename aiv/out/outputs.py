@@ -19,6 +19,7 @@ from ..core.base import (
     _screen_sorted,
     compress_hostlist,
     finding,
+    group_by,
     safe_env,
     scontrol_reason,
 )
@@ -89,11 +90,8 @@ def drain_plan(findings, mode, nodes, job, max_nodes=None, context="job"):
     is drained, or None}."""
     out = {"mode": mode, "hosts": [], "command": "", "argv": [], "reason": "", "max": drain_max(max_nodes, nodes),
            "skipped": None, "done": False, "kept": {}}
-    culprits = {}
-    for f in findings:
-        if drains_in(f, context):
-            for h in f["hosts"]:
-                culprits.setdefault(h, []).append(f)
+    culprits = group_by([(h, f) for f in findings if drains_in(f, context) for h in f["hosts"]], lambda x: x[0],
+                        lambda x: x[1])
     why = drain_blocker(findings) or ("no failed check names a host whose fault it is" if not culprits else None)
     if why is None and not job and context == "job":
         why = "not a Slurm job (no SLURM_JOB_ID)"
@@ -133,11 +131,9 @@ def parse_scontrol_nodes(text):
     the next field of the line (or its end)."""
     out = {}
     for line in text.splitlines():
-        name = re.search(r"(?:^|\s)NodeName=(\S+)", line)
-        if not name:
-            continue
-        state = re.search(r"\sState=(\S+)", line)
-        out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
+        name, state = re.search(r"(?:^|\s)NodeName=(\S+)", line), re.search(r"\sState=(\S+)", line)
+        if name:
+            out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
     return out
 
 
@@ -154,17 +150,13 @@ def _metrics_escape(value):
 
 def _metrics_value(v):
     """A sample's value as text, or None (omitted) for None, NaN, infinities and anything not a number."""
-    if isinstance(v, bool):
+    if isinstance(v, int):  # a bool too: 1 or 0
         return str(int(v))
-    if isinstance(v, int):
-        return str(v)
     try:
         x = float(v)
     except (TypeError, ValueError):
         return None
-    if not math.isfinite(x):
-        return None
-    return str(int(x)) if x.is_integer() and abs(x) < 2 ** 53 else repr(x)
+    return None if not math.isfinite(x) else str(int(x)) if x.is_integer() and abs(x) < 2 ** 53 else repr(x)
 
 
 def _metrics_family(name, text, samples):
@@ -234,9 +226,8 @@ def _metrics_run(state):
 
 def _metrics_checks(state):
     """aiv_check_status{check}: the worst status of each judged check, in CHECKS order (unknown ones last)."""
-    worst = {}
-    for f in state.get("findings") or []:
-        worst[f.get("check")] = _metrics_max([worst.get(f.get("check")), STATUS_RANK.get(f.get("status"))])
+    ranks = group_by(state.get("findings") or [], lambda f: f.get("check"), lambda f: STATUS_RANK.get(f.get("status")))
+    worst = {c: _metrics_max(v) for c, v in ranks.items()}
     order = [c for c in CHECKS if c in worst] + sorted(str(c) for c in worst if c not in CHECKS)
     return [("aiv_check_status", "Worst status of the check's findings: 0 PASS, 1 WARN, 2 FAIL (checks not judged "
              "are absent).", [({"check": c}, worst[c]) for c in order])]
@@ -295,11 +286,9 @@ def _metrics_intra(screen):
 def _metrics_inter(screen):
     """Per node and rail: the best busbw of the pair rounds the node took part in; per rail: the reference."""
     pairs = [m for m in screen.get("pairs") or [] if m.get("nodes") and m.get("rail") is not None]
-    best = {}
-    for m in pairs:
-        for n in m["nodes"]:
-            key = (n, str(m["rail"]))
-            best[key] = _metrics_max([best.get(key), m.get("busbw")])
+    seen = group_by([((n, str(m["rail"])), m.get("busbw")) for m in pairs for n in m["nodes"]], lambda x: x[0],
+                    lambda x: x[1])
+    best = {key: _metrics_max(v) for key, v in seen.items()}
     refs = screen_diagnose(pairs, screen.get("min_busbw_inter"), bool(screen.get("cpu")))["refs"] if pairs else {}
     rails = _screen_sorted(r for _, r in best)
     rows = [({"node": n, "rail": r}, best.get((n, r))) for n in _screen_sorted(n for n, _ in best) for r in rails]
@@ -321,11 +310,10 @@ def _metrics_phases(state):
 
 def _metrics_drain(state):
     """aiv_drain_nodes: how many nodes the --drain plan named (drained, or recommended), when it ran."""
-    drain = state.get("drain")
-    if not isinstance(drain, dict):
-        return []
+    drain = state.get("drain")  # not a plan: no sample, so no family written
+    nodes = len(drain.get("hosts") or []) if isinstance(drain, dict) else None
     return [("aiv_drain_nodes", "Nodes the --drain plan named: drained with --drain on, else recommended "
-             "(0: nothing to drain, or the plan was skipped).", [({}, len(drain.get("hosts") or []))])]
+             "(0: nothing to drain, or the plan was skipped).", [({}, nodes)])]
 
 
 def render_metrics(state):

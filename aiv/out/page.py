@@ -1,4 +1,5 @@
 """Floor 4: --html: one self-contained page per run (inline SVG, no external resources)."""
+import functools
 import html
 import math
 
@@ -9,62 +10,46 @@ from ..screen.judge import _intra_class, _intra_class_text, _screen_hca, intra_l
 from ..screen.plan import _s3, screen_fractions
 from .render import action_lines
 
-
 # One self-contained page of the run (--html): the verdict, findings, topology, per-GPU bars, per-rail
 # heat maps and the phase timeline, as inline SVG drawn here; every text from the state is escaped.
-def _html_css():
-    """The page's inline style sheet."""
-    return """
+HTML_CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;background:#f4f6f9;color:#1d2430}
-main{max-width:1180px;margin:0 auto;padding:18px 22px 40px}
-h2{font-size:17px;margin:26px 0 8px;border-bottom:1px solid #d5dbe3;padding-bottom:4px}
-h3{font-size:14px;margin:12px 0 4px}
-.card{background:#fff;border:1px solid #dde3ea;border-radius:8px;padding:12px 16px;margin:8px 0}
-#verdict{display:flex;gap:22px;align-items:center;color:#fff;border-radius:10px;padding:16px 22px}
-#verdict.PASS{background:#1f8a4c}#verdict.FAIL{background:#c23030}
-#verdict .big{font-size:44px;font-weight:800;letter-spacing:2px}
-#verdict dl{display:grid;grid-template-columns:auto auto auto auto;gap:2px 14px;margin:0}
-#verdict dt{opacity:.8}#verdict dd{margin:0;font-weight:600}
-pre,code{font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,monospace}
-pre{white-space:pre-wrap;word-break:break-word;background:#fbf3f3;border-left:4px solid #c23030;
-padding:8px 10px;margin:6px 0}
-pre.cmd{background:#f3f5f9;border-left-color:#5465ff}
-table{border-collapse:collapse;width:100%}
-td,th{text-align:left;vertical-align:top;padding:4px 8px;border-bottom:1px solid #eef1f5}
-.st{font-weight:700;border-radius:4px;padding:1px 6px;color:#fff;font-size:12px}
-.st.FAIL{background:#c23030}.st.WARN{background:#d18b00}.st.PASS{background:#1f8a4c}
-.chip{display:inline-block;background:#fde7e7;color:#8a1414;border-radius:4px;padding:0 6px;
-margin:2px 3px 0 0;font:12px ui-monospace,monospace}
-.muted{color:#6b7685}.small{font-size:12px}
-.nodes{display:grid;grid-template-columns:repeat(auto-fill,minmax(150px,1fr));gap:6px}
-.node{background:#fff;border:1px solid #dde3ea;border-radius:6px;padding:4px 7px;font-size:12px}
-.node b{font:600 12px ui-monospace,monospace}.node.FAIL{border:2px solid #c23030;background:#fff4f4}
-.node.WARN{border:2px solid #d18b00;background:#fffaf0}
-.gpus{display:flex;flex-wrap:wrap;gap:2px;margin-top:3px}.g{width:14px;height:14px;border-radius:2px;display:inline-block}
-.dots{display:flex;flex-wrap:wrap;gap:2px;margin:6px 0}
-.dots i{width:8px;height:8px;border-radius:1px;display:inline-block}
-.OK{background:#3aa76d}.WARN.g,.dots .WARN{background:#e3a008}.FAIL.g,.dots .FAIL{background:#d43d3d}
-.NA{background:#c5ccd6}
-svg text{font:11px system-ui,sans-serif;fill:#4a5563}svg .lab{font:10px ui-monospace,monospace;fill:#1d2430}
-.b-OK{fill:#3aa76d}.b-WARN{fill:#e3a008}.b-FAIL{fill:#d43d3d}.b-NA{fill:#c5ccd6}.rng-top{fill:#1d2430}
-.chart{overflow-x:auto}.tick{stroke:#e3e8ee}.unit{font-weight:600}
+main{max-width:1180px;margin:0 auto;padding:18px 22px 40px}h2{font-size:17px;margin:26px 0 8px;
+border-bottom:1px solid #d5dbe3;padding-bottom:4px}h3{font-size:14px;margin:12px 0 4px}.card{background:#fff;
+border:1px solid #dde3ea;border-radius:8px;padding:12px 16px;margin:8px 0}#verdict{display:flex;gap:22px;
+align-items:center;color:#fff;border-radius:10px;padding:16px 22px}#verdict.PASS{background:#1f8a4c}
+#verdict.FAIL{background:#c23030}#verdict .big{font-size:44px;font-weight:800;letter-spacing:2px}
+#verdict dl{display:grid;grid-template-columns:auto auto auto auto;gap:2px 14px;margin:0}#verdict dt{opacity:.8}
+#verdict dd{margin:0;font-weight:600}pre,code{font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,monospace}
+pre{white-space:pre-wrap;word-break:break-word;background:#fbf3f3;border-left:4px solid #c23030;padding:8px 10px;
+margin:6px 0}pre.cmd{background:#f3f5f9;border-left-color:#5465ff}table{border-collapse:collapse;width:100%}
+td,th{text-align:left;vertical-align:top;padding:4px 8px;border-bottom:1px solid #eef1f5}.st{font-weight:700;
+border-radius:4px;padding:1px 6px;color:#fff;font-size:12px}.st.FAIL{background:#c23030}.st.WARN{background:#d18b00}
+.st.PASS{background:#1f8a4c}.chip{display:inline-block;background:#fde7e7;color:#8a1414;border-radius:4px;padding:0 6px;
+margin:2px 3px 0 0;font:12px ui-monospace,monospace}.muted{color:#6b7685}.small{font-size:12px}.nodes{display:grid;
+grid-template-columns:repeat(auto-fill,minmax(150px,1fr));gap:6px}.node{background:#fff;border:1px solid #dde3ea;
+border-radius:6px;padding:4px 7px;font-size:12px}.node b{font:600 12px ui-monospace,monospace}
+.node.FAIL{border:2px solid #c23030;background:#fff4f4}.node.WARN{border:2px solid #d18b00;background:#fffaf0}
+.gpus{display:flex;flex-wrap:wrap;gap:2px;margin-top:3px}.g{width:14px;height:14px;border-radius:2px;
+display:inline-block}.dots{display:flex;flex-wrap:wrap;gap:2px;margin:6px 0}.dots i{width:8px;height:8px;
+border-radius:1px;display:inline-block}.OK{background:#3aa76d}.WARN.g,.dots .WARN{background:#e3a008}
+.FAIL.g,.dots .FAIL{background:#d43d3d}.NA{background:#c5ccd6}svg text{font:11px system-ui,sans-serif;fill:#4a5563}
+svg .lab{font:10px ui-monospace,monospace;fill:#1d2430}.b-OK{fill:#3aa76d}.b-WARN{fill:#e3a008}.b-FAIL{fill:#d43d3d}
+.b-NA{fill:#c5ccd6}.rng-top{fill:#1d2430}.chart{overflow-x:auto}.tick{stroke:#e3e8ee}.unit{font-weight:600}
 svg .val{font:600 10px ui-monospace,monospace;fill:#1d2430;paint-order:stroke;stroke:#fff;stroke-width:3px}
-svg .val.v-FAIL{fill:#a11616}
-.jl{stroke-width:1.4}.lead{stroke:#aab3bf;stroke-width:.8}.j-ref,.j-row{stroke:#1d2430}.j-warn{stroke:#d18b00;
-stroke-dasharray:5 3}.j-fail{stroke:#d43d3d;stroke-dasharray:5 3}.j-floor{stroke:#a11616;stroke-width:2}
-.j-band{stroke:#7a3fd1;stroke-dasharray:2 2;stroke-width:1.8}.j-row{stroke-dasharray:8 3 2 3}
-svg text.jlab{font:11px system-ui,sans-serif;stroke:none}svg text.j-warn{fill:#9a6700}svg text.j-fail,
-svg text.j-floor{fill:#a11616}svg text.j-band{fill:#5b2ca0}svg text.j-ref,svg text.j-row{fill:#1d2430}
-.brk{fill:none;stroke:#1d2430;stroke-width:1.4}svg .brk-t{font-style:italic}
-svg .cv{font:9px ui-monospace,monospace;fill:#fff}svg .cv.c-k1,svg .cv.c-k2{fill:#1d2430}
-.k0{fill:#1f8a4c;background:#1f8a4c}.k1{fill:#7cc79a;background:#7cc79a}.k2{fill:#e3a008;background:#e3a008}
-.k3{fill:#d43d3d;background:#d43d3d}.k4{fill:#5a0d0d;background:#5a0d0d}
-.hm{background:#fff;border:1px solid #dde3ea;border-radius:6px;padding:6px}.hm svg{display:block}
+svg .val.v-FAIL{fill:#a11616}.jl{stroke-width:1.4}.lead{stroke:#aab3bf;stroke-width:.8}.j-ref,.j-row{stroke:#1d2430}
+.j-warn{stroke:#d18b00;stroke-dasharray:5 3}.j-fail{stroke:#d43d3d;stroke-dasharray:5 3}.j-floor{stroke:#a11616;
+stroke-width:2}.j-band{stroke:#7a3fd1;stroke-dasharray:2 2;stroke-width:1.8}.j-row{stroke-dasharray:8 3 2 3}
+svg text.jlab{font:11px system-ui,sans-serif;stroke:none}svg text.j-warn{fill:#9a6700}
+svg text.j-fail,svg text.j-floor{fill:#a11616}svg text.j-band{fill:#5b2ca0}svg text.j-ref,svg text.j-row{fill:#1d2430}
+.brk{fill:none;stroke:#1d2430;stroke-width:1.4}svg .brk-t{font-style:italic}svg .cv{font:9px ui-monospace,monospace;
+fill:#fff}svg .cv.c-k1,svg .cv.c-k2{fill:#1d2430}.k0{fill:#1f8a4c;background:#1f8a4c}.k1{fill:#7cc79a;
+background:#7cc79a}.k2{fill:#e3a008;background:#e3a008}.k3{fill:#d43d3d;background:#d43d3d}.k4{fill:#5a0d0d;
+background:#5a0d0d}.hm{background:#fff;border:1px solid #dde3ea;border-radius:6px;padding:6px}.hm svg{display:block}
 .hms{display:flex;flex-wrap:wrap;gap:10px}.culprit{fill:rgba(176,0,32,.07);stroke:#b00020;stroke-width:1.6}
 .suspect{fill:none;stroke:#5465ff;stroke-width:1.6;stroke-dasharray:3 2}.grid{fill:#f7f9fb;stroke:#e3e8ee}
 .ph{fill:#5b8def}.ph.s{fill:#8e6bd8}.legend i{display:inline-block;width:11px;height:11px;margin:0 3px 0 10px;
-vertical-align:-1px;border-radius:2px}
-details summary{cursor:pointer;color:#3a4656}
+vertical-align:-1px;border-radius:2px}details summary{cursor:pointer;color:#3a4656}
 """
 
 
@@ -78,21 +63,25 @@ def _html_n(x, nd=1):
     return "-" if x is None else f"{float(x):.{nd}f}"
 
 
-def _html_hosts(hosts, limit=64, cls="hostl"):
+def _html_hosts(hosts, limit=64):
     """Hosts as escaped chips, the first `limit` of them, then a count."""
     hosts = list(hosts or [])
     chips = "".join(f'<span class="chip">{_html_e(h)}</span>' for h in hosts[:limit])
     more = f' <span class="muted">and {len(hosts) - limit} more</span>' if len(hosts) > limit else ""
-    return f'<span class="{cls}">{chips}{more}</span>' if hosts else '<span class="muted">none</span>'
+    return f'<span class="hostl">{chips}{more}</span>' if hosts else '<span class="muted">none</span>'
+
+
+def _html_section(sid, title, inner):
+    """A section of the page: its id, its heading, its content on a card."""
+    return f'<section id="{sid}"><h2>{title}</h2><div class="card">{inner}</div></section>'
 
 
 def _html_verdict(state):
     """The verdict banner: PASS/FAIL, exit code, time, host, world size."""
     v = "PASS" if state.get("verdict") == "PASS" else "FAIL"
-    facts = [("exit code", state.get("exit_code")), ("started", state.get("started_at")), ("host", state.get("host")),
-             ("world size", state.get("world_size")), ("backend", state.get("backend")),
-             ("elapsed", f"{_html_n(state.get('elapsed_s'))} s"), ("tool", state.get("version")),
-             ("ranks reported", state.get("ranks_reported"))]
+    facts = [(k, f"{_html_n(state.get(key))} s" if key == "elapsed_s" else state.get(key)) for k, key in (
+        ("exit code", "exit_code"), ("started", "started_at"), ("host", "host"), ("world size", "world_size"),
+        ("backend", "backend"), ("elapsed", "elapsed_s"), ("tool", "version"), ("ranks reported", "ranks_reported"))]
     dl = "".join(f"<dt>{_html_e(k)}</dt><dd>{_html_e(x)}</dd>" for k, x in facts if x is not None)
     return f'<section id="verdict" class="{v}"><div class="big">{v}</div><dl>{dl}</dl></section>'
 
@@ -115,35 +104,28 @@ def _html_findings(state):
 
 def _html_actions(state):
     """Culprits (failed_hosts), the exclude list, suspect links and the drain command."""
-    failed = state.get("failed_hosts") or []
-    exclude = state.get("exclude") or ""
-    links = state.get("suspect_links") or []
+    findings, exclude = state.get("findings") or [], state.get("exclude") or ""
+    cmd, drain = state.get("drain_command") or "", state.get("drain") or {}
     lk = "".join(f"<li><code>{_html_e(' - '.join(map(str, s.get('hosts') or [])))}</code> rail {_html_e(s.get('rail'))}"
                  f": {_html_n(s.get('busbw'))} GB/s ({_html_n(s.get('ratio'), 2)} of the rail's reference)</li>"
-                 for s in links)
-    cmd = state.get("drain_command") or ""
-    drain = state.get("drain") or {}
-    dtext = ("drained" if drain.get("done") else f"recommended (--drain {_html_e(drain.get('mode'))})") if cmd else ""
-    ex = f'<code id="exclude">{_html_e(exclude)}</code>' if exclude else '<span class="muted">-</span>'
+                 for s in state.get("suspect_links") or [])
+    dtext = "drained" if drain.get("done") else f"recommended (--drain {_html_e(drain.get('mode'))})"
     skipped = drain.get("skipped") if drain.get("mode") not in (None, "off") else None
     unl = "".join(f"<li>{_html_e(f['check'])}: {_html_e(f['unlocalised']['why'])}; to localise it: "
                   f"{_html_e(f['unlocalised']['localise'])}"
                   + (f" (involves {_html_e(compress_hostlist(f['involved']))}, none of them blamed)"
                      if f.get("involved") else "") + "</li>"
-                  for f in state.get("findings") or [] if f["status"] == "FAIL" and f.get("unlocalised"))
-    return ('<section id="actions"><h2>Culprits and actions</h2><div class="card">'
-            f'<p><b>Failed hosts:</b> <span id="culprits">{_html_hosts(failed, 256)}</span></p>'
-            f'<p><b>Exclude:</b> {ex}</p>'
-            + (f'<p><b>Not localised</b> (these FAILs name no host):</p><ul id="unlocalised">{unl}</ul>' if unl
-               else "")
-            + (f'<p><b>Suspect links</b> (the path, not either node):</p><ul id="suspect-links">{lk}</ul>'
-               if lk else "")
-            + ('<p><b>What to do</b>:</p><ul id="finding-actions">'
-               + "".join(f"<li>{_html_e(a)}</li>" for a in action_lines(state.get("findings") or [])) + "</ul>"
-               if action_lines(state.get("findings") or []) else "")
-            + (f'<p><b>Drain</b> ({dtext}):</p><pre class="cmd" id="drain">{_html_e(cmd)}</pre>' if cmd else "")
-            + (f'<p class="muted small">Drain: nothing drained: {_html_e(skipped)}</p>' if skipped else "")
-            + "</div></section>")
+                  for f in findings if f["status"] == "FAIL" and f.get("unlocalised"))
+    todo = "".join(f"<li>{_html_e(a)}</li>" for a in action_lines(findings))
+    parts = [f'<p><b>Failed hosts:</b> <span id="culprits">{_html_hosts(state.get("failed_hosts"), 256)}</span></p>',
+             "<p><b>Exclude:</b> " + (f'<code id="exclude">{_html_e(exclude)}</code>' if exclude
+                                      else '<span class="muted">-</span>') + "</p>",
+             unl and f'<p><b>Not localised</b> (these FAILs name no host):</p><ul id="unlocalised">{unl}</ul>',
+             lk and f'<p><b>Suspect links</b> (the path, not either node):</p><ul id="suspect-links">{lk}</ul>',
+             todo and f'<p><b>What to do</b>:</p><ul id="finding-actions">{todo}</ul>',
+             cmd and f'<p><b>Drain</b> ({dtext}):</p><pre class="cmd" id="drain">{_html_e(cmd)}</pre>',
+             skipped and f'<p class="muted small">Drain: nothing drained: {_html_e(skipped)}</p>']
+    return _html_section("actions", "Culprits and actions", "".join(p for p in parts if p))
 
 
 def _html_numerics(state, limit=64):
@@ -167,11 +149,11 @@ def _html_numerics(state, limit=64):
         f'<td>{_html_n(ratio, 3)}</td><td>' + ('<span class="st FAIL">named</span>' if not clean else "") + "</td></tr>"
         for clean, _, r, worst, ratio in rows[:limit])
     more = f'<p class="muted small">and {len(rows) - limit} more rank(s)</p>' if len(rows) > limit else ""
-    return ('<section id="numerics"><h2>Numerics</h2><div class="card"><p class="muted small">Each rank\'s largest '
-            'error against the fp64 reference, as a fraction of the tolerance (1 or more: off the reference); '
-            '"named": a numerics FAIL names the rank (bits unlike its peers\', or off the reference).</p><table>'
-            "<tr><th>rank</th><th>host</th><th>GPU</th><th>worst check</th><th>error / tolerance</th><th></th></tr>"
-            f"{body}</table>{more}</div></section>")
+    return _html_section("numerics", "Numerics", '<p class="muted small">Each rank\'s largest error against the fp64 '
+                         'reference, as a fraction of the tolerance (1 or more: off the reference); "named": a '
+                         'numerics FAIL names the rank (bits unlike its peers\', or off the reference).</p><table>'
+                         "<tr><th>rank</th><th>host</th><th>GPU</th><th>worst check</th><th>error / tolerance</th>"
+                         f"<th></th></tr>{body}</table>{more}")
 
 
 def _html_nccl_view(state, limit=64):
@@ -189,8 +171,7 @@ def _html_nccl_view(state, limit=64):
                    for r, x in rows[:limit])
     head = "<tr><th>rank</th><th>host</th><th>ours</th><th>NCCL's</th><th>collectives (NCCL)</th><th></th></tr>"
     table = f"<table>{head}{body}</table>" if body else ""
-    return (f'<section id="nccl-view"><h2>NCCL\'s own view</h2><div class="card"><p>{_html_e(v.get("words"))}</p>'
-            f"{table}</div></section>")
+    return _html_section("nccl-view", "NCCL's own view", f"<p>{_html_e(v.get('words'))}</p>{table}")
 
 
 def _html_worst(levels):
@@ -202,19 +183,9 @@ def _html_worst(levels):
 def _html_node_levels(state):
     """{host: 'FAIL'|'WARN'} for flagged nodes: the hosts the gated WARN/FAIL findings name (blame_gate), the
     same as failed_hosts for the FAILs. A suspect link colours no node: it is the path's (the pair view)."""
-    out = {}
-    for f in state.get("findings") or []:
-        if f.get("status") in ("WARN", "FAIL"):
-            for h in f.get("hosts") or []:
-                out[h] = _html_worst([out.get(h), f["status"]])
-    return out
-
-
-def _html_nodes(state):
-    """{host: [rank record or screen row, ...]} in natural order (ranks, else the screen's GPU rows)."""
-    recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []
-    return group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
-                    lambda r: r.get("host"))
+    named = [(h, f["status"]) for f in state.get("findings") or [] if f.get("status") in ("WARN", "FAIL")
+             for h in f.get("hosts") or []]
+    return {h: _html_worst(st) for h, st in group_by(named, lambda x: x[0], lambda x: x[1]).items()}
 
 
 def _html_gpu_cell(r, gl):
@@ -239,7 +210,10 @@ def _html_node_card(host, recs, flag, gl):
 
 def _html_topology(state, gl):
     """Nodes with their ranks and GPUs; beyond 64 nodes a dot per node, and cards for the flagged ones."""
-    nodes, flags = _html_nodes(state), _html_node_levels(state)
+    recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []  # else the screen's GPU rows
+    nodes = group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
+                     lambda r: r.get("host"))  # {host: [rank record, ...]} in natural order
+    flags = _html_node_levels(state)
     if not nodes:
         return ""
     rpn = sorted({len(v) for v in nodes.values()})
@@ -356,26 +330,26 @@ def _html_chart_bar(g, i, name, v, lv, tip):
     return out
 
 
+def _html_jline(ln, x1, x2, y, tail, label_x, label_y):
+    """A judging line from x1 to x2 at height y (tail: the rest of its tag) and its label (coordinates as text)."""
+    return (f'<line class="jl j-{ln["kind"]}" x1="{x1}" x2="{x2}" y1="{y}" y2="{y}" data-kind="{ln["kind"]}" '
+            f'data-level="{ln["level"] or "ref"}" data-value="{ln["value"]:.6g}"{tail}',
+            f'<text class="jlab j-{ln["kind"]}" x="{label_x}" y="{label_y}">{_html_e(ln["text"])}</text>')
+
+
 def _html_chart_lines(g):
     """The judging lines: those to scale with their labels kept apart, those above the broken axis, the break."""
     left, w, shown, broken, out = g["left"], g["w"], g["shown"], g["broken"], []
+    x2, xl = f"{left + w + 6:.1f}", f"{left + w + 14:.1f}"
     lys = _html_label_ys([_html_chart_y(g, ln["value"]) + 4 for ln in shown], g["y0"] + 4,
                          g["y0"] + g["plot_h"] + g["name_h"])
     for ln, ly in zip(shown, lys, strict=True):
-        yl = _html_chart_y(g, ln["value"])
-        out.append(f'<line class="jl j-{ln["kind"]}" x1="{left}" x2="{left + w + 6:.1f}" y1="{yl:.1f}" y2="{yl:.1f}" '
-                   f'data-kind="{ln["kind"]}" data-level="{ln["level"] or "ref"}" data-value="{ln["value"]:.6g}">'
-                   f'<title>{_html_e(ln["text"])}</title></line>'
-                   f'<line class="lead" x1="{left + w + 6:.1f}" x2="{left + w + 12:.1f}" y1="{yl:.1f}" '
-                   f'y2="{ly - 4:.1f}"/><text class="jlab j-{ln["kind"]}" x="{left + w + 14:.1f}" y="{ly:.1f}">'
-                   f'{_html_e(ln["text"])}</text>')
+        yl = f'{_html_chart_y(g, ln["value"]):.1f}'
+        line, label = _html_jline(ln, left, x2, yl, f'><title>{_html_e(ln["text"])}</title></line>', xl, f"{ly:.1f}")
+        out.append(f'{line}<line class="lead" x1="{x2}" x2="{left + w + 12:.1f}" y1="{yl}" y2="{ly - 4:.1f}"/>{label}')
     for k, ln in enumerate(broken):
-        yl = 12 + 16 * k
-        out.append(f'<line class="jl j-{ln["kind"]}" x1="{left}" x2="{left + w + 6:.1f}" y1="{yl}" y2="{yl}" '
-                   f'data-kind="{ln["kind"]}" data-level="{ln["level"] or "ref"}" data-value="{ln["value"]:.6g}" '
-                   f'data-broken="1"><title>{_html_e(ln["text"])}</title></line>'
-                   f'<text class="jlab j-{ln["kind"]}" x="{left + w + 14:.1f}" y="{yl + 4}">'
-                   f'{_html_e(ln["text"])}</text>')
+        tail = f' data-broken="1"><title>{_html_e(ln["text"])}</title></line>'
+        out.append("".join(_html_jline(ln, left, x2, 12 + 16 * k, tail, xl, 16 + 16 * k)))
     if broken:  # the break: a zigzag across the axis, and words that say so
         zy = 8 + 16 * len(broken) + 2
         out.append(f'<path class="brk" d="M{left - 8},{zy + 4} l4,-4 l4,8 l4,-8 l4,8 l4,-4"/>'
@@ -406,16 +380,11 @@ def _html_ranges(cid, groups, lines, unit, caption):
     shown = [ln for ln in lines if ln["value"] <= BREAK_RATIO * core]
     top = max([core] + [ln["value"] for ln in shown]) * 1.08
     left, right, h, w = 60, 330, 160, 700.0
-    bw = w / max(len(groups), 1)
-
-    def y(v):
-        return 8 + h * (1 - min(max(float(v), 0.0), top) / top)
-
+    bw, y = w / max(len(groups), 1), functools.partial(_html_chart_y, {"y0": 8, "plot_h": h, "top": top})
     out = [f'<rect class="grid" x="{left}" y="8" width="{w:.0f}" height="{h}"/>']
     step = _html_step(top)
-    for i in range(int(top / step) + 1):
-        out.append(f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_s3(i * step) if i else 0}'
-                   '</text>')
+    out += [f'<text x="{left - 5}" y="{y(i * step) + 4:.1f}" text-anchor="end">{_s3(i * step) if i else 0}</text>'
+            for i in range(int(top / step) + 1)]
     for i, (host, vs, lv) in enumerate(groups):  # a bar up to the node's lowest GPU, its range above it
         tip = f"{_html_e(host)}: {_s3(min(vs))}-{_s3(max(vs))} {_html_e(unit)} [{lv}]"
         out.append(f'<rect x="{left + i * bw:.2f}" y="{y(min(vs)):.1f}" width="{max(bw, 0.8):.2f}" '
@@ -424,26 +393,17 @@ def _html_ranges(cid, groups, lines, unit, caption):
                    f'<rect x="{left + i * bw:.2f}" y="{y(max(vs)):.1f}" width="{max(bw, 0.8):.2f}" '
                    f'height="{max(y(min(vs)) - y(max(vs)), 1):.1f}" class="rng-top"><title>{tip}</title></rect>')
     every = max(1, len(groups) // 16)
-    for i in range(0, len(groups), every):
-        out.append(f'<text class="lab" x="{left + (i + 0.5) * bw:.1f}" y="{h + 22}" text-anchor="middle">'
-                   f'{_html_e(groups[i][0])}</text>')
+    out += [f'<text class="lab" x="{left + (i + 0.5) * bw:.1f}" y="{h + 22}" text-anchor="middle">'
+            f'{_html_e(groups[i][0])}</text>' for i in range(0, len(groups), every)]
     lys = _html_label_ys([y(ln["value"]) + 4 for ln in shown], 12, h + 8)
-    for ln, ly in zip(shown, lys, strict=True):
-        out.append(f'<line class="jl j-{ln["kind"]}" x1="{left}" x2="{left + w + 6:.0f}" y1="{y(ln["value"]):.1f}" '
-                   f'y2="{y(ln["value"]):.1f}" data-kind="{ln["kind"]}" data-level="{ln["level"] or "ref"}" '
-                   f'data-value="{ln["value"]:.6g}"/><text class="jlab j-{ln["kind"]}" x="{left + w + 14:.0f}" '
-                   f'y="{ly:.1f}">{_html_e(ln["text"])}</text>')
+    out += ["".join(_html_jline(ln, left, f"{left + w + 6:.0f}", f'{y(ln["value"]):.1f}', "/>", f"{left + w + 14:.0f}",
+                                f"{ly:.1f}")) for ln, ly in zip(shown, lys, strict=True)]
     over = [ln for ln in lines if ln not in shown]
     note = ("; off the axis: " + "; ".join(_html_e(ln["text"]) for ln in over)) if over else ""
     return (f'<h3>{caption}</h3><p class="muted small">one column per node: the range of its GPUs, in node order '
             f'(node names every {every}){note}</p><div class="chart"><svg id="{_html_e(cid)}" class="ranges" '
             f'width="{left + w + right:.0f}" height="{h + 32}" viewBox="0 0 {left + w + right:.0f} {h + 32}" '
             f'role="img">{"".join(out)}</svg></div>')
-
-
-def _html_gpu_name(r, cpu=False):
-    """A bar's label: the GPU by its node and local rank (a CPU rank by its node and local rank)."""
-    return f"{r.get('host')} {'rank' if cpu else 'GPU'} {r.get('local_rank')}"
 
 
 def _html_gpu_chart(screen, gl, refs, metric, unit, model=None):
@@ -455,8 +415,7 @@ def _html_gpu_chart(screen, gl, refs, metric, unit, model=None):
     if not rows:
         return ""
     model = model or rows[0].get("model") or "unknown"
-    floors = {k: screen.get(k) for k in ("min_tflops", "min_hbm")}
-    ref = gpu_refs(rows, floors, cpu)[(model, metric)]
+    ref = gpu_refs(rows, {k: screen.get(k) for k in ("min_tflops", "min_hbm")}, cpu)[(model, metric)]
     fail, warn = screen_fractions("gpu", cpu)
     mine = [b for b in bands if b["band"] == f"gpu.{metric}/{model}"]
     lines = judging_lines(ref["peers"], fail, warn, ref["table"], ref["floor"],
@@ -468,31 +427,25 @@ def _html_gpu_chart(screen, gl, refs, metric, unit, model=None):
         lv = _html_worst([v[2] if v else "NA", band_level(value, r.get("host"), mine)])
         tip = (f"{r.get('host')} rank {r.get('rank')} local rank {r.get('local_rank')} {r.get('uuid') or ''}: "
                + (f"{_s3(value)} {unit} = {v[1]:.3f} of the reference [{lv}]" if v else "not measured"))
-        bars.append((_html_gpu_name(r, cpu), value, lv, tip))
+        bars.append((f"{r.get('host')} {'rank' if cpu else 'GPU'} {r.get('local_rank')}", value, lv, tip))  # its label
     slow = [b for b in bars if b[2] in ("FAIL", "WARN")]
     caption = (f"{_html_e(unit)} per {'CPU rank' if cpu else 'GPU'} of {_html_e(model)} <span class=\"muted small\">"
                f"({len(bars)} {'rank' if cpu else 'GPU'}(s), "
                f"{len(slow)} below a line{'; CPU ranks: nothing WARNs' if cpu else ''})</span>")
-    cid = f"gpu-{metric}" + ("" if len(screen.get("gpu_models") or [model]) == 1 else f"-{_html_slug(model)}")
+    slug = "".join(c if c.isalnum() else "-" for c in str(model)).strip("-").lower()
+    cid = f"gpu-{metric}" + ("" if len(screen.get("gpu_models") or [model]) == 1 else f"-{slug}")
     if len(bars) <= GPU_BARS_MAX:
         return _html_chart(cid, bars, lines, unit, caption)
-    groups = {}
-    for (_, value, lv, _), r in zip(bars, rows, strict=True):
-        if value is not None:
-            g = groups.setdefault(r.get("host"), [[], "OK"])
-            g[0].append(value)
-            g[1] = _html_worst([g[1], lv])
+    groups = group_by([(r.get("host"), b) for b, r in zip(bars, rows, strict=True) if b[1] is not None],
+                      lambda x: x[0], lambda x: x[1])
     flagged = sorted(slow, key=lambda b: b[1] if b[1] is not None else -1.0)
     more = (f'<p class="muted small">and {len(flagged) - FLAGGED_BARS_MAX} more GPU(s) below a line (the JSON and '
             'the report list them)</p>' if len(flagged) > FLAGGED_BARS_MAX else "")
     part = (_html_chart(cid + "-flagged", flagged[:FLAGGED_BARS_MAX], lines, unit,
                         f"{_html_e(unit)} of the GPUs below a line, lowest first") + more if flagged
             else '<p class="muted small">no GPU below a line</p>')
-    return _html_ranges(cid, [(h, vs, lv) for h, (vs, lv) in groups.items()], lines, unit, caption) + part
-
-
-def _html_slug(text):
-    return "".join(c if c.isalnum() else "-" for c in str(text)).strip("-").lower()
+    ranges = [(h, [b[1] for b in bs], _html_worst(["OK"] + [b[2] for b in bs])) for h, bs in groups.items()]
+    return _html_ranges(cid, ranges, lines, unit, caption) + part
 
 
 def _html_gpus(screen, gl, refs):
@@ -503,8 +456,7 @@ def _html_gpus(screen, gl, refs):
     scr = dict(screen, gpu_models=models)
     charts = "".join(_html_gpu_chart(scr, gl, refs, m, u, model) for model in models
                      for m, u in (("tflops", "TFLOPS"), ("hbm_gbps", "GB/s")))
-    return (f'<section id="gpu-perf"><h2>GPU speed</h2><div class="card">{_html_legend(screen)}{charts}</div>'
-            '</section>')
+    return _html_section("gpu-perf", "GPU speed", _html_legend(screen) + charts)
 
 
 def _html_legend(screen):
@@ -541,30 +493,19 @@ def _html_intra(screen):
         charts.append(_html_chart(f"intra-{k}", bars, lines, "GB/s",
                                   f"intra-node busbw of {_html_e(_intra_class_text(cls))} <span class=\"muted small\">"
                                   f"({len(bars)} node(s){alone})</span>"))
-    return (f'<section id="intra"><h2>Intra-node busbw</h2><div class="card">{_html_legend(screen)}{"".join(charts)}'
-            '</div></section>')
+    return _html_section("intra", "Intra-node busbw", _html_legend(screen) + "".join(charts))
 
 
 CELL_NUMBERS_MIN = 26.0  # a heat-map cell at least this many pixels wide shows its busbw in figures
 SLOW_ROWS_MAX = 64       # the table of slow inter-node measurements lists at most this many, lowest first
 
 
-def _html_cell_class(level, ratio):
-    """Heat map colour class: k0/k1 OK (near/below the reference), k2 WARN, k3 FAIL, k4 not measured."""
-    if ratio is None:
-        return "k4"
-    return {"FAIL": "k3", "WARN": "k2"}.get(level, "k0" if ratio >= 0.97 else "k1")
-
-
 def _html_axis(nodes, c):
     """Node-name labels along the top and left of a heat map (every k-th one when there are many)."""
     step = max(1, len(nodes) // 8) if len(nodes) > 24 else 1
-    out = []
-    for i in range(0, len(nodes), step):
-        p = 90 + (i + 0.5) * c
-        out.append(f'<text class="lab" x="86" y="{p + 3:.1f}" text-anchor="end">{_html_e(nodes[i])}</text>'
-                   f'<text class="lab" transform="translate({p + 3:.1f},86) rotate(-60)">{_html_e(nodes[i])}</text>')
-    return "".join(out)
+    return "".join(f'<text class="lab" x="86" y="{p + 3:.1f}" text-anchor="end">{_html_e(nodes[i])}</text>'
+                   f'<text class="lab" transform="translate({p + 3:.1f},86) rotate(-60)">{_html_e(nodes[i])}</text>'
+                   for i in range(0, len(nodes), step) for p in [90 + (i + 0.5) * c])
 
 
 def _html_rail_marks(pairs, idx, rail, d, c, bad):
@@ -572,14 +513,17 @@ def _html_rail_marks(pairs, idx, rail, d, c, bad):
     crosses and suspect-link boxes."""
     mw, cells, slow, boxes = (c - 1 if c > 6 else 3.0), [], [], []
     ref = d["refs"][rail]["ref"] or 1.0
-    lone = {i for i in d["suspect_links"]}
+    lone = set(d["suspect_links"])
     for k, m in enumerate(pairs):
         if m["rail"] != rail:
             continue
         bw = m.get("busbw")
-        cls = _html_cell_class(d["levels"][k], None if bw is None else float(bw) / ref)
+        ratio = None if bw is None else float(bw) / ref
+        # the colour: k0/k1 OK (near/below the reference), k2 WARN, k3 FAIL, k4 not measured
+        cls = "k4" if ratio is None else {"FAIL": "k3", "WARN": "k2"}.get(d["levels"][k])
+        cls = cls or ("k0" if ratio >= 0.97 else "k1")
         tip = f"{' - '.join(m['nodes'])} rail {rail} round {m.get('round')}: {_html_n(bw)} GB/s"
-        tip += f" ({float(bw) / ref:.2f})" if bw is not None else " (failed)"
+        tip += " (failed)" if ratio is None else f" ({ratio:.2f})"
         ns, w = sorted(idx[n] for n in m["nodes"]), mw if cls in ("k0", "k1") else max(mw, 6.0)
         for a, b in ((ns[i], ns[j]) for i in range(len(ns)) for j in range(i + 1, len(ns))):
             x, y = 90 + (b + 0.5) * c - w / 2, 90 + (a + 0.5) * c - w / 2
@@ -603,24 +547,17 @@ def _html_cross(i, node, c, n):
             f'<rect class="culprit" x="{p - t / 2:.1f}" y="90" width="{t:.1f}" height="{size:.1f}"/></g>')
 
 
-def _html_rail_bad(pairs, rail, d, failed):
-    """Nodes outlined on a rail: the judge's (node, rail) culprits, and failed hosts in a slow measurement there."""
-    slow = {n for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK" for n in m["nodes"]}
-    return _screen_sorted({n for n, r in d["culprits"] if r == rail} | (slow & set(failed)))
-
-
 def _html_heatmap(pairs, rail, d, failed, size):
     """One rail's node-by-node busbw heat map (an SVG, id heatmap-rail-<rail>)."""
-    nodes = d["nodes"]
-    idx = {n: i for i, n in enumerate(nodes)}
-    c = size / max(len(nodes), 1)
-    ref = d["refs"][rail]
-    bad = _html_rail_bad(pairs, rail, d, failed)
-    nslow = sum(1 for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK")
+    nodes, ref = d["nodes"], d["refs"][rail]
+    idx, c = {n: i for i, n in enumerate(nodes)}, size / max(len(nodes), 1)
+    slow = [m for k, m in enumerate(pairs) if m["rail"] == rail and d["levels"][k] != "OK"]
+    in_slow = {n for m in slow for n in m["nodes"]}  # outlined: the judge's culprits, failed hosts in a slow pair
+    bad = _screen_sorted({n for n, r in d["culprits"] if r == rail} | (in_slow & set(failed)))
     hcas = {n: h for m in pairs if m["rail"] == rail for n in m["nodes"] for h in [_screen_hca(m, n)] if h}
     hca = ", ".join(sorted(set(hcas.values()), key=_screen_key)) or None
     cap = (f"rail {_html_e(rail)}{' (' + _html_e(hca) + ')' if hca else ''}: reference {_html_n(ref['ref'])} GB/s "
-           f"({_html_e(ref['how'])} of {ref['count']}), {nslow} slow"
+           f"({_html_e(ref['how'])} of {ref['count']}), {len(slow)} slow"
            + (f", culprit {_html_e(compress_hostlist(bad))}" if bad else ""))
     svg = (f'<svg id="heatmap-rail-{_html_e(rail)}" width="{size + 100:.0f}" height="{size + 100:.0f}" '
            f'viewBox="0 0 {size + 100:.0f} {size + 100:.0f}" role="img"><title>{cap}</title>'
@@ -648,8 +585,8 @@ def _html_pairs(screen, failed):
               '<i style="border:2px solid #b00020"></i>culprit row/column<i style="border:2px dashed #5465ff"></i>'
               f'suspect link</p><p class="small">Cells: the measured pairs only, each with its busbw in GB/s where the '
               f'cell holds it; {rule}.</p>')
-    return (f'<section id="pairs"><h2>Inter-node busbw per rail</h2><div class="card">{legend}'
-            f'<div class="hms">{maps}</div>{_html_slow_pairs(pairs, d, floor)}</div></section>')
+    return _html_section("pairs", "Inter-node busbw per rail",
+                         f'{legend}<div class="hms">{maps}</div>{_html_slow_pairs(pairs, d, floor)}')
 
 
 def _html_slow_pairs(pairs, d, floor):
@@ -661,8 +598,7 @@ def _html_slow_pairs(pairs, d, floor):
         return '<p class="muted small">no inter-node measurement below a line</p>'
     rows = []
     for k in slow[:SLOW_ROWS_MAX]:
-        m, ref = pairs[k], d["refs"][pairs[k]["rail"]]
-        bw = m.get("busbw")
+        m, ref, bw = pairs[k], d["refs"][pairs[k]["rail"]], pairs[k].get("busbw")
         below = floor is not None and float(bw or 0.0) < floor
         rows.append(f'<tr><td><span class="st {d["levels"][k]}">{d["levels"][k]}</span></td>'
                     f'<td><code>{_html_e(" - ".join(map(str, m["nodes"])))}</code></td><td>{_html_e(m["rail"])}</td>'
@@ -698,20 +634,17 @@ def _html_timeline(state):
         return ""
     end = max([s + d for _, s, d in spans] + [float(state.get("elapsed_s") or 0.0), 0.001])
     w, rh = 900.0, 18
-    rows = []
-    for i, (p, s, d) in enumerate(spans):
-        y = 8 + i * rh
-        cls = "ph s" if p.startswith("screen") else "ph"
-        rows.append(f'<text x="126" y="{y + 12}" text-anchor="end">{_html_e(p)}</text>'
-                    f'<rect x="{130 + w * s / end:.1f}" y="{y + 2}" width="{max(w * d / end, 1):.1f}" height="13" '
-                    f'class="{cls}"><title>{_html_e(p)}: {s:.3f} s + {d:.3f} s</title></rect>'
-                    f'<text x="{134 + w * (s + d) / end:.1f}" y="{y + 12}">{d:.2f} s</text>')
+    rows = [f'<text x="126" y="{y + 12}" text-anchor="end">{_html_e(p)}</text>'
+            f'<rect x="{130 + w * s / end:.1f}" y="{y + 2}" width="{max(w * d / end, 1):.1f}" height="13" '
+            f'class="ph{" s" if p.startswith("screen") else ""}"><title>{_html_e(p)}: {s:.3f} s + {d:.3f} s</title>'
+            f'</rect><text x="{134 + w * (s + d) / end:.1f}" y="{y + 12}">{d:.2f} s</text>'
+            for i, (p, s, d) in enumerate(spans) for y in [8 + i * rh]]
     h = 8 + len(spans) * rh
     ticks = "".join(f'<line x1="{130 + w * t / end:.1f}" x2="{130 + w * t / end:.1f}" y1="4" y2="{h}" '
                     f'stroke="#e3e8ee"/><text x="{130 + w * t / end:.1f}" y="{h + 14}" text-anchor="middle">{t:g} s'
                     '</text>' for t in _html_ticks(end))
-    return (f'<section id="timeline"><h2>Phase timeline</h2><div class="card"><svg width="100%" viewBox="0 0 '
-            f'{w + 200:.0f} {h + 20}" role="img">{ticks}{"".join(rows)}</svg></div></section>')
+    return _html_section("timeline", "Phase timeline", f'<svg width="100%" viewBox="0 0 {w + 200:.0f} {h + 20}" '
+                         f'role="img">{ticks}{"".join(rows)}</svg>')
 
 
 def _html_ticks(end):
@@ -732,6 +665,6 @@ def render_html(state):
             + _html_gpus(screen, gl, refs) + _html_intra(screen) + _html_numerics(state) + _html_nccl_view(state)
             + _html_pairs(screen, state.get("failed_hosts") or []) + _html_timeline(state))
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_html_e(title)}</title>'
-            f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{_html_css()}</style></head>'
+            f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{HTML_CSS}</style></head>'
             f'<body><main>{body}<p class="muted small">ai-infra-validator {_html_e(state.get("version"))}, schema '
             f'{_html_e(state.get("schema_version"))}</p></main></body></html>\n')

@@ -25,10 +25,8 @@ from ..screen.soak import SOAK_DECAY_FAIL, SOAK_DECAY_WARN, _soak_n, soak_proble
 def _lone_table_text(model, cpu):
     """What judged a lone GPU of its model: its table row, when it has one."""
     row = None if cpu else gpu_table_row(model)
-    if not row:
-        return ""
     return (f"; judged against the table row {row['row']}: {_sn(row['tflops'])} TFLOPS, {row['hbm_gbps']:.0f} GB/s "
-            f"({_table_rule()})")
+            f"({_table_rule()})") if row else ""
 
 
 def _perf_gpu_lines(screen, cpu):
@@ -42,31 +40,27 @@ def _perf_gpu_lines(screen, cpu):
          if max(refs[(m, k)]["count"] for k, _, _ in SCREEN_GPU_METRICS) >= 2 else
          f"  gpu reference {m}: none among peers (1 GPU of its model)" + _lone_table_text(m, cpu)
          for m in sorted({m for m, _ in refs})]
-    for k, iref in sorted(irefs.items(), key=str):
-        L.append(f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
-                 + (_screen_ref_text(iref, 'GB/s', 'nodes') if iref["count"] >= 2 else
-                    "none among peers (1 node of its class)"))
+    L += [f"  intra-node reference{' ' + _intra_class_text(k) if len(irefs) > 1 else ''}: "
+          + (_screen_ref_text(ref, "GB/s", "nodes") if ref["count"] >= 2 else "none among peers (1 node of its class)")
+          for k, ref in sorted(irefs.items(), key=str)]
     by_host = group_by(per_rank, lambda r: r.get("host"))
     hosts = _screen_sorted(set(by_host) | set(ibw))
-    rows, healthy = [], []
+    collapse, healthy = len(hosts) > SCREEN_RENDER_ALL, []
     for h in hosts:
         rs = by_host.get(h, [])
         tf = [float(r["tflops"]) for r in rs if r.get("tflops") is not None]
         hb = [float(r["hbm_gbps"]) for r in rs if r.get("hbm_gbps") is not None]
-        bad = [(rk, fl) for rk, (r, fl) in flags.items() if r.get("host") == h]
-        marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, fl in bad for k, lv, _ in fl]
+        marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, (r, fl) in flags.items()
+                 if r.get("host") == h for k, lv, _ in fl]
         if ilv.get(h, "OK") != "OK":
             marks.append(f"intra [{ilv[h]}]")
         cells = f"gpus={len(rs)} " + (f"tflops min/med={_sn(min(tf))}/{_sn(_screen_median(tf))} " if tf else "")
         cells += f"mem min/med={min(hb):.0f}/{_screen_median(hb):.0f}GB/s " if hb else ""
         cells += f"intra={_sn(ibw[h])}GB/s" if ibw.get(h) is not None else "intra=-"
-        rows.append((h, cells, marks, tf, hb))
-        if not marks:
-            healthy.append((h, tf, hb))
-    collapse = len(hosts) > SCREEN_RENDER_ALL
-    for h, cells, marks, _, _ in rows:
         if marks or not collapse:
             L.append(f"  node={h} {cells}" + (f"  <- slow: {', '.join(marks)}" if marks else ""))
+        if not marks:
+            healthy.append((h, tf, hb))
     if collapse and healthy:
         tf = [x for _, t, _ in healthy for x in t]
         hb = [x for _, _, b in healthy for x in b]
@@ -81,17 +75,14 @@ def _perf_pair_lines(screen, cpu):
     if not results:
         return []
     d = screen_diagnose(results, screen.get("min_busbw_inter"), cpu)
-    ref = d["ref"]
     per_rail = {rail: screen_reference(m.get("busbw") for m in results if m["rail"] == rail) for rail in d["rails"]}
-    rounds = {}
-    for m in results:
-        rounds.setdefault(m.get("round"), set()).add(tuple(m["nodes"]))
-    slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
-    L = [f"  inter-node reference: {_screen_ref_text(ref, 'GB/s', 'measurements')}; per rail: "
-         + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
-         "  groups per round: " + " ".join(f"{r}:{len(g)}" for r, g in sorted(rounds.items(), key=lambda x: str(x[0])))
-         + f"; {len(results)} measurement(s), {len(slow)} slow"]
     by_group = group_by(range(len(results)), lambda i: (results[i].get("round"), tuple(results[i]["nodes"])))
+    rounds = Counter(r for r, _ in by_group)
+    slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
+    L = [f"  inter-node reference: {_screen_ref_text(d['ref'], 'GB/s', 'measurements')}; per rail: "
+         + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
+         "  groups per round: " + " ".join(f"{r}:{n}" for r, n in sorted(rounds.items(), key=lambda x: str(x[0])))
+         + f"; {len(results)} measurement(s), {len(slow)} slow"]
     show_all = len(d["nodes"]) <= SCREEN_RENDER_ALL
     listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
     for rnd, g in listed[: None if show_all else SCREEN_RENDER_SLOW]:
@@ -157,8 +148,7 @@ def _perf_read_lines(screen):
              "clock limits: " + (", ".join(f"{n} on {k}" for n, k in sorted(limits.items())) or "none"),
              f"uncorrected ECC errors on {sum(bool(r.get('ecc_uncorrected')) for r in rows)}"]
     L = [f"  under load ({len(rows)} GPU(s)): " + "; ".join(parts)]
-    bad = [(r, gpu_fact_problems(r)) for r in rows]
-    bad = [(r, p) for r, p in bad if p]
+    bad = [(r, p) for r in rows for p in [gpu_fact_problems(r)] if p]
     L += [f"    rank {r['rank']} {r.get('host')} {r.get('uuid') or '-'}: " + "; ".join(t for _, t in p)
           for r, p in bad[:SCREEN_RENDER_SLOW]]
     if len(bad) > SCREEN_RENDER_SLOW:
@@ -168,10 +158,8 @@ def _perf_read_lines(screen):
 
 def _perf_cost_lines(screen):
     made = screen.get("splits") or {}
-    if not made:
-        return []
     return ["  group creation (each group's last member, the slowest group): "
-            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())]
+            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())] if made else []
 
 
 def render_soak(soak):
@@ -214,10 +202,13 @@ def _q(s):
     return f'"{s}"' if re.search(r"\s", s) else s
 
 
+def _node_of(rs):
+    return next((r.get("node") for r in rs if r.get("node")), {}) or {}
+
+
 def node_signature(rs):
     """What makes two nodes 'identical' for the collapsed topology view."""
-    n = next((r.get("node") for r in rs if r.get("node")), {}) or {}
-    g = rs[0].get("gpu") or {}
+    n, g = _node_of(rs), rs[0].get("gpu") or {}
     return json.dumps([len(rs), sorted(r["local_rank"] for r in rs) == list(range(len(rs))),
                        g.get("name"), g.get("vram"), rs[0]["versions"], n.get("os"), n.get("kernel"),
                        n.get("driver"), n.get("cpu_model"), n.get("cpus"),
@@ -230,13 +221,7 @@ def group_nodes(records, flagged_hosts, collapse_at=2):
     """[(hosts, ranks_of_first)]: identical nodes collapsed, every flagged node alone."""
     hosts = _by_host(records)
     groups = group_by(hosts, lambda h: ("flagged", h) if h in flagged_hosts else node_signature(hosts[h]))
-    out = []
-    for hs in groups.values():
-        if len(hs) < collapse_at:
-            out.extend(([h], hosts[h]) for h in hs)
-        else:
-            out.append((hs, hosts[hs[0]]))
-    return out
+    return [(g, hosts[g[0]]) for hs in groups.values() for g in ([[h] for h in hs] if len(hs) < collapse_at else [hs])]
 
 
 def _phase_times(phases):
@@ -252,15 +237,11 @@ def render_report(state):
     recs = state.get("ranks") or []
     flagged = {h for f in state.get("findings") or [] if f["status"] != "PASS" for h in f["hosts"]}
     groups = group_nodes(recs, flagged)
-    out = []
-    for section in (_render_topology, _render_environment, _render_fabric, _render_collectives, _render_performance,
-                    _render_soak, _render_findings):
-        out += section(state, recs, groups)
-    return "\n".join(out)
-
-
-def _node_of(rs):
-    return next((r.get("node") for r in rs if r.get("node")), {}) or {}
+    out = [s for section in (_render_topology, _render_environment, _render_fabric, _render_collectives)
+           for s in section(state, recs, groups)]
+    out += render_performance(state["screen"]) if state.get("screen") else []
+    out += render_soak(state["soak"]) if state.get("soak") else []
+    return "\n".join(out + _render_findings(state, recs, groups))
 
 
 def _render_topology(state, recs, groups):
@@ -339,18 +320,8 @@ def _render_collectives(state, recs, groups):
          f"  all_reduce exact: sum={coll['ar_sum']} expected={coll['ar_expected']} on {coll['ranks']} rank(s)",
          f"  DDP nn.Linear(10,10): global average loss={coll['loss']:.6f} "
          f"gradients_identical={'yes' if coll['grads_identical'] else 'NO'}"]
-    for b in coll.get("bandwidth") or []:
-        L.append(f"  busbw size={human_bytes(b['bytes'])} time={b['time_us']:.1f}us "
-                 f"algbw={b['algbw']:.2f}GB/s busbw={b['busbw']:.2f}GB/s")
-    return L
-
-
-def _render_performance(state, recs, groups):
-    return render_performance(state["screen"]) if state.get("screen") else []
-
-
-def _render_soak(state, recs, groups):
-    return render_soak(state["soak"]) if state.get("soak") else []
+    return L + [f"  busbw size={human_bytes(b['bytes'])} time={b['time_us']:.1f}us algbw={b['algbw']:.2f}GB/s "
+                f"busbw={b['busbw']:.2f}GB/s" for b in coll.get("bandwidth") or []]
 
 
 def _render_findings(state, recs, groups):
@@ -379,11 +350,8 @@ def action_lines(findings):
             f" {compress_hostlist(f['involved'])} (not blamed)" if f.get("involved") else ""
         act = f"nothing is drained: to localise it, {f['unlocalised']['localise']}" if f.get("unlocalised") else \
             f.get("action") or "see the finding"
-        line = f"{f['check']}{who}: {act}" + (
-            f" (evidence: {f['evidence']})" if f.get("evidence") else "")
-        if line not in out:
-            out.append(line)
-    return out
+        out.append(f"{f['check']}{who}: {act}" + (f" (evidence: {f['evidence']})" if f.get("evidence") else ""))
+    return list(dict.fromkeys(out))
 
 
 NO_HOST_MARK = "[no host named]"  # ends every FAILURE line that names no host: grep -v it for the localised ones

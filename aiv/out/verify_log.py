@@ -21,10 +21,6 @@ def _log_int(text):
     return int(text) if re.fullmatch(r"[0-9]+", text) else None
 
 
-def _distinct(values):
-    return list(dict.fromkeys(values))
-
-
 def _log_sections(lines):
     """{section title: its lines}; lines before the first section are under ''."""
     out, section = {"": []}, ""
@@ -43,15 +39,9 @@ def _log_after(lines, prefix):
 
 
 def _verify_totals(lines, problems, facts):
-    totals = []
-    for s in lines:
-        m = re.search(r"Total Execution Ranks:\s*(\S+)", s)
-        if m:
-            n = _log_int(m.group(1))
-            if n is None:
-                problems.append(f"garbled 'Total Execution Ranks' line: {s[:80]}")
-            else:
-                totals.append(n)
+    read = [(s, _log_int(m.group(1))) for s in lines for m in [re.search(r"Total Execution Ranks:\s*(\S+)", s)] if m]
+    problems += [f"garbled 'Total Execution Ranks' line: {s[:80]}" for s, n in read if n is None]
+    totals = [n for _, n in read if n is not None]
     if not totals:
         problems.append("no 'Total Execution Ranks: N' line")
     elif len(set(totals)) > 1:
@@ -68,7 +58,7 @@ def _verify_markers(lines, problems):
 
 def _verify_verdict(lines, problems, facts):
     """Exactly one verdict, and it is PASS with exit code 0 (several identical lines are fine)."""
-    heads = _distinct(" ".join(v.split()[:2]) for v in _log_after(lines, "Verdict:"))
+    heads = list(dict.fromkeys(" ".join(v.split()[:2]) for v in _log_after(lines, "Verdict:")))  # each once
     if not heads:
         problems.append("no 'Verdict:' line")
         return
@@ -79,7 +69,7 @@ def _verify_verdict(lines, problems, facts):
 
 
 def _verify_ranks_reported(lines, world, problems):
-    values = _distinct(_log_after(lines, "Ranks Reported:"))
+    values = list(dict.fromkeys(_log_after(lines, "Ranks Reported:")))
     if not values:
         problems.append("no 'Ranks Reported: k/N' line")
     elif len(values) > 1:
@@ -127,7 +117,7 @@ def _verify_collectives(lines, world, problems):
         problems.append("no 'all_reduce exact: sum=S expected=E' line (COLLECTIVES)")
     for m in sums:
         _verify_sum_line(m, world, problems)
-    grads = _distinct(m.group(1) for m in map(_LOG_GRADS.match, lines) if m)
+    grads = list(dict.fromkeys(m.group(1) for m in map(_LOG_GRADS.match, lines) if m))
     if not grads:
         problems.append("no 'gradients_identical=' line (COLLECTIVES)")
     problems += [f"DDP gradients_identical={g or '(empty)'}, not yes" for g in grads if g != "yes"]
@@ -137,17 +127,10 @@ def _verify_findings(lines, strict, problems, facts):
     if lines is None:
         problems.append("no FINDINGS section")
         return
-    counts = {"PASS": 0, "WARN": 0, "FAIL": 0}
-    for s in lines:
-        m = _LOG_FINDING.match(s)
-        if not m:
-            continue
-        counts[m.group(1)] += 1
-        if m.group(1) == "FAIL":
-            problems.append(f"finding: {s[:200]}")
-        elif m.group(1) == "WARN" and strict:
-            problems.append(f"finding (a FAIL under --strict): {s[:200]}")
-    facts["findings"] = counts
+    found = [(m.group(1), s) for s in lines for m in [_LOG_FINDING.match(s)] if m]
+    problems += [f"finding: {s[:200]}" if st == "FAIL" else f"finding (a FAIL under --strict): {s[:200]}"
+                 for st, s in found if st == "FAIL" or st == "WARN" and strict]
+    facts["findings"] = {st: sum(x == st for x, _ in found) for st in ("PASS", "WARN", "FAIL")}
 
 
 def _topology_line(s, problems):
@@ -170,16 +153,12 @@ def _topology_line(s, problems):
 
 def _verify_topology(lines, problems, facts):
     """Nodes and ranks the topology section accounts for; returns the ranks-per-node values seen."""
-    nodes, ranks, rpn_seen = 0, 0, set()
     for s in lines:
         m = re.search(r"\bbackend=(\w+)", s)
         if m and s.startswith("nodes="):
             facts["backend"] = m.group(1)
-        if s.startswith("node="):
-            nk = _topology_line(s, problems)
-            if nk:
-                nodes, ranks = nodes + nk[0], ranks + nk[0] * nk[1]
-                rpn_seen.add(nk[1])
+    shapes = [nk for s in lines if s.startswith("node=") for nk in [_topology_line(s, problems)] if nk]
+    nodes, ranks, rpn_seen = sum(n for n, _ in shapes), sum(n * k for n, k in shapes), {k for _, k in shapes}
     if nodes == 0:
         problems.append("no node lines in the CLUSTER HARDWARE TOPOLOGY REPORT section")
         return rpn_seen
@@ -190,11 +169,7 @@ def _verify_topology(lines, problems, facts):
 
 
 def _verify_versions(lines, problems, facts):
-    found = {}
-    for s in lines:
-        for key, val in re.findall(r"\b(torch|cuda|nccl)=(\S+)", s):
-            if val != "-":
-                found[key] = val
+    found = {key: val for s in lines for key, val in re.findall(r"\b(torch|cuda|nccl)=(\S+)", s) if val != "-"}
     if not found.get("torch"):
         problems.append("torch version missing")
     if facts.get("backend") == "nccl" and not (found.get("cuda") and found.get("nccl")):
@@ -239,10 +214,8 @@ def read_log_lines(f):
 
 
 def verify_log(text, expect, strict=False):
-    """Automation's check of a saved log (its text, or read_log_lines' list). Returns (ok, problems,
-    facts); ok only for a clean PASS.
-
-    strict: a [WARN] finding is a problem too (as --strict makes it a FAIL in a run)."""
+    """Automation's check of a saved log (its text, or read_log_lines' list). Returns (ok, problems, facts); ok
+    only for a clean PASS. strict: a [WARN] finding is a problem too (as --strict makes it a FAIL in a run)."""
     problems, facts = [], {"backend": None}
     lines = [ln.strip() for ln in text.splitlines()] if isinstance(text, str) else list(text)
     sections = _log_sections(lines)
