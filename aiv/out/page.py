@@ -14,42 +14,55 @@ from .render import action_lines
 # heat maps and the phase timeline, as inline SVG drawn here; every text from the state is escaped.
 HTML_CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;background:#f4f6f9;color:#1d2430}
-main{max-width:1180px;margin:0 auto;padding:18px 22px 40px}h2{font-size:17px;margin:26px 0 8px;
-border-bottom:1px solid #d5dbe3;padding-bottom:4px}h3{font-size:14px;margin:12px 0 4px}.card{background:#fff;
-border:1px solid #dde3ea;border-radius:8px;padding:12px 16px;margin:8px 0}#verdict{display:flex;gap:22px;
-align-items:center;color:#fff;border-radius:10px;padding:16px 22px}#verdict.PASS{background:#1f8a4c}
-#verdict.FAIL{background:#c23030}#verdict .big{font-size:44px;font-weight:800;letter-spacing:2px}
-#verdict dl{display:grid;grid-template-columns:auto auto auto auto;gap:2px 14px;margin:0}#verdict dt{opacity:.8}
-#verdict dd{margin:0;font-weight:600}pre,code{font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,monospace}
-pre{white-space:pre-wrap;word-break:break-word;background:#fbf3f3;border-left:4px solid #c23030;padding:8px 10px;
-margin:6px 0}pre.cmd{background:#f3f5f9;border-left-color:#5465ff}table{border-collapse:collapse;width:100%}
-td,th{text-align:left;vertical-align:top;padding:4px 8px;border-bottom:1px solid #eef1f5}.st{font-weight:700;
-border-radius:4px;padding:1px 6px;color:#fff;font-size:12px}.st.FAIL{background:#c23030}.st.WARN{background:#d18b00}
-.st.PASS{background:#1f8a4c}.chip{display:inline-block;background:#fde7e7;color:#8a1414;border-radius:4px;padding:0 6px;
-margin:2px 3px 0 0;font:12px ui-monospace,monospace}.muted{color:#6b7685}.small{font-size:12px}.nodes{display:grid;
-grid-template-columns:repeat(auto-fill,minmax(150px,1fr));gap:6px}.node{background:#fff;border:1px solid #dde3ea;
-border-radius:6px;padding:4px 7px;font-size:12px}.node b{font:600 12px ui-monospace,monospace}
-.node.FAIL{border:2px solid #c23030;background:#fff4f4}.node.WARN{border:2px solid #d18b00;background:#fffaf0}
-.gpus{display:flex;flex-wrap:wrap;gap:2px;margin-top:3px}.g{width:14px;height:14px;border-radius:2px;
-display:inline-block}.dots{display:flex;flex-wrap:wrap;gap:2px;margin:6px 0}.dots i{width:8px;height:8px;
-border-radius:1px;display:inline-block}.OK{background:#3aa76d}.WARN.g,.dots .WARN{background:#e3a008}
-.FAIL.g,.dots .FAIL{background:#d43d3d}.NA{background:#c5ccd6}svg text{font:11px system-ui,sans-serif;fill:#4a5563}
-svg .lab{font:10px ui-monospace,monospace;fill:#1d2430}.b-OK{fill:#3aa76d}.b-WARN{fill:#e3a008}.b-FAIL{fill:#d43d3d}
-.b-NA{fill:#c5ccd6}.rng-top{fill:#1d2430}.chart{overflow-x:auto}.tick{stroke:#e3e8ee}.unit{font-weight:600}
+main{max-width:1180px;margin:0 auto;padding:18px 22px 40px}
+h2{font-size:17px;margin:26px 0 8px;border-bottom:1px solid #d5dbe3;padding-bottom:4px}
+h3{font-size:14px;margin:12px 0 4px}
+.card{background:#fff;border:1px solid #dde3ea;border-radius:8px;padding:12px 16px;margin:8px 0}
+#verdict{display:flex;gap:22px;align-items:center;color:#fff;border-radius:10px;padding:16px 22px}
+#verdict.PASS{background:#1f8a4c}#verdict.FAIL{background:#c23030}
+#verdict .big{font-size:44px;font-weight:800;letter-spacing:2px}
+#verdict dl{display:grid;grid-template-columns:auto auto auto auto;gap:2px 14px;margin:0}
+#verdict dt{opacity:.8}#verdict dd{margin:0;font-weight:600}
+pre,code{font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,monospace}
+pre{white-space:pre-wrap;word-break:break-word;background:#fbf3f3;border-left:4px solid #c23030;
+padding:8px 10px;margin:6px 0}
+pre.cmd{background:#f3f5f9;border-left-color:#5465ff}
+table{border-collapse:collapse;width:100%}
+td,th{text-align:left;vertical-align:top;padding:4px 8px;border-bottom:1px solid #eef1f5}
+.st{font-weight:700;border-radius:4px;padding:1px 6px;color:#fff;font-size:12px}
+.st.FAIL{background:#c23030}.st.WARN{background:#d18b00}.st.PASS{background:#1f8a4c}
+.chip{display:inline-block;background:#fde7e7;color:#8a1414;border-radius:4px;padding:0 6px;
+margin:2px 3px 0 0;font:12px ui-monospace,monospace}
+.muted{color:#6b7685}.small{font-size:12px}
+.nodes{display:grid;grid-template-columns:repeat(auto-fill,minmax(150px,1fr));gap:6px}
+.node{background:#fff;border:1px solid #dde3ea;border-radius:6px;padding:4px 7px;font-size:12px}
+.node b{font:600 12px ui-monospace,monospace}.node.FAIL{border:2px solid #c23030;background:#fff4f4}
+.node.WARN{border:2px solid #d18b00;background:#fffaf0}
+.gpus{display:flex;flex-wrap:wrap;gap:2px;margin-top:3px}.g{width:14px;height:14px;border-radius:2px;display:inline-block}
+.dots{display:flex;flex-wrap:wrap;gap:2px;margin:6px 0}
+.dots i{width:8px;height:8px;border-radius:1px;display:inline-block}
+.OK{background:#3aa76d}.WARN.g,.dots .WARN{background:#e3a008}.FAIL.g,.dots .FAIL{background:#d43d3d}
+.NA{background:#c5ccd6}
+svg text{font:11px system-ui,sans-serif;fill:#4a5563}svg .lab{font:10px ui-monospace,monospace;fill:#1d2430}
+.b-OK{fill:#3aa76d}.b-WARN{fill:#e3a008}.b-FAIL{fill:#d43d3d}.b-NA{fill:#c5ccd6}.rng-top{fill:#1d2430}
+.chart{overflow-x:auto}.tick{stroke:#e3e8ee}.unit{font-weight:600}
 svg .val{font:600 10px ui-monospace,monospace;fill:#1d2430;paint-order:stroke;stroke:#fff;stroke-width:3px}
-svg .val.v-FAIL{fill:#a11616}.jl{stroke-width:1.4}.lead{stroke:#aab3bf;stroke-width:.8}.j-ref,.j-row{stroke:#1d2430}
-.j-warn{stroke:#d18b00;stroke-dasharray:5 3}.j-fail{stroke:#d43d3d;stroke-dasharray:5 3}.j-floor{stroke:#a11616;
-stroke-width:2}.j-band{stroke:#7a3fd1;stroke-dasharray:2 2;stroke-width:1.8}.j-row{stroke-dasharray:8 3 2 3}
-svg text.jlab{font:11px system-ui,sans-serif;stroke:none}svg text.j-warn{fill:#9a6700}
-svg text.j-fail,svg text.j-floor{fill:#a11616}svg text.j-band{fill:#5b2ca0}svg text.j-ref,svg text.j-row{fill:#1d2430}
-.brk{fill:none;stroke:#1d2430;stroke-width:1.4}svg .brk-t{font-style:italic}svg .cv{font:9px ui-monospace,monospace;
-fill:#fff}svg .cv.c-k1,svg .cv.c-k2{fill:#1d2430}.k0{fill:#1f8a4c;background:#1f8a4c}.k1{fill:#7cc79a;
-background:#7cc79a}.k2{fill:#e3a008;background:#e3a008}.k3{fill:#d43d3d;background:#d43d3d}.k4{fill:#5a0d0d;
-background:#5a0d0d}.hm{background:#fff;border:1px solid #dde3ea;border-radius:6px;padding:6px}.hm svg{display:block}
+svg .val.v-FAIL{fill:#a11616}
+.jl{stroke-width:1.4}.lead{stroke:#aab3bf;stroke-width:.8}.j-ref,.j-row{stroke:#1d2430}.j-warn{stroke:#d18b00;
+stroke-dasharray:5 3}.j-fail{stroke:#d43d3d;stroke-dasharray:5 3}.j-floor{stroke:#a11616;stroke-width:2}
+.j-band{stroke:#7a3fd1;stroke-dasharray:2 2;stroke-width:1.8}.j-row{stroke-dasharray:8 3 2 3}
+svg text.jlab{font:11px system-ui,sans-serif;stroke:none}svg text.j-warn{fill:#9a6700}svg text.j-fail,
+svg text.j-floor{fill:#a11616}svg text.j-band{fill:#5b2ca0}svg text.j-ref,svg text.j-row{fill:#1d2430}
+.brk{fill:none;stroke:#1d2430;stroke-width:1.4}svg .brk-t{font-style:italic}
+svg .cv{font:9px ui-monospace,monospace;fill:#fff}svg .cv.c-k1,svg .cv.c-k2{fill:#1d2430}
+.k0{fill:#1f8a4c;background:#1f8a4c}.k1{fill:#7cc79a;background:#7cc79a}.k2{fill:#e3a008;background:#e3a008}
+.k3{fill:#d43d3d;background:#d43d3d}.k4{fill:#5a0d0d;background:#5a0d0d}
+.hm{background:#fff;border:1px solid #dde3ea;border-radius:6px;padding:6px}.hm svg{display:block}
 .hms{display:flex;flex-wrap:wrap;gap:10px}.culprit{fill:rgba(176,0,32,.07);stroke:#b00020;stroke-width:1.6}
 .suspect{fill:none;stroke:#5465ff;stroke-width:1.6;stroke-dasharray:3 2}.grid{fill:#f7f9fb;stroke:#e3e8ee}
 .ph{fill:#5b8def}.ph.s{fill:#8e6bd8}.legend i{display:inline-block;width:11px;height:11px;margin:0 3px 0 10px;
-vertical-align:-1px;border-radius:2px}details summary{cursor:pointer;color:#3a4656}
+vertical-align:-1px;border-radius:2px}
+details summary{cursor:pointer;color:#3a4656}
 """
 
 
