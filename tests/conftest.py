@@ -45,13 +45,15 @@ def clean_env(extra=None):
 
 
 _PORT_BLOCK = 1000
-_next_port = [0]
+_next_port = [0 if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid() % _PORT_BLOCK]
 
 
 def free_port():
     """A port free now, from a block of this pytest process's own below the kernel's ephemeral range (32768
     and up): a port the kernel gives another worker's run (local mode binds port 0) or that another worker
-    picked is never this one, so parallel tests cannot meet on a port."""
+    picked is never this one, so parallel tests cannot meet on a port. A run without xdist (one file, often
+    several at once beside each other) shares block 11 with every other such run: each starts at an offset
+    of its own (its pid), so that two of them do not pick the same ports in the same order."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     block = int(worker[2:]) if worker[2:].isdigit() else 11
     base = 20000 + (block % 12) * _PORT_BLOCK
