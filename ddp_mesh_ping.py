@@ -2133,7 +2133,17 @@ def build_parser():
     _opt(p, "--diff-manifest", str, "none", "print the differences between two manifests and exit: 0 equal, "
          "1 different, 2 unreadable", env=False, nargs=2, metavar=("A", "B"))
     p.set_defaults(manifest_data=None)  # the --manifest file, read up front by rank 0 (manifest_preflight)
-    # performance screen (section `screen`): on by default, floors in the units of the report
+    _screen_options(p)
+    _output_options(p)
+    _node_options(p)
+    _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
+         metavar="DIR")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    return p
+
+
+def _screen_options(p):
+    """Performance screen (section `screen`): on by default, floors in the units of the report."""
     _opt(p, "--skip-screen", _switch, "off", "skip the performance screen (GPU matmul and memory, intra-node and "
          "inter-node busbw); no value: on", nargs="?", const="on", default=False, metavar="on/off")
     _opt(p, "--skip-numerics", _switch, "off", "skip the numerics check (every rank's matmuls compared bit for bit "
@@ -2150,7 +2160,10 @@ def build_parser():
     _opt(p, "--soak", _soak, "0", "after the screen, bf16 matmul on every GPU at once for SECONDS (fp32 on CPU), "
          "sampling clocks, temperature, power and clock-event reasons; FAIL a GPU whose speed decays or whose "
          "clocks slow for heat or a power brake; 0: no soak", default=0.0, metavar="SECONDS")
-    # where the verdict goes besides the log and the JSON (section `outputs`)
+
+
+def _output_options(p):
+    """Where the verdict goes besides the log and the JSON (section `outputs`)."""
     _opt(p, "--drain", _drain_mode, "recommend", "on a FAIL whose culprits are hosts: 'on' drains them in Slurm "
          f"(scontrol, reason '{DRAIN_PREFIX} ...'), 'recommend' prints the command, 'off' neither",
          default="recommend", metavar="{off,recommend,on}")
@@ -2160,7 +2173,11 @@ def build_parser():
          "node_exporter textfile collector's convention); tried before the run", metavar="PATH")
     _opt(p, "--html", str, "none", "rank 0 writes one self-contained page of the run here (the batch file: "
          "ai_infra_smoke_test_<jobid>.html); tried before the run", metavar="PATH")
-    # the node gate (docs/node-gate.md): this node alone, as Slurm's Prolog/Epilog/HealthCheckProgram or NPD's plugin
+
+
+def _node_options(p):
+    """The node gate (docs/node-gate.md): this node alone, as Slurm's Prolog/Epilog/HealthCheckProgram or NPD's
+    plugin."""
     _opt(p, "--node-check", _node_check, "none", "check this node alone and exit: prolog, epilog, health "
          "(HealthCheckProgram) or npd (Node Problem Detector); no value or auto: Slurm's SLURM_SCRIPT_CONTEXT, else "
          "health. Exit 1 only on a FAIL whose evidence singles the node out; the tool's own trouble exits 0 (npd: 2)",
@@ -2175,10 +2192,6 @@ def build_parser():
     _opt(p, "--node-lock-dir", _directory, "/run/aiv (root), else the user's own", "--node-check: the directory of "
          "the node's lock (one pass on the GPUs at a time): owned by the user that runs the check, writable by no "
          "one else; never a job's TMPDIR", metavar="DIR")
-    _opt(p, "--sysfs-root", _directory, "/", "root for /sys, /proc/driver and /dev/kmsg reads (tests)", default="/",
-         metavar="DIR")
-    p.add_argument("--version", action="store_true", help="print the version and exit")
-    return p
 
 
 _UNSET = object()
