@@ -43,9 +43,12 @@ _SENSITIVE_PREFIXES = ("PYTHON", "LD_", "TORCH_", "PYTORCH_", "OMP_", "MKL_", "K
 _SENSITIVE = ("GLIBC_TUNABLES", "LANG", "LANGUAGE")
 
 
+_HONOURED = ("PYTHONUNBUFFERED",)  # a forked child makes its std streams as python -u would (_stdio)
+
+
 def sensitive(name):
     """Whether a variable changes what python or torch read as they start (so a fork cannot honour it)."""
-    return name.startswith(_SENSITIVE_PREFIXES) or name in _SENSITIVE
+    return (name.startswith(_SENSITIVE_PREFIXES) or name in _SENSITIVE) and name not in _HONOURED
 
 
 def env_refusal(env, server_env):
@@ -94,7 +97,9 @@ def _read_request(conn):
 def serve(listen_fd, parent, script):
     """Accept requests until the parent goes; returns (request, fds) in a forked child only."""
     import torch  # noqa: F401  (import only: no thread, no computation, before any fork)
+    import torch._dynamo  # noqa: F401  (what DDP's constructor imports: 1-2 CPU-s more a rank that reaches it)
     import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
     lst = socket.socket(fileno=listen_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -102,6 +107,7 @@ def serve(listen_fd, parent, script):
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *a: None)
     server_env = dict(os.environ)
+    SERVER_ENV.update(server_env)
     kids = {}  # pid -> the connection its status goes back on
     while os.getppid() == parent:
         ready, _, _ = select.select([lst, wake_r], [], [], 1.0)
@@ -195,15 +201,17 @@ def _stdio(unbuffered):
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = made
 
 
-def become(req, fds):
-    """In the forked child: turn into `python SCRIPT ARGS` as the request describes, then run it."""
-    if req.get("setsid"):
+def _session(setsid, pgid):
+    if setsid:
         os.setsid()
-    elif req.get("pgid") is not None:
-        os.setpgid(0, req["pgid"])
-    os.umask(req["umask"])
-    os.chdir(req["cwd"])
-    for target, fd in enumerate(fds):
+    elif pgid is not None:
+        os.setpgid(0, pgid)
+
+
+def _own_fds(fds):
+    """Descriptors 0-2 := fds, every other descriptor closed."""
+    high = [os.dup(fd) for fd in fds]  # out of 0-2 first: a source may be one of the targets
+    for target, fd in enumerate(high):
         os.dup2(fd, target)
     for name in os.listdir("/proc/self/fd"):
         if int(name) > 2:
@@ -211,16 +219,31 @@ def become(req, fds):
                 os.close(int(name))
             except OSError:
                 pass
+
+
+def become(req, fds):
+    """In the forked child: turn into `python SCRIPT ARGS` as the request describes, then run it."""
+    _session(req.get("setsid"), req.get("pgid"))
+    os.umask(req["umask"])
+    os.chdir(req["cwd"])
+    _own_fds(fds)
+    _run_script(req["argv"], req["env"])
+
+
+def _run_script(argv, env):
+    """The rest of becoming `python SCRIPT ARGS` (descriptors, session and directory already set): the
+    environment, the command line, sys.argv, fresh std streams, then the script as __main__. The tool's own
+    starts of `python SCRIPT ...` from here on (its local launcher's ranks) are forked in place (_in_place)."""
     os.environ.clear()
-    os.environ.update(req["env"])
+    os.environ.update(env)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     time.tzset()
-    argv = req["argv"]
     _set_cmdline(argv)
     script = argv[1]
     sys.argv = list(argv[1:])
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     _stdio(bool(os.environ.get("PYTHONUNBUFFERED")))
+    subprocess.Popen._execute_child = _in_place(script)
     import runpy
     try:
         runpy.run_path(script, run_name="__main__")
@@ -233,6 +256,79 @@ def become(req, fds):
         e.__traceback__ = tb or e.__traceback__
         sys.excepthook(type(e), e, e.__traceback__)
         sys.exit(1)
+
+
+_PLAIN_EXECUTE = subprocess.Popen._execute_child
+SERVER_ENV = {}  # the server's starting environment (serve), what torch was imported under
+
+
+def _in_place(script):
+    """Popen._execute_child for a forked child: a start of `python SCRIPT ARGS` (this python, this script) that
+    a fork can reproduce is forked from this process, which has torch imported, as a child of it (its parent is
+    who asked, as with exec: PR_SET_PDEATHSIG, getppid, /proc see the same); any other start is Popen's own."""
+    def execute(self, *args):
+        a = dict(zip(_EXEC_PARAMS, args, strict=False))
+        env = os.environ if a.get("env") is None else a["env"]
+        env = {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()}
+        argv = a["args"] if isinstance(a["args"], (list, tuple)) else [a["args"]]
+        argv = [os.fsdecode(x) for x in argv]
+        if (len(args) != len(_EXEC_PARAMS) or a.get("shell") or a.get("executable") is not None or a.get("pass_fds")
+                or not a.get("close_fds", True) or not a.get("restore_signals", True) or threading.active_count() > 1
+                or any(a.get(k) not in (None, -1) for k in ("uid", "gid", "gids", "umask"))
+                or refusal(argv, env, SERVER_ENV, sys.executable, script)):
+            return _PLAIN_EXECUTE(self, *args)
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+            stream.flush()
+        fds = [a["p2cread"] if a["p2cread"] != -1 else 0, a["c2pwrite"] if a["c2pwrite"] != -1 else 1,
+               a["errwrite"] if a["errwrite"] != -1 else 2]
+        pid = os.fork()
+        if pid == 0:
+            _child(argv, env, a, fds)
+        self.pid, self._child_created = pid, True
+        self._close_pipe_fds(a["p2cread"], a["p2cwrite"], a["c2pread"], a["c2pwrite"], a["errread"], a["errwrite"])
+    return execute
+
+
+def _child(argv, env, a, fds):
+    """The forked child of _in_place: as _posixsubprocess orders it (session, descriptors, directory, preexec_fn),
+    then the script; it ends here (os._exit) as python would end, never unwinding into the caller's frames."""
+    code = 1
+    try:
+        for sig in signal.valid_signals():  # a fresh python's handlers, not the caller's
+            if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
+                signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.set_wakeup_fd(-1)
+        pg = a.get("process_group")
+        _session(a.get("start_new_session"), None if pg in (None, -1) else pg)
+        _own_fds(fds)
+        if a.get("cwd") is not None:
+            os.chdir(a["cwd"])
+        if a.get("preexec_fn") is not None:
+            a["preexec_fn"]()
+        try:
+            _run_script(argv, env)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int) and e.code is not None:
+                print(e.code, file=sys.stderr)
+        except KeyboardInterrupt:
+            code = -signal.SIGINT
+        threading._shutdown()
+        import atexit
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+    except BaseException:  # the start itself failed: said as Popen's child would say it, exit 255
+        import traceback
+        traceback.print_exc()
+        code = 255
+    finally:
+        if code == -signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code & 0xFF)
 
 
 # ---------------------------------------------------------------------------- the test side

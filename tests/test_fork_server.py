@@ -22,7 +22,7 @@ if what == "report":
                       "getenv_x": os.getenv("FORK_X"), "home_gone": "FORK_GONE" not in os.environ,
                       "tmp": tempfile.gettempdir(), "name": __name__, "file": __file__, "path0": sys.path[0],
                       "cmdline": cmd, "sid": os.getsid(0), "pid": os.getpid(), "umask": os.umask(0),
-                      "line": sys.stdin.readline()}))
+                      "line": sys.stdin.readline(), "ppid": os.getppid(), "torch": "torch" in sys.modules}))
     print("to stderr", file=sys.stderr)
     sys.exit(3)
 if what == "sleep":
@@ -34,6 +34,15 @@ if what == "raise":
     raise ValueError("from the probe")
 if what == "message":
     sys.exit("a message")
+if what == "spawn":  # start `python PROBE report` as the tool's local launcher starts its ranks
+    import subprocess
+    mark = sys.argv[3]
+    p = subprocess.Popen([sys.executable, __file__, "report"], env=dict(os.environ, **json.loads(sys.argv[2])),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, preexec_fn=lambda: open(mark, "w").close())
+    out, err = p.communicate("in\n", timeout=120)
+    print(json.dumps({"rc": p.returncode, "child": json.loads(out), "err": err, "me": os.getpid(),
+                      "marked": os.path.exists(mark)}))
 '''
 
 
@@ -146,3 +155,20 @@ def test_the_tool_forked_and_plain_say_the_same(monkeypatch):
         assert forked.forked, forked.fallback
     assert (forked.returncode, fo, fe) == (plain.returncode, po, pe) == (0, po, "")
     assert str(SCRIPT) in forked.args
+
+
+@pytest.mark.parametrize("extra,in_place", [({}, True), ({"PYTHONUNBUFFERED": "1"}, True), ({"LD_PRELOAD": ""}, False)])
+def test_a_forked_childs_own_start_of_the_script_is_forked_in_place(server, tmp_path, extra, in_place):
+    """What the tool's local launcher starts (`python SCRIPT ...` with preexec_fn and a session of its own) is
+    forked from the launcher itself, torch already imported, as its child; a start a fork cannot reproduce
+    (a variable torch reads at import) is a fresh python, as before."""
+    p = forks.ToolPopen([sys.executable, server.script, "spawn", json.dumps(extra), str(tmp_path / "mark")],
+                        server=server, env=clean_env({"FORK_X": "x"}), text=True, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=180)
+    assert p.forked and p.returncode == 0, (p.fallback, out, err)
+    r = json.loads(out)
+    child = r["child"]
+    assert (r["rc"], r["err"], r["marked"], child["line"], child["x"]) == (3, "to stderr\n", True, "in\n", "x"), r
+    assert child["ppid"] == r["me"] and child["sid"] == child["pid"] and child["name"] == "__main__", child
+    assert child["torch"] is in_place, child
