@@ -1,30 +1,32 @@
 """The tests' fork server: ranks of the tool started without importing torch again.
 
-Each run of the tool the tests start as `python ddp_mesh_ping.py ARGS` imports torch (about 2 CPU-seconds on
-a 2-core machine), and the suite starts many hundreds of them. The fork server is a python of the test venv,
-one per pytest process, started on the first request, that imports torch and torch.distributed once (import
-only: no thread, no computation, nothing that a fork breaks) and forks a child per request. The child becomes
-what `python ddp_mesh_ping.py ARGS` would have been: its session or process group as the Popen call asked,
-the caller's umask and working directory, stdin/stdout/stderr from the caller's file descriptors (passed over
-the Unix socket), every other descriptor closed, the environment replaced wholesale, /proc/<pid>/cmdline
-rewritten to `python ddp_mesh_ping.py ARGS` (the server's own command line carries the room: no exec), sys.argv
-and sys.path[0] a script's, fresh sys.std* streams, then `runpy.run_path(script, run_name="__main__")`. An
-exit, an uncaught exception (its traceback on stderr, exit 1) or a signal ends it as it would end a python; the
-server reaps it and writes its return code (-signum for a signal, as Popen says it) back on the request's
-connection.
+Each run of the tool the tests start as `python ddp_mesh_ping.py ARGS` imports torch (about 2 CPU-seconds on a
+2-core machine), and the suite starts many hundreds of them. The fork server is a python of the test venv, one per
+pytest process, started on the first request, that imports torch, torch.distributed and what DDP's constructor
+imports once (import only: no thread, no computation, nothing that a fork breaks) and forks a child per request.
+The child becomes what `python ddp_mesh_ping.py ARGS` would have been: its session or process group as the Popen
+call asked, the caller's umask and working directory, stdin/stdout/stderr from the caller's file descriptors
+(passed over the Unix socket), every other descriptor closed, the environment replaced wholesale,
+/proc/<pid>/cmdline rewritten to `python ddp_mesh_ping.py ARGS` (the server's own command line carries the room: no
+exec), sys.argv and sys.path[0] a script's, fresh sys.std* streams, then `runpy.run_path(script,
+run_name="__main__")`. An exit, an uncaught exception (its traceback on stderr, exit 1) or a signal ends it as it
+would end a python; the server reaps it and writes its return code (-signum for a signal, as Popen says it) back on
+the request's connection. The child's own starts of `python ddp_mesh_ping.py ...` (the tool's local launcher's
+ranks) are forked in place by the same rule (_in_place): children of the child, as exec would make them.
 
 The test side is `ToolPopen`, a subprocess.Popen whose start goes through the server: pipes, text mode,
-communicate(), wait(timeout) and TimeoutExpired, poll(), kill(), terminate(), send_signal() and `with` are
-Popen's own. A start the fork cannot reproduce is a plain Popen (`refusal` says why): another python or script,
-a shell, preexec_fn, user/group, pass_fds, close_fds=False, an environment that changes what python or torch
-read when they start (PYTHON*, LD_*, TORCH_*, PYTORCH_*, OMP_*, MKL_*, KMP_*, GOMP_*, MALLOC_*, GLIBC_TUNABLES,
-LC_*, LANG, LANGUAGE differing from the server's), a command line longer than the room, or a server that does
-not answer. AIV_TEST_FORK=1 (the default) turns the server on; 0 makes every start a plain Popen.
+communicate(), wait(timeout) and TimeoutExpired, poll(), kill(), terminate(), send_signal() and `with` are Popen's
+own. A start the fork cannot reproduce is a plain Popen (`refusal` says why): another python or script, a shell,
+preexec_fn, user/group, pass_fds, close_fds=False, an environment that changes what python or torch read when they
+start (PYTHON* but PYTHONUNBUFFERED, which the child's streams honour, LD_*, TORCH_*, PYTORCH_*, OMP_*, MKL_*,
+KMP_*, GOMP_*, MALLOC_*, GLIBC_TUNABLES, LC_*, LANG, LANGUAGE differing from the server's), a command line longer
+than the room, or a server that does not answer. AIV_TEST_FORK=1 (the default) turns the server on; 0 makes every
+start a plain Popen.
 
-What differs from a fresh process, by construction: the rank's parent is the fork server (the same for every
-rank a pytest process starts, as the pytest process was), /proc/<pid>/environ shows the server's starting
-environment (os.environ and getenv are the request's), the command line ends in padding NULs, and the string
-hash seed is the server's.
+What differs from a fresh process, by construction: the rank's parent is the fork server (the same for every rank a
+pytest process starts, as the pytest process was), /proc/<pid>/environ shows the server's starting environment
+(os.environ and getenv are the request's), the command line ends in padding NULs, the string hash seed is the
+server's, and DDP's imports are done before the DDP step.
 """
 import inspect
 import json

@@ -28,8 +28,9 @@
 #   TEST_TIMELINE    a file: each test's worker, start and end appended as a JSON line (unset: none);
 #                    python3 bench/suite_timeline.py FILE says where the time went
 #   AIV_TEST_FORK    1 (default): the tests' runs of the tool are forked from a fork server per pytest process,
-#                    which imported torch once (tests/fork_server.py), instead of each importing torch itself;
-#                    a start a fork cannot reproduce is still a plain process. 0: every run a plain process
+#                    which imported torch once (tests/fork_server.py), instead of each importing torch itself,
+#                    and a forked run's local launcher forks its ranks in place; a start a fork cannot
+#                    reproduce is still a plain process. 0: every run a plain process
 # Each worker that runs tests/test_slurm.py brings up a Slurm test cluster of its own (tests/slurm_cluster.sh
 # keeps several apart, each in namespaces of its own); each worker gets a share of equal cost, its waits
 # spread out, and an idle worker takes over half of a busy one's queue (--dist worksteal; conftest.py).
