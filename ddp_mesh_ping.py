@@ -2828,7 +2828,7 @@ def process_owner(pid, root="/"):
     node check's own device worker, by WORKER_ARG on its command line), each None where it cannot be read
     (another PID namespace, gone)."""
     base = os.path.join(root, "proc", str(pid))
-    ours = WORKER_ARG.encode() in (read_bytes(os.path.join(base, "cmdline")) or b"").split(b"\0")
+    ours = WORKER_ARG in (read_text(os.path.join(base, "cmdline"), "") or "").split("\0")
     status = read_text(os.path.join(base, "status"), "") or ""
     uid = re.search(r"^Uid:\s+(\d+)", status, re.M)
     user = None
@@ -2842,14 +2842,6 @@ def process_owner(pid, root="/"):
     return {"name": name, "user": user, "job": job.group(1) if job else None, "ours": ours or None}
 
 
-def read_bytes(path, limit=65536):
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit)
-    except OSError:
-        return None
-
-
 def pci_gpus(root="/"):
     """PCI bus ids of NVIDIA display and 3D controllers (vendor 0x10de, class 0x0300xx or 0x0302xx; not the
     NVSwitches) on the bus: what the hardware holds, whatever the driver makes of it."""
@@ -2858,13 +2850,11 @@ def pci_gpus(root="/"):
         names = sorted(os.listdir(base))
     except OSError:
         return []
-    out = []
-    for n in names:
-        vendor = (read_text(os.path.join(base, n, "vendor"), "") or "").strip().lower()
-        cls = (read_text(os.path.join(base, n, "class"), "") or "").strip().lower()
-        if vendor == "0x10de" and cls.startswith(("0x0300", "0x0302")):
-            out.append(n.lower())
-    return out
+
+    def attr(n, name):
+        return (read_text(os.path.join(base, n, name), "") or "").strip().lower()
+    return [n.lower() for n in names
+            if attr(n, "vendor") == "0x10de" and attr(n, "class").startswith(("0x0300", "0x0302"))]
 
 
 def read_kmsg(root="/", seconds=1.0, limit=8 << 20):
@@ -8957,11 +8947,6 @@ def fallback_verdict(found, code, world, written_by, hosts=()):
 STATUS_WORD = {"FAIL": "FAILURE", "WARN": "WARNING", "PASS": "PASS"}
 
 
-def _judged(state):
-    """The checks this pass judged (a PASS or more), in the order it judged them."""
-    return list(dict.fromkeys(f["check"] for f in state.get("findings") or [] if not f.get("unassessed")))
-
-
 def _shorts(fs, limit=3):
     words = [f.get("short") or f["reason"] for f in fs[:limit]]
     return "; ".join(words) + (f" (+{len(fs) - limit} more)" if len(fs) > limit else "")
@@ -8985,7 +8970,8 @@ def node_summary(state):
         return f"{head}: {_shorts(why, 2)}; exit {state['exit_code']} (fail open: nothing drained){took}"
     dev = state.get("devices") or {}
     n = len(dev.get("ids") or [])
-    words = [f"{n} {'CPU worker(s)' if state.get('cpu') else 'GPU(s)'}", "judged: " + ", ".join(_judged(state))]
+    judged = dict.fromkeys(f["check"] for f in fs if not f.get("unassessed"))  # a PASS or more, in the order judged
+    words = [f"{n} {'CPU worker(s)' if state.get('cpu') else 'GPU(s)'}", "judged: " + ", ".join(judged)]
     if dev.get("busy"):
         words.append(f"busy, not judged: GPU {format_ranges(int(i) for i in dev['busy'])}")
     if state.get("skipped"):
@@ -13771,13 +13757,9 @@ def node_worker(spec):
     except Exception as e:
         say("ready", **_failure(e))
         return 0
-
-    def step(name, fn, need):
-        _worker_step(name, fn, need, until)
+    step = functools.partial(_worker_step, until=until)
     uuid, pci = (gpu or {}).get("uuid"), (gpu or {}).get("pci")
-
-    def speed():
-        return screen_measure_gpu(torch, dev, kind, uuid, pci, spec["root"])
+    speed = functools.partial(screen_measure_gpu, torch, dev, kind, uuid, pci, spec["root"])
     if spec["numerics"]:
         step("numerics", lambda: numerics_measure(torch, dev, kind), NODE_STEP_S["numerics"][kind])
     if spec["speed"]:
@@ -14170,9 +14152,7 @@ class NodeCheck(NodeLock, NodeCompute):
     def held_again(self, exe):
         """prolog, epilog: the processes on the job's GPUs looked for again NODE_HELD_AGAIN_S later; only those still
         there count (a process tearing down at the job's boundary is not a leftover)."""
-        f = self.facts
-        raw = self.env.get("SLURM_JOB_GPUS")
-        ids = parse_gpu_ids(raw) if raw else None
+        f, ids = self.facts, parse_gpu_ids(self.env.get("SLURM_JOB_GPUS"))  # None: every GPU
         job = {g["uuid"] for g in f["rows"] if ids is None or g["index"] in ids}
         if not any(p["uuid"] in job for p in f["apps"]):
             return
