@@ -6954,13 +6954,9 @@ def screen_suspect_links(results, min_busbw=None, cpu=False):
     if not results:
         return []
     d = screen_diagnose(results, min_busbw, cpu)
-    out = []
-    for i in d["suspect_links"]:
-        m = results[i]
-        bw, ref = float(m.get("busbw") or 0.0), d["refs"][m["rail"]]["ref"] or 1.0
-        out.append({"hosts": _screen_sorted(m["nodes"]), "rail": m["rail"], "busbw": float(f"{bw:.4g}"),
-                    "ratio": round(bw / ref, 3)})
-    return out
+    return [{"hosts": _screen_sorted(m["nodes"]), "rail": m["rail"], "busbw": float(f"{bw:.4g}"),
+             "ratio": round(bw / (d["refs"][m["rail"]]["ref"] or 1.0), 3)}
+            for m in (results[i] for i in d["suspect_links"]) for bw in [float(m.get("busbw") or 0.0)]]
 
 
 def screen_third_round(results, min_busbw=None, cpu=False):
