@@ -2828,7 +2828,7 @@ def process_owner(pid, root="/"):
     node check's own device worker, by WORKER_ARG on its command line), each None where it cannot be read
     (another PID namespace, gone)."""
     base = os.path.join(root, "proc", str(pid))
-    ours = WORKER_ARG.encode() in (read_bytes(os.path.join(base, "cmdline")) or b"").split(b"\0")
+    ours = WORKER_ARG in (read_text(os.path.join(base, "cmdline"), "") or "").split("\0")
     status = read_text(os.path.join(base, "status"), "") or ""
     uid = re.search(r"^Uid:\s+(\d+)", status, re.M)
     user = None
@@ -2842,14 +2842,6 @@ def process_owner(pid, root="/"):
     return {"name": name, "user": user, "job": job.group(1) if job else None, "ours": ours or None}
 
 
-def read_bytes(path, limit=65536):
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit)
-    except OSError:
-        return None
-
-
 def pci_gpus(root="/"):
     """PCI bus ids of NVIDIA display and 3D controllers (vendor 0x10de, class 0x0300xx or 0x0302xx; not the
     NVSwitches) on the bus: what the hardware holds, whatever the driver makes of it."""
@@ -2858,13 +2850,11 @@ def pci_gpus(root="/"):
         names = sorted(os.listdir(base))
     except OSError:
         return []
-    out = []
-    for n in names:
-        vendor = (read_text(os.path.join(base, n, "vendor"), "") or "").strip().lower()
-        cls = (read_text(os.path.join(base, n, "class"), "") or "").strip().lower()
-        if vendor == "0x10de" and cls.startswith(("0x0300", "0x0302")):
-            out.append(n.lower())
-    return out
+
+    def attr(n, name):
+        return (read_text(os.path.join(base, n, name), "") or "").strip().lower()
+    return [n.lower() for n in names
+            if attr(n, "vendor") == "0x10de" and attr(n, "class").startswith(("0x0300", "0x0302"))]
 
 
 def read_kmsg(root="/", seconds=1.0, limit=8 << 20):
@@ -3240,14 +3230,9 @@ def parse_smi(text, keys=SMI_KEYS):
         return {}
     out = {}
     for key, v in zip(keys, vals, strict=True):
-        with contextlib.suppress(ValueError):
-            if key == "throttle":
-                out[key] = int(v, 16)
-            elif key.startswith("remap_"):
-                if v.lower() in ("yes", "no"):
-                    out[key] = v.lower() == "yes"
-            else:
-                out[key] = float(v)
+        with contextlib.suppress(ValueError, KeyError):  # a value of none of these shapes is left out
+            out[key] = (int(v, 16) if key == "throttle" else {"yes": True, "no": False}[v.lower()]
+                        if key.startswith("remap_") else float(v))
     return out
 
 
@@ -3258,12 +3243,9 @@ NODE_SMI_KEYS = ("uuid", "ecc_uncorrected", "remap_pending", "remap_failure")
 def parse_node_smi(text):
     """The node's one nvidia-smi answer (NODE_SMI_FIELDS, one line per GPU) -> {uuid: {key: value}}; a line of
     the wrong shape or without a UUID is left out."""
-    out = {}
-    for line in (text or "").splitlines():
-        vals = [v.strip() for v in line.split(",")]
-        if len(vals) == len(NODE_SMI_KEYS) and vals[0].startswith(("GPU-", "MIG-")):
-            out[vals[0]] = parse_smi(",".join(vals[1:]), NODE_SMI_KEYS[1:])
-    return out
+    rows = [[v.strip() for v in line.split(",")] for line in (text or "").splitlines()]
+    return {vals[0]: parse_smi(",".join(vals[1:]), NODE_SMI_KEYS[1:]) for vals in rows
+            if len(vals) == len(NODE_SMI_KEYS) and vals[0].startswith(("GPU-", "MIG-"))}
 
 
 def read_node_smi(exe, bound=NODE_SMI_S, box=None):
@@ -3274,11 +3256,10 @@ def read_node_smi(exe, bound=NODE_SMI_S, box=None):
     r = run_bounded(cmd, bound, box, "nvidia-smi")  # its own group: a wrapper's children die too; reaped bounded
     if "unread" in r:
         return {"unread": r["unread"], "bound": bound}
-    out, err = r["out"], r["err"]
     if r["rc"] != 0:
-        why = first_text_line(err or out)
+        why = first_text_line(r["err"] or r["out"])
         return {"unread": f"nvidia-smi exited {r['rc']}" + (f": {why}" if why else ""), "bound": bound}
-    return {"gpus": parse_node_smi(out)}
+    return {"gpus": parse_node_smi(r["out"])}
 
 
 def start_node_smi():
@@ -3780,17 +3761,13 @@ def soak_summary(samples):
     """A soak's telemetry samples -> the row's fields: samples, max temperature, min/max SM clock, the
     rated max SM clock, max power, the clock-event reasons seen (OR of the masks) and per reason name the
     count of samples that showed it."""
-    def col(k):
-        return [float(s[k]) for s in samples if s.get(k) is not None]
     out = {"samples": len(samples)}
     for key, k, f in (("temp_max_c", "temp_c", max), ("sm_min_mhz", "sm_mhz", min), ("sm_max_seen_mhz", "sm_mhz", max),
                       ("sm_rated_mhz", "sm_max_mhz", max), ("power_max_w", "power_w", max)):
-        v = col(k)
+        v = [float(s[k]) for s in samples if s.get(k) is not None]
         out[key] = round(f(v), 1) if v else None
     masks = [int(s["throttle"]) for s in samples if s.get("throttle") is not None]
-    seen = 0
-    for m in masks:
-        seen |= m
+    seen = functools.reduce(int.__or__, masks, 0)
     out["throttle_seen"] = seen if masks else None
     out["throttle_reasons"] = throttle_names(seen)
     out["throttle_counts"] = {n: sum(n in throttle_names(m) for m in masks) for n in throttle_names(seen)}
@@ -6086,12 +6063,8 @@ def screen_layout(records):
 def screen_rail_groups(node_groups, by_node):
     """Per group of nodes, one group per rail (a local rank present on each of them):
     [{'ranks': sorted global ranks, 'nodes': [host, ...], 'rail': local rank}]."""
-    out = []
-    for nodes in node_groups:
-        rails = set.intersection(*(set(by_node.get(n, {})) for n in nodes))
-        out += [{"ranks": sorted(by_node[n][rail] for n in nodes), "nodes": list(nodes), "rail": rail}
-                for rail in sorted(rails)]
-    return out
+    return [{"ranks": sorted(by_node[n][rail] for n in nodes), "nodes": list(nodes), "rail": rail}
+            for nodes in node_groups for rail in sorted(set.intersection(*(set(by_node.get(n, {})) for n in nodes)))]
 
 
 def screen_plan(records):
@@ -6169,15 +6142,11 @@ def screen_gpu_rows(records, posts, cpu=False):
     row of its node's one nvidia-smi call (node.smi.gpus, by UUID: ECC and row remapping) where there is one."""
     smi = {u: row for rec in records
            for u, row in (((rec.get("node") or {}).get("smi") or {}).get("gpus") or {}).items()}
-    out = []
-    for rec in sorted(records, key=lambda r: r["rank"]):
-        p = posts.get(rec["rank"])
-        if p is not None:
-            g = rec.get("gpu") or {}
-            out.append({"rank": rec["rank"], "host": rec["host"], "local_rank": rec["local_rank"],
-                        "uuid": g.get("uuid"), "model": g.get("name") or ("cpu" if cpu else None),
-                        **(smi.get(g.get("uuid")) or {}), **{k: v for k, v in p.items() if k != "rank"}})
-    return out
+    return [{"rank": rec["rank"], "host": rec["host"], "local_rank": rec["local_rank"], "uuid": g.get("uuid"),
+             "model": g.get("name") or ("cpu" if cpu else None), **(smi.get(g.get("uuid")) or {}),
+             **{k: v for k, v in posts[rec["rank"]].items() if k != "rank"}}
+            for rec in sorted(records, key=lambda r: r["rank"]) if posts.get(rec["rank"]) is not None
+            for g in [rec.get("gpu") or {}]]
 
 
 def _screen_group_words(g):
@@ -6404,10 +6373,7 @@ def gpu_table_row(model):
 
 def table_level(value, ref):
     """'FAIL', 'WARN' or 'OK' of a value against a table number (None: 'OK'); a value of None is 0.0."""
-    if not ref:
-        return "OK"
-    v = 0.0 if value is None else float(value)
-    return "FAIL" if v < SCREEN_TABLE_FAIL * ref else "WARN" if v < SCREEN_TABLE_WARN * ref else "OK"
+    return screen_level(value, {"ref": ref}, SCREEN_TABLE_FAIL, SCREEN_TABLE_WARN)
 
 
 def _table_rule():
@@ -6426,11 +6392,10 @@ def gpu_refs(per_rank, floors, cpu=False, bands=None):
             table = {"row": row["row"], "ref": row[metric]} if row else None
             floor = floors.get(floor_name)
             band = None if bands is None else (f"gpu.{metric}/{model}" if f"gpu.{metric}/{model}" in bands else "")
-            noun = "rank" if cpu else "GPU"
             out[(model, metric)] = {
                 "peers": peers, "table": table, "floor": floor,
-                "against": screen_against(f"{SCREEN_GPU_LABELS[metric]} of {model}", len(rs), noun, "model", peers,
-                                          unit.split()[0], table, floor, floor_name, band,
+                "against": screen_against(f"{SCREEN_GPU_LABELS[metric]} of {model}", len(rs), "rank" if cpu else "GPU",
+                                          "model", peers, unit.split()[0], table, floor, floor_name, band,
                                           "CPU ranks" if cpu else "")}
     return out
 
@@ -6507,14 +6472,13 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None)
     if not flags:
         return [_gpu_perf_pass(len(per_rank), [x["against"] for x in allrefs.values()], cpu)]
     items = list(flags.items())
-    if len(items) <= SCREEN_LIST_MAX:
-        out = [_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                                       f"{who(r)}: " + "; ".join(t for _, _, t in fl) + _gpu_unused(r, allrefs),
-                                       [r.get("host")], [rk]),
-                               evidence=_gpu_evidence(r, allrefs, cpu), action=_gpu_action(r)), [r])
-               for rk, (r, fl) in items]
-        return _gpu_everyone(out, per_rank)
-    return _gpu_everyone(_gpu_perf_many(items, who), per_rank)
+    if len(items) > SCREEN_LIST_MAX:
+        return _gpu_everyone(_gpu_perf_many(items, who), per_rank)
+    return _gpu_everyone([_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
+                                                  f"{who(r)}: " + "; ".join(t for _, _, t in fl)
+                                                  + _gpu_unused(r, allrefs), [r.get("host")], [rk]),
+                                          evidence=_gpu_evidence(r, allrefs, cpu), action=_gpu_action(r)), [r])
+                          for rk, (r, fl) in items], per_rank)
 
 
 def _gpu_unused(r, allrefs):
@@ -6540,10 +6504,9 @@ def _gpu_evidence(r, allrefs, cpu):
 
 
 def _gpu_action(r):
-    return ("drain the node and run the vendor's diagnostics (dcgmi diag -r 3): clocks, power or thermal limits "
-            "(see the GPU facts), a degraded PCIe link" if _gpu_again(r) else
-            "re-run the preflight; if the GPU is slow again, drain the node and run the vendor's diagnostics "
-            "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
+    drain = ("drain the node and run the vendor's diagnostics (dcgmi diag -r 3): clocks, power or thermal limits "
+             "(see the GPU facts), a degraded PCIe link")
+    return drain if _gpu_again(r) else f"re-run the preflight; if the GPU is slow again, {drain}"
 
 
 def _gpu_perf_many(items, who):
@@ -6659,10 +6622,9 @@ def gpu_fact_problems(row):
     pending row remap WARN (error containment and dynamic page offlining keep new work unaffected; the remap
     takes effect at the next GPU reset), a failed row remap FAILs (the GPU meets NVIDIA's RMA policy)."""
     out, g = [], row.get
-    if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
-        out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
-    if g("pcie_speed") and g("pcie_speed_max") and g("pcie_speed") < g("pcie_speed_max"):
-        out.append(("WARN", f"PCIe link {g('pcie_speed'):g} of {g('pcie_speed_max'):g} GT/s under load"))
+    for k, link in (("pcie_width", "x{} of x{}"), ("pcie_speed", "{:g} of {:g} GT/s")):  # below its maximum
+        if g(k) and g(f"{k}_max") and g(k) < g(f"{k}_max"):
+            out.append(("WARN", f"PCIe link {link.format(g(k), g(f'{k}_max'))} under load"))
     if int(g("throttle") or 0) & THROTTLE_FAULTS:
         clock = f" (SM {g('sm_mhz'):g} of {g('sm_max_mhz'):g} MHz)" if g("sm_mhz") and g("sm_max_mhz") else ""
         out.append(("WARN", f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}{clock}"))
@@ -6745,14 +6707,11 @@ def gpu_remeasured(per_rank, again):
     out = []
     for r in per_rank or []:
         new = (again or {}).get(r["rank"])
-        if not isinstance(new, dict):
-            out.append(r)
-            continue
-        merged = dict(r, tries=int(r.get("tries") or 1) + 1,
-                      first={k: r.get(k) for k, _, _ in SCREEN_GPU_METRICS})
-        for k, _, _ in SCREEN_GPU_METRICS:
-            merged[k] = max([v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))], default=None)
-        out.append(merged)
+        if isinstance(new, dict):
+            r = dict(r, tries=int(r.get("tries") or 1) + 1, first={k: r.get(k) for k, _, _ in SCREEN_GPU_METRICS},
+                     **{k: max([v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))], default=None)
+                        for k, _, _ in SCREEN_GPU_METRICS})
+        out.append(r)
     return out
 
 
@@ -6789,12 +6748,11 @@ def screen_best(rows, redone):
     out = []
     for m in rows:
         r = best.get((tuple(m["nodes"]), m["rail"]))
-        if r is None:
-            out.append(m)
-            continue
-        keep = m if (m.get("busbw") or 0.0) >= (r.get("busbw") or 0.0) else dict(m, busbw=r["busbw"],
-                                                                               time_us=r.get("time_us"))
-        out.append(dict(keep, tries=m.get("tries", 1) + 1, first=m.get("first", m.get("busbw"))))
+        if r is not None:
+            keep = m if (m.get("busbw") or 0.0) >= (r.get("busbw") or 0.0) else dict(m, busbw=r["busbw"],
+                                                                                   time_us=r.get("time_us"))
+            m = dict(keep, tries=m.get("tries", 1) + 1, first=m.get("first", m.get("busbw")))
+        out.append(m)
     return out
 
 
@@ -6891,11 +6849,10 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
         level, cls = levels[p["host"]]
         if level != "OK":
             v, ref = float(p.get("busbw") or 0.0), refs[cls]
-            why = (f"below the floor {min_busbw:g} GB/s (--min-busbw-intra, the floor decided)"
-                   if min_busbw is not None and v < min_busbw
+            floor = min_busbw is not None and v < min_busbw
+            why = (f"below the floor {min_busbw:g} GB/s (--min-busbw-intra, the floor decided)" if floor
                    else f"{v / ref['ref']:.2f} of the reference {_screen_ref_text(ref, 'GB/s')}"
                    + (f" of {_intra_class_text(cls)}" if len(refs) > 1 else "") + f" ({rule})")
-            floor = min_busbw is not None and v < min_busbw
             ev = _intra_evidence(p, ref if ref["count"] >= 2 and not floor else {"ref": None})
             flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {_sn(v)} GB/s: {why}", ev))
     if not flagged:
@@ -6944,19 +6901,6 @@ def _pair_evidence(results, levels):
     return ev
 
 
-def _pair_culprits(ev):
-    """Node-rails slow with two different partners (or partner groups) and fine with none: the node.
-    A node slow only because two of its partners were bad is fine with its suspect-round partner (a
-    node that passed), and so is cleared here."""
-    return {k for k, e in ev.items() if len(e["slow"]) >= 2 and not e["ok"]}
-
-
-def _pair_links(results, levels, culprits):
-    """Indices of slow measurements that no culprit node explains: the link or path between the members."""
-    return [i for i, (m, level) in enumerate(zip(results, levels, strict=True))
-            if level != "OK" and not any((n, m["rail"]) in culprits for n in m["nodes"])]
-
-
 def screen_diagnose(results, min_busbw=None, cpu=False):
     """Localisation over inter-node measurements (the shapes of judge_pairs). -> {
       'ref': screen_reference of all busbw (for the report), 'refs': {rail: reference} (the judge's),
@@ -6972,8 +6916,11 @@ def screen_diagnose(results, min_busbw=None, cpu=False):
     refs, levels = screen_pair_levels(results, min_busbw, cpu)
     nodes = _screen_sorted(n for m in results for n in m["nodes"])
     ev = _pair_evidence(results, levels)
-    culprits = _pair_culprits(ev)
-    links = _pair_links(results, levels, culprits)
+    # the node: slow with two different partners (or partner groups) and fine with none; a node slow only because
+    # two of its partners were bad is fine with its suspect-round partner (a node that passed), and so is cleared
+    culprits = {k for k, e in ev.items() if len(e["slow"]) >= 2 and not e["ok"]}
+    links = [i for i, (m, level) in enumerate(zip(results, levels, strict=True))  # the link or path between them
+             if level != "OK" and not any((n, m["rail"]) in culprits for n in m["nodes"])]
     two = len(nodes) == 2
     final = any(m.get("round") == 3 for m in results)
     lone = [] if two else [i for i in links if all(ev[(n, results[i]["rail"])]["ok"] for n in results[i]["nodes"])]
@@ -7007,13 +6954,9 @@ def screen_suspect_links(results, min_busbw=None, cpu=False):
     if not results:
         return []
     d = screen_diagnose(results, min_busbw, cpu)
-    out = []
-    for i in d["suspect_links"]:
-        m = results[i]
-        bw, ref = float(m.get("busbw") or 0.0), d["refs"][m["rail"]]["ref"] or 1.0
-        out.append({"hosts": _screen_sorted(m["nodes"]), "rail": m["rail"], "busbw": float(f"{bw:.4g}"),
-                    "ratio": round(bw / ref, 3)})
-    return out
+    return [{"hosts": _screen_sorted(m["nodes"]), "rail": m["rail"], "busbw": float(f"{bw:.4g}"),
+             "ratio": round(bw / (d["refs"][m["rail"]]["ref"] or 1.0), 3)}
+            for m in (results[i] for i in d["suspect_links"]) for bw in [float(m.get("busbw") or 0.0)]]
 
 
 def screen_third_round(results, min_busbw=None, cpu=False):
@@ -7068,9 +7011,8 @@ def _pair_node_findings(results, d):
             idx = slow[rail]
             # consistent evidence: the node is at least as bad as its least bad slow measurement
             statuses.append("WARN" if "WARN" in [d["levels"][i] for i in idx] else "FAIL")
-            hca = next((h for i in idx for h in [_screen_hca(results[i], n)] if h), None)
             bw, ref = _screen_median([float(results[i].get("busbw") or 0.0) for i in idx]), d["refs"][rail]["ref"]
-            parts.append(f"local rank {rail}" + (f" (HCA {hca})" if hca and len(rails) > 1 else "")
+            parts.append(f"local rank {rail}" + (_screen_hca_text(results, idx, [n]) if len(rails) > 1 else "")
                          + f" {_sn(bw)} GB/s = {bw / ref:.2f} of the rail's reference {_sn(ref)} GB/s")
             ratios.append(bw / ref)
         partners = _screen_sorted(p for rail in rails for ps in ev[(n, rail)]["slow"] for p in ps)
@@ -7161,7 +7103,7 @@ def judge_pairs(results, min_busbw=None, cpu=False):
     Reference: per rail (screen_rail_refs), each measurement FAIL/WARN/OK against it (screen_level with
     SCREEN_NET_FAIL/SCREEN_NET_WARN). Localised per rail (screen_diagnose): a node slow with two different
     partners (or groups) and fine with none is named on that rail (the HCA named when known; on every rail:
-    the node as a whole; _pair_culprits); a slow group none of whose members is such a node is the link or
+    the node as a whole); a slow group none of whose members is such a node is the link or
     path between them, a suspect link when every member is fine with another partner there (WARN at most,
     no host named, the JSON's suspect_links), else both named; two nodes only: the pair is named (nothing
     can localise it); widespread (screen_diagnose): one FAIL naming every suspect.
@@ -7196,11 +7138,8 @@ def judge_pairs(results, min_busbw=None, cpu=False):
 
 def screen_band_names(manifest, records, screen):
     """The manifest's speed bands that judge this run's measurements (as judge_bands: BAND_MIN_RUNS runs or
-    more, in the class of one of the run's nodes) -> sorted band names, [] without a manifest."""
-    classes = (manifest or {}).get("classes") or {}
-    return sorted({band for cls, band, *_ in _band_points(screen, _host_classes(records or []))
-                   for b in [((classes.get(cls) or {}).get("bands") or {}).get(band)]
-                   if b and b.get("runs", 1) >= BAND_MIN_RUNS})
+    more, in the class of one of the run's nodes: screen_band_lines) -> sorted band names, [] without a manifest."""
+    return sorted({b["band"] for b in screen_band_lines(manifest, records, screen)})
 
 
 def screen_judged_against(screen, bands=None):
@@ -7372,13 +7311,8 @@ def _pack(bundles):
 
 
 def _ring(lrs):
-    """Each GPU with its two neighbours in local-rank order: [(a, b)], a before b in lrs."""
-    n = len(lrs)
-    if n < 2:
-        return []
-    if n == 2:
-        return [(lrs[0], lrs[1])]
-    return [tuple(sorted((lrs[i], lrs[(i + 1) % n]))) for i in range(n)]
+    """Each GPU with its two neighbours in local-rank order: [(a, b)], a before b, each pair once."""
+    return list(dict.fromkeys(tuple(sorted(e)) for e in zip(lrs, lrs[1:] + lrs[:1], strict=True) if e[0] != e[1]))
 
 
 def _matchings(edges):
@@ -7474,9 +7408,8 @@ class _Loop:
                 continue
             ctrl = self.pick_controls(h, ilv) if r["tries"] + 1 >= SCREEN_CONTROL_TRY else []
             out.append([self.g_intra(h)] + [dict(self.g_intra(c), control=h) for c in ctrl])
-        out += [[{"ranks": self.pairs[i]["ranks"], "nodes": list(self.pairs[i]["nodes"]),
-                  "rail": self.pairs[i]["rail"], "kind": "pair", "round": self.pairs[i]["round"], "redo": i}]
-                for i in slow]
+        out += [[{"ranks": m["ranks"], "nodes": list(m["nodes"]), "rail": m["rail"], "kind": "pair",
+                  "round": m["round"], "redo": i}] for i in slow for m in [self.pairs[i]]]
         if self.third is None and not slow and self.pairs:
             self.third = screen_third_round(self.pairs, self.min_inter, self.cpu)
             if self.third["groups"]:
@@ -7485,18 +7418,14 @@ class _Loop:
         out += [[g] for g in self.todo3]
         return out, None
 
-    def start_local(self, h, ilv):
-        lrs = sorted(self.by_node[h])
-        self.local[h] = {"stage": 1, "edges": {e: [] for e in _matchings(_ring(lrs))}, "ctrl": {}, "refs": {},
-                         "controls": self.pick_controls(h, ilv), "result": None}
-
     def local_wants(self, ilv):
         """Localisation of the nodes slow in every try: their GPU pairs beside the controls' same pairs,
         the slow ones again, the remaining pairs when the ring shows none slow, then the node itself."""
-        for h, r in self.intra.items():
-            if h not in self.local and r["tries"] >= SCREEN_INTRA_TRIES and ilv.get(h, "OK") != "OK":
-                if len(r["ranks"]) >= 3:
-                    self.start_local(h, ilv)
+        for h, r in self.intra.items():  # slow in every try, three GPUs or more: its GPU pairs, a ring first
+            if h not in self.local and len(r["ranks"]) >= 3 and r["tries"] >= SCREEN_INTRA_TRIES \
+                    and ilv.get(h, "OK") != "OK":
+                self.local[h] = {"stage": 1, "edges": {e: [] for e in _matchings(_ring(sorted(self.by_node[h])))},
+                                 "ctrl": {}, "refs": {}, "controls": self.pick_controls(h, ilv), "result": None}
         out = []
         for h, st in self.local.items():
             if st["result"] is not None:
@@ -7606,11 +7535,8 @@ class _Loop:
         pairs = [{"gpus": list(e), "ranks": sorted(lr[x] for x in e), "busbw": max(vs), "tries": len(vs),
                   "ref": st["refs"].get(e), "level": lv[e]} for e, vs in sorted(st["edges"].items()) if vs]
         slow = {e for e, x in lv.items() if x != "OK"}
-        part = {}
-        for e in lv:
-            for g in e:
-                part.setdefault(g, {"slow": 0, "ok": 0})["slow" if e in slow else "ok"] += 1
-        gpus = sorted(g for g, c in part.items() if c["slow"] >= 2 and not c["ok"])
+        n_slow, n_ok = Counter(g for e in slow for g in e), Counter(g for e in lv if e not in slow for g in e)
+        gpus = sorted(g for g, c in n_slow.items() if c >= 2 and not n_ok[g])
         links = [list(e) for e in sorted(slow) if not set(e) & set(gpus)]
         return {"controls": st["controls"], "pairs": pairs, "gpus": gpus, "links": links,
                 "wide": bool(slow) and len(slow) == len(lv), "result": st["result"]}
@@ -7671,9 +7597,8 @@ def judge_screen(screen):
     """Every screen judgement. screen: the dict render_performance takes (screen_loop's and the GPU
     screen's). -> findings: judge_gpu_perf, judge_gpu_transients, judge_intra, judge_pairs, judge_transients."""
     cpu = bool(screen.get("cpu"))
-    floors = {"min_tflops": screen.get("min_tflops"), "min_hbm": screen.get("min_hbm")}
     return (judge_gpu_perf(screen.get("gpu") or [], screen.get("min_tflops"), screen.get("min_hbm"), cpu)
-            + judge_gpu_transients(screen.get("gpu") or [], floors, cpu)
+            + judge_gpu_transients(screen.get("gpu") or [], screen, cpu)  # the floors: min_tflops, min_hbm
             + judge_intra(screen.get("intra") or [], screen.get("min_busbw_intra"), cpu)
             + judge_pairs(screen.get("pairs") or [], screen.get("min_busbw_inter"), cpu)[0]
             + judge_transients(screen))
@@ -7805,14 +7730,10 @@ def parse_node_gpus(text):
 def parse_compute_apps(text):
     """nvidia-smi --query-compute-apps=NODE_APP_FIELDS --format=csv,noheader,nounits -> [{'pid', 'mem_mib',
     'uuid', 'name'}] (memory None where NVML does not say)."""
-    out = []
-    for line in (text or "").splitlines():
-        vals = [v.strip() for v in line.split(",")]
-        if len(vals) < 3 or not vals[0].isdigit() or not vals[2].startswith(("GPU-", "MIG-")):
-            continue
-        out.append({"pid": int(vals[0]), "mem_mib": int(vals[1]) if vals[1].isdigit() else None, "uuid": vals[2],
-                    "name": ",".join(vals[3:]).strip() or None})
-    return out
+    rows = [[v.strip() for v in line.split(",")] for line in (text or "").splitlines()]
+    return [{"pid": int(vals[0]), "mem_mib": int(vals[1]) if vals[1].isdigit() else None, "uuid": vals[2],
+             "name": ",".join(vals[3:]).strip() or None}
+            for vals in rows if len(vals) >= 3 and vals[0].isdigit() and vals[2].startswith(("GPU-", "MIG-"))]
 
 
 def parse_gpu_ids(text):
@@ -7826,12 +7747,9 @@ def parse_gpu_ids(text):
 
 def parse_gres_gpus(gres):
     """scontrol's Gres= ('gpu:8', 'gpu:h100:8(S:0-1)', 'gpu:a:4,gpu:b:4', '(null)') -> GPUs configured, None."""
-    total, seen = 0, False
-    for part in re.split(r",(?![^()]*\))", gres or ""):
-        m = re.fullmatch(r"gpu(?::[^:()]+)?:(\d+)(?:\(.*\))?", part.strip())
-        if m:
-            total, seen = total + int(m.group(1)), True
-    return total if seen else None
+    counts = [int(m.group(1)) for part in re.split(r",(?![^()]*\))", gres or "")
+              for m in [re.fullmatch(r"gpu(?::[^:()]+)?:(\d+)(?:\(.*\))?", part.strip())] if m]
+    return sum(counts) if counts else None
 
 
 def parse_gres_used(gres_used):
@@ -7896,16 +7814,10 @@ def node_devices(context, gpus, job_ids, nproc, allocated, apps, cpu):
     ids = list(range(nproc)) if cpu else [g["index"] for g in gpus]
     if job_ids is not None and (job_ids or not cpu):  # a job without GPUs: none of them (CPU workers still run)
         ids = [i for i in ids if i in job_ids]
-    held, busy = {}, {}
-    for i in ids:
-        procs = apps.get(i) or []
-        if context in ("prolog", "epilog"):
-            if procs:
-                held[i] = procs
-        elif procs:
-            busy[i] = f"{len(procs)} process(es) of others on it"
-        elif i in (allocated or {}):
-            busy[i] = allocated[i]
+    job = context in ("prolog", "epilog")  # a process there: held by a job's leftover; in health, npd: busy
+    held = {i: apps[i] for i in ids if job and apps.get(i)}
+    busy = {} if job else {i: f"{len(apps[i])} process(es) of others on it" if apps.get(i) else allocated[i]
+                           for i in ids if apps.get(i) or i in (allocated or {})}
     compute = [] if context not in NODE_COMPUTE else [i for i in ids if i not in held and i not in busy]
     return {"ids": ids, "held": held, "busy": busy, "compute": compute}
 
@@ -7915,14 +7827,10 @@ def node_expectations(given, gres, pci, driver):
     else the node's gres in Slurm (scontrol's Gres=), the NVIDIA GPUs on its PCI bus, the driver's list."""
     if given is not None:
         return [given]
-    out = []
-    if parse_gres_gpus(gres) is not None:
-        out.append(("the node's gres in Slurm", parse_gres_gpus(gres)))
-    if pci:
-        out.append(("NVIDIA GPUs on the PCI bus", len(pci)))
-    if driver:
-        out.append(("the NVIDIA driver's list", len(driver)))
-    return out
+    counts = (("the node's gres in Slurm", parse_gres_gpus(gres)),
+              ("NVIDIA GPUs on the PCI bus", len(pci) if pci else None),
+              ("the NVIDIA driver's list", len(driver) if driver else None))
+    return [(words, n) for words, n in counts if n is not None]
 
 
 def node_plan(context, facts, slurm, nproc, expectations, keep=None):
@@ -8015,15 +7923,12 @@ def judge_gpu_procs(node, context, devices, uuids, noun="GPU(s)"):
     """prolog, epilog: a process on the job's GPU before the job started (a previous job's leftover: the classic
     OOM at job start) or still there after it ended: FAIL own, naming the pid and what it holds. health, npd:
     a GPU in use is busy, not broken: not judged for speed, never drained (a PASS that says so)."""
-    out = []
-    for i, procs in sorted(devices["held"].items()):
-        when = "before the job started" if context == "prolog" else "after the job ended"
-        out.append(_f("gpu-procs", "FAIL", f"{node}: {_gpu_word(i, uuids.get(i))} is held {when}: "
-                      + "; ".join(_proc_words(p) for p in procs[:4]) + (f" and {len(procs) - 4} more" if len(procs)
-                                                                        > 4 else "")
-                      + ": a leftover of an earlier job (the next job would run out of memory); kill it or reset "
-                      "the GPU", "own", node, f"GPU {i} held by pid {procs[0]['pid']}", [i],
-                      pids=[p["pid"] for p in procs]))
+    when = "before the job started" if context == "prolog" else "after the job ended"
+    out = [_f("gpu-procs", "FAIL", f"{node}: {_gpu_word(i, uuids.get(i))} is held {when}: "
+              + "; ".join(_proc_words(p) for p in procs[:4]) + (f" and {len(procs) - 4} more" if len(procs) > 4 else "")
+              + ": a leftover of an earlier job (the next job would run out of memory); kill it or reset the GPU",
+              "own", node, f"GPU {i} held by pid {procs[0]['pid']}", [i], pids=[p["pid"] for p in procs])
+           for i, procs in sorted(devices["held"].items())]
     if devices["busy"]:
         out.append(_f("gpu-procs", "PASS", f"{node}: GPU(s) " + ", ".join(
             f"{i} ({why})" for i, why in sorted(devices["busy"].items())) + ": busy, not judged (no speed, "
@@ -8056,6 +7961,12 @@ def _node_tagged(f, node, short):
     return dict(f, gpus=list(f.get("ranks") or []), short=short, hosts=[node] if f["hosts"] else [])
 
 
+def _node_said(found, passed, said):
+    """A shared judge's findings as the node gate says them: its PASS with the short words `passed` (no blame, no
+    GPU), each other finding said(f) (_node_tagged)."""
+    return [dict(f, blame=None, short=passed, gpus=[]) if f["status"] == "PASS" else said(f) for f in found]
+
+
 def judge_gpu_health(node, gpus, load, xids, kmsg_unread=None):
     """Passive health per GPU: its NVML row (gpus: ECC, row remapping) and its facts under load (load: {index:
     the speed step's facts}: PCIe link, clocks), judged by the preflight's judge_gpu_facts under 'gpu-health'
@@ -8078,12 +7989,11 @@ def judge_gpu_health(node, gpus, load, xids, kmsg_unread=None):
                       "history, not the state now (which the counters above judge); see NVIDIA's Xid catalog",
                       "own", node, f"Xid {','.join(map(str, codes))} on GPU {i if i is not None else pci}",
                       [] if i is None else [i], xids=codes))
-    if not any(f["status"] != "PASS" for f in out):
-        words = [f"{len(gpus)} GPU(s): no uncorrected ECC error, no row remap pending or failed"]
-        if load:
-            words.append("PCIe at full width and speed and clocks unslowed under load")
-        words.append(f"kernel log not read ({kmsg_unread})" if kmsg_unread else "no Xid in the kernel log")
-        out.append(_f("gpu-health", "PASS", f"{node}: " + "; ".join(words), None, node))
+    if not out:  # no GPU with a problem, no Xid line
+        words = [f"{len(gpus)} GPU(s): no uncorrected ECC error, no row remap pending or failed",
+                 "PCIe at full width and speed and clocks unslowed under load" if load else "",
+                 f"kernel log not read ({kmsg_unread})" if kmsg_unread else "no Xid in the kernel log"]
+        out.append(_f("gpu-health", "PASS", f"{node}: " + "; ".join(w for w in words if w), None, node))
     return out
 
 
@@ -8123,16 +8033,11 @@ def judge_node_numerics(node, rows):
     reference 'reference', bits unlike a strict majority 'majority'; a disagreement without a majority, or a
     GPU alone off the reference, 'tie'; every GPU of a model off alike 'everyone': those name no host), with the
     node gate's GPUs and short words."""
-    out = []
-    for f in judge_numerics(rows):
-        if f["status"] == "PASS":
-            out.append(dict(f, blame=None, short="numerics agree", gpus=[]))
-            continue
+    def said(f):
         what = NUMERICS_SHORT.get(f.get("blame"), f.get("blame") or "wrong")
-        short = f"GPU {format_ranges(f['ranks'])} computes wrong numbers ({what})" if f["hosts"] else \
-            f"numerics: {what}"
-        out.append(_node_tagged(f, node, short))
-    return out
+        return _node_tagged(f, node, f"GPU {format_ranges(f['ranks'])} computes wrong numbers ({what})"
+                            if f["hosts"] else f"numerics: {what}")
+    return _node_said(judge_numerics(rows), "numerics agree", said)
 
 
 def speed_flagged(node, first, gpus_by_id, cpu=False, min_tflops=None, min_hbm=None):
@@ -8150,15 +8055,14 @@ def judge_node_speed(node, first, again, gpus_by_id, cpu=False, min_tflops=None,
     if not first:
         return []
     rows = gpu_remeasured(gpu_rows(node, gpus_by_id, first), again)
-    out = []
-    for f in judge_gpu_perf(rows, min_tflops, min_hbm, cpu, gpu_words(node)):
-        if f["status"] == "PASS":
-            out.append(dict(f, blame=None, short="speed within the reference", gpus=[]))
-            continue
+
+    def said(f):
         twice = f.get("blame") == "persisted"
         how = f.get("evidence") if twice else f"measured once ({why_once or 'not measured again'}): not drained"
-        out.append(_node_tagged(dict(f, reason=f"{f['reason']}; {how}"), node,
-                                f"GPU {format_ranges(f['ranks'])} slow, measured {'twice' if twice else 'once'}"))
+        return _node_tagged(dict(f, reason=f"{f['reason']}; {how}"), node,
+                            f"GPU {format_ranges(f['ranks'])} slow, measured {'twice' if twice else 'once'}")
+    out = _node_said(judge_gpu_perf(rows, min_tflops, min_hbm, cpu, gpu_words(node)), "speed within the reference",
+                     said)
     floors = {"min_tflops": min_tflops, "min_hbm": min_hbm}
     slow = set(gpu_suspects(rows, floors, cpu))
     seen = sorted(r["rank"] for r in rows if int(r.get("tries") or 1) >= 2 and r["rank"] not in slow)
@@ -8289,8 +8193,7 @@ def _judge_node_manifest(p):
     by_id, recs = gpus_by_id(p["gpus"], p["measured"]), []
     for k, i in enumerate(p["devices"]["ids"]):
         g = by_id.get(i) or {}
-        gpu = None if p["cpu"] else {"name": g.get("name"), "vram": g.get("vram"), "uuid": g.get("uuid"),
-                                     "pci": g.get("pci")}
+        gpu = None if p["cpu"] else {key: g.get(key) for key in ("name", "vram", "uuid", "pci")}
         recs.append({"rank": i, "host": p["node"], "local_rank": i, "gpu": gpu,
                      "versions": (p["measured"].get(i) or {}).get("versions") or {},
                      **({"node": p["node_facts"]} if k == 0 else {})})
@@ -9040,11 +8943,6 @@ def fallback_verdict(found, code, world, written_by, hosts=()):
 STATUS_WORD = {"FAIL": "FAILURE", "WARN": "WARNING", "PASS": "PASS"}
 
 
-def _judged(state):
-    """The checks this pass judged (a PASS or more), in the order it judged them."""
-    return list(dict.fromkeys(f["check"] for f in state.get("findings") or [] if not f.get("unassessed")))
-
-
 def _shorts(fs, limit=3):
     words = [f.get("short") or f["reason"] for f in fs[:limit]]
     return "; ".join(words) + (f" (+{len(fs) - limit} more)" if len(fs) > limit else "")
@@ -9068,7 +8966,8 @@ def node_summary(state):
         return f"{head}: {_shorts(why, 2)}; exit {state['exit_code']} (fail open: nothing drained){took}"
     dev = state.get("devices") or {}
     n = len(dev.get("ids") or [])
-    words = [f"{n} {'CPU worker(s)' if state.get('cpu') else 'GPU(s)'}", "judged: " + ", ".join(_judged(state))]
+    judged = dict.fromkeys(f["check"] for f in fs if not f.get("unassessed"))  # a PASS or more, in the order judged
+    words = [f"{n} {'CPU worker(s)' if state.get('cpu') else 'GPU(s)'}", "judged: " + ", ".join(judged)]
     if dev.get("busy"):
         words.append(f"busy, not judged: GPU {format_ranges(int(i) for i in dev['busy'])}")
     if state.get("skipped"):
@@ -13854,13 +13753,9 @@ def node_worker(spec):
     except Exception as e:
         say("ready", **_failure(e))
         return 0
-
-    def step(name, fn, need):
-        _worker_step(name, fn, need, until)
+    step = functools.partial(_worker_step, until=until)
     uuid, pci = (gpu or {}).get("uuid"), (gpu or {}).get("pci")
-
-    def speed():
-        return screen_measure_gpu(torch, dev, kind, uuid, pci, spec["root"])
+    speed = functools.partial(screen_measure_gpu, torch, dev, kind, uuid, pci, spec["root"])
     if spec["numerics"]:
         step("numerics", lambda: numerics_measure(torch, dev, kind), NODE_STEP_S["numerics"][kind])
     if spec["speed"]:
@@ -14253,9 +14148,7 @@ class NodeCheck(NodeLock, NodeCompute):
     def held_again(self, exe):
         """prolog, epilog: the processes on the job's GPUs looked for again NODE_HELD_AGAIN_S later; only those still
         there count (a process tearing down at the job's boundary is not a leftover)."""
-        f = self.facts
-        raw = self.env.get("SLURM_JOB_GPUS")
-        ids = parse_gpu_ids(raw) if raw else None
+        f, ids = self.facts, parse_gpu_ids(self.env.get("SLURM_JOB_GPUS"))  # None: every GPU
         job = {g["uuid"] for g in f["rows"] if ids is None or g["index"] in ids}
         if not any(p["uuid"] in job for p in f["apps"]):
             return

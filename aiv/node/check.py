@@ -134,9 +134,7 @@ class NodeCheck(NodeLock, NodeCompute):
     def held_again(self, exe):
         """prolog, epilog: the processes on the job's GPUs looked for again NODE_HELD_AGAIN_S later; only those still
         there count (a process tearing down at the job's boundary is not a leftover)."""
-        f = self.facts
-        raw = self.env.get("SLURM_JOB_GPUS")
-        ids = parse_gpu_ids(raw) if raw else None
+        f, ids = self.facts, parse_gpu_ids(self.env.get("SLURM_JOB_GPUS"))  # None: every GPU
         job = {g["uuid"] for g in f["rows"] if ids is None or g["index"] in ids}
         if not any(p["uuid"] in job for p in f["apps"]):
             return

@@ -30,7 +30,7 @@ def process_owner(pid, root="/"):
     node check's own device worker, by WORKER_ARG on its command line), each None where it cannot be read
     (another PID namespace, gone)."""
     base = os.path.join(root, "proc", str(pid))
-    ours = WORKER_ARG.encode() in (read_bytes(os.path.join(base, "cmdline")) or b"").split(b"\0")
+    ours = WORKER_ARG in (read_text(os.path.join(base, "cmdline"), "") or "").split("\0")
     status = read_text(os.path.join(base, "status"), "") or ""
     uid = re.search(r"^Uid:\s+(\d+)", status, re.M)
     user = None
@@ -44,14 +44,6 @@ def process_owner(pid, root="/"):
     return {"name": name, "user": user, "job": job.group(1) if job else None, "ours": ours or None}
 
 
-def read_bytes(path, limit=65536):
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit)
-    except OSError:
-        return None
-
-
 def pci_gpus(root="/"):
     """PCI bus ids of NVIDIA display and 3D controllers (vendor 0x10de, class 0x0300xx or 0x0302xx; not the
     NVSwitches) on the bus: what the hardware holds, whatever the driver makes of it."""
@@ -60,13 +52,11 @@ def pci_gpus(root="/"):
         names = sorted(os.listdir(base))
     except OSError:
         return []
-    out = []
-    for n in names:
-        vendor = (read_text(os.path.join(base, n, "vendor"), "") or "").strip().lower()
-        cls = (read_text(os.path.join(base, n, "class"), "") or "").strip().lower()
-        if vendor == "0x10de" and cls.startswith(("0x0300", "0x0302")):
-            out.append(n.lower())
-    return out
+
+    def attr(n, name):
+        return (read_text(os.path.join(base, n, name), "") or "").strip().lower()
+    return [n.lower() for n in names
+            if attr(n, "vendor") == "0x10de" and attr(n, "class").startswith(("0x0300", "0x0302"))]
 
 
 def read_kmsg(root="/", seconds=1.0, limit=8 << 20):

@@ -146,14 +146,10 @@ def parse_node_gpus(text):
 def parse_compute_apps(text):
     """nvidia-smi --query-compute-apps=NODE_APP_FIELDS --format=csv,noheader,nounits -> [{'pid', 'mem_mib',
     'uuid', 'name'}] (memory None where NVML does not say)."""
-    out = []
-    for line in (text or "").splitlines():
-        vals = [v.strip() for v in line.split(",")]
-        if len(vals) < 3 or not vals[0].isdigit() or not vals[2].startswith(("GPU-", "MIG-")):
-            continue
-        out.append({"pid": int(vals[0]), "mem_mib": int(vals[1]) if vals[1].isdigit() else None, "uuid": vals[2],
-                    "name": ",".join(vals[3:]).strip() or None})
-    return out
+    rows = [[v.strip() for v in line.split(",")] for line in (text or "").splitlines()]
+    return [{"pid": int(vals[0]), "mem_mib": int(vals[1]) if vals[1].isdigit() else None, "uuid": vals[2],
+             "name": ",".join(vals[3:]).strip() or None}
+            for vals in rows if len(vals) >= 3 and vals[0].isdigit() and vals[2].startswith(("GPU-", "MIG-"))]
 
 
 def parse_gpu_ids(text):
@@ -167,12 +163,9 @@ def parse_gpu_ids(text):
 
 def parse_gres_gpus(gres):
     """scontrol's Gres= ('gpu:8', 'gpu:h100:8(S:0-1)', 'gpu:a:4,gpu:b:4', '(null)') -> GPUs configured, None."""
-    total, seen = 0, False
-    for part in re.split(r",(?![^()]*\))", gres or ""):
-        m = re.fullmatch(r"gpu(?::[^:()]+)?:(\d+)(?:\(.*\))?", part.strip())
-        if m:
-            total, seen = total + int(m.group(1)), True
-    return total if seen else None
+    counts = [int(m.group(1)) for part in re.split(r",(?![^()]*\))", gres or "")
+              for m in [re.fullmatch(r"gpu(?::[^:()]+)?:(\d+)(?:\(.*\))?", part.strip())] if m]
+    return sum(counts) if counts else None
 
 
 def parse_gres_used(gres_used):
@@ -237,16 +230,10 @@ def node_devices(context, gpus, job_ids, nproc, allocated, apps, cpu):
     ids = list(range(nproc)) if cpu else [g["index"] for g in gpus]
     if job_ids is not None and (job_ids or not cpu):  # a job without GPUs: none of them (CPU workers still run)
         ids = [i for i in ids if i in job_ids]
-    held, busy = {}, {}
-    for i in ids:
-        procs = apps.get(i) or []
-        if context in ("prolog", "epilog"):
-            if procs:
-                held[i] = procs
-        elif procs:
-            busy[i] = f"{len(procs)} process(es) of others on it"
-        elif i in (allocated or {}):
-            busy[i] = allocated[i]
+    job = context in ("prolog", "epilog")  # a process there: held by a job's leftover; in health, npd: busy
+    held = {i: apps[i] for i in ids if job and apps.get(i)}
+    busy = {} if job else {i: f"{len(apps[i])} process(es) of others on it" if apps.get(i) else allocated[i]
+                           for i in ids if apps.get(i) or i in (allocated or {})}
     compute = [] if context not in NODE_COMPUTE else [i for i in ids if i not in held and i not in busy]
     return {"ids": ids, "held": held, "busy": busy, "compute": compute}
 
@@ -256,14 +243,10 @@ def node_expectations(given, gres, pci, driver):
     else the node's gres in Slurm (scontrol's Gres=), the NVIDIA GPUs on its PCI bus, the driver's list."""
     if given is not None:
         return [given]
-    out = []
-    if parse_gres_gpus(gres) is not None:
-        out.append(("the node's gres in Slurm", parse_gres_gpus(gres)))
-    if pci:
-        out.append(("NVIDIA GPUs on the PCI bus", len(pci)))
-    if driver:
-        out.append(("the NVIDIA driver's list", len(driver)))
-    return out
+    counts = (("the node's gres in Slurm", parse_gres_gpus(gres)),
+              ("NVIDIA GPUs on the PCI bus", len(pci) if pci else None),
+              ("the NVIDIA driver's list", len(driver) if driver else None))
+    return [(words, n) for words, n in counts if n is not None]
 
 
 def node_plan(context, facts, slurm, nproc, expectations, keep=None):
@@ -356,15 +339,12 @@ def judge_gpu_procs(node, context, devices, uuids, noun="GPU(s)"):
     """prolog, epilog: a process on the job's GPU before the job started (a previous job's leftover: the classic
     OOM at job start) or still there after it ended: FAIL own, naming the pid and what it holds. health, npd:
     a GPU in use is busy, not broken: not judged for speed, never drained (a PASS that says so)."""
-    out = []
-    for i, procs in sorted(devices["held"].items()):
-        when = "before the job started" if context == "prolog" else "after the job ended"
-        out.append(_f("gpu-procs", "FAIL", f"{node}: {_gpu_word(i, uuids.get(i))} is held {when}: "
-                      + "; ".join(_proc_words(p) for p in procs[:4]) + (f" and {len(procs) - 4} more" if len(procs)
-                                                                        > 4 else "")
-                      + ": a leftover of an earlier job (the next job would run out of memory); kill it or reset "
-                      "the GPU", "own", node, f"GPU {i} held by pid {procs[0]['pid']}", [i],
-                      pids=[p["pid"] for p in procs]))
+    when = "before the job started" if context == "prolog" else "after the job ended"
+    out = [_f("gpu-procs", "FAIL", f"{node}: {_gpu_word(i, uuids.get(i))} is held {when}: "
+              + "; ".join(_proc_words(p) for p in procs[:4]) + (f" and {len(procs) - 4} more" if len(procs) > 4 else "")
+              + ": a leftover of an earlier job (the next job would run out of memory); kill it or reset the GPU",
+              "own", node, f"GPU {i} held by pid {procs[0]['pid']}", [i], pids=[p["pid"] for p in procs])
+           for i, procs in sorted(devices["held"].items())]
     if devices["busy"]:
         out.append(_f("gpu-procs", "PASS", f"{node}: GPU(s) " + ", ".join(
             f"{i} ({why})" for i, why in sorted(devices["busy"].items())) + ": busy, not judged (no speed, "
@@ -397,6 +377,12 @@ def _node_tagged(f, node, short):
     return dict(f, gpus=list(f.get("ranks") or []), short=short, hosts=[node] if f["hosts"] else [])
 
 
+def _node_said(found, passed, said):
+    """A shared judge's findings as the node gate says them: its PASS with the short words `passed` (no blame, no
+    GPU), each other finding said(f) (_node_tagged)."""
+    return [dict(f, blame=None, short=passed, gpus=[]) if f["status"] == "PASS" else said(f) for f in found]
+
+
 def judge_gpu_health(node, gpus, load, xids, kmsg_unread=None):
     """Passive health per GPU: its NVML row (gpus: ECC, row remapping) and its facts under load (load: {index:
     the speed step's facts}: PCIe link, clocks), judged by the preflight's judge_gpu_facts under 'gpu-health'
@@ -419,12 +405,11 @@ def judge_gpu_health(node, gpus, load, xids, kmsg_unread=None):
                       "history, not the state now (which the counters above judge); see NVIDIA's Xid catalog",
                       "own", node, f"Xid {','.join(map(str, codes))} on GPU {i if i is not None else pci}",
                       [] if i is None else [i], xids=codes))
-    if not any(f["status"] != "PASS" for f in out):
-        words = [f"{len(gpus)} GPU(s): no uncorrected ECC error, no row remap pending or failed"]
-        if load:
-            words.append("PCIe at full width and speed and clocks unslowed under load")
-        words.append(f"kernel log not read ({kmsg_unread})" if kmsg_unread else "no Xid in the kernel log")
-        out.append(_f("gpu-health", "PASS", f"{node}: " + "; ".join(words), None, node))
+    if not out:  # no GPU with a problem, no Xid line
+        words = [f"{len(gpus)} GPU(s): no uncorrected ECC error, no row remap pending or failed",
+                 "PCIe at full width and speed and clocks unslowed under load" if load else "",
+                 f"kernel log not read ({kmsg_unread})" if kmsg_unread else "no Xid in the kernel log"]
+        out.append(_f("gpu-health", "PASS", f"{node}: " + "; ".join(w for w in words if w), None, node))
     return out
 
 
@@ -464,16 +449,11 @@ def judge_node_numerics(node, rows):
     reference 'reference', bits unlike a strict majority 'majority'; a disagreement without a majority, or a
     GPU alone off the reference, 'tie'; every GPU of a model off alike 'everyone': those name no host), with the
     node gate's GPUs and short words."""
-    out = []
-    for f in judge_numerics(rows):
-        if f["status"] == "PASS":
-            out.append(dict(f, blame=None, short="numerics agree", gpus=[]))
-            continue
+    def said(f):
         what = NUMERICS_SHORT.get(f.get("blame"), f.get("blame") or "wrong")
-        short = f"GPU {format_ranges(f['ranks'])} computes wrong numbers ({what})" if f["hosts"] else \
-            f"numerics: {what}"
-        out.append(_node_tagged(f, node, short))
-    return out
+        return _node_tagged(f, node, f"GPU {format_ranges(f['ranks'])} computes wrong numbers ({what})"
+                            if f["hosts"] else f"numerics: {what}")
+    return _node_said(judge_numerics(rows), "numerics agree", said)
 
 
 def speed_flagged(node, first, gpus_by_id, cpu=False, min_tflops=None, min_hbm=None):
@@ -491,15 +471,14 @@ def judge_node_speed(node, first, again, gpus_by_id, cpu=False, min_tflops=None,
     if not first:
         return []
     rows = gpu_remeasured(gpu_rows(node, gpus_by_id, first), again)
-    out = []
-    for f in judge_gpu_perf(rows, min_tflops, min_hbm, cpu, gpu_words(node)):
-        if f["status"] == "PASS":
-            out.append(dict(f, blame=None, short="speed within the reference", gpus=[]))
-            continue
+
+    def said(f):
         twice = f.get("blame") == "persisted"
         how = f.get("evidence") if twice else f"measured once ({why_once or 'not measured again'}): not drained"
-        out.append(_node_tagged(dict(f, reason=f"{f['reason']}; {how}"), node,
-                                f"GPU {format_ranges(f['ranks'])} slow, measured {'twice' if twice else 'once'}"))
+        return _node_tagged(dict(f, reason=f"{f['reason']}; {how}"), node,
+                            f"GPU {format_ranges(f['ranks'])} slow, measured {'twice' if twice else 'once'}")
+    out = _node_said(judge_gpu_perf(rows, min_tflops, min_hbm, cpu, gpu_words(node)), "speed within the reference",
+                     said)
     floors = {"min_tflops": min_tflops, "min_hbm": min_hbm}
     slow = set(gpu_suspects(rows, floors, cpu))
     seen = sorted(r["rank"] for r in rows if int(r.get("tries") or 1) >= 2 and r["rank"] not in slow)
@@ -630,8 +609,7 @@ def _judge_node_manifest(p):
     by_id, recs = gpus_by_id(p["gpus"], p["measured"]), []
     for k, i in enumerate(p["devices"]["ids"]):
         g = by_id.get(i) or {}
-        gpu = None if p["cpu"] else {"name": g.get("name"), "vram": g.get("vram"), "uuid": g.get("uuid"),
-                                     "pci": g.get("pci")}
+        gpu = None if p["cpu"] else {key: g.get(key) for key in ("name", "vram", "uuid", "pci")}
         recs.append({"rank": i, "host": p["node"], "local_rank": i, "gpu": gpu,
                      "versions": (p["measured"].get(i) or {}).get("versions") or {},
                      **({"node": p["node_facts"]} if k == 0 else {})})

@@ -10,11 +10,6 @@ from .judge import NODE_LINE_PREFIX, NODE_NPD_MAX, node_verdict, unassessed
 STATUS_WORD = {"FAIL": "FAILURE", "WARN": "WARNING", "PASS": "PASS"}
 
 
-def _judged(state):
-    """The checks this pass judged (a PASS or more), in the order it judged them."""
-    return list(dict.fromkeys(f["check"] for f in state.get("findings") or [] if not f.get("unassessed")))
-
-
 def _shorts(fs, limit=3):
     words = [f.get("short") or f["reason"] for f in fs[:limit]]
     return "; ".join(words) + (f" (+{len(fs) - limit} more)" if len(fs) > limit else "")
@@ -38,7 +33,8 @@ def node_summary(state):
         return f"{head}: {_shorts(why, 2)}; exit {state['exit_code']} (fail open: nothing drained){took}"
     dev = state.get("devices") or {}
     n = len(dev.get("ids") or [])
-    words = [f"{n} {'CPU worker(s)' if state.get('cpu') else 'GPU(s)'}", "judged: " + ", ".join(_judged(state))]
+    judged = dict.fromkeys(f["check"] for f in fs if not f.get("unassessed"))  # a PASS or more, in the order judged
+    words = [f"{n} {'CPU worker(s)' if state.get('cpu') else 'GPU(s)'}", "judged: " + ", ".join(judged)]
     if dev.get("busy"):
         words.append(f"busy, not judged: GPU {format_ranges(int(i) for i in dev['busy'])}")
     if state.get("skipped"):

@@ -4,6 +4,7 @@ step a JSON line on its stdout; the check's handle on them (_Workers), which rea
 them, whole process groups, at the bound; and the pass's step that runs them (NodeCompute)."""
 import contextlib
 import datetime
+import functools
 import json
 import os
 import queue
@@ -88,13 +89,9 @@ def node_worker(spec):
     except Exception as e:
         say("ready", **_failure(e))
         return 0
-
-    def step(name, fn, need):
-        _worker_step(name, fn, need, until)
+    step = functools.partial(_worker_step, until=until)
     uuid, pci = (gpu or {}).get("uuid"), (gpu or {}).get("pci")
-
-    def speed():
-        return screen_measure_gpu(torch, dev, kind, uuid, pci, spec["root"])
+    speed = functools.partial(screen_measure_gpu, torch, dev, kind, uuid, pci, spec["root"])
     if spec["numerics"]:
         step("numerics", lambda: numerics_measure(torch, dev, kind), NODE_STEP_S["numerics"][kind])
     if spec["speed"]:

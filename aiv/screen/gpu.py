@@ -70,10 +70,7 @@ def gpu_table_row(model):
 
 def table_level(value, ref):
     """'FAIL', 'WARN' or 'OK' of a value against a table number (None: 'OK'); a value of None is 0.0."""
-    if not ref:
-        return "OK"
-    v = 0.0 if value is None else float(value)
-    return "FAIL" if v < SCREEN_TABLE_FAIL * ref else "WARN" if v < SCREEN_TABLE_WARN * ref else "OK"
+    return screen_level(value, {"ref": ref}, SCREEN_TABLE_FAIL, SCREEN_TABLE_WARN)
 
 
 def _table_rule():
@@ -92,11 +89,10 @@ def gpu_refs(per_rank, floors, cpu=False, bands=None):
             table = {"row": row["row"], "ref": row[metric]} if row else None
             floor = floors.get(floor_name)
             band = None if bands is None else (f"gpu.{metric}/{model}" if f"gpu.{metric}/{model}" in bands else "")
-            noun = "rank" if cpu else "GPU"
             out[(model, metric)] = {
                 "peers": peers, "table": table, "floor": floor,
-                "against": screen_against(f"{SCREEN_GPU_LABELS[metric]} of {model}", len(rs), noun, "model", peers,
-                                          unit.split()[0], table, floor, floor_name, band,
+                "against": screen_against(f"{SCREEN_GPU_LABELS[metric]} of {model}", len(rs), "rank" if cpu else "GPU",
+                                          "model", peers, unit.split()[0], table, floor, floor_name, band,
                                           "CPU ranks" if cpu else "")}
     return out
 
@@ -173,14 +169,13 @@ def judge_gpu_perf(per_rank, min_tflops=None, min_hbm=None, cpu=False, who=None)
     if not flags:
         return [_gpu_perf_pass(len(per_rank), [x["against"] for x in allrefs.values()], cpu)]
     items = list(flags.items())
-    if len(items) <= SCREEN_LIST_MAX:
-        out = [_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
-                                       f"{who(r)}: " + "; ".join(t for _, _, t in fl) + _gpu_unused(r, allrefs),
-                                       [r.get("host")], [rk]),
-                               evidence=_gpu_evidence(r, allrefs, cpu), action=_gpu_action(r)), [r])
-               for rk, (r, fl) in items]
-        return _gpu_everyone(out, per_rank)
-    return _gpu_everyone(_gpu_perf_many(items, who), per_rank)
+    if len(items) > SCREEN_LIST_MAX:
+        return _gpu_everyone(_gpu_perf_many(items, who), per_rank)
+    return _gpu_everyone([_gpu_blame(dict(finding("gpu-perf", _screen_worst([lv for _, lv, _ in fl]),
+                                                  f"{who(r)}: " + "; ".join(t for _, _, t in fl)
+                                                  + _gpu_unused(r, allrefs), [r.get("host")], [rk]),
+                                          evidence=_gpu_evidence(r, allrefs, cpu), action=_gpu_action(r)), [r])
+                          for rk, (r, fl) in items], per_rank)
 
 
 def _gpu_unused(r, allrefs):
@@ -206,10 +201,9 @@ def _gpu_evidence(r, allrefs, cpu):
 
 
 def _gpu_action(r):
-    return ("drain the node and run the vendor's diagnostics (dcgmi diag -r 3): clocks, power or thermal limits "
-            "(see the GPU facts), a degraded PCIe link" if _gpu_again(r) else
-            "re-run the preflight; if the GPU is slow again, drain the node and run the vendor's diagnostics "
-            "(dcgmi diag -r 3): clocks, power or thermal limits (see the GPU facts), a degraded PCIe link")
+    drain = ("drain the node and run the vendor's diagnostics (dcgmi diag -r 3): clocks, power or thermal limits "
+             "(see the GPU facts), a degraded PCIe link")
+    return drain if _gpu_again(r) else f"re-run the preflight; if the GPU is slow again, {drain}"
 
 
 def _gpu_perf_many(items, who):
@@ -325,10 +319,9 @@ def gpu_fact_problems(row):
     pending row remap WARN (error containment and dynamic page offlining keep new work unaffected; the remap
     takes effect at the next GPU reset), a failed row remap FAILs (the GPU meets NVIDIA's RMA policy)."""
     out, g = [], row.get
-    if g("pcie_width") and g("pcie_width_max") and g("pcie_width") < g("pcie_width_max"):
-        out.append(("WARN", f"PCIe link x{g('pcie_width')} of x{g('pcie_width_max')} under load"))
-    if g("pcie_speed") and g("pcie_speed_max") and g("pcie_speed") < g("pcie_speed_max"):
-        out.append(("WARN", f"PCIe link {g('pcie_speed'):g} of {g('pcie_speed_max'):g} GT/s under load"))
+    for k, link in (("pcie_width", "x{} of x{}"), ("pcie_speed", "{:g} of {:g} GT/s")):  # below its maximum
+        if g(k) and g(f"{k}_max") and g(k) < g(f"{k}_max"):
+            out.append(("WARN", f"PCIe link {link.format(g(k), g(f'{k}_max'))} under load"))
     if int(g("throttle") or 0) & THROTTLE_FAULTS:
         clock = f" (SM {g('sm_mhz'):g} of {g('sm_max_mhz'):g} MHz)" if g("sm_mhz") and g("sm_max_mhz") else ""
         out.append(("WARN", f"clocks slowed under load: {', '.join(throttle_names(g('throttle')))}{clock}"))
@@ -411,14 +404,11 @@ def gpu_remeasured(per_rank, again):
     out = []
     for r in per_rank or []:
         new = (again or {}).get(r["rank"])
-        if not isinstance(new, dict):
-            out.append(r)
-            continue
-        merged = dict(r, tries=int(r.get("tries") or 1) + 1,
-                      first={k: r.get(k) for k, _, _ in SCREEN_GPU_METRICS})
-        for k, _, _ in SCREEN_GPU_METRICS:
-            merged[k] = max([v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))], default=None)
-        out.append(merged)
+        if isinstance(new, dict):
+            r = dict(r, tries=int(r.get("tries") or 1) + 1, first={k: r.get(k) for k, _, _ in SCREEN_GPU_METRICS},
+                     **{k: max([v for v in (r.get(k), new.get(k)) if isinstance(v, (int, float))], default=None)
+                        for k, _, _ in SCREEN_GPU_METRICS})
+        out.append(r)
     return out
 
 

@@ -3,10 +3,9 @@ reference that judged each number, gpu_levels), intra-node and inter-node busbw,
 culprits, GPU facts under load."""
 
 from ..checks.judge import screen_reference
-from ..checks.manifest import BAND_MIN_RUNS, _band_points, _host_classes
 from ..core.base import _screen_key, _screen_median, _screen_sorted, compress_hostlist, finding, format_ranges, group_by
 from ..core.blame import unlocalised
-from .gpu import gpu_refs
+from .gpu import gpu_refs, screen_band_lines
 from .plan import (
     SCREEN_FLOOR_OPTIONS,
     SCREEN_LIST_MAX,
@@ -34,12 +33,11 @@ def screen_best(rows, redone):
     out = []
     for m in rows:
         r = best.get((tuple(m["nodes"]), m["rail"]))
-        if r is None:
-            out.append(m)
-            continue
-        keep = m if (m.get("busbw") or 0.0) >= (r.get("busbw") or 0.0) else dict(m, busbw=r["busbw"],
-                                                                               time_us=r.get("time_us"))
-        out.append(dict(keep, tries=m.get("tries", 1) + 1, first=m.get("first", m.get("busbw"))))
+        if r is not None:
+            keep = m if (m.get("busbw") or 0.0) >= (r.get("busbw") or 0.0) else dict(m, busbw=r["busbw"],
+                                                                                   time_us=r.get("time_us"))
+            m = dict(keep, tries=m.get("tries", 1) + 1, first=m.get("first", m.get("busbw")))
+        out.append(m)
     return out
 
 
@@ -136,11 +134,10 @@ def judge_intra(per_node, min_busbw=None, cpu=False):
         level, cls = levels[p["host"]]
         if level != "OK":
             v, ref = float(p.get("busbw") or 0.0), refs[cls]
-            why = (f"below the floor {min_busbw:g} GB/s (--min-busbw-intra, the floor decided)"
-                   if min_busbw is not None and v < min_busbw
+            floor = min_busbw is not None and v < min_busbw
+            why = (f"below the floor {min_busbw:g} GB/s (--min-busbw-intra, the floor decided)" if floor
                    else f"{v / ref['ref']:.2f} of the reference {_screen_ref_text(ref, 'GB/s')}"
                    + (f" of {_intra_class_text(cls)}" if len(refs) > 1 else "") + f" ({rule})")
-            floor = min_busbw is not None and v < min_busbw
             ev = _intra_evidence(p, ref if ref["count"] >= 2 and not floor else {"ref": None})
             flagged.append((level, p["host"], f"{p['host']}: intra-node all_reduce busbw {_sn(v)} GB/s: {why}", ev))
     if not flagged:
@@ -189,19 +186,6 @@ def _pair_evidence(results, levels):
     return ev
 
 
-def _pair_culprits(ev):
-    """Node-rails slow with two different partners (or partner groups) and fine with none: the node.
-    A node slow only because two of its partners were bad is fine with its suspect-round partner (a
-    node that passed), and so is cleared here."""
-    return {k for k, e in ev.items() if len(e["slow"]) >= 2 and not e["ok"]}
-
-
-def _pair_links(results, levels, culprits):
-    """Indices of slow measurements that no culprit node explains: the link or path between the members."""
-    return [i for i, (m, level) in enumerate(zip(results, levels, strict=True))
-            if level != "OK" and not any((n, m["rail"]) in culprits for n in m["nodes"])]
-
-
 def screen_diagnose(results, min_busbw=None, cpu=False):
     """Localisation over inter-node measurements (the shapes of judge_pairs). -> {
       'ref': screen_reference of all busbw (for the report), 'refs': {rail: reference} (the judge's),
@@ -217,8 +201,11 @@ def screen_diagnose(results, min_busbw=None, cpu=False):
     refs, levels = screen_pair_levels(results, min_busbw, cpu)
     nodes = _screen_sorted(n for m in results for n in m["nodes"])
     ev = _pair_evidence(results, levels)
-    culprits = _pair_culprits(ev)
-    links = _pair_links(results, levels, culprits)
+    # the node: slow with two different partners (or partner groups) and fine with none; a node slow only because
+    # two of its partners were bad is fine with its suspect-round partner (a node that passed), and so is cleared
+    culprits = {k for k, e in ev.items() if len(e["slow"]) >= 2 and not e["ok"]}
+    links = [i for i, (m, level) in enumerate(zip(results, levels, strict=True))  # the link or path between them
+             if level != "OK" and not any((n, m["rail"]) in culprits for n in m["nodes"])]
     two = len(nodes) == 2
     final = any(m.get("round") == 3 for m in results)
     lone = [] if two else [i for i in links if all(ev[(n, results[i]["rail"])]["ok"] for n in results[i]["nodes"])]
@@ -252,13 +239,9 @@ def screen_suspect_links(results, min_busbw=None, cpu=False):
     if not results:
         return []
     d = screen_diagnose(results, min_busbw, cpu)
-    out = []
-    for i in d["suspect_links"]:
-        m = results[i]
-        bw, ref = float(m.get("busbw") or 0.0), d["refs"][m["rail"]]["ref"] or 1.0
-        out.append({"hosts": _screen_sorted(m["nodes"]), "rail": m["rail"], "busbw": float(f"{bw:.4g}"),
-                    "ratio": round(bw / ref, 3)})
-    return out
+    return [{"hosts": _screen_sorted(m["nodes"]), "rail": m["rail"], "busbw": float(f"{bw:.4g}"),
+             "ratio": round(bw / (d["refs"][m["rail"]]["ref"] or 1.0), 3)}
+            for m in (results[i] for i in d["suspect_links"]) for bw in [float(m.get("busbw") or 0.0)]]
 
 
 def screen_third_round(results, min_busbw=None, cpu=False):
@@ -313,9 +296,8 @@ def _pair_node_findings(results, d):
             idx = slow[rail]
             # consistent evidence: the node is at least as bad as its least bad slow measurement
             statuses.append("WARN" if "WARN" in [d["levels"][i] for i in idx] else "FAIL")
-            hca = next((h for i in idx for h in [_screen_hca(results[i], n)] if h), None)
             bw, ref = _screen_median([float(results[i].get("busbw") or 0.0) for i in idx]), d["refs"][rail]["ref"]
-            parts.append(f"local rank {rail}" + (f" (HCA {hca})" if hca and len(rails) > 1 else "")
+            parts.append(f"local rank {rail}" + (_screen_hca_text(results, idx, [n]) if len(rails) > 1 else "")
                          + f" {_sn(bw)} GB/s = {bw / ref:.2f} of the rail's reference {_sn(ref)} GB/s")
             ratios.append(bw / ref)
         partners = _screen_sorted(p for rail in rails for ps in ev[(n, rail)]["slow"] for p in ps)
@@ -406,7 +388,7 @@ def judge_pairs(results, min_busbw=None, cpu=False):
     Reference: per rail (screen_rail_refs), each measurement FAIL/WARN/OK against it (screen_level with
     SCREEN_NET_FAIL/SCREEN_NET_WARN). Localised per rail (screen_diagnose): a node slow with two different
     partners (or groups) and fine with none is named on that rail (the HCA named when known; on every rail:
-    the node as a whole; _pair_culprits); a slow group none of whose members is such a node is the link or
+    the node as a whole); a slow group none of whose members is such a node is the link or
     path between them, a suspect link when every member is fine with another partner there (WARN at most,
     no host named, the JSON's suspect_links), else both named; two nodes only: the pair is named (nothing
     can localise it); widespread (screen_diagnose): one FAIL naming every suspect.
@@ -441,11 +423,8 @@ def judge_pairs(results, min_busbw=None, cpu=False):
 
 def screen_band_names(manifest, records, screen):
     """The manifest's speed bands that judge this run's measurements (as judge_bands: BAND_MIN_RUNS runs or
-    more, in the class of one of the run's nodes) -> sorted band names, [] without a manifest."""
-    classes = (manifest or {}).get("classes") or {}
-    return sorted({band for cls, band, *_ in _band_points(screen, _host_classes(records or []))
-                   for b in [((classes.get(cls) or {}).get("bands") or {}).get(band)]
-                   if b and b.get("runs", 1) >= BAND_MIN_RUNS})
+    more, in the class of one of the run's nodes: screen_band_lines) -> sorted band names, [] without a manifest."""
+    return sorted({b["band"] for b in screen_band_lines(manifest, records, screen)})
 
 
 def screen_judged_against(screen, bands=None):

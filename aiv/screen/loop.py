@@ -52,13 +52,8 @@ def _pack(bundles):
 
 
 def _ring(lrs):
-    """Each GPU with its two neighbours in local-rank order: [(a, b)], a before b in lrs."""
-    n = len(lrs)
-    if n < 2:
-        return []
-    if n == 2:
-        return [(lrs[0], lrs[1])]
-    return [tuple(sorted((lrs[i], lrs[(i + 1) % n]))) for i in range(n)]
+    """Each GPU with its two neighbours in local-rank order: [(a, b)], a before b, each pair once."""
+    return list(dict.fromkeys(tuple(sorted(e)) for e in zip(lrs, lrs[1:] + lrs[:1], strict=True) if e[0] != e[1]))
 
 
 def _matchings(edges):
@@ -154,9 +149,8 @@ class _Loop:
                 continue
             ctrl = self.pick_controls(h, ilv) if r["tries"] + 1 >= SCREEN_CONTROL_TRY else []
             out.append([self.g_intra(h)] + [dict(self.g_intra(c), control=h) for c in ctrl])
-        out += [[{"ranks": self.pairs[i]["ranks"], "nodes": list(self.pairs[i]["nodes"]),
-                  "rail": self.pairs[i]["rail"], "kind": "pair", "round": self.pairs[i]["round"], "redo": i}]
-                for i in slow]
+        out += [[{"ranks": m["ranks"], "nodes": list(m["nodes"]), "rail": m["rail"], "kind": "pair",
+                  "round": m["round"], "redo": i}] for i in slow for m in [self.pairs[i]]]
         if self.third is None and not slow and self.pairs:
             self.third = screen_third_round(self.pairs, self.min_inter, self.cpu)
             if self.third["groups"]:
@@ -165,18 +159,14 @@ class _Loop:
         out += [[g] for g in self.todo3]
         return out, None
 
-    def start_local(self, h, ilv):
-        lrs = sorted(self.by_node[h])
-        self.local[h] = {"stage": 1, "edges": {e: [] for e in _matchings(_ring(lrs))}, "ctrl": {}, "refs": {},
-                         "controls": self.pick_controls(h, ilv), "result": None}
-
     def local_wants(self, ilv):
         """Localisation of the nodes slow in every try: their GPU pairs beside the controls' same pairs,
         the slow ones again, the remaining pairs when the ring shows none slow, then the node itself."""
-        for h, r in self.intra.items():
-            if h not in self.local and r["tries"] >= SCREEN_INTRA_TRIES and ilv.get(h, "OK") != "OK":
-                if len(r["ranks"]) >= 3:
-                    self.start_local(h, ilv)
+        for h, r in self.intra.items():  # slow in every try, three GPUs or more: its GPU pairs, a ring first
+            if h not in self.local and len(r["ranks"]) >= 3 and r["tries"] >= SCREEN_INTRA_TRIES \
+                    and ilv.get(h, "OK") != "OK":
+                self.local[h] = {"stage": 1, "edges": {e: [] for e in _matchings(_ring(sorted(self.by_node[h])))},
+                                 "ctrl": {}, "refs": {}, "controls": self.pick_controls(h, ilv), "result": None}
         out = []
         for h, st in self.local.items():
             if st["result"] is not None:
@@ -286,11 +276,8 @@ class _Loop:
         pairs = [{"gpus": list(e), "ranks": sorted(lr[x] for x in e), "busbw": max(vs), "tries": len(vs),
                   "ref": st["refs"].get(e), "level": lv[e]} for e, vs in sorted(st["edges"].items()) if vs]
         slow = {e for e, x in lv.items() if x != "OK"}
-        part = {}
-        for e in lv:
-            for g in e:
-                part.setdefault(g, {"slow": 0, "ok": 0})["slow" if e in slow else "ok"] += 1
-        gpus = sorted(g for g, c in part.items() if c["slow"] >= 2 and not c["ok"])
+        n_slow, n_ok = Counter(g for e in slow for g in e), Counter(g for e in lv if e not in slow for g in e)
+        gpus = sorted(g for g, c in n_slow.items() if c >= 2 and not n_ok[g])
         links = [list(e) for e in sorted(slow) if not set(e) & set(gpus)]
         return {"controls": st["controls"], "pairs": pairs, "gpus": gpus, "links": links,
                 "wide": bool(slow) and len(slow) == len(lv), "result": st["result"]}
@@ -351,9 +338,8 @@ def judge_screen(screen):
     """Every screen judgement. screen: the dict render_performance takes (screen_loop's and the GPU
     screen's). -> findings: judge_gpu_perf, judge_gpu_transients, judge_intra, judge_pairs, judge_transients."""
     cpu = bool(screen.get("cpu"))
-    floors = {"min_tflops": screen.get("min_tflops"), "min_hbm": screen.get("min_hbm")}
     return (judge_gpu_perf(screen.get("gpu") or [], screen.get("min_tflops"), screen.get("min_hbm"), cpu)
-            + judge_gpu_transients(screen.get("gpu") or [], floors, cpu)
+            + judge_gpu_transients(screen.get("gpu") or [], screen, cpu)  # the floors: min_tflops, min_hbm
             + judge_intra(screen.get("intra") or [], screen.get("min_busbw_intra"), cpu)
             + judge_pairs(screen.get("pairs") or [], screen.get("min_busbw_inter"), cpu)[0]
             + judge_transients(screen))

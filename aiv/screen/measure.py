@@ -1,6 +1,7 @@
 """Floor 2: what the performance screen and the soak measure: nvidia-smi, the device-timed GPU
 screen, the all_reduce bus bandwidth, the soak's sampler."""
 import contextlib
+import functools
 import inspect
 import math
 import os
@@ -46,14 +47,9 @@ def parse_smi(text, keys=SMI_KEYS):
         return {}
     out = {}
     for key, v in zip(keys, vals, strict=True):
-        with contextlib.suppress(ValueError):
-            if key == "throttle":
-                out[key] = int(v, 16)
-            elif key.startswith("remap_"):
-                if v.lower() in ("yes", "no"):
-                    out[key] = v.lower() == "yes"
-            else:
-                out[key] = float(v)
+        with contextlib.suppress(ValueError, KeyError):  # a value of none of these shapes is left out
+            out[key] = (int(v, 16) if key == "throttle" else {"yes": True, "no": False}[v.lower()]
+                        if key.startswith("remap_") else float(v))
     return out
 
 
@@ -64,12 +60,9 @@ NODE_SMI_KEYS = ("uuid", "ecc_uncorrected", "remap_pending", "remap_failure")
 def parse_node_smi(text):
     """The node's one nvidia-smi answer (NODE_SMI_FIELDS, one line per GPU) -> {uuid: {key: value}}; a line of
     the wrong shape or without a UUID is left out."""
-    out = {}
-    for line in (text or "").splitlines():
-        vals = [v.strip() for v in line.split(",")]
-        if len(vals) == len(NODE_SMI_KEYS) and vals[0].startswith(("GPU-", "MIG-")):
-            out[vals[0]] = parse_smi(",".join(vals[1:]), NODE_SMI_KEYS[1:])
-    return out
+    rows = [[v.strip() for v in line.split(",")] for line in (text or "").splitlines()]
+    return {vals[0]: parse_smi(",".join(vals[1:]), NODE_SMI_KEYS[1:]) for vals in rows
+            if len(vals) == len(NODE_SMI_KEYS) and vals[0].startswith(("GPU-", "MIG-"))}
 
 
 def read_node_smi(exe, bound=NODE_SMI_S, box=None):
@@ -80,11 +73,10 @@ def read_node_smi(exe, bound=NODE_SMI_S, box=None):
     r = run_bounded(cmd, bound, box, "nvidia-smi")  # its own group: a wrapper's children die too; reaped bounded
     if "unread" in r:
         return {"unread": r["unread"], "bound": bound}
-    out, err = r["out"], r["err"]
     if r["rc"] != 0:
-        why = first_text_line(err or out)
+        why = first_text_line(r["err"] or r["out"])
         return {"unread": f"nvidia-smi exited {r['rc']}" + (f": {why}" if why else ""), "bound": bound}
-    return {"gpus": parse_node_smi(out)}
+    return {"gpus": parse_node_smi(r["out"])}
 
 
 def start_node_smi():
@@ -586,17 +578,13 @@ def soak_summary(samples):
     """A soak's telemetry samples -> the row's fields: samples, max temperature, min/max SM clock, the
     rated max SM clock, max power, the clock-event reasons seen (OR of the masks) and per reason name the
     count of samples that showed it."""
-    def col(k):
-        return [float(s[k]) for s in samples if s.get(k) is not None]
     out = {"samples": len(samples)}
     for key, k, f in (("temp_max_c", "temp_c", max), ("sm_min_mhz", "sm_mhz", min), ("sm_max_seen_mhz", "sm_mhz", max),
                       ("sm_rated_mhz", "sm_max_mhz", max), ("power_max_w", "power_w", max)):
-        v = col(k)
+        v = [float(s[k]) for s in samples if s.get(k) is not None]
         out[key] = round(f(v), 1) if v else None
     masks = [int(s["throttle"]) for s in samples if s.get("throttle") is not None]
-    seen = 0
-    for m in masks:
-        seen |= m
+    seen = functools.reduce(int.__or__, masks, 0)
     out["throttle_seen"] = seen if masks else None
     out["throttle_reasons"] = throttle_names(seen)
     out["throttle_counts"] = {n: sum(n in throttle_names(m) for m in masks) for n in throttle_names(seen)}

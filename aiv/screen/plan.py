@@ -167,12 +167,8 @@ def screen_layout(records):
 def screen_rail_groups(node_groups, by_node):
     """Per group of nodes, one group per rail (a local rank present on each of them):
     [{'ranks': sorted global ranks, 'nodes': [host, ...], 'rail': local rank}]."""
-    out = []
-    for nodes in node_groups:
-        rails = set.intersection(*(set(by_node.get(n, {})) for n in nodes))
-        out += [{"ranks": sorted(by_node[n][rail] for n in nodes), "nodes": list(nodes), "rail": rail}
-                for rail in sorted(rails)]
-    return out
+    return [{"ranks": sorted(by_node[n][rail] for n in nodes), "nodes": list(nodes), "rail": rail}
+            for nodes in node_groups for rail in sorted(set.intersection(*(set(by_node.get(n, {})) for n in nodes)))]
 
 
 def screen_plan(records):
@@ -250,15 +246,11 @@ def screen_gpu_rows(records, posts, cpu=False):
     row of its node's one nvidia-smi call (node.smi.gpus, by UUID: ECC and row remapping) where there is one."""
     smi = {u: row for rec in records
            for u, row in (((rec.get("node") or {}).get("smi") or {}).get("gpus") or {}).items()}
-    out = []
-    for rec in sorted(records, key=lambda r: r["rank"]):
-        p = posts.get(rec["rank"])
-        if p is not None:
-            g = rec.get("gpu") or {}
-            out.append({"rank": rec["rank"], "host": rec["host"], "local_rank": rec["local_rank"],
-                        "uuid": g.get("uuid"), "model": g.get("name") or ("cpu" if cpu else None),
-                        **(smi.get(g.get("uuid")) or {}), **{k: v for k, v in p.items() if k != "rank"}})
-    return out
+    return [{"rank": rec["rank"], "host": rec["host"], "local_rank": rec["local_rank"], "uuid": g.get("uuid"),
+             "model": g.get("name") or ("cpu" if cpu else None), **(smi.get(g.get("uuid")) or {}),
+             **{k: v for k, v in posts[rec["rank"]].items() if k != "rank"}}
+            for rec in sorted(records, key=lambda r: r["rank"]) if posts.get(rec["rank"]) is not None
+            for g in [rec.get("gpu") or {}]]
 
 
 def _screen_group_words(g):
