@@ -85,20 +85,20 @@ def _perf_pair_lines(screen, cpu):
          + f"; {len(results)} measurement(s), {len(slow)} slow"]
     show_all = len(d["nodes"]) <= SCREEN_RENDER_ALL
     listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
-    for rnd, g in listed[: None if show_all else SCREEN_RENDER_SLOW]:
+    rows = []
+    for rnd, g in listed:
         idx = sorted(by_group[(rnd, g)], key=lambda i: results[i]["rail"])
         cells = " ".join(f"{_sn(float(results[i].get('busbw') or 0))}" + ("!" if d["levels"][i] != "OK" else "")
                          for i in idx)
         bad = [i for i in idx if d["levels"][i] != "OK"]
         tail = (f"  <- slow rail {format_ranges(results[i]['rail'] for i in bad)} "
                 f"[{_screen_worst([d['levels'][i] for i in bad])}]") if bad else ""
-        L.append(f"    round {rnd} {' <-> '.join(g)} GB/s by rail {format_ranges(results[i]['rail'] for i in idx)}: "
-                 f"{cells}{tail}")
-    if not show_all and len(listed) > SCREEN_RENDER_SLOW:
-        L.append(f"    ... and {len(listed) - SCREEN_RENDER_SLOW} more slow group(s) (see --json)")
-    if not show_all:
-        L.append(f"    ({len(by_group) - len(listed)} group(s) with every rail within the reference not shown)")
-    return L
+        rows.append(f"    round {rnd} {' <-> '.join(g)} GB/s by rail {format_ranges(results[i]['rail'] for i in idx)}: "
+                    f"{cells}{tail}")
+    if show_all:
+        return L + rows
+    return L + _at_most(rows, "slow group(s)") + [
+        f"    ({len(by_group) - len(listed)} group(s) with every rail within the reference not shown)"]
 
 
 def render_performance(screen):
@@ -119,25 +119,30 @@ def render_performance(screen):
                  f"{SCREEN_CPU_FAIL:.2f} of the reference are judged)")
     if screen.get("gpu") or screen.get("intra"):
         L += _perf_gpu_lines(screen, cpu)
-    L += _perf_fact_lines(screen) + _perf_pair_lines(screen, cpu) + _perf_cost_lines(screen)
+    L += _perf_fact_lines(screen) + _perf_pair_lines(screen, cpu)
+    if screen.get("splits"):
+        L.append("  group creation (each group's last member, the slowest group): "
+                 + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in screen["splits"].items()))
     if screen.get("judged_against"):
         L += ["  judged against (per measurement):"] + [f"    {a['text']}" for a in screen["judged_against"]]
     return L
 
 
+def _at_most(lines, what):
+    """The first SCREEN_RENDER_SLOW lines, then how many more there are (the JSON lists them all)."""
+    more = len(lines) - SCREEN_RENDER_SLOW
+    return lines[:SCREEN_RENDER_SLOW] + ([f"    ... and {more} more {what} (see --json)"] if more > 0 else [])
+
+
 def _perf_fact_lines(screen):
-    unread = [r for r in screen.get("gpu") or [] if r.get("smi_unread")]
-    L = [f"  not read (nvidia-smi gave no answer within {r['smi_unread']:g}s): {SMI_WHAT} of rank {r['rank']} "
-         f"{r.get('host')} GPU {r.get('local_rank')} {r.get('uuid') or '-'}" for r in unread[:SCREEN_RENDER_SLOW]]
-    if len(unread) > SCREEN_RENDER_SLOW:
-        L.append(f"    ... and {len(unread) - SCREEN_RENDER_SLOW} more GPU(s) not read (see --json)")
-    return _perf_read_lines(screen) + L
-
-
-def _perf_read_lines(screen):
-    rows = [r for r in screen.get("gpu") or [] if any(r.get(k) is not None for k in GPU_FACT_KEYS)]
+    """The facts read under load summed up, each GPU with a problem on a line of its own; the GPUs not read."""
+    gpus = screen.get("gpu") or []
+    unread = _at_most([f"  not read (nvidia-smi gave no answer within {r['smi_unread']:g}s): {SMI_WHAT} of rank "
+                       f"{r['rank']} {r.get('host')} GPU {r.get('local_rank')} {r.get('uuid') or '-'}"
+                       for r in gpus if r.get("smi_unread")], "GPU(s) not read")
+    rows = [r for r in gpus if any(r.get(k) is not None for k in GPU_FACT_KEYS)]
     if not rows:
-        return []
+        return unread
     links = [r for r in rows if r.get("pcie_width") and r.get("pcie_speed")]
     full = sum(r["pcie_width"] >= (r.get("pcie_width_max") or 0) and r["pcie_speed"] >= (r.get("pcie_speed_max") or 0)
                for r in links)
@@ -147,19 +152,10 @@ def _perf_read_lines(screen):
              f"SM clock min/median {min(sm):.0f}/{_screen_median(sm):.0f} MHz" if sm else "clocks not read",
              "clock limits: " + (", ".join(f"{n} on {k}" for n, k in sorted(limits.items())) or "none"),
              f"uncorrected ECC errors on {sum(bool(r.get('ecc_uncorrected')) for r in rows)}"]
-    L = [f"  under load ({len(rows)} GPU(s)): " + "; ".join(parts)]
     bad = [(r, p) for r in rows for p in [gpu_fact_problems(r)] if p]
-    L += [f"    rank {r['rank']} {r.get('host')} {r.get('uuid') or '-'}: " + "; ".join(t for _, t in p)
-          for r, p in bad[:SCREEN_RENDER_SLOW]]
-    if len(bad) > SCREEN_RENDER_SLOW:
-        L.append(f"    ... and {len(bad) - SCREEN_RENDER_SLOW} more GPU(s) (see --json)")
-    return L
-
-
-def _perf_cost_lines(screen):
-    made = screen.get("splits") or {}
-    return ["  group creation (each group's last member, the slowest group): "
-            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())] if made else []
+    return [f"  under load ({len(rows)} GPU(s)): " + "; ".join(parts)] + _at_most(
+        [f"    rank {r['rank']} {r.get('host')} {r.get('uuid') or '-'}: " + "; ".join(t for _, t in p) for r, p in bad],
+        "GPU(s)") + unread
 
 
 def render_soak(soak):
