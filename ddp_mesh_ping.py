@@ -8836,14 +8836,6 @@ def _metrics_start(text):
     return (t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)).timestamp()
 
 
-def _metrics_hosts(state):
-    """Every node the run knows of: the ranks' hosts, the failed hosts and those findings name, natural order."""
-    hosts = {r.get("host") for r in state.get("ranks") or []}
-    hosts |= set(state.get("failed_hosts") or [])
-    hosts |= {h for f in state.get("findings") or [] for h in f.get("hosts") or []}
-    return _screen_sorted(h for h in hosts if h is not None)
-
-
 def _metrics_run(state):
     """The run's families: verdict, exit code, duration, start, world size, nodes, failed nodes."""
     verdict = state.get("verdict")
@@ -8875,11 +8867,14 @@ def _metrics_checks(state):
 
 
 def _metrics_node_status(state):
-    """aiv_node_status{node}: the worst finding naming the node; 0 for a node no finding names."""
+    """aiv_node_status{node}: the worst finding naming the node; 0 for a node no finding names. The nodes: every
+    one the run knows of (the ranks' hosts, the failed hosts and those findings name), in natural order."""
     findings = state.get("findings") or []
+    hosts = ({r.get("host") for r in state.get("ranks") or []} | set(state.get("failed_hosts") or [])
+             | {h for f in findings for h in f.get("hosts") or []})
     rows = [({"node": h}, _metrics_max([0] + [STATUS_RANK.get(f.get("status")) for f in findings
                                                if h in (f.get("hosts") or [])]))
-            for h in _metrics_hosts(state)]
+            for h in _screen_sorted(h for h in hosts if h is not None)]
     return [("aiv_node_status", "Worst status of the findings that name the node: 0 PASS (or named by none), "
              "1 WARN, 2 FAIL.", rows)]
 
@@ -8917,15 +8912,9 @@ def _metrics_numerics(state):
              "from their peers' show in aiv_check_status for the check numerics).", rows)]
 
 
-def _metrics_intra(screen):
-    """aiv_intra_node_busbw_gbps{node}: the node's all_reduce bus bandwidth among its own GPUs."""
-    rows = [({"node": p.get("host")}, p.get("busbw")) for p in screen.get("intra") or []]
-    return [("aiv_intra_node_busbw_gbps", "Performance screen: all_reduce bus bandwidth among the node's own GPUs "
-             "in GB/s (10^9 bytes per second).", rows)]
-
-
-def _metrics_inter(screen):
-    """Per node and rail: the best busbw of the pair rounds the node took part in; per rail: the reference."""
+def _metrics_busbw(screen):
+    """Per node: its intra-node busbw; per node and rail: the best busbw of the pair rounds the node took part in;
+    per rail: the reference."""
     pairs = [m for m in screen.get("pairs") or [] if m.get("nodes") and m.get("rail") is not None]
     seen = group_by([((n, str(m["rail"])), m.get("busbw")) for m in pairs for n in m["nodes"]], lambda x: x[0],
                     lambda x: x[1])
@@ -8933,7 +8922,10 @@ def _metrics_inter(screen):
     refs = screen_diagnose(pairs, screen.get("min_busbw_inter"), bool(screen.get("cpu")))["refs"] if pairs else {}
     rails = _screen_sorted(r for _, r in best)
     rows = [({"node": n, "rail": r}, best.get((n, r))) for n in _screen_sorted(n for n, _ in best) for r in rails]
-    return [("aiv_inter_node_busbw_gbps", "Performance screen: the best all_reduce bus bandwidth in GB/s (10^9 "
+    return [("aiv_intra_node_busbw_gbps", "Performance screen: all_reduce bus bandwidth among the node's own GPUs "
+             "in GB/s (10^9 bytes per second).", [({"node": p.get("host")}, p.get("busbw"))
+                                                 for p in screen.get("intra") or []]),
+            ("aiv_inter_node_busbw_gbps", "Performance screen: the best all_reduce bus bandwidth in GB/s (10^9 "
              "bytes per second) of the inter-node measurements the node took part in on the rail (a node slow "
              "with all its partners has a low best; failed measurements count for nothing).", rows),
             ("aiv_inter_node_busbw_reference_gbps", "Performance screen: the rail's reference bus bandwidth in GB/s "
@@ -8963,27 +8955,31 @@ def render_metrics(state):
     by each run, so a series stays one series), values that are not numbers left out. Pure."""
     screen = state.get("screen") or {}
     families = (_metrics_run(state) + _metrics_checks(state) + _metrics_node_status(state)
-                + _metrics_gpus(state, screen) + _metrics_numerics(state) + _metrics_intra(screen)
-                + _metrics_inter(screen) + _metrics_phases(state) + _metrics_drain(state))
+                + _metrics_gpus(state, screen) + _metrics_numerics(state) + _metrics_busbw(screen)
+                + _metrics_phases(state) + _metrics_drain(state))
     return metrics_text(families)
+
+
+def _verdict_head(found, code):
+    """What every verdict JSON says: the tool, the verdict, its FAILURE lines, and the hosts the gated findings
+    blame (failed_hosts, exclude: blamed_hosts)."""
+    failed = blamed_hosts(found)
+    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code, "failures": failure_lines(found),
+            "failed_hosts": failed, "exclude": compress_hostlist(failed) if failed else ""}
 
 
 def verdict_state(run, found, code, drain):
     """The verdict's state (pure): the JSON, and what the report, the metrics and the page render. run: the
     run's facts as plain data, copied when the verdict began (Coordinator.snapshot); found: the findings after
-    the blame gate (blame_gate); drain: the --drain plan. failed_hosts and exclude hold only the hosts the
-    gated findings blame (blamed_hosts)."""
-    failed_hosts = blamed_hosts(found)
+    the blame gate (blame_gate); drain: the --drain plan."""
     screen = run.get("screen")
     note = screen_degraded_note(screen)
-    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-            "started_at": run["started_at"], "host": run["host"],
-            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
+    return {**_verdict_head(found, code), "started_at": run["started_at"], "host": run["host"],
             "world_size": run["world"], "ranks_reported": len(run["records"]), "backend": run["backend"],
             "master": f"{run['addr']}:{run['port']}", "expect": run["expect"], "strict": bool(run["strict"]),
             "deadlines": run["D"], "elapsed_s": round(run["elapsed_s"], 3), "phases": run["times"],
-            "findings": mark_accepted(run.get("manifest_data"), found), "failures": failure_lines(found),
-            "failed_hosts": failed_hosts, "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
+            "findings": mark_accepted(run.get("manifest_data"), found),
             "suspect_links": (screen or {}).get("suspect_links") or [],
             "drain": drain, "drain_command": (drain or {}).get("command") or "",
             "phase_starts": run["starts"], "collectives": run.get("collectives"), "screen": screen,
@@ -9022,11 +9018,7 @@ def fallback_verdict(found, code, world, written_by, hosts=()):
     dead on its node is `process`), and failed_hosts, exclude and `failures` are read from what it let
     through. hosts: the run's hosts where known."""
     found = blame_gate(found, hosts)
-    failed = blamed_hosts(found)
-    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code, "world_size": world,
-            "findings": found, "failures": failure_lines(found), "failed_hosts": failed,
-            "exclude": compress_hostlist(failed) if failed else "", "drain_command": "",
+    return {**_verdict_head(found, code), "world_size": world, "findings": found, "drain_command": "",
             "interrupted": code == EXIT_INTERRUPTED, "written_by": written_by}
 
 
