@@ -2247,16 +2247,14 @@ def _leftover(extra, parser):
 def output_paths_from_argv(argv, env):
     """--json and --metrics read without the parser (a --node-check usage error still writes them): the flags,
     else AIV_JSON, AIV_METRICS. -> [(flag, path)]."""
-    out = {}
+    out = []
     for flag, var in (("--json", "AIV_JSON"), ("--metrics", "AIV_METRICS")):
-        for i, a in enumerate(argv):
-            if a.startswith(flag + "="):
-                out[flag] = a.split("=", 1)[1]
-            elif a == flag and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                out[flag] = argv[i + 1]
-        if not out.get(flag) and env.get(var):
-            out[flag] = env[var]
-    return [(flag, path) for flag, path in out.items() if path]
+        given = [a.split("=", 1)[1] if a != flag else after for a, after in zip(argv, [*argv[1:], "--"], strict=False)
+                 if a.startswith(flag + "=") or a == flag and not after.startswith("--")]  # the last one wins
+        path = (given or [""])[-1] or env.get(var)
+        if path:
+            out.append((flag, path))
+    return out
 
 
 def parse_args(argv, env):
@@ -2266,8 +2264,8 @@ def parse_args(argv, env):
         if var in env:
             raise UsageError(f"{var}={env[var]!r} {why}")
     parser = build_parser()
-    if unknown_var(env, parser):
-        raise unknown_var(env, parser)
+    if unknown := unknown_var(env, parser):
+        raise unknown
     job_secret(env)  # too short: a usage error (its value is never shown)
     opts = [a for a in parser._actions if hasattr(a, "conv")]
     ns, extra = parser.parse_known_args(list(argv), argparse.Namespace(**{a.dest: _UNSET for a in opts}))
