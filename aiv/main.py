@@ -103,7 +103,7 @@ def rank_run(args, contract, env):
     return (Coordinator if contract["rank"] == 0 else Follower)(args, contract, env)
 
 
-def run_verify_log(args, argv=()):
+def run_verify_log(args):
     """--verify-log FILE (never empty: plan() refuses that): 0 the log shows a clean PASS, 1 it does not,
     2 the file cannot be read."""
     try:
@@ -152,7 +152,7 @@ def main(argv=None):
         emit(p["text"].rstrip())
         return EXIT_PASS
     if p["mode"] == "verify-log":
-        return run_verify_log(p["args"], argv)
+        return run_verify_log(p["args"])
     if p["mode"] == "diff-manifest":  # compare two files, no torch
         return run_diff_manifest(p["args"].diff_manifest)
     if p["mode"] == "node-check":  # this node alone (Prolog, Epilog, HealthCheckProgram, NPD); no torch here
