@@ -97,26 +97,22 @@ def _sum_matches(text, want):
         return False
 
 
-def _verify_sum_line(m, world, problems):
-    s_txt, e_txt, r_txt = m.groups()
-    e, r = _log_int(e_txt), _log_int(r_txt)
-    if e is None or r is None:
-        problems.append(f"garbled all_reduce line: {m.group(0)[:100]}")
-        return
-    if not _sum_matches(s_txt, e):
-        problems.append(f"all_reduce sum={s_txt} but expected={e}")
-    if world is not None and e != world * (world + 1) // 2:
-        problems.append(f"all_reduce expected={e} but {world} ranks sum to {world * (world + 1) // 2}")
-    if world is not None and r != world:
-        problems.append(f"all_reduce ran on {r} rank(s) but Total Execution Ranks is {world}")
-
-
 def _verify_collectives(lines, world, problems):
     sums = [m for m in map(_LOG_SUM.match, lines) if m]
     if not sums:
         problems.append("no 'all_reduce exact: sum=S expected=E' line (COLLECTIVES)")
     for m in sums:
-        _verify_sum_line(m, world, problems)
+        s_txt, e_txt, r_txt = m.groups()
+        e, r = _log_int(e_txt), _log_int(r_txt)
+        if e is None or r is None:
+            problems.append(f"garbled all_reduce line: {m.group(0)[:100]}")
+            continue
+        if not _sum_matches(s_txt, e):
+            problems.append(f"all_reduce sum={s_txt} but expected={e}")
+        if world is not None and e != world * (world + 1) // 2:
+            problems.append(f"all_reduce expected={e} but {world} ranks sum to {world * (world + 1) // 2}")
+        if world is not None and r != world:
+            problems.append(f"all_reduce ran on {r} rank(s) but Total Execution Ranks is {world}")
     grads = list(dict.fromkeys(m.group(1) for m in map(_LOG_GRADS.match, lines) if m))
     if not grads:
         problems.append("no 'gradients_identical=' line (COLLECTIVES)")
