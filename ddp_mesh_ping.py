@@ -9442,21 +9442,24 @@ def _html_label_ys(ys, lo, hi, gap=12.0):
     prev = lo - gap
     for i in order:
         out[i] = prev = max(ys[i], prev + gap)
-    over = prev - hi
-    if over > 0:  # pushed past the bottom: move the whole stack up as far as it needs
-        for i in order:
-            out[i] -= over
-    return out
+    over = prev - hi  # pushed past the bottom: move the whole stack up as far as it needs
+    return [y - over for y in out] if over > 0 else out
+
+
+def _html_scale(vals, lines):
+    """The judging lines drawn to scale, those far above every value and every reference (BREAK_RATIO: off the
+    axis), and the axis's top."""
+    core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
+    broken = [ln for ln in lines if ln["value"] > BREAK_RATIO * core]
+    shown = [ln for ln in lines if ln not in broken]
+    return shown, broken, max([core] + [ln["value"] for ln in shown]) * 1.08
 
 
 def _html_chart_geometry(bars, lines):
     """Where a chart's parts go: the axis's top and step, each bar's slot, the room for labels, the judging
     lines drawn to scale ('shown') and those above a broken axis ('broken')."""
     vals = [float(v) for _, v, _, _ in bars if v is not None]
-    core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
-    broken = [ln for ln in lines if ln["value"] > BREAK_RATIO * core]
-    shown = [ln for ln in lines if ln not in broken]
-    top = max([core] + [ln["value"] for ln in shown]) * 1.08
+    shown, broken, top = _html_scale(vals, lines)
     step = _html_step(top)
     top = math.ceil(top / step - 1e-9) * step
     n = max(len(bars), 1)
@@ -9565,10 +9568,7 @@ def _html_chart(cid, bars, lines, unit, caption):
 def _html_ranges(cid, groups, lines, unit, caption):
     """At scale, one column per node: the range of its GPUs' values, on the same axis and lines as _html_chart.
     groups: [(host, [value, ...], worst level)]."""
-    vals = [v for _, vs, _ in groups for v in vs]
-    core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
-    shown = [ln for ln in lines if ln["value"] <= BREAK_RATIO * core]
-    top = max([core] + [ln["value"] for ln in shown]) * 1.08
+    shown, over, top = _html_scale([v for _, vs, _ in groups for v in vs], lines)
     left, right, h, w = 60, 330, 160, 700.0
     bw, y = w / max(len(groups), 1), functools.partial(_html_chart_y, {"y0": 8, "plot_h": h, "top": top})
     out = [f'<rect class="grid" x="{left}" y="8" width="{w:.0f}" height="{h}"/>']
@@ -9588,7 +9588,6 @@ def _html_ranges(cid, groups, lines, unit, caption):
     lys = _html_label_ys([y(ln["value"]) + 4 for ln in shown], 12, h + 8)
     out += ["".join(_html_jline(ln, left, f"{left + w + 6:.0f}", f'{y(ln["value"]):.1f}', "/>", f"{left + w + 14:.0f}",
                                 f"{ly:.1f}")) for ln, ly in zip(shown, lys, strict=True)]
-    over = [ln for ln in lines if ln not in shown]
     note = ("; off the axis: " + "; ".join(_html_e(ln["text"]) for ln in over)) if over else ""
     return (f'<h3>{caption}</h3><p class="muted small">one column per node: the range of its GPUs, in node order '
             f'(node names every {every}){note}</p><div class="chart"><svg id="{_html_e(cid)}" class="ranges" '
@@ -9801,25 +9800,17 @@ def _html_slow_pairs(pairs, d, floor):
             f'{"".join(rows)}</table>{more}')
 
 
-def _html_phase_spans(state):
-    """[(phase, start, seconds)]: phase_starts when given (then only the phases of PHASES: the other timings,
-    import_torch or a screen round's group creation, lie inside one of them), else the phases end to end in
-    PHASES order."""
-    phases = state.get("phases") or {}
-    starts = state.get("phase_starts") or {}
-    order = [p for p in PHASES if p in phases] + ([] if starts else [p for p in phases if p not in PHASES])
-    out, t = [], 0.0
-    for p in order:
+def _html_timeline(state):
+    """Horizontal bars, one per phase, on a seconds axis: at phase_starts when given (then only the phases of
+    PHASES: the other timings, import_torch or a screen round's group creation, lie inside one of them), else
+    the phases end to end in PHASES order."""
+    phases, starts = state.get("phases") or {}, state.get("phase_starts") or {}
+    spans, t = [], 0.0  # (phase, start, seconds)
+    for p in [p for p in PHASES if p in phases] + ([] if starts else [p for p in phases if p not in PHASES]):
         d = float(phases.get(p) or 0.0)
         s = float(starts[p]) if p in starts and starts[p] is not None else t
-        out.append((p, s, d))
+        spans.append((p, s, d))
         t = max(t, s + d)
-    return out
-
-
-def _html_timeline(state):
-    """Horizontal bars, one per phase, on a seconds axis."""
-    spans = _html_phase_spans(state)
     if not spans:
         return ""
     end = max([s + d for _, s, d in spans] + [float(state.get("elapsed_s") or 0.0), 0.001])
@@ -9830,18 +9821,12 @@ def _html_timeline(state):
             f'</rect><text x="{134 + w * (s + d) / end:.1f}" y="{y + 12}">{d:.2f} s</text>'
             for i, (p, s, d) in enumerate(spans) for y in [8 + i * rh]]
     h = 8 + len(spans) * rh
+    step = next(s * m for m in (0.01, 0.1, 1, 10, 100, 1000) for s in (1, 2, 5) if s * m >= end / 6)  # ~6 ticks
     ticks = "".join(f'<line x1="{130 + w * t / end:.1f}" x2="{130 + w * t / end:.1f}" y1="4" y2="{h}" '
                     f'stroke="#e3e8ee"/><text x="{130 + w * t / end:.1f}" y="{h + 14}" text-anchor="middle">{t:g} s'
-                    '</text>' for t in _html_ticks(end))
+                    '</text>' for t in (round(i * step, 6) for i in range(int(end / step) + 1)))
     return _html_section("timeline", "Phase timeline", f'<svg width="100%" viewBox="0 0 {w + 200:.0f} {h + 20}" '
                          f'role="img">{ticks}{"".join(rows)}</svg>')
-
-
-def _html_ticks(end):
-    """About six round tick values from 0 to end."""
-    raw = end / 6
-    step = next(s * m for m in (0.01, 0.1, 1, 10, 100, 1000) for s in (1, 2, 5) if s * m >= raw)
-    return [round(i * step, 6) for i in range(int(end / step) + 1)]
 
 
 def render_html(state):
