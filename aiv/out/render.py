@@ -34,7 +34,6 @@ def _perf_gpu_lines(screen, cpu):
     refs, flags = _gpu_flags(per_rank, screen, cpu)
     irefs, ilevels = intra_levels(intra, screen.get("min_busbw_intra"), cpu)
     ibw = {p["host"]: p.get("busbw") for p in intra}
-    ilv = {h: lv for h, (lv, _) in ilevels.items()}
     L = [f"  gpu reference {m}: " + ", ".join(_screen_ref_text(refs[(m, k)], u, "GPUs")
                                              for k, u, _ in SCREEN_GPU_METRICS if refs[(m, k)]["count"])
          if max(refs[(m, k)]["count"] for k, _, _ in SCREEN_GPU_METRICS) >= 2 else
@@ -52,8 +51,8 @@ def _perf_gpu_lines(screen, cpu):
         hb = [float(r["hbm_gbps"]) for r in rs if r.get("hbm_gbps") is not None]
         marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, (r, fl) in flags.items()
                  if r.get("host") == h for k, lv, _ in fl]
-        if ilv.get(h, "OK") != "OK":
-            marks.append(f"intra [{ilv[h]}]")
+        if (ilv := ilevels.get(h, ("OK",))[0]) != "OK":
+            marks.append(f"intra [{ilv}]")
         cells = f"gpus={len(rs)} " + (f"tflops min/med={_sn(min(tf))}/{_sn(_screen_median(tf))} " if tf else "")
         cells += f"mem min/med={min(hb):.0f}/{_screen_median(hb):.0f}GB/s " if hb else ""
         cells += f"intra={_sn(ibw[h])}GB/s" if ibw.get(h) is not None else "intra=-"
@@ -213,13 +212,6 @@ def node_signature(rs):
                        sorted(set().union(*[r.get("transport") or [] for r in rs]))], sort_keys=True, default=str)
 
 
-def group_nodes(records, flagged_hosts, collapse_at=2):
-    """[(hosts, ranks_of_first)]: identical nodes collapsed, every flagged node alone."""
-    hosts = _by_host(records)
-    groups = group_by(hosts, lambda h: ("flagged", h) if h in flagged_hosts else node_signature(hosts[h]))
-    return [(g, hosts[g[0]]) for hs in groups.values() for g in ([[h] for h in hs] if len(hs) < collapse_at else [hs])]
-
-
 def _phase_times(phases):
     """'import_torch=3.19 local=3.60 rollcall=0.63 ...' in the order of the run (JSON sorts its keys)."""
     order = ("import_torch",) + PHASES + ("imports", "gpu_measure")
@@ -232,7 +224,9 @@ def render_report(state):
     once (every flagged node alone) and each section renders the groups."""
     recs = state.get("ranks") or []
     flagged = {h for f in state.get("findings") or [] if f["status"] != "PASS" for h in f["hosts"]}
-    groups = group_nodes(recs, flagged)
+    hosts = _by_host(recs)  # groups: [(hosts, ranks of the first)], identical nodes together, a flagged node alone
+    groups = [(hs, hosts[hs[0]]) for hs in group_by(
+        hosts, lambda h: ("flagged", h) if h in flagged else node_signature(hosts[h])).values()]
     out = [s for section in (_render_topology, _render_environment, _render_fabric, _render_collectives)
            for s in section(state, recs, groups)]
     out += render_performance(state["screen"]) if state.get("screen") else []
