@@ -9364,14 +9364,6 @@ def _html_worst(levels):
     return next((x for x in ("FAIL", "WARN", "OK") if x in levels), "NA")
 
 
-def _html_node_levels(state):
-    """{host: 'FAIL'|'WARN'} for flagged nodes: the hosts the gated WARN/FAIL findings name (blame_gate), the
-    same as failed_hosts for the FAILs. A suspect link colours no node: it is the path's (the pair view)."""
-    named = [(h, f["status"]) for f in state.get("findings") or [] if f.get("status") in ("WARN", "FAIL")
-             for h in f.get("hosts") or []]
-    return {h: _html_worst(st) for h, st in group_by(named, lambda x: x[0], lambda x: x[1]).items()}
-
-
 def _html_gpu_cell(r, gl):
     """One GPU square of a node card, coloured by its worst screen level."""
     g = r.get("gpu") or {}
@@ -9397,9 +9389,13 @@ def _html_topology(state, gl):
     recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []  # else the screen's GPU rows
     nodes = group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
                      lambda r: r.get("host"))  # {host: [rank record, ...]} in natural order
-    flags = _html_node_levels(state)
     if not nodes:
         return ""
+    # flagged nodes, {host: 'FAIL'|'WARN'}: the hosts the gated WARN/FAIL findings name (blame_gate), the same as
+    # failed_hosts for the FAILs. A suspect link colours no node: it is the path's (the pair view).
+    named = [(h, f["status"]) for f in state.get("findings") or [] if f.get("status") in ("WARN", "FAIL")
+             for h in f.get("hosts") or []]
+    flags = {h: _html_worst(st) for h, st in group_by(named, lambda x: x[0], lambda x: x[1]).items()}
     rpn = sorted({len(v) for v in nodes.values()})
     models = sorted({(r.get("gpu") or {}).get("name") or r.get("model") or "no GPU" for v in nodes.values() for r in v})
     head = (f'<p>{len(nodes)} node(s), {sum(map(len, nodes.values()))} rank(s), {"/".join(map(str, rpn))} per node; '
@@ -9708,7 +9704,7 @@ def _html_rail_marks(pairs, idx, rail, d, c, bad):
         tip = f"{' - '.join(m['nodes'])} rail {rail} round {m.get('round')}: {_html_n(bw)} GB/s"
         tip += " (failed)" if ratio is None else f" ({ratio:.2f})"
         ns, w = sorted(idx[n] for n in m["nodes"]), mw if cls in ("k0", "k1") else max(mw, 6.0)
-        for a, b in ((ns[i], ns[j]) for i in range(len(ns)) for j in range(i + 1, len(ns))):
+        for a, b in itertools.combinations(ns, 2):
             x, y = 90 + (b + 0.5) * c - w / 2, 90 + (a + 0.5) * c - w / 2
             (cells if w == mw else slow).append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{w:.1f}" '
                                                 f'class="{cls}"><title>{_html_e(tip)}</title></rect>')
