@@ -50,14 +50,12 @@ def _verify_totals(lines, problems, facts):
         facts["world_size"] = totals[0]
 
 
-def _verify_markers(lines, problems):
+def _verify_verdict(lines, problems, facts):
+    """The success marker, no FAILURE line, and exactly one verdict: PASS with exit code 0 (several identical
+    lines are fine)."""
     if SUCCESS_LINE not in lines:
         problems.append("success marker missing")
     problems += [f"failure reported: {s[:200]}" for s in lines if _LOG_FAILURE.match(s)]
-
-
-def _verify_verdict(lines, problems, facts):
-    """Exactly one verdict, and it is PASS with exit code 0 (several identical lines are fine)."""
     heads = list(dict.fromkeys(" ".join(v.split()[:2]) for v in _log_after(lines, "Verdict:")))  # each once
     if not heads:
         problems.append("no 'Verdict:' line")
@@ -216,7 +214,6 @@ def verify_log(text, expect, strict=False):
     lines = [ln.strip() for ln in text.splitlines()] if isinstance(text, str) else list(text)
     sections = _log_sections(lines)
     _verify_totals(lines, problems, facts)
-    _verify_markers(lines, problems)
     _verify_verdict(lines, problems, facts)
     _verify_ranks_reported(lines, facts.get("world_size"), problems)
     _verify_collectives(lines, facts.get("world_size"), problems)
