@@ -143,11 +143,6 @@ def drain_keeps(nodes):
             and r and r not in ("none", "(null)") and not r.startswith(DRAIN_PREFIX)}
 
 
-def _metrics_escape(value):
-    """A label value as the exposition format writes it: backslash, double quote and newline escaped."""
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
 def _metrics_value(v):
     """A sample's value as text, or None (omitted) for None, NaN, infinities and anything not a number."""
     if isinstance(v, int):  # a bool too: 1 or 0
@@ -159,26 +154,28 @@ def _metrics_value(v):
     return None if not math.isfinite(x) else str(int(x)) if x.is_integer() and abs(x) < 2 ** 53 else repr(x)
 
 
+# The exposition format's escapes: backslash and newline in HELP text, and the double quote too in a label value.
+_HELP_ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n"})
+_LABEL_ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n", '"': '\\"'})
+
+
 def _metrics_family(name, text, samples):
     """One gauge family's lines: HELP and TYPE once, then each sample ([(labels dict, value)]) whose value is
-    a number, the first of any repeated label set only. None when no sample has a value (nothing written)."""
+    a number, the first of any repeated label set only. Nothing when no sample has a value."""
     lines, seen = [], set()
     for labels, value in samples:
         v, key = _metrics_value(value), tuple(sorted((k, str(x)) for k, x in labels.items()))
         if v is None or key in seen:
             continue
         seen.add(key)
-        body = ",".join(f'{k}="{_metrics_escape(x)}"' for k, x in labels.items())
+        body = ",".join(f'{k}="{str(x).translate(_LABEL_ESCAPES)}"' for k, x in labels.items())
         lines.append(f"{name}{{{body}}} {v}" if body else f"{name} {v}")
-    if not lines:
-        return None
-    help_text = text.replace("\\", "\\\\").replace("\n", "\\n")
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"] + lines
+    return [f"# HELP {name} {text.translate(_HELP_ESCAPES)}", f"# TYPE {name} gauge"] + lines if lines else []
 
 
 def metrics_text(families):
     """[(name, help, samples)] as Prometheus text, a family with no value left out."""
-    return "\n".join(line for family in families for line in _metrics_family(*family) or []) + "\n"
+    return "\n".join(line for family in families for line in _metrics_family(*family)) + "\n"
 
 
 def _metrics_max(values):
