@@ -2089,22 +2089,31 @@ def _opt(p, flag, conv, shown, text, env=True, want=None, **kw):
     return a
 
 
-def _epilog():
-    return "\n".join((
-        "Values: on = 1/on/yes/true, off = 0/off/no/false (any case); sizes are bytes with binary K/M/G",
-        f"suffixes (1M = 2^20); seconds are 1-{SECONDS_MAX:g}. Flags are spelled out in full. A malformed or",
-        "empty flag, AIV_* variable or launch variable is one FAILURE line and exit 2; nothing runs.",
-        f"--nproc: at most {RANKS_PER_CORE} ranks per CPU core this process may use, and one rank per",
-        f"{human_bytes(RANK_MEM_CPU)} (CPU) or {human_bytes(RANK_MEM_GPU)} (GPU) of MemAvailable or of what the "
-        "memory cgroup has left.",
-        "--verify-log has no variable: an exported AIV_VERIFY_LOG would turn every later run, Slurm jobs",
-        "included, into a log check; setting it is a usage error. Nor has --node-check (every run a node check).",
-        "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT, 4 INTERNAL, 5 INTERRUPTED."))
+# --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the
+# interpreter, torch and a gloo group; measured with 2 and 4 ranks), and the node's import probe and
+# liveness monitor add ~0.3 GiB once: 512 MiB per CPU rank covers both. A rank that drives a GPU also
+# holds a CUDA context in host memory: 1.5 GiB. A rank is idle but for its start (import torch, 1-2
+# CPU seconds) and milliseconds of collectives, so 4 ranks per core start within seconds, far inside
+# the roll-call bound, and leave the machine usable. Only an explicit --nproc is held to this rule.
+RANKS_PER_CORE = 4
+RANK_MEM_CPU = 512 << 20
+RANK_MEM_GPU = 1536 << 20
+
+EPILOG = "\n".join((
+    "Values: on = 1/on/yes/true, off = 0/off/no/false (any case); sizes are bytes with binary K/M/G",
+    f"suffixes (1M = 2^20); seconds are 1-{SECONDS_MAX:g}. Flags are spelled out in full. A malformed or",
+    "empty flag, AIV_* variable or launch variable is one FAILURE line and exit 2; nothing runs.",
+    f"--nproc: at most {RANKS_PER_CORE} ranks per CPU core this process may use, and one rank per",
+    f"{human_bytes(RANK_MEM_CPU)} (CPU) or {human_bytes(RANK_MEM_GPU)} (GPU) of MemAvailable or of what the "
+    "memory cgroup has left.",
+    "--verify-log has no variable: an exported AIV_VERIFY_LOG would turn every later run, Slurm jobs",
+    "included, into a log check; setting it is a usage error. Nor has --node-check (every run a node check).",
+    "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT, 4 INTERNAL, 5 INTERRUPTED."))
 
 
 def build_parser():
     p = _Parser(prog="ddp_mesh_ping.py", description=DESCRIPTION, add_help=False, allow_abbrev=False,
-                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
+                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     _opt(p, "--backend", _backend, "auto", "auto: nccl when CUDA is available, else gloo", default="auto",
          metavar="{auto,nccl,gloo}")
@@ -2287,17 +2296,6 @@ def parse_args(argv, env):
                              f"{ns.origin['bandwidth']} turns off")
         ns.bandwidth = _sizes(DEFAULT_BW_SIZES)
     return ns
-
-
-# --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the
-# interpreter, torch and a gloo group; measured with 2 and 4 ranks), and the node's import probe and
-# liveness monitor add ~0.3 GiB once: 512 MiB per CPU rank covers both. A rank that drives a GPU also
-# holds a CUDA context in host memory: 1.5 GiB. A rank is idle but for its start (import torch, 1-2
-# CPU seconds) and milliseconds of collectives, so 4 ranks per core start within seconds, far inside
-# the roll-call bound, and leave the machine usable. Only an explicit --nproc is held to this rule.
-RANKS_PER_CORE = 4
-RANK_MEM_CPU = 512 << 20
-RANK_MEM_GPU = 1536 << 20
 
 
 
