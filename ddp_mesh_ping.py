@@ -13693,7 +13693,7 @@ def _launcher_verdict(procs, alive, sig, base, nproc, node):
         bad = [(base + r, c) for r, c in enumerate(codes) if c]
         emit(f"FAILURE: launch: {first} passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
         return EXIT_FAIL
-    if base and sig and (codes[0] < 0 or codes[0] >= 128):  # this node's ranks stopped on its own signal
+    if base and sig and codes[0] >= 128:  # this node's ranks stopped on its own signal
         emit(f"FAILURE: interrupted: the launcher of node {node['node_rank']} ({socket.gethostname()}) was "
              f"interrupted by {signal.Signals(sig).name}: its ranks {format_ranges(range(base, base + nproc))} "
              f"stopped before rank 0's verdict; {STOPPED_WORDS}")
