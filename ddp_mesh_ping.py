@@ -8697,9 +8697,8 @@ def drain_reason(fs, job=None, context="job"):
     if context == "job":
         head, tail = f"{DRAIN_PREFIX} {f['check']}: {f['reason']}", f" (job {job})"
     else:
-        more = f" (+{len(fs) - 1} more)" if len(fs) > 1 else ""
         head = f"{DRAIN_PREFIX} {NODE_DRAIN_TAG}: {f['check']}: {f.get('short') or f['reason']}"
-        tail = f"{more} [{context}]"
+        tail = (f" (+{len(fs) - 1} more)" if len(fs) > 1 else "") + f" [{context}]"
     head = " ".join(head.split())
     if len(head) + len(tail) > DRAIN_REASON_MAX:
         head = head[:DRAIN_REASON_MAX - len(tail) - 3].rstrip() + "..."
@@ -8760,12 +8759,9 @@ def resume_plan(node, reason, findings):
 def parse_scontrol_nodes(text):
     """`scontrol show node -o` -> {node: (state, reason)}. The reason is everything after 'Reason=' up to
     the next field of the line (or its end)."""
-    out = {}
-    for line in text.splitlines():
-        name, state = re.search(r"(?:^|\s)NodeName=(\S+)", line), re.search(r"\sState=(\S+)", line)
-        if name:
-            out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
-    return out
+    return {name.group(1): (state.group(1) if state else "", scontrol_reason(line)) for line in text.splitlines()
+            for name, state in [(re.search(r"(?:^|\s)NodeName=(\S+)", line), re.search(r"\sState=(\S+)", line))]
+            if name}
 
 
 def drain_keeps(nodes):
@@ -8826,8 +8822,7 @@ def _metrics_start(text):
 def _metrics_run(state):
     """The run's families: verdict, exit code, duration, start, world size, nodes, failed nodes."""
     verdict = state.get("verdict")
-    ranks = state.get("ranks")
-    nodes = len({r.get("host") for r in ranks}) if ranks is not None else None
+    nodes = len({r.get("host") for r in state["ranks"]}) if state.get("ranks") is not None else None
     failed = state.get("failed_hosts")
     return [
         ("aiv_verdict_pass", "1 when the run's verdict is PASS, 0 when it is FAIL.",
@@ -8888,12 +8883,9 @@ def _metrics_gpus(state, screen):
 def _metrics_numerics(state):
     """aiv_numerics_error_ratio{node,gpu,uuid}: per rank, its largest error against the numerics check's fp64
     reference as a fraction of the tolerance, over its checks (ranks[].numerics)."""
-    rows = []
-    for r in state.get("ranks") or []:
-        checks = (r.get("numerics") or {}).get("checks") or {}
-        ratios = [p["err"] / p["tol"] for p in checks.values() if p.get("tol") and p.get("err") is not None]
-        rows.append(({"node": r.get("host"), "gpu": str(r.get("local_rank")),
-                      "uuid": (r.get("gpu") or {}).get("uuid") or ""}, max(ratios) if ratios else None))
+    rows = [({"node": r.get("host"), "gpu": str(r.get("local_rank")), "uuid": (r.get("gpu") or {}).get("uuid") or ""},
+             max((p["err"] / p["tol"] for p in ((r.get("numerics") or {}).get("checks") or {}).values()
+                  if p.get("tol") and p.get("err") is not None), default=None)) for r in state.get("ranks") or []]
     return [("aiv_numerics_error_ratio", "Numerics check: the rank's largest error against the fp64 reference as a "
              "fraction of its tolerance, over its checks (1 or more: off the reference; results whose bits differ "
              "from their peers' show in aiv_check_status for the check numerics).", rows)]
