@@ -9445,8 +9445,7 @@ def _html_chart_geometry(bars, lines):
     name_h = 32 if flat else 10 + 6.2 * max([len(b[0]) for b in bars] + [4])
     val_h = 16 if slot >= 44 else 10 + 6.2 * max([len(_s3(v)) for v in vals] + [1])
     left, right, plot_h = 60, 330, 200
-    brk_h = 16 * len(broken) + 22 if broken else 0
-    y0 = 8 + brk_h + val_h
+    y0 = 8 + (16 * len(broken) + 22 if broken else 0) + val_h  # the broken axis's lines above the values
     w = slot * n
     return {"top": top, "step": step, "slot": slot, "flat": flat, "name_h": name_h, "val_h": val_h, "left": left,
             "plot_h": plot_h, "y0": y0, "w": w, "broken": broken, "shown": shown,
@@ -9649,12 +9648,10 @@ def _html_intra(screen):
         band = [b for b in bands if b["band"] == f"intra.busbw/{cls[0] or 0} ranks"]
         lines = judging_lines(refs[cls], fail, warn, None, screen.get("min_busbw_intra"), "min_busbw_intra", band,
                               "nodes")
-        bars = []
-        for p in sorted(mine, key=lambda p: _screen_key(p["host"])):
-            v = p.get("busbw")
-            lv = _html_worst([levels[p["host"]][0], band_level(v, p["host"], band)])
-            bars.append((str(p["host"]), v, lv, f"{p['host']}: intra-node all_reduce busbw "
-                         + (f"{_s3(v)} GB/s [{lv}]" if v is not None else "failed")))
+        bars = [(str(p["host"]), v, lv, f"{p['host']}: intra-node all_reduce busbw "
+                 + (f"{_s3(v)} GB/s [{lv}]" if v is not None else "failed"))
+                for p in sorted(mine, key=lambda p: _screen_key(p["host"])) for v in [p.get("busbw")]
+                for lv in [_html_worst([levels[p["host"]][0], band_level(v, p["host"], band)])]]
         alone = "" if refs[cls].get("count", 0) >= 2 else "; one node: no peers to judge it against"
         charts.append(_html_chart(f"intra-{k}", bars, lines, "GB/s",
                                   f"intra-node busbw of {_html_e(_intra_class_text(cls))} <span class=\"muted small\">"
@@ -9664,14 +9661,6 @@ def _html_intra(screen):
 
 CELL_NUMBERS_MIN = 26.0  # a heat-map cell at least this many pixels wide shows its busbw in figures
 SLOW_ROWS_MAX = 64       # the table of slow inter-node measurements lists at most this many, lowest first
-
-
-def _html_axis(nodes, c):
-    """Node-name labels along the top and left of a heat map (every k-th one when there are many)."""
-    step = max(1, len(nodes) // 8) if len(nodes) > 24 else 1
-    return "".join(f'<text class="lab" x="86" y="{p + 3:.1f}" text-anchor="end">{_html_e(nodes[i])}</text>'
-                   f'<text class="lab" transform="translate({p + 3:.1f},86) rotate(-60)">{_html_e(nodes[i])}</text>'
-                   for i in range(0, len(nodes), step) for p in [90 + (i + 0.5) * c])
 
 
 def _html_rail_marks(pairs, idx, rail, d, c, bad):
@@ -9701,16 +9690,12 @@ def _html_rail_marks(pairs, idx, rail, d, c, bad):
             if k in lone:
                 boxes.append(f'<rect x="{x - 2:.1f}" y="{y - 2:.1f}" width="{w + 4:.1f}" height="{w + 4:.1f}" '
                              f'class="suspect"><title>suspect link: {_html_e(tip)}</title></rect>')
-    crosses = "".join(_html_cross(idx[n], n, c, len(idx)) for n in bad)
+    t, size = max(c, 3.0), len(idx) * c  # a culprit node's row and column outlined
+    crosses = "".join(f'<g class="culprit" data-host="{_html_e(n)}"><title>culprit: {_html_e(n)}</title>'
+                      f'<rect class="culprit" x="90" y="{p - t / 2:.1f}" width="{size:.1f}" height="{t:.1f}"/>'
+                      f'<rect class="culprit" x="{p - t / 2:.1f}" y="90" width="{t:.1f}" height="{size:.1f}"/></g>'
+                      for n in bad for p in [90 + (idx[n] + 0.5) * c])
     return crosses + "".join(cells) + "".join(slow) + "".join(boxes)
-
-
-def _html_cross(i, node, c, n):
-    """A culprit node's row and column outlined."""
-    t, p, size = max(c, 3.0), 90 + (i + 0.5) * c, n * c
-    return (f'<g class="culprit" data-host="{_html_e(node)}"><title>culprit: {_html_e(node)}</title>'
-            f'<rect class="culprit" x="90" y="{p - t / 2:.1f}" width="{size:.1f}" height="{t:.1f}"/>'
-            f'<rect class="culprit" x="{p - t / 2:.1f}" y="90" width="{t:.1f}" height="{size:.1f}"/></g>')
 
 
 def _html_heatmap(pairs, rail, d, failed, size):
@@ -9725,9 +9710,13 @@ def _html_heatmap(pairs, rail, d, failed, size):
     cap = (f"rail {_html_e(rail)}{' (' + _html_e(hca) + ')' if hca else ''}: reference {_html_n(ref['ref'])} GB/s "
            f"({_html_e(ref['how'])} of {ref['count']}), {len(slow)} slow"
            + (f", culprit {_html_e(compress_hostlist(bad))}" if bad else ""))
+    step = max(1, len(nodes) // 8) if len(nodes) > 24 else 1  # node names along the top and left: every k-th
+    axis = "".join(f'<text class="lab" x="86" y="{p + 3:.1f}" text-anchor="end">{_html_e(nodes[i])}</text>'
+                   f'<text class="lab" transform="translate({p + 3:.1f},86) rotate(-60)">{_html_e(nodes[i])}</text>'
+                   for i in range(0, len(nodes), step) for p in [90 + (i + 0.5) * c])
     svg = (f'<svg id="heatmap-rail-{_html_e(rail)}" width="{size + 100:.0f}" height="{size + 100:.0f}" '
            f'viewBox="0 0 {size + 100:.0f} {size + 100:.0f}" role="img"><title>{cap}</title>'
-           f'<rect class="grid" x="90" y="90" width="{size:.1f}" height="{size:.1f}"/>{_html_axis(nodes, c)}'
+           f'<rect class="grid" x="90" y="90" width="{size:.1f}" height="{size:.1f}"/>{axis}'
            f'{_html_rail_marks(pairs, idx, rail, d, c, bad)}</svg>')
     return f'<div class="hm"><div class="small">{cap}</div>{svg}</div>'
 
