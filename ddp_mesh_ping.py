@@ -8364,11 +8364,10 @@ def _perf_pair_lines(screen, cpu):
     per_rail = {rail: screen_reference(m.get("busbw") for m in results if m["rail"] == rail) for rail in d["rails"]}
     by_group = group_by(range(len(results)), lambda i: (results[i].get("round"), tuple(results[i]["nodes"])))
     rounds = Counter(r for r, _ in by_group)
-    slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
     L = [f"  inter-node reference: {_screen_ref_text(d['ref'], 'GB/s', 'measurements')}; per rail: "
          + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
          "  groups per round: " + " ".join(f"{r}:{n}" for r, n in sorted(rounds.items(), key=lambda x: str(x[0])))
-         + f"; {len(results)} measurement(s), {len(slow)} slow"]
+         + f"; {len(results)} measurement(s), {sum(lv != 'OK' for lv in d['levels'])} slow"]
     show_all = len(d["nodes"]) <= SCREEN_RENDER_ALL
     listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
     rows = []
