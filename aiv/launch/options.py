@@ -287,16 +287,6 @@ def _given(action, name, value):
         raise UsageError(f"{name}={value!r} {e}") from None
 
 
-def _leftover(extra, parser):
-    """The first argument argparse did not take, as a usage error (with the likely flag meant)."""
-    arg = extra[0]
-    if arg in ("-", "--") or not arg.startswith("-"):
-        return UsageError(f"unexpected argument {arg!r}: ddp_mesh_ping.py takes options only (see --help)")
-    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
-    near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1) if arg.startswith("--") else []
-    return UsageError(f"unknown option {arg!r}" + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
-
-
 def output_paths_from_argv(argv, env):
     """--json and --metrics read without the parser (a --node-check usage error still writes them): the flags,
     else AIV_JSON, AIV_METRICS. -> [(flag, path)]."""
@@ -322,18 +312,20 @@ def parse_args(argv, env):
     job_secret(env)  # too short: a usage error (its value is never shown)
     opts = [a for a in parser._actions if hasattr(a, "conv")]
     ns, extra = parser.parse_known_args(list(argv), argparse.Namespace(**{a.dest: _UNSET for a in opts}))
-    if extra:
-        raise _leftover(extra, parser)
+    if extra:  # the first argument argparse did not take, with the likely flag meant
+        if extra[0] in ("-", "--") or not extra[0].startswith("-"):
+            raise UsageError(f"unexpected argument {extra[0]!r}: ddp_mesh_ping.py takes options only (see --help)")
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        near = difflib.get_close_matches(extra[0].split("=", 1)[0], flags, n=1) if extra[0].startswith("--") else []
+        raise UsageError(f"unknown option {extra[0]!r}" + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
     ns.origin = {}
     for a in opts:
         flag, raw = a.option_strings[0], getattr(ns, a.dest)
         if raw is _UNSET and a.env in env:
             flag, raw = a.env, env[a.env]
-        if raw is _UNSET:
-            setattr(ns, a.dest, a.default)
-            continue
-        ns.origin[a.dest] = flag
-        setattr(ns, a.dest, _given(a, flag, raw))
+        if raw is not _UNSET:
+            ns.origin[a.dest] = flag
+        setattr(ns, a.dest, a.default if raw is _UNSET else _given(a, flag, raw))
     if ns.min_busbw and not ns.bandwidth:
         if "bandwidth" in ns.origin:
             raise UsageError(f"{ns.origin['min_busbw']} needs the bandwidth probe, which "
