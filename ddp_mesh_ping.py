@@ -1460,7 +1460,7 @@ def _no_rank(env):
     """No RANK (nor SLURM_PROCID): local mode, unless the environment is half a launch contract: a size or
     local rank without a rank, an MPI launcher's variables, or a master that is another machine (a multi-node
     hint, never replaced by 127.0.0.1)."""
-    if "SLURM_JOB_ID" in env and in_batch_shell(env):
+    if in_batch_shell(env):
         raise UsageError("running in the Slurm batch shell, not as an srun task: launch it with "
                          "srun (one task per GPU), e.g. srun python ddp_mesh_ping.py")
     partial = [f"{v}={env[v]!r}" for v in ("WORLD_SIZE", "LOCAL_RANK", *MPI_SIZE_VARS, *MPI_LOCAL_VARS) if v in env]
@@ -1759,13 +1759,11 @@ def _count(env, var):
 
 
 def _first(env, launcher, fact, sources, read, fix):
-    """The value of `fact` from the first of `sources` ((variable, value or None: read it)) that is present;
-    every other one present must agree (else one line naming both). -> (value, variable)."""
-    got = [(var, read(env, var) if value is None else value) for var, value in sources
-           if value is not None or var in env]
+    """The value of `fact` from the first of the variables `sources` that is set (read(env, variable)); every
+    other one set must agree (else one line naming both). -> (value, variable)."""
+    got = [(var, read(env, var)) for var in sources if var in env]
     if not got:
-        names = " or ".join(var for var, _ in sources)
-        raise UsageError(f"{launcher}: {fact} is not set: set {names}{fix}")
+        raise UsageError(f"{launcher}: {fact} is not set: set {' or '.join(sources)}{fix}")
     var, value = got[0]
     for other, v in got[1:]:
         if v != value:
@@ -1856,38 +1854,38 @@ def read_node_launch(env):
     if key is None:
         return None
     name, fix, where = BY_KEY[key].name, "", ""
-    nodes, index, addrs = [("PET_NNODES", None)], [("PET_NODE_RANK", None)], [("MASTER_ADDR", None),
-                                                                                ("PET_MASTER_ADDR", None)]
-    ports = [("MASTER_PORT", None), ("PET_MASTER_PORT", None)]
+    nodes, index, addrs = ["PET_NNODES"], ["PET_NODE_RANK"], ["MASTER_ADDR", "PET_MASTER_ADDR"]
+    ports, known = ["MASTER_PORT", "PET_MASTER_PORT"], {}  # known: an address read already (Volcano's first host)
     default_port, world_var, ambiguous = TORCHRUN_PORT, "WORLD_SIZE", False  # WORLD_SIZE: held to the launch
     if key == "trainer-v2":
-        index.append(("JOB_COMPLETION_INDEX", None))
+        index.append("JOB_COMPLETION_INDEX")
         addrs.reverse()
         ports.reverse()
     elif key == "pytorchjob":
         if "PET_NNODES" not in env:
-            nodes, world_var = [("WORLD_SIZE", None)], None
-        index.append(("RANK", None))
+            nodes, world_var = ["WORLD_SIZE"], None
+        index.append("RANK")
         ambiguous = "PET_NNODES" not in env and "PET_NODE_RANK" not in env
         default_port = None
     elif key in ("indexed-job", "jobset"):
-        index.insert(0, ("JOB_COMPLETION_INDEX", None))
+        index.insert(0, "JOB_COMPLETION_INDEX")
         fix, where = " (the Job's completions)", ": pod 0 through the headless Service, e.g. <job>-0.<service>"
     elif key == "lws":
-        nodes.insert(0, ("LWS_GROUP_SIZE", None))
-        index.insert(0, ("LWS_WORKER_INDEX", None))
-        addrs.insert(0, ("LWS_LEADER_ADDRESS", None))
+        nodes.insert(0, "LWS_GROUP_SIZE")
+        index.insert(0, "LWS_WORKER_INDEX")
+        addrs.insert(0, "LWS_LEADER_ADDRESS")
     elif key == "volcano" and "RANK" in env:  # the pytorch plugin: one process per pod, RANK its index
-        nodes, world_var = [("WORLD_SIZE", None), ("PET_NNODES", None)], None
-        index = [("RANK", None), ("PET_NODE_RANK", None)]
+        nodes, world_var = ["WORLD_SIZE", "PET_NNODES"], None
+        index = ["RANK", "PET_NODE_RANK"]
         default_port = None
     elif key == "volcano":
         if "PET_NNODES" in env:  # set by hand: PET_NODE_RANK is the node's index (VC_TASK_INDEX is per task)
-            index = index if "PET_NODE_RANK" in env else [("VC_TASK_INDEX", None)]
+            index = index if "PET_NODE_RANK" in env else ["VC_TASK_INDEX"]
         else:
             num, hosts_var, first = _volcano_task(env)
-            nodes, index = [(num, None)], [("VC_TASK_INDEX", None), ("PET_NODE_RANK", None)]
-            addrs.append((hosts_var, first))
+            nodes, index = [num], ["VC_TASK_INDEX", "PET_NODE_RANK"]
+            addrs.append(hosts_var)
+            known[hosts_var] = first
             fix = " (Volcano's env plugin sets VC_TASK_INDEX)"
     nnodes, nodes_from = _first(env, name, "the node count", nodes, _count, fix)
     _one_launch(env, name, nnodes, nodes_from)
@@ -1895,9 +1893,9 @@ def read_node_launch(env):
                                   lambda e, v: _int_var(e, v, lo=0, hi=100_000), fix if key == "volcano" else "")
     if node_rank >= nnodes:
         raise UsageError(f"{name}: {node_from}={node_rank} is not below {nodes_from}={nnodes}", own=True)
-    addr, addr_from = _first(env, name, "the master's address", addrs, lambda e, v: check_host(v, e[v]),
+    addr, addr_from = _first(env, name, "the master's address", addrs, lambda e, v: known.get(v) or check_host(v, e[v]),
                              f" (the host of node 0{where})")
-    if default_port is not None and not any(var in env for var, _ in ports):
+    if default_port is not None and not any(var in env for var in ports):
         port, port_from = default_port, f"torchrun's default {default_port}: no MASTER_PORT"
     else:
         port, port_var = _first(env, name, "the master's port", ports, lambda e, v: _int_var(e, v, lo=1, hi=65535), "")
@@ -2089,22 +2087,31 @@ def _opt(p, flag, conv, shown, text, env=True, want=None, **kw):
     return a
 
 
-def _epilog():
-    return "\n".join((
-        "Values: on = 1/on/yes/true, off = 0/off/no/false (any case); sizes are bytes with binary K/M/G",
-        f"suffixes (1M = 2^20); seconds are 1-{SECONDS_MAX:g}. Flags are spelled out in full. A malformed or",
-        "empty flag, AIV_* variable or launch variable is one FAILURE line and exit 2; nothing runs.",
-        f"--nproc: at most {RANKS_PER_CORE} ranks per CPU core this process may use, and one rank per",
-        f"{human_bytes(RANK_MEM_CPU)} (CPU) or {human_bytes(RANK_MEM_GPU)} (GPU) of MemAvailable or of what the "
-        "memory cgroup has left.",
-        "--verify-log has no variable: an exported AIV_VERIFY_LOG would turn every later run, Slurm jobs",
-        "included, into a log check; setting it is a usage error. Nor has --node-check (every run a node check).",
-        "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT, 4 INTERNAL, 5 INTERRUPTED."))
+# --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the
+# interpreter, torch and a gloo group; measured with 2 and 4 ranks), and the node's import probe and
+# liveness monitor add ~0.3 GiB once: 512 MiB per CPU rank covers both. A rank that drives a GPU also
+# holds a CUDA context in host memory: 1.5 GiB. A rank is idle but for its start (import torch, 1-2
+# CPU seconds) and milliseconds of collectives, so 4 ranks per core start within seconds, far inside
+# the roll-call bound, and leave the machine usable. Only an explicit --nproc is held to this rule.
+RANKS_PER_CORE = 4
+RANK_MEM_CPU = 512 << 20
+RANK_MEM_GPU = 1536 << 20
+
+EPILOG = "\n".join((
+    "Values: on = 1/on/yes/true, off = 0/off/no/false (any case); sizes are bytes with binary K/M/G",
+    f"suffixes (1M = 2^20); seconds are 1-{SECONDS_MAX:g}. Flags are spelled out in full. A malformed or",
+    "empty flag, AIV_* variable or launch variable is one FAILURE line and exit 2; nothing runs.",
+    f"--nproc: at most {RANKS_PER_CORE} ranks per CPU core this process may use, and one rank per",
+    f"{human_bytes(RANK_MEM_CPU)} (CPU) or {human_bytes(RANK_MEM_GPU)} (GPU) of MemAvailable or of what the "
+    "memory cgroup has left.",
+    "--verify-log has no variable: an exported AIV_VERIFY_LOG would turn every later run, Slurm jobs",
+    "included, into a log check; setting it is a usage error. Nor has --node-check (every run a node check).",
+    "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT, 4 INTERNAL, 5 INTERRUPTED."))
 
 
 def build_parser():
     p = _Parser(prog="ddp_mesh_ping.py", description=DESCRIPTION, add_help=False, allow_abbrev=False,
-                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
+                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     _opt(p, "--backend", _backend, "auto", "auto: nccl when CUDA is available, else gloo", default="auto",
          metavar="{auto,nccl,gloo}")
@@ -2234,29 +2241,17 @@ def _given(action, name, value):
         raise UsageError(f"{name}={value!r} {e}") from None
 
 
-def _leftover(extra, parser):
-    """The first argument argparse did not take, as a usage error (with the likely flag meant)."""
-    arg = extra[0]
-    if arg in ("-", "--") or not arg.startswith("-"):
-        return UsageError(f"unexpected argument {arg!r}: ddp_mesh_ping.py takes options only (see --help)")
-    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
-    near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1) if arg.startswith("--") else []
-    return UsageError(f"unknown option {arg!r}" + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
-
-
 def output_paths_from_argv(argv, env):
     """--json and --metrics read without the parser (a --node-check usage error still writes them): the flags,
     else AIV_JSON, AIV_METRICS. -> [(flag, path)]."""
-    out = {}
+    out = []
     for flag, var in (("--json", "AIV_JSON"), ("--metrics", "AIV_METRICS")):
-        for i, a in enumerate(argv):
-            if a.startswith(flag + "="):
-                out[flag] = a.split("=", 1)[1]
-            elif a == flag and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                out[flag] = argv[i + 1]
-        if not out.get(flag) and env.get(var):
-            out[flag] = env[var]
-    return [(flag, path) for flag, path in out.items() if path]
+        given = [a.split("=", 1)[1] if a != flag else after for a, after in zip(argv, [*argv[1:], "--"], strict=False)
+                 if a.startswith(flag + "=") or a == flag and not after.startswith("--")]  # the last one wins
+        path = (given or [""])[-1] or env.get(var)
+        if path:
+            out.append((flag, path))
+    return out
 
 
 def parse_args(argv, env):
@@ -2266,40 +2261,31 @@ def parse_args(argv, env):
         if var in env:
             raise UsageError(f"{var}={env[var]!r} {why}")
     parser = build_parser()
-    if unknown_var(env, parser):
-        raise unknown_var(env, parser)
+    if unknown := unknown_var(env, parser):
+        raise unknown
     job_secret(env)  # too short: a usage error (its value is never shown)
     opts = [a for a in parser._actions if hasattr(a, "conv")]
     ns, extra = parser.parse_known_args(list(argv), argparse.Namespace(**{a.dest: _UNSET for a in opts}))
-    if extra:
-        raise _leftover(extra, parser)
+    if extra:  # the first argument argparse did not take, with the likely flag meant
+        if extra[0] in ("-", "--") or not extra[0].startswith("-"):
+            raise UsageError(f"unexpected argument {extra[0]!r}: ddp_mesh_ping.py takes options only (see --help)")
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        near = difflib.get_close_matches(extra[0].split("=", 1)[0], flags, n=1) if extra[0].startswith("--") else []
+        raise UsageError(f"unknown option {extra[0]!r}" + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
     ns.origin = {}
     for a in opts:
         flag, raw = a.option_strings[0], getattr(ns, a.dest)
         if raw is _UNSET and a.env in env:
             flag, raw = a.env, env[a.env]
-        if raw is _UNSET:
-            setattr(ns, a.dest, a.default)
-            continue
-        ns.origin[a.dest] = flag
-        setattr(ns, a.dest, _given(a, flag, raw))
+        if raw is not _UNSET:
+            ns.origin[a.dest] = flag
+        setattr(ns, a.dest, a.default if raw is _UNSET else _given(a, flag, raw))
     if ns.min_busbw and not ns.bandwidth:
         if "bandwidth" in ns.origin:
             raise UsageError(f"{ns.origin['min_busbw']} needs the bandwidth probe, which "
                              f"{ns.origin['bandwidth']} turns off")
         ns.bandwidth = _sizes(DEFAULT_BW_SIZES)
     return ns
-
-
-# --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the
-# interpreter, torch and a gloo group; measured with 2 and 4 ranks), and the node's import probe and
-# liveness monitor add ~0.3 GiB once: 512 MiB per CPU rank covers both. A rank that drives a GPU also
-# holds a CUDA context in host memory: 1.5 GiB. A rank is idle but for its start (import torch, 1-2
-# CPU seconds) and milliseconds of collectives, so 4 ranks per core start within seconds, far inside
-# the roll-call bound, and leave the machine usable. Only an explicit --nproc is held to this rule.
-RANKS_PER_CORE = 4
-RANK_MEM_CPU = 512 << 20
-RANK_MEM_GPU = 1536 << 20
 
 
 
@@ -8228,7 +8214,6 @@ def _perf_gpu_lines(screen, cpu):
     refs, flags = _gpu_flags(per_rank, screen, cpu)
     irefs, ilevels = intra_levels(intra, screen.get("min_busbw_intra"), cpu)
     ibw = {p["host"]: p.get("busbw") for p in intra}
-    ilv = {h: lv for h, (lv, _) in ilevels.items()}
     L = [f"  gpu reference {m}: " + ", ".join(_screen_ref_text(refs[(m, k)], u, "GPUs")
                                              for k, u, _ in SCREEN_GPU_METRICS if refs[(m, k)]["count"])
          if max(refs[(m, k)]["count"] for k, _, _ in SCREEN_GPU_METRICS) >= 2 else
@@ -8246,8 +8231,8 @@ def _perf_gpu_lines(screen, cpu):
         hb = [float(r["hbm_gbps"]) for r in rs if r.get("hbm_gbps") is not None]
         marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, (r, fl) in flags.items()
                  if r.get("host") == h for k, lv, _ in fl]
-        if ilv.get(h, "OK") != "OK":
-            marks.append(f"intra [{ilv[h]}]")
+        if (ilv := ilevels.get(h, ("OK",))[0]) != "OK":
+            marks.append(f"intra [{ilv}]")
         cells = f"gpus={len(rs)} " + (f"tflops min/med={_sn(min(tf))}/{_sn(_screen_median(tf))} " if tf else "")
         cells += f"mem min/med={min(hb):.0f}/{_screen_median(hb):.0f}GB/s " if hb else ""
         cells += f"intra={_sn(ibw[h])}GB/s" if ibw.get(h) is not None else "intra=-"
@@ -8272,27 +8257,26 @@ def _perf_pair_lines(screen, cpu):
     per_rail = {rail: screen_reference(m.get("busbw") for m in results if m["rail"] == rail) for rail in d["rails"]}
     by_group = group_by(range(len(results)), lambda i: (results[i].get("round"), tuple(results[i]["nodes"])))
     rounds = Counter(r for r, _ in by_group)
-    slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
     L = [f"  inter-node reference: {_screen_ref_text(d['ref'], 'GB/s', 'measurements')}; per rail: "
          + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
          "  groups per round: " + " ".join(f"{r}:{n}" for r, n in sorted(rounds.items(), key=lambda x: str(x[0])))
-         + f"; {len(results)} measurement(s), {len(slow)} slow"]
+         + f"; {len(results)} measurement(s), {sum(lv != 'OK' for lv in d['levels'])} slow"]
     show_all = len(d["nodes"]) <= SCREEN_RENDER_ALL
     listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
-    for rnd, g in listed[: None if show_all else SCREEN_RENDER_SLOW]:
+    rows = []
+    for rnd, g in listed:
         idx = sorted(by_group[(rnd, g)], key=lambda i: results[i]["rail"])
         cells = " ".join(f"{_sn(float(results[i].get('busbw') or 0))}" + ("!" if d["levels"][i] != "OK" else "")
                          for i in idx)
         bad = [i for i in idx if d["levels"][i] != "OK"]
         tail = (f"  <- slow rail {format_ranges(results[i]['rail'] for i in bad)} "
                 f"[{_screen_worst([d['levels'][i] for i in bad])}]") if bad else ""
-        L.append(f"    round {rnd} {' <-> '.join(g)} GB/s by rail {format_ranges(results[i]['rail'] for i in idx)}: "
-                 f"{cells}{tail}")
-    if not show_all and len(listed) > SCREEN_RENDER_SLOW:
-        L.append(f"    ... and {len(listed) - SCREEN_RENDER_SLOW} more slow group(s) (see --json)")
-    if not show_all:
-        L.append(f"    ({len(by_group) - len(listed)} group(s) with every rail within the reference not shown)")
-    return L
+        rows.append(f"    round {rnd} {' <-> '.join(g)} GB/s by rail {format_ranges(results[i]['rail'] for i in idx)}: "
+                    f"{cells}{tail}")
+    if show_all:
+        return L + rows
+    return L + _at_most(rows, "slow group(s)") + [
+        f"    ({len(by_group) - len(listed)} group(s) with every rail within the reference not shown)"]
 
 
 def render_performance(screen):
@@ -8313,25 +8297,30 @@ def render_performance(screen):
                  f"{SCREEN_CPU_FAIL:.2f} of the reference are judged)")
     if screen.get("gpu") or screen.get("intra"):
         L += _perf_gpu_lines(screen, cpu)
-    L += _perf_fact_lines(screen) + _perf_pair_lines(screen, cpu) + _perf_cost_lines(screen)
+    L += _perf_fact_lines(screen) + _perf_pair_lines(screen, cpu)
+    if screen.get("splits"):
+        L.append("  group creation (each group's last member, the slowest group): "
+                 + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in screen["splits"].items()))
     if screen.get("judged_against"):
         L += ["  judged against (per measurement):"] + [f"    {a['text']}" for a in screen["judged_against"]]
     return L
 
 
+def _at_most(lines, what):
+    """The first SCREEN_RENDER_SLOW lines, then how many more there are (the JSON lists them all)."""
+    more = len(lines) - SCREEN_RENDER_SLOW
+    return lines[:SCREEN_RENDER_SLOW] + ([f"    ... and {more} more {what} (see --json)"] if more > 0 else [])
+
+
 def _perf_fact_lines(screen):
-    unread = [r for r in screen.get("gpu") or [] if r.get("smi_unread")]
-    L = [f"  not read (nvidia-smi gave no answer within {r['smi_unread']:g}s): {SMI_WHAT} of rank {r['rank']} "
-         f"{r.get('host')} GPU {r.get('local_rank')} {r.get('uuid') or '-'}" for r in unread[:SCREEN_RENDER_SLOW]]
-    if len(unread) > SCREEN_RENDER_SLOW:
-        L.append(f"    ... and {len(unread) - SCREEN_RENDER_SLOW} more GPU(s) not read (see --json)")
-    return _perf_read_lines(screen) + L
-
-
-def _perf_read_lines(screen):
-    rows = [r for r in screen.get("gpu") or [] if any(r.get(k) is not None for k in GPU_FACT_KEYS)]
+    """The facts read under load summed up, each GPU with a problem on a line of its own; the GPUs not read."""
+    gpus = screen.get("gpu") or []
+    unread = _at_most([f"  not read (nvidia-smi gave no answer within {r['smi_unread']:g}s): {SMI_WHAT} of rank "
+                       f"{r['rank']} {r.get('host')} GPU {r.get('local_rank')} {r.get('uuid') or '-'}"
+                       for r in gpus if r.get("smi_unread")], "GPU(s) not read")
+    rows = [r for r in gpus if any(r.get(k) is not None for k in GPU_FACT_KEYS)]
     if not rows:
-        return []
+        return unread
     links = [r for r in rows if r.get("pcie_width") and r.get("pcie_speed")]
     full = sum(r["pcie_width"] >= (r.get("pcie_width_max") or 0) and r["pcie_speed"] >= (r.get("pcie_speed_max") or 0)
                for r in links)
@@ -8341,19 +8330,10 @@ def _perf_read_lines(screen):
              f"SM clock min/median {min(sm):.0f}/{_screen_median(sm):.0f} MHz" if sm else "clocks not read",
              "clock limits: " + (", ".join(f"{n} on {k}" for n, k in sorted(limits.items())) or "none"),
              f"uncorrected ECC errors on {sum(bool(r.get('ecc_uncorrected')) for r in rows)}"]
-    L = [f"  under load ({len(rows)} GPU(s)): " + "; ".join(parts)]
     bad = [(r, p) for r in rows for p in [gpu_fact_problems(r)] if p]
-    L += [f"    rank {r['rank']} {r.get('host')} {r.get('uuid') or '-'}: " + "; ".join(t for _, t in p)
-          for r, p in bad[:SCREEN_RENDER_SLOW]]
-    if len(bad) > SCREEN_RENDER_SLOW:
-        L.append(f"    ... and {len(bad) - SCREEN_RENDER_SLOW} more GPU(s) (see --json)")
-    return L
-
-
-def _perf_cost_lines(screen):
-    made = screen.get("splits") or {}
-    return ["  group creation (each group's last member, the slowest group): "
-            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())] if made else []
+    return [f"  under load ({len(rows)} GPU(s)): " + "; ".join(parts)] + _at_most(
+        [f"    rank {r['rank']} {r.get('host')} {r.get('uuid') or '-'}: " + "; ".join(t for _, t in p) for r, p in bad],
+        "GPU(s)") + unread
 
 
 def render_soak(soak):
@@ -8411,13 +8391,6 @@ def node_signature(rs):
                        sorted(set().union(*[r.get("transport") or [] for r in rs]))], sort_keys=True, default=str)
 
 
-def group_nodes(records, flagged_hosts, collapse_at=2):
-    """[(hosts, ranks_of_first)]: identical nodes collapsed, every flagged node alone."""
-    hosts = _by_host(records)
-    groups = group_by(hosts, lambda h: ("flagged", h) if h in flagged_hosts else node_signature(hosts[h]))
-    return [(g, hosts[g[0]]) for hs in groups.values() for g in ([[h] for h in hs] if len(hs) < collapse_at else [hs])]
-
-
 def _phase_times(phases):
     """'import_torch=3.19 local=3.60 rollcall=0.63 ...' in the order of the run (JSON sorts its keys)."""
     order = ("import_torch",) + PHASES + ("imports", "gpu_measure")
@@ -8430,7 +8403,9 @@ def render_report(state):
     once (every flagged node alone) and each section renders the groups."""
     recs = state.get("ranks") or []
     flagged = {h for f in state.get("findings") or [] if f["status"] != "PASS" for h in f["hosts"]}
-    groups = group_nodes(recs, flagged)
+    hosts = _by_host(recs)  # groups: [(hosts, ranks of the first)], identical nodes together, a flagged node alone
+    groups = [(hs, hosts[hs[0]]) for hs in group_by(
+        hosts, lambda h: ("flagged", h) if h in flagged else node_signature(hosts[h])).values()]
     out = [s for section in (_render_topology, _render_environment, _render_fabric, _render_collectives)
            for s in section(state, recs, groups)]
     out += render_performance(state["screen"]) if state.get("screen") else []
@@ -8614,9 +8589,8 @@ def drain_reason(fs, job=None, context="job"):
     if context == "job":
         head, tail = f"{DRAIN_PREFIX} {f['check']}: {f['reason']}", f" (job {job})"
     else:
-        more = f" (+{len(fs) - 1} more)" if len(fs) > 1 else ""
         head = f"{DRAIN_PREFIX} {NODE_DRAIN_TAG}: {f['check']}: {f.get('short') or f['reason']}"
-        tail = f"{more} [{context}]"
+        tail = (f" (+{len(fs) - 1} more)" if len(fs) > 1 else "") + f" [{context}]"
     head = " ".join(head.split())
     if len(head) + len(tail) > DRAIN_REASON_MAX:
         head = head[:DRAIN_REASON_MAX - len(tail) - 3].rstrip() + "..."
@@ -8677,23 +8651,15 @@ def resume_plan(node, reason, findings):
 def parse_scontrol_nodes(text):
     """`scontrol show node -o` -> {node: (state, reason)}. The reason is everything after 'Reason=' up to
     the next field of the line (or its end)."""
-    out = {}
-    for line in text.splitlines():
-        name, state = re.search(r"(?:^|\s)NodeName=(\S+)", line), re.search(r"\sState=(\S+)", line)
-        if name:
-            out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
-    return out
+    return {name.group(1): (state.group(1) if state else "", scontrol_reason(line)) for line in text.splitlines()
+            for name, state in [(re.search(r"(?:^|\s)NodeName=(\S+)", line), re.search(r"\sState=(\S+)", line))]
+            if name}
 
 
 def drain_keeps(nodes):
     """Nodes already drained or down for a reason not ours: {node: their reason}. They keep it."""
     return {n: r for n, (st, r) in nodes.items() if re.search(r"DRAIN|DOWN|FAIL", st)
             and r and r not in ("none", "(null)") and not r.startswith(DRAIN_PREFIX)}
-
-
-def _metrics_escape(value):
-    """A label value as the exposition format writes it: backslash, double quote and newline escaped."""
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _metrics_value(v):
@@ -8707,26 +8673,28 @@ def _metrics_value(v):
     return None if not math.isfinite(x) else str(int(x)) if x.is_integer() and abs(x) < 2 ** 53 else repr(x)
 
 
+# The exposition format's escapes: backslash and newline in HELP text, and the double quote too in a label value.
+_HELP_ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n"})
+_LABEL_ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n", '"': '\\"'})
+
+
 def _metrics_family(name, text, samples):
     """One gauge family's lines: HELP and TYPE once, then each sample ([(labels dict, value)]) whose value is
-    a number, the first of any repeated label set only. None when no sample has a value (nothing written)."""
+    a number, the first of any repeated label set only. Nothing when no sample has a value."""
     lines, seen = [], set()
     for labels, value in samples:
         v, key = _metrics_value(value), tuple(sorted((k, str(x)) for k, x in labels.items()))
         if v is None or key in seen:
             continue
         seen.add(key)
-        body = ",".join(f'{k}="{_metrics_escape(x)}"' for k, x in labels.items())
+        body = ",".join(f'{k}="{str(x).translate(_LABEL_ESCAPES)}"' for k, x in labels.items())
         lines.append(f"{name}{{{body}}} {v}" if body else f"{name} {v}")
-    if not lines:
-        return None
-    help_text = text.replace("\\", "\\\\").replace("\n", "\\n")
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"] + lines
+    return [f"# HELP {name} {text.translate(_HELP_ESCAPES)}", f"# TYPE {name} gauge"] + lines if lines else []
 
 
 def metrics_text(families):
     """[(name, help, samples)] as Prometheus text, a family with no value left out."""
-    return "\n".join(line for family in families for line in _metrics_family(*family) or []) + "\n"
+    return "\n".join(line for family in families for line in _metrics_family(*family)) + "\n"
 
 
 def _metrics_max(values):
@@ -8743,19 +8711,10 @@ def _metrics_start(text):
     return (t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)).timestamp()
 
 
-def _metrics_hosts(state):
-    """Every node the run knows of: the ranks' hosts, the failed hosts and those findings name, natural order."""
-    hosts = {r.get("host") for r in state.get("ranks") or []}
-    hosts |= set(state.get("failed_hosts") or [])
-    hosts |= {h for f in state.get("findings") or [] for h in f.get("hosts") or []}
-    return _screen_sorted(h for h in hosts if h is not None)
-
-
 def _metrics_run(state):
     """The run's families: verdict, exit code, duration, start, world size, nodes, failed nodes."""
     verdict = state.get("verdict")
-    ranks = state.get("ranks")
-    nodes = len({r.get("host") for r in ranks}) if ranks is not None else None
+    nodes = len({r.get("host") for r in state["ranks"]}) if state.get("ranks") is not None else None
     failed = state.get("failed_hosts")
     return [
         ("aiv_verdict_pass", "1 when the run's verdict is PASS, 0 when it is FAIL.",
@@ -8782,11 +8741,14 @@ def _metrics_checks(state):
 
 
 def _metrics_node_status(state):
-    """aiv_node_status{node}: the worst finding naming the node; 0 for a node no finding names."""
+    """aiv_node_status{node}: the worst finding naming the node; 0 for a node no finding names. The nodes: every
+    one the run knows of (the ranks' hosts, the failed hosts and those findings name), in natural order."""
     findings = state.get("findings") or []
+    hosts = ({r.get("host") for r in state.get("ranks") or []} | set(state.get("failed_hosts") or [])
+             | {h for f in findings for h in f.get("hosts") or []})
     rows = [({"node": h}, _metrics_max([0] + [STATUS_RANK.get(f.get("status")) for f in findings
                                                if h in (f.get("hosts") or [])]))
-            for h in _metrics_hosts(state)]
+            for h in _screen_sorted(h for h in hosts if h is not None)]
     return [("aiv_node_status", "Worst status of the findings that name the node: 0 PASS (or named by none), "
              "1 WARN, 2 FAIL.", rows)]
 
@@ -8813,26 +8775,17 @@ def _metrics_gpus(state, screen):
 def _metrics_numerics(state):
     """aiv_numerics_error_ratio{node,gpu,uuid}: per rank, its largest error against the numerics check's fp64
     reference as a fraction of the tolerance, over its checks (ranks[].numerics)."""
-    rows = []
-    for r in state.get("ranks") or []:
-        checks = (r.get("numerics") or {}).get("checks") or {}
-        ratios = [p["err"] / p["tol"] for p in checks.values() if p.get("tol") and p.get("err") is not None]
-        rows.append(({"node": r.get("host"), "gpu": str(r.get("local_rank")),
-                      "uuid": (r.get("gpu") or {}).get("uuid") or ""}, max(ratios) if ratios else None))
+    rows = [({"node": r.get("host"), "gpu": str(r.get("local_rank")), "uuid": (r.get("gpu") or {}).get("uuid") or ""},
+             max((p["err"] / p["tol"] for p in ((r.get("numerics") or {}).get("checks") or {}).values()
+                  if p.get("tol") and p.get("err") is not None), default=None)) for r in state.get("ranks") or []]
     return [("aiv_numerics_error_ratio", "Numerics check: the rank's largest error against the fp64 reference as a "
              "fraction of its tolerance, over its checks (1 or more: off the reference; results whose bits differ "
              "from their peers' show in aiv_check_status for the check numerics).", rows)]
 
 
-def _metrics_intra(screen):
-    """aiv_intra_node_busbw_gbps{node}: the node's all_reduce bus bandwidth among its own GPUs."""
-    rows = [({"node": p.get("host")}, p.get("busbw")) for p in screen.get("intra") or []]
-    return [("aiv_intra_node_busbw_gbps", "Performance screen: all_reduce bus bandwidth among the node's own GPUs "
-             "in GB/s (10^9 bytes per second).", rows)]
-
-
-def _metrics_inter(screen):
-    """Per node and rail: the best busbw of the pair rounds the node took part in; per rail: the reference."""
+def _metrics_busbw(screen):
+    """Per node: its intra-node busbw; per node and rail: the best busbw of the pair rounds the node took part in;
+    per rail: the reference."""
     pairs = [m for m in screen.get("pairs") or [] if m.get("nodes") and m.get("rail") is not None]
     seen = group_by([((n, str(m["rail"])), m.get("busbw")) for m in pairs for n in m["nodes"]], lambda x: x[0],
                     lambda x: x[1])
@@ -8840,7 +8793,10 @@ def _metrics_inter(screen):
     refs = screen_diagnose(pairs, screen.get("min_busbw_inter"), bool(screen.get("cpu")))["refs"] if pairs else {}
     rails = _screen_sorted(r for _, r in best)
     rows = [({"node": n, "rail": r}, best.get((n, r))) for n in _screen_sorted(n for n, _ in best) for r in rails]
-    return [("aiv_inter_node_busbw_gbps", "Performance screen: the best all_reduce bus bandwidth in GB/s (10^9 "
+    return [("aiv_intra_node_busbw_gbps", "Performance screen: all_reduce bus bandwidth among the node's own GPUs "
+             "in GB/s (10^9 bytes per second).", [({"node": p.get("host")}, p.get("busbw"))
+                                                 for p in screen.get("intra") or []]),
+            ("aiv_inter_node_busbw_gbps", "Performance screen: the best all_reduce bus bandwidth in GB/s (10^9 "
              "bytes per second) of the inter-node measurements the node took part in on the rail (a node slow "
              "with all its partners has a low best; failed measurements count for nothing).", rows),
             ("aiv_inter_node_busbw_reference_gbps", "Performance screen: the rail's reference bus bandwidth in GB/s "
@@ -8870,27 +8826,31 @@ def render_metrics(state):
     by each run, so a series stays one series), values that are not numbers left out. Pure."""
     screen = state.get("screen") or {}
     families = (_metrics_run(state) + _metrics_checks(state) + _metrics_node_status(state)
-                + _metrics_gpus(state, screen) + _metrics_numerics(state) + _metrics_intra(screen)
-                + _metrics_inter(screen) + _metrics_phases(state) + _metrics_drain(state))
+                + _metrics_gpus(state, screen) + _metrics_numerics(state) + _metrics_busbw(screen)
+                + _metrics_phases(state) + _metrics_drain(state))
     return metrics_text(families)
+
+
+def _verdict_head(found, code):
+    """What every verdict JSON says: the tool, the verdict, its FAILURE lines, and the hosts the gated findings
+    blame (failed_hosts, exclude: blamed_hosts)."""
+    failed = blamed_hosts(found)
+    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code, "failures": failure_lines(found),
+            "failed_hosts": failed, "exclude": compress_hostlist(failed) if failed else ""}
 
 
 def verdict_state(run, found, code, drain):
     """The verdict's state (pure): the JSON, and what the report, the metrics and the page render. run: the
     run's facts as plain data, copied when the verdict began (Coordinator.snapshot); found: the findings after
-    the blame gate (blame_gate); drain: the --drain plan. failed_hosts and exclude hold only the hosts the
-    gated findings blame (blamed_hosts)."""
-    failed_hosts = blamed_hosts(found)
+    the blame gate (blame_gate); drain: the --drain plan."""
     screen = run.get("screen")
     note = screen_degraded_note(screen)
-    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-            "started_at": run["started_at"], "host": run["host"],
-            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
+    return {**_verdict_head(found, code), "started_at": run["started_at"], "host": run["host"],
             "world_size": run["world"], "ranks_reported": len(run["records"]), "backend": run["backend"],
             "master": f"{run['addr']}:{run['port']}", "expect": run["expect"], "strict": bool(run["strict"]),
             "deadlines": run["D"], "elapsed_s": round(run["elapsed_s"], 3), "phases": run["times"],
-            "findings": mark_accepted(run.get("manifest_data"), found), "failures": failure_lines(found),
-            "failed_hosts": failed_hosts, "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
+            "findings": mark_accepted(run.get("manifest_data"), found),
             "suspect_links": (screen or {}).get("suspect_links") or [],
             "drain": drain, "drain_command": (drain or {}).get("command") or "",
             "phase_starts": run["starts"], "collectives": run.get("collectives"), "screen": screen,
@@ -8929,11 +8889,7 @@ def fallback_verdict(found, code, world, written_by, hosts=()):
     dead on its node is `process`), and failed_hosts, exclude and `failures` are read from what it let
     through. hosts: the run's hosts where known."""
     found = blame_gate(found, hosts)
-    failed = blamed_hosts(found)
-    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code, "world_size": world,
-            "findings": found, "failures": failure_lines(found), "failed_hosts": failed,
-            "exclude": compress_hostlist(failed) if failed else "", "drain_command": "",
+    return {**_verdict_head(found, code), "world_size": world, "findings": found, "drain_command": "",
             "interrupted": code == EXIT_INTERRUPTED, "written_by": written_by}
 
 
@@ -9283,14 +9239,6 @@ def _html_worst(levels):
     return next((x for x in ("FAIL", "WARN", "OK") if x in levels), "NA")
 
 
-def _html_node_levels(state):
-    """{host: 'FAIL'|'WARN'} for flagged nodes: the hosts the gated WARN/FAIL findings name (blame_gate), the
-    same as failed_hosts for the FAILs. A suspect link colours no node: it is the path's (the pair view)."""
-    named = [(h, f["status"]) for f in state.get("findings") or [] if f.get("status") in ("WARN", "FAIL")
-             for h in f.get("hosts") or []]
-    return {h: _html_worst(st) for h, st in group_by(named, lambda x: x[0], lambda x: x[1]).items()}
-
-
 def _html_gpu_cell(r, gl):
     """One GPU square of a node card, coloured by its worst screen level."""
     g = r.get("gpu") or {}
@@ -9316,9 +9264,13 @@ def _html_topology(state, gl):
     recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []  # else the screen's GPU rows
     nodes = group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
                      lambda r: r.get("host"))  # {host: [rank record, ...]} in natural order
-    flags = _html_node_levels(state)
     if not nodes:
         return ""
+    # flagged nodes, {host: 'FAIL'|'WARN'}: the hosts the gated WARN/FAIL findings name (blame_gate), the same as
+    # failed_hosts for the FAILs. A suspect link colours no node: it is the path's (the pair view).
+    named = [(h, f["status"]) for f in state.get("findings") or [] if f.get("status") in ("WARN", "FAIL")
+             for h in f.get("hosts") or []]
+    flags = {h: _html_worst(st) for h, st in group_by(named, lambda x: x[0], lambda x: x[1]).items()}
     rpn = sorted({len(v) for v in nodes.values()})
     models = sorted({(r.get("gpu") or {}).get("name") or r.get("model") or "no GPU" for v in nodes.values() for r in v})
     head = (f'<p>{len(nodes)} node(s), {sum(map(len, nodes.values()))} rank(s), {"/".join(map(str, rpn))} per node; '
@@ -9355,21 +9307,24 @@ def _html_label_ys(ys, lo, hi, gap=12.0):
     prev = lo - gap
     for i in order:
         out[i] = prev = max(ys[i], prev + gap)
-    over = prev - hi
-    if over > 0:  # pushed past the bottom: move the whole stack up as far as it needs
-        for i in order:
-            out[i] -= over
-    return out
+    over = prev - hi  # pushed past the bottom: move the whole stack up as far as it needs
+    return [y - over for y in out] if over > 0 else out
+
+
+def _html_scale(vals, lines):
+    """The judging lines drawn to scale, those far above every value and every reference (BREAK_RATIO: off the
+    axis), and the axis's top."""
+    core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
+    broken = [ln for ln in lines if ln["value"] > BREAK_RATIO * core]
+    shown = [ln for ln in lines if ln not in broken]
+    return shown, broken, max([core] + [ln["value"] for ln in shown]) * 1.08
 
 
 def _html_chart_geometry(bars, lines):
     """Where a chart's parts go: the axis's top and step, each bar's slot, the room for labels, the judging
     lines drawn to scale ('shown') and those above a broken axis ('broken')."""
     vals = [float(v) for _, v, _, _ in bars if v is not None]
-    core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
-    broken = [ln for ln in lines if ln["value"] > BREAK_RATIO * core]
-    shown = [ln for ln in lines if ln not in broken]
-    top = max([core] + [ln["value"] for ln in shown]) * 1.08
+    shown, broken, top = _html_scale(vals, lines)
     step = _html_step(top)
     top = math.ceil(top / step - 1e-9) * step
     n = max(len(bars), 1)
@@ -9378,8 +9333,7 @@ def _html_chart_geometry(bars, lines):
     name_h = 32 if flat else 10 + 6.2 * max([len(b[0]) for b in bars] + [4])
     val_h = 16 if slot >= 44 else 10 + 6.2 * max([len(_s3(v)) for v in vals] + [1])
     left, right, plot_h = 60, 330, 200
-    brk_h = 16 * len(broken) + 22 if broken else 0
-    y0 = 8 + brk_h + val_h
+    y0 = 8 + (16 * len(broken) + 22 if broken else 0) + val_h  # the broken axis's lines above the values
     w = slot * n
     return {"top": top, "step": step, "slot": slot, "flat": flat, "name_h": name_h, "val_h": val_h, "left": left,
             "plot_h": plot_h, "y0": y0, "w": w, "broken": broken, "shown": shown,
@@ -9478,10 +9432,7 @@ def _html_chart(cid, bars, lines, unit, caption):
 def _html_ranges(cid, groups, lines, unit, caption):
     """At scale, one column per node: the range of its GPUs' values, on the same axis and lines as _html_chart.
     groups: [(host, [value, ...], worst level)]."""
-    vals = [v for _, vs, _ in groups for v in vs]
-    core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
-    shown = [ln for ln in lines if ln["value"] <= BREAK_RATIO * core]
-    top = max([core] + [ln["value"] for ln in shown]) * 1.08
+    shown, over, top = _html_scale([v for _, vs, _ in groups for v in vs], lines)
     left, right, h, w = 60, 330, 160, 700.0
     bw, y = w / max(len(groups), 1), functools.partial(_html_chart_y, {"y0": 8, "plot_h": h, "top": top})
     out = [f'<rect class="grid" x="{left}" y="8" width="{w:.0f}" height="{h}"/>']
@@ -9501,7 +9452,6 @@ def _html_ranges(cid, groups, lines, unit, caption):
     lys = _html_label_ys([y(ln["value"]) + 4 for ln in shown], 12, h + 8)
     out += ["".join(_html_jline(ln, left, f"{left + w + 6:.0f}", f'{y(ln["value"]):.1f}', "/>", f"{left + w + 14:.0f}",
                                 f"{ly:.1f}")) for ln, ly in zip(shown, lys, strict=True)]
-    over = [ln for ln in lines if ln not in shown]
     note = ("; off the axis: " + "; ".join(_html_e(ln["text"]) for ln in over)) if over else ""
     return (f'<h3>{caption}</h3><p class="muted small">one column per node: the range of its GPUs, in node order '
             f'(node names every {every}){note}</p><div class="chart"><svg id="{_html_e(cid)}" class="ranges" '
@@ -9586,12 +9536,10 @@ def _html_intra(screen):
         band = [b for b in bands if b["band"] == f"intra.busbw/{cls[0] or 0} ranks"]
         lines = judging_lines(refs[cls], fail, warn, None, screen.get("min_busbw_intra"), "min_busbw_intra", band,
                               "nodes")
-        bars = []
-        for p in sorted(mine, key=lambda p: _screen_key(p["host"])):
-            v = p.get("busbw")
-            lv = _html_worst([levels[p["host"]][0], band_level(v, p["host"], band)])
-            bars.append((str(p["host"]), v, lv, f"{p['host']}: intra-node all_reduce busbw "
-                         + (f"{_s3(v)} GB/s [{lv}]" if v is not None else "failed")))
+        bars = [(str(p["host"]), v, lv, f"{p['host']}: intra-node all_reduce busbw "
+                 + (f"{_s3(v)} GB/s [{lv}]" if v is not None else "failed"))
+                for p in sorted(mine, key=lambda p: _screen_key(p["host"])) for v in [p.get("busbw")]
+                for lv in [_html_worst([levels[p["host"]][0], band_level(v, p["host"], band)])]]
         alone = "" if refs[cls].get("count", 0) >= 2 else "; one node: no peers to judge it against"
         charts.append(_html_chart(f"intra-{k}", bars, lines, "GB/s",
                                   f"intra-node busbw of {_html_e(_intra_class_text(cls))} <span class=\"muted small\">"
@@ -9601,14 +9549,6 @@ def _html_intra(screen):
 
 CELL_NUMBERS_MIN = 26.0  # a heat-map cell at least this many pixels wide shows its busbw in figures
 SLOW_ROWS_MAX = 64       # the table of slow inter-node measurements lists at most this many, lowest first
-
-
-def _html_axis(nodes, c):
-    """Node-name labels along the top and left of a heat map (every k-th one when there are many)."""
-    step = max(1, len(nodes) // 8) if len(nodes) > 24 else 1
-    return "".join(f'<text class="lab" x="86" y="{p + 3:.1f}" text-anchor="end">{_html_e(nodes[i])}</text>'
-                   f'<text class="lab" transform="translate({p + 3:.1f},86) rotate(-60)">{_html_e(nodes[i])}</text>'
-                   for i in range(0, len(nodes), step) for p in [90 + (i + 0.5) * c])
 
 
 def _html_rail_marks(pairs, idx, rail, d, c, bad):
@@ -9628,7 +9568,7 @@ def _html_rail_marks(pairs, idx, rail, d, c, bad):
         tip = f"{' - '.join(m['nodes'])} rail {rail} round {m.get('round')}: {_html_n(bw)} GB/s"
         tip += " (failed)" if ratio is None else f" ({ratio:.2f})"
         ns, w = sorted(idx[n] for n in m["nodes"]), mw if cls in ("k0", "k1") else max(mw, 6.0)
-        for a, b in ((ns[i], ns[j]) for i in range(len(ns)) for j in range(i + 1, len(ns))):
+        for a, b in itertools.combinations(ns, 2):
             x, y = 90 + (b + 0.5) * c - w / 2, 90 + (a + 0.5) * c - w / 2
             (cells if w == mw else slow).append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{w:.1f}" '
                                                 f'class="{cls}"><title>{_html_e(tip)}</title></rect>')
@@ -9638,16 +9578,12 @@ def _html_rail_marks(pairs, idx, rail, d, c, bad):
             if k in lone:
                 boxes.append(f'<rect x="{x - 2:.1f}" y="{y - 2:.1f}" width="{w + 4:.1f}" height="{w + 4:.1f}" '
                              f'class="suspect"><title>suspect link: {_html_e(tip)}</title></rect>')
-    crosses = "".join(_html_cross(idx[n], n, c, len(idx)) for n in bad)
+    t, size = max(c, 3.0), len(idx) * c  # a culprit node's row and column outlined
+    crosses = "".join(f'<g class="culprit" data-host="{_html_e(n)}"><title>culprit: {_html_e(n)}</title>'
+                      f'<rect class="culprit" x="90" y="{p - t / 2:.1f}" width="{size:.1f}" height="{t:.1f}"/>'
+                      f'<rect class="culprit" x="{p - t / 2:.1f}" y="90" width="{t:.1f}" height="{size:.1f}"/></g>'
+                      for n in bad for p in [90 + (idx[n] + 0.5) * c])
     return crosses + "".join(cells) + "".join(slow) + "".join(boxes)
-
-
-def _html_cross(i, node, c, n):
-    """A culprit node's row and column outlined."""
-    t, p, size = max(c, 3.0), 90 + (i + 0.5) * c, n * c
-    return (f'<g class="culprit" data-host="{_html_e(node)}"><title>culprit: {_html_e(node)}</title>'
-            f'<rect class="culprit" x="90" y="{p - t / 2:.1f}" width="{size:.1f}" height="{t:.1f}"/>'
-            f'<rect class="culprit" x="{p - t / 2:.1f}" y="90" width="{t:.1f}" height="{size:.1f}"/></g>')
 
 
 def _html_heatmap(pairs, rail, d, failed, size):
@@ -9662,9 +9598,13 @@ def _html_heatmap(pairs, rail, d, failed, size):
     cap = (f"rail {_html_e(rail)}{' (' + _html_e(hca) + ')' if hca else ''}: reference {_html_n(ref['ref'])} GB/s "
            f"({_html_e(ref['how'])} of {ref['count']}), {len(slow)} slow"
            + (f", culprit {_html_e(compress_hostlist(bad))}" if bad else ""))
+    step = max(1, len(nodes) // 8) if len(nodes) > 24 else 1  # node names along the top and left: every k-th
+    axis = "".join(f'<text class="lab" x="86" y="{p + 3:.1f}" text-anchor="end">{_html_e(nodes[i])}</text>'
+                   f'<text class="lab" transform="translate({p + 3:.1f},86) rotate(-60)">{_html_e(nodes[i])}</text>'
+                   for i in range(0, len(nodes), step) for p in [90 + (i + 0.5) * c])
     svg = (f'<svg id="heatmap-rail-{_html_e(rail)}" width="{size + 100:.0f}" height="{size + 100:.0f}" '
            f'viewBox="0 0 {size + 100:.0f} {size + 100:.0f}" role="img"><title>{cap}</title>'
-           f'<rect class="grid" x="90" y="90" width="{size:.1f}" height="{size:.1f}"/>{_html_axis(nodes, c)}'
+           f'<rect class="grid" x="90" y="90" width="{size:.1f}" height="{size:.1f}"/>{axis}'
            f'{_html_rail_marks(pairs, idx, rail, d, c, bad)}</svg>')
     return f'<div class="hm"><div class="small">{cap}</div>{svg}</div>'
 
@@ -9714,25 +9654,17 @@ def _html_slow_pairs(pairs, d, floor):
             f'{"".join(rows)}</table>{more}')
 
 
-def _html_phase_spans(state):
-    """[(phase, start, seconds)]: phase_starts when given (then only the phases of PHASES: the other timings,
-    import_torch or a screen round's group creation, lie inside one of them), else the phases end to end in
-    PHASES order."""
-    phases = state.get("phases") or {}
-    starts = state.get("phase_starts") or {}
-    order = [p for p in PHASES if p in phases] + ([] if starts else [p for p in phases if p not in PHASES])
-    out, t = [], 0.0
-    for p in order:
+def _html_timeline(state):
+    """Horizontal bars, one per phase, on a seconds axis: at phase_starts when given (then only the phases of
+    PHASES: the other timings, import_torch or a screen round's group creation, lie inside one of them), else
+    the phases end to end in PHASES order."""
+    phases, starts = state.get("phases") or {}, state.get("phase_starts") or {}
+    spans, t = [], 0.0  # (phase, start, seconds)
+    for p in [p for p in PHASES if p in phases] + ([] if starts else [p for p in phases if p not in PHASES]):
         d = float(phases.get(p) or 0.0)
         s = float(starts[p]) if p in starts and starts[p] is not None else t
-        out.append((p, s, d))
+        spans.append((p, s, d))
         t = max(t, s + d)
-    return out
-
-
-def _html_timeline(state):
-    """Horizontal bars, one per phase, on a seconds axis."""
-    spans = _html_phase_spans(state)
     if not spans:
         return ""
     end = max([s + d for _, s, d in spans] + [float(state.get("elapsed_s") or 0.0), 0.001])
@@ -9743,18 +9675,12 @@ def _html_timeline(state):
             f'</rect><text x="{134 + w * (s + d) / end:.1f}" y="{y + 12}">{d:.2f} s</text>'
             for i, (p, s, d) in enumerate(spans) for y in [8 + i * rh]]
     h = 8 + len(spans) * rh
+    step = next(s * m for m in (0.01, 0.1, 1, 10, 100, 1000) for s in (1, 2, 5) if s * m >= end / 6)  # ~6 ticks
     ticks = "".join(f'<line x1="{130 + w * t / end:.1f}" x2="{130 + w * t / end:.1f}" y1="4" y2="{h}" '
                     f'stroke="#e3e8ee"/><text x="{130 + w * t / end:.1f}" y="{h + 14}" text-anchor="middle">{t:g} s'
-                    '</text>' for t in _html_ticks(end))
+                    '</text>' for t in (round(i * step, 6) for i in range(int(end / step) + 1)))
     return _html_section("timeline", "Phase timeline", f'<svg width="100%" viewBox="0 0 {w + 200:.0f} {h + 20}" '
                          f'role="img">{ticks}{"".join(rows)}</svg>')
-
-
-def _html_ticks(end):
-    """About six round tick values from 0 to end."""
-    raw = end / 6
-    step = next(s * m for m in (0.01, 0.1, 1, 10, 100, 1000) for s in (1, 2, 5) if s * m >= raw)
-    return [round(i * step, 6) for i in range(int(end / step) + 1)]
 
 
 def render_html(state):
@@ -9793,18 +9719,6 @@ def _log_int(text):
     return int(text) if re.fullmatch(r"[0-9]+", text) else None
 
 
-def _log_sections(lines):
-    """{section title: its lines}; lines before the first section are under ''."""
-    out, section = {"": []}, ""
-    for s in lines:
-        if s in LOG_SECTIONS:
-            section = s
-            out.setdefault(s, [])
-        else:
-            out[section].append(s)
-    return out
-
-
 def _log_after(lines, prefix):
     """The rest of every line that starts with prefix, stripped."""
     return [s[len(prefix):].strip() for s in lines if s.startswith(prefix)]
@@ -9822,14 +9736,12 @@ def _verify_totals(lines, problems, facts):
         facts["world_size"] = totals[0]
 
 
-def _verify_markers(lines, problems):
+def _verify_verdict(lines, problems, facts):
+    """The success marker, no FAILURE line, and exactly one verdict: PASS with exit code 0 (several identical
+    lines are fine)."""
     if SUCCESS_LINE not in lines:
         problems.append("success marker missing")
     problems += [f"failure reported: {s[:200]}" for s in lines if _LOG_FAILURE.match(s)]
-
-
-def _verify_verdict(lines, problems, facts):
-    """Exactly one verdict, and it is PASS with exit code 0 (several identical lines are fine)."""
     heads = list(dict.fromkeys(" ".join(v.split()[:2]) for v in _log_after(lines, "Verdict:")))  # each once
     if not heads:
         problems.append("no 'Verdict:' line")
@@ -9847,8 +9759,7 @@ def _verify_ranks_reported(lines, world, problems):
     elif len(values) > 1:
         problems.append(f"'Ranks Reported' lines disagree: {' | '.join(values)}")
     for v in values:
-        k, _, n = v.partition("/")
-        k, n = _log_int(k), _log_int(n)
+        k, n = map(_log_int, v.partition("/")[::2])
         if k is None or n is None:
             problems.append(f"garbled 'Ranks Reported' line: {v[:80]}")
             continue
@@ -9869,26 +9780,22 @@ def _sum_matches(text, want):
         return False
 
 
-def _verify_sum_line(m, world, problems):
-    s_txt, e_txt, r_txt = m.groups()
-    e, r = _log_int(e_txt), _log_int(r_txt)
-    if e is None or r is None:
-        problems.append(f"garbled all_reduce line: {m.group(0)[:100]}")
-        return
-    if not _sum_matches(s_txt, e):
-        problems.append(f"all_reduce sum={s_txt} but expected={e}")
-    if world is not None and e != world * (world + 1) // 2:
-        problems.append(f"all_reduce expected={e} but {world} ranks sum to {world * (world + 1) // 2}")
-    if world is not None and r != world:
-        problems.append(f"all_reduce ran on {r} rank(s) but Total Execution Ranks is {world}")
-
-
 def _verify_collectives(lines, world, problems):
     sums = [m for m in map(_LOG_SUM.match, lines) if m]
     if not sums:
         problems.append("no 'all_reduce exact: sum=S expected=E' line (COLLECTIVES)")
     for m in sums:
-        _verify_sum_line(m, world, problems)
+        s_txt, e_txt, r_txt = m.groups()
+        e, r = _log_int(e_txt), _log_int(r_txt)
+        if e is None or r is None:
+            problems.append(f"garbled all_reduce line: {m.group(0)[:100]}")
+            continue
+        if not _sum_matches(s_txt, e):
+            problems.append(f"all_reduce sum={s_txt} but expected={e}")
+        if world is not None and e != world * (world + 1) // 2:
+            problems.append(f"all_reduce expected={e} but {world} ranks sum to {world * (world + 1) // 2}")
+        if world is not None and r != world:
+            problems.append(f"all_reduce ran on {r} rank(s) but Total Execution Ranks is {world}")
     grads = list(dict.fromkeys(m.group(1) for m in map(_LOG_GRADS.match, lines) if m))
     if not grads:
         problems.append("no 'gradients_identical=' line (COLLECTIVES)")
@@ -9926,8 +9833,7 @@ def _topology_line(s, problems):
 def _verify_topology(lines, problems, facts):
     """Nodes and ranks the topology section accounts for; returns the ranks-per-node values seen."""
     for s in lines:
-        m = re.search(r"\bbackend=(\w+)", s)
-        if m and s.startswith("nodes="):
+        if s.startswith("nodes=") and (m := re.search(r"\bbackend=(\w+)", s)):
             facts["backend"] = m.group(1)
     shapes = [nk for s in lines if s.startswith("node=") for nk in [_topology_line(s, problems)] if nk]
     nodes, ranks, rpn_seen = sum(n for n, _ in shapes), sum(n * k for n, k in shapes), {k for _, k in shapes}
@@ -9978,11 +9884,8 @@ LOG_CHUNK = 1 << 20  # a line longer than this is read in pieces, each judged as
 def read_log_lines(f):
     """The relevant stripped lines of a binary log file, read to its end one line (or LOG_CHUNK) at a
     time: memory holds the lines that matter, never the file."""
-    out = []
-    for raw in iter(lambda: f.readline(LOG_CHUNK), b""):
-        out += [s for s in (x.strip() for x in raw.decode("utf-8", errors="replace").splitlines())
-                if _log_relevant(s)]
-    return out
+    return [s for raw in iter(lambda: f.readline(LOG_CHUNK), b"")
+            for s in (x.strip() for x in raw.decode("utf-8", errors="replace").splitlines()) if _log_relevant(s)]
 
 
 def verify_log(text, expect, strict=False):
@@ -9990,9 +9893,14 @@ def verify_log(text, expect, strict=False):
     only for a clean PASS. strict: a [WARN] finding is a problem too (as --strict makes it a FAIL in a run)."""
     problems, facts = [], {"backend": None}
     lines = [ln.strip() for ln in text.splitlines()] if isinstance(text, str) else list(text)
-    sections = _log_sections(lines)
+    sections, section = {"": []}, ""  # {section title: its lines}; lines before the first section are under ''
+    for s in lines:
+        if s in LOG_SECTIONS:
+            section = s
+            sections.setdefault(s, [])
+        else:
+            sections[section].append(s)
     _verify_totals(lines, problems, facts)
-    _verify_markers(lines, problems)
     _verify_verdict(lines, problems, facts)
     _verify_ranks_reported(lines, facts.get("world_size"), problems)
     _verify_collectives(lines, facts.get("world_size"), problems)
@@ -13441,8 +13349,7 @@ def check_json_target(args):
     output that cannot be written is a usage error now, not a warning after the run."""
     for dest in ("json", "metrics", "html"):
         path = getattr(args, dest, None)
-        problem = json_problem(path) if path is not None else None
-        if problem:
+        if path is not None and (problem := json_problem(path)):
             name = getattr(args, "origin", {}).get(dest, "--" + dest)
             raise UsageError(" ".join(f"FAILURE: usage: {name}={path!r} {problem}".split()))
 
@@ -13608,18 +13515,16 @@ class Forward:
 def _start_ranks(cmd, env, launch, node, nproc, base, world, port):
     """This node's ranks base..base+nproc-1 of `world`, each its own session, dying with this process."""
     keep = SECRET_VAR in env or node["nnodes"] > 1  # exported, or other nodes could not know one made here
-    procs, secret = [], {} if keep else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
+    secret = {} if keep else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
     told = json.dumps({"launch": launch.get("launch", "local mode"), "how": launch.get("how", "local mode"),
                        "port_from": launch.get("port_from") or "a free port"})
     expect = {"AIV_EXPECT_NODES": str(node["nnodes"]), "AIV_EXPECT_RANKS_PER_NODE": str(nproc),
               "AIV_EXPECT_WORLD_SIZE": str(world), **env}  # the launch's shape, unless exported
-    for r in range(nproc):
-        cenv = dict(expect, **secret, RANK=str(base + r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=launch.get("master_addr") or "127.0.0.1",
-                    MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **{LAUNCH_VAR: told})
-        procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=die_with_parent(signal.SIGTERM)))
-    return procs
+    envs = [dict(expect, **secret, RANK=str(base + r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                 LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=launch.get("master_addr") or "127.0.0.1",
+                 MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **{LAUNCH_VAR: told}) for r in range(nproc)]
+    return [subprocess.Popen(cmd, env=e, stdin=subprocess.DEVNULL, start_new_session=True,
+                             preexec_fn=die_with_parent(signal.SIGTERM)) for e in envs]
 
 
 def _launcher_verdict(procs, alive, sig, base, nproc, node):
@@ -13643,7 +13548,7 @@ def _launcher_verdict(procs, alive, sig, base, nproc, node):
         bad = [(base + r, c) for r, c in enumerate(codes) if c]
         emit(f"FAILURE: launch: {first} passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
         return EXIT_FAIL
-    if base and sig and (codes[0] < 0 or codes[0] >= 128):  # this node's ranks stopped on its own signal
+    if base and sig and codes[0] >= 128:  # this node's ranks stopped on its own signal
         emit(f"FAILURE: interrupted: the launcher of node {node['node_rank']} ({socket.gethostname()}) was "
              f"interrupted by {signal.Signals(sig).name}: its ranks {format_ranges(range(base, base + nproc))} "
              f"stopped before rank 0's verdict; {STOPPED_WORDS}")
@@ -14374,18 +14279,6 @@ def _rank_hint(env):
     return None
 
 
-def _speak_for_node(line, env):
-    """A rank's own usage error: once per node among the ranks one launcher started (the marker is
-    keyed by the launcher's identity and start time, and by MASTER_PORT, so every launch speaks)."""
-    try:
-        local_rank = int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID") or 0)
-    except ValueError:
-        local_rank = 0
-    parent_start = (proc_stat(os.getppid()) or ("", ""))[1]
-    topic = f"usage-{parent_start}-{env.get('MASTER_PORT', '')}-{env.get('TORCHELASTIC_RESTART_COUNT', '')}"
-    speak_once_per_node(line, env, local_rank, topic[:120])
-
-
 def report_usage(e, env):
     """Print a usage error's one line where it belongs; returns EXIT_USAGE. A process started by hand
     speaks. Under a launcher, rank 0 speaks for what every rank shares (flags, AIV_* variables, WORLD_SIZE,
@@ -14393,7 +14286,15 @@ def report_usage(e, env):
     cannot see them. argparse's usage text goes to stderr with a flag's line."""
     line, rank = str(e), _rank_hint(env)
     if any(v in env for v in LAUNCHER_VARS) and (e.own or rank is None):
-        _speak_for_node(line, env)
+        # once per node among the ranks one launcher started: the marker is keyed by the launcher's identity and
+        # start time, and by MASTER_PORT, so every launch speaks
+        try:
+            local_rank = int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID") or 0)
+        except ValueError:
+            local_rank = 0
+        parent_start = (proc_stat(os.getppid()) or ("", ""))[1]
+        topic = f"usage-{parent_start}-{env.get('MASTER_PORT', '')}-{env.get('TORCHELASTIC_RESTART_COUNT', '')}"
+        speak_once_per_node(line, env, local_rank, topic[:120])
     elif not any(v in env for v in LAUNCHER_VARS) or rank == 0:
         emit(line)
         if line.startswith("FAILURE: usage:"):
@@ -14435,7 +14336,7 @@ def rank_run(args, contract, env):
     return (Coordinator if contract["rank"] == 0 else Follower)(args, contract, env)
 
 
-def run_verify_log(args, argv=()):
+def run_verify_log(args):
     """--verify-log FILE (never empty: plan() refuses that): 0 the log shows a clean PASS, 1 it does not,
     2 the file cannot be read."""
     try:
@@ -14444,9 +14345,8 @@ def run_verify_log(args, argv=()):
     except OSError as e:
         emit(f"FAILURE: usage: --verify-log: cannot read {args.verify_log}: {e.strerror or e}")
         return EXIT_USAGE
-    expect = {"world_size": args.expect_world_size, "nodes": args.expect_nodes,
-              "ranks_per_node": args.expect_ranks_per_node}
-    ok, problems, facts = verify_log(text, expect, strict=args.strict)
+    ok, problems, facts = verify_log(text, {"world_size": args.expect_world_size, "nodes": args.expect_nodes,
+                                            "ranks_per_node": args.expect_ranks_per_node}, strict=args.strict)
     for p in problems:
         emit(f"verify-log: MISSING/BAD: {p}")
     emit(f"verify-log: {'PASS' if ok else 'FAIL'} {args.verify_log} world_size={facts.get('world_size')} "
@@ -14483,12 +14383,10 @@ def main(argv=None):
     if p["mode"] in ("help", "version"):
         emit(p["text"].rstrip())
         return EXIT_PASS
-    if p["mode"] == "verify-log":
-        return run_verify_log(p["args"], argv)
-    if p["mode"] == "diff-manifest":  # compare two files, no torch
-        return run_diff_manifest(p["args"].diff_manifest)
-    if p["mode"] == "node-check":  # this node alone (Prolog, Epilog, HealthCheckProgram, NPD); no torch here
-        return run_node_check(p["args"], env)
+    alone = {"verify-log": run_verify_log, "diff-manifest": lambda a: run_diff_manifest(a.diff_manifest),
+             "node-check": lambda a: run_node_check(a, env)}  # no torch: a log, two files, this node alone
+    if p["mode"] in alone:
+        return alone[p["mode"]](p["args"])
     if p.get("check_json"):  # rank 0's process or its node's launcher: the manifests, before torch and NCCL
         try:
             probe(lambda: manifest_preflight(p["args"]), "--manifest and --save-manifest", prefix="")

@@ -42,18 +42,6 @@ def _rank_hint(env):
     return None
 
 
-def _speak_for_node(line, env):
-    """A rank's own usage error: once per node among the ranks one launcher started (the marker is
-    keyed by the launcher's identity and start time, and by MASTER_PORT, so every launch speaks)."""
-    try:
-        local_rank = int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID") or 0)
-    except ValueError:
-        local_rank = 0
-    parent_start = (proc_stat(os.getppid()) or ("", ""))[1]
-    topic = f"usage-{parent_start}-{env.get('MASTER_PORT', '')}-{env.get('TORCHELASTIC_RESTART_COUNT', '')}"
-    speak_once_per_node(line, env, local_rank, topic[:120])
-
-
 def report_usage(e, env):
     """Print a usage error's one line where it belongs; returns EXIT_USAGE. A process started by hand
     speaks. Under a launcher, rank 0 speaks for what every rank shares (flags, AIV_* variables, WORLD_SIZE,
@@ -61,7 +49,15 @@ def report_usage(e, env):
     cannot see them. argparse's usage text goes to stderr with a flag's line."""
     line, rank = str(e), _rank_hint(env)
     if any(v in env for v in LAUNCHER_VARS) and (e.own or rank is None):
-        _speak_for_node(line, env)
+        # once per node among the ranks one launcher started: the marker is keyed by the launcher's identity and
+        # start time, and by MASTER_PORT, so every launch speaks
+        try:
+            local_rank = int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID") or 0)
+        except ValueError:
+            local_rank = 0
+        parent_start = (proc_stat(os.getppid()) or ("", ""))[1]
+        topic = f"usage-{parent_start}-{env.get('MASTER_PORT', '')}-{env.get('TORCHELASTIC_RESTART_COUNT', '')}"
+        speak_once_per_node(line, env, local_rank, topic[:120])
     elif not any(v in env for v in LAUNCHER_VARS) or rank == 0:
         emit(line)
         if line.startswith("FAILURE: usage:"):
@@ -103,7 +99,7 @@ def rank_run(args, contract, env):
     return (Coordinator if contract["rank"] == 0 else Follower)(args, contract, env)
 
 
-def run_verify_log(args, argv=()):
+def run_verify_log(args):
     """--verify-log FILE (never empty: plan() refuses that): 0 the log shows a clean PASS, 1 it does not,
     2 the file cannot be read."""
     try:
@@ -112,9 +108,8 @@ def run_verify_log(args, argv=()):
     except OSError as e:
         emit(f"FAILURE: usage: --verify-log: cannot read {args.verify_log}: {e.strerror or e}")
         return EXIT_USAGE
-    expect = {"world_size": args.expect_world_size, "nodes": args.expect_nodes,
-              "ranks_per_node": args.expect_ranks_per_node}
-    ok, problems, facts = verify_log(text, expect, strict=args.strict)
+    ok, problems, facts = verify_log(text, {"world_size": args.expect_world_size, "nodes": args.expect_nodes,
+                                            "ranks_per_node": args.expect_ranks_per_node}, strict=args.strict)
     for p in problems:
         emit(f"verify-log: MISSING/BAD: {p}")
     emit(f"verify-log: {'PASS' if ok else 'FAIL'} {args.verify_log} world_size={facts.get('world_size')} "
@@ -151,12 +146,10 @@ def main(argv=None):
     if p["mode"] in ("help", "version"):
         emit(p["text"].rstrip())
         return EXIT_PASS
-    if p["mode"] == "verify-log":
-        return run_verify_log(p["args"], argv)
-    if p["mode"] == "diff-manifest":  # compare two files, no torch
-        return run_diff_manifest(p["args"].diff_manifest)
-    if p["mode"] == "node-check":  # this node alone (Prolog, Epilog, HealthCheckProgram, NPD); no torch here
-        return run_node_check(p["args"], env)
+    alone = {"verify-log": run_verify_log, "diff-manifest": lambda a: run_diff_manifest(a.diff_manifest),
+             "node-check": lambda a: run_node_check(a, env)}  # no torch: a log, two files, this node alone
+    if p["mode"] in alone:
+        return alone[p["mode"]](p["args"])
     if p.get("check_json"):  # rank 0's process or its node's launcher: the manifests, before torch and NCCL
         try:
             probe(lambda: manifest_preflight(p["args"]), "--manifest and --save-manifest", prefix="")

@@ -65,7 +65,7 @@ def _no_rank(env):
     """No RANK (nor SLURM_PROCID): local mode, unless the environment is half a launch contract: a size or
     local rank without a rank, an MPI launcher's variables, or a master that is another machine (a multi-node
     hint, never replaced by 127.0.0.1)."""
-    if "SLURM_JOB_ID" in env and in_batch_shell(env):
+    if in_batch_shell(env):
         raise UsageError("running in the Slurm batch shell, not as an srun task: launch it with "
                          "srun (one task per GPU), e.g. srun python ddp_mesh_ping.py")
     partial = [f"{v}={env[v]!r}" for v in ("WORLD_SIZE", "LOCAL_RANK", *MPI_SIZE_VARS, *MPI_LOCAL_VARS) if v in env]

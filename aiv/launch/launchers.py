@@ -119,13 +119,11 @@ def _count(env, var):
 
 
 def _first(env, launcher, fact, sources, read, fix):
-    """The value of `fact` from the first of `sources` ((variable, value or None: read it)) that is present;
-    every other one present must agree (else one line naming both). -> (value, variable)."""
-    got = [(var, read(env, var) if value is None else value) for var, value in sources
-           if value is not None or var in env]
+    """The value of `fact` from the first of the variables `sources` that is set (read(env, variable)); every
+    other one set must agree (else one line naming both). -> (value, variable)."""
+    got = [(var, read(env, var)) for var in sources if var in env]
     if not got:
-        names = " or ".join(var for var, _ in sources)
-        raise UsageError(f"{launcher}: {fact} is not set: set {names}{fix}")
+        raise UsageError(f"{launcher}: {fact} is not set: set {' or '.join(sources)}{fix}")
     var, value = got[0]
     for other, v in got[1:]:
         if v != value:
@@ -216,38 +214,38 @@ def read_node_launch(env):
     if key is None:
         return None
     name, fix, where = BY_KEY[key].name, "", ""
-    nodes, index, addrs = [("PET_NNODES", None)], [("PET_NODE_RANK", None)], [("MASTER_ADDR", None),
-                                                                                ("PET_MASTER_ADDR", None)]
-    ports = [("MASTER_PORT", None), ("PET_MASTER_PORT", None)]
+    nodes, index, addrs = ["PET_NNODES"], ["PET_NODE_RANK"], ["MASTER_ADDR", "PET_MASTER_ADDR"]
+    ports, known = ["MASTER_PORT", "PET_MASTER_PORT"], {}  # known: an address read already (Volcano's first host)
     default_port, world_var, ambiguous = TORCHRUN_PORT, "WORLD_SIZE", False  # WORLD_SIZE: held to the launch
     if key == "trainer-v2":
-        index.append(("JOB_COMPLETION_INDEX", None))
+        index.append("JOB_COMPLETION_INDEX")
         addrs.reverse()
         ports.reverse()
     elif key == "pytorchjob":
         if "PET_NNODES" not in env:
-            nodes, world_var = [("WORLD_SIZE", None)], None
-        index.append(("RANK", None))
+            nodes, world_var = ["WORLD_SIZE"], None
+        index.append("RANK")
         ambiguous = "PET_NNODES" not in env and "PET_NODE_RANK" not in env
         default_port = None
     elif key in ("indexed-job", "jobset"):
-        index.insert(0, ("JOB_COMPLETION_INDEX", None))
+        index.insert(0, "JOB_COMPLETION_INDEX")
         fix, where = " (the Job's completions)", ": pod 0 through the headless Service, e.g. <job>-0.<service>"
     elif key == "lws":
-        nodes.insert(0, ("LWS_GROUP_SIZE", None))
-        index.insert(0, ("LWS_WORKER_INDEX", None))
-        addrs.insert(0, ("LWS_LEADER_ADDRESS", None))
+        nodes.insert(0, "LWS_GROUP_SIZE")
+        index.insert(0, "LWS_WORKER_INDEX")
+        addrs.insert(0, "LWS_LEADER_ADDRESS")
     elif key == "volcano" and "RANK" in env:  # the pytorch plugin: one process per pod, RANK its index
-        nodes, world_var = [("WORLD_SIZE", None), ("PET_NNODES", None)], None
-        index = [("RANK", None), ("PET_NODE_RANK", None)]
+        nodes, world_var = ["WORLD_SIZE", "PET_NNODES"], None
+        index = ["RANK", "PET_NODE_RANK"]
         default_port = None
     elif key == "volcano":
         if "PET_NNODES" in env:  # set by hand: PET_NODE_RANK is the node's index (VC_TASK_INDEX is per task)
-            index = index if "PET_NODE_RANK" in env else [("VC_TASK_INDEX", None)]
+            index = index if "PET_NODE_RANK" in env else ["VC_TASK_INDEX"]
         else:
             num, hosts_var, first = _volcano_task(env)
-            nodes, index = [(num, None)], [("VC_TASK_INDEX", None), ("PET_NODE_RANK", None)]
-            addrs.append((hosts_var, first))
+            nodes, index = [num], ["VC_TASK_INDEX", "PET_NODE_RANK"]
+            addrs.append(hosts_var)
+            known[hosts_var] = first
             fix = " (Volcano's env plugin sets VC_TASK_INDEX)"
     nnodes, nodes_from = _first(env, name, "the node count", nodes, _count, fix)
     _one_launch(env, name, nnodes, nodes_from)
@@ -255,9 +253,9 @@ def read_node_launch(env):
                                   lambda e, v: _int_var(e, v, lo=0, hi=100_000), fix if key == "volcano" else "")
     if node_rank >= nnodes:
         raise UsageError(f"{name}: {node_from}={node_rank} is not below {nodes_from}={nnodes}", own=True)
-    addr, addr_from = _first(env, name, "the master's address", addrs, lambda e, v: check_host(v, e[v]),
+    addr, addr_from = _first(env, name, "the master's address", addrs, lambda e, v: known.get(v) or check_host(v, e[v]),
                              f" (the host of node 0{where})")
-    if default_port is not None and not any(var in env for var, _ in ports):
+    if default_port is not None and not any(var in env for var in ports):
         port, port_from = default_port, f"torchrun's default {default_port}: no MASTER_PORT"
     else:
         port, port_var = _first(env, name, "the master's port", ports, lambda e, v: _int_var(e, v, lo=1, hi=65535), "")

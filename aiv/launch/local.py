@@ -52,18 +52,16 @@ class Forward:
 def _start_ranks(cmd, env, launch, node, nproc, base, world, port):
     """This node's ranks base..base+nproc-1 of `world`, each its own session, dying with this process."""
     keep = SECRET_VAR in env or node["nnodes"] > 1  # exported, or other nodes could not know one made here
-    procs, secret = [], {} if keep else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
+    secret = {} if keep else {SECRET_VAR: os.urandom(32).hex()}  # in the environment only
     told = json.dumps({"launch": launch.get("launch", "local mode"), "how": launch.get("how", "local mode"),
                        "port_from": launch.get("port_from") or "a free port"})
     expect = {"AIV_EXPECT_NODES": str(node["nnodes"]), "AIV_EXPECT_RANKS_PER_NODE": str(nproc),
               "AIV_EXPECT_WORLD_SIZE": str(world), **env}  # the launch's shape, unless exported
-    for r in range(nproc):
-        cenv = dict(expect, **secret, RANK=str(base + r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=launch.get("master_addr") or "127.0.0.1",
-                    MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **{LAUNCH_VAR: told})
-        procs.append(subprocess.Popen(cmd, env=cenv, stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=die_with_parent(signal.SIGTERM)))
-    return procs
+    envs = [dict(expect, **secret, RANK=str(base + r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                 LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=launch.get("master_addr") or "127.0.0.1",
+                 MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **{LAUNCH_VAR: told}) for r in range(nproc)]
+    return [subprocess.Popen(cmd, env=e, stdin=subprocess.DEVNULL, start_new_session=True,
+                             preexec_fn=die_with_parent(signal.SIGTERM)) for e in envs]
 
 
 def _launcher_verdict(procs, alive, sig, base, nproc, node):
@@ -87,7 +85,7 @@ def _launcher_verdict(procs, alive, sig, base, nproc, node):
         bad = [(base + r, c) for r, c in enumerate(codes) if c]
         emit(f"FAILURE: launch: {first} passed but " + ", ".join(f"rank {r} exited {c}" for r, c in bad))
         return EXIT_FAIL
-    if base and sig and (codes[0] < 0 or codes[0] >= 128):  # this node's ranks stopped on its own signal
+    if base and sig and codes[0] >= 128:  # this node's ranks stopped on its own signal
         emit(f"FAILURE: interrupted: the launcher of node {node['node_rank']} ({socket.gethostname()}) was "
              f"interrupted by {signal.Signals(sig).name}: its ranks {format_ranges(range(base, base + nproc))} "
              f"stopped before rank 0's verdict; {STOPPED_WORDS}")

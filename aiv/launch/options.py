@@ -133,22 +133,31 @@ def _opt(p, flag, conv, shown, text, env=True, want=None, **kw):
     return a
 
 
-def _epilog():
-    return "\n".join((
-        "Values: on = 1/on/yes/true, off = 0/off/no/false (any case); sizes are bytes with binary K/M/G",
-        f"suffixes (1M = 2^20); seconds are 1-{SECONDS_MAX:g}. Flags are spelled out in full. A malformed or",
-        "empty flag, AIV_* variable or launch variable is one FAILURE line and exit 2; nothing runs.",
-        f"--nproc: at most {RANKS_PER_CORE} ranks per CPU core this process may use, and one rank per",
-        f"{human_bytes(RANK_MEM_CPU)} (CPU) or {human_bytes(RANK_MEM_GPU)} (GPU) of MemAvailable or of what the "
-        "memory cgroup has left.",
-        "--verify-log has no variable: an exported AIV_VERIFY_LOG would turn every later run, Slurm jobs",
-        "included, into a log check; setting it is a usage error. Nor has --node-check (every run a node check).",
-        "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT, 4 INTERNAL, 5 INTERRUPTED."))
+# --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the
+# interpreter, torch and a gloo group; measured with 2 and 4 ranks), and the node's import probe and
+# liveness monitor add ~0.3 GiB once: 512 MiB per CPU rank covers both. A rank that drives a GPU also
+# holds a CUDA context in host memory: 1.5 GiB. A rank is idle but for its start (import torch, 1-2
+# CPU seconds) and milliseconds of collectives, so 4 ranks per core start within seconds, far inside
+# the roll-call bound, and leave the machine usable. Only an explicit --nproc is held to this rule.
+RANKS_PER_CORE = 4
+RANK_MEM_CPU = 512 << 20
+RANK_MEM_GPU = 1536 << 20
+
+EPILOG = "\n".join((
+    "Values: on = 1/on/yes/true, off = 0/off/no/false (any case); sizes are bytes with binary K/M/G",
+    f"suffixes (1M = 2^20); seconds are 1-{SECONDS_MAX:g}. Flags are spelled out in full. A malformed or",
+    "empty flag, AIV_* variable or launch variable is one FAILURE line and exit 2; nothing runs.",
+    f"--nproc: at most {RANKS_PER_CORE} ranks per CPU core this process may use, and one rank per",
+    f"{human_bytes(RANK_MEM_CPU)} (CPU) or {human_bytes(RANK_MEM_GPU)} (GPU) of MemAvailable or of what the "
+    "memory cgroup has left.",
+    "--verify-log has no variable: an exported AIV_VERIFY_LOG would turn every later run, Slurm jobs",
+    "included, into a log check; setting it is a usage error. Nor has --node-check (every run a node check).",
+    "Exit codes: 0 PASS, 1 FAIL, 2 USAGE, 3 TIMEOUT, 4 INTERNAL, 5 INTERRUPTED."))
 
 
 def build_parser():
     p = _Parser(prog="ddp_mesh_ping.py", description=DESCRIPTION, add_help=False, allow_abbrev=False,
-                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
+                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     _opt(p, "--backend", _backend, "auto", "auto: nccl when CUDA is available, else gloo", default="auto",
          metavar="{auto,nccl,gloo}")
@@ -278,29 +287,17 @@ def _given(action, name, value):
         raise UsageError(f"{name}={value!r} {e}") from None
 
 
-def _leftover(extra, parser):
-    """The first argument argparse did not take, as a usage error (with the likely flag meant)."""
-    arg = extra[0]
-    if arg in ("-", "--") or not arg.startswith("-"):
-        return UsageError(f"unexpected argument {arg!r}: ddp_mesh_ping.py takes options only (see --help)")
-    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
-    near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1) if arg.startswith("--") else []
-    return UsageError(f"unknown option {arg!r}" + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
-
-
 def output_paths_from_argv(argv, env):
     """--json and --metrics read without the parser (a --node-check usage error still writes them): the flags,
     else AIV_JSON, AIV_METRICS. -> [(flag, path)]."""
-    out = {}
+    out = []
     for flag, var in (("--json", "AIV_JSON"), ("--metrics", "AIV_METRICS")):
-        for i, a in enumerate(argv):
-            if a.startswith(flag + "="):
-                out[flag] = a.split("=", 1)[1]
-            elif a == flag and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                out[flag] = argv[i + 1]
-        if not out.get(flag) and env.get(var):
-            out[flag] = env[var]
-    return [(flag, path) for flag, path in out.items() if path]
+        given = [a.split("=", 1)[1] if a != flag else after for a, after in zip(argv, [*argv[1:], "--"], strict=False)
+                 if a.startswith(flag + "=") or a == flag and not after.startswith("--")]  # the last one wins
+        path = (given or [""])[-1] or env.get(var)
+        if path:
+            out.append((flag, path))
+    return out
 
 
 def parse_args(argv, env):
@@ -310,37 +307,28 @@ def parse_args(argv, env):
         if var in env:
             raise UsageError(f"{var}={env[var]!r} {why}")
     parser = build_parser()
-    if unknown_var(env, parser):
-        raise unknown_var(env, parser)
+    if unknown := unknown_var(env, parser):
+        raise unknown
     job_secret(env)  # too short: a usage error (its value is never shown)
     opts = [a for a in parser._actions if hasattr(a, "conv")]
     ns, extra = parser.parse_known_args(list(argv), argparse.Namespace(**{a.dest: _UNSET for a in opts}))
-    if extra:
-        raise _leftover(extra, parser)
+    if extra:  # the first argument argparse did not take, with the likely flag meant
+        if extra[0] in ("-", "--") or not extra[0].startswith("-"):
+            raise UsageError(f"unexpected argument {extra[0]!r}: ddp_mesh_ping.py takes options only (see --help)")
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        near = difflib.get_close_matches(extra[0].split("=", 1)[0], flags, n=1) if extra[0].startswith("--") else []
+        raise UsageError(f"unknown option {extra[0]!r}" + (f" (did you mean {near[0]}?)" if near else " (see --help)"))
     ns.origin = {}
     for a in opts:
         flag, raw = a.option_strings[0], getattr(ns, a.dest)
         if raw is _UNSET and a.env in env:
             flag, raw = a.env, env[a.env]
-        if raw is _UNSET:
-            setattr(ns, a.dest, a.default)
-            continue
-        ns.origin[a.dest] = flag
-        setattr(ns, a.dest, _given(a, flag, raw))
+        if raw is not _UNSET:
+            ns.origin[a.dest] = flag
+        setattr(ns, a.dest, a.default if raw is _UNSET else _given(a, flag, raw))
     if ns.min_busbw and not ns.bandwidth:
         if "bandwidth" in ns.origin:
             raise UsageError(f"{ns.origin['min_busbw']} needs the bandwidth probe, which "
                              f"{ns.origin['bandwidth']} turns off")
         ns.bandwidth = _sizes(DEFAULT_BW_SIZES)
     return ns
-
-
-# --nproc: what one machine holds. A gloo rank peaks at ~0.3 GiB resident (CPU torch 2.x: the
-# interpreter, torch and a gloo group; measured with 2 and 4 ranks), and the node's import probe and
-# liveness monitor add ~0.3 GiB once: 512 MiB per CPU rank covers both. A rank that drives a GPU also
-# holds a CUDA context in host memory: 1.5 GiB. A rank is idle but for its start (import torch, 1-2
-# CPU seconds) and milliseconds of collectives, so 4 ranks per core start within seconds, far inside
-# the roll-call bound, and leave the machine usable. Only an explicit --nproc is held to this rule.
-RANKS_PER_CORE = 4
-RANK_MEM_CPU = 512 << 20
-RANK_MEM_GPU = 1536 << 20

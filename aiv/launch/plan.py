@@ -84,8 +84,7 @@ def check_json_target(args):
     output that cannot be written is a usage error now, not a warning after the run."""
     for dest in ("json", "metrics", "html"):
         path = getattr(args, dest, None)
-        problem = json_problem(path) if path is not None else None
-        if problem:
+        if path is not None and (problem := json_problem(path)):
             name = getattr(args, "origin", {}).get(dest, "--" + dest)
             raise UsageError(" ".join(f"FAILURE: usage: {name}={path!r} {problem}".split()))
 

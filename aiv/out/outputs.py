@@ -66,9 +66,8 @@ def drain_reason(fs, job=None, context="job"):
     if context == "job":
         head, tail = f"{DRAIN_PREFIX} {f['check']}: {f['reason']}", f" (job {job})"
     else:
-        more = f" (+{len(fs) - 1} more)" if len(fs) > 1 else ""
         head = f"{DRAIN_PREFIX} {NODE_DRAIN_TAG}: {f['check']}: {f.get('short') or f['reason']}"
-        tail = f"{more} [{context}]"
+        tail = (f" (+{len(fs) - 1} more)" if len(fs) > 1 else "") + f" [{context}]"
     head = " ".join(head.split())
     if len(head) + len(tail) > DRAIN_REASON_MAX:
         head = head[:DRAIN_REASON_MAX - len(tail) - 3].rstrip() + "..."
@@ -129,23 +128,15 @@ def resume_plan(node, reason, findings):
 def parse_scontrol_nodes(text):
     """`scontrol show node -o` -> {node: (state, reason)}. The reason is everything after 'Reason=' up to
     the next field of the line (or its end)."""
-    out = {}
-    for line in text.splitlines():
-        name, state = re.search(r"(?:^|\s)NodeName=(\S+)", line), re.search(r"\sState=(\S+)", line)
-        if name:
-            out[name.group(1)] = (state.group(1) if state else "", scontrol_reason(line))
-    return out
+    return {name.group(1): (state.group(1) if state else "", scontrol_reason(line)) for line in text.splitlines()
+            for name, state in [(re.search(r"(?:^|\s)NodeName=(\S+)", line), re.search(r"\sState=(\S+)", line))]
+            if name}
 
 
 def drain_keeps(nodes):
     """Nodes already drained or down for a reason not ours: {node: their reason}. They keep it."""
     return {n: r for n, (st, r) in nodes.items() if re.search(r"DRAIN|DOWN|FAIL", st)
             and r and r not in ("none", "(null)") and not r.startswith(DRAIN_PREFIX)}
-
-
-def _metrics_escape(value):
-    """A label value as the exposition format writes it: backslash, double quote and newline escaped."""
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _metrics_value(v):
@@ -159,26 +150,28 @@ def _metrics_value(v):
     return None if not math.isfinite(x) else str(int(x)) if x.is_integer() and abs(x) < 2 ** 53 else repr(x)
 
 
+# The exposition format's escapes: backslash and newline in HELP text, and the double quote too in a label value.
+_HELP_ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n"})
+_LABEL_ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n", '"': '\\"'})
+
+
 def _metrics_family(name, text, samples):
     """One gauge family's lines: HELP and TYPE once, then each sample ([(labels dict, value)]) whose value is
-    a number, the first of any repeated label set only. None when no sample has a value (nothing written)."""
+    a number, the first of any repeated label set only. Nothing when no sample has a value."""
     lines, seen = [], set()
     for labels, value in samples:
         v, key = _metrics_value(value), tuple(sorted((k, str(x)) for k, x in labels.items()))
         if v is None or key in seen:
             continue
         seen.add(key)
-        body = ",".join(f'{k}="{_metrics_escape(x)}"' for k, x in labels.items())
+        body = ",".join(f'{k}="{str(x).translate(_LABEL_ESCAPES)}"' for k, x in labels.items())
         lines.append(f"{name}{{{body}}} {v}" if body else f"{name} {v}")
-    if not lines:
-        return None
-    help_text = text.replace("\\", "\\\\").replace("\n", "\\n")
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"] + lines
+    return [f"# HELP {name} {text.translate(_HELP_ESCAPES)}", f"# TYPE {name} gauge"] + lines if lines else []
 
 
 def metrics_text(families):
     """[(name, help, samples)] as Prometheus text, a family with no value left out."""
-    return "\n".join(line for family in families for line in _metrics_family(*family) or []) + "\n"
+    return "\n".join(line for family in families for line in _metrics_family(*family)) + "\n"
 
 
 def _metrics_max(values):
@@ -195,19 +188,10 @@ def _metrics_start(text):
     return (t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)).timestamp()
 
 
-def _metrics_hosts(state):
-    """Every node the run knows of: the ranks' hosts, the failed hosts and those findings name, natural order."""
-    hosts = {r.get("host") for r in state.get("ranks") or []}
-    hosts |= set(state.get("failed_hosts") or [])
-    hosts |= {h for f in state.get("findings") or [] for h in f.get("hosts") or []}
-    return _screen_sorted(h for h in hosts if h is not None)
-
-
 def _metrics_run(state):
     """The run's families: verdict, exit code, duration, start, world size, nodes, failed nodes."""
     verdict = state.get("verdict")
-    ranks = state.get("ranks")
-    nodes = len({r.get("host") for r in ranks}) if ranks is not None else None
+    nodes = len({r.get("host") for r in state["ranks"]}) if state.get("ranks") is not None else None
     failed = state.get("failed_hosts")
     return [
         ("aiv_verdict_pass", "1 when the run's verdict is PASS, 0 when it is FAIL.",
@@ -234,11 +218,14 @@ def _metrics_checks(state):
 
 
 def _metrics_node_status(state):
-    """aiv_node_status{node}: the worst finding naming the node; 0 for a node no finding names."""
+    """aiv_node_status{node}: the worst finding naming the node; 0 for a node no finding names. The nodes: every
+    one the run knows of (the ranks' hosts, the failed hosts and those findings name), in natural order."""
     findings = state.get("findings") or []
+    hosts = ({r.get("host") for r in state.get("ranks") or []} | set(state.get("failed_hosts") or [])
+             | {h for f in findings for h in f.get("hosts") or []})
     rows = [({"node": h}, _metrics_max([0] + [STATUS_RANK.get(f.get("status")) for f in findings
                                                if h in (f.get("hosts") or [])]))
-            for h in _metrics_hosts(state)]
+            for h in _screen_sorted(h for h in hosts if h is not None)]
     return [("aiv_node_status", "Worst status of the findings that name the node: 0 PASS (or named by none), "
              "1 WARN, 2 FAIL.", rows)]
 
@@ -265,26 +252,17 @@ def _metrics_gpus(state, screen):
 def _metrics_numerics(state):
     """aiv_numerics_error_ratio{node,gpu,uuid}: per rank, its largest error against the numerics check's fp64
     reference as a fraction of the tolerance, over its checks (ranks[].numerics)."""
-    rows = []
-    for r in state.get("ranks") or []:
-        checks = (r.get("numerics") or {}).get("checks") or {}
-        ratios = [p["err"] / p["tol"] for p in checks.values() if p.get("tol") and p.get("err") is not None]
-        rows.append(({"node": r.get("host"), "gpu": str(r.get("local_rank")),
-                      "uuid": (r.get("gpu") or {}).get("uuid") or ""}, max(ratios) if ratios else None))
+    rows = [({"node": r.get("host"), "gpu": str(r.get("local_rank")), "uuid": (r.get("gpu") or {}).get("uuid") or ""},
+             max((p["err"] / p["tol"] for p in ((r.get("numerics") or {}).get("checks") or {}).values()
+                  if p.get("tol") and p.get("err") is not None), default=None)) for r in state.get("ranks") or []]
     return [("aiv_numerics_error_ratio", "Numerics check: the rank's largest error against the fp64 reference as a "
              "fraction of its tolerance, over its checks (1 or more: off the reference; results whose bits differ "
              "from their peers' show in aiv_check_status for the check numerics).", rows)]
 
 
-def _metrics_intra(screen):
-    """aiv_intra_node_busbw_gbps{node}: the node's all_reduce bus bandwidth among its own GPUs."""
-    rows = [({"node": p.get("host")}, p.get("busbw")) for p in screen.get("intra") or []]
-    return [("aiv_intra_node_busbw_gbps", "Performance screen: all_reduce bus bandwidth among the node's own GPUs "
-             "in GB/s (10^9 bytes per second).", rows)]
-
-
-def _metrics_inter(screen):
-    """Per node and rail: the best busbw of the pair rounds the node took part in; per rail: the reference."""
+def _metrics_busbw(screen):
+    """Per node: its intra-node busbw; per node and rail: the best busbw of the pair rounds the node took part in;
+    per rail: the reference."""
     pairs = [m for m in screen.get("pairs") or [] if m.get("nodes") and m.get("rail") is not None]
     seen = group_by([((n, str(m["rail"])), m.get("busbw")) for m in pairs for n in m["nodes"]], lambda x: x[0],
                     lambda x: x[1])
@@ -292,7 +270,10 @@ def _metrics_inter(screen):
     refs = screen_diagnose(pairs, screen.get("min_busbw_inter"), bool(screen.get("cpu")))["refs"] if pairs else {}
     rails = _screen_sorted(r for _, r in best)
     rows = [({"node": n, "rail": r}, best.get((n, r))) for n in _screen_sorted(n for n, _ in best) for r in rails]
-    return [("aiv_inter_node_busbw_gbps", "Performance screen: the best all_reduce bus bandwidth in GB/s (10^9 "
+    return [("aiv_intra_node_busbw_gbps", "Performance screen: all_reduce bus bandwidth among the node's own GPUs "
+             "in GB/s (10^9 bytes per second).", [({"node": p.get("host")}, p.get("busbw"))
+                                                 for p in screen.get("intra") or []]),
+            ("aiv_inter_node_busbw_gbps", "Performance screen: the best all_reduce bus bandwidth in GB/s (10^9 "
              "bytes per second) of the inter-node measurements the node took part in on the rail (a node slow "
              "with all its partners has a low best; failed measurements count for nothing).", rows),
             ("aiv_inter_node_busbw_reference_gbps", "Performance screen: the rail's reference bus bandwidth in GB/s "
@@ -322,27 +303,31 @@ def render_metrics(state):
     by each run, so a series stays one series), values that are not numbers left out. Pure."""
     screen = state.get("screen") or {}
     families = (_metrics_run(state) + _metrics_checks(state) + _metrics_node_status(state)
-                + _metrics_gpus(state, screen) + _metrics_numerics(state) + _metrics_intra(screen)
-                + _metrics_inter(screen) + _metrics_phases(state) + _metrics_drain(state))
+                + _metrics_gpus(state, screen) + _metrics_numerics(state) + _metrics_busbw(screen)
+                + _metrics_phases(state) + _metrics_drain(state))
     return metrics_text(families)
+
+
+def _verdict_head(found, code):
+    """What every verdict JSON says: the tool, the verdict, its FAILURE lines, and the hosts the gated findings
+    blame (failed_hosts, exclude: blamed_hosts)."""
+    failed = blamed_hosts(found)
+    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
+            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code, "failures": failure_lines(found),
+            "failed_hosts": failed, "exclude": compress_hostlist(failed) if failed else ""}
 
 
 def verdict_state(run, found, code, drain):
     """The verdict's state (pure): the JSON, and what the report, the metrics and the page render. run: the
     run's facts as plain data, copied when the verdict began (Coordinator.snapshot); found: the findings after
-    the blame gate (blame_gate); drain: the --drain plan. failed_hosts and exclude hold only the hosts the
-    gated findings blame (blamed_hosts)."""
-    failed_hosts = blamed_hosts(found)
+    the blame gate (blame_gate); drain: the --drain plan."""
     screen = run.get("screen")
     note = screen_degraded_note(screen)
-    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-            "started_at": run["started_at"], "host": run["host"],
-            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code,
+    return {**_verdict_head(found, code), "started_at": run["started_at"], "host": run["host"],
             "world_size": run["world"], "ranks_reported": len(run["records"]), "backend": run["backend"],
             "master": f"{run['addr']}:{run['port']}", "expect": run["expect"], "strict": bool(run["strict"]),
             "deadlines": run["D"], "elapsed_s": round(run["elapsed_s"], 3), "phases": run["times"],
-            "findings": mark_accepted(run.get("manifest_data"), found), "failures": failure_lines(found),
-            "failed_hosts": failed_hosts, "exclude": compress_hostlist(failed_hosts) if failed_hosts else "",
+            "findings": mark_accepted(run.get("manifest_data"), found),
             "suspect_links": (screen or {}).get("suspect_links") or [],
             "drain": drain, "drain_command": (drain or {}).get("command") or "",
             "phase_starts": run["starts"], "collectives": run.get("collectives"), "screen": screen,
@@ -381,9 +366,5 @@ def fallback_verdict(found, code, world, written_by, hosts=()):
     dead on its node is `process`), and failed_hosts, exclude and `failures` are read from what it let
     through. hosts: the run's hosts where known."""
     found = blame_gate(found, hosts)
-    failed = blamed_hosts(found)
-    return {"schema_version": SCHEMA_VERSION, "tool": "ai-infra-validator", "version": VERSION,
-            "verdict": "PASS" if code == EXIT_PASS else "FAIL", "exit_code": code, "world_size": world,
-            "findings": found, "failures": failure_lines(found), "failed_hosts": failed,
-            "exclude": compress_hostlist(failed) if failed else "", "drain_command": "",
+    return {**_verdict_head(found, code), "world_size": world, "findings": found, "drain_command": "",
             "interrupted": code == EXIT_INTERRUPTED, "written_by": written_by}

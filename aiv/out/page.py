@@ -1,6 +1,7 @@
 """Floor 4: --html: one self-contained page per run (inline SVG, no external resources)."""
 import functools
 import html
+import itertools
 import math
 
 from ..core.base import _screen_key, _screen_sorted, compress_hostlist, group_by
@@ -193,14 +194,6 @@ def _html_worst(levels):
     return next((x for x in ("FAIL", "WARN", "OK") if x in levels), "NA")
 
 
-def _html_node_levels(state):
-    """{host: 'FAIL'|'WARN'} for flagged nodes: the hosts the gated WARN/FAIL findings name (blame_gate), the
-    same as failed_hosts for the FAILs. A suspect link colours no node: it is the path's (the pair view)."""
-    named = [(h, f["status"]) for f in state.get("findings") or [] if f.get("status") in ("WARN", "FAIL")
-             for h in f.get("hosts") or []]
-    return {h: _html_worst(st) for h, st in group_by(named, lambda x: x[0], lambda x: x[1]).items()}
-
-
 def _html_gpu_cell(r, gl):
     """One GPU square of a node card, coloured by its worst screen level."""
     g = r.get("gpu") or {}
@@ -226,9 +219,13 @@ def _html_topology(state, gl):
     recs = state.get("ranks") or ((state.get("screen") or {}).get("gpu")) or []  # else the screen's GPU rows
     nodes = group_by(sorted(recs, key=lambda r: (_screen_key(r.get("host")), r.get("local_rank") or 0)),
                      lambda r: r.get("host"))  # {host: [rank record, ...]} in natural order
-    flags = _html_node_levels(state)
     if not nodes:
         return ""
+    # flagged nodes, {host: 'FAIL'|'WARN'}: the hosts the gated WARN/FAIL findings name (blame_gate), the same as
+    # failed_hosts for the FAILs. A suspect link colours no node: it is the path's (the pair view).
+    named = [(h, f["status"]) for f in state.get("findings") or [] if f.get("status") in ("WARN", "FAIL")
+             for h in f.get("hosts") or []]
+    flags = {h: _html_worst(st) for h, st in group_by(named, lambda x: x[0], lambda x: x[1]).items()}
     rpn = sorted({len(v) for v in nodes.values()})
     models = sorted({(r.get("gpu") or {}).get("name") or r.get("model") or "no GPU" for v in nodes.values() for r in v})
     head = (f'<p>{len(nodes)} node(s), {sum(map(len, nodes.values()))} rank(s), {"/".join(map(str, rpn))} per node; '
@@ -265,21 +262,24 @@ def _html_label_ys(ys, lo, hi, gap=12.0):
     prev = lo - gap
     for i in order:
         out[i] = prev = max(ys[i], prev + gap)
-    over = prev - hi
-    if over > 0:  # pushed past the bottom: move the whole stack up as far as it needs
-        for i in order:
-            out[i] -= over
-    return out
+    over = prev - hi  # pushed past the bottom: move the whole stack up as far as it needs
+    return [y - over for y in out] if over > 0 else out
+
+
+def _html_scale(vals, lines):
+    """The judging lines drawn to scale, those far above every value and every reference (BREAK_RATIO: off the
+    axis), and the axis's top."""
+    core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
+    broken = [ln for ln in lines if ln["value"] > BREAK_RATIO * core]
+    shown = [ln for ln in lines if ln not in broken]
+    return shown, broken, max([core] + [ln["value"] for ln in shown]) * 1.08
 
 
 def _html_chart_geometry(bars, lines):
     """Where a chart's parts go: the axis's top and step, each bar's slot, the room for labels, the judging
     lines drawn to scale ('shown') and those above a broken axis ('broken')."""
     vals = [float(v) for _, v, _, _ in bars if v is not None]
-    core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
-    broken = [ln for ln in lines if ln["value"] > BREAK_RATIO * core]
-    shown = [ln for ln in lines if ln not in broken]
-    top = max([core] + [ln["value"] for ln in shown]) * 1.08
+    shown, broken, top = _html_scale(vals, lines)
     step = _html_step(top)
     top = math.ceil(top / step - 1e-9) * step
     n = max(len(bars), 1)
@@ -288,8 +288,7 @@ def _html_chart_geometry(bars, lines):
     name_h = 32 if flat else 10 + 6.2 * max([len(b[0]) for b in bars] + [4])
     val_h = 16 if slot >= 44 else 10 + 6.2 * max([len(_s3(v)) for v in vals] + [1])
     left, right, plot_h = 60, 330, 200
-    brk_h = 16 * len(broken) + 22 if broken else 0
-    y0 = 8 + brk_h + val_h
+    y0 = 8 + (16 * len(broken) + 22 if broken else 0) + val_h  # the broken axis's lines above the values
     w = slot * n
     return {"top": top, "step": step, "slot": slot, "flat": flat, "name_h": name_h, "val_h": val_h, "left": left,
             "plot_h": plot_h, "y0": y0, "w": w, "broken": broken, "shown": shown,
@@ -388,10 +387,7 @@ def _html_chart(cid, bars, lines, unit, caption):
 def _html_ranges(cid, groups, lines, unit, caption):
     """At scale, one column per node: the range of its GPUs' values, on the same axis and lines as _html_chart.
     groups: [(host, [value, ...], worst level)]."""
-    vals = [v for _, vs, _ in groups for v in vs]
-    core = max(vals + [ln["value"] for ln in lines if ln["kind"] not in ("floor", "band")] + [1e-12])
-    shown = [ln for ln in lines if ln["value"] <= BREAK_RATIO * core]
-    top = max([core] + [ln["value"] for ln in shown]) * 1.08
+    shown, over, top = _html_scale([v for _, vs, _ in groups for v in vs], lines)
     left, right, h, w = 60, 330, 160, 700.0
     bw, y = w / max(len(groups), 1), functools.partial(_html_chart_y, {"y0": 8, "plot_h": h, "top": top})
     out = [f'<rect class="grid" x="{left}" y="8" width="{w:.0f}" height="{h}"/>']
@@ -411,7 +407,6 @@ def _html_ranges(cid, groups, lines, unit, caption):
     lys = _html_label_ys([y(ln["value"]) + 4 for ln in shown], 12, h + 8)
     out += ["".join(_html_jline(ln, left, f"{left + w + 6:.0f}", f'{y(ln["value"]):.1f}', "/>", f"{left + w + 14:.0f}",
                                 f"{ly:.1f}")) for ln, ly in zip(shown, lys, strict=True)]
-    over = [ln for ln in lines if ln not in shown]
     note = ("; off the axis: " + "; ".join(_html_e(ln["text"]) for ln in over)) if over else ""
     return (f'<h3>{caption}</h3><p class="muted small">one column per node: the range of its GPUs, in node order '
             f'(node names every {every}){note}</p><div class="chart"><svg id="{_html_e(cid)}" class="ranges" '
@@ -496,12 +491,10 @@ def _html_intra(screen):
         band = [b for b in bands if b["band"] == f"intra.busbw/{cls[0] or 0} ranks"]
         lines = judging_lines(refs[cls], fail, warn, None, screen.get("min_busbw_intra"), "min_busbw_intra", band,
                               "nodes")
-        bars = []
-        for p in sorted(mine, key=lambda p: _screen_key(p["host"])):
-            v = p.get("busbw")
-            lv = _html_worst([levels[p["host"]][0], band_level(v, p["host"], band)])
-            bars.append((str(p["host"]), v, lv, f"{p['host']}: intra-node all_reduce busbw "
-                         + (f"{_s3(v)} GB/s [{lv}]" if v is not None else "failed")))
+        bars = [(str(p["host"]), v, lv, f"{p['host']}: intra-node all_reduce busbw "
+                 + (f"{_s3(v)} GB/s [{lv}]" if v is not None else "failed"))
+                for p in sorted(mine, key=lambda p: _screen_key(p["host"])) for v in [p.get("busbw")]
+                for lv in [_html_worst([levels[p["host"]][0], band_level(v, p["host"], band)])]]
         alone = "" if refs[cls].get("count", 0) >= 2 else "; one node: no peers to judge it against"
         charts.append(_html_chart(f"intra-{k}", bars, lines, "GB/s",
                                   f"intra-node busbw of {_html_e(_intra_class_text(cls))} <span class=\"muted small\">"
@@ -511,14 +504,6 @@ def _html_intra(screen):
 
 CELL_NUMBERS_MIN = 26.0  # a heat-map cell at least this many pixels wide shows its busbw in figures
 SLOW_ROWS_MAX = 64       # the table of slow inter-node measurements lists at most this many, lowest first
-
-
-def _html_axis(nodes, c):
-    """Node-name labels along the top and left of a heat map (every k-th one when there are many)."""
-    step = max(1, len(nodes) // 8) if len(nodes) > 24 else 1
-    return "".join(f'<text class="lab" x="86" y="{p + 3:.1f}" text-anchor="end">{_html_e(nodes[i])}</text>'
-                   f'<text class="lab" transform="translate({p + 3:.1f},86) rotate(-60)">{_html_e(nodes[i])}</text>'
-                   for i in range(0, len(nodes), step) for p in [90 + (i + 0.5) * c])
 
 
 def _html_rail_marks(pairs, idx, rail, d, c, bad):
@@ -538,7 +523,7 @@ def _html_rail_marks(pairs, idx, rail, d, c, bad):
         tip = f"{' - '.join(m['nodes'])} rail {rail} round {m.get('round')}: {_html_n(bw)} GB/s"
         tip += " (failed)" if ratio is None else f" ({ratio:.2f})"
         ns, w = sorted(idx[n] for n in m["nodes"]), mw if cls in ("k0", "k1") else max(mw, 6.0)
-        for a, b in ((ns[i], ns[j]) for i in range(len(ns)) for j in range(i + 1, len(ns))):
+        for a, b in itertools.combinations(ns, 2):
             x, y = 90 + (b + 0.5) * c - w / 2, 90 + (a + 0.5) * c - w / 2
             (cells if w == mw else slow).append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{w:.1f}" '
                                                 f'class="{cls}"><title>{_html_e(tip)}</title></rect>')
@@ -548,16 +533,12 @@ def _html_rail_marks(pairs, idx, rail, d, c, bad):
             if k in lone:
                 boxes.append(f'<rect x="{x - 2:.1f}" y="{y - 2:.1f}" width="{w + 4:.1f}" height="{w + 4:.1f}" '
                              f'class="suspect"><title>suspect link: {_html_e(tip)}</title></rect>')
-    crosses = "".join(_html_cross(idx[n], n, c, len(idx)) for n in bad)
+    t, size = max(c, 3.0), len(idx) * c  # a culprit node's row and column outlined
+    crosses = "".join(f'<g class="culprit" data-host="{_html_e(n)}"><title>culprit: {_html_e(n)}</title>'
+                      f'<rect class="culprit" x="90" y="{p - t / 2:.1f}" width="{size:.1f}" height="{t:.1f}"/>'
+                      f'<rect class="culprit" x="{p - t / 2:.1f}" y="90" width="{t:.1f}" height="{size:.1f}"/></g>'
+                      for n in bad for p in [90 + (idx[n] + 0.5) * c])
     return crosses + "".join(cells) + "".join(slow) + "".join(boxes)
-
-
-def _html_cross(i, node, c, n):
-    """A culprit node's row and column outlined."""
-    t, p, size = max(c, 3.0), 90 + (i + 0.5) * c, n * c
-    return (f'<g class="culprit" data-host="{_html_e(node)}"><title>culprit: {_html_e(node)}</title>'
-            f'<rect class="culprit" x="90" y="{p - t / 2:.1f}" width="{size:.1f}" height="{t:.1f}"/>'
-            f'<rect class="culprit" x="{p - t / 2:.1f}" y="90" width="{t:.1f}" height="{size:.1f}"/></g>')
 
 
 def _html_heatmap(pairs, rail, d, failed, size):
@@ -572,9 +553,13 @@ def _html_heatmap(pairs, rail, d, failed, size):
     cap = (f"rail {_html_e(rail)}{' (' + _html_e(hca) + ')' if hca else ''}: reference {_html_n(ref['ref'])} GB/s "
            f"({_html_e(ref['how'])} of {ref['count']}), {len(slow)} slow"
            + (f", culprit {_html_e(compress_hostlist(bad))}" if bad else ""))
+    step = max(1, len(nodes) // 8) if len(nodes) > 24 else 1  # node names along the top and left: every k-th
+    axis = "".join(f'<text class="lab" x="86" y="{p + 3:.1f}" text-anchor="end">{_html_e(nodes[i])}</text>'
+                   f'<text class="lab" transform="translate({p + 3:.1f},86) rotate(-60)">{_html_e(nodes[i])}</text>'
+                   for i in range(0, len(nodes), step) for p in [90 + (i + 0.5) * c])
     svg = (f'<svg id="heatmap-rail-{_html_e(rail)}" width="{size + 100:.0f}" height="{size + 100:.0f}" '
            f'viewBox="0 0 {size + 100:.0f} {size + 100:.0f}" role="img"><title>{cap}</title>'
-           f'<rect class="grid" x="90" y="90" width="{size:.1f}" height="{size:.1f}"/>{_html_axis(nodes, c)}'
+           f'<rect class="grid" x="90" y="90" width="{size:.1f}" height="{size:.1f}"/>{axis}'
            f'{_html_rail_marks(pairs, idx, rail, d, c, bad)}</svg>')
     return f'<div class="hm"><div class="small">{cap}</div>{svg}</div>'
 
@@ -624,25 +609,17 @@ def _html_slow_pairs(pairs, d, floor):
             f'{"".join(rows)}</table>{more}')
 
 
-def _html_phase_spans(state):
-    """[(phase, start, seconds)]: phase_starts when given (then only the phases of PHASES: the other timings,
-    import_torch or a screen round's group creation, lie inside one of them), else the phases end to end in
-    PHASES order."""
-    phases = state.get("phases") or {}
-    starts = state.get("phase_starts") or {}
-    order = [p for p in PHASES if p in phases] + ([] if starts else [p for p in phases if p not in PHASES])
-    out, t = [], 0.0
-    for p in order:
+def _html_timeline(state):
+    """Horizontal bars, one per phase, on a seconds axis: at phase_starts when given (then only the phases of
+    PHASES: the other timings, import_torch or a screen round's group creation, lie inside one of them), else
+    the phases end to end in PHASES order."""
+    phases, starts = state.get("phases") or {}, state.get("phase_starts") or {}
+    spans, t = [], 0.0  # (phase, start, seconds)
+    for p in [p for p in PHASES if p in phases] + ([] if starts else [p for p in phases if p not in PHASES]):
         d = float(phases.get(p) or 0.0)
         s = float(starts[p]) if p in starts and starts[p] is not None else t
-        out.append((p, s, d))
+        spans.append((p, s, d))
         t = max(t, s + d)
-    return out
-
-
-def _html_timeline(state):
-    """Horizontal bars, one per phase, on a seconds axis."""
-    spans = _html_phase_spans(state)
     if not spans:
         return ""
     end = max([s + d for _, s, d in spans] + [float(state.get("elapsed_s") or 0.0), 0.001])
@@ -653,18 +630,12 @@ def _html_timeline(state):
             f'</rect><text x="{134 + w * (s + d) / end:.1f}" y="{y + 12}">{d:.2f} s</text>'
             for i, (p, s, d) in enumerate(spans) for y in [8 + i * rh]]
     h = 8 + len(spans) * rh
+    step = next(s * m for m in (0.01, 0.1, 1, 10, 100, 1000) for s in (1, 2, 5) if s * m >= end / 6)  # ~6 ticks
     ticks = "".join(f'<line x1="{130 + w * t / end:.1f}" x2="{130 + w * t / end:.1f}" y1="4" y2="{h}" '
                     f'stroke="#e3e8ee"/><text x="{130 + w * t / end:.1f}" y="{h + 14}" text-anchor="middle">{t:g} s'
-                    '</text>' for t in _html_ticks(end))
+                    '</text>' for t in (round(i * step, 6) for i in range(int(end / step) + 1)))
     return _html_section("timeline", "Phase timeline", f'<svg width="100%" viewBox="0 0 {w + 200:.0f} {h + 20}" '
                          f'role="img">{ticks}{"".join(rows)}</svg>')
-
-
-def _html_ticks(end):
-    """About six round tick values from 0 to end."""
-    raw = end / 6
-    step = next(s * m for m in (0.01, 0.1, 1, 10, 100, 1000) for s in (1, 2, 5) if s * m >= raw)
-    return [round(i * step, 6) for i in range(int(end / step) + 1)]
 
 
 def render_html(state):

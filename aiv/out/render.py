@@ -34,7 +34,6 @@ def _perf_gpu_lines(screen, cpu):
     refs, flags = _gpu_flags(per_rank, screen, cpu)
     irefs, ilevels = intra_levels(intra, screen.get("min_busbw_intra"), cpu)
     ibw = {p["host"]: p.get("busbw") for p in intra}
-    ilv = {h: lv for h, (lv, _) in ilevels.items()}
     L = [f"  gpu reference {m}: " + ", ".join(_screen_ref_text(refs[(m, k)], u, "GPUs")
                                              for k, u, _ in SCREEN_GPU_METRICS if refs[(m, k)]["count"])
          if max(refs[(m, k)]["count"] for k, _, _ in SCREEN_GPU_METRICS) >= 2 else
@@ -52,8 +51,8 @@ def _perf_gpu_lines(screen, cpu):
         hb = [float(r["hbm_gbps"]) for r in rs if r.get("hbm_gbps") is not None]
         marks = [f"{'tflops' if k == 'tflops' else 'memory'} rank {rk} [{lv}]" for rk, (r, fl) in flags.items()
                  if r.get("host") == h for k, lv, _ in fl]
-        if ilv.get(h, "OK") != "OK":
-            marks.append(f"intra [{ilv[h]}]")
+        if (ilv := ilevels.get(h, ("OK",))[0]) != "OK":
+            marks.append(f"intra [{ilv}]")
         cells = f"gpus={len(rs)} " + (f"tflops min/med={_sn(min(tf))}/{_sn(_screen_median(tf))} " if tf else "")
         cells += f"mem min/med={min(hb):.0f}/{_screen_median(hb):.0f}GB/s " if hb else ""
         cells += f"intra={_sn(ibw[h])}GB/s" if ibw.get(h) is not None else "intra=-"
@@ -78,27 +77,26 @@ def _perf_pair_lines(screen, cpu):
     per_rail = {rail: screen_reference(m.get("busbw") for m in results if m["rail"] == rail) for rail in d["rails"]}
     by_group = group_by(range(len(results)), lambda i: (results[i].get("round"), tuple(results[i]["nodes"])))
     rounds = Counter(r for r, _ in by_group)
-    slow = [i for i, lv in enumerate(d["levels"]) if lv != "OK"]
     L = [f"  inter-node reference: {_screen_ref_text(d['ref'], 'GB/s', 'measurements')}; per rail: "
          + " ".join(f"{rail}:{_sn(per_rail[rail]['ref'])}" for rail in d["rails"]),
          "  groups per round: " + " ".join(f"{r}:{n}" for r, n in sorted(rounds.items(), key=lambda x: str(x[0])))
-         + f"; {len(results)} measurement(s), {len(slow)} slow"]
+         + f"; {len(results)} measurement(s), {sum(lv != 'OK' for lv in d['levels'])} slow"]
     show_all = len(d["nodes"]) <= SCREEN_RENDER_ALL
     listed = [k for k, idx in by_group.items() if show_all or any(d["levels"][i] != "OK" for i in idx)]
-    for rnd, g in listed[: None if show_all else SCREEN_RENDER_SLOW]:
+    rows = []
+    for rnd, g in listed:
         idx = sorted(by_group[(rnd, g)], key=lambda i: results[i]["rail"])
         cells = " ".join(f"{_sn(float(results[i].get('busbw') or 0))}" + ("!" if d["levels"][i] != "OK" else "")
                          for i in idx)
         bad = [i for i in idx if d["levels"][i] != "OK"]
         tail = (f"  <- slow rail {format_ranges(results[i]['rail'] for i in bad)} "
                 f"[{_screen_worst([d['levels'][i] for i in bad])}]") if bad else ""
-        L.append(f"    round {rnd} {' <-> '.join(g)} GB/s by rail {format_ranges(results[i]['rail'] for i in idx)}: "
-                 f"{cells}{tail}")
-    if not show_all and len(listed) > SCREEN_RENDER_SLOW:
-        L.append(f"    ... and {len(listed) - SCREEN_RENDER_SLOW} more slow group(s) (see --json)")
-    if not show_all:
-        L.append(f"    ({len(by_group) - len(listed)} group(s) with every rail within the reference not shown)")
-    return L
+        rows.append(f"    round {rnd} {' <-> '.join(g)} GB/s by rail {format_ranges(results[i]['rail'] for i in idx)}: "
+                    f"{cells}{tail}")
+    if show_all:
+        return L + rows
+    return L + _at_most(rows, "slow group(s)") + [
+        f"    ({len(by_group) - len(listed)} group(s) with every rail within the reference not shown)"]
 
 
 def render_performance(screen):
@@ -119,25 +117,30 @@ def render_performance(screen):
                  f"{SCREEN_CPU_FAIL:.2f} of the reference are judged)")
     if screen.get("gpu") or screen.get("intra"):
         L += _perf_gpu_lines(screen, cpu)
-    L += _perf_fact_lines(screen) + _perf_pair_lines(screen, cpu) + _perf_cost_lines(screen)
+    L += _perf_fact_lines(screen) + _perf_pair_lines(screen, cpu)
+    if screen.get("splits"):
+        L.append("  group creation (each group's last member, the slowest group): "
+                 + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in screen["splits"].items()))
     if screen.get("judged_against"):
         L += ["  judged against (per measurement):"] + [f"    {a['text']}" for a in screen["judged_against"]]
     return L
 
 
+def _at_most(lines, what):
+    """The first SCREEN_RENDER_SLOW lines, then how many more there are (the JSON lists them all)."""
+    more = len(lines) - SCREEN_RENDER_SLOW
+    return lines[:SCREEN_RENDER_SLOW] + ([f"    ... and {more} more {what} (see --json)"] if more > 0 else [])
+
+
 def _perf_fact_lines(screen):
-    unread = [r for r in screen.get("gpu") or [] if r.get("smi_unread")]
-    L = [f"  not read (nvidia-smi gave no answer within {r['smi_unread']:g}s): {SMI_WHAT} of rank {r['rank']} "
-         f"{r.get('host')} GPU {r.get('local_rank')} {r.get('uuid') or '-'}" for r in unread[:SCREEN_RENDER_SLOW]]
-    if len(unread) > SCREEN_RENDER_SLOW:
-        L.append(f"    ... and {len(unread) - SCREEN_RENDER_SLOW} more GPU(s) not read (see --json)")
-    return _perf_read_lines(screen) + L
-
-
-def _perf_read_lines(screen):
-    rows = [r for r in screen.get("gpu") or [] if any(r.get(k) is not None for k in GPU_FACT_KEYS)]
+    """The facts read under load summed up, each GPU with a problem on a line of its own; the GPUs not read."""
+    gpus = screen.get("gpu") or []
+    unread = _at_most([f"  not read (nvidia-smi gave no answer within {r['smi_unread']:g}s): {SMI_WHAT} of rank "
+                       f"{r['rank']} {r.get('host')} GPU {r.get('local_rank')} {r.get('uuid') or '-'}"
+                       for r in gpus if r.get("smi_unread")], "GPU(s) not read")
+    rows = [r for r in gpus if any(r.get(k) is not None for k in GPU_FACT_KEYS)]
     if not rows:
-        return []
+        return unread
     links = [r for r in rows if r.get("pcie_width") and r.get("pcie_speed")]
     full = sum(r["pcie_width"] >= (r.get("pcie_width_max") or 0) and r["pcie_speed"] >= (r.get("pcie_speed_max") or 0)
                for r in links)
@@ -147,19 +150,10 @@ def _perf_read_lines(screen):
              f"SM clock min/median {min(sm):.0f}/{_screen_median(sm):.0f} MHz" if sm else "clocks not read",
              "clock limits: " + (", ".join(f"{n} on {k}" for n, k in sorted(limits.items())) or "none"),
              f"uncorrected ECC errors on {sum(bool(r.get('ecc_uncorrected')) for r in rows)}"]
-    L = [f"  under load ({len(rows)} GPU(s)): " + "; ".join(parts)]
     bad = [(r, p) for r in rows for p in [gpu_fact_problems(r)] if p]
-    L += [f"    rank {r['rank']} {r.get('host')} {r.get('uuid') or '-'}: " + "; ".join(t for _, t in p)
-          for r, p in bad[:SCREEN_RENDER_SLOW]]
-    if len(bad) > SCREEN_RENDER_SLOW:
-        L.append(f"    ... and {len(bad) - SCREEN_RENDER_SLOW} more GPU(s) (see --json)")
-    return L
-
-
-def _perf_cost_lines(screen):
-    made = screen.get("splits") or {}
-    return ["  group creation (each group's last member, the slowest group): "
-            + ", ".join(f"{screen_round_label(n)} {s:.2f}s" for n, s in made.items())] if made else []
+    return [f"  under load ({len(rows)} GPU(s)): " + "; ".join(parts)] + _at_most(
+        [f"    rank {r['rank']} {r.get('host')} {r.get('uuid') or '-'}: " + "; ".join(t for _, t in p) for r, p in bad],
+        "GPU(s)") + unread
 
 
 def render_soak(soak):
@@ -217,13 +211,6 @@ def node_signature(rs):
                        sorted(set().union(*[r.get("transport") or [] for r in rs]))], sort_keys=True, default=str)
 
 
-def group_nodes(records, flagged_hosts, collapse_at=2):
-    """[(hosts, ranks_of_first)]: identical nodes collapsed, every flagged node alone."""
-    hosts = _by_host(records)
-    groups = group_by(hosts, lambda h: ("flagged", h) if h in flagged_hosts else node_signature(hosts[h]))
-    return [(g, hosts[g[0]]) for hs in groups.values() for g in ([[h] for h in hs] if len(hs) < collapse_at else [hs])]
-
-
 def _phase_times(phases):
     """'import_torch=3.19 local=3.60 rollcall=0.63 ...' in the order of the run (JSON sorts its keys)."""
     order = ("import_torch",) + PHASES + ("imports", "gpu_measure")
@@ -236,7 +223,9 @@ def render_report(state):
     once (every flagged node alone) and each section renders the groups."""
     recs = state.get("ranks") or []
     flagged = {h for f in state.get("findings") or [] if f["status"] != "PASS" for h in f["hosts"]}
-    groups = group_nodes(recs, flagged)
+    hosts = _by_host(recs)  # groups: [(hosts, ranks of the first)], identical nodes together, a flagged node alone
+    groups = [(hs, hosts[hs[0]]) for hs in group_by(
+        hosts, lambda h: ("flagged", h) if h in flagged else node_signature(hosts[h])).values()]
     out = [s for section in (_render_topology, _render_environment, _render_fabric, _render_collectives)
            for s in section(state, recs, groups)]
     out += render_performance(state["screen"]) if state.get("screen") else []

@@ -21,18 +21,6 @@ def _log_int(text):
     return int(text) if re.fullmatch(r"[0-9]+", text) else None
 
 
-def _log_sections(lines):
-    """{section title: its lines}; lines before the first section are under ''."""
-    out, section = {"": []}, ""
-    for s in lines:
-        if s in LOG_SECTIONS:
-            section = s
-            out.setdefault(s, [])
-        else:
-            out[section].append(s)
-    return out
-
-
 def _log_after(lines, prefix):
     """The rest of every line that starts with prefix, stripped."""
     return [s[len(prefix):].strip() for s in lines if s.startswith(prefix)]
@@ -50,14 +38,12 @@ def _verify_totals(lines, problems, facts):
         facts["world_size"] = totals[0]
 
 
-def _verify_markers(lines, problems):
+def _verify_verdict(lines, problems, facts):
+    """The success marker, no FAILURE line, and exactly one verdict: PASS with exit code 0 (several identical
+    lines are fine)."""
     if SUCCESS_LINE not in lines:
         problems.append("success marker missing")
     problems += [f"failure reported: {s[:200]}" for s in lines if _LOG_FAILURE.match(s)]
-
-
-def _verify_verdict(lines, problems, facts):
-    """Exactly one verdict, and it is PASS with exit code 0 (several identical lines are fine)."""
     heads = list(dict.fromkeys(" ".join(v.split()[:2]) for v in _log_after(lines, "Verdict:")))  # each once
     if not heads:
         problems.append("no 'Verdict:' line")
@@ -75,8 +61,7 @@ def _verify_ranks_reported(lines, world, problems):
     elif len(values) > 1:
         problems.append(f"'Ranks Reported' lines disagree: {' | '.join(values)}")
     for v in values:
-        k, _, n = v.partition("/")
-        k, n = _log_int(k), _log_int(n)
+        k, n = map(_log_int, v.partition("/")[::2])
         if k is None or n is None:
             problems.append(f"garbled 'Ranks Reported' line: {v[:80]}")
             continue
@@ -97,26 +82,22 @@ def _sum_matches(text, want):
         return False
 
 
-def _verify_sum_line(m, world, problems):
-    s_txt, e_txt, r_txt = m.groups()
-    e, r = _log_int(e_txt), _log_int(r_txt)
-    if e is None or r is None:
-        problems.append(f"garbled all_reduce line: {m.group(0)[:100]}")
-        return
-    if not _sum_matches(s_txt, e):
-        problems.append(f"all_reduce sum={s_txt} but expected={e}")
-    if world is not None and e != world * (world + 1) // 2:
-        problems.append(f"all_reduce expected={e} but {world} ranks sum to {world * (world + 1) // 2}")
-    if world is not None and r != world:
-        problems.append(f"all_reduce ran on {r} rank(s) but Total Execution Ranks is {world}")
-
-
 def _verify_collectives(lines, world, problems):
     sums = [m for m in map(_LOG_SUM.match, lines) if m]
     if not sums:
         problems.append("no 'all_reduce exact: sum=S expected=E' line (COLLECTIVES)")
     for m in sums:
-        _verify_sum_line(m, world, problems)
+        s_txt, e_txt, r_txt = m.groups()
+        e, r = _log_int(e_txt), _log_int(r_txt)
+        if e is None or r is None:
+            problems.append(f"garbled all_reduce line: {m.group(0)[:100]}")
+            continue
+        if not _sum_matches(s_txt, e):
+            problems.append(f"all_reduce sum={s_txt} but expected={e}")
+        if world is not None and e != world * (world + 1) // 2:
+            problems.append(f"all_reduce expected={e} but {world} ranks sum to {world * (world + 1) // 2}")
+        if world is not None and r != world:
+            problems.append(f"all_reduce ran on {r} rank(s) but Total Execution Ranks is {world}")
     grads = list(dict.fromkeys(m.group(1) for m in map(_LOG_GRADS.match, lines) if m))
     if not grads:
         problems.append("no 'gradients_identical=' line (COLLECTIVES)")
@@ -154,8 +135,7 @@ def _topology_line(s, problems):
 def _verify_topology(lines, problems, facts):
     """Nodes and ranks the topology section accounts for; returns the ranks-per-node values seen."""
     for s in lines:
-        m = re.search(r"\bbackend=(\w+)", s)
-        if m and s.startswith("nodes="):
+        if s.startswith("nodes=") and (m := re.search(r"\bbackend=(\w+)", s)):
             facts["backend"] = m.group(1)
     shapes = [nk for s in lines if s.startswith("node=") for nk in [_topology_line(s, problems)] if nk]
     nodes, ranks, rpn_seen = sum(n for n, _ in shapes), sum(n * k for n, k in shapes), {k for _, k in shapes}
@@ -206,11 +186,8 @@ LOG_CHUNK = 1 << 20  # a line longer than this is read in pieces, each judged as
 def read_log_lines(f):
     """The relevant stripped lines of a binary log file, read to its end one line (or LOG_CHUNK) at a
     time: memory holds the lines that matter, never the file."""
-    out = []
-    for raw in iter(lambda: f.readline(LOG_CHUNK), b""):
-        out += [s for s in (x.strip() for x in raw.decode("utf-8", errors="replace").splitlines())
-                if _log_relevant(s)]
-    return out
+    return [s for raw in iter(lambda: f.readline(LOG_CHUNK), b"")
+            for s in (x.strip() for x in raw.decode("utf-8", errors="replace").splitlines()) if _log_relevant(s)]
 
 
 def verify_log(text, expect, strict=False):
@@ -218,9 +195,14 @@ def verify_log(text, expect, strict=False):
     only for a clean PASS. strict: a [WARN] finding is a problem too (as --strict makes it a FAIL in a run)."""
     problems, facts = [], {"backend": None}
     lines = [ln.strip() for ln in text.splitlines()] if isinstance(text, str) else list(text)
-    sections = _log_sections(lines)
+    sections, section = {"": []}, ""  # {section title: its lines}; lines before the first section are under ''
+    for s in lines:
+        if s in LOG_SECTIONS:
+            section = s
+            sections.setdefault(s, [])
+        else:
+            sections[section].append(s)
     _verify_totals(lines, problems, facts)
-    _verify_markers(lines, problems)
     _verify_verdict(lines, problems, facts)
     _verify_ranks_reported(lines, facts.get("world_size"), problems)
     _verify_collectives(lines, facts.get("world_size"), problems)
