@@ -234,13 +234,10 @@ def finding_rows(findings):
                          f"{max((per[h] for h in off), key=STATUS_RANK.get)} row)")
             rows.append([f["status"], f["check"], [text]])
             continue
-        key = (f["check"], tuple(sorted(set(f["hosts"])))) if f["hosts"] else None
-        row = at.get(key) if key else None
-        if row is None:
-            row = [f["status"], f["check"], []]
-            rows.append(row)
-            if key:
-                at[key] = row
+        key = (f["check"], tuple(sorted(set(f["hosts"])))) if f["hosts"] else object()  # no host: a row of its own
+        if key not in at:
+            rows.append(at.setdefault(key, [f["status"], f["check"], []]))
+        row = at[key]
         if STATUS_RANK.get(f["status"], 0) > STATUS_RANK.get(row[0], 0):
             row[0] = f["status"]
         if text not in row[2]:
@@ -282,24 +279,14 @@ def parse_ranges(text):
 
 
 def _split_top(text, sep=","):
-    """Split on sep outside brackets."""
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError("unbalanced ']'")
-        if ch == sep and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if depth != 0:
+    """Split on sep outside brackets (depth: the brackets open after each character)."""
+    depth = list(itertools.accumulate((ch == "[") - (ch == "]") for ch in text))
+    if min(depth, default=0) < 0:
+        raise ValueError("unbalanced ']'")
+    if depth and depth[-1]:
         raise ValueError("unbalanced '['")
-    parts.append("".join(cur))
-    return parts
+    cuts = [i for i, ch in enumerate(text) if ch == sep and not depth[i]]
+    return [text[a + 1:b] for a, b in zip([-1] + cuts, cuts + [len(text)], strict=True)]
 
 
 def expand_hostlist(text, limit=100_000):
@@ -499,10 +486,8 @@ def nccl_list(spec):
     """NCCL's list of names (NCCL_SOCKET_IFNAME, NCCL_IB_HCA): '^' excludes, '=' matches exactly, else
     prefixes -> (exclude, exact, [pattern])."""
     spec = spec.strip()
-    exclude = spec.startswith("^")
-    spec = spec[1:] if exclude else spec
-    exact = spec.startswith("=")
-    spec = spec[1:] if exact else spec
+    exclude, spec = spec.startswith("^"), spec.removeprefix("^")
+    exact, spec = spec.startswith("="), spec.removeprefix("=")
     return exclude, exact, [p.strip() for p in spec.split(",") if p.strip()]
 
 
@@ -514,11 +499,8 @@ def ib_hca_select(spec, ports):
 
     def hit(port):
         dev, num = port["port"].split(":")
-        for p in pats:
-            pd, _, pn = p.partition(":")
-            if (dev == pd if exact else dev.startswith(pd)) and (not pn or pn == num):
-                return True
-        return False
+        return any((dev == pd if exact else dev.startswith(pd)) and (not pn or pn == num)
+                   for pd, _, pn in (p.partition(":") for p in pats))
     return [p for p in ports if hit(p) != exclude]
 
 
@@ -1217,24 +1199,21 @@ def _file_lock(path, budget=None):
     except OSError:
         fd = None
     try:
-        _take_lock(fd, time.monotonic() + budget, budget)
+        until = time.monotonic() + budget
+        while fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= until:
+                    raise LockTimeout(f"another job held its lock file for {budget:g}s") from None
+                time.sleep(min(LOCK_RETRY_S, max(0.0, until - time.monotonic())))
+            except OSError:
+                break  # flock unsupported here: unlocked, as before
         yield
     finally:
         if fd is not None:
             os.close(fd)
-
-
-def _take_lock(fd, until, budget):
-    while fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= until:
-                raise LockTimeout(f"another job held its lock file for {budget:g}s") from None
-            time.sleep(min(LOCK_RETRY_S, max(0.0, until - time.monotonic())))
-        except OSError:
-            return  # flock unsupported here: unlocked, as before
 
 
 def _new_file_mode(path):

@@ -32,24 +32,21 @@ def _file_lock(path, budget=None):
     except OSError:
         fd = None
     try:
-        _take_lock(fd, time.monotonic() + budget, budget)
+        until = time.monotonic() + budget
+        while fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= until:
+                    raise LockTimeout(f"another job held its lock file for {budget:g}s") from None
+                time.sleep(min(LOCK_RETRY_S, max(0.0, until - time.monotonic())))
+            except OSError:
+                break  # flock unsupported here: unlocked, as before
         yield
     finally:
         if fd is not None:
             os.close(fd)
-
-
-def _take_lock(fd, until, budget):
-    while fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= until:
-                raise LockTimeout(f"another job held its lock file for {budget:g}s") from None
-            time.sleep(min(LOCK_RETRY_S, max(0.0, until - time.monotonic())))
-        except OSError:
-            return  # flock unsupported here: unlocked, as before
 
 
 def _new_file_mode(path):
