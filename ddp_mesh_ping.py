@@ -10388,6 +10388,11 @@ class SealedStore:
     def _values(self, keys):
         return self.store.multi_get(keys) if keys else []
 
+    def count(self, key):
+        """A counter (arrived, hellos, nerr, acks, posts/<name>/n): a count to watch, a wake-up; counters cannot be
+        sealed, so the sealed records they count (the identities, errors(), posts(), acked()) are what counts."""
+        return self.store.add(key, 0)
+
 
 class StoreRollCall:
     """The roll call's keys (StoreProtocol lists them), mixed into StoreProtocol: the world record and its run
@@ -10475,22 +10480,13 @@ class StoreRollCall:
         """Whether every rank's record is there (one round trip)."""
         return self.store.check([f"id/{r}" for r in range(world)])
 
-    def arrived_count(self):
-        """Ranks checked in so far (a counter: a count to watch, the records are what counts)."""
-        return self.store.add("arrived", 0)
-
-    def hello_count(self):
-        """Ranks that said hello before their check-in (say_hello: their process reached the store)."""
-        return self.store.add("hellos", 0)
-
     def said_hello(self, ranks):
         """The ranks of `ranks` whose process said hello (reached the store, not checked in yet)."""
         return [r for r in ranks if self.store.check([f"hello/{r}"])]
 
     def missing(self, world):
-        if self.all_in(world):
-            return []
-        return [r for r in range(world) if not self.store.check([f"id/{r}"])]
+        have = set(self._existing([f"id/{r}" for r in range(world)]))
+        return [r for r in range(world) if f"id/{r}" not in have]
 
     def identities(self, ranks):
         """The identities of `ranks` that unseal (a forged one is kept in `forged`, not returned)."""
@@ -10654,10 +10650,6 @@ class StoreProtocol(StoreRollCall, SealedStore):
     def post(self, name, rank, data):
         self._fan_post(f"posts/{name}", rank, data, self.world)
 
-    def post_count(self, name):
-        """How many posts of the fan-in `name` were counted (a wake-up: posts() holds the sealed posts)."""
-        return self.store.add(f"posts/{name}/n", 0)
-
     def posts(self, name):
         return self._fan_in(f"posts/{name}")
 
@@ -10711,10 +10703,6 @@ class StoreProtocol(StoreRollCall, SealedStore):
         self._append("errors", json.dumps(entry))
         self.store.add("nerr", 1)
 
-    def error_count(self):
-        """Error reports posted (a counter: a wake-up; errors() holds the sealed reports)."""
-        return self.store.add("nerr", 0)
-
     def wake_roll_call(self, why):
         """Wake rank 0's roll call before every rank checked in (a stray, a rank that failed its local phase)."""
         self._set("all_arrived", why)
@@ -10763,9 +10751,6 @@ class StoreProtocol(StoreRollCall, SealedStore):
     def ack(self, rank):
         self._set(f"ack/{rank}", "1")
         self.store.add("acks", 1)
-
-    def acks(self):
-        return self.store.add("acks", 0)
 
     def acked(self, ranks):
         """Whether every one of `ranks` left its sealed acknowledgement."""
@@ -11496,7 +11481,7 @@ class Conclusion:
             note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
             emit("\n".join([f"  [{f['status']}] {f['check']}: {f['reason']}" for f in st["findings"][before:]]
                            + [f"  NOTE: {n}" for n in st.get("notes") or []]))
-            self.write_json(st)
+            write_json_within(self.args.json, st)
         if self.client is not None:
             self.wait_acks(code)
         return code
@@ -11579,15 +11564,12 @@ class Conclusion:
         return out
 
     # ---------------------------------------------------------------- the files
-    def write_json(self, state, first=False):
-        return write_json_within(self.args.json, state, first)
-
     def write_files(self, st, skip=()):
         """--json, then --metrics and --html (but those in `skip`), each within OUTPUT_S. -> [(flag, path, why)]
         of those that could not be written (each also said on stderr); a page that cannot be rendered is the
         tool's error, and counts as not written."""
         out = []
-        why = self.write_json(st) if "json" not in skip else None
+        why = write_json_within(self.args.json, st) if "json" not in skip else None
         if why:
             out.append(("json", self.args.json, why))
         for dest, render in (("metrics", render_metrics), ("html", render_html)):
@@ -11615,7 +11597,7 @@ class Conclusion:
         if run["host_of"]:
             ranks = [r for r in run["host_of"] if r and r not in run["gone"]]
             return ranks, len(ranks)
-        return None, max(0, bounded(self.client.arrived_count, STORE_OP_S, 1) - 1)
+        return None, max(0, bounded(lambda: self.client.count("arrived"), STORE_OP_S, 1) - 1)
 
     def wait_acks(self, code):
         """Keep the store up until every listener acknowledged (their sealed ack/<rank>; the counter only wakes
@@ -11624,7 +11606,7 @@ class Conclusion:
         client = self.client
         while n > 0 and time.monotonic() < end:
             try:
-                if client.acks() >= n and (ranks is None or client.acked(ranks)):
+                if client.count("acks") >= n and (ranks is None or client.acked(ranks)):
                     return
                 polls += 1
                 if polls % 5 == 0 and not client.verdict_holds(code):
@@ -12644,9 +12626,6 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
         self.progress("bandwidth", size=human_bytes(size), us=sec * 1e6, algbw=algbw, busbw=busbw)
         return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
 
-    def write_json(self, state, first=False):
-        return write_json_within(self.args.json, state, first)
-
 
 
 # ============================================================================ aiv/run/coordinator.py
@@ -12759,15 +12738,15 @@ class RollCall:
                 self.proto.store.set("world", mine)
                 self.proto.refuse(Forged("world", held.decode(errors="replace").split("|")[-1],
                                          "was written over by something other than rank 0"))
-            broken = self.local_failures() if self.proto.error_count() else {}
+            broken = self.local_failures() if self.proto.count("nerr") else {}
             if strays or hard_failures(broken) or self.proto.forged or now >= end:
                 return complete and self.proto.all_in(self.world), strays, broken
             if complete and self.proto.all_in(self.world):
                 return True, strays, broken
-            present = self.proto.arrived_count() + len(broken)
+            present = self.proto.count("arrived") + len(broken)
             if broken and present >= self.world:  # every rank checked in or could not import torch
                 return False, strays, broken
-            if lc.seen(now, present, present + self.proto.hello_count()).due(now):
+            if lc.seen(now, present, present + self.proto.count("hellos")).due(now):
                 unseen = [r for r in self.proto.missing(self.world) if r not in broken]
                 said = set(self.proto.said_hello(unseen))
                 if any(r not in said for r in unseen):
@@ -12860,7 +12839,7 @@ class Naming:
         expect = {r for r, h in self.host_of.items() if r and live.get(r, "running") == "running" and h not in silent}
         while True:  # the counter is read every 50 ms (one small operation), the posts once it says enough
             late = time.monotonic() >= asked + ISSUED_S
-            if late or client.post_count("issued") >= len(expect):
+            if late or client.count("posts/issued/n") >= len(expect):
                 posts = client.posts("issued")
                 if late or expect <= set(posts):
                     break
@@ -13187,7 +13166,7 @@ class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
                 hosts = sorted(set(self.host_of.values()))
                 dead = any(st == "gone" for snap in self.poll.live(hosts).values()
                            for st in (snap.get("ranks") or {}).values())
-                return bool(self.poll.forgeries()), dead, bool(self.poll.error_count() and self.poll.errors())
+                return bool(self.poll.forgeries()), dead, bool(self.poll.count("nerr") and self.poll.errors())
         return bounded(read, STORE_OP_S)
 
     def conclude_apart(self, code, findings_of):
@@ -13356,7 +13335,7 @@ class Follower(ScreenFollower, RankRun):
         store going with it) and the signal's own path ends this rank, blaming nobody."""
         if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
             self.exit(self.verdict_seen)
-        if self.signalled_within(SIGNAL_SPREAD_S):
+        if self.came_within(lambda: self.signal_seen is not None, SIGNAL_SPREAD_S):
             time.sleep(STORE_OP_S + ACKS_SIGNALLED_S + 1)  # signalled() ends the process within this
             self.exit(128 + self.signal_seen)
         host0 = (self.master or {}).get("host", self.addr)
@@ -13412,14 +13391,16 @@ class Follower(ScreenFollower, RankRun):
         if not self.speak_for_node("\n".join(state["failures"])) or not self.args.json \
                 or os.path.exists(self.args.json):
             return code
-        self.write_json(state, first=True)
+        write_json_within(self.args.json, state, first=True)
         return code
 
-    def signalled_within(self, seconds):
+    @staticmethod
+    def came_within(seen, seconds):
+        """Whether seen() is true within `seconds` (looked at every 50 ms)."""
         end = time.monotonic() + seconds
-        while self.signal_seen is None and time.monotonic() < end:
+        while not seen() and time.monotonic() < end:
             time.sleep(0.05)
-        return self.signal_seen is not None
+        return seen()
 
     def rank0_died(self):
         """Whether rank 0 runs on this node and its process is gone with no verdict read within
@@ -13431,10 +13412,7 @@ class Follower(ScreenFollower, RankRun):
         first = ("", m["pid_start"]) if m.get("pid_start") else stat
         if stat is not None and liveness(stat, first) != "gone":
             return False
-        end = time.monotonic() + ACKS_SIGNALLED_S
-        while self.verdict_seen is None and time.monotonic() < end:
-            time.sleep(0.05)
-        return self.verdict_seen is None
+        return not self.came_within(lambda: self.verdict_seen is not None, ACKS_SIGNALLED_S)
 
     def rank0_liveness(self):
         """Rank 0's process state where it runs on this node (running, stopped, gone), else None."""

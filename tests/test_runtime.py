@@ -136,7 +136,7 @@ def test_store_protocol_roll_call_stamps_errors_and_verdict(store):
     p1.stamp(1, "init")
     assert p0.stamps(2) == {0: 0, 1: aiv.PHASES.index("init")}
     p1.report_error(1, "init", "rank 1 (n2): init failed: X", 1)
-    assert p0.error_count() == 1 and p0.errors() == {1: {"line": "rank 1 (n2): init failed: X", "term": False,
+    assert p0.count("nerr") == 1 and p0.errors() == {1: {"line": "rank 1 (n2): init failed: X", "term": False,
                                                                   "internal": False, "phase": "init", "host": None,
                                                                   "code": 1}}
     got = {}

@@ -89,7 +89,7 @@ class Conclusion:
             note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
             emit("\n".join([f"  [{f['status']}] {f['check']}: {f['reason']}" for f in st["findings"][before:]]
                            + [f"  NOTE: {n}" for n in st.get("notes") or []]))
-            self.write_json(st)
+            write_json_within(self.args.json, st)
         if self.client is not None:
             self.wait_acks(code)
         return code
@@ -172,15 +172,12 @@ class Conclusion:
         return out
 
     # ---------------------------------------------------------------- the files
-    def write_json(self, state, first=False):
-        return write_json_within(self.args.json, state, first)
-
     def write_files(self, st, skip=()):
         """--json, then --metrics and --html (but those in `skip`), each within OUTPUT_S. -> [(flag, path, why)]
         of those that could not be written (each also said on stderr); a page that cannot be rendered is the
         tool's error, and counts as not written."""
         out = []
-        why = self.write_json(st) if "json" not in skip else None
+        why = write_json_within(self.args.json, st) if "json" not in skip else None
         if why:
             out.append(("json", self.args.json, why))
         for dest, render in (("metrics", render_metrics), ("html", render_html)):
@@ -208,7 +205,7 @@ class Conclusion:
         if run["host_of"]:
             ranks = [r for r in run["host_of"] if r and r not in run["gone"]]
             return ranks, len(ranks)
-        return None, max(0, bounded(self.client.arrived_count, STORE_OP_S, 1) - 1)
+        return None, max(0, bounded(lambda: self.client.count("arrived"), STORE_OP_S, 1) - 1)
 
     def wait_acks(self, code):
         """Keep the store up until every listener acknowledged (their sealed ack/<rank>; the counter only wakes
@@ -217,7 +214,7 @@ class Conclusion:
         client = self.client
         while n > 0 and time.monotonic() < end:
             try:
-                if client.acks() >= n and (ranks is None or client.acked(ranks)):
+                if client.count("acks") >= n and (ranks is None or client.acked(ranks)):
                     return
                 polls += 1
                 if polls % 5 == 0 and not client.verdict_holds(code):

@@ -190,15 +190,15 @@ class RollCall:
                 self.proto.store.set("world", mine)
                 self.proto.refuse(Forged("world", held.decode(errors="replace").split("|")[-1],
                                          "was written over by something other than rank 0"))
-            broken = self.local_failures() if self.proto.error_count() else {}
+            broken = self.local_failures() if self.proto.count("nerr") else {}
             if strays or hard_failures(broken) or self.proto.forged or now >= end:
                 return complete and self.proto.all_in(self.world), strays, broken
             if complete and self.proto.all_in(self.world):
                 return True, strays, broken
-            present = self.proto.arrived_count() + len(broken)
+            present = self.proto.count("arrived") + len(broken)
             if broken and present >= self.world:  # every rank checked in or could not import torch
                 return False, strays, broken
-            if lc.seen(now, present, present + self.proto.hello_count()).due(now):
+            if lc.seen(now, present, present + self.proto.count("hellos")).due(now):
                 unseen = [r for r in self.proto.missing(self.world) if r not in broken]
                 said = set(self.proto.said_hello(unseen))
                 if any(r not in said for r in unseen):
@@ -291,7 +291,7 @@ class Naming:
         expect = {r for r, h in self.host_of.items() if r and live.get(r, "running") == "running" and h not in silent}
         while True:  # the counter is read every 50 ms (one small operation), the posts once it says enough
             late = time.monotonic() >= asked + ISSUED_S
-            if late or client.post_count("issued") >= len(expect):
+            if late or client.count("posts/issued/n") >= len(expect):
                 posts = client.posts("issued")
                 if late or expect <= set(posts):
                     break
@@ -618,7 +618,7 @@ class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
                 hosts = sorted(set(self.host_of.values()))
                 dead = any(st == "gone" for snap in self.poll.live(hosts).values()
                            for st in (snap.get("ranks") or {}).values())
-                return bool(self.poll.forgeries()), dead, bool(self.poll.error_count() and self.poll.errors())
+                return bool(self.poll.forgeries()), dead, bool(self.poll.count("nerr") and self.poll.errors())
         return bounded(read, STORE_OP_S)
 
     def conclude_apart(self, code, findings_of):

@@ -34,6 +34,7 @@ from ..launch.contract import launcher_store
 from ..out.outputs import fallback_verdict, rank0_lost
 from ..out.render import NO_HOST_MARK, failure_lines
 from ..screen.run import ScreenFollower
+from .conclusion import write_json_within
 from .liveness import liveness, proc_stat, tell_rank0_without_torch
 from .rank import RankRun
 from .store import store_timed_out
@@ -169,7 +170,7 @@ class Follower(ScreenFollower, RankRun):
         store going with it) and the signal's own path ends this rank, blaming nobody."""
         if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
             self.exit(self.verdict_seen)
-        if self.signalled_within(SIGNAL_SPREAD_S):
+        if self.came_within(lambda: self.signal_seen is not None, SIGNAL_SPREAD_S):
             time.sleep(STORE_OP_S + ACKS_SIGNALLED_S + 1)  # signalled() ends the process within this
             self.exit(128 + self.signal_seen)
         host0 = (self.master or {}).get("host", self.addr)
@@ -225,14 +226,16 @@ class Follower(ScreenFollower, RankRun):
         if not self.speak_for_node("\n".join(state["failures"])) or not self.args.json \
                 or os.path.exists(self.args.json):
             return code
-        self.write_json(state, first=True)
+        write_json_within(self.args.json, state, first=True)
         return code
 
-    def signalled_within(self, seconds):
+    @staticmethod
+    def came_within(seen, seconds):
+        """Whether seen() is true within `seconds` (looked at every 50 ms)."""
         end = time.monotonic() + seconds
-        while self.signal_seen is None and time.monotonic() < end:
+        while not seen() and time.monotonic() < end:
             time.sleep(0.05)
-        return self.signal_seen is not None
+        return seen()
 
     def rank0_died(self):
         """Whether rank 0 runs on this node and its process is gone with no verdict read within
@@ -244,10 +247,7 @@ class Follower(ScreenFollower, RankRun):
         first = ("", m["pid_start"]) if m.get("pid_start") else stat
         if stat is not None and liveness(stat, first) != "gone":
             return False
-        end = time.monotonic() + ACKS_SIGNALLED_S
-        while self.verdict_seen is None and time.monotonic() < end:
-            time.sleep(0.05)
-        return self.verdict_seen is None
+        return not self.came_within(lambda: self.verdict_seen is not None, ACKS_SIGNALLED_S)
 
     def rank0_liveness(self):
         """Rank 0's process state where it runs on this node (running, stopped, gone), else None."""

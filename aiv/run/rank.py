@@ -31,7 +31,6 @@ from ..out.render import BAR
 from ..screen.measure import soak_measure
 from ..screen.run import ScreenRunner
 from .background import Background, Issued, NcclLog
-from .conclusion import write_json_within
 from .guard import RankGuard
 from .setup import RankSetup, ddp_imports
 from .store import Seal, StoreProtocol, run_base
@@ -308,6 +307,3 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
         busbw = algbw * 2 * (self.world - 1) / self.world
         self.progress("bandwidth", size=human_bytes(size), us=sec * 1e6, algbw=algbw, busbw=busbw)
         return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
-
-    def write_json(self, state, first=False):
-        return write_json_within(self.args.json, state, first)
