@@ -1303,13 +1303,16 @@ def node_lock_path(node, chosen=None):
 
 
 # ---------------------------------------------------------------------------------------------- child processes
+def stat_fields(pid, root="/"):
+    """The fields of /proc/<pid>/stat after the command's name (the state letter first), [] when there is no such
+    process."""
+    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
+    return text.rsplit(")", 1)[1].split() if text and ")" in text else []
+
+
 def proc_state(pid):
     """A process's state letter from /proc/PID/stat ('D': uninterruptible, in the kernel), None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return None
+    return next(iter(stat_fields(pid)), None)
 
 
 def child_finish(proc, seconds, name=None):
@@ -10786,10 +10789,7 @@ class StoreProtocol(StoreRollCall, SealedStore):
 # Floor 5 (runtime): the node monitor, a torch-free child of each node leader that posts the state
 def proc_stat(pid, root="/"):
     """(state letter, start time) from /proc/<pid>/stat, or None when there is no such process."""
-    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
-    if not text or ")" not in text:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
+    fields = stat_fields(pid, root)
     return (fields[0], fields[19]) if len(fields) > 19 else None
 
 
@@ -10804,8 +10804,7 @@ def liveness(stat, first):
 
 def parent_pid(pid, root="/"):
     """The parent of `pid` from /proc/<pid>/stat, or None."""
-    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
-    fields = text.rsplit(")", 1)[1].split() if text and ")" in text else []
+    fields = stat_fields(pid, root)
     return int(fields[1]) if len(fields) > 1 else None
 
 
@@ -10822,15 +10821,14 @@ def said_marker(env, topic, launch):
     return os.path.join(tempfile.gettempdir(), f"aiv-{key[:200]}.said")
 
 
-def sweep_said(launch=None, older_s=None):
+def sweep_said(launch=None):
     """Remove speak_once_per_node's markers: those of one launch (its ranks are gone: the node monitor and
     the local launcher at their end), and any older than MARK_TTL (they silence nobody any more)."""
-    older_s = MARK_TTL if older_s is None else older_s
     now = time.time()
     for path in glob.glob(os.path.join(tempfile.gettempdir(), "aiv-*.said")):
         with contextlib.suppress(OSError):
             mine = launch is not None and path.endswith(f"-{launch}.said")
-            if mine or now - os.stat(path).st_mtime > older_s:
+            if mine or now - os.stat(path).st_mtime > MARK_TTL:
                 os.unlink(path)
 
 
@@ -11081,22 +11079,18 @@ def ras_status(host, port, seconds):
     except OSError as e:
         return {"ok": False, "why": f"cannot connect to {where}: {e.strerror or e}"}
     conn, step = _Conn(sock, end), "the handshake"
+    # each step: (its name, the line sent, the answer that says yes (a pattern), the words for any other answer)
+    steps = (("the handshake", f"CLIENT PROTOCOL {RAS_PROTOCOL}", "SERVER PROTOCOL .*",
+              "answered {!r}, not as NCCL's RAS (SERVER PROTOCOL)"),
+             ("TIMEOUT", f"TIMEOUT {max(1, int(seconds) - 1)}", "OK", "refused TIMEOUT"),
+             ("SET FORMAT json", "SET FORMAT json", "OK", "does not answer in JSON (NCCL older than 2.28.7?): {!r}"))
     try:
         with sock:
-            conn.send(f"CLIENT PROTOCOL {RAS_PROTOCOL}")
-            hello = conn.line()
-            if not hello.upper().startswith("SERVER PROTOCOL "):
-                return {"ok": False, "why": f"{where} answered {hello[:60]!r}, not as NCCL's RAS (SERVER PROTOCOL)"}
-            step = "TIMEOUT"
-            conn.send(f"TIMEOUT {max(1, int(seconds) - 1)}")
-            if conn.line().upper() != "OK":
-                return {"ok": False, "why": f"{where} refused TIMEOUT"}
-            step = "SET FORMAT json"
-            conn.send("SET FORMAT json")
-            answer = conn.line()
-            if answer.upper() != "OK":
-                return {"ok": False, "why": f"{where} does not answer in JSON (NCCL older than 2.28.7?): "
-                                            f"{answer[:60]!r}"}
+            for step, line, yes, no in steps:  # noqa: B007 - the errors below name the step
+                conn.send(line)
+                answer = conn.line()
+                if not re.fullmatch(yes, answer.upper(), re.S):
+                    return {"ok": False, "why": f"{where} " + no.format(answer[:60])}
             step = "STATUS"
             conn.send("STATUS")
             text = conn.rest()

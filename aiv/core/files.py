@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import time
 
+from .base import read_text
 from .deadlines import CHILD_REAP_S, LOCK_RETRY_S, MANIFEST_LOCK_S
 
 
@@ -136,13 +137,16 @@ def node_lock_path(node, chosen=None):
 
 
 # ---------------------------------------------------------------------------------------------- child processes
+def stat_fields(pid, root="/"):
+    """The fields of /proc/<pid>/stat after the command's name (the state letter first), [] when there is no such
+    process."""
+    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
+    return text.rsplit(")", 1)[1].split() if text and ")" in text else []
+
+
 def proc_state(pid):
     """A process's state letter from /proc/PID/stat ('D': uninterruptible, in the kernel), None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return None
+    return next(iter(stat_fields(pid)), None)
 
 
 def child_finish(proc, seconds, name=None):
