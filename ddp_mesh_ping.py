@@ -11042,8 +11042,7 @@ class _Conn:
     def line(self):
         while b"\n" not in self.buf:
             self._recv()
-        head, _, self.buf = bytes(self.buf).partition(b"\n")
-        self.buf = bytearray(self.buf)
+        head, _, self.buf = self.buf.partition(b"\n")
         return head.decode(errors="replace").strip()
 
     def rest(self):
@@ -11052,7 +11051,7 @@ class _Conn:
             while True:
                 self._recv()
         except EOFError:
-            return bytes(self.buf).decode(errors="replace")
+            return self.buf.decode(errors="replace")
 
     def _recv(self):
         self.sock.settimeout(self.left())
@@ -11155,11 +11154,8 @@ def recorder_dump(torch):
     ...}); {} when those that could be read hold none; None when none could be read."""
     c10d, read = getattr(torch._C, "_distributed_c10d", None), False
     for name in RECORDERS:
-        fn = getattr(c10d, name, None)
-        if fn is None:
-            continue
-        try:
-            j = json.loads(fn(True, False))
+        try:  # a recorder this torch lacks, or cannot dump, is skipped
+            j = json.loads(getattr(c10d, name)(True, False))
         except Exception:
             continue
         read = read or isinstance(j, dict)
@@ -11298,17 +11294,7 @@ class Background:
         self.node = None      # node leaders: the node's facts {'facts'|'error'|'internal'}, on a thread
         self.smi = None       # node leaders: the node's one nvidia-smi call (start_node_smi)
         self.gpu = None       # GPU ranks: the screen's device measurement on its own thread (start_screen_gpu)
-        self.imports = None   # the import probe's result, once taken
-        self.imports_s = None  # how long taking it waited
-
-    def take_imports(self, wait_s):
-        """The import probe's result (node leaders; None elsewhere), taken once, within wait_s."""
-        if self.probe is None or self.imports is not None:
-            return self.imports
-        t = time.monotonic()
-        self.imports = finish_import_probe(self.probe, wait_s)
-        self.imports_s = round(time.monotonic() - t, 3)
-        return self.imports
+        self.imports = None   # the import probe's result, once taken (RankSetup.import_results)
 
     def node_facts(self, smi_most_s):
         """The node's facts for the telemetry (node leaders; None elsewhere). The tool's own error in their
@@ -12013,7 +11999,8 @@ class RankSetup:
             self.helper("aiv-node-facts", self._collect_node, self.bg.node)
             self.bg.smi = start_node_smi()
         ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
-        self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
+        dev = f"cuda:{self.device}" if self.device is not None else "cpu"
+        self.progress("local", backend=self.backend, device=dev, ifaces=ifn,
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
 
     def no_torch(self, exc):
@@ -12026,9 +12013,6 @@ class RankSetup:
 
     def _device(self):
         return self.torch.device("cuda", self.device) if self.backend == "nccl" else self.torch.device("cpu")
-
-    def _dev_str(self):
-        return f"cuda:{self.device}" if self.device is not None else "cpu"
 
     def local_checks(self, ifaces, expected):
         """Checks before any communication. Returns (findings, gpu facts or None). With --backend auto
@@ -12092,10 +12076,12 @@ class RankSetup:
         (the screen takes it early, so that it measures a quiet node), within half the phase's time left."""
         if self.bg.probe is None or self.bg.imports is not None:
             return self.bg.imports
-        imports = self.bg.take_imports(min(IMPORT_PROBE_S, self.bound.left() / 2) if wait_s is None else wait_s)
+        wait_s = min(IMPORT_PROBE_S, self.bound.left() / 2) if wait_s is None else wait_s
+        t = time.monotonic()
+        self.bg.imports = finish_import_probe(self.bg.probe, wait_s)
         with self.state_lock:
-            self.times["imports"] = self.bg.imports_s
-        return imports
+            self.times["imports"] = round(time.monotonic() - t, 3)
+        return self.bg.imports
 
     def quiesce(self):
         """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
@@ -12171,8 +12157,9 @@ class RankGuard:
     """The plumbing around every phase of RankRun: deadline(phase) arms its Bound and turns an error inside
     into a Verdict; on_expire and on_signal hand a bound passed or a signal to the role (expire,
     signalled); exit() is every rank's way out. Mixed into RankRun: the state it uses (the bound, the
-    watchdog, the store, the deadlines) is the rank's. The hooks with a default here: grace, enter_phase,
-    own_error, expire_failed."""
+    watchdog, the store, the deadlines) is the rank's. The hooks with a default here: own_error,
+    expire_failed; grace (what the role adds to a phase's bound before its watchdog speaks) and enter_phase (the
+    start of each phase after the roll call: Coordinator opens its gate, Follower waits for it) are each role's."""
 
     # ---------------------------------------------------------------- each phase under its bound
     @contextlib.contextmanager
@@ -12204,13 +12191,6 @@ class RankGuard:
             with self.state_lock:
                 self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
                 self.starts.setdefault(phase, round(b.start - _T0, 3))
-
-    def grace(self, phase):
-        """What this role adds to a phase's bound before its watchdog speaks (Coordinator, Follower)."""
-        return 0.0
-
-    def enter_phase(self, bound):
-        """The start of each phase after the roll call (Coordinator opens its gate, Follower waits for it)."""
 
     def phase_error(self, phase, exc):
         """An error inside a phase. The tool's own (is_tool_error): the `internal` verdict, no host. A torch

@@ -49,8 +49,7 @@ class _Conn:
     def line(self):
         while b"\n" not in self.buf:
             self._recv()
-        head, _, self.buf = bytes(self.buf).partition(b"\n")
-        self.buf = bytearray(self.buf)
+        head, _, self.buf = self.buf.partition(b"\n")
         return head.decode(errors="replace").strip()
 
     def rest(self):
@@ -59,7 +58,7 @@ class _Conn:
             while True:
                 self._recv()
         except EOFError:
-            return bytes(self.buf).decode(errors="replace")
+            return self.buf.decode(errors="replace")
 
     def _recv(self):
         self.sock.settimeout(self.left())
