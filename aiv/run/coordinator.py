@@ -249,8 +249,11 @@ class Naming:
         """The finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
         that issues collectives also from what each live rank issued last (asked at once, collected within
         ISSUED_S while the liveness settles) and, on NCCL, NCCL's own view beside ours (nccl_view_read)."""
-        hosts = sorted(set(self.host_of.values()))
-        asked = self.ask_issued(client, phase)
+        hosts, asked = sorted(set(self.host_of.values())), None
+        if phase in ISSUE_PHASES:  # every live rank's listener answers on posts/issued (issued_posts)
+            with contextlib.suppress(Exception):
+                client.ask()
+                asked = time.monotonic()
         ras = self.nccl_view_read(phase)
         try:
             live, silent, quiet = client.settled_live(hosts, budget)
@@ -267,23 +270,25 @@ class Naming:
         if asked is not None:
             with contextlib.suppress(Exception):  # not collected: the finding says so
                 issued = self.issued_posts(client, asked, live, silent)
-        f = self._unfinished(phase, client, cause, code, live, silent, stamps, errors, issued)
+        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
+        if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
+            with contextlib.suppress(Exception):
+                stamps = finished_by(stamps, self.round_posted(client, "soak"), phase)
+        if phase in FAN_IN:  # a rank that posted its telemetry or results finished its part: it waits for rank 0
+            with contextlib.suppress(Exception):
+                stamps = finished_by(stamps, client.posts(FAN_IN[phase]), phase)
+        f = None
+        if phase in SCREEN_PHASES and self.screen is not None:
+            with contextlib.suppress(Exception):
+                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps, issued)
+        if f is None:
+            f = judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent, issued,
+                                 self.fabric_hint())
         if quiet:
             f["reason"] += "; " + quiet_monitor_note(quiet, budget)
         if ras is not None:
             self.nccl_view_add(f, ras, live, silent, issued)
         return f
-
-    def ask_issued(self, client, phase):
-        """In a phase that issues collectives: ask every live rank what it issued last (their listeners answer
-        on posts/issued). -> when it asked, or None."""
-        if phase not in ISSUE_PHASES:
-            return None
-        try:
-            client.ask()
-        except Exception:
-            return None
-        return time.monotonic()
 
     def issued_posts(self, client, asked, live, silent):
         """{rank: its answer or None} once every live rank answered, at most ISSUED_S after the question; rank 0's
@@ -349,24 +354,6 @@ class Naming:
         node's monitor is not needed to see them, and a slow one is never news about the node)."""
         return {rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec["pid_start"])) for rec in self.records
                 if rec.get("host") == self.host and rec.get("pid") and rec.get("pid_start")}
-
-    def _unfinished(self, phase, client, cause, code, live, silent, stamps, errors, issued=None):
-        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
-        if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
-            with contextlib.suppress(Exception):
-                stamps = finished_by(stamps, self.round_posted(client, "soak"), phase)
-        if phase in FAN_IN:  # a rank that posted its telemetry or results finished its part: it waits for rank 0
-            with contextlib.suppress(Exception):
-                stamps = finished_by(stamps, client.posts(FAN_IN[phase]), phase)
-        if phase in SCREEN_PHASES and self.screen is not None:
-            try:
-                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps, issued)
-            except Exception:
-                f = None
-            if f is not None:
-                return f
-        return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent, issued,
-                                self.fabric_hint())
 
     def interruption(self, phase, name, client):
         """Rank 0's finding for a signal during `phase`: liveness as it was when the signal came (the ranks
