@@ -75,7 +75,6 @@ class Bound:
         self.start = time.monotonic()
         if self.armed:
             self.arm()
-        return self
 
     def disarm(self):
         if self.armed:
@@ -114,13 +113,10 @@ class Watchdog:
             self._cv.notify()
             return token
 
-    def disarm(self, token=None):
-        """Disarm one bound (its token); without a token, every bound."""
+    def disarm(self, token):
+        """Disarm one bound (its token)."""
         with self._cv:
-            if token is None:
-                self._live.clear()
-            else:
-                self._live.pop(token, None)
+            self._live.pop(token, None)
             self._cv.notify()
 
     def armed(self):

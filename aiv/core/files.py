@@ -71,11 +71,9 @@ def write_text_atomic(path, text, suffix=".tmp", first=False):
         with open(path, "w") as f:
             f.write(text)
         return True
-    d = os.path.dirname(os.path.abspath(path)) or "."
-    mode = _new_file_mode(path)
-    fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=suffix, dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=suffix, dir=os.path.dirname(os.path.abspath(path)))
     try:
-        os.fchmod(fd, mode)
+        os.fchmod(fd, _new_file_mode(path))
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -166,10 +164,9 @@ def child_finish(proc, seconds, name=None):
         return {"unread": f"{name} gave no answer within {seconds:g}s", "rc": proc.returncode, "stuck": None,
                 "out": _text(out), "err": _text(err)}
     state = proc_state(proc.pid) if proc.poll() is None else None
-    for s in (proc.stdin, proc.stdout, proc.stderr):
+    for s in filter(None, (proc.stdin, proc.stdout, proc.stderr)):
         with contextlib.suppress(OSError, ValueError):
-            if s is not None:
-                s.close()
+            s.close()
     how = (f"stuck, not reaped (state {state}{': in the kernel, a driver call' if state == 'D' else ''})"
            if state else "ended, but a process it started still holds its output open")
     return {"unread": f"{name} gave no answer within {seconds:g}s and was killed: {how}", "rc": proc.returncode,
