@@ -11004,8 +11004,6 @@ def ras_addr(env):
     """(host, port) of NCCL's RAS client socket: NCCL_RAS_ADDR ('host:port', '[v6]:port', 'host' or ':port'),
     else localhost:28028."""
     spec = (env.get("NCCL_RAS_ADDR") or "").strip()
-    if not spec:
-        return "localhost", RAS_PORT
     if spec.startswith("["):
         host, _, rest = spec[1:].partition("]")
         port = rest.lstrip(":")
@@ -11421,10 +11419,9 @@ class Conclusion:
     failpoint(name, only) is the tests' fault injection; on_code(code) tells the caller the code as it stands
     (the verdict's own bound exits with it)."""
 
-    def __init__(self, run, args, client, progress, failpoint=None, on_code=None):
+    def __init__(self, run, args, client, progress, failpoint, on_code):
         self.run, self.args, self.client = run, args, client
-        self.progress, self.failpoint = progress, failpoint or (lambda *a, **k: None)
-        self.on_code = on_code or (lambda code: None)
+        self.progress, self.failpoint, self.on_code = progress, failpoint, on_code
         self.drain = None
 
     def give(self, found, code):
@@ -11432,7 +11429,9 @@ class Conclusion:
         not be is a FAIL of the verdict), then the report block with the run's one `Verdict:` line, then the
         code published on the store: every rank exits with it. After it only the drain's outcome and the
         manifest's lines follow (neither changes the code)."""
-        found = blame_gate(list(found) + self.side_channel(), *self.run_hosts())  # the law: only evidence names
+        run = self.run  # the run's hosts and its allocation's node count, for the gate's minority guard
+        hosts = set(run["host_of"].values()) | {rec["host"] for rec in run["records"]}
+        found = blame_gate(list(found) + self.side_channel(), hosts, run["expect"].get("nodes") or 0)  # the law
         st, text = self.decide(found, code)
         code = st["exit_code"]
         self.on_code(code)
@@ -11501,12 +11500,6 @@ class Conclusion:
             st = self.state(found, code)
             return st, "\n".join([f"Verdict: {st['verdict']} exit={st['exit_code']} (the report could not be "
                                   "rendered: the lines below)"] + failure_lines(found))
-
-    def run_hosts(self):
-        """The run's hosts and its allocation's node count, for the gate's minority guard."""
-        run = self.run
-        hosts = set(run["host_of"].values()) | {rec["host"] for rec in run["records"]}
-        return hosts, run["expect"].get("nodes") or 0
 
     def plan_drain(self, found, code):
         """--drain at the verdict (drain_plan, pure): what to drain, or why nothing; run once the verdict's lines
@@ -12229,8 +12222,7 @@ class RankGuard:
     def expiry_cause(self, phase):
         if phase == "rollcall" and self.proto is None:  # still connecting to the store
             return self.unanswered(self.D[phase])
-        return self.bound.cause() if self.bound is not None and self.bound.phase == phase else \
-            Bound(None, phase, self.D[phase]).cause()
+        return Bound(None, phase, self.D[phase]).cause()
 
     def unanswered(self, seconds):
         """Why the store's connect did not finish: a listener that accepts but never answers, or none."""
@@ -12376,8 +12368,7 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
         self.state_lock = threading.RLock()  # what the verdict copies (Coordinator.snapshot) is written under it
         self.starts = {}  # phase -> seconds from start
         self.proto = self.poll = self.master = None
-        self.backend = self.device = self.results = self.bandwidth = None
-        self.identity = None
+        self.backend = self.device = self.results = self.bandwidth = self.identity = None
         self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
         self.issued, self.stalled, self.wedged = Issued(), set(), set()  # what this rank issued last (issuing)
         self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
@@ -12816,9 +12807,7 @@ class Naming:
                 if late or expect <= set(posts):
                     break
             time.sleep(0.05)
-        out = {r: posts.get(r) for r in range(self.world)}
-        out[0] = self.issued.record(self.torch, self.nccl.diag())
-        return out
+        return {r: posts.get(r) for r in range(self.world)} | {0: self.issued.record(self.torch, self.nccl.diag())}
 
     def nccl_view_read(self, phase):
         """On NCCL, in a phase that issues collectives: NCCL's RAS STATUS read on a thread of its own (its node's
@@ -13292,10 +13281,10 @@ class Follower(ScreenFollower, RankRun):
         if self.came_within(lambda: self.signal_seen is not None, SIGNAL_SPREAD_S):
             time.sleep(STORE_OP_S + ACKS_SIGNALLED_S + 1)  # signalled() ends the process within this
             self.exit(128 + self.signal_seen)
-        host0 = (self.master or {}).get("host", self.addr)
+        host0, (state, kind) = (self.master or {}).get("host", self.addr), self.rank0_seen("link")
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
                                        f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
-                                       f"({first_line(exc)}){self.rank0_state()}", self.rank0_evidence("link")))
+                                       f"({first_line(exc)}){state}", kind))
 
     def expire(self, phase):
         """Speak for this rank (before the roll call) or for rank 0, which gave no verdict in time."""
@@ -13306,11 +13295,10 @@ class Follower(ScreenFollower, RankRun):
         code = self.verdict_of_deciding()  # rank 0 alive and deciding: its code, within the verdict's bound
         if code is not None:
             self.exit(code)
-        host0 = (self.master or {}).get("host", self.addr)
+        host0, (state, kind) = (self.master or {}).get("host", self.addr), self.rank0_seen("stuck")
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from "
                                        f"rank 0 ({host0}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "
-                                       f"is frozen, hung or unreachable{self.rank0_state()}",
-                                       self.rank0_evidence("stuck")))
+                                       f"is frozen, hung or unreachable{state}", kind))
 
     def signalled(self, signum, name, phase):
         """Post that this rank was terminated (so that rank 0 does not take it for dead), exit 128 + signal.
@@ -13375,14 +13363,13 @@ class Follower(ScreenFollower, RankRun):
             return None
         return liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
 
-    def rank0_state(self):
+    def rank0_seen(self, otherwise):
+        """Rank 0's process as this node sees it: (its state, for the end of a line; what a rank that got no verdict
+        stands on: `process` where it is stopped or gone, which names rank 0's host, else `otherwise`, `link` or
+        `stuck`: nobody)."""
         st = self.rank0_liveness()
-        return f" (rank 0's process on this node is {st})" if st else ""
-
-    def rank0_evidence(self, otherwise):
-        """What a rank that got no verdict stands on: rank 0's own process state where this node sees it stopped
-        or gone (`process`: it names rank 0's host), else `otherwise` (`link`, `stuck`: nobody)."""
-        return "process" if self.rank0_liveness() in ("stopped", "gone") else otherwise
+        return (f" (rank 0's process on this node is {st})" if st else "",
+                "process" if st in ("stopped", "gone") else otherwise)
 
 
 

@@ -56,10 +56,9 @@ class Conclusion:
     failpoint(name, only) is the tests' fault injection; on_code(code) tells the caller the code as it stands
     (the verdict's own bound exits with it)."""
 
-    def __init__(self, run, args, client, progress, failpoint=None, on_code=None):
+    def __init__(self, run, args, client, progress, failpoint, on_code):
         self.run, self.args, self.client = run, args, client
-        self.progress, self.failpoint = progress, failpoint or (lambda *a, **k: None)
-        self.on_code = on_code or (lambda code: None)
+        self.progress, self.failpoint, self.on_code = progress, failpoint, on_code
         self.drain = None
 
     def give(self, found, code):
@@ -67,7 +66,9 @@ class Conclusion:
         not be is a FAIL of the verdict), then the report block with the run's one `Verdict:` line, then the
         code published on the store: every rank exits with it. After it only the drain's outcome and the
         manifest's lines follow (neither changes the code)."""
-        found = blame_gate(list(found) + self.side_channel(), *self.run_hosts())  # the law: only evidence names
+        run = self.run  # the run's hosts and its allocation's node count, for the gate's minority guard
+        hosts = set(run["host_of"].values()) | {rec["host"] for rec in run["records"]}
+        found = blame_gate(list(found) + self.side_channel(), hosts, run["expect"].get("nodes") or 0)  # the law
         st, text = self.decide(found, code)
         code = st["exit_code"]
         self.on_code(code)
@@ -136,12 +137,6 @@ class Conclusion:
             st = self.state(found, code)
             return st, "\n".join([f"Verdict: {st['verdict']} exit={st['exit_code']} (the report could not be "
                                   "rendered: the lines below)"] + failure_lines(found))
-
-    def run_hosts(self):
-        """The run's hosts and its allocation's node count, for the gate's minority guard."""
-        run = self.run
-        hosts = set(run["host_of"].values()) | {rec["host"] for rec in run["records"]}
-        return hosts, run["expect"].get("nodes") or 0
 
     def plan_drain(self, found, code):
         """--drain at the verdict (drain_plan, pure): what to drain, or why nothing; run once the verdict's lines

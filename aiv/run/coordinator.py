@@ -301,9 +301,7 @@ class Naming:
                 if late or expect <= set(posts):
                     break
             time.sleep(0.05)
-        out = {r: posts.get(r) for r in range(self.world)}
-        out[0] = self.issued.record(self.torch, self.nccl.diag())
-        return out
+        return {r: posts.get(r) for r in range(self.world)} | {0: self.issued.record(self.torch, self.nccl.diag())}
 
     def nccl_view_read(self, phase):
         """On NCCL, in a phase that issues collectives: NCCL's RAS STATUS read on a thread of its own (its node's

@@ -173,10 +173,10 @@ class Follower(ScreenFollower, RankRun):
         if self.came_within(lambda: self.signal_seen is not None, SIGNAL_SPREAD_S):
             time.sleep(STORE_OP_S + ACKS_SIGNALLED_S + 1)  # signalled() ends the process within this
             self.exit(128 + self.signal_seen)
-        host0 = (self.master or {}).get("host", self.addr)
+        host0, (state, kind) = (self.master or {}).get("host", self.addr), self.rank0_seen("link")
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
                                        f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
-                                       f"({first_line(exc)}){self.rank0_state()}", self.rank0_evidence("link")))
+                                       f"({first_line(exc)}){state}", kind))
 
     def expire(self, phase):
         """Speak for this rank (before the roll call) or for rank 0, which gave no verdict in time."""
@@ -187,11 +187,10 @@ class Follower(ScreenFollower, RankRun):
         code = self.verdict_of_deciding()  # rank 0 alive and deciding: its code, within the verdict's bound
         if code is not None:
             self.exit(code)
-        host0 = (self.master or {}).get("host", self.addr)
+        host0, (state, kind) = (self.master or {}).get("host", self.addr), self.rank0_seen("stuck")
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from "
                                        f"rank 0 ({host0}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "
-                                       f"is frozen, hung or unreachable{self.rank0_state()}",
-                                       self.rank0_evidence("stuck")))
+                                       f"is frozen, hung or unreachable{state}", kind))
 
     def signalled(self, signum, name, phase):
         """Post that this rank was terminated (so that rank 0 does not take it for dead), exit 128 + signal.
@@ -256,11 +255,10 @@ class Follower(ScreenFollower, RankRun):
             return None
         return liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
 
-    def rank0_state(self):
+    def rank0_seen(self, otherwise):
+        """Rank 0's process as this node sees it: (its state, for the end of a line; what a rank that got no verdict
+        stands on: `process` where it is stopped or gone, which names rank 0's host, else `otherwise`, `link` or
+        `stuck`: nobody)."""
         st = self.rank0_liveness()
-        return f" (rank 0's process on this node is {st})" if st else ""
-
-    def rank0_evidence(self, otherwise):
-        """What a rank that got no verdict stands on: rank 0's own process state where this node sees it stopped
-        or gone (`process`: it names rank 0's host), else `otherwise` (`link`, `stuck`: nobody)."""
-        return "process" if self.rank0_liveness() in ("stopped", "gone") else otherwise
+        return (f" (rank 0's process on this node is {st})" if st else "",
+                "process" if st in ("stopped", "gone") else otherwise)

@@ -139,8 +139,7 @@ class RankGuard:
     def expiry_cause(self, phase):
         if phase == "rollcall" and self.proto is None:  # still connecting to the store
             return self.unanswered(self.D[phase])
-        return self.bound.cause() if self.bound is not None and self.bound.phase == phase else \
-            Bound(None, phase, self.D[phase]).cause()
+        return Bound(None, phase, self.D[phase]).cause()
 
     def unanswered(self, seconds):
         """Why the store's connect did not finish: a listener that accepts but never answers, or none."""

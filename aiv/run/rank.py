@@ -91,8 +91,7 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
         self.state_lock = threading.RLock()  # what the verdict copies (Coordinator.snapshot) is written under it
         self.starts = {}  # phase -> seconds from start
         self.proto = self.poll = self.master = None
-        self.backend = self.device = self.results = self.bandwidth = None
-        self.identity = None
+        self.backend = self.device = self.results = self.bandwidth = self.identity = None
         self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
         self.issued, self.stalled, self.wedged = Issued(), set(), set()  # what this rank issued last (issuing)
         self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)

@@ -18,8 +18,6 @@ def ras_addr(env):
     """(host, port) of NCCL's RAS client socket: NCCL_RAS_ADDR ('host:port', '[v6]:port', 'host' or ':port'),
     else localhost:28028."""
     spec = (env.get("NCCL_RAS_ADDR") or "").strip()
-    if not spec:
-        return "localhost", RAS_PORT
     if spec.startswith("["):
         host, _, rest = spec[1:].partition("]")
         port = rest.lstrip(":")
