@@ -1124,10 +1124,13 @@ class Watchdog:
             self._cv.notify()
             return token
 
-    def disarm(self, token):
-        """Disarm one bound (its token)."""
+    def disarm(self, token=None):
+        """Disarm one bound (its token); without a token, every bound."""
         with self._cv:
-            self._live.pop(token, None)
+            if token is None:
+                self._live.clear()
+            else:
+                self._live.pop(token, None)
             self._cv.notify()
 
     def armed(self):
@@ -10454,8 +10457,7 @@ class StoreRollCall:
 
     def is_run(self, run):
         """Whether this store is the run whose run id is `run`."""
-        w = self._world()
-        return w is not None and w.get("run") == run
+        return (self._world() or {}).get("run") == run
 
     def strays(self):
         return [json.loads(p) for p in self._lines("strays")]
@@ -12720,8 +12722,7 @@ class RollCall:
             raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank 0's host "
                          f"{self.host}: {e.strerror}: check MASTER_ADDR and the node's resolver") from None
         infos.sort(key=lambda i: i[0] != socket.AF_INET)
-        fam, _, _, _, sa = infos[0]
-        ip = sa[0]
+        fam, _, _, _, (ip, *_) = infos[0]
         multi_node = self.expect.get("nodes", 1) > 1  # Slurm's node count is already in the expectation
         bind_ip = ("::" if fam == socket.AF_INET6 else "0.0.0.0") if (ip.startswith("127.") or ip == "::1") \
             and multi_node else ip

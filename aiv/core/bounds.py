@@ -113,10 +113,13 @@ class Watchdog:
             self._cv.notify()
             return token
 
-    def disarm(self, token):
-        """Disarm one bound (its token)."""
+    def disarm(self, token=None):
+        """Disarm one bound (its token); without a token, every bound."""
         with self._cv:
-            self._live.pop(token, None)
+            if token is None:
+                self._live.clear()
+            else:
+                self._live.pop(token, None)
             self._cv.notify()
 
     def armed(self):

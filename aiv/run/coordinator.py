@@ -216,8 +216,7 @@ class RollCall:
             raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank 0's host "
                          f"{self.host}: {e.strerror}: check MASTER_ADDR and the node's resolver") from None
         infos.sort(key=lambda i: i[0] != socket.AF_INET)
-        fam, _, _, _, sa = infos[0]
-        ip = sa[0]
+        fam, _, _, _, (ip, *_) = infos[0]
         multi_node = self.expect.get("nodes", 1) > 1  # Slurm's node count is already in the expectation
         bind_ip = ("::" if fam == socket.AF_INET6 else "0.0.0.0") if (ip.startswith("127.") or ip == "::1") \
             and multi_node else ip

@@ -303,8 +303,7 @@ class StoreRollCall:
 
     def is_run(self, run):
         """Whether this store is the run whose run id is `run`."""
-        w = self._world()
-        return w is not None and w.get("run") == run
+        return (self._world() or {}).get("run") == run
 
     def strays(self):
         return [json.loads(p) for p in self._lines("strays")]
