@@ -234,13 +234,10 @@ def finding_rows(findings):
                          f"{max((per[h] for h in off), key=STATUS_RANK.get)} row)")
             rows.append([f["status"], f["check"], [text]])
             continue
-        key = (f["check"], tuple(sorted(set(f["hosts"])))) if f["hosts"] else None
-        row = at.get(key) if key else None
-        if row is None:
-            row = [f["status"], f["check"], []]
-            rows.append(row)
-            if key:
-                at[key] = row
+        key = (f["check"], tuple(sorted(set(f["hosts"])))) if f["hosts"] else object()  # no host: a row of its own
+        if key not in at:
+            rows.append(at.setdefault(key, [f["status"], f["check"], []]))
+        row = at[key]
         if STATUS_RANK.get(f["status"], 0) > STATUS_RANK.get(row[0], 0):
             row[0] = f["status"]
         if text not in row[2]:
@@ -282,24 +279,14 @@ def parse_ranges(text):
 
 
 def _split_top(text, sep=","):
-    """Split on sep outside brackets."""
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError("unbalanced ']'")
-        if ch == sep and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if depth != 0:
+    """Split on sep outside brackets (depth: the brackets open after each character)."""
+    depth = list(itertools.accumulate((ch == "[") - (ch == "]") for ch in text))
+    if min(depth, default=0) < 0:
+        raise ValueError("unbalanced ']'")
+    if depth and depth[-1]:
         raise ValueError("unbalanced '['")
-    parts.append("".join(cur))
-    return parts
+    cuts = [i for i, ch in enumerate(text) if ch == sep and not depth[i]]
+    return [text[a + 1:b] for a, b in zip([-1] + cuts, cuts + [len(text)], strict=True)]
 
 
 def expand_hostlist(text, limit=100_000):
@@ -499,10 +486,8 @@ def nccl_list(spec):
     """NCCL's list of names (NCCL_SOCKET_IFNAME, NCCL_IB_HCA): '^' excludes, '=' matches exactly, else
     prefixes -> (exclude, exact, [pattern])."""
     spec = spec.strip()
-    exclude = spec.startswith("^")
-    spec = spec[1:] if exclude else spec
-    exact = spec.startswith("=")
-    spec = spec[1:] if exact else spec
+    exclude, spec = spec.startswith("^"), spec.removeprefix("^")
+    exact, spec = spec.startswith("="), spec.removeprefix("=")
     return exclude, exact, [p.strip() for p in spec.split(",") if p.strip()]
 
 
@@ -514,11 +499,8 @@ def ib_hca_select(spec, ports):
 
     def hit(port):
         dev, num = port["port"].split(":")
-        for p in pats:
-            pd, _, pn = p.partition(":")
-            if (dev == pd if exact else dev.startswith(pd)) and (not pn or pn == num):
-                return True
-        return False
+        return any((dev == pd if exact else dev.startswith(pd)) and (not pn or pn == num)
+                   for pd, _, pn in (p.partition(":") for p in pats))
     return [p for p in ports if hit(p) != exclude]
 
 
@@ -695,8 +677,7 @@ if set(CHECK_RULES) != set(CHECKS):  # a new check declares itself here (docs/de
 
 def localises(f):
     """Whether finding f may name its hosts: its evidence singles a host out and its check declares that."""
-    ev = f.get("blame")
-    return ev in LOCALISING and ev in CHECK_RULES.get(f["check"], {}).get("names", ())
+    return f.get("blame") in CHECK_RULES.get(f["check"], {}).get("names", ())  # rule(): names are LOCALISING
 
 
 def unlocalised(f, kind, localise=None, why=None):
@@ -743,12 +724,11 @@ def _widespread(findings, hosts, nodes):
     for f in findings:
         wide = f["hosts"] if 2 * len(f["hosts"]) > n else failed if f["status"] == "FAIL" and 2 * len(failed) > n \
             else None
-        if f["status"] == "PASS" or not wide:
-            out.append(f)
-            continue
-        why = (f"it would name {len(wide)} of the run's {n} nodes, more than half: a cause that wide is a switch, "
-               "the fabric, the software image or their configuration, not those nodes")
-        out.append(dict(unlocalised(f, "widespread", why=why), widespread=True))
+        if f["status"] != "PASS" and wide:
+            why = (f"it would name {len(wide)} of the run's {n} nodes, more than half: a cause that wide is a switch, "
+                   "the fabric, the software image or their configuration, not those nodes")
+            f = dict(unlocalised(f, "widespread", why=why), widespread=True)
+        out.append(f)
     return out
 
 
@@ -1106,7 +1086,6 @@ class Bound:
         self.start = time.monotonic()
         if self.armed:
             self.arm()
-        return self
 
     def disarm(self):
         if self.armed:
@@ -1217,24 +1196,21 @@ def _file_lock(path, budget=None):
     except OSError:
         fd = None
     try:
-        _take_lock(fd, time.monotonic() + budget, budget)
+        until = time.monotonic() + budget
+        while fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= until:
+                    raise LockTimeout(f"another job held its lock file for {budget:g}s") from None
+                time.sleep(min(LOCK_RETRY_S, max(0.0, until - time.monotonic())))
+            except OSError:
+                break  # flock unsupported here: unlocked, as before
         yield
     finally:
         if fd is not None:
             os.close(fd)
-
-
-def _take_lock(fd, until, budget):
-    while fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= until:
-                raise LockTimeout(f"another job held its lock file for {budget:g}s") from None
-            time.sleep(min(LOCK_RETRY_S, max(0.0, until - time.monotonic())))
-        except OSError:
-            return  # flock unsupported here: unlocked, as before
 
 
 def _new_file_mode(path):
@@ -1258,11 +1234,9 @@ def write_text_atomic(path, text, suffix=".tmp", first=False):
         with open(path, "w") as f:
             f.write(text)
         return True
-    d = os.path.dirname(os.path.abspath(path)) or "."
-    mode = _new_file_mode(path)
-    fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=suffix, dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=suffix, dir=os.path.dirname(os.path.abspath(path)))
     try:
-        os.fchmod(fd, mode)
+        os.fchmod(fd, _new_file_mode(path))
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -1324,13 +1298,16 @@ def node_lock_path(node, chosen=None):
 
 
 # ---------------------------------------------------------------------------------------------- child processes
+def stat_fields(pid, root="/"):
+    """The fields of /proc/<pid>/stat after the command's name (the state letter first), [] when there is no such
+    process."""
+    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
+    return text.rsplit(")", 1)[1].split() if text and ")" in text else []
+
+
 def proc_state(pid):
     """A process's state letter from /proc/PID/stat ('D': uninterruptible, in the kernel), None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return None
+    return next(iter(stat_fields(pid)), None)
 
 
 def child_finish(proc, seconds, name=None):
@@ -1350,10 +1327,9 @@ def child_finish(proc, seconds, name=None):
         return {"unread": f"{name} gave no answer within {seconds:g}s", "rc": proc.returncode, "stuck": None,
                 "out": _text(out), "err": _text(err)}
     state = proc_state(proc.pid) if proc.poll() is None else None
-    for s in (proc.stdin, proc.stdout, proc.stderr):
+    for s in filter(None, (proc.stdin, proc.stdout, proc.stderr)):
         with contextlib.suppress(OSError, ValueError):
-            if s is not None:
-                s.close()
+            s.close()
     how = (f"stuck, not reaped (state {state}{': in the kernel, a driver call' if state == 'D' else ''})"
            if state else "ended, but a process it started still holds its output open")
     return {"unread": f"{name} gave no answer within {seconds:g}s and was killed: {how}", "rc": proc.returncode,
@@ -10216,6 +10192,11 @@ class SealedStore:
     def _values(self, keys):
         return self.store.multi_get(keys) if keys else []
 
+    def count(self, key):
+        """A counter (arrived, hellos, nerr, acks, posts/<name>/n): a count to watch, a wake-up; counters cannot be
+        sealed, so the sealed records they count (the identities, errors(), posts(), acked()) are what counts."""
+        return self.store.add(key, 0)
+
 
 class StoreRollCall:
     """The roll call's keys (StoreProtocol lists them), mixed into StoreProtocol: the world record and its run
@@ -10283,8 +10264,7 @@ class StoreRollCall:
 
     def is_run(self, run):
         """Whether this store is the run whose run id is `run`."""
-        w = self._world()
-        return w is not None and w.get("run") == run
+        return (self._world() or {}).get("run") == run
 
     def strays(self):
         return [json.loads(p) for p in self._lines("strays")]
@@ -10303,22 +10283,13 @@ class StoreRollCall:
         """Whether every rank's record is there (one round trip)."""
         return self.store.check([f"id/{r}" for r in range(world)])
 
-    def arrived_count(self):
-        """Ranks checked in so far (a counter: a count to watch, the records are what counts)."""
-        return self.store.add("arrived", 0)
-
-    def hello_count(self):
-        """Ranks that said hello before their check-in (say_hello: their process reached the store)."""
-        return self.store.add("hellos", 0)
-
     def said_hello(self, ranks):
         """The ranks of `ranks` whose process said hello (reached the store, not checked in yet)."""
         return [r for r in ranks if self.store.check([f"hello/{r}"])]
 
     def missing(self, world):
-        if self.all_in(world):
-            return []
-        return [r for r in range(world) if not self.store.check([f"id/{r}"])]
+        have = set(self._existing([f"id/{r}" for r in range(world)]))
+        return [r for r in range(world) if f"id/{r}" not in have]
 
     def identities(self, ranks):
         """The identities of `ranks` that unseal (a forged one is kept in `forged`, not returned)."""
@@ -10482,10 +10453,6 @@ class StoreProtocol(StoreRollCall, SealedStore):
     def post(self, name, rank, data):
         self._fan_post(f"posts/{name}", rank, data, self.world)
 
-    def post_count(self, name):
-        """How many posts of the fan-in `name` were counted (a wake-up: posts() holds the sealed posts)."""
-        return self.store.add(f"posts/{name}/n", 0)
-
     def posts(self, name):
         return self._fan_in(f"posts/{name}")
 
@@ -10539,10 +10506,6 @@ class StoreProtocol(StoreRollCall, SealedStore):
         self._append("errors", json.dumps(entry))
         self.store.add("nerr", 1)
 
-    def error_count(self):
-        """Error reports posted (a counter: a wake-up; errors() holds the sealed reports)."""
-        return self.store.add("nerr", 0)
-
     def wake_roll_call(self, why):
         """Wake rank 0's roll call before every rank checked in (a stray, a rank that failed its local phase)."""
         self._set("all_arrived", why)
@@ -10592,9 +10555,6 @@ class StoreProtocol(StoreRollCall, SealedStore):
         self._set(f"ack/{rank}", "1")
         self.store.add("acks", 1)
 
-    def acks(self):
-        return self.store.add("acks", 0)
-
     def acked(self, ranks):
         """Whether every one of `ranks` left its sealed acknowledgement."""
         keys = [f"ack/{r}" for r in ranks]
@@ -10629,10 +10589,7 @@ class StoreProtocol(StoreRollCall, SealedStore):
 # Floor 5 (runtime): the node monitor, a torch-free child of each node leader that posts the state
 def proc_stat(pid, root="/"):
     """(state letter, start time) from /proc/<pid>/stat, or None when there is no such process."""
-    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
-    if not text or ")" not in text:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
+    fields = stat_fields(pid, root)
     return (fields[0], fields[19]) if len(fields) > 19 else None
 
 
@@ -10647,8 +10604,7 @@ def liveness(stat, first):
 
 def parent_pid(pid, root="/"):
     """The parent of `pid` from /proc/<pid>/stat, or None."""
-    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
-    fields = text.rsplit(")", 1)[1].split() if text and ")" in text else []
+    fields = stat_fields(pid, root)
     return int(fields[1]) if len(fields) > 1 else None
 
 
@@ -10665,15 +10621,14 @@ def said_marker(env, topic, launch):
     return os.path.join(tempfile.gettempdir(), f"aiv-{key[:200]}.said")
 
 
-def sweep_said(launch=None, older_s=None):
+def sweep_said(launch=None):
     """Remove speak_once_per_node's markers: those of one launch (its ranks are gone: the node monitor and
     the local launcher at their end), and any older than MARK_TTL (they silence nobody any more)."""
-    older_s = MARK_TTL if older_s is None else older_s
     now = time.time()
     for path in glob.glob(os.path.join(tempfile.gettempdir(), "aiv-*.said")):
         with contextlib.suppress(OSError):
             mine = launch is not None and path.endswith(f"-{launch}.said")
-            if mine or now - os.stat(path).st_mtime > older_s:
+            if mine or now - os.stat(path).st_mtime > MARK_TTL:
                 os.unlink(path)
 
 
@@ -10856,8 +10811,6 @@ def ras_addr(env):
     """(host, port) of NCCL's RAS client socket: NCCL_RAS_ADDR ('host:port', '[v6]:port', 'host' or ':port'),
     else localhost:28028."""
     spec = (env.get("NCCL_RAS_ADDR") or "").strip()
-    if not spec:
-        return "localhost", RAS_PORT
     if spec.startswith("["):
         host, _, rest = spec[1:].partition("]")
         port = rest.lstrip(":")
@@ -10887,8 +10840,7 @@ class _Conn:
     def line(self):
         while b"\n" not in self.buf:
             self._recv()
-        head, _, self.buf = bytes(self.buf).partition(b"\n")
-        self.buf = bytearray(self.buf)
+        head, _, self.buf = self.buf.partition(b"\n")
         return head.decode(errors="replace").strip()
 
     def rest(self):
@@ -10897,7 +10849,7 @@ class _Conn:
             while True:
                 self._recv()
         except EOFError:
-            return bytes(self.buf).decode(errors="replace")
+            return self.buf.decode(errors="replace")
 
     def _recv(self):
         self.sock.settimeout(self.left())
@@ -10924,22 +10876,18 @@ def ras_status(host, port, seconds):
     except OSError as e:
         return {"ok": False, "why": f"cannot connect to {where}: {e.strerror or e}"}
     conn, step = _Conn(sock, end), "the handshake"
+    # each step: (its name, the line sent, the answer that says yes (a pattern), the words for any other answer)
+    steps = (("the handshake", f"CLIENT PROTOCOL {RAS_PROTOCOL}", "SERVER PROTOCOL .*",
+              "answered {!r}, not as NCCL's RAS (SERVER PROTOCOL)"),
+             ("TIMEOUT", f"TIMEOUT {max(1, int(seconds) - 1)}", "OK", "refused TIMEOUT"),
+             ("SET FORMAT json", "SET FORMAT json", "OK", "does not answer in JSON (NCCL older than 2.28.7?): {!r}"))
     try:
         with sock:
-            conn.send(f"CLIENT PROTOCOL {RAS_PROTOCOL}")
-            hello = conn.line()
-            if not hello.upper().startswith("SERVER PROTOCOL "):
-                return {"ok": False, "why": f"{where} answered {hello[:60]!r}, not as NCCL's RAS (SERVER PROTOCOL)"}
-            step = "TIMEOUT"
-            conn.send(f"TIMEOUT {max(1, int(seconds) - 1)}")
-            if conn.line().upper() != "OK":
-                return {"ok": False, "why": f"{where} refused TIMEOUT"}
-            step = "SET FORMAT json"
-            conn.send("SET FORMAT json")
-            answer = conn.line()
-            if answer.upper() != "OK":
-                return {"ok": False, "why": f"{where} does not answer in JSON (NCCL older than 2.28.7?): "
-                                            f"{answer[:60]!r}"}
+            for step, line, yes, no in steps:  # noqa: B007 - the errors below name the step
+                conn.send(line)
+                answer = conn.line()
+                if not re.fullmatch(yes, answer.upper(), re.S):
+                    return {"ok": False, "why": f"{where} " + no.format(answer[:60])}
             step = "STATUS"
             conn.send("STATUS")
             text = conn.rest()
@@ -11004,11 +10952,8 @@ def recorder_dump(torch):
     ...}); {} when those that could be read hold none; None when none could be read."""
     c10d, read = getattr(torch._C, "_distributed_c10d", None), False
     for name in RECORDERS:
-        fn = getattr(c10d, name, None)
-        if fn is None:
-            continue
-        try:
-            j = json.loads(fn(True, False))
+        try:  # a recorder this torch lacks, or cannot dump, is skipped
+            j = json.loads(getattr(c10d, name)(True, False))
         except Exception:
             continue
         read = read or isinstance(j, dict)
@@ -11147,17 +11092,7 @@ class Background:
         self.node = None      # node leaders: the node's facts {'facts'|'error'|'internal'}, on a thread
         self.smi = None       # node leaders: the node's one nvidia-smi call (start_node_smi)
         self.gpu = None       # GPU ranks: the screen's device measurement on its own thread (start_screen_gpu)
-        self.imports = None   # the import probe's result, once taken
-        self.imports_s = None  # how long taking it waited
-
-    def take_imports(self, wait_s):
-        """The import probe's result (node leaders; None elsewhere), taken once, within wait_s."""
-        if self.probe is None or self.imports is not None:
-            return self.imports
-        t = time.monotonic()
-        self.imports = finish_import_probe(self.probe, wait_s)
-        self.imports_s = round(time.monotonic() - t, 3)
-        return self.imports
+        self.imports = None   # the import probe's result, once taken (RankSetup.import_results)
 
     def node_facts(self, smi_most_s):
         """The node's facts for the telemetry (node leaders; None elsewhere). The tool's own error in their
@@ -11291,10 +11226,9 @@ class Conclusion:
     failpoint(name, only) is the tests' fault injection; on_code(code) tells the caller the code as it stands
     (the verdict's own bound exits with it)."""
 
-    def __init__(self, run, args, client, progress, failpoint=None, on_code=None):
+    def __init__(self, run, args, client, progress, failpoint, on_code):
         self.run, self.args, self.client = run, args, client
-        self.progress, self.failpoint = progress, failpoint or (lambda *a, **k: None)
-        self.on_code = on_code or (lambda code: None)
+        self.progress, self.failpoint, self.on_code = progress, failpoint, on_code
         self.drain = None
 
     def give(self, found, code):
@@ -11302,7 +11236,9 @@ class Conclusion:
         not be is a FAIL of the verdict), then the report block with the run's one `Verdict:` line, then the
         code published on the store: every rank exits with it. After it only the drain's outcome and the
         manifest's lines follow (neither changes the code)."""
-        found = blame_gate(list(found) + self.side_channel(), *self.run_hosts())  # the law: only evidence names
+        run = self.run  # the run's hosts and its allocation's node count, for the gate's minority guard
+        hosts = set(run["host_of"].values()) | {rec["host"] for rec in run["records"]}
+        found = blame_gate(list(found) + self.side_channel(), hosts, run["expect"].get("nodes") or 0)  # the law
         st, text = self.decide(found, code)
         code = st["exit_code"]
         self.on_code(code)
@@ -11324,7 +11260,7 @@ class Conclusion:
             note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
             emit("\n".join([f"  [{f['status']}] {f['check']}: {f['reason']}" for f in st["findings"][before:]]
                            + [f"  NOTE: {n}" for n in st.get("notes") or []]))
-            self.write_json(st)
+            write_json_within(self.args.json, st)
         if self.client is not None:
             self.wait_acks(code)
         return code
@@ -11372,12 +11308,6 @@ class Conclusion:
             return st, "\n".join([f"Verdict: {st['verdict']} exit={st['exit_code']} (the report could not be "
                                   "rendered: the lines below)"] + failure_lines(found))
 
-    def run_hosts(self):
-        """The run's hosts and its allocation's node count, for the gate's minority guard."""
-        run = self.run
-        hosts = set(run["host_of"].values()) | {rec["host"] for rec in run["records"]}
-        return hosts, run["expect"].get("nodes") or 0
-
     def plan_drain(self, found, code):
         """--drain at the verdict (drain_plan, pure): what to drain, or why nothing; run once the verdict's lines
         are out (drain_apply, bounded by DRAIN_S), its WARN joining the findings, the verdict unchanged."""
@@ -11407,15 +11337,12 @@ class Conclusion:
         return out
 
     # ---------------------------------------------------------------- the files
-    def write_json(self, state, first=False):
-        return write_json_within(self.args.json, state, first)
-
     def write_files(self, st, skip=()):
         """--json, then --metrics and --html (but those in `skip`), each within OUTPUT_S. -> [(flag, path, why)]
         of those that could not be written (each also said on stderr); a page that cannot be rendered is the
         tool's error, and counts as not written."""
         out = []
-        why = self.write_json(st) if "json" not in skip else None
+        why = write_json_within(self.args.json, st) if "json" not in skip else None
         if why:
             out.append(("json", self.args.json, why))
         for dest, render in (("metrics", render_metrics), ("html", render_html)):
@@ -11443,7 +11370,7 @@ class Conclusion:
         if run["host_of"]:
             ranks = [r for r in run["host_of"] if r and r not in run["gone"]]
             return ranks, len(ranks)
-        return None, max(0, bounded(self.client.arrived_count, STORE_OP_S, 1) - 1)
+        return None, max(0, bounded(lambda: self.client.count("arrived"), STORE_OP_S, 1) - 1)
 
     def wait_acks(self, code):
         """Keep the store up until every listener acknowledged (their sealed ack/<rank>; the counter only wakes
@@ -11452,7 +11379,7 @@ class Conclusion:
         client = self.client
         while n > 0 and time.monotonic() < end:
             try:
-                if client.acks() >= n and (ranks is None or client.acked(ranks)):
+                if client.count("acks") >= n and (ranks is None or client.acked(ranks)):
                     return
                 polls += 1
                 if polls % 5 == 0 and not client.verdict_holds(code):
@@ -11865,7 +11792,8 @@ class RankSetup:
             self.helper("aiv-node-facts", self._collect_node, self.bg.node)
             self.bg.smi = start_node_smi()
         ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
-        self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
+        dev = f"cuda:{self.device}" if self.device is not None else "cpu"
+        self.progress("local", backend=self.backend, device=dev, ifaces=ifn,
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
 
     def no_torch(self, exc):
@@ -11878,9 +11806,6 @@ class RankSetup:
 
     def _device(self):
         return self.torch.device("cuda", self.device) if self.backend == "nccl" else self.torch.device("cpu")
-
-    def _dev_str(self):
-        return f"cuda:{self.device}" if self.device is not None else "cpu"
 
     def local_checks(self, ifaces, expected):
         """Checks before any communication. Returns (findings, gpu facts or None). With --backend auto
@@ -11944,10 +11869,12 @@ class RankSetup:
         (the screen takes it early, so that it measures a quiet node), within half the phase's time left."""
         if self.bg.probe is None or self.bg.imports is not None:
             return self.bg.imports
-        imports = self.bg.take_imports(min(IMPORT_PROBE_S, self.bound.left() / 2) if wait_s is None else wait_s)
+        wait_s = min(IMPORT_PROBE_S, self.bound.left() / 2) if wait_s is None else wait_s
+        t = time.monotonic()
+        self.bg.imports = finish_import_probe(self.bg.probe, wait_s)
         with self.state_lock:
-            self.times["imports"] = self.bg.imports_s
-        return imports
+            self.times["imports"] = round(time.monotonic() - t, 3)
+        return self.bg.imports
 
     def quiesce(self):
         """Before the screen measures: this rank's background work done (the DDP imports' thread; on a
@@ -12023,8 +11950,9 @@ class RankGuard:
     """The plumbing around every phase of RankRun: deadline(phase) arms its Bound and turns an error inside
     into a Verdict; on_expire and on_signal hand a bound passed or a signal to the role (expire,
     signalled); exit() is every rank's way out. Mixed into RankRun: the state it uses (the bound, the
-    watchdog, the store, the deadlines) is the rank's. The hooks with a default here: grace, enter_phase,
-    own_error, expire_failed."""
+    watchdog, the store, the deadlines) is the rank's. The hooks with a default here: own_error,
+    expire_failed; grace (what the role adds to a phase's bound before its watchdog speaks) and enter_phase (the
+    start of each phase after the roll call: Coordinator opens its gate, Follower waits for it) are each role's."""
 
     # ---------------------------------------------------------------- each phase under its bound
     @contextlib.contextmanager
@@ -12056,13 +11984,6 @@ class RankGuard:
             with self.state_lock:
                 self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
                 self.starts.setdefault(phase, round(b.start - _T0, 3))
-
-    def grace(self, phase):
-        """What this role adds to a phase's bound before its watchdog speaks (Coordinator, Follower)."""
-        return 0.0
-
-    def enter_phase(self, bound):
-        """The start of each phase after the roll call (Coordinator opens its gate, Follower waits for it)."""
 
     def phase_error(self, phase, exc):
         """An error inside a phase. The tool's own (is_tool_error): the `internal` verdict, no host. A torch
@@ -12108,8 +12029,7 @@ class RankGuard:
     def expiry_cause(self, phase):
         if phase == "rollcall" and self.proto is None:  # still connecting to the store
             return self.unanswered(self.D[phase])
-        return self.bound.cause() if self.bound is not None and self.bound.phase == phase else \
-            Bound(None, phase, self.D[phase]).cause()
+        return Bound(None, phase, self.D[phase]).cause()
 
     def unanswered(self, seconds):
         """Why the store's connect did not finish: a listener that accepts but never answers, or none."""
@@ -12255,8 +12175,7 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
         self.state_lock = threading.RLock()  # what the verdict copies (Coordinator.snapshot) is written under it
         self.starts = {}  # phase -> seconds from start
         self.proto = self.poll = self.master = None
-        self.backend = self.device = self.results = self.bandwidth = None
-        self.identity = None
+        self.backend = self.device = self.results = self.bandwidth = self.identity = None
         self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
         self.issued, self.stalled, self.wedged = Issued(), set(), set()  # what this rank issued last (issuing)
         self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
@@ -12472,9 +12391,6 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
         self.progress("bandwidth", size=human_bytes(size), us=sec * 1e6, algbw=algbw, busbw=busbw)
         return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
 
-    def write_json(self, state, first=False):
-        return write_json_within(self.args.json, state, first)
-
 
 
 # ============================================================================ aiv/run/coordinator.py
@@ -12587,15 +12503,15 @@ class RollCall:
                 self.proto.store.set("world", mine)
                 self.proto.refuse(Forged("world", held.decode(errors="replace").split("|")[-1],
                                          "was written over by something other than rank 0"))
-            broken = self.local_failures() if self.proto.error_count() else {}
+            broken = self.local_failures() if self.proto.count("nerr") else {}
             if strays or hard_failures(broken) or self.proto.forged or now >= end:
                 return complete and self.proto.all_in(self.world), strays, broken
             if complete and self.proto.all_in(self.world):
                 return True, strays, broken
-            present = self.proto.arrived_count() + len(broken)
+            present = self.proto.count("arrived") + len(broken)
             if broken and present >= self.world:  # every rank checked in or could not import torch
                 return False, strays, broken
-            if lc.seen(now, present, present + self.proto.hello_count()).due(now):
+            if lc.seen(now, present, present + self.proto.count("hellos")).due(now):
                 unseen = [r for r in self.proto.missing(self.world) if r not in broken]
                 said = set(self.proto.said_hello(unseen))
                 if any(r not in said for r in unseen):
@@ -12613,8 +12529,7 @@ class RollCall:
             raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank 0's host "
                          f"{self.host}: {e.strerror}: check MASTER_ADDR and the node's resolver") from None
         infos.sort(key=lambda i: i[0] != socket.AF_INET)
-        fam, _, _, _, sa = infos[0]
-        ip = sa[0]
+        fam, _, _, _, (ip, *_) = infos[0]
         multi_node = self.expect.get("nodes", 1) > 1  # Slurm's node count is already in the expectation
         bind_ip = ("::" if fam == socket.AF_INET6 else "0.0.0.0") if (ip.startswith("127.") or ip == "::1") \
             and multi_node else ip
@@ -12646,8 +12561,11 @@ class Naming:
         """The finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
         that issues collectives also from what each live rank issued last (asked at once, collected within
         ISSUED_S while the liveness settles) and, on NCCL, NCCL's own view beside ours (nccl_view_read)."""
-        hosts = sorted(set(self.host_of.values()))
-        asked = self.ask_issued(client, phase)
+        hosts, asked = sorted(set(self.host_of.values())), None
+        if phase in ISSUE_PHASES:  # every live rank's listener answers on posts/issued (issued_posts)
+            with contextlib.suppress(Exception):
+                client.ask()
+                asked = time.monotonic()
         ras = self.nccl_view_read(phase)
         try:
             live, silent, quiet = client.settled_live(hosts, budget)
@@ -12664,23 +12582,25 @@ class Naming:
         if asked is not None:
             with contextlib.suppress(Exception):  # not collected: the finding says so
                 issued = self.issued_posts(client, asked, live, silent)
-        f = self._unfinished(phase, client, cause, code, live, silent, stamps, errors, issued)
+        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
+        if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
+            with contextlib.suppress(Exception):
+                stamps = finished_by(stamps, self.round_posted(client, "soak"), phase)
+        if phase in FAN_IN:  # a rank that posted its telemetry or results finished its part: it waits for rank 0
+            with contextlib.suppress(Exception):
+                stamps = finished_by(stamps, client.posts(FAN_IN[phase]), phase)
+        f = None
+        if phase in SCREEN_PHASES and self.screen is not None:
+            with contextlib.suppress(Exception):
+                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps, issued)
+        if f is None:
+            f = judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent, issued,
+                                 self.fabric_hint())
         if quiet:
             f["reason"] += "; " + quiet_monitor_note(quiet, budget)
         if ras is not None:
             self.nccl_view_add(f, ras, live, silent, issued)
         return f
-
-    def ask_issued(self, client, phase):
-        """In a phase that issues collectives: ask every live rank what it issued last (their listeners answer
-        on posts/issued). -> when it asked, or None."""
-        if phase not in ISSUE_PHASES:
-            return None
-        try:
-            client.ask()
-        except Exception:
-            return None
-        return time.monotonic()
 
     def issued_posts(self, client, asked, live, silent):
         """{rank: its answer or None} once every live rank answered, at most ISSUED_S after the question; rank 0's
@@ -12688,14 +12608,12 @@ class Naming:
         expect = {r for r, h in self.host_of.items() if r and live.get(r, "running") == "running" and h not in silent}
         while True:  # the counter is read every 50 ms (one small operation), the posts once it says enough
             late = time.monotonic() >= asked + ISSUED_S
-            if late or client.post_count("issued") >= len(expect):
+            if late or client.count("posts/issued/n") >= len(expect):
                 posts = client.posts("issued")
                 if late or expect <= set(posts):
                     break
             time.sleep(0.05)
-        out = {r: posts.get(r) for r in range(self.world)}
-        out[0] = self.issued.record(self.torch, self.nccl.diag())
-        return out
+        return {r: posts.get(r) for r in range(self.world)} | {0: self.issued.record(self.torch, self.nccl.diag())}
 
     def nccl_view_read(self, phase):
         """On NCCL, in a phase that issues collectives: NCCL's RAS STATUS read on a thread of its own (its node's
@@ -12746,24 +12664,6 @@ class Naming:
         node's monitor is not needed to see them, and a slow one is never news about the node)."""
         return {rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec["pid_start"])) for rec in self.records
                 if rec.get("host") == self.host and rec.get("pid") and rec.get("pid_start")}
-
-    def _unfinished(self, phase, client, cause, code, live, silent, stamps, errors, issued=None):
-        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
-        if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
-            with contextlib.suppress(Exception):
-                stamps = finished_by(stamps, self.round_posted(client, "soak"), phase)
-        if phase in FAN_IN:  # a rank that posted its telemetry or results finished its part: it waits for rank 0
-            with contextlib.suppress(Exception):
-                stamps = finished_by(stamps, client.posts(FAN_IN[phase]), phase)
-        if phase in SCREEN_PHASES and self.screen is not None:
-            try:
-                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps, issued)
-            except Exception:
-                f = None
-            if f is not None:
-                return f
-        return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent, issued,
-                                self.fabric_hint())
 
     def interruption(self, phase, name, client):
         """Rank 0's finding for a signal during `phase`: liveness as it was when the signal came (the ranks
@@ -13015,7 +12915,7 @@ class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
                 hosts = sorted(set(self.host_of.values()))
                 dead = any(st == "gone" for snap in self.poll.live(hosts).values()
                            for st in (snap.get("ranks") or {}).values())
-                return bool(self.poll.forgeries()), dead, bool(self.poll.error_count() and self.poll.errors())
+                return bool(self.poll.forgeries()), dead, bool(self.poll.count("nerr") and self.poll.errors())
         return bounded(read, STORE_OP_S)
 
     def conclude_apart(self, code, findings_of):
@@ -13184,13 +13084,13 @@ class Follower(ScreenFollower, RankRun):
         store going with it) and the signal's own path ends this rank, blaming nobody."""
         if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
             self.exit(self.verdict_seen)
-        if self.signalled_within(SIGNAL_SPREAD_S):
+        if self.came_within(lambda: self.signal_seen is not None, SIGNAL_SPREAD_S):
             time.sleep(STORE_OP_S + ACKS_SIGNALLED_S + 1)  # signalled() ends the process within this
             self.exit(128 + self.signal_seen)
-        host0 = (self.master or {}).get("host", self.addr)
+        host0, (state, kind) = (self.master or {}).get("host", self.addr), self.rank0_seen("link")
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
                                        f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
-                                       f"({first_line(exc)}){self.rank0_state()}", self.rank0_evidence("link")))
+                                       f"({first_line(exc)}){state}", kind))
 
     def expire(self, phase):
         """Speak for this rank (before the roll call) or for rank 0, which gave no verdict in time."""
@@ -13201,11 +13101,10 @@ class Follower(ScreenFollower, RankRun):
         code = self.verdict_of_deciding()  # rank 0 alive and deciding: its code, within the verdict's bound
         if code is not None:
             self.exit(code)
-        host0 = (self.master or {}).get("host", self.addr)
+        host0, (state, kind) = (self.master or {}).get("host", self.addr), self.rank0_seen("stuck")
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from "
                                        f"rank 0 ({host0}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "
-                                       f"is frozen, hung or unreachable{self.rank0_state()}",
-                                       self.rank0_evidence("stuck")))
+                                       f"is frozen, hung or unreachable{state}", kind))
 
     def signalled(self, signum, name, phase):
         """Post that this rank was terminated (so that rank 0 does not take it for dead), exit 128 + signal.
@@ -13240,14 +13139,16 @@ class Follower(ScreenFollower, RankRun):
         if not self.speak_for_node("\n".join(state["failures"])) or not self.args.json \
                 or os.path.exists(self.args.json):
             return code
-        self.write_json(state, first=True)
+        write_json_within(self.args.json, state, first=True)
         return code
 
-    def signalled_within(self, seconds):
+    @staticmethod
+    def came_within(seen, seconds):
+        """Whether seen() is true within `seconds` (looked at every 50 ms)."""
         end = time.monotonic() + seconds
-        while self.signal_seen is None and time.monotonic() < end:
+        while not seen() and time.monotonic() < end:
             time.sleep(0.05)
-        return self.signal_seen is not None
+        return seen()
 
     def rank0_died(self):
         """Whether rank 0 runs on this node and its process is gone with no verdict read within
@@ -13259,10 +13160,7 @@ class Follower(ScreenFollower, RankRun):
         first = ("", m["pid_start"]) if m.get("pid_start") else stat
         if stat is not None and liveness(stat, first) != "gone":
             return False
-        end = time.monotonic() + ACKS_SIGNALLED_S
-        while self.verdict_seen is None and time.monotonic() < end:
-            time.sleep(0.05)
-        return self.verdict_seen is None
+        return not self.came_within(lambda: self.verdict_seen is not None, ACKS_SIGNALLED_S)
 
     def rank0_liveness(self):
         """Rank 0's process state where it runs on this node (running, stopped, gone), else None."""
@@ -13271,14 +13169,13 @@ class Follower(ScreenFollower, RankRun):
             return None
         return liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
 
-    def rank0_state(self):
+    def rank0_seen(self, otherwise):
+        """Rank 0's process as this node sees it: (its state, for the end of a line; what a rank that got no verdict
+        stands on: `process` where it is stopped or gone, which names rank 0's host, else `otherwise`, `link` or
+        `stuck`: nobody)."""
         st = self.rank0_liveness()
-        return f" (rank 0's process on this node is {st})" if st else ""
-
-    def rank0_evidence(self, otherwise):
-        """What a rank that got no verdict stands on: rank 0's own process state where this node sees it stopped
-        or gone (`process`: it names rank 0's host), else `otherwise` (`link`, `stuck`: nobody)."""
-        return "process" if self.rank0_liveness() in ("stopped", "gone") else otherwise
+        return (f" (rank 0's process on this node is {st})" if st else "",
+                "process" if st in ("stopped", "gone") else otherwise)
 
 
 

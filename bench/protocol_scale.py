@@ -18,7 +18,7 @@ No process group, no torch collective. Runs, in order:
      the gate.
   3. a phase: ranks stamp "rollcall" and "init" except one frozen rank (its monitor reports it
      stopped) and one dead rank (reported gone); node monitors post live/<host> every
-     live_period(nodes); rank 0 ticks (live + error_count) each period. At --phase-deadline rank 0
+     live_period(nodes); rank 0 ticks (live + the nerr count) each period. At --phase-deadline rank 0
      names who did not finish (settled_live, stamps, errors, judge_unfinished) and the finding must
      name exactly those two ranks (else exit 1). --stuck K adds K ranks that are alive (reported
      running) but never stamp: the finding mentions them, but they are no culprits next to a dead rank.
@@ -421,7 +421,7 @@ def scenario_phase(proto0, poll, pool, world, host_of, deadline_s, frozen, dead,
             break
         t = mono()
         snap = poll.live(hosts)
-        poll.error_count()
+        poll.count("nerr")
         ticks.append((t, mono() - t))
         if dead_seen is None and any(s == "gone" for v in snap.values() for s in (v.get("ranks") or {}).values()):
             dead_seen = mono()
@@ -482,7 +482,7 @@ def scenario_verdict(poll, pool, world, host_of, code):
     t_pub = mono()
     n, acks, end, ranks = world - 1, 0, t0 + WAIT_S, list(range(1, world))
     while mono() < end:
-        acks = poll.acks()
+        acks = poll.count("acks")
         if acks >= n and poll.acked(ranks):
             break
         time.sleep(0.02)

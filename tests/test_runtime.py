@@ -136,7 +136,7 @@ def test_store_protocol_roll_call_stamps_errors_and_verdict(store):
     p1.stamp(1, "init")
     assert p0.stamps(2) == {0: 0, 1: aiv.PHASES.index("init")}
     p1.report_error(1, "init", "rank 1 (n2): init failed: X", 1)
-    assert p0.error_count() == 1 and p0.errors() == {1: {"line": "rank 1 (n2): init failed: X", "term": False,
+    assert p0.count("nerr") == 1 and p0.errors() == {1: {"line": "rank 1 (n2): init failed: X", "term": False,
                                                                   "internal": False, "phase": "init", "host": None,
                                                                   "code": 1}}
     got = {}
@@ -359,7 +359,7 @@ def test_roles_keep_to_their_own_part():
     """Rank 0 alone gives the verdict; the others alone take it or speak for rank 0; every rank runs the
     screen. A role that gains the other's part (the interleaving the split removed) fails here."""
     verdict = {"conclude", "snapshot", "unfinished", "interruption", "roll_call"}
-    follow = {"listen", "take_verdict", "lost_rank0", "speak_for_rank0", "rank0_state"}
+    follow = {"listen", "take_verdict", "lost_rank0", "speak_for_rank0", "rank0_seen"}
     parts = (aiv.ScreenRunner, aiv.ScreenCoordinator, aiv.ScreenFollower)
     screen = {n for cls in parts for n in vars(cls) if n.startswith("phase_screen_")}
     assert screen == {"phase_" + p.replace("-", "_") for p in aiv.SCREEN_PHASES}

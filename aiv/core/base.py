@@ -139,13 +139,10 @@ def finding_rows(findings):
                          f"{max((per[h] for h in off), key=STATUS_RANK.get)} row)")
             rows.append([f["status"], f["check"], [text]])
             continue
-        key = (f["check"], tuple(sorted(set(f["hosts"])))) if f["hosts"] else None
-        row = at.get(key) if key else None
-        if row is None:
-            row = [f["status"], f["check"], []]
-            rows.append(row)
-            if key:
-                at[key] = row
+        key = (f["check"], tuple(sorted(set(f["hosts"])))) if f["hosts"] else object()  # no host: a row of its own
+        if key not in at:
+            rows.append(at.setdefault(key, [f["status"], f["check"], []]))
+        row = at[key]
         if STATUS_RANK.get(f["status"], 0) > STATUS_RANK.get(row[0], 0):
             row[0] = f["status"]
         if text not in row[2]:
@@ -187,24 +184,14 @@ def parse_ranges(text):
 
 
 def _split_top(text, sep=","):
-    """Split on sep outside brackets."""
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError("unbalanced ']'")
-        if ch == sep and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if depth != 0:
+    """Split on sep outside brackets (depth: the brackets open after each character)."""
+    depth = list(itertools.accumulate((ch == "[") - (ch == "]") for ch in text))
+    if min(depth, default=0) < 0:
+        raise ValueError("unbalanced ']'")
+    if depth and depth[-1]:
         raise ValueError("unbalanced '['")
-    parts.append("".join(cur))
-    return parts
+    cuts = [i for i, ch in enumerate(text) if ch == sep and not depth[i]]
+    return [text[a + 1:b] for a, b in zip([-1] + cuts, cuts + [len(text)], strict=True)]
 
 
 def expand_hostlist(text, limit=100_000):

@@ -141,8 +141,7 @@ if set(CHECK_RULES) != set(CHECKS):  # a new check declares itself here (docs/de
 
 def localises(f):
     """Whether finding f may name its hosts: its evidence singles a host out and its check declares that."""
-    ev = f.get("blame")
-    return ev in LOCALISING and ev in CHECK_RULES.get(f["check"], {}).get("names", ())
+    return f.get("blame") in CHECK_RULES.get(f["check"], {}).get("names", ())  # rule(): names are LOCALISING
 
 
 def unlocalised(f, kind, localise=None, why=None):
@@ -189,12 +188,11 @@ def _widespread(findings, hosts, nodes):
     for f in findings:
         wide = f["hosts"] if 2 * len(f["hosts"]) > n else failed if f["status"] == "FAIL" and 2 * len(failed) > n \
             else None
-        if f["status"] == "PASS" or not wide:
-            out.append(f)
-            continue
-        why = (f"it would name {len(wide)} of the run's {n} nodes, more than half: a cause that wide is a switch, "
-               "the fabric, the software image or their configuration, not those nodes")
-        out.append(dict(unlocalised(f, "widespread", why=why), widespread=True))
+        if f["status"] != "PASS" and wide:
+            why = (f"it would name {len(wide)} of the run's {n} nodes, more than half: a cause that wide is a switch, "
+                   "the fabric, the software image or their configuration, not those nodes")
+            f = dict(unlocalised(f, "widespread", why=why), widespread=True)
+        out.append(f)
     return out
 
 

@@ -75,7 +75,6 @@ class Bound:
         self.start = time.monotonic()
         if self.armed:
             self.arm()
-        return self
 
     def disarm(self):
         if self.armed:

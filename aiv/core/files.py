@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import time
 
+from .base import read_text
 from .deadlines import CHILD_REAP_S, LOCK_RETRY_S, MANIFEST_LOCK_S
 
 
@@ -32,24 +33,21 @@ def _file_lock(path, budget=None):
     except OSError:
         fd = None
     try:
-        _take_lock(fd, time.monotonic() + budget, budget)
+        until = time.monotonic() + budget
+        while fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= until:
+                    raise LockTimeout(f"another job held its lock file for {budget:g}s") from None
+                time.sleep(min(LOCK_RETRY_S, max(0.0, until - time.monotonic())))
+            except OSError:
+                break  # flock unsupported here: unlocked, as before
         yield
     finally:
         if fd is not None:
             os.close(fd)
-
-
-def _take_lock(fd, until, budget):
-    while fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= until:
-                raise LockTimeout(f"another job held its lock file for {budget:g}s") from None
-            time.sleep(min(LOCK_RETRY_S, max(0.0, until - time.monotonic())))
-        except OSError:
-            return  # flock unsupported here: unlocked, as before
 
 
 def _new_file_mode(path):
@@ -73,11 +71,9 @@ def write_text_atomic(path, text, suffix=".tmp", first=False):
         with open(path, "w") as f:
             f.write(text)
         return True
-    d = os.path.dirname(os.path.abspath(path)) or "."
-    mode = _new_file_mode(path)
-    fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=suffix, dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=".aiv-", suffix=suffix, dir=os.path.dirname(os.path.abspath(path)))
     try:
-        os.fchmod(fd, mode)
+        os.fchmod(fd, _new_file_mode(path))
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -139,13 +135,16 @@ def node_lock_path(node, chosen=None):
 
 
 # ---------------------------------------------------------------------------------------------- child processes
+def stat_fields(pid, root="/"):
+    """The fields of /proc/<pid>/stat after the command's name (the state letter first), [] when there is no such
+    process."""
+    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
+    return text.rsplit(")", 1)[1].split() if text and ")" in text else []
+
+
 def proc_state(pid):
     """A process's state letter from /proc/PID/stat ('D': uninterruptible, in the kernel), None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return None
+    return next(iter(stat_fields(pid)), None)
 
 
 def child_finish(proc, seconds, name=None):
@@ -165,10 +164,9 @@ def child_finish(proc, seconds, name=None):
         return {"unread": f"{name} gave no answer within {seconds:g}s", "rc": proc.returncode, "stuck": None,
                 "out": _text(out), "err": _text(err)}
     state = proc_state(proc.pid) if proc.poll() is None else None
-    for s in (proc.stdin, proc.stdout, proc.stderr):
+    for s in filter(None, (proc.stdin, proc.stdout, proc.stderr)):
         with contextlib.suppress(OSError, ValueError):
-            if s is not None:
-                s.close()
+            s.close()
     how = (f"stuck, not reaped (state {state}{': in the kernel, a driver call' if state == 'D' else ''})"
            if state else "ended, but a process it started still holds its output open")
     return {"unread": f"{name} gave no answer within {seconds:g}s and was killed: {how}", "rc": proc.returncode,

@@ -10,10 +10,8 @@ def nccl_list(spec):
     """NCCL's list of names (NCCL_SOCKET_IFNAME, NCCL_IB_HCA): '^' excludes, '=' matches exactly, else
     prefixes -> (exclude, exact, [pattern])."""
     spec = spec.strip()
-    exclude = spec.startswith("^")
-    spec = spec[1:] if exclude else spec
-    exact = spec.startswith("=")
-    spec = spec[1:] if exact else spec
+    exclude, spec = spec.startswith("^"), spec.removeprefix("^")
+    exact, spec = spec.startswith("="), spec.removeprefix("=")
     return exclude, exact, [p.strip() for p in spec.split(",") if p.strip()]
 
 
@@ -25,11 +23,8 @@ def ib_hca_select(spec, ports):
 
     def hit(port):
         dev, num = port["port"].split(":")
-        for p in pats:
-            pd, _, pn = p.partition(":")
-            if (dev == pd if exact else dev.startswith(pd)) and (not pn or pn == num):
-                return True
-        return False
+        return any((dev == pd if exact else dev.startswith(pd)) and (not pn or pn == num)
+                   for pd, _, pn in (p.partition(":") for p in pats))
     return [p for p in ports if hit(p) != exclude]
 
 

@@ -8,7 +8,6 @@ import tempfile
 import threading
 import time
 
-from ..checks.collect import finish_import_probe
 from ..checks.interfaces import (
     nccl_debug_file,
     nccl_diag_lines,
@@ -67,11 +66,8 @@ def recorder_dump(torch):
     ...}); {} when those that could be read hold none; None when none could be read."""
     c10d, read = getattr(torch._C, "_distributed_c10d", None), False
     for name in RECORDERS:
-        fn = getattr(c10d, name, None)
-        if fn is None:
-            continue
-        try:
-            j = json.loads(fn(True, False))
+        try:  # a recorder this torch lacks, or cannot dump, is skipped
+            j = json.loads(getattr(c10d, name)(True, False))
         except Exception:
             continue
         read = read or isinstance(j, dict)
@@ -210,17 +206,7 @@ class Background:
         self.node = None      # node leaders: the node's facts {'facts'|'error'|'internal'}, on a thread
         self.smi = None       # node leaders: the node's one nvidia-smi call (start_node_smi)
         self.gpu = None       # GPU ranks: the screen's device measurement on its own thread (start_screen_gpu)
-        self.imports = None   # the import probe's result, once taken
-        self.imports_s = None  # how long taking it waited
-
-    def take_imports(self, wait_s):
-        """The import probe's result (node leaders; None elsewhere), taken once, within wait_s."""
-        if self.probe is None or self.imports is not None:
-            return self.imports
-        t = time.monotonic()
-        self.imports = finish_import_probe(self.probe, wait_s)
-        self.imports_s = round(time.monotonic() - t, 3)
-        return self.imports
+        self.imports = None   # the import probe's result, once taken (RankSetup.import_results)
 
     def node_facts(self, smi_most_s):
         """The node's facts for the telemetry (node leaders; None elsewhere). The tool's own error in their

@@ -56,10 +56,9 @@ class Conclusion:
     failpoint(name, only) is the tests' fault injection; on_code(code) tells the caller the code as it stands
     (the verdict's own bound exits with it)."""
 
-    def __init__(self, run, args, client, progress, failpoint=None, on_code=None):
+    def __init__(self, run, args, client, progress, failpoint, on_code):
         self.run, self.args, self.client = run, args, client
-        self.progress, self.failpoint = progress, failpoint or (lambda *a, **k: None)
-        self.on_code = on_code or (lambda code: None)
+        self.progress, self.failpoint, self.on_code = progress, failpoint, on_code
         self.drain = None
 
     def give(self, found, code):
@@ -67,7 +66,9 @@ class Conclusion:
         not be is a FAIL of the verdict), then the report block with the run's one `Verdict:` line, then the
         code published on the store: every rank exits with it. After it only the drain's outcome and the
         manifest's lines follow (neither changes the code)."""
-        found = blame_gate(list(found) + self.side_channel(), *self.run_hosts())  # the law: only evidence names
+        run = self.run  # the run's hosts and its allocation's node count, for the gate's minority guard
+        hosts = set(run["host_of"].values()) | {rec["host"] for rec in run["records"]}
+        found = blame_gate(list(found) + self.side_channel(), hosts, run["expect"].get("nodes") or 0)  # the law
         st, text = self.decide(found, code)
         code = st["exit_code"]
         self.on_code(code)
@@ -89,7 +90,7 @@ class Conclusion:
             note_manifest_save(self.args, st)  # manifest: --save-manifest, on a PASS only (its WARNs accepted)
             emit("\n".join([f"  [{f['status']}] {f['check']}: {f['reason']}" for f in st["findings"][before:]]
                            + [f"  NOTE: {n}" for n in st.get("notes") or []]))
-            self.write_json(st)
+            write_json_within(self.args.json, st)
         if self.client is not None:
             self.wait_acks(code)
         return code
@@ -137,12 +138,6 @@ class Conclusion:
             return st, "\n".join([f"Verdict: {st['verdict']} exit={st['exit_code']} (the report could not be "
                                   "rendered: the lines below)"] + failure_lines(found))
 
-    def run_hosts(self):
-        """The run's hosts and its allocation's node count, for the gate's minority guard."""
-        run = self.run
-        hosts = set(run["host_of"].values()) | {rec["host"] for rec in run["records"]}
-        return hosts, run["expect"].get("nodes") or 0
-
     def plan_drain(self, found, code):
         """--drain at the verdict (drain_plan, pure): what to drain, or why nothing; run once the verdict's lines
         are out (drain_apply, bounded by DRAIN_S), its WARN joining the findings, the verdict unchanged."""
@@ -172,15 +167,12 @@ class Conclusion:
         return out
 
     # ---------------------------------------------------------------- the files
-    def write_json(self, state, first=False):
-        return write_json_within(self.args.json, state, first)
-
     def write_files(self, st, skip=()):
         """--json, then --metrics and --html (but those in `skip`), each within OUTPUT_S. -> [(flag, path, why)]
         of those that could not be written (each also said on stderr); a page that cannot be rendered is the
         tool's error, and counts as not written."""
         out = []
-        why = self.write_json(st) if "json" not in skip else None
+        why = write_json_within(self.args.json, st) if "json" not in skip else None
         if why:
             out.append(("json", self.args.json, why))
         for dest, render in (("metrics", render_metrics), ("html", render_html)):
@@ -208,7 +200,7 @@ class Conclusion:
         if run["host_of"]:
             ranks = [r for r in run["host_of"] if r and r not in run["gone"]]
             return ranks, len(ranks)
-        return None, max(0, bounded(self.client.arrived_count, STORE_OP_S, 1) - 1)
+        return None, max(0, bounded(lambda: self.client.count("arrived"), STORE_OP_S, 1) - 1)
 
     def wait_acks(self, code):
         """Keep the store up until every listener acknowledged (their sealed ack/<rank>; the counter only wakes
@@ -217,7 +209,7 @@ class Conclusion:
         client = self.client
         while n > 0 and time.monotonic() < end:
             try:
-                if client.acks() >= n and (ranks is None or client.acked(ranks)):
+                if client.count("acks") >= n and (ranks is None or client.acked(ranks)):
                     return
                 polls += 1
                 if polls % 5 == 0 and not client.verdict_holds(code):

@@ -190,15 +190,15 @@ class RollCall:
                 self.proto.store.set("world", mine)
                 self.proto.refuse(Forged("world", held.decode(errors="replace").split("|")[-1],
                                          "was written over by something other than rank 0"))
-            broken = self.local_failures() if self.proto.error_count() else {}
+            broken = self.local_failures() if self.proto.count("nerr") else {}
             if strays or hard_failures(broken) or self.proto.forged or now >= end:
                 return complete and self.proto.all_in(self.world), strays, broken
             if complete and self.proto.all_in(self.world):
                 return True, strays, broken
-            present = self.proto.arrived_count() + len(broken)
+            present = self.proto.count("arrived") + len(broken)
             if broken and present >= self.world:  # every rank checked in or could not import torch
                 return False, strays, broken
-            if lc.seen(now, present, present + self.proto.hello_count()).due(now):
+            if lc.seen(now, present, present + self.proto.count("hellos")).due(now):
                 unseen = [r for r in self.proto.missing(self.world) if r not in broken]
                 said = set(self.proto.said_hello(unseen))
                 if any(r not in said for r in unseen):
@@ -216,8 +216,7 @@ class RollCall:
             raise failed("rendezvous", f"MASTER_ADDR={self.addr} does not resolve on rank 0's host "
                          f"{self.host}: {e.strerror}: check MASTER_ADDR and the node's resolver") from None
         infos.sort(key=lambda i: i[0] != socket.AF_INET)
-        fam, _, _, _, sa = infos[0]
-        ip = sa[0]
+        fam, _, _, _, (ip, *_) = infos[0]
         multi_node = self.expect.get("nodes", 1) > 1  # Slurm's node count is already in the expectation
         bind_ip = ("::" if fam == socket.AF_INET6 else "0.0.0.0") if (ip.startswith("127.") or ip == "::1") \
             and multi_node else ip
@@ -249,8 +248,11 @@ class Naming:
         """The finding naming who did not finish `phase`, from stamps, liveness and reports; in a phase
         that issues collectives also from what each live rank issued last (asked at once, collected within
         ISSUED_S while the liveness settles) and, on NCCL, NCCL's own view beside ours (nccl_view_read)."""
-        hosts = sorted(set(self.host_of.values()))
-        asked = self.ask_issued(client, phase)
+        hosts, asked = sorted(set(self.host_of.values())), None
+        if phase in ISSUE_PHASES:  # every live rank's listener answers on posts/issued (issued_posts)
+            with contextlib.suppress(Exception):
+                client.ask()
+                asked = time.monotonic()
         ras = self.nccl_view_read(phase)
         try:
             live, silent, quiet = client.settled_live(hosts, budget)
@@ -267,23 +269,25 @@ class Naming:
         if asked is not None:
             with contextlib.suppress(Exception):  # not collected: the finding says so
                 issued = self.issued_posts(client, asked, live, silent)
-        f = self._unfinished(phase, client, cause, code, live, silent, stamps, errors, issued)
+        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
+        if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
+            with contextlib.suppress(Exception):
+                stamps = finished_by(stamps, self.round_posted(client, "soak"), phase)
+        if phase in FAN_IN:  # a rank that posted its telemetry or results finished its part: it waits for rank 0
+            with contextlib.suppress(Exception):
+                stamps = finished_by(stamps, client.posts(FAN_IN[phase]), phase)
+        f = None
+        if phase in SCREEN_PHASES and self.screen is not None:
+            with contextlib.suppress(Exception):
+                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps, issued)
+        if f is None:
+            f = judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent, issued,
+                                 self.fabric_hint())
         if quiet:
             f["reason"] += "; " + quiet_monitor_note(quiet, budget)
         if ras is not None:
             self.nccl_view_add(f, ras, live, silent, issued)
         return f
-
-    def ask_issued(self, client, phase):
-        """In a phase that issues collectives: ask every live rank what it issued last (their listeners answer
-        on posts/issued). -> when it asked, or None."""
-        if phase not in ISSUE_PHASES:
-            return None
-        try:
-            client.ask()
-        except Exception:
-            return None
-        return time.monotonic()
 
     def issued_posts(self, client, asked, live, silent):
         """{rank: its answer or None} once every live rank answered, at most ISSUED_S after the question; rank 0's
@@ -291,14 +295,12 @@ class Naming:
         expect = {r for r, h in self.host_of.items() if r and live.get(r, "running") == "running" and h not in silent}
         while True:  # the counter is read every 50 ms (one small operation), the posts once it says enough
             late = time.monotonic() >= asked + ISSUED_S
-            if late or client.post_count("issued") >= len(expect):
+            if late or client.count("posts/issued/n") >= len(expect):
                 posts = client.posts("issued")
                 if late or expect <= set(posts):
                     break
             time.sleep(0.05)
-        out = {r: posts.get(r) for r in range(self.world)}
-        out[0] = self.issued.record(self.torch, self.nccl.diag())
-        return out
+        return {r: posts.get(r) for r in range(self.world)} | {0: self.issued.record(self.torch, self.nccl.diag())}
 
     def nccl_view_read(self, phase):
         """On NCCL, in a phase that issues collectives: NCCL's RAS STATUS read on a thread of its own (its node's
@@ -349,24 +351,6 @@ class Naming:
         node's monitor is not needed to see them, and a slow one is never news about the node)."""
         return {rec["rank"]: liveness(proc_stat(rec["pid"]), ("", rec["pid_start"])) for rec in self.records
                 if rec.get("host") == self.host and rec.get("pid") and rec.get("pid_start")}
-
-    def _unfinished(self, phase, client, cause, code, live, silent, stamps, errors, issued=None):
-        self.gone = {r for r, st in live.items() if st in ("gone", "stopped")}
-        if phase == "soak":  # a rank that posted its soak (or waits at the soak's start gate) finished its part
-            with contextlib.suppress(Exception):
-                stamps = finished_by(stamps, self.round_posted(client, "soak"), phase)
-        if phase in FAN_IN:  # a rank that posted its telemetry or results finished its part: it waits for rank 0
-            with contextlib.suppress(Exception):
-                stamps = finished_by(stamps, client.posts(FAN_IN[phase]), phase)
-        if phase in SCREEN_PHASES and self.screen is not None:
-            try:
-                f, stamps = self.screen_unfinished(phase, client, cause, live, errors, silent, stamps, issued)
-            except Exception:
-                f = None
-            if f is not None:
-                return f
-        return judge_unfinished(phase, cause, self.world, self.host_of, stamps, live, errors, code, silent, issued,
-                                self.fabric_hint())
 
     def interruption(self, phase, name, client):
         """Rank 0's finding for a signal during `phase`: liveness as it was when the signal came (the ranks
@@ -618,7 +602,7 @@ class Coordinator(RollCall, Naming, ScreenCoordinator, RankRun):
                 hosts = sorted(set(self.host_of.values()))
                 dead = any(st == "gone" for snap in self.poll.live(hosts).values()
                            for st in (snap.get("ranks") or {}).values())
-                return bool(self.poll.forgeries()), dead, bool(self.poll.error_count() and self.poll.errors())
+                return bool(self.poll.forgeries()), dead, bool(self.poll.count("nerr") and self.poll.errors())
         return bounded(read, STORE_OP_S)
 
     def conclude_apart(self, code, findings_of):

@@ -34,6 +34,7 @@ from ..launch.contract import launcher_store
 from ..out.outputs import fallback_verdict, rank0_lost
 from ..out.render import NO_HOST_MARK, failure_lines
 from ..screen.run import ScreenFollower
+from .conclusion import write_json_within
 from .liveness import liveness, proc_stat, tell_rank0_without_torch
 from .rank import RankRun
 from .store import store_timed_out
@@ -169,13 +170,13 @@ class Follower(ScreenFollower, RankRun):
         store going with it) and the signal's own path ends this rank, blaming nobody."""
         if self.verdict_seen is not None:  # rank 0 gave its verdict, then its store went away: nothing lost
             self.exit(self.verdict_seen)
-        if self.signalled_within(SIGNAL_SPREAD_S):
+        if self.came_within(lambda: self.signal_seen is not None, SIGNAL_SPREAD_S):
             time.sleep(STORE_OP_S + ACKS_SIGNALLED_S + 1)  # signalled() ends the process within this
             self.exit(128 + self.signal_seen)
-        host0 = (self.master or {}).get("host", self.addr)
+        host0, (state, kind) = (self.master or {}).get("host", self.addr), self.rank0_seen("link")
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) lost rank 0 ({host0}) "
                                        f"during {self.phase}: its store at {self.addr}:{self.port} is gone "
-                                       f"({first_line(exc)}){self.rank0_state()}", self.rank0_evidence("link")))
+                                       f"({first_line(exc)}){state}", kind))
 
     def expire(self, phase):
         """Speak for this rank (before the roll call) or for rank 0, which gave no verdict in time."""
@@ -186,11 +187,10 @@ class Follower(ScreenFollower, RankRun):
         code = self.verdict_of_deciding()  # rank 0 alive and deciding: its code, within the verdict's bound
         if code is not None:
             self.exit(code)
-        host0 = (self.master or {}).get("host", self.addr)
+        host0, (state, kind) = (self.master or {}).get("host", self.addr), self.rank0_seen("stuck")
         self.exit(self.speak_for_rank0(f"FAILURE: rendezvous: rank {self.rank} ({self.host}) got no verdict from "
                                        f"rank 0 ({host0}) within {self.D[phase] + RANK0_GRACE:g}s of {phase}: rank 0 "
-                                       f"is frozen, hung or unreachable{self.rank0_state()}",
-                                       self.rank0_evidence("stuck")))
+                                       f"is frozen, hung or unreachable{state}", kind))
 
     def signalled(self, signum, name, phase):
         """Post that this rank was terminated (so that rank 0 does not take it for dead), exit 128 + signal.
@@ -225,14 +225,16 @@ class Follower(ScreenFollower, RankRun):
         if not self.speak_for_node("\n".join(state["failures"])) or not self.args.json \
                 or os.path.exists(self.args.json):
             return code
-        self.write_json(state, first=True)
+        write_json_within(self.args.json, state, first=True)
         return code
 
-    def signalled_within(self, seconds):
+    @staticmethod
+    def came_within(seen, seconds):
+        """Whether seen() is true within `seconds` (looked at every 50 ms)."""
         end = time.monotonic() + seconds
-        while self.signal_seen is None and time.monotonic() < end:
+        while not seen() and time.monotonic() < end:
             time.sleep(0.05)
-        return self.signal_seen is not None
+        return seen()
 
     def rank0_died(self):
         """Whether rank 0 runs on this node and its process is gone with no verdict read within
@@ -244,10 +246,7 @@ class Follower(ScreenFollower, RankRun):
         first = ("", m["pid_start"]) if m.get("pid_start") else stat
         if stat is not None and liveness(stat, first) != "gone":
             return False
-        end = time.monotonic() + ACKS_SIGNALLED_S
-        while self.verdict_seen is None and time.monotonic() < end:
-            time.sleep(0.05)
-        return self.verdict_seen is None
+        return not self.came_within(lambda: self.verdict_seen is not None, ACKS_SIGNALLED_S)
 
     def rank0_liveness(self):
         """Rank 0's process state where it runs on this node (running, stopped, gone), else None."""
@@ -256,11 +255,10 @@ class Follower(ScreenFollower, RankRun):
             return None
         return liveness(proc_stat(m["pid"]), proc_stat(m["pid"]) or ("", ""))
 
-    def rank0_state(self):
+    def rank0_seen(self, otherwise):
+        """Rank 0's process as this node sees it: (its state, for the end of a line; what a rank that got no verdict
+        stands on: `process` where it is stopped or gone, which names rank 0's host, else `otherwise`, `link` or
+        `stuck`: nobody)."""
         st = self.rank0_liveness()
-        return f" (rank 0's process on this node is {st})" if st else ""
-
-    def rank0_evidence(self, otherwise):
-        """What a rank that got no verdict stands on: rank 0's own process state where this node sees it stopped
-        or gone (`process`: it names rank 0's host), else `otherwise` (`link`, `stuck`: nobody)."""
-        return "process" if self.rank0_liveness() in ("stopped", "gone") else otherwise
+        return (f" (rank 0's process on this node is {st})" if st else "",
+                "process" if st in ("stopped", "gone") else otherwise)

@@ -60,8 +60,9 @@ class RankGuard:
     """The plumbing around every phase of RankRun: deadline(phase) arms its Bound and turns an error inside
     into a Verdict; on_expire and on_signal hand a bound passed or a signal to the role (expire,
     signalled); exit() is every rank's way out. Mixed into RankRun: the state it uses (the bound, the
-    watchdog, the store, the deadlines) is the rank's. The hooks with a default here: grace, enter_phase,
-    own_error, expire_failed."""
+    watchdog, the store, the deadlines) is the rank's. The hooks with a default here: own_error,
+    expire_failed; grace (what the role adds to a phase's bound before its watchdog speaks) and enter_phase (the
+    start of each phase after the roll call: Coordinator opens its gate, Follower waits for it) are each role's."""
 
     # ---------------------------------------------------------------- each phase under its bound
     @contextlib.contextmanager
@@ -93,13 +94,6 @@ class RankGuard:
             with self.state_lock:
                 self.times.setdefault(phase, round(time.monotonic() - b.start, 3))
                 self.starts.setdefault(phase, round(b.start - _T0, 3))
-
-    def grace(self, phase):
-        """What this role adds to a phase's bound before its watchdog speaks (Coordinator, Follower)."""
-        return 0.0
-
-    def enter_phase(self, bound):
-        """The start of each phase after the roll call (Coordinator opens its gate, Follower waits for it)."""
 
     def phase_error(self, phase, exc):
         """An error inside a phase. The tool's own (is_tool_error): the `internal` verdict, no host. A torch
@@ -145,8 +139,7 @@ class RankGuard:
     def expiry_cause(self, phase):
         if phase == "rollcall" and self.proto is None:  # still connecting to the store
             return self.unanswered(self.D[phase])
-        return self.bound.cause() if self.bound is not None and self.bound.phase == phase else \
-            Bound(None, phase, self.D[phase]).cause()
+        return Bound(None, phase, self.D[phase]).cause()
 
     def unanswered(self, seconds):
         """Why the store's connect did not finish: a listener that accepts but never answers, or none."""

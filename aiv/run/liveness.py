@@ -10,18 +10,15 @@ import struct
 import tempfile
 import time
 
-from ..core.base import read_text
 from ..core.deadlines import MARK_TTL, MONITOR_CONNECT_S
+from ..core.files import stat_fields
 from ..launch.contract import job_secret
 from .store import Seal, StoreProtocol, run_base
 
 
 def proc_stat(pid, root="/"):
     """(state letter, start time) from /proc/<pid>/stat, or None when there is no such process."""
-    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
-    if not text or ")" not in text:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
+    fields = stat_fields(pid, root)
     return (fields[0], fields[19]) if len(fields) > 19 else None
 
 
@@ -36,8 +33,7 @@ def liveness(stat, first):
 
 def parent_pid(pid, root="/"):
     """The parent of `pid` from /proc/<pid>/stat, or None."""
-    text = read_text(os.path.join(root, f"proc/{pid}/stat"))
-    fields = text.rsplit(")", 1)[1].split() if text and ")" in text else []
+    fields = stat_fields(pid, root)
     return int(fields[1]) if len(fields) > 1 else None
 
 
@@ -54,15 +50,14 @@ def said_marker(env, topic, launch):
     return os.path.join(tempfile.gettempdir(), f"aiv-{key[:200]}.said")
 
 
-def sweep_said(launch=None, older_s=None):
+def sweep_said(launch=None):
     """Remove speak_once_per_node's markers: those of one launch (its ranks are gone: the node monitor and
     the local launcher at their end), and any older than MARK_TTL (they silence nobody any more)."""
-    older_s = MARK_TTL if older_s is None else older_s
     now = time.time()
     for path in glob.glob(os.path.join(tempfile.gettempdir(), "aiv-*.said")):
         with contextlib.suppress(OSError):
             mine = launch is not None and path.endswith(f"-{launch}.said")
-            if mine or now - os.stat(path).st_mtime > older_s:
+            if mine or now - os.stat(path).st_mtime > MARK_TTL:
                 os.unlink(path)
 
 

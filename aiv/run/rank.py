@@ -31,7 +31,6 @@ from ..out.render import BAR
 from ..screen.measure import soak_measure
 from ..screen.run import ScreenRunner
 from .background import Background, Issued, NcclLog
-from .conclusion import write_json_within
 from .guard import RankGuard
 from .setup import RankSetup, ddp_imports
 from .store import Seal, StoreProtocol, run_base
@@ -92,8 +91,7 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
         self.state_lock = threading.RLock()  # what the verdict copies (Coordinator.snapshot) is written under it
         self.starts = {}  # phase -> seconds from start
         self.proto = self.poll = self.master = None
-        self.backend = self.device = self.results = self.bandwidth = None
-        self.identity = None
+        self.backend = self.device = self.results = self.bandwidth = self.identity = None
         self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
         self.issued, self.stalled, self.wedged = Issued(), set(), set()  # what this rank issued last (issuing)
         self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
@@ -308,6 +306,3 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
         busbw = algbw * 2 * (self.world - 1) / self.world
         self.progress("bandwidth", size=human_bytes(size), us=sec * 1e6, algbw=algbw, busbw=busbw)
         return {"bytes": size, "time_us": sec * 1e6, "algbw": algbw, "busbw": busbw}
-
-    def write_json(self, state, first=False):
-        return write_json_within(self.args.json, state, first)

@@ -5,6 +5,7 @@ every NCCL process of a node can answer for every communicator of the job. Plain
 document, and NCCL closes the connection. Read within a bound, never required: the answer is plain data or
 why there is none."""
 import json
+import re
 import socket
 import time
 
@@ -17,8 +18,6 @@ def ras_addr(env):
     """(host, port) of NCCL's RAS client socket: NCCL_RAS_ADDR ('host:port', '[v6]:port', 'host' or ':port'),
     else localhost:28028."""
     spec = (env.get("NCCL_RAS_ADDR") or "").strip()
-    if not spec:
-        return "localhost", RAS_PORT
     if spec.startswith("["):
         host, _, rest = spec[1:].partition("]")
         port = rest.lstrip(":")
@@ -48,8 +47,7 @@ class _Conn:
     def line(self):
         while b"\n" not in self.buf:
             self._recv()
-        head, _, self.buf = bytes(self.buf).partition(b"\n")
-        self.buf = bytearray(self.buf)
+        head, _, self.buf = self.buf.partition(b"\n")
         return head.decode(errors="replace").strip()
 
     def rest(self):
@@ -58,7 +56,7 @@ class _Conn:
             while True:
                 self._recv()
         except EOFError:
-            return bytes(self.buf).decode(errors="replace")
+            return self.buf.decode(errors="replace")
 
     def _recv(self):
         self.sock.settimeout(self.left())
@@ -85,22 +83,18 @@ def ras_status(host, port, seconds):
     except OSError as e:
         return {"ok": False, "why": f"cannot connect to {where}: {e.strerror or e}"}
     conn, step = _Conn(sock, end), "the handshake"
+    # each step: (its name, the line sent, the answer that says yes (a pattern), the words for any other answer)
+    steps = (("the handshake", f"CLIENT PROTOCOL {RAS_PROTOCOL}", "SERVER PROTOCOL .*",
+              "answered {!r}, not as NCCL's RAS (SERVER PROTOCOL)"),
+             ("TIMEOUT", f"TIMEOUT {max(1, int(seconds) - 1)}", "OK", "refused TIMEOUT"),
+             ("SET FORMAT json", "SET FORMAT json", "OK", "does not answer in JSON (NCCL older than 2.28.7?): {!r}"))
     try:
         with sock:
-            conn.send(f"CLIENT PROTOCOL {RAS_PROTOCOL}")
-            hello = conn.line()
-            if not hello.upper().startswith("SERVER PROTOCOL "):
-                return {"ok": False, "why": f"{where} answered {hello[:60]!r}, not as NCCL's RAS (SERVER PROTOCOL)"}
-            step = "TIMEOUT"
-            conn.send(f"TIMEOUT {max(1, int(seconds) - 1)}")
-            if conn.line().upper() != "OK":
-                return {"ok": False, "why": f"{where} refused TIMEOUT"}
-            step = "SET FORMAT json"
-            conn.send("SET FORMAT json")
-            answer = conn.line()
-            if answer.upper() != "OK":
-                return {"ok": False, "why": f"{where} does not answer in JSON (NCCL older than 2.28.7?): "
-                                            f"{answer[:60]!r}"}
+            for step, line, yes, no in steps:  # noqa: B007 - the errors below name the step
+                conn.send(line)
+                answer = conn.line()
+                if not re.fullmatch(yes, answer.upper(), re.S):
+                    return {"ok": False, "why": f"{where} " + no.format(answer[:60])}
             step = "STATUS"
             conn.send("STATUS")
             text = conn.rest()

@@ -16,6 +16,7 @@ from ..checks.collect import (
     collect_gpu,
     collect_node_facts,
     cuda_problem,
+    finish_import_probe,
     gpus_expected,
     loopback_domain,
     nearest_hca,
@@ -147,7 +148,8 @@ class RankSetup:
             self.helper("aiv-node-facts", self._collect_node, self.bg.node)
             self.bg.smi = start_node_smi()
         ifn = ",".join(v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v in self.env) or "none set"
-        self.progress("local", backend=self.backend, device=self._dev_str(), ifaces=ifn,
+        dev = f"cuda:{self.device}" if self.device is not None else "cpu"
+        self.progress("local", backend=self.backend, device=dev, ifaces=ifn,
                       failed=sum(f["status"] == "FAIL" for f in local), import_s=self.times["import_torch"])
 
     def no_torch(self, exc):
@@ -160,9 +162,6 @@ class RankSetup:
 
     def _device(self):
         return self.torch.device("cuda", self.device) if self.backend == "nccl" else self.torch.device("cpu")
-
-    def _dev_str(self):
-        return f"cuda:{self.device}" if self.device is not None else "cpu"
 
     def local_checks(self, ifaces, expected):
         """Checks before any communication. Returns (findings, gpu facts or None). With --backend auto
@@ -226,10 +225,12 @@ class RankSetup:
         (the screen takes it early, so that it measures a quiet node), within half the phase's time left."""
         if self.bg.probe is None or self.bg.imports is not None:
             return self.bg.imports
-        imports = self.bg.take_imports(min(IMPORT_PROBE_S, self.bound.left() / 2) if wait_s is None else wait_s)
+        wait_s = min(IMPORT_PROBE_S, self.bound.left() / 2) if wait_s is None else wait_s
+        t = time.monotonic()
+        self.bg.imports = finish_import_probe(self.bg.probe, wait_s)
         with self.state_lock:
-            self.times["imports"] = self.bg.imports_s
-        return imports
+            self.times["imports"] = round(time.monotonic() - t, 3)
+        return self.bg.imports
 
     def quiesce(self):
         """Before the screen measures: this rank's background work done (the DDP imports' thread; on a

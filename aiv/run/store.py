@@ -231,6 +231,11 @@ class SealedStore:
     def _values(self, keys):
         return self.store.multi_get(keys) if keys else []
 
+    def count(self, key):
+        """A counter (arrived, hellos, nerr, acks, posts/<name>/n): a count to watch, a wake-up; counters cannot be
+        sealed, so the sealed records they count (the identities, errors(), posts(), acked()) are what counts."""
+        return self.store.add(key, 0)
+
 
 class StoreRollCall:
     """The roll call's keys (StoreProtocol lists them), mixed into StoreProtocol: the world record and its run
@@ -298,8 +303,7 @@ class StoreRollCall:
 
     def is_run(self, run):
         """Whether this store is the run whose run id is `run`."""
-        w = self._world()
-        return w is not None and w.get("run") == run
+        return (self._world() or {}).get("run") == run
 
     def strays(self):
         return [json.loads(p) for p in self._lines("strays")]
@@ -318,22 +322,13 @@ class StoreRollCall:
         """Whether every rank's record is there (one round trip)."""
         return self.store.check([f"id/{r}" for r in range(world)])
 
-    def arrived_count(self):
-        """Ranks checked in so far (a counter: a count to watch, the records are what counts)."""
-        return self.store.add("arrived", 0)
-
-    def hello_count(self):
-        """Ranks that said hello before their check-in (say_hello: their process reached the store)."""
-        return self.store.add("hellos", 0)
-
     def said_hello(self, ranks):
         """The ranks of `ranks` whose process said hello (reached the store, not checked in yet)."""
         return [r for r in ranks if self.store.check([f"hello/{r}"])]
 
     def missing(self, world):
-        if self.all_in(world):
-            return []
-        return [r for r in range(world) if not self.store.check([f"id/{r}"])]
+        have = set(self._existing([f"id/{r}" for r in range(world)]))
+        return [r for r in range(world) if f"id/{r}" not in have]
 
     def identities(self, ranks):
         """The identities of `ranks` that unseal (a forged one is kept in `forged`, not returned)."""
@@ -497,10 +492,6 @@ class StoreProtocol(StoreRollCall, SealedStore):
     def post(self, name, rank, data):
         self._fan_post(f"posts/{name}", rank, data, self.world)
 
-    def post_count(self, name):
-        """How many posts of the fan-in `name` were counted (a wake-up: posts() holds the sealed posts)."""
-        return self.store.add(f"posts/{name}/n", 0)
-
     def posts(self, name):
         return self._fan_in(f"posts/{name}")
 
@@ -554,10 +545,6 @@ class StoreProtocol(StoreRollCall, SealedStore):
         self._append("errors", json.dumps(entry))
         self.store.add("nerr", 1)
 
-    def error_count(self):
-        """Error reports posted (a counter: a wake-up; errors() holds the sealed reports)."""
-        return self.store.add("nerr", 0)
-
     def wake_roll_call(self, why):
         """Wake rank 0's roll call before every rank checked in (a stray, a rank that failed its local phase)."""
         self._set("all_arrived", why)
@@ -606,9 +593,6 @@ class StoreProtocol(StoreRollCall, SealedStore):
     def ack(self, rank):
         self._set(f"ack/{rank}", "1")
         self.store.add("acks", 1)
-
-    def acks(self):
-        return self.store.add("acks", 0)
 
     def acked(self, ranks):
         """Whether every one of `ranks` left its sealed acknowledgement."""
