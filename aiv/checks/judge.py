@@ -93,16 +93,14 @@ def forged_what(key, claim):
     c = c if isinstance(c, dict) else {}
     kind, _, rest = key.partition("/")
     who = f" claiming rank {c['rank']}" if "rank" in c else ""
-    if kind == "id":
-        return f"a record for rank {rest}" + (f" (claiming host {c['host']})" if c.get("host") else "")
-    if kind == "screen" and "/" not in rest:
-        return f"a screen post{who} in round {rest}"
-    if kind == "posts" and "/" not in rest:
-        return f"a {rest} post{who}"
-    words = {"stamp": f"a progress stamp for rank {rest}", "live": f"a liveness post for node {rest}",
-             "errors": f"an error report{who}", "gate": f"rank 0's gate {rest}", "ack": f"an acknowledgement "
-             f"for rank {rest}", "verdict": f"the verdict (claiming exit code {claim[:8]})", "world": "the world "
-             "record", "who": f"a claim on rank {rest} ({claim[:80]})", "strays": f"a stray's record{who}",
+    if "/" not in rest and kind in ("screen", "posts"):  # one round's or one phase's post
+        return f"a screen post{who} in round {rest}" if kind == "screen" else f"a {rest} post{who}"
+    host = f" (claiming host {c['host']})" if c.get("host") else ""
+    words = {"id": f"a record for rank {rest}{host}", "stamp": f"a progress stamp for rank {rest}",
+             "live": f"a liveness post for node {rest}", "errors": f"an error report{who}",
+             "gate": f"rank 0's gate {rest}", "ack": f"an acknowledgement for rank {rest}",
+             "verdict": f"the verdict (claiming exit code {claim[:8]})", "world": "the world record",
+             "who": f"a claim on rank {rest} ({claim[:80]})", "strays": f"a stray's record{who}",
              "node": f"the rank list of node {rest}", "all_arrived": "the roll call's all-arrived mark",
              "forged": "a report of a refused value", "screen": f"the screen plan {rest}"}
     return words.get(kind, f"the value of {key}")
@@ -112,12 +110,11 @@ def judge_forged(forged, master, limit=4):
     """One FAIL per store value that was refused (Seal): something outside the job wrote to the store, or
     a rank runs without the job's secret. Tamper findings name no host, and while one stands nobody is
     excluded: the run's own evidence came through that store (Coordinator.state)."""
-    out = []
-    for e in forged[:limit]:
-        hint = ", or a rank of this job was started without its AIV_JOB_SECRET" if "unsigned" in e["why"] else ""
-        out.append(dict(finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: "
-                                f"something outside the job writes to MASTER_PORT ({master}){hint}; no host is "
-                                "excluded on this run's evidence"), tamper=True))
+    unsigned = ", or a rank of this job was started without its AIV_JOB_SECRET"
+    out = [dict(finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: something "
+                        f"outside the job writes to MASTER_PORT ({master})"
+                        f"{unsigned if 'unsigned' in e['why'] else ''}; no host is excluded on this run's evidence"),
+                tamper=True) for e in forged[:limit]]
     if len(forged) > limit:
         out[-1]["reason"] += f" ({len(forged) - limit} more refused value(s) not shown)"
     return out
@@ -163,8 +160,7 @@ def judge_layout(records, expect):
         if locs != list(range(len(rs))):
             dups = sorted({x for x in locs if locs.count(x) > 1})
             gaps = sorted(set(range(len(rs))) - set(locs))
-            what = "; ".join(filter(None, [f"duplicate {format_ranges(dups)}" if dups else "",
-                                           f"missing {format_ranges(gaps)}" if gaps else ""]))
+            what = "; ".join(f"{w} {format_ranges(xs)}" for w, xs in (("duplicate", dups), ("missing", gaps)) if xs)
             out.append(unlocalised(finding("layout", "FAIL", f"node {host} has local ranks "
                                            f"{','.join(map(str, locs))} ({what}), expected 0..{len(rs) - 1} once "
                                            "each", [host], [r["rank"] for r in rs]), "launch"))
@@ -173,11 +169,9 @@ def judge_layout(records, expect):
         out.append(finding("layout", "FAIL", f"{len(hosts)} node(s) reported ({compress_hostlist(sorted(hosts))}) "
                            f"but {want_nodes} were expected"))
     rpn = expect.get("ranks_per_node")
-    if rpn is not None:
-        for host, rs in sorted(hosts.items()):
-            if len(rs) != rpn:
-                out.append(unlocalised(finding("layout", "FAIL", f"node {host} runs {len(rs)} ranks but {rpn} per "
-                                               "node were expected", [host], [r["rank"] for r in rs]), "launch"))
+    out += [unlocalised(finding("layout", "FAIL", f"node {host} runs {len(rs)} ranks but {rpn} per node were "
+                                "expected", [host], [r["rank"] for r in rs]), "launch")
+            for host, rs in sorted(hosts.items()) if rpn is not None and len(rs) != rpn]
     if not out:
         counts = sorted({len(rs) for rs in hosts.values()})
         out.append(finding("layout", "PASS", f"{len(hosts)} node(s) x {'/'.join(map(str, counts))} rank(s), "
@@ -275,8 +269,7 @@ def judge_versions(records):
                                        f"{compress_hostlist(sorted(unread))}: the node facts were not collected ("
                                        f"{next(iter(unread.values()))})", sorted(unread)), "not-collected"))
     if not any(f["status"] == "FAIL" for f in out):
-        r0 = records[0]
-        v = r0["versions"]
+        v = records[0]["versions"]
         nodes = {r["host"] for r in records}
         where = "on all nodes" if not unread else \
             f"on the {len(nodes - set(unread))} of {len(nodes)} node(s) compared"
@@ -398,14 +391,10 @@ def judge_local(records):
     """The local checks each rank ran before any communication; one finding per distinct
     reason (ranks of one host that share a misconfiguration are named together). A local check is the
     rank's own state on its host (evidence 'own')."""
-    merged = {}
-    for f in (f for r in records for f in r.get("local") or [] if f["status"] != "PASS"):
-        key = (f["check"], f["status"], f["reason"])
-        if key in merged:
-            merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
-        else:
-            merged[key] = dict(f, blame=f.get("blame") or "own")
-    return list(merged.values())
+    merged = group_by((f for r in records for f in r.get("local") or [] if f["status"] != "PASS"),
+                      lambda f: (f["check"], f["status"], f["reason"]))
+    return [dict(fs[0], blame=fs[0].get("blame") or "own", ranks=sorted({x for f in fs for x in f["ranks"]}))
+            for fs in merged.values()]
 
 
 def judge_device_use(records):
@@ -690,17 +679,9 @@ def finished_by(stamps, done, phase):
 def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
     """A rank that did not finish: one key of UNFINISHED_WORDS (see judge_unfinished)."""
     e = errors.get(r, {})
-    if e.get("term"):
-        return "terminated"
-    if e.get("internal"):
-        return "internal"
-    if live.get(r) == "gone":
-        return "dead"
-    if live.get(r) == "stopped":
-        return "frozen"
-    if host_of.get(r) in silent_hosts:
-        return "silent"
-    return "error" if r in errors else "stuck"
+    first = (("terminated", e.get("term")), ("internal", e.get("internal")), ("dead", live.get(r) == "gone"),
+             ("frozen", live.get(r) == "stopped"), ("silent", host_of.get(r) in silent_hosts), ("error", r in errors))
+    return next((kind for kind, seen in first if seen), "stuck")
 
 
 def unreachable_hosts(silent, quiet, own_host, host_of, errors):
