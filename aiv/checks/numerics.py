@@ -22,8 +22,7 @@ def numerics_group(model, software, driver=None, cpu_model=None):
     else:
         head = f"CPU {cpu_model or model or '?'} ({sw.get('isa') or '?'})"
         soft = f"torch {sw.get('torch')}"
-    env = sw.get("env") or {}
-    return f"{head}; {soft}" + "".join(f", {k}={v}" for k, v in sorted(env.items()))
+    return f"{head}; {soft}" + "".join(f", {k}={v}" for k, v in sorted((sw.get("env") or {}).items()))
 
 
 def numerics_rows(records, posts=None, field="numerics"):
@@ -38,10 +37,9 @@ def numerics_rows(records, posts=None, field="numerics"):
             continue
         g, facts = rec.get("gpu") or {}, node.get(rec.get("host")) or {}
         model = g.get("name") or "CPU"
-        sw = post.get("software")
         rows.append({"rank": rec["rank"], "host": rec.get("host"), "local_rank": rec.get("local_rank"),
                      "device": rec.get("device"), "uuid": g.get("uuid"), "model": model,
-                     "group": numerics_group(model, sw, facts.get("driver"), facts.get("cpu_model")),
+                     "group": numerics_group(model, post.get("software"), facts.get("driver"), facts.get("cpu_model")),
                      "checks": post.get("checks") or {}, "error": post.get("error"),
                      "internal": post.get("internal"), "unread": post.get("unread")})
     return rows
