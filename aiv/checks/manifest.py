@@ -118,9 +118,8 @@ def host_view(rs, load=None):
     v = rs[0].get("versions") or {}
     fields = dict(_gpu_fields(rs, node, load or {}), **_node_fields(node), **_transport_fields(rs),
                   **{k: v.get(k) for k in ("torch", "cuda", "nccl", "python")})
-    rates = [p["rate_gbps"] for p in node.get("ib") or [] if p.get("rate_gbps")]
-    key = {"gpu_model": fields["gpu_model"], "gpus_per_node": fields["gpus_per_node"],
-           "ib_ports": fields["ib_ports"], "ib_rate_gbps": max(rates) if rates else None}
+    key = {"gpu_model": fields["gpu_model"], "gpus_per_node": fields["gpus_per_node"], "ib_ports": fields["ib_ports"],
+           "ib_rate_gbps": max((p["rate_gbps"] for p in node.get("ib") or [] if p.get("rate_gbps")), default=None)}
     return {f: fields[f] for f in FIELD_NAMES}, key
 
 
@@ -155,11 +154,8 @@ def _hl(hosts):
 
 
 def _expand_class(c):
-    values = {}
-    for field, variants in (c.get("fields") or {}).items():
-        for var in variants:
-            for h in _hosts_in(var.get("hosts")):
-                values.setdefault(field, {})[h] = var["value"]
+    values = {field: hv for field, variants in (c.get("fields") or {}).items()
+              if (hv := {h: var["value"] for var in variants for h in _hosts_in(var.get("hosts"))})}
     return {"key": c.get("key") or {}, "hosts": set(_hosts_in(c.get("hosts"))), "values": values,
             "runs": c.get("runs", 1), "first_accepted_at": c.get("first_accepted_at"),
             "last_accepted_at": c.get("last_accepted_at"), "bands": c.get("bands") or {}}
@@ -641,8 +637,7 @@ def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None, 
 def diff_manifests(a, b):
     """Lines 'class/field: old -> new (hosts)' from manifest a to b: hosts joining or leaving a class; per
     field, hosts in both whose value changed and new hosts whose value is none of a's; bands."""
-    ca = {k: _expand_class(c) for k, c in a["classes"].items()}
-    cb = {k: _expand_class(c) for k, c in b["classes"].items()}
+    ca, cb = ({k: _expand_class(c) for k, c in m["classes"].items()} for m in (a, b))
     out = []
     for key in sorted(set(ca) | set(cb)):
         x, y = ca.get(key), cb.get(key)
