@@ -2301,10 +2301,7 @@ def _usable(info):
 def nccl_ifname_select(spec, names):
     """Interfaces NCCL_SOCKET_IFNAME selects: comma list of prefixes; '=' exact; '^' exclude."""
     exclude, exact, pats = nccl_list(spec)
-
-    def hit(name):
-        return any(name == p if exact else name.startswith(p) for p in pats)
-    return [n for n in names if (not hit(n)) == exclude]
+    return [n for n in names if any(n == p if exact else n.startswith(p) for p in pats) != exclude]
 
 
 def gloo_ifname_select(spec, names):
@@ -2313,36 +2310,27 @@ def gloo_ifname_select(spec, names):
     return [w for w in wanted if w in names], [w for w in wanted if w not in names]
 
 
-def _iface_summary(ifaces):
-    return ", ".join(f"{n}({'up' if i['up'] else 'down'}{':' + i['addrs'][0] if i['addrs'] else ''})"
-                     for n, i in sorted(ifaces.items())) or "none"
-
-
 def check_interfaces(env, ifaces, host):
     """Local check: each *_SOCKET_IFNAME set selects at least one up interface with an address."""
-    out = []
+    listed = ", ".join(f"{n}({'up' if i['up'] else 'down'}{':' + i['addrs'][0] if i['addrs'] else ''})"
+                       for n, i in sorted(ifaces.items())) or "none"
+    out, here = [], f"on {host}; interfaces here: {listed}"
     usable = {n for n, i in ifaces.items() if _usable(i)}
     if "NCCL_SOCKET_IFNAME" in env:
         val = env["NCCL_SOCKET_IFNAME"]
         sel = nccl_ifname_select(val, sorted(ifaces))
         good = [n for n in sel if n in usable]
-        if good:
-            out.append(finding("interface", "PASS", f"NCCL_SOCKET_IFNAME={val} selects {','.join(good)} on {host}",
-                               [host]))
-        else:
-            why = f"selects {','.join(sel)} but none is up with an address" if sel else "matches no interface"
-            out.append(finding("interface", "FAIL", f"NCCL_SOCKET_IFNAME={val!r} {why} on {host}; "
-                               f"interfaces here: {_iface_summary(ifaces)}", [host]))
+        why = f"selects {','.join(sel)} but none is up with an address" if sel else "matches no interface"
+        text = f"NCCL_SOCKET_IFNAME={val} selects {','.join(good)} on {host}" if good else \
+            f"NCCL_SOCKET_IFNAME={val!r} {why} {here}"
+        out.append(finding("interface", "PASS" if good else "FAIL", text, [host]))
     if "GLOO_SOCKET_IFNAME" in env:
         val = env["GLOO_SOCKET_IFNAME"]
         found, missing = gloo_ifname_select(val, set(ifaces))
         bad = missing + [n for n in found if n not in usable]
-        if found and not bad:
-            out.append(finding("interface", "PASS", f"GLOO_SOCKET_IFNAME={val} present on {host}", [host]))
-        else:
-            what = ",".join(bad) or val
-            out.append(finding("interface", "FAIL", f"GLOO_SOCKET_IFNAME={val!r}: {what} is absent, down or has "
-                               f"no address on {host}; interfaces here: {_iface_summary(ifaces)}", [host]))
+        text = f"GLOO_SOCKET_IFNAME={val} present on {host}" if found and not bad else \
+            f"GLOO_SOCKET_IFNAME={val!r}: {','.join(bad) or val} is absent, down or has no address {here}"
+        out.append(finding("interface", "PASS" if found and not bad else "FAIL", text, [host]))
     return out
 
 
@@ -2369,10 +2357,8 @@ def gloo_address(env, ifaces, hostname=None):
 
 def parse_nccl_ifaces(text):
     """Interfaces NCCL chose, from its INFO lines ('NET/Socket : Using [0]eth0:10.0.0.1<0>')."""
-    found = set()
-    for line in re.findall(r"(?:NET/Socket|Bootstrap) ?: Using (.*)", text):
-        found.update(re.findall(r"(?:\[\d+\])?([\w.\-]+:[0-9A-Fa-f.:]+)<\d+>", line))
-    return sorted(found)
+    return sorted({nic for line in re.findall(r"(?:NET/Socket|Bootstrap) ?: Using (.*)", text)
+                   for nic in re.findall(r"(?:\[\d+\])?([\w.\-]+:[0-9A-Fa-f.:]+)<\d+>", line)})
 
 
 def parse_nccl_nics(text):
@@ -2398,14 +2384,11 @@ def parse_nccl_hca(text, since=0):
     network connections all went over sockets (no HCA carries them)."""
     nics = parse_nccl_nics(text)
     for part in ((text[since:], text) if since else (text,)):
-        counts, other = {}, False
-        for kind, idx in re.findall(r"\] via NET/([\w.\-]+)/(\d+)", part):
-            if kind != "Socket" and int(idx) in nics:
-                counts[int(idx)] = counts.get(int(idx), 0) + 1
-            other = other or kind != "Socket"
+        net = [int(idx) for kind, idx in re.findall(r"\] via NET/([\w.\-]+)/(\d+)", part) if kind != "Socket"]
+        counts = collections.Counter(idx for idx in net if idx in nics)
         if counts:
             return nics[max(sorted(counts), key=counts.get)]
-        if part and re.search(r"\] via NET/Socket/", part) and not other:
+        if part and re.search(r"\] via NET/Socket/", part) and not net:
             return ""
     return None
 
@@ -2471,13 +2454,18 @@ def count_visible_gpus(env, root="/"):
     return min(n, len(items)) if cvd is not None else n
 
 
+def _listdir(path):
+    """The names in a directory, [] where it cannot be read."""
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
 def driver_gpus(root="/"):
     """The NVIDIA driver's own list of its GPUs (/proc/driver/nvidia/gpus/<bus id>), [] without the driver: the
     node's own GPUs, whatever share of them the job was given (CUDA_VISIBLE_DEVICES, --gpus-per-node)."""
-    try:
-        return sorted(d.lower() for d in os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
-    except OSError:
-        return []
+    return sorted(d.lower() for d in _listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
 
 
 NO_DEVICES = ("", "-1", "NoDevFiles")
@@ -2521,16 +2509,8 @@ def read_ib_ports(root="/"):
     """[{'port': 'mlx5_0:1', 'state': 'ACTIVE', 'rate_gbps': 400.0, 'link_layer': 'InfiniBand'}]."""
     base = os.path.join(root, "sys/class/infiniband")
     out = []
-    try:
-        devs = sorted(os.listdir(base))
-    except OSError:
-        return out
-    for dev in devs:
-        try:
-            ports = sorted(os.listdir(os.path.join(base, dev, "ports")), key=lambda p: int(p) if p.isdigit() else 0)
-        except OSError:
-            continue
-        for p in ports:
+    for dev in sorted(_listdir(base)):
+        for p in sorted(_listdir(os.path.join(base, dev, "ports")), key=lambda p: int(p) if p.isdigit() else 0):
             state, rate, layer = ((read_text(os.path.join(base, dev, "ports", p, name), "") or "").strip()
                                   for name in ("state", "rate", "link_layer"))
             m = re.match(r"([\d.]+)\s*Gb", rate)
@@ -3013,6 +2993,9 @@ def numerics_measure(torch_mod, dev, kind):
         torch_mod.set_num_threads(1)  # one thread: the same kernels (and bits) on every rank
         device = torch_mod.device("cpu")
     checks = {}
+
+    def check(name, res, ref, scale, k=k):  # each result against its reference, within its own tolerance
+        checks[name] = _post(torch_mod, res, ref, scale, numerics_tolerance(name, k, tf32_forced))
     try:
         with ctx, torch_mod.no_grad():
             a32, b32, bias32 = (t.to(device) for t in (a, b, bias))
@@ -3022,23 +3005,18 @@ def numerics_measure(torch_mod, dev, kind):
             ref32, ref16 = _mm64(torch_mod, a32, b32), _mm64(torch_mod, a16, b16)
             refs_ok = _reference_problem(torch_mod, a, b, ref32) if gpu else None
             with fp32_matmul_precision(torch_mod, "highest"):
-                checks["matmul-bf16"] = _post(torch_mod, torch_mod.matmul(a16, b16), ref16, scale16,
-                                              numerics_tolerance("matmul-bf16", k))
+                check("matmul-bf16", torch_mod.matmul(a16, b16), ref16, scale16)
                 wt = b16.t().contiguous()  # F.linear takes the weight as out_features x in_features
                 bias64 = bias16.double()[None, :]
-                checks["linear-bf16"] = _post(torch_mod, torch_mod.nn.functional.linear(a16, wt, bias16),
-                                              ref16 + bias64, scale16 + bias64.abs(),
-                                              numerics_tolerance("linear-bf16", k))
-                checks["matmul-fp32"] = _post(torch_mod, a32 @ b32, ref32, scale32,
-                                              numerics_tolerance("matmul-fp32", k, tf32_forced))
+                check("linear-bf16", torch_mod.nn.functional.linear(a16, wt, bias16), ref16 + bias64,
+                      scale16 + bias64.abs())
+                check("matmul-fp32", a32 @ b32, ref32, scale32)
             if gpu and torch_mod.cuda.get_device_capability(dev)[0] >= 8:
                 with fp32_matmul_precision(torch_mod, "high"):
-                    checks["matmul-tf32"] = _post(torch_mod, a32 @ b32, ref32, scale32,
-                                                  numerics_tolerance("matmul-tf32", k))
+                    check("matmul-tf32", a32 @ b32, ref32, scale32)
             ea, eb, ec = (t.to(device) for t in (x, y, z))
-            checks["elementwise-fp32"] = _post(
-                torch_mod, torch_mod.addcmul(ec, ea, eb), ec.double() + ea.double() * eb.double(),
-                (ea.double() * eb.double()).abs() + ec.double().abs(), numerics_tolerance("elementwise-fp32", 1))
+            check("elementwise-fp32", torch_mod.addcmul(ec, ea, eb), ec.double() + ea.double() * eb.double(),
+                  (ea.double() * eb.double()).abs() + ec.double().abs(), 1)
             if refs_ok:  # the device's own fp64 is off the CPU's: no check of this rank can be believed
                 for c in checks.values():
                     c.update(off=True, reference=refs_ok)
@@ -3144,17 +3122,13 @@ class NumericsRepeat:
             return
         self.last = time.monotonic()
         self.repeats += 1
-        bad = False
-        for c, r in self._run().items():
-            if numerics_digest(self.torch, r) == self.digests[c]:
-                continue
-            bad = True
-            if len(self.first_bad) < 3:
-                diff = (r.double() - self.first[c].double()).abs()
-                k = int(self.torch.argmax(diff.view(-1)))
-                self.first_bad.append({"t": round(t, 1), "check": c, "abs": float(f"{float(diff.view(-1)[k]):.4g}"),
-                                       "at": list(divmod(k, r.shape[-1]))})
-        self.mismatches += bad
+        bad = [(c, r) for c, r in self._run().items() if numerics_digest(self.torch, r) != self.digests[c]]
+        for c, r in bad[:3 - len(self.first_bad)]:  # the first few, with where and by how much
+            diff = (r.double() - self.first[c].double()).abs()
+            k = int(self.torch.argmax(diff.view(-1)))
+            self.first_bad.append({"t": round(t, 1), "check": c, "abs": float(f"{float(diff.view(-1)[k]):.4g}"),
+                                   "at": list(divmod(k, r.shape[-1]))})
+        self.mismatches += bool(bad)
 
     def summary(self):
         return {"numerics_repeats": self.repeats, "numerics_mismatches": self.mismatches,
@@ -3807,8 +3781,7 @@ def numerics_group(model, software, driver=None, cpu_model=None):
     else:
         head = f"CPU {cpu_model or model or '?'} ({sw.get('isa') or '?'})"
         soft = f"torch {sw.get('torch')}"
-    env = sw.get("env") or {}
-    return f"{head}; {soft}" + "".join(f", {k}={v}" for k, v in sorted(env.items()))
+    return f"{head}; {soft}" + "".join(f", {k}={v}" for k, v in sorted((sw.get("env") or {}).items()))
 
 
 def numerics_rows(records, posts=None, field="numerics"):
@@ -3823,10 +3796,9 @@ def numerics_rows(records, posts=None, field="numerics"):
             continue
         g, facts = rec.get("gpu") or {}, node.get(rec.get("host")) or {}
         model = g.get("name") or "CPU"
-        sw = post.get("software")
         rows.append({"rank": rec["rank"], "host": rec.get("host"), "local_rank": rec.get("local_rank"),
                      "device": rec.get("device"), "uuid": g.get("uuid"), "model": model,
-                     "group": numerics_group(model, sw, facts.get("driver"), facts.get("cpu_model")),
+                     "group": numerics_group(model, post.get("software"), facts.get("driver"), facts.get("cpu_model")),
                      "checks": post.get("checks") or {}, "error": post.get("error"),
                      "internal": post.get("internal"), "unread": post.get("unread")})
     return rows
@@ -3868,15 +3840,11 @@ def _numerics_bits(c, on, culprits):
     """Check c among the ranks `on` the reference: a strict majority of bits names the minority (added to
     culprits). -> the classes {digest: rows} where there is no majority (a tie), else None."""
     by = group_by(on, lambda r: r["checks"][c].get("digest"))
-    if len(by) <= 1:
-        return None
-    top = max(by.values(), key=len)
-    if 2 * len(top) <= len(on):
+    top = max(by.values(), key=len, default=[])
+    if len(by) > 1 and 2 * len(top) <= len(on):
         return by
-    for rs_ in by.values():
-        if rs_ is not top:
-            for r in rs_:
-                culprits.setdefault(r["rank"], (r, []))[1].append(_bits_words(c, r, len(top)))
+    for r in [r for rs_ in by.values() if rs_ is not top for r in rs_]:
+        culprits.setdefault(r["rank"], (r, []))[1].append(_bits_words(c, r, len(top)))
     return None
 
 
@@ -3885,11 +3853,8 @@ def _numerics_tie(group, c, by, culprits):
     are then named against it), else one FAIL naming the ranks that disagree, no host blamed (or None)."""
     clean = [d for d, rs_ in by.items() if not all(r["rank"] in culprits for r in rs_)]
     if len(clean) == 1:
-        agree = len(by[clean[0]])
-        for d, rs_ in by.items():
-            if d != clean[0]:
-                for r in rs_:
-                    culprits[r["rank"]][1].append(_bits_words(c, r, agree))
+        for r in [r for d, rs_ in by.items() if d != clean[0] for r in rs_]:
+            culprits[r["rank"]][1].append(_bits_words(c, r, len(by[clean[0]])))
         return None
     ranks = [r for rs_ in by.values() for r in rs_]
     return finding("numerics", "FAIL", f"{len(ranks)} rank(s) of {group} disagree bit for bit on {c} "
@@ -4026,8 +3991,7 @@ def _bits_words(c, r, agree):
 
 def judge_numerics_records(records):
     """judge_numerics of the telemetry's numerics (the records gathered at telemetry), [] when no rank has one."""
-    rows = numerics_rows(records)
-    return judge_numerics(rows) if rows else []
+    return judge_numerics(numerics_rows(records))
 
 
 def judge_ddp_grads(records, results):
@@ -4036,8 +4000,7 @@ def judge_ddp_grads(records, results):
     software = {rec["rank"]: (rec.get("numerics") or {}).get("software") for rec in records}
     posts = {res["rank"]: {"checks": {"ddp-grad": res["grads_local"]}, "software": software.get(res["rank"])}
              for res in results or [] if isinstance(res.get("grads_local"), dict)}
-    rows = numerics_rows(records, posts)
-    return judge_numerics(rows, "DDP step's local backward (before the all-reduce)") if rows else []
+    return judge_numerics(numerics_rows(records, posts), "DDP step's local backward (before the all-reduce)")
 
 
 def judge_numerics_soak(rows):
@@ -4133,8 +4096,7 @@ def issued_source(posts, ranks, key=None):
 def issued_last(post, key, source):
     """[op, seq, done(, state)] of the last collective a rank issued on the group `key` (None: none), from
     `source` (the recorder's entries carry its state: scheduled, started, completed)."""
-    table = (post.get("fr") if source == "recorder" else post.get("own")) or {}
-    last = table.get(key)
+    last = ((post.get("fr") if source == "recorder" else post.get("own")) or {}).get(key)
     return list(last) if last else None
 
 
@@ -4142,22 +4104,21 @@ def _late_state(post, x, front, source, started):
     """One late rank's place (ISSUED_STATES) and, when it is behind on the recorder's evidence although its own
     record says it is inside the call, how: 'unseen' (its backend never saw the collective its peers' recorders
     hold) or 'unstarted' (its entry stayed scheduled while a peer's started)."""
-    idle_s, inside = post.get("idle_s"), post.get("inflight")
-    inside_s = post.get("inflight_s")
-    if source == "recorder" and front is not None and (x is None or x[1] < front):
+    inside = post.get("inflight")
+    lags = front is not None and (x is None or x[1] < front)  # behind the furthest collective a peer issued
+    idle_brief, inside_brief = (s is not None and s < BETWEEN_S for s in (post.get("idle_s"), post.get("inflight_s")))
+    if source == "recorder" and lags:
         if not inside:
-            return ("between", None) if idle_s is not None and idle_s < BETWEEN_S else ("behind", None)
-        return ("between", None) if inside_s is not None and inside_s < BETWEEN_S else ("behind", "unseen")
+            return ("between", None) if idle_brief else ("behind", None)
+        return ("between", None) if inside_brief else ("behind", "unseen")
     if source == "recorder" and inside and x and x[1] == front and started and len(x) > 3 and \
-            x[3] == "scheduled" and (inside_s is None or inside_s >= BETWEEN_S):
+            x[3] == "scheduled" and not inside_brief:
         return "behind", "unstarted"
     if inside:  # its own record: the main thread is inside a collective call right now
         return "waiting", None
-    if idle_s is not None and idle_s < BETWEEN_S:
+    if idle_brief:
         return "between", None
-    if front is not None and (x is None or x[1] < front):
-        return "behind", None
-    return "idle", None
+    return ("behind", None) if lags else ("idle", None)
 
 
 def issued_states(ranks, posts, late, key):
@@ -4172,16 +4133,13 @@ def issued_states(ranks, posts, late, key):
     the call}."""
     source = issued_source(posts, ranks, key)
     last = {r: issued_last(posts[r], key, source) for r in ranks if posts.get(r) is not None}
-    seqs = [x[1] for x in last.values() if x]
-    front = max(seqs) if seqs else None
+    front = max((x[1] for x in last.values() if x), default=None)
     fop = next((x[0] for x in last.values() if x and x[1] == front), None)
     started = any(x and x[1] == front and len(x) > 3 and x[3] in ("started", "completed") for x in last.values())
-    states, how = {}, {}
-    for r in late:
-        states[r], h = (_late_state(posts[r], last.get(r), front, source, started) if posts.get(r) is not None
-                        else ("unposted", None))
-        if h:
-            how[r] = h
+    places = {r: _late_state(posts[r], last.get(r), front, source, started) if posts.get(r) is not None
+              else ("unposted", None) for r in late}
+    states = {r: s for r, (s, _) in places.items()}
+    how = {r: h for r, (_, h) in places.items() if h}
     issuers = sorted(r for r, x in last.items() if x and x[1] == front and how.get(r) != "unstarted")
     return {"source": source, "key": key, "front": None if front is None else [fop, front], "issuers": issuers,
             "last": last, "states": states, "how": how}
@@ -4207,15 +4165,9 @@ def never_issued_text(behind, an, host_of):
     while its peers' started: 'rank 1 (n1) never started all_reduce #3 that ranks 0, 2-15 started'."""
     who = "rank" if len(an["issuers"]) == 1 else "ranks"
     how = an.get("how") or {}
-    unstarted = [r for r in behind if how.get(r) == "unstarted"]
-    parts = []
-    if len(unstarted) < len(behind):
-        parts.append(f"{on_hosts([r for r in behind if r not in unstarted], host_of)} never issued "
-                     f"{op_text(an['front'])} that {who} {ranks_text(an['issuers'])} issued")
-    if unstarted:
-        parts.append(f"{on_hosts(unstarted, host_of)} never started {op_text(an['front'])} that {who} "
-                     f"{ranks_text(an['issuers'])} started")
-    return "; ".join(parts)
+    by_verb = group_by(behind, lambda r: "started" if how.get(r) == "unstarted" else "issued")
+    return "; ".join(f"{on_hosts(by_verb[verb], host_of)} never {verb} {op_text(an['front'])} that {who} "
+                     f"{ranks_text(an['issuers'])} {verb}" for verb in ("issued", "started") if verb in by_verb)
 
 
 def never_finished_text(ranks, phase, finished, host_of):
@@ -4366,11 +4318,10 @@ def _rank_str(r):
 
 def judge_world_size(world_size, expect):
     want = expect.get("world_size")
-    if want is None:
-        return [finding("world-size", "PASS", f"WORLD_SIZE={world_size} (no expectation set)")]
-    if want != world_size:
+    if want not in (None, world_size):
         return [finding("world-size", "FAIL", f"WORLD_SIZE={world_size} but {want} ranks were expected")]
-    return [finding("world-size", "PASS", f"WORLD_SIZE={world_size} as expected")]
+    said = "(no expectation set)" if want is None else "as expected"
+    return [finding("world-size", "PASS", f"WORLD_SIZE={world_size} {said}")]
 
 
 def stray_reason(rank, world, world0, first):
@@ -4412,16 +4363,14 @@ def forged_what(key, claim):
     c = c if isinstance(c, dict) else {}
     kind, _, rest = key.partition("/")
     who = f" claiming rank {c['rank']}" if "rank" in c else ""
-    if kind == "id":
-        return f"a record for rank {rest}" + (f" (claiming host {c['host']})" if c.get("host") else "")
-    if kind == "screen" and "/" not in rest:
-        return f"a screen post{who} in round {rest}"
-    if kind == "posts" and "/" not in rest:
-        return f"a {rest} post{who}"
-    words = {"stamp": f"a progress stamp for rank {rest}", "live": f"a liveness post for node {rest}",
-             "errors": f"an error report{who}", "gate": f"rank 0's gate {rest}", "ack": f"an acknowledgement "
-             f"for rank {rest}", "verdict": f"the verdict (claiming exit code {claim[:8]})", "world": "the world "
-             "record", "who": f"a claim on rank {rest} ({claim[:80]})", "strays": f"a stray's record{who}",
+    if "/" not in rest and kind in ("screen", "posts"):  # one round's or one phase's post
+        return f"a screen post{who} in round {rest}" if kind == "screen" else f"a {rest} post{who}"
+    host = f" (claiming host {c['host']})" if c.get("host") else ""
+    words = {"id": f"a record for rank {rest}{host}", "stamp": f"a progress stamp for rank {rest}",
+             "live": f"a liveness post for node {rest}", "errors": f"an error report{who}",
+             "gate": f"rank 0's gate {rest}", "ack": f"an acknowledgement for rank {rest}",
+             "verdict": f"the verdict (claiming exit code {claim[:8]})", "world": "the world record",
+             "who": f"a claim on rank {rest} ({claim[:80]})", "strays": f"a stray's record{who}",
              "node": f"the rank list of node {rest}", "all_arrived": "the roll call's all-arrived mark",
              "forged": "a report of a refused value", "screen": f"the screen plan {rest}"}
     return words.get(kind, f"the value of {key}")
@@ -4431,12 +4380,11 @@ def judge_forged(forged, master, limit=4):
     """One FAIL per store value that was refused (Seal): something outside the job wrote to the store, or
     a rank runs without the job's secret. Tamper findings name no host, and while one stands nobody is
     excluded: the run's own evidence came through that store (Coordinator.state)."""
-    out = []
-    for e in forged[:limit]:
-        hint = ", or a rank of this job was started without its AIV_JOB_SECRET" if "unsigned" in e["why"] else ""
-        out.append(dict(finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: "
-                                f"something outside the job writes to MASTER_PORT ({master}){hint}; no host is "
-                                "excluded on this run's evidence"), tamper=True))
+    unsigned = ", or a rank of this job was started without its AIV_JOB_SECRET"
+    out = [dict(finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: something "
+                        f"outside the job writes to MASTER_PORT ({master})"
+                        f"{unsigned if 'unsigned' in e['why'] else ''}; no host is excluded on this run's evidence"),
+                tamper=True) for e in forged[:limit]]
     if len(forged) > limit:
         out[-1]["reason"] += f" ({len(forged) - limit} more refused value(s) not shown)"
     return out
@@ -4482,8 +4430,7 @@ def judge_layout(records, expect):
         if locs != list(range(len(rs))):
             dups = sorted({x for x in locs if locs.count(x) > 1})
             gaps = sorted(set(range(len(rs))) - set(locs))
-            what = "; ".join(filter(None, [f"duplicate {format_ranges(dups)}" if dups else "",
-                                           f"missing {format_ranges(gaps)}" if gaps else ""]))
+            what = "; ".join(f"{w} {format_ranges(xs)}" for w, xs in (("duplicate", dups), ("missing", gaps)) if xs)
             out.append(unlocalised(finding("layout", "FAIL", f"node {host} has local ranks "
                                            f"{','.join(map(str, locs))} ({what}), expected 0..{len(rs) - 1} once "
                                            "each", [host], [r["rank"] for r in rs]), "launch"))
@@ -4492,16 +4439,12 @@ def judge_layout(records, expect):
         out.append(finding("layout", "FAIL", f"{len(hosts)} node(s) reported ({compress_hostlist(sorted(hosts))}) "
                            f"but {want_nodes} were expected"))
     rpn = expect.get("ranks_per_node")
-    if rpn is not None:
-        for host, rs in sorted(hosts.items()):
-            if len(rs) != rpn:
-                out.append(unlocalised(finding("layout", "FAIL", f"node {host} runs {len(rs)} ranks but {rpn} per "
-                                               "node were expected", [host], [r["rank"] for r in rs]), "launch"))
-    if not out:
-        counts = sorted({len(rs) for rs in hosts.values()})
-        out.append(finding("layout", "PASS", f"{len(hosts)} node(s) x {'/'.join(map(str, counts))} rank(s), "
-                           f"local ranks 0..k-1 once on every node"))
-    return out
+    out += [unlocalised(finding("layout", "FAIL", f"node {host} runs {len(rs)} ranks but {rpn} per node were "
+                                "expected", [host], [r["rank"] for r in rs]), "launch")
+            for host, rs in sorted(hosts.items()) if rpn is not None and len(rs) != rpn]
+    counts = "/".join(map(str, sorted({len(rs) for rs in hosts.values()})))
+    return out or [finding("layout", "PASS", f"{len(hosts)} node(s) x {counts} rank(s), local ranks 0..k-1 once on "
+                           "every node")]
 
 
 def judge_gpu_affinity(records):
@@ -4522,9 +4465,7 @@ def judge_gpu_affinity(records):
                     blame="majority")
         out.append(f if kind == "majority" else unlocalised(
             f, kind, "the launch's GPU binding (--gpus-per-task, CUDA_VISIBLE_DEVICES) on every node"))
-    if not out:
-        out.append(finding("gpu-affinity", "PASS", f"{len(gpu_recs)} rank(s) on {len(seen)} distinct GPU(s)"))
-    return out
+    return out or [finding("gpu-affinity", "PASS", f"{len(gpu_recs)} rank(s) on {len(seen)} distinct GPU(s)")]
 
 
 def judge_numa(records):
@@ -4550,11 +4491,12 @@ def _spread(values):
     return "; ".join(f"{v} on {compress_hostlist(sorted(hs))}" for v, hs in sorted(values.items(), key=str))
 
 
-def _differs(check, sev, text, values, localise=None):
+def _differs(check, sev, text, values, localise=None, records=()):
     """A finding that `text` differs across nodes (values: {value: hosts}): the nodes unlike a strict majority
-    named (evidence 'majority'), or with no majority (a tie) one finding naming no host."""
+    named (evidence 'majority'; their ranks among `records`), or with no majority (a tie) one finding naming no host."""
     odd, kind = odd_ones(values)
-    f = finding(check, sev, f"{text}: {_spread(values)}", odd, blame="majority")
+    f = finding(check, sev, f"{text}: {_spread(values)}", odd, [r["rank"] for r in records if r["host"] in odd],
+                blame="majority")
     return f if kind == "majority" else unlocalised(f, kind, localise)
 
 
@@ -4594,8 +4536,7 @@ def judge_versions(records):
                                        f"{compress_hostlist(sorted(unread))}: the node facts were not collected ("
                                        f"{next(iter(unread.values()))})", sorted(unread)), "not-collected"))
     if not any(f["status"] == "FAIL" for f in out):
-        r0 = records[0]
-        v = r0["versions"]
+        v = records[0]["versions"]
         nodes = {r["host"] for r in records}
         where = "on all nodes" if not unread else \
             f"on the {len(nodes - set(unread))} of {len(nodes)} node(s) compared"
@@ -4620,10 +4561,8 @@ def judge_imports(records):
                                    [r["host"]], blame="own"))
             elif st:
                 versions[name].setdefault(str(st.get("version")), set()).add(r["host"])
-    for name, values in versions.items():
-        if len(values) > 1:
-            out.append(_differs("versions", "WARN", f"{name} differs across nodes", values))
-    return out
+    return out + [_differs("versions", "WARN", f"{name} differs across nodes", values)
+                  for name, values in versions.items() if len(values) > 1]
 
 
 def judge_fabric(records, ib_hca=None):
@@ -4649,11 +4588,9 @@ def judge_fabric(records, ib_hca=None):
     if missing:
         out.append(_differs("fabric", "WARN", "InfiniBand ports present on some nodes only",
                             {"present": set(with_ib), "absent": set(missing)}))
-    if not out:
-        n = sum(len(ps) for ps in with_ib.values())
-        out.append(finding("fabric", "PASS", f"{n} InfiniBand port(s) ACTIVE at {max(node_max.values()):g} Gb/s on "
-                           f"{len(with_ib)} node(s)"))
-    return out
+    n = sum(len(ps) for ps in with_ib.values())
+    return out or [finding("fabric", "PASS", f"{n} InfiniBand port(s) ACTIVE at {max(node_max.values()):g} Gb/s on "
+                           f"{len(with_ib)} node(s)")]
 
 
 SHM_MIN = 1 << 30          # NCCL's SHM transport needs more than a container's 64 MiB default
@@ -4717,14 +4654,10 @@ def judge_local(records):
     """The local checks each rank ran before any communication; one finding per distinct
     reason (ranks of one host that share a misconfiguration are named together). A local check is the
     rank's own state on its host (evidence 'own')."""
-    merged = {}
-    for f in (f for r in records for f in r.get("local") or [] if f["status"] != "PASS"):
-        key = (f["check"], f["status"], f["reason"])
-        if key in merged:
-            merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
-        else:
-            merged[key] = dict(f, blame=f.get("blame") or "own")
-    return list(merged.values())
+    merged = group_by((f for r in records for f in r.get("local") or [] if f["status"] != "PASS"),
+                      lambda f: (f["check"], f["status"], f["reason"]))
+    return [dict(fs[0], blame=fs[0].get("blame") or "own", ranks=sorted({x for f in fs for x in f["ranks"]}))
+            for fs in merged.values()]
 
 
 def judge_device_use(records):
@@ -4732,10 +4665,7 @@ def judge_device_use(records):
     say which GPUs were not exercised."""
     seen = {b: set(hs) for b, hs in group_by(records, lambda r: r.get("backend"), lambda r: r["host"]).items()}
     if len(seen) > 1:
-        odd, kind = odd_ones(seen)
-        f = finding("device", "FAIL", "ranks chose different backends: " + _spread(seen), odd,
-                    [r["rank"] for r in records if r["host"] in odd], blame="majority")
-        return [f if kind == "majority" else unlocalised(f, kind)]
+        return [_differs("device", "FAIL", "ranks chose different backends", seen, records=records)]
     unused = {r["host"]: r["gpus_expected"] for r in records if r.get("backend") == "gloo" and r.get("gpus_expected")
               and not any(f["check"] == "device" for f in r.get("local") or [])}
     if unused:
@@ -4764,8 +4694,7 @@ def judge_gloo_address(records):
         kind = minority_kind(loop, hosts)
         return [f if kind == "majority" else unlocalised(f, kind, "GLOO_SOCKET_IFNAME for every node")]
     used = group_by(gl, lambda r: f"{r['gloo']['iface']}({r['gloo']['addr']})", lambda r: r["host"])
-    return [finding("interface", "PASS", "gloo uses " + "; ".join(
-        f"{k} on {compress_hostlist(sorted(set(v)))}" for k, v in sorted(used.items())))]
+    return [finding("interface", "PASS", "gloo uses " + _spread({k: set(v) for k, v in used.items()}))]
 
 
 NO_TORCH = ("the python this launch ran cannot import torch (no venv, the wrong python, PYTORCH_ENV unset): the "
@@ -4919,10 +4848,9 @@ def judge_transport(records, ib_disable=None):
             out.append(finding("transport", "FAIL", f"{h}: NCCL used NET/Socket although InfiniBand port(s) "
                                f"{','.join(active[:4])} are ACTIVE and NCCL_IB_DISABLE is not 1 (IB not usable by "
                                f"NCCL: check the IB verbs libraries, NCCL_IB_HCA, /dev/infiniband access)", [h]))
-    for why, hosts in sorted(unread.items()):
-        where = compress_hostlist(sorted(hosts))
-        out.append(finding("transport", "WARN", f"NCCL's transport was not judged on {where}: {why}; an "
-                           "InfiniBand-to-socket fallback there would pass unseen", sorted(hosts)))
+    out += [finding("transport", "WARN", f"NCCL's transport was not judged on {compress_hostlist(sorted(hosts))}: "
+                    f"{why}; an InfiniBand-to-socket fallback there would pass unseen", sorted(hosts))
+            for why, hosts in sorted(unread.items())]
     if per_host and not any(f["status"] == "FAIL" for f in out):
         out.insert(0, finding("transport", "PASS", "NCCL transports: " + "; ".join(
             f"{'+'.join(sorted(k)) or 'none'} on {compress_hostlist(sorted(hs))}"
@@ -4959,9 +4887,7 @@ def judge_bandwidth(results, min_busbw=None):
 
 def apply_strict(findings, strict):
     """--strict: every WARN a FAIL, marked `strict` (named as its evidence allows, never drained: drainable)."""
-    if not strict:
-        return findings
-    return [dict(f, status="FAIL", strict=True) if f["status"] == "WARN" else f for f in findings]
+    return [dict(f, status="FAIL", strict=True) if strict and f["status"] == "WARN" else f for f in findings]
 
 
 UNFINISHED_WORDS = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",
@@ -4989,10 +4915,9 @@ def unfinished_parts(ranks_of, states, named, host_of, by_issued):
     for k, words in UNFINISHED_WORDS.items():
         rs = ranks_of(k)
         if k == "stuck" and by_issued:
-            for s, w in ISSUED_WORDS.items():
-                sub = [r for r in rs if states.get(r) == s]
-                if sub:
-                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
+            by_state = group_by(rs, states.get)
+            parts += [f"{on_hosts(by_state[s], host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else "")
+                      for s, w in ISSUED_WORDS.items() if s in by_state]
             rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
         if rs:
             parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
@@ -5009,17 +4934,9 @@ def finished_by(stamps, done, phase):
 def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
     """A rank that did not finish: one key of UNFINISHED_WORDS (see judge_unfinished)."""
     e = errors.get(r, {})
-    if e.get("term"):
-        return "terminated"
-    if e.get("internal"):
-        return "internal"
-    if live.get(r) == "gone":
-        return "dead"
-    if live.get(r) == "stopped":
-        return "frozen"
-    if host_of.get(r) in silent_hosts:
-        return "silent"
-    return "error" if r in errors else "stuck"
+    first = (("terminated", e.get("term")), ("internal", e.get("internal")), ("dead", live.get(r) == "gone"),
+             ("frozen", live.get(r) == "stopped"), ("silent", host_of.get(r) in silent_hosts), ("error", r in errors))
+    return next((kind for kind, seen in first if seen), "stuck")
 
 
 def unreachable_hosts(silent, quiet, own_host, host_of, errors):
@@ -5036,8 +4953,7 @@ def unreachable_hosts(silent, quiet, own_host, host_of, errors):
 
 def quiet_monitor_note(quiet, budget):
     """The verdict's note on node monitors that did not post while their nodes were otherwise seen."""
-    hosts = sorted(quiet)
-    return (f"note: the liveness monitor of {compress_hostlist(hosts)} posted nothing within {budget:g}s (the "
+    return (f"note: the liveness monitor of {compress_hostlist(sorted(quiet))} posted nothing within {budget:g}s (the "
             "tool's own process, slow to start or to post under CPU load, or stopped) and nothing else showed "
             "the node unreachable: no host is blamed for it")
 
@@ -5155,10 +5071,9 @@ def _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, fini
         behind = [r for r in culprits if states.get(r) == "behind"]
         src = "torch's flight recorder" if (an or {}).get("source") == "recorder" else "its own record"
         hows = (an or {}).get("how") or {}
-        for h, words in BEHIND_WORDS.items():
-            rs = [r for r in behind if hows.get(r) == h]
-            if rs:
-                parts.append(f"{never_issued_text(rs, an, host_of)} ({words.format(src=src)})")
+        by_how = group_by(behind, hows.get)
+        parts += [f"{never_issued_text(by_how[h], an, host_of)} ({words.format(src=src)})"
+                  for h, words in BEHIND_WORDS.items() if h in by_how]
         rest = [r for r in culprits if r not in behind]
         if rest:
             parts.append(never_finished_text(rest, phase, finished, host_of) + " (alive, outside any collective)")
@@ -5252,8 +5167,7 @@ FIELD_NAMES = tuple(f[0] for f in MANIFEST_FIELDS)
 
 
 def _low(values):
-    vals = [v for v in values if v is not None]
-    return min(vals) if vals else None
+    return min((v for v in values if v is not None), default=None)
 
 
 def _gpu_fields(rs, node, load):
@@ -5263,10 +5177,8 @@ def _gpu_fields(rs, node, load):
     if not gs:
         return dict.fromkeys(("gpu_model", "gpus_per_node", "gpu_memory", "pcie_width", "pcie_speed"))
     distinct = {g.get("uuid") or g.get("pci") or i for i, g in enumerate(gs)}
-    memory = {}
-    for g in gs:
-        if isinstance(g.get("vram"), int) and g["vram"] > 0:
-            memory[str(g.get("name"))] = max(memory.get(str(g.get("name")), 0), g["vram"])
+    sized = [g for g in gs if isinstance(g.get("vram"), int) and g["vram"] > 0]
+    memory = {m: max(vs) for m, vs in group_by(sized, lambda g: str(g.get("name")), lambda g: g["vram"]).items()}
     links = [load[r["rank"]] for r in rs if r.get("rank") in load]
     return {"gpu_model": "+".join(sorted({str(g.get("name")) for g in gs})),
             "gpus_per_node": node.get("gpus_driver") or max(len(distinct), node.get("gpus_visible") or 0),
@@ -5308,9 +5220,8 @@ def host_view(rs, load=None):
     v = rs[0].get("versions") or {}
     fields = dict(_gpu_fields(rs, node, load or {}), **_node_fields(node), **_transport_fields(rs),
                   **{k: v.get(k) for k in ("torch", "cuda", "nccl", "python")})
-    rates = [p["rate_gbps"] for p in node.get("ib") or [] if p.get("rate_gbps")]
-    key = {"gpu_model": fields["gpu_model"], "gpus_per_node": fields["gpus_per_node"],
-           "ib_ports": fields["ib_ports"], "ib_rate_gbps": max(rates) if rates else None}
+    key = {"gpu_model": fields["gpu_model"], "gpus_per_node": fields["gpus_per_node"], "ib_ports": fields["ib_ports"],
+           "ib_rate_gbps": max((p["rate_gbps"] for p in node.get("ib") or [] if p.get("rate_gbps")), default=None)}
     return {f: fields[f] for f in FIELD_NAMES}, key
 
 
@@ -5345,11 +5256,8 @@ def _hl(hosts):
 
 
 def _expand_class(c):
-    values = {}
-    for field, variants in (c.get("fields") or {}).items():
-        for var in variants:
-            for h in _hosts_in(var.get("hosts")):
-                values.setdefault(field, {})[h] = var["value"]
+    values = {field: hv for field, variants in (c.get("fields") or {}).items()
+              if (hv := {h: var["value"] for var in variants for h in _hosts_in(var.get("hosts"))})}
     return {"key": c.get("key") or {}, "hosts": set(_hosts_in(c.get("hosts"))), "values": values,
             "runs": c.get("runs", 1), "first_accepted_at": c.get("first_accepted_at"),
             "last_accepted_at": c.get("last_accepted_at"), "bands": c.get("bands") or {}}
@@ -5443,8 +5351,7 @@ def merge_accepted(old, new, run_hosts):
         if hs or not e.get("hosts"):
             out[e["key"]] = dict(e, hosts=hs)
     for e in new:
-        prev = out.get(e["key"])
-        out[e["key"]] = dict(e, hosts=set(_hosts_in(e.get("hosts"))) | (prev["hosts"] if prev else set()))
+        out[e["key"]] = dict(e, hosts=set(_hosts_in(e.get("hosts"))) | out.get(e["key"], {}).get("hosts", set()))
     return [dict(e, hosts=_hosts_out(e["hosts"])) for _, e in sorted(out.items())]
 
 
@@ -5469,12 +5376,9 @@ def merge_manifests(old, new):
     out = {k: _expand_class(c) for k, c in old["classes"].items()}
     for key, c in new["classes"].items():
         n = _expand_class(c)
-        for other_key, o in out.items():
-            if other_key != key:
-                o["hosts"] -= n["hosts"]
-                for hv in o["values"].values():
-                    for h in n["hosts"]:
-                        hv.pop(h, None)
+        for o in (o for k, o in out.items() if k != key):  # a host accepted again leaves its other classes
+            o["hosts"] -= n["hosts"]
+            o["values"] = {f: {h: v for h, v in hv.items() if h not in n["hosts"]} for f, hv in o["values"].items()}
         o = out.setdefault(key, dict(n, hosts=set(), values={}, runs=0, bands={}))
         o["hosts"] |= n["hosts"]
         for field, hv in n["values"].items():
@@ -5680,10 +5584,10 @@ def _fields_problem(where, fields):
             return f"{at}: unknown field (known: {', '.join(FIELD_NAMES)})"
         if not isinstance(variants, list):
             return f"{at}: not a list of {{value, hosts}}"
-        problem = _first_problem(_object_problem(f"{at}[{i}]", var, ("value", "hosts"))
-                                 or _kind_problem(f"{at}[{i}].value", var["value"], FIELD_KINDS[field])
-                                 or _hosts_problem(f"{at}[{i}].hosts", var["hosts"]) for i, var in enumerate(variants))
-        if problem:
+        if problem := _first_problem(_object_problem(f"{at}[{i}]", var, ("value", "hosts"))
+                                     or _kind_problem(f"{at}[{i}].value", var["value"], FIELD_KINDS[field])
+                                     or _hosts_problem(f"{at}[{i}].hosts", var["hosts"])
+                                     for i, var in enumerate(variants)):
             return problem
     return None
 
@@ -5701,15 +5605,10 @@ def _class_problem(name, c):
 def _accepted_problem(entries):
     if not isinstance(entries, list):
         return "accepted_warns: not a list"
-    for i, e in enumerate(entries):
-        at = f"accepted_warns[{i}]"
-        problem = (_object_problem(at, e, (*ACCEPTED_KINDS, "hosts")) or _kinds_problem(at, e, ACCEPTED_KINDS)
-                   or _hosts_problem(f"{at}.hosts", e["hosts"]))
-        if problem:
-            return problem
-        if e["check"] not in CHECKS:
-            return f"{at}.check: {e['check'][:60]!r} is not a check name"
-    return None
+    return _first_problem(_object_problem(at, e, (*ACCEPTED_KINDS, "hosts")) or _kinds_problem(at, e, ACCEPTED_KINDS)
+                          or _hosts_problem(f"{at}.hosts", e["hosts"])
+                          or (None if e["check"] in CHECKS else f"{at}.check: {e['check'][:60]!r} is not a check name")
+                          for at, e in ((f"accepted_warns[{i}]", e) for i, e in enumerate(entries)))
 
 
 def _schema_problem(data):
@@ -5827,9 +5726,7 @@ def judge_bands(manifest, records, screen):
 
 def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None, tries=1):
     b = ((manifest.get("classes") or {}).get(cls) or {}).get("bands", {}).get(band)
-    if not b or b.get("runs", 1) < BAND_MIN_RUNS or not _is_num(value):
-        return []
-    if value >= slack * b["lo"]:
+    if not b or b.get("runs", 1) < BAND_MIN_RUNS or not _is_num(value) or value >= slack * b["lo"]:
         return []
     f = finding("manifest", "FAIL", f"{band} {value:.4g} on {where or compress_hostlist(sorted(hosts))} is "
                 f"below the accepted band of {cls} ({b['lo']:.4g}-{b['hi']:.4g}, reference {b['ref']:.4g}, "
@@ -5842,8 +5739,7 @@ def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None, 
 def diff_manifests(a, b):
     """Lines 'class/field: old -> new (hosts)' from manifest a to b: hosts joining or leaving a class; per
     field, hosts in both whose value changed and new hosts whose value is none of a's; bands."""
-    ca = {k: _expand_class(c) for k, c in a["classes"].items()}
-    cb = {k: _expand_class(c) for k, c in b["classes"].items()}
+    ca, cb = ({k: _expand_class(c) for k, c in m["classes"].items()} for m in (a, b))
     out = []
     for key in sorted(set(ca) | set(cb)):
         x, y = ca.get(key), cb.get(key)

@@ -30,13 +30,18 @@ def count_visible_gpus(env, root="/"):
     return min(n, len(items)) if cvd is not None else n
 
 
+def _listdir(path):
+    """The names in a directory, [] where it cannot be read."""
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
 def driver_gpus(root="/"):
     """The NVIDIA driver's own list of its GPUs (/proc/driver/nvidia/gpus/<bus id>), [] without the driver: the
     node's own GPUs, whatever share of them the job was given (CUDA_VISIBLE_DEVICES, --gpus-per-node)."""
-    try:
-        return sorted(d.lower() for d in os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
-    except OSError:
-        return []
+    return sorted(d.lower() for d in _listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
 
 
 NO_DEVICES = ("", "-1", "NoDevFiles")
@@ -80,16 +85,8 @@ def read_ib_ports(root="/"):
     """[{'port': 'mlx5_0:1', 'state': 'ACTIVE', 'rate_gbps': 400.0, 'link_layer': 'InfiniBand'}]."""
     base = os.path.join(root, "sys/class/infiniband")
     out = []
-    try:
-        devs = sorted(os.listdir(base))
-    except OSError:
-        return out
-    for dev in devs:
-        try:
-            ports = sorted(os.listdir(os.path.join(base, dev, "ports")), key=lambda p: int(p) if p.isdigit() else 0)
-        except OSError:
-            continue
-        for p in ports:
+    for dev in sorted(_listdir(base)):
+        for p in sorted(_listdir(os.path.join(base, dev, "ports")), key=lambda p: int(p) if p.isdigit() else 0):
             state, rate, layer = ((read_text(os.path.join(base, dev, "ports", p, name), "") or "").strip()
                                   for name in ("state", "rate", "link_layer"))
             m = re.match(r"([\d.]+)\s*Gb", rate)

@@ -64,8 +64,7 @@ def issued_source(posts, ranks, key=None):
 def issued_last(post, key, source):
     """[op, seq, done(, state)] of the last collective a rank issued on the group `key` (None: none), from
     `source` (the recorder's entries carry its state: scheduled, started, completed)."""
-    table = (post.get("fr") if source == "recorder" else post.get("own")) or {}
-    last = table.get(key)
+    last = ((post.get("fr") if source == "recorder" else post.get("own")) or {}).get(key)
     return list(last) if last else None
 
 
@@ -73,22 +72,21 @@ def _late_state(post, x, front, source, started):
     """One late rank's place (ISSUED_STATES) and, when it is behind on the recorder's evidence although its own
     record says it is inside the call, how: 'unseen' (its backend never saw the collective its peers' recorders
     hold) or 'unstarted' (its entry stayed scheduled while a peer's started)."""
-    idle_s, inside = post.get("idle_s"), post.get("inflight")
-    inside_s = post.get("inflight_s")
-    if source == "recorder" and front is not None and (x is None or x[1] < front):
+    inside = post.get("inflight")
+    lags = front is not None and (x is None or x[1] < front)  # behind the furthest collective a peer issued
+    idle_brief, inside_brief = (s is not None and s < BETWEEN_S for s in (post.get("idle_s"), post.get("inflight_s")))
+    if source == "recorder" and lags:
         if not inside:
-            return ("between", None) if idle_s is not None and idle_s < BETWEEN_S else ("behind", None)
-        return ("between", None) if inside_s is not None and inside_s < BETWEEN_S else ("behind", "unseen")
+            return ("between", None) if idle_brief else ("behind", None)
+        return ("between", None) if inside_brief else ("behind", "unseen")
     if source == "recorder" and inside and x and x[1] == front and started and len(x) > 3 and \
-            x[3] == "scheduled" and (inside_s is None or inside_s >= BETWEEN_S):
+            x[3] == "scheduled" and not inside_brief:
         return "behind", "unstarted"
     if inside:  # its own record: the main thread is inside a collective call right now
         return "waiting", None
-    if idle_s is not None and idle_s < BETWEEN_S:
+    if idle_brief:
         return "between", None
-    if front is not None and (x is None or x[1] < front):
-        return "behind", None
-    return "idle", None
+    return ("behind", None) if lags else ("idle", None)
 
 
 def issued_states(ranks, posts, late, key):
@@ -103,16 +101,13 @@ def issued_states(ranks, posts, late, key):
     the call}."""
     source = issued_source(posts, ranks, key)
     last = {r: issued_last(posts[r], key, source) for r in ranks if posts.get(r) is not None}
-    seqs = [x[1] for x in last.values() if x]
-    front = max(seqs) if seqs else None
+    front = max((x[1] for x in last.values() if x), default=None)
     fop = next((x[0] for x in last.values() if x and x[1] == front), None)
     started = any(x and x[1] == front and len(x) > 3 and x[3] in ("started", "completed") for x in last.values())
-    states, how = {}, {}
-    for r in late:
-        states[r], h = (_late_state(posts[r], last.get(r), front, source, started) if posts.get(r) is not None
-                        else ("unposted", None))
-        if h:
-            how[r] = h
+    places = {r: _late_state(posts[r], last.get(r), front, source, started) if posts.get(r) is not None
+              else ("unposted", None) for r in late}
+    states = {r: s for r, (s, _) in places.items()}
+    how = {r: h for r, (_, h) in places.items() if h}
     issuers = sorted(r for r, x in last.items() if x and x[1] == front and how.get(r) != "unstarted")
     return {"source": source, "key": key, "front": None if front is None else [fop, front], "issuers": issuers,
             "last": last, "states": states, "how": how}
@@ -138,15 +133,9 @@ def never_issued_text(behind, an, host_of):
     while its peers' started: 'rank 1 (n1) never started all_reduce #3 that ranks 0, 2-15 started'."""
     who = "rank" if len(an["issuers"]) == 1 else "ranks"
     how = an.get("how") or {}
-    unstarted = [r for r in behind if how.get(r) == "unstarted"]
-    parts = []
-    if len(unstarted) < len(behind):
-        parts.append(f"{on_hosts([r for r in behind if r not in unstarted], host_of)} never issued "
-                     f"{op_text(an['front'])} that {who} {ranks_text(an['issuers'])} issued")
-    if unstarted:
-        parts.append(f"{on_hosts(unstarted, host_of)} never started {op_text(an['front'])} that {who} "
-                     f"{ranks_text(an['issuers'])} started")
-    return "; ".join(parts)
+    by_verb = group_by(behind, lambda r: "started" if how.get(r) == "unstarted" else "issued")
+    return "; ".join(f"{on_hosts(by_verb[verb], host_of)} never {verb} {op_text(an['front'])} that {who} "
+                     f"{ranks_text(an['issuers'])} {verb}" for verb in ("issued", "started") if verb in by_verb)
 
 
 def never_finished_text(ranks, phase, finished, host_of):

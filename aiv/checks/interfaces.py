@@ -1,5 +1,6 @@
 """Floor 2: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME against the host's interfaces, and the lines of NCCL's
 own log (interfaces, HCAs, transports, WARNs)."""
+import collections
 import contextlib
 import fcntl
 import os
@@ -44,10 +45,7 @@ def _usable(info):
 def nccl_ifname_select(spec, names):
     """Interfaces NCCL_SOCKET_IFNAME selects: comma list of prefixes; '=' exact; '^' exclude."""
     exclude, exact, pats = nccl_list(spec)
-
-    def hit(name):
-        return any(name == p if exact else name.startswith(p) for p in pats)
-    return [n for n in names if (not hit(n)) == exclude]
+    return [n for n in names if any(n == p if exact else n.startswith(p) for p in pats) != exclude]
 
 
 def gloo_ifname_select(spec, names):
@@ -56,36 +54,27 @@ def gloo_ifname_select(spec, names):
     return [w for w in wanted if w in names], [w for w in wanted if w not in names]
 
 
-def _iface_summary(ifaces):
-    return ", ".join(f"{n}({'up' if i['up'] else 'down'}{':' + i['addrs'][0] if i['addrs'] else ''})"
-                     for n, i in sorted(ifaces.items())) or "none"
-
-
 def check_interfaces(env, ifaces, host):
     """Local check: each *_SOCKET_IFNAME set selects at least one up interface with an address."""
-    out = []
+    listed = ", ".join(f"{n}({'up' if i['up'] else 'down'}{':' + i['addrs'][0] if i['addrs'] else ''})"
+                       for n, i in sorted(ifaces.items())) or "none"
+    out, here = [], f"on {host}; interfaces here: {listed}"
     usable = {n for n, i in ifaces.items() if _usable(i)}
     if "NCCL_SOCKET_IFNAME" in env:
         val = env["NCCL_SOCKET_IFNAME"]
         sel = nccl_ifname_select(val, sorted(ifaces))
         good = [n for n in sel if n in usable]
-        if good:
-            out.append(finding("interface", "PASS", f"NCCL_SOCKET_IFNAME={val} selects {','.join(good)} on {host}",
-                               [host]))
-        else:
-            why = f"selects {','.join(sel)} but none is up with an address" if sel else "matches no interface"
-            out.append(finding("interface", "FAIL", f"NCCL_SOCKET_IFNAME={val!r} {why} on {host}; "
-                               f"interfaces here: {_iface_summary(ifaces)}", [host]))
+        why = f"selects {','.join(sel)} but none is up with an address" if sel else "matches no interface"
+        text = f"NCCL_SOCKET_IFNAME={val} selects {','.join(good)} on {host}" if good else \
+            f"NCCL_SOCKET_IFNAME={val!r} {why} {here}"
+        out.append(finding("interface", "PASS" if good else "FAIL", text, [host]))
     if "GLOO_SOCKET_IFNAME" in env:
         val = env["GLOO_SOCKET_IFNAME"]
         found, missing = gloo_ifname_select(val, set(ifaces))
         bad = missing + [n for n in found if n not in usable]
-        if found and not bad:
-            out.append(finding("interface", "PASS", f"GLOO_SOCKET_IFNAME={val} present on {host}", [host]))
-        else:
-            what = ",".join(bad) or val
-            out.append(finding("interface", "FAIL", f"GLOO_SOCKET_IFNAME={val!r}: {what} is absent, down or has "
-                               f"no address on {host}; interfaces here: {_iface_summary(ifaces)}", [host]))
+        text = f"GLOO_SOCKET_IFNAME={val} present on {host}" if found and not bad else \
+            f"GLOO_SOCKET_IFNAME={val!r}: {','.join(bad) or val} is absent, down or has no address {here}"
+        out.append(finding("interface", "PASS" if found and not bad else "FAIL", text, [host]))
     return out
 
 
@@ -112,10 +101,8 @@ def gloo_address(env, ifaces, hostname=None):
 
 def parse_nccl_ifaces(text):
     """Interfaces NCCL chose, from its INFO lines ('NET/Socket : Using [0]eth0:10.0.0.1<0>')."""
-    found = set()
-    for line in re.findall(r"(?:NET/Socket|Bootstrap) ?: Using (.*)", text):
-        found.update(re.findall(r"(?:\[\d+\])?([\w.\-]+:[0-9A-Fa-f.:]+)<\d+>", line))
-    return sorted(found)
+    return sorted({nic for line in re.findall(r"(?:NET/Socket|Bootstrap) ?: Using (.*)", text)
+                   for nic in re.findall(r"(?:\[\d+\])?([\w.\-]+:[0-9A-Fa-f.:]+)<\d+>", line)})
 
 
 def parse_nccl_nics(text):
@@ -141,14 +128,11 @@ def parse_nccl_hca(text, since=0):
     network connections all went over sockets (no HCA carries them)."""
     nics = parse_nccl_nics(text)
     for part in ((text[since:], text) if since else (text,)):
-        counts, other = {}, False
-        for kind, idx in re.findall(r"\] via NET/([\w.\-]+)/(\d+)", part):
-            if kind != "Socket" and int(idx) in nics:
-                counts[int(idx)] = counts.get(int(idx), 0) + 1
-            other = other or kind != "Socket"
+        net = [int(idx) for kind, idx in re.findall(r"\] via NET/([\w.\-]+)/(\d+)", part) if kind != "Socket"]
+        counts = collections.Counter(idx for idx in net if idx in nics)
         if counts:
             return nics[max(sorted(counts), key=counts.get)]
-        if part and re.search(r"\] via NET/Socket/", part) and not other:
+        if part and re.search(r"\] via NET/Socket/", part) and not net:
             return ""
     return None
 

@@ -47,11 +47,10 @@ def _rank_str(r):
 
 def judge_world_size(world_size, expect):
     want = expect.get("world_size")
-    if want is None:
-        return [finding("world-size", "PASS", f"WORLD_SIZE={world_size} (no expectation set)")]
-    if want != world_size:
+    if want not in (None, world_size):
         return [finding("world-size", "FAIL", f"WORLD_SIZE={world_size} but {want} ranks were expected")]
-    return [finding("world-size", "PASS", f"WORLD_SIZE={world_size} as expected")]
+    said = "(no expectation set)" if want is None else "as expected"
+    return [finding("world-size", "PASS", f"WORLD_SIZE={world_size} {said}")]
 
 
 def stray_reason(rank, world, world0, first):
@@ -93,16 +92,14 @@ def forged_what(key, claim):
     c = c if isinstance(c, dict) else {}
     kind, _, rest = key.partition("/")
     who = f" claiming rank {c['rank']}" if "rank" in c else ""
-    if kind == "id":
-        return f"a record for rank {rest}" + (f" (claiming host {c['host']})" if c.get("host") else "")
-    if kind == "screen" and "/" not in rest:
-        return f"a screen post{who} in round {rest}"
-    if kind == "posts" and "/" not in rest:
-        return f"a {rest} post{who}"
-    words = {"stamp": f"a progress stamp for rank {rest}", "live": f"a liveness post for node {rest}",
-             "errors": f"an error report{who}", "gate": f"rank 0's gate {rest}", "ack": f"an acknowledgement "
-             f"for rank {rest}", "verdict": f"the verdict (claiming exit code {claim[:8]})", "world": "the world "
-             "record", "who": f"a claim on rank {rest} ({claim[:80]})", "strays": f"a stray's record{who}",
+    if "/" not in rest and kind in ("screen", "posts"):  # one round's or one phase's post
+        return f"a screen post{who} in round {rest}" if kind == "screen" else f"a {rest} post{who}"
+    host = f" (claiming host {c['host']})" if c.get("host") else ""
+    words = {"id": f"a record for rank {rest}{host}", "stamp": f"a progress stamp for rank {rest}",
+             "live": f"a liveness post for node {rest}", "errors": f"an error report{who}",
+             "gate": f"rank 0's gate {rest}", "ack": f"an acknowledgement for rank {rest}",
+             "verdict": f"the verdict (claiming exit code {claim[:8]})", "world": "the world record",
+             "who": f"a claim on rank {rest} ({claim[:80]})", "strays": f"a stray's record{who}",
              "node": f"the rank list of node {rest}", "all_arrived": "the roll call's all-arrived mark",
              "forged": "a report of a refused value", "screen": f"the screen plan {rest}"}
     return words.get(kind, f"the value of {key}")
@@ -112,12 +109,11 @@ def judge_forged(forged, master, limit=4):
     """One FAIL per store value that was refused (Seal): something outside the job wrote to the store, or
     a rank runs without the job's secret. Tamper findings name no host, and while one stands nobody is
     excluded: the run's own evidence came through that store (Coordinator.state)."""
-    out = []
-    for e in forged[:limit]:
-        hint = ", or a rank of this job was started without its AIV_JOB_SECRET" if "unsigned" in e["why"] else ""
-        out.append(dict(finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: "
-                                f"something outside the job writes to MASTER_PORT ({master}){hint}; no host is "
-                                "excluded on this run's evidence"), tamper=True))
+    unsigned = ", or a rank of this job was started without its AIV_JOB_SECRET"
+    out = [dict(finding("rendezvous", "FAIL", f"{forged_what(e['key'], e.get('claim') or '')} {e['why']}: something "
+                        f"outside the job writes to MASTER_PORT ({master})"
+                        f"{unsigned if 'unsigned' in e['why'] else ''}; no host is excluded on this run's evidence"),
+                tamper=True) for e in forged[:limit]]
     if len(forged) > limit:
         out[-1]["reason"] += f" ({len(forged) - limit} more refused value(s) not shown)"
     return out
@@ -163,8 +159,7 @@ def judge_layout(records, expect):
         if locs != list(range(len(rs))):
             dups = sorted({x for x in locs if locs.count(x) > 1})
             gaps = sorted(set(range(len(rs))) - set(locs))
-            what = "; ".join(filter(None, [f"duplicate {format_ranges(dups)}" if dups else "",
-                                           f"missing {format_ranges(gaps)}" if gaps else ""]))
+            what = "; ".join(f"{w} {format_ranges(xs)}" for w, xs in (("duplicate", dups), ("missing", gaps)) if xs)
             out.append(unlocalised(finding("layout", "FAIL", f"node {host} has local ranks "
                                            f"{','.join(map(str, locs))} ({what}), expected 0..{len(rs) - 1} once "
                                            "each", [host], [r["rank"] for r in rs]), "launch"))
@@ -173,16 +168,12 @@ def judge_layout(records, expect):
         out.append(finding("layout", "FAIL", f"{len(hosts)} node(s) reported ({compress_hostlist(sorted(hosts))}) "
                            f"but {want_nodes} were expected"))
     rpn = expect.get("ranks_per_node")
-    if rpn is not None:
-        for host, rs in sorted(hosts.items()):
-            if len(rs) != rpn:
-                out.append(unlocalised(finding("layout", "FAIL", f"node {host} runs {len(rs)} ranks but {rpn} per "
-                                               "node were expected", [host], [r["rank"] for r in rs]), "launch"))
-    if not out:
-        counts = sorted({len(rs) for rs in hosts.values()})
-        out.append(finding("layout", "PASS", f"{len(hosts)} node(s) x {'/'.join(map(str, counts))} rank(s), "
-                           f"local ranks 0..k-1 once on every node"))
-    return out
+    out += [unlocalised(finding("layout", "FAIL", f"node {host} runs {len(rs)} ranks but {rpn} per node were "
+                                "expected", [host], [r["rank"] for r in rs]), "launch")
+            for host, rs in sorted(hosts.items()) if rpn is not None and len(rs) != rpn]
+    counts = "/".join(map(str, sorted({len(rs) for rs in hosts.values()})))
+    return out or [finding("layout", "PASS", f"{len(hosts)} node(s) x {counts} rank(s), local ranks 0..k-1 once on "
+                           "every node")]
 
 
 def judge_gpu_affinity(records):
@@ -203,9 +194,7 @@ def judge_gpu_affinity(records):
                     blame="majority")
         out.append(f if kind == "majority" else unlocalised(
             f, kind, "the launch's GPU binding (--gpus-per-task, CUDA_VISIBLE_DEVICES) on every node"))
-    if not out:
-        out.append(finding("gpu-affinity", "PASS", f"{len(gpu_recs)} rank(s) on {len(seen)} distinct GPU(s)"))
-    return out
+    return out or [finding("gpu-affinity", "PASS", f"{len(gpu_recs)} rank(s) on {len(seen)} distinct GPU(s)")]
 
 
 def judge_numa(records):
@@ -231,11 +220,12 @@ def _spread(values):
     return "; ".join(f"{v} on {compress_hostlist(sorted(hs))}" for v, hs in sorted(values.items(), key=str))
 
 
-def _differs(check, sev, text, values, localise=None):
+def _differs(check, sev, text, values, localise=None, records=()):
     """A finding that `text` differs across nodes (values: {value: hosts}): the nodes unlike a strict majority
-    named (evidence 'majority'), or with no majority (a tie) one finding naming no host."""
+    named (evidence 'majority'; their ranks among `records`), or with no majority (a tie) one finding naming no host."""
     odd, kind = odd_ones(values)
-    f = finding(check, sev, f"{text}: {_spread(values)}", odd, blame="majority")
+    f = finding(check, sev, f"{text}: {_spread(values)}", odd, [r["rank"] for r in records if r["host"] in odd],
+                blame="majority")
     return f if kind == "majority" else unlocalised(f, kind, localise)
 
 
@@ -275,8 +265,7 @@ def judge_versions(records):
                                        f"{compress_hostlist(sorted(unread))}: the node facts were not collected ("
                                        f"{next(iter(unread.values()))})", sorted(unread)), "not-collected"))
     if not any(f["status"] == "FAIL" for f in out):
-        r0 = records[0]
-        v = r0["versions"]
+        v = records[0]["versions"]
         nodes = {r["host"] for r in records}
         where = "on all nodes" if not unread else \
             f"on the {len(nodes - set(unread))} of {len(nodes)} node(s) compared"
@@ -301,10 +290,8 @@ def judge_imports(records):
                                    [r["host"]], blame="own"))
             elif st:
                 versions[name].setdefault(str(st.get("version")), set()).add(r["host"])
-    for name, values in versions.items():
-        if len(values) > 1:
-            out.append(_differs("versions", "WARN", f"{name} differs across nodes", values))
-    return out
+    return out + [_differs("versions", "WARN", f"{name} differs across nodes", values)
+                  for name, values in versions.items() if len(values) > 1]
 
 
 def judge_fabric(records, ib_hca=None):
@@ -330,11 +317,9 @@ def judge_fabric(records, ib_hca=None):
     if missing:
         out.append(_differs("fabric", "WARN", "InfiniBand ports present on some nodes only",
                             {"present": set(with_ib), "absent": set(missing)}))
-    if not out:
-        n = sum(len(ps) for ps in with_ib.values())
-        out.append(finding("fabric", "PASS", f"{n} InfiniBand port(s) ACTIVE at {max(node_max.values()):g} Gb/s on "
-                           f"{len(with_ib)} node(s)"))
-    return out
+    n = sum(len(ps) for ps in with_ib.values())
+    return out or [finding("fabric", "PASS", f"{n} InfiniBand port(s) ACTIVE at {max(node_max.values()):g} Gb/s on "
+                           f"{len(with_ib)} node(s)")]
 
 
 SHM_MIN = 1 << 30          # NCCL's SHM transport needs more than a container's 64 MiB default
@@ -398,14 +383,10 @@ def judge_local(records):
     """The local checks each rank ran before any communication; one finding per distinct
     reason (ranks of one host that share a misconfiguration are named together). A local check is the
     rank's own state on its host (evidence 'own')."""
-    merged = {}
-    for f in (f for r in records for f in r.get("local") or [] if f["status"] != "PASS"):
-        key = (f["check"], f["status"], f["reason"])
-        if key in merged:
-            merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(f["ranks"]))
-        else:
-            merged[key] = dict(f, blame=f.get("blame") or "own")
-    return list(merged.values())
+    merged = group_by((f for r in records for f in r.get("local") or [] if f["status"] != "PASS"),
+                      lambda f: (f["check"], f["status"], f["reason"]))
+    return [dict(fs[0], blame=fs[0].get("blame") or "own", ranks=sorted({x for f in fs for x in f["ranks"]}))
+            for fs in merged.values()]
 
 
 def judge_device_use(records):
@@ -413,10 +394,7 @@ def judge_device_use(records):
     say which GPUs were not exercised."""
     seen = {b: set(hs) for b, hs in group_by(records, lambda r: r.get("backend"), lambda r: r["host"]).items()}
     if len(seen) > 1:
-        odd, kind = odd_ones(seen)
-        f = finding("device", "FAIL", "ranks chose different backends: " + _spread(seen), odd,
-                    [r["rank"] for r in records if r["host"] in odd], blame="majority")
-        return [f if kind == "majority" else unlocalised(f, kind)]
+        return [_differs("device", "FAIL", "ranks chose different backends", seen, records=records)]
     unused = {r["host"]: r["gpus_expected"] for r in records if r.get("backend") == "gloo" and r.get("gpus_expected")
               and not any(f["check"] == "device" for f in r.get("local") or [])}
     if unused:
@@ -445,8 +423,7 @@ def judge_gloo_address(records):
         kind = minority_kind(loop, hosts)
         return [f if kind == "majority" else unlocalised(f, kind, "GLOO_SOCKET_IFNAME for every node")]
     used = group_by(gl, lambda r: f"{r['gloo']['iface']}({r['gloo']['addr']})", lambda r: r["host"])
-    return [finding("interface", "PASS", "gloo uses " + "; ".join(
-        f"{k} on {compress_hostlist(sorted(set(v)))}" for k, v in sorted(used.items())))]
+    return [finding("interface", "PASS", "gloo uses " + _spread({k: set(v) for k, v in used.items()}))]
 
 
 NO_TORCH = ("the python this launch ran cannot import torch (no venv, the wrong python, PYTORCH_ENV unset): the "
@@ -600,10 +577,9 @@ def judge_transport(records, ib_disable=None):
             out.append(finding("transport", "FAIL", f"{h}: NCCL used NET/Socket although InfiniBand port(s) "
                                f"{','.join(active[:4])} are ACTIVE and NCCL_IB_DISABLE is not 1 (IB not usable by "
                                f"NCCL: check the IB verbs libraries, NCCL_IB_HCA, /dev/infiniband access)", [h]))
-    for why, hosts in sorted(unread.items()):
-        where = compress_hostlist(sorted(hosts))
-        out.append(finding("transport", "WARN", f"NCCL's transport was not judged on {where}: {why}; an "
-                           "InfiniBand-to-socket fallback there would pass unseen", sorted(hosts)))
+    out += [finding("transport", "WARN", f"NCCL's transport was not judged on {compress_hostlist(sorted(hosts))}: "
+                    f"{why}; an InfiniBand-to-socket fallback there would pass unseen", sorted(hosts))
+            for why, hosts in sorted(unread.items())]
     if per_host and not any(f["status"] == "FAIL" for f in out):
         out.insert(0, finding("transport", "PASS", "NCCL transports: " + "; ".join(
             f"{'+'.join(sorted(k)) or 'none'} on {compress_hostlist(sorted(hs))}"
@@ -640,9 +616,7 @@ def judge_bandwidth(results, min_busbw=None):
 
 def apply_strict(findings, strict):
     """--strict: every WARN a FAIL, marked `strict` (named as its evidence allows, never drained: drainable)."""
-    if not strict:
-        return findings
-    return [dict(f, status="FAIL", strict=True) if f["status"] == "WARN" else f for f in findings]
+    return [dict(f, status="FAIL", strict=True) if strict and f["status"] == "WARN" else f for f in findings]
 
 
 UNFINISHED_WORDS = {"dead": "dead (process gone)", "frozen": "frozen (process stopped)",
@@ -670,10 +644,9 @@ def unfinished_parts(ranks_of, states, named, host_of, by_issued):
     for k, words in UNFINISHED_WORDS.items():
         rs = ranks_of(k)
         if k == "stuck" and by_issued:
-            for s, w in ISSUED_WORDS.items():
-                sub = [r for r in rs if states.get(r) == s]
-                if sub:
-                    parts.append(f"{on_hosts(sub, host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else ""))
+            by_state = group_by(rs, states.get)
+            parts += [f"{on_hosts(by_state[s], host_of)} {w.format(s=ISSUED_S)}" + (NOT_BLAMED if named else "")
+                      for s, w in ISSUED_WORDS.items() if s in by_state]
             rs = [r for r in rs if states.get(r) not in ISSUED_WORDS]
         if rs:
             parts.append(f"{on_hosts(rs, host_of)} {words}" + (NOT_BLAMED if named and not set(rs) & named else ""))
@@ -690,17 +663,9 @@ def finished_by(stamps, done, phase):
 def unfinished_kind(r, live, errors, host_of, silent_hosts=()):
     """A rank that did not finish: one key of UNFINISHED_WORDS (see judge_unfinished)."""
     e = errors.get(r, {})
-    if e.get("term"):
-        return "terminated"
-    if e.get("internal"):
-        return "internal"
-    if live.get(r) == "gone":
-        return "dead"
-    if live.get(r) == "stopped":
-        return "frozen"
-    if host_of.get(r) in silent_hosts:
-        return "silent"
-    return "error" if r in errors else "stuck"
+    first = (("terminated", e.get("term")), ("internal", e.get("internal")), ("dead", live.get(r) == "gone"),
+             ("frozen", live.get(r) == "stopped"), ("silent", host_of.get(r) in silent_hosts), ("error", r in errors))
+    return next((kind for kind, seen in first if seen), "stuck")
 
 
 def unreachable_hosts(silent, quiet, own_host, host_of, errors):
@@ -717,8 +682,7 @@ def unreachable_hosts(silent, quiet, own_host, host_of, errors):
 
 def quiet_monitor_note(quiet, budget):
     """The verdict's note on node monitors that did not post while their nodes were otherwise seen."""
-    hosts = sorted(quiet)
-    return (f"note: the liveness monitor of {compress_hostlist(hosts)} posted nothing within {budget:g}s (the "
+    return (f"note: the liveness monitor of {compress_hostlist(sorted(quiet))} posted nothing within {budget:g}s (the "
             "tool's own process, slow to start or to post under CPU load, or stopped) and nothing else showed "
             "the node unreachable: no host is blamed for it")
 
@@ -836,10 +800,9 @@ def _unfinished_detail(kinds, late, an, culprits, evidence, host_of, phase, fini
         behind = [r for r in culprits if states.get(r) == "behind"]
         src = "torch's flight recorder" if (an or {}).get("source") == "recorder" else "its own record"
         hows = (an or {}).get("how") or {}
-        for h, words in BEHIND_WORDS.items():
-            rs = [r for r in behind if hows.get(r) == h]
-            if rs:
-                parts.append(f"{never_issued_text(rs, an, host_of)} ({words.format(src=src)})")
+        by_how = group_by(behind, hows.get)
+        parts += [f"{never_issued_text(by_how[h], an, host_of)} ({words.format(src=src)})"
+                  for h, words in BEHIND_WORDS.items() if h in by_how]
         rest = [r for r in culprits if r not in behind]
         if rest:
             parts.append(never_finished_text(rest, phase, finished, host_of) + " (alive, outside any collective)")

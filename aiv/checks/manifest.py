@@ -11,6 +11,7 @@ from ..core.base import (
     expand_hostlist,
     finding,
     format_ranges,
+    group_by,
 )
 from ..core.blame import unlocalised
 from ..core.names import PROBED_PACKAGES
@@ -64,8 +65,7 @@ FIELD_NAMES = tuple(f[0] for f in MANIFEST_FIELDS)
 
 
 def _low(values):
-    vals = [v for v in values if v is not None]
-    return min(vals) if vals else None
+    return min((v for v in values if v is not None), default=None)
 
 
 def _gpu_fields(rs, node, load):
@@ -75,10 +75,8 @@ def _gpu_fields(rs, node, load):
     if not gs:
         return dict.fromkeys(("gpu_model", "gpus_per_node", "gpu_memory", "pcie_width", "pcie_speed"))
     distinct = {g.get("uuid") or g.get("pci") or i for i, g in enumerate(gs)}
-    memory = {}
-    for g in gs:
-        if isinstance(g.get("vram"), int) and g["vram"] > 0:
-            memory[str(g.get("name"))] = max(memory.get(str(g.get("name")), 0), g["vram"])
+    sized = [g for g in gs if isinstance(g.get("vram"), int) and g["vram"] > 0]
+    memory = {m: max(vs) for m, vs in group_by(sized, lambda g: str(g.get("name")), lambda g: g["vram"]).items()}
     links = [load[r["rank"]] for r in rs if r.get("rank") in load]
     return {"gpu_model": "+".join(sorted({str(g.get("name")) for g in gs})),
             "gpus_per_node": node.get("gpus_driver") or max(len(distinct), node.get("gpus_visible") or 0),
@@ -120,9 +118,8 @@ def host_view(rs, load=None):
     v = rs[0].get("versions") or {}
     fields = dict(_gpu_fields(rs, node, load or {}), **_node_fields(node), **_transport_fields(rs),
                   **{k: v.get(k) for k in ("torch", "cuda", "nccl", "python")})
-    rates = [p["rate_gbps"] for p in node.get("ib") or [] if p.get("rate_gbps")]
-    key = {"gpu_model": fields["gpu_model"], "gpus_per_node": fields["gpus_per_node"],
-           "ib_ports": fields["ib_ports"], "ib_rate_gbps": max(rates) if rates else None}
+    key = {"gpu_model": fields["gpu_model"], "gpus_per_node": fields["gpus_per_node"], "ib_ports": fields["ib_ports"],
+           "ib_rate_gbps": max((p["rate_gbps"] for p in node.get("ib") or [] if p.get("rate_gbps")), default=None)}
     return {f: fields[f] for f in FIELD_NAMES}, key
 
 
@@ -157,11 +154,8 @@ def _hl(hosts):
 
 
 def _expand_class(c):
-    values = {}
-    for field, variants in (c.get("fields") or {}).items():
-        for var in variants:
-            for h in _hosts_in(var.get("hosts")):
-                values.setdefault(field, {})[h] = var["value"]
+    values = {field: hv for field, variants in (c.get("fields") or {}).items()
+              if (hv := {h: var["value"] for var in variants for h in _hosts_in(var.get("hosts"))})}
     return {"key": c.get("key") or {}, "hosts": set(_hosts_in(c.get("hosts"))), "values": values,
             "runs": c.get("runs", 1), "first_accepted_at": c.get("first_accepted_at"),
             "last_accepted_at": c.get("last_accepted_at"), "bands": c.get("bands") or {}}
@@ -255,8 +249,7 @@ def merge_accepted(old, new, run_hosts):
         if hs or not e.get("hosts"):
             out[e["key"]] = dict(e, hosts=hs)
     for e in new:
-        prev = out.get(e["key"])
-        out[e["key"]] = dict(e, hosts=set(_hosts_in(e.get("hosts"))) | (prev["hosts"] if prev else set()))
+        out[e["key"]] = dict(e, hosts=set(_hosts_in(e.get("hosts"))) | out.get(e["key"], {}).get("hosts", set()))
     return [dict(e, hosts=_hosts_out(e["hosts"])) for _, e in sorted(out.items())]
 
 
@@ -281,12 +274,9 @@ def merge_manifests(old, new):
     out = {k: _expand_class(c) for k, c in old["classes"].items()}
     for key, c in new["classes"].items():
         n = _expand_class(c)
-        for other_key, o in out.items():
-            if other_key != key:
-                o["hosts"] -= n["hosts"]
-                for hv in o["values"].values():
-                    for h in n["hosts"]:
-                        hv.pop(h, None)
+        for o in (o for k, o in out.items() if k != key):  # a host accepted again leaves its other classes
+            o["hosts"] -= n["hosts"]
+            o["values"] = {f: {h: v for h, v in hv.items() if h not in n["hosts"]} for f, hv in o["values"].items()}
         o = out.setdefault(key, dict(n, hosts=set(), values={}, runs=0, bands={}))
         o["hosts"] |= n["hosts"]
         for field, hv in n["values"].items():
@@ -492,10 +482,10 @@ def _fields_problem(where, fields):
             return f"{at}: unknown field (known: {', '.join(FIELD_NAMES)})"
         if not isinstance(variants, list):
             return f"{at}: not a list of {{value, hosts}}"
-        problem = _first_problem(_object_problem(f"{at}[{i}]", var, ("value", "hosts"))
-                                 or _kind_problem(f"{at}[{i}].value", var["value"], FIELD_KINDS[field])
-                                 or _hosts_problem(f"{at}[{i}].hosts", var["hosts"]) for i, var in enumerate(variants))
-        if problem:
+        if problem := _first_problem(_object_problem(f"{at}[{i}]", var, ("value", "hosts"))
+                                     or _kind_problem(f"{at}[{i}].value", var["value"], FIELD_KINDS[field])
+                                     or _hosts_problem(f"{at}[{i}].hosts", var["hosts"])
+                                     for i, var in enumerate(variants)):
             return problem
     return None
 
@@ -513,15 +503,10 @@ def _class_problem(name, c):
 def _accepted_problem(entries):
     if not isinstance(entries, list):
         return "accepted_warns: not a list"
-    for i, e in enumerate(entries):
-        at = f"accepted_warns[{i}]"
-        problem = (_object_problem(at, e, (*ACCEPTED_KINDS, "hosts")) or _kinds_problem(at, e, ACCEPTED_KINDS)
-                   or _hosts_problem(f"{at}.hosts", e["hosts"]))
-        if problem:
-            return problem
-        if e["check"] not in CHECKS:
-            return f"{at}.check: {e['check'][:60]!r} is not a check name"
-    return None
+    return _first_problem(_object_problem(at, e, (*ACCEPTED_KINDS, "hosts")) or _kinds_problem(at, e, ACCEPTED_KINDS)
+                          or _hosts_problem(f"{at}.hosts", e["hosts"])
+                          or (None if e["check"] in CHECKS else f"{at}.check: {e['check'][:60]!r} is not a check name")
+                          for at, e in ((f"accepted_warns[{i}]", e) for i, e in enumerate(entries)))
 
 
 def _schema_problem(data):
@@ -639,9 +624,7 @@ def judge_bands(manifest, records, screen):
 
 def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None, tries=1):
     b = ((manifest.get("classes") or {}).get(cls) or {}).get("bands", {}).get(band)
-    if not b or b.get("runs", 1) < BAND_MIN_RUNS or not _is_num(value):
-        return []
-    if value >= slack * b["lo"]:
+    if not b or b.get("runs", 1) < BAND_MIN_RUNS or not _is_num(value) or value >= slack * b["lo"]:
         return []
     f = finding("manifest", "FAIL", f"{band} {value:.4g} on {where or compress_hostlist(sorted(hosts))} is "
                 f"below the accepted band of {cls} ({b['lo']:.4g}-{b['hi']:.4g}, reference {b['ref']:.4g}, "
@@ -654,8 +637,7 @@ def _below_band(manifest, cls, band, value, hosts, slack, ranks=(), where=None, 
 def diff_manifests(a, b):
     """Lines 'class/field: old -> new (hosts)' from manifest a to b: hosts joining or leaving a class; per
     field, hosts in both whose value changed and new hosts whose value is none of a's; bands."""
-    ca = {k: _expand_class(c) for k, c in a["classes"].items()}
-    cb = {k: _expand_class(c) for k, c in b["classes"].items()}
+    ca, cb = ({k: _expand_class(c) for k, c in m["classes"].items()} for m in (a, b))
     out = []
     for key in sorted(set(ca) | set(cb)):
         x, y = ca.get(key), cb.get(key)

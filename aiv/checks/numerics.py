@@ -22,8 +22,7 @@ def numerics_group(model, software, driver=None, cpu_model=None):
     else:
         head = f"CPU {cpu_model or model or '?'} ({sw.get('isa') or '?'})"
         soft = f"torch {sw.get('torch')}"
-    env = sw.get("env") or {}
-    return f"{head}; {soft}" + "".join(f", {k}={v}" for k, v in sorted(env.items()))
+    return f"{head}; {soft}" + "".join(f", {k}={v}" for k, v in sorted((sw.get("env") or {}).items()))
 
 
 def numerics_rows(records, posts=None, field="numerics"):
@@ -38,10 +37,9 @@ def numerics_rows(records, posts=None, field="numerics"):
             continue
         g, facts = rec.get("gpu") or {}, node.get(rec.get("host")) or {}
         model = g.get("name") or "CPU"
-        sw = post.get("software")
         rows.append({"rank": rec["rank"], "host": rec.get("host"), "local_rank": rec.get("local_rank"),
                      "device": rec.get("device"), "uuid": g.get("uuid"), "model": model,
-                     "group": numerics_group(model, sw, facts.get("driver"), facts.get("cpu_model")),
+                     "group": numerics_group(model, post.get("software"), facts.get("driver"), facts.get("cpu_model")),
                      "checks": post.get("checks") or {}, "error": post.get("error"),
                      "internal": post.get("internal"), "unread": post.get("unread")})
     return rows
@@ -83,15 +81,11 @@ def _numerics_bits(c, on, culprits):
     """Check c among the ranks `on` the reference: a strict majority of bits names the minority (added to
     culprits). -> the classes {digest: rows} where there is no majority (a tie), else None."""
     by = group_by(on, lambda r: r["checks"][c].get("digest"))
-    if len(by) <= 1:
-        return None
-    top = max(by.values(), key=len)
-    if 2 * len(top) <= len(on):
+    top = max(by.values(), key=len, default=[])
+    if len(by) > 1 and 2 * len(top) <= len(on):
         return by
-    for rs_ in by.values():
-        if rs_ is not top:
-            for r in rs_:
-                culprits.setdefault(r["rank"], (r, []))[1].append(_bits_words(c, r, len(top)))
+    for r in [r for rs_ in by.values() if rs_ is not top for r in rs_]:
+        culprits.setdefault(r["rank"], (r, []))[1].append(_bits_words(c, r, len(top)))
     return None
 
 
@@ -100,11 +94,8 @@ def _numerics_tie(group, c, by, culprits):
     are then named against it), else one FAIL naming the ranks that disagree, no host blamed (or None)."""
     clean = [d for d, rs_ in by.items() if not all(r["rank"] in culprits for r in rs_)]
     if len(clean) == 1:
-        agree = len(by[clean[0]])
-        for d, rs_ in by.items():
-            if d != clean[0]:
-                for r in rs_:
-                    culprits[r["rank"]][1].append(_bits_words(c, r, agree))
+        for r in [r for d, rs_ in by.items() if d != clean[0] for r in rs_]:
+            culprits[r["rank"]][1].append(_bits_words(c, r, len(by[clean[0]])))
         return None
     ranks = [r for rs_ in by.values() for r in rs_]
     return finding("numerics", "FAIL", f"{len(ranks)} rank(s) of {group} disagree bit for bit on {c} "
@@ -241,8 +232,7 @@ def _bits_words(c, r, agree):
 
 def judge_numerics_records(records):
     """judge_numerics of the telemetry's numerics (the records gathered at telemetry), [] when no rank has one."""
-    rows = numerics_rows(records)
-    return judge_numerics(rows) if rows else []
+    return judge_numerics(numerics_rows(records))
 
 
 def judge_ddp_grads(records, results):
@@ -251,8 +241,7 @@ def judge_ddp_grads(records, results):
     software = {rec["rank"]: (rec.get("numerics") or {}).get("software") for rec in records}
     posts = {res["rank"]: {"checks": {"ddp-grad": res["grads_local"]}, "software": software.get(res["rank"])}
              for res in results or [] if isinstance(res.get("grads_local"), dict)}
-    rows = numerics_rows(records, posts)
-    return judge_numerics(rows, "DDP step's local backward (before the all-reduce)") if rows else []
+    return judge_numerics(numerics_rows(records, posts), "DDP step's local backward (before the all-reduce)")
 
 
 def judge_numerics_soak(rows):

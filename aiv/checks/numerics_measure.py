@@ -162,6 +162,9 @@ def numerics_measure(torch_mod, dev, kind):
         torch_mod.set_num_threads(1)  # one thread: the same kernels (and bits) on every rank
         device = torch_mod.device("cpu")
     checks = {}
+
+    def check(name, res, ref, scale, k=k):  # each result against its reference, within its own tolerance
+        checks[name] = _post(torch_mod, res, ref, scale, numerics_tolerance(name, k, tf32_forced))
     try:
         with ctx, torch_mod.no_grad():
             a32, b32, bias32 = (t.to(device) for t in (a, b, bias))
@@ -171,23 +174,18 @@ def numerics_measure(torch_mod, dev, kind):
             ref32, ref16 = _mm64(torch_mod, a32, b32), _mm64(torch_mod, a16, b16)
             refs_ok = _reference_problem(torch_mod, a, b, ref32) if gpu else None
             with fp32_matmul_precision(torch_mod, "highest"):
-                checks["matmul-bf16"] = _post(torch_mod, torch_mod.matmul(a16, b16), ref16, scale16,
-                                              numerics_tolerance("matmul-bf16", k))
+                check("matmul-bf16", torch_mod.matmul(a16, b16), ref16, scale16)
                 wt = b16.t().contiguous()  # F.linear takes the weight as out_features x in_features
                 bias64 = bias16.double()[None, :]
-                checks["linear-bf16"] = _post(torch_mod, torch_mod.nn.functional.linear(a16, wt, bias16),
-                                              ref16 + bias64, scale16 + bias64.abs(),
-                                              numerics_tolerance("linear-bf16", k))
-                checks["matmul-fp32"] = _post(torch_mod, a32 @ b32, ref32, scale32,
-                                              numerics_tolerance("matmul-fp32", k, tf32_forced))
+                check("linear-bf16", torch_mod.nn.functional.linear(a16, wt, bias16), ref16 + bias64,
+                      scale16 + bias64.abs())
+                check("matmul-fp32", a32 @ b32, ref32, scale32)
             if gpu and torch_mod.cuda.get_device_capability(dev)[0] >= 8:
                 with fp32_matmul_precision(torch_mod, "high"):
-                    checks["matmul-tf32"] = _post(torch_mod, a32 @ b32, ref32, scale32,
-                                                  numerics_tolerance("matmul-tf32", k))
+                    check("matmul-tf32", a32 @ b32, ref32, scale32)
             ea, eb, ec = (t.to(device) for t in (x, y, z))
-            checks["elementwise-fp32"] = _post(
-                torch_mod, torch_mod.addcmul(ec, ea, eb), ec.double() + ea.double() * eb.double(),
-                (ea.double() * eb.double()).abs() + ec.double().abs(), numerics_tolerance("elementwise-fp32", 1))
+            check("elementwise-fp32", torch_mod.addcmul(ec, ea, eb), ec.double() + ea.double() * eb.double(),
+                  (ea.double() * eb.double()).abs() + ec.double().abs(), 1)
             if refs_ok:  # the device's own fp64 is off the CPU's: no check of this rank can be believed
                 for c in checks.values():
                     c.update(off=True, reference=refs_ok)
@@ -293,17 +291,13 @@ class NumericsRepeat:
             return
         self.last = time.monotonic()
         self.repeats += 1
-        bad = False
-        for c, r in self._run().items():
-            if numerics_digest(self.torch, r) == self.digests[c]:
-                continue
-            bad = True
-            if len(self.first_bad) < 3:
-                diff = (r.double() - self.first[c].double()).abs()
-                k = int(self.torch.argmax(diff.view(-1)))
-                self.first_bad.append({"t": round(t, 1), "check": c, "abs": float(f"{float(diff.view(-1)[k]):.4g}"),
-                                       "at": list(divmod(k, r.shape[-1]))})
-        self.mismatches += bad
+        bad = [(c, r) for c, r in self._run().items() if numerics_digest(self.torch, r) != self.digests[c]]
+        for c, r in bad[:3 - len(self.first_bad)]:  # the first few, with where and by how much
+            diff = (r.double() - self.first[c].double()).abs()
+            k = int(self.torch.argmax(diff.view(-1)))
+            self.first_bad.append({"t": round(t, 1), "check": c, "abs": float(f"{float(diff.view(-1)[k]):.4g}"),
+                                   "at": list(divmod(k, r.shape[-1]))})
+        self.mismatches += bool(bad)
 
     def summary(self):
         return {"numerics_repeats": self.repeats, "numerics_mismatches": self.mismatches,
