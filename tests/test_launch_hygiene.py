@@ -38,8 +38,11 @@ def _fails(res):
 
 
 def test_two_processes_with_one_rank_fail_naming_both():
-    """Rank 0 and two processes with RANK=1: never '2/2 checked in', PASS."""
-    res, _ = spawn(2, ranks=[0, 1, 1], args=["--skip-screen", "--rollcall-timeout", 60])
+    """Rank 0 and two processes with RANK=1: never '2/2 checked in', PASS. Rank 0 starts its collective 10 s
+    late, so that the second RANK=1 (started with the others, but last) checks in before a run with forked
+    ranks (well under a second) is over."""
+    res, _ = spawn(2, ranks=[0, 1, 1], args=["--skip-screen", "--rollcall-timeout", 60],
+                   env={"AIV_FAILPOINT": "skew=10:collective:0"})
     assert res[0][0] == 1 and all(rc != 0 for rc, _ in res), res
     (line,) = [ln for ln in failures(res[0][1]) if "claimed twice" in ln]
     assert line.startswith("FAILURE: rendezvous: a process with RANK=1 (pid ") and "first by pid " in line
@@ -48,8 +51,10 @@ def test_two_processes_with_one_rank_fail_naming_both():
 
 def test_a_rank_beyond_the_world_is_named():
     """A stray RANK=2 launched with WORLD_SIZE=3 joins a 2-rank run: all three FAIL, rank 0 names it: at
-    the roll call, or at the verdict when the stray checked in after the roll call closed."""
-    res, secs = spawn(2, ranks=[0, 1, 2], per_rank={2: {"WORLD_SIZE": 3}}, args=["--rollcall-timeout", 60])
+    the roll call, or at the verdict when the stray checked in after the roll call closed (rank 0 starts its
+    collective 10 s late, so that the stray, started last, checks in before a run of forked ranks is over)."""
+    res, secs = spawn(2, ranks=[0, 1, 2], per_rank={2: {"WORLD_SIZE": 3}}, args=["--rollcall-timeout", 60],
+                      env={"AIV_FAILPOINT": "skew=10:collective:0"})
     assert [rc for rc, _ in res] == [1, 1, 1], res
     (line,) = failures(res[0][1])
     assert line.startswith("FAILURE: world-size: a process with RANK=2 (pid ")
