@@ -960,7 +960,9 @@ def test_cpu_screen_is_not_slowed_by_ranks_sharing_its_core():
             p.kill()
             p.wait()
         os.sched_setaffinity(0, before)
-    assert busy["tflops"] > 0.3 * quiet["tflops"] and busy["hbm_gbps"] > 0.3 * quiet["hbm_gbps"], (quiet, busy)
+    # the host's clock reads at most 1/8 of the quiet value with 8 on the core; the thread's clock stays well above
+    # that (memory bandwidth less so than matmul: each switch cools the caches; 0.27 seen beside a busy other core)
+    assert busy["tflops"] > 0.2 * quiet["tflops"] and busy["hbm_gbps"] > 0.2 * quiet["hbm_gbps"], (quiet, busy)
 
 
 def test_a_starved_measuring_thread_gives_no_number():
