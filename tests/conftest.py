@@ -279,12 +279,50 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 # TEST_TIMELINE=FILE: each test's start and end (wall clock) and its worker, a JSON line per test
-# appended to FILE: where a worker's time went (bench/suite_timeline.py reads it).
+# appended to FILE: where a worker's time went (bench/suite_timeline.py reads it). Where the cgroup v1 cpuacct
+# controller is writable (root), each pytest process and everything it starts (the fork server and its ranks, a
+# Slurm test cluster's daemons and their job steps) runs in a cpuacct group of its own, and each line also holds
+# the CPU seconds that group used during the test ("cpu"): what the test cost, beside what it waited.
 _STARTED = {}
+_CPUACCT = "/sys/fs/cgroup/cpuacct"
+
+
+def _cpu_group():
+    """This process's own cpuacct group's usage file (made and joined on first use), or None."""
+    if not hasattr(_cpu_group, "path"):
+        _cpu_group.path = None
+        group = os.path.join(_CPUACCT, f"aiv-tests-{os.getpid()}")
+        try:
+            os.makedirs(group, exist_ok=True)
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+            _cpu_group.path = os.path.join(group, "cpuacct.usage")
+            atexit.register(_leave_cpu_group, group)
+        except OSError:
+            pass
+    return _cpu_group.path
+
+
+def _leave_cpu_group(group):
+    try:
+        with open(os.path.join(_CPUACCT, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rmdir(group)
+    except OSError:  # a process of the group is still running: the group stays until it ends
+        pass
+
+
+def _cpu_seconds():
+    path = _cpu_group() if os.environ.get("TEST_TIMELINE") else None
+    try:
+        with open(path) as f:
+            return int(f.read()) / 1e9
+    except (OSError, TypeError, ValueError):
+        return None
 
 
 def pytest_runtest_logstart(nodeid, location):
-    _STARTED[nodeid] = time.time()
+    _STARTED[nodeid] = time.time(), _cpu_seconds()
 
 
 def pytest_runtest_logreport(report):
@@ -292,8 +330,12 @@ def pytest_runtest_logreport(report):
     if not path or report.when != "teardown" or report.nodeid not in _STARTED or hasattr(report, "node"):
         return  # (a report with .node is an xdist worker's, seen again by the controller)
     import json
+    start, cpu0 = _STARTED.pop(report.nodeid)
+    cpu1 = _cpu_seconds()
     line = {"id": report.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-            "start": _STARTED.pop(report.nodeid), "end": time.time()}
+            "start": start, "end": time.time()}
+    if cpu0 is not None and cpu1 is not None:
+        line["cpu"] = round(cpu1 - cpu0, 3)
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -339,8 +381,9 @@ def own_tool_processes(script=None):
 # least so far; each share runs its tests of real processes (1 s or more) in a fixed mixed order (by a
 # hash of the test's id: long waits do not all come first, nor on every worker at once), then its quick
 # unit tests, which are what a worker that runs out takes over, so that no worker ends long after the others.
-# The Slurm tests stay together at the head of the first share: each worker that runs one brings up a
-# Slurm test cluster of its own (tests/slurm_cluster.sh keeps clusters apart, in namespaces of their own).
+# The Slurm tests are cut into SLURM_SHARES runs of the file's order, each at the head of a share of its own: each
+# worker that runs one brings up a Slurm test cluster of its own (tests/slurm_cluster.sh keeps clusters apart, in
+# namespaces of their own; about 2 s and 1 CPU-s), and one worker alone would wait out every Slurm test in turn.
 # _COST: a file's mean seconds per test, measured on a 2-core machine with 4 workers (a scheduling hint
 # only: a file not listed costs 0.1 s a test).
 _COST = {"test_node_gate_slurm.py": 23.0, "test_screen_run.py": 18.7, "test_slurm.py": 12.8, "test_hangs.py": 11.4,
@@ -352,6 +395,7 @@ _COST = {"test_node_gate_slurm.py": 23.0, "test_screen_run.py": 18.7, "test_slur
          "test_build.py": 0.7, "test_drain.py": 0.6, "test_runtime.py": 0.6, "test_nccl_log.py": 0.5,
          "test_html.py": 0.4}
 _TOGETHER = "test_slurm.py"
+SLURM_SHARES = 2
 
 
 def dealt(items, workers):
@@ -363,9 +407,14 @@ def dealt(items, workers):
         sizes.append((total - sum(sizes)) // (workers - w))
     shares = [[] for _ in range(workers)]
     spent = [0.0] * workers
-    for i in sorted(range(total), key=lambda i: (items[i].path.name != _TOGETHER, -cost[i])):
-        w = 0 if items[i].path.name == _TOGETHER else min(
-            (w for w in range(workers) if len(shares[w]) < sizes[w]), key=lambda w: spent[w])
+    slurm = [i for i in range(total) if items[i].path.name == _TOGETHER]
+    runs = min(SLURM_SHARES, workers)
+    for k, i in enumerate(slurm):  # in runs of the file's order: a cluster's tests one after another
+        w = k * runs // len(slurm)
+        shares[w].append(i)
+        spent[w] += cost[i]
+    for i in sorted((i for i in range(total) if items[i].path.name != _TOGETHER), key=lambda i: -cost[i]):
+        w = min((w for w in range(workers) if len(shares[w]) < sizes[w]), key=lambda w: spent[w])
         shares[w].append(i)
         spent[w] += cost[i]
 

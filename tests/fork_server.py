@@ -8,8 +8,9 @@ The child becomes what `python ddp_mesh_ping.py ARGS` would have been: its sessi
 call asked, the caller's umask and working directory, stdin/stdout/stderr from the caller's file descriptors
 (passed over the Unix socket), every other descriptor closed, the environment replaced wholesale,
 /proc/<pid>/cmdline rewritten to `python ddp_mesh_ping.py ARGS` (the server's own command line carries the room: no
-exec), sys.argv and sys.path[0] a script's, fresh sys.std* streams, then `runpy.run_path(script,
-run_name="__main__")`. An exit, an uncaught exception (its traceback on stderr, exit 1) or a signal ends it as it
+exec), sys.argv and sys.path[0] a script's, fresh sys.std* streams, then the script as `runpy.run_path(script,
+run_name="__main__")` would run it, from a code object the server compiled once (a 15,000-line script is 0.3 CPU-s
+to compile). An exit, an uncaught exception (its traceback on stderr, exit 1) or a signal ends it as it
 would end a python; the server reaps it and writes its return code (-signum for a signal, as Popen says it) back on
 the request's connection. The child's own starts of `python ddp_mesh_ping.py ...` (the tool's local launcher's
 ranks) are forked in place by the same rule (_in_place): children of the child, as exec would make them.
@@ -19,9 +20,10 @@ communicate(), wait(timeout) and TimeoutExpired, poll(), kill(), terminate(), se
 own. A start the fork cannot reproduce is a plain Popen (`refusal` says why): another python or script, a shell,
 preexec_fn, user/group, pass_fds, close_fds=False, an environment that changes what python or torch read when they
 start (PYTHON* but PYTHONUNBUFFERED, which the child's streams honour, LD_*, TORCH_*, PYTORCH_*, OMP_*, MKL_*,
-KMP_*, GOMP_*, MALLOC_*, GLIBC_TUNABLES, LC_*, LANG, LANGUAGE differing from the server's), a command line longer
-than the room, or a server that does not answer. AIV_TEST_FORK=1 (the default) turns the server on; 0 makes every
-start a plain Popen.
+KMP_*, GOMP_*, MALLOC_*, GLIBC_TUNABLES, LC_*, LANG, LANGUAGE differing from the server's; the server imports torch
+with the values a rank sets before its own import where they are unset, TOOL_SETS, so unset counts as those), a
+command line longer than the room, or a server that does not answer. AIV_TEST_FORK=1 (the default)
+turns the server on; 0 makes every start a plain Popen. TEST_FORK_LOG=FILE: each plain start, and why (said_plain).
 
 What differs from a fresh process, by construction: the rank's parent is the fork server (the same for every rank a
 pytest process starts, as the pytest process was), /proc/<pid>/environ shows the server's starting environment
@@ -46,6 +48,9 @@ _SENSITIVE = ("GLIBC_TUNABLES", "LANG", "LANGUAGE")
 
 
 _HONOURED = ("PYTHONUNBUFFERED",)  # a forked child makes its std streams as python -u would (_stdio)
+# What a rank of the tool sets, when unset, before it imports torch (aiv/run/setup.py, before_torch): the server
+# imports torch as such a rank would, and a request that leaves one unset is one that sets it so
+TOOL_SETS = {"TORCH_CPP_LOG_LEVEL": "FATAL", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def sensitive(name):
@@ -56,7 +61,7 @@ def sensitive(name):
 def env_refusal(env, server_env):
     """Why a fork of a server started with `server_env` cannot run with `env`, or None."""
     for k in sorted(set(env) | set(server_env)):
-        if sensitive(k) and env.get(k) != server_env.get(k):
+        if sensitive(k) and env.get(k, TOOL_SETS.get(k)) != server_env.get(k, TOOL_SETS.get(k)):
             return f"{k} differs from the fork server's"
     return None
 
@@ -102,6 +107,7 @@ def serve(listen_fd, parent, script):
     import torch._dynamo  # noqa: F401  (what DDP's constructor imports: 1-2 CPU-s more a rank that reaches it)
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
+    compiled(script)  # the script compiled once (0.3 CPU-s a start otherwise), before any fork
     lst = socket.socket(fileno=listen_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -247,8 +253,12 @@ def _run_script(argv, env):
     _stdio(bool(os.environ.get("PYTHONUNBUFFERED")))
     subprocess.Popen._execute_child = _in_place(script)
     import runpy
+    code = compiled(script)
     try:
-        runpy.run_path(script, run_name="__main__")
+        if code is None:
+            runpy.run_path(script, run_name="__main__")
+        else:  # what run_path does with the code it compiles: a fresh __main__, sys.argv[0] the script
+            runpy._run_module_code(code, None, "__main__", pkg_name="", script_name=script)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # python's own report of an uncaught exception: from the script's frames on
@@ -258,6 +268,35 @@ def _run_script(argv, env):
         e.__traceback__ = tb or e.__traceback__
         sys.excepthook(type(e), e, e.__traceback__)
         sys.exit(1)
+
+
+def said_plain(env, where, why, argv):
+    """TEST_FORK_LOG=FILE (in `env`): a JSON line for each start of a tool's run that is a plain Popen (a fresh
+    python importing torch), where it was started (the test, or in place under a forked run), why, and the
+    command's first words: what keeps the suite's CPU up."""
+    path = env.get("TEST_FORK_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"where": where, "why": why, "argv": argv[:3]}) + "\n")
+
+
+_COMPILED = {}  # script -> (its size and mtime, its code), compiled in the server
+
+
+def compiled(script):
+    """The script's code object as python would compile it to run it, compiled once per content (its size and
+    mtime); None where runpy's own run_path must run it (an unreadable file, or a runpy without the helper)."""
+    if not hasattr(__import__("runpy"), "_run_module_code"):
+        return None
+    try:
+        st = os.stat(script)
+        key = (st.st_size, st.st_mtime_ns)
+        if _COMPILED.get(script, (None,))[0] != key:
+            with open(script, "rb") as f:
+                _COMPILED[script] = key, compile(f.read(), script, "exec", dont_inherit=True)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return _COMPILED[script][1]
 
 
 _PLAIN_EXECUTE = subprocess.Popen._execute_child
@@ -274,10 +313,17 @@ def _in_place(script):
         env = {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()}
         argv = a["args"] if isinstance(a["args"], (list, tuple)) else [a["args"]]
         argv = [os.fsdecode(x) for x in argv]
-        if (len(args) != len(_EXEC_PARAMS) or a.get("shell") or a.get("executable") is not None or a.get("pass_fds")
-                or not a.get("close_fds", True) or not a.get("restore_signals", True) or threading.active_count() > 1
-                or any(a.get(k) not in (None, -1) for k in ("uid", "gid", "gids", "umask"))
-                or refusal(argv, env, SERVER_ENV, sys.executable, script)):
+        why = refusal(argv, env, SERVER_ENV, sys.executable, script)
+        if why is None and threading.active_count() > 1:
+            why = f"{threading.active_count()} threads: " + ", ".join(t.name for t in threading.enumerate())
+        elif why is None and (len(args) != len(_EXEC_PARAMS) or a.get("shell") or a.get("executable") is not None
+                              or a.get("pass_fds") or not a.get("close_fds", True) or not a.get("restore_signals", True)
+                              or any(a.get(k) not in (None, -1) for k in ("uid", "gid", "gids", "umask"))):
+            why = "how Popen was called"
+        if why is not None:
+            if why != "another python":  # (a start of another program is not one of ours to fork)
+                said_plain(SERVER_ENV, f"in place, under {sys.argv[0]}, {os.environ.get('PYTEST_CURRENT_TEST')}",
+                           why, argv)
             return _PLAIN_EXECUTE(self, *args)
         for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
             stream.flush()
@@ -342,7 +388,7 @@ class Server:
     """A fork server started by this process (`start`), reached over a Unix socket in a private directory."""
 
     def __init__(self, script, env, python=sys.executable):
-        self.script, self.env, self.python = str(script), dict(env), python
+        self.script, self.env, self.python = str(script), {**TOOL_SETS, **env}, python
         self.dir = tempfile.mkdtemp(prefix="aiv-fork-")
         self.path = os.path.join(self.dir, "s")
         lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -446,6 +492,8 @@ class ToolPopen(subprocess.Popen):
                 self._close_pipe_fds(a["p2cread"], a["p2cwrite"], a["c2pread"], a["c2pwrite"], a["errread"],
                                      a["errwrite"])
                 return
+        said_plain(os.environ, os.environ.get("PYTEST_CURRENT_TEST", "?"), self.fallback,
+                   [os.fsdecode(x) for x in a["args"]] if known else [])
         super()._execute_child(*args)
 
     def _read_status(self, timeout):

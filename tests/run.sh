@@ -25,12 +25,14 @@
 #                    tests wait out a bound with their CPU idle, and a fourth worker fills what 3
 #                    leave (92% of the CPU busy instead of 80%); 0 runs in this process, without xdist)
 #   TEST_DURATIONS   how many of the slowest tests to list at the end (default: 15; 0 lists all)
-#   TEST_TIMELINE    a file: each test's worker, start and end appended as a JSON line (unset: none);
-#                    python3 bench/suite_timeline.py FILE says where the time went
+#   TEST_TIMELINE    a file: each test's worker, start and end appended as a JSON line (unset: none), and as
+#                    root the CPU seconds it and what it started used; python3 bench/suite_timeline.py FILE
+#                    says where the time went
 #   AIV_TEST_FORK    1 (default): the tests' runs of the tool are forked from a fork server per pytest process,
 #                    which imported torch once (tests/fork_server.py), instead of each importing torch itself,
 #                    and a forked run's local launcher forks its ranks in place; a start a fork cannot
 #                    reproduce is still a plain process. 0: every run a plain process
+#   TEST_FORK_LOG    a file: a JSON line for each run of the tool started as a plain process, and why (unset: none)
 # Each worker that runs tests/test_slurm.py brings up a Slurm test cluster of its own (tests/slurm_cluster.sh
 # keeps several apart, each in namespaces of its own); each worker gets a share of equal cost, its waits
 # spread out, and an idle worker takes over half of a busy one's queue (--dist worksteal; conftest.py).

@@ -378,8 +378,8 @@ def test_run_sh_with_a_file_runs_that_file_only():
 def test_the_suite_is_dealt_to_the_workers_in_shares_of_equal_cost():
     """What tests/run.sh and docs/development.md say of the order: every file _COST names exists (a renamed
     file would silently count as quick); the order is a permutation cut by worksteal into shares whose
-    costs differ by less than one test's; the Slurm tests lead the first share in their file's order;
-    every share ends with its quick tests."""
+    costs differ by less than one test's; the Slurm tests, cut into SLURM_SHARES runs of their file's order,
+    each lead a share of their own; every share ends with its quick tests."""
     assert sorted(set(conftest._COST) - {p.name for p in (ROOT / "tests").glob("test_*.py")}) == []
     files = {name: int(cost * 3) + 2 for name, cost in conftest._COST.items()}
     files["test_quick.py"] = 40
@@ -396,7 +396,11 @@ def test_the_suite_is_dealt_to_the_workers_in_shares_of_equal_cost():
         costs = [sum(conftest._COST.get(i.path.name, 0.1) for i in share) for share in shares]
         assert max(costs) - min(costs) < max(conftest._COST.values()), costs
         slurm = [i for i in items if i.path.name == conftest._TOGETHER]
-        assert shares[0][:len(slurm)] == slurm
+        runs = min(conftest.SLURM_SHARES, workers)
+        heads = [[i for i in share if i.path.name == conftest._TOGETHER] for share in shares]
+        assert [h for h in heads if h] == [[i for k, i in enumerate(slurm) if k * runs // len(slurm) == w]
+                                           for w in range(runs)]
+        assert all(share[:len(h)] == h for share, h in zip(shares, heads, strict=True))
         for share in shares:
             quick = [conftest._COST.get(i.path.name, 0.1) < 1.0 for i in share]
             assert quick == sorted(quick), "a quick test before a test of real processes"

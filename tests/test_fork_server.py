@@ -157,7 +157,10 @@ def test_the_tool_forked_and_plain_say_the_same(monkeypatch):
     assert str(SCRIPT) in forked.args
 
 
-@pytest.mark.parametrize("extra,in_place", [({}, True), ({"PYTHONUNBUFFERED": "1"}, True), ({"LD_PRELOAD": ""}, False)])
+@pytest.mark.parametrize("extra,in_place", [({}, True), ({"PYTHONUNBUFFERED": "1"}, True), ({"LD_PRELOAD": ""}, False),
+                                            (forks.TOOL_SETS, True),  # what a rank sets: the server's import
+                                            ({"TORCH_CPP_LOG_LEVEL": "INFO"}, False),
+                                            ({"TORCH_FR_BUFFER_SIZE": "10"}, False)])
 def test_a_forked_childs_own_start_of_the_script_is_forked_in_place(server, tmp_path, extra, in_place):
     """What the tool's local launcher starts (`python SCRIPT ...` with preexec_fn and a session of its own) is
     forked from the launcher itself, torch already imported, as its child; a start a fork cannot reproduce
@@ -172,3 +175,20 @@ def test_a_forked_childs_own_start_of_the_script_is_forked_in_place(server, tmp_
     assert (r["rc"], r["err"], r["marked"], child["line"], child["x"]) == (3, "to stderr\n", True, "in\n", "x"), r
     assert child["ppid"] == r["me"] and child["sid"] == child["pid"] and child["name"] == "__main__", child
     assert child["torch"] is in_place, child
+
+
+def test_a_script_changed_after_the_server_compiled_it_runs_as_it_is_now(tmp_path):
+    """The server compiles the script once; a script whose text changed since runs its new text."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    s = forks.Server(script, clean_env())
+    try:
+        first = popen(s, "report", stdin=subprocess.DEVNULL)
+        out, _ = first.communicate(timeout=120)
+        assert first.forked and json.loads(out)["name"] == "__main__", first.fallback
+        script.write_text(PROBE.replace("what = sys.argv[1]", "what = sys.argv[1]\nprint('edited')"))
+        again = popen(s, "message")
+        out, err = again.communicate(timeout=120)
+        assert (again.forked, again.returncode, out, err) == (True, 1, "edited\n", "a message\n"), again.fallback
+    finally:
+        s.stop()

@@ -4,7 +4,7 @@ launch reads from it, every contradiction one line, and no environment that span
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_plan import check_plan_or_line
 
@@ -131,6 +131,7 @@ VALUES = ["0", "1", "2", "3", "auto", "1:4", "", "x", "a-0.a", "127.0.0.1", "295
 
 
 @settings(max_examples=400, deadline=None)
+@example(name="volcano-svc", changed={}, dropped=["VC_TASK_INDEX", "VC_WORKER_HOSTS"])  # VC_WORKER_NUM=2 alone
 @given(st.sampled_from(sorted(PER_NODE)), st.dictionaries(st.sampled_from(K8S_VARS), st.sampled_from(VALUES),
                                                           max_size=4), st.lists(st.sampled_from(K8S_VARS), max_size=3))
 def test_any_kubernetes_environment_is_a_plan_or_one_line_and_never_local_when_it_spans_nodes(name, changed, dropped):

@@ -266,10 +266,25 @@ def effect_problems(modules):
 _CLASSES = {}
 
 
+def statements(tree):
+    """Every statement of a tree, at any depth: a statement lives only in another's body (or an except's, a match
+    case's), so the expressions, most of a tree's nodes, are not walked."""
+    todo = [tree]
+    while todo:
+        n = todo.pop()
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            kids = getattr(n, field, None)
+            if isinstance(kids, list):
+                todo.extend(kids)
+        if isinstance(n, ast.stmt):
+            yield n
+
+
 def classes(tree):
     """Every class of a module, at any depth (walked once per tree)."""
     if id(tree) not in _CLASSES:
-        _CLASSES[id(tree)] = tree, [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+        _CLASSES[id(tree)] = tree, sorted((n for n in statements(tree) if isinstance(n, ast.ClassDef)),
+                                          key=lambda n: n.lineno)
     return _CLASSES[id(tree)][1]
 
 

@@ -74,7 +74,7 @@ LAUNCHERS = (
              "workers), `LWS_WORKER_INDEX` (0 on the leader)",
              "`LWS_GROUP_SIZE`", "`LWS_WORKER_INDEX`", _ONE_PER_GPU,
              "`LWS_LEADER_ADDRESS`:`MASTER_PORT` (29500 when unset)", True),
-    Launcher("volcano", "Volcano", "`VC_TASK_INDEX` or `VC_<TASK>_HOSTS`",
+    Launcher("volcano", "Volcano", "`VC_TASK_INDEX`, `VC_<TASK>_HOSTS` or `VC_<TASK>_NUM`",
              "env plugin: `VC_TASK_INDEX` (the pod's index in its task); svc plugin: `VC_<TASK>_HOSTS`, "
              "`VC_<TASK>_NUM`; pytorch plugin (main containers only): `MASTER_ADDR`, `MASTER_PORT` (23456), "
              "`WORLD_SIZE` (pods), `RANK` (master 0, worker i+1)",
@@ -145,13 +145,16 @@ def _nproc(env):
 
 def _volcano_task(env):
     """The svc plugin's one task: (its VC_<TASK>_NUM, its first host), or a line naming what to set."""
-    tasks = sorted(v[3:-4] for v in env if re.fullmatch(r"VC_\w+_NUM", v) and f"VC_{v[3:-4]}_HOSTS" in env)
+    nums = sorted(v for v in env if re.fullmatch(r"VC_\w+_NUM", v))
+    tasks = [v[3:-4] for v in nums if f"VC_{v[3:-4]}_HOSTS" in env]
     if len(tasks) != 1:
         what = (f"a job of {len(tasks)} tasks ({', '.join(f'VC_{t}_NUM' for t in tasks)})" if tasks else
+                f"{', '.join(nums)} without its VC_<TASK>_HOSTS" if nums else
                 "no svc plugin variables (VC_<TASK>_NUM, VC_<TASK>_HOSTS)")
-        raise UsageError(f"Volcano: VC_TASK_INDEX={env.get('VC_TASK_INDEX')} is a pod's index within its task, and "
-                         f"this pod has {what}: enable the pytorch plugin (RANK, WORLD_SIZE, MASTER_ADDR, "
-                         "MASTER_PORT), or set PET_NNODES, PET_NODE_RANK and MASTER_ADDR")
+        index = (f"VC_TASK_INDEX={env['VC_TASK_INDEX']} is a pod's index within its task, and "
+                 if "VC_TASK_INDEX" in env else "")
+        raise UsageError(f"Volcano: {index}this pod has {what}: enable the pytorch plugin (RANK, WORLD_SIZE, "
+                         "MASTER_ADDR, MASTER_PORT), or set PET_NNODES, PET_NODE_RANK and MASTER_ADDR")
     t = tasks[0]
     hosts = [h.strip() for h in env[f"VC_{t}_HOSTS"].split(",") if h.strip()]
     if not hosts:
@@ -179,7 +182,7 @@ def which_node_launcher(env):
         return None  # one process per rank
     if any(v in env for v in LWS_VARS):
         return "lws"
-    if "VC_TASK_INDEX" in env or any(re.fullmatch(r"VC_\w+_HOSTS", v) for v in env):  # env or svc plugin
+    if "VC_TASK_INDEX" in env or any(re.fullmatch(r"VC_\w+_(HOSTS|NUM)", v) for v in env):  # env or svc plugin
         return "volcano"
     if rank_var is None and "PET_NODE_RANK" in env:
         return "trainer-v2"
