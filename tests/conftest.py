@@ -389,7 +389,7 @@ def own_tool_processes(script=None):
 _COST = {"test_node_gate_slurm.py": 23.0, "test_screen_run.py": 18.7, "test_slurm.py": 12.8, "test_hangs.py": 11.4,
          "test_bootstrap.py": 10.9, "test_verdict_path.py": 10.7, "test_false_culprit.py": 9.7,
          "test_multiproc.py": 9.6, "test_torchrun.py": 9.3, "test_stuck_rank.py": 8.2, "test_launch_hygiene.py": 7.8,
-         "test_k8s_launchers.py": 6.5, "test_side_channel.py": 5.8, "test_rooms.py": 4.5, "test_fan_in.py": 4.1,
+         "test_k8s_launchers.py": 3.2, "test_side_channel.py": 5.8, "test_rooms.py": 4.5, "test_fan_in.py": 4.1,
          "test_node_smi.py": 2.7, "test_numerics.py": 2.6, "test_soak.py": 2.4, "test_blame.py": 2.0,
          "test_usage_errors.py": 1.3, "test_manifest.py": 1.2, "test_node_gate.py": 0.9, "test_verify_log.py": 0.8,
          "test_build.py": 0.7, "test_drain.py": 0.6, "test_runtime.py": 0.6, "test_nccl_log.py": 0.5,

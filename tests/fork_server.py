@@ -11,9 +11,16 @@ call asked, the caller's umask and working directory, stdin/stdout/stderr from t
 exec), sys.argv and sys.path[0] a script's, fresh sys.std* streams, then the script as `runpy.run_path(script,
 run_name="__main__")` would run it, from a code object the server compiled once (a 15,000-line script is 0.3 CPU-s
 to compile). An exit, an uncaught exception (its traceback on stderr, exit 1) or a signal ends it as it
-would end a python; the server reaps it and writes its return code (-signum for a signal, as Popen says it) back on
-the request's connection. The child's own starts of `python ddp_mesh_ping.py ...` (the tool's local launcher's
-ranks) are forked in place by the same rule (_in_place): children of the child, as exec would make them.
+would end a python (run_and_exit); the server reaps it and writes its return code (-signum for a signal, as Popen
+says it) back on the request's connection. The child's own starts of `python ddp_mesh_ping.py ...` (the tool's
+local launcher's ranks) are forked in place by the same rule (_in_place): children of the child, as exec would
+make them; a start from a child with a second thread running (a node leader starting its monitor) is a fresh
+python, which runs the code the server compiled (run_compiled). A child given pod=(hostname, hosts file) enters
+a UTS and a mount namespace of its own first (enter_pod), as the tests' Kubernetes pods are.
+
+Cost, measured on 2 cores: a forked `--help` 0.07 CPU-s, a plain one 0.37. Two things keep a fork cheap: what the
+server made is frozen for the garbage collector (gc.freeze: a collection in a child would write to every object,
+each page a copy, 0.7 CPU-s a run), and a child ends without the interpreter's teardown (0.3 CPU-s).
 
 The test side is `ToolPopen`, a subprocess.Popen whose start goes through the server: pipes, text mode,
 communicate(), wait(timeout) and TimeoutExpired, poll(), kill(), terminate(), send_signal() and `with` are Popen's
@@ -28,8 +35,10 @@ turns the server on; 0 makes every start a plain Popen. TEST_FORK_LOG=FILE: each
 What differs from a fresh process, by construction: the rank's parent is the fork server (the same for every rank a
 pytest process starts, as the pytest process was), /proc/<pid>/environ shows the server's starting environment
 (os.environ and getenv are the request's), the command line ends in padding NULs, the string hash seed is the
-server's, and DDP's imports are done before the DDP step.
+server's, DDP's imports are done before the DDP step, the objects the child did not make are never collected,
+and no object's finaliser runs at the end; a fresh python of _in_place has the server's file in sys.orig_argv.
 """
+import gc
 import inspect
 import json
 import os
@@ -47,7 +56,9 @@ _SENSITIVE_PREFIXES = ("PYTHON", "LD_", "TORCH_", "PYTORCH_", "OMP_", "MKL_", "K
 _SENSITIVE = ("GLIBC_TUNABLES", "LANG", "LANGUAGE")
 
 
-_HONOURED = ("PYTHONUNBUFFERED",)  # a forked child makes its std streams as python -u would (_stdio)
+# PYTHONUNBUFFERED: a forked child makes its std streams as python -u would (_stdio); PYTORCH_ENV: the tool's
+# own (where its venv lives), which neither python nor torch reads
+_HONOURED = ("PYTHONUNBUFFERED", "PYTORCH_ENV")
 # What a rank of the tool sets, when unset, before it imports torch (aiv/run/setup.py, before_torch): the server
 # imports torch as such a rank would, and a request that leaves one unset is one that sets it so
 TOOL_SETS = {"TORCH_CPP_LOG_LEVEL": "FATAL", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
@@ -107,8 +118,12 @@ def serve(listen_fd, parent, script):
     import torch._dynamo  # noqa: F401  (what DDP's constructor imports: 1-2 CPU-s more a rank that reaches it)
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
-    compiled(script)  # the script compiled once (0.3 CPU-s a start otherwise), before any fork
+    # What the server made is never collected in a child: a collection walks every object (torch's are many), and
+    # in a forked child each page it writes to is a copy (0.7 CPU-s a run). A fresh python has nothing to walk.
+    gc.freeze()
     lst = socket.socket(fileno=listen_fd)
+    global CODE_FILE  # the script compiled once (0.3 CPU-s a start otherwise), before any fork
+    CODE_FILE = save_compiled(script, os.path.join(os.path.dirname(lst.getsockname()), "code"))
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -178,7 +193,34 @@ def _server_refusal(conn, req, fds, server_env, script):
         return "another user"
     if len(fds) != 3:
         return "not three descriptors"
+    if req.get("pod") and os.geteuid() != 0:
+        return "a pod's namespaces need root"
     return refusal(req["argv"], req["env"], server_env, sys.executable, script)
+
+
+def pod_argv(pod, argv):
+    """`argv` in a pod of its own, as the tests' Kubernetes pods are started without the fork server: a UTS and a
+    mount namespace of its own, hostname `pod[0]`, the file `pod[1]` as its /etc/hosts."""
+    return ["unshare", "--uts", "--mount", "sh", "-c", 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && '
+            'exec "$@"', "pod", pod[1], pod[0], *argv]
+
+
+def enter_pod(hostname, hosts):
+    """What pod_argv's unshare, mount and hostname do, done by this (single-threaded, forked) process itself: a
+    new UTS and mount namespace (its mounts private, as unshare --mount makes them), `hosts` bound over
+    /etc/hosts, the hostname set."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, clone_newuts, ms_bind, ms_rec, ms_private = 0x20000, 0x4000000, 4096, 16384, 1 << 18
+
+    def ok(rc, what):
+        if rc != 0:
+            raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+    ok(libc.unshare(clone_newns | clone_newuts), "unshare")
+    ok(libc.mount(b"none", b"/", None, ms_rec | ms_private, None), "mount --make-rprivate /")
+    ok(libc.mount(os.fsencode(hosts), b"/etc/hosts", None, ms_bind, None), f"mount --bind {hosts} /etc/hosts")
+    name = os.fsencode(hostname)
+    ok(libc.sethostname(name, len(name)), "sethostname")
 
 
 def _set_cmdline(argv):
@@ -230,12 +272,15 @@ def _own_fds(fds):
 
 
 def become(req, fds):
-    """In the forked child: turn into `python SCRIPT ARGS` as the request describes, then run it."""
-    _session(req.get("setsid"), req.get("pgid"))
-    os.umask(req["umask"])
-    os.chdir(req["cwd"])
-    _own_fds(fds)
-    _run_script(req["argv"], req["env"])
+    """In the forked child: turn into `python SCRIPT ARGS` as the request describes, run it, and end as it ends."""
+    def prepare():
+        _session(req.get("setsid"), req.get("pgid"))
+        if req.get("pod"):
+            enter_pod(*req["pod"])
+        os.umask(req["umask"])
+        os.chdir(req["cwd"])
+        _own_fds(fds)
+    run_and_exit(prepare, lambda: _run_script(req["argv"], req["env"]))
 
 
 def _run_script(argv, env):
@@ -246,14 +291,20 @@ def _run_script(argv, env):
     os.environ.update(env)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     time.tzset()
+    _stdio(bool(os.environ.get("PYTHONUNBUFFERED")))
+    subprocess.Popen._execute_child = _in_place(argv[1])
+    _run_as_main(argv, compiled(argv[1]))
+
+
+def _run_as_main(argv, code):
+    """argv = [python, SCRIPT, ARGS...]: /proc/self/cmdline, sys.argv and sys.path[0] as python gives them to a
+    script, then `code` (the script's, or None: runpy compiles it) run as runpy.run_path runs it; an uncaught
+    exception is said as python says it (from the script's frames on), exit 1."""
     _set_cmdline(argv)
     script = argv[1]
     sys.argv = list(argv[1:])
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    _stdio(bool(os.environ.get("PYTHONUNBUFFERED")))
-    subprocess.Popen._execute_child = _in_place(script)
     import runpy
-    code = compiled(script)
     try:
         if code is None:
             runpy.run_path(script, run_name="__main__")
@@ -281,6 +332,41 @@ def said_plain(env, where, why, argv):
 
 
 _COMPILED = {}  # script -> (its size and mtime, its code), compiled in the server
+CODE_FILE = None  # the server's compiled script on disk (save_compiled), for the fresh pythons of _in_place
+
+
+def _key(script):
+    st = os.stat(script)
+    return [st.st_size, st.st_mtime_ns]
+
+
+def save_compiled(script, path):
+    """The server's compiled script in `path` (its size and mtime on the first line, then marshal's bytes): a
+    start _in_place cannot fork is a fresh python that loads it (run_compiled) instead of compiling again."""
+    import marshal
+    code = compiled(script)
+    if code is None:
+        return None
+    with open(path + ".tmp", "wb") as f:
+        f.write(json.dumps(_key(script)).encode() + b"\n" + marshal.dumps(code))
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def run_compiled(code_file, argv):
+    """A fresh python started by _in_place (`python fork_server.py --compiled CODE_FILE SCRIPT ARGS`): the
+    script's code from CODE_FILE where it is still the script's (its size and mtime), else compiled here, run
+    as `python SCRIPT ARGS` would run it."""
+    import marshal
+    code = None
+    try:
+        with open(code_file, "rb") as f:
+            key, data = f.read().split(b"\n", 1)
+        if json.loads(key) == _key(argv[1]):
+            code = marshal.loads(data)
+    except (OSError, ValueError, EOFError, TypeError):
+        pass
+    _run_as_main(argv, code if code is not None else compiled(argv[1]))
 
 
 def compiled(script):
@@ -314,16 +400,22 @@ def _in_place(script):
         argv = a["args"] if isinstance(a["args"], (list, tuple)) else [a["args"]]
         argv = [os.fsdecode(x) for x in argv]
         why = refusal(argv, env, SERVER_ENV, sys.executable, script)
-        if why is None and threading.active_count() > 1:
-            why = f"{threading.active_count()} threads: " + ", ".join(t.name for t in threading.enumerate())
-        elif why is None and (len(args) != len(_EXEC_PARAMS) or a.get("shell") or a.get("executable") is not None
-                              or a.get("pass_fds") or not a.get("close_fds", True) or not a.get("restore_signals", True)
-                              or any(a.get(k) not in (None, -1) for k in ("uid", "gid", "gids", "umask"))):
+        if why is None and (len(args) != len(_EXEC_PARAMS) or a.get("shell") or a.get("executable") is not None
+                            or a.get("pass_fds") or not a.get("close_fds", True) or not a.get("restore_signals", True)
+                            or any(a.get(k) not in (None, -1) for k in ("uid", "gid", "gids", "umask"))):
             why = "how Popen was called"
+        where = f"in place, under {sys.argv[0]}, {os.environ.get('PYTEST_CURRENT_TEST')}"
+        if why is None and threading.active_count() > 1:
+            # a fork here could inherit a lock another thread holds: a fresh python (Popen's own start, this
+            # process its parent), which runs the code the server compiled rather than compiling it again
+            why = f"{threading.active_count()} threads: " + ", ".join(t.name for t in threading.enumerate())
+            if CODE_FILE is not None and os.path.exists(CODE_FILE):
+                said_plain(SERVER_ENV, where, why + " (the compiled script)", argv)
+                fresh = [argv[0], os.path.abspath(__file__), "--compiled", CODE_FILE, *argv[1:]]
+                return _PLAIN_EXECUTE(self, fresh, *args[1:])
         if why is not None:
             if why != "another python":  # (a start of another program is not one of ours to fork)
-                said_plain(SERVER_ENV, f"in place, under {sys.argv[0]}, {os.environ.get('PYTEST_CURRENT_TEST')}",
-                           why, argv)
+                said_plain(SERVER_ENV, where, why, argv)
             return _PLAIN_EXECUTE(self, *args)
         for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
             stream.flush()
@@ -339,9 +431,9 @@ def _in_place(script):
 
 def _child(argv, env, a, fds):
     """The forked child of _in_place: as _posixsubprocess orders it (session, descriptors, directory, preexec_fn),
-    then the script; it ends here (os._exit) as python would end, never unwinding into the caller's frames."""
-    code = 1
-    try:
+    then the script; it ends here (run_and_exit) as python would end, never unwinding into the caller's frames."""
+    def prepare():
+        gc.freeze()  # what the caller made is never collected here (see serve)
         for sig in signal.valid_signals():  # a fresh python's handlers, not the caller's
             if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
                 signal.signal(sig, signal.SIG_DFL)
@@ -354,8 +446,21 @@ def _child(argv, env, a, fds):
             os.chdir(a["cwd"])
         if a.get("preexec_fn") is not None:
             a["preexec_fn"]()
+    run_and_exit(prepare, lambda: _run_script(argv, env))
+
+
+def run_and_exit(prepare, run):
+    """A forked process's life: prepare() (becoming the process: its failure is said as Popen's child says it,
+    exit 255), run() (the script as __main__), then python's end of a process: non-daemon threads joined, atexit
+    handlers run, std streams flushed, the exit status (SystemExit's code, a message on stderr; a
+    KeyboardInterrupt: killed by SIGINT). It ends by os._exit, without the interpreter's teardown of every object:
+    in a process forked from one that imported torch, that teardown copies every page it touches (0.3 CPU-s a
+    run) and closes only what the kernel closes anyway (the tool closes the files it writes)."""
+    code = 1
+    try:
+        prepare()
         try:
-            _run_script(argv, env)
+            run()
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -412,7 +517,7 @@ class Server:
         import shutil
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def request(self, argv, env, cwd, setsid, pgid, fds):
+    def request(self, argv, env, cwd, setsid, pgid, fds, pod=None):
         """-> (connection, pid); raises OSError or ValueError (the reason) when the server will not fork."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -420,7 +525,8 @@ class Server:
             conn.connect(self.path)
             umask = os.umask(0)
             os.umask(umask)
-            msg = {"argv": list(argv), "env": env, "cwd": cwd, "setsid": setsid, "pgid": pgid, "umask": umask}
+            msg = {"argv": list(argv), "env": env, "cwd": cwd, "setsid": setsid, "pgid": pgid, "umask": umask,
+                   "pod": pod}
             socket.send_fds(conn, [json.dumps(msg).encode() + b"\n"], fds)
             data = b""
             while not data.endswith(b"\n"):
@@ -443,10 +549,12 @@ _EXEC_PARAMS = list(inspect.signature(subprocess.Popen._execute_child).parameter
 
 class ToolPopen(subprocess.Popen):
     """subprocess.Popen whose child is forked by `server` when the fork can reproduce the start (`forked`; else
-    `fallback` says why and it is a plain Popen)."""
+    `fallback` says why and it is a plain Popen). pod=(hostname, hosts file): the child in a pod of its own
+    (enter_pod when forked, pod_argv's unshare when plain)."""
 
-    def __init__(self, args, *, server=None, **kwargs):
+    def __init__(self, args, *, server=None, pod=None, **kwargs):
         self._server, self._conn, self._buf = server, None, b""
+        self._pod = None if pod is None else (str(pod[0]), os.fspath(pod[1]))
         self._status_lock = threading.Lock()
         self.forked, self.fallback = False, None
         super().__init__(args, **kwargs)
@@ -484,7 +592,7 @@ class ToolPopen(subprocess.Popen):
                 self._conn, self.pid = self._server.request(
                     [os.fsdecode(x) for x in a["args"]], {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()},
                     os.fsdecode(a["cwd"]) if a.get("cwd") is not None else os.getcwd(),
-                    bool(a.get("start_new_session")), None if pg in (None, -1) else pg, fds)
+                    bool(a.get("start_new_session")), None if pg in (None, -1) else pg, fds, self._pod)
             except (OSError, ValueError) as e:
                 self.fallback = f"the fork server did not fork: {e}"
             else:
@@ -494,6 +602,8 @@ class ToolPopen(subprocess.Popen):
                 return
         said_plain(os.environ, os.environ.get("PYTEST_CURRENT_TEST", "?"), self.fallback,
                    [os.fsdecode(x) for x in a["args"]] if known else [])
+        if self._pod is not None:
+            args = (pod_argv(self._pod, list(args[0])), *args[1:])
         super()._execute_child(*args)
 
     def _read_status(self, timeout):
@@ -531,7 +641,9 @@ class ToolPopen(subprocess.Popen):
         return self.returncode
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1:2] == ["--compiled"]:  # a fresh python of _in_place
+    run_compiled(sys.argv[2], [sys.orig_argv[0], *sys.argv[3:]])
+elif __name__ == "__main__":
     # argv: the listening socket's fd, the parent's pid, the script in hex (so that no search of command lines
     # for the script's path takes the server for a run of the tool), the room for the children's command lines
     job = serve(int(sys.argv[1]), int(sys.argv[2]), os.fsdecode(bytes.fromhex(sys.argv[3])))

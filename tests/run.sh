@@ -32,6 +32,8 @@
 #                    which imported torch once (tests/fork_server.py), instead of each importing torch itself,
 #                    and a forked run's local launcher forks its ranks in place; a start a fork cannot
 #                    reproduce is still a plain process. 0: every run a plain process
+#   TEST_SCREEN_RUNS how many times the 4-node healthy screen runs on Slurm (default: 1; more, to see
+#                    that no run on a loaded machine names a healthy node)
 #   TEST_FORK_LOG    a file: a JSON line for each run of the tool started as a plain process, and why (unset: none)
 # Each worker that runs tests/test_slurm.py brings up a Slurm test cluster of its own (tests/slurm_cluster.sh
 # keeps several apart, each in namespaces of its own); each worker gets a share of equal cost, its waits

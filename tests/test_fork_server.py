@@ -2,6 +2,7 @@
 Popen of `python SCRIPT ARGS` would, and a start it cannot reproduce is a plain Popen."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,9 @@ if what == "report":
                       "getenv_x": os.getenv("FORK_X"), "home_gone": "FORK_GONE" not in os.environ,
                       "tmp": tempfile.gettempdir(), "name": __name__, "file": __file__, "path0": sys.path[0],
                       "cmdline": cmd, "sid": os.getsid(0), "pid": os.getpid(), "umask": os.umask(0),
-                      "line": sys.stdin.readline(), "ppid": os.getppid(), "torch": "torch" in sys.modules}))
+                      "line": sys.stdin.readline(), "ppid": os.getppid(), "torch": "torch" in sys.modules,
+                      "orig": sys.orig_argv, "hostname": os.uname().nodename,
+                      "hosts": open("/etc/hosts").read()}))
     print("to stderr", file=sys.stderr)
     sys.exit(3)
 if what == "sleep":
@@ -34,9 +37,11 @@ if what == "raise":
     raise ValueError("from the probe")
 if what == "message":
     sys.exit("a message")
-if what == "spawn":  # start `python PROBE report` as the tool's local launcher starts its ranks
-    import subprocess
+if what in ("spawn", "spawn-threaded"):  # start `python PROBE report` as the tool's local launcher starts its ranks
+    import subprocess, threading
     mark = sys.argv[3]
+    if what == "spawn-threaded":  # as a node leader starts its monitor: its own threads running
+        threading.Thread(target=time.sleep, args=(30,), daemon=True, name="busy").start()
     p = subprocess.Popen([sys.executable, __file__, "report"], env=dict(os.environ, **json.loads(sys.argv[2])),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True, preexec_fn=lambda: open(mark, "w").close())
@@ -175,6 +180,45 @@ def test_a_forked_childs_own_start_of_the_script_is_forked_in_place(server, tmp_
     assert (r["rc"], r["err"], r["marked"], child["line"], child["x"]) == (3, "to stderr\n", True, "in\n", "x"), r
     assert child["ppid"] == r["me"] and child["sid"] == child["pid"] and child["name"] == "__main__", child
     assert child["torch"] is in_place, child
+
+
+def test_a_start_from_a_process_with_threads_is_a_fresh_python_running_the_compiled_script(server, tmp_path):
+    """A start from a forked child with a second thread running is never a fork (it could inherit a lock that
+    thread holds): a fresh python, the caller its parent, torch not imported, which runs the code the server
+    compiled (not compiling the script again) as `python SCRIPT ARGS` would."""
+    p = forks.ToolPopen([sys.executable, server.script, "spawn-threaded", "{}", str(tmp_path / "mark")],
+                        server=server, env=clean_env({"FORK_X": "x"}), text=True, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=180)
+    assert p.forked and p.returncode == 0, (p.fallback, out, err)
+    r = json.loads(out)
+    child = r["child"]
+    assert (r["rc"], r["err"], r["marked"], child["line"], child["x"]) == (3, "to stderr\n", True, "in\n", "x"), r
+    assert child["ppid"] == r["me"] and child["sid"] == child["pid"] and child["torch"] is False, child
+    assert child["orig"][1:3] == [forks.__file__, "--compiled"], child  # the server's code, not a compile
+    assert child["cmdline"] == [sys.executable, server.script, "report"] and child["argv"] == [server.script, "report"]
+    assert (child["name"], child["file"], child["path0"]) == ("__main__", server.script,
+                                                              os.path.dirname(server.script)), child
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="a pod's namespaces need root and unshare")
+def test_a_pod_forked_or_under_unshare_has_its_own_hostname_and_hosts_file(server, tmp_path):
+    """pod=(hostname, hosts file): forked, the child enters a UTS and a mount namespace of its own itself; plain,
+    it runs under unshare; either way the same hostname and /etc/hosts, and this machine's are untouched."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n127.0.0.1 pod-0.svc\n")
+    mine = (os.uname().nodename, open("/etc/hosts").read())
+    seen = []
+    for srv in (server, None):
+        p = forks.ToolPopen([sys.executable, server.script, "report"], server=srv, pod=("pod-0", hosts),
+                            env=clean_env(), text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+        out, err = p.communicate(timeout=120)
+        assert p.forked is (srv is not None) and p.returncode == 3, (p.fallback, out, err)
+        r = json.loads(out)
+        seen.append((r["hostname"], r["hosts"], r["cmdline"][1:]))
+    assert seen[0] == seen[1] == ("pod-0", hosts.read_text(), [server.script, "report"]), seen
+    assert (os.uname().nodename, open("/etc/hosts").read()) == mine
 
 
 def test_a_script_changed_after_the_server_compiled_it_runs_as_it_is_now(tmp_path):

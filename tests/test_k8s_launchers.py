@@ -14,11 +14,12 @@ import subprocess
 import sys
 import time
 
+import fork_server as forks
 import psutil
 import pytest
 import yaml
 
-from conftest import ROOT, SCRIPT, aiv, clean_env, failures, finish, free_port, state
+from conftest import ROOT, SCRIPT, aiv, clean_env, failures, finish, fork_server, free_port, state
 
 K8S = ROOT / "k8s"
 SECRET = "5e" * 32
@@ -44,14 +45,16 @@ def pods(specs, tmp_path, timeout=300):
     names = {h for h, _, _ in specs} | {v for _, env, _ in specs for k, v in env.items()
                                         if k.endswith(("MASTER_ADDR", "LEADER_ADDRESS"))}
     hosts.write_text("127.0.0.1 localhost\n" + "".join(f"127.0.0.1 {n}\n" for n in sorted(names)))
-    procs = []
-    for host, env, argv in specs:
-        cmd = ["unshare", "--uts", "--mount", "sh", "-c",
-               'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"', "pod", str(hosts), host,
-               *map(str, argv)]
-        procs.append(subprocess.Popen(cmd, env=clean_env(dict({"AIV_SKIP_SCREEN": "on"}, **env)),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = [pod_popen(host, hosts, argv, env=clean_env(dict({"AIV_SKIP_SCREEN": "on"}, **env)),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for host, env, argv in specs]
     return [(rc, out) for rc, out, _ in finish(procs, timeout)]
+
+
+def pod_popen(host, hosts, argv, **kwargs):
+    """A pod's process: `argv` with its own hostname and `hosts` as its /etc/hosts (a UTS and a mount namespace of
+    its own). A run of the tool is forked from the fork server, which enters the namespaces in the child (torch
+    imported once); any other command, or a start the fork cannot reproduce, runs under unshare."""
+    return forks.ToolPopen([str(a) for a in argv], server=fork_server(), pod=(host, str(hosts)), **kwargs)
 
 
 def tool(*args):
@@ -274,10 +277,9 @@ def test_sigterm_to_another_nodes_launcher_stops_its_ranks_and_every_pod_exits_w
     procs = []
     for i in range(2):
         env = clean_env(trainer_env(i, port, AIV_FAILPOINT="pause=120:init:0", AIV_FAILPOINT_MARK=mark))
-        cmd = ["unshare", "--uts", "--mount", "sh", "-c", 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && '
-               'exec "$@"', "pod", str(hosts), f"pretrain-node-0-{i}", sys.executable, str(SCRIPT), "--timeout", "15",
-               "--rollcall-timeout", "120", "--skip-screen", "--json", str(jp)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        argv = [sys.executable, SCRIPT, "--timeout", "15", "--rollcall-timeout", "120", "--skip-screen", "--json", jp]
+        procs.append(pod_popen(f"pretrain-node-0-{i}", hosts, argv, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True))
     end = time.monotonic() + 180
     while not mark.exists() and time.monotonic() < end and all(p.poll() is None for p in procs):
         time.sleep(0.1)
