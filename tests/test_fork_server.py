@@ -162,6 +162,22 @@ def test_the_tool_forked_and_plain_say_the_same(monkeypatch):
     assert str(SCRIPT) in forked.args
 
 
+def spawned(server, tmp_path, how, extra):
+    """A forked PROBE that starts `python PROBE report` (`how`: "spawn" or "spawn-threaded") with `extra` in its
+    environment: the started child's report, once its own start is checked to be what Popen's would be (its
+    pipes, preexec_fn, its session, its parent, its environment)."""
+    p = forks.ToolPopen([sys.executable, server.script, how, json.dumps(extra), str(tmp_path / "mark")],
+                        server=server, env=clean_env({"FORK_X": "x"}), text=True, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=180)
+    assert p.forked and p.returncode == 0, (p.fallback, out, err)
+    r = json.loads(out)
+    child = r["child"]
+    assert (r["rc"], r["err"], r["marked"], child["line"], child["x"]) == (3, "to stderr\n", True, "in\n", "x"), r
+    assert child["ppid"] == r["me"] and child["sid"] == child["pid"], child
+    return child
+
+
 @pytest.mark.parametrize("extra,in_place", [({}, True), ({"PYTHONUNBUFFERED": "1"}, True), ({"LD_PRELOAD": ""}, False),
                                             (forks.TOOL_SETS, True),  # what a rank sets: the server's import
                                             ({"TORCH_CPP_LOG_LEVEL": "INFO"}, False),
@@ -170,31 +186,16 @@ def test_a_forked_childs_own_start_of_the_script_is_forked_in_place(server, tmp_
     """What the tool's local launcher starts (`python SCRIPT ...` with preexec_fn and a session of its own) is
     forked from the launcher itself, torch already imported, as its child; a start a fork cannot reproduce
     (a variable torch reads at import) is a fresh python, as before."""
-    p = forks.ToolPopen([sys.executable, server.script, "spawn", json.dumps(extra), str(tmp_path / "mark")],
-                        server=server, env=clean_env({"FORK_X": "x"}), text=True, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE)
-    out, err = p.communicate(timeout=180)
-    assert p.forked and p.returncode == 0, (p.fallback, out, err)
-    r = json.loads(out)
-    child = r["child"]
-    assert (r["rc"], r["err"], r["marked"], child["line"], child["x"]) == (3, "to stderr\n", True, "in\n", "x"), r
-    assert child["ppid"] == r["me"] and child["sid"] == child["pid"] and child["name"] == "__main__", child
-    assert child["torch"] is in_place, child
+    child = spawned(server, tmp_path, "spawn", extra)
+    assert child["name"] == "__main__" and child["torch"] is in_place, child
 
 
 def test_a_start_from_a_process_with_threads_is_a_fresh_python_running_the_compiled_script(server, tmp_path):
     """A start from a forked child with a second thread running is never a fork (it could inherit a lock that
     thread holds): a fresh python, the caller its parent, torch not imported, which runs the code the server
     compiled (not compiling the script again) as `python SCRIPT ARGS` would."""
-    p = forks.ToolPopen([sys.executable, server.script, "spawn-threaded", "{}", str(tmp_path / "mark")],
-                        server=server, env=clean_env({"FORK_X": "x"}), text=True, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE)
-    out, err = p.communicate(timeout=180)
-    assert p.forked and p.returncode == 0, (p.fallback, out, err)
-    r = json.loads(out)
-    child = r["child"]
-    assert (r["rc"], r["err"], r["marked"], child["line"], child["x"]) == (3, "to stderr\n", True, "in\n", "x"), r
-    assert child["ppid"] == r["me"] and child["sid"] == child["pid"] and child["torch"] is False, child
+    child = spawned(server, tmp_path, "spawn-threaded", {})
+    assert child["torch"] is False, child
     assert child["orig"][1:3] == [forks.__file__, "--compiled"], child  # the server's code, not a compile
     assert child["cmdline"] == [sys.executable, server.script, "report"] and child["argv"] == [server.script, "report"]
     assert (child["name"], child["file"], child["path0"]) == ("__main__", server.script,
