@@ -1,5 +1,6 @@
 """The HTML verdict page: escaping, self-containment, verdict and culprits, size at scale, a real browser."""
 import html
+import math
 import os
 import re
 import shutil
@@ -24,6 +25,18 @@ def fault_page():
     state = simulated_state(4, 8, fault="rail")
     assert state["failed_hosts"] == [BAD]
     return render_html(state)
+
+
+@pytest.mark.parametrize("elapsed", [0.004, 12.0, 7200.0, 100000.0])
+def test_the_timeline_has_round_ticks_whatever_the_run_took(elapsed):
+    """Before: a run longer than about 30,000 s (a long soak) raised StopIteration in the timeline's tick step,
+    and the page was not written."""
+    state = simulated_state(2, 2)
+    state["phases"], state["phase_starts"], state["elapsed_s"] = {"soak": elapsed * 0.9}, {"soak": 0.0}, elapsed
+    ticks = [float(t) for t in re.findall(r'text-anchor="middle">([0-9.e+]+) s</text>', render_html(state))]
+    step = ticks[1] - ticks[0]
+    assert 3 <= len(ticks) <= 13 and ticks[0] == 0 and ticks[-1] <= elapsed < ticks[-1] + step, ticks
+    assert f"{step / 10 ** math.floor(math.log10(step)):.6g}" in ("1", "2", "5"), ticks
 
 
 def test_hostile_host_name_is_escaped():

@@ -248,9 +248,9 @@ FLAGGED_BARS_MAX = 64   # ... at most this many of those (the lowest first), the
 BREAK_RATIO = 2.0       # a line this far above every value and every reference is drawn above a broken axis
 
 
-def _html_step(top):
-    """A round tick step (1, 2 or 5 x 10^k) giving about five ticks from 0 to top."""
-    raw = max(top, 1e-12) / 5
+def _html_step(top, ticks=5):
+    """A round tick step (1, 2 or 5 x 10^k, any k) giving about `ticks` ticks from 0 to top."""
+    raw = max(top, 1e-12) / ticks
     mag = 10 ** math.floor(math.log10(raw))
     return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
 
@@ -630,7 +630,7 @@ def _html_timeline(state):
             f'</rect><text x="{134 + w * (s + d) / end:.1f}" y="{y + 12}">{d:.2f} s</text>'
             for i, (p, s, d) in enumerate(spans) for y in [8 + i * rh]]
     h = 8 + len(spans) * rh
-    step = next(s * m for m in (0.01, 0.1, 1, 10, 100, 1000) for s in (1, 2, 5) if s * m >= end / 6)  # ~6 ticks
+    step = _html_step(end, 6)
     ticks = "".join(f'<line x1="{130 + w * t / end:.1f}" x2="{130 + w * t / end:.1f}" y1="4" y2="{h}" '
                     f'stroke="#e3e8ee"/><text x="{130 + w * t / end:.1f}" y="{h + 14}" text-anchor="middle">{t:g} s'
                     '</text>' for t in (round(i * step, 6) for i in range(int(end / step) + 1)))
