@@ -38,6 +38,7 @@ pytest process starts, as the pytest process was), /proc/<pid>/environ shows the
 server's, DDP's imports are done before the DDP step, the objects the child did not make are never collected,
 and no object's finaliser runs at the end; a fresh python of _in_place has the server's file in sys.orig_argv.
 """
+import contextlib
 import gc
 import inspect
 import json
@@ -112,15 +113,20 @@ def _read_request(conn):
     return json.loads(data), fds
 
 
-def serve(listen_fd, parent, script):
-    """Accept requests until the parent goes; returns (request, fds) in a forked child only."""
+def _import_once():
+    """What every child would import, imported once, then frozen: what the server made is never collected in a
+    child (a collection walks every object, torch's are many, and in a forked child each page it writes to is a
+    copy: 0.7 CPU-s a run; a fresh python has nothing to walk)."""
     import torch  # noqa: F401  (import only: no thread, no computation, before any fork)
     import torch._dynamo  # noqa: F401  (what DDP's constructor imports: 1-2 CPU-s more a rank that reaches it)
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
-    # What the server made is never collected in a child: a collection walks every object (torch's are many), and
-    # in a forked child each page it writes to is a copy (0.7 CPU-s a run). A fresh python has nothing to walk.
     gc.freeze()
+
+
+def serve(listen_fd, parent, script):
+    """Accept requests until the parent goes; returns (request, fds) in a forked child only."""
+    _import_once()
     lst = socket.socket(fileno=listen_fd)
     global CODE_FILE  # the script compiled once (0.3 CPU-s a start otherwise), before any fork
     CODE_FILE = save_compiled(script, os.path.join(os.path.dirname(lst.getsockname()), "code"))
@@ -135,20 +141,10 @@ def serve(listen_fd, parent, script):
     while os.getppid() == parent:
         ready, _, _ = select.select([lst, wake_r], [], [], 1.0)
         if wake_r in ready:
-            while True:
-                try:
-                    if not os.read(wake_r, 512):
-                        break
-                except BlockingIOError:
-                    break
-        while kids:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if not pid:
-                break
-            conn = kids.pop(pid, None)
-            if conn is not None:
-                _send(conn, {"rc": os.waitstatus_to_exitcode(status)})
-                conn.close()
+            with contextlib.suppress(BlockingIOError):
+                while os.read(wake_r, 512):
+                    pass
+        _reap(kids)
         if lst not in ready:
             continue
         try:
@@ -184,6 +180,18 @@ def serve(listen_fd, parent, script):
         _send(conn, {"pid": pid})
         kids[pid] = conn
     return None
+
+
+def _reap(kids):
+    """Each child of the server that ended: its return code back on its request's connection."""
+    while kids:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if not pid:
+            return
+        conn = kids.pop(pid, None)
+        if conn is not None:
+            _send(conn, {"rc": os.waitstatus_to_exitcode(status)})
+            conn.close()
 
 
 def _server_refusal(conn, req, fds, server_env, script):
@@ -433,7 +441,7 @@ def _child(argv, env, a, fds):
     """The forked child of _in_place: as _posixsubprocess orders it (session, descriptors, directory, preexec_fn),
     then the script; it ends here (run_and_exit) as python would end, never unwinding into the caller's frames."""
     def prepare():
-        gc.freeze()  # what the caller made is never collected here (see serve)
+        gc.freeze()  # what the caller made is never collected here (see _import_once)
         for sig in signal.valid_signals():  # a fresh python's handlers, not the caller's
             if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
                 signal.signal(sig, signal.SIG_DFL)
