@@ -344,6 +344,7 @@ CODE_FILE = None  # the server's compiled script on disk (save_compiled), for th
 
 
 def _key(script):
+    """What says a script is unchanged: its size and mtime (a list, as the compiled file's JSON line keeps it)."""
     st = os.stat(script)
     return [st.st_size, st.st_mtime_ns]
 
@@ -383,8 +384,7 @@ def compiled(script):
     if not hasattr(__import__("runpy"), "_run_module_code"):
         return None
     try:
-        st = os.stat(script)
-        key = (st.st_size, st.st_mtime_ns)
+        key = _key(script)
         if _COMPILED.get(script, (None,))[0] != key:
             with open(script, "rb") as f:
                 _COMPILED[script] = key, compile(f.read(), script, "exec", dont_inherit=True)
@@ -394,6 +394,21 @@ def compiled(script):
 
 
 _PLAIN_EXECUTE = subprocess.Popen._execute_child
+
+
+def call_refusal(a, preexec_ok):
+    """Why a Popen called with `a` (_execute_child's arguments by name) cannot be a fork, or None: a shell,
+    another executable, pass_fds, close_fds=False, a user, group or umask, restore_signals=False, and a preexec_fn
+    unless the fork runs it itself (preexec_ok)."""
+    if a.get("shell") or a.get("executable") is not None:
+        return "a shell or another executable"
+    if (a.get("preexec_fn") is not None and not preexec_ok) or a.get("pass_fds") or not a.get("close_fds", True):
+        return "preexec_fn, pass_fds or close_fds=False"
+    if any(a.get(k) not in (None, -1) for k in ("uid", "gid", "gids", "umask")):
+        return "user, group or umask"
+    if not a.get("restore_signals", True):
+        return "restore_signals=False"
+    return None
 SERVER_ENV = {}  # the server's starting environment (serve), what torch was imported under
 
 
@@ -408,10 +423,8 @@ def _in_place(script):
         argv = a["args"] if isinstance(a["args"], (list, tuple)) else [a["args"]]
         argv = [os.fsdecode(x) for x in argv]
         why = refusal(argv, env, SERVER_ENV, sys.executable, script)
-        if why is None and (len(args) != len(_EXEC_PARAMS) or a.get("shell") or a.get("executable") is not None
-                            or a.get("pass_fds") or not a.get("close_fds", True) or not a.get("restore_signals", True)
-                            or any(a.get(k) not in (None, -1) for k in ("uid", "gid", "gids", "umask"))):
-            why = "how Popen was called"
+        if why is None:
+            why = "an unknown Popen" if len(args) != len(_EXEC_PARAMS) else call_refusal(a, preexec_ok=True)
         where = f"in place, under {sys.argv[0]}, {os.environ.get('PYTEST_CURRENT_TEST')}"
         if why is None and threading.active_count() > 1:
             # a fork here could inherit a lock another thread holds: a fresh python (Popen's own start, this
@@ -572,14 +585,9 @@ class ToolPopen(subprocess.Popen):
             return "no fork server"
         if not self._server.alive():
             return "the fork server is not running"
-        if a.get("shell") or a.get("executable") is not None:
-            return "a shell or another executable"
-        if a.get("preexec_fn") is not None or a.get("pass_fds") or not a.get("close_fds", True):
-            return "preexec_fn, pass_fds or close_fds=False"
-        if any(a.get(k) not in (None, -1) for k in ("uid", "gid", "gids", "umask")):
-            return "user, group or umask"
-        if not a.get("restore_signals", True):
-            return "restore_signals=False"
+        why = call_refusal(a, preexec_ok=False)  # (a preexec_fn cannot travel to the server)
+        if why:
+            return why
         cwd = a.get("cwd")
         if cwd is not None and not os.path.isdir(cwd):
             return "no such working directory"
