@@ -26,17 +26,20 @@ The test side is `ToolPopen`, a subprocess.Popen whose start goes through the se
 communicate(), wait(timeout) and TimeoutExpired, poll(), kill(), terminate(), send_signal() and `with` are Popen's
 own. A start the fork cannot reproduce is a plain Popen (`refusal` says why): another python or script, a shell,
 preexec_fn, user/group, pass_fds, close_fds=False, an environment that changes what python or torch read when they
-start (PYTHON* but PYTHONUNBUFFERED, which the child's streams honour, LD_*, TORCH_*, PYTORCH_*, OMP_*, MKL_*,
-KMP_*, GOMP_*, MALLOC_*, GLIBC_TUNABLES, LC_*, LANG, LANGUAGE differing from the server's; the server imports torch
-with the values a rank sets before its own import where they are unset, TOOL_SETS, so unset counts as those), a
-command line longer than the room, or a server that does not answer. AIV_TEST_FORK=1 (the default)
+start (PYTHON* but PYTHONUNBUFFERED, which the child's streams honour, and a PYTHONPATH that only adds modules,
+which the child puts on sys.path and whose sitecustomize it imports: pythonpath_refusal; LD_*, TORCH_*, PYTORCH_*,
+OMP_*, MKL_*, KMP_*, GOMP_*, MALLOC_*, GLIBC_TUNABLES, LC_*, LANG, LANGUAGE differing from the server's; the server
+imports torch with the values a rank sets before its own import where they are unset, TOOL_SETS, so unset counts
+as those), a command line longer than the room, or a server that does not answer. AIV_TEST_FORK=1 (the default)
 turns the server on; 0 makes every start a plain Popen. TEST_FORK_LOG=FILE: each plain start, and why (said_plain).
 
 What differs from a fresh process, by construction: the rank's parent is the fork server (the same for every rank a
 pytest process starts, as the pytest process was), /proc/<pid>/environ shows the server's starting environment
 (os.environ and getenv are the request's), the command line ends in padding NULs, the string hash seed is the
 server's, DDP's imports are done before the DDP step, the objects the child did not make are never collected,
-and no object's finaliser runs at the end; a fresh python of _in_place has the server's file in sys.orig_argv.
+no object's finaliser runs at the end, a PYTHONPATH's sitecustomize runs after the server's own sitecustomize
+(where it had one) rather than instead of it, and after torch's import rather than before; a fresh python of
+_in_place has the server's file in sys.orig_argv.
 """
 import contextlib
 import gc
@@ -71,11 +74,87 @@ def sensitive(name):
 
 
 def env_refusal(env, server_env):
-    """Why a fork of a server started with `server_env` cannot run with `env`, or None."""
+    """Why a fork of a server started with `server_env` cannot run with `env`, or None (PYTHONPATH: see
+    pythonpath_refusal)."""
     for k in sorted(set(env) | set(server_env)):
-        if sensitive(k) and env.get(k, TOOL_SETS.get(k)) != server_env.get(k, TOOL_SETS.get(k)):
+        if k != "PYTHONPATH" and sensitive(k) and env.get(k, TOOL_SETS.get(k)) != server_env.get(k, TOOL_SETS.get(k)):
             return f"{k} differs from the fork server's"
     return None
+
+
+def _top_names(entry):
+    """The top-level names a PYTHONPATH directory offers to import: its modules, extensions and directories (a
+    directory may be a package or a namespace package's portion)."""
+    try:
+        names = os.listdir(entry)
+    except OSError:  # not there (python keeps it on sys.path, and it offers nothing) or unreadable
+        return set() if not os.path.exists(entry) else {None}
+    return {n.split(".", 1)[0] for n in names if n != "__pycache__" and (os.path.isdir(os.path.join(entry, n))
+                                                                     or n.endswith((".py", ".pyc", ".so")))}
+
+
+def pythonpath_refusal(value, now, path):
+    """Why a fork of a process whose PYTHONPATH is `now` (what it applied: the server's, or a forked child's)
+    cannot honour PYTHONPATH=`value`, or None. A fork honours a PYTHONPATH whose directories add modules only:
+    it puts them on sys.path where python would (after the script's directory) and imports their sitecustomize,
+    as python's site does (apply_pythonpath). It cannot take back what this process imported or ran, so it
+    refuses one that shadows a module importable from `path` (this process's sys.path without those
+    directories: what it may have imported already), a usercustomize, an entry that is relative or not a
+    directory, a change of a PYTHONPATH this process applied already, or the same one once its sitecustomize ran
+    here (a fresh python would run it again, on a state without its effects)."""
+    if value == now:
+        return None if not (now and _sitecustomize(now)) else "this process ran its PYTHONPATH's sitecustomize"
+    if now or not value:
+        return "PYTHONPATH differs from the fork server's"
+    import importlib.machinery
+    entries = value.split(os.pathsep)
+    if not all(os.path.isabs(e) for e in entries):  # (relative: to a directory this side cannot be sure of)
+        return "PYTHONPATH with an empty or relative entry"
+    entries = [os.path.normpath(e) for e in entries]
+    search = [p for p in path if p and os.path.normpath(os.path.abspath(p)) not in entries]
+    for entry in entries:
+        for name in sorted(_top_names(entry), key=str):
+            if name is None:
+                return f"PYTHONPATH's {entry} is not a directory the fork can read"
+            if name == "usercustomize" or name in sys.builtin_module_names or (
+                    name != "sitecustomize" and importlib.machinery.PathFinder.find_spec(name, search)):
+                return f"PYTHONPATH's {entry} shadows {name}, which the fork server may have imported"
+    return None
+
+
+def _sitecustomize(value):
+    import importlib.machinery
+    return importlib.machinery.PathFinder.find_spec("sitecustomize", [os.path.abspath(e)
+                                                                       for e in value.split(os.pathsep)])
+
+
+APPLIED = {"PYTHONPATH": None}  # what this process applied of a request's PYTHONPATH (apply_pythonpath)
+
+
+def apply_pythonpath(value):
+    """What python does at its start with PYTHONPATH=`value`, done in a forked child (pythonpath_refusal let it
+    through): its directories on sys.path after the script's, then their sitecustomize imported, an error in it
+    said as site says it (the server's own sitecustomize, where it had one, ran at its start: the request's runs
+    as well, not instead)."""
+    if not value or value == APPLIED["PYTHONPATH"]:
+        return
+    APPLIED["PYTHONPATH"] = value
+    sys.path[1:1] = [os.path.abspath(e) for e in value.split(os.pathsep)]
+    import importlib
+    importlib.invalidate_caches()
+    if _sitecustomize(value):
+        sys.modules.pop("sitecustomize", None)
+        try:
+            import sitecustomize  # noqa: F401
+        except ImportError as err:
+            if err.name != "sitecustomize":
+                _site_error(err)
+        except Exception as err:
+            _site_error(err)
+
+
+def _site_error(err):
+    sys.stderr.write(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(err).__name__}: {err}\n")
 
 
 def cmdline(argv):
@@ -90,7 +169,8 @@ def refusal(argv, env, server_env, python, script):
         return "another script"
     if len(cmdline(argv)) > ROOM:
         return "a command line longer than the fork server's room"
-    return env_refusal(env, server_env)
+    return env_refusal(env, server_env) or pythonpath_refusal(env.get("PYTHONPATH"), APPLIED["PYTHONPATH"]
+                                                              or server_env.get("PYTHONPATH"), sys.path)
 
 
 # ---------------------------------------------------------------------------- the server
@@ -300,6 +380,7 @@ def _run_script(argv, env):
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     time.tzset()
     _stdio(bool(os.environ.get("PYTHONUNBUFFERED")))
+    apply_pythonpath(env.get("PYTHONPATH"))
     subprocess.Popen._execute_child = _in_place(argv[1])
     _run_as_main(argv, compiled(argv[1]))
 

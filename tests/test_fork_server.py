@@ -25,7 +25,9 @@ if what == "report":
                       "cmdline": cmd, "sid": os.getsid(0), "pid": os.getpid(), "umask": os.umask(0),
                       "line": sys.stdin.readline(), "ppid": os.getppid(), "torch": "torch" in sys.modules,
                       "orig": sys.orig_argv, "hostname": os.uname().nodename,
-                      "hosts": open("/etc/hosts").read()}))
+                      "hosts": open("/etc/hosts").read(), "path1": sys.path[1],
+                      "site": getattr(sys.modules.get("sitecustomize"), "MARK", None),
+                      "extra": os.environ.get("FORK_EXTRA") and __import__("forkextra").VALUE}))
     print("to stderr", file=sys.stderr)
     sys.exit(3)
 if what == "sleep":
@@ -119,7 +121,7 @@ def test_an_uncaught_exception_and_an_exit_message_end_as_in_python(server):
     assert (q.returncode, err) == (1, "a message\n")
 
 
-@pytest.mark.parametrize("extra", [{"LD_PRELOAD": ""}, {"PYTHONPATH": "/nowhere"}, {"TORCH_CPP_LOG_LEVEL": "INFO"},
+@pytest.mark.parametrize("extra", [{"LD_PRELOAD": ""}, {"TORCH_CPP_LOG_LEVEL": "INFO"},
                                    {"OMP_NUM_THREADS": "7"}, {"TORCH_SHOW_CPP_STACKTRACES": "1"}])
 def test_an_environment_torch_reads_at_import_is_a_plain_popen(server, extra):
     p = popen(server, "report", env=clean_env({"FORK_X": "z", **extra}), stdin=subprocess.DEVNULL)
@@ -162,13 +164,13 @@ def test_the_tool_forked_and_plain_say_the_same(monkeypatch):
     assert str(SCRIPT) in forked.args
 
 
-def spawned(server, tmp_path, how, extra):
-    """A forked PROBE that starts `python PROBE report` (`how`: "spawn" or "spawn-threaded") with `extra` in its
-    environment: the started child's report, once its own start is checked to be what Popen's would be (its
-    pipes, preexec_fn, its session, its parent, its environment)."""
+def spawned(server, tmp_path, how, extra, env=None):
+    """A forked PROBE (`env` added to its environment) that starts `python PROBE report` (`how`: "spawn" or
+    "spawn-threaded") with `extra` in its environment: the started child's report, once its own start is checked
+    to be what Popen's would be (its pipes, preexec_fn, its session, its parent, its environment)."""
     p = forks.ToolPopen([sys.executable, server.script, how, json.dumps(extra), str(tmp_path / "mark")],
-                        server=server, env=clean_env({"FORK_X": "x"}), text=True, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE)
+                        server=server, env=clean_env({"FORK_X": "x", **(env or {})}), text=True,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = p.communicate(timeout=180)
     assert p.forked and p.returncode == 0, (p.fallback, out, err)
     r = json.loads(out)
@@ -188,6 +190,67 @@ def test_a_forked_childs_own_start_of_the_script_is_forked_in_place(server, tmp_
     (a variable torch reads at import) is a fresh python, as before."""
     child = spawned(server, tmp_path, "spawn", extra)
     assert child["name"] == "__main__" and child["torch"] is in_place, child
+
+
+def _site_dirs(tmp_path):
+    """PYTHONPATH directories: `add` (a sitecustomize and a module of its own), `mod` (a module only), `bad`
+    (a sitecustomize that raises), `shadow` (a module of the standard library's name) and `torch` (a torch)."""
+    made = {}
+    for name, files in (("add", {"sitecustomize.py": "import os\nMARK = 'ran with ' + os.environ['FORK_X']\n",
+                                 "forkextra.py": "VALUE = 7\n"}),
+                        ("mod", {"forkextra.py": "VALUE = 8\n"}),
+                        ("bad", {"sitecustomize.py": "raise ValueError('a broken site')\n"}),
+                        ("shadow", {"json.py": "raise SystemExit('the shadow')\n"}),
+                        ("torch", {"torch/__init__.py": "raise SystemExit('another torch')\n"})):
+        for f, text in files.items():
+            (tmp_path / name / f).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / f).write_text(text)
+        made[name] = str(tmp_path / name)
+    return made
+
+
+def test_a_pythonpath_that_only_adds_modules_is_forked_and_runs_as_in_a_fresh_python(server, tmp_path):
+    """A PYTHONPATH whose directories add modules (a fault injected through a sitecustomize, stand-in packages)
+    is honoured by the fork: its directories on sys.path where python puts them, its sitecustomize run (an error
+    in it said as python's site says it), its modules importable; forked and plain say the same."""
+    dirs = _site_dirs(tmp_path)
+    for pythonpath in (dirs["add"], dirs["bad"] + os.pathsep + dirs["mod"]):
+        seen = []
+        for srv in (server, None):
+            p = forks.ToolPopen([sys.executable, server.script, "report"], server=srv, text=True,
+                                env=clean_env({"FORK_X": "x", "FORK_EXTRA": "1", "PYTHONPATH": pythonpath}),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 3 and p.forked is (srv is not None), (p.fallback, out, err)
+            got = json.loads(out)
+            seen.append((got["path1"], got["site"], got["extra"], err))
+        assert seen[0] == seen[1], seen
+    assert seen[0][:2] == (dirs["bad"], None) and seen[0][2] == 8
+    assert seen[0][3].startswith("Error in sitecustomize; set PYTHONVERBOSE for traceback:\nValueError: a broken site")
+
+
+@pytest.mark.parametrize("which,words", [("shadow", "shadows json"), ("torch", "shadows torch"),
+                                         ("relative", "relative entry")])
+def test_a_pythonpath_that_shadows_what_the_server_imported_is_a_plain_popen(server, tmp_path, which, words):
+    dirs = dict(_site_dirs(tmp_path), relative="add")
+    p = popen(server, "report", env=clean_env({"PYTHONPATH": dirs[which]}), stdin=subprocess.DEVNULL, cwd=tmp_path)
+    out, err = p.communicate(timeout=120)
+    assert not p.forked and words in p.fallback, p.fallback
+    if which == "shadow":  # what the fork could not have done: the plain python imports the shadow
+        assert p.returncode == 1 and "the shadow" in err, err
+
+
+def test_a_pythonpath_is_kept_in_place_and_its_sitecustomize_is_never_run_twice(server, tmp_path):
+    """A forked child's own start with the PYTHONPATH it has is forked in place when it ran no sitecustomize of it
+    (its modules already on sys.path); one whose sitecustomize ran in the caller is a fresh python, which runs it
+    on a state without its effects, as a fresh python of a plain caller would."""
+    dirs = _site_dirs(tmp_path)
+    kept = spawned(server, tmp_path, "spawn", {"FORK_EXTRA": "1"}, env={"PYTHONPATH": dirs["mod"]})
+    assert kept["torch"] is True and kept["extra"] == 8 and kept["path1"] == dirs["mod"], kept
+    added = spawned(server, tmp_path, "spawn", {"FORK_EXTRA": "1", "PYTHONPATH": dirs["add"]})
+    assert added["torch"] is True and (added["site"], added["extra"]) == ("ran with x", 7), added
+    fresh = spawned(server, tmp_path, "spawn", {"FORK_EXTRA": "1"}, env={"PYTHONPATH": dirs["add"]})
+    assert fresh["torch"] is False and (fresh["site"], fresh["extra"]) == ("ran with x", 7), fresh
 
 
 def test_a_start_from_a_process_with_threads_is_a_fresh_python_running_the_compiled_script(server, tmp_path):

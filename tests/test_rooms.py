@@ -11,7 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from conftest import ROOT, aiv, clean_env, free_port, spawn
+from conftest import ROOT, aiv, clean_env, free_port, run_tool, spawn
 
 
 # ---------------------------------------------------------------- the one bound
@@ -191,15 +191,12 @@ def test_a_tool_error_while_connecting_to_the_store_blames_no_host(tmp_path):
 def test_a_run_that_speaks_for_rank_0_leaves_no_marker_behind(tmp_path):
     """speak_once_per_node marks a node-local file so that one rank of a node speaks; the launch removes its
     markers when its ranks are gone (here: the local launcher), so runs leave nothing in TMPDIR."""
-    import subprocess
-    import sys
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = clean_env({"TMPDIR": tmp, "AIV_FAILPOINT": "hang:collective:0"})
-    r = subprocess.run([sys.executable, str(ROOT / "ddp_mesh_ping.py"), "--nproc", "3", "--timeout", "5",
-                        "--skip-screen"], env=env, capture_output=True, text=True, timeout=200)
-    said = [ln for ln in r.stdout.splitlines() if "got no verdict from rank 0" in ln]
-    assert r.returncode == aiv.EXIT_TIMEOUT and len(said) == 1, r.stdout  # once for the node, not per rank
+    r = run_tool(["--nproc", "3", "--timeout", "5", "--skip-screen"], timeout=200,
+                 env={"TMPDIR": tmp, "AIV_FAILPOINT": "die:collective:0"})  # (rank 0 gone: said in seconds)
+    said = [ln for ln in r.stdout.splitlines() if ln.startswith("FAILURE: rendezvous: rank ") and "rank 0 (" in ln]
+    assert r.returncode == aiv.EXIT_FAIL and len(said) == 1, r.stdout  # once for the node, not per rank
     assert not list(tmp.glob("aiv-*")), sorted(p.name for p in tmp.iterdir())
 
 
