@@ -196,7 +196,9 @@ def gate(tmp_path_factory):
     conf = conf.replace("HealthCheckInterval=600", "HealthCheckInterval=5").replace(",CYCLE", "")
     conf = conf.replace("SchedulerParameters=nohold_on_prolog_fail",
                         "SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,nohold_on_prolog_fail,"
-                        "bf_interval=1\nAuthInfo=cred_expire=5")  # a requeued job starts again 5 s later, not 120
+                        "bf_interval=1,sched_interval=1\nAuthInfo=cred_expire=5")
+    # a requeued job starts again 5 s later, not 120 (the credential's life), and is placed within a second of that,
+    # not at the main scheduler's next pass (sched_interval: 60 s)
     env = dict(os.environ, AIV_SLURM_DIR=str(state), SLURM_NODES="3", NODE_CPUS="4", NODE_GPUS="2",
                AIV_SLURM_SUBNET="10.76.0", SLURM_CONF_EXTRA=conf)
     r = subprocess.run(["bash", str(CLUSTER_SH), "up"], env=env, capture_output=True, text=True, timeout=180)
@@ -332,14 +334,14 @@ def test_a_broken_tool_drains_nothing(clean, broken, capsys):
 
 
 def test_a_node_busy_with_another_jobs_load_is_not_drained_for_speed(clean, capsys):
-    """node3 runs a job that holds both its GPUs and burns its CPUs; then a job without GPUs burns them: a
-    health pass beside the first judges no GPU (every one busy: NOT ASSESSED, never a PASS), beside the second
-    it measures the CPU workers under load, and neither drains the node."""
+    """node3 runs a job that holds both its GPUs; then a job without GPUs burns its CPUs: a health pass beside
+    the first judges no GPU (every one busy: NOT ASSESSED, never a PASS), beside the second it measures the CPU
+    workers under load, and neither drains the node."""
     g = clean
     burn = ("srun --cpu-bind=none python3 -c 'import multiprocessing as m, time\n"
             "def spin(_):\n    t = time.time()\n    while time.time() - t < 40: pass\n"
             "m.Pool(4).map(spin, range(4))'\n")
-    job = g.submit_job("--nodes=1", "-w", "node3", "--cpus-per-task=4", script=burn)
+    job = g.submit_job("--nodes=1", "-w", "node3", "--cpus-per-task=4", script="srun sleep 40\n")
     g.wait_for(lambda: g.job_info(job)[0] == "RUNNING", 60, "the busy job running")
     t = time.time()
     g.flag("health-node3")
