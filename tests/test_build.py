@@ -19,6 +19,29 @@ def run_build(*args):
     return subprocess.run([sys.executable, str(BUILD), *map(str, args)], capture_output=True, text=True, timeout=60)
 
 
+def run_check(src, tmp_path):
+    """`tools/build.py --check --src SRC` as its main() runs it, in this process (no python to start, and the
+    modules a test left as they are not parsed again): its exit code and what it said on stderr."""
+    import contextlib
+    import io
+    before, err = build.SRC, io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = build.main(["--check", "--src", str(src), "--output", str(tmp_path / "out.py")])
+    finally:
+        build.use_source(before)
+    return subprocess.CompletedProcess([str(BUILD), "--check", "--src", str(src)], rc, "", err.getvalue())
+
+
+def test_a_bad_source_fails_the_command_line_build_with_its_reason_on_stderr(tmp_path):
+    """The command line itself (the other tests run its main() in process): exit 1, the reason on stderr."""
+    src = _copy_source(tmp_path)
+    _prepend_import(src / "checks" / "judge.py", "import subprocess")
+    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    assert r.returncode == 1 and "the judge/report module checks/judge imports" in r.stderr, r.stderr
+    assert (r.returncode, r.stderr) == (lambda c: (c.returncode, c.stderr))(run_check(src, tmp_path))
+
+
 def test_order_lists_every_module_once_and_each_exists():
     r = run_build("--order")
     assert r.returncode == 0, r.stderr
@@ -78,7 +101,7 @@ def _prepend_import(path, line):
 def test_an_import_that_runs_back_up_fails_the_build(tmp_path, module, line, words):
     src = _copy_source(tmp_path)
     _prepend_import(src / f"{module}.py", line)
-    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    r = run_check(src, tmp_path)
     assert r.returncode == 1
     assert f"aiv/{module}.py" in r.stderr and words in r.stderr, r.stderr
 
@@ -92,7 +115,7 @@ def test_a_judge_or_report_module_that_imports_an_effect_fails_the_build(tmp_pat
     """The judge and report modules are effect-free: no process, thread, socket, lock, native call or torch."""
     src = _copy_source(tmp_path)
     _prepend_import(src / f"{module}.py", line)
-    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    r = run_check(src, tmp_path)
     assert r.returncode == 1
     assert f"the judge/report module {module} imports" in r.stderr, r.stderr
     assert set(build.EFFECT_FREE) <= set(build.PURE)
@@ -200,7 +223,7 @@ def test_a_class_over_300_lines_fails_the_build(tmp_path):
     assert build.MAX_CLASS_LINES == 300
     assert "aiv/out/page.py:" in err and "class _Long is 301 lines, over the 300" in err, err
     assert "_Fits" not in err, err
-    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    r = run_check(src, tmp_path)
     assert r.returncode == 1 and "class _Long is 301 lines" in r.stderr, r.stderr
 
 
@@ -240,7 +263,7 @@ def test_an_imported_name_the_module_does_not_define_fails_the_build(tmp_path):
     """A function moved to another room: every `from .x import y` must name a y that x defines."""
     src = _copy_source(tmp_path)
     _prepend_import(src / "out" / "render.py", "from ..checks.judge import judge_gpu_perf")
-    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    r = run_check(src, tmp_path)
     assert r.returncode == 1 and "imports judge_gpu_perf from ..checks.judge, which does not define it" in r.stderr, \
         r.stderr
 
@@ -261,7 +284,7 @@ def test_two_definitions_of_one_name_fail_the_build(tmp_path):
     src = _copy_source(tmp_path)
     with open(src / "out" / "page.py", "a") as f:
         f.write("\n\ndef render_report(*a):\n    return ''\n")
-    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    r = run_check(src, tmp_path)
     assert r.returncode == 1
     assert "defines render_report, already defined in aiv/out/render.py" in r.stderr, r.stderr
 
@@ -271,21 +294,21 @@ def test_a_function_defined_twice_in_one_module_fails_the_build(tmp_path):
     src = _copy_source(tmp_path)
     with open(src / "out" / "page.py", "a") as f:
         f.write("\n\ndef _html_chart(*a):\n    return ''\n")
-    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    r = run_check(src, tmp_path)
     assert r.returncode == 1 and "aiv/out/page.py" in r.stderr and "defines _html_chart again" in r.stderr, r.stderr
 
 
 def test_a_module_missing_from_the_order_fails_the_build(tmp_path):
     src = _copy_source(tmp_path)
     (src / "stray.py").write_text('"""stray"""\nX = 1\n')
-    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    r = run_check(src, tmp_path)
     assert r.returncode == 1 and "aiv/stray.py is not in BUILD_ORDER" in r.stderr
 
 
 def test_a_module_in_a_room_missing_from_the_order_fails_the_build(tmp_path):
     src = _copy_source(tmp_path)
     (src / "screen" / "stray.py").write_text('"""stray"""\nX = 1\n')
-    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    r = run_check(src, tmp_path)
     assert r.returncode == 1 and "aiv/screen/stray.py is not in BUILD_ORDER" in r.stderr, r.stderr
 
 
@@ -301,7 +324,7 @@ def test_a_room_holds_its_docstring_only(tmp_path, init, words):
         (src / "out" / "__init__.py").unlink()
     else:
         (src / "out" / "__init__.py").write_text(init)
-    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    r = run_check(src, tmp_path)
     assert r.returncode == 1 and words in r.stderr, r.stderr
 
 
@@ -310,7 +333,7 @@ def test_a_room_holds_its_docstring_only(tmp_path, init, words):
 def test_a_relative_import_that_names_no_module_of_the_order_fails_the_build(tmp_path, line):
     src = _copy_source(tmp_path)
     _prepend_import(src / "screen" / "gpu.py", line)
-    r = run_build("--check", "--src", src, "--output", tmp_path / "out.py")
+    r = run_check(src, tmp_path)
     assert r.returncode == 1 and "aiv/screen/gpu.py" in r.stderr and "not a module of BUILD_ORDER" in r.stderr, r.stderr
 
 

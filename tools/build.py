@@ -134,22 +134,22 @@ def use_source(path):
     """Build from another copy of aiv/ (the tests use this on a copy they break on purpose)."""
     global SRC
     SRC = Path(path)
-    _PARSED.clear()
 
 
 _PARSED = {}
 
 
 def parse(name):
-    """(text, tree) of a module; parsed once while the file is unchanged (the rules read each module often)."""
+    """(text, tree) of a module; parsed once per text, whichever copy of aiv/ it is read from (the rules read each
+    module often, and the tests build copies that differ from aiv/ in one module)."""
     path = module_path(name)
     text = path.read_text()
-    if (path, text) not in _PARSED:
+    if text not in _PARSED:
         try:
-            _PARSED[path, text] = text, ast.parse(text, filename=str(path))
+            _PARSED[text] = text, ast.parse(text, filename=str(path))
         except SyntaxError as e:
             raise BuildError(f"{path}: {e}") from e
-    return _PARSED[path, text]
+    return _PARSED[text]
 
 
 def resolve(name, level, module):
