@@ -384,16 +384,17 @@ def own_tool_processes(script=None):
 # The Slurm tests are cut into SLURM_SHARES runs of the file's order, each at the head of a share of its own: each
 # worker that runs one brings up a Slurm test cluster of its own (tests/slurm_cluster.sh keeps clusters apart, in
 # namespaces of their own; about 2 s and 1 CPU-s), and one worker alone would wait out every Slurm test in turn.
-# _COST: a file's mean seconds per test, measured on a 2-core machine with 4 workers (a scheduling hint
+# _COST: a file's mean seconds per test, measured on a 2-core machine with 5 workers (a scheduling hint
 # only: a file not listed costs 0.1 s a test).
-_COST = {"test_node_gate_slurm.py": 23.0, "test_screen_run.py": 18.7, "test_slurm.py": 12.8, "test_hangs.py": 11.4,
-         "test_bootstrap.py": 10.9, "test_verdict_path.py": 10.7, "test_false_culprit.py": 9.7,
-         "test_multiproc.py": 9.6, "test_torchrun.py": 9.3, "test_stuck_rank.py": 8.2, "test_launch_hygiene.py": 7.8,
-         "test_k8s_launchers.py": 3.2, "test_side_channel.py": 5.8, "test_rooms.py": 4.5, "test_fan_in.py": 4.1,
-         "test_node_smi.py": 2.7, "test_numerics.py": 2.6, "test_soak.py": 2.4, "test_blame.py": 2.0,
-         "test_usage_errors.py": 1.3, "test_manifest.py": 1.2, "test_node_gate.py": 0.9, "test_verify_log.py": 0.8,
-         "test_build.py": 0.7, "test_drain.py": 0.6, "test_runtime.py": 0.6, "test_nccl_log.py": 0.5,
-         "test_html.py": 0.4}
+_COST = {"test_node_gate_slurm.py": 18.9, "test_slurm.py": 16.5, "test_screen_run.py": 13.7, "test_torchrun.py": 12.3,
+         "test_verdict_path.py": 11.6, "test_hangs.py": 8.6, "test_last_call.py": 8.6, "test_bootstrap.py": 8.2,
+         "test_k8s_operator_manifests.py": 7.2, "test_launch_hygiene.py": 6.6, "test_monitoring.py": 5.6,
+         "test_false_culprit.py": 5.3, "test_stuck_rank.py": 4.9, "test_k8s_launchers.py": 3.4, "test_fan_in.py": 3.2,
+         "test_multiproc.py": 2.6, "test_node_gate_env.py": 2.1, "test_side_channel.py": 1.9, "test_soak.py": 1.7,
+         "test_rooms.py": 1.0, "test_numerics.py": 1.2, "test_blame.py": 1.2, "test_fork_server.py": 1.2,
+         "test_node_smi.py": 1.0, "test_node_gate.py": 0.7, "test_drain.py": 0.7, "test_manifest.py": 0.6,
+         "test_html.py": 0.6, "test_runtime.py": 0.3, "test_build.py": 0.2, "test_usage_errors.py": 0.4,
+         "test_verify_log.py": 0.4}
 _TOGETHER = "test_slurm.py"
 SLURM_SHARES = 2
 
