@@ -383,7 +383,8 @@ def own_tool_processes(script=None):
 # unit tests, which are what a worker that runs out takes over, so that no worker ends long after the others.
 # The Slurm tests are cut into SLURM_SHARES runs of the file's order, each at the head of a share of its own: each
 # worker that runs one brings up a Slurm test cluster of its own (tests/slurm_cluster.sh keeps clusters apart, in
-# namespaces of their own; about 2 s and 1 CPU-s), and one worker alone would wait out every Slurm test in turn.
+# namespaces of their own; about 2 s and 1 CPU-s up, 4 s down), and one worker alone would wait out every Slurm
+# test in turn. The node gate's Slurm tests run one after another on a share of their own (_TOGETHER).
 # _COST: a file's mean seconds per test, measured on a 2-core machine with 5 workers (a scheduling hint
 # only: a file not listed costs 0.1 s a test).
 _COST = {"test_node_gate_slurm.py": 18.9, "test_slurm.py": 16.5, "test_screen_run.py": 13.7, "test_torchrun.py": 12.3,
@@ -395,8 +396,11 @@ _COST = {"test_node_gate_slurm.py": 18.9, "test_slurm.py": 16.5, "test_screen_ru
          "test_node_smi.py": 1.0, "test_node_gate.py": 0.7, "test_drain.py": 0.7, "test_manifest.py": 0.6,
          "test_html.py": 0.6, "test_runtime.py": 0.3, "test_build.py": 0.2, "test_usage_errors.py": 0.4,
          "test_verify_log.py": 0.4}
-_TOGETHER = "test_slurm.py"
-SLURM_SHARES = 2
+# Files whose tests share a cluster of their own per worker (a module-scoped fixture: brought up before the
+# file's first test on a worker and down, 4 s or more, before another file's test): each cut into that many runs of
+# the file's order, each run at the head of a share of its own, one cluster each.
+_TOGETHER = {"test_slurm.py": 3, "test_node_gate_slurm.py": 1}
+SLURM_SHARES = _TOGETHER["test_slurm.py"]
 
 
 def dealt(items, workers):
@@ -408,21 +412,24 @@ def dealt(items, workers):
         sizes.append((total - sum(sizes)) // (workers - w))
     shares = [[] for _ in range(workers)]
     spent = [0.0] * workers
-    slurm = [i for i in range(total) if items[i].path.name == _TOGETHER]
-    runs = min(SLURM_SHARES, workers)
-    for k, i in enumerate(slurm):  # in runs of the file's order: a cluster's tests one after another
-        w = k * runs // len(slurm)
-        shares[w].append(i)
-        spent[w] += cost[i]
-    for i in sorted((i for i in range(total) if items[i].path.name != _TOGETHER), key=lambda i: -cost[i]):
+    first = 0  # the share of the next run: each run of each file on a share of its own, while there are shares
+    for name, cut in _TOGETHER.items():
+        mine = [i for i in range(total) if items[i].path.name == name]
+        runs = min(cut, workers)
+        for k, i in enumerate(mine):  # in runs of the file's order: a cluster's tests one after another
+            w = (first + k * runs // len(mine)) % workers
+            shares[w].append(i)
+            spent[w] += cost[i]
+        first += runs if mine else 0
+    for i in sorted((i for i in range(total) if items[i].path.name not in _TOGETHER), key=lambda i: -cost[i]):
         w = min((w for w in range(workers) if len(shares[w]) < sizes[w]), key=lambda w: spent[w])
         shares[w].append(i)
         spent[w] += cost[i]
 
-    def within(i):  # the Slurm tests in their file's order, then the rest mixed, then the quick tests
+    def within(i):  # each cluster's tests in their file's order, then the rest mixed, then the quick tests
         name = items[i].path.name
-        return (name != _TOGETHER, cost[i] < 1.0,
-                -cost[i] if cost[i] < 1.0 or name == _TOGETHER else zlib.crc32(items[i].nodeid.encode()), i)
+        return (name not in _TOGETHER, cost[i] < 1.0,
+                -cost[i] if cost[i] < 1.0 or name in _TOGETHER else zlib.crc32(items[i].nodeid.encode()), i)
     return [items[i] for share in shares for i in sorted(share, key=within)]
 
 

@@ -378,14 +378,16 @@ def test_run_sh_with_a_file_runs_that_file_only():
 def test_the_suite_is_dealt_to_the_workers_in_shares_of_equal_cost():
     """What tests/run.sh and docs/development.md say of the order: every file _COST names exists (a renamed
     file would silently count as quick); the order is a permutation cut by worksteal into shares whose
-    costs differ by less than one test's; the Slurm tests, cut into SLURM_SHARES runs of their file's order,
-    each lead a share of their own; every share ends with its quick tests."""
+    costs differ by less than one test's; the tests of each file with a cluster of its own (_TOGETHER), cut into
+    that many runs of their file's order, lead a share each, one after another; every share ends with its quick
+    tests."""
     assert sorted(set(conftest._COST) - {p.name for p in (ROOT / "tests").glob("test_*.py")}) == []
     files = {name: int(cost * 3) + 2 for name, cost in conftest._COST.items()}
+    files.update({name: 10 * cut for name, cut in conftest._TOGETHER.items()})  # as the files are: about 10 a run
     files["test_quick.py"] = 40
     items = [SimpleNamespace(path=ROOT / "tests" / name, nodeid=f"tests/{name}::t{i}")
              for name, n in files.items() for i in range(n)]
-    for workers in (1, 3, 4):
+    for workers in (1, 3, 4, 5):
         order = conftest.dealt(items, workers)
         assert sorted(map(id, order)) == sorted(map(id, items))
         shares, left = [], list(order)
@@ -395,12 +397,15 @@ def test_the_suite_is_dealt_to_the_workers_in_shares_of_equal_cost():
             left = left[n:]
         costs = [sum(conftest._COST.get(i.path.name, 0.1) for i in share) for share in shares]
         assert max(costs) - min(costs) < max(conftest._COST.values()), costs
-        slurm = [i for i in items if i.path.name == conftest._TOGETHER]
-        runs = min(conftest.SLURM_SHARES, workers)
-        heads = [[i for i in share if i.path.name == conftest._TOGETHER] for share in shares]
-        assert [h for h in heads if h] == [[i for k, i in enumerate(slurm) if k * runs // len(slurm) == w]
-                                           for w in range(runs)]
-        assert all(share[:len(h)] == h for share, h in zip(shares, heads, strict=True))
+        for name, cut in conftest._TOGETHER.items():  # each cluster's file: runs of its order, at a share's head
+            mine, runs = [i for i in items if i.path.name == name], min(cut, workers)
+            heads = [[i for i in share if i.path.name == name] for share in shares]
+            assert [h for h in heads if h] == [[i for k, i in enumerate(mine) if k * runs // len(mine) == w]
+                                               for w in range(runs)], name
+            for share, h in zip(shares, heads, strict=True):
+                at = [k for k, i in enumerate(share) if i.path.name == name]
+                assert at == list(range(at[0], at[0] + len(h))) if h else True, name  # one after another
+                assert all(i.path.name in conftest._TOGETHER for i in share[:at[-1] + 1]) if h else True, name
         for share in shares:
             quick = [conftest._COST.get(i.path.name, 0.1) < 1.0 for i in share]
             assert quick == sorted(quick), "a quick test before a test of real processes"

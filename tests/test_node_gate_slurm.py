@@ -281,6 +281,7 @@ def test_health_drains_a_corrupt_node_and_jobs_go_elsewhere_then_resumes_its_own
     g.flag("health-node1")
     h = g.wait_for(lambda: (lambda v: v if v and v["drain"].get("done") else None)(g.verdict("node1", "health")),
                    WAIT_S, "node1 drained by its health check")
+    g.flag("health-node1", on=False)  # (no more passes until the repair: each imports torch twice)
     st, why = g.states()["node1"]
     assert "DRAIN" in st and h["drainable"] and h["exit_code"] == 1, h["summary"]
     assert why.startswith("aiv: node-check: numerics: GPU 1 computes wrong numbers") and why.endswith("[health]")
@@ -290,6 +291,7 @@ def test_health_drains_a_corrupt_node_and_jobs_go_elsewhere_then_resumes_its_own
     # repaired: the next pass passes, and with --undrain (AIV_UNDRAIN=1) resumes the drain it wrote itself
     g.flag("corrupt-node1", on=False)
     g.flag("undrain-node1")
+    g.flag("health-node1")
     resumed = g.wait_for(lambda: (lambda v: v if "resumed our own drain" in ((v or {}).get("drain") or {}).get(
         "said", "") else None)(g.verdict("node1", "health")), WAIT_S, "node1 resumed by its health check")
     assert resumed["verdict"] == "PASS" and "DRAIN" not in g.states()["node1"][0], resumed["summary"]
