@@ -399,7 +399,7 @@ _COST = {"test_node_gate_slurm.py": 18.9, "test_slurm.py": 16.5, "test_screen_ru
 # Files whose tests share a cluster of their own per worker (a module-scoped fixture: brought up before the
 # file's first test on a worker and down, 4 s or more, before another file's test): each cut into that many runs of
 # the file's order, each run at the head of a share of its own, one cluster each.
-_TOGETHER = {"test_slurm.py": 3, "test_node_gate_slurm.py": 1}
+_TOGETHER = {"test_slurm.py": 2, "test_node_gate_slurm.py": 1}
 SLURM_SHARES = _TOGETHER["test_slurm.py"]
 
 
