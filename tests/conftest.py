@@ -378,8 +378,10 @@ def own_tool_processes(script=None):
 # left. The suite is bound by the CPU (each run of the tool imports torch once per rank), and many tests
 # wait out a bound with their CPU idle; the CPU stays busy when the waits of the workers are spread out,
 # not when every worker waits at once. So the tests are dealt, costliest first, to the share that costs
-# least so far; each share runs its tests of real processes (1 s or more) in a fixed mixed order (by a
-# hash of the test's id: long waits do not all come first, nor on every worker at once), then its quick
+# least so far; each share runs its tests of real processes (1 s or more) file by file in a fixed mixed order (by a
+# hash of the file's name: long waits do not all come first, nor on every worker at once; a file's tests one after
+# another, so that a fixture of the module, a fork server or a wheelhouse, is made once a share, not once a test),
+# then its quick
 # unit tests, which are what a worker that runs out takes over, so that no worker ends long after the others.
 # The Slurm tests are cut into SLURM_SHARES runs of the file's order, each at the head of a share of its own: each
 # worker that runs one brings up a Slurm test cluster of its own (tests/slurm_cluster.sh keeps clusters apart, in
@@ -426,10 +428,10 @@ def dealt(items, workers):
         shares[w].append(i)
         spent[w] += cost[i]
 
-    def within(i):  # each cluster's tests in their file's order, then the rest mixed, then the quick tests
+    def within(i):  # each cluster's tests in their file's order, then the other files mixed, then the quick tests
         name = items[i].path.name
         return (name not in _TOGETHER, cost[i] < 1.0,
-                -cost[i] if cost[i] < 1.0 or name in _TOGETHER else zlib.crc32(items[i].nodeid.encode()), i)
+                -cost[i] if cost[i] < 1.0 or name in _TOGETHER else zlib.crc32(name.encode()), i)
     return [items[i] for share in shares for i in sorted(share, key=within)]
 
 

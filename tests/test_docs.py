@@ -409,3 +409,5 @@ def test_the_suite_is_dealt_to_the_workers_in_shares_of_equal_cost():
         for share in shares:
             quick = [conftest._COST.get(i.path.name, 0.1) < 1.0 for i in share]
             assert quick == sorted(quick), "a quick test before a test of real processes"
+            runs = [i.path.name for k, i in enumerate(share) if not k or share[k - 1].path.name != i.path.name]
+            assert len(runs) == len(set(runs)), runs  # a file's tests one after another: its fixtures made once
