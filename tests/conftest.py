@@ -238,6 +238,9 @@ def pytest_configure(config):
     tempfile.tempdir = made  # this process's own tempfile calls (and pytest's tmp_path root) too
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # a stopped session still removes it
         signal.signal(signal.SIGTERM, _interrupted)
+    if forks.enabled() and config.getoption("numprocesses", None):  # xdist: its workers' fork servers come
+        config._aiv_zygote = forks.Zygote(clean_env())               # from one import of torch, not one each
+        os.environ[forks.ZYGOTE_VAR] = config._aiv_zygote.path
 
 
 def _interrupted(signum, frame):
@@ -249,6 +252,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_unconfigure(config):
+    if getattr(config, "_aiv_zygote", None) is not None:
+        config._aiv_zygote.stop()
+        os.environ.pop(forks.ZYGOTE_VAR, None)
     made, before = getattr(config, "_aiv_session_tmp", (None, None))
     if not made:
         return

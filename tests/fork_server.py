@@ -18,6 +18,11 @@ make them; a start from a child with a second thread running (a node leader star
 python, which runs the code the server compiled (run_compiled). A child given pod=(hostname, hosts file) enters
 a UTS and a mount namespace of its own first (enter_pod), as the tests' Kubernetes pods are.
 
+Under xdist the session's controller starts a zygote (Zygote, `fork_server.py --zygote`): one python that imports
+what a server imports, once, and forks each worker's server (zygote()), which then serves as one the worker
+started (its owner the worker: it ends when the worker does, watched by a pidfd) without an import of its own (4
+CPU-s a worker, all of them at the session's start, when every worker also collects the tests).
+
 Cost, measured on 2 cores: a forked `--help` 0.07 CPU-s, a plain one 0.37. Two things keep a fork cheap: what the
 server made is frozen for the garbage collector (gc.freeze: a collection in a child would write to every object,
 each page a copy, 0.7 CPU-s a run), and a child ends without the interpreter's teardown (0.3 CPU-s).
@@ -205,8 +210,10 @@ def _import_once():
 
 
 def serve(listen_fd, parent, script):
-    """Accept requests until the parent goes; returns (request, fds) in a forked child only."""
+    """Accept requests until `parent` (the pytest process it serves) goes; returns (request, fds) in a forked
+    child only."""
     _import_once()
+    owner = os.pidfd_open(parent)  # readable once the pytest process is gone (its parent, or not: a zygote's)
     lst = socket.socket(fileno=listen_fd)
     global CODE_FILE  # the script compiled once (0.3 CPU-s a start otherwise), before any fork
     CODE_FILE = save_compiled(script, os.path.join(os.path.dirname(lst.getsockname()), "code"))
@@ -218,8 +225,10 @@ def serve(listen_fd, parent, script):
     server_env = dict(os.environ)
     SERVER_ENV.update(server_env)
     kids = {}  # pid -> the connection its status goes back on
-    while os.getppid() == parent:
-        ready, _, _ = select.select([lst, wake_r], [], [], 1.0)
+    while True:
+        ready, _, _ = select.select([lst, wake_r, owner], [], [], 1.0)
+        if owner in ready:
+            break
         if wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 while os.read(wake_r, 512):
@@ -253,6 +262,7 @@ def serve(listen_fd, parent, script):
                 c.close()
             conn.close()
             lst.close()
+            os.close(owner)
             return req, fds
         for fd in fds:
             os.close(fd)
@@ -260,6 +270,53 @@ def serve(listen_fd, parent, script):
         _send(conn, {"pid": pid})
         kids[pid] = conn
     return None
+
+
+def zygote(listen_fd, parent):
+    """`fork_server.py --zygote`: one python for a whole xdist session, started by its controller (`parent`),
+    that imports what a server imports (_import_once) once and forks a server for each pytest worker that asks:
+    a worker's server then costs no import of its own (4 CPU-s each, all at the session's start). A request
+    brings the worker's listening socket, its pid (the server's owner: serve ends when it is gone), the script
+    and the environment its server would have started with; one whose variables python or torch read at their
+    start differ from the zygote's is refused (the worker then starts a server of its own). Returns
+    (listening fd, owner, script) in a forked server only."""
+    _import_once()
+    lst = socket.socket(fileno=listen_fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its servers are reaped by the kernel
+    here = dict(os.environ)
+    owner = os.pidfd_open(parent)
+    while True:
+        ready, _, _ = select.select([lst, owner], [], [], 1.0)
+        if owner in ready:
+            return None
+        if lst not in ready:
+            continue
+        fds = []
+        try:
+            conn, _ = lst.accept()
+            req, fds = _read_request(conn)
+            why = env_refusal(req["env"], here) if len(fds) == 1 else "not one descriptor"
+            if why:
+                raise ValueError(why)
+            pid = os.fork()
+        except Exception as e:  # a request we cannot serve: the worker starts a server of its own
+            with contextlib.suppress(NameError):
+                _send(conn, {"refused": f"{type(e).__name__}: {e}"})
+                conn.close()
+            for fd in fds:
+                os.close(fd)
+            continue
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            conn.close()
+            lst.close()
+            os.close(owner)
+            os.environ.clear()
+            os.environ.update(req["env"])
+            return fds[0], req["owner"], req["script"]
+        os.close(fds[0])
+        _send(conn, {"pid": pid})
+        conn.close()
 
 
 def _reap(kids):
@@ -591,8 +648,73 @@ def enabled():
     return os.environ.get("AIV_TEST_FORK", "1") == "1"
 
 
+ZYGOTE_VAR = "AIV_TEST_ZYGOTE"  # the socket of the session's zygote, where the controller started one
+
+
+def _ask(path, msg, fds):
+    """One request to a server or a zygote at `path`: its JSON reply (raises OSError when none comes)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with conn:
+        conn.settimeout(300)  # the first request waits for the imports
+        conn.connect(path)
+        socket.send_fds(conn, [json.dumps(msg).encode() + b"\n"], fds)
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(4096)
+            if not chunk:
+                raise OSError("closed without a reply")
+            data += chunk
+    return json.loads(data)
+
+
+class Zygote:
+    """The session's zygote (zygote()), started by an xdist controller: its workers' servers are forked from it
+    (Server, where ZYGOTE_VAR names its socket) instead of each importing torch."""
+
+    def __init__(self, env, python=sys.executable):
+        self.dir = tempfile.mkdtemp(prefix="aiv-zygote-")
+        self.path = os.path.join(self.dir, "z")
+        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lst.bind(self.path)
+        lst.listen(64)
+        try:
+            self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--zygote", str(lst.fileno()),
+                                          str(os.getpid()), " " * ROOM], pass_fds=[lst.fileno()],
+                                         env={**TOOL_SETS, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        finally:
+            lst.close()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        import shutil
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _Forked:
+    """A server the zygote forked (not this process's child): Popen's poll, kill and wait, through a pidfd."""
+
+    def __init__(self, pid):
+        self.pid, self.fd, self.returncode = pid, os.pidfd_open(pid), None
+
+    def poll(self):
+        if self.returncode is None and select.select([self.fd], [], [], 0)[0]:
+            self.returncode = -signal.SIGKILL  # (its status is the zygote's to read: gone is what counts here)
+        return self.returncode
+
+    def kill(self):
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self.fd, signal.SIGKILL)
+
+    def wait(self, timeout=None):
+        select.select([self.fd], [], [], timeout)
+        return self.poll()
+
+
 class Server:
-    """A fork server started by this process (`start`), reached over a Unix socket in a private directory."""
+    """A fork server for this process, reached over a Unix socket in a private directory: forked by the session's
+    zygote where there is one (ZYGOTE_VAR) and it agrees, else a python started here."""
 
     def __init__(self, script, env, python=sys.executable):
         self.script, self.env, self.python = str(script), {**TOOL_SETS, **env}, python
@@ -602,12 +724,24 @@ class Server:
         lst.bind(self.path)
         lst.listen(128)
         try:
-            argv = [python, os.path.abspath(__file__), str(lst.fileno()), str(os.getpid()),
-                    os.fsencode(self.script).hex(), " " * ROOM]
-            self.proc = subprocess.Popen(argv, pass_fds=[lst.fileno()], env=self.env, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL)
+            self.proc = self._from_zygote(lst)
+            if self.proc is None:
+                argv = [python, os.path.abspath(__file__), str(lst.fileno()), str(os.getpid()),
+                        os.fsencode(self.script).hex(), " " * ROOM]
+                self.proc = subprocess.Popen(argv, pass_fds=[lst.fileno()], env=self.env, stdin=subprocess.DEVNULL,
+                                             stdout=subprocess.DEVNULL)
         finally:
             lst.close()  # the server's copy is the only one: a dead server refuses connections
+
+    def _from_zygote(self, lst):
+        zygote = os.environ.get(ZYGOTE_VAR)
+        if not zygote or os.path.realpath(self.python) != os.path.realpath(sys.executable):
+            return None
+        try:
+            reply = _ask(zygote, {"owner": os.getpid(), "script": self.script, "env": self.env}, [lst.fileno()])
+        except (OSError, ValueError):
+            return None
+        return _Forked(reply["pid"]) if "pid" in reply else None
 
     def alive(self):
         return self.proc.poll() is None
@@ -740,6 +874,14 @@ class ToolPopen(subprocess.Popen):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compiled"]:  # a fresh python of _in_place
     run_compiled(sys.argv[2], [sys.orig_argv[0], *sys.argv[3:]])
+elif __name__ == "__main__" and sys.argv[1:2] == ["--zygote"]:  # argv: its listening fd, its controller's pid, room
+    made = zygote(int(sys.argv[2]), int(sys.argv[3]))
+    if made is None:
+        sys.exit(0)
+    job = serve(*made)
+    if job is None:
+        os._exit(0)
+    become(*job)
 elif __name__ == "__main__":
     # argv: the listening socket's fd, the parent's pid, the script in hex (so that no search of command lines
     # for the script's path takes the server for a run of the tool), the room for the children's command lines

@@ -2,6 +2,7 @@
 Popen of `python SCRIPT ARGS` would, and a start it cannot reproduce is a plain Popen."""
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -300,3 +301,35 @@ def test_a_script_changed_after_the_server_compiled_it_runs_as_it_is_now(tmp_pat
         assert (again.forked, again.returncode, out, err) == (True, 1, "edited\n", "a message\n"), again.fallback
     finally:
         s.stop()
+
+
+def test_a_server_forked_by_the_sessions_zygote_serves_as_its_own_and_ends_with_its_owner(tmp_path, monkeypatch):
+    """Under xdist the controller starts one zygote that imports torch; each worker's server is forked from it
+    (not its child) and ends when its worker does; a worker whose server would import torch under other
+    variables gets a server of its own."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    z = forks.Zygote(clean_env())
+    try:
+        monkeypatch.setenv(forks.ZYGOTE_VAR, z.path)
+        s = forks.Server(script, clean_env())
+        assert isinstance(s.proc, forks._Forked) and s.alive()
+        p = popen(s, "report", env=clean_env({"FORK_X": "z"}), stdin=subprocess.DEVNULL)
+        out, _ = p.communicate(timeout=120)
+        got = json.loads(out)
+        assert p.forked and p.returncode == 3 and (got["x"], got["torch"], got["ppid"]) == ("z", True, s.proc.pid)
+        own = forks.Server(script, clean_env({"OMP_NUM_THREADS": "3"}))
+        assert isinstance(own.proc, subprocess.Popen)
+        own.stop()
+        s.stop()
+        assert not s.alive()
+        code = (f"import sys; sys.path.insert(0, {os.path.dirname(forks.__file__)!r}); import fork_server as f; "
+                f"print(f.Server({str(script)!r}, {clean_env()!r}).proc.pid)")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        try:  # the worker exited without stopping its server
+            gone = os.pidfd_open(int(r.stdout))
+        except ProcessLookupError:  # gone already
+            return
+        assert select.select([gone], [], [], 30)[0], "the server outlived its worker"
+    finally:
+        z.stop()
