@@ -210,8 +210,7 @@ def _import_once():
 
 
 def serve(listen_fd, parent, script):
-    """Accept requests until `parent` (the pytest process it serves) goes; returns (request, fds) in a forked
-    child only."""
+    """Accept requests until `parent` (its pytest process) goes; returns (request, fds) in a forked child only."""
     _import_once()
     owner = os.pidfd_open(parent)  # readable once the pytest process is gone (its parent, or not: a zygote's)
     lst = socket.socket(fileno=listen_fd)
