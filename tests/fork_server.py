@@ -647,7 +647,8 @@ def enabled():
     return os.environ.get("AIV_TEST_FORK", "1") == "1"
 
 
-ZYGOTE_VAR = "AIV_TEST_ZYGOTE"  # the socket of the session's zygote, where the controller started one
+ZYGOTE_VAR = "TEST_FORK_ZYGOTE"  # the socket of the session's zygote, where the controller started one (not AIV_*:
+# the tool refuses a variable of its prefix it does not know, and some tests run it in their own environment)
 
 
 def _ask(path, msg, fds):

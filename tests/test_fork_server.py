@@ -312,6 +312,9 @@ def test_a_server_forked_by_the_sessions_zygote_serves_as_its_own_and_ends_with_
     z = forks.Zygote(clean_env())
     try:
         monkeypatch.setenv(forks.ZYGOTE_VAR, z.path)
+        mine = subprocess.run([sys.executable, str(SCRIPT), "--verify-log", tmp_path / "none.log"], text=True,
+                              capture_output=True, timeout=120)  # a test's own environment, the variable in it
+        assert mine.stdout.startswith("FAILURE: usage: --verify-log: cannot read"), mine.stdout  # not a bad variable
         s = forks.Server(script, clean_env())
         assert isinstance(s.proc, forks._Forked) and s.alive()
         p = popen(s, "report", env=clean_env({"FORK_X": "z"}), stdin=subprocess.DEVNULL)
