@@ -21,10 +21,9 @@
 #   TEST_TORCH_FALLBACK                                  (default: the spec without its +cpu label)
 #   TEST_PIP_RETRIES, TEST_PIP_TIMEOUT  pip's --retries and --timeout while building the venv (default:
 #                    1 and 15 s: an unreachable index costs seconds, not pip's 5 retries per package)
-#   TEST_WORKERS     pytest-xdist workers                (default: 5, measured best on 2 cores: most of
-#                    the suite's time is tests waiting out a bound with their CPU idle, and with 5
-#                    workers the CPU is 87% busy (4: 78%, the suite 65 s longer); 0 runs in this
-#                    process, without xdist)
+#   TEST_WORKERS     pytest-xdist workers                (default: 6, on 2 cores: most of the suite's
+#                    time is tests waiting out a bound with their CPU idle, and with 5 workers the
+#                    CPU was 70% busy; 0 runs in this process, without xdist)
 #   TEST_DURATIONS   how many of the slowest tests to list at the end (default: 15; 0 lists all)
 #   TEST_TIMELINE    a file: each test's worker, start and end appended as a JSON line (unset: none), and as
 #                    root the CPU seconds it and what it started used; python3 bench/suite_timeline.py FILE
@@ -51,7 +50,7 @@ TEST_TORCH_INDEX=${TEST_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 TEST_TORCH_FALLBACK=${TEST_TORCH_FALLBACK:-${TEST_TORCH_SPEC%+*}}
 TEST_PIP_RETRIES=${TEST_PIP_RETRIES:-1}
 TEST_PIP_TIMEOUT=${TEST_PIP_TIMEOUT:-15}
-TEST_WORKERS=${TEST_WORKERS:-5}
+TEST_WORKERS=${TEST_WORKERS:-6}
 TEST_DURATIONS=${TEST_DURATIONS:-15}
 py="$AIV_TEST_ENV/bin/python"
 if ! "$py" -c 'import torch, numpy, psutil, pytest, xdist, hypothesis, prometheus_client, selenium, kubernetes_validate, yaml' >/dev/null 2>&1; then
