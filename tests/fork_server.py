@@ -655,15 +655,21 @@ def _ask(path, msg, fds):
     """One request to a server or a zygote at `path`: its JSON reply (raises OSError when none comes)."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with conn:
-        conn.settimeout(300)  # the first request waits for the imports
-        conn.connect(path)
-        socket.send_fds(conn, [json.dumps(msg).encode() + b"\n"], fds)
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = conn.recv(4096)
-            if not chunk:
-                raise OSError("closed without a reply")
-            data += chunk
+        return _exchange(conn, path, msg, fds)
+
+
+def _exchange(conn, path, msg, fds):
+    """Connect `conn` to `path`, send `msg` with `fds`, and return the JSON line it answers (the first request
+    waits for the imports: 300 s)."""
+    conn.settimeout(300)
+    conn.connect(path)
+    socket.send_fds(conn, [json.dumps(msg).encode() + b"\n"], fds)
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(4096)
+        if not chunk:
+            raise OSError("closed without a reply")
+        data += chunk
     return json.loads(data)
 
 
@@ -757,20 +763,11 @@ class Server:
         """-> (connection, pid); raises OSError or ValueError (the reason) when the server will not fork."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.settimeout(300)  # the server's first request waits for its own import of torch
-            conn.connect(self.path)
             umask = os.umask(0)
             os.umask(umask)
             msg = {"argv": list(argv), "env": env, "cwd": cwd, "setsid": setsid, "pgid": pgid, "umask": umask,
                    "pod": pod}
-            socket.send_fds(conn, [json.dumps(msg).encode() + b"\n"], fds)
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = conn.recv(4096)
-                if not chunk:
-                    raise OSError("the fork server closed the connection")
-                data += chunk
-            reply = json.loads(data)
+            reply = _exchange(conn, self.path, msg, fds)
             if "pid" not in reply:
                 raise ValueError(reply.get("refused", "refused"))
             conn.settimeout(None)
