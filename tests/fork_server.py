@@ -16,7 +16,9 @@ says it) back on the request's connection. The child's own starts of `python ddp
 local launcher's ranks) are forked in place by the same rule (_in_place): children of the child, as exec would
 make them; a start from a child with a second thread running (a node leader starting its monitor) is a fresh
 python, which runs the code the server compiled (run_compiled). A child given pod=(hostname, hosts file) enters
-a UTS and a mount namespace of its own first (enter_pod), as the tests' Kubernetes pods are.
+a UTS and a mount namespace of its own first (enter_pod), as the tests' Kubernetes pods are. A request from a Slurm
+task's stand-in (fork_task.py, task=True) is a child that enters the stand-in's namespaces, CPU affinity and parent
+(enter_task), and that the server kills when the stand-in's connection closes (_orphaned).
 
 Under xdist the session's controller starts a zygote (Zygote, `fork_server.py --zygote`): one python that imports
 what a server imports, once, and forks each worker's server (zygote()), which then serves as one the worker
@@ -224,8 +226,10 @@ def serve(listen_fd, parent, script):
     server_env = dict(os.environ)
     SERVER_ENV.update(server_env)
     kids = {}  # pid -> the connection its status goes back on
+    tasks = set()  # the pids of tasks' children (fork_task.py): killed when their stand-in goes
     while True:
-        ready, _, _ = select.select([lst, wake_r, owner], [], [], 1.0)
+        tied = [kids[p] for p in tasks if p in kids]
+        ready, _, _ = select.select([lst, wake_r, owner, *tied], [], [], 1.0)
         if owner in ready:
             break
         if wake_r in ready:
@@ -233,6 +237,7 @@ def serve(listen_fd, parent, script):
                 while os.read(wake_r, 512):
                     pass
         _reap(kids)
+        _orphaned(kids, tasks, ready)
         if lst not in ready:
             continue
         try:
@@ -246,6 +251,8 @@ def serve(listen_fd, parent, script):
             if why:
                 _send(conn, {"refused": why})
                 conn.close()
+                for fd in fds:  # (the caller's pipes: a copy kept here would hold them open)
+                    os.close(fd)
                 continue
             pid = os.fork()
         except Exception as e:  # a request we cannot serve: the test side falls back to a plain Popen
@@ -268,7 +275,25 @@ def serve(listen_fd, parent, script):
         conn.settimeout(None)
         _send(conn, {"pid": pid})
         kids[pid] = conn
+        if req.get("task"):
+            tasks.add(pid)
     return None
+
+
+def _orphaned(kids, tasks, ready):
+    """A task's child whose stand-in went (its connection reads as closed: SIGKILLed by Slurm, as a step's task
+    can be) is killed, as the process the stand-in would have exec'd would have died with it."""
+    for pid in list(tasks):
+        conn = kids.get(pid)
+        if conn is None:
+            tasks.discard(pid)
+        elif conn in ready:
+            with contextlib.suppress(OSError):
+                if conn.recv(1):
+                    continue
+            tasks.discard(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def zygote(listen_fd, parent):
@@ -333,12 +358,14 @@ def _reap(kids):
 def _server_refusal(conn, req, fds, server_env, script):
     import struct
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    if struct.unpack("3i", creds)[1] != os.getuid():
+    peer, uid, _ = struct.unpack("3i", creds)
+    if uid != os.getuid():
         return "another user"
     if len(fds) != 3:
         return "not three descriptors"
-    if req.get("pod") and os.geteuid() != 0:
-        return "a pod's namespaces need root"
+    if (req.get("pod") or req.get("task")) and os.geteuid() != 0:
+        return "a pod's or a task's namespaces need root"
+    req["peer"] = peer  # (a task's stand-in: the child enters its namespaces, enter_task)
     return refusal(req["argv"], req["env"], server_env, sys.executable, script)
 
 
@@ -365,6 +392,29 @@ def enter_pod(hostname, hosts):
     ok(libc.mount(os.fsencode(hosts), b"/etc/hosts", None, ms_bind, None), f"mount --bind {hosts} /etc/hosts")
     name = os.fsencode(hostname)
     ok(libc.sethostname(name, len(name)), "sethostname")
+
+
+def enter_task(pid):
+    """What the process `pid` (a task's stand-in, fork_task.py) would have exec'd shares with it, taken by this
+    (single-threaded, forked) process: its network, UTS and mount namespaces (a node of the Slurm test cluster),
+    its CPU affinity (srun's --cpu-bind), and its parent, as os.getppid() says it (the step's daemon, or rank 0's
+    shell: a launch's identity, aiv's launch_key)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/proc/{pid}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    cpus = os.sched_getaffinity(pid)
+    fds = [os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY) for ns in ("net", "uts", "mnt")]
+    try:
+        for fd in fds:
+            if libc.setns(fd, 0) != 0:
+                raise OSError(ctypes.get_errno(), f"setns: {os.strerror(ctypes.get_errno())}")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    os.sched_setaffinity(0, cpus)
+    me, real = os.getpid(), os.getppid
+    os.getppid = lambda: ppid if os.getpid() == me else real()  # (its own children, forked in place: their own)
 
 
 def _set_cmdline(argv):
@@ -418,6 +468,8 @@ def _own_fds(fds):
 def become(req, fds):
     """In the forked child: turn into `python SCRIPT ARGS` as the request describes, run it, and end as it ends."""
     def prepare():
+        if req.get("task"):
+            enter_task(req["peer"])
         _session(req.get("setsid"), req.get("pgid"))
         if req.get("pod"):
             enter_pod(*req["pod"])

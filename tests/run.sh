@@ -31,7 +31,8 @@
 #   AIV_TEST_FORK    1 (default): the tests' runs of the tool are forked from a fork server per pytest process,
 #                    which imported torch once (tests/fork_server.py), instead of each importing torch itself,
 #                    and a forked run's local launcher forks its ranks in place; a Kubernetes pod's run forks
-#                    into namespaces of its own; a start a fork cannot reproduce is still a plain process.
+#                    into namespaces of its own, and a Slurm job's ranks and node gates into their node's
+#                    (tests/fork_task.py); a start a fork cannot reproduce is still a plain process.
 #                    0: every run a plain process (a pod's under unshare)
 #   TEST_SCREEN_RUNS how many times the 4-node healthy screen runs on Slurm (default: 1; more, to see
 #                    that no run on a loaded machine names a healthy node)

@@ -10,6 +10,7 @@ import sys
 import time
 
 import fork_server as forks
+import fork_task
 import pytest
 
 from conftest import SCRIPT, clean_env, tool_popen
@@ -28,11 +29,15 @@ if what == "report":
                       "orig": sys.orig_argv, "hostname": os.uname().nodename,
                       "hosts": open("/etc/hosts").read(), "path1": sys.path[1],
                       "site": getattr(sys.modules.get("sitecustomize"), "MARK", None),
-                      "extra": os.environ.get("FORK_EXTRA") and __import__("forkextra").VALUE}))
+                      "extra": os.environ.get("FORK_EXTRA") and __import__("forkextra").VALUE,
+                      "netns": os.readlink("/proc/self/ns/net"), "cpus": sorted(os.sched_getaffinity(0))}))
     print("to stderr", file=sys.stderr)
     sys.exit(3)
 if what == "sleep":
     print("sleeping", flush=True)
+    time.sleep(60)
+if what == "nap":  # its pid, then a nap that a SIGTERM ends as python's default does
+    print(os.getpid(), flush=True)
     time.sleep(60)
 if what == "kill":
     os.kill(os.getpid(), 9)
@@ -284,6 +289,70 @@ def test_a_pod_forked_or_under_unshare_has_its_own_hostname_and_hosts_file(serve
         seen.append((r["hostname"], r["hosts"], r["cmdline"][1:]))
     assert seen[0] == seen[1] == ("pod-0", hosts.read_text(), [server.script, "report"]), seen
     assert (os.uname().nodename, open("/etc/hosts").read()) == mine
+
+
+ROOT_AND_UNSHARE = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("taskset"),
+                                      reason="a task's namespaces need root, unshare and taskset")
+
+
+def as_task(python, *args, **kw):
+    """`python` started as slurmd starts a task on a node of the Slurm test cluster: in a network and UTS namespace
+    of its own (hostname node7), bound to CPU 0; the process Popen sees is `python` itself (exec all the way)."""
+    return subprocess.Popen(["unshare", "--net", "--uts", "sh", "-c", 'hostname node7 && exec taskset -c 0 "$@"',
+                             "task", python, *map(str, args)], text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **kw)
+
+
+@ROOT_AND_UNSHARE
+def test_a_slurm_tasks_stand_in_forks_the_run_into_the_tasks_namespaces(server, tmp_path):
+    """fork_task.py, a Slurm task's python: the run forked from the server (torch already imported) sees what an
+    exec'd python sees: the task's hostname, network namespace, CPU affinity, parent, descriptors, environment,
+    directory; its exit status is the task's."""
+    stand_in = os.path.join(fork_task.task_python(str(tmp_path / "env"), server), "bin", "python")
+    seen = []
+    for python in (stand_in, sys.executable):
+        p = as_task(python, server.script, "report", env=clean_env({"FORK_X": "task"}), cwd=tmp_path,
+                    stdin=subprocess.PIPE)
+        out, err = p.communicate("in\n", timeout=120)
+        assert (p.returncode, err) == (3, "to stderr\n"), (out, err)
+        r = json.loads(out)
+        seen.append(r)
+        assert (r["hostname"], r["cpus"], r["ppid"], r["x"], r["cwd"], r["line"]) == (
+            "node7", [0], os.getpid(), "task", str(tmp_path), "in\n"), r
+        assert r["netns"] != os.readlink("/proc/self/ns/net") and r["argv"] == [server.script, "report"], r
+    assert (seen[0]["torch"], seen[1]["torch"]) == (True, False)  # forked from the server; python itself
+
+
+@ROOT_AND_UNSHARE
+def test_a_slurm_tasks_stand_in_passes_on_signals_and_its_run_dies_with_it(server, tmp_path):
+    """The signals slurmstepd sends a task reach the run, whose death is the task's; a SIGKILLed stand-in's run
+    is killed by the server, as an exec'd python would have died with it."""
+    stand_in = os.path.join(fork_task.task_python(str(tmp_path / "env"), server), "bin", "python")
+    p = as_task(stand_in, server.script, "nap", env=clean_env())
+    run = int(p.stdout.readline())
+    assert run != p.pid
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == -signal.SIGTERM and not os.path.exists(f"/proc/{run}")
+    p = as_task(stand_in, server.script, "nap", env=clean_env())
+    run = os.pidfd_open(int(p.stdout.readline()))
+    p.kill()
+    assert p.wait(timeout=60) == -signal.SIGKILL
+    assert select.select([run], [], [], 30)[0], "the run outlived its SIGKILLed stand-in"
+
+
+@ROOT_AND_UNSHARE
+def test_a_slurm_task_the_server_refuses_is_python_itself_and_keeps_no_copy_of_its_pipes(server, tmp_path):
+    """An environment torch reads at import (another TORCH_CPP_LOG_LEVEL) is refused: the stand-in execs python,
+    says why in TEST_FORK_LOG, and the task's output ends when that python ends (the server closed the copies of
+    its descriptors that came with the request: kept, they held the pipes open until the server's end)."""
+    log = tmp_path / "fork.log"
+    stand_in = os.path.join(fork_task.task_python(str(tmp_path / "env"), server), "bin", "python")
+    p = as_task(stand_in, server.script, "report", env=clean_env({"TORCH_CPP_LOG_LEVEL": "INFO",
+                                                                   "TEST_FORK_LOG": str(log)}), stdin=subprocess.PIPE)
+    out, err = p.communicate("in\n", timeout=60)
+    assert p.returncode == 3 and json.loads(out)["torch"] is False, (out, err)
+    (said,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert said["where"] == "a Slurm task on node7" and "TORCH_CPP_LOG_LEVEL differs" in said["why"], said
 
 
 def test_a_script_changed_after_the_server_compiled_it_runs_as_it_is_now(tmp_path):

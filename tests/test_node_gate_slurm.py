@@ -19,10 +19,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import fork_task
 import pytest
 from test_slurm import CLUSTER_SH, REQUIRED_TOOLS, VENV_PY, Cluster, _skip_or_fail
 
-from conftest import aiv
+from conftest import SCRIPT, aiv, clean_env, forks
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "ddp_mesh_ping.py"
@@ -185,8 +186,14 @@ def gate(tmp_path_factory):
     (work / "notorch" / "torch" / "__init__.py").write_text("raise ImportError('torch broken on this node (test)')\n")
     script = work / "aiv-node-check.sh"
     script.write_text(documented_script())
+    # the gate's runs forked from a fork server of this pytest process (tests/fork_task.py) rather than each
+    # importing torch, where AIV_TEST_FORK allows: slurmd gives a prolog no environment of the caller's, so the
+    # server imports torch without the caller's variables that python or torch read
+    server = forks.Server(SCRIPT, {k: v for k, v in clean_env().items() if not forks.sensitive(k)}) \
+        if forks.enabled() else None
+    python = VENV_PY if server is None else Path(fork_task.task_python(str(work / "forkenv"), server)) / "bin/python"
     wrapper = work / "gate.sh"
-    wrapper.write_text(WRAPPER.format(flags=work / "flags", out=work / "out", python=VENV_PY, tool=TOOL,
+    wrapper.write_text(WRAPPER.format(flags=work / "flags", out=work / "out", python=python, tool=TOOL,
                                       tmp=work / "tmp", locks=work / "locks", sdc=SDC, notorch=work / "notorch",
                                       script=script,
                                       conf=state / "etc" / "slurm.conf"))
@@ -208,9 +215,11 @@ def gate(tmp_path_factory):
         subprocess.run(["bash", str(CLUSTER_SH), "down"], env=env, capture_output=True, timeout=120)
         pytest.fail(f"slurm_cluster.sh up failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     g = Gate(state, work)
+    g.fork_server = server
     try:
         yield g
     finally:
+        g.stop_fork_server()
         d = subprocess.run(["bash", str(CLUSTER_SH), "down"], env=env, capture_output=True, text=True, timeout=180)
         assert d.returncode == 0, d.stdout + d.stderr
 

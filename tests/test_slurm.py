@@ -25,9 +25,10 @@ import time
 import uuid
 from pathlib import Path
 
+import fork_task
 import pytest
 
-from conftest import SCRIPT, aiv
+from conftest import SCRIPT, aiv, clean_env, forks
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_SH = REPO / "tests" / "slurm_cluster.sh"
@@ -74,6 +75,8 @@ class Cluster:
         self.state_dir = Path(state_dir)
         self.workdir = Path(workdir)
         self.env = dict(os.environ, AIV_SLURM_DIR=str(self.state_dir))
+        self.pytorch_env = VENV  # the jobs' PYTORCH_ENV (with_fork_server: a stand-in python's)
+        self.fork_server = None
 
     # -- commands inside the cluster's namespaces --
     def run(self, *args, env=None, timeout=60, check=False):
@@ -98,10 +101,23 @@ class Cluster:
         set CUDA_VISIBLE_DEVICES, and with GPUs expected but no usable CUDA, 'auto' fails."""
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(_SCRUB) and k not in _SCRUB_EXACT}
-        env.update(AIV_SLURM_DIR=str(self.state_dir), PYTORCH_ENV=str(VENV), AIV_BACKEND="gloo",
+        env.update(AIV_SLURM_DIR=str(self.state_dir), PYTORCH_ENV=str(self.pytorch_env), AIV_BACKEND="gloo",
                    AIV_TIMEOUT=AIV_TIMEOUT, AIV_WARM_IMPORTS="0")  # as conftest.clean_env says why
         env.update({k: str(v) for k, v in overrides.items()})
         return env
+
+    def with_fork_server(self, where):
+        """The jobs' ranks forked from a fork server of this pytest process (tests/fork_task.py) rather than each
+        importing torch, where AIV_TEST_FORK allows: PYTORCH_ENV becomes `where`, whose bin/python is the
+        stand-in. The server imports torch as the batch file's ranks do (TORCH_CPP_LOG_LEVEL=ERROR)."""
+        if forks.enabled():
+            self.fork_server = forks.Server(SCRIPT, clean_env({"TORCH_CPP_LOG_LEVEL": "ERROR"}))
+            self.pytorch_env = Path(fork_task.task_python(str(where), self.fork_server))
+        return self
+
+    def stop_fork_server(self):
+        if self.fork_server is not None:
+            self.fork_server.stop()
 
     def submit(self, *sbatch_args, script_args=(), **env_overrides):
         """sbatch [sbatch_args] submit_smoke_test.sbatch [script_args] (the latter go to ddp_mesh_ping.py)."""
@@ -228,11 +244,12 @@ def cluster(tmp_path_factory):
         subprocess.run(["bash", str(CLUSTER_SH), "down"], check=False, env=env, capture_output=True,
                        timeout=120)
         pytest.fail(f"slurm_cluster.sh up failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-    c = Cluster(state, work)
+    c = Cluster(state, work).with_fork_server(tmp_path_factory.mktemp("forkenv"))
     c.hosts_before = hosts_before
     try:
         yield c
     finally:
+        c.stop_fork_server()
         d = subprocess.run(["bash", str(CLUSTER_SH), "down"], check=False, env=env, capture_output=True, text=True,
                            timeout=180)
         assert d.returncode == 0, f"slurm_cluster.sh down failed:\n{d.stdout}\n{d.stderr}"
