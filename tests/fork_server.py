@@ -743,6 +743,7 @@ class Zygote:
             lst.close()
 
     def stop(self):
+        """Kill it (where it still runs) and remove its directory."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -804,12 +805,7 @@ class Server:
     def alive(self):
         return self.proc.poll() is None
 
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        import shutil
-        shutil.rmtree(self.dir, ignore_errors=True)
+    stop = Zygote.stop
 
     def request(self, argv, env, cwd, setsid, pgid, fds, pod=None):
         """-> (connection, pid); raises OSError or ValueError (the reason) when the server will not fork."""
