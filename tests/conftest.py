@@ -91,6 +91,19 @@ def fork_server():
     return _SERVER[0]
 
 
+def stand_in_venv():
+    """A PYTORCH_ENV for a launch that starts `$PYTORCH_ENV/bin/python ddp_mesh_ping.py` itself (a pod's shell): a
+    directory whose bin/python is a stand-in (tests/fork_task.py) that has this process's fork server fork the run;
+    the test venv itself with AIV_TEST_FORK=0."""
+    server = fork_server()
+    if server is None:
+        return sys.prefix
+    if getattr(server, "stand_in", None) is None:
+        import fork_task
+        server.stand_in = fork_task.task_python(os.path.join(server.dir, "venv"), server)
+    return server.stand_in
+
+
 def stop_fork_server():
     while _SERVER:
         s = _SERVER.pop()

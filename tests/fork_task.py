@@ -1,5 +1,6 @@
 """A Slurm task's `python ddp_mesh_ping.py ARGS`, forked from the tests' fork server (fork_server.py) instead of
-importing torch again: the stand-in python of the Slurm tests' venv.
+importing torch again: the stand-in python of the Slurm tests' venv (and of the Kubernetes manifests' pods, whose
+shell execs `$PYTORCH_ENV/bin/python`: test_k8s_launchers.py).
 
 The Slurm tests' jobs run the batch file with PYTORCH_ENV set to a directory whose bin/python is this stand-in
 (task_python writes it). slurmstepd starts it as it would start python, in the node's namespaces. When its
@@ -41,7 +42,7 @@ def task_python(directory, server):
 
 
 def _plain(python, args, why, log):
-    forks.said_plain({"TEST_FORK_LOG": log} if log else os.environ, f"a Slurm task on {socket.gethostname()}", why,
+    forks.said_plain({"TEST_FORK_LOG": log} if log else os.environ, f"a stand-in python on {socket.gethostname()}", why,
                      [python, *args])
     os.execv(python, [python, *args])
 

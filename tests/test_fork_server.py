@@ -352,7 +352,7 @@ def test_a_slurm_task_the_server_refuses_is_python_itself_and_keeps_no_copy_of_i
     out, err = p.communicate("in\n", timeout=60)
     assert p.returncode == 3 and json.loads(out)["torch"] is False, (out, err)
     (said,) = [json.loads(line) for line in log.read_text().splitlines()]
-    assert said["where"] == "a Slurm task on node7" and "TORCH_CPP_LOG_LEVEL differs" in said["why"], said
+    assert said["where"] == "a stand-in python on node7" and "TORCH_CPP_LOG_LEVEL differs" in said["why"], said
 
 
 def test_a_script_changed_after_the_server_compiled_it_runs_as_it_is_now(tmp_path):

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import ROOT, SCRIPT, aiv, clean_env, failures, finish, fork_server, free_port, state
+from conftest import ROOT, SCRIPT, aiv, clean_env, failures, finish, fork_server, free_port, stand_in_venv, state
 
 K8S = ROOT / "k8s"
 SECRET = "5e" * 32
@@ -112,7 +112,7 @@ def manifest_env(container, index, **given):
         elif "secretKeyRef" in ref:
             out[e["name"]] = SECRET
     out["KUBERNETES_SERVICE_HOST"] = "10.96.0.1"  # every pod has it: NODE_NAME is read
-    out["PYTORCH_ENV"] = sys.prefix  # the parameter: a venv (this test's)
+    out["PYTORCH_ENV"] = stand_in_venv()  # the parameter: a venv (this test's, whose python forks the run)
     return {**out, **given}
 
 
