@@ -211,6 +211,20 @@ def _import_once():
     gc.freeze()
 
 
+class _Refused(Exception):
+    """A request the server will not fork (its reason)."""
+
+
+def _woken_by_children():
+    """A pipe's read end that a child's end (SIGCHLD) makes readable, for select."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *a: None)
+    return wake_r
+
+
 def serve(listen_fd, parent, script):
     """Accept requests until `parent` (its pytest process) goes; returns (request, fds) in a forked child only."""
     _import_once()
@@ -218,11 +232,7 @@ def serve(listen_fd, parent, script):
     lst = socket.socket(fileno=listen_fd)
     global CODE_FILE  # the script compiled once (0.3 CPU-s a start otherwise), before any fork
     CODE_FILE = save_compiled(script, os.path.join(os.path.dirname(lst.getsockname()), "code"))
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *a: None)
+    wake_r = _woken_by_children()
     server_env = dict(os.environ)
     SERVER_ENV.update(server_env)
     kids = {}  # pid -> the connection its status goes back on
@@ -249,16 +259,12 @@ def serve(listen_fd, parent, script):
             req, fds = _read_request(conn)
             why = _server_refusal(conn, req, fds, server_env, script)
             if why:
-                _send(conn, {"refused": why})
-                conn.close()
-                for fd in fds:  # (the caller's pipes: a copy kept here would hold them open)
-                    os.close(fd)
-                continue
+                raise _Refused(why)
             pid = os.fork()
-        except Exception as e:  # a request we cannot serve: the test side falls back to a plain Popen
-            _send(conn, {"refused": f"{type(e).__name__}: {e}"})
+        except Exception as e:  # a request we cannot serve: the caller starts python itself
+            _send(conn, {"refused": str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"})
             conn.close()
-            for fd in fds:
+            for fd in fds:  # (the caller's pipes: a copy kept here would hold them open)
                 os.close(fd)
             continue
         if pid == 0:

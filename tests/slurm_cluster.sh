@@ -109,7 +109,7 @@ in_node() {
 # their addresses, ports and /etc/hosts never meet). Another such cluster's daemon is known by its
 # SLURM_CONF, DIR/etc/slurm.conf, in a DIR that carries this script's marker.
 foreign_daemons() {
-  local p c pid conf ours=" "
+  local p c pid conf envs i ours=" "
   for f in "$DIR"/run/slurmctld.pid "$DIR"/run/slurmd-*.pid; do
     pid=$(pid_of "$f" 2>/dev/null) && ours="$ours$pid "
   done
@@ -118,12 +118,20 @@ foreign_daemons() {
     case $c in
       slurmctld | slurmctld-wlm | slurmd | slurmd-wlm | slurmdbd | slurmdbd-wlm)
         case $ours in *" ${p#/proc/} "*) continue ;; esac
-        # a zombie (a daemon's parent after the fork, not yet reaped) holds nothing
-        [ "$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "$p/status" 2>/dev/null)" = Z ] && continue
-        conf=$(tr '\0' '\n' 2>/dev/null <"$p/environ" | sed -n 's/^SLURM_CONF=//p' | head -n 1) || conf=""
-        case $conf in
-          */etc/slurm.conf) [ -e "${conf%/etc/slurm.conf}/$MARK" ] && continue ;;
-        esac
+        # a process on its way out (a zombie: a daemon's parent after the fork, not yet reaped; or one whose
+        # memory, its environment with it, is already gone: another cluster's daemon or its forked child ending)
+        # holds nothing: looked at again for up to 2 s before it is called foreign
+        for i in 1 2 3 4 5 6 7 8 9 10; do
+          [ -e "$p" ] || continue 2
+          [ "$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "$p/status" 2>/dev/null)" = Z ] && continue 2
+          envs=$(tr '\0' '\n' 2>/dev/null <"$p/environ") || envs=""
+          conf=$(sed -n 's/^SLURM_CONF=//p' <<<"$envs" | head -n 1)
+          case $conf in
+            */etc/slurm.conf) [ -e "${conf%/etc/slurm.conf}/$MARK" ] && continue 2 ;;
+          esac
+          [ -n "$envs" ] && break  # an environment without our SLURM_CONF: foreign
+          sleep 0.2
+        done
         echo "${p#/proc/}($c)"
         ;;
     esac

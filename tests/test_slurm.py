@@ -297,6 +297,27 @@ def test_a_second_cluster_runs_beside_this_one(cluster, tmp_path):
     assert first.stdout.split() == ["node1", "16", "node2", "16", "node3", "16", "node4", "16"], first.stdout
 
 
+def test_a_slurmd_on_its_way_out_is_not_taken_for_a_foreign_one(cluster, tmp_path):
+    """"up" refuses beside Slurm daemons it did not start, found by name and told from another test cluster's by
+    the SLURM_CONF in their environment. A process on its way out has no environment left to read (another
+    cluster's slurmd, or its forked child, ending), and was taken for a foreign daemon: it is looked at again
+    until it is gone. One that lasts without our SLURM_CONF is still foreign."""
+    fake = tmp_path / "slurmd"  # its name is slurmd; started by `env -i`: no environment to read
+    shutil.copy("/bin/sleep", fake)
+    lasting = subprocess.Popen(["env", "-i", str(fake), "60"])
+    ending = subprocess.Popen(["env", "-i", str(fake), "1.5"])
+    env = dict(os.environ, AIV_SLURM_DIR=str(tmp_path / "third"), SLURM_NODES="1", NODE_CPUS="2", NODE_GPUS="1",
+               AIV_SLURM_SUBNET="10.79.0")
+    try:
+        r = subprocess.run(["bash", str(CLUSTER_SH), "up"], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        for p in (lasting, ending):
+            p.kill()
+            p.wait()
+    assert r.returncode == 3 and f" {lasting.pid}(slurmd) " in f" {r.stderr.split(': ')[-1]}", r.stderr
+    assert f"{ending.pid}(slurmd)" not in r.stderr, r.stderr
+
+
 def test_default_shape_is_accepted(cluster):
     """The #SBATCH defaults (2 nodes x 8 tasks x 8 GPUs, Slurm's default 1 CPU per task) are a
     valid request on 16-CPU nodes."""
