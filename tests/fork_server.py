@@ -731,16 +731,22 @@ def _exchange(conn, path, msg, fds):
     return json.loads(data)
 
 
+def _listening(prefix, backlog):
+    """(a private directory, the path of a Unix socket in it, that socket listening)."""
+    where = tempfile.mkdtemp(prefix=prefix)
+    path = os.path.join(where, "s")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(path)
+    lst.listen(backlog)
+    return where, path, lst
+
+
 class Zygote:
     """The session's zygote (zygote()), started by an xdist controller: its workers' servers are forked from it
     (Server, where ZYGOTE_VAR names its socket) instead of each importing torch."""
 
     def __init__(self, env, python=sys.executable):
-        self.dir = tempfile.mkdtemp(prefix="aiv-zygote-")
-        self.path = os.path.join(self.dir, "z")
-        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        lst.bind(self.path)
-        lst.listen(64)
+        self.dir, self.path, lst = _listening("aiv-zygote-", 64)
         try:
             self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--zygote", str(lst.fileno()),
                                           str(os.getpid()), " " * ROOM], pass_fds=[lst.fileno()],
@@ -783,11 +789,7 @@ class Server:
 
     def __init__(self, script, env, python=sys.executable):
         self.script, self.env, self.python = str(script), {**TOOL_SETS, **env}, python
-        self.dir = tempfile.mkdtemp(prefix="aiv-fork-")
-        self.path = os.path.join(self.dir, "s")
-        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        lst.bind(self.path)
-        lst.listen(128)
+        self.dir, self.path, lst = _listening("aiv-fork-", 128)
         try:
             self.proc = self._from_zygote(lst)
             if self.proc is None:
