@@ -49,6 +49,7 @@ no object's finaliser runs at the end, a PYTHONPATH's sitecustomize runs after t
 _in_place has the server's file in sys.orig_argv.
 """
 import contextlib
+import faulthandler
 import gc
 import inspect
 import json
@@ -70,7 +71,7 @@ _SENSITIVE = ("GLIBC_TUNABLES", "LANG", "LANGUAGE")
 # PYTHONUNBUFFERED: a forked child makes its std streams as python -u would (_stdio); PYTORCH_ENV: the tool's
 # own (where its venv lives), which neither python nor torch reads
 _HONOURED = ("PYTHONUNBUFFERED", "PYTORCH_ENV")
-# What a rank of the tool sets, when unset, before it imports torch (aiv/run/setup.py, before_torch): the server
+# What a rank of the tool sets, when unset, before it imports torch (aiv/run/setup.py, own_variables): the server
 # imports torch as such a rank would, and a request that leaves one unset is one that sets it so
 TOOL_SETS = {"TORCH_CPP_LOG_LEVEL": "FATAL", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
@@ -482,6 +483,7 @@ def become(req, fds):
         os.umask(req["umask"])
         os.chdir(req["cwd"])
         _own_fds(fds)
+        faulthandler.enable(file=sys.__stderr__)  # (a crash of a forked run says where, on the caller's stderr)
     run_and_exit(prepare, lambda: _run_script(req["argv"], req["env"]))
 
 

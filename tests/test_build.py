@@ -381,3 +381,21 @@ def test_the_pages_list_every_room():
     for room, cell in mapped.items():
         have = {m.split("/")[1] for m in build.BUILD_ORDER if m.startswith(room)}
         assert have <= set(re.findall(r"`(\w+)`", cell)), (room, have - set(re.findall(r"`(\w+)`", cell)))
+
+
+@pytest.mark.parametrize("module, text", [
+    ("run/guard", "def _quiet():\n    import os\n    os.environ['NCCL_DEBUG'] = 'WARN'\n"),
+    ("run/setup", "def _later():\n    import os\n    os.environ.setdefault('X', '1')\n"),
+    ("out/drain", "def _gone():\n    import os\n    del os.environ['X']\n"),
+    ("launch/local", "import os\nos.putenv('X', '1')\n")])
+def test_a_write_to_the_process_environment_outside_its_one_place_fails_the_build(tmp_path, module, text):
+    """The process environment is written in ENV_WRITERS only: once, as a rank starts, before its first thread
+    (glibc's setenv may free the array another thread's getenv reads: a SIGSEGV of that rank, then a node named
+    for the tool's own fault). Any other write, in any module, fails the build, naming where; the two writers
+    pass."""
+    src = _copy_source(tmp_path)
+    _append(src / f"{module}.py", text)
+    err = _check(src, tmp_path)
+    assert f"aiv/{module}.py:" in err and "writes this process's environment: only run/background.capture, " \
+        "run/setup.own_environment do" in err, err
+    assert "own_environment writes" not in err and "capture writes" not in err, err

@@ -246,3 +246,46 @@ def no_process_left_behind():
     for pid, _ in left:
         os.kill(pid, 9)
     assert not left, f"processes left behind: {left}"
+
+
+ENV_AUDIT = '''import os, sys, threading
+_busy = threading.local()
+def _hook(event, args):
+    if event not in ("os.putenv", "os.unsetenv") or getattr(_busy, "on", False):
+        return
+    _busy.on = True
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_filename.endswith(("os.py", "<frozen os>")):
+            f = f.f_back
+        where = f"{f.f_code.co_name}:{f.f_lineno}" if f else "?"
+        with open(os.environ["TEST_ENV_AUDIT"], "a") as out:
+            value = os.fsdecode(args[1]) if len(args) > 1 else "-"
+            out.write(f"{os.getpid()} {event} {os.fsdecode(args[0])} threads={threads} {value} in {where}\\n")
+    finally:
+        _busy.on = False
+sys.addaudithook(_hook)
+'''
+
+
+@pytest.mark.parametrize("backend", ["auto", "nccl"])
+def test_a_rank_writes_its_environment_only_while_it_is_the_only_thread(tmp_path, backend):
+    """glibc's setenv may free the environment array another thread's getenv is reading: a rank other than 0
+    that sets a variable while its hello thread resolves rank 0's name dies of SIGSEGV, and rank 0 names its node
+    as one that did not check in (the tool's own fault, drained). Every variable a rank sets (torch's, NCCL's log
+    file, where the backend may be NCCL) is set while the process has one thread: an audit hook records each
+    write with the thread count of the process at that moment. --backend nccl on a machine without CUDA: the
+    ranks fail, after setting NCCL's variables. A gloo rank keeps no file of NCCL's."""
+    site, log = tmp_path / "site", tmp_path / "env-writes.txt"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(ENV_AUDIT)
+    outs, _ = spawn(2, args=["--backend", backend, "--timeout", 60], env={"PYTHONPATH": site,
+                                                                         "TEST_ENV_AUDIT": log})
+    assert [rc == 0 for rc, _ in outs] == [backend == "auto"] * 2, outs
+    writes = [w.split() for w in log.read_text().splitlines()]
+    names = {w[2] for w in writes}
+    assert {"TORCH_CPP_LOG_LEVEL", "TORCH_FR_BUFFER_SIZE", "NCCL_DEBUG_FILE"} <= names, writes  # seen by the hook
+    assert len({w[0] for w in writes}) == 2, writes  # both ranks
+    assert all(w[3] == "threads=1" for w in writes), writes
+    assert not any(w[2] == "NCCL_DEBUG_FILE" and os.path.exists(w[4]) for w in writes), writes

@@ -109,6 +109,11 @@ EFFECTS = ("subprocess", "threading", "socket", "fcntl", "ctypes", "torch", "mul
 # prefix), and the builtins that import or run any code by name.
 OS_EFFECTS = ("system", "popen", "fork", "forkpty", "kill", "killpg", "exec", "spawn", "posix_spawn")
 BUILTIN_EFFECTS = ("__import__", "import_module", "exec", "eval")
+# The only functions that write this process's environment (os.environ, os.putenv, os.unsetenv): a rank sets its
+# variables once, as it starts, while it has one thread (glibc's setenv may free the array another thread's
+# getenv is reading: that thread dies of SIGSEGV). A child's environment is passed as env=, never written here.
+ENV_WRITERS = {("run/setup", "own_environment"), ("run/background", "capture")}
+ENV_METHODS = ("update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__")
 # No class over this many lines (its `class` line to its last): a longer one holds more than one concern; split it
 # by concern (a mixin or a collaborator each, as RankRun's RankSetup and RankGuard).
 MAX_CLASS_LINES = 300
@@ -263,6 +268,38 @@ def effect_problems(modules):
     return out
 
 
+def _is_environ(n):
+    return isinstance(n, ast.Attribute) and n.attr == "environ" and isinstance(n.value, ast.Name) and n.value.id == "os"
+
+
+def env_writes(tree):
+    """[(lineno, enclosing function)] for each write to this process's environment in a module."""
+    out = []
+
+    def walk(node, func):
+        for child in ast.iter_child_nodes(node):
+            here = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            write = False
+            if isinstance(child, ast.Subscript) and _is_environ(child.value):
+                write = isinstance(child.ctx, (ast.Store, ast.Del))
+            elif isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
+                f = child.func
+                write = (_is_environ(f.value) and f.attr in ENV_METHODS) or (
+                    isinstance(f.value, ast.Name) and f.value.id == "os" and f.attr in ("putenv", "unsetenv"))
+            if write:
+                out.append((child.lineno, func))
+            walk(child, here)
+    walk(tree, None)
+    return out
+
+
+def env_write_problems(name, tree):
+    return [f"aiv/{name}.py:{line}: {func or 'module level'} writes this process's environment: only "
+            f"{', '.join(f'{m}.{f}' for m, f in sorted(ENV_WRITERS))} do (ENV_WRITERS: once, as a rank starts, before "
+            "its first thread; a child's environment goes as env=)" for line, func in env_writes(tree)
+            if (name, func) not in ENV_WRITERS]
+
+
 _CLASSES = {}
 
 
@@ -349,7 +386,7 @@ def problems():
                 if any(m.split(".")[0] in ("aiv", "ddp_mesh_ping") for m in mods):
                     out.append(f"aiv/{name}.py:{n.lineno}: absolute import of the tool; use `from .module import` "
                                "or `from ..room.module import`")
-        out += duplicate_methods(name, tree) + long_classes(name, tree)
+        out += duplicate_methods(name, tree) + long_classes(name, tree) + env_write_problems(name, tree)
         seen = {}
         for n in tree.body:  # a def or class given twice: the later one wins wherever the name is called
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):

@@ -115,6 +115,8 @@ class NcclLog:
 
     @classmethod
     def capture(cls, backend, rank, env):
+        """As a rank starts (backend: --backend's word, auto included): the private file, NCCL's variables set
+        to write there, unless the backend is gloo or the operator chose where NCCL writes."""
         if backend == "gloo":
             return cls(None, env)
         if "NCCL_DEBUG_FILE" in env or env.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE"):
@@ -125,6 +127,14 @@ class NcclLog:
         os.environ["NCCL_DEBUG"] = "INFO"
         os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
         return cls(path, env, "private")
+
+    def for_backend(self, backend):
+        """This log once the backend is known: a gloo rank's has nothing to read, and its private file is
+        dropped (NCCL's variables stay set: nothing in a gloo rank starts NCCL)."""
+        if backend != "gloo":
+            return self
+        self.drop()
+        return type(self)(None, self.env)
 
     def readable(self):
         """The file this rank reads NCCL's lines from (the private one, or the operator's), or None."""

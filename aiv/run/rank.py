@@ -30,7 +30,7 @@ from ..launch.launchers import node_name
 from ..out.render import BAR
 from ..screen.measure import soak_measure
 from ..screen.run import ScreenRunner
-from .background import Background, Issued, NcclLog
+from .background import Background, Issued
 from .guard import RankGuard
 from .setup import RankSetup, ddp_imports
 from .store import Seal, StoreProtocol, run_base
@@ -92,7 +92,7 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
         self.starts = {}  # phase -> seconds from start
         self.proto = self.poll = self.master = None
         self.backend = self.device = self.results = self.bandwidth = self.identity = None
-        self.bg, self.nccl = Background(), NcclLog()  # work off the main thread; NCCL's log
+        self.bg = Background()  # work off the main thread
         self.issued, self.stalled, self.wedged = Issued(), set(), set()  # what this rank issued last (issuing)
         self.screen_groups = []  # the screen's groups this rank made (kept, never destroyed)
         self.my_groups = {}  # a group's ranks -> this rank's group (re-measured with the same group)
@@ -100,6 +100,7 @@ class RankRun(RankSetup, RankGuard, ScreenRunner):
         self.helper_errors = []  # helper threads that died: "<name> stopped: <why>" (helper)
         self.signal_seen = None  # SIGTERM or SIGINT, once on_signal took it
         self.hello_stop = threading.Event()  # set once this rank checked in: its hello (say_hello) is not needed
+        self.own_environment()  # its variables and NCCL's log (self.nccl), before this process's first thread
         self.wd = Watchdog(self.on_expire, self.on_tick, on_error=self.helper_died)
 
     # ---------------------------------------------------------------- flow

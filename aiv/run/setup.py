@@ -46,6 +46,24 @@ def _torch_older_than(version):
     return m is None or (int(m.group(1)), int(m.group(2))) < version
 
 
+def own_variables(env, older_than_2_6):
+    """What a rank sets in its own environment where `env` (its environment at its start) leaves it unset:
+    one FAILURE line rather than a C++ trace per retry; torch's error handling that aborts the communicator and
+    raises rather than killing the process (torchrun's default, 1, kills rank 0 before its verdict; an
+    operator's own setting outside torchrun is kept); torch's flight recorder (what each rank issued), under
+    its second name too for a torch before 2.6, whose ProcessGroupNCCL reads only that one (a later torch
+    warns on every rank that it is deprecated)."""
+    out = {} if "TORCH_CPP_LOG_LEVEL" in env else {"TORCH_CPP_LOG_LEVEL": "FATAL"}
+    if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in env or (
+            under_torchrun(env) and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"):
+        out["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    if not any(v in env for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        out["TORCH_FR_BUFFER_SIZE"] = "2000"
+        if older_than_2_6:
+            out["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
+    return out
+
+
 @contextlib.contextmanager
 def gc_paused():
     """Python's cycle collector off while a block imports torch: an import makes many objects and almost no
@@ -80,25 +98,23 @@ class RankSetup:
     it, and on a node leader the node's facts, the import probe and the liveness monitor. Mixed into
     RankRun: the state it fills (identity, backend, device, bg) is the rank's."""
 
+    def own_environment(self):
+        """Every variable this rank sets in its own environment, set at once as it starts, while it is the
+        process's only thread (RankRun.__init__, before the watchdog): glibc's setenv may free the array that
+        another thread's getenv is reading (a name lookup reads it; a library reads it as it loads), and that
+        thread dies of SIGSEGV: a rank lost to the tool's own fault, then named as a node that did not check in.
+        Where the backend may be NCCL (auto, nccl), NCCL's private log is made here too (NcclLog.capture);
+        phase_local drops it once the backend is gloo."""
+        os.environ.update(own_variables(self.env, _torch_older_than((2, 6))))
+        self.nccl = NcclLog.capture(self.args.backend, self.rank, self.env)
+
     def before_torch(self):
-        """What a rank sets up before it imports torch: its hello to rank 0's last call, torch's and NCCL's
-        variables (error handling, the flight recorder)."""
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # one FAILURE line, not a C++ trace per retry
-        if self.rank != 0:  # before torch: rank 0's last call knows this process is up and reaches the store
+        """What a rank starts before it imports torch: its hello to rank 0's last call (so that rank 0 knows
+        this process is up and reaches the store, however long its import takes)."""
+        if self.rank != 0:
             threading.Thread(target=say_hello, args=(self.addr, self.port, launcher_store(self.env)[0], self.rank,
                                                      self.host, self.hello_stop, self.D["rollcall"], HELLO_RETRY_S),
                              name="aiv-hello", daemon=True).start()
-        # abort the communicator and raise, never kill the process (1, torchrun's default, kills rank 0
-        # before its verdict); an operator's own setting outside torchrun is kept
-        if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ or (
-                under_torchrun(self.env) and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"):
-            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-        if not any(v in os.environ for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
-            # torch's flight recorder: what each rank issued (issuing); the second name for torch before 2.6,
-            # whose ProcessGroupNCCL reads only it (a later torch warns on every rank that it is deprecated)
-            os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
-            if _torch_older_than((2, 6)):
-                os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
 
     def phase_local(self):
         self.before_torch()
@@ -125,9 +141,7 @@ class RankSetup:
             self.bg.warm.start()
         ifaces, expected = list_interfaces(), gpus_expected(self.env, self.args.sysfs_root)
         local, gpu = self.local_checks(ifaces, expected)
-        # NCCL's INFO lines to a private file, once the backend is known (NCCL reads the variables at its
-        # first communicator, in init): a gloo rank makes no file, so none is left behind
-        self.nccl = NcclLog.capture(self.backend, self.rank, self.env)
+        self.nccl = self.nccl.for_backend(self.backend)  # a gloo rank keeps no file of NCCL's (own_environment)
         screen, numerics = not self.args.skip_screen, not self.args.skip_numerics
         if gpu is not None and (screen or numerics) and not any(f["status"] == "FAIL" for f in local):
             self.bg.gpu = start_screen_gpu(self.torch, self.device, gpu.get("uuid"), gpu.get("pci"),
