@@ -316,8 +316,10 @@ def test_nccl_diag_lines_are_picked_from_a_log():
 # -- torch's flight recorder, read the way a rank answers rank 0
 def test_the_flight_recorder_holds_what_a_gloo_rank_issued():
     """A real 1-rank gloo group in a child process: the recorder's last collective on the world group, by the
-    group's name (the recorder is on in torch 2.13 by default; the rank sets TORCH_FR_BUFFER_SIZE anyway)."""
-    code = ("import os, sys, json; os.environ['TORCH_FR_BUFFER_SIZE'] = '200'\n"
+    group's name (the recorder is on in torch 2.13 by default; the rank sets TORCH_FR_BUFFER_SIZE anyway). torch
+    retires a gloo collective's entry on its worker thread, which may run after the call returned (a busy machine:
+    'scheduled' for a moment): the record reads it completed within 30 s."""
+    code = ("import os, sys, json, time; os.environ['TORCH_FR_BUFFER_SIZE'] = '200'\n"
             "sys.path.insert(0, sys.argv[1]); import ddp_mesh_ping as aiv\n"
             "import torch, torch.distributed as dist\n"
             "dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())\n"
@@ -325,7 +327,10 @@ def test_the_flight_recorder_holds_what_a_gloo_rank_issued():
             "[dist.all_reduce(x) for _ in range(3)]\n"
             "i = aiv.Issued(); i.names[dist.group.WORLD.group_name] = '0'\n"
             "with_start = (i.start('all_reduce', '0'), i.record(torch))[1]\n"
-            "i.done('0'); print(json.dumps([with_start, i.record(torch), aiv.recorder_last(torch, {})]))\n"
+            "i.done('0'); end = time.monotonic() + 30; after = i.record(torch)\n"
+            "while not (after['fr'] or {}).get('0', [0, 0, False])[2] and time.monotonic() < end:\n"
+            "    time.sleep(0.05); after = i.record(torch)\n"
+            "print(json.dumps([with_start, after, aiv.recorder_last(torch, {})]))\n"
             "dist.destroy_process_group()\n")  # gloo's threads torn down before exit, not by it (an abort, at times)
     r = subprocess.run([sys.executable, "-c", code, str(aiv.__file__.rsplit("/", 1)[0])], capture_output=True,
                        text=True, timeout=120)
