@@ -306,6 +306,27 @@ def test_the_private_log_is_read_and_gloo_has_no_transport_row(tmp_path, env_kep
     assert aiv.judge_transport([aiv.with_results([rec(0, "n1")], [{"rank": 0}])[0]]) == []  # gloo: nothing to judge
 
 
+def test_no_temporary_directory_for_nccls_log_is_no_crash_before_the_verdict(env_kept, monkeypatch):
+    """A rank makes NCCL's private log as it starts, before any verdict can be given: no temporary directory
+    there (mkstemp fails) leaves it without the file and without NCCL's variables, and keeps the error for
+    phase_local to raise where the backend is NCCL (an internal verdict naming nobody), instead of a crash that
+    rank 0 would read as a node whose rank never checked in."""
+    import types
+
+    def no_tmp(*a, **k):
+        raise FileNotFoundError(2, "No usable temporary directory found")
+    monkeypatch.setattr(aiv.tempfile, "mkstemp", no_tmp)
+    for v in ("TORCH_CPP_LOG_LEVEL", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_FR_BUFFER_SIZE",
+              "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.setenv(v, "x")  # tracked: what the rank sets is undone after the test
+        monkeypatch.delenv(v)
+    rank = types.SimpleNamespace(env={}, args=types.SimpleNamespace(backend="auto"), rank=1)
+    aiv.RankSetup.own_environment(rank)
+    assert rank.nccl.path is None and isinstance(rank.nccl_unmade, FileNotFoundError)
+    assert "NCCL_DEBUG_FILE" not in os.environ and "NCCL_DEBUG" not in os.environ
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"  # torch's variables set all the same
+
+
 def test_nccl_diag_lines_are_picked_from_a_log():
     text = "gpu1:12 NCCL DIAG GPU pair 0-1: NVLink bandwidth 12 GB/s below 300\n" + INFO
     assert aiv.nccl_diag_lines(text) == ["gpu1:12 NCCL DIAG GPU pair 0-1: NVLink bandwidth 12 GB/s below 300"]

@@ -104,9 +104,14 @@ class RankSetup:
         another thread's getenv is reading (a name lookup reads it; a library reads it as it loads), and that
         thread dies of SIGSEGV: a rank lost to the tool's own fault, then named as a node that did not check in.
         Where the backend may be NCCL (auto, nccl), NCCL's private log is made here too (NcclLog.capture);
-        phase_local drops it once the backend is gloo."""
+        phase_local drops it once the backend is gloo. No temporary directory for that file is no crash here,
+        before any verdict: phase_local raises it where the backend is NCCL (the tool's own error, naming nobody)."""
         os.environ.update(own_variables(self.env, _torch_older_than((2, 6))))
-        self.nccl = NcclLog.capture(self.args.backend, self.rank, self.env)
+        self.nccl_unmade = None
+        try:
+            self.nccl = NcclLog.capture(self.args.backend, self.rank, self.env)
+        except OSError as e:
+            self.nccl, self.nccl_unmade = NcclLog(None, self.env), e
 
     def before_torch(self):
         """What a rank starts before it imports torch: its hello to rank 0's last call (so that rank 0 knows
@@ -141,6 +146,8 @@ class RankSetup:
             self.bg.warm.start()
         ifaces, expected = list_interfaces(), gpus_expected(self.env, self.args.sysfs_root)
         local, gpu = self.local_checks(ifaces, expected)
+        if self.nccl_unmade is not None and self.backend != "gloo":
+            raise self.nccl_unmade
         self.nccl = self.nccl.for_backend(self.backend)  # a gloo rank keeps no file of NCCL's (own_environment)
         screen, numerics = not self.args.skip_screen, not self.args.skip_numerics
         if gpu is not None and (screen or numerics) and not any(f["status"] == "FAIL" for f in local):
